@@ -1,0 +1,218 @@
+"""The one configuration model: YAML stack file < command line, validated by pydantic.
+
+Precedence: command line > YAML > defaults. Unknown keys are errors (extra="forbid") and unknown
+component names are errors that list the installed choices (`check_components`).
+Configs are frozen: derive a changed copy with `Config.with_overrides`, never mutate one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user must fix; the message names the bad key or value."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    path: str | None = None  # HF directory, .gguf file; None: the embedded default (SmolLM2) if installed
+    tokenizer: str | None = None  # default: from the model
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    context_length: int | None = Field(default=None, gt=0)  # default: the model's max_position_embeddings
+    served_model_name: str | None = None
+
+
+class StackSection(_Section):
+    attention: str | None = None  # None: the best installed backend for the device
+    prefix_cache: str = "radix"
+    policy: str = "fcfs"
+    quantization: str | None = None  # None: from the checkpoint (quantization_config / file format)
+    speculative: str | None = None  # a drafter name; None: no speculative decoding
+    num_draft_tokens: int = Field(default=4, ge=1, le=16)
+
+
+class SchedulerSection(_Section):
+    chunked_prefill_size: int = Field(default=2048, ge=-1)  # -1 or 0: off
+    max_prefill_tokens: int = Field(default=16384, gt=0)  # new-token budget of one prefill batch
+    max_running_requests: int = Field(default=256, gt=0)
+    max_total_tokens: int | None = Field(default=None, gt=0)  # KV pool size in tokens; None: from memory
+    mem_fraction: float = Field(default=0.85, gt=0, le=1)  # GPU: fraction of memory for weights + KV
+    cpu_kv_cache_gb: float = Field(default=2.0, gt=0)  # CPU: KV pool byte budget
+    enable_mixed_chunk: bool = False  # run decodes inside prefill batches
+    schedule_conservativeness: float = Field(default=1.0, gt=0)
+    stream_interval: int = Field(default=1, ge=1)  # send streamed tokens every N steps
+
+
+class RuntimeSection(_Section):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
+    tp_size: int = Field(default=1, ge=1)
+    cuda_graph: bool = True
+    cuda_graph_max_bs: int = Field(default=160, ge=1)
+    overlap: bool = True
+    seed: int = 0
+    num_threads: int | None = Field(default=None, ge=1)  # CPU torch threads; None: all cores
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self, device: str) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if device == "cuda" else "float32"
+
+
+class ServerSection(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=30000, ge=0, le=65535)
+    api_key: str | None = None
+    max_request_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_requests: bool = True
+
+
+class PluginsSection(_Section):
+    prefer: dict[str, str] = Field(default_factory=dict)  # {"kind/name": distribution} on conflicts
+    disable: list[str] = Field(default_factory=list)  # plugin names never loaded
+
+
+class Config(_Section):
+    model: ModelSection = ModelSection()
+    stack: StackSection = StackSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    runtime: RuntimeSection = RuntimeSection()
+    server: ServerSection = ServerSection()
+    plugins: PluginsSection = PluginsSection()
+
+    @field_validator("model", "stack", "scheduler", "runtime", "server", "plugins", mode="before")
+    @classmethod
+    def _none_is_empty(cls, v: Any) -> Any:
+        return {} if v is None else v  # an empty YAML section ("stack:") means defaults
+
+    @classmethod
+    def build(cls, data: dict[str, Any]) -> Config:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(_format_validation_error(e)) from None
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+        """YAML file (optional) merged under `overrides` (nested dict, e.g. {"scheduler": {...}})."""
+        data: dict[str, Any] = {}
+        if path is not None:
+            data = read_yaml(path)
+        return cls.build(deep_merge(data, overrides or {}))
+
+    def with_overrides(self, overrides: dict[str, Any]) -> Config:
+        return Config.build(deep_merge(self.model_dump(), overrides))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(), sort_keys=False)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_dotted_overrides(items: list[str]) -> dict[str, Any]:
+    """["scheduler.chunked_prefill_size=16", "stack.policy=lpm"] -> nested dict (values parsed as YAML)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"override {item!r} must look like section.key=value (e.g. stack.policy=lpm)")
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(raw) if raw != "" else None
+    return out
+
+
+def _format_validation_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        if err["type"] == "extra_forbidden":
+            section = err["loc"][:-1]
+            valid = _valid_keys(section)
+            lines.append(f"unknown key {loc!r}" + (f"; valid keys here: {', '.join(valid)}" if valid else ""))
+        else:
+            lines.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def _valid_keys(section: tuple) -> list[str]:
+    model: Any = Config
+    for part in section:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
+def check_components(config: Config, registry, device: str) -> dict[str, str | None]:
+    """Resolve the stack against installed components: returns {kind: name} with defaults filled
+    in for `device`, raising PluginError (listing installed choices) for unknown names."""
+    from radixserve.plugins.registry import PluginError
+
+    stack = config.stack
+    resolved: dict[str, str | None] = {}
+    if stack.attention is None:
+        spec = registry.default("attention", device)
+        if spec is None:
+            raise PluginError(
+                f"no attention backend installed supports device {device!r}; "
+                "install one, e.g. pip install radixserve-attention-torch_native"
+            )
+        resolved["attention"] = spec.name
+    else:
+        spec = registry.get("attention", stack.attention)
+        if not spec.supports_device(device):
+            raise PluginError(
+                f"attention backend {stack.attention!r} does not support device {device!r} "
+                f"(it supports {', '.join(spec.devices)})"
+            )
+        resolved["attention"] = stack.attention
+    for kind, name in (("prefix_cache", stack.prefix_cache), ("policy", stack.policy)):
+        registry.get(kind, name)
+        resolved[kind] = name
+    if stack.quantization is not None:
+        registry.get("quantization", stack.quantization)
+    resolved["quantization"] = stack.quantization
+    if stack.speculative is not None:
+        registry.get("drafter", stack.speculative)
+    resolved["speculative"] = stack.speculative
+    return resolved

@@ -1,0 +1,52 @@
+"""Model: one model family's module structure and weight-name mapping."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    import torch
+
+    from radixserve.interfaces.quantization import QuantMethod
+    from radixserve.state import ForwardBatch
+
+
+class Model(nn.Module, abc.ABC):
+    """A causal LM, registered under its HF `architectures` name (e.g. "LlamaForCausalLM").
+
+    Contract:
+    - `__init__(config, quant_method, prefix="")`: `config` is the HF `PretrainedConfig`;
+      `quant_method` is a QuantMethod (the unquantized one by default) that every linear layer
+      passes to `radixserve.layers.linear`. Parameters are created on the current default device
+      and dtype (the runner sets both); no weights are read here.
+    - `forward(input_ids, positions, batch)` returns the final hidden states [num_tokens, hidden]
+      (after the final norm). Attention goes through `radixserve.layers.attention.RadixAttention`,
+      which calls `batch.attn_backend`. The runner applies `compute_logits` to the rows it needs.
+    - `compute_logits(hidden)` returns fp32 logits [rows, vocab] (the LM head, tied or not).
+    - `load_weights(weights)` consumes (HF name, tensor) pairs, maps names to its parameters and
+      calls each parameter's `weight_loader(param, tensor, shard_id)` (see
+      `radixserve.layers.weight_utils`); it returns the set of parameter names it loaded so the
+      loader can report parameters left uninitialised.
+
+    Added in plugin API 1.0.
+    """
+
+    @abc.abstractmethod
+    def __init__(self, config, quant_method: QuantMethod | None = None, prefix: str = "") -> None:
+        super().__init__()
+
+    @abc.abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states after the final norm, one row per input token."""
+
+    @abc.abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits for the given hidden rows."""
+
+    @abc.abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named weights; return the names of parameters that received data."""

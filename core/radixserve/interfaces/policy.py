@@ -1,0 +1,33 @@
+"""SchedulePolicy: the order in which waiting requests are admitted."""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixserve.interfaces.prefix_cache import PrefixCache
+    from radixserve.state import Req
+
+
+class SchedulePolicy(abc.ABC):
+    """Orders the waiting queue before each admission round.
+
+    Contract:
+    - `order(waiting, cache)` returns the same requests (no additions, no drops) in admission order.
+      It is called at most once per scheduler step with the current waiting queue.
+    - It may call `cache.match_prefix(req.fill_ids)` and must then store the result on the request
+      (`req.prefix_indices`, `req.last_node`) so the scheduler does not match twice; it must not
+      lock nodes or change slot ownership.
+    - It must be deterministic given its inputs, except for policies that are random by design
+      (which take a seed).
+
+    Added in plugin API 1.0.
+    """
+
+    def __init__(self, **options) -> None:
+        if options:
+            raise ValueError(f"{type(self).__name__} takes no options, got {sorted(options)}")
+
+    @abc.abstractmethod
+    def order(self, waiting: list[Req], cache: PrefixCache) -> list[Req]: ...

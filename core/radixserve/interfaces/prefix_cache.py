@@ -1,0 +1,95 @@
+"""PrefixCache: reuse of KV slots across requests that share a token prefix."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from radixserve.memory.allocator import TokenAllocator
+    from radixserve.memory.req_to_token import ReqToTokenPool
+    from radixserve.state import Req
+
+
+@dataclass
+class MatchResult:
+    """The cached prefix of a key. `kv_indices` are KV slots owned by the cache (int64, CPU);
+    `last_node` is an opaque handle to lock while the prefix is in use."""
+
+    kv_indices: torch.Tensor
+    last_node: Any
+
+    @property
+    def length(self) -> int:
+        return int(self.kv_indices.numel())
+
+
+class PrefixCache(abc.ABC):
+    """Maps token prefixes to the KV slots that hold their keys and values.
+
+    Rules every implementation keeps:
+    - Slot ownership: a KV slot is owned by exactly one of {the allocator's free list, a running
+      request, the cache}. The cache frees slots only through `allocator.free` and only slots it owns.
+    - `match_prefix(key)` never changes ownership and never locks; callers lock the returned node
+      with `inc_lock_ref` before relying on the slots and release with `dec_lock_ref`.
+    - Locked nodes (lock count > 0), and all their ancestors, are never evicted.
+    - `insert(key, kv_indices)` returns n, the length of the longest prefix of `key` that was already
+      cached. The cache takes ownership of `kv_indices[n:]`; `kv_indices[:n]` stay with the caller
+      (who frees those that are not the cache's own slots).
+    - `evictable_size()` counts slots held by the cache in unlocked nodes; `protected_size()` those
+      in locked nodes. `evict(n)` frees at least min(n, evictable_size()) slots, LRU leaves first,
+      and returns how many it freed.
+    - `reset()` frees everything the cache owns; only legal when nothing is locked.
+
+    Request-level helpers the scheduler calls (fields of `radixserve.state.Req`):
+    - `cache_unfinished_req(req)`: after a prefill chunk; the KV of `req.fill_ids` is in
+      `req_to_token[req.req_pool_idx, :len(req.fill_ids)]`. Inserts it, frees duplicate slots,
+      rewrites the request's row to point at the cache's slots, moves the request's lock from its
+      old `req.last_node` to the new one and sets `req.prefix_indices` / `req.last_node`.
+    - `cache_finished_req(req)`: the request is done; its KV covers `req.kv_committed_ids()`.
+      Inserts (or, for a non-sharing cache, frees) it, unlocks `req.last_node`. It does not free the
+      request's ReqToTokenPool row (the scheduler does).
+
+    Added in plugin API 1.0.
+    """
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenAllocator) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+
+    @abc.abstractmethod
+    def match_prefix(self, key: list[int]) -> MatchResult: ...
+
+    @abc.abstractmethod
+    def insert(self, key: list[int], kv_indices: torch.Tensor) -> int: ...
+
+    @abc.abstractmethod
+    def inc_lock_ref(self, node: Any) -> None: ...
+
+    @abc.abstractmethod
+    def dec_lock_ref(self, node: Any) -> None: ...
+
+    @abc.abstractmethod
+    def evict(self, num_tokens: int) -> int: ...
+
+    @abc.abstractmethod
+    def evictable_size(self) -> int: ...
+
+    @abc.abstractmethod
+    def protected_size(self) -> int: ...
+
+    @abc.abstractmethod
+    def reset(self) -> None: ...
+
+    @abc.abstractmethod
+    def cache_unfinished_req(self, req: Req) -> None: ...
+
+    @abc.abstractmethod
+    def cache_finished_req(self, req: Req) -> None: ...
+
+    def stats(self) -> dict[str, int]:
+        """Counters for metrics (e.g. hit_tokens, evicted_tokens)."""
+        return {}

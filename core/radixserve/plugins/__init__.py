@@ -1,0 +1,6 @@
+"""The plugin system: hook specs (`hookspec`), discovery and the component registry (`registry`)."""
+
+from radixserve.plugins.hookspec import hookimpl
+from radixserve.plugins.registry import ComponentSpec, PluginError, Registry, get_registry
+
+__all__ = ["ComponentSpec", "PluginError", "Registry", "get_registry", "hookimpl"]

@@ -1,0 +1,18 @@
+"""Which distribution provides a well-known component, to tell users what to pip install."""
+
+_KNOWN = {
+    ("attention", "torch_native"): "radixserve-attention-torch_native",
+    ("attention", "triton"): "radixserve-attention-triton",
+    ("model", "LlamaForCausalLM"): "radixserve-models-llama",
+    ("model", "MistralForCausalLM"): "radixserve-models-llama",
+    ("model", "Qwen2ForCausalLM"): "radixserve-models-llama",
+    ("model", "Qwen3ForCausalLM"): "radixserve-models-llama",
+    ("quantization", "gguf"): "radixserve-quant-gguf",
+    ("prefix_cache", "radix"): "radixserve-cache-radix",
+    ("prefix_cache", "chunk"): "radixserve-cache-chunk",
+    **{("policy", p): "radixserve-policies" for p in ("fcfs", "lpm", "dfs-weight", "lof", "priority", "random")},
+}
+
+
+def install_hint(kind: str, name: str) -> str | None:
+    return _KNOWN.get((kind, name))

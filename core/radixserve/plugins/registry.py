@@ -1,0 +1,268 @@
+"""Component registry: discovers plugin distributions and resolves (kind, name) to classes.
+
+Discovery walks the entry-point group `radixserve.plugins`; each plugin module is checked for a
+compatible `PLUGIN_API` range, then its `radixserve_register` hook declares components with lazy
+"module:Class" references. Nothing is imported beyond the plugin modules until `load()`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import os
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import pluggy
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
+
+from radixserve.plugins import hookspec
+from radixserve.version import PLUGIN_API_VERSION
+
+ENTRY_POINT_GROUP = "radixserve.plugins"
+ALLOW_ENV = "RADIXSERVE_PLUGINS"  # comma-separated plugin (entry-point) names to load; others skipped
+DENY_ENV = "RADIXSERVE_DISABLE_PLUGINS"  # comma-separated plugin names never to load
+
+
+class PluginError(RuntimeError):
+    """A plugin or component problem the user must fix (bad name, conflict, version mismatch)."""
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    kind: str
+    name: str
+    ref: str  # "package.module:Class", imported lazily
+    distribution: str  # the pip distribution that registered it
+    plugin: str  # the entry-point name of that distribution's plugin module
+    version: str = ""
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    dtypes: tuple[str, ...] = ()  # empty: any dtype
+    priority: int = 0  # higher wins when the runtime picks a default for a device
+    capabilities: tuple[str, ...] = ()
+    description: str = ""
+
+    def supports_device(self, device: str) -> bool:
+        return device.split(":")[0] in self.devices
+
+
+@dataclass
+class PluginInfo:
+    name: str
+    distribution: str
+    version: str
+    module: str
+    api: str
+
+
+class ComponentRegistrar:
+    """Handed to a plugin's `radixserve_register` hook, bound to that plugin's distribution."""
+
+    def __init__(self, registry: Registry, plugin: PluginInfo) -> None:
+        self._registry = registry
+        self._plugin = plugin
+
+    def register(
+        self,
+        kind: str,
+        name: str,
+        ref: str,
+        *,
+        devices: tuple[str, ...] | list[str] = ("cpu", "cuda"),
+        dtypes: tuple[str, ...] | list[str] = (),
+        priority: int = 0,
+        capabilities: tuple[str, ...] | list[str] = (),
+        description: str = "",
+    ) -> None:
+        from radixserve.interfaces import KINDS
+
+        if kind not in KINDS:
+            raise PluginError(
+                f"plugin {self._plugin.name!r} ({self._plugin.distribution}) registers unknown kind {kind!r}; "
+                f"valid kinds: {', '.join(KINDS)}"
+            )
+        if ":" not in ref:
+            raise PluginError(f"component {kind}/{name}: reference {ref!r} must look like 'module:Class'")
+        spec = ComponentSpec(
+            kind=kind,
+            name=name,
+            ref=ref,
+            distribution=self._plugin.distribution,
+            plugin=self._plugin.name,
+            version=self._plugin.version,
+            devices=tuple(devices),
+            dtypes=tuple(dtypes),
+            priority=priority,
+            capabilities=tuple(capabilities),
+            description=description,
+        )
+        self._registry._add(spec)
+
+
+def _check_api(plugin: PluginInfo) -> None:
+    try:
+        spec = SpecifierSet(plugin.api)
+    except InvalidSpecifier as e:
+        raise PluginError(f"plugin {plugin.name!r} ({plugin.distribution}) has an invalid PLUGIN_API {plugin.api!r}: {e}")
+    if Version(PLUGIN_API_VERSION) not in spec:
+        raise PluginError(
+            f"plugin {plugin.name!r} from {plugin.distribution} {plugin.version} was built for RadixServe plugin API "
+            f"{plugin.api}, but this core (radixserve) offers plugin API {PLUGIN_API_VERSION}; "
+            f"upgrade the plugin or disable it with {DENY_ENV}={plugin.name}"
+        )
+
+
+def _split_env(name: str) -> set[str]:
+    return {p.strip() for p in os.environ.get(name, "").split(",") if p.strip()}
+
+
+class Registry:
+    """All components known to this process. Build with `Registry.discover()` (or
+    `get_registry()` for the process-wide cached one)."""
+
+    def __init__(self, prefer: dict[str, str] | None = None) -> None:
+        # prefer: {"kind/name": distribution} resolves a (kind, name) registered by two distributions
+        self.prefer = dict(prefer or {})
+        self.plugins: dict[str, PluginInfo] = {}
+        self._components: dict[tuple[str, str], ComponentSpec] = {}
+        self._conflicts: dict[tuple[str, str], list[ComponentSpec]] = {}
+        self.pm = pluggy.PluginManager(hookspec.PROJECT)
+        self.pm.add_hookspecs(hookspec)
+
+    # ---- discovery ------------------------------------------------------------------------
+    @classmethod
+    def discover(
+        cls,
+        *,
+        allow: set[str] | None = None,
+        deny: set[str] | None = None,
+        prefer: dict[str, str] | None = None,
+    ) -> Registry:
+        """Load every plugin in the entry-point group, honouring the allow/deny lists
+        (arguments, else the RADIXSERVE_PLUGINS / RADIXSERVE_DISABLE_PLUGINS variables)."""
+        reg = cls(prefer=prefer)
+        allow = allow if allow is not None else _split_env(ALLOW_ENV)
+        deny = (deny or set()) | _split_env(DENY_ENV)
+        reg.add_builtin()
+        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            if ep.name in deny or (allow and ep.name not in allow):
+                continue
+            dist = ep.dist.name if ep.dist is not None else "?"
+            version = ep.dist.version if ep.dist is not None else ""
+            try:
+                module = ep.load()
+            except Exception as e:  # a broken plugin must name itself, not crash with a bare trace
+                raise PluginError(f"plugin {ep.name!r} from {dist} failed to import ({ep.value}): {e!r}") from e
+            reg.add_plugin_module(module, name=ep.name, distribution=dist, version=version)
+        reg.check_conflicts()
+        return reg
+
+    def add_builtin(self) -> None:
+        from radixserve import builtin_components
+
+        self.add_plugin_module(builtin_components, name="core", distribution="radixserve", version=_core_version())
+
+    def add_plugin_module(self, module: ModuleType, *, name: str, distribution: str, version: str = "") -> None:
+        api = getattr(module, "PLUGIN_API", None)
+        if api is None:
+            raise PluginError(
+                f"plugin {name!r} from {distribution} does not declare PLUGIN_API (e.g. PLUGIN_API = '>=1,<2')"
+            )
+        info = PluginInfo(name=name, distribution=distribution, version=version, module=module.__name__, api=str(api))
+        _check_api(info)
+        self.plugins[name] = info
+        self.pm.register(module, name=name)
+        impl = getattr(module, "radixserve_register", None)
+        if impl is not None:
+            impl(registry=ComponentRegistrar(self, info))
+
+    def _add(self, spec: ComponentSpec) -> None:
+        key = (spec.kind, spec.name)
+        old = self._components.get(key)
+        if old is None:
+            self._components[key] = spec
+            return
+        if old.distribution == spec.distribution:
+            raise PluginError(f"{spec.distribution} registers {spec.kind} {spec.name!r} twice")
+        self._conflicts.setdefault(key, [old]).append(spec)
+
+    def check_conflicts(self) -> None:
+        for (kind, name), specs in self._conflicts.items():
+            key = f"{kind}/{name}"
+            chosen = [s for s in specs if s.distribution == self.prefer.get(key)]
+            if chosen:
+                self._components[(kind, name)] = chosen[0]
+                continue
+            dists = " and ".join(sorted(s.distribution for s in specs))
+            raise PluginError(
+                f"{kind} component {name!r} is registered by both {dists}; uninstall one, disable one with "
+                f"{DENY_ENV}=<plugin>, or pick one in the stack under plugins.prefer: {{'{key}': <distribution>}}"
+            )
+
+    # ---- queries --------------------------------------------------------------------------
+    def components(self, kind: str | None = None) -> list[ComponentSpec]:
+        return sorted(
+            (s for s in self._components.values() if kind is None or s.kind == kind),
+            key=lambda s: (s.kind, -s.priority, s.name),
+        )
+
+    def names(self, kind: str) -> list[str]:
+        return [s.name for s in self.components(kind)]
+
+    def get(self, kind: str, name: str) -> ComponentSpec:
+        spec = self._components.get((kind, name))
+        if spec is None:
+            from radixserve.plugins.known import install_hint
+
+            installed = ", ".join(self.names(kind)) or "none"
+            hint = install_hint(kind, name)
+            raise PluginError(
+                f"no {kind} component named {name!r} is installed; installed {kind} components: {installed}"
+                + (f"; {name!r} is provided by {hint} (pip install {hint})" if hint else "")
+            )
+        return spec
+
+    def load(self, kind: str, name: str) -> Any:
+        """Import and return the component class (checked against its kind's base class)."""
+        from radixserve.interfaces import BASE_CLASS_OF_KIND
+
+        spec = self.get(kind, name)
+        module_name, _, attr = spec.ref.partition(":")
+        try:
+            obj = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise PluginError(f"{kind} {name!r} from {spec.distribution}: cannot import {spec.ref}: {e}") from e
+        base = BASE_CLASS_OF_KIND[kind]
+        if not (isinstance(obj, type) and issubclass(obj, base)):
+            raise PluginError(f"{kind} {name!r} ({spec.ref}) is not a subclass of {base.__module__}.{base.__name__}")
+        return obj
+
+    def default(self, kind: str, device: str) -> ComponentSpec | None:
+        """The highest-priority component of `kind` that declares support for `device`."""
+        for spec in self.components(kind):
+            if spec.supports_device(device):
+                return spec
+        return None
+
+    @property
+    def hook(self) -> Any:
+        return self.pm.hook
+
+
+def _core_version() -> str:
+    from radixserve.version import __version__
+
+    return __version__
+
+
+_cached: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The registry of this process, discovered on first use (each process discovers its own)."""
+    global _cached
+    if _cached is None:
+        _cached = Registry.discover()
+    return _cached

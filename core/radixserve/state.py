@@ -1,0 +1,212 @@
+"""Core state types shared by the scheduler, the model runner, attention backends and samplers.
+
+Ownership (who writes each field) is noted per field; everyone else only reads.
+Kept in one small file on purpose: these types are the vocabulary every plugin speaks.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from radixserve.interfaces.attention import AttentionBackend
+    from radixserve.memory.kv_pool import KVPool
+    from radixserve.memory.req_to_token import ReqToTokenPool
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters (SGLang native names). Written by the API layer, then frozen
+    by convention: the scheduler and sampler only read it."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logprobs: bool = False
+    top_logprobs: int = 0  # number of top alternatives returned per token
+    n: int = 1
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        """Raise ValueError with a message naming the bad field."""
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0 or self.min_new_tokens > max(self.max_new_tokens, 0):
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        """Build from a user dict; unknown keys are an error naming them (never silently dropped)."""
+        d = dict(d or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; valid: {sorted(known)}")
+        if isinstance(d.get("stop"), str):
+            d["stop"] = [d["stop"]]
+        if d.get("logit_bias"):
+            d["logit_bias"] = {int(k): float(v) for k, v in d["logit_bias"].items()}
+        p = cls(**d)
+        p.validate()
+        return p
+
+
+class ForwardMode(enum.Enum):
+    """What a forward pass does. EXTEND covers prefill, chunked prefill and mixed batches
+    (every request contributes >= 1 new token after a possibly cached prefix); DECODE is
+    exactly one new token per request."""
+
+    EXTEND = "extend"
+    DECODE = "decode"
+    IDLE = "idle"
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one forward pass needs. Built by the ModelRunner from a scheduled batch
+    (`ModelRunner.prepare`), read by the model, the attention backend and the logits processor.
+
+    Token layout: the new tokens of all requests are packed back to back (request i owns
+    `extend_lens[i]` consecutive tokens); DECODE is the special case extend_lens == 1.
+    KV layout: request i's KV slots are `req_to_token_pool.req_to_token[req_pool_indices[i], :seq_lens[i]]`;
+    the first `prefix_lens[i]` of them are already filled; the model writes the new tokens' KV
+    into `out_cache_loc` (which the scheduler also stored into req_to_token before the forward).
+    """
+
+    mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    req_pool_indices: torch.Tensor  # [bs] int64, rows of ReqToTokenPool
+    seq_lens: torch.Tensor  # [bs] int64, prefix + new tokens (length after this forward)
+    prefix_lens: torch.Tensor  # [bs] int64, tokens whose KV is already in the pool
+    extend_lens: torch.Tensor  # [bs] int64, new tokens in this forward
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slots for the new tokens
+    req_to_token_pool: ReqToTokenPool
+    kv_pool: KVPool
+    attn_backend: AttentionBackend
+    # host copies, so backends and samplers never sync the device to read lengths
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    prefix_lens_cpu: list[int] = field(default_factory=list)
+    extend_lens_cpu: list[int] = field(default_factory=list)
+    # per-backend metadata, set by AttentionBackend.init_forward_metadata; owned by the backend
+    attn_metadata: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass(eq=False)
+class Req:
+    """One generation request inside the scheduler process.
+
+    Created by the scheduler from a `GenerateRequest` message; fields below the line are written
+    only by the scheduler and the prefix cache (the cache's rules are in PrefixCache's docstring)."""
+
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0  # higher is admitted first by the `priority` policy
+    arrival_time: float = 0.0
+    # ---- scheduler-owned -----------------------------------------------------------------
+    output_ids: list[int] = field(default_factory=list)
+    # tokens whose KV is (or is about to be) in the pool: origin_input_ids + output_ids at admission,
+    # cut to the chunk end during chunked prefill
+    fill_ids: list[int] = field(default_factory=list)
+    req_pool_idx: int | None = None
+    # KV slots of the cached prefix (owned by the prefix cache), int64 CPU tensor; set by match/lock
+    prefix_indices: Any = None
+    last_node: Any = None  # prefix-cache node locked for this request
+    kv_len: int = 0  # tokens whose KV is in req_to_token[req_pool_idx]
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported in usage)
+    finished_reason: dict | None = None  # e.g. {"type": "stop", "matched": 2} / {"type": "length"}
+    retracted_count: int = 0
+    # logprobs of each output token (when sampling_params.logprobs), and top alternatives
+    output_token_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    def kv_committed_ids(self) -> list[int]:
+        """Tokens whose KV exists: everything except the newest sampled token (not yet forwarded)."""
+        ids = self.all_ids()
+        return ids[: self.kv_len]
+
+
+@dataclass
+class ScheduledBatch:
+    """What the scheduler asks the ModelRunner to run (scheduler -> runner, same process).
+
+    The scheduler has already allocated `out_cache_loc` from the TokenAllocator and written
+    those slots into each request's ReqToTokenPool row at positions [prefix_len, prefix_len+extend_len).
+    Requests appear in the same order in every list. Written by the scheduler, read by the runner."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    input_ids: list[int]  # new tokens of all requests, packed
+    req_pool_indices: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    out_cache_loc: torch.Tensor  # int64 [sum(extend_lens)], CPU or device
+    # False for a request whose prompt is not fully prefilled yet (an intermediate chunk):
+    # the runner still runs it but does not sample a token for it
+    sample_mask: list[bool] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+
+@dataclass
+class BatchResult:
+    """What the runner returns: one entry per request of the ScheduledBatch (None where
+    sample_mask is False). Written by the runner, read by the scheduler."""
+
+    next_token_ids: list[int | None]
+    # logprob of each sampled token, and (token id, logprob) alternatives, when any request asked
+    token_logprobs: list[float | None] | None = None
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None

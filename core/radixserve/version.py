@@ -1,0 +1,7 @@
+"""Versions of the core distribution and of the plugin API it offers."""
+
+__version__ = "0.1.0"
+
+# The plugin API version: plugins declare the range they were built for (e.g. ">=1,<2").
+# Bump the major number on any breaking change to a hook or an interface in radixserve.interfaces.
+PLUGIN_API_VERSION = "1.0"

@@ -1,0 +1,1 @@
+"""RadixServe plugin: attention torch_native."""

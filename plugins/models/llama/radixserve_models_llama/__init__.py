@@ -1,0 +1,1 @@
+"""RadixServe plugin: models llama."""

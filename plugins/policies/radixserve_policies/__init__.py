@@ -1,0 +1,1 @@
+"""Schedule policies for RadixServe (registered in `radixserve_policies.plugin`)."""
