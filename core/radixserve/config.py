@@ -190,6 +190,15 @@ def check_components(config: Config, registry, device: str) -> dict[str, str | N
 
     stack = config.stack
     resolved: dict[str, str | None] = {}
+    for kind, name in (("prefix_cache", stack.prefix_cache), ("policy", stack.policy)):
+        registry.get(kind, name)
+        resolved[kind] = name
+    if stack.quantization is not None:
+        registry.get("quantization", stack.quantization)
+    resolved["quantization"] = stack.quantization
+    if stack.speculative is not None:
+        registry.get("drafter", stack.speculative)
+    resolved["speculative"] = stack.speculative
     if stack.attention is None:
         spec = registry.default("attention", device)
         if spec is None:
@@ -206,13 +215,4 @@ def check_components(config: Config, registry, device: str) -> dict[str, str | N
                 f"(it supports {', '.join(spec.devices)})"
             )
         resolved["attention"] = stack.attention
-    for kind, name in (("prefix_cache", stack.prefix_cache), ("policy", stack.policy)):
-        registry.get(kind, name)
-        resolved[kind] = name
-    if stack.quantization is not None:
-        registry.get("quantization", stack.quantization)
-    resolved["quantization"] = stack.quantization
-    if stack.speculative is not None:
-        registry.get("drafter", stack.speculative)
-    resolved["speculative"] = stack.speculative
     return resolved

@@ -7,11 +7,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from radixserve.interfaces.quantization import QuantMethod
+from radixserve.layers.weight_utils import default_weight_loader, set_weight_attrs
 
 
 class UnquantizedMethod(QuantMethod):
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], dtype: torch.dtype) -> None:
         weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype), requires_grad=False)
+        # the layer knows its TP shard and fused layout, so it owns the loader when it has one
+        loader = getattr(layer, "weight_loader", default_weight_loader)
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, "weight_loader": loader})
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,186 @@
+"""The `radixserve` command line: plugins, config show, serve, generate, bench.
+
+Subcommands whose implementation lives in its own module are imported lazily so `radixserve
+plugins` stays fast and works without torch being importable."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from radixserve.config import Config, ConfigError, check_components, parse_dotted_overrides
+from radixserve.plugins.registry import PluginError, Registry
+
+
+def build_registry(deny: list[str] | None = None, config: Config | None = None) -> Registry:
+    denied = set(deny or [])
+    prefer: dict[str, str] = {}
+    if config is not None:
+        denied |= set(config.plugins.disable)
+        prefer = dict(config.plugins.prefer)
+    return Registry.discover(deny=denied, prefer=prefer)
+
+
+def _deny_list(values: list[str] | None) -> list[str]:
+    """`-p no:NAME` (pytest style) -> [NAME]."""
+    out = []
+    for v in values or []:
+        if not v.startswith("no:"):
+            raise ConfigError(f"-p {v!r}: only the deny form -p no:PLUGIN is supported")
+        out.append(v[3:])
+    return out
+
+
+# ---- plugins ---------------------------------------------------------------------------------
+def cmd_plugins(args: argparse.Namespace) -> int:
+    reg = build_registry(_deny_list(args.p))
+    rows = [
+        {
+            "distribution": s.distribution,
+            "version": s.version,
+            "plugin": s.plugin,
+            "kind": s.kind,
+            "name": s.name,
+            "devices": list(s.devices),
+            "priority": s.priority,
+            "description": s.description,
+        }
+        for s in reg.components()
+    ]
+    if args.json:
+        print(json.dumps({"plugins": [vars(p) for p in reg.plugins.values()], "components": rows}, indent=2))
+        return 0
+    headers = ["distribution", "version", "kind", "name", "devices", "priority"]
+    table = [[r["distribution"], r["version"], r["kind"], r["name"], ",".join(r["devices"]), str(r["priority"])] for r in rows]
+    widths = [max(len(h), *(len(t[i]) for t in table)) if table else len(h) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for t in table:
+        print("  ".join(c.ljust(w) for c, w in zip(t, widths)))
+    return 0
+
+
+# ---- config ----------------------------------------------------------------------------------
+def load_config_from_args(args: argparse.Namespace, extra: dict | None = None) -> Config:
+    overrides = parse_dotted_overrides(getattr(args, "overrides", None) or [])
+    if extra:
+        from radixserve.config import deep_merge
+
+        overrides = deep_merge(overrides, extra)
+    return Config.load(getattr(args, "config", None), overrides)
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    config = load_config_from_args(args)
+    reg = build_registry(_deny_list(args.p), config)
+    device = config.runtime.resolved_device()
+    resolved = check_components(config, reg, device)
+    print(config.to_yaml(), end="")
+    print(f"# resolved for device {device} (dtype {config.runtime.resolved_dtype(device)}):")
+    print("resolved_stack:")
+    for kind, name in resolved.items():
+        if name is None:
+            print(f"  {kind}: null")
+            continue
+        spec = reg.get(kind, name)
+        print(f"  {kind}: {name}  # {spec.distribution} {spec.version}")
+    return 0
+
+
+# ---- commands implemented in their own modules -------------------------------------------------
+def _lazy(module: str, adder: str, runner: str, what: str) -> tuple[Callable | None, Callable]:
+    """Return (add_arguments, run) from `module`, or a runner that explains what is missing."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+        return getattr(mod, adder), getattr(mod, runner)
+    except ImportError as e:
+        if e.name and not e.name.startswith("radixserve"):
+            raise  # a real missing dependency: let it surface with its name
+
+        def missing(args: argparse.Namespace) -> int:
+            print(f"radixserve: `{what}` is not available in this build ({module} is missing)", file=sys.stderr)
+            return 2
+
+        return None, missing
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench_cmd is None:
+        print("radixserve bench: choose one of: one-batch, serve", file=sys.stderr)
+        return 2
+    return args.bench_func(args)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixserve", description="RadixServe LLM serving runtime")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def common(p: argparse.ArgumentParser, config: bool = True) -> None:
+        p.add_argument("-p", action="append", metavar="no:PLUGIN", help="do not load this plugin (repeatable)")
+        if config:
+            p.add_argument("--config", metavar="FILE", help="YAML component stack (see stacks/)")
+
+    p = sub.add_parser("plugins", help="list installed plugins and their components")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    common(p, config=False)
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("config", help="configuration tools")
+    csub = p.add_subparsers(dest="config_cmd", metavar="ACTION", required=True)
+    show = csub.add_parser("show", help="print the fully resolved configuration and component stack")
+    common(show)
+    show.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides (beat the YAML)")
+    show.set_defaults(func=cmd_config_show)
+
+    for name, module, helptext in (
+        ("serve", "radixserve.cli_serve", "serve an OpenAI-compatible HTTP API"),
+        ("generate", "radixserve.cli_generate", "complete one prompt and print it"),
+    ):
+        adder, runner = _lazy(module, f"add_{name}_arguments", f"run_{name}", f"radixserve {name}")
+        p = sub.add_parser(name, help=helptext)
+        if adder is not None:
+            adder(p)
+        else:
+            p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=runner)
+
+    p = sub.add_parser("bench", help="benchmarks: one-batch (in-process) and serve (load generator)")
+    bsub = p.add_subparsers(dest="bench_cmd", metavar="BENCH")
+    for name, module in (("one-batch", "radixserve.bench.one_batch"), ("serve", "radixserve.bench.serve")):
+        adder, runner = _lazy(module, "add_arguments", "run", f"radixserve bench {name}")
+        bp = bsub.add_parser(name)
+        if adder is not None:
+            adder(bp)
+        else:
+            bp.add_argument("rest", nargs=argparse.REMAINDER)
+        bp.set_defaults(bench_func=runner)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def _version() -> str:
+    from radixserve.version import __version__
+
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, PluginError) as e:
+        print(f"radixserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Vocab-parallel token embedding and LM head (each rank holds a contiguous vocab range)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from radixserve.layers.distributed import all_gather_last_dim, all_reduce
+from radixserve.layers.weight_utils import set_weight_attrs
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [rank*per_rank, (rank+1)*per_rank) of the (vocab padded to tp_size) embedding table."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1,
+                 params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.per_rank = -(-num_embeddings // tp_size)
+        self.vocab_start = tp_rank * self.per_rank
+        self.vocab_end = min(self.vocab_start + self.per_rank, num_embeddings)
+        dtype = params_dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim, dtype=dtype), requires_grad=False)
+        set_weight_attrs(self.weight, {"output_dim": 0, "weight_loader": self.weight_loader})
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"embedding is not fused; got shard_id={shard_id!r}")
+        if loaded.shape[0] != self.num_embeddings or loaded.shape[1] != self.embedding_dim:
+            raise ValueError(f"embedding shape {tuple(loaded.shape)} != ({self.num_embeddings}, {self.embedding_dim})")
+        part = loaded[self.vocab_start : self.vocab_end]
+        param.data[: part.shape[0]].copy_(part.to(param.dtype))
+        param.data[part.shape[0] :].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mask = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(mask, input_ids - self.vocab_start, torch.zeros_like(input_ids))
+        out = F.embedding(local, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+        return all_reduce(out, self.tp_size)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to the vocabulary. With tied embeddings the model points `weight` at the
+    embedding's parameter (`tie_to`) instead of loading its own."""
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [rows, vocab]."""
+        logits = F.linear(hidden, self.weight)
+        logits = all_gather_last_dim(logits, self.tp_size)[..., : self.num_embeddings]
+        return logits.float()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is not an embedding; call compute_logits(hidden)")

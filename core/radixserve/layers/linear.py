@@ -1,0 +1,185 @@
+"""TP-aware linear layers whose weights come from a QuantMethod.
+
+Every layer stores the *local* (this TP rank's) shard. Its `weight_loader(param, full, shard_id)`
+receives the full checkpoint tensor and narrows it to the rank's rows (column parallel) or columns
+(row parallel); fused layers (qkv, gate_up) place each shard at its offset, chosen by `shard_id`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from radixserve.interfaces.quantization import QuantMethod
+from radixserve.layers.distributed import all_gather_last_dim, all_reduce, divide
+from radixserve.layers.quant_unquantized import UnquantizedMethod
+from radixserve.layers.weight_utils import default_weight_loader, set_weight_attrs
+
+
+class LinearBase(nn.Module):
+    """y = x @ W.T (+ b). `output_sizes` are the local rows of each fused sub-matrix."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        quant_method: QuantMethod | None,
+        tp_rank: int,
+        tp_size: int,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_sizes = output_sizes
+        self.output_size = sum(output_sizes)
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.quant_method = quant_method or UnquantizedMethod()
+        dtype = params_dtype or torch.get_default_dtype()
+        self.quant_method.create_weights(self, input_size, output_sizes, dtype)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.output_size, dtype=dtype), requires_grad=False)
+            set_weight_attrs(self.bias, {"output_dim": 0, "weight_loader": self.weight_loader})
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        default_weight_loader(param, loaded, shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+
+def _rank_slice(loaded: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
+    return loaded.narrow(dim, rank * size, size)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_method=None, **kw) -> None:
+        super().__init__(input_size, [output_size], bias, quant_method, 0, 1, **kw)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks. `gather_output` all-gathers the result."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        quant_method: QuantMethod | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        gather_output: bool = False,
+        output_sizes: list[int] | None = None,
+        **kw,
+    ) -> None:
+        self.gather_output = gather_output
+        local = output_sizes if output_sizes is not None else [divide(output_size, tp_size)]
+        super().__init__(input_size, local, bias, quant_method, tp_rank, tp_size, **kw)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} is not fused; got shard_id={shard_id!r}")
+        dim = getattr(param, "output_dim", 0)
+        size = param.shape[dim]
+        param.data.copy_(_rank_slice(loaded, dim, size, self.tp_rank).to(param.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return all_gather_last_dim(y, self.tp_size) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices fused along the output dim (gate_up: shard ids 0, 1)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, quant_method=None,
+                 tp_rank: int = 0, tp_size: int = 1, **kw) -> None:
+        self.full_output_sizes = list(output_sizes)
+        local = [divide(s, tp_size) for s in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias, quant_method, tp_rank, tp_size,
+                         output_sizes=local, **kw)
+
+    def _shard_range(self, shard_id: Any) -> tuple[int, int]:
+        idx = int(shard_id)
+        return sum(self.output_sizes[:idx]), self.output_sizes[idx]
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        dim = getattr(param, "output_dim", 0)
+        if shard_id is None:  # the checkpoint already holds the fused matrix: load shard by shard
+            offset = 0
+            for i, full in enumerate(self.full_output_sizes):
+                self.weight_loader(param, loaded.narrow(dim, offset, full), i)
+                offset += full
+            return
+        start, size = self._shard_range(shard_id)
+        if loaded.shape[dim] != size * self.tp_size:
+            raise ValueError(f"shard {shard_id!r}: expected {size * self.tp_size} rows, got {loaded.shape[dim]}")
+        param.data.narrow(dim, start, size).copy_(_rank_slice(loaded, dim, size, self.tp_rank).to(param.dtype))
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """Fused q, k, v projection (shard ids "q", "k", "v"). KV heads are replicated when tp_size
+    exceeds their count."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 quant_method=None, tp_rank: int = 0, tp_size: int = 1, **kw) -> None:
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp_size)
+        if tp_size >= num_kv_heads:
+            self.num_kv_heads, self.kv_replicas = 1, divide(tp_size, num_kv_heads)
+        else:
+            self.num_kv_heads, self.kv_replicas = divide(num_kv_heads, tp_size), 1
+        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.full_output_sizes = [q * tp_size, kv * tp_size // self.kv_replicas, kv * tp_size // self.kv_replicas]
+        self.gather_output = False
+        # sizes are already local: skip MergedColumnParallelLinear's per-rank division
+        LinearBase.__init__(self, hidden_size, [q, kv, kv], bias, quant_method, tp_rank, tp_size, **kw)
+
+    def _shard_range(self, shard_id: Any) -> tuple[int, int]:
+        idx = {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else int(shard_id)
+        return sum(self.output_sizes[:idx]), self.output_sizes[idx]
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        dim = getattr(param, "output_dim", 0)
+        if shard_id is None:
+            offset = 0
+            for sid, full in zip(("q", "k", "v"), self.full_output_sizes, strict=True):
+                self.weight_loader(param, loaded.narrow(dim, offset, full), sid)
+                offset += full
+            return
+        start, size = self._shard_range(shard_id)
+        rank = self.tp_rank if shard_id in ("q", 0) else self.tp_rank // self.kv_replicas
+        if loaded.shape[dim] != self.full_output_sizes[self._index(shard_id)]:
+            raise ValueError(f"qkv shard {shard_id!r}: unexpected checkpoint shape {tuple(loaded.shape)}")
+        param.data.narrow(dim, start, size).copy_(_rank_slice(loaded, dim, size, rank).to(param.dtype))
+
+    @staticmethod
+    def _index(shard_id: Any) -> int:
+        return {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else int(shard_id)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial results are all-reduced (bias added once)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_method=None,
+                 tp_rank: int = 0, tp_size: int = 1, reduce_results: bool = True, **kw) -> None:
+        self.reduce_results = reduce_results
+        super().__init__(divide(input_size, tp_size), [output_size], bias, quant_method, tp_rank, tp_size, **kw)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"RowParallelLinear is not fused; got shard_id={shard_id!r}")
+        dim = getattr(param, "input_dim", None)
+        if dim is None:  # bias: replicated
+            param.data.copy_(loaded.to(param.dtype))
+            return
+        size = param.shape[dim]
+        param.data.copy_(_rank_slice(loaded, dim, size, self.tp_rank).to(param.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp_rank == 0 else None
+        y = self.quant_method.apply(self, x, bias)
+        return all_reduce(y, self.tp_size) if self.reduce_results else y

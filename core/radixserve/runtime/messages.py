@@ -1,0 +1,149 @@
+"""Typed messages between the runtime processes (msgpack over ZMQ ipc:// sockets).
+
+Flow: TokenizerManager -> Scheduler: GenerateRequest, AbortRequest, FlushCacheRequest, StatsRequest.
+Scheduler -> Detokenizer: BatchTokenOut. Detokenizer -> TokenizerManager: BatchTextOut.
+Scheduler -> TokenizerManager (directly): ReadyMessage, ControlReply.
+Every message is a tagged msgspec Struct, so one decoder per socket handles a union of types.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class WireSamplingParams(msgspec.Struct, kw_only=True):
+    """`radixserve.state.SamplingParams` on the wire (same field names)."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+
+
+class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
+    rid: str
+    input_ids: list[int]
+    sampling_params: WireSamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    priority: int = 0
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    rid: str
+
+
+class FlushCacheRequest(msgspec.Struct, tag=True):
+    req_id: int
+
+
+class StatsRequest(msgspec.Struct, tag=True):
+    req_id: int
+
+
+class ShutdownRequest(msgspec.Struct, tag=True):
+    pass
+
+
+class ReqTokenOut(msgspec.Struct, kw_only=True):
+    """New token ids of one request since its previous emission.
+
+    `prompt_tail` (the last few prompt ids) is set on a request's first emission only: the
+    detokenizer decodes new tokens in the context of their predecessors (leading spaces)."""
+
+    rid: str
+    new_ids: list[int]
+    finished_reason: dict[str, Any] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    skip_special_tokens: bool = True
+    stop: list[str] = []
+    stream: bool = False
+    prompt_tail: list[int] | None = None
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    error: str | None = None  # set when the scheduler rejects the request (it never ran)
+    error_status: int = 400
+
+
+class BatchTokenOut(msgspec.Struct, tag=True):
+    outs: list[ReqTokenOut]
+
+
+class ReqTextOut(msgspec.Struct, kw_only=True):
+    """Detokenized delta of one request: text and ids appended since the previous item."""
+
+    rid: str
+    text_delta: str
+    new_ids: list[int]
+    finished_reason: dict[str, Any] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    error: str | None = None
+    error_status: int = 400
+
+
+class BatchTextOut(msgspec.Struct, tag=True):
+    outs: list[ReqTextOut]
+
+
+class ReadyMessage(msgspec.Struct, tag=True, kw_only=True):
+    """Sent once by a child when it is ready to serve (the scheduler: model loaded)."""
+
+    process: str  # "scheduler" | "detokenizer"
+    info: dict[str, Any] = {}
+
+
+class ControlReply(msgspec.Struct, tag=True, kw_only=True):
+    req_id: int
+    ok: bool = True
+    data: dict[str, Any] = {}
+
+
+class ChildFailed(msgspec.Struct, tag=True, kw_only=True):
+    """A child reports a fatal error before exiting (e.g. the model failed to load)."""
+
+    process: str
+    error: str
+
+
+SchedulerInput = GenerateRequest | AbortRequest | FlushCacheRequest | StatsRequest | ShutdownRequest
+DetokenizerInput = BatchTokenOut | ShutdownRequest
+ManagerInput = BatchTextOut | ReadyMessage | ControlReply | ChildFailed
+
+
+def make_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def scheduler_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(SchedulerInput)
+
+
+def detokenizer_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(DetokenizerInput)
+
+
+def manager_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(ManagerInput)

@@ -1,0 +1,130 @@
+"""Sampler: logits of one batch -> next token per request, every parameter applied per row.
+
+Order of operations for each row (a documented contract the tests hold us to):
+1. penalties on the raw logits: repetition (HF semantics: over prompt + output tokens, a positive
+   logit is divided by the penalty and a negative one multiplied), then frequency and presence
+   (OpenAI semantics: over output tokens only, `logit -= freq * count + presence * (count > 0)`),
+   then `logit_bias` is added, then stop tokens are banned while fewer than `min_new_tokens` were made;
+2. logprobs, when asked, are `log_softmax` of these processed logits -- before temperature and
+   before top-k/top-p/min-p truncation (vLLM's "raw" convention after penalties);
+3. greedy rows (temperature 0 or top_k 1) take the argmax of the processed logits;
+4. other rows: softmax(logits / temperature), then top-k, then top-p on the top-k-renormalised
+   distribution, then min-p (drop tokens below min_p * the top probability), then one draw.
+
+A draw is the exponential race argmax(p / E) with E ~ Exp(1) i.i.d., which samples exactly from p.
+A row with a seed draws E from its own generator seeded by (seed, tokens generated so far), so its
+tokens do not depend on the other rows of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.sampling.batch import SamplingBatch
+
+
+@dataclass
+class SampleOutput:
+    """`next_token_ids` [bs] int64; `token_logprobs` [bs] float32 (meaningful for rows that asked)
+    and `top_logprobs` (per row, (token id, logprob) best first; empty for rows that did not ask)
+    are None unless some row asked for logprobs."""
+
+    next_token_ids: torch.Tensor
+    token_logprobs: torch.Tensor | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Sampler:
+    """Stateless apart from the generator of unseeded rows (seeded by `seed` when given)."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def sample(self, logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
+        """Sample one token per row of `logits` [bs, V] (V may exceed sb.vocab_size by padding)."""
+        if logits.shape[-1] != sb.vocab_size:
+            logits = logits[:, : sb.vocab_size]
+        logits = process_logits(logits.float(), sb)
+        if sb.is_all_greedy:
+            next_ids = torch.argmax(logits, dim=-1)
+        else:
+            next_ids = self._sample_rows(logits, sb)
+        if not sb.need_logprobs:
+            return SampleOutput(next_ids)
+        return _with_logprobs(next_ids, torch.log_softmax(logits, dim=-1), sb)
+
+    # ---- random draws ---------------------------------------------------------------------
+    def _sample_rows(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        probs = torch.softmax(logits / sb.temperatures[:, None], dim=-1)
+        if sb.need_top_k or sb.need_top_p or sb.need_min_p:
+            probs = truncate(probs, sb)
+        noise = torch.empty_like(probs).exponential_(generator=self._generator(probs.device))
+        for i, s in enumerate(sb.step_seeds or ()):
+            if s is not None:
+                g = torch.Generator(device=probs.device)
+                g.manual_seed(s)
+                noise[i] = torch.empty_like(noise[i]).exponential_(generator=g)
+        sampled = torch.argmax(probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny), dim=-1)
+        return torch.where(sb.greedy, torch.argmax(logits, dim=-1), sampled)
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if self.seed is None:
+            return None  # torch's default stream
+        g = self._generators.get(device)
+        if g is None:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed)
+            self._generators[device] = g
+        return g
+
+
+def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Apply penalties, logit bias and min-new-token bans (step 1 of the module contract).
+    Returns a new tensor when anything applies; never modifies `logits` in place."""
+    if sb.seen_mask is not None and sb.repetition_penalties is not None:
+        pen = sb.repetition_penalties[:, None]
+        penalised = torch.where(logits > 0, logits / pen, logits * pen)
+        logits = torch.where(sb.seen_mask, penalised, logits)
+    if sb.output_counts is not None:
+        counts = sb.output_counts
+        logits = logits - sb.frequency_penalties[:, None] * counts - sb.presence_penalties[:, None] * (counts > 0)
+    if sb.logit_bias is not None:
+        logits = logits + sb.logit_bias
+    if sb.stop_suppress_mask is not None:
+        logits = logits.masked_fill(sb.stop_suppress_mask, float("-inf"))
+    return logits
+
+
+def truncate(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Zero the probabilities that top-k, then top-p, then min-p exclude (not renormalised)."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    if sb.need_top_k:
+        ranks = torch.arange(sorted_p.shape[-1], device=probs.device)
+        keep &= ranks[None, :] < sb.top_ks[:, None]
+        sorted_p = sorted_p * keep
+    if sb.need_top_p:
+        renorm = sorted_p / sorted_p.sum(dim=-1, keepdim=True)
+        mass_before = renorm.cumsum(dim=-1) - renorm
+        top_p = sb.top_ps[:, None]
+        # a row with top_p == 1 keeps everything, whatever the float rounding of the cumsum
+        keep &= (mass_before < top_p) | (top_p >= 1.0)
+    if sb.need_min_p:
+        keep &= sorted_p >= sb.min_ps[:, None] * sorted_p[:, :1]
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
+
+
+def _with_logprobs(next_ids: torch.Tensor, logprobs: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
+    token_lp = logprobs.gather(1, next_ids[:, None]).squeeze(1)
+    nums = sb.top_logprobs_nums or [0] * sb.batch_size
+    top: list[list[tuple[int, float]]] = [[] for _ in nums]
+    k = max(nums, default=0)
+    if k > 0:
+        vals, ids = logprobs.topk(k, dim=-1)
+        vals, ids = vals.cpu().tolist(), ids.cpu().tolist()
+        for i, n in enumerate(nums):
+            top[i] = list(zip(ids[i][:n], vals[i][:n], strict=True))
+    return SampleOutput(next_ids, token_lp, top)

@@ -1,0 +1,1 @@
+"""Example RadixServe plugin (see docs/plugin-authoring.md)."""

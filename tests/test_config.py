@@ -1,0 +1,71 @@
+"""Configuration: precedence, unknown keys, unknown components, `radixserve config show`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from plugin_fixtures import run_cli
+
+from radixserve.config import Config, ConfigError, check_components, parse_dotted_overrides
+from radixserve.plugins.registry import PluginError, Registry
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_precedence_cli_over_yaml_over_defaults(tmp_path):
+    f = tmp_path / "s.yaml"
+    f.write_text("stack:\n  policy: lpm\nscheduler:\n  chunked_prefill_size: 64\n  max_running_requests: 8\n")
+    cfg = Config.load(f, parse_dotted_overrides(["scheduler.chunked_prefill_size=16"]))
+    assert cfg.scheduler.chunked_prefill_size == 16  # CLI beats YAML
+    assert cfg.scheduler.max_running_requests == 8  # YAML beats default
+    assert cfg.stack.policy == "lpm"
+    assert cfg.server.host == "127.0.0.1"  # default
+
+
+def test_unknown_key_lists_valid_keys(tmp_path):
+    f = tmp_path / "s.yaml"
+    f.write_text("scheduler:\n  chunk_size: 16\n")
+    with pytest.raises(ConfigError) as e:
+        Config.load(f)
+    assert "scheduler.chunk_size" in str(e.value) and "chunked_prefill_size" in str(e.value)
+
+
+def test_unknown_section_and_bad_values_are_errors(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'schedular'"):
+        Config.build({"schedular": {}})
+    with pytest.raises(ConfigError, match="runtime.dtype"):
+        Config.build({"runtime": {"dtype": "float8"}})
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        parse_dotted_overrides(["policy=lpm"])
+
+
+def test_configs_are_frozen():
+    cfg = Config()
+    with pytest.raises(Exception):
+        cfg.stack.policy = "lpm"  # type: ignore[misc]
+    assert cfg.with_overrides({"stack": {"policy": "lpm"}}).stack.policy == "lpm"
+    assert cfg.stack.policy == "fcfs"
+
+
+def test_unknown_component_names_kind_name_and_alternatives():
+    reg = Registry.discover()
+    cfg = Config.build({"stack": {"policy": "does-not-exist"}})
+    with pytest.raises(PluginError) as e:
+        check_components(cfg, reg, "cpu")
+    msg = str(e.value)
+    assert "policy" in msg and "does-not-exist" in msg and "fcfs" in msg
+
+
+def test_config_show_cpu_stack():
+    r = run_cli(["config", "show", "--config", str(REPO / "stacks" / "cpu.yaml")])
+    assert r.returncode == 0, r.stderr
+    assert "resolved_stack:" in r.stdout and "policy: fcfs" in r.stdout and "device: cpu" in r.stdout
+
+
+def test_config_show_names_bad_component_without_traceback(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("stack:\n  prefix_cache: radixx\n")
+    r = run_cli(["config", "show", "--config", str(f)])
+    assert r.returncode == 2
+    assert "prefix_cache" in r.stderr and "radixx" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,144 @@
+"""Plugin discovery and the registry's guarantees: conflicts, versions, allow/deny lists, lazy loading."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+from plugin_fixtures import POLICY_PLUGIN, make_fake_distribution, run_cli
+
+from radixserve.interfaces import SchedulePolicy
+from radixserve.plugins.registry import PluginError, Registry
+
+
+def _module(name: str, api: str | None, register=None) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    if api is not None:
+        mod.PLUGIN_API = api
+    if register is not None:
+        mod.radixserve_register = register
+    return mod
+
+
+def test_installed_plugins_are_discovered_with_their_distribution():
+    reg = Registry.discover()
+    spec = reg.get("policy", "fcfs")
+    assert spec.distribution == "radixserve-policies"
+    assert issubclass(reg.load("policy", "fcfs"), SchedulePolicy)
+    assert reg.get("quantization", "unquantized").distribution == "radixserve"
+
+
+def test_registration_is_lazy_until_load():
+    mod_name = "radixserve_test_lazy_target"
+    sys.modules.pop(mod_name, None)
+    reg = Registry()
+
+    def register(registry):
+        registry.register("policy", "lazy", f"{mod_name}:Nope")
+
+    reg.add_plugin_module(_module("lazyplug", ">=1,<2", register), name="lazyplug", distribution="lazy-dist")
+    assert mod_name not in sys.modules  # declared, not imported
+    with pytest.raises(PluginError, match="cannot import"):
+        reg.load("policy", "lazy")
+
+
+def test_duplicate_component_names_both_distributions():
+    reg = Registry()
+    for dist in ("dist-alpha", "dist-beta"):
+        reg.add_plugin_module(
+            _module(dist, ">=1,<2", lambda registry: registry.register("policy", "same", "m:C")),
+            name=dist,
+            distribution=dist,
+        )
+    with pytest.raises(PluginError) as e:
+        reg.check_conflicts()
+    assert "dist-alpha" in str(e.value) and "dist-beta" in str(e.value) and "'same'" in str(e.value)
+
+
+def test_duplicate_resolved_by_preference():
+    reg = Registry(prefer={"policy/same": "dist-beta"})
+    for dist in ("dist-alpha", "dist-beta"):
+        reg.add_plugin_module(
+            _module(dist, ">=1,<2", lambda registry, d=dist: registry.register("policy", "same", f"{d}:C")),
+            name=dist,
+            distribution=dist,
+        )
+    reg.check_conflicts()
+    assert reg.get("policy", "same").distribution == "dist-beta"
+
+
+def test_incompatible_api_version_is_refused_clearly():
+    reg = Registry()
+    with pytest.raises(PluginError) as e:
+        reg.add_plugin_module(_module("old", ">=2,<3"), name="old", distribution="radixserve-old-plugin", version="0.3")
+    msg = str(e.value)
+    assert "radixserve-old-plugin" in msg and ">=2,<3" in msg and "1.0" in msg
+
+
+def test_missing_api_declaration_is_refused():
+    with pytest.raises(PluginError, match="PLUGIN_API"):
+        Registry().add_plugin_module(_module("noapi", None), name="noapi", distribution="noapi-dist")
+
+
+def test_unknown_kind_is_refused():
+    reg = Registry()
+    with pytest.raises(PluginError, match="unknown kind 'sampler'"):
+        reg.add_plugin_module(
+            _module("bad", ">=1,<2", lambda registry: registry.register("sampler", "x", "m:C")),
+            name="bad",
+            distribution="bad-dist",
+        )
+
+
+def test_unknown_component_lists_installed_and_install_hint():
+    reg = Registry.discover()
+    with pytest.raises(PluginError) as e:
+        reg.get("policy", "lpm-typo")
+    assert "fcfs" in str(e.value) and "installed policy components" in str(e.value)
+    reg2 = Registry()
+    with pytest.raises(PluginError, match="pip install radixserve-attention-triton"):
+        reg2.get("attention", "triton")
+
+
+def test_load_checks_base_class():
+    reg = Registry()
+    reg.add_plugin_module(
+        _module("wrong", ">=1,<2", lambda registry: registry.register("policy", "wrong", "json:JSONDecoder")),
+        name="wrong",
+        distribution="wrong-dist",
+    )
+    with pytest.raises(PluginError, match="not a subclass"):
+        reg.load("policy", "wrong")
+
+
+# ---- through real entry points (fake distributions on PYTHONPATH, CLI in a subprocess) --------
+def test_conflicting_distributions_fail_at_startup(tmp_path):
+    for dist, mod in (("radixserve-conflict-a", "rs_conflict_a"), ("radixserve-conflict-b", "rs_conflict_b")):
+        make_fake_distribution(tmp_path, dist, mod, mod, POLICY_PLUGIN.format(api=">=1,<2", name="fcfs"))
+    r = run_cli(["plugins"], site=tmp_path)
+    assert r.returncode == 2
+    assert "radixserve-conflict-a" in r.stderr and "radixserve-conflict-b" in r.stderr and "radixserve-policies" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_version_mismatch_fails_at_startup(tmp_path):
+    make_fake_distribution(tmp_path, "radixserve-future", "future", "rs_future", POLICY_PLUGIN.format(api=">=2", name="f"))
+    r = run_cli(["plugins"], site=tmp_path)
+    assert r.returncode == 2 and "radixserve-future" in r.stderr and "plugin API" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_allow_and_deny_lists(tmp_path):
+    make_fake_distribution(tmp_path, "radixserve-extra", "extra", "rs_extra", POLICY_PLUGIN.format(api=">=1,<2", name="extra"))
+    names = lambda r: {c["name"] for c in json.loads(r.stdout)["components"]}  # noqa: E731
+    everything = run_cli(["plugins", "--json"], site=tmp_path)
+    assert everything.returncode == 0, everything.stderr
+    assert {"extra", "fcfs"} <= names(everything)
+    denied = run_cli(["plugins", "--json", "-p", "no:extra"], site=tmp_path)
+    assert "extra" not in names(denied) and "fcfs" in names(denied)
+    denied_env = run_cli(["plugins", "--json"], site=tmp_path, env={"RADIXSERVE_DISABLE_PLUGINS": "extra"})
+    assert "extra" not in names(denied_env)
+    allowed = run_cli(["plugins", "--json"], site=tmp_path, env={"RADIXSERVE_PLUGINS": "extra"})
+    assert names(allowed) == {"extra", "unquantized"}  # the core's own components are always there
