@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from plugin_fixtures import run_cli
-
+from pydantic import ValidationError
 from radixserve.config import Config, ConfigError, check_components, parse_dotted_overrides
 from radixserve.plugins.registry import PluginError, Registry
 
@@ -42,7 +42,7 @@ def test_unknown_section_and_bad_values_are_errors(tmp_path):
 
 def test_configs_are_frozen():
     cfg = Config()
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         cfg.stack.policy = "lpm"  # type: ignore[misc]
     assert cfg.with_overrides({"stack": {"policy": "lpm"}}).stack.policy == "lpm"
     assert cfg.stack.policy == "fcfs"

@@ -8,7 +8,6 @@ import types
 
 import pytest
 from plugin_fixtures import POLICY_PLUGIN, make_fake_distribution, run_cli
-
 from radixserve.interfaces import SchedulePolicy
 from radixserve.plugins.registry import PluginError, Registry
 

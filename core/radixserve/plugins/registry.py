@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata as md
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -105,7 +105,7 @@ def _check_api(plugin: PluginInfo) -> None:
     try:
         spec = SpecifierSet(plugin.api)
     except InvalidSpecifier as e:
-        raise PluginError(f"plugin {plugin.name!r} ({plugin.distribution}) has an invalid PLUGIN_API {plugin.api!r}: {e}")
+        raise PluginError(f"plugin {plugin.name!r} ({plugin.distribution}) has an invalid PLUGIN_API {plugin.api!r}: {e}") from None
     if Version(PLUGIN_API_VERSION) not in spec:
         raise PluginError(
             f"plugin {plugin.name!r} from {plugin.distribution} {plugin.version} was built for RadixServe plugin API "

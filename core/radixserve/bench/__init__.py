@@ -1,0 +1,1 @@
+"""Benchmarks: `radixserve bench one-batch` (static batch, in-process) and `bench serve` (load generator)."""

@@ -1,0 +1,188 @@
+"""`radixserve bench serve`: a load generator for any OpenAI-compatible server.
+
+Sends streaming /v1/completions requests built from random token ids (`--dataset random`) or
+from chat prompts (`--dataset chat`, via /v1/chat/completions), either as a Poisson process at
+`--request-rate` or with at most `--max-concurrency` in flight, and reports request throughput,
+input/output/total tok/s and TTFT / TPOT / ITL mean, p50 and p99."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers greater than 100.",
+    "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue?",
+    "Give me a short recipe for pancakes.",
+    "What does HTTP stand for?",
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:30000", help="server root (without /v1)")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first /v1/models entry)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--dataset", choices=["random", "chat"], default="random")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=1024, help="random dataset: prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="tokens to generate per request (ignore_eos)")
+    p.add_argument("--vocab-low", type=int, default=100, help="random ids are drawn from [vocab-low, vocab-high)")
+    p.add_argument("--vocab-high", type=int, default=20000)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s (Poisson); inf: all at once")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    p.add_argument("--result-file", help="append the summary as one JSON line")
+
+
+@dataclass
+class RequestRecord:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    start: float = 0.0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itls: list[float] = field(default_factory=list)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _payloads(args: argparse.Namespace, model: str) -> list[tuple[str, dict]]:
+    rng = random.Random(args.seed)
+    out = []
+    for i in range(args.num_prompts):
+        common = {
+            "model": model,
+            "max_tokens": args.output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if args.dataset == "random":
+            ids = [rng.randrange(args.vocab_low, args.vocab_high) for _ in range(args.input_len)]
+            out.append(("/v1/completions", {**common, "prompt": ids}))
+        else:
+            msg = CHAT_PROMPTS[i % len(CHAT_PROMPTS)]
+            out.append(("/v1/chat/completions", {**common, "messages": [{"role": "user", "content": msg}]}))
+    return out
+
+
+async def _one(client, path: str, payload: dict, rec: RequestRecord) -> None:
+    rec.start = time.perf_counter()
+    last = rec.start
+    try:
+        async with client.stream("POST", path, json=payload) as resp:
+            if resp.status_code != 200:
+                rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data.strip() == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    rec.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
+                    rec.output_tokens = chunk["usage"].get("completion_tokens", 0)
+                if not chunk.get("choices"):
+                    continue
+                now = time.perf_counter()
+                if rec.ttft == 0.0:
+                    rec.ttft = now - rec.start
+                else:
+                    rec.itls.append(now - last)
+                last = now
+        rec.latency = time.perf_counter() - rec.start
+        rec.ok = rec.ttft > 0
+    except Exception as e:  # a failed request is counted and reported, never raised
+        rec.error = repr(e)
+
+
+async def _run(args: argparse.Namespace) -> dict:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.timeout, limits=limits) as client:
+        model = args.model
+        if model is None:
+            model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        work = _payloads(args, model)
+        recs = [RequestRecord() for _ in work]
+        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        rng = random.Random(args.seed + 1)
+
+        async def guarded(i: int) -> None:
+            if sem is None:
+                await _one(client, *work[i], recs[i])
+            else:
+                async with sem:
+                    await _one(client, *work[i], recs[i])
+
+        t0 = time.perf_counter()
+        tasks = []
+        for i in range(len(work)):
+            tasks.append(asyncio.create_task(guarded(i)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    return summarize(recs, duration, args)
+
+
+def summarize(recs: list[RequestRecord], duration: float, args: argparse.Namespace) -> dict:
+    ok = [r for r in recs if r.ok]
+    itls = [x for r in ok for x in r.itls]
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    inp = sum(r.prompt_tokens for r in ok)
+    outp = sum(r.output_tokens for r in ok)
+    ms = lambda xs, q: round(percentile(xs, q) * 1e3, 2)  # noqa: E731
+    return {
+        "completed": len(ok),
+        "failed": len(recs) - len(ok),
+        "errors": sorted({r.error for r in recs if r.error})[:5],
+        "duration_s": round(duration, 3),
+        "request_throughput": round(len(ok) / duration, 3),
+        "input_tok_s": round(inp / duration, 1),
+        "output_tok_s": round(outp / duration, 1),
+        "total_tok_s": round((inp + outp) / duration, 1),
+        "ttft_ms": {"mean": round(sum(r.ttft for r in ok) / max(len(ok), 1) * 1e3, 2), "p50": ms([r.ttft for r in ok], 50), "p99": ms([r.ttft for r in ok], 99)},
+        "tpot_ms": {"mean": round(sum(tpots) / max(len(tpots), 1) * 1e3, 2), "p50": ms(tpots, 50), "p99": ms(tpots, 99)},
+        "itl_ms": {"mean": round(sum(itls) / max(len(itls), 1) * 1e3, 2), "p50": ms(itls, 50), "p99": ms(itls, 99)},
+        "config": {
+            "dataset": args.dataset,
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len if args.dataset == "random" else None,
+            "output_len": args.output_len,
+            "request_rate": args.request_rate,
+            "max_concurrency": args.max_concurrency,
+        },
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = asyncio.run(_run(args))
+    print(json.dumps(summary, indent=2))
+    if args.result_file:
+        with open(args.result_file, "a") as f:
+            f.write(json.dumps(summary) + "\n")
+    return 0 if summary["failed"] == 0 else 1
