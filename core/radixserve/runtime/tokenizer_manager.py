@@ -1,0 +1,358 @@
+"""TokenizerManager: the main-process front of the runtime (used by the Engine and the HTTP server)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.config import Config
+from radixserve.runtime.errors import EngineDeadError, RequestError
+from radixserve.runtime.ipc import PortArgs
+from radixserve.runtime.messages import (
+    AbortRequest,
+    BatchTextOut,
+    ChildFailed,
+    ControlReply,
+    FlushCacheRequest,
+    GenerateRequest,
+    ReadyMessage,
+    ReqTextOut,
+    ShutdownRequest,
+    StatsRequest,
+    WireSamplingParams,
+    make_encoder,
+    manager_decoder,
+)
+from radixserve.runtime.model_files import load_tokenizer, resolve_model_path, served_name
+from radixserve.state import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+CHILDREN = ("scheduler", "detokenizer")
+
+
+@dataclass
+class GenerateInput:
+    """One generation request. Exactly one of `text` / `input_ids` is given."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    rid: str | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    priority: int = 0
+
+
+@dataclass
+class _ReqState:
+    rid: str
+    stream: bool
+    return_logprob: bool
+    prompt_tokens: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    finished: bool = False
+
+
+class TokenizerManager:
+    """Tokenizes requests, sends them to the scheduler process, and streams results back.
+
+    API (kept stable for the Engine and the HTTP layer):
+    - `TokenizerManager(config)`; `await tm.start()` spawns the scheduler and detokenizer processes
+      ("spawn" start method) and returns once the model is loaded; raises RuntimeError if a child fails.
+    - `tm.tokenizer` (a transformers tokenizer), `tm.model_name` (served name), `tm.context_len`.
+    - `tm.apply_chat_template(messages, add_generation_prompt=True) -> list[int]`.
+    - `async for out in tm.generate(GenerateInput(...))`: yields dicts
+      `{"text": full text so far, "output_ids": all ids so far, "meta_info": {"id", "prompt_tokens",
+      "completion_tokens", "cached_tokens", "finish_reason": None | {"type": "stop"|"length"|"abort",
+      "matched": token id or stop string}, "output_token_logprobs": [(logprob, token_id), ...],
+      "output_top_logprobs": [[(logprob, token_id), ...], ...]}}` (logprob keys only when
+      return_logprob). stream=False: one item at the end; stream=True: one item per emission
+      (scheduler.stream_interval steps), the last one has a finish_reason. Raises `RequestError`
+      (status 400) for invalid requests, `EngineDeadError` (status 503) when a child died. Closing the
+      iterator early (client disconnect) aborts the request and frees its KV.
+    - `tm.abort(rid)`: the request ends with finish_reason {"type": "abort"}; unknown rids are ignored.
+    - `await tm.flush_cache() -> bool` (False while requests are running).
+    - `await tm.get_stats() -> dict`: running, waiting, token_usage, cache_hit_rate, throughput, ...
+    - `tm.is_healthy()`: False once a child died (in-flight requests then get EngineDeadError).
+    - `await tm.shutdown()`: stops the children and removes the ipc directory.
+    All methods must be called from the event loop that ran `start()`.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.model_path = resolve_model_path(config.model.path)
+        self.model_name = served_name(self.model_path, config.model.served_model_name)
+        self.tokenizer: Any = None
+        self.context_len: int = 0
+        self.server_info: dict[str, Any] = {}
+        self.dead_reason: str | None = None
+        self.on_death: list[Callable[[str], None]] = []  # e.g. the server exits non-zero
+        self._rid_to_state: dict[str, _ReqState] = {}
+        self._control: dict[int, asyncio.Future] = {}
+        self._next_control_id = 0
+        self._procs: dict[str, Any] = {}
+        self._ready: dict[str, asyncio.Future] = {}
+        self._started = False
+        self._closing = False
+        self._enc = make_encoder()
+        self._dec = manager_decoder()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        from radixserve.runtime.detokenizer import run_detokenizer_process
+        from radixserve.scheduler.process import run_scheduler_process
+
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._ports = PortArgs.create()
+        self.tokenizer = await loop.run_in_executor(
+            None, load_tokenizer, self.model_path, self.config.model.tokenizer
+        )
+        # children load a saved copy: re-reading a tokenizer from a GGUF file takes many seconds
+        tok_dir = os.path.join(self._ports.ipc_dir, "tokenizer")
+        await loop.run_in_executor(None, self.tokenizer.save_pretrained, tok_dir)
+
+        self._zctx = zmq.asyncio.Context(1)
+        self._recv = self._zctx.socket(zmq.PULL)
+        self._recv.bind(self._ports.manager_input)
+        self._send = self._zctx.socket(zmq.PUSH)
+        self._send.connect(self._ports.scheduler_input)
+        self._ready = {name: loop.create_future() for name in CHILDREN}
+        self._recv_task = loop.create_task(self._recv_loop())
+
+        child_config = self.config.with_overrides({"model": {"path": self.model_path, "tokenizer": tok_dir}})
+        ctx = mp.get_context("spawn")
+        targets = {
+            "scheduler": (run_scheduler_process, (child_config.model_dump(), self._ports, os.getpid())),
+            "detokenizer": (run_detokenizer_process, (child_config.model_dump(), self._ports, tok_dir, os.getpid())),
+        }
+        for name, (target, args) in targets.items():
+            proc = ctx.Process(target=target, args=args, name=f"radixserve-{name}", daemon=True)
+            proc.start()
+            self._procs[name] = proc
+            loop.add_reader(proc.sentinel, self._on_child_exit, name)
+        self._started = True
+        try:
+            infos = await asyncio.gather(*self._ready.values())
+        except BaseException:
+            await self.shutdown()
+            raise
+        self.server_info = dict(infos[0])
+        self.context_len = int(self.server_info.get("context_len") or 0)
+
+    async def shutdown(self) -> None:
+        if self._closing or not self._started:
+            return
+        self._closing = True
+        self._fail_all(EngineDeadError("the engine is shutting down"))
+        try:
+            await self._send.send(self._enc.encode(ShutdownRequest()))
+        except Exception:  # the scheduler may already be gone
+            pass
+        loop = asyncio.get_running_loop()
+        for name, proc in self._procs.items():
+            loop.remove_reader(proc.sentinel)
+            await loop.run_in_executor(None, proc.join, 10)
+            if proc.is_alive():
+                logger.warning("%s process did not exit; terminating it", name)
+                proc.terminate()
+                await loop.run_in_executor(None, proc.join, 5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._recv_task.cancel()
+        self._recv.close(0)
+        self._send.close(0)
+        self._zctx.term()
+        self._ports.cleanup()
+
+    def is_healthy(self) -> bool:
+        return self._started and not self._closing and self.dead_reason is None
+
+    def _on_child_exit(self, name: str) -> None:
+        proc = self._procs[name]
+        self._loop.remove_reader(proc.sentinel)
+        if self._closing:
+            return
+        proc.join(0)
+        reason = f"the {name} process exited unexpectedly (exit code {proc.exitcode})"
+        if self.dead_reason is None:
+            self.dead_reason = reason
+        logger.error(reason)
+        self._fail_all(EngineDeadError(self.dead_reason))
+        for cb in self.on_death:
+            cb(self.dead_reason)
+
+    def _fail_all(self, err: Exception) -> None:
+        for fut in list(self._ready.values()) + list(self._control.values()):
+            if not fut.done():
+                fut.set_exception(err)
+        for st in self._rid_to_state.values():
+            if not st.finished:
+                st.queue.put_nowait(err)
+        # a started future nobody awaits must not log "exception never retrieved"
+        for fut in self._ready.values():
+            if fut.done() and not fut.cancelled():
+                fut.exception()
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if not self._started or self._closing:
+            raise EngineDeadError("the engine is not running")
+
+    # ---- receive loop -----------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = self._dec.decode(await self._recv.recv())
+            if isinstance(msg, BatchTextOut):
+                for out in msg.outs:
+                    self._dispatch(out)
+            elif isinstance(msg, ReadyMessage):
+                fut = self._ready.get(msg.process)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.info)
+            elif isinstance(msg, ControlReply):
+                fut = self._control.pop(msg.req_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, ChildFailed):
+                self.dead_reason = f"the {msg.process} process failed: {msg.error}"
+                logger.error(self.dead_reason)
+                fut = self._ready.get(msg.process)
+                if fut is not None and not fut.done():
+                    fut.set_exception(RuntimeError(self.dead_reason))
+                    fut.exception()
+
+    def _dispatch(self, out: ReqTextOut) -> None:
+        if out.abort_in_scheduler:
+            self.abort(out.rid)
+        st = self._rid_to_state.get(out.rid)
+        if st is not None and not st.finished:
+            if out.finished_reason is not None:
+                st.finished = True
+            st.queue.put_nowait(out)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _prepare(self, inp: GenerateInput) -> tuple[str, list[int], SamplingParams]:
+        if (inp.text is None) == (inp.input_ids is None):
+            raise RequestError("give exactly one of text or input_ids")
+        ids = list(inp.input_ids) if inp.input_ids is not None else list(self.tokenizer.encode(inp.text))
+        if not ids:
+            raise RequestError("the prompt is empty")
+        sp = inp.sampling_params
+        try:
+            sp.validate()
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        if inp.return_logprob and not sp.logprobs:
+            sp = dataclasses.replace(sp, logprobs=True, top_logprobs=max(sp.top_logprobs, inp.top_logprobs_num))
+        if self.context_len and len(ids) + sp.max_new_tokens > self.context_len:
+            raise RequestError(
+                f"the prompt ({len(ids)} tokens) plus max_new_tokens ({sp.max_new_tokens}) exceeds the model's "
+                f"context length ({self.context_len} tokens); shorten the prompt or lower max_new_tokens"
+            )
+        rid = inp.rid or uuid.uuid4().hex
+        if rid in self._rid_to_state:
+            raise RequestError(f"request id {rid!r} is already in use")
+        return rid, ids, sp
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[dict[str, Any]]:
+        self._check_alive()
+        rid, ids, sp = self._prepare(inp)
+        st = _ReqState(rid=rid, stream=inp.stream, return_logprob=sp.logprobs, prompt_tokens=len(ids))
+        self._rid_to_state[rid] = st
+        wire = WireSamplingParams(**dataclasses.asdict(sp))
+        msg = GenerateRequest(
+            rid=rid, input_ids=ids, sampling_params=wire, stream=inp.stream, return_logprob=sp.logprobs,
+            top_logprobs_num=sp.top_logprobs, priority=inp.priority,
+        )
+        try:
+            await self._send.send(self._enc.encode(msg))
+            while True:
+                item = await st.queue.get()
+                if isinstance(item, Exception):
+                    st.finished = True
+                    raise item
+                if item.error is not None:
+                    st.finished = True
+                    raise RequestError(item.error, item.error_status)
+                self._accumulate(st, item)
+                done = item.finished_reason is not None
+                if done or st.stream:
+                    yield self._render(st, item)
+                if done:
+                    return
+        finally:
+            if not st.finished and self.dead_reason is None and not self._closing:
+                self.abort(rid)  # the caller stopped listening: free the request's KV
+            self._rid_to_state.pop(rid, None)
+
+    @staticmethod
+    def _accumulate(st: _ReqState, item: ReqTextOut) -> None:
+        st.text += item.text_delta
+        st.output_ids.extend(item.new_ids)
+        if item.token_logprobs is not None:
+            st.token_logprobs.extend(zip(item.token_logprobs, item.new_ids))
+        if item.top_logprobs is not None:
+            st.top_logprobs.extend([[(lp, tid) for tid, lp in alts] for alts in item.top_logprobs])
+
+    @staticmethod
+    def _render(st: _ReqState, item: ReqTextOut) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": st.rid,
+            "prompt_tokens": st.prompt_tokens,
+            "completion_tokens": item.completion_tokens or len(st.output_ids),
+            "cached_tokens": item.cached_tokens,
+            "finish_reason": item.finished_reason,
+        }
+        if st.return_logprob:
+            meta["output_token_logprobs"] = list(st.token_logprobs)
+            meta["output_top_logprobs"] = list(st.top_logprobs)
+        return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
+
+    def abort(self, rid: str) -> None:
+        if self.dead_reason is not None or self._closing or not self._started:
+            return
+        self._send.send(self._enc.encode(AbortRequest(rid)))
+
+    async def _control_call(self, make: Callable[[int], Any]) -> ControlReply:
+        self._check_alive()
+        self._next_control_id += 1
+        cid = self._next_control_id
+        fut = self._loop.create_future()
+        self._control[cid] = fut
+        await self._send.send(self._enc.encode(make(cid)))
+        return await fut
+
+    async def flush_cache(self) -> bool:
+        reply = await self._control_call(FlushCacheRequest)
+        return reply.ok
+
+    async def get_stats(self) -> dict[str, Any]:
+        reply = await self._control_call(StatsRequest)
+        stats = dict(reply.data)
+        stats["in_flight_requests"] = len(self._rid_to_state)
+        return stats
