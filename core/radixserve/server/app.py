@@ -1,0 +1,157 @@
+"""The FastAPI application: OpenAI routes, native routes, health, metrics, and plugin routes.
+
+`create_app(tm, config)` builds the app around an already started TokenizerManager; it neither
+starts nor stops the manager (launch.py owns its lifetime)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from radixserve.config import Config
+from radixserve.server import protocol as p
+from radixserve.server.auth import GuardMiddleware
+from radixserve.server.errors import APIError, error_response, install_error_handlers
+from radixserve.server.generation import ClientGone
+from radixserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from radixserve.server.openai_serving import Serving
+from radixserve.server.runtime_api import GenerateInput, RequestError
+from radixserve.state import SamplingParams
+from radixserve.version import __version__
+
+logger = logging.getLogger("radixserve.server")
+
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+def create_app(tm: Any, config: Config) -> FastAPI:
+    app = FastAPI(title="RadixServe", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = ServerMetrics(tm.model_name)
+    serving = Serving(tm, metrics, log_requests=config.server.log_requests)
+    app.state.tm = tm
+    app.state.metrics = metrics
+    app.state.serving = serving
+    install_error_handlers(app)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
+        status = int(getattr(exc, "status", 400))
+        return error_response(str(getattr(exc, "message", exc)), status)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, __: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+    # ---- OpenAI ----------------------------------------------------------------------------
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
+        return await serving.chat(body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: p.CompletionRequest, request: Request) -> Response:
+        return await serving.completions(body, request)
+
+    def _card() -> p.ModelCard:
+        return p.ModelCard(id=tm.model_name, root=tm.model_name, max_model_len=int(tm.context_len))
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(p.ModelList(data=[_card()]).model_dump())
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> JSONResponse:
+        if model != tm.model_name:
+            raise APIError(f"the model {model!r} does not exist", 404, "model", "model_not_found")
+        return JSONResponse(_card().model_dump())
+
+    # ---- native ------------------------------------------------------------------------------
+
+    @app.post("/generate")
+    async def generate(body: p.GenerateRequest, request: Request) -> Response:
+        return await serving.generate(body, request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not tm.is_healthy():
+            return error_response("the runtime is not healthy", 503, code="service_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """Healthy only if a one-token generation completes within the timeout."""
+        if not tm.is_healthy():
+            return error_response("the runtime is not healthy", 503, code="service_unavailable")
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        gen = GenerateInput(text="ping", sampling_params=params, rid=f"health-{id(params)}", stream=False)
+
+        async def one() -> None:
+            async for _ in tm.generate(gen):
+                pass
+
+        try:
+            await asyncio.wait_for(one(), HEALTH_GENERATE_TIMEOUT_S)
+        except Exception as e:
+            tm.abort(gen.rid)
+            return error_response(f"health generation failed: {type(e).__name__}: {e}", 503, code="service_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        try:
+            metrics.update_stats(await tm.get_stats())
+        except Exception:  # a dead runtime must not hide the server's own metrics
+            logger.debug("scheduler stats unavailable for /metrics", exc_info=True)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> JSONResponse:
+        ok = await tm.flush_cache()
+        if ok is False:
+            raise APIError("cannot flush the cache while requests are running; retry when idle", 400)
+        return JSONResponse({"status": "ok", "message": "cache flushed"})
+
+    @app.post("/abort_request")
+    async def abort_request(body: p.AbortRequest) -> JSONResponse:
+        tm.abort(body.rid)
+        return JSONResponse({"status": "ok", "rid": body.rid})
+
+    @app.get("/server_info")
+    async def server_info() -> JSONResponse:
+        cfg = config.model_dump()
+        if cfg["server"].get("api_key"):
+            cfg["server"]["api_key"] = "***"
+        try:
+            stats = await tm.get_stats()
+        except Exception as e:
+            stats = {"error": str(e)}
+        return JSONResponse(
+            {
+                "version": __version__,
+                "model_name": tm.model_name,
+                "context_len": int(tm.context_len),
+                "healthy": bool(tm.is_healthy()),
+                "config": cfg,
+                "stats": stats,
+            }
+        )
+
+    _add_plugin_routes(app, tm)
+    # outermost: guards run before routing, so a bad key never reaches a handler
+    app.add_middleware(GuardMiddleware, api_key=config.server.api_key, max_bytes=config.server.max_request_bytes)
+    return app
+
+
+def _add_plugin_routes(app: FastAPI, tm: Any) -> None:
+    from radixserve.plugins.registry import get_registry
+
+    before = len(app.routes)
+    core = {getattr(route, "path", None) for route in app.routes}
+    get_registry().hook.radixserve_add_routes(app=app, context=tm)
+    clash = [r.path for r in app.routes[before:] if getattr(r, "path", None) in core]
+    if clash:
+        raise RuntimeError(f"a plugin tried to replace core routes: {sorted(set(clash))}")

@@ -1,0 +1,96 @@
+"""Prometheus metrics of the server (prometheus-client), exposed as text on /metrics.
+
+Each `ServerMetrics` owns its own CollectorRegistry, so several apps (tests) never collide.
+Request-level series are updated by the handlers; scheduler series are refreshed from
+`tm.get_stats()` at scrape time, one gauge per numeric stat."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+PREFIX = "radixserve"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r = self.registry
+        labels = ["model"]
+        self.requests = Counter(
+            f"{PREFIX}_requests", "Finished HTTP generation requests", ["model", "route", "status"], registry=r
+        )
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens processed", labels, registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Tokens generated", labels, registry=r)
+        self.cached_tokens = Counter(
+            f"{PREFIX}_cached_tokens", "Prompt tokens served from the prefix cache", labels, registry=r
+        )
+        self.in_flight = Gauge(f"{PREFIX}_requests_in_flight", "Generation requests being served", labels, registry=r)
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Time to first token (streaming)",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds", "Request latency", labels, buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.prompt_len = Histogram(
+            f"{PREFIX}_request_prompt_tokens", "Prompt length per request", labels, buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.output_len = Histogram(
+            f"{PREFIX}_request_generation_tokens",
+            "Generated tokens per request",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self._stat_gauges: dict[str, Gauge] = {}
+
+    def observe_request(
+        self,
+        route: str,
+        status: int,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int,
+        latency_s: float,
+        ttft_s: float | None,
+    ) -> None:
+        m = self.model_name
+        self.requests.labels(m, route, str(status)).inc()
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.generation_tokens.labels(m).inc(completion_tokens)
+        self.cached_tokens.labels(m).inc(cached_tokens)
+        self.prompt_len.labels(m).observe(prompt_tokens)
+        self.output_len.labels(m).observe(completion_tokens)
+        self.e2e.labels(m).observe(latency_s)
+        if ttft_s is not None:
+            self.ttft.labels(m).observe(ttft_s)
+
+    def observe_failure(self, route: str, status: int) -> None:
+        self.requests.labels(self.model_name, route, str(status)).inc()
+
+    def update_stats(self, stats: dict[str, Any]) -> None:
+        """Mirror the scheduler's numeric stats as gauges named radixserve_scheduler_<key>."""
+        for key, value in stats.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            gauge = self._stat_gauges.get(key)
+            if gauge is None:
+                name = f"{PREFIX}_scheduler_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+                gauge = Gauge(name, f"Scheduler stat {key}", ["model"], registry=self.registry)
+                self._stat_gauges[key] = gauge
+            gauge.labels(self.model_name).set(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,637 @@
+"""Handlers of /v1/chat/completions, /v1/completions and the native /generate.
+
+Each handler validates against the served model and the context length, turns the request into
+one `GenerateInput` per choice (n choices x prompts), runs them through a `Fanout`, and shapes the
+result as OpenAI JSON or SSE. A client that goes away (streaming or not) aborts its generations.
+Every finished request logs one INFO line (id, tokens, latency) and updates the metrics."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from radixserve.server import protocol as p
+from radixserve.server.errors import APIError, error_body
+from radixserve.server.generation import ClientGone, Fanout, Job, until_disconnect
+from radixserve.server.metrics import ServerMetrics
+from radixserve.server.runtime_api import GenerateInput, RequestError
+from radixserve.state import SamplingParams
+
+logger = logging.getLogger("radixserve.server")
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_LOGPROB_FLOOR = -9999.0  # JSON has no -inf; impossible tokens are reported at this floor
+
+
+def sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+def _finite(x: float | None) -> float:
+    if x is None or math.isnan(x):
+        return _LOGPROB_FLOOR
+    return max(float(x), _LOGPROB_FLOOR)
+
+
+def _finish(meta: dict) -> tuple[str | None, int | str | None]:
+    """OpenAI finish_reason and the matched stop string / token id."""
+    fr = meta.get("finish_reason")
+    if not fr:
+        return None, None
+    kind = fr.get("type")
+    return ("stop" if kind == "stop" else "length" if kind == "length" else str(kind)), fr.get("matched")
+
+
+@dataclass
+class ChoiceState:
+    """What has been streamed for one choice so far."""
+
+    text_len: int = 0
+    logprobs_sent: int = 0
+    started: bool = False
+    finished: bool = False
+    last: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Tally:
+    """Usage of one response: prompt tokens count once per prompt, not per choice."""
+
+    prompt: dict[int, int] = field(default_factory=dict)  # prompt index -> tokens
+    cached: dict[int, int] = field(default_factory=dict)
+    completion: int = 0
+
+    def add(self, prompt_index: int, meta: dict) -> None:
+        self.prompt[prompt_index] = int(meta.get("prompt_tokens", 0))
+        self.cached[prompt_index] = max(self.cached.get(prompt_index, 0), int(meta.get("cached_tokens", 0)))
+        self.completion += int(meta.get("completion_tokens", 0))
+
+    def usage(self) -> p.UsageInfo:
+        prompt = sum(self.prompt.values())
+        return p.UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=self.completion,
+            total_tokens=prompt + self.completion,
+            prompt_tokens_details=p.PromptTokensDetails(cached_tokens=sum(self.cached.values())),
+        )
+
+
+class Serving:
+    """The generation handlers, bound to one TokenizerManager."""
+
+    def __init__(self, tm: Any, metrics: ServerMetrics, log_requests: bool = True) -> None:
+        self.tm = tm
+        self.metrics = metrics
+        self.log_requests = log_requests
+        self._token_text: dict[int, str] = {}
+
+    # ---- shared checks ----------------------------------------------------------------------
+
+    def check_ready(self, model: str | None) -> None:
+        if not self.tm.is_healthy():
+            raise APIError("the runtime is not healthy; try again later", 503, code="service_unavailable")
+        if model is not None and model != self.tm.model_name:
+            raise APIError(
+                f"the model {model!r} does not exist; this server serves {self.tm.model_name!r}",
+                404,
+                param="model",
+                code="model_not_found",
+            )
+
+    def budget(self, prompt_len: int | None, requested: int | None, default: int | None, prompt_param: str) -> int:
+        """max_new_tokens for a request, or a 400 when it cannot fit the context."""
+        ctx = int(self.tm.context_len)
+        if requested is not None and requested > ctx:
+            raise APIError(f"max_tokens={requested} exceeds the model's context length ({ctx})", 400, "max_tokens")
+        if prompt_len is not None:
+            if prompt_len >= ctx:
+                raise APIError(
+                    f"the prompt has {prompt_len} tokens, the model's context length is {ctx}", 400, prompt_param
+                )
+            if requested is None and default is None:
+                return ctx - prompt_len
+            want = requested if requested is not None else min(default or 0, ctx - prompt_len)
+            if prompt_len + want > ctx:
+                raise APIError(
+                    f"prompt ({prompt_len} tokens) + max_tokens ({want}) exceeds the model's context length ({ctx})",
+                    400,
+                    "max_tokens",
+                )
+            return want
+        return requested if requested is not None else int(default or 16)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tm.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return text
+
+    @staticmethod
+    def sampling(
+        req: p._SamplingFields, max_new_tokens: int, seed: int | None, logprobs: bool, top: int
+    ) -> SamplingParams:
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min(req.min_tokens, max_new_tokens),
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty,
+            frequency_penalty=req.frequency_penalty,
+            presence_penalty=req.presence_penalty,
+            logit_bias=_logit_bias(req.logit_bias),
+            seed=seed,
+            stop=req.stop_list(),
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            skip_special_tokens=req.skip_special_tokens,
+            logprobs=logprobs,
+            top_logprobs=top,
+        )
+        try:
+            params.validate()
+        except ValueError as e:
+            raise APIError(str(e), 400) from None
+        return params
+
+    # ---- /v1/chat/completions ---------------------------------------------------------------
+
+    async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
+        started = time.perf_counter()
+        self.check_ready(req.model)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            ids = self.tm.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # a template that rejects the conversation (e.g. role order)
+            raise APIError(f"cannot apply the chat template: {e}", 400, "messages") from None
+        max_new = self.budget(len(ids), req.requested_max_tokens(), None, "messages")
+        base = req.rid or f"chatcmpl-{uuid.uuid4().hex}"
+        top = req.top_logprobs or 0
+        jobs = [
+            self._job(i, base, req.n, req, dict(input_ids=list(ids)), max_new, req.logprobs, top) for i in range(req.n)
+        ]
+        formatter = _ChatFormat(self, base, self.tm.model_name, req)
+        if req.stream:
+            return await self._stream(jobs, raw, formatter, "chat", started, lambda index: 0)
+        last = await self._collect(jobs, raw, "chat")
+        tally = _Tally()
+        choices = []
+        for job in jobs:
+            out = last[job.index]
+            meta = out["meta_info"]
+            tally.add(0, meta)
+            reason, matched = _finish(meta)
+            choices.append(
+                p.ChatChoice(
+                    index=job.index,
+                    message=p.ChatResponseMessage(content=out["text"]),
+                    logprobs=formatter.logprobs(meta, 0) if req.logprobs else None,
+                    finish_reason=reason,
+                    matched_stop=matched,
+                )
+            )
+        usage = tally.usage()
+        self._done(base, "chat", 200, usage, started, None)
+        body = p.ChatCompletionResponse(id=base, model=self.tm.model_name, choices=choices, usage=usage)
+        return JSONResponse(body.model_dump())
+
+    # ---- /v1/completions --------------------------------------------------------------------
+
+    async def completions(self, req: p.CompletionRequest, raw: Request) -> Response:
+        started = time.perf_counter()
+        self.check_ready(req.model)
+        if req.echo and req.logprobs is not None:
+            raise APIError("echo together with logprobs (prompt logprobs) is not supported", 400, "echo")
+        prompts = req.prompts()
+        base = req.rid or f"cmpl-{uuid.uuid4().hex}"
+        want_lp = req.logprobs is not None
+        jobs: list[Job] = []
+        prompt_of: dict[int, int] = {}
+        for k, prompt in enumerate(prompts):
+            prompt_len = len(prompt) if isinstance(prompt, list) else None
+            max_new = self.budget(prompt_len, req.max_tokens, None, "prompt")
+            given = dict(input_ids=list(prompt)) if isinstance(prompt, list) else dict(text=prompt)
+            for i in range(req.n):
+                index = k * req.n + i
+                prompt_of[index] = k
+                jobs.append(
+                    self._job(
+                        index,
+                        base,
+                        len(prompts) * req.n,
+                        req,
+                        given,
+                        max_new,
+                        want_lp,
+                        req.logprobs or 0,
+                        seed_offset=i,
+                    )
+                )
+        echoes = [self._prompt_text(prm) if req.echo else "" for prm in prompts]
+        formatter = _CompletionFormat(self, base, self.tm.model_name, req, echoes, prompt_of)
+        if req.stream:
+            return await self._stream(jobs, raw, formatter, "completions", started, prompt_of.__getitem__)
+        last = await self._collect(jobs, raw, "completions")
+        tally = _Tally()
+        choices = []
+        for job in jobs:
+            out = last[job.index]
+            meta = out["meta_info"]
+            k = prompt_of[job.index]
+            tally.add(k, meta)
+            reason, matched = _finish(meta)
+            choices.append(
+                p.CompletionChoice(
+                    index=job.index,
+                    text=echoes[k] + out["text"],
+                    logprobs=formatter.logprobs(meta, 0, len(echoes[k])) if want_lp else None,
+                    finish_reason=reason,
+                    matched_stop=matched,
+                )
+            )
+        usage = tally.usage()
+        self._done(base, "completions", 200, usage, started, None)
+        body = p.CompletionResponse(id=base, model=self.tm.model_name, choices=choices, usage=usage)
+        return JSONResponse(body.model_dump())
+
+    def _prompt_text(self, prompt: str | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else self.tm.tokenizer.decode(prompt)
+
+    # ---- native /generate -------------------------------------------------------------------
+
+    async def generate(self, req: p.GenerateRequest, raw: Request) -> Response:
+        started = time.perf_counter()
+        self.check_ready(None)
+        try:
+            params = SamplingParams.from_dict(req.sampling_params)
+        except (ValueError, TypeError) as e:
+            raise APIError(f"sampling_params: {e}", 400, "sampling_params") from None
+        prompt_len = len(req.input_ids) if req.input_ids is not None else None
+        params.max_new_tokens = self.budget(prompt_len, params.max_new_tokens, None, "input_ids")
+        if req.return_logprob:
+            params.logprobs, params.top_logprobs = True, req.top_logprobs_num
+        rid = req.rid or uuid.uuid4().hex
+        gen = GenerateInput(
+            text=req.text,
+            input_ids=req.input_ids,
+            sampling_params=params,
+            rid=rid,
+            stream=req.stream,
+            return_logprob=req.return_logprob,
+            top_logprobs_num=req.top_logprobs_num,
+        )
+        jobs = [Job(0, rid, gen)]
+        if req.stream:
+            return await self._stream(jobs, raw, _NativeFormat(), "generate", started, lambda index: 0)
+        last = await self._collect(jobs, raw, "generate")
+        tally = _Tally()
+        tally.add(0, last[0]["meta_info"])
+        self._done(rid, "generate", 200, tally.usage(), started, None)
+        return Response(_native_json(last[0]), media_type="application/json")
+
+    # ---- plumbing ---------------------------------------------------------------------------
+
+    def _job(
+        self,
+        index: int,
+        base: str,
+        total: int,
+        req: p._SamplingFields,
+        given: dict,
+        max_new: int,
+        logprobs: bool,
+        top: int,
+        seed_offset: int | None = None,
+    ) -> Job:
+        rid = base if total == 1 else f"{base}-{index}"
+        offset = index if seed_offset is None else seed_offset
+        # choices of one prompt must differ under a fixed seed, yet stay reproducible
+        seed = None if req.seed is None else req.seed + offset
+        params = self.sampling(req, max_new, seed, logprobs, top)
+        gen = GenerateInput(
+            sampling_params=params, rid=rid, stream=req.stream, return_logprob=logprobs, top_logprobs_num=top, **given
+        )
+        return Job(index, rid, gen)
+
+    async def _collect(self, jobs: list[Job], raw: Request, route: str) -> dict[int, dict]:
+        fan = Fanout(self.tm, jobs)
+        self.metrics.in_flight.labels(self.metrics.model_name).inc()
+        try:
+            return await until_disconnect(raw, fan.collect())
+        except ClientGone:
+            logger.info("request %s: client disconnected; aborted", jobs[0].rid)
+            self.metrics.observe_failure(route, 499)
+            raise
+        except RequestError as e:
+            self.metrics.observe_failure(route, e.status)
+            raise
+        finally:
+            await fan.aclose()
+            self.metrics.in_flight.labels(self.metrics.model_name).dec()
+
+    async def _stream(
+        self,
+        jobs: list[Job],
+        raw: Request,
+        fmt: _Format,
+        route: str,
+        started: float,
+        prompt_index: Callable[[int], int],
+    ) -> Response:
+        """Start the generations and wait for the first output, so that a rejected request is still
+        an HTTP error; then stream SSE events until every choice finished."""
+        fan = Fanout(self.tm, jobs)
+        iterator = fan.__aiter__()
+        self.metrics.in_flight.labels(self.metrics.model_name).inc()
+        try:
+            first = await until_disconnect(raw, iterator.__anext__())
+        except BaseException as e:
+            await fan.aclose()
+            self.metrics.in_flight.labels(self.metrics.model_name).dec()
+            if isinstance(e, StopAsyncIteration):
+                raise APIError("the runtime returned no output", 500) from None
+            if isinstance(e, RequestError):
+                self.metrics.observe_failure(route, e.status)
+            raise
+        ttft = time.perf_counter() - started
+
+        async def events() -> AsyncIterator[str]:
+            states = {job.index: ChoiceState() for job in jobs}
+            tally = _Tally()
+            status = 200
+            try:
+                pending: list[tuple[int, dict]] = [first]
+                while True:
+                    for index, out in pending:
+                        st = states[index]
+                        st.last = out
+                        for event in fmt.chunk(index, out, st):
+                            yield event
+                        if out["meta_info"].get("finish_reason") and not st.finished:
+                            st.finished = True
+                            tally.add(prompt_index(index), out["meta_info"])
+                    pending = []
+                    try:
+                        pending.append(await iterator.__anext__())
+                    except StopAsyncIteration:
+                        break
+                for event in fmt.end(tally.usage()):
+                    yield event
+            except RequestError as e:
+                status = e.status
+                yield sse(json.dumps(error_body(e.message, e.status)))
+            except Exception as e:  # mid-stream failure: the client gets an error event, not a cut stream
+                status = 500
+                logger.exception("request %s failed while streaming", jobs[0].rid)
+                yield sse(json.dumps(error_body(f"internal error: {e}", 500)))
+            except BaseException:
+                status = 499  # cancelled: the client disconnected
+                logger.info("request %s: client disconnected while streaming; aborted", jobs[0].rid)
+                raise
+            finally:
+                await fan.aclose()
+                self.metrics.in_flight.labels(self.metrics.model_name).dec()
+                for st in states.values():  # usage of unfinished choices, for the log line
+                    if not st.finished and st.last:
+                        tally.add(0, st.last["meta_info"])
+                self._done(jobs[0].rid, route, status, tally.usage(), started, ttft)
+            yield sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    def _done(self, rid: str, route: str, status: int, usage: p.UsageInfo, started: float, ttft: float | None) -> None:
+        latency = time.perf_counter() - started
+        cached = usage.prompt_tokens_details.cached_tokens
+        self.metrics.observe_request(route, status, usage.prompt_tokens, usage.completion_tokens, cached, latency, ttft)
+        if self.log_requests:
+            logger.info(
+                "request %s %s status=%d prompt_tokens=%d completion_tokens=%d cached_tokens=%d latency=%.3fs%s",
+                rid,
+                route,
+                status,
+                usage.prompt_tokens,
+                usage.completion_tokens,
+                cached,
+                latency,
+                "" if ttft is None else f" ttft={ttft:.3f}s",
+            )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    try:
+        return {int(k): float(v) for k, v in bias.items()}
+    except ValueError:
+        raise APIError("logit_bias keys must be token ids", 400, "logit_bias") from None
+
+
+def _native_json(out: dict) -> bytes:
+    return (
+        json.dumps(out, default=_json_default, allow_nan=False).encode()
+        if _all_finite(out)
+        else json.dumps(_sanitize(out), default=_json_default).encode()
+    )
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def _all_finite(o: Any) -> bool:
+    if isinstance(o, float):
+        return math.isfinite(o)
+    if isinstance(o, dict):
+        return all(_all_finite(v) for v in o.values())
+    if isinstance(o, list | tuple):
+        return all(_all_finite(v) for v in o)
+    return True
+
+
+def _sanitize(o: Any) -> Any:
+    if isinstance(o, float):
+        return _finite(o)
+    if isinstance(o, dict):
+        return {k: _sanitize(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [_sanitize(v) for v in o]
+    return o
+
+
+# ---- stream formats --------------------------------------------------------------------------
+
+
+class _Format:
+    def chunk(self, index: int, out: dict, st: ChoiceState) -> list[str]:
+        raise NotImplementedError
+
+    def end(self, usage: p.UsageInfo) -> list[str]:
+        return []
+
+
+def _pairs(meta: dict, key: str, start: int) -> list:
+    return list(meta.get(key) or [])[start:]
+
+
+class _ChatFormat(_Format):
+    def __init__(self, serving: Serving, rid: str, model: str, req: p.ChatCompletionRequest) -> None:
+        self.s, self.rid, self.model, self.req = serving, rid, model, req
+        self.created = int(time.time())
+        self.top = req.top_logprobs or 0
+
+    def logprobs(self, meta: dict, start: int) -> p.ChatLogprobs:
+        tokens = _pairs(meta, "output_token_logprobs", start)
+        tops = _pairs(meta, "output_top_logprobs", start)
+        content = []
+        for j, (lp, tid) in enumerate(tokens):
+            text = self.s.token_text(tid)
+            alts = tops[j] if j < len(tops) and tops[j] else []
+            content.append(
+                p.ChatTokenLogprob(
+                    token=text,
+                    logprob=_finite(lp),
+                    bytes=list(text.encode()),
+                    top_logprobs=[
+                        p.TopLogprob(
+                            token=self.s.token_text(t), logprob=_finite(a), bytes=list(self.s.token_text(t).encode())
+                        )
+                        for a, t in alts[: self.top]
+                    ],
+                )
+            )
+        return p.ChatLogprobs(content=content)
+
+    def _event(self, choice: p.ChatChunkChoice, usage: p.UsageInfo | None = None) -> str:
+        chunk = p.ChatCompletionChunk(
+            id=self.rid, created=self.created, model=self.model, choices=[choice], usage=usage
+        )
+        return sse(chunk.model_dump_json())
+
+    def chunk(self, index: int, out: dict, st: ChoiceState) -> list[str]:
+        events = []
+        if not st.started:
+            st.started = True
+            events.append(
+                self._event(p.ChatChunkChoice(index=index, delta=p.DeltaMessage(role="assistant", content="")))
+            )
+        meta = out["meta_info"]
+        text = out["text"]
+        delta, st.text_len = text[st.text_len :], len(text)
+        logprobs = None
+        if self.req.logprobs:
+            logprobs = self.logprobs(meta, st.logprobs_sent)
+            st.logprobs_sent += len(logprobs.content)
+        reason, matched = _finish(meta)
+        if delta or reason or (logprobs and logprobs.content):
+            usage = None
+            if self.req.stream_options and self.req.stream_options.continuous_usage_stats:
+                usage = _Tally()
+                usage.add(0, meta)
+                usage = usage.usage()
+            events.append(
+                self._event(
+                    p.ChatChunkChoice(
+                        index=index,
+                        delta=p.DeltaMessage(content=delta),
+                        logprobs=logprobs,
+                        finish_reason=reason,
+                        matched_stop=matched,
+                    ),
+                    usage,
+                )
+            )
+        return events
+
+    def end(self, usage: p.UsageInfo) -> list[str]:
+        if self.req.stream_options and self.req.stream_options.include_usage:
+            chunk = p.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage)
+            return [sse(chunk.model_dump_json())]
+        return []
+
+
+class _CompletionFormat(_Format):
+    def __init__(
+        self,
+        serving: Serving,
+        rid: str,
+        model: str,
+        req: p.CompletionRequest,
+        echoes: list[str],
+        prompt_of: dict[int, int],
+    ) -> None:
+        self.s, self.rid, self.model, self.req = serving, rid, model, req
+        self.echoes, self.prompt_of = echoes, prompt_of
+        self.created = int(time.time())
+        self.top = req.logprobs or 0
+        self._offsets: dict[int, int] = {}
+
+    def logprobs(self, meta: dict, start: int, offset: int) -> p.CompletionLogprobs:
+        tokens = _pairs(meta, "output_token_logprobs", start)
+        tops = _pairs(meta, "output_top_logprobs", start)
+        out = p.CompletionLogprobs()
+        for j, (lp, tid) in enumerate(tokens):
+            text = self.s.token_text(tid)
+            out.tokens.append(text)
+            out.token_logprobs.append(_finite(lp))
+            alts = tops[j] if j < len(tops) and tops[j] else []
+            out.top_logprobs.append(
+                {self.s.token_text(t): _finite(a) for a, t in alts[: self.top]} if self.top else None
+            )
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def chunk(self, index: int, out: dict, st: ChoiceState) -> list[str]:
+        meta = out["meta_info"]
+        prefix = ""
+        if not st.started:
+            st.started = True
+            prefix = self.echoes[self.prompt_of[index]]
+            self._offsets[index] = len(prefix)
+        text = out["text"]
+        delta, st.text_len = prefix + text[st.text_len :], len(text)
+        logprobs = None
+        if self.req.logprobs is not None:
+            logprobs = self.logprobs(meta, st.logprobs_sent, self._offsets[index])
+            st.logprobs_sent += len(logprobs.tokens)
+            self._offsets[index] += sum(len(t) for t in logprobs.tokens)
+        reason, matched = _finish(meta)
+        if not (delta or reason or (logprobs and logprobs.tokens)):
+            return []
+        chunk = p.CompletionResponse(
+            id=self.rid,
+            created=self.created,
+            model=self.model,
+            choices=[
+                p.CompletionChoice(
+                    index=index, text=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched
+                )
+            ],
+        )
+        return [sse(chunk.model_dump_json())]
+
+    def end(self, usage: p.UsageInfo) -> list[str]:
+        if self.req.stream_options and self.req.stream_options.include_usage:
+            chunk = p.CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage)
+            return [sse(chunk.model_dump_json())]
+        return []
+
+
+class _NativeFormat(_Format):
+    """SGLang's native stream: every event carries the full text so far and the meta_info."""
+
+    def chunk(self, index: int, out: dict, st: ChoiceState) -> list[str]:
+        return [sse(_native_json(out).decode())]

@@ -1,0 +1,436 @@
+"""HTTP layer against a fake TokenizerManager (same API, deterministic toy outputs): fast tests
+of routing, request validation, response shapes, streaming, errors, auth, limits and aborts.
+The end-to-end tests on the real runtime are in test_http_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+from radixserve.config import Config
+from radixserve.server.app import create_app
+from radixserve.server.runtime_api import RequestError
+
+MODEL = "fake-model"
+
+
+class FakeTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 50 + 1 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+class FakeTM:
+    """Toy runtime: output token k of a prompt is a function of (prompt, seed, k); the text of token
+    t is "<t>". Records aborts; `delay` paces streamed tokens."""
+
+    def __init__(self, context_len: int = 64, delay: float = 0.0) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.model_name = MODEL
+        self.context_len = context_len
+        self.delay = delay
+        self.healthy = True
+        self.aborted: list[str] = []
+        self.inputs: list = []
+        self.flushed = 0
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        text = "".join(f"{m['role']}:{m['content']}|" for m in messages)
+        return self.tokenizer.encode(text) + ([99] if add_generation_prompt else [])
+
+    def token(self, prompt: list[int], seed: int | None, k: int) -> int:
+        return (sum(prompt) * 31 + k * 7 + (seed or 0) * 13) % 50 + 100
+
+    async def generate(self, inp):
+        self.inputs.append(inp)
+        sp = inp.sampling_params
+        prompt = inp.input_ids if inp.input_ids is not None else self.tokenizer.encode(inp.text)
+        if len(prompt) + sp.max_new_tokens > self.context_len:
+            raise RequestError(f"too long: {len(prompt)} + {sp.max_new_tokens} > {self.context_len}", 400)
+        out_ids: list[int] = []
+        lps: list = []
+        tops: list = []
+        finish = None
+        while finish is None:
+            if inp.rid in self.aborted:
+                finish = {"type": "abort"}
+                break
+            t = self.token(prompt, sp.seed, len(out_ids))
+            out_ids.append(t)
+            lps.append((-0.5 * len(out_ids), t))
+            tops.append([(-0.5 * len(out_ids) - j, t + j) for j in range(sp.top_logprobs)])
+            text = self.tokenizer.decode(out_ids)
+            for s in sp.stop:
+                if s in text:
+                    text = text[: text.index(s)]
+                    finish = {"type": "stop", "matched": s}
+                    break
+            if finish is None and t in sp.stop_token_ids:
+                finish = {"type": "stop", "matched": t}
+            if finish is None and len(out_ids) >= sp.max_new_tokens:
+                finish = {"type": "length"}
+            out = {
+                "text": text if finish else self.tokenizer.decode(out_ids),
+                "output_ids": list(out_ids),
+                "meta_info": {
+                    "id": inp.rid,
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": len(out_ids),
+                    "cached_tokens": 2,
+                    "finish_reason": finish,
+                    "output_token_logprobs": list(lps) if inp.return_logprob else [],
+                    "output_top_logprobs": list(tops) if inp.return_logprob else [],
+                },
+            }
+            if inp.stream or finish:
+                yield out
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            else:
+                await asyncio.sleep(0)
+
+    def abort(self, rid: str) -> None:
+        self.aborted.append(rid)
+
+    async def flush_cache(self) -> bool:
+        self.flushed += 1
+        return True
+
+    async def get_stats(self) -> dict:
+        return {"num_running_reqs": 0, "num_waiting_reqs": 0, "token_usage": 0.25, "name": "x"}
+
+    def is_healthy(self) -> bool:
+        return self.healthy
+
+
+def expected_text(tm: FakeTM, prompt: list[int], n_tokens: int, seed: int | None = None) -> str:
+    return tm.tokenizer.decode([tm.token(prompt, seed, k) for k in range(n_tokens)])
+
+
+@pytest.fixture
+def tm() -> FakeTM:
+    return FakeTM()
+
+
+def make_client(tm: FakeTM, **server) -> TestClient:
+    return TestClient(create_app(tm, Config.build({"server": server})))
+
+
+@pytest.fixture
+def client(tm) -> TestClient:
+    return make_client(tm)
+
+
+@pytest.fixture
+def oai(client) -> openai.OpenAI:
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client, max_retries=0)
+
+
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+
+def chat_prompt(tm: FakeTM) -> list[int]:
+    return tm.apply_chat_template(CHAT)
+
+
+# ---- OpenAI routes through the real openai client --------------------------------------------
+
+
+def test_models(oai, client):
+    assert [m.id for m in oai.models.list().data] == [MODEL]
+    r = client.get("/v1/models/other")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_chat_non_stream_text_and_usage(oai, tm):
+    r = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0)
+    prompt = chat_prompt(tm)
+    assert r.choices[0].message.content == expected_text(tm, prompt, 5)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 5
+    assert r.usage.total_tokens == len(prompt) + 5
+    assert r.usage.prompt_tokens_details.cached_tokens == 2
+    sp = tm.inputs[0].sampling_params
+    assert sp.max_new_tokens == 5 and sp.temperature == 0.0
+
+
+def test_chat_stream_equals_non_stream_and_usage(oai, tm):
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=6, seed=3)
+    full = oai.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(oai.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full == expected_text(tm, chat_prompt(tm), 6, seed=3)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_n2_seeded_choices_differ_and_are_reproducible(oai, tm):
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=4, n=2, seed=7)
+    a = oai.chat.completions.create(**kw)
+    b = oai.chat.completions.create(**kw)
+    texts = [c.message.content for c in sorted(a.choices, key=lambda c: c.index)]
+    assert [c.index for c in a.choices] == [0, 1]
+    assert texts[0] != texts[1]
+    assert texts == [c.message.content for c in sorted(b.choices, key=lambda c: c.index)]
+    assert a.usage.completion_tokens == 8 and a.usage.prompt_tokens == len(chat_prompt(tm))
+    streamed = {0: "", 1: ""}
+    for c in oai.chat.completions.create(stream=True, **kw):
+        for ch in c.choices:
+            streamed[ch.index] += ch.delta.content or ""
+    assert [streamed[0], streamed[1]] == texts
+
+
+def test_chat_logprobs(oai, tm):
+    r = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"<{tm.token(chat_prompt(tm), None, k)}>" for k in range(3)]
+    assert [c.logprob for c in content] == [-0.5, -1.0, -1.5]
+    assert all(len(c.top_logprobs) == 2 for c in content)
+    assert tm.inputs[-1].return_logprob and tm.inputs[-1].top_logprobs_num == 2
+    streamed = []
+    for c in oai.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=3, logprobs=True, top_logprobs=2, stream=True
+    ):
+        if c.choices and c.choices[0].logprobs:
+            streamed += [x.logprob for x in c.choices[0].logprobs.content]
+    assert streamed == [-0.5, -1.0, -1.5]
+
+
+def test_chat_stop_string_and_extensions(oai, tm):
+    prompt = chat_prompt(tm)
+    full = expected_text(tm, prompt, 4)
+    stop = full[8:11]  # inside the third token's text
+    r = oai.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=4,
+        stop=[stop],
+        extra_body={"top_k": 5, "min_p": 0.1, "ignore_eos": True, "repetition_penalty": 1.2, "stop_token_ids": [7]},
+    )
+    assert r.choices[0].message.content == full[:8]
+    assert r.choices[0].finish_reason == "stop"
+    sp = tm.inputs[-1].sampling_params
+    assert (sp.top_k, sp.min_p, sp.ignore_eos, sp.repetition_penalty, sp.stop_token_ids) == (5, 0.1, True, 1.2, [7])
+
+
+def test_chat_default_max_tokens_fills_context(oai, tm):
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == tm.context_len
+
+
+def test_completions_prompts_echo_logprobs(oai, tm):
+    r = oai.completions.create(model=MODEL, prompt="abc", max_tokens=3, logprobs=2)
+    assert r.choices[0].text == expected_text(tm, tm.tokenizer.encode("abc"), 3)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == [-0.5, -1.0, -1.5] and len(lp.top_logprobs[0]) == 2
+    assert lp.text_offset == [0, 5, 10]
+    r = oai.completions.create(model=MODEL, prompt=["ab", "cd"], max_tokens=2, n=2)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    assert r.usage.prompt_tokens == 4 and r.usage.completion_tokens == 8
+    r = oai.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2, echo=True)
+    assert r.choices[0].text == "<5><6><7>" + expected_text(tm, [5, 6, 7], 2)
+    chunks = list(oai.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+
+
+def test_completions_default_max_tokens_is_16(oai, tm):
+    r = oai.completions.create(model=MODEL, prompt="a")
+    assert r.usage.completion_tokens == 16
+
+
+# ---- native routes ---------------------------------------------------------------------------
+
+
+def test_native_generate(client, tm):
+    r = client.post("/generate", json={"text": "ab", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    assert r.status_code == 200
+    assert r.json()["text"] == expected_text(tm, tm.tokenizer.encode("ab"), 3)
+    assert r.json()["meta_info"]["completion_tokens"] == 3
+    with client.stream(
+        "POST", "/generate", json={"input_ids": [1, 2], "stream": True, "sampling_params": {"max_new_tokens": 3}}
+    ) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert [len(json.loads(e)["output_ids"]) for e in events[:-1]] == [1, 2, 3]
+    r = client.post("/generate", json={"text": "ab", "sampling_params": {"max_tokens": 3}})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    r = client.post("/generate", json={"text": "ab", "input_ids": [1]})
+    assert r.status_code == 400
+
+
+def test_health_metrics_flush_abort_info(tm):
+    client = make_client(tm, api_key="sekret")
+    assert client.get("/health").status_code == 200  # open without the key
+    auth = {"Authorization": "Bearer sekret"}
+    assert client.get("/health_generate", headers=auth).status_code == 200
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}, headers=auth)
+    m = client.get("/metrics", headers=auth).text
+    assert 'radixserve_requests_total{model="fake-model",route="completions",status="200"} 1.0' in m
+    assert 'radixserve_generation_tokens_total{model="fake-model"} 2.0' in m
+    assert 'radixserve_scheduler_token_usage{model="fake-model"} 0.25' in m
+    assert client.post("/flush_cache", headers=auth).status_code == 200 and tm.flushed == 1
+    assert client.post("/abort_request", json={"rid": "r1"}, headers=auth).json()["status"] == "ok"
+    assert tm.aborted == ["r1"]
+    info = client.get("/server_info", headers=auth).json()
+    assert info["model_name"] == MODEL and info["config"]["server"]["api_key"] == "***"
+
+
+def test_unhealthy_runtime_is_503(client, tm):
+    tm.healthy = False
+    assert client.get("/health").status_code == 503
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+
+def _chat(**kw):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
+    body.update(kw)
+    return {k: v for k, v in body.items() if v is not ...}
+
+
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        (_chat(messages=...), 400, "messages"),
+        (_chat(model=...), 400, "model"),
+        (_chat(messages=[]), 400, "messages"),
+        (_chat(temperature="hot"), 400, "temperature"),
+        (_chat(max_tokens=-1), 400, "max_tokens"),
+        (_chat(max_tokens=0), 400, "max_tokens"),
+        (_chat(max_tokens=10**9), 400, "max_tokens"),
+        (_chat(max_tokens=60), 400, "max_tokens"),  # fits alone, not with the prompt
+        (_chat(n=0), 400, "n"),
+        (_chat(top_logprobs=3), 400, None),  # without logprobs=true
+        (_chat(tools=[{"type": "function"}]), 400, "tools"),
+        (_chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages.0.role"),
+        (_chat(model="gpt-4"), 404, "model"),
+    ],
+)
+def test_bad_chat_requests(client, body, status, param):
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    assert client.get("/health").status_code == 200
+
+
+def test_bad_json_unknown_route_and_runtime_rejection(client):
+    r = client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json=[1, 2])
+    assert r.status_code == 400
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    # a text prompt's length is known only to the runtime: its RequestError becomes the response
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 60, "max_tokens": 10})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("too long")
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 60, "max_tokens": 10, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("too long")
+
+
+def test_body_size_limit(tm):
+    client = make_client(tm, max_request_bytes=1000)
+    r = client.post("/v1/chat/completions", json=_chat(messages=[{"role": "user", "content": "x" * 2000}]))
+    assert r.status_code == 413 and r.json()["error"]["message"].startswith("request body exceeds")
+
+    def chunks():  # no content-length: the limit still holds for a chunked body
+        for _ in range(10):
+            yield b"x" * 200
+
+    r = client.post("/v1/completions", content=chunks())
+    assert r.status_code == 413
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1}).status_code == 200
+
+
+def test_api_key(tm):
+    client = make_client(tm, api_key="sekret")
+    ok = openai.OpenAI(base_url="http://testserver/v1", api_key="sekret", http_client=client, max_retries=0)
+    assert ok.models.list().data[0].id == MODEL
+    bad = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=client, max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.chat.completions.create(model=MODEL, messages=CHAT)
+    assert e.value.status_code == 401 and e.value.body["type"] == "authentication_error"
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", headers={"x-api-key": "sekret"}).status_code == 200
+
+
+def test_plugin_routes_hook(tm):
+    from radixserve.plugins import hookimpl
+    from radixserve.plugins.registry import get_registry
+
+    class Plugin:
+        @hookimpl
+        def radixserve_add_routes(self, app, context):
+            @app.get("/x/ping")
+            async def ping():
+                return {"model": context.model_name}
+
+    pm = get_registry().pm
+    plugin = Plugin()
+    pm.register(plugin, name="test-http-routes")
+    try:
+        client = make_client(tm)
+    finally:
+        pm.unregister(plugin)
+    assert client.get("/x/ping").json() == {"model": MODEL}
+
+
+# ---- client disconnect aborts (a real uvicorn server: TestClient cannot disconnect) ----------
+
+
+@pytest.fixture
+def live_server():
+    tm = FakeTM(context_len=100000, delay=0.01)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(tm, Config()), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 10
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    yield tm, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def _wait_for(cond, timeout=5.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_disconnect_aborts_streaming_and_non_streaming(live_server):
+    tm, url = live_server
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 5000, "stream": True, "rid": "s1"}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=10) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one event received; leaving the block closes the connection
+    assert _wait_for(lambda: "s1" in tm.aborted), tm.aborted
+    body.update(stream=False, rid="n1")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=0.5)
+    assert _wait_for(lambda: "n1" in tm.aborted), tm.aborted
+    assert httpx.get(f"{url}/health").status_code == 200
