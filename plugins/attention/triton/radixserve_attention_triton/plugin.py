@@ -7,4 +7,13 @@ PLUGIN_API = ">=1,<2"
 
 @hookimpl
 def radixserve_register(registry) -> None:
-    pass  # components are registered here as they are built
+    registry.register(
+        "attention",
+        "triton",
+        "radixserve_attention_triton.backend:TritonAttentionBackend",
+        devices=("cuda",),
+        dtypes=("bfloat16", "float16"),
+        priority=20,  # above torch_native (10): the default on CUDA when installed
+        capabilities=("cuda_graph", "gqa", "prefix_extend", "split_kv_decode"),
+        description="Triton extend (prefix + causal new tokens) and split-KV decode kernels over the token-slot KV pool",
+    )

@@ -1,0 +1,26 @@
+"""Pieces shared by the extend and decode kernels: the online-softmax step and its constants.
+
+Scores are kept in the log2 domain (softmax scale multiplied by log2(e)) so kernels use exp2.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# A finite "minus infinity" for the running max: keeps exp2(m_old - m_new) finite when a whole
+# block is masked (exp2(-inf - -inf) would be NaN).
+NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def online_softmax_step(qk, v, m_i, l_i, acc):
+    """Fold one block of (log2-scaled, -inf-masked) scores [M, N] and values [N, D] into the
+    running max m_i [M], running sum l_i [M] and unnormalised output acc [M, D]."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc

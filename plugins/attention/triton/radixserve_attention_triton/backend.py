@@ -1,0 +1,220 @@
+"""TritonAttentionBackend: extend and decode attention with this plugin's Triton kernels.
+
+Per forward, `init_forward_metadata` builds the small index tensors every layer reuses (extend: start
+offset of each request's new tokens; decode: KV split count per request plus the split scratch
+buffers), all on the device and without reading lengths back from it. For CUDA graphs, decode
+metadata lives in static buffers sized for `max_bs` and is refreshed in place before each replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from radixserve.interfaces.attention import AttentionBackend
+from radixserve.state import ForwardMode
+
+from radixserve_attention_triton._interpreter_compat import interpreter_enabled
+from radixserve_attention_triton.decode_kernel import compute_num_kv_splits, decode_attention
+from radixserve_attention_triton.extend_kernel import extend_attention
+
+if TYPE_CHECKING:
+    from radixserve.interfaces.attention import AttentionLayerSpec
+    from radixserve.state import ForwardBatch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class ExtendMetadata:
+    extend_start: torch.Tensor  # int64 [bs]: offset of request i's first new token in the packed tokens
+    max_extend_len: int  # host int: sizes the grid's query-block axis
+
+
+@dataclass
+class DecodeMetadata:
+    num_kv_splits: torch.Tensor  # int32 [bs]
+    mid_o: torch.Tensor  # float32 [bs, H, max_kv_splits, D], stage-1 partial outputs
+    mid_lse: torch.Tensor  # float32 [bs, H, max_kv_splits], stage-1 log2-sum-exp
+
+
+@dataclass
+class _GraphBuffers:
+    num_kv_splits: torch.Tensor
+    mid_o: torch.Tensor
+    mid_lse: torch.Tensor
+
+
+def _max_batch_size(info: Any) -> int:
+    for name in ("max_bs", "max_batch_size", "max_running_requests"):
+        value = getattr(info, name, None)
+        if value:
+            return int(value)
+    return 1
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Attention over the page-size-1 KV pool with Triton kernels (CUDA; the CPU interpreter in tests).
+
+    `runner_info` must provide: device, dtype, num_heads, num_kv_heads, head_dim, req_to_token_pool,
+    kv_pool, and a max batch size (max_bs / max_batch_size / max_running_requests).
+    Tuning knobs (keyword-only) control decode splitting: at most `max_kv_splits` splits per request,
+    none shorter than `min_split_tokens`, and about `sm_count * 2` decode programs in flight
+    (`sm_count` defaults to the GPU's multiprocessor count).
+    """
+
+    name = "triton"
+
+    def __init__(
+        self,
+        runner_info: Any,
+        *,
+        max_kv_splits: int = 16,
+        min_split_tokens: int | None = None,
+        sm_count: int | None = None,
+    ) -> None:
+        self.device = torch.device(runner_info.device)
+        dtype = runner_info.dtype
+        self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+        self.num_heads = int(runner_info.num_heads)
+        self.num_kv_heads = int(runner_info.num_kv_heads)
+        self.head_dim = int(runner_info.head_dim)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        self.max_bs = _max_batch_size(runner_info)
+        self.req_to_token_pool = runner_info.req_to_token_pool
+        self.kv_pool = runner_info.kv_pool
+        self.interpret = interpreter_enabled()
+        self.max_kv_splits = max_kv_splits
+        self.min_split_tokens = min_split_tokens or (16 if self.interpret else 256)
+        if sm_count is not None:
+            self.sm_count = sm_count
+        elif self.device.type == "cuda":
+            self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
+        else:
+            self.sm_count = 8  # interpreter: any small number; only the split count depends on it
+        self._graph: _GraphBuffers | None = None
+
+    @classmethod
+    def supports(cls, device: str, dtype: str, head_dim: int) -> bool:
+        on_device = device.split(":")[0] == "cuda" or interpreter_enabled()
+        return on_device and dtype in _DTYPES and 16 <= head_dim <= 256
+
+    # ---- metadata -----------------------------------------------------------------------------
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.mode is ForwardMode.DECODE:
+            bs = batch.batch_size
+            batch.attn_metadata = self._decode_metadata(
+                batch,
+                torch.empty(bs, dtype=torch.int32, device=self.device),
+                torch.empty(
+                    bs, self.num_heads, self.max_kv_splits, self.head_dim, dtype=torch.float32, device=self.device
+                ),
+                torch.empty(bs, self.num_heads, self.max_kv_splits, dtype=torch.float32, device=self.device),
+            )
+            return
+        if batch.mode is ForwardMode.IDLE:
+            batch.attn_metadata = None
+            return
+        extend_start = torch.zeros_like(batch.extend_lens)
+        if batch.batch_size > 1:
+            torch.cumsum(batch.extend_lens[:-1], 0, out=extend_start[1:])
+        lens = batch.extend_lens_cpu or batch.extend_lens.tolist()  # host copy avoids a device sync
+        batch.attn_metadata = ExtendMetadata(extend_start=extend_start, max_extend_len=max(lens, default=0))
+
+    def _decode_metadata(
+        self, batch: ForwardBatch, num_kv_splits: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor
+    ) -> DecodeMetadata:
+        target = -(-self.sm_count * 2 // max(1, batch.batch_size * self.num_kv_heads))
+        compute_num_kv_splits(batch.seq_lens, num_kv_splits, self.max_kv_splits, self.min_split_tokens, target)
+        return DecodeMetadata(num_kv_splits=num_kv_splits, mid_o=mid_o, mid_lse=mid_lse)
+
+    # ---- forward ------------------------------------------------------------------------------
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
+    ) -> torch.Tensor:
+        meta: ExtendMetadata = batch.attn_metadata
+        q3, k3, v3 = self._split_heads(q, k, v, layer)
+        batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k3, v3)
+        k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        out = torch.empty_like(q3)
+        extend_attention(
+            q3,
+            k3.to(k_buf.dtype),
+            v3.to(v_buf.dtype),
+            out,
+            k_buf,
+            v_buf,
+            batch.req_to_token_pool.req_to_token,
+            batch.req_pool_indices,
+            batch.prefix_lens,
+            batch.extend_lens,
+            meta.extend_start,
+            meta.max_extend_len,
+            layer.scaling,
+            interpret=self.interpret,
+        )
+        return out.view(q.shape[0], -1)
+
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
+    ) -> torch.Tensor:
+        meta: DecodeMetadata = batch.attn_metadata
+        q3, k3, v3 = self._split_heads(q, k, v, layer)
+        batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k3, v3)
+        k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        out = torch.empty_like(q3)
+        decode_attention(
+            q3.to(k_buf.dtype),
+            out,
+            k_buf,
+            v_buf,
+            batch.req_to_token_pool.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            meta.num_kv_splits,
+            meta.mid_o,
+            meta.mid_lse,
+            layer.scaling,
+            interpret=self.interpret,
+        )
+        return out.view(q.shape[0], -1)
+
+    @staticmethod
+    def _split_heads(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # reshape (not view): q/k/v may be strided slices of a fused qkv projection
+        d = layer.head_dim
+        return (
+            q.reshape(-1, layer.num_heads, d),
+            k.reshape(-1, layer.num_kv_heads, d),
+            v.reshape(-1, layer.num_kv_heads, d),
+        )
+
+    # ---- CUDA graphs (decode) -----------------------------------------------------------------
+    def supports_cuda_graph(self) -> bool:
+        return True
+
+    def init_graph_state(self, max_bs: int) -> None:
+        h, s, d = self.num_heads, self.max_kv_splits, self.head_dim
+        self._graph = _GraphBuffers(
+            num_kv_splits=torch.ones(max_bs, dtype=torch.int32, device=self.device),
+            mid_o=torch.zeros(max_bs, h, s, d, dtype=torch.float32, device=self.device),
+            mid_lse=torch.zeros(max_bs, h, s, dtype=torch.float32, device=self.device),
+        )
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        if self._graph is None:
+            raise RuntimeError("init_graph_state(max_bs) must run before capturing a CUDA graph")
+        if batch.mode is not ForwardMode.DECODE:
+            raise ValueError(f"the triton backend captures decode batches only, got {batch.mode}")
+        bs = batch.batch_size
+        g = self._graph
+        batch.attn_metadata = self._decode_metadata(batch, g.num_kv_splits[:bs], g.mid_o[:bs], g.mid_lse[:bs])
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch, real_bs: int) -> None:
+        # The padded batch has the captured size; its seq_lens are refreshed in place by the runner,
+        # so recomputing the split counts into the same static slice is all a replay needs.
+        self.init_forward_metadata_capture(batch)

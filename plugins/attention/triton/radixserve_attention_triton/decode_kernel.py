@@ -1,0 +1,244 @@
+"""Decode attention (one query token per request) over the token-slot KV pool, split-KV style.
+
+Stage 1: program (request, KV head, split) walks its slice of the request's KV (slots read through
+`req_to_token`) for all query heads of that KV head's group at once (GQA: K/V are read once per
+group), and writes a normalised partial output plus its log2-sum-exp per head.
+Stage 2: program (request, query head) merges the partials of the request's splits.
+
+The number of splits per request is a device tensor (see `compute_num_kv_splits`) and the grid's
+split axis is the fixed `max_kv_splits`, so a launch never depends on host-side lengths: that is
+what lets CUDA graphs replay it with new lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from radixserve_attention_triton import _interpreter_compat
+from radixserve_attention_triton._softmax import LOG2E, NEG_BIG, online_softmax_step
+
+_interpreter_compat.apply()
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    Q,
+    K_buf,
+    V_buf,
+    ReqToToken,
+    req_pool_idx_ptr,
+    seq_lens_ptr,
+    num_splits_ptr,
+    MidO,
+    MidLse,
+    sm_scale_log2,
+    stride_qb,
+    stride_qh,
+    stride_kbs,
+    stride_kbh,
+    stride_vbs,
+    stride_vbh,
+    stride_r2t,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    n_splits = tl.load(num_splits_ptr + b).to(tl.int32)
+    if split >= n_splits:
+        return
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    req = tl.load(req_pool_idx_ptr + b).to(tl.int64)
+    # Splits are whole multiples of BLOCK_N so loads stay aligned; trailing splits may be empty.
+    split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_h
+    mask_h = offs_h < GROUP
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_H], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    r2t_row = ReqToToken + req * stride_r2t
+    for start in range(lo, hi, BLOCK_N):
+        n = start + offs_n
+        mask_n = n < hi
+        slot = tl.load(r2t_row + n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(K_buf + slot[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * sm_scale_log2
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        v = tl.load(V_buf + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=kv_mask, other=0.0)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
+
+    nonempty = l_i > 0.0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    mo_ptrs = MidO + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
+    tl.store(mo_ptrs, out, mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(MidLse + b * stride_mlb + heads * stride_mlh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    MidO,
+    MidLse,
+    Out,
+    num_splits_ptr,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    n_splits = tl.load(num_splits_ptr + b).to(tl.int32)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < n_splits
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(MidLse + b * stride_mlb + h * stride_mlh + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a zero-length (padding) request: all weights 0
+    w = tl.exp2(lse - m)
+    parts = tl.load(
+        MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_config(head_dim: int, interpret: bool) -> DecodeConfig:
+    if interpret:
+        return DecodeConfig(16, 1, 1)
+    if triton.next_power_of_2(head_dim) <= 128:
+        return DecodeConfig(64, 4, 2)
+    return DecodeConfig(32, 4, 2)
+
+
+def compute_num_kv_splits(
+    seq_lens: torch.Tensor, out: torch.Tensor, max_splits: int, min_split_tokens: int, target_splits: int
+) -> None:
+    """Fill `out` (int32 [bs]) with each request's split count, on the device, without a host sync:
+    enough splits to give every SM work (`target_splits`), but no split shorter than
+    `min_split_tokens`, at most `max_splits`, at least 1."""
+    cap = max(1, min(max_splits, target_splits))
+    splits = torch.div(seq_lens + (min_split_tokens - 1), min_split_tokens, rounding_mode="floor")
+    out.copy_(splits.clamp_(1, cap))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_kv_splits: torch.Tensor,
+    mid_o: torch.Tensor,
+    mid_lse: torch.Tensor,
+    sm_scale: float,
+    interpret: bool = False,
+) -> None:
+    """Write decode attention into `out`.
+
+    Shapes: q/out [bs, H, D]; k_buf/v_buf [slots, KVH, D]; num_kv_splits int32 [bs];
+    mid_o float32 [>=bs, H, S, D] and mid_lse float32 [>=bs, H, S] are scratch, S = max splits
+    (the grid's split axis). Each request's KV (its new token included) must already be in the pool.
+    """
+    bs, num_heads, head_dim = q.shape
+    if bs == 0:
+        return
+    num_kv_heads = k_buf.shape[1]
+    group = num_heads // num_kv_heads
+    max_splits = mid_o.shape[2]
+    cfg = decode_config(head_dim, interpret)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_stage1_kernel[(bs, num_kv_heads, max_splits)](
+        q,
+        k_buf,
+        v_buf,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        num_kv_splits,
+        mid_o,
+        mid_lse,
+        sm_scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    _decode_stage2_kernel[(bs, num_heads)](
+        mid_o,
+        mid_lse,
+        out,
+        num_kv_splits,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(max_splits),
+        num_warps=4 if not interpret else 1,
+    )

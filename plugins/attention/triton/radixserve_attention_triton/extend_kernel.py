@@ -1,0 +1,199 @@
+"""Extend (prefill) attention over the token-slot KV pool, variable lengths in one launch.
+
+Each program owns one request, one query head and a block of BLOCK_M new tokens. It attends in two
+stages with one running (online) softmax:
+  1. the request's cached prefix, whose K/V slots are read through `req_to_token` (page size 1);
+  2. the new tokens' own K/V, read contiguously from the packed k/v inputs, with a causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from radixserve_attention_triton import _interpreter_compat
+from radixserve_attention_triton._softmax import LOG2E, NEG_BIG, online_softmax_step
+
+_interpreter_compat.apply()
+
+
+@triton.jit
+def _extend_kernel(
+    Q,
+    K_new,
+    V_new,
+    Out,
+    K_buf,
+    V_buf,
+    ReqToToken,
+    req_pool_idx_ptr,
+    prefix_lens_ptr,
+    extend_lens_ptr,
+    extend_start_ptr,
+    sm_scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_kbs,
+    stride_kbh,
+    stride_vbs,
+    stride_vbh,
+    stride_r2t,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    m_start = tl.program_id(2) * BLOCK_M
+    ext_len = tl.load(extend_lens_ptr + b).to(tl.int32)
+    if m_start >= ext_len:
+        return
+    kvh = h // GROUP
+    prefix_len = tl.load(prefix_lens_ptr + b).to(tl.int32)
+    ext_start = tl.load(extend_start_ptr + b).to(tl.int64)
+    req = tl.load(req_pool_idx_ptr + b).to(tl.int64)
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < ext_len
+    mask_d = offs_d < HEAD_DIM
+
+    q_ptrs = Q + (ext_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Stage 1: the cached prefix, gathered slot by slot through req_to_token.
+    r2t_row = ReqToToken + req * stride_r2t
+    for start in range(0, prefix_len, BLOCK_N):
+        n = start + offs_n
+        mask_n = n < prefix_len
+        slot = tl.load(r2t_row + n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(K_buf + slot[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * sm_scale_log2
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        v = tl.load(V_buf + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=kv_mask, other=0.0)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
+
+    # Stage 2: the new tokens themselves, causal; keys past this block's last query are never needed.
+    hi = tl.minimum(ext_len, m_start + BLOCK_M)
+    for start in range(0, hi, BLOCK_N):
+        n = start + offs_n
+        mask_n = n < hi
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        tok = (ext_start + n)[:, None]
+        k = tl.load(K_new + tok * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * sm_scale_log2
+        causal = (offs_m[:, None] >= n[None, :]) & mask_n[None, :]
+        qk = tl.where(causal, qk, float("-inf"))
+        v = tl.load(V_new + tok * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
+
+    out = acc / l_i[:, None]
+    o_ptrs = Out + (ext_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def extend_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> ExtendConfig:
+    """Tile sizes per head dim; kept within Hopper's ~227 KB of shared memory with 2 stages."""
+    if interpret:
+        return ExtendConfig(16, 16, 1, 1)  # small tiles: more loop iterations exercised on tiny inputs
+    block_d = triton.next_power_of_2(head_dim)
+    wide = torch.empty((), dtype=dtype).element_size() >= 4
+    if block_d <= 64:
+        cfg = ExtendConfig(128, 64, 4, 3)
+    elif block_d <= 128:
+        cfg = ExtendConfig(128, 64, 8, 2)
+    else:
+        cfg = ExtendConfig(64, 32, 8, 2)
+    if wide:  # fp32 tiles take twice the shared memory
+        cfg = ExtendConfig(max(16, cfg.block_m // 2), max(16, cfg.block_n // 2), cfg.num_warps, cfg.num_stages)
+    return cfg
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    out: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    extend_start: torch.Tensor,
+    max_extend_len: int,
+    sm_scale: float,
+    interpret: bool = False,
+) -> None:
+    """Write attention of the packed new tokens into `out`.
+
+    Shapes: q/out [T, H, D]; k_new/v_new [T, KVH, D]; k_buf/v_buf [slots, KVH, D] (last dim
+    contiguous everywhere); req_to_token [rows, max_ctx]; per-request vectors [bs]. H must be a
+    multiple of KVH. The prefix K/V must already be in the pool; new tokens' K/V come from k_new/v_new.
+    """
+    bs = int(req_pool_indices.shape[0])
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_new.shape[1]
+    if bs == 0 or max_extend_len <= 0:
+        return
+    cfg = extend_config(head_dim, q.dtype, interpret)
+    grid = (bs, num_heads, triton.cdiv(max_extend_len, cfg.block_m))
+    _extend_kernel[grid](
+        q,
+        k_new,
+        v_new,
+        out,
+        k_buf,
+        v_buf,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        extend_start,
+        sm_scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        req_to_token.stride(0),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )

@@ -1,0 +1,303 @@
+"""The triton attention backend against a pure-torch reference, through the backend's public API.
+
+Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, float32, small shapes);
+with one, the same tests run on CUDA over many more shapes (bf16/fp16, head dims up to 256, contexts up
+to 8k, batches up to 64) plus a real CUDA-graph capture and replay. Imports stay torch-only (no
+pydantic) so the file also runs on the bare GPU image.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' @triton.jit decoration
+
+from radixserve.memory.kv_pool import KVPool  # noqa: E402
+from radixserve.memory.req_to_token import ReqToTokenPool  # noqa: E402
+from radixserve.state import ForwardBatch, ForwardMode  # noqa: E402
+from radixserve_attention_triton.backend import TritonAttentionBackend  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+TOL = {torch.float32: 5e-3 if ON_GPU else 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+@dataclass
+class Layer:
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+@dataclass
+class Problem:
+    """A batch with known full-sequence K/V per request, its prefix already stored in the pool."""
+
+    backend: TritonAttentionBackend
+    batch: ForwardBatch
+    layer: Layer
+    q: torch.Tensor  # [T, H*D]
+    k_new: torch.Tensor  # [T, KVH*D]
+    v_new: torch.Tensor
+    k_full: list[torch.Tensor]  # per request [prefix+extend, KVH, D]
+    v_full: list[torch.Tensor]
+    pool_before: tuple[torch.Tensor, torch.Tensor]
+
+
+def make_problem(
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    mode: ForwardMode,
+    seed: int = 0,
+    pool_slots: int | None = None,
+    max_context: int | None = None,
+    **backend_kwargs,
+) -> Problem:
+    gen = torch.Generator().manual_seed(seed)
+    bs = len(prefix_lens)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    num_slots = pool_slots or sum(seq_lens) + 7  # a few spare slots that must stay untouched
+    layer = Layer(layer_id=1, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scaling=head_dim**-0.5)
+    kv_pool = KVPool(num_slots, num_layers=2, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=DEVICE)
+    r2t = ReqToTokenPool(size=bs + 3, max_context_len=max_context or max(seq_lens) + 5, device=DEVICE)
+    # Scattered slots and non-trivial row numbers, so every gather through req_to_token matters.
+    perm = (torch.randperm(num_slots, generator=gen) + 1).tolist()
+    rows = torch.randperm(bs + 3, generator=gen)[:bs].tolist()
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+    k_full, v_full, out_loc, cursor = [], [], [], 0
+    for i in range(bs):
+        slots = torch.tensor(perm[cursor : cursor + seq_lens[i]], dtype=torch.int64)
+        cursor += seq_lens[i]
+        r2t.write(rows[i], 0, slots)
+        k_full.append(rand(seq_lens[i], num_kv_heads, head_dim))
+        v_full.append(rand(seq_lens[i], num_kv_heads, head_dim))
+        pre = slots[: prefix_lens[i]].to(DEVICE)
+        if prefix_lens[i]:
+            kv_pool.set_kv(layer.layer_id, pre, k_full[i][: prefix_lens[i]], v_full[i][: prefix_lens[i]])
+        out_loc.append(slots[prefix_lens[i] :])
+    k_new = torch.cat([k[p:] for k, p in zip(k_full, prefix_lens)]).reshape(-1, num_kv_heads * head_dim)
+    v_new = torch.cat([v[p:] for v, p in zip(v_full, prefix_lens)]).reshape(-1, num_kv_heads * head_dim)
+    num_tokens = sum(extend_lens)
+    q = rand(num_tokens, num_heads * head_dim)
+
+    def dev(xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.int64, device=DEVICE)
+
+    info = SimpleNamespace(
+        device=DEVICE,
+        dtype=dtype,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_bs=max(bs, 1),
+        req_to_token_pool=r2t,
+        kv_pool=kv_pool,
+    )
+    backend = TritonAttentionBackend(info, **backend_kwargs)
+    positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)]).to(DEVICE)
+    batch = ForwardBatch(
+        mode=mode,
+        batch_size=bs,
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=DEVICE),
+        positions=positions,
+        req_pool_indices=dev(rows),
+        seq_lens=dev(seq_lens),
+        prefix_lens=dev(prefix_lens),
+        extend_lens=dev(extend_lens),
+        out_cache_loc=torch.cat(out_loc).to(DEVICE),
+        req_to_token_pool=r2t,
+        kv_pool=kv_pool,
+        attn_backend=backend,
+        seq_lens_cpu=list(seq_lens),
+        prefix_lens_cpu=list(prefix_lens),
+        extend_lens_cpu=list(extend_lens),
+    )
+    k_buf, v_buf = kv_pool.get_kv(layer.layer_id)
+    return Problem(backend, batch, layer, q, k_new, v_new, k_full, v_full, (k_buf.clone(), v_buf.clone()))
+
+
+def reference(p: Problem) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its full K/V, in float64 (float32 on GPU)."""
+    ref_dtype = torch.float32 if ON_GPU else torch.float64
+    h, kvh, d = p.layer.num_heads, p.layer.num_kv_heads, p.layer.head_dim
+    q = p.q.view(-1, h, d).to(ref_dtype)
+    outs, start = [], 0
+    for i, (k, v) in enumerate(zip(p.k_full, p.v_full)):
+        ext, seq = p.batch.extend_lens_cpu[i], p.batch.seq_lens_cpu[i]
+        k = k.to(ref_dtype).repeat_interleave(h // kvh, dim=1)
+        v = v.to(ref_dtype).repeat_interleave(h // kvh, dim=1)
+        scores = torch.einsum("thd,shd->hts", q[start : start + ext], k) * p.layer.scaling
+        query_pos = torch.arange(seq - ext, seq, device=q.device)[:, None]
+        scores = scores.masked_fill(torch.arange(seq, device=q.device)[None, :] > query_pos, float("-inf"))
+        outs.append(torch.einsum("hts,shd->thd", scores.softmax(-1), v))
+        start += ext
+    return torch.cat(outs).reshape(-1, h * d)
+
+
+def run(p: Problem) -> torch.Tensor:
+    p.backend.init_forward_metadata(p.batch)
+    return p.backend.forward(p.q, p.k_new, p.v_new, p.layer, p.batch)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert torch.isfinite(out).all(), "NaN/inf in the kernel output"
+    rel = ((out.to(ref.dtype) - ref).norm() / ref.norm()).item()
+    assert rel < TOL[dtype], f"relative error {rel:.2e} >= {TOL[dtype]:.0e}"
+
+
+def assert_pool_written(p: Problem) -> None:
+    """New K/V are at out_cache_loc; every other slot is unchanged."""
+    k_buf, v_buf = p.batch.kv_pool.get_kv(p.layer.layer_id)
+    loc = p.batch.out_cache_loc
+    kvh, d = p.layer.num_kv_heads, p.layer.head_dim
+    assert torch.equal(k_buf[loc], p.k_new.view(-1, kvh, d)) and torch.equal(v_buf[loc], p.v_new.view(-1, kvh, d))
+    others = torch.ones(k_buf.shape[0], dtype=torch.bool, device=k_buf.device)
+    others[loc] = False
+    assert torch.equal(k_buf[others], p.pool_before[0][others])
+    assert torch.equal(v_buf[others], p.pool_before[1][others])
+
+
+# ---- cases: small in the CPU interpreter, wide on a GPU ------------------------------------------------
+if ON_GPU:
+    DTYPES = [torch.bfloat16, torch.float16]
+    HEADS = [(8, 8, 64), (32, 8, 128), (16, 2, 128), (8, 1, 256), (12, 4, 80)]  # (H, KVH, D)
+    EXTEND_LENS = [
+        ([0], [1]),
+        ([0, 0, 0], [1, 77, 300]),
+        ([5, 130, 1000], [33, 1, 257]),
+        ([4000, 0, 7000], [1000, 2048, 1192]),
+        ([i * 37 % 500 for i in range(64)], [1 + i * 13 % 130 for i in range(64)]),
+    ]
+    DECODE_SEQS = [[1], [17, 256, 1000], [8192, 3, 4097, 65], [1 + (i * 131) % 8192 for i in range(64)]]
+else:
+    DTYPES = [torch.float32]
+    HEADS = [(2, 2, 64), (4, 1, 128)]  # GQA ratio 1 at D=64, ratio 4 at D=128
+    EXTEND_LENS = [([0, 0], [1, 21]), ([17, 40, 0, 5], [16, 1, 33, 2])]
+    DECODE_SEQS = [[1, 20, 70], [33, 129]]
+
+
+def _ids(cases):
+    return [f"b{len(c[0])}" if isinstance(c, tuple) else f"b{len(c)}" for c in cases]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda t: "h{}kv{}d{}".format(*t))
+@pytest.mark.parametrize("lens", EXTEND_LENS, ids=_ids(EXTEND_LENS))
+def test_extend_matches_reference_and_writes_kv(dtype, heads, lens):
+    prefix_lens, extend_lens = lens
+    p = make_problem(prefix_lens, extend_lens, *heads, dtype=dtype, mode=ForwardMode.EXTEND)
+    out = run(p)
+    assert_close(out, reference(p), dtype)
+    assert_pool_written(p)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda t: "h{}kv{}d{}".format(*t))
+@pytest.mark.parametrize("seq_lens", DECODE_SEQS, ids=_ids(DECODE_SEQS))
+def test_decode_matches_reference_with_several_splits(dtype, heads, seq_lens):
+    # CPU: min_split_tokens 8 with 16-token blocks also yields an empty trailing split (20 -> 3 splits of 16)
+    kwargs = {} if ON_GPU else {"min_split_tokens": 8, "max_kv_splits": 4, "sm_count": 8}
+    p = make_problem([s - 1 for s in seq_lens], [1] * len(seq_lens), *heads, dtype=dtype, mode=ForwardMode.DECODE, **kwargs)
+    out = run(p)
+    splits = p.batch.attn_metadata.num_kv_splits.tolist()
+    if max(seq_lens) > 64:
+        assert max(splits) > 1, "long requests must be split"
+    assert min(splits) >= 1 and max(splits) <= p.backend.max_kv_splits
+    assert_close(out, reference(p), dtype)
+    assert_pool_written(p)
+
+
+def test_decode_split_count_does_not_change_the_result():
+    """One split and many splits compute the same softmax (up to float rounding)."""
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    seqs = [300, 41]
+    outs = []
+    for max_splits in (1, 8):
+        p = make_problem([s - 1 for s in seqs], [1, 1], 4, 2, 64, dtype, ForwardMode.DECODE, seed=3,
+                         max_kv_splits=max_splits, min_split_tokens=16, sm_count=64)  # fmt: skip
+        outs.append(run(p).float())
+        assert max(p.batch.attn_metadata.num_kv_splits.tolist()) == max_splits
+    assert ((outs[0] - outs[1]).norm() / outs[0].norm()).item() < (1e-2 if ON_GPU else 1e-6)
+
+
+def test_graph_metadata_is_refreshed_in_place():
+    """capture/replay fill the static buffers: replay after the lengths grow still gives the right answer."""
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    short = make_problem([3, 9], [1, 1], 4, 1, 64, dtype, ForwardMode.DECODE, seed=5, min_split_tokens=16)
+    b = short.backend
+    b.init_graph_state(max_bs=4)
+    b.init_forward_metadata_capture(short.batch)
+    static_splits = short.batch.attn_metadata.num_kv_splits
+    assert static_splits.data_ptr() == b._graph.num_kv_splits.data_ptr()
+    assert static_splits.tolist() == [1, 1]
+    # Same backend and pools, longer requests: the runner rewrites seq_lens in place, then replays.
+    long = make_problem([60, 100], [1, 1], 4, 1, 64, dtype, ForwardMode.DECODE, seed=6, min_split_tokens=16)
+    long.backend, long.batch.attn_backend = b, b
+    b.kv_pool, b.req_to_token_pool = long.batch.kv_pool, long.batch.req_to_token_pool
+    b.init_forward_metadata_replay(long.batch, real_bs=2)
+    assert long.batch.attn_metadata.num_kv_splits.data_ptr() == static_splits.data_ptr()
+    assert static_splits.tolist() == [4, 7]
+    out = b.forward(long.q, long.k_new, long.v_new, long.layer, long.batch)
+    assert_close(out, reference(long), dtype)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_cuda_graph_capture_and_replay_with_new_lengths():
+    dtype = torch.bfloat16
+    sizes = {"pool_slots": 1000, "max_context": 1000}
+    p = make_problem([50, 7, 900], [1, 1, 1], 8, 2, 128, dtype, ForwardMode.DECODE, seed=7, **sizes)
+    b, batch = p.backend, p.batch
+    b.init_graph_state(max_bs=3)
+    q, k, v = p.q.clone(), p.k_new.clone(), p.v_new.clone()
+    b.init_forward_metadata_capture(batch)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up compiles the kernels outside the capture
+        b.forward(q, k, v, p.layer, batch)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = b.forward(q, k, v, p.layer, batch)
+    # New step: same requests, one token longer each. Write the step's inputs into the static tensors.
+    nxt = make_problem([51, 8, 901], [1, 1, 1], 8, 2, 128, dtype, ForwardMode.DECODE, seed=8, **sizes)
+    batch.kv_pool.k_buffers[1].copy_(nxt.batch.kv_pool.k_buffers[1])
+    batch.kv_pool.v_buffers[1].copy_(nxt.batch.kv_pool.v_buffers[1])
+    batch.req_to_token_pool.req_to_token.copy_(nxt.batch.req_to_token_pool.req_to_token)
+    for name in ("req_pool_indices", "seq_lens", "out_cache_loc"):
+        getattr(batch, name).copy_(getattr(nxt.batch, name))
+    q.copy_(nxt.q), k.copy_(nxt.k_new), v.copy_(nxt.v_new)
+    b.init_forward_metadata_replay(batch, real_bs=3)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, reference(nxt), dtype)
+
+
+def test_registered_as_cuda_default_with_metadata():
+    from radixserve.plugins.registry import Registry
+
+    reg = Registry.discover()
+    spec = reg.get("attention", "triton")
+    assert spec.devices == ("cuda",) and spec.priority == 20
+    assert set(spec.dtypes) == {"bfloat16", "float16"}
+    assert reg.default("attention", "cuda").name == "triton"
+    assert reg.default("attention", "cpu") is None or reg.default("attention", "cpu").name != "triton"
+    assert reg.load("attention", "triton") is TritonAttentionBackend
+    assert TritonAttentionBackend.supports("cuda", "bfloat16", 128)
+    assert not TritonAttentionBackend.supports("cuda", "bfloat16", 512)
