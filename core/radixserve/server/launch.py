@@ -1,0 +1,173 @@
+"""`run_server(config) -> int`: start the runtime, serve HTTP until told to stop, shut down cleanly.
+
+Exit codes: 0 after SIGINT/SIGTERM (graceful: in-flight requests get a few seconds, then the
+runtime's children are stopped); 1 when the runtime fails to start or a child process dies while
+serving (detected within about a second: /health turns 503 and the server exits); 2 when there is
+no model to serve; 130 when interrupted during startup."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Any
+
+import uvicorn
+
+from radixserve.config import Config
+
+logger = logging.getLogger("radixserve.server")
+
+STATS_INTERVAL_S = 10.0  # periodic scheduler stats log line, while there is activity
+HEALTH_POLL_S = 0.5
+GRACEFUL_SHUTDOWN_S = 5
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, minus re-raising the caught signal after shutdown: that would kill the
+    process before the runtime's children are stopped."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        handlers = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def run_server(config: Config) -> int:
+    setup_logging(config.server.log_level)
+    try:
+        return asyncio.run(_serve(config))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _start_runtime(config: Config) -> tuple[Any, int]:
+    """A started TokenizerManager, or (None, exit code). SIGINT/SIGTERM abort a slow start."""
+    from radixserve.runtime.tokenizer_manager import TokenizerManager
+
+    try:
+        tm = TokenizerManager(config)
+    except FileNotFoundError as e:
+        logger.error("%s", e)
+        return None, 2
+    loop = asyncio.get_running_loop()
+    starting = asyncio.ensure_future(tm.start())
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, starting.cancel)
+    try:
+        logger.info("loading %s ...", tm.model_path)
+        await starting
+        return tm, 0
+    except asyncio.CancelledError:
+        logger.info("interrupted during startup")
+        await tm.shutdown()
+        return None, 130
+    except Exception as e:
+        logger.error("the runtime failed to start: %s", e)
+        await tm.shutdown()
+        return None, 1
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def _serve(config: Config) -> int:
+    from radixserve.server.app import create_app
+
+    tm, code = await _start_runtime(config)
+    if tm is None:
+        return code
+    exit_code = 0
+    try:
+        app = create_app(tm, config)
+        s = config.server
+        server = _Server(
+            uvicorn.Config(
+                app,
+                host=s.host,
+                port=s.port,
+                log_level=s.log_level,
+                log_config=None,
+                access_log=False,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                lifespan="off",
+            )
+        )
+
+        def runtime_died(reason: str) -> None:
+            nonlocal exit_code
+            if exit_code == 0:
+                logger.error("shutting down: %s", reason)
+            exit_code = 1
+            server.should_exit = True
+
+        tm.on_death.append(runtime_died)
+        tasks = [
+            asyncio.create_task(_watch_health(tm, runtime_died)),
+            asyncio.create_task(_log_stats(tm)),
+            asyncio.create_task(_announce(server, tm, config)),
+        ]
+        try:
+            await server.serve()
+        finally:
+            for t in tasks:
+                t.cancel()
+    finally:
+        await tm.shutdown()
+    logger.info("server stopped (exit code %d)", exit_code)
+    return exit_code
+
+
+async def _watch_health(tm: Any, on_dead) -> None:
+    """Belt and braces next to tm.on_death: any way the runtime turns unhealthy stops the server."""
+    while True:
+        await asyncio.sleep(HEALTH_POLL_S)
+        if not tm.is_healthy():
+            on_dead(getattr(tm, "dead_reason", None) or "the runtime is not healthy")
+            return
+
+
+async def _announce(server: uvicorn.Server, tm: Any, config: Config) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    host = config.server.host
+    logger.info(
+        "RadixServe ready: model %r (context %d) on http://%s:%d%s",
+        tm.model_name,
+        tm.context_len,
+        host,
+        config.server.port,
+        "" if config.server.api_key is None else " (API key required)",
+    )
+
+
+async def _log_stats(tm: Any) -> None:
+    """One INFO line of scheduler stats every STATS_INTERVAL_S while it changes (quiet when idle)."""
+    last: dict | None = None
+    while True:
+        await asyncio.sleep(STATS_INTERVAL_S)
+        try:
+            stats = await tm.get_stats()
+        except Exception:
+            continue
+        numeric = {k: v for k, v in stats.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        if numeric != last:
+            logger.info("stats: %s", " ".join(f"{k}={_fmt(v)}" for k, v in numeric.items()))
+            last = numeric
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
