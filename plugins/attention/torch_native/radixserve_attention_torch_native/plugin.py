@@ -7,4 +7,11 @@ PLUGIN_API = ">=1,<2"
 
 @hookimpl
 def radixserve_register(registry) -> None:
-    pass  # components are registered here as they are built
+    registry.register(
+        "attention",
+        "torch_native",
+        "radixserve_attention_torch_native.backend:TorchNativeBackend",
+        devices=("cpu", "cuda"),
+        priority=10,
+        description="reference attention in plain torch (per-request SDPA); any device",
+    )

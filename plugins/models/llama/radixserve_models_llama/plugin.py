@@ -4,7 +4,10 @@ from radixserve.plugins import hookimpl
 
 PLUGIN_API = ">=1,<2"
 
+_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
 
 @hookimpl
 def radixserve_register(registry) -> None:
-    pass  # components are registered here as they are built
+    for arch in _ARCHS:
+        registry.register("model", arch, f"radixserve_models_llama.model:{arch}", description="Llama-family decoder")

@@ -7,4 +7,10 @@ PLUGIN_API = ">=1,<2"
 
 @hookimpl
 def radixserve_register(registry) -> None:
-    pass  # components are registered here as they are built
+    registry.register(
+        "quantization",
+        "gguf",
+        "radixserve_quant_gguf.method:GGUFMethod",
+        capabilities=("weight_source",),
+        description="GGUF files (llama.cpp), dequantized to float at load",
+    )

@@ -1,0 +1,135 @@
+"""Rotary position embeddings (neox / rotate-half layout, as in HF Llama).
+
+Scaling types: default, linear, llama3, yarn — read from the HF config's `rope_parameters`
+(transformers >= 5 keeps `rope_theta` inside it) or the older `rope_scaling` + `rope_theta`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+
+def rope_parameters_of(config: Any) -> dict[str, Any]:
+    """The config's rope parameters as one dict holding at least `rope_type` and `rope_theta`."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = getattr(config, "rope_scaling", None)
+    if not params and legacy:
+        params = dict(legacy)
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    factor = p["factor"]
+    low, high = p.get("low_freq_factor", 1.0), p.get("high_freq_factor", 4.0)
+    old_ctx = p["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are interpolated by `factor`, short ones kept, the band between blended
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def _yarn_inv_freq(base: float, dim: int, p: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
+    orig = p.get("original_max_position_embeddings") or max_position
+    factor = p.get("factor") or max_position / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn_factor = p.get("attention_factor")
+    if attn_factor is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attn_factor = mscale(factor, m) / mscale(factor, m_all) if (m and m_all) else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    lo, hi = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1.0 - ramp  # 1: keep the original frequency, 0: interpolate
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attn_factor)
+
+
+def compute_inv_freq(rotary_dim: int, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rotary_dim/2] fp32, attention scaling of cos/sin)."""
+    base, rope_type = float(params["rope_theta"]), params["rope_type"]
+    if rope_type == "default":
+        return _base_inv_freq(base, rotary_dim), 1.0
+    if rope_type == "linear":
+        return _base_inv_freq(base, rotary_dim) / params["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(_base_inv_freq(base, rotary_dim), params), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(base, rotary_dim, params, max_position)
+    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (default, linear, llama3, yarn)")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """`forward(positions, q, k)` rotates the first `rotary_dim` dims of every head of q and k.
+
+    q: [n, num_heads*head_dim], k: [n, num_kv_heads*head_dim]; returns tensors of the same shapes.
+    cos/sin are cached for positions < max_position in fp32 and cast to q's dtype, as HF does."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_dim, self.rotary_dim, self.max_position = head_dim, rotary_dim, max_position
+        inv_freq, self.attention_scaling = compute_inv_freq(rotary_dim, params, max_position)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        if self._cache is None or self._cache[0].shape[0] < need or self._cache[0].device != positions.device:
+            n = max(need, min(self.max_position, 8192))  # long-context models grow on demand
+            t = torch.arange(n, dtype=torch.float32, device=positions.device)
+            freqs = t[:, None] * self.inv_freq.to(positions.device, torch.float32)[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cache = (emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling)
+        cos, sin = self._cache
+        return cos[positions], sin[positions]
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        x = x.view(n, -1, self.head_dim)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        rot = rot * cos[:, None, :] + _rotate_half(rot) * sin[:, None, :]
+        out = torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot
+        return out.reshape(n, -1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self._cos_sin(positions)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+def get_rope(config: Any, head_dim: int, max_position: int | None = None) -> RotaryEmbedding:
+    """Build the rotary embedding an HF config asks for."""
+    params = rope_parameters_of(config)
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+    max_pos = max_position or getattr(config, "max_position_embeddings", 4096)
+    return RotaryEmbedding(head_dim, int(head_dim * partial), max_pos, params)

