@@ -213,11 +213,15 @@ def test_extend_matches_reference_and_writes_kv(dtype, heads, lens):
 def test_decode_matches_reference_with_several_splits(dtype, heads, seq_lens):
     # CPU: min_split_tokens 8 with 16-token blocks also yields an empty trailing split (20 -> 3 splits of 16)
     kwargs = {} if ON_GPU else {"min_split_tokens": 8, "max_kv_splits": 4, "sm_count": 8}
-    p = make_problem([s - 1 for s in seq_lens], [1] * len(seq_lens), *heads, dtype=dtype, mode=ForwardMode.DECODE, **kwargs)
+    p = make_problem(
+        [s - 1 for s in seq_lens], [1] * len(seq_lens), *heads, dtype=dtype, mode=ForwardMode.DECODE, **kwargs
+    )
     out = run(p)
     splits = p.batch.attn_metadata.num_kv_splits.tolist()
     if max(seq_lens) > 64:
         assert max(splits) > 1, "long requests must be split"
+    by_len = [n for _, n in sorted(zip(seq_lens, splits))]
+    assert by_len == sorted(by_len), "a longer request never gets fewer splits"
     assert min(splits) >= 1 and max(splits) <= p.backend.max_kv_splits
     assert_close(out, reference(p), dtype)
     assert_pool_written(p)

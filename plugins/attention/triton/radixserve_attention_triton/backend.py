@@ -126,8 +126,14 @@ class TritonAttentionBackend(AttentionBackend):
     def _decode_metadata(
         self, batch: ForwardBatch, num_kv_splits: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor
     ) -> DecodeMetadata:
-        target = -(-self.sm_count * 2 // max(1, batch.batch_size * self.num_kv_heads))
-        compute_num_kv_splits(batch.seq_lens, num_kv_splits, self.max_kv_splits, self.min_split_tokens, target)
+        compute_num_kv_splits(
+            batch.seq_lens,
+            num_kv_splits,
+            self.num_kv_heads,
+            self.max_kv_splits,
+            self.min_split_tokens,
+            target_programs=2 * self.sm_count,
+        )
         return DecodeMetadata(num_kv_splits=num_kv_splits, mid_o=mid_o, mid_lse=mid_lse)
 
     # ---- forward ------------------------------------------------------------------------------

@@ -156,14 +156,26 @@ def decode_config(head_dim: int, interpret: bool) -> DecodeConfig:
 
 
 def compute_num_kv_splits(
-    seq_lens: torch.Tensor, out: torch.Tensor, max_splits: int, min_split_tokens: int, target_splits: int
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    num_kv_heads: int,
+    max_splits: int,
+    min_split_tokens: int,
+    target_programs: int,
 ) -> None:
-    """Fill `out` (int32 [bs]) with each request's split count, on the device, without a host sync:
-    enough splits to give every SM work (`target_splits`), but no split shorter than
-    `min_split_tokens`, at most `max_splits`, at least 1."""
-    cap = max(1, min(max_splits, target_splits))
-    splits = torch.div(seq_lens + (min_split_tokens - 1), min_split_tokens, rounding_mode="floor")
-    out.copy_(splits.clamp_(1, cap))
+    """Fill `out` (int32 [bs]) with each request's KV split count, on the device, without a host sync.
+
+    One split length serves the whole batch: the batch's KV tokens (times KV heads, one program per
+    KV head and split) spread over about `target_programs` programs, but no split shorter than
+    `min_split_tokens`. Long requests thus get more splits than short ones, which also evens out a
+    batch mixing long and short contexts. Each count is then clamped to [1, max_splits].
+    """
+    total = seq_lens.sum() * num_kv_heads
+    split_len = torch.div(total + (target_programs - 1), target_programs, rounding_mode="floor").clamp_(
+        min=min_split_tokens
+    )
+    splits = torch.div(seq_lens + split_len - 1, split_len, rounding_mode="floor")
+    out.copy_(splits.clamp_(1, max_splits))
 
 
 def decode_attention(
