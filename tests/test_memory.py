@@ -1,0 +1,94 @@
+"""KV memory bookkeeping: every slot and row accounted for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from radixserve.memory import KVPool, ReqToTokenPool, TokenAllocator, kv_bytes_per_token, tokens_for_budget
+
+
+def test_allocator_hands_out_distinct_slots_and_refuses_when_short():
+    a = TokenAllocator(10, debug_checks=True)
+    x = a.alloc(4)
+    y = a.alloc(6)
+    assert x.dtype == torch.int64 and x.device.type == "cpu"
+    slots = torch.cat([x, y]).tolist()
+    assert sorted(slots) == list(range(1, 11)), "slot 0 is reserved; 1..size handed out once each"
+    assert a.available_size() == 0
+    assert a.alloc(1) is None and a.available_size() == 0
+    a.free(x)
+    assert a.available_size() == 4
+    assert a.alloc(5) is None, "refusal must not change the free count"
+    z = a.alloc(4)
+    assert sorted(z.tolist()) == sorted(x.tolist())
+    a.free(y)
+    a.free(z)
+    assert a.available_size() == a.size
+
+
+def test_allocator_detects_double_free():
+    a = TokenAllocator(8, debug_checks=True)
+    x = a.alloc(3)
+    a.free(x)
+    with pytest.raises(ValueError, match="double free"):
+        a.free(x[:1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(min_value=0, max_value=12)), max_size=40))
+def test_allocator_accounting_property(ops):
+    """Any sequence of allocs/frees: held + free == size, no slot held twice, all back at the end."""
+    a = TokenAllocator(32, debug_checks=True)
+    held: list[torch.Tensor] = []
+    for is_alloc, n in ops:
+        if is_alloc or not held:
+            got = a.alloc(n)
+            if got is None:
+                assert n > a.available_size()
+            else:
+                held.append(got)
+        else:
+            a.free(held.pop(n % len(held)))
+        flat = torch.cat(held).tolist() if held else []
+        assert len(flat) == len(set(flat)) and all(1 <= s <= 32 for s in flat)
+        assert len(flat) + a.available_size() == a.size
+    for h in held:
+        a.free(h)
+    assert a.available_size() == a.size
+
+
+def test_req_to_token_rows():
+    pool = ReqToTokenPool(3, 16)
+    rows = [pool.alloc() for _ in range(3)]
+    assert sorted(rows) == [0, 1, 2] and pool.alloc() is None
+    pool.write(rows[1], 0, torch.tensor([5, 6, 7]))
+    pool.write(rows[1], 3, torch.tensor([9]))
+    assert pool.req_to_token[rows[1], :4].tolist() == [5, 6, 7, 9]
+    with pytest.raises(ValueError, match="context length"):
+        pool.write(rows[0], 15, torch.tensor([1, 2]))
+    pool.free(rows[1])
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free(rows[1])
+    assert pool.available_size() == 1 and pool.alloc() == rows[1]
+
+
+def test_kv_pool_writes_only_the_given_slots():
+    pool = KVPool(num_slots=6, num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+    k = torch.randn(2, 8)
+    v = torch.randn(2, 2, 4)
+    pool.set_kv(1, torch.tensor([3, 5]), k, v)
+    kb, vb = pool.get_kv(1)
+    assert kb.shape == (7, 2, 4)
+    torch.testing.assert_close(kb[[3, 5]], k.view(2, 2, 4))
+    torch.testing.assert_close(vb[[3, 5]], v)
+    untouched = [0, 1, 2, 4, 6]
+    assert kb[untouched].abs().sum() == 0 and pool.get_kv(0)[0].abs().sum() == 0
+
+
+def test_tokens_for_budget():
+    per = kv_bytes_per_token(30, 3, 64, torch.float32)
+    assert per == 2 * 30 * 3 * 64 * 4
+    assert tokens_for_budget(per * 100 + per // 2, 30, 3, 64, torch.float32) == 100
+    assert tokens_for_budget(per * 100, 30, 3, 64, torch.bfloat16) == 200
