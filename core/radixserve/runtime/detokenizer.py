@@ -140,8 +140,13 @@ class DetokenizerManager:
         if item.error is not None:
             self.states.pop(item.rid, None)
             return ReqTextOut(
-                rid=item.rid, text_delta="", new_ids=[], error=item.error, error_status=item.error_status,
-                finished_reason={"type": "abort", "message": item.error}, prompt_tokens=item.prompt_tokens,
+                rid=item.rid,
+                text_delta="",
+                new_ids=[],
+                error=item.error,
+                error_status=item.error_status,
+                finished_reason={"type": "abort", "message": item.error},
+                prompt_tokens=item.prompt_tokens,
             )
         st = self.states.get(item.rid)
         if st is None:

@@ -121,9 +121,7 @@ class TokenizerManager:
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._ports = PortArgs.create()
-        self.tokenizer = await loop.run_in_executor(
-            None, load_tokenizer, self.model_path, self.config.model.tokenizer
-        )
+        self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.model_path, self.config.model.tokenizer)
         # children load a saved copy: re-reading a tokenizer from a GGUF file takes many seconds
         tok_dir = os.path.join(self._ports.ipc_dir, "tokenizer")
         await loop.run_in_executor(None, self.tokenizer.save_pretrained, tok_dir)
@@ -251,9 +249,7 @@ class TokenizerManager:
 
     # ---- requests ---------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _prepare(self, inp: GenerateInput) -> tuple[str, list[int], SamplingParams]:
@@ -286,8 +282,13 @@ class TokenizerManager:
         self._rid_to_state[rid] = st
         wire = WireSamplingParams(**dataclasses.asdict(sp))
         msg = GenerateRequest(
-            rid=rid, input_ids=ids, sampling_params=wire, stream=inp.stream, return_logprob=sp.logprobs,
-            top_logprobs_num=sp.top_logprobs, priority=inp.priority,
+            rid=rid,
+            input_ids=ids,
+            sampling_params=wire,
+            stream=inp.stream,
+            return_logprob=sp.logprobs,
+            top_logprobs_num=sp.top_logprobs,
+            priority=inp.priority,
         )
         try:
             await self._send.send(self._enc.encode(msg))

@@ -1,0 +1,39 @@
+"""Scheduler counters, exposed through `Scheduler.stats()` (and from there get_stats / /metrics)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SchedulerMetrics:
+    """Monotonic counters since start (or the last `flush_cache`, which does not reset them)."""
+
+    prefill_tokens_computed: int = 0  # prompt (and recomputed) tokens that went through a forward
+    prefill_tokens_cached: int = 0  # prompt tokens served from the prefix cache at admission
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+    rejected_requests: int = 0
+    retractions: int = 0
+    prefill_batches: int = 0
+    decode_batches: int = 0
+    mixed_batches: int = 0
+    # (time, generated_tokens) samples for a sliding-window throughput
+    _window: deque = field(default_factory=lambda: deque(maxlen=64))
+
+    def record_step(self, now: float | None = None) -> None:
+        self._window.append((time.monotonic() if now is None else now, self.generated_tokens))
+
+    def throughput(self) -> float:
+        """Generated tokens per second over the recent window (0 until two samples exist)."""
+        if len(self._window) < 2:
+            return 0.0
+        (t0, n0), (t1, n1) = self._window[0], self._window[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def cache_hit_rate(self) -> float:
+        total = self.prefill_tokens_computed + self.prefill_tokens_cached
+        return self.prefill_tokens_cached / total if total else 0.0

@@ -1,0 +1,128 @@
+"""The scheduler process: a `Scheduler` driven by messages from the TokenizerManager over ZMQ."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from typing import Any
+
+from radixserve.runtime.ipc import PortArgs, install_parent_watchdog
+from radixserve.runtime.messages import (
+    AbortRequest,
+    BatchTokenOut,
+    ChildFailed,
+    ControlReply,
+    FlushCacheRequest,
+    GenerateRequest,
+    ReadyMessage,
+    ShutdownRequest,
+    StatsRequest,
+    make_encoder,
+    scheduler_decoder,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerServer:
+    """Owns the sockets; `serve_forever` alternates draining messages and `Scheduler.step()`.
+
+    Idle means blocked in `recv` (no spinning); busy means polling the socket without waiting
+    between forwards so new requests join the next batch."""
+
+    def __init__(self, scheduler: Any, ports: PortArgs) -> None:
+        import zmq
+
+        self.scheduler = scheduler
+        self.zmq = zmq
+        self.ctx = zmq.Context(1)
+        self.recv = self.ctx.socket(zmq.PULL)
+        self.recv.bind(ports.scheduler_input)
+        self.to_detok = self.ctx.socket(zmq.PUSH)
+        self.to_detok.connect(ports.detokenizer_input)
+        self.to_manager = self.ctx.socket(zmq.PUSH)
+        self.to_manager.connect(ports.manager_input)
+        self.enc = make_encoder()
+        self.dec = scheduler_decoder()
+        self.running = True
+
+    def _handle(self, msg: Any) -> None:
+        s = self.scheduler
+        if isinstance(msg, GenerateRequest):
+            s.add_request(msg)
+        elif isinstance(msg, AbortRequest):
+            s.abort(msg.rid)
+        elif isinstance(msg, FlushCacheRequest):
+            self.to_manager.send(self.enc.encode(ControlReply(req_id=msg.req_id, ok=s.flush_cache())))
+        elif isinstance(msg, StatsRequest):
+            self.to_manager.send(self.enc.encode(ControlReply(req_id=msg.req_id, data=s.stats())))
+        elif isinstance(msg, ShutdownRequest):
+            self.to_detok.send(self.enc.encode(ShutdownRequest()))
+            self.running = False
+
+    def _drain(self, block: bool) -> None:
+        flags = 0 if block else self.zmq.NOBLOCK
+        while self.running:
+            try:
+                raw = self.recv.recv(flags)
+            except self.zmq.Again:
+                return
+            self._handle(self.dec.decode(raw))
+            flags = self.zmq.NOBLOCK
+
+    def serve_forever(self) -> None:
+        while self.running:
+            self._drain(block=not self.scheduler.has_work())
+            if not self.running:
+                break
+            outs = self.scheduler.step()
+            if outs:
+                self.to_detok.send(self.enc.encode(BatchTokenOut(outs)))
+        self.close()
+
+    def close(self) -> None:
+        for sock in (self.recv, self.to_detok, self.to_manager):
+            sock.close(linger=1000)
+        self.ctx.term()
+
+
+def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int) -> None:
+    """Entry point of the scheduler process (spawned by the TokenizerManager). It discovers its own
+    plugin registry, builds the ModelRunner, reports ready (or the load error), then serves."""
+    import zmq
+
+    from radixserve.config import Config
+
+    install_parent_watchdog(parent_pid)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
+    config = Config.build(config_dict)
+    try:
+        import torch
+
+        if config.runtime.num_threads:
+            torch.set_num_threads(config.runtime.num_threads)
+        from radixserve.model_runner import ModelRunner
+        from radixserve.plugins.registry import get_registry
+        from radixserve.scheduler.scheduler import Scheduler
+
+        runner = ModelRunner(config)
+        scheduler = Scheduler.from_config(config, runner, get_registry())
+        server = SchedulerServer(scheduler, ports)
+    except Exception as e:
+        ctx = zmq.Context(1)
+        sock = ctx.socket(zmq.PUSH)
+        sock.connect(ports.manager_input)
+        sock.send(make_encoder().encode(ChildFailed(process="scheduler", error=f"{e!r}")))
+        sock.close(linger=2000)
+        ctx.term()
+        traceback.print_exc()
+        raise SystemExit(1) from e
+    info = {
+        "context_len": int(runner.context_len),
+        "max_total_tokens": int(scheduler.allocator.size),
+        "vocab_size": int(getattr(runner, "vocab_size", 0) or 0),
+        "eos_token_ids": sorted(int(t) for t in scheduler.eos_token_ids),
+        "max_running_requests": scheduler.max_running,
+    }
+    server.to_manager.send(server.enc.encode(ReadyMessage(process="scheduler", info=info)))
+    server.serve_forever()

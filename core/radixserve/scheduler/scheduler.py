@@ -1,0 +1,497 @@
+"""The scheduler loop body: admission, batch selection, KV accounting, result processing.
+
+In-process and socket-free on purpose (the ZMQ wrapper is `scheduler.process`): tests drive it with
+`add_request` / `abort` / `step()` against a toy runner.
+
+Slot ownership (see PrefixCache): a request's row holds `prefix_indices` (the cache's, locked through
+`last_node`) followed by its own slots up to `kv_len`. Every path that ends a request's residency
+(finish, abort, retraction) goes through `cache.cache_finished_req` and then frees the row, so the
+cache decides what to keep and nothing leaks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixserve.config import Config
+from radixserve.interfaces import PrefixCache, SchedulePolicy
+from radixserve.runtime.messages import GenerateRequest, ReqTokenOut
+from radixserve.scheduler.metrics import SchedulerMetrics
+from radixserve.state import BatchResult, ForwardMode, Req, SamplingParams, ScheduledBatch
+
+logger = logging.getLogger(__name__)
+
+CLIP_MAX_NEW_TOKENS = 4096  # cap on one request's future-token reservation (long budgets rarely run out)
+INIT_NEW_TOKEN_RATIO = 0.7  # fraction of max_new_tokens reserved at admission, decaying to MIN
+MIN_NEW_TOKEN_RATIO = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+PROMPT_TAIL = 5  # prompt ids sent to the detokenizer as decode context
+
+
+@dataclass
+class _Meta:
+    """Per-request delivery state (not part of the runner contract, so kept off `Req`)."""
+
+    stream: bool
+    stop: list[str]
+    sent: int = 0  # output tokens already emitted
+    first_sent: bool = False
+
+
+@dataclass
+class _Item:
+    """One request's share of a batch."""
+
+    req: Req
+    prefix_len: int
+    extend_len: int
+    decode: bool  # a running request's one-token step (inside a DECODE or mixed batch)
+    slots: torch.Tensor  # KV slots of the new tokens, already written into the request's row
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.decode or self.prefix_len + self.extend_len == len(self.req.origin_input_ids) + len(
+            self.req.output_ids
+        )
+
+
+class Scheduler:
+    """Continuous batching over one ModelRunner.
+
+    Contract:
+    - `add_request(msg)` queues a request, or rejects it (an output with `error`) when it can never
+      fit: prompt + max_new_tokens above the KV pool or the context length, or an empty prompt.
+    - `step()` runs at most one forward (a prefill/extend batch when one can be formed, else a decode
+      of the running requests) and returns the outputs to send to the detokenizer.
+    - `abort(rid)` ends a waiting or running request (finish_reason {"type": "abort"}).
+    - `flush_cache()` empties the prefix cache when no request is resident (returns False otherwise);
+      afterwards `allocator.available_size() == allocator.size`.
+    Greedy outputs do not depend on batching, chunking, cache hits or retraction.
+    """
+
+    def __init__(self, config: Config, runner: Any, cache: PrefixCache, policy: SchedulePolicy) -> None:
+        sc = config.scheduler
+        self.runner = runner
+        self.cache = cache
+        self.policy = policy
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.allocator = runner.token_allocator
+        self.context_len = int(runner.context_len)
+        self.eos_token_ids = frozenset(getattr(runner, "eos_token_ids", ()) or ())
+        self.chunk_size = sc.chunked_prefill_size if sc.chunked_prefill_size > 0 else None
+        self.max_prefill_tokens = sc.max_prefill_tokens
+        self.max_running = min(sc.max_running_requests, self.req_to_token_pool.size)
+        self.enable_mixed = sc.enable_mixed_chunk
+        self.stream_interval = sc.stream_interval
+        cons = sc.schedule_conservativeness
+        self.init_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * cons)
+        self.min_ratio = min(self.init_ratio, MIN_NEW_TOKEN_RATIO * cons)
+        self.ratio_decay = (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_ratio
+
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None  # a prompt prefilled over several steps (one at a time)
+        self._decode_turn = False  # alternate chunk steps with decode steps so decodes keep running
+        self.meta: dict[str, _Meta] = {}
+        self.metrics = SchedulerMetrics()
+        self._outbox: list[ReqTokenOut] = []
+        self._arrivals = 0
+
+    @classmethod
+    def from_config(cls, config: Config, runner: Any, registry: Any = None) -> Scheduler:
+        """Build with the prefix cache and policy named in `config.stack` (this process's registry)."""
+        if registry is None:
+            from radixserve.plugins.registry import get_registry
+
+            registry = get_registry()
+        cache_cls = registry.load("prefix_cache", config.stack.prefix_cache)
+        policy_cls = registry.load("policy", config.stack.policy)
+        cache = cache_cls(runner.req_to_token_pool, runner.token_allocator)
+        return cls(config, runner, cache, policy_cls())
+
+    # ---- requests in ------------------------------------------------------------------------
+    def add_request(self, msg: GenerateRequest) -> None:
+        sp = SamplingParams(**{f: getattr(msg.sampling_params, f) for f in msg.sampling_params.__struct_fields__})
+        ids = list(msg.input_ids)
+        err = self._reject_reason(ids, sp)
+        if err is not None or msg.rid in self.meta:
+            err = err or f"request id {msg.rid!r} is already in use"
+            self.metrics.rejected_requests += 1
+            self._outbox.append(ReqTokenOut(rid=msg.rid, new_ids=[], prompt_tokens=len(ids), error=err))
+            return
+        self._arrivals += 1
+        req = Req(
+            rid=msg.rid,
+            origin_input_ids=ids,
+            sampling_params=sp,
+            eos_token_ids=frozenset() if sp.ignore_eos else self.eos_token_ids,
+            priority=msg.priority,
+            arrival_time=float(self._arrivals),  # arrival order; policies only compare it
+        )
+        req.fill_ids = list(ids)
+        self.meta[req.rid] = _Meta(stream=msg.stream, stop=list(sp.stop))
+        self.waiting.append(req)
+
+    def _reject_reason(self, ids: list[int], sp: SamplingParams) -> str | None:
+        if not ids:
+            return "the prompt is empty"
+        need = len(ids) + sp.max_new_tokens
+        if need > self.context_len:
+            return (
+                f"the prompt ({len(ids)} tokens) plus max_new_tokens ({sp.max_new_tokens}) exceeds the context "
+                f"length ({self.context_len} tokens)"
+            )
+        if need > self.allocator.size:
+            return (
+                f"the prompt ({len(ids)} tokens) plus max_new_tokens ({sp.max_new_tokens}) exceeds the KV cache "
+                f"capacity ({self.allocator.size} tokens); lower max_new_tokens or raise scheduler.max_total_tokens"
+            )
+        return None
+
+    def abort(self, rid: str) -> bool:
+        """End request `rid` wherever it is; False when it is unknown (already finished)."""
+        req = next((r for r in self.waiting if r.rid == rid), None)
+        if req is not None:
+            self.waiting.remove(req)
+        elif self.chunked_req is not None and self.chunked_req.rid == rid:
+            req, self.chunked_req = self.chunked_req, None
+            self._release(req)
+        else:
+            req = next((r for r in self.running if r.rid == rid), None)
+            if req is None:
+                return False
+            self.running.remove(req)
+            self._release(req)
+        req.finished_reason = {"type": "abort"}
+        self.metrics.aborted_requests += 1
+        self._emit(req, force=True)
+        return True
+
+    def flush_cache(self) -> bool:
+        if self.waiting or self.running or self.chunked_req is not None:
+            return False
+        self.cache.reset()
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req is not None or self._outbox)
+
+    # ---- one iteration ----------------------------------------------------------------------
+    def step(self) -> list[ReqTokenOut]:
+        batch_items = self._schedule()
+        if batch_items:
+            sb = self._to_scheduled_batch(batch_items)
+            result = self.runner.run_batch(sb)
+            self._process(batch_items, result)
+        self.metrics.record_step()
+        outs, self._outbox = self._outbox, []
+        return outs
+
+    def _schedule(self) -> list[_Item]:
+        items: list[_Item] | None = None
+        if not (self._decode_turn and self.running):
+            items = self._prefill_items()
+        self._decode_turn = False
+        if items:
+            if self.chunked_req is not None:
+                self._decode_turn = not self.enable_mixed
+            if self.enable_mixed and self.running:
+                items += self._decode_items(allow_retract=False)
+            return items
+        if self.running:
+            return self._decode_items(allow_retract=True)
+        return []
+
+    # ---- prefill admission ------------------------------------------------------------------
+    def _future_tokens(self, req: Req) -> int:
+        """Tokens to keep free for the rest of this request's life (decaying estimate)."""
+        left = min(req.sampling_params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
+        return math.ceil(max(left, 0) * self.new_token_ratio)
+
+    def _prefill_items(self) -> list[_Item]:
+        items: list[_Item] = []
+        token_budget = self.max_prefill_tokens
+        chunk_budget = self.chunk_size if self.chunk_size is not None else math.inf
+        reserved = sum(self._future_tokens(r) for r in self.running)
+
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            total = len(req.origin_input_ids) + len(req.output_ids)
+            n = int(min(total - req.kv_len, chunk_budget))
+            slots = self._alloc_slots(n)
+            if slots is None:
+                if not self.running:  # nothing else will free memory: start this request over later
+                    self.chunked_req = None
+                    self._retract(req)
+                return []
+            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots)
+            items.append(_Item(req, req.kv_len, n, False, slots))
+            self.metrics.prefill_tokens_computed += n
+            if req.kv_len + n < total:
+                return items
+            chunk_budget -= n
+            token_budget -= n
+            reserved += self._future_tokens(req)
+
+        if not self.waiting or chunk_budget <= 0 or token_budget <= 0:
+            return items
+        for req in self.waiting:
+            req.fill_ids = req.all_ids()
+            req.prefix_indices, req.last_node = None, None
+        ordered = self.policy.order(list(self.waiting), self.cache)
+        admitted: list[Req] = []
+        resident = len(self.running) + len(items)
+        for req in ordered:
+            if resident + len(admitted) >= self.max_running or self.req_to_token_pool.available_size() == 0:
+                break
+            if req.prefix_indices is None:
+                m = self.cache.match_prefix(req.fill_ids[:-1])
+                req.prefix_indices, req.last_node = m.kv_indices, m.last_node
+            if req.prefix_indices.numel() >= len(req.fill_ids):  # keep one token to compute logits from
+                req.prefix_indices = req.prefix_indices[: len(req.fill_ids) - 1]
+            prefix_len = int(req.prefix_indices.numel())
+            extend = len(req.fill_ids) - prefix_len
+            if extend > token_budget and (items or admitted) and self.chunk_size is None:
+                break
+            self.cache.inc_lock_ref(req.last_node)
+            rem = self.allocator.available_size() + self.cache.evictable_size() - reserved
+            if extend + self._future_tokens(req) > rem and (items or admitted or self.running):
+                self.cache.dec_lock_ref(req.last_node)
+                break
+            take = extend if self.chunk_size is None else int(min(extend, chunk_budget, token_budget))
+            slots = self._alloc_slots(take)
+            row = self.req_to_token_pool.alloc() if slots is not None else None
+            if row is None:
+                if slots is not None:
+                    self.allocator.free(slots)
+                self.cache.dec_lock_ref(req.last_node)
+                break
+            req.req_pool_idx = row
+            if prefix_len:
+                self.req_to_token_pool.write(row, 0, req.prefix_indices)
+            req.kv_len = prefix_len
+            self.req_to_token_pool.write(row, prefix_len, slots)
+            if req.retracted_count == 0:
+                req.cached_tokens = prefix_len
+            self.metrics.prefill_tokens_cached += prefix_len
+            self.metrics.prefill_tokens_computed += take
+            items.append(_Item(req, prefix_len, take, False, slots))
+            admitted.append(req)
+            reserved += self._future_tokens(req) + (extend - take)
+            chunk_budget -= take
+            token_budget -= take
+            if take < extend:
+                self.chunked_req = req
+                break
+            if chunk_budget <= 0 or token_budget <= 0:
+                break
+        if admitted:
+            gone = set(map(id, admitted))
+            self.waiting = [r for r in self.waiting if id(r) not in gone]
+        return items
+
+    def _alloc_slots(self, n: int) -> torch.Tensor | None:
+        """n free KV slots, evicting from the prefix cache when needed; None if they do not exist."""
+        short = n - self.allocator.available_size()
+        if short > 0:
+            self.cache.evict(short)
+        return self.allocator.alloc(n)
+
+    # ---- decode -----------------------------------------------------------------------------
+    def _decode_items(self, allow_retract: bool) -> list[_Item]:
+        need = len(self.running)
+        if self.allocator.available_size() < need:
+            self.cache.evict(need - self.allocator.available_size())
+        if self.allocator.available_size() < need:
+            if not allow_retract:
+                return []
+            self._retract_for_decode()
+        slots = self._alloc_slots(len(self.running))
+        if slots is None:
+            return []
+        rows = torch.tensor([r.req_pool_idx for r in self.running], dtype=torch.int64)
+        cols = torch.tensor([r.kv_len for r in self.running], dtype=torch.int64)
+        table = self.req_to_token_pool.req_to_token
+        table[rows.to(table.device), cols.to(table.device)] = slots.to(table.device)
+        items = [_Item(req, req.kv_len, 1, True, slots[i : i + 1]) for i, req in enumerate(self.running)]
+        self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - self.ratio_decay)
+        return items
+
+    def _retract_for_decode(self) -> None:
+        """Re-queue running requests (fewest outputs, then longest prompt first) until one decode
+        step fits; their KV goes to the cache (radix) or back to the allocator (chunk)."""
+        order = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        while self.allocator.available_size() + self.cache.evictable_size() < len(self.running):
+            if len(self.running) == 1:
+                if self.chunked_req is None:
+                    break
+                req, self.chunked_req = self.chunked_req, None  # it holds the memory the last one needs
+            else:
+                req = order.pop(0)
+                self.running.remove(req)
+            self._retract(req)
+        self.cache.evict(len(self.running) - self.allocator.available_size())
+        # budgets were too optimistic: reserve more for the requests still running
+        total_left = sum(r.sampling_params.max_new_tokens - len(r.output_ids) for r in self.running) or 1
+        decoded = sum(len(r.output_ids) for r in self.running)
+        self.new_token_ratio = min(1.0, max(self.new_token_ratio, (decoded + 20 * len(self.running)) / total_left))
+
+    def _retract(self, req: Req) -> None:
+        self._release(req)
+        req.fill_ids = req.all_ids()
+        req.prefix_indices, req.last_node, req.kv_len = None, None, 0
+        req.retracted_count += 1
+        self.metrics.retractions += 1
+        self.waiting.append(req)
+        logger.debug("retracted %s after %d output tokens", req.rid, len(req.output_ids))
+
+    def _release(self, req: Req) -> None:
+        """Give up the request's KV (the cache keeps what it wants) and its row."""
+        if req.req_pool_idx is None:
+            return
+        self.cache.cache_finished_req(req)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.last_node = None
+
+    # ---- running a batch --------------------------------------------------------------------
+    def _to_scheduled_batch(self, items: list[_Item]) -> ScheduledBatch:
+        input_ids: list[int] = []
+        for it in items:
+            r = it.req
+            if it.decode:
+                input_ids.append(r.output_ids[-1])
+            else:
+                full = r.all_ids()
+                input_ids.extend(full[it.prefix_len : it.prefix_len + it.extend_len])
+        slots = [it.slots for it in items]
+        all_decode = all(it.decode for it in items)
+        if any(it.decode for it in items) and not all_decode:
+            self.metrics.mixed_batches += 1
+        elif all_decode:
+            self.metrics.decode_batches += 1
+        else:
+            self.metrics.prefill_batches += 1
+        return ScheduledBatch(
+            mode=ForwardMode.DECODE if all_decode else ForwardMode.EXTEND,
+            reqs=[it.req for it in items],
+            input_ids=input_ids,
+            req_pool_indices=[it.req.req_pool_idx for it in items],
+            prefix_lens=[it.prefix_len for it in items],
+            extend_lens=[it.extend_len for it in items],
+            out_cache_loc=torch.cat(slots) if len(slots) > 1 else slots[0],
+            sample_mask=[it.completes_prompt for it in items],
+        )
+
+    def _process(self, items: list[_Item], result: BatchResult) -> None:
+        now_running: list[Req] = []
+        for i, it in enumerate(items):
+            req = it.req
+            req.kv_len = it.prefix_len + it.extend_len
+            if not it.decode:
+                req.fill_ids = req.all_ids()[: req.kv_len]
+                # share the prompt with later requests now, not only when this one finishes
+                self.cache.cache_unfinished_req(req)
+                if not it.completes_prompt:
+                    continue
+                if req is self.chunked_req:
+                    self.chunked_req = None
+            token = result.next_token_ids[i]
+            if req.sampling_params.max_new_tokens == 0:
+                req.finished_reason = {"type": "length"}
+            else:
+                self._append_token(req, int(token), result, i)
+            if req.finished:
+                self._release(req)
+                self.metrics.finished_requests += 1
+                if it.decode:
+                    self.running.remove(req)
+            elif not it.decode:
+                now_running.append(req)
+            self._emit(req)
+        self.running.extend(now_running)
+
+    def _append_token(self, req: Req, token: int, result: BatchResult, i: int) -> None:
+        req.output_ids.append(token)
+        self.metrics.generated_tokens += 1
+        if req.sampling_params.logprobs:
+            lp = result.token_logprobs[i] if result.token_logprobs is not None else None
+            req.output_token_logprobs.append(float("nan") if lp is None else float(lp))
+            top = result.top_logprobs[i] if result.top_logprobs is not None else None
+            req.output_top_logprobs.append(list(top or []))
+        sp = req.sampling_params
+        n = len(req.output_ids)
+        if n >= sp.min_new_tokens and (token in req.eos_token_ids or token in sp.stop_token_ids):
+            req.finished_reason = {"type": "stop", "matched": token}
+        elif n >= sp.max_new_tokens or len(req.origin_input_ids) + n >= self.context_len:
+            req.finished_reason = {"type": "length"}
+
+    # ---- results out ------------------------------------------------------------------------
+    def _emit(self, req: Req, force: bool = False) -> None:
+        meta = self.meta.get(req.rid)
+        if meta is None:
+            return
+        fin = req.finished
+        pending = len(req.output_ids) - meta.sent
+        incremental = meta.stream or bool(meta.stop)  # stop strings are matched by the detokenizer
+        if not (fin or force):
+            if not incremental or pending <= 0:
+                return
+            if meta.first_sent and pending < self.stream_interval:
+                return
+        out = ReqTokenOut(
+            rid=req.rid,
+            new_ids=req.output_ids[meta.sent :],
+            finished_reason=req.finished_reason,
+            prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            skip_special_tokens=req.sampling_params.skip_special_tokens,
+            stop=meta.stop,
+            stream=meta.stream,
+            prompt_tail=None if meta.first_sent else req.origin_input_ids[-PROMPT_TAIL:],
+        )
+        if req.sampling_params.logprobs:
+            out.token_logprobs = req.output_token_logprobs[meta.sent :]
+            out.top_logprobs = [list(map(tuple, alts)) for alts in req.output_top_logprobs[meta.sent :]]
+        meta.sent = len(req.output_ids)
+        meta.first_sent = True
+        self._outbox.append(out)
+        if fin:
+            del self.meta[req.rid]
+
+    # ---- introspection ----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        size = self.allocator.size
+        free = self.allocator.available_size()
+        evictable = self.cache.evictable_size()
+        m = self.metrics
+        return {
+            "running": len(self.running) + (self.chunked_req is not None),
+            "waiting": len(self.waiting),
+            "max_total_tokens": size,
+            "free_tokens": free,
+            "cached_tokens": evictable + self.cache.protected_size(),
+            "token_usage": (size - free - evictable) / size,
+            "cache_hit_rate": m.cache_hit_rate(),
+            "prefill_tokens_computed": m.prefill_tokens_computed,
+            "prefill_tokens_cached": m.prefill_tokens_cached,
+            "generated_tokens": m.generated_tokens,
+            "throughput": m.throughput(),
+            "finished_requests": m.finished_requests,
+            "aborted_requests": m.aborted_requests,
+            "rejected_requests": m.rejected_requests,
+            "retractions": m.retractions,
+            "prefill_batches": m.prefill_batches,
+            "decode_batches": m.decode_batches,
+            "mixed_batches": m.mixed_batches,
+            "new_token_ratio": self.new_token_ratio,
+            "time": time.time(),
+        }

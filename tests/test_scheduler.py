@@ -1,0 +1,261 @@
+"""Scheduler behaviour on the toy runner (radixserve.scheduler.testing): outputs, memory, aborts.
+
+Every scheduler built here is checked at teardown: nothing waiting or running, the cache flushes,
+and every KV slot and request row is back in its free list."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from radixserve.config import Config
+from radixserve.plugins.registry import get_registry
+from radixserve.runtime.messages import GenerateRequest, WireSamplingParams
+from radixserve.scheduler import Scheduler
+from radixserve.scheduler.testing import ToyRunner, toy_next_token
+
+VOCAB = 1000
+
+
+def reference(prompt: list[int], max_new: int, stop_ids=(), min_new: int = 0) -> list[int]:
+    ids, out = list(prompt), []
+    while len(out) < max_new:
+        tok = toy_next_token(ids, VOCAB)
+        out.append(tok)
+        ids.append(tok)
+        if tok in stop_ids and len(out) >= min_new:
+            break
+    return out
+
+
+@pytest.fixture
+def make_scheduler():
+    built: list[Scheduler] = []
+
+    def make(cache="radix", policy="fcfs", runner_kwargs=None, **scheduler) -> Scheduler:
+        runner = ToyRunner(vocab_size=VOCAB, **(runner_kwargs or {}))
+        config = Config.build({"stack": {"prefix_cache": cache, "policy": policy}, "scheduler": scheduler})
+        sched = Scheduler.from_config(config, runner, get_registry())
+        built.append(sched)
+        return sched
+
+    yield make
+    for s in built:
+        assert not s.waiting and not s.running and s.chunked_req is None, "a request was left behind"
+        assert s.flush_cache()
+        assert s.allocator.available_size() == s.allocator.size, "KV slots leaked"
+        assert s.req_to_token_pool.available_size() == s.req_to_token_pool.size, "request rows leaked"
+
+
+def request(rid: str, prompt: list[int], max_new: int, stream=False, **sp) -> GenerateRequest:
+    return GenerateRequest(
+        rid=rid,
+        input_ids=prompt,
+        sampling_params=WireSamplingParams(max_new_tokens=max_new, temperature=0, **sp),
+        stream=stream,
+    )
+
+
+def run_to_completion(sched: Scheduler, max_steps: int = 100_000) -> dict[str, dict]:
+    """Step until idle; per rid: ids (concatenated emissions), finish reason, number of emissions."""
+    results: dict[str, dict] = {}
+    for _ in range(max_steps):
+        if not sched.has_work():
+            return results
+        for out in sched.step():
+            r = results.setdefault(out.rid, {"ids": [], "finish": None, "emissions": 0, "outs": []})
+            assert r["finish"] is None, f"{out.rid} emitted after finishing"
+            r["ids"] += out.new_ids
+            r["finish"] = out.finished_reason
+            r["emissions"] += 1
+            r["outs"].append(out)
+    raise AssertionError("scheduler did not go idle")
+
+
+def workload(seed: int = 0, n: int = 24) -> list[tuple[str, list[int], int]]:
+    """Mixed lengths, some shared prefixes (so a sharing cache gets hits)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(VOCAB) for _ in range(40)]
+    reqs = []
+    for i in range(n):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 120))]
+        if i % 3 == 0:
+            prompt = shared + prompt
+        reqs.append((f"r{i}", prompt, rng.randint(1, 40)))
+    return reqs
+
+
+def run_workload(sched: Scheduler, reqs) -> dict[str, dict]:
+    for rid, prompt, max_new in reqs:
+        sched.add_request(request(rid, prompt, max_new))
+    return run_to_completion(sched)
+
+
+CONFIGS = {
+    "radix": dict(cache="radix"),
+    "chunk-cache": dict(cache="chunk"),
+    "radix-chunked16": dict(cache="radix", chunked_prefill_size=16),
+    "chunk-cache-chunked16": dict(cache="chunk", chunked_prefill_size=16),
+    "radix-no-chunking": dict(cache="radix", chunked_prefill_size=-1),
+    "radix-mixed": dict(cache="radix", chunked_prefill_size=16, enable_mixed_chunk=True),
+    "small-batches": dict(cache="radix", max_prefill_tokens=64, max_running_requests=3),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_outputs_match_reference(make_scheduler, name):
+    sched = make_scheduler(**CONFIGS[name])
+    reqs = workload()
+    results = run_workload(sched, reqs)
+    assert sorted(results) == sorted(rid for rid, _, _ in reqs)  # none lost, none invented
+    for rid, prompt, max_new in reqs:
+        assert results[rid]["ids"] == reference(prompt, max_new), rid
+        assert results[rid]["finish"] == {"type": "length"}
+        assert results[rid]["emissions"] == 1  # not streamed: one output at the end
+
+
+@pytest.mark.parametrize("cache", ["radix", "chunk"])
+@pytest.mark.parametrize("chunked", [-1, 16])
+def test_retraction_under_a_tiny_pool_keeps_outputs(make_scheduler, cache, chunked):
+    # 300 slots for 24 requests of up to 200 tokens each, admitted optimistically (a tiny reservation
+    # for future tokens): decode runs out of memory and must retract to make progress
+    sched = make_scheduler(
+        cache=cache,
+        chunked_prefill_size=chunked,
+        schedule_conservativeness=0.05,
+        runner_kwargs={"max_total_tokens": 300},
+    )
+    reqs = workload(seed=1)
+    results = run_workload(sched, reqs)
+    assert sched.metrics.retractions > 0, "the pool was meant to force retraction"
+    assert sorted(results) == sorted(rid for rid, _, _ in reqs)
+    for rid, prompt, max_new in reqs:
+        assert results[rid]["ids"] == reference(prompt, max_new), rid
+
+
+def test_radix_cache_shares_a_system_prompt(make_scheduler):
+    rng = random.Random(7)
+    system = [rng.randrange(VOCAB) for _ in range(256)]
+    reqs = [(f"q{i}", system + [rng.randrange(VOCAB) for _ in range(16)], 8) for i in range(64)]
+    computed = {}
+    for cache in ("radix", "chunk"):
+        sched = make_scheduler(cache=cache, runner_kwargs={"max_total_tokens": 32768, "max_running_requests": 64})
+        results = run_workload(sched, reqs)
+        for rid, prompt, max_new in reqs:
+            assert results[rid]["ids"] == reference(prompt, max_new)
+        computed[cache] = sched.stats()["prefill_tokens_computed"]
+        assert computed[cache] == sched.runner.forward_tokens - sched.metrics.generated_tokens + 64
+    assert computed["chunk"] == 64 * 272
+    assert computed["radix"] <= 0.2 * computed["chunk"], computed
+
+
+def test_stop_token_ids_and_min_new_tokens(make_scheduler):
+    sched = make_scheduler()
+    prompt = list(range(10, 30))
+    ref = reference(prompt, 30)
+    stop = ref[3]
+    sched.add_request(request("a", prompt, 30, stop_token_ids=[stop]))
+    sched.add_request(request("b", prompt, 30, stop_token_ids=[stop], min_new_tokens=10))
+    results = run_to_completion(sched)
+    assert results["a"]["ids"] == ref[: ref.index(stop) + 1]
+    assert results["a"]["finish"] == {"type": "stop", "matched": stop}
+    assert results["b"]["ids"] == reference(prompt, 30, stop_ids=[stop], min_new=10)
+    assert len(results["b"]["ids"]) >= 10
+
+
+def test_eos_ends_a_request_unless_ignore_eos(make_scheduler):
+    prompt = list(range(50, 70))
+    ref = reference(prompt, 20)
+    eos = ref[5]
+    sched = make_scheduler(runner_kwargs={"eos_token_ids": (eos,)})
+    sched.add_request(request("eos", prompt, 20))
+    sched.add_request(request("ignore", prompt, 20, ignore_eos=True))
+    results = run_to_completion(sched)
+    assert results["eos"]["ids"] == ref[: ref.index(eos) + 1]
+    assert results["eos"]["finish"] == {"type": "stop", "matched": eos}
+    assert results["ignore"]["ids"] == ref
+
+
+def test_streaming_emits_every_stream_interval_tokens(make_scheduler):
+    sched = make_scheduler(stream_interval=4)
+    prompt = list(range(5, 25))
+    sched.add_request(request("s", prompt, 13, stream=True))
+    results = run_to_completion(sched)
+    sizes = [len(o.new_ids) for o in results["s"]["outs"]]
+    assert sizes == [1, 4, 4, 4]  # first token at once, then every 4, the last one with the finish
+    assert results["s"]["ids"] == reference(prompt, 13)
+    assert results["s"]["outs"][0].prompt_tail == prompt[-5:]
+    assert all(o.prompt_tail is None for o in results["s"]["outs"][1:])
+
+
+def test_logprobs_follow_their_tokens(make_scheduler):
+    sched = make_scheduler()
+    sched.add_request(request("lp", list(range(1, 9)), 6, logprobs=True, top_logprobs=2))
+    results = run_to_completion(sched)
+    out = results["lp"]["outs"][-1]
+    assert len(out.token_logprobs) == len(out.new_ids) == 6
+    for tok, lp, top in zip(out.new_ids, out.token_logprobs, out.top_logprobs):
+        assert lp == pytest.approx(-0.1 * (tok % 7))
+        assert top[0][0] == tok
+
+
+@pytest.mark.parametrize("where", ["waiting", "running", "chunked"])
+def test_abort_frees_everything(make_scheduler, where):
+    sched = make_scheduler(chunked_prefill_size=16, max_prefill_tokens=64)
+    prompt = list(range(100, 100 + (80 if where == "chunked" else 10)))
+    sched.add_request(request("victim", prompt, 50))
+    sched.add_request(request("other", list(range(300, 330)), 10))
+    if where != "waiting":
+        sched.step()  # "victim" is admitted first (whole, or as the chunked request)
+        sched.step()
+        if where == "chunked":
+            assert sched.chunked_req.rid == "victim"
+        else:
+            assert "victim" in [r.rid for r in sched.running]
+        assert sched.allocator.available_size() < sched.allocator.size
+    assert sched.abort("victim")
+    assert not sched.abort("victim")  # unknown now
+    results = run_to_completion(sched)
+    assert results["victim"]["finish"] == {"type": "abort"}
+    assert results["other"]["ids"] == reference(list(range(300, 330)), 10)
+
+
+def test_requests_that_cannot_fit_are_rejected_with_a_reason(make_scheduler):
+    sched = make_scheduler(runner_kwargs={"max_total_tokens": 100, "context_len": 80})
+    sched.add_request(request("ctx", list(range(70)), 20))
+    sched.add_request(request("empty", [], 5))
+    sched.add_request(request("ok", list(range(30)), 20))
+    results = run_to_completion(sched)
+    assert "context length (80 tokens)" in results["ctx"]["outs"][0].error
+    assert results["empty"]["outs"][0].error == "the prompt is empty"
+    assert results["ok"]["ids"] == reference(list(range(30)), 20)
+    assert sched.metrics.rejected_requests == 2
+    big = make_scheduler(runner_kwargs={"max_total_tokens": 40, "context_len": 200})
+    big.add_request(request("pool", list(range(30)), 20))
+    results = run_to_completion(big)
+    assert "KV cache capacity (40 tokens)" in results["pool"]["outs"][0].error
+
+
+def test_flush_cache_refuses_while_requests_are_resident(make_scheduler):
+    sched = make_scheduler()
+    sched.add_request(request("x", list(range(40)), 5))
+    sched.step()
+    assert not sched.flush_cache()
+    run_to_completion(sched)
+    assert sched.cache.evictable_size() > 0  # the radix cache kept the finished request's KV
+    assert sched.flush_cache()
+    assert sched.allocator.available_size() == sched.allocator.size
+
+
+def test_stats_report_usage_and_hits(make_scheduler):
+    sched = make_scheduler()
+    prompt = list(range(200, 260))
+    sched.add_request(request("a", prompt, 4))
+    run_to_completion(sched)
+    sched.add_request(request("b", prompt, 4))
+    sched.step()
+    stats = sched.stats()
+    assert stats["running"] == 1 and stats["waiting"] == 0
+    assert stats["prefill_tokens_cached"] == 59  # all but the last prompt token came from the cache
+    assert 0 < stats["token_usage"] <= 1 and stats["cache_hit_rate"] > 0.4
+    run_to_completion(sched)
