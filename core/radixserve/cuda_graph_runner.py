@@ -1,0 +1,187 @@
+"""Decode graphs: capture the model's decode forward (and LM head) for a set of batch sizes,
+then replay the smallest captured size that fits, padding the batch.
+
+Why: at batch 1 a decode step is ~300 tiny kernels; launching them one by one from Python costs
+more than the GPU work. A captured graph launches them all at once.
+
+Bookkeeping rules:
+- Every tensor a graph reads lives in the static buffers below (`self.buf_*`); replay copies the
+  real batch into their first `real_bs` rows and fills padding rows with harmless values: the
+  reserved `dummy_row` of the ReqToTokenPool (all zeros -> KV slot 0, the pool's padding slot),
+  seq_len 1, position 0, input id 0, out_cache_loc 0. So padding writes only to slot 0 and never
+  touches a real request's KV.
+- The attention backend keeps its own graph metadata static through its graph hooks
+  (`init_graph_state`, `init_forward_metadata_capture`, `init_forward_metadata_replay`).
+- `graph_factory` is injectable so the CPU tests exercise the same bookkeeping with an eager
+  stand-in (`EagerGraph`) that re-runs the captured function on replay.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from radixserve.state import ForwardBatch, ForwardMode
+
+
+def default_capture_sizes(max_bs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
+    return [s for s in sizes if s <= max_bs] or [1]
+
+
+class EagerGraph:
+    """Stand-in for torch.cuda.CUDAGraph on devices without graphs: replay re-runs the function,
+    which reads the same static buffers a real graph would."""
+
+    def __init__(self) -> None:
+        self._fn: Callable[[], torch.Tensor] | None = None
+        self.output: torch.Tensor | None = None
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        self._fn = fn
+        self.output = fn()
+        return self.output
+
+    def replay(self) -> torch.Tensor:
+        assert self._fn is not None
+        self.output = self._fn()
+        return self.output
+
+
+class CudaGraph:
+    """torch.cuda.CUDAGraph with a shared memory pool across batch sizes."""
+
+    pool = None
+
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.output: torch.Tensor | None = None
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        for _ in range(2):  # warm-up outside the graph (lazy inits, autotuning)
+            fn()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(self.graph, pool=CudaGraph.pool):
+            self.output = fn()
+        CudaGraph.pool = self.graph.pool()
+        return self.output
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        assert self.output is not None
+        return self.output
+
+
+class DecodeGraphRunner:
+    def __init__(
+        self,
+        model,
+        attn_backend,
+        req_to_token_pool,
+        kv_pool,
+        device: torch.device,
+        capture_sizes: list[int],
+        dummy_row: int,
+        graph_factory: Callable[[], EagerGraph | CudaGraph] | None = None,
+    ) -> None:
+        self.model = model
+        self.backend = attn_backend
+        self.req_to_token_pool = req_to_token_pool
+        self.kv_pool = kv_pool
+        self.device = device
+        self.sizes = sorted(set(capture_sizes))
+        self.max_bs = self.sizes[-1]
+        self.dummy_row = dummy_row
+        self.graph_factory = graph_factory or (CudaGraph if device.type == "cuda" else EagerGraph)
+        req_to_token_pool.req_to_token[dummy_row].zero_()
+        n, dev, i64 = self.max_bs, device, torch.int64
+        self.buf_input_ids = torch.zeros(n, dtype=i64, device=dev)
+        self.buf_positions = torch.zeros(n, dtype=i64, device=dev)
+        self.buf_req_pool_indices = torch.full((n,), dummy_row, dtype=i64, device=dev)
+        self.buf_seq_lens = torch.ones(n, dtype=i64, device=dev)
+        self.buf_prefix_lens = torch.zeros(n, dtype=i64, device=dev)
+        self.buf_extend_lens = torch.ones(n, dtype=i64, device=dev)
+        self.buf_out_cache_loc = torch.zeros(n, dtype=i64, device=dev)
+        self.graphs: dict[int, EagerGraph | CudaGraph] = {}
+        self.batches: dict[int, ForwardBatch] = {}
+        if self.backend.supports_cuda_graph():
+            self.backend.init_graph_state(self.max_bs)
+        self.capture()
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=self.buf_input_ids[:bs],
+            positions=self.buf_positions[:bs],
+            req_pool_indices=self.buf_req_pool_indices[:bs],
+            seq_lens=self.buf_seq_lens[:bs],
+            prefix_lens=self.buf_prefix_lens[:bs],
+            extend_lens=self.buf_extend_lens[:bs],
+            out_cache_loc=self.buf_out_cache_loc[:bs],
+            req_to_token_pool=self.req_to_token_pool,
+            kv_pool=self.kv_pool,
+            attn_backend=self.backend,
+            seq_lens_cpu=[1] * bs,
+            prefix_lens_cpu=[0] * bs,
+            extend_lens_cpu=[1] * bs,
+        )
+
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+        hidden = self.model.forward(fb.input_ids, fb.positions, fb)
+        return self.model.compute_logits(hidden)
+
+    def capture(self) -> None:
+        graphs_supported = self.backend.supports_cuda_graph()
+        for bs in reversed(self.sizes):  # largest first: its memory is reused by the smaller ones
+            fb = self._static_batch(bs)
+            if graphs_supported:
+                self.backend.init_forward_metadata_capture(fb)
+            else:
+                self.backend.init_forward_metadata(fb)
+            graph = self.graph_factory()
+            with torch.inference_mode():
+                graph.capture(lambda fb=fb: self._forward(fb))
+            self.graphs[bs] = graph
+            self.batches[bs] = fb
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return fb.mode is ForwardMode.DECODE and fb.batch_size <= self.max_bs
+
+    def padded_size(self, bs: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, bs)]
+
+    def run(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [fb.batch_size, vocab] for a decode batch, through the captured graph."""
+        bs, pbs = fb.batch_size, self.padded_size(fb.batch_size)
+        # reset the padding rows, then copy the real rows in
+        self.buf_req_pool_indices[bs:pbs].fill_(self.dummy_row)
+        self.buf_seq_lens[bs:pbs].fill_(1)
+        self.buf_input_ids[bs:pbs].zero_()
+        self.buf_positions[bs:pbs].zero_()
+        self.buf_out_cache_loc[bs:pbs].zero_()
+        self.buf_input_ids[:bs].copy_(fb.input_ids)
+        self.buf_positions[:bs].copy_(fb.positions)
+        self.buf_req_pool_indices[:bs].copy_(fb.req_pool_indices)
+        self.buf_seq_lens[:bs].copy_(fb.seq_lens)
+        self.buf_prefix_lens[:bs].copy_(fb.prefix_lens)
+        self.buf_out_cache_loc[:bs].copy_(fb.out_cache_loc)
+        static = self.batches[pbs]
+        pad = pbs - bs
+        static = replace(
+            static,
+            seq_lens_cpu=list(fb.seq_lens_cpu) + [1] * pad,
+            prefix_lens_cpu=list(fb.prefix_lens_cpu) + [0] * pad,
+        )
+        self.batches[pbs] = static
+        if self.backend.supports_cuda_graph():
+            self.backend.init_forward_metadata_replay(static, bs)
+        else:
+            self.backend.init_forward_metadata(static)
+        graph = self.graphs[pbs]
+        if isinstance(graph, EagerGraph):
+            graph._fn = lambda: self._forward(static)
+        return graph.replay()[:bs]

@@ -1,0 +1,106 @@
+"""Decode-graph bookkeeping on the CPU: padding to a captured size, static buffers, dummy rows.
+
+The real CUDA graph cannot run here; `EagerGraph` replays by re-running the captured function
+over the same static buffers, so everything around the graph is exercised: padding rows must not
+change any real KV slot and the real rows' logits must equal an eager forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from radixserve.config import Config
+from radixserve.cuda_graph_runner import DecodeGraphRunner, EagerGraph, default_capture_sizes
+from radixserve.model_runner import ModelRunner
+from radixserve.state import ForwardMode, ScheduledBatch
+from runner_driver import greedy_generate
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama_dir):
+    cfg = Config.build(
+        {
+            "model": {"path": tiny_llama_dir("llama")},
+            "runtime": {"device": "cpu", "dtype": "float32"},
+            "scheduler": {"max_total_tokens": 1024, "max_running_requests": 8},
+        }
+    )
+    return ModelRunner(cfg, show_progress=False)
+
+
+def test_capture_sizes_cover_up_to_max():
+    sizes = default_capture_sizes(40)
+    assert sizes[0] == 1 and sizes[-1] == 32 and sizes == sorted(sizes)
+
+
+def _decode_batch(runner, prompts, rows, slots_for_step):
+    pool = runner.req_to_token_pool
+    lens = [len(p) for p in prompts]
+    for i, row in enumerate(rows):
+        pool.write(row, lens[i], slots_for_step[i : i + 1])
+    return ScheduledBatch(
+        mode=ForwardMode.DECODE,
+        reqs=[None] * len(prompts),
+        input_ids=[p[-1] for p in prompts],
+        req_pool_indices=rows,
+        prefix_lens=lens,
+        extend_lens=[1] * len(prompts),
+        out_cache_loc=slots_for_step,
+    )
+
+
+def test_padded_replay_matches_eager_and_touches_no_real_slot(runner):
+    pool, alloc = runner.req_to_token_pool, runner.token_allocator
+    dummy_row = pool.size - 1
+    graphs = DecodeGraphRunner(
+        runner.model, runner.attn_backend, pool, runner.kv_pool, runner.device,
+        capture_sizes=[1, 2, 4], dummy_row=dummy_row, graph_factory=EagerGraph,
+    )
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23]]
+    rows = [pool.alloc() for _ in prompts]
+    owned = []
+    # prefill each prompt
+    for row, p in zip(rows, prompts):
+        loc = alloc.alloc(len(p))
+        owned.append(loc)
+        pool.write(row, 0, loc)
+        runner.forward_logits(ScheduledBatch(ForwardMode.EXTEND, [None], list(p), [row], [0], [len(p)], loc))
+    step_slots = alloc.alloc(len(prompts))
+    owned.append(step_slots)
+    sb = _decode_batch(runner, prompts, rows, step_slots)
+
+    k_before = runner.kv_pool.get_kv(0)[0].clone()
+    fb = runner.prepare(sb)
+    assert graphs.can_run(fb) and graphs.padded_size(fb.batch_size) == 4
+    logits_graph = graphs.run(fb).clone()
+    k_after = runner.kv_pool.get_kv(0)[0]
+    changed = (k_after != k_before).flatten(1).any(dim=1).nonzero().flatten().tolist()
+    assert set(changed) <= set(step_slots.tolist()) | {0}, "padding rows wrote to a real KV slot"
+    assert set(step_slots.tolist()) <= set(changed), "real rows did not write their KV"
+
+    logits_eager = runner.forward_logits(sb)
+    assert logits_graph.shape == logits_eager.shape
+    torch.testing.assert_close(logits_graph, logits_eager[:, : logits_graph.shape[1]], rtol=1e-5, atol=1e-5)
+    for row in rows:
+        pool.free(row)
+    for s in owned:
+        alloc.free(s)
+    assert alloc.available_size() == alloc.size
+
+
+def test_graph_runner_rejects_extend_and_oversize(runner):
+    graphs = DecodeGraphRunner(
+        runner.model, runner.attn_backend, runner.req_to_token_pool, runner.kv_pool, runner.device,
+        capture_sizes=[1, 2], dummy_row=runner.req_to_token_pool.size - 1, graph_factory=EagerGraph,
+    )
+    pool, alloc = runner.req_to_token_pool, runner.token_allocator
+    row = pool.alloc()
+    loc = alloc.alloc(3)
+    pool.write(row, 0, loc)
+    fb = runner.prepare(ScheduledBatch(ForwardMode.EXTEND, [None], [1, 2, 3], [row], [0], [3], loc))
+    assert not graphs.can_run(fb)
+    pool.free(row)
+    alloc.free(loc)
+    # greedy generation still consistent after the graph runner has been used
+    a = greedy_generate(runner, [[3, 4, 5]], 4)
+    b = greedy_generate(runner, [[3, 4, 5]], 4)
+    assert a[0].tokens == b[0].tokens
