@@ -7,4 +7,9 @@ PLUGIN_API = ">=1,<2"
 
 @hookimpl
 def radixserve_register(registry) -> None:
-    pass  # components are registered here as they are built
+    registry.register(
+        "prefix_cache",
+        "chunk",
+        "radixserve_cache_chunk.chunk_cache:ChunkCache",
+        description="no prefix sharing; finished requests' KV is freed at once",
+    )

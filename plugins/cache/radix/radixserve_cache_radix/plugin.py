@@ -7,4 +7,11 @@ PLUGIN_API = ">=1,<2"
 
 @hookimpl
 def radixserve_register(registry) -> None:
-    pass  # components are registered here as they are built
+    registry.register(
+        "prefix_cache",
+        "radix",
+        "radixserve_cache_radix.radix_cache:RadixCache",
+        priority=10,
+        capabilities=("sharing", "lru_eviction"),
+        description="token-level radix tree over KV slots, shared prefixes, LRU eviction",
+    )
