@@ -16,8 +16,8 @@ from radixserve.interfaces.attention import AttentionBackend
 from radixserve.state import ForwardMode
 
 from radixserve_attention_triton._interpreter_compat import interpreter_enabled
-from radixserve_attention_triton.decode_kernel import compute_num_kv_splits, decode_attention
-from radixserve_attention_triton.extend_kernel import extend_attention
+from radixserve_attention_triton.decode_kernel import DecodeConfig, compute_num_kv_splits, decode_attention
+from radixserve_attention_triton.extend_kernel import ExtendConfig, extend_attention
 
 if TYPE_CHECKING:
     from radixserve.interfaces.attention import AttentionLayerSpec
@@ -60,8 +60,9 @@ class TritonAttentionBackend(AttentionBackend):
     `runner_info` must provide: device, dtype, num_heads, num_kv_heads, head_dim, req_to_token_pool,
     kv_pool, and a max batch size (max_bs / max_batch_size / max_running_requests).
     Tuning knobs (keyword-only) control decode splitting: at most `max_kv_splits` splits per request,
-    none shorter than `min_split_tokens`, and about `sm_count * 2` decode programs in flight
-    (`sm_count` defaults to the GPU's multiprocessor count).
+    none shorter than `min_split_tokens`, and about `sm_count * programs_per_sm` decode programs in
+    flight (`sm_count` defaults to the GPU's multiprocessor count); `extend_config` / `decode_config`
+    override the kernels' tile sizes.
     """
 
     name = "triton"
@@ -73,6 +74,9 @@ class TritonAttentionBackend(AttentionBackend):
         max_kv_splits: int = 16,
         min_split_tokens: int | None = None,
         sm_count: int | None = None,
+        programs_per_sm: int = 2,
+        extend_config: ExtendConfig | None = None,
+        decode_config: DecodeConfig | None = None,
     ) -> None:
         self.device = torch.device(runner_info.device)
         dtype = runner_info.dtype
@@ -94,6 +98,9 @@ class TritonAttentionBackend(AttentionBackend):
             self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
             self.sm_count = 8  # interpreter: any small number; only the split count depends on it
+        self.programs_per_sm = programs_per_sm
+        self.extend_config = extend_config  # None: per-head-dim defaults (extend_kernel.extend_config)
+        self.decode_config = decode_config
         self._graph: _GraphBuffers | None = None
 
     @classmethod
@@ -132,7 +139,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.num_kv_heads,
             self.max_kv_splits,
             self.min_split_tokens,
-            target_programs=2 * self.sm_count,
+            target_programs=self.programs_per_sm * self.sm_count,
         )
         return DecodeMetadata(num_kv_splits=num_kv_splits, mid_o=mid_o, mid_lse=mid_lse)
 
@@ -160,6 +167,7 @@ class TritonAttentionBackend(AttentionBackend):
             meta.max_extend_len,
             layer.scaling,
             interpret=self.interpret,
+            config=self.extend_config,
         )
         return out.view(q.shape[0], -1)
 
@@ -184,6 +192,7 @@ class TritonAttentionBackend(AttentionBackend):
             meta.mid_lse,
             layer.scaling,
             interpret=self.interpret,
+            config=self.decode_config,
         )
         return out.view(q.shape[0], -1)
 

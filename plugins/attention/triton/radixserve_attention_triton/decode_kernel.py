@@ -191,8 +191,9 @@ def decode_attention(
     mid_lse: torch.Tensor,
     sm_scale: float,
     interpret: bool = False,
+    config: DecodeConfig | None = None,
 ) -> None:
-    """Write decode attention into `out`.
+    """Write decode attention into `out` (tiles from `config`, else `decode_config`).
 
     Shapes: q/out [bs, H, D]; k_buf/v_buf [slots, KVH, D]; num_kv_splits int32 [bs];
     mid_o float32 [>=bs, H, S, D] and mid_lse float32 [>=bs, H, S] are scratch, S = max splits
@@ -204,7 +205,7 @@ def decode_attention(
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
     max_splits = mid_o.shape[2]
-    cfg = decode_config(head_dim, interpret)
+    cfg = config or decode_config(head_dim, interpret)
     block_d = triton.next_power_of_2(head_dim)
     _decode_stage1_kernel[(bs, num_kv_heads, max_splits)](
         q,

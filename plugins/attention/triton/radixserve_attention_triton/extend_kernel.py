@@ -21,6 +21,16 @@ _interpreter_compat.apply()
 
 
 @triton.jit
+def _load_rows(ptrs, mask_d, EVEN_D: tl.constexpr):
+    """Load a [rows, BLOCK_D] tile whose rows are all valid; mask columns only when D is padded."""
+    if EVEN_D:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=mask_d[None, :], other=0.0)
+    return x
+
+
+@triton.jit
 def _extend_kernel(
     Q,
     K_new,
@@ -52,10 +62,12 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    m_start = tl.program_id(2) * BLOCK_M
+    # Query blocks in reverse: the longest (latest, causal) blocks start first, which shortens the tail.
+    m_start = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
     ext_len = tl.load(extend_lens_ptr + b).to(tl.int32)
     if m_start >= ext_len:
         return
@@ -90,9 +102,18 @@ def _extend_kernel(
         v = tl.load(V_buf + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
 
-    # Stage 2: the new tokens themselves, causal; keys past this block's last query are never needed.
+    # Stage 2a: new tokens before this query block: every query sees every key, no mask on rows.
+    # (BLOCK_M is a multiple of BLOCK_N, so these blocks end exactly at m_start.)
+    for start in range(0, m_start, BLOCK_N):
+        tok = (ext_start + start + offs_n)[:, None]
+        k = _load_rows(K_new + tok * stride_kt + kvh * stride_kh + offs_d[None, :], mask_d, EVEN_D)
+        qk = tl.dot(q, tl.trans(k)) * sm_scale_log2
+        v = _load_rows(V_new + tok * stride_vt + kvh * stride_vh + offs_d[None, :], mask_d, EVEN_D)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
+
+    # Stage 2b: the diagonal, causal; keys past this block's last query are never needed.
     hi = tl.minimum(ext_len, m_start + BLOCK_M)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(m_start, hi, BLOCK_N):
         n = start + offs_n
         mask_n = n < hi
         kv_mask = mask_n[:, None] & mask_d[None, :]
@@ -149,8 +170,9 @@ def extend_attention(
     max_extend_len: int,
     sm_scale: float,
     interpret: bool = False,
+    config: ExtendConfig | None = None,
 ) -> None:
-    """Write attention of the packed new tokens into `out`.
+    """Write attention of the packed new tokens into `out` (tiles from `config`, else `extend_config`).
 
     Shapes: q/out [T, H, D]; k_new/v_new [T, KVH, D]; k_buf/v_buf [slots, KVH, D] (last dim
     contiguous everywhere); req_to_token [rows, max_ctx]; per-request vectors [bs]. H must be a
@@ -161,7 +183,9 @@ def extend_attention(
     num_kv_heads = k_new.shape[1]
     if bs == 0 or max_extend_len <= 0:
         return
-    cfg = extend_config(head_dim, q.dtype, interpret)
+    cfg = config or extend_config(head_dim, q.dtype, interpret)
+    if cfg.block_m % cfg.block_n:
+        raise ValueError(f"block_m must be a multiple of block_n, got {cfg}")
     grid = (bs, num_heads, triton.cdiv(max_extend_len, cfg.block_m))
     _extend_kernel[grid](
         q,
@@ -194,6 +218,7 @@ def extend_attention(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
+        EVEN_D=triton.next_power_of_2(head_dim) == head_dim,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
