@@ -5,8 +5,9 @@ from __future__ import annotations
 from radixserve.interfaces import PrefixCache, SchedulePolicy
 from radixserve.state import Req
 
+from radixserve_policies.matching import arrival_order
+
 
 class FCFSPolicy(SchedulePolicy):
     def order(self, waiting: list[Req], cache: PrefixCache) -> list[Req]:
-        # stable sort: requests that arrived at the same time keep queue order
-        return sorted(waiting, key=lambda r: r.arrival_time)
+        return arrival_order(waiting)
