@@ -163,7 +163,9 @@ async def _log_stats(tm: Any) -> None:
             stats = await tm.get_stats()
         except Exception:
             continue
-        numeric = {k: v for k, v in stats.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        numeric = {
+            k: v for k, v in stats.items() if isinstance(v, int | float) and not isinstance(v, bool) and k != "time"
+        }
         if numeric != last:
             logger.info("stats: %s", " ".join(f"{k}={_fmt(v)}" for k, v in numeric.items()))
             last = numeric

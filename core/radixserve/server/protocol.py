@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 
 class _Request(BaseModel):
@@ -207,6 +207,10 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler):  # OpenAI sends only the delta's present keys
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(_Response):
