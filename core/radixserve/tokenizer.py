@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
+import tempfile
 from typing import Any
+
+CACHE_ENV = "RADIXSERVE_CACHE_DIR"  # default ~/.cache/radixserve
 
 
 def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
@@ -13,8 +18,39 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
 
     path = tokenizer_path or model_path
     if os.path.isfile(path) and path.endswith(".gguf"):
-        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+        return _gguf_tokenizer(os.path.abspath(path))
     return AutoTokenizer.from_pretrained(path)
+
+
+def _gguf_cache_dir(path: str) -> str:
+    st = os.stat(path)
+    key = hashlib.sha1(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "radixserve")
+    return os.path.join(root, "gguf-tokenizers", key)
+
+
+def _gguf_tokenizer(path: str):
+    """transformers converts a GGUF vocabulary in seconds; keep the converted tokenizer in a cache
+    directory (keyed by path, size and mtime) so later loads take a fraction of that."""
+    from transformers import AutoTokenizer
+
+    cache = _gguf_cache_dir(path)
+    if os.path.isfile(os.path.join(cache, "tokenizer_config.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cache)
+        except Exception:  # a corrupt or incompatible cache entry: rebuild it
+            shutil.rmtree(cache, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(cache))
+        tok.save_pretrained(tmp)
+        os.replace(tmp, cache)  # atomic: concurrent loaders never see a half-written entry
+    except OSError:
+        if tmp is not None:  # read-only home or a lost race (os.replace onto a full dir): no cache
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tok
 
 
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
