@@ -131,6 +131,8 @@ class TokenizerManager:
         self._recv.bind(self._ports.manager_input)
         self._send = self._zctx.socket(zmq.PUSH)
         self._send.connect(self._ports.scheduler_input)
+        self._send_detok = self._zctx.socket(zmq.PUSH)  # only for shutdown (the scheduler may be dead)
+        self._send_detok.connect(self._ports.detokenizer_input)
         self._ready = {name: loop.create_future() for name in CHILDREN}
         self._recv_task = loop.create_task(self._recv_loop())
 
@@ -155,14 +157,17 @@ class TokenizerManager:
         self.context_len = int(self.server_info.get("context_len") or 0)
 
     async def shutdown(self) -> None:
+        import zmq
+
         if self._closing or not self._started:
             return
         self._closing = True
         self._fail_all(EngineDeadError("the engine is shutting down"))
-        try:
-            await self._send.send(self._enc.encode(ShutdownRequest()))
-        except Exception:  # the scheduler may already be gone
-            pass
+        for sock in (self._send, self._send_detok):
+            try:
+                await sock.send(self._enc.encode(ShutdownRequest()), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:  # that child may already be gone
+                pass
         loop = asyncio.get_running_loop()
         for name, proc in self._procs.items():
             loop.remove_reader(proc.sentinel)
@@ -175,10 +180,14 @@ class TokenizerManager:
                 proc.kill()
                 proc.join()
         self._recv_task.cancel()
-        self._recv.close(0)
-        self._send.close(0)
+        for sock in (self._recv, self._send, self._send_detok):
+            sock.close(0)
         self._zctx.term()
         self._ports.cleanup()
+
+    def child_pids(self) -> dict[str, int]:
+        """{"scheduler": pid, "detokenizer": pid} of the runtime's child processes."""
+        return {name: proc.pid for name, proc in self._procs.items()}
 
     def is_healthy(self) -> bool:
         return self._started and not self._closing and self.dead_reason is None
@@ -249,8 +258,9 @@ class TokenizerManager:
 
     # ---- requests ---------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        from radixserve.tokenizer import apply_chat_template
+
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
 
     def _prepare(self, inp: GenerateInput) -> tuple[str, list[int], SamplingParams]:
         if (inp.text is None) == (inp.input_ids is None):

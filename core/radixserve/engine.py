@@ -1,0 +1,206 @@
+"""Engine: the offline Python API. Starts the runtime processes (no HTTP) and runs requests.
+
+    with Engine(model=path, stack={"prefix_cache": "radix"}, scheduler={"chunked_prefill_size": 16}) as eng:
+        out = eng.generate("Hello", {"max_new_tokens": 8, "temperature": 0})
+        outs = eng.generate(["a", "b"], {"max_new_tokens": 8})
+
+The TokenizerManager lives on an asyncio loop in a background thread; every public method is
+thread-safe and marshals onto that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from radixserve.config import Config
+from radixserve.runtime.tokenizer_manager import GenerateInput, TokenizerManager
+from radixserve.state import SamplingParams
+
+
+class Engine:
+    """`Engine(model=None, config=None, **sections)`.
+
+    - `model`: HF directory or .gguf file (None: `config`'s model.path, else the embedded SmolLM2).
+    - `config`: a YAML stack path or a `Config`; `sections` are overrides named like the YAML
+      sections (stack=..., scheduler=..., runtime=..., model=...), applied on top.
+    - `generate(prompt | input_ids, sampling_params)`: one request (str / list[int]) -> dict, or a batch
+      (list[str] / list[list[int]]) -> list of dicts; each dict has "text", "output_ids", "meta_info"
+      (see TokenizerManager). `sampling_params` is a dict of SamplingParams fields, or one per prompt.
+    - `await async_generate(..., stream=False)` -> dict; `await async_generate(..., stream=True)` ->
+      async iterator of incremental outputs (each with the full text so far).
+    - `abort(rid)`, `get_stats()`, `flush_cache()`, `is_healthy()`, `shutdown()`; a context manager.
+    Raises `radixserve.runtime.errors.RequestError` for invalid requests.
+    """
+
+    def __init__(self, model: str | None = None, config: str | Path | Config | None = None, **sections: Any) -> None:
+        base = config if isinstance(config, Config) else Config.load(config)
+        overrides: dict[str, Any] = {k: dict(v) for k, v in sections.items()}
+        if model is not None:
+            overrides.setdefault("model", {})["path"] = str(model)
+        self.config = base.with_overrides(overrides) if overrides else base
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-engine", daemon=True)
+        self._thread.start()
+        self.tokenizer_manager = TokenizerManager(self.config)
+        try:
+            self._call(self.tokenizer_manager.start())
+        except BaseException:
+            self._stop_loop()
+            raise
+        atexit.register(self.shutdown)
+
+    # ---- plumbing ---------------------------------------------------------------------------
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("the engine was shut down")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _stop_loop(self) -> None:
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.tokenizer_manager.tokenizer
+
+    # ---- requests ---------------------------------------------------------------------------
+    @staticmethod
+    def _inputs(
+        prompt: str | list[str] | None,
+        input_ids: list[int] | list[list[int]] | None,
+        sampling_params: dict | list[dict] | None,
+        rid: str | list[str] | None,
+        stream: bool,
+        return_logprob: bool,
+        top_logprobs_num: int,
+    ) -> tuple[list[GenerateInput], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            items: list[dict] = [{"text": p} for p in ([prompt] if single else prompt)]
+        else:
+            single = bool(input_ids) and isinstance(input_ids[0], int)
+            items = [{"input_ids": list(ids)} for ids in ([input_ids] if single else input_ids)]
+        n = len(items)
+        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+        rids = rid if isinstance(rid, list) else [rid] * n
+        if len(sps) != n or len(rids) != n:
+            raise ValueError(f"{n} prompts but {len(sps)} sampling_params and {len(rids)} rids")
+        if n > 1 and rids[0] is not None and len(set(rids)) != n:
+            raise ValueError("rids of one batch must be distinct")
+        return [
+            GenerateInput(
+                **item,
+                sampling_params=SamplingParams.from_dict(sp),
+                rid=r,
+                stream=stream,
+                return_logprob=return_logprob,
+                top_logprobs_num=top_logprobs_num,
+            )
+            for item, sp, r in zip(items, sps, rids)
+        ], single
+
+    async def _collect(self, inp: GenerateInput) -> dict[str, Any]:
+        last: dict[str, Any] = {}
+        async for out in self.tokenizer_manager.generate(inp):
+            last = out
+        return last
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        rid: str | list[str] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        inputs, single = self._inputs(prompt, input_ids, sampling_params, rid, False, return_logprob, top_logprobs_num)
+
+        async def run_all() -> list[dict[str, Any]]:
+            return list(await asyncio.gather(*(self._collect(i) for i in inputs)))
+
+        results = self._call(run_all())
+        return results[0] if single else results
+
+    async def async_generate(
+        self,
+        prompt: str | None = None,
+        sampling_params: dict | None = None,
+        input_ids: list[int] | None = None,
+        stream: bool = False,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        rid: str | None = None,
+    ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
+        """One request from any event loop: the final dict, or (stream=True) an async iterator."""
+        [inp], _ = self._inputs(prompt, input_ids, sampling_params, rid, stream, return_logprob, top_logprobs_num)
+        if not stream:
+            fut = asyncio.run_coroutine_threadsafe(self._collect(inp), self._loop)
+            return await asyncio.wrap_future(fut)
+        return self._stream(inp)
+
+    async def _stream(self, inp: GenerateInput) -> AsyncIterator[dict[str, Any]]:
+        caller = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for out in self.tokenizer_manager.generate(inp):
+                    caller.call_soon_threadsafe(queue.put_nowait, ("item", out))
+                caller.call_soon_threadsafe(queue.put_nowait, ("end", None))
+            except Exception as e:
+                caller.call_soon_threadsafe(queue.put_nowait, ("error", e))
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while True:
+                kind, value = await queue.get()
+                if kind == "item":
+                    yield value
+                elif kind == "end":
+                    return
+                else:
+                    raise value
+        finally:
+            if not fut.done():
+                fut.cancel()  # the consumer left early: the TokenizerManager aborts the request
+
+    def abort(self, rid: str) -> None:
+        if not self._closed:
+            self._loop.call_soon_threadsafe(self.tokenizer_manager.abort, rid)
+
+    def get_stats(self) -> dict[str, Any]:
+        return self._call(self.tokenizer_manager.get_stats())
+
+    def flush_cache(self) -> bool:
+        return self._call(self.tokenizer_manager.flush_cache())
+
+    def is_healthy(self) -> bool:
+        return not self._closed and self.tokenizer_manager.is_healthy()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        atexit.unregister(self.shutdown)
+        try:
+            self._call(self.tokenizer_manager.shutdown(), timeout=60)
+        finally:
+            self._stop_loop()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
