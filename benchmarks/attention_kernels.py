@@ -41,16 +41,23 @@ DTYPE = torch.bfloat16
 L2_BYTES = 60 * 2**20
 DEVICE = "cuda"  # a module constant so the setup and reference can be dry-run elsewhere
 
-# Backend keyword arguments per decode configuration; "default" is the backend's own defaults.
+# Backend keyword arguments per decode configuration; "default" is the backend's own defaults
+# (since commit e1b4f07's sweep: 128-token tiles, 4 programs per SM, <= 32 splits of >= 128 tokens).
 DECODE_CONFIGS: dict[str, dict] = {
     "default": {},
-    "p4-s32-min128": {"programs_per_sm": 4, "max_kv_splits": 32, "min_split_tokens": 128},
-    "p8-s64-min64": {"programs_per_sm": 8, "max_kv_splits": 64, "min_split_tokens": 64},
-    "p4-s32-min128-n128": {
-        "programs_per_sm": 4,
-        "max_kv_splits": 32,
-        "min_split_tokens": 128,
-        "decode_config": DecodeConfig(128, 4, 2),
+    "p2-s16-min256-n64": {  # the defaults before that sweep
+        "programs_per_sm": 2,
+        "max_kv_splits": 16,
+        "min_split_tokens": 256,
+        "decode_config": DecodeConfig(64, 4, 2),
+    },
+    "p4-s32-min128-n64": {"decode_config": DecodeConfig(64, 4, 2)},
+    "p4-s32-min128-n64s3": {"decode_config": DecodeConfig(64, 4, 3)},
+    "p8-s64-min64-n64": {
+        "programs_per_sm": 8,
+        "max_kv_splits": 64,
+        "min_split_tokens": 64,
+        "decode_config": DecodeConfig(64, 4, 2),
     },
     "p8-s64-min64-n32s3": {
         "programs_per_sm": 8,
@@ -58,19 +65,14 @@ DECODE_CONFIGS: dict[str, dict] = {
         "min_split_tokens": 64,
         "decode_config": DecodeConfig(32, 4, 3),
     },
-    "p4-s32-min128-s3": {
-        "programs_per_sm": 4,
-        "max_kv_splits": 32,
-        "min_split_tokens": 128,
-        "decode_config": DecodeConfig(64, 4, 3),
-    },
 }
+# Extend tiles (block_m, block_n, warps, stages); "default" is 64/64/4/3 for head dim 128.
 EXTEND_CONFIGS: dict[str, ExtendConfig | None] = {
     "default": None,
+    "m128-n64-w8-s2": ExtendConfig(128, 64, 8, 2),  # the default before that sweep
     "m128-n64-w4-s3": ExtendConfig(128, 64, 4, 3),
     "m128-n128-w8-s2": ExtendConfig(128, 128, 8, 2),
     "m128-n128-w8-s3": ExtendConfig(128, 128, 8, 3),
-    "m64-n64-w4-s3": ExtendConfig(64, 64, 4, 3),
     "m128-n32-w4-s3": ExtendConfig(128, 32, 4, 3),
 }
 

@@ -71,10 +71,10 @@ class TritonAttentionBackend(AttentionBackend):
         self,
         runner_info: Any,
         *,
-        max_kv_splits: int = 16,
+        max_kv_splits: int = 32,
         min_split_tokens: int | None = None,
         sm_count: int | None = None,
-        programs_per_sm: int = 2,
+        programs_per_sm: int = 4,
         extend_config: ExtendConfig | None = None,
         decode_config: DecodeConfig | None = None,
     ) -> None:
@@ -91,7 +91,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.kv_pool = runner_info.kv_pool
         self.interpret = interpreter_enabled()
         self.max_kv_splits = max_kv_splits
-        self.min_split_tokens = min_split_tokens or (16 if self.interpret else 256)
+        self.min_split_tokens = min_split_tokens or (16 if self.interpret else 128)
         if sm_count is not None:
             self.sm_count = sm_count
         elif self.device.type == "cuda":

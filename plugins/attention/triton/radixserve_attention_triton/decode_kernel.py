@@ -148,10 +148,16 @@ class DecodeConfig:
 
 
 def decode_config(head_dim: int, interpret: bool) -> DecodeConfig:
+    """Tiles per head dim. D <= 128 values were picked by the H200 sweep recorded in
+    benchmarks/results/h200-attention-kernels.md; D = 256 keeps 32-token tiles (2 stages of 128-token
+    K and V tiles would not fit in shared memory)."""
     if interpret:
         return DecodeConfig(16, 1, 1)
-    if triton.next_power_of_2(head_dim) <= 128:
+    block_d = triton.next_power_of_2(head_dim)
+    if block_d <= 64:
         return DecodeConfig(64, 4, 2)
+    if block_d <= 128:
+        return DecodeConfig(128, 4, 2)
     return DecodeConfig(32, 4, 2)
 
 

@@ -139,7 +139,8 @@ class ExtendConfig:
 
 
 def extend_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> ExtendConfig:
-    """Tile sizes per head dim; kept within Hopper's ~227 KB of shared memory with 2 stages."""
+    """Tile sizes per head dim, within Hopper's ~227 KB of shared memory. D in (64, 128] uses the
+    best all-round tile of the H200 sweep in benchmarks/results/h200-attention-kernels.md."""
     if interpret:
         return ExtendConfig(16, 16, 1, 1)  # small tiles: more loop iterations exercised on tiny inputs
     block_d = triton.next_power_of_2(head_dim)
@@ -147,7 +148,7 @@ def extend_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> ExtendC
     if block_d <= 64:
         cfg = ExtendConfig(128, 64, 4, 3)
     elif block_d <= 128:
-        cfg = ExtendConfig(128, 64, 8, 2)
+        cfg = ExtendConfig(64, 64, 4, 3)
     else:
         cfg = ExtendConfig(64, 32, 8, 2)
     if wide:  # fp32 tiles take twice the shared memory
