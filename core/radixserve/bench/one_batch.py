@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     runner = ModelRunner(config)
     load_s = time.perf_counter() - t0
-    print(f"loaded {config.model.path} in {load_s:.1f}s on {runner.device} ({runner.dtype})")
+    print(f"loaded {runner.model_path} in {load_s:.1f}s on {runner.device} ({runner.dtype})")
     driver = StaticBatchDriver(runner)
     for bs in args.batch_size:
         gen = torch.Generator().manual_seed(bs)
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             "device": str(runner.device),
             "dtype": str(runner.dtype),
             "cuda_graph": res.used_cuda_graph,
-            "model": config.model.path,
+            "model": runner.model_path,
         }
         print(
             f"bs={bs:4d} prefill {row['prefill_s'] * 1e3:9.1f} ms ({row['prefill_tok_s']:.0f} tok/s)  "
