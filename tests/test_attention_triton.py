@@ -16,6 +16,7 @@ import pytest
 import torch
 
 ON_GPU = torch.cuda.is_available()
+_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' @triton.jit decoration
 
@@ -25,6 +26,18 @@ from radixserve.state import ForwardBatch, ForwardMode  # noqa: E402
 from radixserve_attention_triton.backend import TritonAttentionBackend  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_triton_interpret():
+    """Keep the interpreter switch for this module's tests only (later tests may spawn processes)."""
+    yield
+    if _PREV_INTERPRET is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
+
+
 TOL = {torch.float32: 5e-3 if ON_GPU else 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
