@@ -39,7 +39,7 @@ CASES = {
 def make_runner(path: str, **scheduler) -> ModelRunner:
     cfg = Config.build({
         "model": {"path": path},
-        "runtime": {"device": "cpu", "dtype": "float32"},
+        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},  # no OpenMP oversubscription
         "scheduler": {"max_total_tokens": 2048, "max_running_requests": 8, **scheduler},
     })
     return ModelRunner(cfg, show_progress=False)
@@ -106,3 +106,80 @@ def test_dummy_weights_build_at_real_shape(tiny_llama_dir):
     assert runner.dtype == torch.bfloat16 and runner.kv_pool.k_buffers[0].dtype == torch.bfloat16
     out = greedy_generate(runner, [[1, 2, 3]], 4)
     assert len(out[0].tokens) == 4 and all(0 <= t < runner.vocab_size for t in out[0].tokens)
+
+
+def _write_tiny_gguf(hf_dir: str, out: str) -> None:
+    """Convert a tiny HF Llama checkpoint to GGUF the way llama.cpp does (q/k rows permuted,
+    mixed quantization types), so the GGUF path can be checked without a big file."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(hf_dir)
+    w = gguf.GGUFWriter(out, "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+
+    def permute(x: np.ndarray, heads: int) -> np.ndarray:
+        return x.reshape(heads, 2, x.shape[0] // heads // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    names = {v: k for k, v in (("token_embd.weight", "model.embed_tokens.weight"),
+                               ("output_norm.weight", "model.norm.weight"), ("output.weight", "lm_head.weight"))}
+    layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight"}
+    qtypes = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_0]
+    for i, (name, t) in enumerate(sorted(load_file(f"{hf_dir}/model.safetensors").items())):
+        x = t.float().numpy()
+        if name in names:
+            gname = names[name]
+        else:
+            n, rest = name.removeprefix("model.layers.").split(".", 1)
+            gname = f"blk.{n}.{layer[rest]}"
+        if rest_is(name, "q_proj"):
+            x = permute(x, cfg.num_attention_heads)
+        elif rest_is(name, "k_proj"):
+            x = permute(x, cfg.num_key_value_heads)
+        if x.ndim == 1:
+            w.add_tensor(gname, x)
+        elif name == "model.embed_tokens.weight":
+            w.add_tensor(gname, x.astype(np.float16))
+        else:
+            q = qtypes[i % len(qtypes)]
+            w.add_tensor(gname, gguf.quants.quantize(x, q), raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def rest_is(name: str, proj: str) -> bool:
+    return name.endswith(f"self_attn.{proj}.weight")
+
+
+def test_gguf_matches_transformers(tiny_llama_dir, tmp_path):
+    """A llama.cpp-layout GGUF (F16/F32/Q8_0/Q4_0/Q4_1) loads to the same model transformers builds from it."""
+    path = str(tmp_path / "tiny.gguf")
+    _write_tiny_gguf(tiny_llama_dir("llama", tie_word_embeddings=False), path)
+    runner = make_runner(path)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size",
+                "tie_word_embeddings"):
+        assert getattr(runner.hf_config, key) == getattr(hf.config, key), key
+    prompts = prompts_for(runner.vocab_size, seed=3)[:2]
+    ours = greedy_generate(runner, prompts, 16, keep_logits=True)
+    for prompt, got in zip(prompts, ours, strict=True):
+        ref_tokens, ref_logits = hf_greedy(hf, prompt, 16)
+        torch.testing.assert_close(got.logits[0], ref_logits[0], rtol=1e-4, atol=1e-4)
+        assert got.tokens == ref_tokens
