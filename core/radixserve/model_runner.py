@@ -101,6 +101,10 @@ class ModelRunner:
         self._init_memory()
         self._init_attention()
         self.sampler, self._sampling_batch_cls = _load_sampler()
+        self.graph_runner = None
+        self.last_run_used_cuda_graph = False
+        if self.device.type == "cuda" and rt.cuda_graph:
+            self._init_cuda_graphs()
 
     # ---- setup ----------------------------------------------------------------------------
     def _quant_method(self, source):
@@ -174,6 +178,20 @@ class ModelRunner:
             )
         )
 
+    def _init_cuda_graphs(self) -> None:
+        from radixserve.cuda_graph_runner import DecodeGraphRunner, default_capture_sizes
+
+        if not self.attn_backend.supports_cuda_graph():
+            logger.info("attention backend %r has no CUDA-graph support; decode runs eagerly", self.attn_backend_name)
+            return
+        # a row no request ever gets: padded graph rows read it (all zeros -> the pool's dummy slot 0)
+        dummy_row = self.req_to_token_pool.alloc()
+        sizes = default_capture_sizes(min(self.config.runtime.cuda_graph_max_bs, self.max_running_requests))
+        logger.info("capturing decode CUDA graphs for batch sizes %s", sizes)
+        self.graph_runner = DecodeGraphRunner(
+            self.model, self.attn_backend, self.req_to_token_pool, self.kv_pool, self.device, sizes, dummy_row
+        )
+
     @property
     def tokenizer(self):
         """Loaded on first use (tiny test checkpoints have none; GGUF tokenizers take seconds)."""
@@ -216,6 +234,9 @@ class ModelRunner:
         if sb.mode is ForwardMode.DECODE and any(e != 1 for e in sb.extend_lens):
             raise ValueError("DECODE batches must have extend_lens == 1 for every request")
         fb = self.prepare(sb)
+        self.last_run_used_cuda_graph = self.graph_runner is not None and self.graph_runner.can_run(fb)
+        if self.last_run_used_cuda_graph:
+            return self.graph_runner.run(fb)[:, : self.vocab_size]
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
         return self.model.compute_logits(select_logit_rows(hidden, fb))[:, : self.vocab_size]
