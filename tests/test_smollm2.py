@@ -31,7 +31,7 @@ NEW_TOKENS = 64
 def runner(smollm2_gguf_path) -> ModelRunner:
     cfg = Config.build({
         "model": {"path": smollm2_gguf_path},
-        "runtime": {"device": "cpu", "dtype": "float32"},
+        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},  # no OpenMP oversubscription
         "scheduler": {"max_total_tokens": 4096, "max_running_requests": 8},
     })
     return ModelRunner(cfg, show_progress=False)
@@ -91,3 +91,15 @@ def test_batch_invariance(runner, prompts, batched):
     for i in (0, 5):
         alone = greedy_generate(runner, [prompts[i]], NEW_TOKENS)[0].tokens
         assert alone == batched[i].tokens, f"request {i} differs alone vs batched"
+
+
+def test_generate_loop_stops_at_eos_and_frees_kv(runner, prompts, batched):
+    """The CLI's in-process loop: same greedy tokens, stops at EOS, gives every slot back."""
+    from radixserve.cli_generate import generate_ids
+    from radixserve.state import SamplingParams
+
+    out = list(generate_ids(runner, prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)))
+    assert out == batched[0].tokens[: len(out)]
+    assert out[-1] in runner.eos_token_ids or len(out) == NEW_TOKENS
+    assert runner.token_allocator.available_size() == runner.token_allocator.size
+    assert runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size
