@@ -82,6 +82,9 @@ def workload(seed: int = 0, n: int = 24) -> list[tuple[str, list[int], int]]:
         if i % 3 == 0:
             prompt = shared + prompt
         reqs.append((f"r{i}", prompt, rng.randint(1, 40)))
+    # exact repeats: a cache can match the whole prompt, and one token must still be computed
+    reqs.append(("dup0", reqs[1][1], 7))
+    reqs.append(("dup1", reqs[1][1], 30))
     return reqs
 
 
@@ -100,6 +103,11 @@ CONFIGS = {
     "radix-mixed": dict(cache="radix", chunked_prefill_size=16, enable_mixed_chunk=True),
     "small-batches": dict(cache="radix", max_prefill_tokens=64, max_running_requests=3),
 }
+POLICIES = get_registry().names("policy")  # every installed policy must keep greedy outputs
+
+
+def test_the_policies_under_test_include_fcfs_and_lpm():
+    assert {"fcfs", "lpm"} <= set(POLICIES)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -114,13 +122,26 @@ def test_greedy_outputs_match_reference(make_scheduler, name):
         assert results[rid]["emissions"] == 1  # not streamed: one output at the end
 
 
-@pytest.mark.parametrize("cache", ["radix", "chunk"])
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("chunked", [-1, 16])
-def test_retraction_under_a_tiny_pool_keeps_outputs(make_scheduler, cache, chunked):
+def test_every_policy_gives_the_same_greedy_outputs(make_scheduler, policy, chunked):
+    sched = make_scheduler(cache="radix", policy=policy, chunked_prefill_size=chunked, max_prefill_tokens=256)
+    reqs = workload(seed=3)
+    results = run_workload(sched, reqs)
+    assert sorted(results) == sorted(rid for rid, _, _ in reqs)
+    for rid, prompt, max_new in reqs:
+        assert results[rid]["ids"] == reference(prompt, max_new), rid
+    assert sched.metrics.prefill_tokens_cached > 0
+
+
+@pytest.mark.parametrize("cache,policy", [("radix", "fcfs"), ("radix", "lpm"), ("chunk", "fcfs")])
+@pytest.mark.parametrize("chunked", [-1, 16])
+def test_retraction_under_a_tiny_pool_keeps_outputs(make_scheduler, cache, policy, chunked):
     # 300 slots for 24 requests of up to 200 tokens each, admitted optimistically (a tiny reservation
     # for future tokens): decode runs out of memory and must retract to make progress
     sched = make_scheduler(
         cache=cache,
+        policy=policy,
         chunked_prefill_size=chunked,
         schedule_conservativeness=0.05,
         runner_kwargs={"max_total_tokens": 300},
@@ -259,3 +280,24 @@ def test_stats_report_usage_and_hits(make_scheduler):
     assert stats["prefill_tokens_cached"] == 59  # all but the last prompt token came from the cache
     assert 0 < stats["token_usage"] <= 1 and stats["cache_hit_rate"] > 0.4
     run_to_completion(sched)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_decodes_keep_running_while_a_long_prompt_is_chunked(make_scheduler, mixed):
+    sched = make_scheduler(chunked_prefill_size=16, enable_mixed_chunk=mixed)
+    short, long = list(range(10, 20)), list(range(500, 700))
+    sched.add_request(request("short", short, 40))
+    sched.step()  # prefill "short"
+    sched.add_request(request("long", long, 5))
+    decoded_while_chunking = 0
+    while sched.has_work():
+        was_chunking = sched.chunked_req is not None or any(r.rid == "long" for r in sched.waiting)
+        before = next((len(r.output_ids) for r in sched.running if r.rid == "short"), None)
+        sched.step()
+        after = next((len(r.output_ids) for r in sched.running if r.rid == "short"), None)
+        if was_chunking and before is not None and after is not None:
+            decoded_while_chunking += after - before
+    # 200 tokens in chunks of 16 take 13 chunk steps; "short" kept decoding during them
+    assert decoded_while_chunking >= (12 if mixed else 6)
+    if mixed:
+        assert sched.metrics.mixed_batches > 0
