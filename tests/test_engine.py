@@ -22,7 +22,8 @@ GREEDY = {"temperature": 0}
 def engine():
     eng = Engine(
         scheduler={"max_total_tokens": 8192, "chunked_prefill_size": 64},
-        runtime={"device": "cpu", "cuda_graph": False},
+        # one torch thread: with two, OpenMP barriers spin against the other processes on a 2-core box
+        runtime={"device": "cpu", "cuda_graph": False, "num_threads": 1},
     )
     pids = eng.tokenizer_manager.child_pids()
     yield eng
