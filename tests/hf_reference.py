@@ -8,7 +8,7 @@ import torch
 @torch.inference_mode()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens and fp32 logits per step, one prompt at a time (no padding), EOS ignored."""
-    out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+    out = model(input_ids=torch.tensor([prompt], device=model.device), use_cache=True)
     tokens, logits = [], []
     for _ in range(max_new_tokens):
         row = out.logits[0, -1].float()
@@ -17,7 +17,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int],
         logits.append(row)
         if len(tokens) == max_new_tokens:
             break
-        out = model(input_ids=torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+        out = model(input_ids=torch.tensor([[tok]], device=model.device), past_key_values=out.past_key_values, use_cache=True)
     return tokens, logits
 
 

@@ -1,0 +1,11 @@
+# Source on the H200 from the repo root: installs the carried wheels and the project (editable, no deps).
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+export PYTHONPATH=/tmp/site:$PYTHONPATH
+python3 -m pip install -q --no-deps --no-build-isolation -e ./core -e ./plugins/policies -e ./plugins/cache/radix \
+  -e ./plugins/cache/chunk -e ./plugins/attention/torch_native -e ./plugins/attention/triton -e ./plugins/models/llama \
+  -e ./plugins/quantization/gguf > /tmp/pip-project.log 2>&1 || { cat /tmp/pip-project.log; return 1; }
+export PATH=$PATH:$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+git rev-parse HEAD 2>/dev/null || true
