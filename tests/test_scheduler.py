@@ -301,3 +301,20 @@ def test_decodes_keep_running_while_a_long_prompt_is_chunked(make_scheduler, mix
     assert decoded_while_chunking >= (12 if mixed else 6)
     if mixed:
         assert sched.metrics.mixed_batches > 0
+
+
+def test_a_policy_match_made_stale_by_eviction_is_not_used(make_scheduler):
+    # lpm matches every waiting request up front; admitting the first one evicts the cached prefix the
+    # second one matched. Reusing that stale match would read freed KV slots (and give wrong tokens).
+    sched = make_scheduler(policy="lpm", runner_kwargs={"max_total_tokens": 200})
+    p1, p2 = list(range(100, 160)), list(range(400, 450))
+    sched.add_request(request("warm1", p1, 1))
+    sched.add_request(request("warm2", p2, 1))
+    run_to_completion(sched)
+    assert sched.cache.evictable_size() == 110
+    b, c = p1 + list(range(600, 700)), p2 + list(range(800, 810))
+    sched.add_request(request("b", b, 5))
+    sched.add_request(request("c", c, 5))
+    results = run_to_completion(sched)
+    assert results["b"]["ids"] == reference(b, 5)
+    assert results["c"]["ids"] == reference(c, 5)

@@ -103,6 +103,7 @@ class Scheduler:
         self.metrics = SchedulerMetrics()
         self._outbox: list[ReqTokenOut] = []
         self._arrivals = 0
+        self._evicted = False  # set by _alloc_slots when it evicted from the cache
 
     @classmethod
     def from_config(cls, config: Config, runner: Any, registry: Any = None) -> Scheduler:
@@ -246,12 +247,14 @@ class Scheduler:
             req.fill_ids = req.all_ids()
             req.prefix_indices, req.last_node = None, None
         ordered = self.policy.order(list(self.waiting), self.cache)
+        self._evicted = False
         admitted: list[Req] = []
         resident = len(self.running) + len(items)
         for req in ordered:
             if resident + len(admitted) >= self.max_running or self.req_to_token_pool.available_size() == 0:
                 break
-            if req.prefix_indices is None:
+            # a policy's match is stale once admission evicted (its nodes were unlocked): match again
+            if req.prefix_indices is None or self._evicted:
                 m = self.cache.match_prefix(req.fill_ids[:-1])
                 req.prefix_indices, req.last_node = m.kv_indices, m.last_node
             if req.prefix_indices.numel() >= len(req.fill_ids):  # keep one token to compute logits from
@@ -302,6 +305,7 @@ class Scheduler:
         short = n - self.allocator.available_size()
         if short > 0:
             self.cache.evict(short)
+            self._evicted = True
         return self.allocator.alloc(n)
 
     # ---- decode -----------------------------------------------------------------------------
