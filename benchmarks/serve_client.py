@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -100,6 +101,8 @@ def to_markdown(summary: dict, command: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (e.g. from `timeout`) must still stop a launched server: run the finally below
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     server = launch(args) if args.launch else None
     try:
         summary = asyncio.run(bench._run(args))  # the summary dict, not just an exit code
