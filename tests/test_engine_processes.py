@@ -1,0 +1,73 @@
+"""Process plumbing without a model: private ipc directory, and no orphans when the parent is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+from radixserve.runtime.ipc import PortArgs
+
+
+def test_ipc_endpoints_live_in_a_private_directory():
+    ports = PortArgs.create()
+    try:
+        mode = stat.S_IMODE(os.stat(ports.ipc_dir).st_mode)
+        assert mode == 0o700
+        for ep in (ports.scheduler_input, ports.detokenizer_input, ports.manager_input):
+            assert ep.startswith(f"ipc://{ports.ipc_dir}/")
+    finally:
+        ports.cleanup()
+    assert not os.path.exists(ports.ipc_dir)
+
+
+PARENT = textwrap.dedent(
+    """
+    import multiprocessing as mp, os, sys, time
+    from radixserve.runtime.ipc import install_parent_watchdog
+
+    def child(parent_pid):
+        install_parent_watchdog(parent_pid, interval_s=0.1)
+        time.sleep(120)  # blocked like a child waiting on its socket
+
+    if __name__ == "__main__":
+        p = mp.get_context("spawn").Process(target=child, args=(os.getpid(),), daemon=True)
+        p.start()
+        print(p.pid, flush=True)
+        time.sleep(120)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by init) counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_children_exit_when_the_parent_is_killed(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        child_pid = int(parent.stdout.readline())
+        assert _alive(child_pid)
+        parent.send_signal(signal.SIGKILL)  # no cleanup runs in the parent
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _alive(child_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child_pid), "the child outlived its killed parent (orphan)"
+    finally:
+        parent.kill()
