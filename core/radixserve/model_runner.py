@@ -12,6 +12,7 @@ import torch
 
 from radixserve.config import Config
 from radixserve.layers.logits import select_logit_rows
+from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.memory import KVPool, ReqToTokenPool, TokenAllocator, tokens_for_budget
 from radixserve.model_loader import load_model, open_source
 from radixserve.state import BatchResult, ForwardBatch, ForwardMode, ScheduledBatch
@@ -96,6 +97,7 @@ class ModelRunner:
         )
         self.vocab_size = int(self.hf_config.vocab_size)
         self.context_len = self._context_len()
+        reserve_rotary_caches(self.model, self.context_len, self.device)
         self.eos_token_ids = eos_token_ids(self.hf_config, self.model_path)
         self._tokenizer = None
         self._init_memory()

@@ -101,15 +101,33 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = compute_inv_freq(rotary_dim, params, max_position)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # True once `reserve` sized the cache for every position the runtime can ask for: then the
+        # forward never reads positions back to the host (a sync that CUDA-graph capture forbids)
+        self._covers_context = False
+
+    def _build(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.arange(n, dtype=torch.float32, device=device)
+        freqs = t[:, None] * self.inv_freq.to(device, torch.float32)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+    def reserve(self, n: int, device: torch.device, shared: dict | None = None) -> None:
+        """Precompute cos/sin for positions < n (the runtime's context length). `shared` lets layers
+        with identical rotary parameters use one cache instead of one per layer."""
+        key = (n, str(device), self.rotary_dim, self.attention_scaling, tuple(self.inv_freq.tolist()))
+        if shared is not None and key in shared:
+            self._cache = shared[key]
+        else:
+            self._cache = self._build(n, torch.device(device))
+            if shared is not None:
+                shared[key] = self._cache
+        self._covers_context = True
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1 if positions.numel() else 1
-        if self._cache is None or self._cache[0].shape[0] < need or self._cache[0].device != positions.device:
-            n = max(need, min(self.max_position, 8192))  # long-context models grow on demand
-            t = torch.arange(n, dtype=torch.float32, device=positions.device)
-            freqs = t[:, None] * self.inv_freq.to(positions.device, torch.float32)[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._cache = (emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling)
+        if not (self._covers_context and self._cache is not None and self._cache[0].device == positions.device):
+            need = int(positions.max()) + 1 if positions.numel() else 1
+            if self._cache is None or self._cache[0].shape[0] < need or self._cache[0].device != positions.device:
+                self._cache = self._build(max(need, min(self.max_position, 8192)), positions.device)
         cos, sin = self._cache
         return cos[positions], sin[positions]
 
@@ -133,3 +151,11 @@ def get_rope(config: Any, head_dim: int, max_position: int | None = None) -> Rot
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
     max_pos = max_position or getattr(config, "max_position_embeddings", 4096)
     return RotaryEmbedding(head_dim, int(head_dim * partial), max_pos, params)
+
+
+def reserve_rotary_caches(model: nn.Module, context_len: int, device: torch.device) -> None:
+    """Size every rotary cache of `model` for `context_len` positions, sharing identical ones."""
+    shared: dict = {}
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reserve(context_len, device, shared)
