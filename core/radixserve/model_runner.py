@@ -190,9 +190,13 @@ class ModelRunner:
         dummy_row = self.req_to_token_pool.alloc()
         sizes = default_capture_sizes(min(self.config.runtime.cuda_graph_max_bs, self.max_running_requests))
         logger.info("capturing decode CUDA graphs for batch sizes %s", sizes)
-        self.graph_runner = DecodeGraphRunner(
-            self.model, self.attn_backend, self.req_to_token_pool, self.kv_pool, self.device, sizes, dummy_row
-        )
+        try:
+            self.graph_runner = DecodeGraphRunner(
+                self.model, self.attn_backend, self.req_to_token_pool, self.kv_pool, self.device, sizes, dummy_row
+            )
+        except Exception as e:  # keep serving, but loudly: decode is then several times slower
+            logger.error("CUDA graph capture failed (%r); decode runs eagerly. Disable with runtime.cuda_graph=false", e)
+            torch.cuda.synchronize(self.device)
 
     @property
     def tokenizer(self):
