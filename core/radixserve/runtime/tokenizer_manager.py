@@ -226,26 +226,35 @@ class TokenizerManager:
 
     # ---- receive loop -----------------------------------------------------------------------
     async def _recv_loop(self) -> None:
-        while True:
-            msg = self._dec.decode(await self._recv.recv())
-            if isinstance(msg, BatchTextOut):
-                for out in msg.outs:
-                    self._dispatch(out)
-            elif isinstance(msg, ReadyMessage):
-                fut = self._ready.get(msg.process)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg.info)
-            elif isinstance(msg, ControlReply):
-                fut = self._control.pop(msg.req_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-            elif isinstance(msg, ChildFailed):
-                self.dead_reason = f"the {msg.process} process failed: {msg.error}"
-                logger.error(self.dead_reason)
-                fut = self._ready.get(msg.process)
-                if fut is not None and not fut.done():
-                    fut.set_exception(RuntimeError(self.dead_reason))
-                    fut.exception()
+        try:
+            while True:
+                self._handle_message(self._dec.decode(await self._recv.recv()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a dead receive loop would hang every request: fail them instead
+            logger.exception("TokenizerManager receive loop failed")
+            self.dead_reason = self.dead_reason or f"the TokenizerManager receive loop failed: {e!r}"
+            self._fail_all(EngineDeadError(self.dead_reason))
+
+    def _handle_message(self, msg: Any) -> None:
+        if isinstance(msg, BatchTextOut):
+            for out in msg.outs:
+                self._dispatch(out)
+        elif isinstance(msg, ReadyMessage):
+            fut = self._ready.get(msg.process)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.info)
+        elif isinstance(msg, ControlReply):
+            fut = self._control.pop(msg.req_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, ChildFailed):
+            self.dead_reason = f"the {msg.process} process failed: {msg.error}"
+            logger.error(self.dead_reason)
+            fut = self._ready.get(msg.process)
+            if fut is not None and not fut.done():
+                fut.set_exception(RuntimeError(self.dead_reason))
+                fut.exception()
 
     def _dispatch(self, out: ReqTextOut) -> None:
         if out.abort_in_scheduler:
