@@ -52,21 +52,20 @@ class EagerGraph:
 
 
 class CudaGraph:
-    """torch.cuda.CUDAGraph with a shared memory pool across batch sizes."""
+    """torch.cuda.CUDAGraph; graphs built with the same `pool` handle share one memory pool
+    (the DecodeGraphRunner passes its own, so pools never outlive or cross runners)."""
 
-    pool = None
-
-    def __init__(self) -> None:
+    def __init__(self, pool=None) -> None:
         self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
         self.output: torch.Tensor | None = None
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         for _ in range(2):  # warm-up outside the graph (lazy inits, autotuning)
             fn()
         torch.cuda.synchronize()
-        with torch.cuda.graph(self.graph, pool=CudaGraph.pool):
+        with torch.cuda.graph(self.graph, pool=self.pool):
             self.output = fn()
-        CudaGraph.pool = self.graph.pool()
         return self.output
 
     def replay(self) -> torch.Tensor:
@@ -95,7 +94,8 @@ class DecodeGraphRunner:
         self.sizes = sorted(set(capture_sizes))
         self.max_bs = self.sizes[-1]
         self.dummy_row = dummy_row
-        self.graph_factory = graph_factory or (CudaGraph if device.type == "cuda" else EagerGraph)
+        self.graph_factory = graph_factory or (self._cuda_graph if device.type == "cuda" else EagerGraph)
+        self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         req_to_token_pool.req_to_token[dummy_row].zero_()
         n, dev, i64 = self.max_bs, device, torch.int64
         self.buf_input_ids = torch.zeros(n, dtype=i64, device=dev)
@@ -110,6 +110,9 @@ class DecodeGraphRunner:
         if self.backend.supports_cuda_graph():
             self.backend.init_graph_state(self.max_bs)
         self.capture()
+
+    def _cuda_graph(self) -> CudaGraph:
+        return CudaGraph(self._pool)
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(
