@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     server = launch(args) if args.launch else None
     try:
-        summary = asyncio.run(bench._run(args))  # the summary dict, not just an exit code
+        summary = asyncio.run(bench.run_benchmark(args))
     finally:
         if server is not None:
             server.terminate()

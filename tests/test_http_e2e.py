@@ -289,6 +289,28 @@ def test_client_disconnect_aborts(server):
     assert httpx.post(f"{server.url}/flush_cache", headers=server.headers, timeout=T).status_code == 200
 
 
+def test_bench_serve_against_the_server(server):
+    """`radixserve bench serve` (the load generator) measures a real server end to end."""
+    import argparse
+
+    from radixserve.bench import serve as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args([
+        "--base-url", server.url, "--api-key", KEY, "--num-prompts", "6", "--input-len", "12",
+        "--output-len", "3", "--max-concurrency", "3", "--vocab-high", "5000",
+    ])
+    summary = asyncio.run(bench.run_benchmark(args))
+    assert summary["completed"] == 6 and summary["failed"] == 0, summary["errors"]
+    assert summary["output_tok_s"] > 0 and summary["input_tok_s"] > 0
+    assert 0 < summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p99"]
+    # wrong key: every request fails and is reported, none raises
+    bad = parser.parse_args(["--base-url", server.url, "--api-key", "wrong", "--num-prompts", "2", "--model", server.model])
+    summary = asyncio.run(bench.run_benchmark(bad))
+    assert summary["completed"] == 0 and summary["failed"] == 2 and "401" in summary["errors"][0]
+
+
 def test_sigterm_exits_cleanly_and_kill_scheduler_fails_fast(server, tmp_path):
     # (1) graceful: SIGTERM -> exit 0, every child gone
     code = server.stop()

@@ -117,7 +117,8 @@ async def _one(client, path: str, payload: dict, rec: RequestRecord) -> None:
         rec.error = repr(e)
 
 
-async def _run(args: argparse.Namespace) -> dict:
+async def run_benchmark(args: argparse.Namespace) -> dict:
+    """Run the load and return the summary dict (what `run` prints)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -180,7 +181,7 @@ def summarize(recs: list[RequestRecord], duration: float, args: argparse.Namespa
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = asyncio.run(_run(args))
+    summary = asyncio.run(run_benchmark(args))
     print(json.dumps(summary, indent=2))
     if args.result_file:
         with open(args.result_file, "a") as f:
