@@ -8,36 +8,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import subprocess
 import sys
 import time
 
 import torch
+from bench_env import commit, cpu_model
 
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
     "Explain what a CPU does in one sentence.",
 ]
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:
-        return "unknown"
 
 
 def bench_radixserve(path: str, prompts: list[str], new_tokens: int) -> dict:
@@ -123,8 +104,8 @@ def main() -> int:
     lines = [
         "# CPU: SmolLM2-135M-Instruct load and batch-1 decode",
         "",
-        f"- machine: {_cpu_name()}, {os.cpu_count()} cores, torch threads {args.threads}, torch {torch.__version__}",
-        f"- commit: {_commit()}",
+        f"- machine: {cpu_model()}, {os.cpu_count()} cores, torch threads {args.threads}, torch {torch.__version__}",
+        f"- commit: {commit()}",
         f"- command: `python benchmarks/cpu_load_decode.py --threads {args.threads} --new-tokens {args.new_tokens}`",
         f"- load average at start: {os.getloadavg()[0]:.1f} (machine shared with other jobs)",
         f"- model: {os.path.basename(path)} (dequantized to fp32 at load), {len(PROMPTS)} chat prompts, greedy, "

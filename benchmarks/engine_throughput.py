@@ -13,11 +13,10 @@ benchmarks/results/cpu-engine-throughput.md.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import subprocess
 import sys
 import time
+
+from bench_env import commit, machine
 
 TOPICS = [
     "the ocean",
@@ -96,23 +95,6 @@ def run_hf(model: str, prompts: list[list[int]], output_len: int, batch_size: in
             n_out += (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
         dt = time.perf_counter() - t0
     return {"seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt}
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} logical CPUs, load average {os.getloadavg()[0]:.1f} at start"
-
-
-def commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:

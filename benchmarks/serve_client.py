@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import shlex
 import signal
 import subprocess
@@ -24,6 +22,7 @@ import time
 import urllib.request
 from urllib.parse import urlparse
 
+from bench_env import commit, machine
 from radixserve.bench import serve as bench
 
 
@@ -58,25 +57,6 @@ def launch(args: argparse.Namespace) -> subprocess.Popen:
             raise SystemExit(f"the server did not come up (exit code {proc.poll()})")
         time.sleep(0.5)
     return proc
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, Python {platform.python_version()}"
-
-
-def commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def to_markdown(summary: dict, command: str) -> str:
