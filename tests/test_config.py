@@ -69,3 +69,10 @@ def test_config_show_names_bad_component_without_traceback(tmp_path):
     r = run_cli(["config", "show", "--config", str(f)])
     assert r.returncode == 2
     assert "prefix_cache" in r.stderr and "radixx" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_bad_model_path_is_one_line_error(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    r = run_cli(["generate", "--model", missing, "hello"])
+    assert r.returncode == 2
+    assert missing in r.stderr and "does not exist" in r.stderr and "Traceback" not in r.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -177,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, PluginError) as e:
+    except (ConfigError, PluginError, FileNotFoundError, ValueError) as e:
+        # user errors (bad path, bad value, unknown component) get one line naming the value;
+        # RADIXSERVE_DEBUG=1 shows the traceback for bug reports
+        if os.environ.get("RADIXSERVE_DEBUG"):
+            raise
         print(f"radixserve: error: {e}", file=sys.stderr)
         return 2
 
