@@ -76,3 +76,8 @@ def test_cli_bad_model_path_is_one_line_error(tmp_path):
     r = run_cli(["generate", "--model", missing, "hello"])
     assert r.returncode == 2
     assert missing in r.stderr and "does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unbuilt_feature_is_refused_not_ignored():
+    with pytest.raises(ConfigError, match="overlap scheduling is not implemented"):
+        Config.build({"runtime": {"overlap": True}})

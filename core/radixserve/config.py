@@ -56,9 +56,16 @@ class RuntimeSection(_Section):
     tp_size: int = Field(default=1, ge=1)
     cuda_graph: bool = True
     cuda_graph_max_bs: int = Field(default=160, ge=1)
-    overlap: bool = True
+    overlap: bool = False  # overlap scheduling is not implemented yet: true is refused, not ignored
     seed: int = 0
     num_threads: int | None = Field(default=None, ge=1)  # CPU torch threads; None: all cores
+
+    @field_validator("overlap")
+    @classmethod
+    def _overlap_not_built(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("overlap scheduling is not implemented yet; leave runtime.overlap false")
+        return v
 
     def resolved_device(self) -> str:
         if self.device != "auto":
