@@ -30,3 +30,14 @@ def commit() -> str:
         return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def emit(row: dict, result_file: str | None) -> None:
+    """Print one result row as a JSON line and append it to `result_file` when given."""
+    import json
+
+    line = json.dumps(row)
+    print(line, flush=True)
+    if result_file:
+        with open(result_file, "a") as f:
+            f.write(line + "\n")

@@ -8,10 +8,10 @@ For each batch size prints the whole-run output and total (input+output) tok/s o
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
+from bench_env import emit
 
 
 def main() -> int:
@@ -53,10 +53,7 @@ def main() -> int:
             "total_tok_s": round(bs * (args.input_len + args.output_len) / tn, 1),
             "device": args.device, "dtype": args.dtype,
         }
-        print(json.dumps(row), flush=True)
-        if args.result_file:
-            with open(args.result_file, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(row, args.result_file)
     return 0
 
 

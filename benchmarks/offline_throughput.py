@@ -9,9 +9,9 @@ scheduler's own counters."""
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
+from bench_env import emit
 from radixserve.config import Config, deep_merge, parse_dotted_overrides
 
 
@@ -52,10 +52,7 @@ def main() -> int:
         "seconds": round(dt, 2), "output_tok_s": round(n_out / dt, 1), "total_tok_s": round((n_in + n_out) / dt, 1),
         "stats": stats, "config": cfg.model_dump(),
     }
-    print(json.dumps(row), flush=True)
-    if args.result_file:
-        with open(args.result_file, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    emit(row, args.result_file)
     return 0
 
 
