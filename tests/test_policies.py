@@ -146,9 +146,10 @@ def test_scheduler_under_policy_gives_reference_outputs_and_leaks_nothing(name, 
     import random
 
     from radixserve.config import Config
-    from radixserve.runtime.messages import GenerateRequest, WireSamplingParams
+    from radixserve.runtime.messages import GenerateRequest
     from radixserve.scheduler import Scheduler
     from radixserve.scheduler.testing import ToyRunner, toy_reference
+    from radixserve.state import SamplingParams
 
     vocab = 500
     # a small pool forces heavy eviction; chunking exercises cache_unfinished_req
@@ -163,7 +164,7 @@ def test_scheduler_under_policy_gives_reference_outputs_and_leaks_nothing(name, 
             rng.randrange(vocab) for _ in range(rng.randint(2, 40))
         ]
         reqs.append((f"r{i}", prompt, rng.randint(1, 30)))
-        params = WireSamplingParams(max_new_tokens=reqs[-1][2], temperature=0)
+        params = SamplingParams(max_new_tokens=reqs[-1][2], temperature=0)
         sched.add_request(GenerateRequest(rid=f"r{i}", input_ids=prompt, sampling_params=params, priority=i % 3))
     got: dict[str, list[int]] = {}
     for _ in range(10_000):

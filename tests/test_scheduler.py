@@ -10,9 +10,10 @@ import random
 import pytest
 from radixserve.config import Config
 from radixserve.plugins.registry import get_registry
-from radixserve.runtime.messages import GenerateRequest, WireSamplingParams
+from radixserve.runtime.messages import GenerateRequest
 from radixserve.scheduler import Scheduler
 from radixserve.scheduler.testing import ToyRunner, toy_next_token
+from radixserve.state import SamplingParams
 
 VOCAB = 1000
 
@@ -51,7 +52,7 @@ def request(rid: str, prompt: list[int], max_new: int, stream=False, **sp) -> Ge
     return GenerateRequest(
         rid=rid,
         input_ids=prompt,
-        sampling_params=WireSamplingParams(max_new_tokens=max_new, temperature=0, **sp),
+        sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0, **sp),
         stream=stream,
     )
 

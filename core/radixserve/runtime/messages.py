@@ -12,34 +12,13 @@ from typing import Any
 
 import msgspec
 
-
-class WireSamplingParams(msgspec.Struct, kw_only=True):
-    """`radixserve.state.SamplingParams` on the wire (same field names)."""
-
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[int, float] | None = None
-    seed: int | None = None
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    logprobs: bool = False
-    top_logprobs: int = 0
-    n: int = 1
+from radixserve.state import SamplingParams  # a dataclass: msgspec encodes and decodes it as is
 
 
 class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     rid: str
     input_ids: list[int]
-    sampling_params: WireSamplingParams
+    sampling_params: SamplingParams
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0

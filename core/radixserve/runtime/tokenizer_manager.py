@@ -26,7 +26,6 @@ from radixserve.runtime.messages import (
     ReqTextOut,
     ShutdownRequest,
     StatsRequest,
-    WireSamplingParams,
     make_encoder,
     manager_decoder,
 )
@@ -299,11 +298,10 @@ class TokenizerManager:
         rid, ids, sp = self._prepare(inp)
         st = _ReqState(rid=rid, stream=inp.stream, return_logprob=sp.logprobs, prompt_tokens=len(ids))
         self._rid_to_state[rid] = st
-        wire = WireSamplingParams(**dataclasses.asdict(sp))
         msg = GenerateRequest(
             rid=rid,
             input_ids=ids,
-            sampling_params=wire,
+            sampling_params=sp,
             stream=inp.stream,
             return_logprob=sp.logprobs,
             top_logprobs_num=sp.top_logprobs,

@@ -119,7 +119,7 @@ class Scheduler:
 
     # ---- requests in ------------------------------------------------------------------------
     def add_request(self, msg: GenerateRequest) -> None:
-        sp = SamplingParams(**{f: getattr(msg.sampling_params, f) for f in msg.sampling_params.__struct_fields__})
+        sp = msg.sampling_params
         ids = list(msg.input_ids)
         err = self._reject_reason(ids, sp)
         if err is not None or msg.rid in self.meta:
