@@ -78,6 +78,8 @@ def test_cli_bad_model_path_is_one_line_error(tmp_path):
     assert missing in r.stderr and "does not exist" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_unbuilt_feature_is_refused_not_ignored():
-    with pytest.raises(ConfigError, match="overlap scheduling is not implemented"):
-        Config.build({"runtime": {"overlap": True}})
+def test_overlap_defaults_on_for_cuda_off_for_cpu_and_can_be_forced():
+    rt = Config.build({}).runtime
+    assert rt.resolved_overlap("cuda") and rt.resolved_overlap("cuda:0") and not rt.resolved_overlap("cpu")
+    assert Config.build({"runtime": {"overlap": True}}).runtime.resolved_overlap("cpu")
+    assert not Config.build({"runtime": {"overlap": False}}).runtime.resolved_overlap("cuda")

@@ -183,3 +183,36 @@ def test_gguf_matches_transformers(tiny_llama_dir, tmp_path):
         ref_tokens, ref_logits = hf_greedy(hf, prompt, 16)
         torch.testing.assert_close(got.logits[0], ref_logits[0], rtol=1e-4, atol=1e-4)
         assert got.tokens == ref_tokens
+
+
+@pytest.mark.parametrize("attention", ["torch_native", "cpu_batched"])
+def test_overlap_scheduling_keeps_greedy_outputs(tiny_llama_dir, attention):
+    """The real runner behind the scheduler: launching each decode ahead of its input tokens
+    (FutureTokens read from the previous step's device output) gives the same greedy tokens."""
+    from radixserve.plugins.registry import get_registry
+    from radixserve.runtime.messages import GenerateRequest
+    from radixserve.scheduler import Scheduler
+    from radixserve.state import SamplingParams
+
+    path = tiny_llama_dir("llama", tie_word_embeddings=False)
+    outputs = {}
+    for overlap in (False, True):
+        cfg = Config.build({
+            "model": {"path": path},
+            "stack": {"attention": attention},
+            "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1, "overlap": overlap},
+            "scheduler": {"max_total_tokens": 2048, "max_running_requests": 8},
+        })
+        sched = Scheduler.from_config(cfg, ModelRunner(cfg, show_progress=False), get_registry())
+        for i, prompt in enumerate(prompts_for(sched.runner.vocab_size, seed=3)):
+            sp = SamplingParams(max_new_tokens=12 + 3 * i, temperature=0, ignore_eos=True)
+            sched.add_request(GenerateRequest(rid=str(i), input_ids=prompt, sampling_params=sp))
+        got: dict[str, list[int]] = {}
+        while sched.has_work():
+            for out in sched.step():
+                got.setdefault(out.rid, []).extend(out.new_ids)
+        assert sched.flush_cache() and sched.allocator.available_size() == sched.allocator.size
+        assert (sched.metrics.overlapped_batches > 10) == overlap
+        outputs[overlap] = got
+    assert outputs[True] == outputs[False]
+    assert [len(outputs[True][str(i)]) for i in range(4)] == [12, 15, 18, 21]

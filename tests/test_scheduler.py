@@ -29,23 +29,34 @@ def reference(prompt: list[int], max_new: int, stop_ids=(), min_new: int = 0) ->
     return out
 
 
-@pytest.fixture
-def make_scheduler():
+@pytest.fixture(params=[False, True], ids=["sync", "overlap"])
+def make_scheduler(request):
+    """Every scheduler test runs twice: plain, and with overlap scheduling (launch ahead)."""
     built: list[Scheduler] = []
 
     def make(cache="radix", policy="fcfs", runner_kwargs=None, **scheduler) -> Scheduler:
         runner = ToyRunner(vocab_size=VOCAB, **(runner_kwargs or {}))
-        config = Config.build({"stack": {"prefix_cache": cache, "policy": policy}, "scheduler": scheduler})
+        config = Config.build(
+            {
+                "stack": {"prefix_cache": cache, "policy": policy},
+                "scheduler": scheduler,
+                "runtime": {"overlap": request.param},
+            }
+        )
         sched = Scheduler.from_config(config, runner, get_registry())
         built.append(sched)
         return sched
 
     yield make
     for s in built:
-        assert not s.waiting and not s.running and s.chunked_req is None, "a request was left behind"
-        assert s.flush_cache()
-        assert s.allocator.available_size() == s.allocator.size, "KV slots leaked"
-        assert s.req_to_token_pool.available_size() == s.req_to_token_pool.size, "request rows leaked"
+        assert_nothing_left(s)
+
+
+def assert_nothing_left(s: Scheduler) -> None:
+    assert not s.waiting and not s.running and s.chunked_req is None, "a request was left behind"
+    assert s.flush_cache()
+    assert s.allocator.available_size() == s.allocator.size, "KV slots leaked"
+    assert s.req_to_token_pool.available_size() == s.req_to_token_pool.size, "request rows leaked"
 
 
 def request(rid: str, prompt: list[int], max_new: int, stream=False, **sp) -> GenerateRequest:
@@ -319,3 +330,63 @@ def test_a_policy_match_made_stale_by_eviction_is_not_used(make_scheduler):
     results = run_to_completion(sched)
     assert results["b"]["ids"] == reference(b, 5)
     assert results["c"]["ids"] == reference(c, 5)
+
+
+# ---- overlap scheduling: what runs ahead, and what must wait ------------------------------------
+def overlapped_results(events: list[tuple[str, int]]) -> int:
+    """How many batches were launched while an earlier batch's result was still unprocessed."""
+    done: set[int] = set()
+    ahead = 0
+    for kind, n in events:
+        if kind == "result":
+            done.add(n)
+        elif any(m not in done for m in range(n)):
+            ahead += 1
+    return ahead
+
+
+def toy_scheduler(overlap: bool, **scheduler) -> Scheduler:
+    config = Config.build({"scheduler": scheduler, "runtime": {"overlap": overlap}})
+    return Scheduler.from_config(config, ToyRunner(vocab_size=VOCAB), get_registry())
+
+
+def test_overlap_launches_each_decode_before_processing_the_previous_one():
+    reqs = [(f"r{i}", list(range(10 * i, 10 * i + 12)), 30) for i in range(4)]
+    plain, overlap = toy_scheduler(False), toy_scheduler(True)
+    out_plain, out_overlap = run_workload(plain, reqs), run_workload(overlap, reqs)
+    assert {k: v["ids"] for k, v in out_overlap.items()} == {k: v["ids"] for k, v in out_plain.items()}
+    assert overlapped_results(plain.runner.events) == 0
+    # one prefill batch, then 29 decode steps: all but the first decode go ahead of their inputs
+    decodes = sum(1 for b in overlap.runner.batches if b.future_inputs is not None)
+    assert decodes == 28 and overlapped_results(overlap.runner.events) == 28
+    # every launched batch is processed exactly once, in launch order
+    results = [n for kind, n in overlap.runner.events if kind == "result"]
+    assert results == sorted(results) == list(range(len(overlap.runner.batches)))
+    assert_nothing_left(plain)
+    assert_nothing_left(overlap)
+
+
+def test_overlap_waits_when_sampling_reads_the_token_history():
+    sched = toy_scheduler(True)
+    sched.add_request(request("pen", list(range(40, 52)), 12, repetition_penalty=1.2))
+    sched.add_request(request("min", list(range(60, 72)), 12, min_new_tokens=6))
+    results = run_to_completion(sched)
+    assert results["pen"]["ids"] == reference(list(range(40, 52)), 12)
+    # "min" reads its history until it has 6 tokens; "pen" always does: nothing runs ahead of it
+    assert overlapped_results(sched.runner.events) == 0
+    assert_nothing_left(sched)
+
+
+def test_overlap_drops_the_token_launched_after_an_eos():
+    prompt = list(range(50, 70))
+    ref = reference(prompt, 20)
+    eos = ref[5]
+    runner = ToyRunner(vocab_size=VOCAB, eos_token_ids=(eos,))
+    sched = Scheduler.from_config(Config.build({"runtime": {"overlap": True}}), runner, get_registry())
+    sched.add_request(request("eos", prompt, 20))
+    results = run_to_completion(sched)
+    assert results["eos"]["ids"] == ref[:6] and results["eos"]["finish"] == {"type": "stop", "matched": eos}
+    # the step after the EOS was already launched (7 forwards for 6 tokens) and its token dropped
+    assert len(runner.batches) == 7
+    assert sched.metrics.generated_tokens == 6
+    assert_nothing_left(sched)

@@ -21,6 +21,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $RADIXSERVE_API_KEY if set)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("-p", action="append", metavar="no:PLUGIN", help="do not load this plugin (repeatable)")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly (runtime.cuda_graph=false)")
+    p.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling (runtime.overlap=false)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. stack.policy=lpm")
 
 
@@ -36,7 +38,8 @@ def _flag_overrides(args: argparse.Namespace) -> dict:
         for k, v in (("host", args.host), ("port", args.port), ("api_key", api_key), ("log_level", args.log_level))
         if v is not None
     }
-    return {k: v for k, v in (("model", model), ("server", server)) if v}
+    runtime = {k: False for k, on in (("cuda_graph", args.disable_cuda_graph), ("overlap", args.disable_overlap)) if on}
+    return {k: v for k, v in (("model", model), ("server", server), ("runtime", runtime)) if v}
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -56,16 +56,14 @@ class RuntimeSection(_Section):
     tp_size: int = Field(default=1, ge=1)
     cuda_graph: bool = True
     cuda_graph_max_bs: int = Field(default=160, ge=1)
-    overlap: bool = False  # overlap scheduling is not implemented yet: true is refused, not ignored
+    overlap: bool | None = None  # overlap scheduling; None: on for CUDA, off for CPU (nothing to overlap)
     seed: int = 0
     num_threads: int | None = Field(default=None, ge=1)  # CPU torch threads; None: all cores
 
-    @field_validator("overlap")
-    @classmethod
-    def _overlap_not_built(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("overlap scheduling is not implemented yet; leave runtime.overlap false")
-        return v
+    def resolved_overlap(self, device: str) -> bool:
+        if self.overlap is not None:
+            return self.overlap
+        return device.startswith("cuda")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -15,7 +15,7 @@ from radixserve.layers.logits import select_logit_rows
 from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.memory import KVPool, ReqToTokenPool, TokenAllocator, tokens_for_budget
 from radixserve.model_loader import load_model, open_source
-from radixserve.state import BatchResult, ForwardBatch, ForwardMode, ScheduledBatch
+from radixserve.state import BatchResult, ForwardBatch, ForwardMode, LaunchedBatch, ScheduledBatch
 from radixserve.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -216,10 +216,15 @@ class ModelRunner:
         def to_dev(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True)
 
+        if sb.future_inputs is not None:  # overlap: the previous step's tokens, still on the device
+            f = sb.future_inputs
+            input_ids = f.tokens[torch.tensor(f.rows, dtype=torch.int64).to(f.tokens.device, non_blocking=True)]
+        else:
+            input_ids = to_dev(sb.input_ids)
         return ForwardBatch(
             mode=sb.mode,
             batch_size=sb.batch_size,
-            input_ids=to_dev(sb.input_ids),
+            input_ids=input_ids,
             positions=positions.to(dev, non_blocking=True),
             req_pool_indices=to_dev(sb.req_pool_indices),
             seq_lens=to_dev(seq),
@@ -250,28 +255,61 @@ class ModelRunner:
     @torch.inference_mode()
     def run_batch(self, sb: ScheduledBatch) -> BatchResult:
         """Forward the batch and sample one token per request whose sample_mask is True."""
+        return self.launch_batch(sb).result()
+
+    @torch.inference_mode()
+    def launch_batch(self, sb: ScheduledBatch) -> LaunchedBatch:
+        """Queue the forward and the sampling of `sb` on the device and return without waiting for
+        them (on CPU the work is done on return). The tokens reach the host in `result()`."""
         if sb.mode is ForwardMode.IDLE or sb.batch_size == 0:
-            return BatchResult(next_token_ids=[])
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return LaunchedBatch(empty, lambda: BatchResult(next_token_ids=[]))
         logits = self.forward_logits(sb)
         mask = list(sb.sample_mask) or [True] * sb.batch_size
         keep = [i for i, m in enumerate(mask) if m]
-        result = BatchResult(next_token_ids=[None] * sb.batch_size)
         if not keep:
-            return result
+            none = BatchResult(next_token_ids=[None] * sb.batch_size)
+            return LaunchedBatch(torch.zeros(sb.batch_size, dtype=torch.int64, device=self.device), lambda: none)
         reqs = [sb.reqs[i] for i in keep]
         if len(keep) != sb.batch_size:
             logits = logits[torch.tensor(keep, device=logits.device)]
         out = self.sampler.sample(logits, self._sampling_batch_cls.from_reqs(reqs, self.vocab_size, self.device))
-        ids = out.next_token_ids.tolist()
-        for j, i in enumerate(keep):
-            result.next_token_ids[i] = int(ids[j])
-        if out.token_logprobs is not None:
-            lps = out.token_logprobs.tolist()
-            result.token_logprobs = [None] * sb.batch_size
-            for j, i in enumerate(keep):
-                result.token_logprobs[i] = float(lps[j])
-        if out.top_logprobs is not None:
-            result.top_logprobs = [None] * sb.batch_size
-            for j, i in enumerate(keep):
-                result.top_logprobs[i] = out.top_logprobs[j]
-        return result
+        token_ids = out.next_token_ids
+        if len(keep) != sb.batch_size:
+            token_ids = torch.zeros(sb.batch_size, dtype=torch.int64, device=self.device)
+            token_ids[torch.tensor(keep, device=self.device)] = out.next_token_ids
+        ids_host, lps_host, ready = self._copy_to_host(out.next_token_ids, out.token_logprobs)
+
+        def resolve() -> BatchResult:
+            if ready is not None:
+                ready.synchronize()
+            result = BatchResult(next_token_ids=[None] * sb.batch_size)
+            for j, tok in zip(keep, ids_host.tolist(), strict=True):
+                result.next_token_ids[j] = int(tok)
+            if lps_host is not None:
+                result.token_logprobs = [None] * sb.batch_size
+                for j, lp in zip(keep, lps_host.tolist(), strict=True):
+                    result.token_logprobs[j] = float(lp)
+            if out.top_logprobs is not None:
+                result.top_logprobs = [None] * sb.batch_size
+                for j, alts in zip(keep, out.top_logprobs, strict=True):
+                    result.top_logprobs[j] = alts
+            return result
+
+        return LaunchedBatch(token_ids, resolve)
+
+    def _copy_to_host(self, ids: torch.Tensor, logprobs: torch.Tensor | None):
+        """Start device->host copies without blocking: (ids, logprobs or None, event to wait on or None)."""
+        if self.device.type != "cuda":
+            return ids, logprobs, None
+
+        def pinned(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            return host
+
+        ids_host = pinned(ids)
+        lps_host = pinned(logprobs) if logprobs is not None else None
+        ready = torch.cuda.Event()
+        ready.record()
+        return ids_host, lps_host, ready

@@ -7,6 +7,7 @@ Kept in one small file on purpose: these types are the vocabulary every plugin s
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -195,10 +196,39 @@ class ScheduledBatch:
     # False for a request whose prompt is not fully prefilled yet (an intermediate chunk):
     # the runner still runs it but does not sample a token for it
     sample_mask: list[bool] = field(default_factory=list)
+    # overlap scheduling: a decode launched before the previous step's tokens reached the host takes
+    # its input ids from that step's device output instead of `input_ids` (then empty)
+    future_inputs: FutureTokens | None = None
 
     @property
     def batch_size(self) -> int:
         return len(self.reqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+
+@dataclass
+class FutureTokens:
+    """Input ids not yet on the host: row `rows[i]` of the in-flight batch's sampled `tokens`.
+    Written by the scheduler (overlap mode), read by the runner."""
+
+    tokens: torch.Tensor  # [prev_bs] int64 on the runner's device: LaunchedBatch.token_ids
+    rows: list[int]  # for each request of this batch, its row in `tokens`
+
+
+class LaunchedBatch:
+    """A batch whose forward and sampling are queued on the device but maybe not done
+    (`ModelRunner.launch_batch`). `token_ids` can feed the next batch's `FutureTokens` at once;
+    `result()` waits for the device and returns the host-side BatchResult (call it once)."""
+
+    def __init__(self, token_ids: torch.Tensor, resolve: Callable[[], BatchResult]) -> None:
+        self.token_ids = token_ids  # [bs] int64 on the device; entries of unsampled rows are meaningless
+        self._resolve = resolve
+
+    def result(self) -> BatchResult:
+        return self._resolve()
 
 
 @dataclass

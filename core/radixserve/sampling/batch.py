@@ -121,6 +121,20 @@ class SamplingBatch:
         return sb
 
 
+def sampling_reads_history(req: Req) -> bool:
+    """True when `from_reqs` reads `req`'s generated tokens (penalties, per-step seeds, stop-token
+    suppression before min_new_tokens), so its next row cannot be built before the previous token
+    is on the host. Overlap scheduling asks this before launching a decode ahead."""
+    p = req.sampling_params
+    return (
+        p.repetition_penalty != 1.0
+        or p.frequency_penalty != 0.0
+        or p.presence_penalty != 0.0
+        or (p.seed is not None and not p.is_greedy)
+        or len(req.output_ids) < p.min_new_tokens
+    )
+
+
 def _stop_tokens_to_suppress(req: Req) -> list[int]:
     """Tokens that would end `req`, while it has fewer than min_new_tokens outputs (else none)."""
     p = req.sampling_params

@@ -21,6 +21,7 @@ class SchedulerMetrics:
     prefill_batches: int = 0
     decode_batches: int = 0
     mixed_batches: int = 0
+    overlapped_batches: int = 0  # decode batches launched before the previous batch was processed
     # (time, generated_tokens) samples for a sliding-window throughput
     _window: deque = field(default_factory=lambda: deque(maxlen=64))
 

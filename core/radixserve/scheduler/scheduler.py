@@ -22,8 +22,9 @@ import torch
 from radixserve.config import Config
 from radixserve.interfaces import PrefixCache, SchedulePolicy
 from radixserve.runtime.messages import GenerateRequest, ReqTokenOut
+from radixserve.sampling.batch import sampling_reads_history
 from radixserve.scheduler.metrics import SchedulerMetrics
-from radixserve.state import BatchResult, ForwardMode, Req, SamplingParams, ScheduledBatch
+from radixserve.state import BatchResult, ForwardMode, FutureTokens, LaunchedBatch, Req, SamplingParams, ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,15 @@ class Scheduler:
     - `abort(rid)` ends a waiting or running request (finish_reason {"type": "abort"}).
     - `flush_cache()` empties the prefix cache when no request is resident (returns False otherwise);
       afterwards `allocator.available_size() == allocator.size`.
-    Greedy outputs do not depend on batching, chunking, cache hits or retraction.
+    Greedy outputs do not depend on batching, chunking, cache hits, retraction or overlap.
+
+    Overlap (`overlap=True`): `step()` launches the next batch before it processes the previous one,
+    so host work (result processing, emitting, the next batch's preparation) runs while the device
+    computes. Only a decode that continues a decode is launched ahead: its input tokens are the
+    in-flight batch's device output (`FutureTokens`). Anything else (admission, chunks, retraction,
+    penalties that read the token history) first waits for the in-flight batch. A request that
+    stops on EOS in step N has already been launched in step N+1; that extra token is dropped.
+    Between steps `req.kv_len` counts every KV slot assigned to the request, launched or done.
     """
 
     def __init__(self, config: Config, runner: Any, cache: PrefixCache, policy: SchedulePolicy) -> None:
@@ -104,6 +113,8 @@ class Scheduler:
         self._outbox: list[ReqTokenOut] = []
         self._arrivals = 0
         self._evicted = False  # set by _alloc_slots when it evicted from the cache
+        self.overlap = config.runtime.resolved_overlap(str(getattr(runner, "device", "cpu")))
+        self._in_flight: tuple[list[_Item], LaunchedBatch] | None = None  # overlap: launched, not processed
 
     @classmethod
     def from_config(cls, config: Config, runner: Any, registry: Any = None) -> Scheduler:
@@ -176,24 +187,79 @@ class Scheduler:
         return True
 
     def flush_cache(self) -> bool:
+        self._finish_in_flight()
         if self.waiting or self.running or self.chunked_req is not None:
             return False
         self.cache.reset()
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req is not None or self._outbox)
+        return bool(
+            self.waiting or self.running or self.chunked_req is not None or self._outbox or self._in_flight is not None
+        )
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[ReqTokenOut]:
-        batch_items = self._schedule()
-        if batch_items:
-            sb = self._to_scheduled_batch(batch_items)
-            result = self.runner.run_batch(sb)
-            self._process(batch_items, result)
+        if self.overlap:
+            self._step_overlapped()
+        else:
+            items = self._schedule()
+            if items:
+                self._process(items, self.runner.launch_batch(self._to_scheduled_batch(items)).result())
         self.metrics.record_step()
         outs, self._outbox = self._outbox, []
         return outs
+
+    def _step_overlapped(self) -> None:
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None:
+            ahead = self._lookahead_decode(prev)
+            if ahead is not None:
+                items, future = ahead
+                self._in_flight = (items, self.runner.launch_batch(self._to_scheduled_batch(items, future)))
+            self._process(prev[0], prev[1].result())  # the device is busy with the next batch meanwhile
+            if ahead is not None:
+                return
+        items = self._schedule()
+        if items:
+            self._in_flight = (items, self.runner.launch_batch(self._to_scheduled_batch(items)))
+
+    def _finish_in_flight(self) -> None:
+        if self._in_flight is not None:
+            items, launched = self._in_flight
+            self._in_flight = None
+            self._process(items, launched.result())
+
+    def _lookahead_decode(self, prev: tuple[list[_Item], LaunchedBatch]) -> tuple[list[_Item], FutureTokens] | None:
+        """The decode step after the in-flight decode `prev`, launchable before prev's tokens are
+        known; None when the next batch needs them (or something else) first."""
+        prev_items, launched = prev
+        if self.waiting or self.chunked_req is not None or not all(it.decode for it in prev_items):
+            return None
+        reqs, rows = [], []
+        live = 0
+        for i, it in enumerate(prev_items):
+            req = it.req
+            if req.finished:  # aborted while in flight
+                continue
+            live += 1
+            n_out = len(req.output_ids) + 1  # counting the in-flight token
+            if n_out >= req.sampling_params.max_new_tokens or len(req.origin_input_ids) + n_out >= self.context_len:
+                continue  # its in-flight token is its last
+            if sampling_reads_history(req):
+                return None
+            reqs.append(req)
+            rows.append(i)
+        if not reqs or live != len(self.running):
+            return None
+        slots = self._alloc_slots(len(reqs))
+        if slots is None:
+            return None
+        self._write_rows(reqs, slots)
+        self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - self.ratio_decay)
+        items = [_Item(req, req.kv_len, 1, True, slots[i : i + 1]) for i, req in enumerate(reqs)]
+        self.metrics.overlapped_batches += 1
+        return items, FutureTokens(tokens=launched.token_ids, rows=rows)
 
     def _schedule(self) -> list[_Item]:
         items: list[_Item] | None = None
@@ -320,13 +386,17 @@ class Scheduler:
         slots = self._alloc_slots(len(self.running))
         if slots is None:
             return []
-        rows = torch.tensor([r.req_pool_idx for r in self.running], dtype=torch.int64)
-        cols = torch.tensor([r.kv_len for r in self.running], dtype=torch.int64)
-        table = self.req_to_token_pool.req_to_token
-        table[rows.to(table.device), cols.to(table.device)] = slots.to(table.device)
+        self._write_rows(self.running, slots)
         items = [_Item(req, req.kv_len, 1, True, slots[i : i + 1]) for i, req in enumerate(self.running)]
         self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - self.ratio_decay)
         return items
+
+    def _write_rows(self, reqs: list[Req], slots: torch.Tensor) -> None:
+        """Store each request's next-token slot at position kv_len of its row."""
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        table = self.req_to_token_pool.req_to_token
+        table[rows.to(table.device), cols.to(table.device)] = slots.to(table.device)
 
     def _retract_for_decode(self) -> None:
         """Re-queue running requests (fewest outputs, then longest prompt first) until one decode
@@ -366,10 +436,13 @@ class Scheduler:
         req.last_node = None
 
     # ---- running a batch --------------------------------------------------------------------
-    def _to_scheduled_batch(self, items: list[_Item]) -> ScheduledBatch:
+    def _to_scheduled_batch(self, items: list[_Item], future: FutureTokens | None = None) -> ScheduledBatch:
         input_ids: list[int] = []
         for it in items:
             r = it.req
+            r.kv_len = it.prefix_len + it.extend_len  # the batch owns these slots from now on
+            if future is not None:
+                continue
             if it.decode:
                 input_ids.append(r.output_ids[-1])
             else:
@@ -392,13 +465,15 @@ class Scheduler:
             extend_lens=[it.extend_len for it in items],
             out_cache_loc=torch.cat(slots) if len(slots) > 1 else slots[0],
             sample_mask=[it.completes_prompt for it in items],
+            future_inputs=future,
         )
 
     def _process(self, items: list[_Item], result: BatchResult) -> None:
         now_running: list[Req] = []
         for i, it in enumerate(items):
             req = it.req
-            req.kv_len = it.prefix_len + it.extend_len
+            if req.finished:  # overlap: aborted, or stopped a step earlier, while this batch ran
+                continue
             if not it.decode:
                 req.fill_ids = req.all_ids()[: req.kv_len]
                 # share the prompt with later requests now, not only when this one finishes
@@ -472,13 +547,22 @@ class Scheduler:
             del self.meta[req.rid]
 
     # ---- introspection ----------------------------------------------------------------------
+    def _resident(self) -> set[Req]:
+        """Requests holding KV: running, being chunked, or admitted by a batch still in flight."""
+        out = set(self.running)
+        if self.chunked_req is not None:
+            out.add(self.chunked_req)
+        if self._in_flight is not None:
+            out.update(it.req for it in self._in_flight[0] if not it.req.finished)
+        return out
+
     def stats(self) -> dict[str, Any]:
         size = self.allocator.size
         free = self.allocator.available_size()
         evictable = self.cache.evictable_size()
         m = self.metrics
         return {
-            "running": len(self.running) + (self.chunked_req is not None),
+            "running": len(self._resident()),
             "waiting": len(self.waiting),
             "max_total_tokens": size,
             "free_tokens": free,
@@ -496,6 +580,7 @@ class Scheduler:
             "prefill_batches": m.prefill_batches,
             "decode_batches": m.decode_batches,
             "mixed_batches": m.mixed_batches,
+            "overlapped_batches": m.overlapped_batches,
             "new_token_ratio": self.new_token_ratio,
             "time": time.time(),
         }

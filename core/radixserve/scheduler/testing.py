@@ -9,10 +9,12 @@ output, so comparing with `toy_reference` checks the scheduler's memory bookkeep
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from radixserve.memory import ReqToTokenPool, TokenAllocator
-from radixserve.state import BatchResult, ScheduledBatch
+from radixserve.state import BatchResult, LaunchedBatch, ScheduledBatch
 
 _WEIGHTS = torch.randint(1, 1 << 20, (1 << 14,), generator=torch.Generator().manual_seed(1234), dtype=torch.int64)
 
@@ -59,11 +61,33 @@ class ToyRunner:
         self.kv_pool = torch.full((max_total_tokens + 1, 2), -1, dtype=torch.int64)  # (token, position)
         self.forward_tokens = 0  # tokens that went through a forward (prefill + decode)
         self.batches: list[ScheduledBatch] = []
+        self.events: list[tuple[str, int]] = []  # ("launch" | "result", batch number)
 
     def run_batch(self, sb: ScheduledBatch) -> BatchResult:
+        return self.launch_batch(sb).result()
+
+    def launch_batch(self, sb: ScheduledBatch) -> LaunchedBatch:
+        """Computes at once, like a device executing batches in launch order; `events` records the
+        order of launches and of result() calls, so tests can check what overlapped."""
+        n = len(self.batches)
+        self.events.append(("launch", n))
+        self.batches.append(sb)  # as scheduled (with its future inputs)
+        if sb.future_inputs is not None:
+            f = sb.future_inputs
+            assert not sb.input_ids and len(f.rows) == len(sb.reqs), "future batch carries host input ids"
+            sb = dataclasses.replace(sb, input_ids=f.tokens[f.rows].tolist(), future_inputs=None)
+        result = self._compute(sb)
+        tokens = torch.tensor([t if t is not None else -1 for t in result.next_token_ids], dtype=torch.int64)
+
+        def resolve() -> BatchResult:
+            self.events.append(("result", n))
+            return result
+
+        return LaunchedBatch(tokens, resolve)
+
+    def _compute(self, sb: ScheduledBatch) -> BatchResult:
         assert len(sb.input_ids) == sum(sb.extend_lens) == int(sb.out_cache_loc.numel())
         assert len(sb.reqs) == len(sb.req_pool_indices) == len(sb.prefix_lens) == len(sb.sample_mask)
-        self.batches.append(sb)
         self.forward_tokens += len(sb.input_ids)
         table = self.req_to_token_pool.req_to_token
         loc = sb.out_cache_loc.to(torch.int64)
