@@ -68,6 +68,40 @@ def compare(name: str, path: str, prompts: list[list[int]], new_tokens: int, arg
     return ok_all
 
 
+def scheduled_outputs(path: str, prompts: list[list[int]], new_tokens: int, args, overlap: bool):
+    """Greedy outputs through the real Scheduler (continuous batching), with or without overlap."""
+    from radixserve.plugins.registry import get_registry
+    from radixserve.runtime.messages import GenerateRequest
+    from radixserve.scheduler import Scheduler
+    from radixserve.state import SamplingParams
+
+    cfg = Config.build({
+        "model": {"path": path},
+        "runtime": {"device": args.device, "dtype": args.dtype, "cuda_graph": not args.disable_cuda_graph,
+                    "overlap": overlap},
+        "stack": {"attention": args.attention},
+        "scheduler": {"max_total_tokens": 8192, "max_running_requests": 16},
+    })
+    sched = Scheduler.from_config(cfg, ModelRunner(cfg, show_progress=False), get_registry())
+    for i, p in enumerate(prompts):
+        sp = SamplingParams(max_new_tokens=new_tokens + 5 * i, temperature=0, ignore_eos=True)
+        sched.add_request(GenerateRequest(rid=str(i), input_ids=p, sampling_params=sp))
+    got: dict[str, list[int]] = {}
+    while sched.has_work():
+        for out in sched.step():
+            got.setdefault(out.rid, []).extend(out.new_ids)
+    return got, sched.metrics.overlapped_batches
+
+
+def compare_overlap(name: str, path: str, prompts: list[list[int]], new_tokens: int, args) -> bool:
+    plain, _ = scheduled_outputs(path, prompts, new_tokens, args, overlap=False)
+    ahead, n_ahead = scheduled_outputs(path, prompts, new_tokens, args, overlap=True)
+    same = plain == ahead and n_ahead > 0
+    print(f"SUMMARY {name} overlap: outputs {'identical' if plain == ahead else 'DIFFER'} with and without "
+          f"overlap scheduling ({n_ahead} decode batches launched ahead)")
+    return same
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
@@ -89,6 +123,7 @@ def main() -> int:
         prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (5, 130, 2, 77)]
         ok &= compare("tiny-llama", llama, prompts, 32, args)
         ok &= compare("tiny-qwen3", qwen3, prompts, 32, args)
+        ok &= compare_overlap("tiny-llama", llama, prompts, 32, args)
     if args.gguf:
         ok &= compare_gguf(args) == 0
     return 0 if ok else 1
