@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from radixserve.layers import cpu_gemm
 from radixserve.layers.distributed import all_gather_last_dim, all_reduce
 from radixserve.layers.weight_utils import set_weight_attrs
 
@@ -50,12 +51,18 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary. With tied embeddings the model points `weight` at the
     embedding's parameter (`tie_to`) instead of loading its own."""
 
+    packed_weight: torch.Tensor | None = None  # oneDNN copy for CPU fp32 (see pack_for_cpu)
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
+    def pack_for_cpu(self) -> None:
+        """Called once after loading (also when tied: the packed copy is the head's own)."""
+        self.packed_weight = cpu_gemm.pack(self.weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [rows, vocab]."""
-        logits = F.linear(hidden, self.weight)
+        logits = cpu_gemm.linear(hidden, self.weight, self.packed_weight)
         logits = all_gather_last_dim(logits, self.tp_size)[..., : self.num_embeddings]
         return logits.float()
 

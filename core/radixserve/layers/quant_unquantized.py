@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from radixserve.interfaces.quantization import QuantMethod
+from radixserve.layers import cpu_gemm
 from radixserve.layers.weight_utils import default_weight_loader, set_weight_attrs
 
 
@@ -18,5 +18,8 @@ class UnquantizedMethod(QuantMethod):
         set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, "weight_loader": loader})
         layer.register_parameter("weight", weight)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.packed_weight = cpu_gemm.pack(layer.weight)  # None off CPU fp32
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return cpu_gemm.linear(x, layer.weight, getattr(layer, "packed_weight", None), bias)

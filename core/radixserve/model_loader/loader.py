@@ -8,6 +8,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from radixserve.layers.embedding import ParallelLMHead
 from radixserve.model_loader.sources import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ def load_model(
         qm = getattr(module, "quant_method", None)
         if qm is not None and hasattr(module, "weight"):
             qm.process_weights_after_loading(module)
+        if isinstance(module, ParallelLMHead):
+            module.pack_for_cpu()
     model.eval()
     logger.info("loaded %s (%s) in %.1fs", type(model).__name__, source.format, time.perf_counter() - start)
     return model

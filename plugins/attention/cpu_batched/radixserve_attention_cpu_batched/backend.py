@@ -42,8 +42,10 @@ class CPUBatchedBackend(TorchNativeBackend):
         batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
         bs, hq, hkv, d = q.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
-        keys = k_buf[meta.slots].to(q.dtype).transpose(1, 2)  # [bs, hkv, L, d]
-        values = v_buf[meta.slots].to(q.dtype).transpose(1, 2)
+        # index_select, not k_buf[slots]: advanced indexing is ~6x slower for this gather on CPU
+        flat = meta.slots.view(-1)
+        keys = k_buf.index_select(0, flat).view(bs, -1, hkv, d).to(q.dtype).transpose(1, 2)  # [bs, hkv, L, d]
+        values = v_buf.index_select(0, flat).view(bs, -1, hkv, d).to(q.dtype).transpose(1, 2)
         queries = q.view(bs, hkv, hq // hkv, d)  # query heads of one KV group share its keys
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=layer.scaling)
         return out.reshape(bs, hq * d)
