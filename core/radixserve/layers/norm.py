@@ -5,18 +5,22 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from radixserve.layers import triton_ops
+
 
 class RMSNorm(nn.Module):
     """`forward(x)` -> norm(x); `forward(x, residual)` -> (norm(x + residual), x + residual).
 
     Statistics are computed in fp32 and the result is cast back to x's dtype before the weight
-    multiply, matching HF Llama so fp32/bf16 outputs agree with transformers."""
+    multiply, matching HF Llama so fp32/bf16 outputs agree with transformers. CUDA tensors take one
+    fused Triton kernel with the same recipe (`triton_ops.rmsnorm`); CPU tensors the torch code below."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype or torch.get_default_dtype()),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.ones(hidden_size, dtype=params_dtype or torch.get_default_dtype()), requires_grad=False
+        )
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -25,6 +29,8 @@ class RMSNorm(nn.Module):
         return self.weight * (x32 * torch.rsqrt(var + self.eps)).to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if triton_ops.available(x) and (residual is None or residual.dtype == x.dtype):
+            return triton_ops.rmsnorm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

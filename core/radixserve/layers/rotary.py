@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from radixserve.layers import triton_ops
+
 
 def rope_parameters_of(config: Any) -> dict[str, Any]:
     """The config's rope parameters as one dict holding at least `rope_type` and `rope_theta`."""
@@ -93,7 +95,8 @@ class RotaryEmbedding(nn.Module):
     """`forward(positions, q, k)` rotates the first `rotary_dim` dims of every head of q and k.
 
     q: [n, num_heads*head_dim], k: [n, num_kv_heads*head_dim]; returns tensors of the same shapes.
-    cos/sin are cached for positions < max_position in fp32 and cast to q's dtype, as HF does."""
+    cos/sin are cached for positions < max_position in fp32 and cast to q's dtype, as HF does.
+    For CUDA tensors one Triton kernel rotates q and k (`triton_ops.rotary`, same roundings)."""
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
@@ -142,6 +145,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._cos_sin(positions)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        if triton_ops.available(q) and k.dtype == q.dtype:
+            return triton_ops.rotary(q, k, cos, sin, self.head_dim, self.rotary_dim)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
 
