@@ -92,3 +92,17 @@ def test_tokens_for_budget():
     assert per == 2 * 30 * 3 * 64 * 4
     assert tokens_for_budget(per * 100 + per // 2, 30, 3, 64, torch.float32) == 100
     assert tokens_for_budget(per * 100, 30, 3, 64, torch.bfloat16) == 200
+
+
+def test_req_to_token_host_mirror_serves_reads_without_the_device():
+    """Off CPU the pool keeps a host copy of the table; reads come from it (no device sync).
+    The 'meta' device stands in for a GPU: its table holds no data, so only the mirror can answer."""
+    pool = ReqToTokenPool(4, 16, device="meta")
+    assert pool.host is not pool.req_to_token and pool.host.device.type == "cpu"
+    row = pool.alloc()
+    pool.write(row, 0, torch.tensor([5, 6, 7]))
+    pool.write_positions([row], [3], torch.tensor([9]))
+    assert pool.read(row, 4).tolist() == [5, 6, 7, 9]
+    assert pool.read(row, 4, start=2).tolist() == [7, 9]
+    cpu = ReqToTokenPool(2, 8)
+    assert cpu.host is cpu.req_to_token  # on CPU the table is its own mirror

@@ -230,7 +230,7 @@ class ModelRunner:
             seq_lens=to_dev(seq),
             prefix_lens=to_dev(prefix),
             extend_lens=to_dev(ext),
-            out_cache_loc=sb.out_cache_loc.to(dev, torch.int64),
+            out_cache_loc=sb.out_cache_loc.to(dev, torch.int64, non_blocking=True),
             req_to_token_pool=self.req_to_token_pool,
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,

@@ -47,7 +47,8 @@ class PrefixCache(abc.ABC):
     Request-level helpers the scheduler calls (fields of `radixserve.state.Req`):
     - `cache_unfinished_req(req)`: after a prefill chunk; the KV of `req.fill_ids` is in
       `req_to_token[req.req_pool_idx, :len(req.fill_ids)]`. Inserts it, frees duplicate slots,
-      rewrites the request's row to point at the cache's slots, moves the request's lock from its
+      rewrites the request's row to point at the cache's slots (read and write rows through the
+      pool's `read` / `write`, never the device table: a batch may be running on the device), moves the request's lock from its
       old `req.last_node` to the new one and sets `req.prefix_indices` / `req.last_node`.
     - `cache_finished_req(req)`: the request is done; its KV covers `req.kv_committed_ids()`.
       Inserts (or, for a non-sharing cache, frees) it, unlocks `req.last_node`. It does not free the

@@ -10,7 +10,7 @@ from radixserve.state import ForwardBatch, ForwardMode
 def last_token_rows(extend_lens: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
     """Index of each request's last packed token: cumsum(extend_lens) - 1."""
     ends = torch.tensor(extend_lens, dtype=torch.int64).cumsum(0) - 1
-    return ends.to(device)
+    return ends.to(device, non_blocking=True)
 
 
 def select_logit_rows(hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

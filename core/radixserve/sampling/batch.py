@@ -77,16 +77,21 @@ class SamplingBatch:
         top_ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
         sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
 
+        def on_device(xs: list, dtype: torch.dtype) -> torch.Tensor:
+            # built on the host and copied without blocking: torch.tensor(..., device=cuda) would wait
+            # for the batch in flight (overlap scheduling)
+            return torch.tensor(xs, dtype=dtype).to(device, non_blocking=True)
+
         def f32(xs: list[float]) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.float32, device=device)
+            return on_device(xs, torch.float32)
 
         sb = cls(
             vocab_size=vocab_size,
             temperatures=f32(temps),
             top_ps=f32([p.top_p for p in params]),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            top_ks=on_device(top_ks, torch.int64),
             min_ps=f32([p.min_p for p in params]),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            greedy=on_device(greedy, torch.bool),
             is_all_greedy=all(greedy),
             need_top_p=any(p.top_p < 1.0 for p in sampled),
             need_top_k=any(0 < p.top_k < vocab_size for p in sampled),
@@ -105,7 +110,7 @@ class SamplingBatch:
                 for tok, b in (p.logit_bias or {}).items():
                     if 0 <= tok < vocab_size:
                         bias[i, tok] += b
-            sb.logit_bias = bias.to(device)
+            sb.logit_bias = bias.to(device, non_blocking=True)
         stop_rows = [_stop_tokens_to_suppress(r) for r in reqs]
         if any(stop_rows):
             sb.stop_suppress_mask = _token_mask(stop_rows, bs, vocab_size, device)

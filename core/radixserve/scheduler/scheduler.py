@@ -393,10 +393,7 @@ class Scheduler:
 
     def _write_rows(self, reqs: list[Req], slots: torch.Tensor) -> None:
         """Store each request's next-token slot at position kv_len of its row."""
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
-        table = self.req_to_token_pool.req_to_token
-        table[rows.to(table.device), cols.to(table.device)] = slots.to(table.device)
+        self.req_to_token_pool.write_positions([r.req_pool_idx for r in reqs], [r.kv_len for r in reqs], slots)
 
     def _retract_for_decode(self) -> None:
         """Re-queue running requests (fewest outputs, then longest prompt first) until one decode

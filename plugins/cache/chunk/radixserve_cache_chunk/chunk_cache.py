@@ -43,12 +43,11 @@ class ChunkCache(PrefixCache):
     def cache_unfinished_req(self, req: Req) -> None:
         """The request keeps its slots; they become its prefix for the next chunk."""
         assert req.req_pool_idx is not None
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(req.fill_ids)]
-        req.prefix_indices = row.to("cpu", torch.int64).clone()
+        req.prefix_indices = self.req_to_token_pool.read(req.req_pool_idx, len(req.fill_ids))
         req.last_node = None
 
     def cache_finished_req(self, req: Req) -> None:
         """Frees the request's KV slots (positions [0, kv_len) of its row)."""
         if req.req_pool_idx is not None and req.kv_len > 0:
-            self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].cpu())
+            self.allocator.free(self.req_to_token_pool.read(req.req_pool_idx, req.kv_len))
         req.last_node = None

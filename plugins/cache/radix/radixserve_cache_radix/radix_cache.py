@@ -193,8 +193,7 @@ class RadixCache(PrefixCache):
         values, node = self._match(ids)
         new_indices = _cat(values)
         assert new_indices.numel() == len(ids), "just-inserted tokens must match in full"
-        table = self.req_to_token_pool.req_to_token
-        table[row, old_len : len(ids)] = new_indices[old_len:].to(table.device)
+        self.req_to_token_pool.write(row, old_len, new_indices[old_len:])
         self.inc_lock_ref(node)
         self.dec_lock_ref(req.last_node)
         req.prefix_indices, req.last_node = new_indices, node
@@ -209,7 +208,7 @@ class RadixCache(PrefixCache):
         req.last_node = None
 
     def _row_slots(self, row: int, n: int) -> torch.Tensor:
-        return self.req_to_token_pool.req_to_token[row, :n].to("cpu", torch.int64).clone()
+        return self.req_to_token_pool.read(row, n)
 
     def _insert_and_free_duplicates(self, ids: list[int], kv: torch.Tensor, old_len: int) -> None:
         """kv[:old_len] are the cache's own slots (the locked prefix); kv[old_len:] the request's.
