@@ -15,7 +15,8 @@ Usage: python benchmarks/fused_kernels.py [--out fused_kernels.json] [--tokens 1
        [--dtypes bfloat16,float32] [--iters 100]
 Needs CUDA, torch and triton only (the repository's core/ is put on sys.path). Prints a Markdown table
 and writes the rows as JSON to --out. `--dry-run` runs the same code on CPU in Triton's interpreter
-(tiny token counts, host timings that mean nothing) to check the script without a GPU.
+(tiny token counts, host timings that mean nothing; the interpreter truncates float32 -> bfloat16
+where GPUs round to nearest, so its bf16 errors are not the GPU's) to check the script without a GPU.
 """
 
 from __future__ import annotations
