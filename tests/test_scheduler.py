@@ -390,3 +390,14 @@ def test_overlap_drops_the_token_launched_after_an_eos():
     assert len(runner.batches) == 7
     assert sched.metrics.generated_tokens == 6
     assert_nothing_left(sched)
+
+
+def test_overlap_keeps_decoding_ahead_while_requests_wait_for_a_running_slot():
+    sched = toy_scheduler(True, max_running_requests=2)
+    reqs = [(f"r{i}", list(range(7 * i, 7 * i + 9)), 20) for i in range(4)]
+    results = run_workload(sched, reqs)
+    for rid, prompt, max_new in reqs:
+        assert results[rid]["ids"] == reference(prompt, max_new), rid
+    # two waves of two requests: each wave's decodes after its first go ahead, though two wait
+    assert sched.metrics.overlapped_batches >= 2 * 17
+    assert_nothing_left(sched)

@@ -74,7 +74,9 @@ def _payloads(args: argparse.Namespace, model: str) -> list[tuple[str, dict]]:
             "temperature": 0.0,
             "ignore_eos": True,
             "stream": True,
-            "stream_options": {"include_usage": True},
+            # usage on every chunk (a vLLM extension; servers without it just omit it): a chunk can
+            # carry several tokens (a token that ends mid-character adds no text, so no event is sent)
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
         if args.dataset == "random":
             ids = [rng.randrange(args.vocab_low, args.vocab_high) for _ in range(args.input_len)]
@@ -100,6 +102,7 @@ async def _one(client, path: str, payload: dict, rec: RequestRecord) -> None:
                 if data.strip() == "[DONE]":
                     break
                 chunk = json.loads(data)
+                seen = rec.output_tokens
                 if chunk.get("usage"):
                     rec.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
                     rec.output_tokens = chunk["usage"].get("completion_tokens", 0)
@@ -109,7 +112,10 @@ async def _one(client, path: str, payload: dict, rec: RequestRecord) -> None:
                 if rec.ttft == 0.0:
                     rec.ttft = now - rec.start
                 else:
-                    rec.itls.append(now - last)
+                    # a chunk of k tokens counts as k inter-token gaps of (its wait / k), as
+                    # SGLang's bench_serving does; without per-chunk usage k is taken as 1
+                    k = max(rec.output_tokens - seen, 1)
+                    rec.itls.extend([(now - last) / k] * k)
                 last = now
         rec.latency = time.perf_counter() - rec.start
         rec.ok = rec.ttft > 0
@@ -169,6 +175,7 @@ def summarize(recs: list[RequestRecord], duration: float, args: argparse.Namespa
         "ttft_ms": {"mean": round(sum(r.ttft for r in ok) / max(len(ok), 1) * 1e3, 2), "p50": ms([r.ttft for r in ok], 50), "p99": ms([r.ttft for r in ok], 99)},
         "tpot_ms": {"mean": round(sum(tpots) / max(len(tpots), 1) * 1e3, 2), "p50": ms(tpots, 50), "p99": ms(tpots, 99)},
         "itl_ms": {"mean": round(sum(itls) / max(len(itls), 1) * 1e3, 2), "p50": ms(itls, 50), "p99": ms(itls, 99)},
+        "itl_samples": len(itls),  # one per output token after the first when the server reports usage per chunk
         "config": {
             "dataset": args.dataset,
             "num_prompts": args.num_prompts,

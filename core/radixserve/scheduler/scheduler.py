@@ -77,8 +77,9 @@ class Scheduler:
 
     Overlap (`overlap=True`): `step()` launches the next batch before it processes the previous one,
     so host work (result processing, emitting, the next batch's preparation) runs while the device
-    computes. Only a decode that continues a decode is launched ahead: its input tokens are the
-    in-flight batch's device output (`FutureTokens`). Anything else (admission, chunks, retraction,
+    computes. Only a decode that continues a decode is launched ahead (also while requests wait for
+    a running slot): its input tokens are the in-flight batch's device output (`FutureTokens`).
+    Anything else (admission, chunks, retraction,
     penalties that read the token history) first waits for the in-flight batch. A request that
     stops on EOS in step N has already been launched in step N+1; that extra token is dropped.
     Between steps `req.kv_len` counts every KV slot assigned to the request, launched or done.
@@ -234,8 +235,11 @@ class Scheduler:
         """The decode step after the in-flight decode `prev`, launchable before prev's tokens are
         known; None when the next batch needs them (or something else) first."""
         prev_items, launched = prev
-        if self.waiting or self.chunked_req is not None or not all(it.decode for it in prev_items):
+        if self.chunked_req is not None or not all(it.decode for it in prev_items):
             return None
+        if self.waiting and len(self.running) < self.max_running:
+            return None  # a waiting request may be admitted now: schedule with prev's results
+
         reqs, rows = [], []
         live = 0
         for i, it in enumerate(prev_items):
