@@ -192,6 +192,12 @@ def test_rotary_matches_torch_bitwise(dtype, head_dim, rotary_dim, hq, hkv, n):
     assert torch.equal(q_rot, rope._rotate(q, cos, sin))
     assert torch.equal(k_rot, rope._rotate(k, cos, sin))
     assert torch.equal(q, q_before) and torch.equal(k, k_before)  # out of place
+    # the layer's path: whole fp32 caches + positions, gathered and cast to q's dtype in the kernel
+    positions = torch.randint(0, 4096, (n,), generator=torch.Generator().manual_seed(n + 1)).to(DEVICE)
+    tables = rope.to(DEVICE)._tables(positions)
+    cos_p, sin_p = (t[positions].to(dtype) for t in tables)
+    q_rot, k_rot = triton_ops.rotary(q, k, *tables, head_dim, rotary_dim, positions=positions)
+    assert torch.equal(q_rot, rope._rotate(q, cos_p, sin_p)) and torch.equal(k_rot, rope._rotate(k, cos_p, sin_p))
 
 
 # ---------------------------------------------------------------- NaN, empty, dispatch

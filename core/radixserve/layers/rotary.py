@@ -127,12 +127,16 @@ class RotaryEmbedding(nn.Module):
         self._covers_context = True
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self._tables(positions)
+        return cos[positions], sin[positions]
+
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 cos/sin caches, covering every position in `positions`."""
         if not (self._covers_context and self._cache is not None and self._cache[0].device == positions.device):
             need = int(positions.max()) + 1 if positions.numel() else 1
             if self._cache is None or self._cache[0].shape[0] < need or self._cache[0].device != positions.device:
                 self._cache = self._build(max(need, min(self.max_position, 8192)), positions.device)
-        cos, sin = self._cache
-        return cos[positions], sin[positions]
+        return self._cache
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
@@ -143,10 +147,11 @@ class RotaryEmbedding(nn.Module):
         return out.reshape(n, -1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if triton_ops.available(q) and k.dtype == q.dtype:  # the kernel gathers and casts cos/sin itself
+            cos, sin = self._tables(positions)
+            return triton_ops.rotary(q, k, cos, sin, self.head_dim, self.rotary_dim, positions=positions)
         cos, sin = self._cos_sin(positions)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-        if triton_ops.available(q) and k.dtype == q.dtype:
-            return triton_ops.rotary(q, k, cos, sin, self.head_dim, self.rotary_dim)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
 

@@ -112,6 +112,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         KO,
         C,
         S,
+        P,
         stride_q,
         stride_k,
         stride_c,
@@ -124,6 +125,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         REST: tl.constexpr,
         REST_BLOCK: tl.constexpr,
         BLOCK_H: tl.constexpr,
+        GATHER: tl.constexpr,
     ):
         # grid: (token, head block); the first blocks cover q's heads, the rest k's: one launch for both
         row = tl.program_id(0).to(tl.int64)
@@ -148,11 +150,13 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         dst = dst + heads[:, None] * HEAD_DIM
         x1 = tl.load(src + d[None, :], mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        c1 = tl.load(C + row * stride_c + d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-        c2 = tl.load(C + row * stride_c + HALF + d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-        s1 = tl.load(S + row * stride_s + d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-        s2 = tl.load(S + row * stride_s + HALF + d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
         dt = QO.dtype.element_ty
+        # GATHER: C/S are the whole fp32 cos/sin caches and P the positions; cast like `cos.to(q.dtype)`
+        crow = tl.load(P + row).to(tl.int64) if GATHER else row
+        c1 = tl.load(C + crow * stride_c + d, mask=mask_d, other=0.0).to(dt).to(tl.float32)[None, :]
+        c2 = tl.load(C + crow * stride_c + HALF + d, mask=mask_d, other=0.0).to(dt).to(tl.float32)[None, :]
+        s1 = tl.load(S + crow * stride_s + d, mask=mask_d, other=0.0).to(dt).to(tl.float32)[None, :]
+        s2 = tl.load(S + crow * stride_s + HALF + d, mask=mask_d, other=0.0).to(dt).to(tl.float32)[None, :]
         # torch computes rot*cos, rotate_half(rot)*sin and their sum as three ops, each rounded to
         # the dtype; round at the same points (the launch also turns off mul+add -> fma fusion)
         o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
@@ -234,23 +238,34 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, rotary_dim: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+    rotary_dim: int,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox (rotate-half) rotary on the first `rotary_dim` dims of every head, as
     `RotaryEmbedding._rotate` computes it; the rest of each head is copied.
 
     q: [n, hq*head_dim], k: [n, hkv*head_dim] (rows may be strided, e.g. slices of a fused qkv
-    output); cos/sin: [n, rotary_dim] already gathered per token, in q's dtype.
+    output); cos/sin: [n, rotary_dim] already gathered per token, in q's dtype, or, with `positions`
+    [n], the whole [max_position, rotary_dim] caches in any float dtype: the kernel gathers row
+    positions[i] and rounds it to q's dtype itself (saves a gather and a cast kernel per layer).
     Out of place: returns new contiguous (q_rot, k_rot) and leaves q and k untouched, like the torch path."""
     n = q.shape[0]
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         raise ValueError(f"rotary: rotary_dim {rotary_dim} must be even and in (0, head_dim={head_dim}]")
     if q.shape[-1] % head_dim or k.shape[-1] % head_dim or k.shape[0] != n:
         raise ValueError(f"rotary: q {tuple(q.shape)} / k {tuple(k.shape)} are not [n, heads*{head_dim}]")
-    if not (q.dtype == k.dtype == cos.dtype == sin.dtype):
-        raise ValueError("rotary: q, k, cos and sin must share a dtype")
-    if cos.shape != (n, rotary_dim) or sin.shape != (n, rotary_dim):
-        raise ValueError(f"rotary: cos/sin must be [{n}, {rotary_dim}]")
+    if q.dtype != k.dtype or (positions is None and not q.dtype == cos.dtype == sin.dtype):
+        raise ValueError("rotary: q, k (and cos, sin unless positions are given) must share a dtype")
+    rows = n if positions is None else cos.shape[0]
+    if cos.shape != (rows, rotary_dim) or sin.shape != (rows, rotary_dim):
+        raise ValueError(f"rotary: cos/sin must be [{rows}, {rotary_dim}]")
+    if positions is not None and positions.shape != (n,):
+        raise ValueError(f"rotary: positions must be [{n}]")
     q2, k2 = _rows(q, q.shape[-1]), _rows(k, k.shape[-1])
     c2, s2 = _rows(cos, rotary_dim), _rows(sin, rotary_dim)
     nq, nk = q2.shape[1] // head_dim, k2.shape[1] // head_dim
@@ -269,6 +284,7 @@ def rotary(
         k_out,
         c2,
         s2,
+        positions if positions is not None else c2,  # unread without GATHER
         q2.stride(0),
         k2.stride(0),
         c2.stride(0),
@@ -281,6 +297,7 @@ def rotary(
         REST=rest,
         REST_BLOCK=_next_pow2(rest) if rest else 1,
         BLOCK_H=block_h,
+        GATHER=positions is not None,
         num_warps=4,
         enable_fp_fusion=False,  # keep x*cos + rot*sin as rounded mul, mul, add: bit-equal to torch in fp32
     )
