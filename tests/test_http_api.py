@@ -246,6 +246,19 @@ def test_completions_prompts_echo_logprobs(oai, tm):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
 
 
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_continuous_usage_stats_put_the_running_count_on_every_chunk(oai, tm, route):
+    """Load generators count tokens per event with it (an event can carry several tokens)."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    if route == "completions":
+        stream = oai.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, stream=True, stream_options=opts)
+    else:
+        msgs = [{"role": "user", "content": "hi"}]
+        stream = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, stream=True, stream_options=opts)
+    counts = [c.usage.completion_tokens for c in stream if c.choices]
+    assert counts == [1, 2, 3, 4]
+
+
 def test_completions_default_max_tokens_is_16(oai, tm):
     r = oai.completions.create(model=MODEL, prompt="a")
     assert r.usage.completion_tokens == 16

@@ -481,6 +481,15 @@ class _Format:
     def end(self, usage: p.UsageInfo) -> list[str]:
         return []
 
+    def running_usage(self, meta: dict) -> p.UsageInfo | None:
+        """Usage so far, for every chunk when the client asked for continuous_usage_stats."""
+        opts = getattr(self.req, "stream_options", None)
+        if not (opts and opts.continuous_usage_stats):
+            return None
+        tally = _Tally()
+        tally.add(0, meta)
+        return tally.usage()
+
 
 def _pairs(meta: dict, key: str, start: int) -> list:
     return list(meta.get(key) or [])[start:]
@@ -537,11 +546,7 @@ class _ChatFormat(_Format):
         reason, matched = _finish(meta)
         if not (role or delta or reason or (logprobs and logprobs.content)):
             return []
-        usage = None
-        if self.req.stream_options and self.req.stream_options.continuous_usage_stats:
-            tally = _Tally()
-            tally.add(0, meta)
-            usage = tally.usage()
+        usage = self.running_usage(meta)
         choice = p.ChatChunkChoice(
             index=index,
             delta=p.DeltaMessage(role=role, content=delta),
@@ -616,6 +621,7 @@ class _CompletionFormat(_Format):
                     index=index, text=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched
                 )
             ],
+            usage=self.running_usage(meta),
         )
         return [sse(chunk.model_dump_json())]
 
