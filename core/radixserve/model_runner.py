@@ -271,13 +271,15 @@ class ModelRunner:
             none = BatchResult(next_token_ids=[None] * sb.batch_size)
             return LaunchedBatch(torch.zeros(sb.batch_size, dtype=torch.int64, device=self.device), lambda: none)
         reqs = [sb.reqs[i] for i in keep]
+        keep_dev = None  # rows to sample when some are intermediate prefill chunks
         if len(keep) != sb.batch_size:
-            logits = logits[torch.tensor(keep, device=logits.device)]
+            keep_dev = torch.tensor(keep).to(self.device, non_blocking=True)  # never a blocking copy: overlap
+            logits = logits[keep_dev]
         out = self.sampler.sample(logits, self._sampling_batch_cls.from_reqs(reqs, self.vocab_size, self.device))
         token_ids = out.next_token_ids
-        if len(keep) != sb.batch_size:
+        if keep_dev is not None:
             token_ids = torch.zeros(sb.batch_size, dtype=torch.int64, device=self.device)
-            token_ids[torch.tensor(keep, device=self.device)] = out.next_token_ids
+            token_ids[keep_dev] = out.next_token_ids
         ids_host, lps_host, ready = self._copy_to_host(out.next_token_ids, out.token_logprobs)
 
         def resolve() -> BatchResult:

@@ -79,8 +79,8 @@ class Scheduler:
     so host work (result processing, emitting, the next batch's preparation) runs while the device
     computes. Only a decode that continues a decode is launched ahead (also while requests wait for
     a running slot): its input tokens are the in-flight batch's device output (`FutureTokens`).
-    Anything else (admission, chunks, retraction,
-    penalties that read the token history) first waits for the in-flight batch. A request that
+    Anything else (admission, chunks, retraction, penalties that read the token history) first
+    waits for the in-flight batch. A request that
     stops on EOS in step N has already been launched in step N+1; that extra token is dropped.
     Between steps `req.kv_len` counts every KV slot assigned to the request, launched or done.
     """
