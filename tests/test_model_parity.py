@@ -203,7 +203,25 @@ def test_overlap_scheduling_keeps_greedy_outputs(tiny_llama_dir, attention):
             "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1, "overlap": overlap},
             "scheduler": {"max_total_tokens": 2048, "max_running_requests": 8},
         })
-        sched = Scheduler.from_config(cfg, ModelRunner(cfg, show_progress=False), get_registry())
+        runner = ModelRunner(cfg, show_progress=False)
+        events: list[str] = []  # the order in which batches are launched and their results taken
+        launch = runner.launch_batch
+
+        def recording_launch(sb, launch=launch, events=events):
+            launched = launch(sb)
+            n = sum(e.startswith("launch") for e in events)
+            events.append(f"launch {n}")
+            resolve = launched.result
+
+            def result():
+                events.append(f"result {n}")
+                return resolve()
+
+            launched.result = result
+            return launched
+
+        runner.launch_batch = recording_launch
+        sched = Scheduler.from_config(cfg, runner, get_registry())
         for i, prompt in enumerate(prompts_for(sched.runner.vocab_size, seed=3)):
             sp = SamplingParams(max_new_tokens=12 + 3 * i, temperature=0, ignore_eos=True)
             sched.add_request(GenerateRequest(rid=str(i), input_ids=prompt, sampling_params=sp))
@@ -213,6 +231,21 @@ def test_overlap_scheduling_keeps_greedy_outputs(tiny_llama_dir, attention):
                 got.setdefault(out.rid, []).extend(out.new_ids)
         assert sched.flush_cache() and sched.allocator.available_size() == sched.allocator.size
         assert (sched.metrics.overlapped_batches > 10) == overlap
+        # overlap: step N+1 is launched before step N's result is taken, for every launched-ahead batch
+        ahead = sum(1 for a, b in zip(events, events[1:]) if a.startswith("launch") and b.startswith("result")
+                    and int(a.split()[1]) == int(b.split()[1]) + 1)
+        assert ahead == (sched.metrics.overlapped_batches if overlap else 0)
         outputs[overlap] = got
     assert outputs[True] == outputs[False]
     assert [len(outputs[True][str(i)]) for i in range(4)] == [12, 15, 18, 21]
+
+
+def test_warmup_leaves_the_pools_free_and_outputs_unchanged(tiny_llama_dir):
+    path = tiny_llama_dir("llama", tie_word_embeddings=False)
+    runner = make_runner(path)
+    prompts = prompts_for(runner.vocab_size, seed=5)
+    before = [g.tokens for g in greedy_generate(runner, prompts, 8)]
+    runner.warmup()
+    assert runner.token_allocator.available_size() == runner.token_allocator.size
+    assert runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size
+    assert [g.tokens for g in greedy_generate(runner, prompts, 8)] == before

@@ -106,6 +106,7 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int) -
         from radixserve.scheduler.scheduler import Scheduler
 
         runner = ModelRunner(config)
+        runner.warmup()  # before "ready": the first requests must not pay for kernel compilation
         scheduler = Scheduler.from_config(config, runner, get_registry())
         server = SchedulerServer(scheduler, ports)
     except Exception as e:
