@@ -401,3 +401,16 @@ def test_overlap_keeps_decoding_ahead_while_requests_wait_for_a_running_slot():
     # two waves of two requests: each wave's decodes after its first go ahead, though two wait
     assert sched.metrics.overlapped_batches >= 2 * 17
     assert_nothing_left(sched)
+
+
+@pytest.mark.parametrize("cache,threshold,computed", [("radix", 16, 45 + 5 * 5), ("radix", 0, 6 * 45), ("chunk", 16, 6 * 45)])
+def test_requests_sharing_an_uncached_prefix_compute_it_once(make_scheduler, cache, threshold, computed):
+    """Six prompts arrive together sharing 40 uncached tokens: the first is admitted, the others wait
+    one step and then read those 40 tokens from the radix cache (a non-sharing cache holds no one back)."""
+    sched = make_scheduler(cache=cache, in_batch_prefix_threshold=threshold)
+    shared = list(range(500, 540))
+    reqs = [(f"s{i}", shared + [10 * i + j for j in range(1, 6)], 6) for i in range(6)]
+    results = run_workload(sched, reqs)
+    for rid, prompt, max_new in reqs:
+        assert results[rid]["ids"] == reference(prompt, max_new), rid
+    assert sched.metrics.prefill_tokens_computed == computed

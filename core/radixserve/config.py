@@ -46,6 +46,10 @@ class SchedulerSection(_Section):
     mem_fraction: float = Field(default=0.85, gt=0, le=1)  # GPU: fraction of memory for weights + KV
     cpu_kv_cache_gb: float = Field(default=2.0, gt=0)  # CPU: KV pool byte budget
     enable_mixed_chunk: bool = False  # run decodes inside prefill batches
+    # hold back a waiting request for one step when it shares at least this many not-yet-cached
+    # prompt tokens with a request admitted in the same batch: next step it reads them from the
+    # prefix cache instead of computing them again (0: off)
+    in_batch_prefix_threshold: int = Field(default=16, ge=0)
     schedule_conservativeness: float = Field(default=1.0, gt=0)
     stream_interval: int = Field(default=1, ge=1)  # send streamed tokens every N steps
 

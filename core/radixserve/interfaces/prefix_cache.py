@@ -48,14 +48,19 @@ class PrefixCache(abc.ABC):
     - `cache_unfinished_req(req)`: after a prefill chunk; the KV of `req.fill_ids` is in
       `req_to_token[req.req_pool_idx, :len(req.fill_ids)]`. Inserts it, frees duplicate slots,
       rewrites the request's row to point at the cache's slots (read and write rows through the
-      pool's `read` / `write`, never the device table: a batch may be running on the device), moves the request's lock from its
-      old `req.last_node` to the new one and sets `req.prefix_indices` / `req.last_node`.
+      pool's `read` / `write`, never the device table: a batch may be running on the device),
+      moves the request's lock from its old `req.last_node` to the new one and sets
+      `req.prefix_indices` / `req.last_node`.
+    - `shares_prefixes` (class attribute, default True): False for a cache that never matches (the
+      scheduler then does not hold back requests to let them share a prefix within one batch).
     - `cache_finished_req(req)`: the request is done; its KV covers `req.kv_committed_ids()`.
       Inserts (or, for a non-sharing cache, frees) it, unlocks `req.last_node`. It does not free the
       request's ReqToTokenPool row (the scheduler does).
 
-    Added in plugin API 1.0.
+    Added in plugin API 1.0 (`shares_prefixes` in 1.0 as well, defaulted so older plugins keep working).
     """
+
+    shares_prefixes: bool = True
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenAllocator) -> None:
         self.req_to_token_pool = req_to_token_pool

@@ -98,6 +98,7 @@ class Scheduler:
         self.max_prefill_tokens = sc.max_prefill_tokens
         self.max_running = min(sc.max_running_requests, self.req_to_token_pool.size)
         self.enable_mixed = sc.enable_mixed_chunk
+        self.in_batch_prefix = sc.in_batch_prefix_threshold if cache.shares_prefixes else 0
         self.stream_interval = sc.stream_interval
         cons = sc.schedule_conservativeness
         self.init_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * cons)
@@ -331,6 +332,8 @@ class Scheduler:
                 req.prefix_indices = req.prefix_indices[: len(req.fill_ids) - 1]
             prefix_len = int(req.prefix_indices.numel())
             extend = len(req.fill_ids) - prefix_len
+            if admitted and self._shares_uncached_prefix(req, prefix_len, admitted):
+                continue  # stays waiting: next step the cache holds the shared part
             if extend > token_budget and (items or admitted) and self.chunk_size is None:
                 break
             self.cache.inc_lock_ref(req.last_node)
@@ -369,6 +372,18 @@ class Scheduler:
             gone = set(map(id, admitted))
             self.waiting = [r for r in self.waiting if id(r) not in gone]
         return items
+
+    def _shares_uncached_prefix(self, req: Req, cached: int, admitted: list[Req]) -> bool:
+        """Whether an admitted request has the same first `cached + in_batch_prefix` tokens."""
+        k = self.in_batch_prefix
+        end = cached + k
+        if k == 0 or len(req.fill_ids) <= end:
+            return False
+        window = req.fill_ids[cached:end]
+        return any(
+            len(other.fill_ids) > end and other.fill_ids[cached:end] == window and other.fill_ids[:cached] == req.fill_ids[:cached]
+            for other in admitted
+        )
 
     def _alloc_slots(self, n: int) -> torch.Tensor | None:
         """n free KV slots, evicting from the prefix cache when needed; None if they do not exist."""

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 
 class ChunkCache(PrefixCache):
+    shares_prefixes = False
+
     def match_prefix(self, key: list[int]) -> MatchResult:
         return MatchResult(kv_indices=torch.empty(0, dtype=torch.int64), last_node=None)
 
