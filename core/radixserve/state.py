@@ -204,10 +204,6 @@ class ScheduledBatch:
     def batch_size(self) -> int:
         return len(self.reqs)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.extend_lens)
-
 
 @dataclass
 class FutureTokens:

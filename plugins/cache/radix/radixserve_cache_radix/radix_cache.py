@@ -188,7 +188,7 @@ class RadixCache(PrefixCache):
         assert row is not None, "cache_unfinished_req needs a request holding a ReqToTokenPool row"
         ids = req.fill_ids
         old_len = _length(req.prefix_indices)
-        kv = self._row_slots(row, len(ids))
+        kv = self.req_to_token_pool.read(row, len(ids))
         self._insert_and_free_duplicates(ids, kv, old_len)
         values, node = self._match(ids)
         new_indices = _cat(values)
@@ -202,13 +202,10 @@ class RadixCache(PrefixCache):
         """Also clears `req.last_node` (its lock is released), so a second call cannot double-unlock."""
         ids = req.kv_committed_ids()
         if req.req_pool_idx is not None and ids:
-            kv = self._row_slots(req.req_pool_idx, len(ids))
+            kv = self.req_to_token_pool.read(req.req_pool_idx, len(ids))
             self._insert_and_free_duplicates(ids, kv, _length(req.prefix_indices))
         self.dec_lock_ref(req.last_node)
         req.last_node = None
-
-    def _row_slots(self, row: int, n: int) -> torch.Tensor:
-        return self.req_to_token_pool.read(row, n)
 
     def _insert_and_free_duplicates(self, ids: list[int], kv: torch.Tensor, old_len: int) -> None:
         """kv[:old_len] are the cache's own slots (the locked prefix); kv[old_len:] the request's.
