@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from radixserve.layers import triton_ops
+from radixserve.layers import cpu_ops, triton_ops
 
 
 class RMSNorm(nn.Module):
@@ -13,7 +13,8 @@ class RMSNorm(nn.Module):
 
     Statistics are computed in fp32 and the result is cast back to x's dtype before the weight
     multiply, matching HF Llama so fp32/bf16 outputs agree with transformers. CUDA tensors take one
-    fused Triton kernel with the same recipe (`triton_ops.rmsnorm`); CPU tensors the torch code below."""
+    fused Triton kernel with the same recipe (`triton_ops.rmsnorm`); fp32 CPU matrices one fused C++
+    kernel (`cpu_ops.rmsnorm`); anything else the torch code below."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -31,6 +32,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if triton_ops.available(x) and (residual is None or residual.dtype == x.dtype):
             return triton_ops.rmsnorm(x, self.weight, self.eps, residual)
+        if cpu_ops.available(x, self.weight[None], *(() if residual is None else (residual,))):
+            return cpu_ops.rmsnorm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from radixserve.layers import triton_ops
+from radixserve.layers import cpu_ops, triton_ops
 
 
 def rope_parameters_of(config: Any) -> dict[str, Any]:
@@ -96,7 +96,8 @@ class RotaryEmbedding(nn.Module):
 
     q: [n, num_heads*head_dim], k: [n, num_kv_heads*head_dim]; returns tensors of the same shapes.
     cos/sin are cached for positions < max_position in fp32 and cast to q's dtype, as HF does.
-    For CUDA tensors one Triton kernel rotates q and k (`triton_ops.rotary`, same roundings)."""
+    For CUDA tensors one Triton kernel rotates q and k (`triton_ops.rotary`, same roundings); fp32
+    CPU matrices are rotated by one C++ kernel (`cpu_ops.rotary`)."""
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
@@ -150,6 +151,10 @@ class RotaryEmbedding(nn.Module):
         if triton_ops.available(q) and k.dtype == q.dtype:  # the kernel gathers and casts cos/sin itself
             cos, sin = self._tables(positions)
             return triton_ops.rotary(q, k, cos, sin, self.head_dim, self.rotary_dim, positions=positions)
+        if cpu_ops.available(q, k) and positions.dtype == torch.int64:
+            cos, sin = self._tables(positions)
+            if cos.device.type == "cpu" and cos.dtype == torch.float32:
+                return cpu_ops.rotary(q, k, positions.contiguous(), cos, sin, self.head_dim, self.rotary_dim)
         cos, sin = self._cos_sin(positions)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -1,0 +1,128 @@
+"""The C++ CPU kernels (radixserve.native): fused RMSNorm / SiLU-and-mul / rotary (cpu_ops) and the
+cpu_batched backend's decode attention, each against the torch code it replaces.
+
+CI has a compiler, so these tests require the kernels to build: a broken build fails here instead
+of silently falling back to the (slower) torch paths."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from radixserve import native
+from radixserve.layers import cpu_ops
+from radixserve.layers.activation import SiluAndMul
+from radixserve.layers.norm import RMSNorm
+from radixserve.layers.rotary import RotaryEmbedding
+from radixserve.memory import KVPool, ReqToTokenPool
+from radixserve.model_runner import AttentionRunnerInfo
+from radixserve.state import ForwardBatch, ForwardMode
+from radixserve_attention_cpu_batched.backend import CPUBatchedBackend
+
+
+def test_kernels_build_here():
+    assert cpu_ops.available(torch.zeros(1, 4)), "the fused CPU kernels did not build (see the log)"
+    assert not cpu_ops.available(torch.zeros(1, 4, dtype=torch.bfloat16))  # fp32 only
+    assert not cpu_ops.available(torch.zeros(4, 2).t())  # rows must be contiguous
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_rmsnorm_matches_torch(rows):
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(96, eps=1e-5)
+    norm.weight.data = torch.randn(96, generator=gen)
+    x, res = torch.randn(rows, 96, generator=gen), torch.randn(rows, 96, generator=gen)
+    torch.testing.assert_close(norm(x), norm._norm(x), rtol=1e-5, atol=1e-5)
+    out, new_res = norm(x, res)
+    torch.testing.assert_close(new_res, x + res, rtol=0, atol=0)
+    torch.testing.assert_close(out, norm._norm(x + res), rtol=1e-5, atol=1e-5)
+    wide = torch.randn(rows, 2 * 96, generator=gen)[:, :96]  # strided rows, as slices of a wider output
+    torch.testing.assert_close(norm(wide), norm._norm(wide), rtol=1e-5, atol=1e-5)
+
+
+def test_silu_and_mul_matches_torch():
+    x = 4 * torch.randn(33, 2 * 80, generator=torch.Generator().manual_seed(0))
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(SiluAndMul()(x), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])  # full and partial rotary
+def test_rotary_matches_torch_on_fused_qkv_slices(rotary_dim):
+    rope = RotaryEmbedding(64, rotary_dim, 1024, {"rope_theta": 10000.0, "rope_type": "default"})
+    gen = torch.Generator().manual_seed(rotary_dim)
+    qkv = torch.randn(20, 9 * 64 + 2 * 3 * 64, generator=gen)
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)  # strided rows
+    before = qkv.clone()
+    positions = torch.randint(0, 1024, (20,), generator=gen)
+    q_rot, k_rot = rope(positions, q, k)
+    cos, sin = rope._cos_sin(positions)
+    torch.testing.assert_close(q_rot, rope._rotate(q, cos, sin), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_rot, rope._rotate(k, cos, sin), rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv, before), "the inputs must not be modified"
+    with pytest.raises(RuntimeError, match="outside the table"):
+        cpu_ops.rotary(q, k, torch.full((20,), 10**6), *rope._tables(positions), 64, rotary_dim)
+
+
+def _decode_batch(backend_factory, lens: list[int], hq: int, hkv: int, d: int, seed: int):
+    """A decode batch over a KV pool with random contents and scattered slots; returns
+    (backend, batch, q, k, v, layer spec)."""
+    gen = torch.Generator().manual_seed(seed)
+    bs, slots = len(lens), sum(lens) + 8
+    pool = KVPool(slots, 1, hkv, d, torch.float32)
+    pool.k_buffers[0].copy_(torch.randn(pool.k_buffers[0].shape, generator=gen))
+    pool.v_buffers[0].copy_(torch.randn(pool.v_buffers[0].shape, generator=gen))
+    table = ReqToTokenPool(bs + 1, max(lens) + 4)
+    order = torch.randperm(slots, generator=gen)[: sum(lens)] + 1  # slot 0 is the reserved pad slot
+    rows, offset = [], 0
+    for n in lens:
+        row = table.alloc()
+        table.write(row, 0, order[offset : offset + n])
+        rows.append(row)
+        offset += n
+    info = AttentionRunnerInfo(torch.device("cpu"), torch.float32, 1, hq, hkv, d, table, pool, bs, 4096)
+    backend = backend_factory(info)
+    last = torch.tensor([table.read(r, n)[-1].item() for r, n in zip(rows, lens, strict=True)])
+    batch = ForwardBatch(
+        mode=ForwardMode.DECODE, batch_size=bs, input_ids=torch.zeros(bs, dtype=torch.int64),
+        positions=torch.tensor([n - 1 for n in lens]), req_pool_indices=torch.tensor(rows),
+        seq_lens=torch.tensor(lens), prefix_lens=torch.tensor([n - 1 for n in lens]),
+        extend_lens=torch.ones(bs, dtype=torch.int64), out_cache_loc=last, req_to_token_pool=table, kv_pool=pool,
+        attn_backend=backend, seq_lens_cpu=list(lens), prefix_lens_cpu=[n - 1 for n in lens], extend_lens_cpu=[1] * bs,
+    )
+    q = torch.randn(bs, hq * d, generator=gen)
+    k, v = torch.randn(bs, hkv * d, generator=gen), torch.randn(bs, hkv * d, generator=gen)
+    layer = SimpleNamespace(layer_id=0, num_heads=hq, num_kv_heads=hkv, head_dim=d, scaling=d**-0.5)
+    return backend, batch, q, k, v, layer
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
+def test_native_decode_attention_matches_the_sdpa_paths(hq, hkv, d):
+    lens = [1, 5, 37, 130, 2]
+    outs = {}
+    for name, factory in {
+        "native": lambda info: CPUBatchedBackend(info),
+        "padded": lambda info: CPUBatchedBackend(info, use_native=False),
+    }.items():
+        backend, batch, q, k, v, layer = _decode_batch(factory, lens, hq, hkv, d, seed=hq * d)
+        assert backend.uses_native_kernel == (name == "native")
+        backend.init_forward_metadata(batch)
+        outs[name] = backend.forward_decode(q, k, v, layer, batch)
+        # the reference: the torch_native per-request loop on the same pool (k, v already stored)
+        ref_backend = CPUBatchedBackend(None)
+        super(CPUBatchedBackend, ref_backend).init_forward_metadata(batch)
+        outs["reference"] = ref_backend._attend(q, k, v, layer, batch)
+    torch.testing.assert_close(outs["native"], outs["reference"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs["padded"], outs["reference"], rtol=1e-5, atol=1e-5)
+
+
+def test_native_kernel_is_skipped_where_it_does_not_apply():
+    backend, *_ = _decode_batch(lambda info: CPUBatchedBackend(info), [3], 4, 2, 16, seed=0)
+    assert not backend.uses_native_kernel  # head_dim 16 is not compiled
+
+
+def test_native_can_be_switched_off(monkeypatch, tmp_path):
+    monkeypatch.setenv("RADIXSERVE_NATIVE", "0")
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.load_extension("radixserve_cpu_ops", cpu_ops._SOURCE) is None
