@@ -22,6 +22,18 @@ TINY_DEFAULTS = dict(
 )
 
 
+def pytest_sessionstart(session) -> None:
+    """Compile the native CPU kernels once, up front (about a minute each on a fresh machine), so the
+    servers and CLIs that tests start in subprocesses load them from the cache instead of compiling
+    inside their start-up timeouts. A failed build is reported by tests/test_native_cpu_kernels.py."""
+    import torch
+    from radixserve.layers import cpu_ops
+    from radixserve_attention_cpu_batched import backend
+
+    cpu_ops.available(torch.zeros(1, 1))
+    backend.load_kernels()
+
+
 def _perturb_ones_and_zeros(model, seed: int) -> None:
     """HF initialises norms to 1 and biases to 0; randomise them so their loading is tested too."""
     import torch

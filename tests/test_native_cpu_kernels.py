@@ -109,6 +109,8 @@ def test_native_decode_attention_matches_the_sdpa_paths(hq, hkv, d):
         assert backend.uses_native_kernel == (name == "native")
         backend.init_forward_metadata(batch)
         outs[name] = backend.forward_decode(q, k, v, layer, batch)
+        stored_k, stored_v = (buf[0][batch.out_cache_loc] for buf in (batch.kv_pool.k_buffers, batch.kv_pool.v_buffers))
+        assert torch.equal(stored_k, k.view(-1, hkv, d)) and torch.equal(stored_v, v.view(-1, hkv, d))
         # the reference: the torch_native per-request loop on the same pool (k, v already stored)
         ref_backend = CPUBatchedBackend(None)
         super(CPUBatchedBackend, ref_backend).init_forward_metadata(batch)

@@ -2,8 +2,8 @@
 
 Why: the reference backend loops over requests in Python and repeats K/V for every query head
 (GQA); at batch 64 on a 2-core CPU that is a third of a decode step. For fp32 a native kernel
-(csrc/decode_attention.cpp, compiled on first use by `radixserve.native`) reads each request's keys
-and values in place through its slot row, one task per request serving every query head of a KV
+(csrc/decode_attention.cpp, compiled on first use by `radixserve.native`) stores the new token's K/V
+and reads each request's keys and values in place through its slot row, one task per request serving every query head of a KV
 group from one read of the row. Without a compiler (or for other dtypes) decode gathers each
 request's KV into one padded [bs, kv_heads, max_len, head_dim] tensor and runs a single
 scaled_dot_product_attention with the query heads of a KV group as its query rows. Extend
@@ -26,6 +26,11 @@ _SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 NATIVE_HEAD_DIMS = (64, 128, 256)  # the head sizes the kernel is compiled for
 
 
+def load_kernels():
+    """The compiled decode-attention module, or None (no compiler, or RADIXSERVE_NATIVE=0)."""
+    return native.load_extension("radixserve_cpu_decode_attention", _SOURCE)
+
+
 @dataclass
 class _PaddedDecodeMeta:
     slots: torch.Tensor  # [bs, max_len] int64 KV slots; padding points at slot 0 (reserved)
@@ -39,7 +44,7 @@ class CPUBatchedBackend(TorchNativeBackend):
         super().__init__(runner_info)
         self._kernels = None
         if use_native and self._native_applies(runner_info):
-            self._kernels = native.load_extension("radixserve_cpu_decode_attention", _SOURCE)
+            self._kernels = load_kernels()
 
     @staticmethod
     def _native_applies(info) -> bool:
@@ -64,13 +69,14 @@ class CPUBatchedBackend(TorchNativeBackend):
         batch.attn_metadata = _PaddedDecodeMeta(slots=torch.where(valid, slots, 0), mask=valid[:, None, None, :])
 
     def forward_decode(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
-        batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
         if self._kernels is not None:  # fp32 pool and activations (checked at construction)
+            # the kernel stores the new k, v at out_cache_loc itself (what KVPool.set_kv would do)
             return self._kernels.decode_attention(
-                q, k_buf, v_buf, batch.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                layer.scaling,
+                q, k, v, batch.out_cache_loc, k_buf, v_buf, batch.req_to_token_pool.req_to_token,
+                batch.req_pool_indices, batch.seq_lens, layer.scaling,
             )
+        batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         return self._padded_sdpa(q, k_buf, v_buf, layer, batch.attn_metadata)
 
     def _padded_sdpa(self, q, k_buf, v_buf, layer: AttentionLayerSpec, meta: _PaddedDecodeMeta) -> torch.Tensor:

@@ -71,12 +71,17 @@ void attend_request(const float* q, int64_t hq, int64_t hkv, const float* k_buf,
 }
 
 template <int D>
-void run(const torch::Tensor& q, const torch::Tensor& k_buf, const torch::Tensor& v_buf, const torch::Tensor& table,
-         const torch::Tensor& rows, const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
-  const int64_t bs = q.size(0), hkv = k_buf.size(1), hq = q.size(1) / D;
+void run(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new, const torch::Tensor& out_loc,
+         torch::Tensor& k_buf, torch::Tensor& v_buf, const torch::Tensor& table, const torch::Tensor& rows,
+         const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
+  const int64_t bs = q.size(0), hkv = k_buf.size(1), hq = q.size(1) / D, row = hkv * D;
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_buf.data_ptr<float>();
-  const float* vp = v_buf.data_ptr<float>();
+  float* kp = k_buf.data_ptr<float>();
+  float* vp = v_buf.data_ptr<float>();
+  const float* knp = k_new.data_ptr<float>();
+  const float* vnp = v_new.data_ptr<float>();
+  const int64_t* locp = out_loc.data_ptr<int64_t>();
+  const int64_t skn = k_new.stride(0), svn = v_new.stride(0);
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* lp = seq_lens.data_ptr<int64_t>();
@@ -85,6 +90,9 @@ void run(const torch::Tensor& q, const torch::Tensor& k_buf, const torch::Tensor
   at::parallel_for(0, bs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t b = begin; b < end; ++b) {
+      // the new token's K/V first: its slot is this request's own (never a shared prefix slot)
+      std::copy(knp + b * skn, knp + b * skn + row, kp + locp[b] * row);
+      std::copy(vnp + b * svn, vnp + b * svn + row, vp + locp[b] * row);
       attend_request<D>(qp + b * hq * D, hq, hkv, kp, vp, tp + rp[b] * table_stride, lp[b],
                         static_cast<float>(scale), op + b * hq * D, scores);
     }
@@ -93,29 +101,40 @@ void run(const torch::Tensor& q, const torch::Tensor& k_buf, const torch::Tensor
 
 }  // namespace
 
-// q: [bs, num_heads * head_dim] fp32; k_buf, v_buf: [slots, num_kv_heads, head_dim] fp32 contiguous;
-// table: [rows, max_context] int64 slot table; rows, seq_lens: [bs] int64. Returns [bs, num_heads * head_dim].
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor table,
-                               torch::Tensor rows, torch::Tensor seq_lens, double scale) {
+// Stores each request's new k, v ([bs, num_kv_heads * head_dim], rows may be strided) at its slot
+// out_loc[b], then attends. q: [bs, num_heads * head_dim] fp32; k_buf, v_buf: [slots, num_kv_heads,
+// head_dim] fp32 contiguous; table: [rows, max_context] int64 slot table; rows, seq_lens, out_loc: [bs]
+// int64. Returns [bs, num_heads * head_dim].
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor out_loc,
+                               torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor table, torch::Tensor rows,
+                               torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat && k_buf.scalar_type() == torch::kFloat &&
-                  v_buf.scalar_type() == torch::kFloat, "decode_attention: fp32 only");
+                  v_buf.scalar_type() == torch::kFloat && k_new.scalar_type() == torch::kFloat &&
+                  v_new.scalar_type() == torch::kFloat, "decode_attention: fp32 only");
   TORCH_CHECK(table.scalar_type() == torch::kLong && rows.scalar_type() == torch::kLong &&
-                  seq_lens.scalar_type() == torch::kLong, "decode_attention: int64 indices");
+                  seq_lens.scalar_type() == torch::kLong && out_loc.scalar_type() == torch::kLong,
+              "decode_attention: int64 indices");
   TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && table.stride(1) == 1, "decode_attention: layout");
+  const int64_t bs = q.size(0), row_floats = k_buf.size(1) * k_buf.size(2);
+  TORCH_CHECK(rows.numel() == bs && seq_lens.numel() == bs && out_loc.numel() == bs && rows.is_contiguous() &&
+                  seq_lens.is_contiguous() && out_loc.is_contiguous(), "decode_attention: one row, length, slot per request");
+  TORCH_CHECK(k_new.dim() == 2 && v_new.dim() == 2 && k_new.size(0) == bs && v_new.size(0) == bs &&
+                  k_new.size(1) == row_floats && v_new.size(1) == row_floats && k_new.stride(1) == 1 &&
+                  v_new.stride(1) == 1, "decode_attention: new k/v shape");
   q = q.contiguous();
   const int64_t d = k_buf.size(2);
   TORCH_CHECK(q.size(1) % d == 0 && (q.size(1) / d) % k_buf.size(1) == 0 && q.size(1) / d <= 64,
               "decode_attention: head counts");
   auto out = torch::empty_like(q);
   switch (d) {
-    case 64: run<64>(q, k_buf, v_buf, table, rows, seq_lens, scale, out); break;
-    case 128: run<128>(q, k_buf, v_buf, table, rows, seq_lens, scale, out); break;
-    case 256: run<256>(q, k_buf, v_buf, table, rows, seq_lens, scale, out); break;
+    case 64: run<64>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, scale, out); break;
+    case 128: run<128>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, scale, out); break;
+    case 256: run<256>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, scale, out); break;
     default: TORCH_CHECK(false, "decode_attention: head_dim ", d, " not compiled (64, 128, 256)");
   }
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "fp32 decode attention over the token-slot KV pool");
+  m.def("decode_attention", &decode_attention, "store the new K/V, then fp32 decode attention over the KV pool");
 }
