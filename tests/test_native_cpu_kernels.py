@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from radixserve import native
-from radixserve.layers import cpu_ops
+from radixserve.layers import cpu_gemm, cpu_ops
 from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.rotary import RotaryEmbedding
@@ -26,6 +26,22 @@ def test_kernels_build_here():
     assert cpu_ops.available(torch.zeros(1, 4)), "the fused CPU kernels did not build (see the log)"
     assert not cpu_ops.available(torch.zeros(1, 4, dtype=torch.bfloat16))  # fp32 only
     assert not cpu_ops.available(torch.zeros(4, 2).t())  # rows must be contiguous
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 64, 300])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (50, 1536), (24, 7)])
+def test_packed_gemm_matches_f_linear(rows, out_features, in_features):
+    """Full and partial 24-column panels, every remainder of the 4-row microkernel, and row chunks
+    (300 rows of 1536 features do not fit one L2 chunk), with and without bias."""
+    gen = torch.Generator().manual_seed(rows * out_features)
+    weight, bias = torch.randn(out_features, in_features, generator=gen), torch.randn(out_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    packed = cpu_gemm.pack(weight)
+    assert packed is not None and packed.panels is not None, "the native GEMM did not build"
+    for b in (None, bias):
+        torch.testing.assert_close(cpu_gemm.linear(x, weight, packed, b), F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+    strided = torch.randn(rows, 2 * in_features, generator=gen)[:, ::2]
+    torch.testing.assert_close(cpu_gemm.linear(strided, weight, packed), F.linear(strided, weight), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])

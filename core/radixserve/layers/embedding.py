@@ -51,7 +51,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary. With tied embeddings the model points `weight` at the
     embedding's parameter (`tie_to`) instead of loading its own."""
 
-    packed_weight: torch.Tensor | None = None  # oneDNN copy for CPU fp32 (see pack_for_cpu)
+    packed_weight: cpu_gemm.PackedWeight | None = None  # CPU fp32 packed copy (see pack_for_cpu)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight

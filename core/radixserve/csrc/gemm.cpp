@@ -1,0 +1,177 @@
+// fp32 GEMM for batched CPU decode: y[M, N] = x[M, K] @ w[N, K]^T, w packed once into column panels.
+//
+// Why: at decode batch sizes (tens of rows) every step streams all weights from DRAM once; the
+// library GEMMs lose about a third of their in-cache rate to that. Here each thread walks its
+// panels in memory order and prefetches the next panel while the current one is in use, so the
+// FMA units keep fed. Microkernel: 4 rows x 24 columns (12 AVX2 accumulators).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define RS_HAVE_AVX2 1
+#else
+#define RS_HAVE_AVX2 0
+#endif
+
+namespace {
+
+constexpr int64_t kL2Budget = 384 * 1024;  // bytes of x rows kept in L2 per row chunk
+constexpr int64_t NR = 24;  // panel width (3 AVX2 vectors)
+constexpr int64_t MR = 4;   // rows per microkernel call
+constexpr int64_t KC = 192;  // K block: a 192 x 24 panel slice (18 KB) stays in L1 while all rows use it
+
+#if RS_HAVE_AVX2
+// c[rows x 24] = a[rows x K] @ panel[K x 24]; rows <= 4. `next` is prefetched (the following panel).
+// One row's three accumulators; named registers, not an array (GCC spills arrays of vectors).
+struct Row {
+  __m256 c0, c1, c2;
+};
+
+template <int ROWS>
+inline void load_rows(Row* acc, const float* c, int64_t ldc, bool accumulate, int64_t cols) {
+  for (int r = 0; r < ROWS; ++r) {
+    if (accumulate && cols == NR) {
+      acc[r].c0 = _mm256_loadu_ps(c + r * ldc);
+      acc[r].c1 = _mm256_loadu_ps(c + r * ldc + 8);
+      acc[r].c2 = _mm256_loadu_ps(c + r * ldc + 16);
+    } else {
+      acc[r].c0 = acc[r].c1 = acc[r].c2 = _mm256_setzero_ps();
+    }
+  }
+}
+
+// c[rows x 24] (+)= a[rows x K] @ panel[K x 24]; rows <= 4. `next` is prefetched (the following
+// panel slice); accumulate: add to c (a later K block) instead of overwriting it (the first).
+template <int ROWS>
+__attribute__((always_inline)) inline void micro(const float* a, int64_t lda, const float* panel, int64_t K, float* c,
+                                                 int64_t ldc, int64_t cols, const float* next, bool accumulate) {
+  Row acc[ROWS];
+  load_rows<ROWS>(acc, c, ldc, accumulate, cols);
+  __m256 r0a = acc[0].c0, r0b = acc[0].c1, r0c = acc[0].c2;
+  __m256 r1a = ROWS > 1 ? acc[1 % ROWS].c0 : r0a, r1b = ROWS > 1 ? acc[1 % ROWS].c1 : r0a,
+         r1c = ROWS > 1 ? acc[1 % ROWS].c2 : r0a;
+  __m256 r2a = ROWS > 2 ? acc[2 % ROWS].c0 : r0a, r2b = ROWS > 2 ? acc[2 % ROWS].c1 : r0a,
+         r2c = ROWS > 2 ? acc[2 % ROWS].c2 : r0a;
+  __m256 r3a = ROWS > 3 ? acc[3 % ROWS].c0 : r0a, r3b = ROWS > 3 ? acc[3 % ROWS].c1 : r0a,
+         r3c = ROWS > 3 ? acc[3 % ROWS].c2 : r0a;
+  const float *a0 = a, *a1 = a + lda, *a2 = a + 2 * lda, *a3 = a + 3 * lda;
+  for (int64_t k = 0; k < K; ++k) {
+    const float* p = panel + k * NR;
+    if (next != nullptr && (k & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(next + k * NR), _MM_HINT_T0);
+    __m256 b0 = _mm256_loadu_ps(p), b1 = _mm256_loadu_ps(p + 8), b2 = _mm256_loadu_ps(p + 16);
+    // keep the panel vectors in registers: folded into each FMA they would be loaded once per row,
+    // and the load ports, not the FMA units, would bound the loop
+    __asm__("" : "+x"(b0), "+x"(b1), "+x"(b2));
+    __m256 av = _mm256_broadcast_ss(a0 + k);
+    r0a = _mm256_fmadd_ps(av, b0, r0a);
+    r0b = _mm256_fmadd_ps(av, b1, r0b);
+    r0c = _mm256_fmadd_ps(av, b2, r0c);
+    if constexpr (ROWS > 1) {
+      av = _mm256_broadcast_ss(a1 + k);
+      r1a = _mm256_fmadd_ps(av, b0, r1a);
+      r1b = _mm256_fmadd_ps(av, b1, r1b);
+      r1c = _mm256_fmadd_ps(av, b2, r1c);
+    }
+    if constexpr (ROWS > 2) {
+      av = _mm256_broadcast_ss(a2 + k);
+      r2a = _mm256_fmadd_ps(av, b0, r2a);
+      r2b = _mm256_fmadd_ps(av, b1, r2b);
+      r2c = _mm256_fmadd_ps(av, b2, r2c);
+    }
+    if constexpr (ROWS > 3) {
+      av = _mm256_broadcast_ss(a3 + k);
+      r3a = _mm256_fmadd_ps(av, b0, r3a);
+      r3b = _mm256_fmadd_ps(av, b1, r3b);
+      r3c = _mm256_fmadd_ps(av, b2, r3c);
+    }
+  }
+  const __m256 out[4][3] = {{r0a, r0b, r0c}, {r1a, r1b, r1c}, {r2a, r2b, r2c}, {r3a, r3b, r3c}};
+  for (int r = 0; r < ROWS; ++r) {
+    if (cols == NR) {
+      _mm256_storeu_ps(c + r * ldc, out[r][0]);
+      _mm256_storeu_ps(c + r * ldc + 8, out[r][1]);
+      _mm256_storeu_ps(c + r * ldc + 16, out[r][2]);
+    } else {  // the last, partial panel
+      alignas(32) float tmp[NR];
+      _mm256_store_ps(tmp, out[r][0]);
+      _mm256_store_ps(tmp + 8, out[r][1]);
+      _mm256_store_ps(tmp + 16, out[r][2]);
+      for (int64_t j = 0; j < cols; ++j) c[r * ldc + j] = accumulate ? c[r * ldc + j] + tmp[j] : tmp[j];
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+bool available() { return RS_HAVE_AVX2; }
+
+// w [N, K] -> panels [ceil(N / 24), K, 24] (zero-padded columns).
+torch::Tensor pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat, "pack: fp32 [N, K]");
+  w = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + NR - 1) / NR;
+  auto out = torch::zeros({panels, K, NR}, w.options());
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p)
+      for (int64_t j = 0; j < std::min(NR, N - p * NR); ++j)
+        for (int64_t k = 0; k < K; ++k) op[(p * K + k) * NR + j] = wp[(p * NR + j) * K + k];
+  });
+  return out;
+}
+
+// x [M, K] (rows contiguous), panels from `pack`, n = the unpadded N. Returns [M, n].
+torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t n) {
+  TORCH_CHECK(RS_HAVE_AVX2, "gemm: built without AVX2/FMA");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "gemm: x fp32 [M, K]");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(1) == x.size(1) && panels.size(2) == NR && panels.is_contiguous() &&
+                  panels.size(0) == (n + NR - 1) / NR, "gemm: panels do not match x / n");
+  const int64_t M = x.size(0), K = x.size(1), lda = x.stride(0), np = panels.size(0);
+  auto y = torch::empty({M, n}, x.options());
+#if RS_HAVE_AVX2
+  const float* xp = x.data_ptr<float>();
+  const float* pp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // rows in chunks whose x slice stays in L2 (all of a decode batch is one chunk); within a chunk
+  // each thread takes a contiguous run of panels, so its weights stream in memory order
+  const int64_t mc = std::max<int64_t>(MR, (kL2Budget / (K * 4)) / MR * MR);
+  for (int64_t m_begin = 0; m_begin < M; m_begin += mc) {
+  const int64_t m_end = std::min(M, m_begin + mc);
+  at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) {
+      const int64_t cols = std::min(NR, n - p * NR);
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {  // a KC x 24 slice of the panel stays in L1 across the rows
+        const int64_t kc = std::min(KC, K - k0);
+        const float* panel = pp + (p * K + k0) * NR;
+        const float* next = (k0 + KC < K || p + 1 < e) ? panel + kc * NR : nullptr;
+        const float* xk = xp + k0;
+        float* yc = yp + p * NR;
+        const bool acc = k0 > 0;
+        int64_t m = m_begin;
+        for (; m + MR <= m_end; m += MR)
+          micro<4>(xk + m * lda, lda, panel, kc, yc + m * n, n, cols, m == m_begin ? next : nullptr, acc);
+        const float* nx = m == m_begin ? next : nullptr;
+        switch (m_end - m) {
+          case 3: micro<3>(xk + m * lda, lda, panel, kc, yc + m * n, n, cols, nx, acc); break;
+          case 2: micro<2>(xk + m * lda, lda, panel, kc, yc + m * n, n, cols, nx, acc); break;
+          case 1: micro<1>(xk + m * lda, lda, panel, kc, yc + m * n, n, cols, nx, acc); break;
+          default: break;
+        }
+      }
+    }
+  });
+  }
+#endif
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("available", &available, "built with AVX2 + FMA");
+  m.def("pack", &pack, "pack a [N, K] weight into 24-column panels");
+  m.def("linear", &linear, "x @ w^T from packed panels");
+}
