@@ -60,7 +60,10 @@ __attribute__((always_inline)) inline void micro(const float* a, int64_t lda, co
   const float *a0 = a, *a1 = a + lda, *a2 = a + 2 * lda, *a3 = a + 3 * lda;
   for (int64_t k = 0; k < K; ++k) {
     const float* p = panel + k * NR;
-    if (next != nullptr && (k & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(next + k * NR), _MM_HINT_T0);
+    if (next != nullptr) {  // a k row is 96 bytes: two prefetches 64 bytes apart cover every line
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * NR), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * NR + 16), _MM_HINT_T1);
+    }
     __m256 b0 = _mm256_loadu_ps(p), b1 = _mm256_loadu_ps(p + 8), b2 = _mm256_loadu_ps(p + 16);
     // keep the panel vectors in registers: folded into each FMA they would be loaded once per row,
     // and the load ports, not the FMA units, would bound the loop
