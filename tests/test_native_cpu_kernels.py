@@ -144,3 +144,25 @@ def test_native_can_be_switched_off(monkeypatch, tmp_path):
     monkeypatch.setenv("RADIXSERVE_NATIVE", "0")
     monkeypatch.setattr(native, "_loaded", {})
     assert native.load_extension("radixserve_cpu_ops", cpu_ops._SOURCE) is None
+
+
+@pytest.mark.parametrize(("rows", "inter"), [(1, 50), (64, 1536), (300, 72)])
+def test_gate_up_with_silu_in_the_gemm_epilogue(rows, inter):
+    """A [gate; up] projection packed for SiluAndMul gives SiluAndMul(x @ W^T) from one kernel,
+    also where |gate| is large enough that exp(-gate) overflows fp32 (no NaN)."""
+    from radixserve.layers.linear import MergedColumnParallelLinear
+
+    gen = torch.Generator().manual_seed(rows)
+    layer = MergedColumnParallelLinear(40, [inter, inter], fuse_silu_and_mul=True)
+    layer.weight.data.copy_(torch.randn(2 * inter, 40, generator=gen))
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.packed_weight.silu_gated
+    for scale in (1.0, 300.0):
+        x = scale * torch.randn(rows, 40, generator=gen)
+        want = SiluAndMul()(F.linear(x, layer.weight))
+        got = layer.forward_silu_and_mul(x)
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3 * scale)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight))  # the plain forward still works
+    with pytest.raises(ValueError, match="two equal output sizes"):
+        MergedColumnParallelLinear(40, [inter, inter + 1], fuse_silu_and_mul=True)

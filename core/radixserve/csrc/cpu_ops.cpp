@@ -13,6 +13,10 @@
 
 namespace {
 
+// silu(g) = g / (1 + exp(-g)); the exponent is capped below fp32 overflow because -ffast-math
+// assumes finite values (exp(-g) = inf would give NaN); at the cap silu(g) is already ~0.
+constexpr float kExpMax = 88.f;
+
 constexpr int64_t kRowsPerTask = 4;  // rows are small (hidden <= 16k floats): batch a few per task
 
 void check_rows(const torch::Tensor& t, const char* what) {
@@ -82,7 +86,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
       const float *g = xp + i * sx, *u = g + d;
       float* o = op + i * d;
 #pragma omp simd
-      for (int64_t j = 0; j < d; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+      for (int64_t j = 0; j < d; ++j) o[j] = g[j] / (1.f + std::exp(std::min(-g[j], kExpMax))) * u[j];
     }
   });
   return out;

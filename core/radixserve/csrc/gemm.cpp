@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -17,6 +19,10 @@
 #endif
 
 namespace {
+
+// silu(g) = g / (1 + exp(-g)); the exponent is capped below fp32 overflow because -ffast-math
+// assumes finite values (exp(-g) = inf would give NaN); at the cap silu(g) is already ~0.
+constexpr float kExpMax = 88.f;
 
 constexpr int64_t kL2Budget = 384 * 1024;  // bytes of x rows kept in L2 per row chunk
 constexpr int64_t NR = 24;  // panel width (3 AVX2 vectors)
@@ -173,8 +179,75 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t n) {
   return y;
 }
 
+// w [2I, K] = [gate; up] -> panels [2 * ceil(I / 24), K, 24] ordered gate 0, up 0, gate 1, up 1, ...:
+// the thread that owns a column range computes both halves of it (for `linear_silu_mul`).
+torch::Tensor pack_gated(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) % 2 == 0, "pack_gated: [2I, K] weight");
+  const int64_t half = w.size(0) / 2;
+  auto gate = pack(w.narrow(0, 0, half)), up = pack(w.narrow(0, half, half));
+  return torch::stack({gate, up}, 1).reshape({-1, w.size(1), NR});
+}
+
+// silu(x @ gate^T) * (x @ up^T) from `pack_gated` panels; i = the unpadded I. Returns [M, i].
+// Each 24-column pair is computed into a per-thread scratch and activated while it is in L1, so
+// the [M, 2I] pre-activation never goes to memory.
+torch::Tensor linear_silu_mul(torch::Tensor x, torch::Tensor panels, int64_t i) {
+  TORCH_CHECK(RS_HAVE_AVX2, "gemm: built without AVX2/FMA");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "gemm: x fp32 [M, K]");
+  const int64_t pairs = (i + NR - 1) / NR;
+  TORCH_CHECK(panels.dim() == 3 && panels.size(1) == x.size(1) && panels.size(2) == NR && panels.is_contiguous() &&
+                  panels.size(0) == 2 * pairs, "gemm: gated panels do not match x / i");
+  const int64_t M = x.size(0), K = x.size(1), lda = x.stride(0);
+  auto y = torch::empty({M, i}, x.options());
+#if RS_HAVE_AVX2
+  const float* xp = x.data_ptr<float>();
+  const float* pp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t mc = std::max<int64_t>(MR, (kL2Budget / (K * 4)) / MR * MR);
+  for (int64_t m_begin = 0; m_begin < M; m_begin += mc) {
+    const int64_t m_end = std::min(M, m_begin + mc), rows = m_end - m_begin;
+    at::parallel_for(0, pairs, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> scratch(static_cast<size_t>(2 * rows * NR));  // [gate | up] tiles, ld = 2 * 24
+      for (int64_t q = b; q < e; ++q) {
+        for (int half = 0; half < 2; ++half) {
+          const int64_t p = 2 * q + half;
+          float* tile = scratch.data() + half * NR;
+          for (int64_t k0 = 0; k0 < K; k0 += KC) {
+            const int64_t kc = std::min(KC, K - k0);
+            const float* panel = pp + (p * K + k0) * NR;
+            const float* next = (k0 + KC < K || p + 1 < 2 * e) ? panel + kc * NR : nullptr;
+            const float* xk = xp + m_begin * lda + k0;
+            const bool acc = k0 > 0;
+            int64_t m = 0;
+            for (; m + MR <= rows; m += MR)
+              micro<4>(xk + m * lda, lda, panel, kc, tile + m * 2 * NR, 2 * NR, NR, m == 0 ? next : nullptr, acc);
+            switch (rows - m) {
+              case 3: micro<3>(xk + m * lda, lda, panel, kc, tile + m * 2 * NR, 2 * NR, NR, nullptr, acc); break;
+              case 2: micro<2>(xk + m * lda, lda, panel, kc, tile + m * 2 * NR, 2 * NR, NR, nullptr, acc); break;
+              case 1: micro<1>(xk + m * lda, lda, panel, kc, tile + m * 2 * NR, 2 * NR, NR, nullptr, acc); break;
+              default: break;
+            }
+          }
+        }
+        const int64_t cols = std::min(NR, i - q * NR);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* g = scratch.data() + r * 2 * NR;
+          const float* u = g + NR;
+          float* o = yp + (m_begin + r) * i + q * NR;
+#pragma omp simd
+          for (int64_t j = 0; j < cols; ++j) o[j] = g[j] / (1.f + std::exp(std::min(-g[j], kExpMax))) * u[j];
+        }
+      }
+    });
+  }
+#endif
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "built with AVX2 + FMA");
   m.def("pack", &pack, "pack a [N, K] weight into 24-column panels");
   m.def("linear", &linear, "x @ w^T from packed panels");
+  m.def("pack_gated", &pack_gated, "pack a [gate; up] weight into interleaved panel pairs");
+  m.def("linear_silu_mul", &linear_silu_mul, "silu(x @ gate^T) * (x @ up^T) from pack_gated panels");
 }

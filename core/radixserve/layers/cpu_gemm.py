@@ -24,11 +24,14 @@ _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "gemm.cpp"
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A [out, in] fp32 weight in one packed layout: `panels` for the native kernel, or `onednn`."""
+    """A [out, in] fp32 weight in one packed layout: `panels` for the native kernel, or `onednn`.
+    `silu_gated`: the panels interleave a [gate; up] weight for `silu_gated_linear` (out_features
+    is then I, the activation's width); plain `linear` does not read them."""
 
     out_features: int
     panels: torch.Tensor | None = None
     onednn: torch.Tensor | None = None
+    silu_gated: bool = False
 
 
 def _native_gemm():
@@ -49,9 +52,31 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
     return PackedWeight(weight.shape[0], onednn=reorder(weight.detach(), 64))  # 64: batch-size hint
 
 
+def pack_silu_gated(weight: torch.Tensor) -> PackedWeight | None:
+    """For a [gate; up] weight that feeds SiluAndMul: panels for `silu_gated_linear`, or else what
+    `pack` gives (no native kernel)."""
+    gemm = _native_gemm() if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
+    if gemm is None or weight.dim() != 2 or weight.shape[0] % 2:
+        return pack(weight)
+    return PackedWeight(weight.shape[0] // 2, panels=gemm.pack_gated(weight.detach()), silu_gated=True)
+
+
+def _applies(x: torch.Tensor, packed: PackedWeight | None) -> bool:
+    return packed is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu"
+
+
+def silu_gated_linear(x: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor | None:
+    """silu(x @ gate^T) * (x @ up^T) in one kernel (the activation applied in the GEMM epilogue);
+    None when `packed` is not a silu-gated packing or x does not fit the kernel."""
+    if not (_applies(x, packed) and packed.silu_gated):
+        return None
+    return _native_gemm().linear_silu_mul(x if x.stride(1) == 1 else x.contiguous(), packed.panels,
+                                          packed.out_features)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None = None):
     """F.linear(x, weight, bias), through `packed` where it applies."""
-    if packed is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
+    if _applies(x, packed) and not packed.silu_gated:
         if packed.panels is not None:
             y = _native_gemm().linear(x if x.stride(1) == 1 else x.contiguous(), packed.panels, packed.out_features)
             return y if bias is None else y.add_(bias)

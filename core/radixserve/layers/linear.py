@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 
 from radixserve.interfaces.quantization import QuantMethod
+from radixserve.layers import cpu_gemm
+from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.distributed import all_gather_last_dim, all_reduce, divide
 from radixserve.layers.quant_unquantized import UnquantizedMethod
 from radixserve.layers.weight_utils import default_weight_loader, set_weight_attrs
@@ -92,15 +94,30 @@ class ColumnParallelLinear(LinearBase):
         return all_gather_last_dim(y, self.tp_size) if self.gather_output else y
 
 
+_SILU_AND_MUL = SiluAndMul()
+
+
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel matrices fused along the output dim (gate_up: shard ids 0, 1)."""
+    """Several column-parallel matrices fused along the output dim (gate_up: shard ids 0, 1).
+
+    `fuse_silu_and_mul=True` marks a [gate; up] projection whose output always goes through
+    SiluAndMul: quant methods may then pack it so that `forward_silu_and_mul` applies the
+    activation inside the GEMM (the CPU fp32 path does), skipping the [n, 2I] intermediate."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, quant_method=None,
-                 tp_rank: int = 0, tp_size: int = 1, **kw) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, fuse_silu_and_mul: bool = False, **kw) -> None:
+        if fuse_silu_and_mul and (len(output_sizes) != 2 or output_sizes[0] != output_sizes[1]):
+            raise ValueError(f"fuse_silu_and_mul needs two equal output sizes (gate, up), got {output_sizes}")
+        self.fuse_silu_and_mul = fuse_silu_and_mul
         self.full_output_sizes = list(output_sizes)
         local = [divide(s, tp_size) for s in output_sizes]
         super().__init__(input_size, sum(output_sizes), bias, quant_method, tp_rank, tp_size,
                          output_sizes=local, **kw)
+
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this projection: `SiluAndMul()(self(x))`, in one kernel where packed for it."""
+        fused = cpu_gemm.silu_gated_linear(x, getattr(self, "packed_weight", None))
+        return fused if fused is not None else _SILU_AND_MUL(self.forward(x))
 
     def _shard_range(self, shard_id: Any) -> tuple[int, int]:
         idx = int(shard_id)

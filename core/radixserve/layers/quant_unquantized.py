@@ -19,7 +19,11 @@ class UnquantizedMethod(QuantMethod):
         layer.register_parameter("weight", weight)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        layer.packed_weight = cpu_gemm.pack(layer.weight)  # None off CPU fp32
+        # None off CPU fp32; a [gate; up] projection that feeds SiluAndMul gets the fused packing
+        if getattr(layer, "fuse_silu_and_mul", False) and getattr(layer, "bias", None) is None:
+            layer.packed_weight = cpu_gemm.pack_silu_gated(layer.weight)
+        else:
+            layer.packed_weight = cpu_gemm.pack(layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return cpu_gemm.linear(x, layer.weight, getattr(layer, "packed_weight", None), bias)

@@ -10,7 +10,6 @@ import torch
 import torch.nn as nn
 from radixserve.interfaces.model import Model
 from radixserve.interfaces.quantization import QuantMethod
-from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.attention import RadixAttention
 from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -74,14 +73,14 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=bias, quant_method=quant_method
+            config.hidden_size, [config.intermediate_size] * 2, bias=bias, quant_method=quant_method,
+            fuse_silu_and_mul=True,
         )
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
                                            quant_method=quant_method)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):
