@@ -166,3 +166,40 @@ def test_gate_up_with_silu_in_the_gemm_epilogue(rows, inter):
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight))  # the plain forward still works
     with pytest.raises(ValueError, match="two equal output sizes"):
         MergedColumnParallelLinear(40, [inter, inter + 1], fuse_silu_and_mul=True)
+
+
+_GREEDY_SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from radixserve.config import Config
+from radixserve.layers import cpu_gemm
+from radixserve.model_runner import ModelRunner
+from runner_driver import greedy_generate
+cfg = Config.build({{"model": {{"path": {path!r}}}, "runtime": {{"device": "cpu", "dtype": "float32", "num_threads": 1}},
+                    "scheduler": {{"max_total_tokens": 2048, "max_running_requests": 8}}}})
+runner = ModelRunner(cfg, show_progress=False)
+packed = runner.model.model.layers[0].mlp.gate_up_proj.packed_weight
+out = greedy_generate(runner, [[5, 9, 2, 7, 11], [3] * 30, [8, 1]], 12)
+print(json.dumps({{"tokens": [g.tokens for g in out], "native": packed.panels is not None,
+                  "attention_native": runner.attn_backend.uses_native_kernel}}))
+"""
+
+
+def test_outputs_are_the_same_with_the_native_kernels_off(tiny_llama_dir):
+    """RADIXSERVE_NATIVE=0 (the path of a machine without a compiler) gives the same greedy tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = tiny_llama_dir("llama", head_dim=64, num_attention_heads=4, num_key_value_heads=2, hidden_size=128)
+    script = _GREEDY_SCRIPT.format(tests=os.path.dirname(__file__), path=path)
+    runs = {}
+    for flag in ("1", "0"):
+        env = {**os.environ, "RADIXSERVE_NATIVE": flag}
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[flag] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert runs["1"]["native"] and runs["1"]["attention_native"]
+    assert not runs["0"]["native"] and not runs["0"]["attention_native"]
+    assert runs["1"]["tokens"] == runs["0"]["tokens"]
