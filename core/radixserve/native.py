@@ -37,9 +37,21 @@ def cache_root() -> Path:
     return Path(base) / "native"
 
 
+def _cpu_flags() -> bytes:
+    """The CPU's feature flags: -march=native code built on one CPU may not run on another (a home
+    directory shared between machines), so they are part of the cache key."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith((b"flags", b"Features"))), b"")
+    except OSError:
+        return platform.processor().encode()
+
+
 def _build_dir(name: str, source: Path) -> Path:
     key = hashlib.sha256()
-    for part in (source.read_bytes(), torch.__version__.encode(), platform.machine().encode(), " ".join(CFLAGS).encode()):
+    parts = (source.read_bytes(), torch.__version__.encode(), platform.machine().encode(), _cpu_flags(),
+             " ".join(CFLAGS).encode())
+    for part in parts:
         key.update(part)
     return cache_root() / f"{name}-{key.hexdigest()[:16]}"
 
