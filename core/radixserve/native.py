@@ -80,7 +80,9 @@ def _load(name: str, source: Path) -> ModuleType | None:
     if not any(build_dir.glob("*.so")):
         logger.warning("compiling the native CPU kernel %s (first use on this machine, about a minute)", name)
     # the venv's own ninja (the `ninja` requirement) when the venv is not activated
-    os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    venv_bin, path = os.path.dirname(sys.executable), os.environ.get("PATH", "")
+    if venv_bin not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([venv_bin, path])
     try:
         return cpp_extension.load(
             name=name, sources=[str(source)], extra_cflags=list(CFLAGS), build_directory=str(build_dir), verbose=False
