@@ -58,6 +58,17 @@ def test_rmsnorm_matches_torch(rows):
     torch.testing.assert_close(norm(wide), norm._norm(wide), rtol=1e-5, atol=1e-5)
 
 
+def test_argmax_rows_matches_torch_argmax():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 5000, generator=gen)
+    x[2, 10], x[2, 4000] = float("nan"), float("nan")  # the first NaN wins
+    x[3, 7] = float("inf")
+    x[4] = 1.0  # ties: the first index
+    x[5, 4999] = 50.0  # the last column
+    for m in (x, x[:, :777]):  # and strided rows
+        assert torch.equal(cpu_ops.argmax_rows(m), torch.argmax(m, dim=-1))
+
+
 def test_silu_and_mul_matches_torch():
     x = 4 * torch.randn(33, 2 * 80, generator=torch.Generator().manual_seed(0))
     gate, up = x.chunk(2, dim=-1)

@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <cmath>
 #include <tuple>
 
@@ -145,9 +147,51 @@ std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k
   return {q_out, k_out};
 }
 
+namespace {
+
+using bits32 = uint32_t __attribute__((__may_alias__));  // a float's bits, read in place
+
+// NaN tests on the bits: -ffast-math lets the compiler assume x == x.
+inline bool is_nan_bits(uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; }
+
+}  // namespace
+
+// Row-wise argmax of x [rows, cols] as torch.argmax(x, dim=-1): the first index of the largest
+// value, a NaN counting as the largest.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  check_rows(x, "argmax_rows");
+  TORCH_CHECK(x.size(1) > 0, "argmax_rows: empty rows");
+  const int64_t rows = x.size(0), cols = x.size(1), sx = x.stride(0);
+  auto out = torch::empty({rows}, x.options().dtype(torch::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const float* r = xp + i * sx;
+      const bits32* u = reinterpret_cast<const bits32*>(r);
+      float best = r[0];
+      uint32_t nans = 0;
+#pragma omp simd reduction(max : best) reduction(| : nans)
+      for (int64_t j = 0; j < cols; ++j) {
+        best = std::max(best, r[j]);
+        nans |= static_cast<uint32_t>(is_nan_bits(u[j]));
+      }
+      int64_t idx = 0;
+      if (nans) {
+        while (!is_nan_bits(u[idx])) ++idx;  // torch: the first NaN wins
+      } else {
+        while (r[idx] != best) ++idx;
+      }
+      op[i] = idx;
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over rows (fp32)");
   m.def("add_rms_norm", &add_rms_norm, "residual add then RMSNorm (fp32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (fp32)");
+  m.def("argmax_rows", &argmax_rows, "row-wise argmax (fp32), torch.argmax semantics");
   m.def("rotary", &rotary, "neox rotary, rotated copies of q and k (fp32)");
 }

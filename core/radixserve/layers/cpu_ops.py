@@ -1,6 +1,6 @@
 """Fused fp32 CPU kernels for the per-token layers (csrc/cpu_ops.cpp): the CPU counterpart of
 `triton_ops`. RMSNorm (+ residual add), SiLU-and-mul and rotary, each one pass over its rows
-instead of a chain of small torch ops.
+instead of a chain of small torch ops; and the greedy sampler's row-wise argmax (both cores).
 
 The layers call in here when `available(...)` says every tensor is an fp32 CPU matrix with
 contiguous rows and the extension is built (compiled on first use by `radixserve.native`; without
@@ -47,6 +47,11 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] -> silu(gate) * up."""
     return _kernels().silu_and_mul(x)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) for a [rows, cols] matrix (first index of the max; NaN wins)."""
+    return _kernels().argmax_rows(x)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

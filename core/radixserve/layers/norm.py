@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if triton_ops.available(x) and (residual is None or residual.dtype == x.dtype):
             return triton_ops.rmsnorm(x, self.weight, self.eps, residual)
-        if cpu_ops.available(x, self.weight[None], *(() if residual is None else (residual,))):
+        if self.weight.dtype == torch.float32 and cpu_ops.available(x, *(() if residual is None else (residual,))):
             return cpu_ops.rmsnorm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.layers import cpu_ops
 from radixserve.sampling.batch import SamplingBatch
 
 
@@ -49,7 +50,7 @@ class Sampler:
             logits = logits[:, : sb.vocab_size]
         logits = process_logits(logits.float(), sb)
         if sb.is_all_greedy:
-            next_ids = torch.argmax(logits, dim=-1)
+            next_ids = cpu_ops.argmax_rows(logits) if cpu_ops.available(logits) else torch.argmax(logits, dim=-1)
         else:
             next_ids = self._sample_rows(logits, sb)
         if not sb.need_logprobs:
