@@ -112,6 +112,29 @@ __attribute__((always_inline)) inline void micro(const float* a, int64_t lda, co
     }
   }
 }
+
+// c[rows x 24] = x[rows x K] @ one panel [K x 24], K block by K block (each KC x 24 slice stays in
+// L1 while every row uses it); the first rows' pass prefetches the slice after it, or `next_panel`.
+inline void panel_product(const float* x, int64_t lda, int64_t rows, const float* panel, const float* next_panel,
+                          int64_t K, float* c, int64_t ldc, int64_t cols) {
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = std::min(KC, K - k0);
+    const float* slice = panel + k0 * NR;
+    const float* next = k0 + KC < K ? slice + kc * NR : next_panel;
+    const float* xk = x + k0;
+    const bool acc = k0 > 0;
+    int64_t m = 0;
+    for (; m + MR <= rows; m += MR)
+      micro<4>(xk + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, m == 0 ? next : nullptr, acc);
+    const float* nx = m == 0 ? next : nullptr;
+    switch (rows - m) {
+      case 3: micro<3>(xk + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, nx, acc); break;
+      case 2: micro<2>(xk + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, nx, acc); break;
+      case 1: micro<1>(xk + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, nx, acc); break;
+      default: break;
+    }
+  }
+}
 #endif
 
 }  // namespace
@@ -150,30 +173,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t n) {
   // each thread takes a contiguous run of panels, so its weights stream in memory order
   const int64_t mc = std::max<int64_t>(MR, (kL2Budget / (K * 4)) / MR * MR);
   for (int64_t m_begin = 0; m_begin < M; m_begin += mc) {
-  const int64_t m_end = std::min(M, m_begin + mc);
-  at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
-    for (int64_t p = b; p < e; ++p) {
-      const int64_t cols = std::min(NR, n - p * NR);
-      for (int64_t k0 = 0; k0 < K; k0 += KC) {  // a KC x 24 slice of the panel stays in L1 across the rows
-        const int64_t kc = std::min(KC, K - k0);
-        const float* panel = pp + (p * K + k0) * NR;
-        const float* next = (k0 + KC < K || p + 1 < e) ? panel + kc * NR : nullptr;
-        const float* xk = xp + k0;
-        float* yc = yp + p * NR;
-        const bool acc = k0 > 0;
-        int64_t m = m_begin;
-        for (; m + MR <= m_end; m += MR)
-          micro<4>(xk + m * lda, lda, panel, kc, yc + m * n, n, cols, m == m_begin ? next : nullptr, acc);
-        const float* nx = m == m_begin ? next : nullptr;
-        switch (m_end - m) {
-          case 3: micro<3>(xk + m * lda, lda, panel, kc, yc + m * n, n, cols, nx, acc); break;
-          case 2: micro<2>(xk + m * lda, lda, panel, kc, yc + m * n, n, cols, nx, acc); break;
-          case 1: micro<1>(xk + m * lda, lda, panel, kc, yc + m * n, n, cols, nx, acc); break;
-          default: break;
-        }
+    const int64_t rows = std::min(M, m_begin + mc) - m_begin;
+    at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
+      for (int64_t p = b; p < e; ++p) {
+        const float* panel = pp + p * K * NR;
+        panel_product(xp + m_begin * lda, lda, rows, panel, p + 1 < e ? panel + K * NR : nullptr, K,
+                      yp + m_begin * n + p * NR, n, std::min(NR, n - p * NR));
       }
-    }
-  });
+    });
   }
 #endif
   return y;
@@ -209,25 +216,10 @@ torch::Tensor linear_silu_mul(torch::Tensor x, torch::Tensor panels, int64_t i) 
     at::parallel_for(0, pairs, 1, [&](int64_t b, int64_t e) {
       std::vector<float> scratch(static_cast<size_t>(2 * rows * NR));  // [gate | up] tiles, ld = 2 * 24
       for (int64_t q = b; q < e; ++q) {
-        for (int half = 0; half < 2; ++half) {
-          const int64_t p = 2 * q + half;
-          float* tile = scratch.data() + half * NR;
-          for (int64_t k0 = 0; k0 < K; k0 += KC) {
-            const int64_t kc = std::min(KC, K - k0);
-            const float* panel = pp + (p * K + k0) * NR;
-            const float* next = (k0 + KC < K || p + 1 < 2 * e) ? panel + kc * NR : nullptr;
-            const float* xk = xp + m_begin * lda + k0;
-            const bool acc = k0 > 0;
-            int64_t m = 0;
-            for (; m + MR <= rows; m += MR)
-              micro<4>(xk + m * lda, lda, panel, kc, tile + m * 2 * NR, 2 * NR, NR, m == 0 ? next : nullptr, acc);
-            switch (rows - m) {
-              case 3: micro<3>(xk + m * lda, lda, panel, kc, tile + m * 2 * NR, 2 * NR, NR, nullptr, acc); break;
-              case 2: micro<2>(xk + m * lda, lda, panel, kc, tile + m * 2 * NR, 2 * NR, NR, nullptr, acc); break;
-              case 1: micro<1>(xk + m * lda, lda, panel, kc, tile + m * 2 * NR, 2 * NR, NR, nullptr, acc); break;
-              default: break;
-            }
-          }
+        for (int64_t p = 2 * q; p < 2 * q + 2; ++p) {  // gate, then up, into their halves of the scratch
+          const float* panel = pp + p * K * NR;
+          panel_product(xp + m_begin * lda, lda, rows, panel, p + 1 < 2 * e ? panel + K * NR : nullptr, K,
+                        scratch.data() + (p - 2 * q) * NR, 2 * NR, NR);
         }
         const int64_t cols = std::min(NR, i - q * NR);
         for (int64_t r = 0; r < rows; ++r) {
