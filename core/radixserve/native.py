@@ -62,11 +62,12 @@ def load_extension(name: str, source: str | os.PathLike) -> ModuleType | None:
     Compiles on the first call on this machine (logged, about a minute on 2 cores); later calls,
     in this or any process, load the cached library. Safe to call from several processes at once
     (torch's build lock serialises them)."""
+    if name in _loaded:  # the per-call path of the layers: a dict read, no lock
+        return _loaded[name]
     with _lock:
-        if name in _loaded:
-            return _loaded[name]
-        _loaded[name] = module = _load(name, Path(source))
-        return module
+        if name not in _loaded:
+            _loaded[name] = _load(name, Path(source))
+        return _loaded[name]
 
 
 def _load(name: str, source: Path) -> ModuleType | None:

@@ -30,39 +30,20 @@ constexpr int64_t MR = 4;   // rows per microkernel call
 constexpr int64_t KC = 192;  // K block: a 192 x 24 panel slice (18 KB) stays in L1 while all rows use it
 
 #if RS_HAVE_AVX2
-// c[rows x 24] = a[rows x K] @ panel[K x 24]; rows <= 4. `next` is prefetched (the following panel).
-// One row's three accumulators; named registers, not an array (GCC spills arrays of vectors).
-struct Row {
-  __m256 c0, c1, c2;
-};
-
-template <int ROWS>
-inline void load_rows(Row* acc, const float* c, int64_t ldc, bool accumulate, int64_t cols) {
-  for (int r = 0; r < ROWS; ++r) {
-    if (accumulate && cols == NR) {
-      acc[r].c0 = _mm256_loadu_ps(c + r * ldc);
-      acc[r].c1 = _mm256_loadu_ps(c + r * ldc + 8);
-      acc[r].c2 = _mm256_loadu_ps(c + r * ldc + 16);
-    } else {
-      acc[r].c0 = acc[r].c1 = acc[r].c2 = _mm256_setzero_ps();
-    }
-  }
-}
-
 // c[rows x 24] (+)= a[rows x K] @ panel[K x 24]; rows <= 4. `next` is prefetched (the following
 // panel slice); accumulate: add to c (a later K block) instead of overwriting it (the first).
+// The accumulators are named registers, not an array: GCC spills arrays of vectors.
 template <int ROWS>
 __attribute__((always_inline)) inline void micro(const float* a, int64_t lda, const float* panel, int64_t K, float* c,
                                                  int64_t ldc, int64_t cols, const float* next, bool accumulate) {
-  Row acc[ROWS];
-  load_rows<ROWS>(acc, c, ldc, accumulate, cols);
-  __m256 r0a = acc[0].c0, r0b = acc[0].c1, r0c = acc[0].c2;
-  __m256 r1a = ROWS > 1 ? acc[1 % ROWS].c0 : r0a, r1b = ROWS > 1 ? acc[1 % ROWS].c1 : r0a,
-         r1c = ROWS > 1 ? acc[1 % ROWS].c2 : r0a;
-  __m256 r2a = ROWS > 2 ? acc[2 % ROWS].c0 : r0a, r2b = ROWS > 2 ? acc[2 % ROWS].c1 : r0a,
-         r2c = ROWS > 2 ? acc[2 % ROWS].c2 : r0a;
-  __m256 r3a = ROWS > 3 ? acc[3 % ROWS].c0 : r0a, r3b = ROWS > 3 ? acc[3 % ROWS].c1 : r0a,
-         r3c = ROWS > 3 ? acc[3 % ROWS].c2 : r0a;
+  const bool load = accumulate && cols == NR;  // a partial panel adds its earlier blocks at the store
+  auto start = [&](int r, int j) {
+    return r < ROWS && load ? _mm256_loadu_ps(c + r * ldc + 8 * j) : _mm256_setzero_ps();
+  };
+  __m256 r0a = start(0, 0), r0b = start(0, 1), r0c = start(0, 2);
+  __m256 r1a = start(1, 0), r1b = start(1, 1), r1c = start(1, 2);
+  __m256 r2a = start(2, 0), r2b = start(2, 1), r2c = start(2, 2);
+  __m256 r3a = start(3, 0), r3b = start(3, 1), r3c = start(3, 2);
   const float *a0 = a, *a1 = a + lda, *a2 = a + 2 * lda, *a3 = a + 3 * lda;
   for (int64_t k = 0; k < K; ++k) {
     const float* p = panel + k * NR;
@@ -137,6 +118,18 @@ inline void panel_product(const float* x, int64_t lda, int64_t rows, const float
 }
 #endif
 
+// x fp32 [M, K] with contiguous rows, and `num_panels` packed [K, 24] panels for it.
+void check_operands(const torch::Tensor& x, const torch::Tensor& panels, int64_t num_panels) {
+  TORCH_CHECK(RS_HAVE_AVX2, "gemm: built without AVX2/FMA");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "gemm: x fp32 [M, K]");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(1) == x.size(1) && panels.size(2) == NR && panels.is_contiguous() &&
+                  panels.size(0) == num_panels, "gemm: panels do not match x and the output width");
+}
+
+// Rows per chunk: a chunk's x rows stay in L2 while a thread streams its panels past them (all of
+// a decode batch is one chunk).
+int64_t rows_per_chunk(int64_t K) { return std::max<int64_t>(MR, (kL2Budget / (K * 4)) / MR * MR); }
+
 }  // namespace
 
 bool available() { return RS_HAVE_AVX2; }
@@ -159,19 +152,15 @@ torch::Tensor pack(torch::Tensor w) {
 
 // x [M, K] (rows contiguous), panels from `pack`, n = the unpadded N. Returns [M, n].
 torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t n) {
-  TORCH_CHECK(RS_HAVE_AVX2, "gemm: built without AVX2/FMA");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "gemm: x fp32 [M, K]");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(1) == x.size(1) && panels.size(2) == NR && panels.is_contiguous() &&
-                  panels.size(0) == (n + NR - 1) / NR, "gemm: panels do not match x / n");
+  check_operands(x, panels, (n + NR - 1) / NR);
   const int64_t M = x.size(0), K = x.size(1), lda = x.stride(0), np = panels.size(0);
   auto y = torch::empty({M, n}, x.options());
 #if RS_HAVE_AVX2
   const float* xp = x.data_ptr<float>();
   const float* pp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // rows in chunks whose x slice stays in L2 (all of a decode batch is one chunk); within a chunk
-  // each thread takes a contiguous run of panels, so its weights stream in memory order
-  const int64_t mc = std::max<int64_t>(MR, (kL2Budget / (K * 4)) / MR * MR);
+  // within a row chunk each thread takes a contiguous run of panels: its weights stream in memory order
+  const int64_t mc = rows_per_chunk(K);
   for (int64_t m_begin = 0; m_begin < M; m_begin += mc) {
     const int64_t rows = std::min(M, m_begin + mc) - m_begin;
     at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
@@ -199,18 +188,15 @@ torch::Tensor pack_gated(torch::Tensor w) {
 // Each 24-column pair is computed into a per-thread scratch and activated while it is in L1, so
 // the [M, 2I] pre-activation never goes to memory.
 torch::Tensor linear_silu_mul(torch::Tensor x, torch::Tensor panels, int64_t i) {
-  TORCH_CHECK(RS_HAVE_AVX2, "gemm: built without AVX2/FMA");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "gemm: x fp32 [M, K]");
   const int64_t pairs = (i + NR - 1) / NR;
-  TORCH_CHECK(panels.dim() == 3 && panels.size(1) == x.size(1) && panels.size(2) == NR && panels.is_contiguous() &&
-                  panels.size(0) == 2 * pairs, "gemm: gated panels do not match x / i");
+  check_operands(x, panels, 2 * pairs);
   const int64_t M = x.size(0), K = x.size(1), lda = x.stride(0);
   auto y = torch::empty({M, i}, x.options());
 #if RS_HAVE_AVX2
   const float* xp = x.data_ptr<float>();
   const float* pp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t mc = std::max<int64_t>(MR, (kL2Budget / (K * 4)) / MR * MR);
+  const int64_t mc = rows_per_chunk(K);
   for (int64_t m_begin = 0; m_begin < M; m_begin += mc) {
     const int64_t m_end = std::min(M, m_begin + mc), rows = m_end - m_begin;
     at::parallel_for(0, pairs, 1, [&](int64_t b, int64_t e) {

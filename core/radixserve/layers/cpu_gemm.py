@@ -35,7 +35,13 @@ class PackedWeight:
 
 
 def _native_gemm():
-    module = native.load_extension("radixserve_cpu_gemm", _SOURCE)
+    return native.load_extension("radixserve_cpu_gemm", _SOURCE)
+
+
+def _native_gemm_for_packing():
+    """The native module where it can run here (built, and with AVX2); packing decides once, so
+    the per-call paths only meet panels that the kernel can use."""
+    module = _native_gemm()
     return module if module is not None and module.available() else None
 
 
@@ -43,7 +49,7 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
     """The packed copy of a [out, in] fp32 CPU weight; None where packing does not apply."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
         return None
-    gemm = _native_gemm()
+    gemm = _native_gemm_for_packing()
     if gemm is not None:
         return PackedWeight(weight.shape[0], panels=gemm.pack(weight.detach()))
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
@@ -55,7 +61,7 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
 def pack_silu_gated(weight: torch.Tensor) -> PackedWeight | None:
     """For a [gate; up] weight that feeds SiluAndMul: panels for `silu_gated_linear`, or else what
     `pack` gives (no native kernel)."""
-    gemm = _native_gemm() if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
+    gemm = _native_gemm_for_packing() if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
     if gemm is None or weight.dim() != 2 or weight.shape[0] % 2:
         return pack(weight)
     return PackedWeight(weight.shape[0] // 2, panels=gemm.pack_gated(weight.detach()), silu_gated=True)

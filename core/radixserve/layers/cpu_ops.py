@@ -18,14 +18,8 @@ from radixserve import native
 _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_ops.cpp"
 
 
-_module = None  # the loaded extension, kept here so the per-call check is one global read
-
-
 def _kernels():
-    global _module
-    if _module is None:
-        _module = native.load_extension("radixserve_cpu_ops", _SOURCE)
-    return _module
+    return native.load_extension("radixserve_cpu_ops", _SOURCE)
 
 
 def available(*tensors: torch.Tensor) -> bool:
