@@ -28,20 +28,66 @@ def test_kernels_build_here():
     assert not cpu_ops.available(torch.zeros(4, 2).t())  # rows must be contiguous
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 64, 300])
-@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (50, 1536), (24, 7)])
-def test_packed_gemm_matches_f_linear(rows, out_features, in_features):
-    """Full and partial 24-column panels, every remainder of the 4-row microkernel, and row chunks
-    (300 rows of 1536 features do not fit one L2 chunk), with and without bias."""
+def _cpu_has_avx512() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return any(line.startswith("flags") and " avx512f" in line for line in f)
+
+
+# The GEMM builds this machine runs: the default one (AVX-512 where the CPU has it) and, on such a
+# CPU, the AVX2 kernel forced by RS_NO_AVX512, which AVX2-only machines use; CI may be either.
+GEMM_BUILDS = ["default"] + (["avx2"] if _cpu_has_avx512() else [])
+
+
+def _gemm_module(build: str):
+    if build == "default":
+        module = cpu_gemm._native_gemm()
+    else:
+        module = native.load_extension("radixserve_cpu_gemm_avx2", cpu_gemm._SOURCE, defines=("RS_NO_AVX512",))
+    assert module is not None and module.available(), f"the native GEMM ({build}) did not build"
+    return module
+
+
+def test_gemm_builds_have_their_panel_widths():
+    widths = {build: _gemm_module(build).panel_width() for build in GEMM_BUILDS}
+    assert widths == {"default": 48 if _cpu_has_avx512() else 24, **({"avx2": 24} if "avx2" in widths else {})}
+
+
+@pytest.mark.parametrize("build", GEMM_BUILDS)
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    [(r, n, k) for r in (1, 3, 4, 5, 7, 8, 9, 13, 64, 300) for n, k in ((960, 576), (50, 1536), (24, 7))]
+    + [(9, 3000, 2500), (64, 3000, 2500)],
+)
+def test_packed_gemm_matches_f_linear(build, rows, out_features, in_features):
+    """Full and partial panels (24 and 48 columns), every row remainder of the 4- and 8-row
+    microkernels, row chunks (300 rows of 1536 features do not fit one L2 chunk) and K blocks
+    (2500 > both kernels' K block), with and without bias."""
+    gemm = _gemm_module(build)
     gen = torch.Generator().manual_seed(rows * out_features)
     weight, bias = torch.randn(out_features, in_features, generator=gen), torch.randn(out_features, generator=gen)
     x = torch.randn(rows, in_features, generator=gen)
-    packed = cpu_gemm.pack(weight)
-    assert packed is not None and packed.panels is not None, "the native GEMM did not build"
-    for b in (None, bias):
-        torch.testing.assert_close(cpu_gemm.linear(x, weight, packed, b), F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+    panels = gemm.pack(weight)
+    assert panels.shape == (-(-out_features // gemm.panel_width()), in_features, gemm.panel_width())
+    tol = {"rtol": 1e-5, "atol": 1e-4 * max(1.0, in_features / 1000)}
+    torch.testing.assert_close(gemm.linear(x, panels, out_features), F.linear(x, weight), **tol)
     strided = torch.randn(rows, 2 * in_features, generator=gen)[:, ::2]
-    torch.testing.assert_close(cpu_gemm.linear(strided, weight, packed), F.linear(strided, weight), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gemm.linear(strided.contiguous(), panels, out_features), F.linear(strided, weight), **tol)
+    if build == "default":  # the layer-facing wrapper: bias, strided rows
+        packed = cpu_gemm.pack(weight)
+        assert packed is not None and packed.panels is not None
+        for b in (None, bias):
+            torch.testing.assert_close(cpu_gemm.linear(x, weight, packed, b), F.linear(x, weight, b), **tol)
+        torch.testing.assert_close(cpu_gemm.linear(strided, weight, packed), F.linear(strided, weight), **tol)
+
+
+@pytest.mark.parametrize("build", GEMM_BUILDS)
+@pytest.mark.parametrize(("rows", "inter"), [(1, 50), (9, 100), (64, 1536)])
+def test_silu_gated_gemm_matches_torch(build, rows, inter):
+    gemm = _gemm_module(build)
+    gen = torch.Generator().manual_seed(rows + inter)
+    weight, x = torch.randn(2 * inter, 40, generator=gen), torch.randn(rows, 40, generator=gen)
+    want = SiluAndMul()(F.linear(x, weight))
+    torch.testing.assert_close(gemm.linear_silu_mul(x, gemm.pack_gated(weight), inter), want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])

@@ -47,18 +47,20 @@ def _cpu_flags() -> bytes:
         return platform.processor().encode()
 
 
-def _build_dir(name: str, source: Path) -> Path:
+def _build_dir(name: str, source: Path, cflags: tuple[str, ...]) -> Path:
     key = hashlib.sha256()
     parts = (source.read_bytes(), torch.__version__.encode(), platform.machine().encode(), _cpu_flags(),
-             " ".join(CFLAGS).encode())
+             " ".join(cflags).encode())
     for part in parts:
         key.update(part)
     return cache_root() / f"{name}-{key.hexdigest()[:16]}"
 
 
-def load_extension(name: str, source: str | os.PathLike) -> ModuleType | None:
+def load_extension(name: str, source: str | os.PathLike, defines: tuple[str, ...] = ()) -> ModuleType | None:
     """The compiled module for one .cpp file (a pybind11 module named `name`), or None.
 
+    `defines`: preprocessor macros for this build (e.g. a test forcing a fallback code path); a
+    different set needs a different `name`, since a process holds one module per name.
     Compiles on the first call on this machine (logged, about a minute on 2 cores); later calls,
     in this or any process, load the cached library. Safe to call from several processes at once
     (torch's build lock serialises them)."""
@@ -66,17 +68,17 @@ def load_extension(name: str, source: str | os.PathLike) -> ModuleType | None:
         return _loaded[name]
     with _lock:
         if name not in _loaded:
-            _loaded[name] = _load(name, Path(source))
+            _loaded[name] = _load(name, Path(source), CFLAGS + tuple(f"-D{d}" for d in defines))
         return _loaded[name]
 
 
-def _load(name: str, source: Path) -> ModuleType | None:
+def _load(name: str, source: Path, cflags: tuple[str, ...]) -> ModuleType | None:
     if not enabled():
         logger.info("native CPU kernel %s disabled by RADIXSERVE_NATIVE=0", name)
         return None
     from torch.utils import cpp_extension
 
-    build_dir = _build_dir(name, source)
+    build_dir = _build_dir(name, source, cflags)
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
         logger.warning("compiling the native CPU kernel %s (first use on this machine, about a minute)", name)
@@ -86,7 +88,7 @@ def _load(name: str, source: Path) -> ModuleType | None:
         os.environ["PATH"] = os.pathsep.join([venv_bin, path])
     try:
         return cpp_extension.load(
-            name=name, sources=[str(source)], extra_cflags=list(CFLAGS), build_directory=str(build_dir), verbose=False
+            name=name, sources=[str(source)], extra_cflags=list(cflags), build_directory=str(build_dir), verbose=False
         )
     except Exception as e:  # no compiler or ninja: the caller's torch path still works, only slower
         logger.warning("native CPU kernel %s unavailable (%s); using the plain-torch path", name, e)
