@@ -27,11 +27,12 @@ def pytest_sessionstart(session) -> None:
     servers and CLIs that tests start in subprocesses load them from the cache instead of compiling
     inside their start-up timeouts. A failed build is reported by tests/test_native_cpu_kernels.py."""
     import torch
-    from radixserve.layers import cpu_gemm, cpu_ops
+    from radixserve.layers import cpu_gemm, cpu_greedy_head, cpu_ops
     from radixserve_attention_cpu_batched import backend
 
     cpu_ops.available(torch.zeros(1, 1))
     cpu_gemm.pack(torch.zeros(1, 1))
+    cpu_greedy_head.pack(torch.zeros(1, 1))
     backend.load_kernels()
 
 

@@ -15,6 +15,7 @@ from radixserve.layers.logits import select_logit_rows
 from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.memory import KVPool, ReqToTokenPool, TokenAllocator, tokens_for_budget
 from radixserve.model_loader import load_model, open_source
+from radixserve.sampling import SampleOutput, Sampler, SamplingBatch
 from radixserve.state import BatchResult, ForwardBatch, ForwardMode, LaunchedBatch, ScheduledBatch
 from radixserve.tokenizer import eos_token_ids, load_tokenizer
 
@@ -47,17 +48,6 @@ def default_model_path() -> str | None:
         return None
     path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
     return path if os.path.isfile(path) else None
-
-
-def _load_sampler():
-    """The real sampler when core/radixserve/sampling exists, else greedy argmax with the same API."""
-    try:
-        from radixserve.sampling import Sampler, SamplingBatch
-    except ImportError:
-        from radixserve.layers.greedy_sampler import GreedySampler, GreedySamplingBatch
-
-        return GreedySampler(), GreedySamplingBatch
-    return Sampler(), SamplingBatch
 
 
 class ModelRunner:
@@ -102,7 +92,7 @@ class ModelRunner:
         self._tokenizer = None
         self._init_memory()
         self._init_attention()
-        self.sampler, self._sampling_batch_cls = _load_sampler()
+        self.sampler = Sampler()
         self.graph_runner = None
         self.last_run_used_cuda_graph = False
         if self.device.type == "cuda" and rt.cuda_graph:
@@ -250,6 +240,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, sb: ScheduledBatch) -> torch.Tensor:
         """fp32 next-token logits [bs, vocab], one row per request (writes the batch's KV)."""
+        return self._forward(sb, greedy_ids=False)
+
+    def _forward(self, sb: ScheduledBatch, greedy_ids: bool) -> torch.Tensor:
+        """Logits as `forward_logits`; or, when `greedy_ids` and the model offers it, the argmax
+        token ids [bs] straight from the hidden rows (`Model.greedy_token_ids`; int64)."""
         if sb.mode is ForwardMode.DECODE and any(e != 1 for e in sb.extend_lens):
             raise ValueError("DECODE batches must have extend_lens == 1 for every request")
         fb = self.prepare(sb)
@@ -257,8 +252,12 @@ class ModelRunner:
         if self.last_run_used_cuda_graph:
             return self.graph_runner.run(fb)[:, : self.vocab_size]
         self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb)
-        return self.model.compute_logits(select_logit_rows(hidden, fb))[:, : self.vocab_size]
+        hidden = select_logit_rows(self.model(fb.input_ids, fb.positions, fb), fb)
+        if greedy_ids:
+            ids = self.model.greedy_token_ids(hidden, self.vocab_size)
+            if ids is not None:
+                return ids
+        return self.model.compute_logits(hidden)[:, : self.vocab_size]
 
     @torch.inference_mode()
     def run_batch(self, sb: ScheduledBatch) -> BatchResult:
@@ -272,18 +271,23 @@ class ModelRunner:
         if sb.mode is ForwardMode.IDLE or sb.batch_size == 0:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return LaunchedBatch(empty, lambda: BatchResult(next_token_ids=[]))
-        logits = self.forward_logits(sb)
         mask = list(sb.sample_mask) or [True] * sb.batch_size
         keep = [i for i, m in enumerate(mask) if m]
         if not keep:
+            self.forward_logits(sb)  # an intermediate prefill chunk: its KV only
             none = BatchResult(next_token_ids=[None] * sb.batch_size)
             return LaunchedBatch(torch.zeros(sb.batch_size, dtype=torch.int64, device=self.device), lambda: none)
         reqs = [sb.reqs[i] for i in keep]
+        sampling = SamplingBatch.from_reqs(reqs, self.vocab_size, self.device)
+        logits = self._forward(sb, greedy_ids=sampling.is_plain_greedy)
         keep_dev = None  # rows to sample when some are intermediate prefill chunks
         if len(keep) != sb.batch_size:
             keep_dev = torch.tensor(keep).to(self.device, non_blocking=True)  # never a blocking copy: overlap
             logits = logits[keep_dev]
-        out = self.sampler.sample(logits, self._sampling_batch_cls.from_reqs(reqs, self.vocab_size, self.device))
+        if logits.dim() == 1:  # the model's greedy ids (see _forward)
+            out = SampleOutput(next_token_ids=logits)
+        else:
+            out = self.sampler.sample(logits, sampling)
         token_ids = out.next_token_ids
         if keep_dev is not None:
             token_ids = torch.zeros(sb.batch_size, dtype=torch.int64, device=self.device)

@@ -47,6 +47,17 @@ class Model(nn.Module, abc.ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the given hidden rows."""
 
+    def greedy_token_ids(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """Optional fast path for greedy sampling: int64 [rows], for each hidden row the argmax of
+        `compute_logits(hidden)[:, :vocab_size]` (first index on ties, as torch.argmax), computed
+        without materialising the logits; or None to let the runner compute the logits (the
+        default). The runner only asks when nothing else reads the logits (every row greedy, no
+        logprobs, penalties, logit bias or banned tokens).
+
+        Added in plugin API 1.1.
+        """
+        return None
+
     @abc.abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named weights; return the names of parameters that received data."""

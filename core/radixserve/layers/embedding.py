@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from radixserve.layers import cpu_gemm
+from radixserve.layers import cpu_gemm, cpu_greedy_head
 from radixserve.layers.distributed import all_gather_last_dim, all_reduce
 from radixserve.layers.weight_utils import set_weight_attrs
 
@@ -52,6 +52,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     embedding's parameter (`tie_to`) instead of loading its own."""
 
     packed_weight: cpu_gemm.PackedWeight | None = None  # CPU fp32 packed copy (see pack_for_cpu)
+    greedy_head: cpu_greedy_head.GreedyHead | None = None  # CPU bf16 screening copy (see pack_for_cpu)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
@@ -59,12 +60,21 @@ class ParallelLMHead(VocabParallelEmbedding):
     def pack_for_cpu(self) -> None:
         """Called once after loading (also when tied: the packed copy is the head's own)."""
         self.packed_weight = cpu_gemm.pack(self.weight)
+        if self.tp_size == 1:  # the screen needs the whole vocabulary in one process
+            self.greedy_head = cpu_greedy_head.pack(self.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [rows, vocab]."""
         logits = cpu_gemm.linear(hidden, self.weight, self.packed_weight)
         logits = all_gather_last_dim(logits, self.tp_size)[..., : self.num_embeddings]
         return logits.float()
+
+    def greedy_token_ids(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """argmax of `compute_logits(hidden)[:, :vocab_size]` per row without the logits, where the
+        CPU screen applies (see cpu_greedy_head); None otherwise."""
+        if self.greedy_head is None or vocab_size != self.weight.shape[0]:
+            return None
+        return cpu_greedy_head.argmax(hidden, self.weight, self.greedy_head)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is not an embedding; call compute_logits(hidden)")

@@ -67,6 +67,19 @@ class SamplingBatch:
     def need_logprobs(self) -> bool:
         return self.return_logprob is not None and any(self.return_logprob)
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Every row is the argmax of the raw logits: all greedy, and nothing else reads or changes
+        the logits (no logprobs, penalties, logit bias or banned stop tokens)."""
+        return (
+            self.is_all_greedy
+            and not self.need_logprobs
+            and self.repetition_penalties is None
+            and self.frequency_penalties is None
+            and self.logit_bias is None
+            and self.stop_suppress_mask is None
+        )
+
     @classmethod
     def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device | str) -> SamplingBatch:
         """Pack the sampling parameters of `reqs` (one row each, same order) for logits of width `vocab_size`."""

@@ -1,0 +1,270 @@
+// Exact greedy decoding through an output projection, screened in bf16 (CPU, AVX-512 BF16).
+//
+// Why: for greedy rows only argmax_v(x . w_v) is needed, not the logits. A bf16 pass over the
+// weight (vdpbf16ps: twice the fp32 FMA rate, half the bytes) gives every logit to within a
+// proven bound; only the few vocabulary rows whose interval can still hold the maximum are then
+// computed in fp32. The answer is the fp32 argmax (first index of the largest fp32 logit), the
+// same token the fp32 logits give up to their own rounding; no logit is approximated in it.
+//
+// The bound: bf16 rounding of x and w (unit roundoff u = 2^-8) moves each product by at most
+// (2u + u^2) |x_k w_k|; fp32 accumulation of K terms adds at most gamma_K sum |x_k w_k| to the
+// bf16 sum and to the fp32 logit each, and sum_k |x_k w_k| <= ||x|| ||w_v|| (Cauchy-Schwarz).
+// Denormals flushed by vdpbf16ps change a sum by less than K * 2^-126 * max|.|: the absolute term.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define RS_HAVE_BF16_SCREEN 1
+#else
+#define RS_HAVE_BF16_SCREEN 0
+#endif
+
+namespace {
+
+constexpr int64_t NR = 48;  // vocabulary rows per panel (3 vectors of 16 fp32 results)
+constexpr int64_t MR = 8;   // hidden rows per microkernel call
+constexpr double kUnitRoundoffBf16 = 1.0 / 256;
+constexpr double kUnitRoundoffFp32 = 1.0 / (1 << 24);
+constexpr float kAbsoluteSlack = 1e-30f;
+constexpr float kRoundingSlack = 4.f / (1 << 24);
+
+// -ffast-math lets the compiler assume finite values, so the checks look at the bits.
+inline uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline bool finite_bits(float f) { return (bits(f) & 0x7f800000u) != 0x7f800000u; }
+inline bool nan_bits(float f) { return (bits(f) & 0x7fffffffu) > 0x7f800000u; }
+
+inline uint16_t to_bf16(float f) {  // round to nearest even (the inputs here are finite)
+  const uint32_t u = bits(f);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The relative part of the bound for K-term dot products (see the top of the file), with 1% slack.
+double relative_bound(int64_t K) {
+  const double n = static_cast<double>(K + 2) * kUnitRoundoffFp32;
+  const double gamma = n / (1.0 - n);
+  const double u = kUnitRoundoffBf16;
+  return 1.01 * ((2 * u + u * u) * (1 + gamma) + 2 * gamma);
+}
+
+// ||r|| in double, rounded up to the next float: the bound may only grow.
+float norm_up(const float* r, int64_t n) {
+  double ss = 0;
+  for (int64_t j = 0; j < n; ++j) ss += static_cast<double>(r[j]) * r[j];
+  return std::nextafter(static_cast<float>(std::sqrt(ss)), INFINITY);
+}
+
+float dot_fp32(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < n; ++j) acc += a[j] * b[j];
+  return acc;
+}
+
+// torch.argmax over the full fp32 logits of one row (the first NaN wins, else the first maximum).
+int64_t exact_argmax(const float* x, const float* w, int64_t n, int64_t K) {
+  int64_t best_i = 0;
+  float best = -INFINITY;
+  for (int64_t v = 0; v < n; ++v) {
+    const float e = dot_fp32(x, w + v * K, K);
+    if (nan_bits(e)) return v;
+    if (v == 0 || e > best) best = e, best_i = v;
+  }
+  return best_i;
+}
+
+#if RS_HAVE_BF16_SCREEN
+// c[rows x 48] = a[rows x K2 bf16 pairs] @ panel[K2 x 48 x 2 bf16]; rows <= 8; `next` (the
+// following panel) is prefetched into L2.
+template <int ROWS>
+__attribute__((always_inline)) inline void micro_bf16(const uint32_t* a, int64_t lda, const uint16_t* panel,
+                                                      int64_t K2, float* c, int64_t ldc, int64_t cols,
+                                                      const uint16_t* next) {
+  __m512 acc[ROWS][3];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 3
+    for (int j = 0; j < 3; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    const uint16_t* p = panel + k * NR * 2;
+    if (next != nullptr) {  // a k row is 192 bytes: three lines
+      const char* q = reinterpret_cast<const char*>(next + k * NR * 2);
+      _mm_prefetch(q, _MM_HINT_T1);
+      _mm_prefetch(q + 64, _MM_HINT_T1);
+      _mm_prefetch(q + 128, _MM_HINT_T1);
+    }
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(p), b1 = (__m512bh)_mm512_loadu_si512(p + 32),
+                   b2 = (__m512bh)_mm512_loadu_si512(p + 64);
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * lda + k]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], av, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], av, b1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], av, b2);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) {
+    alignas(64) float tmp[NR];
+    _mm512_store_ps(tmp, acc[r][0]);
+    _mm512_store_ps(tmp + 16, acc[r][1]);
+    _mm512_store_ps(tmp + 32, acc[r][2]);
+    std::copy(tmp, tmp + cols, c + r * ldc);
+  }
+}
+
+void panel_bf16(const uint32_t* a, int64_t lda, int64_t rows, const uint16_t* panel, const uint16_t* next, int64_t K2,
+                float* c, int64_t ldc, int64_t cols) {
+  int64_t m = 0;
+  for (; m + MR <= rows; m += MR) micro_bf16<MR>(a + m * lda, lda, panel, K2, c + m * ldc, ldc, cols, m == 0 ? next : nullptr);
+  const uint16_t* nx = m == 0 ? next : nullptr;
+  switch (rows - m) {
+    case 7: micro_bf16<7>(a + m * lda, lda, panel, K2, c + m * ldc, ldc, cols, nx); break;
+    case 6: micro_bf16<6>(a + m * lda, lda, panel, K2, c + m * ldc, ldc, cols, nx); break;
+    case 5: micro_bf16<5>(a + m * lda, lda, panel, K2, c + m * ldc, ldc, cols, nx); break;
+    case 4: micro_bf16<4>(a + m * lda, lda, panel, K2, c + m * ldc, ldc, cols, nx); break;
+    case 3: micro_bf16<3>(a + m * lda, lda, panel, K2, c + m * ldc, ldc, cols, nx); break;
+    case 2: micro_bf16<2>(a + m * lda, lda, panel, K2, c + m * ldc, ldc, cols, nx); break;
+    case 1: micro_bf16<1>(a + m * lda, lda, panel, K2, c + m * ldc, ldc, cols, nx); break;
+    default: break;
+  }
+}
+#endif
+
+}  // namespace
+
+bool available() { return RS_HAVE_BF16_SCREEN; }
+
+// w [N, K] fp32 -> (panels [ceil(N / 48), ceil(K / 2), 48, 2] bf16 as int16, norms [N] fp32):
+// panel element (p, k2, j, e) = bf16(w[48 p + j, 2 k2 + e]), zero past the ends; norms rounded up.
+std::tuple<torch::Tensor, torch::Tensor> pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat, "greedy_head.pack: fp32 [N, K]");
+  w = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), K2 = (K + 1) / 2, np = (N + NR - 1) / NR;
+  const float* wp = w.data_ptr<float>();
+  for (int64_t i = 0; i < N * K; ++i) TORCH_CHECK(finite_bits(wp[i]), "greedy_head.pack: non-finite weight");
+  auto panels = torch::zeros({np, K2, NR, 2}, w.options().dtype(torch::kShort));
+  auto norms = torch::empty({N}, w.options());
+  auto* pp = reinterpret_cast<uint16_t*>(panels.data_ptr<int16_t>());
+  float* np_ = norms.data_ptr<float>();
+  at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p)
+      for (int64_t j = 0; j < std::min(NR, N - p * NR); ++j) {
+        const float* row = wp + (p * NR + j) * K;
+        np_[p * NR + j] = norm_up(row, K);
+        for (int64_t k = 0; k < K; ++k) pp[((p * K2 + k / 2) * NR + j) * 2 + k % 2] = to_bf16(row[k]);
+      }
+  });
+  return {panels, norms};
+}
+
+// For each row of x [M, K]: argmax over v < n of the fp32 logit x . w[v] (w [n, K] fp32, the
+// weight `pack` saw), first index on ties; rows holding a non-finite value get torch.argmax's answer
+// from a full fp32 pass. Returns int64 [M].
+torch::Tensor argmax(torch::Tensor x, torch::Tensor panels, torch::Tensor norms, torch::Tensor w) {
+  TORCH_CHECK(RS_HAVE_BF16_SCREEN, "greedy_head: built without AVX-512 BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "greedy_head: x fp32 [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat && w.is_contiguous() && w.size(1) == x.size(1),
+              "greedy_head: w fp32 [n, K], contiguous");
+  const int64_t M = x.size(0), K = x.size(1), K2 = (K + 1) / 2, n = w.size(0), np = (n + NR - 1) / NR;
+  TORCH_CHECK(panels.dim() == 4 && panels.size(0) == np && panels.size(1) == K2 && panels.size(2) == NR &&
+                  panels.size(3) == 2 && panels.is_contiguous() && panels.scalar_type() == torch::kShort,
+              "greedy_head: panels do not match w");
+  TORCH_CHECK(norms.numel() == n && norms.is_contiguous() && norms.scalar_type() == torch::kFloat,
+              "greedy_head: norms do not match w");
+  auto out = torch::empty({M}, x.options().dtype(torch::kLong));
+#if RS_HAVE_BF16_SCREEN
+  const float* xp = x.data_ptr<float>();
+  const int64_t lda = x.stride(0);
+  const float* wp = w.data_ptr<float>();
+  const auto* pp = reinterpret_cast<const uint16_t*>(panels.data_ptr<int16_t>());
+  const float* wn = norms.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  // x as bf16 pairs, and which rows can be screened (all finite)
+  std::vector<uint32_t> xb(static_cast<size_t>(M * K2));
+  std::vector<float> xn(static_cast<size_t>(M));
+  std::vector<char> finite(static_cast<size_t>(M));
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = xp + m * lda;
+    bool ok = true;
+    for (int64_t k = 0; k < K; ++k) ok = ok && finite_bits(r[k]);
+    finite[m] = ok;
+    xn[m] = ok ? norm_up(r, K) : 0.f;
+    for (int64_t k2 = 0; k2 < K2; ++k2) {
+      const uint32_t lo = ok ? to_bf16(r[2 * k2]) : 0u, hi = ok && 2 * k2 + 1 < K ? to_bf16(r[2 * k2 + 1]) : 0u;
+      xb[m * K2 + k2] = lo | (hi << 16);
+    }
+  }
+  // approximate logits, panel by panel (each thread streams a contiguous run of panels)
+  auto approx_t = torch::empty({M, n}, x.options());
+  float* approx = approx_t.data_ptr<float>();
+  at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) {
+      const uint16_t* panel = pp + p * K2 * NR * 2;
+      panel_bf16(xb.data(), K2, M, panel, p + 1 < e ? panel + K2 * NR * 2 : nullptr, K2, approx + p * NR, n,
+                 std::min(NR, n - p * NR));
+    }
+  });
+  const float rel = static_cast<float>(relative_bound(K));
+  at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) {
+      const float* xm = xp + m * lda;
+      if (!finite[m]) {
+        op[m] = exact_argmax(xm, wp, n, K);
+        continue;
+      }
+      const float* a = approx + m * n;
+      const float scale = rel * xn[m];
+      // |a[v] - logit v| <= bound(v) = scale * ||w_v|| + |a[v]| * kRoundingSlack + kAbsoluteSlack
+      // (the |a| term covers the rounding of a[v] -/+ bound itself), 16 vocabulary rows at a time
+      const __m512 vscale = _mm512_set1_ps(scale), vround = _mm512_set1_ps(kRoundingSlack),
+                   vabs = _mm512_set1_ps(kAbsoluteSlack);
+      auto bound = [&](__m512 av, __m512 wv) {
+        return _mm512_fmadd_ps(vscale, wv, _mm512_fmadd_ps(_mm512_abs_ps(av), vround, vabs));
+      };
+      auto tail = [&](int64_t v) { return v + 16 <= n ? __mmask16(0xffff) : __mmask16((1u << (n - v)) - 1); };
+      __m512 vlower = _mm512_set1_ps(-INFINITY);  // the maximum logit is at least every a - bound
+      for (int64_t v = 0; v < n; v += 16) {
+        const __mmask16 k = tail(v);
+        const __m512 av = _mm512_maskz_loadu_ps(k, a + v), wv = _mm512_maskz_loadu_ps(k, wn + v);
+        vlower = _mm512_mask_max_ps(vlower, k, vlower, _mm512_sub_ps(av, bound(av, wv)));
+      }
+      const float lower = _mm512_reduce_max_ps(vlower);
+      const __m512 vlow = _mm512_set1_ps(lower);
+      int64_t best_i = -1;
+      float best = 0.f;
+      bool exact_ok = finite_bits(lower);
+      for (int64_t v = 0; v < n && exact_ok; v += 16) {
+        const __mmask16 k = tail(v);
+        const __m512 av = _mm512_maskz_loadu_ps(k, a + v), wv = _mm512_maskz_loadu_ps(k, wn + v);
+        // rows whose upper bound reaches `lower` can still be the maximum: compute them in fp32
+        uint32_t cand = _mm512_mask_cmp_ps_mask(k, _mm512_add_ps(av, bound(av, wv)), vlow, _CMP_GE_OQ);
+        for (; cand != 0 && exact_ok; cand &= cand - 1) {
+          const int64_t c = v + __builtin_ctz(cand);
+          const float logit = dot_fp32(xm, wp + c * K, K);
+          exact_ok = finite_bits(logit);
+          if (best_i < 0 || logit > best) best = logit, best_i = c;
+        }
+      }
+      op[m] = exact_ok && best_i >= 0 ? best_i : exact_argmax(xm, wp, n, K);
+    }
+  });
+#endif
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("available", &available, "built with AVX-512 BF16");
+  m.def("pack", &pack, "bf16 panels and row norms of an fp32 [N, K] output projection");
+  m.def("argmax", &argmax, "exact fp32 argmax of x @ w^T per row, screened by a bf16 pass");
+}
