@@ -192,6 +192,37 @@ def test_native_decode_attention_matches_the_sdpa_paths(hq, hkv, d):
     torch.testing.assert_close(outs["padded"], outs["reference"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
+def test_native_extend_attention_matches_the_reference(hq, hkv, d):
+    """Prefill with and without a cached prefix, extends longer than one 16-query block, and one
+    past NATIVE_MAX_EXTEND (which must take the reference path), against torch_native's loop."""
+    from radixserve_attention_cpu_batched.backend import NATIVE_MAX_EXTEND
+
+    gen = torch.Generator().manual_seed(hq + d)
+    for prefix_lens, extend_lens in (([0, 7, 0, 40], [5, 1, 33, 17]), ([3], [NATIVE_MAX_EXTEND + 1])):
+        lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+        backend, batch, *_ = _decode_batch(lambda info: CPUBatchedBackend(info), lens, hq, hkv, d, seed=hq * d)
+        assert backend.uses_native_kernel
+        rows = batch.req_pool_indices.tolist()
+        loc = torch.cat([batch.req_to_token_pool.read(r, n)[p:] for r, n, p in zip(rows, lens, prefix_lens, strict=True)])
+        n = sum(extend_lens)
+        batch.mode, batch.out_cache_loc = ForwardMode.EXTEND, loc
+        batch.prefix_lens, batch.prefix_lens_cpu = torch.tensor(prefix_lens), list(prefix_lens)
+        batch.extend_lens, batch.extend_lens_cpu = torch.tensor(extend_lens), list(extend_lens)
+        q = torch.randn(n, hq * d, generator=gen)
+        k, v = torch.randn(n, hkv * d, generator=gen), torch.randn(n, hkv * d, generator=gen)
+        layer = SimpleNamespace(layer_id=0, num_heads=hq, num_kv_heads=hkv, head_dim=d, scaling=d**-0.5)
+        backend.init_forward_metadata(batch)
+        assert (batch.attn_metadata is not None and not isinstance(batch.attn_metadata, list)) == (
+            max(extend_lens) <= NATIVE_MAX_EXTEND), "the native path applies exactly up to NATIVE_MAX_EXTEND"
+        got = backend.forward_extend(q, k, v, layer, batch)
+        stored_k, stored_v = (buf[0][loc] for buf in (batch.kv_pool.k_buffers, batch.kv_pool.v_buffers))
+        assert torch.equal(stored_k, k.view(-1, hkv, d)) and torch.equal(stored_v, v.view(-1, hkv, d))
+        ref_backend = CPUBatchedBackend(None)
+        super(CPUBatchedBackend, ref_backend).init_forward_metadata(batch)
+        torch.testing.assert_close(got, ref_backend._attend(q, k, v, layer, batch), rtol=1e-4, atol=1e-5)
+
+
 def test_native_kernel_is_skipped_where_it_does_not_apply():
     backend, *_ = _decode_batch(lambda info: CPUBatchedBackend(info), [3], 4, 2, 16, seed=0)
     assert not backend.uses_native_kernel  # head_dim 16 is not compiled

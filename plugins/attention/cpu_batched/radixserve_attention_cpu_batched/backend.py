@@ -1,13 +1,16 @@
-"""cpu_batched: decode attention for the whole batch in one call.
+"""cpu_batched: attention for the whole batch in one call per layer.
 
 Why: the reference backend loops over requests in Python and repeats K/V for every query head
 (GQA); at batch 64 on a 2-core CPU that is a third of a decode step. For fp32 a native kernel
-(csrc/decode_attention.cpp, compiled on first use by `radixserve.native`) stores the new token's K/V
-and reads each request's keys and values in place through its slot row, one task per request serving every query head of a KV
-group from one read of the row. Without a compiler (or for other dtypes) decode gathers each
-request's KV into one padded [bs, kv_heads, max_len, head_dim] tensor and runs a single
-scaled_dot_product_attention with the query heads of a KV group as its query rows. Extend
-(prefill, mixed) batches use the reference per-request path.
+(csrc/attention.cpp, compiled on first use by `radixserve.native`) stores the new tokens' K/V and
+reads each request's keys and values in place through its slot row, serving every query head of a
+KV group (and, in extend, a block of up to 16 of the request's new tokens) from one read of each
+row. Extend batches go through it when every request adds at most NATIVE_MAX_EXTEND tokens (the
+short prompts and suffixes after a prefix-cache hit of a serving load); longer ones take the
+reference path, whose SDPA does the quadratic work faster. Without a compiler (or for other
+dtypes) decode gathers each request's KV into one padded [bs, kv_heads, max_len, head_dim] tensor
+and runs a single scaled_dot_product_attention with the query heads of a KV group as its query
+rows, and extend uses the reference path.
 """
 
 from __future__ import annotations
@@ -22,13 +25,19 @@ from radixserve.interfaces.attention import AttentionLayerSpec
 from radixserve.state import ForwardBatch, ForwardMode
 from radixserve_attention_torch_native.backend import TorchNativeBackend
 
-_SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+_SOURCE = Path(__file__).parent / "csrc" / "attention.cpp"
 NATIVE_HEAD_DIMS = (64, 128, 256)  # the head sizes the kernel is compiled for
+NATIVE_MAX_EXTEND = 256  # longest per-request extend the native kernel takes (see the docstring)
 
 
 def load_kernels():
-    """The compiled decode-attention module, or None (no compiler, or RADIXSERVE_NATIVE=0)."""
-    return native.load_extension("radixserve_cpu_decode_attention", _SOURCE)
+    """The compiled attention module, or None (no compiler, or RADIXSERVE_NATIVE=0)."""
+    return native.load_extension("radixserve_cpu_attention", _SOURCE)
+
+
+@dataclass
+class _NativeExtendMeta:
+    extend_lens: torch.Tensor  # [bs] int64 CPU: new tokens per request, packed in request order
 
 
 @dataclass
@@ -57,7 +66,10 @@ class CPUBatchedBackend(TorchNativeBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode is not ForwardMode.DECODE:
-            super().init_forward_metadata(batch)
+            if self._kernels is not None and max(batch.extend_lens_cpu) <= NATIVE_MAX_EXTEND:
+                batch.attn_metadata = _NativeExtendMeta(extend_lens=batch.extend_lens.to("cpu", torch.int64))
+            else:
+                super().init_forward_metadata(batch)
             return
         if self._kernels is not None:
             batch.attn_metadata = None  # the kernel reads the slot table itself
@@ -67,6 +79,17 @@ class CPUBatchedBackend(TorchNativeBackend):
         slots = table[batch.req_pool_indices, :max_len]
         valid = torch.arange(max_len, device=table.device)[None, :] < batch.seq_lens[:, None].to(table.device)
         batch.attn_metadata = _PaddedDecodeMeta(slots=torch.where(valid, slots, 0), mask=valid[:, None, None, :])
+
+    def forward_extend(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+        meta = batch.attn_metadata
+        if not isinstance(meta, _NativeExtendMeta):
+            return super().forward_extend(q, k, v, layer, batch)
+        k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        # the kernel stores the new k, v at out_cache_loc itself (what KVPool.set_kv would do)
+        return self._kernels.extend_attention(
+            q, k, v, batch.out_cache_loc, k_buf, v_buf, batch.req_to_token_pool.req_to_token,
+            batch.req_pool_indices, batch.seq_lens, meta.extend_lens, layer.scaling,
+        )
 
     def forward_decode(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)

@@ -1,0 +1,238 @@
+// Decode and extend attention straight from the token-slot KV pool (fp32, CPU).
+//
+// Why: the torch path gathers every request's K and V into a padded tensor each layer and then runs
+// SDPA over it; at batch 64 that copy and SDPA's per-(request, head) set-up cost more than the math.
+// Here each (request, KV head) task reads its keys and values in place through the request's slot
+// row and serves all query heads of its GQA group with one pass over them.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPrefetchAhead = 8;  // slots: far enough to hide a DRAM miss, near enough to stay cached
+
+inline void prefetch_row(const float* row, int64_t floats) {
+  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i, 0, 1);
+}
+
+// One request's queries i = 0..nq-1 (rows q + i * q_stride), every query head of each: query i
+// attends causally over the first first_len + i keys at `slots` (decode: nq = 1, first_len = the
+// sequence length). The query heads of a KV head's group share its keys; each key and value row
+// is read once for all queries and heads (whole rows, in slot order, prefetched ahead).
+template <int D>
+void attend_queries(const float* q, int64_t q_stride, int64_t nq, int64_t hq, int64_t hkv, const float* k_buf,
+                    const float* v_buf, const int64_t* slots, int64_t first_len, float scale, float* out,
+                    int64_t out_stride, std::vector<float>& scores) {
+  const int64_t group = hq / hkv, row = hkv * D, len = first_len + nq - 1;
+  scores.resize(static_cast<size_t>(nq * hq * len));
+  float* s = scores.data();  // s[(i * hq + h) * len + t]
+  // key t is seen by queries i >= t - first_len + 1
+  auto first_query = [&](int64_t t) { return std::max<int64_t>(0, t - first_len + 1); };
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetchAhead < len) prefetch_row(k_buf + slots[t + kPrefetchAhead] * row, row);
+    const float* k_row = k_buf + slots[t] * row;
+    for (int64_t i = first_query(t); i < nq; ++i) {
+      const float* qi = q + i * q_stride;
+      const float* k = k_row;
+      for (int64_t g = 0; g < hkv; ++g, k += D) {
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+          const float* qh = qi + h * D;
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int j = 0; j < D; ++j) acc += qh[j] * k[j];
+          s[(i * hq + h) * len + t] = acc * scale;
+        }
+      }
+    }
+  }
+  std::vector<float> inv_sum(static_cast<size_t>(nq * hq));
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t n = first_len + i;
+    for (int64_t h = 0; h < hq; ++h) {
+      float* sh = s + (i * hq + h) * len;
+      float m = -INFINITY;
+      for (int64_t t = 0; t < n; ++t) m = std::max(m, sh[t]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < n; ++t) {
+        sh[t] = std::exp(sh[t] - m);
+        sum += sh[t];
+      }
+      inv_sum[i * hq + h] = 1.f / sum;
+    }
+    std::fill(out + i * out_stride, out + i * out_stride + hq * D, 0.f);
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetchAhead < len) prefetch_row(v_buf + slots[t + kPrefetchAhead] * row, row);
+    const float* v_row = v_buf + slots[t] * row;
+    for (int64_t i = first_query(t); i < nq; ++i) {
+      const float* v = v_row;
+      for (int64_t g = 0; g < hkv; ++g, v += D) {
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+          const float p = s[(i * hq + h) * len + t];
+          float* oh = out + i * out_stride + h * D;
+#pragma omp simd
+          for (int j = 0; j < D; ++j) oh[j] += p * v[j];
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t h = 0; h < hq; ++h) {
+      float* oh = out + i * out_stride + h * D;
+      const float inv = inv_sum[i * hq + h];
+      for (int j = 0; j < D; ++j) oh[j] *= inv;
+    }
+}
+
+template <int D>
+void run(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new, const torch::Tensor& out_loc,
+         torch::Tensor& k_buf, torch::Tensor& v_buf, const torch::Tensor& table, const torch::Tensor& rows,
+         const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
+  const int64_t bs = q.size(0), hkv = k_buf.size(1), hq = q.size(1) / D, row = hkv * D;
+  const float* qp = q.data_ptr<float>();
+  float* kp = k_buf.data_ptr<float>();
+  float* vp = v_buf.data_ptr<float>();
+  const float* knp = k_new.data_ptr<float>();
+  const float* vnp = v_new.data_ptr<float>();
+  const int64_t* locp = out_loc.data_ptr<int64_t>();
+  const int64_t skn = k_new.stride(0), svn = v_new.stride(0);
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* lp = seq_lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t table_stride = table.stride(0);
+  at::parallel_for(0, bs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t b = begin; b < end; ++b) {
+      // the new token's K/V first: its slot is this request's own (never a shared prefix slot)
+      std::copy(knp + b * skn, knp + b * skn + row, kp + locp[b] * row);
+      std::copy(vnp + b * svn, vnp + b * svn + row, vp + locp[b] * row);
+      attend_queries<D>(qp + b * hq * D, hq * D, 1, hq, hkv, kp, vp, tp + rp[b] * table_stride, lp[b],
+                        static_cast<float>(scale), op + b * hq * D, hq * D, scores);
+    }
+  });
+}
+
+// Extend: all new K/V are stored first (a request's queries read each other's), then one task per
+// block of up to kQueryBlock queries of one request.
+constexpr int64_t kQueryBlock = 16;
+
+template <int D>
+void run_extend(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
+                const torch::Tensor& out_loc, torch::Tensor& k_buf, torch::Tensor& v_buf, const torch::Tensor& table,
+                const torch::Tensor& rows, const torch::Tensor& seq_lens, const torch::Tensor& extend_lens,
+                double scale, torch::Tensor& out) {
+  const int64_t n = q.size(0), bs = rows.size(0), hkv = k_buf.size(1), hq = q.size(1) / D, row = hkv * D;
+  const float* qp = q.data_ptr<float>();
+  float* kp = k_buf.data_ptr<float>();
+  float* vp = v_buf.data_ptr<float>();
+  const float* knp = k_new.data_ptr<float>();
+  const float* vnp = v_new.data_ptr<float>();
+  const int64_t* locp = out_loc.data_ptr<int64_t>();
+  const int64_t skn = k_new.stride(0), svn = v_new.stride(0);
+  at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      std::copy(knp + i * skn, knp + i * skn + row, kp + locp[i] * row);
+      std::copy(vnp + i * svn, vnp + i * svn + row, vp + locp[i] * row);
+    }
+  });
+  struct Task { int64_t req, q_row, first_query, count; };
+  std::vector<Task> tasks;
+  const int64_t* ep = extend_lens.data_ptr<int64_t>();
+  int64_t q_row = 0;
+  for (int64_t r = 0; r < bs; ++r) {
+    for (int64_t i = 0; i < ep[r]; i += kQueryBlock) tasks.push_back({r, q_row + i, i, std::min(kQueryBlock, ep[r] - i)});
+    q_row += ep[r];
+  }
+  TORCH_CHECK(q_row == n, "extend_attention: extend_lens do not sum to the query rows");
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* lp = seq_lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t table_stride = table.stride(0), width = hq * D;
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t j = begin; j < end; ++j) {
+      const Task& task = tasks[j];
+      const int64_t prefix = lp[task.req] - ep[task.req];
+      attend_queries<D>(qp + task.q_row * width, width, task.count, hq, hkv, kp, vp, tp + rp[task.req] * table_stride,
+                        prefix + task.first_query + 1, static_cast<float>(scale), op + task.q_row * width, width, scores);
+    }
+  });
+}
+
+}  // namespace
+
+namespace {
+
+// Shapes and dtypes shared by both entry points; n = query rows (one per new token).
+void check_inputs(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
+                  const torch::Tensor& out_loc, const torch::Tensor& k_buf, const torch::Tensor& v_buf,
+                  const torch::Tensor& table, const torch::Tensor& rows, const torch::Tensor& seq_lens, int64_t bs) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_buf.scalar_type() == torch::kFloat &&
+                  v_buf.scalar_type() == torch::kFloat && k_new.scalar_type() == torch::kFloat &&
+                  v_new.scalar_type() == torch::kFloat, "attention: fp32 only");
+  TORCH_CHECK(table.scalar_type() == torch::kLong && rows.scalar_type() == torch::kLong &&
+                  seq_lens.scalar_type() == torch::kLong && out_loc.scalar_type() == torch::kLong,
+              "attention: int64 indices");
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && table.stride(1) == 1, "attention: layout");
+  const int64_t n = q.size(0), row_floats = k_buf.size(1) * k_buf.size(2);
+  TORCH_CHECK(rows.numel() == bs && seq_lens.numel() == bs && out_loc.numel() == n && rows.is_contiguous() &&
+                  seq_lens.is_contiguous() && out_loc.is_contiguous(), "attention: one row and length per request, one slot per token");
+  TORCH_CHECK(k_new.dim() == 2 && v_new.dim() == 2 && k_new.size(0) == n && v_new.size(0) == n &&
+                  k_new.size(1) == row_floats && v_new.size(1) == row_floats && k_new.stride(1) == 1 &&
+                  v_new.stride(1) == 1, "attention: new k/v shape");
+  const int64_t d = k_buf.size(2);
+  TORCH_CHECK(q.size(1) % d == 0 && (q.size(1) / d) % k_buf.size(1) == 0 && q.size(1) / d <= 64,
+              "attention: head counts");
+  TORCH_CHECK(d == 64 || d == 128 || d == 256, "attention: head_dim ", d, " not compiled (64, 128, 256)");
+}
+
+}  // namespace
+
+// Stores each request's new k, v ([bs, num_kv_heads * head_dim], rows may be strided) at its slot
+// out_loc[b], then attends. q: [bs, num_heads * head_dim] fp32; k_buf, v_buf: [slots, num_kv_heads,
+// head_dim] fp32 contiguous; table: [rows, max_context] int64 slot table; rows, seq_lens, out_loc: [bs]
+// int64. Returns [bs, num_heads * head_dim].
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor out_loc,
+                               torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor table, torch::Tensor rows,
+                               torch::Tensor seq_lens, double scale) {
+  check_inputs(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, q.size(0));
+  q = q.contiguous();
+  auto out = torch::empty_like(q);
+  switch (k_buf.size(2)) {
+    case 64: run<64>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, scale, out); break;
+    case 128: run<128>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, scale, out); break;
+    default: run<256>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, scale, out); break;
+  }
+  return out;
+}
+
+// Extend (prefill chunks): request b's extend_lens[b] new tokens are rows of q, k_new, v_new (packed
+// in request order) at positions seq_lens[b] - extend_lens[b] onward; stores every new k, v at its
+// out_loc slot, then causal attention over the request's slot row. Returns [n, num_heads * head_dim].
+torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor out_loc,
+                               torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor table, torch::Tensor rows,
+                               torch::Tensor seq_lens, torch::Tensor extend_lens, double scale) {
+  check_inputs(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, rows.numel());
+  TORCH_CHECK(extend_lens.scalar_type() == torch::kLong && extend_lens.is_contiguous() &&
+                  extend_lens.numel() == rows.numel(), "extend_attention: one extend length per request");
+  q = q.contiguous();
+  auto out = torch::empty_like(q);
+  switch (k_buf.size(2)) {
+    case 64: run_extend<64>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, scale, out); break;
+    case 128: run_extend<128>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, scale, out); break;
+    default: run_extend<256>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, scale, out); break;
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "store the new K/V, then fp32 decode attention over the KV pool");
+  m.def("extend_attention", &extend_attention, "store the new K/V, then fp32 causal extend attention over the KV pool");
+}
