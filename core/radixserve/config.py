@@ -89,6 +89,8 @@ class ServerSection(_Section):
     max_request_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_requests: bool = True
+    # SIGINT/SIGTERM: seconds in-flight requests may still run before they end with an error
+    shutdown_grace_s: float = Field(default=5.0, ge=0)
 
 
 class PluginsSection(_Section):

@@ -3,19 +3,25 @@
 Why JIT: a compiled wheel would tie every plugin to one torch ABI, and building at `pip install`
 time needs torch inside pip's isolated build environment (which would pull a multi-GB CUDA torch).
 Compiling on first use against the torch that is running avoids both; the result is cached per
-source, torch version and machine, so only the first process on a machine pays (~1 minute).
+source, torch build (version and installation) and machine, so only the first process on a
+machine pays (~1 minute).
 
 Callers get None when no compiler is available (or `RADIXSERVE_NATIVE=0`, for A/B runs) and keep
 their plain-torch path; the reason is logged once."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import sys
+import sysconfig
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -24,6 +30,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")  # -fopenmp: at::parallel_for uses torch's OpenMP
+LOCK_NAME = "radixserve.lock"  # ours (flock); torch's cpp_extension keeps its own `lock` baton
+TORCH_BATON = "lock"
+DEFAULT_LOCK_TIMEOUT_S = 900.0  # a cold compile takes about a minute on 2 cores
+LOCK_POLL_S = 0.2
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 
@@ -47,13 +57,74 @@ def _cpu_flags() -> bytes:
         return platform.processor().encode()
 
 
-def _build_dir(name: str, source: Path, cflags: tuple[str, ...]) -> Path:
+def _torch_build() -> bytes:
+    """The torch installation the kernels are built against: version, commit and location, and the
+    Python headers. Two virtualenvs (or checkouts) on one machine then use separate build
+    directories instead of rebuilding each other's kernels on every start."""
+    parts = (
+        torch.__version__,
+        str(torch.version.git_version),
+        os.path.dirname(os.path.realpath(torch.__file__)),
+        sysconfig.get_paths()["include"],
+        str(sysconfig.get_config_var("EXT_SUFFIX")),
+    )
+    return "\0".join(parts).encode()
+
+
+def build_key(source_text: bytes, cflags: tuple[str, ...]) -> str:
+    """The cache key of one build: source, compiler flags, torch build, Python, CPU."""
     key = hashlib.sha256()
-    parts = (source.read_bytes(), torch.__version__.encode(), platform.machine().encode(), _cpu_flags(),
-             " ".join(cflags).encode())
-    for part in parts:
+    for part in (source_text, _torch_build(), platform.machine().encode(), _cpu_flags(), " ".join(cflags).encode()):
         key.update(part)
-    return cache_root() / f"{name}-{key.hexdigest()[:16]}"
+        key.update(b"\0")
+    return key.hexdigest()[:16]
+
+
+def _build_dir(name: str, source_text: bytes, cflags: tuple[str, ...]) -> Path:
+    return cache_root() / f"{name}-{build_key(source_text, cflags)}"
+
+
+def lock_timeout_s() -> float:
+    return float(os.environ.get("RADIXSERVE_NATIVE_LOCK_TIMEOUT_S", DEFAULT_LOCK_TIMEOUT_S))
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path, what: str, timeout_s: float | None = None) -> Iterator[None]:
+    """Exclusive use of `build_dir` across processes: an flock, which the kernel releases when its
+    holder dies (torch's own `lock` file stays behind when a compile is killed, and every later
+    start would wait on it forever). Waiting is logged (with the holder's pid) and ends with a
+    RuntimeError after `timeout_s`."""
+    timeout_s = lock_timeout_s() if timeout_s is None else timeout_s
+    path = build_dir / LOCK_NAME
+    with open(path, "a+") as f:
+        deadline = time.monotonic() + timeout_s
+        announced = False
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not announced:
+                    f.seek(0)
+                    holder = f.read().strip() or "unknown"
+                    logger.info("waiting for process %s, which is building %s (lock %s)", holder, what, path)
+                    announced = True
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"gave up after {timeout_s:.0f} s waiting for another process to finish building {what} "
+                        f"(lock {path}); stop that process or raise RADIXSERVE_NATIVE_LOCK_TIMEOUT_S"
+                    ) from None
+                time.sleep(LOCK_POLL_S)
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(str(os.getpid()))
+            f.flush()
+            # under our lock nobody else builds here: torch's baton is a leftover of a killed build
+            (build_dir / TORCH_BATON).unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def load_extension(name: str, source: str | os.PathLike, defines: tuple[str, ...] = ()) -> ModuleType | None:
@@ -61,9 +132,9 @@ def load_extension(name: str, source: str | os.PathLike, defines: tuple[str, ...
 
     `defines`: preprocessor macros for this build (e.g. a test forcing a fallback code path); a
     different set needs a different `name`, since a process holds one module per name.
-    Compiles on the first call on this machine (logged, about a minute on 2 cores); later calls,
-    in this or any process, load the cached library. Safe to call from several processes at once
-    (torch's build lock serialises them)."""
+    Compiles on the first call for this torch build on this machine (logged, about a minute on 2
+    cores); later calls, in this or any process, load the cached library. Safe to call from several
+    processes at once (they serialise on `build_lock`)."""
     if name in _loaded:  # the per-call path of the layers: a dict read, no lock
         return _loaded[name]
     with _lock:
@@ -78,18 +149,34 @@ def _load(name: str, source: Path, cflags: tuple[str, ...]) -> ModuleType | None
         return None
     from torch.utils import cpp_extension
 
-    build_dir = _build_dir(name, source, cflags)
+    source_text = source.read_bytes()
+    build_dir = _build_dir(name, source_text, cflags)
     build_dir.mkdir(parents=True, exist_ok=True)
-    if not any(build_dir.glob("*.so")):
-        logger.warning("compiling the native CPU kernel %s (first use on this machine, about a minute)", name)
     # the venv's own ninja (the `ninja` requirement) when the venv is not activated
     venv_bin, path = os.path.dirname(sys.executable), os.environ.get("PATH", "")
     if venv_bin not in path.split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join([venv_bin, path])
-    try:
-        return cpp_extension.load(
-            name=name, sources=[str(source)], extra_cflags=list(cflags), build_directory=str(build_dir), verbose=False
-        )
-    except Exception as e:  # no compiler or ninja: the caller's torch path still works, only slower
-        logger.warning("native CPU kernel %s unavailable (%s); using the plain-torch path", name, e)
-        return None
+    with build_lock(build_dir, f"the native CPU kernel {name}"):
+        # built from a copy inside the build directory: the build files then name no checkout's
+        # path, and a second checkout with the same source reuses the library instead of rebuilding
+        local_source = build_dir / source.name
+        if not local_source.exists() or local_source.read_bytes() != source_text:
+            local_source.write_bytes(source_text)
+        fresh = not any(build_dir.glob("*.so"))
+        if fresh:
+            logger.warning("compiling the native CPU kernel %s (first use with this torch, about a minute) ...", name)
+        start = time.perf_counter()
+        try:
+            module = cpp_extension.load(
+                name=name,
+                sources=[str(local_source)],
+                extra_cflags=list(cflags),
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+        except Exception as e:  # no compiler or ninja: the caller's torch path still works, only slower
+            logger.warning("native CPU kernel %s unavailable (%s); using the plain-torch path", name, e)
+            return None
+        if fresh:
+            logger.warning("native CPU kernel %s compiled in %.1f s", name, time.perf_counter() - start)
+        return module

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
-import multiprocessing as mp
 import os
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config import Config
+from radixserve.runtime.child import ChildSpec, watch_exit
+from radixserve.runtime.child import spawn as spawn_child
 from radixserve.runtime.errors import EngineDeadError, RequestError
 from radixserve.runtime.ipc import PortArgs
 from radixserve.runtime.messages import (
@@ -35,6 +39,7 @@ from radixserve.state import SamplingParams
 logger = logging.getLogger(__name__)
 
 CHILDREN = ("scheduler", "detokenizer")
+CHILD_EXIT_TIMEOUT_S = 10.0  # after a ShutdownRequest; then the child is killed
 
 
 @dataclass
@@ -69,8 +74,9 @@ class TokenizerManager:
     """Tokenizes requests, sends them to the scheduler process, and streams results back.
 
     API (kept stable for the Engine and the HTTP layer):
-    - `TokenizerManager(config)`; `await tm.start()` spawns the scheduler and detokenizer processes
-      ("spawn" start method) and returns once the model is loaded; raises RuntimeError if a child fails.
+    - `TokenizerManager(config)`; `await tm.start()` starts the scheduler and detokenizer processes
+      (fresh interpreters, see runtime/child.py) and returns once the model is loaded; raises
+      RuntimeError if a child fails.
     - `tm.tokenizer` (a transformers tokenizer), `tm.model_name` (served name), `tm.context_len`.
     - `tm.apply_chat_template(messages, add_generation_prompt=True) -> list[int]`.
     - `async for out in tm.generate(GenerateInput(...))`: yields dicts
@@ -85,7 +91,10 @@ class TokenizerManager:
     - `tm.abort(rid)`: the request ends with finish_reason {"type": "abort"}; unknown rids are ignored.
     - `await tm.flush_cache() -> bool` (False while requests are running).
     - `await tm.get_stats() -> dict`: running, waiting, token_usage, cache_hit_rate, throughput, ...
-    - `tm.is_healthy()`: False once a child died (in-flight requests then get EngineDeadError).
+    - `tm.is_healthy()`: False once a child died (in-flight requests then get EngineDeadError) or
+      after `stop_admitting`.
+    - Graceful stop: `tm.stop_admitting(reason)` (new requests: RequestError 503), `tm.in_flight()`,
+      `tm.end_in_flight(reason)` (the rest end with RequestError 503).
     - `await tm.shutdown()`: stops the children and removes the ipc directory.
     All methods must be called from the event loop that ran `start()`.
     """
@@ -102,10 +111,12 @@ class TokenizerManager:
         self._rid_to_state: dict[str, _ReqState] = {}
         self._control: dict[int, asyncio.Future] = {}
         self._next_control_id = 0
-        self._procs: dict[str, Any] = {}
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._unwatch: dict[str, Callable[[], None]] = {}
         self._ready: dict[str, asyncio.Future] = {}
         self._started = False
         self._closing = False
+        self._stopping: str | None = None  # set by stop_admitting
         self._enc = make_encoder()
         self._dec = manager_decoder()
 
@@ -113,9 +124,6 @@ class TokenizerManager:
     async def start(self) -> None:
         import zmq
         import zmq.asyncio
-
-        from radixserve.runtime.detokenizer import run_detokenizer_process
-        from radixserve.scheduler.process import run_scheduler_process
 
         loop = asyncio.get_running_loop()
         self._loop = loop
@@ -135,18 +143,19 @@ class TokenizerManager:
         self._ready = {name: loop.create_future() for name in CHILDREN}
         self._recv_task = loop.create_task(self._recv_loop())
 
-        child_config = self.config.with_overrides({"model": {"path": self.model_path, "tokenizer": tok_dir}})
-        ctx = mp.get_context("spawn")
-        targets = {
-            "scheduler": (run_scheduler_process, (child_config.model_dump(), self._ports, os.getpid())),
-            "detokenizer": (run_detokenizer_process, (child_config.model_dump(), self._ports, tok_dir, os.getpid())),
-        }
-        for name, (target, args) in targets.items():
-            proc = ctx.Process(target=target, args=args, name=f"radixserve-{name}", daemon=True)
-            proc.start()
-            self._procs[name] = proc
-            loop.add_reader(proc.sentinel, self._on_child_exit, name)
+        config = self.config.with_overrides({"model": {"path": self.model_path, "tokenizer": tok_dir}})
         self._started = True
+        for name in CHILDREN:
+            spec = ChildSpec(
+                process=name,
+                config=config.model_dump(mode="json"),
+                ports=self._ports,
+                parent_pid=os.getpid(),
+                tokenizer_path=tok_dir,
+                sys_path=list(sys.path),
+            )
+            self._procs[name] = proc = spawn_child(spec)
+            self._unwatch[name] = watch_exit(loop, proc, functools.partial(self._on_child_exit, name))
         try:
             infos = await asyncio.gather(*self._ready.values())
         except BaseException:
@@ -169,15 +178,17 @@ class TokenizerManager:
                 pass
         loop = asyncio.get_running_loop()
         for name, proc in self._procs.items():
-            loop.remove_reader(proc.sentinel)
-            await loop.run_in_executor(None, proc.join, 10)
-            if proc.is_alive():
-                logger.warning("%s process did not exit; terminating it", name)
-                proc.terminate()
-                await loop.run_in_executor(None, proc.join, 5)
-            if proc.is_alive():
+            self._unwatch[name]()
+            ready = self._ready.get(name)
+            if ready is None or not ready.done() or ready.cancelled() or ready.exception() is not None:
+                proc.kill()  # still loading (it reads no messages yet) or failed: nothing to lose
+            try:
+                await loop.run_in_executor(None, proc.wait, CHILD_EXIT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                # children ignore SIGTERM (only the parent stops them), so a stuck one is killed
+                logger.warning("the %s process did not exit within %.0f s; killing it", name, CHILD_EXIT_TIMEOUT_S)
                 proc.kill()
-                proc.join()
+                await loop.run_in_executor(None, proc.wait)
         self._recv_task.cancel()
         for sock in (self._recv, self._send, self._send_detok):
             sock.close(0)
@@ -189,15 +200,30 @@ class TokenizerManager:
         return {name: proc.pid for name, proc in self._procs.items()}
 
     def is_healthy(self) -> bool:
-        return self._started and not self._closing and self.dead_reason is None
+        return self._started and not self._closing and self.dead_reason is None and self._stopping is None
+
+    def stop_admitting(self, reason: str) -> None:
+        """Refuse new requests (RequestError 503 with `reason`); the in-flight ones keep running."""
+        self._stopping = reason
+
+    def in_flight(self) -> int:
+        """Requests admitted and not yet finished."""
+        return sum(1 for st in self._rid_to_state.values() if not st.finished)
+
+    def end_in_flight(self, reason: str) -> None:
+        """End every in-flight request now with RequestError 503 `reason` (their callers see the
+        error; a streaming client gets it as its final event)."""
+        for st in self._rid_to_state.values():
+            if not st.finished:
+                st.queue.put_nowait(RequestError(reason, 503))
 
     def _on_child_exit(self, name: str) -> None:
         proc = self._procs[name]
-        self._loop.remove_reader(proc.sentinel)
+        self._unwatch[name]()
         if self._closing:
             return
-        proc.join(0)
-        reason = f"the {name} process exited unexpectedly (exit code {proc.exitcode})"
+        code = proc.wait()
+        reason = f"the {name} process exited unexpectedly (exit code {code})"
         if self.dead_reason is None:
             self.dead_reason = reason
         logger.error(reason)
@@ -220,6 +246,8 @@ class TokenizerManager:
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if self._stopping is not None:
+            raise RequestError(self._stopping, 503)
         if not self._started or self._closing:
             raise EngineDeadError("the engine is not running")
 

@@ -1,7 +1,8 @@
 """`run_server(config) -> int`: start the runtime, serve HTTP until told to stop, shut down cleanly.
 
-Exit codes: 0 after SIGINT/SIGTERM (graceful: in-flight requests get a few seconds, then the
-runtime's children are stopped); 1 when the runtime fails to start or a child process dies while
+Exit codes: 0 after SIGINT/SIGTERM (graceful, see shutdown.py: no new requests, in-flight ones get
+`server.shutdown_grace_s` seconds and then end with an error event, then the runtime's children
+are stopped); 1 when the runtime fails to start or a child process dies while
 serving (detected within about a second: /health turns 503 and the server exits); 2 when there is
 no model to serve; 130 when interrupted during startup."""
 
@@ -11,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -21,21 +23,29 @@ logger = logging.getLogger("radixserve.server")
 
 STATS_INTERVAL_S = 10.0  # periodic scheduler stats log line, while there is activity
 HEALTH_POLL_S = 0.5
-GRACEFUL_SHUTDOWN_S = 5
+CONNECTION_CLOSE_S = 2  # uvicorn's wait for responses to flush, after every request has ended
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, minus re-raising the caught signal after shutdown: that would kill the
-    process before the runtime's children are stopped."""
+    """uvicorn's server with its signal handling replaced: SIGINT/SIGTERM go to `on_signal` (the
+    graceful shutdown) instead of closing the server at once, and are not re-raised after
+    shutdown (that would kill the process before the runtime's children are stopped)."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[int], None]) -> None:
+        super().__init__(config)
+        self.on_signal = on_signal
 
     @contextlib.contextmanager
     def capture_signals(self):
-        handlers = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        loop = asyncio.get_running_loop()
+        for sig in SIGNALS:
+            loop.add_signal_handler(sig, self.on_signal, sig)
         try:
             yield
         finally:
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
+            for sig in SIGNALS:
+                loop.remove_signal_handler(sig)
 
 
 def setup_logging(level: str) -> None:
@@ -86,6 +96,7 @@ async def _start_runtime(config: Config) -> tuple[Any, int]:
 
 async def _serve(config: Config) -> int:
     from radixserve.server.app import create_app
+    from radixserve.server.shutdown import GracefulShutdown
 
     tm, code = await _start_runtime(config)
     if tm is None:
@@ -94,6 +105,7 @@ async def _serve(config: Config) -> int:
     try:
         app = create_app(tm, config)
         s = config.server
+        shutdown = GracefulShutdown(tm, s.shutdown_grace_s)
         server = _Server(
             uvicorn.Config(
                 app,
@@ -102,10 +114,12 @@ async def _serve(config: Config) -> int:
                 log_level=s.log_level,
                 log_config=None,
                 access_log=False,
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                timeout_graceful_shutdown=CONNECTION_CLOSE_S,
                 lifespan="off",
-            )
+            ),
+            on_signal=shutdown.on_signal,
         )
+        shutdown.server = server
 
         def runtime_died(reason: str) -> None:
             nonlocal exit_code
@@ -116,7 +130,7 @@ async def _serve(config: Config) -> int:
 
         tm.on_death.append(runtime_died)
         tasks = [
-            asyncio.create_task(_watch_health(tm, runtime_died)),
+            asyncio.create_task(_watch_health(tm, shutdown, runtime_died)),
             asyncio.create_task(_log_stats(tm)),
             asyncio.create_task(_announce(server, tm, config)),
         ]
@@ -131,10 +145,13 @@ async def _serve(config: Config) -> int:
     return exit_code
 
 
-async def _watch_health(tm: Any, on_dead) -> None:
-    """Belt and braces next to tm.on_death: any way the runtime turns unhealthy stops the server."""
+async def _watch_health(tm: Any, shutdown: Any, on_dead) -> None:
+    """Belt and braces next to tm.on_death: any way the runtime turns unhealthy stops the server
+    (except the graceful shutdown, which turns it unhealthy on purpose)."""
     while True:
         await asyncio.sleep(HEALTH_POLL_S)
+        if shutdown.started and tm.dead_reason is None:
+            continue
         if not tm.is_healthy():
             on_dead(getattr(tm, "dead_reason", None) or "the runtime is not healthy")
             return

@@ -1,0 +1,143 @@
+"""The runtime's child processes (scheduler, detokenizer): how the parent starts them and how they begin.
+
+Why a fresh interpreter (`python -m radixserve.runtime.child`) and not multiprocessing's "spawn":
+spawn re-imports the parent's `__main__` module in every child, so a plain script that builds an
+`Engine` without an `if __name__ == "__main__":` guard would start another Engine inside each
+child (and fail in multiprocessing's bootstrapping check). A child started with `-m` imports
+radixserve and nothing of the user's code.
+
+The child reads its `ChildSpec` as JSON on stdin: argv is visible to every user of the machine
+(`ps`), and the config may carry the server's API key.
+
+Signals: a child runs in its own session and ignores SIGINT and SIGTERM. A terminal's Ctrl-C goes
+to the whole foreground process group and a supervisor may signal every process; only the parent
+decides when the runtime stops (it sends a ShutdownRequest, and kills a child that does not
+exit in time). A child whose parent died exits by itself (the parent watchdog)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.runtime.ipc import PortArgs
+
+MODULE = "radixserve.runtime.child"
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """Everything a child needs, sent by the parent on the child's stdin."""
+
+    process: str  # "scheduler" or "detokenizer"
+    config: dict[str, Any]  # Config.model_dump(mode="json")
+    ports: PortArgs
+    parent_pid: int
+    tokenizer_path: str
+    sys_path: list[str]  # the parent's import path: plugins on it resolve the same in the child
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ChildSpec:
+        data = json.loads(text)
+        data["ports"] = PortArgs(**data["ports"])
+        return cls(**data)
+
+
+def _run_scheduler(spec: ChildSpec) -> None:
+    from radixserve.scheduler.process import run_scheduler_process
+
+    run_scheduler_process(spec.config, spec.ports, spec.parent_pid)
+
+
+def _run_detokenizer(spec: ChildSpec) -> None:
+    from radixserve.runtime.detokenizer import run_detokenizer_process
+
+    run_detokenizer_process(spec.config, spec.ports, spec.tokenizer_path, spec.parent_pid)
+
+
+ENTRY_POINTS: dict[str, Callable[[ChildSpec], None]] = {"scheduler": _run_scheduler, "detokenizer": _run_detokenizer}
+
+
+def spawn(spec: ChildSpec) -> subprocess.Popen:
+    """Start one child; it inherits stdout/stderr (its log lines go where the parent's go)."""
+    if spec.process not in ENTRY_POINTS:
+        raise ValueError(f"unknown runtime child process {spec.process!r}")
+    env = dict(os.environ)
+    # the radixserve the parent runs, even when the parent found it through its own sys.path only
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", MODULE, spec.process],  # the name in argv only labels the process for `ps`
+        stdin=subprocess.PIPE,
+        env=env,
+        start_new_session=True,  # out of the terminal's process group: Ctrl-C reaches the parent only
+        close_fds=True,
+    )
+    assert proc.stdin is not None
+    proc.stdin.write(spec.to_json().encode())
+    proc.stdin.close()
+    return proc
+
+
+def watch_exit(loop: asyncio.AbstractEventLoop, proc: subprocess.Popen, on_exit: Callable[[], None]) -> Callable[[], None]:
+    """Call `on_exit()` on `loop` as soon as `proc` exits (not when it is merely signalled).
+    Returns a function that stops watching. Linux: a pidfd in the event loop; elsewhere a thread."""
+    if hasattr(os, "pidfd_open"):
+        fd = os.pidfd_open(proc.pid)
+
+        def fired() -> None:
+            loop.remove_reader(fd)
+            on_exit()
+
+        loop.add_reader(fd, fired)
+        closed = False
+
+        def stop() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                loop.remove_reader(fd)
+                os.close(fd)
+
+        return stop
+
+    cancelled = threading.Event()
+
+    def wait() -> None:
+        proc.wait()
+        if not cancelled.is_set():
+            try:
+                loop.call_soon_threadsafe(on_exit)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    threading.Thread(target=wait, name=f"watch-{proc.pid}", daemon=True).start()
+    return cancelled.set
+
+
+def _ignore_stop_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def main() -> None:
+    _ignore_stop_signals()
+    spec = ChildSpec.from_json(sys.stdin.read())
+    sys.stdin.close()
+    sys.path[:] = list(dict.fromkeys(sys.path + [p for p in spec.sys_path if p]))
+    ENTRY_POINTS[spec.process](spec)
+
+
+if __name__ == "__main__":
+    main()
