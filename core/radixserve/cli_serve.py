@@ -44,7 +44,7 @@ def _flag_overrides(args: argparse.Namespace) -> dict:
 
 def run_serve(args: argparse.Namespace) -> int:
     from radixserve.cli import _deny_list, load_config_from_args
-    from radixserve.server.launch import run_server
+    from radixserve.server.launch import end_process, run_server
 
     deny = _deny_list(args.p)
     if deny:  # through the environment: every runtime process discovers plugins itself
@@ -64,4 +64,4 @@ def run_serve(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    return run_server(config)
+    end_process(run_server(config))

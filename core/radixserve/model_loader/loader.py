@@ -74,6 +74,9 @@ def load_model(
     if missing:
         shown = ", ".join(missing[:10]) + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else "")
         raise ValueError(f"checkpoint {source.path!r} left {len(missing)} parameter(s) unloaded: {shown}")
+    loaded_at = time.perf_counter()
+    logger.info("weights of %s (%s) loaded in %.1f s", type(model).__name__, source.format, loaded_at - start)
+    # packing for the device; may compile native kernels on first use (native.py logs those apart)
     for module in model.modules():
         qm = getattr(module, "quant_method", None)
         if qm is not None and hasattr(module, "weight"):
@@ -81,5 +84,5 @@ def load_model(
         if isinstance(module, ParallelLMHead):
             module.pack_for_cpu()
     model.eval()
-    logger.info("loaded %s (%s) in %.1fs", type(model).__name__, source.format, time.perf_counter() - start)
+    logger.info("weights prepared for %s in %.1f s", device.type, time.perf_counter() - loaded_at)
     return model

@@ -128,11 +128,6 @@ class TokenizerManager:
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._ports = PortArgs.create()
-        self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.model_path, self.config.model.tokenizer)
-        # children load a saved copy: re-reading a tokenizer from a GGUF file takes many seconds
-        tok_dir = os.path.join(self._ports.ipc_dir, "tokenizer")
-        await loop.run_in_executor(None, self.tokenizer.save_pretrained, tok_dir)
-
         self._zctx = zmq.asyncio.Context(1)
         self._recv = self._zctx.socket(zmq.PULL)
         self._recv.bind(self._ports.manager_input)
@@ -143,7 +138,9 @@ class TokenizerManager:
         self._ready = {name: loop.create_future() for name in CHILDREN}
         self._recv_task = loop.create_task(self._recv_loop())
 
-        config = self.config.with_overrides({"model": {"path": self.model_path, "tokenizer": tok_dir}})
+        # the children start first: their imports and the model load overlap this process's
+        # tokenizer load (each loads the tokenizer itself; GGUF conversions are cached on disk)
+        config = self.config.with_overrides({"model": {"path": self.model_path}})
         self._started = True
         for name in CHILDREN:
             spec = ChildSpec(
@@ -151,12 +148,15 @@ class TokenizerManager:
                 config=config.model_dump(mode="json"),
                 ports=self._ports,
                 parent_pid=os.getpid(),
-                tokenizer_path=tok_dir,
+                tokenizer_path=self.config.model.tokenizer or self.model_path,
                 sys_path=list(sys.path),
             )
             self._procs[name] = proc = spawn_child(spec)
             self._unwatch[name] = watch_exit(loop, proc, functools.partial(self._on_child_exit, name))
         try:
+            self.tokenizer = await loop.run_in_executor(
+                None, load_tokenizer, self.model_path, self.config.model.tokenizer
+            )
             infos = await asyncio.gather(*self._ready.values())
         except BaseException:
             await self.shutdown()
@@ -176,24 +176,27 @@ class TokenizerManager:
                 await sock.send(self._enc.encode(ShutdownRequest()), flags=zmq.NOBLOCK)
             except zmq.ZMQError:  # that child may already be gone
                 pass
-        loop = asyncio.get_running_loop()
-        for name, proc in self._procs.items():
-            self._unwatch[name]()
-            ready = self._ready.get(name)
-            if ready is None or not ready.done() or ready.cancelled() or ready.exception() is not None:
-                proc.kill()  # still loading (it reads no messages yet) or failed: nothing to lose
-            try:
-                await loop.run_in_executor(None, proc.wait, CHILD_EXIT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                # children ignore SIGTERM (only the parent stops them), so a stuck one is killed
-                logger.warning("the %s process did not exit within %.0f s; killing it", name, CHILD_EXIT_TIMEOUT_S)
-                proc.kill()
-                await loop.run_in_executor(None, proc.wait)
+        await asyncio.gather(*(self._stop_child(name) for name in self._procs))
         self._recv_task.cancel()
         for sock in (self._recv, self._send, self._send_detok):
             sock.close(0)
         self._zctx.term()
         self._ports.cleanup()
+
+    async def _stop_child(self, name: str) -> None:
+        proc = self._procs[name]
+        self._unwatch[name]()
+        ready = self._ready.get(name)
+        if ready is None or not ready.done() or ready.cancelled() or ready.exception() is not None:
+            proc.kill()  # still loading (it reads no messages yet) or failed: nothing to lose
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, proc.wait, CHILD_EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            # children ignore SIGTERM (only the parent stops them), so a stuck one is killed
+            logger.warning("the %s process did not exit within %.0f s; killing it", name, CHILD_EXIT_TIMEOUT_S)
+            proc.kill()
+            await loop.run_in_executor(None, proc.wait)
 
     def child_pids(self) -> dict[str, int]:
         """{"scheduler": pid, "detokenizer": pid} of the runtime's child processes."""
@@ -213,8 +216,9 @@ class TokenizerManager:
     def end_in_flight(self, reason: str) -> None:
         """End every in-flight request now with RequestError 503 `reason` (their callers see the
         error; a streaming client gets it as its final event)."""
-        for st in self._rid_to_state.values():
+        for st in list(self._rid_to_state.values()):
             if not st.finished:
+                self.abort(st.rid)  # the scheduler stops computing it
                 st.queue.put_nowait(RequestError(reason, 503))
 
     def _on_child_exit(self, name: str) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
 import traceback
 from typing import Any
 
@@ -81,9 +83,22 @@ class SchedulerServer:
         self.close()
 
     def close(self) -> None:
+        # after a ShutdownRequest nobody reads our outputs any more (the manager also tells the
+        # detokenizer to stop): lingering would only delay the exit the parent waits for
         for sock in (self.recv, self.to_detok, self.to_manager):
-            sock.close(linger=1000)
+            sock.close(linger=0)
         self.ctx.term()
+
+
+def _process_start_s() -> float:
+    """This process's start on the time.monotonic() clock (Linux; else now): start-up timings
+    then include the interpreter's start and imports."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        return ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic()
 
 
 def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int) -> None:
@@ -106,7 +121,9 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int) -
         from radixserve.scheduler.scheduler import Scheduler
 
         runner = ModelRunner(config)
+        warmup_start = time.perf_counter()
         runner.warmup()  # before "ready": the first requests must not pay for kernel compilation
+        logger.info("warm-up done in %.1f s", time.perf_counter() - warmup_start)
         scheduler = Scheduler.from_config(config, runner, get_registry())
         server = SchedulerServer(scheduler, ports)
     except Exception as e:
@@ -126,4 +143,5 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int) -
         "max_running_requests": scheduler.max_running,
     }
     server.to_manager.send(server.enc.encode(ReadyMessage(process="scheduler", info=info)))
+    logger.info("ready in %.1f s since the process started", time.monotonic() - _process_start_s())
     server.serve_forever()

@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import uvicorn
 
@@ -62,6 +64,18 @@ def run_server(config: Config) -> int:
         return asyncio.run(_serve(config))
     except KeyboardInterrupt:
         return 130
+
+
+def end_process(code: int) -> NoReturn:
+    """Exit now with `code`, after flushing the logs and std streams. Why not sys.exit: once
+    run_server has returned, the children are stopped and the ipc directory removed; the
+    interpreter's teardown (torch and transformers loaded) would only add seconds to a shutdown
+    that a supervisor or a terminal is waiting for."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 async def _start_runtime(config: Config) -> tuple[Any, int]:

@@ -1,0 +1,147 @@
+"""Building native kernels (radixserve.native): a build killed mid-compile does not block later
+starts, a lock wait is logged and ends, the cache key separates torch installations, the build
+files name no checkout, and compiling is logged with its duration."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from radixserve import native
+
+# pybind11 only (no torch headers): compiles in seconds rather than a minute
+SOURCE = textwrap.dedent(
+    """
+    #include <pybind11/pybind11.h>
+    PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", [] { return 42; }); }
+    """
+)
+
+BUILD = textwrap.dedent(
+    """
+    import logging, sys
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from radixserve import native
+    module = native.load_extension(sys.argv[1], sys.argv[2])
+    print("answer", module.answer(), flush=True)
+    """
+)
+
+
+def _build(tmp_path: Path, name: str, source: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RADIXSERVE_CACHE_DIR": str(tmp_path / "cache"), "RADIXSERVE_NATIVE_LOCK_TIMEOUT_S": "600"}
+    script = tmp_path / "build.py"
+    script.write_text(BUILD)
+    return subprocess.run(
+        [sys.executable, str(script), name, str(source)], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.slow
+def test_a_build_killed_mid_compile_does_not_block_the_next(tmp_path):
+    source = tmp_path / "src" / "answer.cpp"
+    source.parent.mkdir()
+    source.write_text(SOURCE)
+    env = {**os.environ, "RADIXSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    script = tmp_path / "build.py"
+    script.write_text(BUILD)
+    first = subprocess.Popen([sys.executable, str(script), "rs_answer", str(source)], env=env)
+    # torch's `lock` baton appears when the compile starts: kill the build right then
+    deadline = time.monotonic() + 300
+    while not list((tmp_path / "cache").glob("native/*/lock")):
+        assert first.poll() is None, "the first build ended before it could be killed"
+        assert time.monotonic() < deadline, "the first build never started compiling"
+        time.sleep(0.02)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert list((tmp_path / "cache").glob("native/*/lock")), "the killed build left no baton (nothing tested)"
+
+    done = _build(tmp_path, "rs_answer", source, timeout=300)  # before the fix: waited forever
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "answer 42" in done.stdout
+    assert "compiling the native CPU kernel rs_answer" in done.stderr
+    assert "native CPU kernel rs_answer compiled in" in done.stderr
+    # the build files name the cache only, not the checkout the source came from
+    [build_dir] = (tmp_path / "cache" / "native").iterdir()
+    assert str(source.parent) not in (build_dir / "build.ninja").read_text()
+
+    again = _build(tmp_path, "rs_answer", source, timeout=120)  # cached: no compile, no log line
+    assert again.returncode == 0 and "answer 42" in again.stdout, again.stderr[-3000:]
+    assert "compil" not in again.stderr
+
+
+def test_a_lock_wait_is_logged_and_times_out(tmp_path, caplog):
+    held = threading.Event()
+    release = threading.Event()
+
+    def holder() -> None:
+        with native.build_lock(tmp_path, "the kernel k"):
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(10)
+        caplog.set_level(logging.INFO, logger="radixserve.native")
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="building the kernel k") as err:
+            with native.build_lock(tmp_path, "the kernel k", timeout_s=0.5):
+                pass
+        assert time.monotonic() - started < 5
+        assert str(tmp_path) in str(err.value)
+        assert f"waiting for process {os.getpid()}, which is building the kernel k" in caplog.text
+    finally:
+        release.set()
+        t.join()
+    with native.build_lock(tmp_path, "the kernel k", timeout_s=0.5):  # released: free again
+        pass
+
+
+def test_a_lock_holder_that_dies_releases_the_lock(tmp_path):
+    hold = textwrap.dedent(
+        f"""
+        import time
+        from pathlib import Path
+        from radixserve import native
+        with native.build_lock(Path({str(tmp_path)!r}), "k"):
+            print("held", flush=True)
+            time.sleep(120)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        with pytest.raises(RuntimeError):
+            with native.build_lock(tmp_path, "k", timeout_s=0.3):
+                pass
+        proc.kill()
+        proc.wait()
+        with native.build_lock(tmp_path, "k", timeout_s=5):
+            pass
+    finally:
+        proc.kill()
+
+
+def test_the_cache_key_separates_torch_installations(monkeypatch):
+    source, flags = b"int f();", ("-O3",)
+    key = native.build_key(source, flags)
+    assert native.build_key(source, flags) == key
+    assert native.build_key(b"int g();", flags) != key
+    assert native.build_key(source, ("-O2",)) != key
+    # the same torch version installed in another virtualenv
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/lib/python3.11/site-packages/torch/__init__.py")
+    other_venv = native.build_key(source, flags)
+    assert other_venv != key
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.version, "git_version", "0" * 40)  # same version string, another build
+    assert native.build_key(source, flags) not in (key, other_venv)

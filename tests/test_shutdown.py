@@ -1,0 +1,154 @@
+"""Shutdown of `radixserve serve` with streams in flight, as a terminal (Ctrl-C: SIGINT to the whole
+process group) and a supervisor (SIGTERM to the main pid) do it: exit 0 within the grace period
+plus 2 s, new requests refused with 503 meanwhile, every stream ending with a final error or done
+event, no traceback in the log, no child process left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+GRACE_S = 2.0
+STREAMS = 8
+START_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class _Stream(threading.Thread):
+    """One streaming /v1/completions request long enough to outlast the grace period; records every
+    SSE data payload."""
+
+    def __init__(self, url: str, model: str, index: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.model, self.index = url, model, index
+        self.events: list[str] = []
+        self.first = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        body = {
+            "model": self.model,
+            "prompt": f"Story {self.index}: once upon a time",
+            "max_tokens": 1500,
+            "ignore_eos": True,
+            "temperature": 0.8,
+            "stream": True,
+        }
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[len("data: ") :])
+                        self.first.set()
+        except BaseException as e:  # a cut connection: the test reports it
+            self.error = e
+        finally:
+            self.first.set()
+
+
+def _start_server(log_path: Path) -> tuple[subprocess.Popen, str, str]:
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port),
+        f"server.shutdown_grace_s={GRACE_S}", "scheduler.cpu_kv_cache_gb=1.0", "runtime.num_threads=1",
+    ]  # fmt: skip
+    log = open(log_path, "w")
+    # its own session, like a shell's foreground job: os.killpg then reaches exactly what a terminal's Ctrl-C would
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"server did not become healthy:\n{log_path.read_text()[-4000:]}")
+        time.sleep(0.3)
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    return proc, url, model
+
+
+@pytest.mark.parametrize("how", ["ctrl_c_to_the_process_group", "sigterm_to_the_main_pid"])
+def test_signal_with_streams_in_flight_exits_cleanly(tmp_path, how):
+    log_path = tmp_path / "server.log"
+    proc, url, model = _start_server(log_path)
+    try:
+        children = _children(proc.pid)
+        assert len(children) == 2, children
+        streams = [_Stream(url, model, i) for i in range(STREAMS)]
+        for s in streams:
+            s.start()
+        for s in streams:
+            assert s.first.wait(120), "a stream produced no event"
+        assert all(s.error is None and s.events for s in streams), [s.error for s in streams]
+
+        signalled = time.monotonic()
+        if how == "ctrl_c_to_the_process_group":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.3)
+        # while the in-flight requests drain: refused in the OpenAI error shape
+        refused = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["message"]
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+
+        code = proc.wait(GRACE_S + 30)
+        took = time.monotonic() - signalled
+        for s in streams:
+            s.join(10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log = log_path.read_text()
+    assert code == 0, log[-4000:]
+    assert took <= GRACE_S + 2, f"exit took {took:.1f} s\n{log[-4000:]}"
+    assert "Traceback" not in log, log[-6000:]
+    for s in streams:
+        assert s.error is None, f"stream {s.index} was cut: {s.error!r}"
+        assert s.events[-1] == "[DONE]", s.events[-3:]
+        last = json.loads(s.events[-2])
+        # the grace period is shorter than the streams: each ends with the shutdown error event
+        assert "error" in last or last["choices"][0]["finish_reason"], last
+    assert any("error" in json.loads(s.events[-2]) for s in streams)
+    deadline = time.monotonic() + 5
+    while any(_alive(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(c) for c in children), "a child process outlived the server"
