@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import stat
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
+import pytest
 from radixserve.runtime.ipc import PortArgs
 
 
@@ -71,3 +74,23 @@ def test_children_exit_when_the_parent_is_killed(tmp_path):
         assert not _alive(child_pid), "the child outlived its killed parent (orphan)"
     finally:
         parent.kill()
+
+
+def _readme_engine_example() -> str:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    [example] = [b for b in blocks if "Engine(" in b]
+    return example
+
+
+@pytest.mark.slow
+def test_the_readme_engine_example_runs_as_a_plain_script(tmp_path, smollm2_gguf_path):
+    """No `if __name__ == "__main__":` guard: the children must not re-import the user's script."""
+    example = _readme_engine_example()
+    assert "__main__" not in example
+    script = tmp_path / "example.py"
+    script.write_text(example.replace('"path/to/model"', repr(smollm2_gguf_path)))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "'finish_reason'" in run.stdout and "completion_tokens': 16" in run.stdout, run.stdout
+    assert "Traceback" not in run.stderr, run.stderr[-4000:]
