@@ -18,8 +18,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-pytestmark = pytest.mark.slow
-
 GRACE_S = 2.0
 STREAMS = 8
 START_TIMEOUT_S = 600
@@ -103,6 +101,7 @@ def _start_server(log_path: Path) -> tuple[subprocess.Popen, str, str]:
     return proc, url, model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["ctrl_c_to_the_process_group", "sigterm_to_the_main_pid"])
 def test_signal_with_streams_in_flight_exits_cleanly(tmp_path, how):
     log_path = tmp_path / "server.log"
@@ -152,3 +151,71 @@ def test_signal_with_streams_in_flight_exits_cleanly(tmp_path, how):
     while any(_alive(c) for c in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(c) for c in children), "a child process outlived the server"
+
+
+class _FakeManager:
+    """The TokenizerManager surface GracefulShutdown uses; requests finish when told."""
+
+    def __init__(self, running: int) -> None:
+        self.running = running
+        self.stopped_with: str | None = None
+        self.ended_with: str | None = None
+
+    def stop_admitting(self, reason: str) -> None:
+        self.stopped_with = reason
+
+    def in_flight(self) -> int:
+        return self.running
+
+    def end_in_flight(self, reason: str) -> None:
+        self.ended_with = reason
+        self.running = 0
+
+
+class _FakeServer:
+    should_exit = False
+    force_exit = False
+
+
+def _shutdown(tm: _FakeManager, grace_s: float):
+    from radixserve.server.shutdown import GracefulShutdown
+
+    sd = GracefulShutdown(tm, grace_s)
+    sd.server = _FakeServer()
+    return sd
+
+
+def test_requests_that_finish_within_the_grace_period_are_not_ended():
+    import asyncio
+
+    async def run() -> _FakeManager:
+        tm = _FakeManager(running=2)
+        sd = _shutdown(tm, grace_s=30)
+        sd.on_signal(signal.SIGTERM)
+        await asyncio.sleep(0.2)
+        assert tm.stopped_with and not sd.server.should_exit  # draining, still serving
+        tm.running = 0  # the requests finish
+        await asyncio.sleep(0.2)
+        assert sd.server.should_exit
+        return tm
+
+    assert asyncio.run(run()).ended_with is None
+
+
+def test_a_second_signal_ends_the_in_flight_requests_at_once():
+    import asyncio
+
+    async def run() -> tuple[_FakeManager, float]:
+        tm = _FakeManager(running=3)
+        sd = _shutdown(tm, grace_s=60)
+        sd.on_signal(signal.SIGINT)
+        await asyncio.sleep(0.1)
+        assert not sd.server.should_exit
+        started = time.monotonic()
+        sd.on_signal(signal.SIGINT)
+        while not sd.server.should_exit:
+            await asyncio.sleep(0.01)
+        return tm, time.monotonic() - started
+
+    tm, took = asyncio.run(run())
+    assert took < 1 and tm.ended_with == "the server is shutting down"
