@@ -29,6 +29,17 @@ def _gguf_cache_dir(path: str) -> str:
     return os.path.join(root, "gguf-tokenizers", key)
 
 
+def tokenizer_json(model_path: str, tokenizer_path: str | None = None) -> str | None:
+    """The `tokenizer.json` that `load_tokenizer(model_path, tokenizer_path)` reads (for a .gguf, its
+    cached conversion), or None when there is none yet. Lets a process that only decodes use the
+    `tokenizers` library without importing transformers."""
+    path = tokenizer_path or model_path
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        path = _gguf_cache_dir(os.path.abspath(path))
+    candidate = os.path.join(path, "tokenizer.json")
+    return candidate if os.path.isfile(candidate) else None
+
+
 def _gguf_tokenizer(path: str):
     """transformers converts a GGUF vocabulary in seconds; keep the converted tokenizer in a cache
     directory (keyed by path, size and mtime) so later loads take a fraction of that."""

@@ -205,6 +205,32 @@ class DetokenizerManager:
         return BatchTextOut(outs)
 
 
+class TokenizersDecoder:
+    """`decode` straight from a tokenizer.json with the `tokenizers` library: all the detokenizer
+    needs, without importing transformers and torch (several CPU-seconds of start-up on a small
+    machine, taken from the scheduler loading the model next to it). For a fast tokenizer,
+    transformers' decode with clean_up_tokenization_spaces=False is this same call."""
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(path)
+
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False
+    ) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def load_decoder(model_path: str, tokenizer_path: str | None = None) -> Any:
+    """What the detokenizer decodes with: a TokenizersDecoder when a tokenizer.json exists,
+    else the transformers tokenizer."""
+    from radixserve.tokenizer import load_tokenizer, tokenizer_json
+
+    path = tokenizer_json(model_path, tokenizer_path)
+    return TokenizersDecoder(path) if path is not None else load_tokenizer(model_path, tokenizer_path)
+
+
 def run_detokenizer_process(config_dict: dict, ports: Any, tokenizer_path: str, parent_pid: int) -> None:
     """Entry point of the detokenizer process (spawned by the TokenizerManager)."""
     import zmq
@@ -218,7 +244,6 @@ def run_detokenizer_process(config_dict: dict, ports: Any, tokenizer_path: str, 
         detokenizer_decoder,
         make_encoder,
     )
-    from radixserve.runtime.model_files import load_tokenizer
 
     install_parent_watchdog(parent_pid)
     ctx = zmq.Context(1)
@@ -228,7 +253,7 @@ def run_detokenizer_process(config_dict: dict, ports: Any, tokenizer_path: str, 
     send.connect(ports.manager_input)
     enc, dec = make_encoder(), detokenizer_decoder()
     try:
-        manager = DetokenizerManager(load_tokenizer(tokenizer_path))
+        manager = DetokenizerManager(load_decoder(tokenizer_path))
     except Exception as e:
         send.send(enc.encode(ChildFailed(process="detokenizer", error=repr(e))))
         raise
