@@ -145,3 +145,27 @@ def test_the_cache_key_separates_torch_installations(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(torch.version, "git_version", "0" * 40)  # same version string, another build
     assert native.build_key(source, flags) not in (key, other_venv)
+
+
+def test_kernels_build_side_by_side_and_a_user_waits_for_its_build(monkeypatch):
+    """Different kernels do not wait for each other; a caller of a kernel being built in the
+    background waits for that build instead of starting its own."""
+    builds: list[str] = []
+
+    def slow_load(name, source, cflags):
+        builds.append(name)
+        time.sleep(0.5)
+        return name
+
+    monkeypatch.setattr(native, "_load", slow_load)
+    monkeypatch.setattr(native, "_loaded", {})
+    started = time.monotonic()
+    threads = native.build_in_background(
+        [lambda: native.load_extension("k1", "k1.cpp"), lambda: native.load_extension("k2", "k2.cpp")]
+    )
+    time.sleep(0.1)
+    assert native.load_extension("k1", "k1.cpp") == "k1"  # waits for the background build
+    for t in threads:
+        t.join()
+    assert time.monotonic() - started < 0.9  # side by side, not 2 x 0.5 s
+    assert sorted(builds) == ["k1", "k2"]  # built once each

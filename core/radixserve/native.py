@@ -21,7 +21,7 @@ import sys
 import sysconfig
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -35,6 +35,7 @@ TORCH_BATON = "lock"
 DEFAULT_LOCK_TIMEOUT_S = 900.0  # a cold compile takes about a minute on 2 cores
 LOCK_POLL_S = 0.2
 _lock = threading.Lock()
+_name_locks: dict[str, threading.Lock] = {}
 _loaded: dict[str, ModuleType | None] = {}
 
 
@@ -137,10 +138,30 @@ def load_extension(name: str, source: str | os.PathLike, defines: tuple[str, ...
     processes at once (they serialise on `build_lock`)."""
     if name in _loaded:  # the per-call path of the layers: a dict read, no lock
         return _loaded[name]
-    with _lock:
+    with _lock:  # one lock per kernel: different kernels may build side by side
+        name_lock = _name_locks.setdefault(name, threading.Lock())
+    with name_lock:
         if name not in _loaded:
             _loaded[name] = _load(name, Path(source), CFLAGS + tuple(f"-D{d}" for d in defines))
         return _loaded[name]
+
+
+def build_in_background(loaders: Iterable[Callable[[], object]]) -> list[threading.Thread]:
+    """Run each loader (a function that ends up in `load_extension`) in a daemon thread. Why: on a
+    first start the kernels then compile side by side and next to the model load, instead of one
+    after another where the layers first need them; a layer that needs a kernel before its build
+    finished waits for it (the per-kernel lock). Errors are the loaders' to log."""
+
+    def run(loader: Callable[[], object]) -> None:
+        try:
+            loader()
+        except Exception:  # the layer's own later call reports it
+            logger.debug("background kernel build failed", exc_info=True)
+
+    threads = [threading.Thread(target=run, args=(loader,), name="native-build", daemon=True) for loader in loaders]
+    for t in threads:
+        t.start()
+    return threads
 
 
 def _load(name: str, source: Path, cflags: tuple[str, ...]) -> ModuleType | None:

@@ -90,6 +90,19 @@ class SchedulerServer:
         self.ctx.term()
 
 
+def _build_cpu_kernels_in_background() -> None:
+    """The core's native CPU kernels, compiling (first start only) while the model loads."""
+    import torch
+
+    from radixserve import native
+    from radixserve.layers import cpu_gemm, cpu_greedy_head, cpu_ops
+
+    probe = torch.zeros(1, 1)
+    native.build_in_background(
+        [lambda: cpu_ops.available(probe), lambda: cpu_gemm.pack(probe), lambda: cpu_greedy_head.pack(probe)]
+    )
+
+
 def _process_start_s() -> float:
     """This process's start on the time.monotonic() clock (Linux; else now): start-up timings
     then include the interpreter's start and imports."""
@@ -120,6 +133,8 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int) -
         from radixserve.plugins.registry import get_registry
         from radixserve.scheduler.scheduler import Scheduler
 
+        if config.runtime.resolved_device() == "cpu":
+            _build_cpu_kernels_in_background()
         runner = ModelRunner(config)
         warmup_start = time.perf_counter()
         runner.warmup()  # before "ready": the first requests must not pay for kernel compilation
