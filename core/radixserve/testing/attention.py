@@ -19,6 +19,7 @@ import torch
 from radixserve.interfaces.attention import AttentionBackend, AttentionLayerSpec, AttentionRunnerInfo
 from radixserve.memory import KVPool, ReqToTokenPool
 from radixserve.state import ForwardBatch, ForwardMode
+from radixserve.testing._threads import single_threaded
 
 DEFAULT_HEADS = ((4, 2, 64), (8, 1, 64), (3, 3, 32))  # (query heads, KV heads, head_dim): GQA, MQA, MHA
 DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -223,7 +224,7 @@ class _Scenario:
 
     def run(self, num_requests: int, decode_steps: int) -> None:
         rng = self.rng
-        for i in range(num_requests):
+        for _ in range(num_requests):
             donors = [j for j, r in enumerate(self.reqs) if r.shares is None and len(r.slots) > 1]
             if donors and rng.random() < 0.4:  # a prefix-cache hit on another request's prefix
                 j = rng.choice(donors)
@@ -247,6 +248,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return diff / max(want.double().norm().item(), 1e-12)
 
 
+@single_threaded
 def check_attention_backend(
     backend: Callable[[AttentionRunnerInfo], AttentionBackend],
     *,

@@ -21,6 +21,7 @@ from radixserve.interfaces.attention import AttentionRunnerInfo
 from radixserve.layers.logits import select_logit_rows
 from radixserve.memory import KVPool, ReqToTokenPool, TokenAllocator
 from radixserve.state import ForwardBatch, ForwardMode
+from radixserve.testing._threads import single_threaded
 
 TINY_CONFIG = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -149,6 +150,7 @@ def _compare(name: str, ours: _Seq, ref: tuple[list[int], list[torch.Tensor]], a
             return
 
 
+@single_threaded
 def check_model_parity(
     model_cls: type,
     checkpoint: str,

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from radixserve.interfaces.policy import SchedulePolicy
 from radixserve.memory import ReqToTokenPool, TokenAllocator
 from radixserve.state import Req, SamplingParams
+from radixserve.testing._threads import single_threaded
 
 
 def _default_cache() -> Callable:
@@ -77,6 +78,7 @@ def _check_order(policy_factory, cache_factory, seed: int) -> None:
             f"{where} is not deterministic: {[r.rid for r in out]} then {[r.rid for r in again]} for the same input")
 
 
+@single_threaded
 def check_schedule_policy(
     policy: Callable[[], SchedulePolicy],
     *,

@@ -26,6 +26,7 @@ import torch
 from radixserve.interfaces.prefix_cache import PrefixCache
 from radixserve.memory import ReqToTokenPool, TokenAllocator
 from radixserve.state import Req, SamplingParams
+from radixserve.testing._threads import single_threaded
 
 CacheFactory = Callable[[ReqToTokenPool, TokenAllocator], PrefixCache]
 
@@ -321,6 +322,7 @@ class _RequestDriver:
             f"{self.alloc.size} slots are free (slots leaked)")
 
 
+@single_threaded
 def check_prefix_cache(
     cache: CacheFactory,
     *,

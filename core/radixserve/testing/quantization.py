@@ -24,6 +24,7 @@ from radixserve.layers.linear import (
     RowParallelLinear,
 )
 from radixserve.layers.weight_utils import default_weight_loader
+from radixserve.testing._threads import single_threaded
 
 # quantize(w [out, in] fp32 CPU) -> (checkpoint tensors by parameter name, the dequantized weight)
 Quantize = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
@@ -93,6 +94,7 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, tol: f
     assert err < tol, f"{where}: relative error {err:.2e} >= {tol:.0e} against x @ dequant(W).T + b"
 
 
+@single_threaded
 def check_quant_method(
     method: Callable[[], QuantMethod],
     quantize: Quantize,
