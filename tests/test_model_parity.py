@@ -1,10 +1,12 @@
-"""Parity with transformers on tiny random checkpoints of every Llama-family architecture (fp32)."""
+"""The runner around the Llama family: batch and chunking invariance, load errors, dummy weights,
+GGUF, overlap scheduling, warm-up. Parity of every architecture with transformers is the model
+kit's, run by tests/test_conformance.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import first_divergence, hf_greedy, top5_rule_holds
+from hf_reference import hf_greedy
 from radixserve.config import Config
 from radixserve.model_runner import ModelRunner
 from runner_driver import greedy_generate
@@ -12,29 +14,6 @@ from transformers import AutoModelForCausalLM
 
 NEW_TOKENS = 32
 PROMPT_LENS = (5, 13, 2, 21)
-
-CASES = {
-    "llama-gqa-untied-llama3rope": (
-        "llama",
-        dict(
-            tie_word_embeddings=False,
-            rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
-                                 high_freq_factor=4.0, original_max_position_embeddings=64),
-        ),
-    ),
-    "llama-tied-linearrope": (
-        "llama",
-        dict(tie_word_embeddings=True, rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
-    ),
-    "mistral-gqa-untied": ("mistral", dict(tie_word_embeddings=False, num_key_value_heads=1)),
-    "qwen2-bias-tied-yarn": (
-        "qwen2",
-        dict(tie_word_embeddings=True, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
-                                                            original_max_position_embeddings=128)),
-    ),
-    "qwen3-qknorm-untied": ("qwen3", dict(tie_word_embeddings=False)),
-}
-
 
 def make_runner(path: str, **scheduler) -> ModelRunner:
     cfg = Config.build({
@@ -48,25 +27,6 @@ def make_runner(path: str, **scheduler) -> ModelRunner:
 def prompts_for(vocab: int, seed: int = 1) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_greedy_matches_transformers(case, tiny_llama_dir):
-    arch, overrides = CASES[case]
-    path = tiny_llama_dir(arch, **overrides)
-    runner = make_runner(path)
-    assert type(runner.model).__name__ == runner.hf_config.architectures[0]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompts = prompts_for(runner.vocab_size)
-
-    ours = greedy_generate(runner, prompts, NEW_TOKENS, keep_logits=True)
-    for prompt, got in zip(prompts, ours, strict=True):
-        ref_tokens, ref_logits = hf_greedy(hf, prompt, NEW_TOKENS)
-        # first-step logits are computed from identical inputs: they must agree closely
-        torch.testing.assert_close(got.logits[0], ref_logits[0], rtol=1e-4, atol=1e-4)
-        i = first_divergence(got.tokens, ref_tokens)
-        assert top5_rule_holds(got.tokens, got.logits, ref_tokens, ref_logits), f"diverged at {i}"
-        assert got.tokens == ref_tokens, f"prompt len {len(prompt)}: greedy tokens diverge at step {i}"
 
 
 def test_batch_and_chunking_invariance(tiny_llama_dir):

@@ -1,13 +1,12 @@
-"""RadixCache: prefix matching, insertion, locking, LRU eviction, the request-level helpers, and
-hypothesis-driven invariants (sizes add up, every slot owned once, locked never evicted)."""
+"""RadixCache specifics: edge splits, LRU eviction order, stats and the request-level helpers' exact
+sharing. The contract's invariants under random operations (sizes add up, every slot owned once,
+locked never evicted, free == total after reset) are the prefix-cache kit's, run by
+tests/test_conformance.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from radixserve.memory.allocator import TokenAllocator
 from radixserve.memory.req_to_token import ReqToTokenPool
 from radixserve.state import Req, SamplingParams
@@ -227,120 +226,3 @@ def test_chunked_prefill_moves_lock_and_rewrites_row_to_cached_slots():
     assert cache.match_prefix(req.origin_input_ids).length == 8
     cache.reset()
     assert cache.allocator.available_size() == 32
-
-
-# ---- property test ---------------------------------------------------------------------------------
-
-TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=8)
-
-
-class RadixMachine(RuleBasedStateMachine):
-    """Model: `entries` maps every cached prefix (tuple) to the slot of its last token."""
-
-    SIZE = 40
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cache = make_cache(self.SIZE)
-        self.entries: dict[tuple[int, ...], int] = {}
-        self.locks: list[tuple[object, tuple[int, ...]]] = []
-        self.keys: list[list[int]] = [[0]]  # inserted keys: matching their prefixes splits edges often
-
-    def expected_match(self, key: list[int]) -> list[int]:
-        out = []
-        for i in range(1, len(key) + 1):
-            slot = self.entries.get(tuple(key[:i]))
-            if slot is None:
-                break
-            out.append(slot)
-        return out
-
-    def tree_entries(self) -> dict[tuple[int, ...], int]:
-        found: dict[tuple[int, ...], int] = {}
-        stack = [(self.cache.root, ())]
-        while stack:
-            node, prefix = stack.pop()
-            for tok, slot in zip(node.key, node.value.tolist(), strict=True):
-                prefix = prefix + (tok,)
-                found[prefix] = slot
-            stack.extend((c, prefix) for c in node.children.values())
-        return found
-
-    @rule(key=TOKENS)
-    def insert(self, key):
-        slots = self.cache.allocator.alloc(len(key))
-        if slots is None:
-            return
-        n = self.cache.insert(key, slots)
-        self.keys.append(key)
-        assert n == len(self.expected_match(key))
-        self.cache.allocator.free(slots[:n])
-        for i in range(n, len(key)):
-            self.entries[tuple(key[: i + 1])] = int(slots[i])
-
-    @rule(key=TOKENS)
-    def match(self, key):
-        assert self.cache.match_prefix(key).kv_indices.tolist() == self.expected_match(key)
-
-    @rule(key=TOKENS)
-    def lock(self, key):
-        m = self.cache.match_prefix(key)
-        self.cache.inc_lock_ref(m.last_node)
-        self.locks.append((m.last_node, tuple(key[: m.length])))
-
-    @rule(i=st.integers(0, 1000), cut=st.integers(1, 8), do_lock=st.booleans())
-    def touch_inserted_prefix(self, i, cut, do_lock):
-        key = self.keys[i % len(self.keys)][:cut]
-        m = self.cache.match_prefix(key)
-        assert m.kv_indices.tolist() == self.expected_match(key)
-        if do_lock:
-            self.cache.inc_lock_ref(m.last_node)
-            self.locks.append((m.last_node, tuple(key[: m.length])))
-
-    @precondition(lambda self: self.locks)
-    @rule(i=st.integers(0, 1000))
-    def unlock(self, i):
-        node, _ = self.locks.pop(i % len(self.locks))
-        self.cache.dec_lock_ref(node)
-
-    @rule(n=st.integers(0, 45))
-    def evict(self, n):
-        before = dict(self.entries)
-        evictable = self.cache.evictable_size()
-        freed = self.cache.evict(n)
-        assert freed >= min(n, evictable)
-        after = self.tree_entries()
-        assert all(before[p] == s for p, s in after.items()), "eviction must not invent or move entries"
-        assert len(before) - len(after) == freed
-        self.entries = after
-
-    @precondition(lambda self: not self.locks)
-    @rule()
-    def reset(self):
-        self.cache.reset()
-        self.entries = {}
-        assert self.cache.allocator.available_size() == self.SIZE
-
-    @invariant()
-    def sizes_and_ownership(self):
-        cache = self.cache
-        assert self.tree_entries() == self.entries
-        slots = list(self.entries.values())
-        assert len(set(slots)) == len(slots), "a slot is owned by two prefixes"
-        assert cache.evictable_size() + cache.protected_size() == len(slots)
-        assert cache.allocator.available_size() + len(slots) == self.SIZE
-        locked = {p[:i] for _, p in self.locks for i in range(1, len(p) + 1)}
-        assert cache.protected_size() == len(locked)
-        assert all(p in self.entries for p in locked), "a locked prefix was evicted"
-
-    def teardown(self):
-        for node, _ in self.locks:
-            self.cache.dec_lock_ref(node)
-        self.cache.reset()
-        assert self.cache.allocator.available_size() == self.SIZE
-
-
-RadixMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-TestRadixMachine = RadixMachine.TestCase

@@ -6,11 +6,11 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
 from radixserve.config import Config
+from radixserve.interfaces import AttentionRunnerInfo
 from radixserve.layers.logits import select_logit_rows
 from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.memory import KVPool, ReqToTokenPool, TokenAllocator, tokens_for_budget
@@ -23,22 +23,6 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 REQ_POOL_EXTRA_ROWS = 4  # spare rows so a request can be admitted while another is being freed
-
-
-@dataclass
-class AttentionRunnerInfo:
-    """What an attention backend receives at construction (see AttentionBackend's contract)."""
-
-    device: torch.device
-    dtype: torch.dtype
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    req_to_token_pool: ReqToTokenPool
-    kv_pool: KVPool
-    max_bs: int
-    context_len: int
 
 
 def default_model_path() -> str | None:

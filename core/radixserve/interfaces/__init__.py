@@ -3,7 +3,7 @@
 Each docstring is the contract: what the core guarantees when it calls, and what the component
 must guarantee in return. Breaking one of them is a plugin-API major version bump."""
 
-from radixserve.interfaces.attention import AttentionBackend, AttentionLayerSpec
+from radixserve.interfaces.attention import AttentionBackend, AttentionLayerSpec, AttentionRunnerInfo
 from radixserve.interfaces.drafter import Drafter, DraftProposal
 from radixserve.interfaces.model import Model
 from radixserve.interfaces.policy import SchedulePolicy
@@ -26,6 +26,7 @@ __all__ = [
     "BASE_CLASS_OF_KIND",
     "AttentionBackend",
     "AttentionLayerSpec",
+    "AttentionRunnerInfo",
     "Drafter",
     "DraftProposal",
     "MatchResult",

@@ -1,8 +1,22 @@
-"""AttentionBackend: computes attention over the token-slot KV pool."""
+"""AttentionBackend: computes attention over the token-slot KV pool.
+
+The memory a backend works on (see docs/contracts.md for the full picture):
+
+- `KVPool` (`radixserve.memory.KVPool`): per layer, `k_buffers[layer_id]` and `v_buffers[layer_id]`
+  of shape `[num_slots + 1, num_kv_heads, head_dim]` in the pool dtype (the runner's dtype: float32,
+  bfloat16 or float16). Slot 0 is a reserved padding slot: no request owns it, padded CUDA-graph
+  rows may write to it, nobody reads it as real data. `set_kv(layer_id, loc, k, v)` stores k, v
+  (`[n, num_kv_heads*head_dim]` or `[n, num_kv_heads, head_dim]`, cast to the pool dtype) at slots
+  `loc`; `get_kv(layer_id)` returns the two buffers (views, writable in place).
+- `ReqToTokenPool`: `req_to_token[row, pos]` (int64, on the runner's device) is the KV slot of the
+  token at position `pos` of the request that owns `row`. Entries at or beyond a request's
+  `seq_len` are stale garbage a backend must never read.
+"""
 
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from radixserve.state import ForwardMode
@@ -10,11 +24,37 @@ from radixserve.state import ForwardMode
 if TYPE_CHECKING:
     import torch
 
+    from radixserve.memory.kv_pool import KVPool
+    from radixserve.memory.req_to_token import ReqToTokenPool
     from radixserve.state import ForwardBatch
 
 
+@dataclass
+class AttentionRunnerInfo:
+    """What an attention backend receives at construction: `Backend(runner_info)`.
+
+    The pools are the ones every later `ForwardBatch` carries (`batch.kv_pool`,
+    `batch.req_to_token_pool`), so a backend may size static buffers from them once.
+
+    Added in plugin API 1.0. Import it from `radixserve.interfaces` (its old home,
+    `radixserve.model_runner`, re-exports it).
+    """
+
+    device: torch.device  # where the pools live and every batch tensor is
+    dtype: torch.dtype  # activations and the KV pool (float32, bfloat16 or float16)
+    num_layers: int  # layers of the model: valid layer_ids are 0..num_layers-1
+    num_heads: int  # query heads of the model (this TP rank)
+    num_kv_heads: int  # KV heads (this TP rank); num_heads is a multiple of it (GQA/MQA)
+    head_dim: int
+    req_to_token_pool: ReqToTokenPool
+    kv_pool: KVPool
+    max_bs: int  # most requests one batch can hold (rows of req_to_token_pool)
+    context_len: int  # longest sequence (prefix + new tokens) of any request
+
+
 class AttentionLayerSpec(Protocol):
-    """What a backend may read from the attention layer that calls it."""
+    """What a backend may read from the attention layer that calls it
+    (`radixserve.layers.attention.RadixAttention` implements it)."""
 
     layer_id: int  # index into the KV pool's per-layer buffers
     num_heads: int  # query heads on this TP rank
@@ -26,21 +66,19 @@ class AttentionLayerSpec(Protocol):
 class AttentionBackend(abc.ABC):
     """Attention over a paged (page size 1) KV pool.
 
-    Contract:
-    - Constructed once per ModelRunner as `Backend(runner_info)` where `runner_info` is a
-      `radixserve.model_runner.AttentionRunnerInfo` (device, dtype, heads, head_dim, pools, max
-      batch size). Heavy imports (triton) happen in the module that defines the class, which the
-      registry imports only when the backend is selected.
-    - `init_forward_metadata(batch)` is called once per forward, before any layer runs; it may
-      store what every layer reuses (index tensors, split plans) in `batch.attn_metadata`.
-    - `forward_extend` / `forward_decode` are called once per layer. q is [num_tokens, num_heads*head_dim],
-      k and v are [num_tokens, num_kv_heads*head_dim] for the *new* tokens only. The backend must
-      first store k, v into `batch.kv_pool` at `batch.out_cache_loc` for `layer.layer_id`, then
-      attend each new token causally to its request's prefix KV plus the new tokens up to itself.
-      It returns [num_tokens, num_heads*head_dim] in q's dtype. It must not change any other KV slot.
-    - CUDA graph hooks are optional: a backend that supports graphs returns True from
-      `supports_cuda_graph()` and implements `init_graph_state`, `init_forward_metadata_capture`
-      and `init_forward_metadata_replay`, keeping every tensor a graph reads in static buffers.
+    Life cycle: constructed once per ModelRunner as `Backend(runner_info)` (an
+    `AttentionRunnerInfo`). For every forward the runner calls `init_forward_metadata(batch)`
+    once, then each attention layer calls `forward(q, k, v, layer, batch)`, which dispatches to
+    `forward_extend` or `forward_decode` by `batch.mode`.
+
+    Restrictions:
+    - Heavy imports (triton, CUDA extensions) belong in the module that defines the class: the
+      registry imports it only when the backend is selected.
+    - No host/device synchronisation in `forward_*` (read lengths from `batch.*_cpu` lists).
+    - A backend that supports CUDA graphs keeps every tensor a graph reads in static buffers
+      (see `supports_cuda_graph`).
+
+    Check a backend with `radixserve.testing.check_attention_backend(MyBackend)`.
 
     Added in plugin API 1.0.
     """
@@ -51,45 +89,105 @@ class AttentionBackend(abc.ABC):
 
     @classmethod
     def supports(cls, device: str, dtype: str, head_dim: int) -> bool:
-        """Whether this backend can run this configuration; the runner refuses a selected backend
-        that says no, naming the reason."""
+        """Whether this backend can run this configuration.
+
+        :param device: torch device type, e.g. "cpu" or "cuda".
+        :param dtype: the runner's dtype name without "torch.", e.g. "bfloat16".
+        :param head_dim: the model's head size.
+        :return: False makes the runner refuse the selected backend with a message naming the
+            configuration. The default accepts everything.
+
+        Added in plugin API 1.0.
+        """
         return True
 
     @abc.abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        """Prepare per-forward metadata (see the class contract)."""
+        """Prepare what every layer of this forward reuses.
+
+        :param batch: the whole batch (mode, lengths on device and host, the pools). Request i
+            owns rows `extend_lens[i]` consecutive packed tokens; its KV slots are
+            `req_to_token[req_pool_indices[i], :seq_lens[i]]`, of which the first `prefix_lens[i]`
+            are already filled and the rest are `out_cache_loc` (already written into the row).
+        :return: nothing; the backend stores what it computed (index tensors, split plans) in
+            `batch.attn_metadata`, which belongs to the backend for this forward.
+
+        Called exactly once per forward, before any layer runs. Must not write to the KV pool.
+
+        Added in plugin API 1.0.
+        """
 
     @abc.abstractmethod
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
     ) -> torch.Tensor:
-        """Prefill of new tokens after a cached prefix (see the class contract)."""
+        """Attention for an EXTEND batch: prefill, chunked prefill, or a mix of requests with
+        different prefix and extend lengths (some may extend by a single token).
+
+        :param q: `[num_tokens, num_heads*head_dim]`, the new tokens' queries, packed by request.
+        :param k: `[num_tokens, num_kv_heads*head_dim]`, keys of the new tokens only.
+        :param v: like `k`, values.
+        :param layer: the calling layer (`layer_id`, head counts, `scaling`).
+        :param batch: the batch passed to `init_forward_metadata` (with `attn_metadata`).
+        :return: `[num_tokens, num_heads*head_dim]` in q's dtype: for each new token, softmax-
+            weighted values over its request's prefix KV plus the new tokens up to and including
+            itself (causal), query head h reading KV head h // (num_heads // num_kv_heads).
+
+        Restrictions: first store k, v into `batch.kv_pool` at `batch.out_cache_loc` for
+        `layer.layer_id` (as `KVPool.set_kv` would); change no other slot of any layer.
+
+        Added in plugin API 1.0.
+        """
 
     @abc.abstractmethod
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
     ) -> torch.Tensor:
-        """One new token per request (see the class contract)."""
+        """Attention for a DECODE batch: exactly one new token per request
+        (`extend_lens == 1`, `prefix_lens == seq_lens - 1`).
+
+        Parameters, return value and restrictions as `forward_extend` (num_tokens == batch size).
+
+        Added in plugin API 1.0.
+        """
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
     ) -> torch.Tensor:
+        """Dispatch on `batch.mode`; backends normally do not override it."""
         if batch.mode is ForwardMode.DECODE:
             return self.forward_decode(q, k, v, layer, batch)
         return self.forward_extend(q, k, v, layer, batch)
 
     # ---- optional CUDA graph support -------------------------------------------------------
     def supports_cuda_graph(self) -> bool:
+        """True when the four graph hooks below are implemented. Default False: decode then
+        runs eagerly.
+
+        Added in plugin API 1.0.
+        """
         return False
 
     def init_graph_state(self, max_bs: int) -> None:
-        """Allocate static buffers for decode batches up to max_bs."""
+        """Allocate static buffers for decode batches of up to `max_bs` requests. Called once,
+        before any capture.
+
+        Added in plugin API 1.0.
+        """
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
-        """Like init_forward_metadata, but writing into the static buffers, during capture."""
+        """Like `init_forward_metadata` for a DECODE batch, but writing into the static buffers;
+        called while a graph for `batch.batch_size` is captured.
+
+        Added in plugin API 1.0.
+        """
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def init_forward_metadata_replay(self, batch: ForwardBatch, real_bs: int) -> None:
-        """Refresh the static buffers in place for a padded batch before graph replay."""
+        """Refresh the static buffers in place before a replay. `batch` is padded to the captured
+        size: rows from `real_bs` on are padding (their slots point at slot 0, seq_len 1).
+
+        Added in plugin API 1.0.
+        """
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

@@ -32,6 +32,10 @@ class Model(nn.Module, abc.ABC):
       `radixserve.layers.weight_utils`); it returns the set of parameter names it loaded so the
       loader can report parameters left uninitialised.
 
+    The layers a model may reuse (`radixserve.layers`: linear, embedding, norm, rotary,
+    activation, attention, logits) and the weight-loading rules are in docs/contracts.md.
+    Check a model with `radixserve.testing.check_model_parity(MyModel, checkpoint_dir)`.
+
     Added in plugin API 1.0.
     """
 
@@ -41,11 +45,24 @@ class Model(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states after the final norm, one row per input token."""
+        """Hidden states after the final norm, one row per input token.
+
+        :param input_ids: int64 `[num_tokens]`, the new tokens of every request, packed.
+        :param positions: int64 `[num_tokens]`, each token's position in its sequence (a request
+            with a cached prefix of p tokens starts at p).
+        :param batch: pass it to every `RadixAttention` call; do not read the KV pool directly.
+        :return: `[num_tokens, hidden_size]` in the model's dtype.
+
+        Added in plugin API 1.0.
+        """
 
     @abc.abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits for the given hidden rows."""
+        """fp32 logits `[rows, vocab]` for the given hidden rows (the runner passes the last
+        token's row of each request; columns past the tokenizer's vocabulary are cut by it).
+
+        Added in plugin API 1.0.
+        """
 
     def greedy_token_ids(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """Optional fast path for greedy sampling: int64 [rows], for each hidden row the argmax of
@@ -60,4 +77,15 @@ class Model(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named weights; return the names of parameters that received data."""
+        """Load HF-named weights; return the names of parameters that received data.
+
+        :param weights: (HF checkpoint name, full unsharded tensor) pairs, any order, each once.
+        :return: names (as in `named_parameters()`) of the parameters loaded; the loader raises
+            ValueError naming any parameter missing from it.
+
+        Restrictions: load through each parameter's `weight_loader(param, tensor[, shard_id])`
+        (`radixserve.layers.weight_utils.load_into` does it): it knows the TP shard and the fused
+        layout. Raise KeyError naming a checkpoint tensor that maps to no parameter.
+
+        Added in plugin API 1.0.
+        """

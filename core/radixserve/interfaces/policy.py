@@ -22,6 +22,11 @@ class SchedulePolicy(abc.ABC):
     - It must be deterministic given its inputs, except for policies that are random by design
       (which take a seed).
 
+    Options: a policy that takes options declares them as keyword arguments of `__init__`
+    (validated there, raising ValueError naming the bad value); the base class refuses any.
+
+    Check a policy with `radixserve.testing.check_schedule_policy(MyPolicy)`.
+
     Added in plugin API 1.0.
     """
 
@@ -30,4 +35,15 @@ class SchedulePolicy(abc.ABC):
             raise ValueError(f"{type(self).__name__} takes no options, got {sorted(options)}")
 
     @abc.abstractmethod
-    def order(self, waiting: list[Req], cache: PrefixCache) -> list[Req]: ...
+    def order(self, waiting: list[Req], cache: PrefixCache) -> list[Req]:
+        """The waiting requests in admission order.
+
+        :param waiting: a fresh list (the policy may sort it in place); each request has
+            `fill_ids` (prompt plus any output so far), `prefix_indices`/`last_node` None,
+            `arrival_time` (increasing in arrival order), `priority`, `sampling_params`.
+        :param cache: the prefix cache, for `match_prefix` only.
+        :return: every request of `waiting` exactly once. The scheduler admits from the front
+            while memory and batch limits allow; the rest wait for the next step.
+
+        Added in plugin API 1.0.
+        """

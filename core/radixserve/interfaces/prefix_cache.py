@@ -57,6 +57,12 @@ class PrefixCache(abc.ABC):
       Inserts (or, for a non-sharing cache, frees) it, unlocks `req.last_node`. It does not free the
       request's ReqToTokenPool row (the scheduler does).
 
+    Memory it works with: `self.req_to_token_pool` (`alloc()`/`free(row)` are the scheduler's;
+    the cache only calls `read(row, end, start=0)` and `write(row, start, slots)`) and
+    `self.allocator` (`free(slots)` for slots it owns; it never allocates). See docs/contracts.md.
+
+    Check a cache with `radixserve.testing.check_prefix_cache(MyCache)`.
+
     Added in plugin API 1.0 (`shares_prefixes` in 1.0 as well, defaulted so older plugins keep working).
     """
 
@@ -67,35 +73,97 @@ class PrefixCache(abc.ABC):
         self.allocator = allocator
 
     @abc.abstractmethod
-    def match_prefix(self, key: list[int]) -> MatchResult: ...
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        """The longest cached prefix of `key`.
+
+        :param key: token ids (the scheduler passes `req.fill_ids[:-1]`: one token is always
+            computed so the model has a row to take logits from).
+        :return: `MatchResult(kv_indices, last_node)`: int64 CPU slots, one per matched token,
+            slot i holding token key[i]; `last_node` is the handle to lock. An empty match
+            returns an empty tensor and a handle that locking accepts (e.g. the root or None).
+
+        Restrictions: changes no slot ownership and locks nothing (it may reorganise internal
+        structure and update recency).
+
+        Added in plugin API 1.0.
+        """
 
     @abc.abstractmethod
-    def insert(self, key: list[int], kv_indices: torch.Tensor) -> int: ...
+    def insert(self, key: list[int], kv_indices: torch.Tensor) -> int:
+        """Cache `key`, whose KV is in `kv_indices` (one slot per token, int64).
+
+        :return: n, how many leading tokens of `key` were already cached. The cache takes
+            ownership of `kv_indices[n:]` (it may keep them, or free them at once through
+            `allocator.free` if it does not share); `kv_indices[:n]` stay with the caller.
+
+        Added in plugin API 1.0.
+        """
 
     @abc.abstractmethod
-    def inc_lock_ref(self, node: Any) -> None: ...
+    def inc_lock_ref(self, node: Any) -> None:
+        """Protect the path ending at `node` (a `MatchResult.last_node`) from eviction; counted,
+        so two requests may lock the same node. Moves its slots from evictable to protected.
+
+        Added in plugin API 1.0.
+        """
 
     @abc.abstractmethod
-    def dec_lock_ref(self, node: Any) -> None: ...
+    def dec_lock_ref(self, node: Any) -> None:
+        """Undo one `inc_lock_ref(node)`; the handle stays valid even if the structure changed
+        (e.g. an edge was split) since it was locked.
+
+        Added in plugin API 1.0.
+        """
 
     @abc.abstractmethod
-    def evict(self, num_tokens: int) -> int: ...
+    def evict(self, num_tokens: int) -> int:
+        """Free at least min(num_tokens, evictable_size()) unlocked slots through
+        `allocator.free`, least recently used first, never a locked path.
+
+        :return: how many slots were freed (may exceed num_tokens: whole entries go).
+
+        Added in plugin API 1.0.
+        """
 
     @abc.abstractmethod
-    def evictable_size(self) -> int: ...
+    def evictable_size(self) -> int:
+        """Slots the cache owns on unlocked paths (what `evict` can free).
+
+        Added in plugin API 1.0.
+        """
 
     @abc.abstractmethod
-    def protected_size(self) -> int: ...
+    def protected_size(self) -> int:
+        """Slots the cache owns on locked paths. evictable + protected = every slot it owns.
+
+        Added in plugin API 1.0.
+        """
 
     @abc.abstractmethod
-    def reset(self) -> None: ...
+    def reset(self) -> None:
+        """Free every slot the cache owns and forget everything (the scheduler's flush). Only
+        called when nothing is locked; may raise RuntimeError otherwise.
+
+        Added in plugin API 1.0.
+        """
 
     @abc.abstractmethod
-    def cache_unfinished_req(self, req: Req) -> None: ...
+    def cache_unfinished_req(self, req: Req) -> None:
+        """After a prefill chunk of `req` (see the class docstring for the fields involved).
+
+        Added in plugin API 1.0.
+        """
 
     @abc.abstractmethod
-    def cache_finished_req(self, req: Req) -> None: ...
+    def cache_finished_req(self, req: Req) -> None:
+        """When `req` finishes, is aborted or retracted (see the class docstring).
+
+        Added in plugin API 1.0.
+        """
 
     def stats(self) -> dict[str, int]:
-        """Counters for metrics (e.g. hit_tokens, evicted_tokens)."""
+        """Counters for metrics (e.g. hit_tokens, evicted_tokens); optional.
+
+        Added in plugin API 1.0.
+        """
         return {}

@@ -1,0 +1,29 @@
+"""Conformance kits: run a plugin component against its kind's contract from any pytest suite.
+
+    from radixserve.testing import check_attention_backend
+    def test_my_backend_conforms():
+        check_attention_backend(MyBackend)
+
+Each `check_*` function raises AssertionError naming the first violation (the case, the step,
+what was expected). Default sizes are small so a kit runs in about a second on a CPU (the model
+kit in a few seconds). See docs/contracts.md ("Conformance kits")."""
+
+from radixserve.testing.attention import ReferenceAttentionBackend, check_attention_backend
+from radixserve.testing.model import check_model_parity, tiny_checkpoint
+from radixserve.testing.policy import check_schedule_policy
+from radixserve.testing.prefix_cache import check_prefix_cache
+from radixserve.testing.quantization import check_quant_method
+from radixserve.testing.toy_runner import ToyRunner, toy_next_token, toy_reference
+
+__all__ = [
+    "ReferenceAttentionBackend",
+    "ToyRunner",
+    "check_attention_backend",
+    "check_model_parity",
+    "check_prefix_cache",
+    "check_quant_method",
+    "check_schedule_policy",
+    "tiny_checkpoint",
+    "toy_next_token",
+    "toy_reference",
+]

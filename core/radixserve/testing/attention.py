@@ -1,0 +1,287 @@
+"""Conformance kit for attention backends: the backend under test and an exact float64 reference
+run the same batches on twin copies of the KV memory, step by step.
+
+Each random scenario has requests with cached prefixes (some sharing a prefix's KV slots), prompts
+prefilled in chunks inside mixed EXTEND batches (some requests adding a single token), then DECODE
+batches over random subsets in random order; KV slots are scattered, request rows are not in batch
+order, and table entries past each request's length hold garbage. After every step the outputs
+must match per request and both pools must be identical (new K/V at `out_cache_loc` of the right
+layer, every other slot untouched)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.interfaces.attention import AttentionBackend, AttentionLayerSpec, AttentionRunnerInfo
+from radixserve.memory import KVPool, ReqToTokenPool
+from radixserve.state import ForwardBatch, ForwardMode
+from radixserve.testing._threads import single_threaded
+
+DEFAULT_HEADS = ((4, 2, 64), (8, 1, 64), (3, 3, 32))  # (query heads, KV heads, head_dim): GQA, MQA, MHA
+DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+_NUM_LAYERS, _LAYER_ID = 2, 1  # the backend must write the layer it is called for, and only it
+
+
+class ReferenceAttentionBackend(AttentionBackend):
+    """Exact attention in float64, one request at a time: the kit's reference, and a backend any
+    test can run a model with (slow; not registered)."""
+
+    name = "reference"
+
+    def __init__(self, runner_info: AttentionRunnerInfo | None = None) -> None:
+        self.runner_info = runner_info
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        batch.attn_metadata = None  # everything is read from the batch's host lists
+
+    def attend64(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+        """The contract's result in float64, after storing k, v like `KVPool.set_kv`."""
+        batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        table = batch.req_to_token_pool.req_to_token
+        hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        q64 = q.reshape(-1, hq, d).double()
+        out = torch.empty_like(q64)
+        start = 0
+        rows = batch.req_pool_indices.tolist()
+        for row, seq, ext in zip(rows, batch.seq_lens_cpu, batch.extend_lens_cpu, strict=True):
+            slots = table[row, :seq]
+            keys = k_buf[slots].double().repeat_interleave(hq // hkv, dim=1)  # [seq, hq, d]
+            values = v_buf[slots].double().repeat_interleave(hq // hkv, dim=1)
+            scores = torch.einsum("thd,shd->hts", q64[start : start + ext], keys) * layer.scaling
+            query_pos = torch.arange(seq - ext, seq, device=q.device)[:, None]
+            future = torch.arange(seq, device=q.device)[None, :] > query_pos
+            scores = scores.masked_fill(future, float("-inf"))
+            out[start : start + ext] = torch.einsum("hts,shd->thd", scores.softmax(-1), values)
+            start += ext
+        return out.reshape(-1, hq * d)
+
+    def forward_extend(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+        return self.attend64(q, k, v, layer, batch).to(q.dtype)
+
+    def forward_decode(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+        return self.attend64(q, k, v, layer, batch).to(q.dtype)
+
+
+@dataclass
+class _Layer:
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+@dataclass
+class _Request:
+    row: int
+    slots: list[int]  # KV slots of every token with KV so far, position order
+    prompt_left: int  # prompt tokens not yet prefilled
+    shares: int | None = None  # index of the request whose prefix slots it reuses
+
+
+@dataclass
+class _Twin:
+    """One copy of the KV memory and the backend that works on it."""
+
+    backend: AttentionBackend
+    kv_pool: KVPool
+    table: ReqToTokenPool
+
+
+def _make_memory(heads, dtype, device, num_slots, rows, context, garbage: torch.Tensor):
+    _, hkv, d = heads
+    kv = KVPool(num_slots, _NUM_LAYERS, hkv, d, dtype, device)
+    table = ReqToTokenPool(rows, context, device)
+    table.req_to_token.copy_(garbage.to(device))  # stale entries past any request's length
+    table.host.copy_(garbage)
+    return kv, table
+
+
+class _Scenario:
+    """Drives one random scenario through the backend under test and the reference."""
+
+    def __init__(self, factory, heads, dtype, device, seed: int, tol: float) -> None:
+        self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.heads, self.dtype, self.device, self.tol, self.seed = heads, dtype, device, tol, seed
+        hq, hkv, d = heads
+        self.layer = _Layer(_LAYER_ID, hq, hkv, d, scaling=1.3 * d**-0.5)  # not the default: it must be read
+        self.num_slots, rows, self.context = 600, 12, 160
+        slots = list(range(1, self.num_slots + 1))
+        self.rng.shuffle(slots)
+        self.free_slots = slots
+        self.free_rows = self.rng.sample(range(rows), rows)
+        garbage = torch.randint(1, self.num_slots + 1, (rows, self.context), generator=self.gen)
+        twins = []
+        for make in (factory, ReferenceAttentionBackend):
+            kv, table = _make_memory(heads, dtype, device, self.num_slots, rows, self.context, garbage)
+            info = AttentionRunnerInfo(
+                device=torch.device(device), dtype=dtype, num_layers=_NUM_LAYERS, num_heads=hq, num_kv_heads=hkv,
+                head_dim=d, req_to_token_pool=table, kv_pool=kv, max_bs=rows, context_len=self.context,
+            )
+            twins.append(_Twin(make(info), kv, table))
+        self.test, self.ref = twins
+        self.reqs: list[_Request] = []
+
+    def _rand(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen).to(self.dtype).to(self.device)
+
+    def _take_slots(self, n: int) -> list[int]:
+        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        return out
+
+    def add_request(self, prefix: int, prompt: int, share_from: int | None) -> None:
+        """A request whose first `prefix` tokens are already cached (their KV put in the pool, or
+        the first tokens of an earlier request's prefix when `share_from` is set)."""
+        slots: list[int] = []
+        if share_from is not None:
+            slots = self.reqs[share_from].slots[:prefix]
+        own = self._take_slots(prefix - len(slots))
+        if own:
+            _, hkv, d = self.heads
+            for layer_id in range(_NUM_LAYERS):
+                k, v = self._rand(len(own), hkv, d), self._rand(len(own), hkv, d)
+                loc = torch.tensor(own, dtype=torch.int64, device=self.device)
+                for twin in (self.test, self.ref):
+                    twin.kv_pool.set_kv(layer_id, loc, k, v)
+        slots = slots + own
+        row = self.free_rows.pop()
+        for twin in (self.test, self.ref):
+            twin.table.write(row, 0, torch.tensor(slots, dtype=torch.int64))
+        self.reqs.append(_Request(row, slots, prompt, share_from))
+
+    def step(self, mode: ForwardMode, picks: Sequence[tuple[int, int]]) -> None:
+        """One forward: request `i` adds `n` tokens for each (i, n) in `picks` (batch order)."""
+        prefix_lens, extend_lens, rows, new_slots = [], [], [], []
+        for i, n in picks:
+            req = self.reqs[i]
+            loc = self._take_slots(n)
+            for twin in (self.test, self.ref):
+                twin.table.write(req.row, len(req.slots), torch.tensor(loc, dtype=torch.int64))
+            prefix_lens.append(len(req.slots))
+            extend_lens.append(n)
+            rows.append(req.row)
+            new_slots += loc
+            req.slots += loc
+            req.prompt_left = max(0, req.prompt_left - n)
+        hq, hkv, d = self.heads
+        num_tokens = len(new_slots)
+        q, k, v = self._rand(num_tokens, hq * d), self._rand(num_tokens, hkv * d), self._rand(num_tokens, hkv * d)
+        what = f"seed {self.seed}, heads {self.heads}, {mode.name} step (prefix, extend) = {list(zip(prefix_lens, extend_lens))}"
+        outs = []
+        for twin in (self.test, self.ref):
+            batch = self._batch(mode, twin, rows, prefix_lens, extend_lens, new_slots)
+            twin.backend.init_forward_metadata(batch)
+            if twin is self.test:
+                self._assert_pools_equal(f"{what}: init_forward_metadata wrote to the KV pool")
+                out = twin.backend.forward(q, k, v, self.layer, batch)
+            else:
+                out = twin.backend.attend64(q, k, v, self.layer, batch)
+            outs.append(out)
+        got, want = outs
+        assert isinstance(got, torch.Tensor), f"{what}: forward returned {type(got).__name__}, not a tensor"
+        assert got.shape == (num_tokens, hq * d), f"{what}: output shape {tuple(got.shape)} != {(num_tokens, hq * d)}"
+        assert got.dtype == q.dtype, f"{what}: output dtype {got.dtype} != q's dtype {q.dtype}"
+        assert bool(torch.isfinite(got).all()), f"{what}: NaN or inf in the output"
+        start = 0
+        for (i, n), p in zip(picks, prefix_lens, strict=True):
+            err = _rel_err(got[start : start + n], want[start : start + n])
+            assert err < self.tol, (
+                f"{what}: request {i} (prefix {p}, {n} new tokens) differs from exact attention: relative error "
+                f"{err:.2e} >= {self.tol:.0e}"
+            )
+            start += n
+        self._assert_pools_equal(f"{what}: KV pool differs from the reference after the step (new K/V must land "
+                                 f"at out_cache_loc of layer {_LAYER_ID}, nothing else may change)")
+
+    def _batch(self, mode, twin: _Twin, rows, prefix_lens, extend_lens, out_slots) -> ForwardBatch:
+        dev = self.device
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+
+        def t(xs) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.int64, device=dev)
+
+        positions = torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens, strict=True)])
+        return ForwardBatch(
+            mode=mode, batch_size=len(rows), input_ids=torch.zeros(len(out_slots), dtype=torch.int64, device=dev),
+            positions=positions.to(dev), req_pool_indices=t(rows), seq_lens=t(seq_lens), prefix_lens=t(prefix_lens),
+            extend_lens=t(extend_lens), out_cache_loc=t(out_slots), req_to_token_pool=twin.table,
+            kv_pool=twin.kv_pool, attn_backend=twin.backend, seq_lens_cpu=seq_lens,
+            prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=list(extend_lens),
+        )
+
+    def _assert_pools_equal(self, message: str) -> None:
+        for layer_id in range(_NUM_LAYERS):
+            for a, b in zip(self.test.kv_pool.get_kv(layer_id), self.ref.kv_pool.get_kv(layer_id), strict=True):
+                if not torch.equal(a, b):
+                    bad = (a != b).flatten(1).any(1).nonzero().flatten().tolist()
+                    raise AssertionError(f"{message}; layer {layer_id}, slots {bad[:10]}")
+
+    def run(self, num_requests: int, decode_steps: int) -> None:
+        rng = self.rng
+        for _ in range(num_requests):
+            donors = [j for j, r in enumerate(self.reqs) if r.shares is None and len(r.slots) > 1]
+            if donors and rng.random() < 0.4:  # a prefix-cache hit on another request's prefix
+                j = rng.choice(donors)
+                self.add_request(rng.randint(1, len(self.reqs[j].slots)), rng.randint(1, 20), share_from=j)
+            else:
+                self.add_request(rng.choice([0, rng.randint(1, 70)]), rng.randint(1, 20), share_from=None)
+        chunk = rng.randint(3, 8)
+        while any(r.prompt_left for r in self.reqs):
+            # prefill chunks, mixed with requests that add one token (already prefilled, or by chance)
+            picks = [(i, min(chunk, r.prompt_left) if r.prompt_left else 1) for i, r in enumerate(self.reqs)
+                     if r.prompt_left or rng.random() < 0.5]
+            rng.shuffle(picks)
+            self.step(ForwardMode.EXTEND, picks)
+        for _ in range(decode_steps):
+            chosen = rng.sample(range(len(self.reqs)), rng.randint(1, len(self.reqs)))
+            self.step(ForwardMode.DECODE, [(i, 1) for i in chosen])
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    diff = (got.double() - want.double()).norm().item()
+    return diff / max(want.double().norm().item(), 1e-12)
+
+
+@single_threaded
+def check_attention_backend(
+    backend: Callable[[AttentionRunnerInfo], AttentionBackend],
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    heads: Sequence[tuple[int, int, int]] = DEFAULT_HEADS,
+    seeds: Sequence[int] = (0, 1),
+    num_requests: int = 4,
+    decode_steps: int = 3,
+    tolerance: float | None = None,
+) -> None:
+    """Run `backend` against exact attention; raise AssertionError naming the first difference.
+
+    :param backend: the backend class (constructed as `backend(runner_info)`, as the runner does,
+        and asked `supports(device, dtype, head_dim)` first: unsupported head shapes are skipped,
+        but at least one must be supported), or any callable taking an `AttentionRunnerInfo`.
+    :param device, dtype: where and in which dtype the pools and activations live.
+    :param heads: (query heads, KV heads, head_dim) triples; the defaults cover GQA, MQA and MHA.
+    :param seeds: one random scenario per seed and head shape.
+    :param tolerance: the largest relative error (norm of the difference over the norm of the
+        exact result) per request and step; default by dtype (fp32 1e-3, fp16 5e-3, bf16 2e-2).
+    """
+    tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[dtype]
+    dtype_name = str(dtype).removeprefix("torch.")
+    checked = 0
+    for shape in heads:
+        hq, hkv, d = shape
+        if hq % hkv:
+            raise ValueError(f"heads {shape}: query heads must be a multiple of KV heads")
+        if isinstance(backend, type) and not backend.supports(torch.device(device).type, dtype_name, d):
+            continue
+        for seed in seeds:
+            _Scenario(backend, shape, dtype, device, seed, tol).run(num_requests, decode_steps)
+            checked += 1
+    if not checked:
+        raise AssertionError(f"{backend!r}.supports() refused every head shape in {list(heads)} on {device}/{dtype_name}")

@@ -1,0 +1,184 @@
+"""Conformance kit for quantization methods: each linear layer kind a model uses (replicated,
+column- and row-parallel, fused gate_up and qkv), built with the method, loaded from a checkpoint
+through its parameters' weight loaders (as one tensor, or shard by shard with the fused layers'
+shard ids, and split over 2 tensor-parallel ranks), must compute `x @ dequant(W).T + b`.
+
+Splitting over ranks is what catches a parameter without `input_dim` / `output_dim`: the layer's
+loader cannot tell which dimension to cut and loads the full tensor (a row-parallel weight is then
+taken for a replicated bias)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixserve.interfaces.quantization import QuantMethod
+from radixserve.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from radixserve.layers.weight_utils import default_weight_loader
+from radixserve.testing._threads import single_threaded
+
+# quantize(w [out, in] fp32 CPU) -> (checkpoint tensors by parameter name, the dequantized weight)
+Quantize = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
+DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+@dataclass
+class _Shard:
+    shard_id: Any  # None for an unfused layer
+    tensors: dict[str, torch.Tensor]
+    dequantized: torch.Tensor  # [rows, in] fp32
+    bias: torch.Tensor  # [rows] fp32
+
+
+def _shards(quantize: Quantize, ids: list[Any], rows: list[int], in_features: int, gen) -> list[_Shard]:
+    out = []
+    for sid, n in zip(ids, rows, strict=True):
+        w = torch.randn(n, in_features, generator=gen) * in_features**-0.5
+        tensors, deq = quantize(w)
+        assert tuple(deq.shape) == (n, in_features), f"quantize returned a dequantized weight of shape {tuple(deq.shape)}"
+        out.append(_Shard(sid, dict(tensors), deq.float(), 0.1 * torch.randn(n, generator=gen)))
+    return out
+
+
+def _load(layer, shards: list[_Shard], where: str) -> None:
+    params = dict(layer.named_parameters(recurse=False))
+    given = set().union(*(s.tensors for s in shards)) | ({"bias"} if layer.bias is not None else set())
+    missing, extra = sorted(set(params) - given), sorted(given - set(params))
+    assert not missing, f"{where}: quantize() gave no checkpoint tensor for parameter(s) {missing}"
+    assert not extra, f"{where}: the layer has no parameter(s) {extra} that quantize() produced"
+    for shard in shards:
+        tensors = dict(shard.tensors)
+        if layer.bias is not None:
+            tensors["bias"] = shard.bias
+        for name, tensor in tensors.items():
+            param = params[name]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                if shard.shard_id is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard.shard_id)
+            except Exception as e:
+                raise AssertionError(
+                    f"{where}: loading {name!r} (shard {shard.shard_id!r}, checkpoint shape {tuple(tensor.shape)}) "
+                    f"into a parameter of shape {tuple(param.shape)} failed: {e!r}. A parameter split across "
+                    f"tensor-parallel ranks needs `output_dim` (column-parallel) and `input_dim` (row-parallel) "
+                    f"attributes, and the layer's own `weight_loader` (see docs/contracts.md)") from e
+
+
+def _local(shards: list[_Shard], rank: int, tp: int, replicas: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s rows of the fused dequantized weight and bias (column parallel)."""
+    ws, bs = [], []
+    for i, s in enumerate(shards):
+        parts = tp // (replicas[i] if replicas else 1)
+        size = s.dequantized.shape[0] // parts
+        r = rank // (replicas[i] if replicas else 1)
+        ws.append(s.dequantized[r * size : (r + 1) * size])
+        bs.append(s.bias[r * size : (r + 1) * size])
+    return torch.cat(ws), torch.cat(bs)
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, tol: float, where: str) -> None:
+    assert got.dtype == x.dtype, f"{where}: apply returned {got.dtype} for {x.dtype} input"
+    assert tuple(got.shape) == tuple(want.shape), f"{where}: output shape {tuple(got.shape)} != {tuple(want.shape)}"
+    err = (got.double().cpu() - want).norm().item() / max(want.norm().item(), 1e-12)
+    assert err < tol, f"{where}: relative error {err:.2e} >= {tol:.0e} against x @ dequant(W).T + b"
+
+
+@single_threaded
+def check_quant_method(
+    method: Callable[[], QuantMethod],
+    quantize: Quantize,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    unit: int = 16,
+    tolerance: float | None = None,
+    seed: int = 0,
+) -> None:
+    """Run a QuantMethod against its dequantized reference; raise AssertionError naming the layer.
+
+    :param method: the class (built with no arguments) or a callable returning an instance.
+    :param quantize: `quantize(w)` for a float32 CPU weight `[out, in]` returns
+        `(tensors, dequantized)`: the checkpoint tensors of one linear layer keyed by the parameter
+        names your `create_weights` registers (e.g. {"weight": ..., "weight_scale": ...}), and the
+        float weight they stand for. Fused layers get one call per shard (q, k, v; gate, up).
+    :param dtype, device: the layers' parameter dtype and the input's dtype and device.
+    :param unit: size step; input features are 4*unit (2*unit per rank when split in two), output
+        features multiples of unit. Raise it to your block size if you quantize in blocks.
+    :param tolerance: largest relative error of the output (default by dtype: 1e-3 fp32,
+        5e-3 fp16, 2e-2 bf16), on top of what quantize's dequantized weight already loses.
+    """
+    tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[dtype]
+    gen = torch.Generator().manual_seed(seed)
+    name = getattr(method, "__name__", type(method()).__name__)
+    d_in, d_out, inter, head = 4 * unit, 3 * unit, 2 * unit, unit
+    x = (torch.randn(5, d_in, generator=gen)).to(dtype).to(device)
+    x64 = x.double().cpu()
+
+    def build(make):
+        with torch.device(device):
+            return make(method())
+
+    def finish(layer):
+        layer.quant_method.process_weights_after_loading(layer)
+        return layer
+
+    # replicated, and column-parallel over 1 and 2 ranks
+    shards = _shards(quantize, [None], [d_out], d_in, gen)
+    w, b = _local(shards, 0, 1)
+    for tp in (1, 2):
+        outs = []
+        for rank in range(tp):
+            where = f"{name}: ColumnParallelLinear tp rank {rank} of {tp}"
+            layer = build(lambda qm, rank=rank, tp=tp: ColumnParallelLinear(d_in, d_out, True, qm, rank, tp, params_dtype=dtype))
+            _load(layer, shards, where)
+            finish(layer)
+            outs.append(layer.quant_method.apply(layer, x, layer.bias))
+        _assert_close(torch.cat(outs, dim=-1), x64 @ w.double().T + b.double(), x, tol, f"{name}: ColumnParallelLinear tp {tp}")
+    layer = build(lambda qm: ReplicatedLinear(d_in, d_out, True, qm, params_dtype=dtype))
+    _load(layer, shards, f"{name}: ReplicatedLinear")
+    finish(layer)
+    _assert_close(layer(x), x64 @ w.double().T + b.double(), x, tol, f"{name}: ReplicatedLinear")
+    finish(layer)  # process_weights_after_loading must be idempotent in effect
+    _assert_close(layer(x), x64 @ w.double().T + b.double(), x, tol, f"{name}: ReplicatedLinear, processed twice")
+
+    # row-parallel over 1 and 2 ranks: each rank sees its slice of the input features
+    for tp in (1, 2):
+        total = 0
+        for rank in range(tp):
+            where = f"{name}: RowParallelLinear tp rank {rank} of {tp}"
+            layer = build(lambda qm, rank=rank, tp=tp: RowParallelLinear(d_in, d_out, True, qm, rank, tp, params_dtype=dtype))
+            _load(layer, shards, where)
+            finish(layer)
+            part = x[:, rank * d_in // tp : (rank + 1) * d_in // tp]
+            total = total + layer.quant_method.apply(layer, part, layer.bias if rank == 0 else None).double()
+        _assert_close(total.to(x.dtype), x64 @ w.double().T + b.double(), x, tol, f"{name}: RowParallelLinear tp {tp}")
+
+    # fused layers, loaded shard by shard
+    gate_up = _shards(quantize, [0, 1], [inter, inter], d_in, gen)
+    qkv = _shards(quantize, ["q", "k", "v"], [4 * head, 2 * head, 2 * head], d_in, gen)
+    for tp in (1, 2):
+        for kind, shards_, make in (
+            ("MergedColumnParallelLinear (gate_up)", gate_up,
+             lambda qm, rank, tp: MergedColumnParallelLinear(d_in, [inter, inter], True, qm, rank, tp, params_dtype=dtype)),
+            ("QKVParallelLinear", qkv,
+             lambda qm, rank, tp: QKVParallelLinear(d_in, head, 4, 2, True, qm, rank, tp, params_dtype=dtype)),
+        ):
+            for rank in range(tp):
+                where = f"{name}: {kind} tp rank {rank} of {tp}"
+                layer = build(lambda qm, make=make, rank=rank, tp=tp: make(qm, rank, tp))
+                _load(layer, shards_, where)
+                finish(layer)
+                w_r, b_r = _local(shards_, rank, tp)
+                _assert_close(layer.quant_method.apply(layer, x, layer.bias), x64 @ w_r.double().T + b_r.double(), x,
+                              tol, where)

@@ -1,0 +1,118 @@
+"""A toy ModelRunner for scheduler tests: same API as `radixserve.model_runner.ModelRunner`,
+a deterministic "model" whose next token is a hash of every previous token.
+
+Why it catches KV bugs: the toy reads each request's history *through its KV slots* (the token id and
+position stored at each slot when it was written), never from the request object. A slot that is
+reused while still referenced, a row pointing at the wrong slot, or a skipped chunk changes the
+output, so comparing with `toy_reference` checks the scheduler's memory bookkeeping end to end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from radixserve.memory import ReqToTokenPool, TokenAllocator
+from radixserve.state import BatchResult, LaunchedBatch, ScheduledBatch
+
+_WEIGHTS = torch.randint(1, 1 << 20, (1 << 14,), generator=torch.Generator().manual_seed(1234), dtype=torch.int64)
+
+
+def toy_next_token(ids: list[int] | torch.Tensor, vocab_size: int) -> int:
+    t = torch.as_tensor(ids, dtype=torch.int64)
+    n = int(t.numel())
+    return int(((t * _WEIGHTS[:n]).sum() + 7919 * n) % vocab_size)
+
+
+def toy_reference(
+    prompt: list[int], max_new_tokens: int, vocab_size: int, eos: frozenset[int] = frozenset()
+) -> list[int]:
+    """The greedy output a correct scheduler must produce for `prompt` with the toy model."""
+    ids, out = list(prompt), []
+    while len(out) < max_new_tokens:
+        tok = toy_next_token(ids, vocab_size)
+        out.append(tok)
+        ids.append(tok)
+        if tok in eos:
+            break
+    return out
+
+
+class ToyRunner:
+    """Fake ModelRunner: real ReqToTokenPool/TokenAllocator, a fake KV pool of (token, position)."""
+
+    def __init__(
+        self,
+        max_total_tokens: int = 4096,
+        context_len: int = 1024,
+        vocab_size: int = 1000,
+        max_running_requests: int = 64,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.max_total_tokens = max_total_tokens
+        self.context_len = context_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.device = torch.device("cpu")
+        self.tokenizer = None
+        self.req_to_token_pool = ReqToTokenPool(max_running_requests, context_len)
+        self.token_allocator = TokenAllocator(max_total_tokens, debug_checks=True)
+        self.kv_pool = torch.full((max_total_tokens + 1, 2), -1, dtype=torch.int64)  # (token, position)
+        self.forward_tokens = 0  # tokens that went through a forward (prefill + decode)
+        self.batches: list[ScheduledBatch] = []
+        self.events: list[tuple[str, int]] = []  # ("launch" | "result", batch number)
+
+    def run_batch(self, sb: ScheduledBatch) -> BatchResult:
+        return self.launch_batch(sb).result()
+
+    def launch_batch(self, sb: ScheduledBatch) -> LaunchedBatch:
+        """Computes at once, like a device executing batches in launch order; `events` records the
+        order of launches and of result() calls, so tests can check what overlapped."""
+        n = len(self.batches)
+        self.events.append(("launch", n))
+        self.batches.append(sb)  # as scheduled (with its future inputs)
+        if sb.future_inputs is not None:
+            f = sb.future_inputs
+            assert not sb.input_ids and len(f.rows) == len(sb.reqs), "future batch carries host input ids"
+            sb = dataclasses.replace(sb, input_ids=f.tokens[f.rows].tolist(), future_inputs=None)
+        result = self._compute(sb)
+        tokens = torch.tensor([t if t is not None else -1 for t in result.next_token_ids], dtype=torch.int64)
+
+        def resolve() -> BatchResult:
+            self.events.append(("result", n))
+            return result
+
+        return LaunchedBatch(tokens, resolve)
+
+    def _compute(self, sb: ScheduledBatch) -> BatchResult:
+        assert len(sb.input_ids) == sum(sb.extend_lens) == int(sb.out_cache_loc.numel())
+        assert len(sb.reqs) == len(sb.req_pool_indices) == len(sb.prefix_lens) == len(sb.sample_mask)
+        self.forward_tokens += len(sb.input_ids)
+        table = self.req_to_token_pool.req_to_token
+        loc = sb.out_cache_loc.to(torch.int64)
+        positions = torch.cat(
+            [torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(sb.prefix_lens, sb.extend_lens)]
+        )
+        self.kv_pool[loc, 0] = torch.tensor(sb.input_ids, dtype=torch.int64)
+        self.kv_pool[loc, 1] = positions
+        out: list[int | None] = []
+        logprobs: list[float | None] = []
+        tops: list[list[tuple[int, float]] | None] = []
+        start = 0
+        for i, row in enumerate(sb.req_pool_indices):
+            p, e = sb.prefix_lens[i], sb.extend_lens[i]
+            assert torch.equal(table[row, p : p + e], loc[start : start + e]), "row does not hold out_cache_loc"
+            start += e
+            if not sb.sample_mask[i]:
+                out.append(None)
+                logprobs.append(None)
+                tops.append(None)
+                continue
+            kv = self.kv_pool[table[row, : p + e]]
+            assert torch.equal(kv[:, 1], torch.arange(p + e)), "KV slot holds another position (stale slot)"
+            tok = toy_next_token(kv[:, 0], self.vocab_size)
+            out.append(tok)
+            logprobs.append(-0.1 * (tok % 7))
+            tops.append([(tok, -0.1 * (tok % 7)), ((tok + 1) % self.vocab_size, -5.0)])
+        return BatchResult(next_token_ids=out, token_logprobs=logprobs, top_logprobs=tops)

@@ -1,0 +1,124 @@
+"""Every in-tree component passes the conformance kit of its kind (radixserve.testing), the same
+kits third-party plugins run. Component-specific behaviour stays in each component's own tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from radixserve.plugins.registry import Registry
+from radixserve.testing import (
+    check_attention_backend,
+    check_model_parity,
+    check_prefix_cache,
+    check_quant_method,
+    check_schedule_policy,
+    tiny_checkpoint,
+)
+
+EXAMPLE_POLICY = Path(__file__).resolve().parents[1] / "docs" / "examples" / "radixserve-example-policy"
+
+
+@pytest.fixture(scope="module")
+def registry() -> Registry:
+    return Registry.discover()
+
+
+# ---- attention (cpu_batched: plugins/attention/cpu_batched/tests; triton: tests/test_attention_triton.py) ----
+
+
+def test_torch_native_attention(registry):
+    cls = registry.load("attention", "torch_native")
+    assert registry.get("attention", "torch_native").supports_device("cpu")
+    check_attention_backend(cls)
+
+
+# ---- prefix caches ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["radix", "chunk"])
+def test_prefix_cache(registry, name):
+    check_prefix_cache(registry.load("prefix_cache", name))
+
+
+# ---- schedule policies --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["fcfs", "lpm", "dfs-weight", "lof", "priority", "random"])
+def test_policy(registry, name):
+    check_schedule_policy(registry.load("policy", name))
+
+
+def test_policy_with_options(registry):
+    check_schedule_policy(lambda: registry.load("policy", "random")(seed=7))
+    check_schedule_policy(lambda: registry.load("policy", "lpm")(fcfs_threshold=2), end_to_end=False)
+
+
+def test_the_docs_example_policy(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLE_POLICY))  # importable without installing it
+    from radixserve_example_policy.policy import ShortestPromptFirst
+
+    check_schedule_policy(ShortestPromptFirst)
+
+
+# ---- model family: llama, mistral, qwen2, qwen3 -------------------------------------------------------------
+
+MODEL_CASES = {
+    "llama-gqa-untied-llama3rope": (
+        "llama",
+        dict(
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                                 high_freq_factor=4.0, original_max_position_embeddings=64),
+        ),
+    ),
+    "llama-tied-linearrope": (
+        "llama",
+        dict(tie_word_embeddings=True, rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
+    ),
+    "mistral-mqa-untied": ("mistral", dict(tie_word_embeddings=False, num_key_value_heads=1)),
+    "qwen2-bias-tied-yarn": (
+        "qwen2",
+        dict(tie_word_embeddings=True, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                            original_max_position_embeddings=128)),
+    ),
+    "qwen3-qknorm-untied": ("qwen3", dict(tie_word_embeddings=False)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MODEL_CASES))
+def test_llama_family_model(registry, case, tmp_path):
+    model_type, overrides = MODEL_CASES[case]
+    path = tiny_checkpoint(model_type, str(tmp_path), **overrides)
+    from transformers import AutoConfig
+
+    arch = AutoConfig.from_pretrained(path).architectures[0]
+    check_model_parity(registry.load("model", arch), path, new_tokens=16)
+
+
+# ---- quantization -------------------------------------------------------------------------------------------
+
+
+def test_unquantized_method():
+    from radixserve.layers.quant_unquantized import UnquantizedMethod
+
+    check_quant_method(UnquantizedMethod, lambda w: ({"weight": w}, w))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_gguf_method(registry, qtype):
+    """GGUF blocks read by the plugin load into layers that compute with gguf's own dequantization."""
+    import gguf
+    from radixserve_quant_gguf.reader import GGUFTensor
+    from radixserve_quant_gguf.tensors import dequantize
+
+    kind = gguf.GGMLQuantizationType[qtype]
+
+    def quantize(w: torch.Tensor):
+        raw = gguf.quants.quantize(w.numpy(), kind)
+        read = dequantize(GGUFTensor("blk.0.ffn_up.weight", kind, list(reversed(w.shape)), raw))
+        reference = torch.from_numpy(gguf.quants.dequantize(raw, kind)).reshape(w.shape)
+        return {"weight": read}, reference
+
+    check_quant_method(registry.load("quantization", "gguf"), quantize, unit=16)
