@@ -386,7 +386,7 @@ def test_api_key(tm):
 
 def test_plugin_routes_hook(tm):
     from radixserve.plugins import hookimpl
-    from radixserve.plugins.registry import get_registry
+    from radixserve.plugins.registry import Registry
 
     class Plugin:
         @hookimpl
@@ -395,13 +395,9 @@ def test_plugin_routes_hook(tm):
             async def ping():
                 return {"model": context.model_name}
 
-    pm = get_registry().pm
-    plugin = Plugin()
-    pm.register(plugin, name="test-http-routes")
-    try:
-        client = make_client(tm)
-    finally:
-        pm.unregister(plugin)
+    registry = Registry.discover()  # the app gets its process's registry explicitly
+    registry.pm.register(Plugin(), name="test-http-routes")
+    client = TestClient(create_app(tm, Config(), registry))
     assert client.get("/x/ping").json() == {"model": MODEL}
 
 

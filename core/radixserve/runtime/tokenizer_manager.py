@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config import Config
+from radixserve.plugins.registry import Registry
+from radixserve.plugins.stack import check_quantization_fits, resolve_stack
 from radixserve.runtime.errors import EngineDeadError, RequestError
 from radixserve.runtime.ipc import PortArgs
 from radixserve.runtime.messages import (
@@ -69,7 +71,7 @@ class TokenizerManager:
     """Tokenizes requests, sends them to the scheduler process, and streams results back.
 
     API (kept stable for the Engine and the HTTP layer):
-    - `TokenizerManager(config)`; `await tm.start()` spawns the scheduler and detokenizer processes
+    - `TokenizerManager(config, registry=None)` checks the stack; `await tm.start()` spawns the scheduler and detokenizer processes
       ("spawn" start method) and returns once the model is loaded; raises RuntimeError if a child fails.
     - `tm.tokenizer` (a transformers tokenizer), `tm.model_name` (served name), `tm.context_len`.
     - `tm.apply_chat_template(messages, add_generation_prompt=True) -> list[int]`.
@@ -90,9 +92,14 @@ class TokenizerManager:
     All methods must be called from the event loop that ran `start()`.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, registry: Registry | None = None) -> None:
+        """`registry`: this process's plugin registry (None: built from `config`). The stack is
+        checked here, before any file is read; the scheduler process builds its own from `config`."""
         self.config = config
+        self.registry = registry if registry is not None else Registry.from_config(config)
+        self.stack = resolve_stack(config, self.registry, config.runtime.resolved_device())
         self.model_path = resolve_model_path(config.model.path)
+        check_quantization_fits(self.stack, self.model_path, self.registry)
         self.model_name = served_name(self.model_path, config.model.served_model_name)
         self.tokenizer: Any = None
         self.context_len: int = 0

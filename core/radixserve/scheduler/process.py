@@ -87,8 +87,8 @@ class SchedulerServer:
 
 
 def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int) -> None:
-    """Entry point of the scheduler process (spawned by the TokenizerManager). It discovers its own
-    plugin registry, builds the ModelRunner, reports ready (or the load error), then serves."""
+    """Entry point of the scheduler process (spawned by the TokenizerManager). It builds its own
+    plugin registry from the config, builds the ModelRunner, reports ready (or the load error), then serves."""
     import zmq
 
     from radixserve.config import Config
@@ -102,12 +102,13 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int) -
         if config.runtime.num_threads:
             torch.set_num_threads(config.runtime.num_threads)
         from radixserve.model_runner import ModelRunner
-        from radixserve.plugins.registry import get_registry
+        from radixserve.plugins.registry import Registry
         from radixserve.scheduler.scheduler import Scheduler
 
-        runner = ModelRunner(config)
+        registry = Registry.from_config(config)  # this process's own, from the parent's config
+        runner = ModelRunner(config, registry)  # checks the whole stack before loading
         runner.warmup()  # before "ready": the first requests must not pay for kernel compilation
-        scheduler = Scheduler.from_config(config, runner, get_registry())
+        scheduler = Scheduler.from_config(config, runner, registry)
         server = SchedulerServer(scheduler, ports)
     except Exception as e:
         ctx = zmq.Context(1)
