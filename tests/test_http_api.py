@@ -447,7 +447,8 @@ def test_disconnect_aborts_streaming_and_non_streaming(live_server):
 
 def test_priority_is_a_request_field_of_every_generation_route(client, tm):
     """SGLang's `priority` extra field reaches the runtime (the `priority` policy orders by it)."""
-    assert client.post("/generate", json={"input_ids": [1, 2], "priority": 7}).status_code == 200
+    gen = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}, "priority": 7}
+    assert client.post("/generate", json=gen).status_code == 200
     body = {"model": MODEL, "max_tokens": 2, "priority": -3}
     assert client.post("/v1/completions", json={**body, "prompt": "hi"}).status_code == 200
     assert client.post("/v1/chat/completions", json={**body, "messages": CHAT}).status_code == 200
