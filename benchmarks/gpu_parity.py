@@ -70,7 +70,7 @@ def compare(name: str, path: str, prompts: list[list[int]], new_tokens: int, arg
 
 def scheduled_outputs(path: str, prompts: list[list[int]], new_tokens: int, args, overlap: bool):
     """Greedy outputs through the real Scheduler (continuous batching), with or without overlap."""
-    from radixserve.plugins.registry import get_registry
+    from radixserve.plugins.registry import Registry
     from radixserve.runtime.messages import GenerateRequest
     from radixserve.scheduler import Scheduler
     from radixserve.state import SamplingParams
@@ -82,7 +82,7 @@ def scheduled_outputs(path: str, prompts: list[list[int]], new_tokens: int, args
         "stack": {"attention": args.attention},
         "scheduler": {"max_total_tokens": 8192, "max_running_requests": 16},
     })
-    sched = Scheduler.from_config(cfg, ModelRunner(cfg, show_progress=False), get_registry())
+    sched = Scheduler.from_config(cfg, ModelRunner(cfg, show_progress=False), Registry.discover())
     for i, p in enumerate(prompts):
         sp = SamplingParams(max_new_tokens=new_tokens + 5 * i, temperature=0, ignore_eos=True)
         sched.add_request(GenerateRequest(rid=str(i), input_ids=p, sampling_params=sp))

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 from plugin_fixtures import run_cli
 from pydantic import ValidationError
-from radixserve.config import Config, ConfigError, check_components, parse_dotted_overrides
+from radixserve.config import Config, ConfigError, parse_dotted_overrides
 from radixserve.plugins.registry import PluginError, Registry
+from radixserve.plugins.stack import resolve_stack
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,7 +53,7 @@ def test_unknown_component_names_kind_name_and_alternatives():
     reg = Registry.discover()
     cfg = Config.build({"stack": {"policy": "does-not-exist"}})
     with pytest.raises(PluginError) as e:
-        check_components(cfg, reg, "cpu")
+        resolve_stack(cfg, reg, "cpu")
     msg = str(e.value)
     assert "policy" in msg and "does-not-exist" in msg and "fcfs" in msg
 

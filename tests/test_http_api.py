@@ -386,7 +386,7 @@ def test_api_key(tm):
 
 def test_plugin_routes_hook(tm):
     from radixserve.plugins import hookimpl
-    from radixserve.plugins.registry import get_registry
+    from radixserve.plugins.registry import Registry
 
     class Plugin:
         @hookimpl
@@ -395,13 +395,9 @@ def test_plugin_routes_hook(tm):
             async def ping():
                 return {"model": context.model_name}
 
-    pm = get_registry().pm
-    plugin = Plugin()
-    pm.register(plugin, name="test-http-routes")
-    try:
-        client = make_client(tm)
-    finally:
-        pm.unregister(plugin)
+    registry = Registry.discover()  # the app gets its process's registry explicitly
+    registry.pm.register(Plugin(), name="test-http-routes")
+    client = TestClient(create_app(tm, Config(), registry))
     assert client.get("/x/ping").json() == {"model": MODEL}
 
 
@@ -447,3 +443,15 @@ def test_disconnect_aborts_streaming_and_non_streaming(live_server):
         httpx.post(f"{url}/v1/chat/completions", json=body, timeout=0.5)
     assert _wait_for(lambda: "n1" in tm.aborted), tm.aborted
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_priority_is_a_request_field_of_every_generation_route(client, tm):
+    """SGLang's `priority` extra field reaches the runtime (the `priority` policy orders by it)."""
+    gen = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}, "priority": 7}
+    assert client.post("/generate", json=gen).status_code == 200
+    body = {"model": MODEL, "max_tokens": 2, "priority": -3}
+    assert client.post("/v1/completions", json={**body, "prompt": "hi"}).status_code == 200
+    assert client.post("/v1/chat/completions", json={**body, "messages": CHAT}).status_code == 200
+    assert [i.priority for i in tm.inputs] == [7, -3, -3]
+    bad = client.post("/generate", json={"input_ids": [1], "priority": "high"})
+    assert bad.status_code == 400 and "priority" in bad.text

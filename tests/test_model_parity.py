@@ -149,7 +149,7 @@ def test_gguf_matches_transformers(tiny_llama_dir, tmp_path):
 def test_overlap_scheduling_keeps_greedy_outputs(tiny_llama_dir, attention):
     """The real runner behind the scheduler: launching each decode ahead of its input tokens
     (FutureTokens read from the previous step's device output) gives the same greedy tokens."""
-    from radixserve.plugins.registry import get_registry
+    from radixserve.plugins.registry import Registry
     from radixserve.runtime.messages import GenerateRequest
     from radixserve.scheduler import Scheduler
     from radixserve.state import SamplingParams
@@ -181,7 +181,7 @@ def test_overlap_scheduling_keeps_greedy_outputs(tiny_llama_dir, attention):
             return launched
 
         runner.launch_batch = recording_launch
-        sched = Scheduler.from_config(cfg, runner, get_registry())
+        sched = Scheduler.from_config(cfg, runner, Registry.discover())
         for i, prompt in enumerate(prompts_for(sched.runner.vocab_size, seed=3)):
             sp = SamplingParams(max_new_tokens=12 + 3 * i, temperature=0, ignore_eos=True)
             sched.add_request(GenerateRequest(rid=str(i), input_ids=prompt, sampling_params=sp))

@@ -142,3 +142,65 @@ def test_allow_and_deny_lists(tmp_path):
     assert "extra" not in names(denied_env)
     allowed = run_cli(["plugins", "--json"], site=tmp_path, env={"RADIXSERVE_PLUGINS": "extra"})
     assert names(allowed) == {"extra", "unquantized"}  # the core's own components are always there
+
+
+# ---- one registry per process, from the Config -----------------------------------------------
+def test_from_config_honours_the_stack_plugins_section():
+    from radixserve.config import Config
+
+    reg = Registry.from_config(Config.build({"plugins": {"disable": ["policies"]}}))
+    assert "policies" not in reg.plugins and "fcfs" not in reg.names("policy")
+    with pytest.raises(PluginError, match="pip install radixserve-policies"):
+        reg.get("policy", "fcfs")
+
+
+# ---- the weight-source role: a file is read by the component that declared its suffix --------
+WEIGHT_SOURCE_MODULE = "radixserve_test_weight_source"
+
+
+def _register_weight_source(tmp_path, monkeypatch, base: str = "WeightSource") -> Registry:
+    (tmp_path / f"{WEIGHT_SOURCE_MODULE}.py").write_text(
+        "from radixserve.interfaces.quantization import WeightSource\n"
+        "from radixserve.layers.quant_unquantized import UnquantizedMethod\n"
+        f"class Reader(UnquantizedMethod{', WeightSource' if base else ''}):\n"
+        "    def hf_config(self, path):\n        return {'read': path}\n"
+        "    def iter_weights(self, path, hf_config):\n        return iter(())\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop(WEIGHT_SOURCE_MODULE, None)
+    reg = Registry()
+    reg.add_builtin()
+    reg.add_plugin_module(
+        _module("myformat", ">=1,<2", lambda registry: registry.register(
+            "quantization", "myformat", f"{WEIGHT_SOURCE_MODULE}:Reader", weight_file_suffixes=(".myw",))),
+        name="myformat", distribution="radixserve-myformat",
+    )
+    return reg
+
+
+def test_weight_source_is_found_by_file_suffix_not_by_name(tmp_path, monkeypatch):
+    from radixserve.model_loader import open_source
+
+    reg = _register_weight_source(tmp_path, monkeypatch)
+    ckpt = tmp_path / "model.MYW"
+    ckpt.write_bytes(b"x")
+    source = open_source(str(ckpt), "auto", reg)
+    assert source.format == "myformat" and source.hf_config() == {"read": str(ckpt)}
+    other = tmp_path / "model.bin"
+    other.write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"no installed weight source reads this file type.*\.myw"):
+        open_source(str(other), "auto", reg)
+
+
+def test_weight_source_must_implement_the_role(tmp_path, monkeypatch):
+    reg = _register_weight_source(tmp_path, monkeypatch, base="")
+    with pytest.raises(PluginError, match="WeightSource"):
+        reg.load("quantization", "myformat")
+
+
+def test_gguf_without_its_plugin_names_the_package(smollm2_gguf_path):
+    from radixserve.model_loader import detect_format
+
+    reg = Registry.discover(deny={"gguf"})
+    with pytest.raises(ValueError, match="pip install radixserve-quant-gguf"):
+        detect_format(smollm2_gguf_path, "auto", reg)

@@ -9,7 +9,7 @@ import random
 
 import pytest
 from radixserve.config import Config
-from radixserve.plugins.registry import get_registry
+from radixserve.plugins.registry import Registry
 from radixserve.runtime.messages import GenerateRequest
 from radixserve.scheduler import Scheduler
 from radixserve.scheduler.testing import ToyRunner, toy_next_token
@@ -43,7 +43,7 @@ def make_scheduler(request):
                 "runtime": {"overlap": request.param},
             }
         )
-        sched = Scheduler.from_config(config, runner, get_registry())
+        sched = Scheduler.from_config(config, runner, Registry.discover())
         built.append(sched)
         return sched
 
@@ -115,7 +115,7 @@ CONFIGS = {
     "radix-mixed": dict(cache="radix", chunked_prefill_size=16, enable_mixed_chunk=True),
     "small-batches": dict(cache="radix", max_prefill_tokens=64, max_running_requests=3),
 }
-POLICIES = get_registry().names("policy")  # every installed policy must keep greedy outputs
+POLICIES = Registry.discover().names("policy")  # every installed policy must keep greedy outputs
 
 
 def test_the_policies_under_test_include_fcfs_and_lpm():
@@ -347,7 +347,7 @@ def overlapped_results(events: list[tuple[str, int]]) -> int:
 
 def toy_scheduler(overlap: bool, **scheduler) -> Scheduler:
     config = Config.build({"scheduler": scheduler, "runtime": {"overlap": overlap}})
-    return Scheduler.from_config(config, ToyRunner(vocab_size=VOCAB), get_registry())
+    return Scheduler.from_config(config, ToyRunner(vocab_size=VOCAB), Registry.discover())
 
 
 def test_overlap_launches_each_decode_before_processing_the_previous_one():
@@ -382,7 +382,7 @@ def test_overlap_drops_the_token_launched_after_an_eos():
     ref = reference(prompt, 20)
     eos = ref[5]
     runner = ToyRunner(vocab_size=VOCAB, eos_token_ids=(eos,))
-    sched = Scheduler.from_config(Config.build({"runtime": {"overlap": True}}), runner, get_registry())
+    sched = Scheduler.from_config(Config.build({"runtime": {"overlap": True}}), runner, Registry.discover())
     sched.add_request(request("eos", prompt, 20))
     results = run_to_completion(sched)
     assert results["eos"]["ids"] == ref[:6] and results["eos"]["finish"] == {"type": "stop", "matched": eos}

@@ -11,17 +11,9 @@ import os
 import sys
 from collections.abc import Callable
 
-from radixserve.config import Config, ConfigError, check_components, parse_dotted_overrides
+from radixserve.config import Config, ConfigError, deep_merge, parse_dotted_overrides
 from radixserve.plugins.registry import PluginError, Registry
-
-
-def build_registry(deny: list[str] | None = None, config: Config | None = None) -> Registry:
-    denied = set(deny or [])
-    prefer: dict[str, str] = {}
-    if config is not None:
-        denied |= set(config.plugins.disable)
-        prefer = dict(config.plugins.prefer)
-    return Registry.discover(deny=denied, prefer=prefer)
+from radixserve.plugins.stack import CONFIG_KEY_OF_KIND, resolve_stack
 
 
 def _deny_list(values: list[str] | None) -> list[str]:
@@ -34,9 +26,15 @@ def _deny_list(values: list[str] | None) -> list[str]:
     return out
 
 
+def _disable_overrides(args: argparse.Namespace) -> dict:
+    """`-p no:NAME` becomes plugins.disable, so it travels with the config to every process."""
+    deny = _deny_list(getattr(args, "p", None))
+    return {"plugins": {"disable": deny}} if deny else {}
+
+
 # ---- plugins ---------------------------------------------------------------------------------
 def cmd_plugins(args: argparse.Namespace) -> int:
-    reg = build_registry(_deny_list(args.p))
+    reg = Registry.discover(deny=set(_deny_list(args.p)))
     rows = [
         {
             "distribution": s.distribution,
@@ -65,28 +63,30 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 # ---- config ----------------------------------------------------------------------------------
 def load_config_from_args(args: argparse.Namespace, extra: dict | None = None) -> Config:
-    overrides = parse_dotted_overrides(getattr(args, "overrides", None) or [])
-    if extra:
-        from radixserve.config import deep_merge
-
-        overrides = deep_merge(overrides, extra)
-    return Config.load(getattr(args, "config", None), overrides)
+    """YAML (--config) < dotted overrides < `extra` (flags); `-p no:NAME` adds to plugins.disable."""
+    config = Config.load(getattr(args, "config", None), parse_dotted_overrides(getattr(args, "overrides", None) or []))
+    overrides = deep_merge(extra or {}, _disable_overrides(args))
+    if "plugins" in overrides:  # -p adds to the stack's list instead of replacing it
+        overrides["plugins"]["disable"] = list(config.plugins.disable) + overrides["plugins"]["disable"]
+    return config.with_overrides(overrides) if overrides else config
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
     config = load_config_from_args(args)
-    reg = build_registry(_deny_list(args.p), config)
+    reg = Registry.from_config(config)
     device = config.runtime.resolved_device()
-    resolved = check_components(config, reg, device)
+    resolved = resolve_stack(config, reg, device)
     print(config.to_yaml(), end="")
     print(f"# resolved for device {device} (dtype {config.runtime.resolved_dtype(device)}):")
-    print("resolved_stack:")
-    for kind, name in resolved.items():
-        if name is None:
-            print(f"  {kind}: null")
+    print("resolved_stack:  # kind: component (chosen by stack.<key>)")
+    for kind, spec in resolved.by_kind().items():
+        key = f"stack.{CONFIG_KEY_OF_KIND[kind]}"
+        if spec is None:
+            print(f"  {kind}: null  # {key}")
             continue
-        spec = reg.get(kind, name)
-        print(f"  {kind}: {name}  # {spec.distribution} {spec.version}")
+        print(f"  {kind}: {spec.name}  # {key}; {spec.distribution} {spec.version}")
+        if kind == "policy" and resolved.policy_options:
+            print(f"  policy_options: {resolved.policy_options}")
     return 0
 
 

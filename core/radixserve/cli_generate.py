@@ -67,14 +67,16 @@ def generate_ids(runner, prompt_ids: list[int], params: SamplingParams) -> Itera
 def run_generate(args: argparse.Namespace) -> int:
     from radixserve.config import Config, parse_dotted_overrides
     from radixserve.model_runner import ModelRunner
+    from radixserve.plugins.registry import Registry
     from radixserve.tokenizer import apply_chat_template
 
     overrides = parse_dotted_overrides(args.overrides or [])
     if args.model:
         overrides.setdefault("model", {})["path"] = args.model
     config = Config.load(args.config, overrides)
+    registry = Registry.from_config(config)
     start = time.perf_counter()
-    runner = ModelRunner(config)
+    runner = ModelRunner(config, registry)  # checks the whole stack before loading the model
     tok = runner.tokenizer
     loaded = time.perf_counter() - start
     if args.chat and getattr(tok, "chat_template", None):

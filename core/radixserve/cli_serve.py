@@ -8,8 +8,6 @@ import argparse
 import os
 import sys
 
-from radixserve.plugins.registry import DENY_ENV
-
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH", help="HF directory or .gguf file (default: embedded SmolLM2-135M)")
@@ -43,14 +41,15 @@ def _flag_overrides(args: argparse.Namespace) -> dict:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from radixserve.cli import _deny_list, load_config_from_args
+    from radixserve.cli import load_config_from_args
+    from radixserve.plugins.registry import Registry
+    from radixserve.plugins.stack import resolve_stack
     from radixserve.server.launch import end_process, run_server
 
-    deny = _deny_list(args.p)
-    if deny:  # through the environment: every runtime process discovers plugins itself
-        old = [x for x in os.environ.get(DENY_ENV, "").split(",") if x]
-        os.environ[DENY_ENV] = ",".join(old + deny)
+    # -p no:NAME lands in plugins.disable: the config carries it to every runtime process
     config = load_config_from_args(args, _flag_overrides(args))
+    registry = Registry.from_config(config)  # this process's registry (HTTP routes, checks)
+    resolve_stack(config, registry, config.runtime.resolved_device())  # fail before any file is read
     if config.model.path is None:
         from radixserve.runtime.model_files import resolve_model_path
 
@@ -64,4 +63,4 @@ def run_serve(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    end_process(run_server(config))
+    end_process(run_server(config, registry))

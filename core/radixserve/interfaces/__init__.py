@@ -8,7 +8,7 @@ from radixserve.interfaces.drafter import Drafter, DraftProposal
 from radixserve.interfaces.model import Model
 from radixserve.interfaces.policy import SchedulePolicy
 from radixserve.interfaces.prefix_cache import MatchResult, PrefixCache
-from radixserve.interfaces.quantization import QuantMethod
+from radixserve.interfaces.quantization import QuantMethod, WeightSource
 
 KINDS = ("attention", "model", "quantization", "policy", "prefix_cache", "drafter")
 
@@ -34,4 +34,5 @@ __all__ = [
     "PrefixCache",
     "QuantMethod",
     "SchedulePolicy",
+    "WeightSource",
 ]

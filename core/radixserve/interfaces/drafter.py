@@ -18,7 +18,9 @@ class DraftProposal:
 
 
 class Drafter(abc.ABC):
-    """Proposes up to `num_draft_tokens` tokens per running request.
+    """Proposes up to `num_draft_tokens` tokens per running request. Kind "drafter", selected by
+    the config key `stack.speculative`. Not driven by this core yet: a stack that sets
+    `stack.speculative` fails at start-up ("speculative decoding is not implemented by this core yet").
 
     Contract:
     - `propose(reqs, num_draft_tokens)` returns one chain per request, in order, each at most

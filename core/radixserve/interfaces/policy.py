@@ -21,6 +21,10 @@ class SchedulePolicy(abc.ABC):
       lock nodes or change slot ownership.
     - It must be deterministic given its inputs, except for policies that are random by design
       (which take a seed).
+    - Options are the constructor's keyword arguments, set from a stack with `stack.policy_options`
+      (e.g. `{fcfs_threshold: 64}`); the core checks the names against the signature and builds
+      one instance at start-up to check the values, so the constructor must be cheap and raise
+      ValueError for a bad value. The base constructor takes no options.
 
     Options: a policy that takes options declares them as keyword arguments of `__init__`
     (validated there, raising ValueError naming the bad value); the base class refuses any.

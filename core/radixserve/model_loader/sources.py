@@ -1,5 +1,6 @@
-"""Checkpoint formats: an HF directory of safetensors (sharded or not), a GGUF file (through the
-"gguf" quantization plugin), or dummy random weights at the real shapes."""
+"""Checkpoint formats: an HF directory of safetensors (sharded or not), a file read by a weight
+source (a quantization component that declared the file's suffix, e.g. GGUF), or dummy random
+weights at the real shapes."""
 
 from __future__ import annotations
 
@@ -8,24 +9,29 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-FORMATS = ("safetensors", "gguf", "dummy")
+if TYPE_CHECKING:
+    from radixserve.interfaces.quantization import WeightSource
+    from radixserve.plugins.registry import Registry
+
+FORMATS = ("safetensors", "dummy")  # plus the name of any installed weight source (e.g. "gguf")
 
 
-def detect_format(path: str, load_format: str = "auto") -> str:
-    """'safetensors' | 'gguf' | 'dummy'; errors name what was found instead."""
+def detect_format(path: str, load_format: str = "auto", registry: Registry | None = None) -> str:
+    """'safetensors' | 'dummy' | the name of the weight source that reads the file (e.g. 'gguf',
+    found by suffix through `registry`); errors name what was found instead."""
     if load_format == "dummy":
         return "dummy"
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path {path!r} does not exist")
     if os.path.isfile(path):
-        if path.endswith(".gguf"):
-            found = "gguf"
-        else:
-            raise ValueError(f"model file {path!r} is not a .gguf file; pass an HF directory or a .gguf file")
+        spec = registry.weight_source_for(path) if registry is not None else None
+        if spec is None:
+            raise ValueError(_no_weight_source_message(path, registry))
+        found = spec.name
     else:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"model directory {path!r} has no config.json")
@@ -40,36 +46,41 @@ def detect_format(path: str, load_format: str = "auto") -> str:
     return found
 
 
+def _no_weight_source_message(path: str, registry: Registry | None) -> str:
+    readable = registry.weight_file_suffixes() if registry is not None else []
+    msg = f"model file {path!r}: no installed weight source reads this file type"
+    msg += f" (installed ones read: {', '.join(readable)})" if readable else " (none installed)"
+    if path.lower().endswith(".gguf") and ".gguf" not in readable:
+        msg += "; GGUF files are read by radixserve-quant-gguf (pip install radixserve-quant-gguf)"
+    return msg + "; or pass an HF directory"
+
+
 @dataclass
 class ModelSource:
-    """Where a model's config and weights come from. `gguf` is the registry's GGUF component
-    (a weight source) when the path is a .gguf file."""
+    """Where a model's config and weights come from: an HF safetensors directory, dummy weights,
+    or a file read by a weight source (a QuantMethod with the WeightSource role, e.g. GGUF)."""
 
     path: str
     format: str
-    gguf: Any = None
-
-    @property
-    def is_gguf_file(self) -> bool:
-        return os.path.isfile(self.path) and self.path.endswith(".gguf")
+    weight_source: WeightSource | None = None
 
     def hf_config(self):
-        if self.is_gguf_file:
-            return self.gguf.hf_config(self.path)
+        if self.weight_source is not None:
+            return self.weight_source.hf_config(self.path)
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(self.path)
 
     def num_tensors(self) -> int | None:
-        if self.format == "gguf":
-            return self.gguf.num_tensors(self.path)
+        if self.weight_source is not None:
+            return self.weight_source.num_tensors(self.path)
         if self.format == "safetensors":
             return None  # counted while iterating (cheap headers), see _iter_safetensors
         return 0
 
     def iter_weights(self, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.format == "gguf":
-            return self.gguf.iter_weights(self.path, hf_config)
+        if self.weight_source is not None:
+            return self.weight_source.iter_weights(self.path, hf_config)
         if self.format == "safetensors":
             return iter_safetensors(self.path)
         raise ValueError("dummy checkpoints have no weights to iterate")
@@ -94,13 +105,12 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def open_source(path: str, load_format: str = "auto", registry=None) -> ModelSource:
-    fmt = detect_format(path, load_format)
-    gguf = None
-    if path.endswith(".gguf") and os.path.isfile(path):
-        if registry is None:
-            from radixserve.plugins.registry import get_registry
-
-            registry = get_registry()
-        gguf = registry.load("quantization", "gguf")()
-    return ModelSource(path=path, format=fmt, gguf=gguf)
+def open_source(path: str, load_format: str, registry: Registry) -> ModelSource:
+    """Detect the checkpoint format; a file gets the weight source that declared its suffix."""
+    fmt = detect_format(path, load_format, registry)
+    source = None
+    if os.path.isfile(path):
+        spec = registry.weight_source_for(path)
+        assert spec is not None  # detect_format raised otherwise
+        source = registry.load("quantization", spec.name)()
+    return ModelSource(path=path, format=fmt, weight_source=source)

@@ -26,6 +26,10 @@ def radixserve_register(registry: ComponentRegistrar) -> None:
     Call `registry.register(kind, name, "module:Class", devices=..., dtypes=..., priority=...)`
     once per component. `kind` is one of radixserve.interfaces.KINDS. The reference is imported
     only when the component is selected, so this hook must stay cheap: no torch, no triton.
+    A quantization component that reads a checkpoint file format declares the weight-source role
+    with `weight_file_suffixes=(".gguf",)` (its class must then subclass
+    `radixserve.interfaces.quantization.WeightSource`): the core picks it for files with those
+    suffixes, whatever its name.
 
     :param registry: a registrar bound to this plugin's distribution (for conflict messages).
     :return: nothing; the return value is ignored.

@@ -43,9 +43,19 @@ class ComponentSpec:
     priority: int = 0  # higher wins when the runtime picks a default for a device
     capabilities: tuple[str, ...] = ()
     description: str = ""
+    # the weight-source role (quantization components only): checkpoint files with these suffixes
+    # are read by this component, found by file type rather than by name (see WeightSource)
+    weight_file_suffixes: tuple[str, ...] = ()
 
     def supports_device(self, device: str) -> bool:
         return device.split(":")[0] in self.devices
+
+    @property
+    def is_weight_source(self) -> bool:
+        return bool(self.weight_file_suffixes)
+
+    def reads_file(self, path: str) -> bool:
+        return path.lower().endswith(self.weight_file_suffixes) if self.weight_file_suffixes else False
 
 
 @dataclass
@@ -75,6 +85,7 @@ class ComponentRegistrar:
         priority: int = 0,
         capabilities: tuple[str, ...] | list[str] = (),
         description: str = "",
+        weight_file_suffixes: tuple[str, ...] | list[str] = (),
     ) -> None:
         from radixserve.interfaces import KINDS
 
@@ -85,6 +96,12 @@ class ComponentRegistrar:
             )
         if ":" not in ref:
             raise PluginError(f"component {kind}/{name}: reference {ref!r} must look like 'module:Class'")
+        suffixes = tuple(str(x).lower() for x in weight_file_suffixes)
+        if suffixes and kind != "quantization":
+            raise PluginError(f"component {kind}/{name}: only quantization components can be weight sources "
+                              "(weight_file_suffixes)")
+        if any(not x.startswith(".") for x in suffixes):
+            raise PluginError(f"component {kind}/{name}: weight_file_suffixes must look like '.gguf', got {suffixes}")
         spec = ComponentSpec(
             kind=kind,
             name=name,
@@ -97,6 +114,7 @@ class ComponentRegistrar:
             priority=priority,
             capabilities=tuple(capabilities),
             description=description,
+            weight_file_suffixes=suffixes,
         )
         self._registry._add(spec)
 
@@ -119,8 +137,9 @@ def _split_env(name: str) -> set[str]:
 
 
 class Registry:
-    """All components known to this process. Build with `Registry.discover()` (or
-    `get_registry()` for the process-wide cached one)."""
+    """All components known to this process. Each process builds its own once, at its entry point,
+    with `Registry.from_config(config)` (honours the stack's `plugins` section) and passes it down;
+    there is no process-wide registry. `Registry.discover()` builds one without a config (tests)."""
 
     def __init__(self, prefer: dict[str, str] | None = None) -> None:
         # prefer: {"kind/name": distribution} resolves a (kind, name) registered by two distributions
@@ -132,6 +151,13 @@ class Registry:
         self.pm.add_hookspecs(hookspec)
 
     # ---- discovery ------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: Any) -> Registry:
+        """The registry for a `Config`: plugins named in `plugins.disable` are not loaded and
+        `plugins.prefer` settles (kind, name) conflicts. Every process that runs components (the
+        CLI, the Engine/HTTP process, the scheduler process) builds its own from the same config."""
+        return cls.discover(deny=set(config.plugins.disable), prefer=dict(config.plugins.prefer))
+
     @classmethod
     def discover(
         cls,
@@ -237,7 +263,21 @@ class Registry:
         base = BASE_CLASS_OF_KIND[kind]
         if not (isinstance(obj, type) and issubclass(obj, base)):
             raise PluginError(f"{kind} {name!r} ({spec.ref}) is not a subclass of {base.__module__}.{base.__name__}")
+        if spec.is_weight_source:
+            from radixserve.interfaces.quantization import WeightSource
+
+            if not issubclass(obj, WeightSource):
+                raise PluginError(f"{kind} {name!r} ({spec.ref}) declares weight_file_suffixes but is not a "
+                                  "subclass of radixserve.interfaces.quantization.WeightSource")
         return obj
+
+    def weight_source_for(self, path: str) -> ComponentSpec | None:
+        """The quantization component that declared it reads files like `path` (by suffix)."""
+        matches = [s for s in self.components("quantization") if s.reads_file(path)]
+        return matches[0] if matches else None
+
+    def weight_file_suffixes(self) -> list[str]:
+        return sorted({x for s in self.components("quantization") for x in s.weight_file_suffixes})
 
     def default(self, kind: str, device: str) -> ComponentSpec | None:
         """The highest-priority component of `kind` that declares support for `device`."""
@@ -256,13 +296,3 @@ def _core_version() -> str:
 
     return __version__
 
-
-_cached: Registry | None = None
-
-
-def get_registry() -> Registry:
-    """The registry of this process, discovered on first use (each process discovers its own)."""
-    global _cached
-    if _cached is None:
-        _cached = Registry.discover()
-    return _cached

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config import Config
+from radixserve.plugins.registry import Registry
+from radixserve.plugins.stack import check_quantization_fits, resolve_stack
 from radixserve.runtime.child import ChildSpec, watch_exit
 from radixserve.runtime.child import spawn as spawn_child
 from radixserve.runtime.errors import EngineDeadError, RequestError
@@ -74,9 +76,9 @@ class TokenizerManager:
     """Tokenizes requests, sends them to the scheduler process, and streams results back.
 
     API (kept stable for the Engine and the HTTP layer):
-    - `TokenizerManager(config)`; `await tm.start()` starts the scheduler and detokenizer processes
-      (fresh interpreters, see runtime/child.py) and returns once the model is loaded; raises
-      RuntimeError if a child fails.
+    - `TokenizerManager(config, registry=None)` checks the stack; `await tm.start()` starts the
+      scheduler and detokenizer processes (fresh interpreters, see runtime/child.py) and returns
+      once the model is loaded; raises RuntimeError if a child fails.
     - `tm.tokenizer` (a transformers tokenizer), `tm.model_name` (served name), `tm.context_len`.
     - `tm.apply_chat_template(messages, add_generation_prompt=True) -> list[int]`.
     - `async for out in tm.generate(GenerateInput(...))`: yields dicts
@@ -99,9 +101,14 @@ class TokenizerManager:
     All methods must be called from the event loop that ran `start()`.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, registry: Registry | None = None) -> None:
+        """`registry`: this process's plugin registry (None: built from `config`). The stack is
+        checked here, before any file is read; the scheduler process builds its own from `config`."""
         self.config = config
+        self.registry = registry if registry is not None else Registry.from_config(config)
+        self.stack = resolve_stack(config, self.registry, config.runtime.resolved_device())
         self.model_path = resolve_model_path(config.model.path)
+        check_quantization_fits(self.stack, self.model_path, self.registry)
         self.model_name = served_name(self.model_path, config.model.served_model_name)
         self.tokenizer: Any = None
         self.context_len: int = 0

@@ -115,8 +115,8 @@ def _process_start_s() -> float:
 
 
 def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int) -> None:
-    """Entry point of the scheduler process (spawned by the TokenizerManager). It discovers its own
-    plugin registry, builds the ModelRunner, reports ready (or the load error), then serves."""
+    """Entry point of the scheduler process (spawned by the TokenizerManager). It builds its own
+    plugin registry from the config, builds the ModelRunner, reports ready (or the load error), then serves."""
     import zmq
 
     from radixserve.config import Config
@@ -130,16 +130,17 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int) -
         if config.runtime.num_threads:
             torch.set_num_threads(config.runtime.num_threads)
         from radixserve.model_runner import ModelRunner
-        from radixserve.plugins.registry import get_registry
+        from radixserve.plugins.registry import Registry
         from radixserve.scheduler.scheduler import Scheduler
 
+        registry = Registry.from_config(config)  # this process's own, from the parent's config
         if config.runtime.resolved_device() == "cpu":
             _build_cpu_kernels_in_background()
-        runner = ModelRunner(config)
+        runner = ModelRunner(config, registry)  # checks the whole stack before loading
         warmup_start = time.perf_counter()
         runner.warmup()  # before "ready": the first requests must not pay for kernel compilation
         logger.info("warm-up done in %.1f s", time.perf_counter() - warmup_start)
-        scheduler = Scheduler.from_config(config, runner, get_registry())
+        scheduler = Scheduler.from_config(config, runner, registry)
         server = SchedulerServer(scheduler, ports)
     except Exception as e:
         ctx = zmq.Context(1)

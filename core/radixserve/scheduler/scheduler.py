@@ -122,16 +122,13 @@ class Scheduler:
         self._in_flight: tuple[list[_Item], LaunchedBatch] | None = None  # overlap: launched, not processed
 
     @classmethod
-    def from_config(cls, config: Config, runner: Any, registry: Any = None) -> Scheduler:
-        """Build with the prefix cache and policy named in `config.stack` (this process's registry)."""
-        if registry is None:
-            from radixserve.plugins.registry import get_registry
-
-            registry = get_registry()
+    def from_config(cls, config: Config, runner: Any, registry: Any) -> Scheduler:
+        """Build with the prefix cache and policy (with `stack.policy_options`) named in
+        `config.stack`, loaded from `registry` (the process's, see Registry.from_config)."""
         cache_cls = registry.load("prefix_cache", config.stack.prefix_cache)
         policy_cls = registry.load("policy", config.stack.policy)
         cache = cache_cls(runner.req_to_token_pool, runner.token_allocator)
-        return cls(config, runner, cache, policy_cls())
+        return cls(config, runner, cache, policy_cls(**config.stack.policy_options))
 
     # ---- requests in ------------------------------------------------------------------------
     def add_request(self, msg: GenerateRequest) -> None:

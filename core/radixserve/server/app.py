@@ -28,7 +28,13 @@ logger = logging.getLogger("radixserve.server")
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
-def create_app(tm: Any, config: Config) -> FastAPI:
+def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
+    """`registry`: the process's plugin registry whose plugins may add routes (None: built from
+    `config`)."""
+    if registry is None:
+        from radixserve.plugins.registry import Registry
+
+        registry = Registry.from_config(config)
     app = FastAPI(title="RadixServe", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(tm.model_name)
     serving = Serving(tm, metrics, log_requests=config.server.log_requests)
@@ -140,18 +146,16 @@ def create_app(tm: Any, config: Config) -> FastAPI:
             }
         )
 
-    _add_plugin_routes(app, tm)
+    _add_plugin_routes(app, tm, registry)
     # outermost: guards run before routing, so a bad key never reaches a handler
     app.add_middleware(GuardMiddleware, api_key=config.server.api_key, max_bytes=config.server.max_request_bytes)
     return app
 
 
-def _add_plugin_routes(app: FastAPI, tm: Any) -> None:
-    from radixserve.plugins.registry import get_registry
-
+def _add_plugin_routes(app: FastAPI, tm: Any, registry: Any) -> None:
     before = len(app.routes)
     core = {getattr(route, "path", None) for route in app.routes}
-    get_registry().hook.radixserve_add_routes(app=app, context=tm)
+    registry.hook.radixserve_add_routes(app=app, context=tm)
     clash = [r.path for r in app.routes[before:] if getattr(r, "path", None) in core]
     if clash:
         raise RuntimeError(f"a plugin tried to replace core routes: {sorted(set(clash))}")

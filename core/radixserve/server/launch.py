@@ -58,10 +58,11 @@ def setup_logging(level: str) -> None:
     )
 
 
-def run_server(config: Config) -> int:
+def run_server(config: Config, registry: Any = None) -> int:
+    """`registry`: this process's plugin registry (None: built from `config`)."""
     setup_logging(config.server.log_level)
     try:
-        return asyncio.run(_serve(config))
+        return asyncio.run(_serve(config, registry))
     except KeyboardInterrupt:
         return 130
 
@@ -78,12 +79,12 @@ def end_process(code: int) -> NoReturn:
     os._exit(code)
 
 
-async def _start_runtime(config: Config) -> tuple[Any, int]:
+async def _start_runtime(config: Config, registry: Any) -> tuple[Any, int]:
     """A started TokenizerManager, or (None, exit code). SIGINT/SIGTERM abort a slow start."""
     from radixserve.runtime.tokenizer_manager import TokenizerManager
 
     try:
-        tm = TokenizerManager(config)
+        tm = TokenizerManager(config, registry)
     except FileNotFoundError as e:
         logger.error("%s", e)
         return None, 2
@@ -108,16 +109,16 @@ async def _start_runtime(config: Config) -> tuple[Any, int]:
             loop.remove_signal_handler(sig)
 
 
-async def _serve(config: Config) -> int:
+async def _serve(config: Config, registry: Any) -> int:
     from radixserve.server.app import create_app
     from radixserve.server.shutdown import GracefulShutdown
 
-    tm, code = await _start_runtime(config)
+    tm, code = await _start_runtime(config, registry)
     if tm is None:
         return code
     exit_code = 0
     try:
-        app = create_app(tm, config)
+        app = create_app(tm, config, tm.registry)
         s = config.server
         shutdown = GracefulShutdown(tm, s.shutdown_grace_s)
         server = _Server(

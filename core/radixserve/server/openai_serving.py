@@ -290,6 +290,7 @@ class Serving:
             stream=req.stream,
             return_logprob=req.return_logprob,
             top_logprobs_num=req.top_logprobs_num,
+            priority=req.priority,
         )
         jobs = [Job(0, rid, gen)]
         if req.stream:
@@ -320,7 +321,8 @@ class Serving:
         seed = None if req.seed is None else req.seed + offset
         params = self.sampling(req, max_new, seed, logprobs, top)
         gen = GenerateInput(
-            sampling_params=params, rid=rid, stream=req.stream, return_logprob=logprobs, top_logprobs_num=top, **given
+            sampling_params=params, rid=rid, stream=req.stream, return_logprob=logprobs, top_logprobs_num=top,
+            priority=req.priority, **given,
         )
         return Job(index, rid, gen)
 

@@ -52,6 +52,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     rid: str | None = Field(default=None, max_length=200)  # caller-chosen request id (for /abort_request)
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)  # higher first under the `priority` policy
 
     @model_validator(mode="after")
     def _check_stop(self) -> _SamplingFields:
@@ -137,6 +138,7 @@ class GenerateRequest(_Request):
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
     rid: str | None = Field(default=None, max_length=200)
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)  # higher first under the `priority` policy
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:

@@ -1,13 +1,15 @@
-"""The "gguf" quantization component: a weight source that dequantizes GGUF files at load time.
+"""The "gguf" quantization component: a weight source (declared for ".gguf" files) that
+dequantizes GGUF files at load time.
 
-Layers stay unquantized (plain float weights); what this component adds is reading the file:
-`hf_config(path)` and `iter_weights(path, hf_config)`."""
+Layers stay unquantized (plain float weights); what this component adds is reading the file
+(the WeightSource contract): `hf_config(path)`, `num_tensors(path)`, `iter_weights(path, hf_config)`."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import torch
+from radixserve.interfaces.quantization import WeightSource
 from radixserve.layers.quant_unquantized import UnquantizedMethod
 
 from radixserve_quant_gguf.hf_config import build_hf_config, gguf_architecture
@@ -15,9 +17,7 @@ from radixserve_quant_gguf.reader import open_gguf
 from radixserve_quant_gguf.tensors import iter_hf_tensors
 
 
-class GGUFMethod(UnquantizedMethod):
-    is_weight_source = True
-
+class GGUFMethod(UnquantizedMethod, WeightSource):
     @staticmethod
     def hf_config(path: str):
         return build_hf_config(open_gguf(path))

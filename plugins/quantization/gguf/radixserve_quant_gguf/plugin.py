@@ -11,6 +11,6 @@ def radixserve_register(registry) -> None:
         "quantization",
         "gguf",
         "radixserve_quant_gguf.method:GGUFMethod",
-        capabilities=("weight_source",),
+        weight_file_suffixes=(".gguf",),
         description="GGUF files (llama.cpp), dequantized to float at load",
     )

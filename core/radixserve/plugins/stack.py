@@ -1,0 +1,169 @@
+"""Resolve a config's component stack against a registry and check it before any model loads.
+
+Every entry point (`serve`, `generate`, `bench`, `Engine`, the scheduler process, the model
+runner) calls `resolve_stack` first, so a bad stack fails in seconds with a message naming the
+bad value, never after the weights are read.
+
+Kinds and their config keys: attention <- stack.attention, prefix_cache <- stack.prefix_cache,
+policy <- stack.policy (+ stack.policy_options), quantization <- stack.quantization,
+drafter <- stack.speculative."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from radixserve.plugins.registry import ComponentSpec, PluginError
+
+if TYPE_CHECKING:
+    from radixserve.config import Config
+    from radixserve.plugins.registry import Registry
+
+# the config key under `stack` that selects each kind
+CONFIG_KEY_OF_KIND = {
+    "attention": "attention",
+    "prefix_cache": "prefix_cache",
+    "policy": "policy",
+    "quantization": "quantization",
+    "drafter": "speculative",
+}
+
+
+@dataclass(frozen=True)
+class ResolvedStack:
+    """The components a config selects on one device (defaults filled in)."""
+
+    device: str
+    attention: ComponentSpec
+    prefix_cache: ComponentSpec
+    policy: ComponentSpec
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    quantization: ComponentSpec | None = None  # None: from the checkpoint
+    drafter: ComponentSpec | None = None  # always None until the core does speculative decoding
+
+    def by_kind(self) -> dict[str, ComponentSpec | None]:
+        return {
+            "attention": self.attention,
+            "prefix_cache": self.prefix_cache,
+            "policy": self.policy,
+            "quantization": self.quantization,
+            "drafter": self.drafter,
+        }
+
+
+def resolve_stack(config: Config, registry: Registry, device: str, model_path: str | None = None) -> ResolvedStack:
+    """Resolve `config.stack` for `device`. Raises PluginError for an unknown component (listing the
+    installed ones and the package that provides a known one), a component that does not support
+    the device, a policy option the policy does not take, a drafter (speculative decoding is not
+    implemented) and, when `model_path` exists, a quantization method that cannot apply to it."""
+    stack = config.stack
+    if stack.speculative is not None:
+        raise PluginError(
+            f"stack.speculative={stack.speculative!r} selects a component of kind 'drafter', but speculative "
+            "decoding is not implemented by this core yet; remove stack.speculative"
+        )
+    prefix_cache = _on_device(registry.get("prefix_cache", stack.prefix_cache), device)
+    policy = _on_device(registry.get("policy", stack.policy), device)
+    options = check_policy_options(registry, policy.name, dict(stack.policy_options))
+    quant = None
+    if stack.quantization is not None:
+        quant = _on_device(registry.get("quantization", stack.quantization), device)
+    if stack.attention is None:
+        attention = registry.default("attention", device)
+        if attention is None:
+            installed = ", ".join(f"{s.name} ({'/'.join(s.devices)})" for s in registry.components("attention"))
+            raise PluginError(
+                f"no installed attention component supports device {device!r} (installed: {installed or 'none'}); "
+                "install one, e.g. pip install radixserve-attention-torch_native"
+            )
+    else:
+        attention = _on_device(registry.get("attention", stack.attention), device)
+    resolved = ResolvedStack(
+        device=device, attention=attention, prefix_cache=prefix_cache, policy=policy,
+        policy_options=options, quantization=quant,
+    )
+    if model_path is not None and os.path.exists(model_path):
+        check_quantization_fits(resolved, model_path, registry)
+    return resolved
+
+
+def _on_device(spec: ComponentSpec, device: str) -> ComponentSpec:
+    if not spec.supports_device(device):
+        key = CONFIG_KEY_OF_KIND[spec.kind]
+        raise PluginError(
+            f"stack.{key}={spec.name!r}: this {spec.kind} component ({spec.distribution}) does not support "
+            f"device {device!r} (it supports {', '.join(spec.devices)})"
+        )
+    return spec
+
+
+def policy_option_names(policy_cls: type) -> list[str] | None:
+    """The keyword options a policy's constructor takes; None when it takes any (**kwargs)."""
+    from radixserve.interfaces.policy import SchedulePolicy
+
+    if policy_cls.__init__ is SchedulePolicy.__init__:
+        return []  # the base constructor refuses every option
+    params = list(inspect.signature(policy_cls).parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+
+
+def check_policy_options(registry: Registry, name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Check `stack.policy_options` against the policy's constructor, then build one instance to
+    check the values too (policy constructors are cheap by contract)."""
+    cls = registry.load("policy", name)
+    valid = policy_option_names(cls)
+    if valid is not None:
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            takes = f"valid options: {', '.join(valid)}" if valid else "it takes no options"
+            raise PluginError(f"stack.policy_options: policy {name!r} has no option {', '.join(map(repr, unknown))}; {takes}")
+    try:
+        cls(**options)
+    except (TypeError, ValueError) as e:
+        raise PluginError(f"stack.policy_options for policy {name!r}: {e}") from None
+    return options
+
+
+def check_quantization_fits(stack: ResolvedStack, model_path: str, registry: Registry) -> None:
+    """A quantization method selected for a checkpoint it cannot apply to is an error naming both:
+    a file belongs to the weight source that declared its suffix; an HF directory cannot use a
+    weight source, nor a method other than the one its quantization_config declares."""
+    quant = stack.quantization
+    if quant is None:
+        return
+    if os.path.isfile(model_path):
+        reader = registry.weight_source_for(model_path)
+        if reader is not None and reader.name != quant.name:
+            raise PluginError(
+                f"stack.quantization={quant.name!r} cannot apply to {model_path!r}: that file is read by the weight "
+                f"source {reader.name!r} ({reader.distribution}), which also sets its quantization; "
+                f"remove stack.quantization or set it to {reader.name!r}"
+            )
+        return
+    if quant.is_weight_source:
+        raise PluginError(
+            f"stack.quantization={quant.name!r} reads {', '.join(quant.weight_file_suffixes)} files, but {model_path!r} "
+            "is a Hugging Face checkpoint directory; remove stack.quantization or pass a "
+            f"{'/'.join(quant.weight_file_suffixes)} file"
+        )
+    declared = declared_quant_method(model_path)
+    if declared is not None and declared != quant.name:
+        raise PluginError(
+            f"stack.quantization={quant.name!r} cannot apply to {model_path!r}: its config.json declares "
+            f"quantization_config.quant_method={declared!r}; remove stack.quantization or set it to {declared!r}"
+        )
+
+
+def declared_quant_method(model_dir: str) -> str | None:
+    """`quantization_config.quant_method` from an HF directory's config.json (None if absent)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            qc = json.load(f).get("quantization_config")
+    except (OSError, ValueError):
+        return None  # the loader reports a missing or broken config.json with its own message
+    return qc.get("quant_method") if isinstance(qc, dict) else None

@@ -1,0 +1,167 @@
+"""The stack is resolved and checked before any model loads, in every entry point (serve, generate,
+Engine, the model runner the scheduler process builds), against the registry built from the config."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+from plugin_fixtures import make_fake_distribution, run_cli
+from radixserve.config import Config
+from radixserve.plugins.registry import PluginError, Registry
+from radixserve.plugins.stack import check_quantization_fits, resolve_stack
+
+MISSING_MODEL = "/nonexistent/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _stack_file(tmp_path, text: str) -> str:
+    f = tmp_path / "stack.yaml"
+    f.write_text(text)
+    return str(f)
+
+
+# ---- fail fast: a bad stack is reported before the model is looked at -------------------------
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_cli_unknown_policy_fails_before_loading(tmp_path, command):
+    stack = _stack_file(tmp_path, "stack:\n  policy: lpm-typo\n")
+    args = [command, "--config", stack, "--model", MISSING_MODEL] + (["hello"] if command == "generate" else [])
+    start = time.monotonic()
+    r = run_cli(args)
+    assert r.returncode == 2, r.stderr
+    assert "lpm-typo" in r.stderr and "fcfs" in r.stderr, r.stderr  # the bad value and the valid choices
+    assert "does not exist" not in r.stderr and "Traceback" not in r.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_engine_unknown_policy_fails_before_loading(tmp_path):
+    from radixserve.engine import Engine
+
+    with pytest.raises(PluginError, match="lpm-typo.*installed policy components: .*fcfs"):
+        Engine(model=MISSING_MODEL, config=_stack_file(tmp_path, "stack:\n  policy: lpm-typo\n"))
+
+
+def test_serve_honours_plugins_disable_from_the_stack_file(tmp_path):
+    stack = _stack_file(tmp_path, "stack:\n  prefix_cache: chunk\nplugins:\n  disable: [chunk]\n")
+    r = run_cli(["serve", "--config", stack, "--model", MISSING_MODEL])
+    assert r.returncode == 2
+    assert "no prefix_cache component named 'chunk'" in r.stderr and "radixserve-cache-chunk" in r.stderr, r.stderr
+
+
+def test_speculative_is_a_clear_startup_error(tmp_path):
+    r = run_cli(["config", "show", "stack.speculative=ngram"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "speculative decoding is not implemented by this core yet" in r.stderr and "'drafter'" in r.stderr
+    with pytest.raises(PluginError, match="not implemented"):
+        resolve_stack(Config.build({"stack": {"speculative": "ngram"}}), Registry.discover(), "cpu")
+
+
+def test_component_that_does_not_support_the_device_is_an_error():
+    reg = Registry.discover()
+    cpu_only = [s.name for s in reg.components("attention") if not s.supports_device("cuda")]
+    assert cpu_only, "an installed CPU-only attention backend is needed for this test"
+    with pytest.raises(PluginError, match=f"stack.attention='{cpu_only[0]}'.*does not support device 'cuda'"):
+        resolve_stack(Config.build({"stack": {"attention": cpu_only[0]}}), reg, "cuda")
+
+
+# ---- policy options ---------------------------------------------------------------------------
+def test_policy_options_reach_the_policy_constructor():
+    from radixserve.scheduler import Scheduler
+    from radixserve.scheduler.testing import ToyRunner
+
+    config = Config.build({"stack": {"policy": "lpm", "policy_options": {"fcfs_threshold": 3}}})
+    reg = Registry.discover()
+    assert resolve_stack(config, reg, "cpu").policy_options == {"fcfs_threshold": 3}
+    sched = Scheduler.from_config(config, ToyRunner(vocab_size=100), reg)
+    assert sched.policy.fcfs_threshold == 3
+
+
+def test_unknown_or_bad_policy_option_lists_the_valid_ones():
+    reg = Registry.discover()
+    with pytest.raises(PluginError, match="policy 'lpm' has no option 'threshold'; valid options: fcfs_threshold"):
+        resolve_stack(Config.build({"stack": {"policy": "lpm", "policy_options": {"threshold": 3}}}), reg, "cpu")
+    with pytest.raises(PluginError, match="policy 'fcfs' has no option 'seed'; it takes no options"):
+        resolve_stack(Config.build({"stack": {"policy_options": {"seed": 1}}}), reg, "cpu")
+    with pytest.raises(PluginError, match="fcfs_threshold must be >= 0"):
+        resolve_stack(Config.build({"stack": {"policy": "lpm", "policy_options": {"fcfs_threshold": -1}}}), reg, "cpu")
+
+
+def test_priority_policy_admits_the_higher_priority_request_first():
+    from radixserve.runtime.messages import GenerateRequest
+    from radixserve.scheduler import Scheduler
+    from radixserve.scheduler.testing import ToyRunner
+    from radixserve.state import SamplingParams
+
+    config = Config.build({"stack": {"policy": "priority"}, "scheduler": {"max_running_requests": 1}})
+    sched = Scheduler.from_config(config, ToyRunner(vocab_size=100), Registry.discover())
+    for rid, prio in (("low", 0), ("high", 5)):
+        sched.add_request(GenerateRequest(rid=rid, input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=2),
+                                          priority=prio))
+    order: list[str] = []
+    for _ in range(100):
+        order += [o.rid for o in sched.step() if o.new_ids and o.rid not in order]
+    assert order == ["high", "low"]
+
+
+def test_engine_generate_carries_priority():
+    from radixserve.engine import Engine
+
+    inputs, _ = Engine._inputs(None, [[1, 2], [3]], None, None, False, False, 0, [4, -1])
+    assert [i.priority for i in inputs] == [4, -1]
+    with pytest.raises(ValueError, match="priority"):
+        Engine._inputs("hi", None, None, None, False, False, 0, "high")
+
+
+# ---- quantization vs the checkpoint ----------------------------------------------------------
+def test_quantization_for_a_gguf_file_must_be_its_weight_source(smollm2_gguf_path):
+    from radixserve.model_runner import ModelRunner
+
+    config = Config.build({"model": {"path": smollm2_gguf_path}, "stack": {"quantization": "unquantized"},
+                           "runtime": {"device": "cpu"}})
+    with pytest.raises(PluginError, match="stack.quantization='unquantized'.*weight source 'gguf'"):
+        ModelRunner(config, Registry.from_config(config), show_progress=False)
+
+
+def test_weight_source_on_an_hf_directory_is_an_error(tiny_llama_dir):
+    from radixserve.model_runner import ModelRunner
+
+    path = tiny_llama_dir("llama")
+    config = Config.build({"model": {"path": path}, "stack": {"quantization": "gguf"}, "runtime": {"device": "cpu"}})
+    with pytest.raises(PluginError, match=f"stack.quantization='gguf' reads .gguf files, but '{path}'"):
+        ModelRunner(config, Registry.from_config(config), show_progress=False)
+
+
+def test_quantization_conflicting_with_the_checkpoint_declaration(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
+    reg = Registry.discover()
+    stack = resolve_stack(Config.build({"stack": {"quantization": "unquantized"}}), reg, "cpu")
+    with pytest.raises(PluginError, match="'unquantized'.*quant_method='fp8'"):
+        check_quantization_fits(stack, str(tmp_path), reg)
+
+
+# ---- the scheduler process builds its own registry from the same config -----------------------
+BROKEN_PLUGIN = """
+raise ImportError("this plugin must never be imported: the stack disables it")
+"""
+
+
+@pytest.mark.slow
+def test_plugins_disable_reaches_the_scheduler_process(tmp_path, monkeypatch, smollm2_gguf_path):
+    """A plugin the stack disables is not loaded by any process: importing this one fails, so an
+    Engine starts only if the scheduler process honours plugins.disable too."""
+    from radixserve.engine import Engine
+
+    site = tmp_path / "site"
+    site.mkdir()
+    make_fake_distribution(site, "radixserve-broken", "broken", "rs_broken_plugin", BROKEN_PLUGIN)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    with pytest.raises(PluginError, match="radixserve-broken"):
+        Registry.discover()  # the plugin is visible to discovery
+    stack = _stack_file(tmp_path, "plugins:\n  disable: [broken]\n")
+    with Engine(model=smollm2_gguf_path, config=stack, runtime={"device": "cpu", "cuda_graph": False,
+                                                                  "num_threads": 1},
+                scheduler={"max_total_tokens": 1024}) as eng:
+        out = eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2, "temperature": 0})
+    assert out["meta_info"]["completion_tokens"] == 2
