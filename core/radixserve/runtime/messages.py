@@ -20,8 +20,6 @@ class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     input_ids: list[int]
     sampling_params: SamplingParams
     stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
     priority: int = 0
 
 
@@ -45,12 +43,15 @@ class ReqTokenOut(msgspec.Struct, kw_only=True):
     """New token ids of one request since its previous emission.
 
     `prompt_tail` (the last few prompt ids) is set on a request's first emission only: the
-    detokenizer decodes new tokens in the context of their predecessors (leading spaces)."""
+    detokenizer decodes new tokens in the context of their predecessors (leading spaces).
+    A request that ended on a stop string (finished_reason {"type": "stop", "matched": <str>}) sends
+    the tokens that made the stop string as the last `num_stop_tokens` of `new_ids`: decoded, so the
+    text can be cut where the stop string starts, but not returned; the logprobs leave them out."""
 
     rid: str
     new_ids: list[int]
     finished_reason: dict[str, Any] | None = None
-    prompt_tokens: int = 0
+    num_stop_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
     skip_special_tokens: bool = True
@@ -74,15 +75,12 @@ class ReqTextOut(msgspec.Struct, kw_only=True):
     text_delta: str
     new_ids: list[int]
     finished_reason: dict[str, Any] | None = None
-    prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
     token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None
     error_status: int = 400
-    # finished here by a stop string: the scheduler still runs it and must be told to abort it
-    abort_in_scheduler: bool = False
 
 
 class BatchTextOut(msgspec.Struct, tag=True):
