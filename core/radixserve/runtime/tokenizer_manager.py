@@ -115,7 +115,7 @@ class TokenizerManager:
         import zmq.asyncio
 
         from radixserve.runtime.detokenizer import run_detokenizer_process
-        from radixserve.scheduler.process import run_scheduler_process
+        from radixserve.runtime.scheduler_process import run_scheduler_process
 
         loop = asyncio.get_running_loop()
         self._loop = loop

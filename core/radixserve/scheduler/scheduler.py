@@ -1,6 +1,6 @@
 """The scheduler loop body: admission, batch selection, KV accounting, result processing.
 
-In-process and socket-free on purpose (the ZMQ wrapper is `scheduler.process`): tests drive it with
+In-process and socket-free on purpose (the ZMQ wrapper is `runtime.scheduler_process`): tests drive it with
 `add_request` / `abort` / `step()` against a toy runner.
 
 Slot ownership (see PrefixCache): a request's row holds `prefix_indices` (the cache's, locked through
@@ -21,7 +21,7 @@ import torch
 
 from radixserve.config import Config
 from radixserve.interfaces import PrefixCache, SchedulePolicy
-from radixserve.runtime.messages import GenerateRequest, ReqTokenOut
+from radixserve.messages import GenerateRequest, ReqTokenOut
 from radixserve.sampling.batch import sampling_reads_history
 from radixserve.scheduler.metrics import SchedulerMetrics
 from radixserve.scheduler.stop_strings import StopStringMatcher
