@@ -32,9 +32,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from radixserve.bench.static_batch import StaticBatchDriver
     from radixserve.config import Config
     from radixserve.model_runner import ModelRunner
+    from radixserve.static_batch import run_static_batch
 
     cfg = Config.build({
         "model": {"path": args.model},
@@ -59,7 +59,7 @@ def main() -> None:
                 profiler.disable()
 
     runner.run_batch = profiled
-    res = StaticBatchDriver(runner).run(prompts, args.steps)
+    res = run_static_batch(runner, prompts, max_new_tokens=args.steps)
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(15)
     print(f"## CPU decode profile, {machine()}, commit {commit()}\n")

@@ -102,15 +102,25 @@ def test_manager_buffers_non_streaming_requests_until_the_end(tok):
     assert final.text_delta == "quiet please" and final.new_ids == ids
 
 
-def test_manager_stop_string_finishes_and_asks_the_scheduler_to_abort(tok):
+def test_manager_cuts_the_text_and_ids_of_a_stop_string_the_scheduler_matched(tok):
+    """The scheduler ends the request and sends the stop string's tokens last (num_stop_tokens):
+    they cut the text but are not returned, and the request is gone from the detokenizer."""
+    before, stop_ids = tok.encode("yes "), tok.encode("STOP no")
+    fin = {"type": "stop", "matched": "STOP"}
+    [o] = DetokenizerManager(tok).handle(
+        [out("s", before + stop_ids, fin, stop=["STOP"], num_stop_tokens=len(stop_ids), token_logprobs=[-0.5] * len(before))]
+    )
+    assert o.finished_reason == fin
+    assert o.text_delta == "yes " and o.new_ids == before and o.token_logprobs == [-0.5] * len(before)
+
+
+def test_manager_does_not_finish_a_request_on_its_own(tok):
     m = DetokenizerManager(tok)
     ids = tok.encode("yes STOP no")
     [first] = m.handle([out("s", ids, stop=["STOP"])])
-    assert first.finished_reason == {"type": "stop", "matched": "STOP"}
-    assert first.abort_in_scheduler and first.text_delta == "yes "
-    assert m.handle([out("s", tok.encode(" more"))]) == []  # still in flight in the scheduler: dropped
-    assert m.handle([out("s", [], {"type": "abort"})]) == []  # the scheduler's final output clears it
-    assert m.states == {}
+    assert first.finished_reason is None and first.text_delta == "yes "  # the scheduler decides the end
+    [last] = m.handle([out("s", [], {"type": "abort"}, stop=["STOP"])])
+    assert last.finished_reason == {"type": "abort"} and m.states == {}
 
 
 def test_matched_stop_token_is_not_in_the_text(tok):

@@ -160,6 +160,27 @@ def test_stop_string_and_logprobs(engine):
     assert [t for _, t in lps] == cut["output_ids"] and all(lp <= 0 for lp, _ in lps)
 
 
+def test_a_stop_string_finishes_the_request_in_the_scheduler(engine):
+    """Counted as finished (not aborted), no decoding past the stop, and the stop string's tokens
+    and logprobs are not returned."""
+    prompt = "The days of the week are Monday, Tuesday,"
+    full = engine.generate(prompt, {**GREEDY, "max_new_tokens": 8, "ignore_eos": True})
+    stop = full["text"].split()[1]
+    before = drain_stats(engine)
+    cut = engine.generate(
+        prompt, {**GREEDY, "max_new_tokens": 2000, "ignore_eos": True, "stop": [stop]}, return_logprob=True
+    )
+    after = drain_stats(engine)
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert after["finished_requests"] == before["finished_requests"] + 1
+    assert after["aborted_requests"] == before["aborted_requests"]
+    assert after["generated_tokens"] - before["generated_tokens"] <= 8  # not 2000, not one step more
+    lps = cut["meta_info"]["output_token_logprobs"]
+    assert [t for _, t in lps] == cut["output_ids"]
+    assert stop not in engine.tokenizer_manager.tokenizer.decode(cut["output_ids"])
+    assert len(cut["output_ids"]) < cut["meta_info"]["completion_tokens"]
+
+
 def test_invalid_requests_get_clear_errors(engine):
     with pytest.raises(RequestError, match="context length") as e:
         engine.generate(input_ids=[1] * 100, sampling_params={"max_new_tokens": engine.tokenizer_manager.context_len})

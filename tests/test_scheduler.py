@@ -1,4 +1,4 @@
-"""Scheduler behaviour on the toy runner (radixserve.scheduler.testing): outputs, memory, aborts.
+"""Scheduler behaviour on the toy runner (radixserve.testing): outputs, memory, aborts.
 
 Every scheduler built here is checked at teardown: nothing waiting or running, the cache flushes,
 and every KV slot and request row is back in its free list."""
@@ -12,7 +12,7 @@ from radixserve.config import Config
 from radixserve.plugins.registry import Registry
 from radixserve.runtime.messages import GenerateRequest
 from radixserve.scheduler import Scheduler
-from radixserve.scheduler.testing import ToyRunner, toy_next_token
+from radixserve.testing import ToyRunner, toy_next_token
 from radixserve.state import SamplingParams
 
 VOCAB = 1000

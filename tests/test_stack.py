@@ -68,7 +68,7 @@ def test_component_that_does_not_support_the_device_is_an_error():
 # ---- policy options ---------------------------------------------------------------------------
 def test_policy_options_reach_the_policy_constructor():
     from radixserve.scheduler import Scheduler
-    from radixserve.scheduler.testing import ToyRunner
+    from radixserve.testing import ToyRunner
 
     config = Config.build({"stack": {"policy": "lpm", "policy_options": {"fcfs_threshold": 3}}})
     reg = Registry.discover()
@@ -90,7 +90,7 @@ def test_unknown_or_bad_policy_option_lists_the_valid_ones():
 def test_priority_policy_admits_the_higher_priority_request_first():
     from radixserve.runtime.messages import GenerateRequest
     from radixserve.scheduler import Scheduler
-    from radixserve.scheduler.testing import ToyRunner
+    from radixserve.testing import ToyRunner
     from radixserve.state import SamplingParams
 
     config = Config.build({"stack": {"policy": "priority"}, "scheduler": {"max_running_requests": 1}})

@@ -15,9 +15,9 @@ import os
 import statistics
 
 import torch
-from radixserve.bench.static_batch import StaticBatchDriver
 from radixserve.config import Config
 from radixserve.model_runner import ModelRunner
+from radixserve.static_batch import run_static_batch
 
 
 def runner_for(model: str, graphs: bool) -> ModelRunner:
@@ -39,9 +39,8 @@ def main() -> None:
     row: dict = {}
 
     runner = runner_for(args.model, graphs=True)
-    driver = StaticBatchDriver(runner)
-    driver.run(prompt, 4)
-    res = driver.run(prompt, 64)
+    run_static_batch(runner, prompt, max_new_tokens=4)
+    res = run_static_batch(runner, prompt, max_new_tokens=64)
     row["sync_step_ms"] = round(statistics.median(res.decode_step_s) * 1e3, 3)
     gr = runner.graph_runner
     graph = gr.graphs[1]
@@ -55,17 +54,16 @@ def main() -> None:
     end.record()
     torch.cuda.synchronize()
     row["graph_replay_ms"] = round(start.elapsed_time(end) / 100, 3)
-    del driver, runner, gr, graph
+    del runner, gr, graph
     torch.cuda.empty_cache()
 
     runner = runner_for(args.model, graphs=False)
-    driver = StaticBatchDriver(runner)
-    driver.run(prompt, 4)
+    run_static_batch(runner, prompt, max_new_tokens=4)
     from torch.profiler import ProfilerActivity, profile
 
     def device_times(n_new: int) -> tuple[dict[str, tuple[float, int]], list[float]]:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            res = driver.run(prompt, n_new)
+            res = run_static_batch(runner, prompt, max_new_tokens=n_new)
         times = {e.key: (e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0}
         return times, res.decode_step_s
 

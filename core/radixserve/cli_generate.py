@@ -1,7 +1,7 @@
 """`radixserve generate`: complete one prompt in process with the ModelRunner (no server).
 
-A deliberately small loop (prefill, then decode until EOS or --max-tokens); the Engine replaces it
-once it exists. Text is streamed to stdout as it is generated."""
+Runs the prompt as a one-request static batch (`radixserve.static_batch`) and streams the text to
+stdout as it is generated."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-import torch
-
-from radixserve.state import ForwardMode, Req, SamplingParams, ScheduledBatch
+from radixserve.state import SamplingParams
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,38 +28,19 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def generate_ids(runner, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
-    """Yield new token ids for one request until EOS (unless ignore_eos) or max_new_tokens.
-    Frees its KV slots and ReqToTokenPool row when done or abandoned."""
-    pool, alloc = runner.req_to_token_pool, runner.token_allocator
+    """Yield new token ids for one request until EOS (unless ignore_eos), a stop token id or
+    max_new_tokens. Frees its KV slots and ReqToTokenPool row when done or abandoned."""
+    from radixserve.static_batch import StaticBatch
+
     if len(prompt_ids) + params.max_new_tokens > runner.context_len:
         raise ValueError(f"prompt ({len(prompt_ids)}) + max tokens ({params.max_new_tokens}) exceed the "
                          f"context length {runner.context_len}")
-    req = Req(rid="cli", origin_input_ids=list(prompt_ids), sampling_params=params,
-              eos_token_ids=runner.eos_token_ids)
-    row = pool.alloc()
-    held: list[torch.Tensor] = []
+    steps = StaticBatch(runner, [prompt_ids], params).steps()
     try:
-        new, kv_len, mode = list(prompt_ids), 0, ForwardMode.EXTEND
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(runner.eos_token_ids))
-        for _ in range(params.max_new_tokens):
-            slots = alloc.alloc(len(new))
-            if slots is None:
-                raise RuntimeError("KV cache is full; raise scheduler.max_total_tokens or cpu_kv_cache_gb")
-            held.append(slots)
-            pool.write(row, kv_len, slots)
-            sb = ScheduledBatch(mode=mode, reqs=[req], input_ids=new, req_pool_indices=[row], prefix_lens=[kv_len],
-                                extend_lens=[len(new)], out_cache_loc=slots)
-            tok = runner.run_batch(sb).next_token_ids[0]
-            kv_len += len(new)
-            req.output_ids.append(tok)
+        for (tok,) in steps:
             yield tok
-            if tok in stops and len(req.output_ids) >= params.min_new_tokens:
-                return
-            new, mode = [tok], ForwardMode.DECODE
     finally:
-        pool.free(row)
-        for s in held:
-            alloc.free(s)
+        steps.close()  # gives the KV back at once when the caller stops early
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -172,9 +172,9 @@ class ModelRunner:
         """One tiny prefill + decode before serving: JIT-compiled kernels (Triton's extend kernel,
         the fused layers) compile here instead of inside the first requests' time to first token.
         Leaves the pools as it found them."""
-        from radixserve.bench.static_batch import StaticBatchDriver
+        from radixserve.static_batch import run_static_batch
 
-        StaticBatchDriver(self).run([[1, 2, 3, 4]], 2)
+        run_static_batch(self, [[1, 2, 3, 4]], max_new_tokens=2)
 
     @property
     def tokenizer(self):

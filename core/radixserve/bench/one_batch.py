@@ -50,22 +50,21 @@ def _config(args: argparse.Namespace) -> Config:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from radixserve.bench.static_batch import StaticBatchDriver
     from radixserve.model_runner import ModelRunner
+    from radixserve.static_batch import run_static_batch
 
     config = _config(args)
     t0 = time.perf_counter()
     runner = ModelRunner(config)
     load_s = time.perf_counter() - t0
     print(f"loaded {runner.model_path} in {load_s:.1f}s on {runner.device} ({runner.dtype})")
-    driver = StaticBatchDriver(runner)
     for bs in args.batch_size:
         gen = torch.Generator().manual_seed(bs)
         prompts = [
             torch.randint(10, runner.vocab_size - 10, (args.input_len,), generator=gen).tolist() for _ in range(bs)
         ]
-        driver.run(prompts, 2)  # warm-up (kernels compiled, graphs captured)
-        res = driver.run(prompts, args.output_len)
+        run_static_batch(runner, prompts, max_new_tokens=2)  # warm-up (kernels compiled, graphs captured)
+        res = run_static_batch(runner, prompts, max_new_tokens=args.output_len)
         step_ms = statistics.median(res.decode_step_s) * 1e3
         row = {
             "batch_size": bs,

@@ -56,7 +56,7 @@ class ChildSpec:
 
 
 def _run_scheduler(spec: ChildSpec) -> None:
-    from radixserve.scheduler.process import run_scheduler_process
+    from radixserve.runtime.scheduler_process import run_scheduler_process
 
     run_scheduler_process(spec.config, spec.ports, spec.parent_pid)
 

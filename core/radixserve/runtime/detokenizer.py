@@ -1,10 +1,7 @@
-"""Incremental detokenization (multi-byte safe, stop strings) and the detokenizer process.
-
-Why offsets: decoding only the new ids loses context (leading spaces of sentencepiece/BPE pieces,
-multi-byte characters split over tokens). Each step decodes a small window twice, from
-`prefix_offset` to `read_offset` and from `prefix_offset` to the end, and emits the difference,
-but only when it does not end in U+FFFD (an incomplete UTF-8 sequence): the bytes wait for the
-next token instead of reaching the client as a broken character.
+"""Incremental detokenization (multi-byte safe, stop strings cut and held back) and the detokenizer
+process. The decoding itself (`IncrementalDecoder`) is shared with the scheduler, which ends a
+request on the step a stop string appears; this side cuts the text there and keeps a possible
+stop-string prefix from being streamed before it is decided.
 """
 
 from __future__ import annotations
@@ -14,10 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.runtime.messages import BatchTextOut, ReqTextOut, ReqTokenOut
+from radixserve.scheduler.stop_strings import IncrementalDecoder, find_stop, stop_prefix_len
 
 logger = logging.getLogger(__name__)
-
-REPLACEMENT_CHAR = "\ufffd"
 
 
 @dataclass
@@ -25,7 +21,7 @@ class IncrementalDetokenizer:
     """Text of one request, grown token by token.
 
     Contract: `push(ids)` returns the text that may be shown now. Concatenating every return value
-    (and `finish()`) gives the final text, which never contains a broken character that a later
+    (the last push with final=True) gives the final text, which never contains a broken character that a later
     token completes, never contains a stop string or anything after it, and never shows a prefix
     of a stop string that later turns out to be one (held back until it is decided)."""
 
@@ -33,72 +29,28 @@ class IncrementalDetokenizer:
     context_ids: list[int] = field(default_factory=list)  # prompt tail: decode context, never emitted
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
-    ids: list[int] = field(init=False)
-    prefix_offset: int = field(init=False)
-    read_offset: int = field(init=False)
     text: str = field(init=False, default="")  # decoded text, cut at a matched stop string
     sent: int = field(init=False, default=0)  # chars of `text` already returned
     matched_stop: str | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.ids = list(self.context_ids)
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
         self.stop = [s for s in self.stop if s]
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
-        )
-
-    def _advance(self, final: bool) -> str:
-        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset :])
-        if final:
-            new_text = new_text.rstrip(REPLACEMENT_CHAR)  # an unfinished character never completes
-        elif new_text.endswith(REPLACEMENT_CHAR):
-            return ""
-        if len(new_text) <= len(prefix_text):
-            return ""
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
-        return new_text[len(prefix_text) :]
+        self._decoder = IncrementalDecoder(self.tokenizer, self.context_ids, self.skip_special_tokens)
 
     def push(self, new_ids: list[int], final: bool = False) -> str:
         """Add ids; return the newly showable text. `final`: no more ids will come."""
         if self.matched_stop is not None:
             return ""
-        self.ids.extend(new_ids)
         before = len(self.text)
-        self.text += self._advance(final)
+        self.text += self._decoder.push(new_ids, final) or ""
         if self.stop:
-            self._check_stop(before)
-        return self._take(final or self.matched_stop is not None)
-
-    def _check_stop(self, before: int) -> None:
-        longest = max(len(s) for s in self.stop)
-        start = max(0, before - longest + 1)
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            i = self.text.find(s, start)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is not None:
-            self.text = self.text[: best[0]]
-            self.matched_stop = best[1]
-
-    def _held_back(self) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        hold = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
-                if self.text.endswith(s[:k]):
-                    hold = k
-                    break
-        return hold
-
-    def _take(self, final: bool) -> str:
-        end = len(self.text) if final else len(self.text) - self._held_back()
+            longest = max(len(s) for s in self.stop)
+            hit = find_stop(self.text, self.stop, max(0, before - longest + 1))
+            if hit is not None:
+                self.text = self.text[: hit[0]]
+                self.matched_stop = hit[1]
+        done = final or self.matched_stop is not None
+        end = len(self.text) if done else len(self.text) - stop_prefix_len(self.text, self.stop)
         if end <= self.sent:
             return ""
         out = self.text[self.sent : end]
@@ -114,15 +66,14 @@ class _ReqState:
     pending_text: list[str] = field(default_factory=list)
     pending_logprobs: list[float] | None = None
     pending_top: list[Any] | None = None
-    done: bool = False  # finished here (stop string) while the scheduler may still run it
 
 
 class DetokenizerManager:
     """Turns the scheduler's token batches into text batches for the TokenizerManager.
 
-    A request finished here by a stop string is reported with finish_reason
-    {"type": "stop", "matched": <string>}; its later token outputs are dropped until the
-    scheduler's own final output (the TokenizerManager aborts it there) clears the entry."""
+    The scheduler decides when a request ends (a stop string included); this side turns ids into
+    text, cuts it before a matched stop string or stop token, and leaves out of the returned ids
+    the trailing `num_stop_tokens` ids that belong to a matched stop string."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -146,7 +97,6 @@ class DetokenizerManager:
                 error=item.error,
                 error_status=item.error_status,
                 finished_reason={"type": "abort", "message": item.error},
-                prompt_tokens=item.prompt_tokens,
             )
         st = self.states.get(item.rid)
         if st is None:
@@ -157,46 +107,33 @@ class DetokenizerManager:
                 stream=item.stream,
             )
             self.states[item.rid] = st
-        if st.done:
-            if item.finished_reason is not None:
-                del self.states[item.rid]
-            return None
         fin = item.finished_reason
-        abort_in_scheduler = False
         ids_for_text = item.new_ids
         if fin is not None and fin.get("type") == "stop" and isinstance(fin.get("matched"), int) and ids_for_text:
             ids_for_text = ids_for_text[:-1]  # a matched stop token is not part of the text
         delta = st.detok.push(ids_for_text, final=fin is not None)
-        st.pending_ids.extend(item.new_ids)
+        returned = item.new_ids[: len(item.new_ids) - item.num_stop_tokens]
+        st.pending_ids.extend(returned)
         st.pending_text.append(delta)
         if item.token_logprobs is not None:
             st.pending_logprobs = (st.pending_logprobs or []) + list(item.token_logprobs)
         if item.top_logprobs is not None:
             st.pending_top = (st.pending_top or []) + list(item.top_logprobs)
-        if st.detok.matched_stop is not None:
-            abort_in_scheduler = fin is None
-            if fin is None:
-                st.done = True  # keep the entry as a tombstone until the scheduler's final output
-            else:
-                del self.states[item.rid]
-            fin = {"type": "stop", "matched": st.detok.matched_stop}
-        elif fin is not None:
+        if fin is not None:
             del self.states[item.rid]
-        if fin is None and not st.stream:
+        elif not st.stream:
             return None
-        if fin is None and not st.pending_ids and not "".join(st.pending_text):
+        elif not st.pending_ids and not "".join(st.pending_text):
             return None
         out = ReqTextOut(
             rid=item.rid,
             text_delta="".join(st.pending_text),
             new_ids=st.pending_ids,
             finished_reason=fin,
-            prompt_tokens=item.prompt_tokens,
             completion_tokens=item.completion_tokens,
             cached_tokens=item.cached_tokens,
             token_logprobs=st.pending_logprobs,
             top_logprobs=st.pending_top,
-            abort_in_scheduler=abort_in_scheduler,
         )
         st.pending_ids, st.pending_text, st.pending_logprobs, st.pending_top = [], [], None, None
         return out

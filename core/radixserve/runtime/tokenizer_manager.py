@@ -295,8 +295,6 @@ class TokenizerManager:
                 fut.exception()
 
     def _dispatch(self, out: ReqTextOut) -> None:
-        if out.abort_in_scheduler:
-            self.abort(out.rid)
         st = self._rid_to_state.get(out.rid)
         if st is not None and not st.finished:
             if out.finished_reason is not None:
@@ -342,8 +340,6 @@ class TokenizerManager:
             input_ids=ids,
             sampling_params=sp,
             stream=inp.stream,
-            return_logprob=sp.logprobs,
-            top_logprobs_num=sp.top_logprobs,
             priority=inp.priority,
         )
         try:

@@ -1,6 +1,6 @@
 """The scheduler loop body: admission, batch selection, KV accounting, result processing.
 
-In-process and socket-free on purpose (the ZMQ wrapper is `scheduler.process`): tests drive it with
+In-process and socket-free on purpose (the ZMQ wrapper is `runtime.scheduler_process`): tests drive it with
 `add_request` / `abort` / `step()` against a toy runner.
 
 Slot ownership (see PrefixCache): a request's row holds `prefix_indices` (the cache's, locked through
@@ -21,9 +21,10 @@ import torch
 
 from radixserve.config import Config
 from radixserve.interfaces import PrefixCache, SchedulePolicy
-from radixserve.runtime.messages import GenerateRequest, ReqTokenOut
+from radixserve.messages import GenerateRequest, ReqTokenOut
 from radixserve.sampling.batch import sampling_reads_history
 from radixserve.scheduler.metrics import SchedulerMetrics
+from radixserve.scheduler.stop_strings import StopStringMatcher
 from radixserve.state import BatchResult, ForwardMode, FutureTokens, LaunchedBatch, Req, SamplingParams, ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ CLIP_MAX_NEW_TOKENS = 4096  # cap on one request's future-token reservation (lon
 INIT_NEW_TOKEN_RATIO = 0.7  # fraction of max_new_tokens reserved at admission, decaying to MIN
 MIN_NEW_TOKEN_RATIO = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
-PROMPT_TAIL = 5  # prompt ids sent to the detokenizer as decode context
+PROMPT_TAIL = 5  # prompt ids used as decode context (leading spaces) by stop matching and the detokenizer
 # decode slots set aside per request at a time: its decode tokens then sit together in the pool,
 # which the CPU attention reads ~20% faster than one slot per request per step, 64 slots apart
 DECODE_RUN = 16
@@ -44,6 +45,7 @@ class _Meta:
 
     stream: bool
     stop: list[str]
+    stop_matcher: StopStringMatcher | None = None  # set when the request has stop strings
     sent: int = 0  # output tokens already emitted
     first_sent: bool = False
 
@@ -74,6 +76,10 @@ class Scheduler:
     - `step()` runs at most one forward (a prefill/extend batch when one can be formed, else a decode
       of the running requests) and returns the outputs to send to the detokenizer.
     - `abort(rid)` ends a waiting or running request (finish_reason {"type": "abort"}).
+    - A stop string ends its request on the step its text appears (finish_reason {"type": "stop",
+      "matched": <string>}, counted as finished, KV released at once); the tokens that make up the
+      stop string are sent last as `num_stop_tokens` (for the text cut) with no logprobs. While a
+      streamed request's text ends in a possible stop-string prefix, those tokens are held back.
     - `flush_cache()` empties the prefix cache when no request is resident (returns False otherwise);
       afterwards `allocator.available_size() == allocator.size`.
     Greedy outputs do not depend on batching, chunking, cache hits, retraction or overlap.
@@ -88,9 +94,12 @@ class Scheduler:
     Between steps `req.kv_len` counts every KV slot assigned to the request, launched or done.
     """
 
-    def __init__(self, config: Config, runner: Any, cache: PrefixCache, policy: SchedulePolicy) -> None:
+    def __init__(
+        self, config: Config, runner: Any, cache: PrefixCache, policy: SchedulePolicy, tokenizer: Any = None
+    ) -> None:
         sc = config.scheduler
         self.runner = runner
+        self._tokenizer = tokenizer  # for stop strings; the runner's (loaded on first use) when None
         self.cache = cache
         self.policy = policy
         self.req_to_token_pool = runner.req_to_token_pool
@@ -122,13 +131,14 @@ class Scheduler:
         self._in_flight: tuple[list[_Item], LaunchedBatch] | None = None  # overlap: launched, not processed
 
     @classmethod
-    def from_config(cls, config: Config, runner: Any, registry: Any) -> Scheduler:
+    def from_config(cls, config: Config, runner: Any, registry: Any, tokenizer: Any = None) -> Scheduler:
         """Build with the prefix cache and policy (with `stack.policy_options`) named in
-        `config.stack`, loaded from `registry` (the process's, see Registry.from_config)."""
+        `config.stack`, loaded from `registry` (the process's, see Registry.from_config).
+        `tokenizer`: for stop strings (None: the runner's)."""
         cache_cls = registry.load("prefix_cache", config.stack.prefix_cache)
         policy_cls = registry.load("policy", config.stack.policy)
         cache = cache_cls(runner.req_to_token_pool, runner.token_allocator)
-        return cls(config, runner, cache, policy_cls(**config.stack.policy_options))
+        return cls(config, runner, cache, policy_cls(**config.stack.policy_options), tokenizer)
 
     # ---- requests in ------------------------------------------------------------------------
     def add_request(self, msg: GenerateRequest) -> None:
@@ -138,7 +148,7 @@ class Scheduler:
         if err is not None or msg.rid in self.meta:
             err = err or f"request id {msg.rid!r} is already in use"
             self.metrics.rejected_requests += 1
-            self._outbox.append(ReqTokenOut(rid=msg.rid, new_ids=[], prompt_tokens=len(ids), error=err))
+            self._outbox.append(ReqTokenOut(rid=msg.rid, new_ids=[], error=err))
             return
         self._arrivals += 1
         req = Req(
@@ -150,8 +160,18 @@ class Scheduler:
             arrival_time=float(self._arrivals),  # arrival order; policies only compare it
         )
         req.fill_ids = list(ids)
-        self.meta[req.rid] = _Meta(stream=msg.stream, stop=list(sp.stop))
+        self.meta[req.rid] = _Meta(stream=msg.stream, stop=list(sp.stop), stop_matcher=self._stop_matcher(req))
         self.waiting.append(req)
+
+    def _stop_matcher(self, req: Req) -> StopStringMatcher | None:
+        sp = req.sampling_params
+        if not any(sp.stop):
+            return None
+        if self._tokenizer is None:
+            self._tokenizer = self.runner.tokenizer
+        return StopStringMatcher(
+            self._tokenizer, sp.stop, req.origin_input_ids[-PROMPT_TAIL:], sp.skip_special_tokens
+        )
 
     def _reject_reason(self, ids: list[int], sp: SamplingParams) -> str | None:
         if not ids:
@@ -541,6 +561,12 @@ class Scheduler:
             req.output_token_logprobs.append(float("nan") if lp is None else float(lp))
             top = result.top_logprobs[i] if result.top_logprobs is not None else None
             req.output_top_logprobs.append(list(top or []))
+        meta = self.meta.get(req.rid)
+        if meta is not None and meta.stop_matcher is not None:
+            matched = meta.stop_matcher.push(token)
+            if matched is not None:
+                req.finished_reason = {"type": "stop", "matched": matched}
+                return
         sp = req.sampling_params
         n = len(req.output_ids)
         if n >= sp.min_new_tokens and (token in req.eos_token_ids or token in sp.stop_token_ids):
@@ -554,18 +580,23 @@ class Scheduler:
         if meta is None:
             return
         fin = req.finished
-        pending = len(req.output_ids) - meta.sent
-        incremental = meta.stream or bool(meta.stop)  # stop strings are matched by the detokenizer
+        matcher = meta.stop_matcher
+        # tokens that may still turn out to be part of a stop string wait (streaming)
+        end = len(req.output_ids) if fin or force or matcher is None else matcher.safe
         if not (fin or force):
-            if not incremental or pending <= 0:
+            pending = end - meta.sent
+            if not meta.stream or pending <= 0:
                 return
             if meta.first_sent and pending < self.stream_interval:
                 return
+        returned = end  # the tokens of a matched stop string are decoded (for the text cut), not returned
+        if matcher is not None and matcher.matched is not None:
+            returned = max(matcher.keep, meta.sent)
         out = ReqTokenOut(
             rid=req.rid,
-            new_ids=req.output_ids[meta.sent :],
+            new_ids=req.output_ids[meta.sent : end],
             finished_reason=req.finished_reason,
-            prompt_tokens=len(req.origin_input_ids),
+            num_stop_tokens=end - returned,
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
             skip_special_tokens=req.sampling_params.skip_special_tokens,
@@ -574,9 +605,9 @@ class Scheduler:
             prompt_tail=None if meta.first_sent else req.origin_input_ids[-PROMPT_TAIL:],
         )
         if req.sampling_params.logprobs:
-            out.token_logprobs = req.output_token_logprobs[meta.sent :]
-            out.top_logprobs = [list(map(tuple, alts)) for alts in req.output_top_logprobs[meta.sent :]]
-        meta.sent = len(req.output_ids)
+            out.token_logprobs = req.output_token_logprobs[meta.sent : returned]
+            out.top_logprobs = [list(map(tuple, alts)) for alts in req.output_top_logprobs[meta.sent : returned]]
+        meta.sent = end
         meta.first_sent = True
         self._outbox.append(out)
         if fin:

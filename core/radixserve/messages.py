@@ -1,0 +1,129 @@
+"""Typed messages between the runtime processes (msgpack over ZMQ ipc:// sockets): a contract of
+the runtime and the scheduler, so it sits below both (`radixserve.runtime.messages` re-exports it).
+
+Flow: TokenizerManager -> Scheduler: GenerateRequest, AbortRequest, FlushCacheRequest, StatsRequest.
+Scheduler -> Detokenizer: BatchTokenOut. Detokenizer -> TokenizerManager: BatchTextOut.
+Scheduler -> TokenizerManager (directly): ReadyMessage, ControlReply.
+Every message is a tagged msgspec Struct, so one decoder per socket handles a union of types.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from radixserve.state import SamplingParams  # a dataclass: msgspec encodes and decodes it as is
+
+
+class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    priority: int = 0
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    rid: str
+
+
+class FlushCacheRequest(msgspec.Struct, tag=True):
+    req_id: int
+
+
+class StatsRequest(msgspec.Struct, tag=True):
+    req_id: int
+
+
+class ShutdownRequest(msgspec.Struct, tag=True):
+    pass
+
+
+class ReqTokenOut(msgspec.Struct, kw_only=True):
+    """New token ids of one request since its previous emission.
+
+    `prompt_tail` (the last few prompt ids) is set on a request's first emission only: the
+    detokenizer decodes new tokens in the context of their predecessors (leading spaces).
+    A request that ended on a stop string (finished_reason {"type": "stop", "matched": <str>}) sends
+    the tokens that made the stop string as the last `num_stop_tokens` of `new_ids`: decoded, so the
+    text can be cut where the stop string starts, but not returned; the logprobs leave them out."""
+
+    rid: str
+    new_ids: list[int]
+    finished_reason: dict[str, Any] | None = None
+    num_stop_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    skip_special_tokens: bool = True
+    stop: list[str] = []
+    stream: bool = False
+    prompt_tail: list[int] | None = None
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    error: str | None = None  # set when the scheduler rejects the request (it never ran)
+    error_status: int = 400
+
+
+class BatchTokenOut(msgspec.Struct, tag=True):
+    outs: list[ReqTokenOut]
+
+
+class ReqTextOut(msgspec.Struct, kw_only=True):
+    """Detokenized delta of one request: text and ids appended since the previous item."""
+
+    rid: str
+    text_delta: str
+    new_ids: list[int]
+    finished_reason: dict[str, Any] | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    error: str | None = None
+    error_status: int = 400
+
+
+class BatchTextOut(msgspec.Struct, tag=True):
+    outs: list[ReqTextOut]
+
+
+class ReadyMessage(msgspec.Struct, tag=True, kw_only=True):
+    """Sent once by a child when it is ready to serve (the scheduler: model loaded)."""
+
+    process: str  # "scheduler" | "detokenizer"
+    info: dict[str, Any] = {}
+
+
+class ControlReply(msgspec.Struct, tag=True, kw_only=True):
+    req_id: int
+    ok: bool = True
+    data: dict[str, Any] = {}
+
+
+class ChildFailed(msgspec.Struct, tag=True, kw_only=True):
+    """A child reports a fatal error before exiting (e.g. the model failed to load)."""
+
+    process: str
+    error: str
+
+
+SchedulerInput = GenerateRequest | AbortRequest | FlushCacheRequest | StatsRequest | ShutdownRequest
+DetokenizerInput = BatchTokenOut | ShutdownRequest
+ManagerInput = BatchTextOut | ReadyMessage | ControlReply | ChildFailed
+
+
+def make_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def scheduler_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(SchedulerInput)
+
+
+def detokenizer_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(DetokenizerInput)
+
+
+def manager_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(ManagerInput)
