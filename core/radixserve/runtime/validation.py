@@ -193,8 +193,10 @@ def max_new_tokens_for(
 
 def validate_request(ids: list[int], sp: SamplingParams, limits: ModelLimits, names: FieldNames = NATIVE) -> None:
     """The whole check of one tokenized request: prompt ids, sampling fields, context budget."""
-    if not isinstance(ids, list) or not ids:
-        raise InvalidRequest(f"{names.prompt} must be a non-empty list of token ids", names.prompt)
+    if not isinstance(ids, list):
+        raise InvalidRequest(f"{names.prompt} must be a list of token ids", names.prompt)
+    if not ids:
+        raise InvalidRequest("the prompt is empty", names.prompt)
     check_token_ids(ids, limits, names.prompt)
     check_sampling(sp, limits, names)
     max_new_tokens_for(len(ids), sp.max_new_tokens, limits, names)
