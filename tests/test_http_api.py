@@ -18,8 +18,10 @@ from fastapi.testclient import TestClient
 from radixserve.config import Config
 from radixserve.server.app import create_app
 from radixserve.server.runtime_api import RequestError
+from radixserve.validation import ModelLimits
 
 MODEL = "fake-model"
+VOCAB = 200  # the fake model's vocabulary: prompt ids 1..99, output ids 100..149
 
 
 class FakeTokenizer:
@@ -43,6 +45,11 @@ class FakeTM:
         self.aborted: list[str] = []
         self.inputs: list = []
         self.flushed = 0
+        self.reject: RequestError | None = None  # raised by every generate (a runtime rejection)
+
+    @property
+    def limits(self) -> ModelLimits:
+        return ModelLimits(vocab_size=VOCAB, context_len=self.context_len)
 
     def apply_chat_template(self, messages, add_generation_prompt=True):
         text = "".join(f"{m['role']}:{m['content']}|" for m in messages)
@@ -53,6 +60,8 @@ class FakeTM:
 
     async def generate(self, inp):
         self.inputs.append(inp)
+        if self.reject is not None:
+            raise self.reject
         sp = inp.sampling_params
         prompt = inp.input_ids if inp.input_ids is not None else self.tokenizer.encode(inp.text)
         if len(prompt) + sp.max_new_tokens > self.context_len:
@@ -351,11 +360,19 @@ def test_bad_json_unknown_route_and_runtime_rejection(client):
     assert r.status_code == 400
     r = client.get("/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-    # a text prompt's length is known only to the runtime: its RequestError becomes the response
-    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 60, "max_tokens": 10})
-    assert r.status_code == 400 and r.json()["error"]["message"].startswith("too long")
-    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 60, "max_tokens": 10, "stream": True})
-    assert r.status_code == 400 and r.json()["error"]["message"].startswith("too long")
+    # a text prompt is tokenized at the edge: its budget is checked before anything runs
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": "x" * 60, "max_tokens": 10, "stream": stream}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        assert "exceeds the model's context length (64 tokens)" in r.json()["error"]["message"]
+
+
+def test_a_runtime_rejection_becomes_the_response(tm, client):
+    tm.reject = RequestError("request id 'x' is already in use", 400)
+    for stream in (False, True):
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": stream})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "request id 'x' is already in use"
 
 
 def test_body_size_limit(tm):
@@ -455,3 +472,73 @@ def test_priority_is_a_request_field_of_every_generation_route(client, tm):
     assert [i.priority for i in tm.inputs] == [7, -3, -3]
     bad = client.post("/generate", json={"input_ids": [1], "priority": "high"})
     assert bad.status_code == 400 and "priority" in bad.text
+
+
+# ---- token ids against the vocabulary (issue 12: one bad id used to kill the server) ------------
+
+
+@pytest.mark.parametrize(
+    "route,body,param,message",
+    [
+        ("/v1/completions", {"prompt": [999999999]}, "prompt", "prompt[0] token id 999999999 is out of range [0, 200)"),
+        ("/v1/completions", {"prompt": [5, -5]}, "prompt", "prompt[1] token id -5 is out of range [0, 200)"),
+        ("/v1/completions", {"prompt": [[5], [6, 200]]}, "prompt[1]", "prompt[1][1] token id 200 is out of range"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"200": 1}}, "logit_bias", "logit_bias key '200'"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"-1": 1}}, "logit_bias", "logit_bias key '-1'"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias", "keys must be token ids"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", "in [-100, 100]"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [1, 99999]}, "stop_token_ids", "stop_token_ids[1]"),
+        ("/v1/chat/completions", {"messages": CHAT, "stop_token_ids": [-1]}, "stop_token_ids", "token id -1"),
+        ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"1000": 5}}, "logit_bias", "key '1000'"),
+        ("/generate", {"input_ids": [200]}, "input_ids", "input_ids[0] token id 200 is out of range [0, 200)"),
+        ("/generate", {"input_ids": [-5]}, "input_ids", "input_ids[0] token id -5"),
+        (
+            "/generate",
+            {"text": "hi", "sampling_params": {"logit_bias": {"300": 1.0}}},
+            "sampling_params.logit_bias",
+            "key '300' is not a token id in [0, 200)",
+        ),
+        (
+            "/generate",
+            {"text": "hi", "sampling_params": {"stop_token_ids": [7, 1 << 40]}},
+            "sampling_params.stop_token_ids",
+            "sampling_params.stop_token_ids[1]",
+        ),
+        ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": "ab"}}, "sampling_params.stop_token_ids", ""),
+        ("/generate", {"text": "hi", "sampling_params": {"stop": [1]}}, "sampling_params.stop", "non-empty strings"),
+        ("/generate", {"text": "hi", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature", ""),
+        ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1.5}}, "sampling_params.max_new_tokens", ""),
+        ("/generate", {"text": "hi", "sampling_params": {"seed": 1 << 70}}, "sampling_params.seed", "64-bit"),
+        ("/generate", {"text": "hi", "sampling_params": {"top_p": 0}}, "sampling_params.top_p", "top_p"),
+    ],
+)
+def test_out_of_vocabulary_ids_are_400s_naming_the_field(tm, client, route, body, param, message):
+    if route != "/generate":
+        body = {"model": MODEL, "max_tokens": 2, **body}
+    for stream in (False, True):
+        r = client.post(route, json={**body, "stream": stream})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == param, err
+        assert message in err["message"], err
+    assert tm.inputs == [], "an invalid request reached the runtime"
+    assert client.get("/health").status_code == 200
+
+
+def test_non_finite_numbers_are_400s(client):
+    # Python's json (what the server parses with) accepts NaN and Infinity literals
+    raw = b'{"model": "fake-model", "prompt": "hi", "max_tokens": 2, "logit_bias": {"5": NaN}}'
+    r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+    raw = b'{"text": "hi", "sampling_params": {"temperature": Infinity}}'
+    r = client.post("/generate", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.temperature", r.text
+
+
+def test_ids_inside_the_vocabulary_still_work(tm, client):
+    body = {"model": MODEL, "prompt": [0, 199], "max_tokens": 2, "logit_bias": {"199": -100}, "stop_token_ids": [0]}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert tm.inputs[-1].sampling_params.logit_bias == {199: -100.0}
+    r = client.post("/generate", json={"input_ids": [199], "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200, r.text

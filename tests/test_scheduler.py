@@ -12,8 +12,8 @@ from radixserve.config import Config
 from radixserve.plugins.registry import Registry
 from radixserve.runtime.messages import GenerateRequest
 from radixserve.scheduler import Scheduler
-from radixserve.testing import ToyRunner, toy_next_token
 from radixserve.state import SamplingParams
+from radixserve.testing import ToyRunner, toy_next_token
 
 VOCAB = 1000
 
@@ -437,3 +437,21 @@ def test_a_requests_decode_tokens_sit_in_consecutive_slots(make_scheduler):
         decode = slots[len(prompts[rid]) :][:DECODE_RUN]
         assert len(decode) >= DECODE_RUN - 1
         assert decode == list(range(decode[0], decode[0] + len(decode))), (rid, decode)
+
+
+def test_out_of_vocabulary_ids_reaching_the_scheduler_are_rejected(make_scheduler):
+    """A backstop behind the API edge: an id outside the vocabulary would raise IndexError in the
+    embedding and end the scheduler process; here it is an error output and the rest runs on."""
+    sched = make_scheduler()
+    sched.add_request(request("big", [5, VOCAB], 3))
+    sched.add_request(request("neg", [-5], 3))
+    sched.add_request(request("bias", [5], 3, logit_bias={VOCAB + 1: 1.0}))
+    sched.add_request(request("stop", [5], 3, stop_token_ids=[-1]))
+    sched.add_request(request("ok", [1, 2, 3], 3))
+    results = run_to_completion(sched)
+    assert results["big"]["outs"][0].error == f"input_ids[1] token id {VOCAB} is out of range [0, {VOCAB})"
+    assert "input_ids[0] token id -5 is out of range" in results["neg"]["outs"][0].error
+    assert "logit_bias" in results["bias"]["outs"][0].error
+    assert "stop_token_ids[0]" in results["stop"]["outs"][0].error
+    assert results["ok"]["ids"] == reference([1, 2, 3], 3)
+    assert sched.metrics.rejected_requests == 4

@@ -90,8 +90,8 @@ def test_unknown_or_bad_policy_option_lists_the_valid_ones():
 def test_priority_policy_admits_the_higher_priority_request_first():
     from radixserve.runtime.messages import GenerateRequest
     from radixserve.scheduler import Scheduler
-    from radixserve.testing import ToyRunner
     from radixserve.state import SamplingParams
+    from radixserve.testing import ToyRunner
 
     config = Config.build({"stack": {"policy": "priority"}, "scheduler": {"max_running_requests": 1}})
     sched = Scheduler.from_config(config, ToyRunner(vocab_size=100), Registry.discover())

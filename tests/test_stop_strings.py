@@ -7,16 +7,16 @@ several tokens). The scheduler's outputs then go through the real DetokenizerMan
 from __future__ import annotations
 
 import pytest
-import radixserve.testing as toy
+import radixserve.testing.toy_runner as toy
 from radixserve.config import Config
-from radixserve.plugins.registry import get_registry
+from radixserve.plugins.registry import Registry
 from radixserve.runtime.detokenizer import DetokenizerManager
 from radixserve.runtime.messages import GenerateRequest
 from radixserve.runtime.model_files import load_tokenizer, resolve_model_path
 from radixserve.scheduler import Scheduler
 from radixserve.scheduler.stop_strings import StopStringMatcher
-from radixserve.testing import ToyRunner
 from radixserve.state import SamplingParams
+from radixserve.testing import ToyRunner
 
 TEXT = "The answer is 42.\n\nNext question: 你好，世界🙂🚀 is the greeting. END of the story, and more words after it."
 PROMPT = [101, 102, 103, 104, 105, 106]
@@ -46,7 +46,7 @@ def scripted(tok, monkeypatch):
 def make(tok, overlap=False, **scheduler) -> Scheduler:
     runner = ToyRunner(vocab_size=len(tok))
     config = Config.build({"scheduler": scheduler, "runtime": {"overlap": overlap}})
-    return Scheduler.from_config(config, runner, get_registry(), tokenizer=tok)
+    return Scheduler.from_config(config, runner, Registry.from_config(config), tokenizer=tok)
 
 
 def run(sched: Scheduler, detok: DetokenizerManager, stop, stream=False, max_new=400, **sp):

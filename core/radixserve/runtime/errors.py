@@ -1,23 +1,6 @@
-"""Errors the runtime raises to its callers (the Engine and the HTTP layer)."""
+"""Re-export: the request errors live in `radixserve.errors` (the contracts layer, so the scheduler
+and the validation module can raise them without importing upward)."""
 
-from __future__ import annotations
+from radixserve.errors import EngineDeadError, RequestError
 
-
-class RequestError(Exception):
-    """A request failed; `status` is the HTTP status the server should answer with
-    (400: the request is invalid, e.g. too long; 503: the engine is dead or shutting down)."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-
-    def __repr__(self) -> str:
-        return f"RequestError({self.message!r}, status={self.status})"
-
-
-class EngineDeadError(RequestError):
-    """A runtime child process died; every in-flight and later request gets this error."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, status=503)
+__all__ = ["EngineDeadError", "RequestError"]

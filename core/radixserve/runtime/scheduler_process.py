@@ -62,6 +62,14 @@ class SchedulerServer:
             self.to_detok.send(self.enc.encode(ShutdownRequest()))
             self.running = False
 
+    def _handle_safely(self, raw: bytes) -> None:
+        """One bad message (undecodable, or a handler that raises) is logged once and dropped: it
+        must not end the loop that serves every other request."""
+        try:
+            self._handle(self.dec.decode(raw))
+        except Exception:
+            logger.exception("scheduler: dropped a message whose handling failed")
+
     def _drain(self, block: bool) -> None:
         flags = 0 if block else self.zmq.NOBLOCK
         while self.running:
@@ -69,7 +77,7 @@ class SchedulerServer:
                 raw = self.recv.recv(flags)
             except self.zmq.Again:
                 return
-            self._handle(self.dec.decode(raw))
+            self._handle_safely(raw)
             flags = self.zmq.NOBLOCK
 
     def serve_forever(self) -> None:

@@ -37,6 +37,7 @@ from radixserve.runtime.messages import (
 )
 from radixserve.runtime.model_files import load_tokenizer, resolve_model_path, served_name
 from radixserve.state import SamplingParams
+from radixserve.validation import InvalidRequest, ModelLimits, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -307,27 +308,29 @@ class TokenizerManager:
 
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
 
+    @property
+    def limits(self) -> ModelLimits:
+        """The served model's vocabulary size and context length, from the scheduler's ready info."""
+        return ModelLimits.from_server_info(self.server_info)
+
     def _prepare(self, inp: GenerateInput) -> tuple[str, list[int], SamplingParams]:
         if (inp.text is None) == (inp.input_ids is None):
-            raise RequestError("give exactly one of text or input_ids")
-        ids = list(inp.input_ids) if inp.input_ids is not None else list(self.tokenizer.encode(inp.text))
+            raise InvalidRequest("give exactly one of text or input_ids", "input_ids")
+        if inp.input_ids is not None:
+            if not isinstance(inp.input_ids, list | tuple):
+                raise InvalidRequest("input_ids must be a list of token ids", "input_ids")
+            ids = list(inp.input_ids)
+        else:
+            ids = list(self.tokenizer.encode(inp.text))
         if not ids:
-            raise RequestError("the prompt is empty")
+            raise InvalidRequest("the prompt is empty", "text" if inp.text is not None else "input_ids")
         sp = inp.sampling_params
-        try:
-            sp.validate()
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        if inp.return_logprob and not sp.logprobs:
+        if inp.return_logprob and isinstance(sp, SamplingParams) and not sp.logprobs:
             sp = dataclasses.replace(sp, logprobs=True, top_logprobs=max(sp.top_logprobs, inp.top_logprobs_num))
-        if self.context_len and len(ids) + sp.max_new_tokens > self.context_len:
-            raise RequestError(
-                f"the prompt ({len(ids)} tokens) plus max_new_tokens ({sp.max_new_tokens}) exceeds the model's "
-                f"context length ({self.context_len} tokens); shorten the prompt or lower max_new_tokens"
-            )
+        validate_request(ids, sp, self.limits)
         rid = inp.rid or uuid.uuid4().hex
         if rid in self._rid_to_state:
-            raise RequestError(f"request id {rid!r} is already in use")
+            raise InvalidRequest(f"request id {rid!r} is already in use", "rid")
         return rid, ids, sp
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[dict[str, Any]]:

@@ -26,6 +26,7 @@ from radixserve.sampling.batch import sampling_reads_history
 from radixserve.scheduler.metrics import SchedulerMetrics
 from radixserve.scheduler.stop_strings import StopStringMatcher
 from radixserve.state import BatchResult, ForwardMode, FutureTokens, LaunchedBatch, Req, SamplingParams, ScheduledBatch
+from radixserve.validation import ModelLimits, reject_reason
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class Scheduler:
         self.allocator = runner.token_allocator
         self.context_len = int(runner.context_len)
         self.eos_token_ids = frozenset(getattr(runner, "eos_token_ids", ()) or ())
+        self.limits = ModelLimits(vocab_size=int(getattr(runner, "vocab_size", 0) or 0), context_len=self.context_len)
         self.chunk_size = sc.chunked_prefill_size if sc.chunked_prefill_size > 0 else None
         self.max_prefill_tokens = sc.max_prefill_tokens
         self.max_running = min(sc.max_running_requests, self.req_to_token_pool.size)
@@ -174,14 +176,12 @@ class Scheduler:
         )
 
     def _reject_reason(self, ids: list[int], sp: SamplingParams) -> str | None:
-        if not ids:
-            return "the prompt is empty"
+        """A defensive re-check of what the API edge validated (radixserve.validation): an id
+        outside the vocabulary would fail inside the embedding; plus the KV capacity, known only here."""
+        err = reject_reason(ids, sp, self.limits)
+        if err is not None:
+            return err
         need = len(ids) + sp.max_new_tokens
-        if need > self.context_len:
-            return (
-                f"the prompt ({len(ids)} tokens) plus max_new_tokens ({sp.max_new_tokens}) exceeds the context "
-                f"length ({self.context_len} tokens)"
-            )
         if need > self.allocator.size:
             return (
                 f"the prompt ({len(ids)} tokens) plus max_new_tokens ({sp.max_new_tokens}) exceeds the KV cache "

@@ -46,7 +46,7 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
         status = int(getattr(exc, "status", 400))
-        return error_response(str(getattr(exc, "message", exc)), status)
+        return error_response(str(getattr(exc, "message", exc)), status, getattr(exc, "param", None))
 
     @app.exception_handler(ClientGone)
     async def _gone(_: Request, __: ClientGone) -> Response:

@@ -1,12 +1,14 @@
 """Handlers of /v1/chat/completions, /v1/completions and the native /generate.
 
-Each handler validates against the served model and the context length, turns the request into
+Each handler validates through `radixserve.validation` (token ids against the vocabulary,
+sampling fields, the context budget; 400s name the API's field), turns the request into
 one `GenerateInput` per choice (n choices x prompts), runs them through a `Fanout`, and shapes the
 result as OpenAI JSON or SSE. A client that goes away (streaming or not) aborts its generations.
 Every finished request logs one INFO line (id, tokens, latency) and updates the metrics."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -25,9 +27,21 @@ from radixserve.server.generation import ClientGone, Fanout, Job, until_disconne
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.runtime_api import GenerateInput, RequestError
 from radixserve.state import SamplingParams
+from radixserve.validation import (
+    NATIVE,
+    FieldNames,
+    InvalidRequest,
+    check_sampling,
+    check_token_ids,
+    max_new_tokens_for,
+    sampling_from_dict,
+)
 
 logger = logging.getLogger("radixserve.server")
 
+# the OpenAI routes' names of the checked fields (errors name what the client sent)
+OPENAI_FIELDS = FieldNames(prompt="prompt", max_new_tokens="max_tokens")
+CHAT_FIELDS = FieldNames(prompt="messages", max_new_tokens="max_tokens")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _LOGPROB_FLOOR = -9999.0  # JSON has no -inf; impossible tokens are reported at this floor
 
@@ -107,27 +121,15 @@ class Serving:
                 code="model_not_found",
             )
 
-    def budget(self, prompt_len: int | None, requested: int | None, default: int | None, prompt_param: str) -> int:
-        """max_new_tokens for a request, or a 400 when it cannot fit the context."""
-        ctx = int(self.tm.context_len)
-        if requested is not None and requested > ctx:
-            raise APIError(f"max_tokens={requested} exceeds the model's context length ({ctx})", 400, "max_tokens")
-        if prompt_len is not None:
-            if prompt_len >= ctx:
-                raise APIError(
-                    f"the prompt has {prompt_len} tokens, the model's context length is {ctx}", 400, prompt_param
-                )
-            if requested is None and default is None:
-                return ctx - prompt_len
-            want = requested if requested is not None else min(default or 0, ctx - prompt_len)
-            if prompt_len + want > ctx:
-                raise APIError(
-                    f"prompt ({prompt_len} tokens) + max_tokens ({want}) exceeds the model's context length ({ctx})",
-                    400,
-                    "max_tokens",
-                )
-            return want
-        return requested if requested is not None else int(default or 16)
+    def budget(self, ids: list[int], requested: int | None, names: FieldNames) -> int:
+        """max_new_tokens for a tokenized prompt: its ids checked against the vocabulary, and the
+        budget against the context (a 400 naming the field otherwise)."""
+        limits = self.tm.limits
+        try:
+            check_token_ids(ids, limits, names.prompt)
+            return max_new_tokens_for(len(ids), requested, limits, names)
+        except InvalidRequest as e:
+            raise APIError(e.message, 400, e.param) from None
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -136,9 +138,8 @@ class Serving:
             self._token_text[token_id] = text
         return text
 
-    @staticmethod
     def sampling(
-        req: p._SamplingFields, max_new_tokens: int, seed: int | None, logprobs: bool, top: int
+        self, req: p._SamplingFields, max_new_tokens: int, seed: int | None, logprobs: bool, top: int
     ) -> SamplingParams:
         params = SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -150,7 +151,7 @@ class Serving:
             repetition_penalty=req.repetition_penalty,
             frequency_penalty=req.frequency_penalty,
             presence_penalty=req.presence_penalty,
-            logit_bias=_logit_bias(req.logit_bias),
+            logit_bias=dict(req.logit_bias) if req.logit_bias else None,
             seed=seed,
             stop=req.stop_list(),
             stop_token_ids=list(req.stop_token_ids or []),
@@ -160,9 +161,9 @@ class Serving:
             top_logprobs=top,
         )
         try:
-            params.validate()
-        except ValueError as e:
-            raise APIError(str(e), 400) from None
+            check_sampling(params, self.tm.limits, OPENAI_FIELDS)
+        except InvalidRequest as e:
+            raise APIError(e.message, 400, e.param) from None
         return params
 
     # ---- /v1/chat/completions ---------------------------------------------------------------
@@ -175,7 +176,7 @@ class Serving:
             ids = self.tm.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
         except Exception as e:  # a template that rejects the conversation (e.g. role order)
             raise APIError(f"cannot apply the chat template: {e}", 400, "messages") from None
-        max_new = self.budget(len(ids), req.requested_max_tokens(), None, "messages")
+        max_new = self.budget(list(ids), req.requested_max_tokens(), CHAT_FIELDS)
         base = req.rid or f"chatcmpl-{uuid.uuid4().hex}"
         top = req.top_logprobs or 0
         jobs = [
@@ -219,9 +220,11 @@ class Serving:
         jobs: list[Job] = []
         prompt_of: dict[int, int] = {}
         for k, prompt in enumerate(prompts):
-            prompt_len = len(prompt) if isinstance(prompt, list) else None
-            max_new = self.budget(prompt_len, req.max_tokens, None, "prompt")
-            given = dict(input_ids=list(prompt)) if isinstance(prompt, list) else dict(text=prompt)
+            # text is tokenized here, so the budget is checked before any generation starts
+            ids = list(prompt) if isinstance(prompt, list) else list(self.tm.tokenizer.encode(prompt))
+            where = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
+            max_new = self.budget(ids, req.max_tokens, dataclasses.replace(OPENAI_FIELDS, prompt=where))
+            given = dict(input_ids=ids)
             for i in range(req.n):
                 index = k * req.n + i
                 prompt_of[index] = k
@@ -274,13 +277,13 @@ class Serving:
         started = time.perf_counter()
         self.check_ready(None)
         try:
-            params = SamplingParams.from_dict(req.sampling_params)
-        except (ValueError, TypeError) as e:
-            raise APIError(f"sampling_params: {e}", 400, "sampling_params") from None
-        prompt_len = len(req.input_ids) if req.input_ids is not None else None
-        params.max_new_tokens = self.budget(prompt_len, params.max_new_tokens, None, "input_ids")
-        if req.return_logprob:
-            params.logprobs, params.top_logprobs = True, req.top_logprobs_num
+            params = sampling_from_dict(req.sampling_params, self.tm.limits, NATIVE)
+            if req.return_logprob:
+                params.logprobs, params.top_logprobs = True, req.top_logprobs_num
+        except InvalidRequest as e:
+            raise APIError(e.message, 400, e.param) from None
+        if req.input_ids is not None:
+            self.budget(req.input_ids, params.max_new_tokens, NATIVE)
         rid = req.rid or uuid.uuid4().hex
         gen = GenerateInput(
             text=req.text,
@@ -428,15 +431,6 @@ class Serving:
                 latency,
                 "" if ttft is None else f" ttft={ttft:.3f}s",
             )
-
-
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    if not bias:
-        return None
-    try:
-        return {int(k): float(v) for k, v in bias.items()}
-    except ValueError:
-        raise APIError("logit_bias keys must be token ids", 400, "logit_bias") from None
 
 
 def _native_json(out: dict) -> bytes:

@@ -1,0 +1,211 @@
+"""The one place that decides whether a generation request is acceptable, and its token budget.
+
+Every entry point goes through these functions: the HTTP handlers (with the API's field names, so a
+400 names the field the client sent), the TokenizerManager for the Engine and every other caller,
+and the scheduler as a defensive backstop (`reject_reason`). They check what would otherwise fail
+deep inside the model process: token ids outside the vocabulary (the embedding would raise
+IndexError), logit-bias keys and stop ids outside it, non-finite or mistyped sampling values, and a
+prompt plus max_new_tokens longer than the context."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.errors import RequestError
+from radixserve.state import SamplingParams
+
+INT64_MAX = (1 << 63) - 1
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit-bias value
+MAX_STOP_STRINGS = 16
+
+
+class InvalidRequest(RequestError):
+    """A request that can never run; `param` names the offending field (OpenAI's error `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message, status=400)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against: the served model's vocabulary and context length
+    (0 = unknown, not checked)."""
+
+    vocab_size: int = 0
+    context_len: int = 0
+
+    @classmethod
+    def from_server_info(cls, info: Mapping[str, Any]) -> ModelLimits:
+        return cls(vocab_size=int(info.get("vocab_size") or 0), context_len=int(info.get("context_len") or 0))
+
+
+@dataclass(frozen=True)
+class FieldNames:
+    """How the caller's API spells each checked field (the error names the field the client sent)."""
+
+    prompt: str = "input_ids"
+    max_new_tokens: str = "max_new_tokens"
+    sampling: str = ""  # prefix of the sampling fields, e.g. "sampling_params."
+
+    def of(self, name: str) -> str:
+        return f"{self.sampling}{name}"
+
+
+NATIVE = FieldNames(prompt="input_ids", max_new_tokens="sampling_params.max_new_tokens", sampling="sampling_params.")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def check_token_ids(ids: Iterable[Any], limits: ModelLimits, field: str) -> None:
+    """Every id an int in [0, vocab_size); the error names the position (`field[i]`)."""
+    vocab = limits.vocab_size
+    for i, tid in enumerate(ids):
+        if not _is_int(tid):
+            raise InvalidRequest(f"{field}[{i}] must be an integer token id, got {tid!r}", field)
+        if tid < 0 or (vocab and tid >= vocab):
+            bound = f"[0, {vocab})" if vocab else "[0, vocabulary size)"
+            raise InvalidRequest(f"{field}[{i}] token id {tid} is out of range {bound}", field)
+
+
+def parse_logit_bias(bias: Mapping[Any, Any] | None, limits: ModelLimits, field: str = "logit_bias") -> dict[int, float] | None:
+    """OpenAI's {"token id as string": bias} (or int keys) -> {id: bias}, every key in the vocabulary
+    and every value a finite number in [-100, 100]."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise InvalidRequest(f"{field} must be an object mapping token ids to biases", field)
+    out: dict[int, float] = {}
+    vocab = limits.vocab_size
+    for key, value in bias.items():
+        tid = key
+        if isinstance(key, str):
+            try:
+                tid = int(key)
+            except ValueError:
+                raise InvalidRequest(f"{field} keys must be token ids, got {key!r}", field) from None
+        if not _is_int(tid) or tid < 0 or (vocab and tid >= vocab):
+            bound = f"[0, {vocab})" if vocab else "[0, vocabulary size)"
+            raise InvalidRequest(f"{field} key {key!r} is not a token id in {bound}", field)
+        if not _is_number(value) or not math.isfinite(value) or abs(value) > LOGIT_BIAS_LIMIT:
+            raise InvalidRequest(f"{field}[{key!r}] must be a number in [-100, 100], got {value!r}", field)
+        out[tid] = float(value)
+    return out or None
+
+
+# type of each SamplingParams field: what a client (JSON, or Python through the Engine) may pass
+_INTS = ("max_new_tokens", "min_new_tokens", "top_k", "top_logprobs", "n")
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+_BOOLS = ("ignore_eos", "skip_special_tokens", "logprobs")
+
+
+def check_sampling(sp: SamplingParams, limits: ModelLimits, names: FieldNames = NATIVE) -> None:
+    """Types, ranges and vocabulary of every sampling field; raises InvalidRequest naming the field."""
+    if not isinstance(sp, SamplingParams):
+        raise InvalidRequest(f"sampling_params must be a SamplingParams or a dict, got {type(sp).__name__}", "sampling_params")
+    for name in _INTS:
+        value = getattr(sp, name)
+        if not _is_int(value) or abs(value) > INT64_MAX:
+            field = names.max_new_tokens if name == "max_new_tokens" else names.of(name)
+            raise InvalidRequest(f"{field} must be an integer, got {value!r}", field)
+    for name in _FLOATS:
+        value = getattr(sp, name)
+        if not _is_number(value) or not math.isfinite(value):
+            raise InvalidRequest(f"{names.of(name)} must be a finite number, got {value!r}", names.of(name))
+    for name in _BOOLS:
+        if not isinstance(getattr(sp, name), bool):
+            raise InvalidRequest(f"{names.of(name)} must be true or false, got {getattr(sp, name)!r}", names.of(name))
+    if sp.seed is not None and (not _is_int(sp.seed) or not -INT64_MAX <= sp.seed <= INT64_MAX):
+        raise InvalidRequest(f"{names.of('seed')} must be a 64-bit integer, got {sp.seed!r}", names.of("seed"))
+    stop = sp.stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"{names.of('stop')}: at most {MAX_STOP_STRINGS} non-empty strings", names.of("stop"))
+    if not isinstance(sp.stop_token_ids, list):
+        raise InvalidRequest(f"{names.of('stop_token_ids')} must be a list of token ids", names.of("stop_token_ids"))
+    check_token_ids(sp.stop_token_ids, limits, names.of("stop_token_ids"))
+    if sp.logit_bias is not None:
+        sp.logit_bias = parse_logit_bias(sp.logit_bias, limits, names.of("logit_bias"))
+    try:
+        sp.validate()
+    except ValueError as e:
+        first = str(e).split(" ", 1)[0]  # SamplingParams.validate's messages start with the field
+        raise InvalidRequest(f"{names.sampling}{e}", names.of(first)) from None
+
+
+def sampling_from_dict(d: Any, limits: ModelLimits, names: FieldNames = NATIVE) -> SamplingParams:
+    """A client's sampling dict (SGLang names) -> checked SamplingParams; unknown keys are an error."""
+    if d is None:
+        d = {}
+    if not isinstance(d, Mapping):
+        raise InvalidRequest(f"{names.sampling.rstrip('.') or 'sampling_params'} must be an object", "sampling_params")
+    d = dict(d)
+    known = set(SamplingParams.__dataclass_fields__)
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise InvalidRequest(
+            f"unknown sampling parameter(s) {unknown}; valid: {sorted(known)}", names.of(str(unknown[0]))
+        )
+    if isinstance(d.get("stop"), str):
+        d["stop"] = [d["stop"]]
+    for name in ("stop", "stop_token_ids"):
+        if d.get(name) is None and name in d:
+            d[name] = []
+    sp = SamplingParams(**d)
+    check_sampling(sp, limits, names)
+    return sp
+
+
+def max_new_tokens_for(
+    prompt_len: int, requested: int | None, limits: ModelLimits, names: FieldNames = NATIVE
+) -> int:
+    """The request's max_new_tokens: `requested`, or all the context the prompt leaves when None.
+    Raises InvalidRequest when the prompt plus the budget cannot fit the context."""
+    ctx = limits.context_len
+    if requested is not None and (not _is_int(requested) or requested < 0):
+        raise InvalidRequest(f"{names.max_new_tokens} must be an integer >= 0, got {requested!r}", names.max_new_tokens)
+    if not ctx:
+        if requested is None:
+            raise InvalidRequest(f"{names.max_new_tokens} is required", names.max_new_tokens)
+        return requested
+    if prompt_len >= ctx:
+        raise InvalidRequest(
+            f"the prompt has {prompt_len} tokens; the model's context length is {ctx} tokens", names.prompt
+        )
+    if requested is None:
+        return ctx - prompt_len
+    if prompt_len + requested > ctx:
+        raise InvalidRequest(
+            f"the prompt ({prompt_len} tokens) plus {names.max_new_tokens} ({requested}) exceeds the model's "
+            f"context length ({ctx} tokens); shorten the prompt or lower {names.max_new_tokens}",
+            names.max_new_tokens,
+        )
+    return requested
+
+
+def validate_request(ids: list[int], sp: SamplingParams, limits: ModelLimits, names: FieldNames = NATIVE) -> None:
+    """The whole check of one tokenized request: prompt ids, sampling fields, context budget."""
+    if not isinstance(ids, list):
+        raise InvalidRequest(f"{names.prompt} must be a list of token ids", names.prompt)
+    if not ids:
+        raise InvalidRequest("the prompt is empty", names.prompt)
+    check_token_ids(ids, limits, names.prompt)
+    check_sampling(sp, limits, names)
+    max_new_tokens_for(len(ids), sp.max_new_tokens, limits, names)
+
+
+def reject_reason(ids: list[int], sp: SamplingParams, limits: ModelLimits) -> str | None:
+    """`validate_request`'s verdict as a message (None: acceptable): the scheduler's backstop."""
+    try:
+        validate_request(ids, sp, limits)
+    except InvalidRequest as e:
+        return e.message
+    return None
