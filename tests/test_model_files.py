@@ -108,28 +108,22 @@ def test_existing_path_and_default_model_resolve_to_themselves(tiny_llama_dir, s
     assert resolve_model_path(None) == smollm2_gguf_path
 
 
-@pytest.fixture(scope="module")
-def tiny_chat_checkpoint(tiny_llama_dir, smollm2_gguf_path, tmp_path_factory) -> str:
-    """A tiny random model with SmolLM2's tokenizer (and vocabulary size), as a Hub repo would hold it."""
-    from radixserve.tokenizer import load_tokenizer
+def test_model_runner_loads_a_hub_id_from_the_offline_cache(tiny_llama_dir, hf_cache, offline):
+    """`radixserve generate`, the bench and the scheduler load through ModelRunner: it takes the id."""
+    from radixserve.config import Config
+    from radixserve.model_runner import ModelRunner
 
-    out = str(tmp_path_factory.mktemp("tiny-with-tokenizer"))
-    shutil.copytree(tiny_llama_dir("llama", vocab_size=49152), out, dirs_exist_ok=True)
-    load_tokenizer(smollm2_gguf_path).save_pretrained(out)
-    return out
+    snap = _place_snapshot(hf_cache, "testorg/tiny-llama", tiny_llama_dir("llama"), COMMIT_MAIN, "main")
+    cfg = Config.build({"model": {"path": "testorg/tiny-llama"}, "runtime": {"device": "cpu", "num_threads": 1},
+                        "scheduler": {"max_total_tokens": 256, "max_running_requests": 2}})
+    runner = ModelRunner(cfg, show_progress=False)
+    assert runner.model_path == snap and runner.vocab_size == 512
 
 
-def _generate(model: str, hf_cache: str) -> subprocess.CompletedProcess:
+def test_cli_names_the_missing_hub_id_without_a_traceback(hf_cache):
     env = {**os.environ, "HF_HUB_CACHE": hf_cache, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "radixserve.cli", "generate", "--model", model, "--max-tokens", "3", "--no-chat", "hi"]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-
-
-def test_cli_runs_a_hub_id_from_the_offline_cache(tiny_chat_checkpoint, hf_cache):
-    _place_snapshot(hf_cache, "testorg/tiny-chat", tiny_chat_checkpoint, COMMIT_MAIN, "main")
-    done = _generate("testorg/tiny-chat", hf_cache)
-    assert done.returncode == 0, done.stderr[-3000:]
-    missing = _generate("testorg/not-downloaded", hf_cache)
-    assert missing.returncode != 0
-    assert "testorg/not-downloaded" in missing.stderr and "HF_HUB_OFFLINE" in missing.stderr
-    assert "Traceback" not in missing.stderr
+    cmd = [sys.executable, "-m", "radixserve.cli", "generate", "--model", "testorg/not-downloaded", "hi"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "testorg/not-downloaded" in done.stderr and hf_cache in done.stderr and "HF_HUB_OFFLINE" in done.stderr
+    assert "Traceback" not in done.stderr
