@@ -104,18 +104,3 @@ def smollm2_gguf_path() -> str:
     assert os.path.isfile(path), path
     return path
 
-
-@pytest.fixture(scope="session")
-def smollm2_hf_dir(smollm2_gguf_path, tmp_path_factory) -> str:
-    """An HF-format (dequantized fp32) copy of the SmolLM2 GGUF, built by transformers."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    local = os.path.join(os.path.dirname(__file__), "..", ".models", "smollm2-135m-instruct")
-    if os.path.isfile(os.path.join(local, "model.safetensors")):
-        return os.path.abspath(local)  # developer machines keep a prebuilt copy
-    d, f = os.path.split(smollm2_gguf_path)
-    out = str(tmp_path_factory.mktemp("smollm2-hf"))
-    AutoModelForCausalLM.from_pretrained(d, gguf_file=f).save_pretrained(out)
-    AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)
-    return out
-

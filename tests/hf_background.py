@@ -14,8 +14,8 @@ from pathlib import Path
 
 
 class BackgroundReference:
-    """Starts the child at construction; `result()` waits for it. Per question: the prompt ids of
-    transformers' chat template, its greedy tokens and each step's top-5 token ids."""
+    """Starts the child at construction; `result()` waits for it. Per question: the chat prompt's
+    ids, transformers' greedy tokens and each step's top-5 token ids."""
 
     def __init__(self, gguf_path: str, questions: list[str], new_tokens: int, workdir: Path) -> None:
         self._out = workdir / "hf_reference.json"
@@ -42,16 +42,17 @@ class BackgroundReference:
 def _main(gguf_path: str, questions_json: str, new_tokens: str, out_json: str) -> None:
     import torch
     from hf_reference import hf_greedy
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from radixserve.tokenizer import apply_chat_template, load_tokenizer
+    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)  # the test process uses the other core
+    # the prompts as the test renders them (its tokenizer test compares them with transformers')
+    tok = load_tokenizer(gguf_path)
     d, f = os.path.split(gguf_path)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
     results = []
     for q in json.loads(Path(questions_json).read_text()):
-        prompt = list(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
-                                              add_generation_prompt=True, return_dict=False))
+        prompt = apply_chat_template(tok, [{"role": "user", "content": q}])
         tokens, logits = hf_greedy(model, prompt, int(new_tokens))
         results.append({"prompt": prompt, "tokens": tokens, "top5": [row.topk(5).indices.tolist() for row in logits]})
     Path(out_json).write_text(json.dumps(results))
