@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-TEST_TOOLS = ("pytest", "hypothesis", "openai", "ruff", "accelerate", "triton")
+TEST_TOOLS = ("pytest", "hypothesis", "openai", "ruff", "triton")
 
 
 def _make_dry_run(target: str, tmp_path: Path) -> str:
