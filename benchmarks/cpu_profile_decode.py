@@ -21,11 +21,12 @@ import sys
 import torch
 from bench_env import commit, machine
 from engine_throughput import chat_prompts
+from smollm2_hf import DEFAULT_OUT as SMOLLM2_HF_DIR
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="/work/main/.models/smollm2-135m-instruct")
+    ap.add_argument("--model", default=SMOLLM2_HF_DIR)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--profile-steps", type=int, default=6)

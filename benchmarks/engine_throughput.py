@@ -2,7 +2,7 @@
 """Offline throughput: RadixServe Engine.generate vs transformers' padded-batch generate, same prompts.
 
 64 SmolLM2 chat prompts x 128 output tokens (ignore_eos, greedy, fp32) from the HF directory, by
-default /work/main/.models/smollm2-135m-instruct (build it with ../shared/tools/smollm2-hf.py).
+default .models/smollm2-135m-instruct (build it with benchmarks/smollm2_hf.py).
 Prints one Markdown block (machine, commit, command, figures) to paste into
 benchmarks/results/cpu-engine-throughput.md.
 
@@ -17,6 +17,7 @@ import sys
 import time
 
 from bench_env import commit, machine
+from smollm2_hf import DEFAULT_OUT as SMOLLM2_HF_DIR
 
 TOPICS = [
     "the ocean",
@@ -99,7 +100,7 @@ def run_hf(model: str, prompts: list[list[int]], output_len: int, batch_size: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="/work/main/.models/smollm2-135m-instruct")
+    ap.add_argument("--model", default=SMOLLM2_HF_DIR)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--hf-batch-size", type=int, default=64)

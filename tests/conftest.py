@@ -22,18 +22,40 @@ TINY_DEFAULTS = dict(
 )
 
 
-def pytest_sessionstart(session) -> None:
-    """Compile the native CPU kernels once, up front (about a minute each on a fresh machine), so the
-    servers and CLIs that tests start in subprocesses load them from the cache instead of compiling
-    inside their start-up timeouts. A failed build is reported by tests/test_native_cpu_kernels.py."""
-    import torch
-    from radixserve.layers import cpu_gemm, cpu_greedy_head, cpu_ops
-    from radixserve_attention_cpu_batched import backend
+def _prebuild_kernels_in_parallel() -> None:
+    """Compile the kernels that have no build in the cache yet in child processes, as many at a
+    time as there are cores: a process compiles one kernel at a time (about a minute each)."""
+    import subprocess
+    import sys
 
-    cpu_ops.available(torch.zeros(1, 1))
-    cpu_gemm.pack(torch.zeros(1, 1))
-    cpu_greedy_head.pack(torch.zeros(1, 1))
-    backend.load_kernels()
+    from native_builds import KERNELS
+    from radixserve import native
+
+    if not native.enabled():
+        return
+    root = native.cache_root()
+    missing = [name for name in KERNELS if not any(root.glob(f"{name}-*/*.so"))]
+    if len(missing) < 2:
+        return  # nothing to overlap: the in-process loads build it
+    script = os.path.join(os.path.dirname(__file__), "native_builds.py")
+    running: list[subprocess.Popen] = []
+    for name in missing:
+        if len(running) >= (os.cpu_count() or 1):
+            running.pop(0).wait()
+        running.append(subprocess.Popen([sys.executable, script, name]))
+    for proc in running:
+        proc.wait()
+
+
+def pytest_sessionstart(session) -> None:
+    """Compile the native CPU kernels once, up front, so the servers and CLIs that tests start in
+    subprocesses load them from the cache instead of compiling inside their start-up timeouts.
+    A failed build is reported by tests/test_native_cpu_kernels.py."""
+    from native_builds import KERNELS
+
+    _prebuild_kernels_in_parallel()
+    for load in KERNELS.values():  # in this process: cache hits once built
+        load()
 
 
 def _perturb_ones_and_zeros(model, seed: int) -> None:
@@ -82,17 +104,3 @@ def smollm2_gguf_path() -> str:
     assert os.path.isfile(path), path
     return path
 
-
-@pytest.fixture(scope="session")
-def smollm2_hf_dir(smollm2_gguf_path, tmp_path_factory) -> str:
-    """An HF-format (dequantized fp32) copy of the SmolLM2 GGUF, built by transformers."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    local = os.path.join(os.path.dirname(__file__), "..", ".models", "smollm2-135m-instruct")
-    if os.path.isfile(os.path.join(local, "model.safetensors")):
-        return os.path.abspath(local)  # developer machines keep a prebuilt copy
-    d, f = os.path.split(smollm2_gguf_path)
-    out = str(tmp_path_factory.mktemp("smollm2-hf"))
-    AutoModelForCausalLM.from_pretrained(d, gguf_file=f).save_pretrained(out)
-    AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)
-    return out

@@ -34,3 +34,11 @@ def top5_rule_holds(ours: list[int], our_logits, ref: list[int], ref_logits) -> 
     if i is None:
         return True
     return ours[i] in ref_logits[i].topk(5).indices.tolist() and ref[i] in our_logits[i].topk(5).indices.tolist()
+
+
+def top5_rule_holds_ids(ours: list[int], our_logits, ref: list[int], ref_top5: list[list[int]]) -> bool:
+    """The same rule given the reference's top-5 token ids per step instead of its logits."""
+    i = first_divergence(ours, ref)
+    if i is None:
+        return True
+    return ours[i] in ref_top5[i] and ref[i] in our_logits[i].topk(5).indices.tolist()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from radixserve.model_loader.model_files import load_tokenizer, resolve_model_path
 from radixserve.runtime.detokenizer import DetokenizerManager, IncrementalDetokenizer
 from radixserve.runtime.messages import ReqTokenOut
-from radixserve.runtime.model_files import load_tokenizer, resolve_model_path
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
-from hf_reference import first_divergence, hf_greedy, top5_rule_holds
+from hf_background import BackgroundReference
+from hf_reference import first_divergence, top5_rule_holds_ids
 from radixserve.config import Config
 from radixserve.model_runner import ModelRunner
 from radixserve.tokenizer import apply_chat_template
@@ -25,6 +25,15 @@ QUESTIONS = [
     "Name a famous physicist.",
 ]
 NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hf_reference(smollm2_gguf_path, tmp_path_factory):
+    """transformers' greedy tokens on the same file, computed in a child process while the
+    module's other tests run (the model is loaded with one torch thread: the other core is free)."""
+    ref = BackgroundReference(smollm2_gguf_path, QUESTIONS, NEW_TOKENS, tmp_path_factory.mktemp("hf-reference"))
+    yield ref
+    ref.close()
 
 
 @pytest.fixture(scope="module")
@@ -74,18 +83,6 @@ def test_names_paris(runner, batched):
     assert "Paris" in answer, answer
 
 
-def test_greedy_matches_transformers_gguf(smollm2_gguf_path, prompts, batched):
-    from transformers import AutoModelForCausalLM
-
-    d, f = os.path.split(smollm2_gguf_path)
-    hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-    for prompt, got in zip(prompts, batched, strict=True):
-        ref_tokens, ref_logits = hf_greedy(hf, prompt, NEW_TOKENS)
-        i = first_divergence(got.tokens, ref_tokens)
-        assert top5_rule_holds(got.tokens, got.logits, ref_tokens, ref_logits), f"top-5 rule broken at {i}"
-        assert got.tokens == ref_tokens, f"greedy diverges at step {i}"
-
-
 def test_batch_invariance(runner, prompts, batched):
     """Each request's greedy output is the same alone as inside the 8-request batch."""
     for i in (0, 5):
@@ -103,3 +100,11 @@ def test_generate_loop_stops_at_eos_and_frees_kv(runner, prompts, batched):
     assert out[-1] in runner.eos_token_ids or len(out) == NEW_TOKENS
     assert runner.token_allocator.available_size() == runner.token_allocator.size
     assert runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size
+
+
+def test_greedy_matches_transformers_gguf(prompts, batched, hf_reference):
+    for prompt, got, ref in zip(prompts, batched, hf_reference.result(), strict=True):
+        assert ref["prompt"] == prompt  # the same input on both sides
+        i = first_divergence(got.tokens, ref["tokens"])
+        assert top5_rule_holds_ids(got.tokens, got.logits, ref["tokens"], ref["top5"]), f"top-5 rule broken at {i}"
+        assert got.tokens == ref["tokens"], f"greedy diverges at step {i}"

@@ -8,8 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+from radixserve.model_loader.model_files import load_tokenizer
 from radixserve.runtime.detokenizer import TokenizersDecoder, load_decoder
-from radixserve.runtime.model_files import load_tokenizer
 
 
 def test_the_detokenizer_decodes_like_transformers(smollm2_gguf_path):

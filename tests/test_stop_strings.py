@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import radixserve.testing.toy_runner as toy
 from radixserve.config import Config
+from radixserve.model_loader.model_files import load_tokenizer, resolve_model_path
 from radixserve.plugins.registry import Registry
 from radixserve.runtime.detokenizer import DetokenizerManager
 from radixserve.runtime.messages import GenerateRequest
-from radixserve.runtime.model_files import load_tokenizer, resolve_model_path
 from radixserve.scheduler import Scheduler
 from radixserve.scheduler.stop_strings import StopStringMatcher
 from radixserve.state import SamplingParams

@@ -51,7 +51,7 @@ def run_serve(args: argparse.Namespace) -> int:
     registry = Registry.from_config(config)  # this process's registry (HTTP routes, checks)
     resolve_stack(config, registry, config.runtime.resolved_device())  # fail before any file is read
     if config.model.path is None:
-        from radixserve.runtime.model_files import resolve_model_path
+        from radixserve.model_loader.model_files import resolve_model_path
 
         try:
             resolve_model_path(None)

