@@ -35,7 +35,8 @@ def test_example_plugin_selected_by_stack(installed_example, tmp_path):
     stack.write_text("stack:\n  policy: shortest-first\n")
     r = run_cli(["config", "show", "--config", str(stack)])
     assert r.returncode == 0, r.stderr
-    assert "policy: shortest-first  # radixserve-example-policy" in r.stdout
+    # the resolved stack names the distribution that provides the selected component
+    assert "policy: shortest-first  # stack.policy; radixserve-example-policy" in r.stdout
 
 
 def test_example_policy_orders_shortest_first(installed_example):

@@ -46,8 +46,10 @@ class ModelRunner:
         if rt.tp_size != 1:
             raise NotImplementedError("tensor parallelism (runtime.tp_size > 1) is not implemented yet")
 
+        # every component checked before the model path is even resolved (a Hub id may download),
+        # then the quantization against the checkpoint, all before loading
+        resolve_stack(config, self.registry, self.device.type)
         self.model_path = resolve_model_path(config.model.path)  # a local path, a Hub id, or the default
-        # every component checked (and the quantization against the checkpoint) before loading
         self.stack = resolve_stack(config, self.registry, self.device.type, self.model_path)
         source = open_source(self.model_path, config.model.load_format, self.registry)
         self.hf_config = source.hf_config()
