@@ -458,3 +458,90 @@ def test_out_of_vocabulary_ids_reaching_the_scheduler_are_rejected(make_schedule
     assert "stop_token_ids[0]" in results["stop"]["outs"][0].error
     assert results["ok"]["ids"] == reference([1, 2, 3], 3)
     assert sched.metrics.rejected_requests == 4
+
+
+# ---- failure isolation (issue 12): one request's failing forward must not take the others down ----
+
+
+class FailingRunner(ToyRunner):
+    """Raises from result() for any batch holding a request that `poisoned(req)` names."""
+
+    def __init__(self, poisoned, **kw) -> None:
+        super().__init__(**kw)
+        self.poisoned = poisoned
+        self.failures = 0
+
+    def launch_batch(self, sb):
+        launched = super().launch_batch(sb)
+        if not any(self.poisoned(r) for r in sb.reqs):
+            return launched
+
+        def fail():
+            self.failures += 1
+            raise RuntimeError("injected: a kernel rejected this request")
+
+        return type(launched)(launched.token_ids, fail)
+
+
+def _with_runner(sched, runner):
+    """Swap the toy runner for a failing one sharing its pools (the scheduler keeps the pools)."""
+    runner.req_to_token_pool = sched.runner.req_to_token_pool
+    runner.token_allocator = sched.runner.token_allocator
+    runner.kv_pool = sched.runner.kv_pool
+    sched.runner = runner
+    return runner
+
+
+def test_a_request_that_always_fails_gets_a_500_and_the_others_are_unharmed(make_scheduler):
+    sched = make_scheduler()
+    runner = _with_runner(sched, FailingRunner(lambda r: r.rid == "poison" and len(r.output_ids) >= 3, vocab_size=VOCAB))
+    reqs = workload(seed=3, n=10)
+    for rid, prompt, max_new in reqs:
+        sched.add_request(request(rid, prompt, max_new))
+    sched.add_request(request("poison", [5, 6, 7, 8], 20))
+    results = run_to_completion(sched)
+
+    poison = results["poison"]["outs"][-1]
+    assert poison.error is not None and poison.error_status == 500
+    assert runner.failures >= 2, "the culprit was not re-run alone before it was failed"
+    for rid, prompt, max_new in reqs:
+        assert results[rid]["ids"] == reference(prompt, max_new), rid
+        assert results[rid]["finish"] == {"type": "length"}
+    stats = sched.stats()
+    assert stats["failed_requests"] == 1 and stats["finished_requests"] == len(reqs)
+    # make_scheduler's teardown asserts no request left behind and free == total after a flush
+
+
+def test_a_one_off_failure_is_retried_and_every_output_is_unchanged(make_scheduler):
+    failed_once: set[str] = set()
+
+    def poisoned(req):
+        if req.rid == "flaky" and "flaky" not in failed_once and len(req.output_ids) >= 2:
+            failed_once.add("flaky")
+            return True
+        return False
+
+    sched = make_scheduler()
+    _with_runner(sched, FailingRunner(poisoned, vocab_size=VOCAB))
+    reqs = workload(seed=4, n=8) + [("flaky", [9, 8, 7, 6, 5], 12)]
+    for rid, prompt, max_new in reqs:
+        sched.add_request(request(rid, prompt, max_new))
+    results = run_to_completion(sched)
+    assert failed_once == {"flaky"}
+    for rid, prompt, max_new in reqs:
+        assert results[rid]["ids"] == reference(prompt, max_new), rid
+    assert sched.stats()["failed_requests"] == 0
+
+
+@pytest.mark.parametrize("chunk", [8])
+def test_isolation_with_chunked_prefill(make_scheduler, chunk):
+    sched = make_scheduler(chunked_prefill_size=chunk)
+    _with_runner(sched, FailingRunner(lambda r: r.rid == "poison", vocab_size=VOCAB))
+    reqs = workload(seed=5, n=8)
+    for rid, prompt, max_new in reqs:
+        sched.add_request(request(rid, prompt, max_new))
+    sched.add_request(request("poison", list(range(1, 40)), 5))
+    results = run_to_completion(sched)
+    assert results["poison"]["outs"][-1].error_status == 500
+    for rid, prompt, max_new in reqs:
+        assert results[rid]["ids"] == reference(prompt, max_new), rid

@@ -17,6 +17,7 @@ from radixserve.runtime.messages import (
     FlushCacheRequest,
     GenerateRequest,
     ReadyMessage,
+    ReqTokenOut,
     ShutdownRequest,
     StatsRequest,
     make_encoder,
@@ -64,11 +65,26 @@ class SchedulerServer:
 
     def _handle_safely(self, raw: bytes) -> None:
         """One bad message (undecodable, or a handler that raises) is logged once and dropped: it
-        must not end the loop that serves every other request."""
+        must not end the loop that serves every other request. Whoever waits on it still gets an
+        answer: a failed control call replies ok=False, a failed request ends with a 500 error."""
+        msg = None
         try:
-            self._handle(self.dec.decode(raw))
+            msg = self.dec.decode(raw)
+            self._handle(msg)
         except Exception:
             logger.exception("scheduler: dropped a message whose handling failed")
+            self._answer_failed(msg)
+
+    def _answer_failed(self, msg: Any) -> None:
+        try:
+            if isinstance(msg, FlushCacheRequest | StatsRequest):
+                self.to_manager.send(self.enc.encode(ControlReply(req_id=msg.req_id, ok=False)))
+            elif isinstance(msg, GenerateRequest):
+                error = "internal error while admitting the request (see the server log)"
+                err = ReqTokenOut(rid=msg.rid, new_ids=[], error=error, error_status=500)
+                self.to_detok.send(self.enc.encode(BatchTokenOut([err])))
+        except Exception:
+            logger.exception("scheduler: could not answer a failed message")
 
     def _drain(self, block: bool) -> None:
         flags = 0 if block else self.zmq.NOBLOCK

@@ -16,6 +16,7 @@ class SchedulerMetrics:
     generated_tokens: int = 0
     finished_requests: int = 0
     aborted_requests: int = 0
+    failed_requests: int = 0  # ended with an internal error after running alone (failure isolation)
     rejected_requests: int = 0
     retractions: int = 0
     prefill_batches: int = 0

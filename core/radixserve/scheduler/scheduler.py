@@ -131,6 +131,8 @@ class Scheduler:
         self._evicted = False  # set by _alloc_slots when it evicted from the cache
         self.overlap = config.runtime.resolved_overlap(str(getattr(runner, "device", "cpu")))
         self._in_flight: tuple[list[_Item], LaunchedBatch] | None = None  # overlap: launched, not processed
+        # requests of a batch whose forward raised: each runs alone until it passes (or fails alone)
+        self._suspects: set[str] = set()
 
     @classmethod
     def from_config(cls, config: Config, runner: Any, registry: Any, tokenizer: Any = None) -> Scheduler:
@@ -227,7 +229,13 @@ class Scheduler:
         else:
             items = self._schedule()
             if items:
-                self._process(items, self.runner.launch_batch(self._to_scheduled_batch(items)).result())
+                try:
+                    result = self.runner.launch_batch(self._to_scheduled_batch(items)).result()
+                except Exception:
+                    self._isolate_failure([items])
+                else:
+                    self._passed(items)
+                    self._process(items, result)
         self.metrics.record_step()
         outs, self._outbox = self._outbox, []
         return outs
@@ -235,16 +243,77 @@ class Scheduler:
     def _step_overlapped(self) -> None:
         prev, self._in_flight = self._in_flight, None
         if prev is not None:
-            ahead = self._lookahead_decode(prev)
-            if ahead is not None:
-                items, future = ahead
-                self._in_flight = (items, self.runner.launch_batch(self._to_scheduled_batch(items, future)))
-            self._process(prev[0], prev[1].result())  # the device is busy with the next batch meanwhile
+            ahead = None
+            try:
+                ahead = self._lookahead_decode(prev)
+                if ahead is not None:
+                    items, future = ahead
+                    self._in_flight = (items, self.runner.launch_batch(self._to_scheduled_batch(items, future)))
+                result = prev[1].result()
+            except Exception:  # the ahead batch reads prev's tokens: both are untrusted
+                self._isolate_failure([prev[0]] + ([ahead[0]] if ahead is not None else []))
+                return
+            self._passed(prev[0])
+            self._process(prev[0], result)  # the device is busy with the next batch meanwhile
             if ahead is not None:
                 return
         items = self._schedule()
         if items:
-            self._in_flight = (items, self.runner.launch_batch(self._to_scheduled_batch(items)))
+            try:
+                self._in_flight = (items, self.runner.launch_batch(self._to_scheduled_batch(items)))
+            except Exception:
+                self._isolate_failure([items])
+
+    # ---- failure isolation --------------------------------------------------------------------
+    def _isolate_failure(self, batches: list[list[_Item]]) -> None:
+        """A forward (or its sampling) raised. Whatever caused it, one request must not take the
+        others down: the batches' new KV slots are freed (their contents cannot be trusted), each
+        request goes back to the waiting queue as a suspect holding only the KV it had before, and
+        suspects then run alone (`_schedule`). A suspect that fails alone is ended with an error
+        (HTTP 500); the others finish normally, with the same outputs."""
+        logger.exception("a batch of %d request(s) failed; isolating the cause", sum(len(b) for b in batches))
+        self._in_flight = None
+        kept_prefix: dict[int, int] = {}
+        reqs: dict[int, Req] = {}
+        for it in (it for batch in batches for it in batch):
+            if it.req.finished:  # aborted or stopped while in flight: its slots were released with it
+                continue
+            self.allocator.free(it.slots)
+            key = id(it.req)
+            reqs[key] = it.req
+            kept_prefix[key] = min(kept_prefix.get(key, it.prefix_len), it.prefix_len)
+        alone = len(reqs) == 1
+        for key, req in reqs.items():
+            req.kv_len = kept_prefix[key]
+            if req in self.running:
+                self.running.remove(req)
+            if req is self.chunked_req:
+                self.chunked_req = None
+            if alone and req.rid in self._suspects:
+                self._fail(req)
+            else:
+                self._suspects.add(req.rid)
+                self._retract(req)
+
+    def _passed(self, items: list[_Item]) -> None:
+        """A suspect whose prompt ran through alone is cleared."""
+        if self._suspects and len(items) == 1 and items[0].completes_prompt:
+            self._suspects.discard(items[0].req.rid)
+
+    def _fail(self, req: Req) -> None:
+        self._suspects.discard(req.rid)
+        self._release(req)
+        req.finished_reason = {"type": "abort", "message": "internal error"}
+        self.metrics.failed_requests += 1
+        self.meta.pop(req.rid, None)
+        self._outbox.append(
+            ReqTokenOut(
+                rid=req.rid,
+                new_ids=[],
+                error="the model failed while running this request (internal error; see the server log)",
+                error_status=500,
+            )
+        )
 
     def _finish_in_flight(self) -> None:
         if self._in_flight is not None:
@@ -287,6 +356,10 @@ class Scheduler:
         return items, FutureTokens(tokens=launched.token_ids, rows=rows)
 
     def _schedule(self) -> list[_Item]:
+        if self._suspects and not (self._decode_turn and self.running):
+            items = self._suspect_alone()
+            if items is not None:
+                return items
         items: list[_Item] | None = None
         if not (self._decode_turn and self.running):
             items = self._prefill_items()
@@ -302,6 +375,26 @@ class Scheduler:
         return []
 
     # ---- prefill admission ------------------------------------------------------------------
+    def _suspect_alone(self) -> list[_Item] | None:
+        """A batch of one suspect's next prefill chunk (nothing mixed in), or None when no suspect
+        can run now."""
+        if self.chunked_req is not None:
+            if self.chunked_req.rid not in self._suspects:
+                return None
+            suspect = None
+        else:
+            suspect = next((r for r in self.waiting if r.rid in self._suspects), None)
+            if suspect is None:
+                return None
+        others = [r for r in self.waiting if r is not suspect]
+        self.waiting = [] if suspect is None else [suspect]
+        try:
+            items = self._prefill_items()
+        finally:
+            self.waiting = self.waiting + others
+        self._decode_turn = self.chunked_req is not None
+        return items or None
+
     def _future_tokens(self, req: Req) -> int:
         """Tokens to keep free for the rest of this request's life (decaying estimate)."""
         left = min(req.sampling_params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
@@ -642,6 +735,7 @@ class Scheduler:
             "throughput": m.throughput(),
             "finished_requests": m.finished_requests,
             "aborted_requests": m.aborted_requests,
+            "failed_requests": m.failed_requests,
             "rejected_requests": m.rejected_requests,
             "retractions": m.retractions,
             "prefill_batches": m.prefill_batches,
