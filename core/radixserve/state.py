@@ -127,6 +127,14 @@ class ForwardBatch:
     seq_lens_cpu: list[int] = field(default_factory=list)
     prefix_lens_cpu: list[int] = field(default_factory=list)
     extend_lens_cpu: list[int] = field(default_factory=list)
+    # Speculative verify of tree drafts (None for every other forward): a flat bool tensor on the
+    # batch's device holding, for each request i in order, a row-major [n_i, n_i] block
+    # (n_i = extend_lens[i]); block[a, b] is True iff new token a may attend new token b (b is a
+    # itself or one of its ancestors in the draft tree; token 0 is the root, the request's last
+    # verified token). Every prefix token stays visible to every new token. Only backends with
+    # `supports_tree_mask = True` receive it; a chain (or plain extend) never sets it.
+    tree_mask: torch.Tensor | None = None
+    tree_mask_cpu: list[list[list[bool]]] | None = None  # host copy: per request, the [n_i][n_i] block
     # per-backend metadata, set by AttentionBackend.init_forward_metadata; owned by the backend
     attn_metadata: Any = None
 

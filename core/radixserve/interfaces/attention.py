@@ -86,6 +86,10 @@ class AttentionBackend(abc.ABC):
     # Metadata read by the registry without importing the module is declared at registration;
     # these class attributes repeat it for components built directly.
     name: str = "base"
+    # True when forward_extend honours `batch.tree_mask` (speculative verify of tree drafts: the
+    # new tokens attend each other by the mask instead of causally; see ForwardBatch.tree_mask).
+    # A backend that leaves it False is only given chain drafts. Added in plugin API 1.1.
+    supports_tree_mask: bool = False
 
     @classmethod
     def supports(cls, device: str, dtype: str, head_dim: int) -> bool:

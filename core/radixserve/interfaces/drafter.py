@@ -12,9 +12,16 @@ if TYPE_CHECKING:
 
 @dataclass
 class DraftProposal:
-    """Chain drafts: `tokens[i]` continues request i's sequence (may be empty: no draft)."""
+    """Drafts for a batch of requests, one entry per request, in the order they were given.
+
+    `tokens[i]` are request i's draft tokens (may be empty: no draft). `parents` is None for
+    chains (token j continues token j-1, token 0 continues the request's last verified token).
+    For a tree, `parents[i][j]` is the index in `tokens[i]` of draft token j's parent, or -1
+    when its parent is the request's last verified token; parents come before their children
+    (`parents[i][j] < j`). Added in plugin API 1.0 (`parents` in 1.1)."""
 
     tokens: list[list[int]]
+    parents: list[list[int]] | None = None
 
 
 class Drafter(abc.ABC):
