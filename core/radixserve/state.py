@@ -42,6 +42,13 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0  # number of top alternatives returned per token
     n: int = 1
+    # Structured output (SGLang's native names; at most one may be set). Each is the constraint's
+    # text: a JSON schema serialised as JSON (`{"type": "object"}` for any JSON object), a regex, an
+    # EBNF grammar. Set by the API layer (response_format, tool_choice) or by /generate callers;
+    # enforced by the grammar backend of the stack.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -71,6 +78,9 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        constraints = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+        if constraints:  # until a grammar backend enforces them: refused, never silently ignored
+            raise ValueError(f"{constraints[0]}: structured output is not supported by this server yet")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
