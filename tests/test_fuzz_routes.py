@@ -1,6 +1,10 @@
 """Property-based fuzz of every route of the HTTP layer (hypothesis strategies of our own): valid
 and invalid JSON bodies never give a 5xx, and the server stays healthy. Runs against the fake
-runtime of test_http_api (the layer that validates); RADIXSERVE_FUZZ_EXAMPLES sets the count."""
+runtime of test_http_api (the layer that validates); RADIXSERVE_FUZZ_EXAMPLES sets the count.
+
+RADIXSERVE_FUZZ_URL=http://host:port points the same fuzz at a running server on a real model
+(RADIXSERVE_FUZZ_API_KEY if it has one); it then also checks that no KV slot leaked: after
+/flush_cache, /server_info reports every token slot free."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import collections
 import json
 import os
 
+import httpx
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,6 +21,7 @@ from radixserve.server.app import create_app
 from test_http_api import CHAT, MODEL, VOCAB, FakeTM
 
 EXAMPLES = int(os.environ.get("RADIXSERVE_FUZZ_EXAMPLES", "300"))
+REAL_SERVER = os.environ.get("RADIXSERVE_FUZZ_URL")
 
 token_id = st.one_of(st.integers(-5, VOCAB + 5), st.integers(-(1 << 70), 1 << 70))
 ids = st.lists(token_id, min_size=0, max_size=8)
@@ -101,14 +107,29 @@ other = st.tuples(
 requests = st.one_of(completions, chat, generate, other)
 
 
+def _client():
+    if REAL_SERVER:
+        key = os.environ.get("RADIXSERVE_FUZZ_API_KEY")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=REAL_SERVER, headers=headers, timeout=600)
+    return TestClient(create_app(FakeTM(), Config.build({})))
+
+
+def _model_name(client) -> str:
+    return client.get("/v1/models").json()["data"][0]["id"] if REAL_SERVER else MODEL
+
+
 def test_no_route_answers_5xx_and_the_server_stays_healthy():
-    client = TestClient(create_app(FakeTM(), Config.build({})))
+    client = _client()
+    model = _model_name(client)
     statuses: collections.Counter = collections.Counter()
 
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(requests)
     def one(req):
         route, body = req
+        if isinstance(body, dict) and body.get("model") == MODEL:
+            body = {**body, "model": model}
         if route in ("/v1/completions", "/v1/chat/completions", "/generate", "/abort_request"):
             # NaN / Infinity literals on purpose: Python's json, which the server parses with, accepts them
             r = client.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
@@ -120,3 +141,8 @@ def test_no_route_answers_5xx_and_the_server_stays_healthy():
     one()
     assert client.get("/health").status_code == 200
     print("fuzz statuses:", dict(statuses))
+    if REAL_SERVER:  # nothing in flight now: every slot must be free once the prefix cache is dropped
+        assert client.post("/flush_cache").status_code == 200
+        stats = client.get("/server_info").json()["stats"]
+        print("after flush:", {k: stats[k] for k in ("free_tokens", "max_total_tokens", "failed_requests")})
+        assert stats["free_tokens"] == stats["max_total_tokens"], stats

@@ -226,6 +226,29 @@ def test_bad_input_keeps_server_healthy(server):
     assert httpx.get(f"{server.url}/health_generate", headers=h, timeout=T).status_code == 200
 
 
+def test_out_of_vocabulary_ids_are_a_400_naming_the_field(server):
+    """Each of these once raised IndexError in the scheduler's embedding and took the server down."""
+    vocab = 49152  # SmolLM2's vocabulary: ids 0..49151
+    comp = {"model": server.model, "max_tokens": 2}
+    cases = [
+        ("/v1/completions", {**comp, "prompt": [999999999]}, "prompt"),
+        ("/v1/completions", {**comp, "prompt": [-5]}, "prompt"),
+        ("/v1/completions", {**comp, "prompt": [[1, 2], [vocab]]}, "prompt"),
+        ("/generate", {"input_ids": [vocab], "sampling_params": {"max_new_tokens": 2}}, "input_ids"),
+        ("/v1/completions", {**comp, "prompt": "hi", "logit_bias": {str(vocab + 7): 5}}, "logit_bias"),
+        ("/v1/completions", {**comp, "prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [vocab]}}, "stop_token_ids"),
+    ]
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=T) as c:
+        for route, body, field in cases:
+            r = c.post(route, json=body)
+            assert r.status_code == 400, (route, body, r.text)
+            assert field in r.json()["error"]["message"], (field, r.text)
+        ok = c.post("/v1/completions", json={**comp, "prompt": [1, 2, vocab - 1]})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+        assert c.get("/health").status_code == 200
+
+
 def test_200_concurrent_streams(server):
     async def main() -> list[tuple[str, str | None, int]]:
         limits = httpx.Limits(max_connections=250, max_keepalive_connections=250)
@@ -313,6 +336,19 @@ def test_bench_serve_against_the_server(server):
     bad = parser.parse_args(["--base-url", server.url, "--api-key", "wrong", "--num-prompts", "2", "--model", server.model])
     summary = asyncio.run(bench.run_benchmark(bad))
     assert summary["completed"] == 0 and summary["failed"] == 2 and "401" in summary["errors"][0]
+
+
+def test_no_kv_slot_is_leaked_once_idle(server):
+    """Runs after the module's other tests (bad input, aborts, disconnects, streams): with nothing in
+    flight and the prefix cache dropped, every token slot of the pool is free again."""
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=T) as c:
+        deadline = time.time() + 60
+        while (r := c.post("/flush_cache")).status_code != 200 and time.time() < deadline:
+            time.sleep(0.5)  # a disconnected stream's abort may still be on its way
+        assert r.status_code == 200, r.text
+        stats = c.get("/server_info").json()["stats"]
+        assert stats["free_tokens"] == stats["max_total_tokens"], stats
+        assert stats["running"] == 0 and stats["waiting"] == 0
 
 
 def test_sigterm_exits_cleanly_and_kill_scheduler_fails_fast(server, tmp_path):
