@@ -169,3 +169,31 @@ def test_kernels_build_side_by_side_and_a_user_waits_for_its_build(monkeypatch):
         t.join()
     assert time.monotonic() - started < 0.9  # side by side, not 2 x 0.5 s
     assert sorted(builds) == ["k1", "k2"]  # built once each
+
+
+def test_the_runner_starts_the_attention_backends_kernel_build_before_loading_weights(tiny_llama_dir, monkeypatch):
+    """A first start compiles the selected backend's kernels next to the weight load (the cold-start
+    target), not when the backend is built after it."""
+    import radixserve.model_runner as mr
+    from radixserve.config import Config
+    from radixserve_attention_cpu_batched.backend import CPUBatchedBackend
+
+    calls: list[str] = []
+    started = threading.Event()
+
+    def record(cls, device: str) -> None:
+        calls.append(f"build {cls.__name__} on {device}")
+        started.set()
+
+    def load_model(*args, **kwargs):
+        assert started.wait(5), "the kernel build was not started before the weights load"
+        calls.append("load weights")
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(CPUBatchedBackend, "build_native_kernels", classmethod(record))
+    monkeypatch.setattr(mr, "load_model", load_model)
+    config = Config.build({"model": {"path": tiny_llama_dir("llama")}, "stack": {"attention": "cpu_batched"},
+                           "runtime": {"device": "cpu"}})
+    with pytest.raises(RuntimeError, match="stop here"):
+        mr.ModelRunner(config)
+    assert calls == ["build CPUBatchedBackend on cpu", "load weights"]

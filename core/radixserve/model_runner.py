@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from radixserve import native
 from radixserve.config import Config
 from radixserve.interfaces import AttentionRunnerInfo
 from radixserve.layers.logits import select_logit_rows
@@ -48,7 +49,10 @@ class ModelRunner:
 
         # every component checked before the model path is even resolved (a Hub id may download),
         # then the quantization against the checkpoint, all before loading
-        resolve_stack(config, self.registry, self.device.type)
+        early = resolve_stack(config, self.registry, self.device.type)
+        # first start: the backend's kernels compile while the weights load, not after
+        attention_cls = self.registry.load("attention", early.attention.name)
+        native.build_in_background([lambda: attention_cls.build_native_kernels(self.device.type)])
         self.model_path = resolve_model_path(config.model.path)  # a local path, a Hub id, or the default
         self.stack = resolve_stack(config, self.registry, self.device.type, self.model_path)
         source = open_source(self.model_path, config.model.load_format, self.registry)

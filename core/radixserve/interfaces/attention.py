@@ -105,6 +105,22 @@ class AttentionBackend(abc.ABC):
         """
         return True
 
+    @classmethod
+    def build_native_kernels(cls, device: str) -> None:
+        """Compile (or load from the cache) the native kernels this backend will use on `device`.
+
+        :param device: torch device type the runner will use, e.g. "cpu".
+
+        Called by the runner once per process, in a background thread, right after the stack is
+        resolved and before the model loads: a first-ever start then compiles the backend's kernels
+        next to the weight load instead of after it. Restrictions: idempotent and safe to run while
+        the model loads (`radixserve.native.load_extension` is both); an exception is only logged
+        (at debug level) and the backend's own later call must report the problem. Default: nothing.
+
+        Added in plugin API 1.1.
+        """
+        return None
+
     @abc.abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Prepare what every layer of this forward reuses.

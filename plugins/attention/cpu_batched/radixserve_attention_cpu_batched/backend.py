@@ -55,6 +55,11 @@ class CPUBatchedBackend(TorchNativeBackend):
         if use_native and self._native_applies(runner_info):
             self._kernels = load_kernels()
 
+    @classmethod
+    def build_native_kernels(cls, device: str) -> None:
+        if device == "cpu":
+            load_kernels()
+
     @staticmethod
     def _native_applies(info) -> bool:
         return info is not None and (info.device.type == "cpu" and info.dtype == torch.float32 and info.head_dim in NATIVE_HEAD_DIMS
