@@ -8,19 +8,6 @@ from collections.abc import Callable
 
 import pytest
 
-TINY_DEFAULTS = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=512,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    initializer_range=0.1,  # peaked logits: fewer near-ties for greedy comparisons
-)
-
 
 def _prebuild_kernels_in_parallel() -> None:
     """Compile the kernels that have no build in the cache yet in child processes, as many at a
@@ -58,38 +45,19 @@ def pytest_sessionstart(session) -> None:
         load()
 
 
-def _perturb_ones_and_zeros(model, seed: int) -> None:
-    """HF initialises norms to 1 and biases to 0; randomise them so their loading is tested too."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-
-
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Callable[..., str]:
     """Factory: `tiny_llama_dir(arch, **config_overrides)` -> path of a saved random checkpoint
-    (cached per argument set for the session). arch: llama, mistral, qwen2, qwen3."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    (radixserve.testing.tiny_checkpoint, cached per argument set for the session). arch: llama,
+    mistral, qwen2, qwen3."""
+    from radixserve.testing import tiny_checkpoint
 
     cache: dict[tuple, str] = {}
 
     def build(arch: str, seed: int = 0, **overrides) -> str:
         key = (arch, seed, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
         if key not in cache:
-            cfg = AutoConfig.for_model(arch, **{**TINY_DEFAULTS, **overrides})
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-            _perturb_ones_and_zeros(model, seed)
-            path = tmp_path_factory.mktemp(f"tiny-{arch}")
-            model.save_pretrained(path)
-            cache[key] = str(path)
+            cache[key] = tiny_checkpoint(arch, str(tmp_path_factory.mktemp(f"tiny-{arch}")), seed, **overrides)
         return cache[key]
 
     return build

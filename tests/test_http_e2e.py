@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from server_process import wait_until_healthy
 
 KEY = "e2e-secret-key"
 START_TIMEOUT_S = 300
@@ -84,19 +85,7 @@ class Server:
         ]
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + START_TIMEOUT_S
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                self.proc.kill()
-                raise RuntimeError(f"server did not become healthy:\n{self.logs()}")
-            time.sleep(0.5)
+        wait_until_healthy(self.proc, self.url, log_path, START_TIMEOUT_S)
         self.children = _descendants(self.proc.pid)
         self.headers = {"Authorization": f"Bearer {KEY}"}
         self.model = httpx.get(f"{self.url}/v1/models", headers=self.headers).json()["data"][0]["id"]

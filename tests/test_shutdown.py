@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from server_process import wait_until_healthy
 
 GRACE_S = 2.0
 STREAMS = 8
@@ -84,19 +85,7 @@ def _start_server(log_path: Path) -> tuple[subprocess.Popen, str, str]:
     # its own session, like a shell's foreground job: os.killpg then reaches exactly what a terminal's Ctrl-C would
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"server did not become healthy:\n{log_path.read_text()[-4000:]}")
-        time.sleep(0.3)
+    wait_until_healthy(proc, url, log_path, START_TIMEOUT_S)
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     return proc, url, model
 
