@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Served throughput vs the vLLM-CPU server, measured from outside with the peer's own benchmark
+# client (`vllm bench serve`, random token-id prompts, streamed /v1/completions), both servers on the
+# same HF directory (SmolLM2-135M-Instruct, fp32) on this CPU, one after the other in one run.
+#     python benchmarks/smollm2_hf.py                                 # .models/smollm2-135m-instruct
+#     benchmarks/vllm_cpu_venv.sh benchmarks/.peers/vllm-venv         # the peer (3.5 GB)
+#     benchmarks/served_vs_vllm.sh [RESULTS_MD]                        # ~15 minutes on 2 cores
+# Warm-up: each server first serves 16 requests of other random prompts (another seed).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_MD=${1:-benchmarks/results/cpu-served-vs-vllm.md}
+MODEL=.models/smollm2-135m-instruct
+VLLM=benchmarks/.peers/vllm-venv/bin/python
+N=${N:-64}; IN=${IN:-200}; OUTLEN=${OUTLEN:-128}; CONC=${CONC:-16}
+PORT_OURS=18611; PORT_VLLM=18612
+TMP=$(mktemp -d)
+export VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4
+
+wait_healthy() {  # url, pid, log
+  for _ in $(seq 1200); do
+    curl -sf "$1/health" > /dev/null && return 0
+    kill -0 "$2" 2> /dev/null || { tail -30 "$3"; return 1; }
+    sleep 0.5
+  done
+  return 1
+}
+
+client() {  # port, label, seed, num_prompts, result file or ""
+  local extra=()
+  [ -n "$5" ] && extra=(--save-result --result-dir "$TMP" --result-filename "$5")
+  # the bench module itself: the `vllm` CLI fails here (the distribution is named vllm-cpu)
+  "$VLLM" -c 'import sys; from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))' --backend openai \
+    --base-url "http://127.0.0.1:$1" --endpoint /v1/completions --model "$2" --tokenizer "$MODEL" \
+    --dataset-name random --random-input-len "$IN" --random-output-len "$OUTLEN" --ignore-eos \
+    --num-prompts "$4" --max-concurrency "$CONC" --seed "$3" "${extra[@]}" 2>&1 | grep -v "WARNING\|INFO" | tail -25
+}
+
+run_server() {  # label, port, command...
+  local label=$1 port=$2; shift 2
+  echo "== $label: starting"; local t0=$SECONDS
+  setsid "$@" > "$TMP/$label.log" 2>&1 & local pid=$!
+  wait_healthy "http://127.0.0.1:$port" "$pid" "$TMP/$label.log" || { echo "$label did not start"; kill -- -"$pid"; return 1; }
+  echo "== $label: ready after $((SECONDS - t0)) s, load $(cut -d' ' -f1-3 /proc/loadavg)"
+  local name; name=$(curl -s "http://127.0.0.1:$port/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
+  client "$port" "$name" 1 16 ""                       # warm-up, other prompts
+  echo "== $label: timed run, load $(cut -d' ' -f1-3 /proc/loadavg)"
+  client "$port" "$name" 0 "$N" "$label.json"
+  kill -INT -- -"$pid"; wait "$pid"
+}
+
+run_server radixserve "$PORT_OURS" .venv/bin/radixserve serve --model "$MODEL" --port "$PORT_OURS"
+run_server vllm "$PORT_VLLM" "$VLLM" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype float32 \
+  --port "$PORT_VLLM"
+
+python3 - "$TMP" "$OUT_MD" "$N" "$IN" "$OUTLEN" "$CONC" <<'PY'
+import json, os, platform, subprocess, sys, time
+tmp, out_md, n, inp, outlen, conc = sys.argv[1:]
+rows = {}
+for label in ("radixserve", "vllm"):
+    try:
+        rows[label] = json.load(open(os.path.join(tmp, f"{label}.json")))
+    except OSError:
+        rows[label] = None
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
+cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
+lines = [f"\n## {time.strftime('%Y-%m-%d %H:%M')} — {n} requests x {inp} in / {outlen} out, concurrency {conc}\n",
+         f"- machine: {cpu}, {os.cpu_count()} cores; load average at the end {open('/proc/loadavg').read().split()[:3]}",
+         f"- commit: {commit}{'+dirty' if dirty else ''}",
+         "- command: `benchmarks/served_vs_vllm.sh` (client: vLLM's `bench serve`, random token ids, streamed /v1/completions)",
+         "", "| server | completed | duration s | output tok/s | TTFT p50 / p99 ms | TPOT p50 ms | ITL p50 ms |", "|---|---|---|---|---|---|---|"]
+for label, r in rows.items():
+    if r is None:
+        lines.append(f"| {label} | failed | | | | | |"); continue
+    lines.append(f"| {label} | {r['completed']} | {r['duration']:.1f} | {r['output_throughput']:.1f} | "
+                 f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} | {r['median_itl_ms']:.1f} |")
+if all(rows.values()):
+    a, b = rows["radixserve"], rows["vllm"]
+    lines.append(f"\nradixserve / vLLM: output tok/s {a['output_throughput'] / b['output_throughput']:.2f}x, "
+                 f"TTFT p50 {a['median_ttft_ms'] / b['median_ttft_ms']:.2f}x (lower is better)")
+text = "\n".join(lines) + "\n"
+if not os.path.exists(out_md):
+    text = "# CPU serving: RadixServe vs the vLLM-CPU server (issue 12 target)\n" + text
+open(out_md, "a").write(text)
+print(text)
+PY
+rm -rf "$TMP"
