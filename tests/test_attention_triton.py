@@ -306,6 +306,21 @@ def test_cuda_graph_capture_and_replay_with_new_lengths():
     assert_close(out, reference(nxt), dtype)
 
 
+def test_tree_mask_verify_matches_exact_attention():
+    """Speculative verify of draft trees through the attention conformance kit: random trees after
+    cached (partly shared) prefixes, several requests per batch, trees longer than one query block,
+    single tokens beside them; chains passed as trees must equal the kernel's own causal extend."""
+    from radixserve.testing.attention import check_attention_backend
+
+    assert TritonAttentionBackend.supports_tree_mask
+    if ON_GPU:
+        for dtype in (torch.bfloat16, torch.float32):
+            check_attention_backend(TritonAttentionBackend, device="cuda", dtype=dtype, seeds=(0, 1, 2), tree_steps=4)
+    else:  # the interpreter is slow: two small head shapes (GQA; MHA with a padded head_dim)
+        check_attention_backend(TritonAttentionBackend, heads=((2, 1, 32), (2, 2, 24)), seeds=(0,), num_requests=3,
+                                decode_steps=1, tree_steps=2)
+
+
 def test_registered_as_cuda_default_with_metadata():
     from radixserve.plugins.registry import Registry
 

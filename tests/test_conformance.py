@@ -10,6 +10,7 @@ import torch
 from radixserve.plugins.registry import Registry
 from radixserve.testing import (
     check_attention_backend,
+    check_drafter,
     check_model_parity,
     check_prefix_cache,
     check_quant_method,
@@ -60,6 +61,13 @@ def test_the_docs_example_policy(monkeypatch):
     from radixserve_example_policy.policy import ShortestPromptFirst
 
     check_schedule_policy(ShortestPromptFirst)
+
+
+# ---- speculative drafters (the ngram drafter's own behaviour: plugins/speculative/ngram/tests) --------------
+
+
+def test_ngram_drafter(registry):
+    check_drafter(registry.load("drafter", "ngram"), min_acceptance=1.0)
 
 
 # ---- model family: llama, mistral, qwen2, qwen3 -------------------------------------------------------------

@@ -9,6 +9,7 @@ what was expected). Default sizes are small so a kit runs in about a second on a
 kit in a few seconds). See docs/contracts.md ("Conformance kits")."""
 
 from radixserve.testing.attention import ReferenceAttentionBackend, check_attention_backend
+from radixserve.testing.drafter import check_drafter, drafter_info
 from radixserve.testing.model import check_model_parity, tiny_checkpoint
 from radixserve.testing.policy import check_schedule_policy
 from radixserve.testing.prefix_cache import check_prefix_cache
@@ -19,10 +20,12 @@ __all__ = [
     "ReferenceAttentionBackend",
     "ToyRunner",
     "check_attention_backend",
+    "check_drafter",
     "check_model_parity",
     "check_prefix_cache",
     "check_quant_method",
     "check_schedule_policy",
+    "drafter_info",
     "tiny_checkpoint",
     "toy_next_token",
     "toy_reference",

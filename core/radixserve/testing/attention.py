@@ -6,7 +6,12 @@ prefilled in chunks inside mixed EXTEND batches (some requests adding a single t
 batches over random subsets in random order; KV slots are scattered, request rows are not in batch
 order, and table entries past each request's length hold garbage. After every step the outputs
 must match per request and both pools must be identical (new K/V at `out_cache_loc` of the right
-layer, every other slot untouched)."""
+layer, every other slot untouched).
+
+For a backend with `supports_tree_mask = True` the scenarios go on with speculative verify
+forwards: EXTEND batches whose requests each score a random draft tree after their prefix
+(`ForwardBatch.tree_mask`), several requests per batch, some adding a single token; and chains
+passed as trees, whose result must equal the backend's own plain causal extend."""
 
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ class ReferenceAttentionBackend(AttentionBackend):
     test can run a model with (slow; not registered)."""
 
     name = "reference"
+    supports_tree_mask = True
 
     def __init__(self, runner_info: AttentionRunnerInfo | None = None) -> None:
         self.runner_info = runner_info
@@ -46,7 +52,7 @@ class ReferenceAttentionBackend(AttentionBackend):
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         q64 = q.reshape(-1, hq, d).double()
         out = torch.empty_like(q64)
-        start = 0
+        start = mask_start = 0
         rows = batch.req_pool_indices.tolist()
         for row, seq, ext in zip(rows, batch.seq_lens_cpu, batch.extend_lens_cpu, strict=True):
             slots = table[row, :seq]
@@ -54,8 +60,13 @@ class ReferenceAttentionBackend(AttentionBackend):
             values = v_buf[slots].double().repeat_interleave(hq // hkv, dim=1)
             scores = torch.einsum("thd,shd->hts", q64[start : start + ext], keys) * layer.scaling
             query_pos = torch.arange(seq - ext, seq, device=q.device)[:, None]
-            future = torch.arange(seq, device=q.device)[None, :] > query_pos
-            scores = scores.masked_fill(future, float("-inf"))
+            hidden = torch.arange(seq, device=q.device)[None, :] > query_pos  # causal: the future is hidden
+            if batch.tree_mask is not None:  # the new tokens see each other by the tree, the prefix fully
+                block = batch.tree_mask[mask_start : mask_start + ext * ext].view(ext, ext).to(q.device)
+                hidden = hidden.clone()
+                hidden[:, seq - ext :] = ~block
+                mask_start += ext * ext
+            scores = scores.masked_fill(hidden, float("-inf"))
             out[start : start + ext] = torch.einsum("hts,shd->thd", scores.softmax(-1), values)
             start += ext
         return out.reshape(-1, hq * d)
@@ -111,7 +122,7 @@ class _Scenario:
         self.heads, self.dtype, self.device, self.tol, self.seed = heads, dtype, device, tol, seed
         hq, hkv, d = heads
         self.layer = _Layer(_LAYER_ID, hq, hkv, d, scaling=1.3 * d**-0.5)  # not the default: it must be read
-        self.num_slots, rows, self.context = 600, 12, 160
+        self.num_slots, rows, self.context = 1000, 12, 256
         slots = list(range(1, self.num_slots + 1))
         self.rng.shuffle(slots)
         self.free_slots = slots
@@ -155,8 +166,14 @@ class _Scenario:
             twin.table.write(row, 0, torch.tensor(slots, dtype=torch.int64))
         self.reqs.append(_Request(row, slots, prompt, share_from))
 
-    def step(self, mode: ForwardMode, picks: Sequence[tuple[int, int]]) -> None:
-        """One forward: request `i` adds `n` tokens for each (i, n) in `picks` (batch order)."""
+    def step(self, mode: ForwardMode, picks: Sequence[tuple[int, int]],
+             trees: Sequence[list[int]] | None = None, same_as_causal: bool = False) -> None:
+        """One forward: request `i` adds `n` tokens for each (i, n) in `picks` (batch order).
+
+        `trees`: a speculative verify; for each pick, the parent of each new token within the
+        request's new tokens (`parents[0] == -1`: the root, the last verified token). With
+        `same_as_causal` (chains only) the backend's result must also equal its own result for
+        the same batch without the mask."""
         prefix_lens, extend_lens, rows, new_slots = [], [], [], []
         for i, n in picks:
             req = self.reqs[i]
@@ -173,9 +190,13 @@ class _Scenario:
         num_tokens = len(new_slots)
         q, k, v = self._rand(num_tokens, hq * d), self._rand(num_tokens, hkv * d), self._rand(num_tokens, hkv * d)
         what = f"seed {self.seed}, heads {self.heads}, {mode.name} step (prefix, extend) = {list(zip(prefix_lens, extend_lens))}"
+        blocks = None
+        if trees is not None:
+            blocks = [_tree_block(parents) for parents in trees]
+            what += f", tree parents {list(trees)}"
         outs = []
         for twin in (self.test, self.ref):
-            batch = self._batch(mode, twin, rows, prefix_lens, extend_lens, new_slots)
+            batch = self._batch(mode, twin, rows, prefix_lens, extend_lens, new_slots, blocks)
             twin.backend.init_forward_metadata(batch)
             if twin is self.test:
                 self._assert_pools_equal(f"{what}: init_forward_metadata wrote to the KV pool")
@@ -198,8 +219,15 @@ class _Scenario:
             start += n
         self._assert_pools_equal(f"{what}: KV pool differs from the reference after the step (new K/V must land "
                                  f"at out_cache_loc of layer {_LAYER_ID}, nothing else may change)")
+        if same_as_causal:  # the same forward again without the mask: storing the same K/V is idempotent
+            batch = self._batch(mode, self.test, rows, prefix_lens, extend_lens, new_slots, None)
+            self.test.backend.init_forward_metadata(batch)
+            causal = self.test.backend.forward(q, k, v, self.layer, batch)
+            err = _rel_err(got, causal)
+            assert err < self.tol, (f"{what}: a chain passed as a tree mask differs from the backend's own causal "
+                                    f"extend: relative error {err:.2e} >= {self.tol:.0e}")
 
-    def _batch(self, mode, twin: _Twin, rows, prefix_lens, extend_lens, out_slots) -> ForwardBatch:
+    def _batch(self, mode, twin: _Twin, rows, prefix_lens, extend_lens, out_slots, blocks=None) -> ForwardBatch:
         dev = self.device
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
 
@@ -213,6 +241,9 @@ class _Scenario:
             extend_lens=t(extend_lens), out_cache_loc=t(out_slots), req_to_token_pool=twin.table,
             kv_pool=twin.kv_pool, attn_backend=twin.backend, seq_lens_cpu=seq_lens,
             prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=list(extend_lens),
+            tree_mask=None if blocks is None else torch.tensor(
+                [x for block in blocks for row in block for x in row], dtype=torch.bool, device=dev),
+            tree_mask_cpu=None if blocks is None else [[list(row) for row in block] for block in blocks],
         )
 
     def _assert_pools_equal(self, message: str) -> None:
@@ -242,6 +273,37 @@ class _Scenario:
             chosen = rng.sample(range(len(self.reqs)), rng.randint(1, len(self.reqs)))
             self.step(ForwardMode.DECODE, [(i, 1) for i in chosen])
 
+    def run_trees(self, steps: int) -> None:
+        """Speculative verify forwards after `run`: random draft trees (and single tokens) for
+        random subsets of the requests, then chains as trees checked against causal extend."""
+        rng = self.rng
+        for _ in range(steps):
+            chosen = rng.sample(range(len(self.reqs)), rng.randint(1, len(self.reqs)))
+            trees = [_random_tree(rng, rng.choice([1, rng.randint(2, 6), rng.randint(7, 20)])) for _ in chosen]
+            self.step(ForwardMode.EXTEND, [(i, len(t)) for i, t in zip(chosen, trees)], trees=trees)
+        chosen = rng.sample(range(len(self.reqs)), rng.randint(1, len(self.reqs)))
+        chains = [list(range(-1, rng.randint(1, 9) - 1)) for _ in chosen]
+        self.step(ForwardMode.EXTEND, [(i, len(c)) for i, c in zip(chosen, chains)], trees=chains, same_as_causal=True)
+
+
+def _random_tree(rng: random.Random, n: int) -> list[int]:
+    """Parents of n new tokens: token 0 is the root (the last verified token), every other token
+    hangs below an earlier one (bushy or deep at random)."""
+    bushy = rng.random() < 0.5
+    return [-1] + [rng.randrange(j) if bushy else rng.randint(max(0, j - 2), j - 1) for j in range(1, n)]
+
+
+def _tree_block(parents: list[int]) -> list[list[bool]]:
+    """block[a][b]: new token a may attend new token b (b is a or one of its ancestors)."""
+    n = len(parents)
+    block = [[False] * n for _ in range(n)]
+    for a in range(n):
+        b = a
+        while b != -1:
+            block[a][b] = True
+            b = parents[b]
+    return block
+
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     diff = (got.double() - want.double()).norm().item()
@@ -258,6 +320,7 @@ def check_attention_backend(
     seeds: Sequence[int] = (0, 1),
     num_requests: int = 4,
     decode_steps: int = 3,
+    tree_steps: int = 3,
     tolerance: float | None = None,
 ) -> None:
     """Run `backend` against exact attention; raise AssertionError naming the first difference.
@@ -268,6 +331,8 @@ def check_attention_backend(
     :param device, dtype: where and in which dtype the pools and activations live.
     :param heads: (query heads, KV heads, head_dim) triples; the defaults cover GQA, MQA and MHA.
     :param seeds: one random scenario per seed and head shape.
+    :param tree_steps: speculative verify forwards with random draft trees per scenario (then one
+        with chains as trees), run when the backend sets `supports_tree_mask = True`.
     :param tolerance: the largest relative error (norm of the difference over the norm of the
         exact result) per request and step; default by dtype (fp32 1e-3, fp16 5e-3, bf16 2e-2).
     """
@@ -281,7 +346,10 @@ def check_attention_backend(
         if isinstance(backend, type) and not backend.supports(torch.device(device).type, dtype_name, d):
             continue
         for seed in seeds:
-            _Scenario(backend, shape, dtype, device, seed, tol).run(num_requests, decode_steps)
+            scenario = _Scenario(backend, shape, dtype, device, seed, tol)
+            scenario.run(num_requests, decode_steps)
+            if tree_steps and getattr(scenario.test.backend, "supports_tree_mask", False):
+                scenario.run_trees(tree_steps)
             checked += 1
     if not checked:
         raise AssertionError(f"{backend!r}.supports() refused every head shape in {list(heads)} on {device}/{dtype_name}")

@@ -11,6 +11,10 @@ reference path, whose SDPA does the quadratic work faster. Without a compiler (o
 dtypes) decode gathers each request's KV into one padded [bs, kv_heads, max_len, head_dim] tensor
 and runs a single scaled_dot_product_attention with the query heads of a KV group as its query
 rows, and extend uses the reference path.
+
+Speculative verify of draft trees (`supports_tree_mask`): the native kernel takes the batch's
+tree mask and hides, for each new token, the draft tokens that are not its ancestors; without the
+kernel a per-request SDPA with the same mask does it (`_masked_extend`).
 """
 
 from __future__ import annotations
@@ -35,9 +39,22 @@ def load_kernels():
     return native.load_extension("radixserve_cpu_attention", _SOURCE)
 
 
+_NO_MASK = torch.empty(0, dtype=torch.bool)
+_NO_OFFSETS = torch.empty(0, dtype=torch.int64)
+
+
 @dataclass
 class _NativeExtendMeta:
     extend_lens: torch.Tensor  # [bs] int64 CPU: new tokens per request, packed in request order
+    tree_mask: torch.Tensor = _NO_MASK  # flat bool CPU (a verify of draft trees), else empty
+    mask_offsets: torch.Tensor = _NO_OFFSETS  # [bs] int64: where request i's [e, e] block starts
+
+
+@dataclass
+class _MaskedExtendMeta:
+    """Tree-masked extend without the native kernel: per request, its slots and full attention mask."""
+
+    views: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (q_start, q_len, kv slots, [q_len, seq_len] bool)
 
 
 @dataclass
@@ -48,6 +65,7 @@ class _PaddedDecodeMeta:
 
 class CPUBatchedBackend(TorchNativeBackend):
     name = "cpu_batched"
+    supports_tree_mask = True
 
     def __init__(self, runner_info=None, use_native: bool = True) -> None:
         super().__init__(runner_info)
@@ -72,7 +90,14 @@ class CPUBatchedBackend(TorchNativeBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode is not ForwardMode.DECODE:
             if self._kernels is not None and max(batch.extend_lens_cpu) <= NATIVE_MAX_EXTEND:
-                batch.attn_metadata = _NativeExtendMeta(extend_lens=batch.extend_lens.to("cpu", torch.int64))
+                meta = _NativeExtendMeta(extend_lens=batch.extend_lens.to("cpu", torch.int64))
+                if batch.tree_mask is not None:
+                    meta.tree_mask = batch.tree_mask.to("cpu", torch.bool).contiguous()
+                    sizes = [0] + [e * e for e in batch.extend_lens_cpu[:-1]]
+                    meta.mask_offsets = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
+                batch.attn_metadata = meta
+            elif batch.tree_mask is not None:
+                batch.attn_metadata = self._masked_extend_meta(batch)
             else:
                 super().init_forward_metadata(batch)
             return
@@ -87,14 +112,47 @@ class CPUBatchedBackend(TorchNativeBackend):
 
     def forward_extend(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         meta = batch.attn_metadata
+        if isinstance(meta, _MaskedExtendMeta):
+            return self._masked_extend(q, k, v, layer, batch, meta)
         if not isinstance(meta, _NativeExtendMeta):
             return super().forward_extend(q, k, v, layer, batch)
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
         # the kernel stores the new k, v at out_cache_loc itself (what KVPool.set_kv would do)
         return self._kernels.extend_attention(
             q, k, v, batch.out_cache_loc, k_buf, v_buf, batch.req_to_token_pool.req_to_token,
-            batch.req_pool_indices, batch.seq_lens, meta.extend_lens, layer.scaling,
+            batch.req_pool_indices, batch.seq_lens, meta.extend_lens, meta.tree_mask, meta.mask_offsets,
+            layer.scaling,
         )
+
+    @staticmethod
+    def _masked_extend_meta(batch: ForwardBatch) -> _MaskedExtendMeta:
+        table = batch.req_to_token_pool.req_to_token
+        views = []
+        q_start = mask_start = 0
+        for row, seq_len, ext in zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu, batch.extend_lens_cpu,
+                                     strict=True):
+            mask = torch.ones(ext, seq_len, dtype=torch.bool, device=table.device)  # the prefix: all visible
+            block = batch.tree_mask[mask_start : mask_start + ext * ext].view(ext, ext)
+            mask[:, seq_len - ext :] = block.to(table.device)
+            views.append((q_start, ext, table[row, :seq_len], mask))
+            q_start += ext
+            mask_start += ext * ext
+        return _MaskedExtendMeta(views)
+
+    def _masked_extend(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch,
+                       meta: _MaskedExtendMeta) -> torch.Tensor:
+        batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        out = torch.empty(q.shape[0], hq, d, dtype=q.dtype, device=q.device)
+        for q_start, q_len, slots, mask in meta.views:
+            queries = q[q_start : q_start + q_len].view(q_len, hkv, hq // hkv, d).permute(1, 2, 0, 3)  # [hkv, g, t, d]
+            keys = k_buf.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(1)  # [hkv, 1, s, d]
+            values = v_buf.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(1)
+            o = F.scaled_dot_product_attention(queries, keys.expand(-1, hq // hkv, -1, -1),
+                                               values.expand(-1, hq // hkv, -1, -1), attn_mask=mask, scale=layer.scaling)
+            out[q_start : q_start + q_len] = o.permute(2, 0, 1, 3).reshape(q_len, hq, d)
+        return out.reshape(q.shape[0], hq * d)
 
     def forward_decode(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)

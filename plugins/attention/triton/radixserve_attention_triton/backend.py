@@ -30,6 +30,9 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 class ExtendMetadata:
     extend_start: torch.Tensor  # int64 [bs]: offset of request i's first new token in the packed tokens
     max_extend_len: int  # host int: sizes the grid's query-block axis
+    # speculative verify of draft trees: the flat mask as uint8 and where request i's block starts
+    tree_mask: torch.Tensor | None = None
+    mask_start: torch.Tensor | None = None  # int64 [bs]
 
 
 @dataclass
@@ -66,6 +69,7 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    supports_tree_mask = True  # the extend kernel takes ForwardBatch.tree_mask (verify of draft trees)
 
     def __init__(
         self,
@@ -128,7 +132,13 @@ class TritonAttentionBackend(AttentionBackend):
         if batch.batch_size > 1:
             torch.cumsum(batch.extend_lens[:-1], 0, out=extend_start[1:])
         lens = batch.extend_lens_cpu or batch.extend_lens.tolist()  # host copy avoids a device sync
-        batch.attn_metadata = ExtendMetadata(extend_start=extend_start, max_extend_len=max(lens, default=0))
+        meta = ExtendMetadata(extend_start=extend_start, max_extend_len=max(lens, default=0))
+        if batch.tree_mask is not None:
+            meta.tree_mask = batch.tree_mask.to(device=self.device, dtype=torch.uint8)
+            meta.mask_start = torch.zeros_like(batch.extend_lens)
+            if batch.batch_size > 1:
+                torch.cumsum(batch.extend_lens[:-1] * batch.extend_lens[:-1], 0, out=meta.mask_start[1:])
+        batch.attn_metadata = meta
 
     def _decode_metadata(
         self, batch: ForwardBatch, num_kv_splits: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor
@@ -168,6 +178,8 @@ class TritonAttentionBackend(AttentionBackend):
             layer.scaling,
             interpret=self.interpret,
             config=self.extend_config,
+            tree_mask=meta.tree_mask,
+            mask_start=meta.mask_start,
         )
         return out.view(q.shape[0], -1)
 

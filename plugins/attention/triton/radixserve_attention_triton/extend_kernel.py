@@ -3,7 +3,9 @@
 Each program owns one request, one query head and a block of BLOCK_M new tokens. It attends in two
 stages with one running (online) softmax:
   1. the request's cached prefix, whose K/V slots are read through `req_to_token` (page size 1);
-  2. the new tokens' own K/V, read contiguously from the packed k/v inputs, with a causal mask.
+  2. the new tokens' own K/V, read contiguously from the packed k/v inputs, with a causal mask;
+     for a speculative verify of draft trees (HAS_TREE_MASK) also with the request's [e, e] tree
+     mask block (`ForwardBatch.tree_mask`): a draft token sees only its ancestors and itself.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def _extend_kernel(
     prefix_lens_ptr,
     extend_lens_ptr,
     extend_start_ptr,
+    TreeMask,
+    mask_start_ptr,
     sm_scale_log2,
     stride_qt,
     stride_qh,
@@ -63,6 +67,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr,
+    HAS_TREE_MASK: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -102,12 +107,18 @@ def _extend_kernel(
         v = tl.load(V_buf + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
 
-    # Stage 2a: new tokens before this query block: every query sees every key, no mask on rows.
-    # (BLOCK_M is a multiple of BLOCK_N, so these blocks end exactly at m_start.)
+    if HAS_TREE_MASK:  # this request's row-major [ext_len, ext_len] block of the flat mask
+        mask_row = TreeMask + tl.load(mask_start_ptr + b).to(tl.int64) + offs_m[:, None].to(tl.int64) * ext_len
+
+    # Stage 2a: new tokens before this query block: every query sees every key, no mask on rows
+    # (except a tree mask's). BLOCK_M is a multiple of BLOCK_N, so these blocks end exactly at m_start.
     for start in range(0, m_start, BLOCK_N):
         tok = (ext_start + start + offs_n)[:, None]
         k = _load_rows(K_new + tok * stride_kt + kvh * stride_kh + offs_d[None, :], mask_d, EVEN_D)
         qk = tl.dot(q, tl.trans(k)) * sm_scale_log2
+        if HAS_TREE_MASK:
+            seen = tl.load(mask_row + (start + offs_n)[None, :], mask=mask_m[:, None], other=0)
+            qk = tl.where(seen != 0, qk, float("-inf"))
         v = _load_rows(V_new + tok * stride_vt + kvh * stride_vh + offs_d[None, :], mask_d, EVEN_D)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
 
@@ -121,6 +132,9 @@ def _extend_kernel(
         k = tl.load(K_new + tok * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k)) * sm_scale_log2
         causal = (offs_m[:, None] >= n[None, :]) & mask_n[None, :]
+        if HAS_TREE_MASK:
+            seen = tl.load(mask_row + n[None, :], mask=mask_m[:, None] & causal, other=0)
+            causal = causal & (seen != 0)
         qk = tl.where(causal, qk, float("-inf"))
         v = tl.load(V_new + tok * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
@@ -172,8 +186,14 @@ def extend_attention(
     sm_scale: float,
     interpret: bool = False,
     config: ExtendConfig | None = None,
+    tree_mask: torch.Tensor | None = None,
+    mask_start: torch.Tensor | None = None,
 ) -> None:
     """Write attention of the packed new tokens into `out` (tiles from `config`, else `extend_config`).
+
+    `tree_mask` (uint8, flat; request i's row-major [e_i, e_i] block starts at `mask_start[i]`)
+    restricts which new tokens each new token sees (speculative verify of draft trees); the
+    causal rule still applies and the prefix stays fully visible.
 
     Shapes: q/out [T, H, D]; k_new/v_new [T, KVH, D]; k_buf/v_buf [slots, KVH, D] (last dim
     contiguous everywhere); req_to_token [rows, max_ctx]; per-request vectors [bs]. H must be a
@@ -200,6 +220,8 @@ def extend_attention(
         prefix_lens,
         extend_lens,
         extend_start,
+        tree_mask if tree_mask is not None else extend_start,  # any pointer: unread without a mask
+        mask_start if mask_start is not None else extend_start,
         sm_scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -220,6 +242,7 @@ def extend_attention(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         EVEN_D=triton.next_power_of_2(head_dim) == head_dim,
+        HAS_TREE_MASK=tree_mask is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -19,14 +19,23 @@ inline void prefetch_row(const float* row, int64_t floats) {
   for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i, 0, 1);
 }
 
+// A speculative verify's tree mask for one block of queries: query i may attend the new key
+// t >= new_start iff rows[i * stride + t - new_start] (keys before new_start, the prefix, always).
+struct TreeMask {
+  const bool* rows = nullptr;  // nullptr: plain causal attention
+  int64_t stride = 0;
+  int64_t new_start = 0;
+};
+
 // One request's queries i = 0..nq-1 (rows q + i * q_stride), every query head of each: query i
 // attends causally over the first first_len + i keys at `slots` (decode: nq = 1, first_len = the
-// sequence length). The query heads of a KV head's group share its keys; each key and value row
-// is read once for all queries and heads (whole rows, in slot order, prefetched ahead).
+// sequence length), and among those only the ones `tree` allows when it has rows. The query heads
+// of a KV head's group share its keys; each key and value row is read once for all queries and
+// heads (whole rows, in slot order, prefetched ahead).
 template <int D>
 void attend_queries(const float* q, int64_t q_stride, int64_t nq, int64_t hq, int64_t hkv, const float* k_buf,
                     const float* v_buf, const int64_t* slots, int64_t first_len, float scale, float* out,
-                    int64_t out_stride, std::vector<float>& scores) {
+                    int64_t out_stride, std::vector<float>& scores, const TreeMask& tree = TreeMask()) {
   const int64_t group = hq / hkv, row = hkv * D, len = first_len + nq - 1;
   scores.resize(static_cast<size_t>(nq * hq * len));
   float* s = scores.data();  // s[(i * hq + h) * len + t]
@@ -54,6 +63,11 @@ void attend_queries(const float* q, int64_t q_stride, int64_t nq, int64_t hq, in
     const int64_t n = first_len + i;
     for (int64_t h = 0; h < hq; ++h) {
       float* sh = s + (i * hq + h) * len;
+      if (tree.rows != nullptr) {  // hidden draft tokens (not ancestors) weigh exp(-inf) = 0
+        const bool* row = tree.rows + i * tree.stride;
+        for (int64_t t = tree.new_start; t < n; ++t)
+          if (!row[t - tree.new_start]) sh[t] = -INFINITY;
+      }
       float m = -INFINITY;
       for (int64_t t = 0; t < n; ++t) m = std::max(m, sh[t]);
       float sum = 0.f;
@@ -126,7 +140,7 @@ template <int D>
 void run_extend(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
                 const torch::Tensor& out_loc, torch::Tensor& k_buf, torch::Tensor& v_buf, const torch::Tensor& table,
                 const torch::Tensor& rows, const torch::Tensor& seq_lens, const torch::Tensor& extend_lens,
-                double scale, torch::Tensor& out) {
+                const torch::Tensor& tree_mask, const torch::Tensor& mask_offsets, double scale, torch::Tensor& out) {
   const int64_t n = q.size(0), bs = rows.size(0), hkv = k_buf.size(1), hq = q.size(1) / D, row = hkv * D;
   const float* qp = q.data_ptr<float>();
   float* kp = k_buf.data_ptr<float>();
@@ -155,13 +169,22 @@ void run_extend(const torch::Tensor& q, const torch::Tensor& k_new, const torch:
   const int64_t* lp = seq_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const int64_t table_stride = table.stride(0), width = hq * D;
+  const bool* mp = tree_mask.numel() ? tree_mask.data_ptr<bool>() : nullptr;
+  const int64_t* mop = mask_offsets.numel() ? mask_offsets.data_ptr<int64_t>() : nullptr;
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t j = begin; j < end; ++j) {
       const Task& task = tasks[j];
       const int64_t prefix = lp[task.req] - ep[task.req];
+      TreeMask tree;
+      if (mp != nullptr) {  // request task.req's [ext, ext] block, from this block's first query row
+        tree.stride = ep[task.req];
+        tree.rows = mp + mop[task.req] + task.first_query * tree.stride;
+        tree.new_start = prefix;
+      }
       attend_queries<D>(qp + task.q_row * width, width, task.count, hq, hkv, kp, vp, tp + rp[task.req] * table_stride,
-                        prefix + task.first_query + 1, static_cast<float>(scale), op + task.q_row * width, width, scores);
+                        prefix + task.first_query + 1, static_cast<float>(scale), op + task.q_row * width, width, scores,
+                        tree);
     }
   });
 }
@@ -215,24 +238,38 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tens
 
 // Extend (prefill chunks): request b's extend_lens[b] new tokens are rows of q, k_new, v_new (packed
 // in request order) at positions seq_lens[b] - extend_lens[b] onward; stores every new k, v at its
-// out_loc slot, then causal attention over the request's slot row. Returns [n, num_heads * head_dim].
+// out_loc slot, then causal attention over the request's slot row. With a non-empty tree_mask (a
+// speculative verify: flat bool, request b's row-major [e, e] block at mask_offsets[b]) new token a
+// sees new token c only where the block says so; the prefix stays fully visible.
+// Returns [n, num_heads * head_dim].
 torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor out_loc,
                                torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor table, torch::Tensor rows,
-                               torch::Tensor seq_lens, torch::Tensor extend_lens, double scale) {
+                               torch::Tensor seq_lens, torch::Tensor extend_lens, torch::Tensor tree_mask,
+                               torch::Tensor mask_offsets, double scale) {
   check_inputs(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, rows.numel());
   TORCH_CHECK(extend_lens.scalar_type() == torch::kLong && extend_lens.is_contiguous() &&
                   extend_lens.numel() == rows.numel(), "extend_attention: one extend length per request");
+  if (tree_mask.numel()) {
+    TORCH_CHECK(tree_mask.scalar_type() == torch::kBool && tree_mask.is_contiguous() && !tree_mask.is_cuda(),
+                "extend_attention: tree_mask must be a contiguous CPU bool tensor");
+    TORCH_CHECK(mask_offsets.scalar_type() == torch::kLong && mask_offsets.is_contiguous() &&
+                    mask_offsets.numel() == rows.numel(), "extend_attention: one mask offset per request");
+    const int64_t* ep = extend_lens.data_ptr<int64_t>();
+    const int64_t* mop = mask_offsets.data_ptr<int64_t>();
+    for (int64_t b = 0; b < rows.numel(); ++b)
+      TORCH_CHECK(mop[b] >= 0 && mop[b] + ep[b] * ep[b] <= tree_mask.numel(), "extend_attention: tree_mask too short");
+  }
   q = q.contiguous();
   auto out = torch::empty_like(q);
   switch (k_buf.size(2)) {
-    case 64: run_extend<64>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, scale, out); break;
-    case 128: run_extend<128>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, scale, out); break;
-    default: run_extend<256>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, scale, out); break;
+    case 64: run_extend<64>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, tree_mask, mask_offsets, scale, out); break;
+    case 128: run_extend<128>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, tree_mask, mask_offsets, scale, out); break;
+    default: run_extend<256>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, tree_mask, mask_offsets, scale, out); break;
   }
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "store the new K/V, then fp32 decode attention over the KV pool");
-  m.def("extend_attention", &extend_attention, "store the new K/V, then fp32 causal extend attention over the KV pool");
+  m.def("extend_attention", &extend_attention, "store the new K/V, then fp32 causal (or tree-masked) extend attention over the KV pool");
 }
