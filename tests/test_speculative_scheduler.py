@@ -289,3 +289,18 @@ def test_a_raising_drafter_only_costs_the_drafts():
     sched.add_request(req("a", p, 10))
     assert run(sched)["a"]["ids"] == reference(p, 10)
     assert_clean(sched)
+
+
+def test_cli_flags_mirror_the_config_section():
+    import argparse
+
+    from radixserve.cli_serve import add_serve_arguments, speculative_overrides
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    args = p.parse_args(["--speculative", "oracle", "--speculative-num-draft-tokens", "6", "--speculative-topk", "2"])
+    cfg = Config.build(speculative_overrides(args))
+    assert cfg.stack.speculative == "oracle"
+    assert cfg.speculative.num_draft_tokens == 6 and cfg.speculative.topk == 2
+    with pytest.raises(Exception, match="speculative.no_such"):
+        Config.build({"speculative": {"no_such": 1}})

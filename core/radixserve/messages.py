@@ -83,6 +83,8 @@ class ReqTextOut(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
     token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    spec_verify_ct: int = 0  # speculative decoding totals (see ReqTokenOut)
+    spec_accepted_drafts: int = 0
     error: str | None = None
     error_status: int = 400
 
