@@ -609,10 +609,14 @@ class Scheduler:
         slots = self._verify_slots(reqs, need)
         if slots is None:
             return None
-        items = []
-        for req, d, sl in zip(reqs, drafts, slots, strict=True):
-            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, sl)
-            items.append(_Item(req, req.kv_len, len(sl), True, sl, draft=d))
+        rows, cols = [], []  # one write for the whole batch (a device copy each would cost more)
+        for req, sl in zip(reqs, slots, strict=True):
+            rows += [req.req_pool_idx] * len(sl)
+            cols += range(req.kv_len, req.kv_len + len(sl))
+        self.req_to_token_pool.write_positions(rows, cols, torch.cat(slots))
+        items = [
+            _Item(req, req.kv_len, len(sl), True, sl, draft=d) for req, d, sl in zip(reqs, drafts, slots, strict=True)
+        ]
         self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - self.ratio_decay)
         return items
 
