@@ -304,3 +304,52 @@ def test_cli_flags_mirror_the_config_section():
     assert cfg.speculative.num_draft_tokens == 6 and cfg.speculative.topk == 2
     with pytest.raises(Exception, match="speculative.no_such"):
         Config.build({"speculative": {"no_such": 1}})
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("stop", ["\n\nNext", "世界🙂", "END"])
+def test_a_stop_string_inside_an_accepted_run(monkeypatch, stop, stream):
+    """The toy model scripted to answer with a known text (test_stop_strings' setup); drafts are
+    the script itself, so stop strings complete in the middle of accepted runs."""
+    import radixserve.testing.toy_runner as toy
+    from radixserve.model_loader.model_files import load_tokenizer, resolve_model_path
+    from radixserve.runtime.detokenizer import DetokenizerManager
+    from test_stop_strings import PROMPT, TEXT, completing_token, tokens_before
+
+    tok = load_tokenizer(resolve_model_path(None))
+    script = tok.encode(TEXT, add_special_tokens=False)
+    filler = tok.encode(" and", add_special_tokens=False)[0]
+
+    def next_token(ids, vocab_size):
+        k = len(ids) - len(PROMPT)
+        return script[k] if k < len(script) else filler
+
+    monkeypatch.setattr(toy, "toy_next_token", next_token)
+
+    class ScriptDrafter(Drafter):
+        def propose(self, reqs, k):
+            return DraftProposal([(script + [filler] * 64)[len(r.output_ids) : len(r.output_ids) + k] for r in reqs])
+
+    runner = ToyRunner(vocab_size=len(tok))
+    config = Config.build({"speculative": {"num_draft_tokens": 6}})
+    from radixserve.scheduler.speculative.setup import drafter_info
+
+    reg = Registry.discover()
+    cache = reg.load("prefix_cache", "radix")(runner.req_to_token_pool, runner.token_allocator)
+    sched = Scheduler(config, runner, cache, reg.load("policy", "fcfs")(), tokenizer=tok,
+                      drafter=ScriptDrafter(drafter_info(config, runner)))
+    detok = DetokenizerManager(tok)
+    sp = SamplingParams(max_new_tokens=400, temperature=0, stop=[stop], logprobs=True)
+    sched.add_request(GenerateRequest(rid="r", input_ids=PROMPT, sampling_params=sp, stream=stream))
+    text_outs = []
+    while sched.has_work():
+        text_outs += detok.handle(sched.step())
+    assert text_outs[-1].finished_reason == {"type": "stop", "matched": stop}
+    assert "".join(o.text_delta for o in text_outs) == TEXT[: TEXT.index(stop)]
+    ids = [t for o in text_outs for t in o.new_ids]
+    assert ids == script[: tokens_before(tok, script, TEXT.index(stop))]
+    assert len([lp for o in text_outs for lp in o.token_logprobs or []]) == len(ids)
+    st = sched.stats()
+    assert st["generated_tokens"] == completing_token(tok, script, stop)  # nothing after the stop
+    assert st["spec_accepted_tokens"] > 0
+    assert_clean(sched)
