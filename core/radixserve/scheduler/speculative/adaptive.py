@@ -5,15 +5,13 @@ costs about as much as a plain decode (memory-bound), so speculation never loses
 batches it is compute-bound and drafts that are rejected are wasted work. The rule:
 
 - batches smaller than `adaptive_batch_size` (or a value of 0): always `num_draft_tokens`;
-- larger batches: ask for ceil(mean accepted drafts) + 1 tokens (at most `num_draft_tokens`),
+- larger batches: ask for round(mean accepted drafts) + 1 tokens (at most `num_draft_tokens`),
   where the mean is an exponential moving average over recent verifies; while it is below
   `min_accepted_drafts`, the batch decodes without drafts, except one probe verify every
   PROBE_INTERVAL such steps that keeps the estimate current.
 """
 
 from __future__ import annotations
-
-import math
 
 EMA_WEIGHT = 0.2  # weight of the newest verify step in the moving average
 PROBE_INTERVAL = 16  # plain decode steps between probe verifies while speculation is paused
@@ -37,7 +35,7 @@ class DraftLengthControl:
                 return 0
             self._paused_steps = 0
             return 1
-        return max(1, min(self.max_tokens, math.ceil(self.mean_accepted) + 1))
+        return max(1, min(self.max_tokens, round(self.mean_accepted) + 1))
 
     def record(self, accepted_drafts: list[int], proposed: list[int]) -> None:
         """One verify step: per request, drafts accepted out of the proposed (requests that got
