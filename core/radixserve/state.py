@@ -177,7 +177,8 @@ class Req:
     last_node: Any = None  # prefix-cache node locked for this request
     kv_len: int = 0  # tokens whose KV is in req_to_token[req_pool_idx]
     # free KV slots set aside for this request's next decode tokens, used front first (a run of
-    # consecutive slots where memory allowed); returned to the allocator when its KV is released
+    # consecutive slots where memory allowed; a speculative verify returns its rejected drafts'
+    # slots here); returned to the allocator when its KV is released
     decode_reserve: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported in usage)
     finished_reason: dict | None = None  # e.g. {"type": "stop", "matched": 2} / {"type": "length"}

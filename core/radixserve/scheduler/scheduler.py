@@ -97,7 +97,13 @@ class Scheduler:
       streamed request's text ends in a possible stop-string prefix, those tokens are held back.
     - `flush_cache()` empties the prefix cache when no request is resident (returns False otherwise);
       afterwards `allocator.available_size() == allocator.size`.
-    Greedy outputs do not depend on batching, chunking, cache hits, retraction or overlap.
+    - Speculative decoding (`drafter` given, from `stack.speculative`): the decode step of the
+      running requests becomes a verify step (`_verify_items`): each request's last token plus its
+      drafts in one EXTEND forward (`ScheduledBatch.spec`), the longest path of drafts equal to
+      the target's own tokens is appended (cut where the request finishes), the kept nodes' slots
+      stay in its row, the others go back to its decode reserve. Overlap is off with a drafter.
+    Greedy outputs do not depend on batching, chunking, cache hits, retraction, overlap or
+    speculation.
 
     Overlap (`overlap=True`): `step()` launches the next batch before it processes the previous one,
     so host work (result processing, emitting, the next batch's preparation) runs while the device
