@@ -111,3 +111,11 @@ def test_safeguard_rule():
         c.record([0], [4])
     got = [c.tokens_for(32) for _ in range(PROBE_INTERVAL)]
     assert got.count(0) == PROBE_INTERVAL - 1 and got[-1] == 1  # paused, one probe per interval
+
+
+def test_bench_serve_acceptance_length_from_server_counters():
+    from radixserve.bench.serve import _accept_length
+
+    before = {"spec_verifies": 10, "spec_accepted_tokens": 5}
+    assert _accept_length(before, {"spec_verifies": 20, "spec_accepted_tokens": 35}) == 4.0
+    assert _accept_length(before, before) is None and _accept_length(None, before) is None
