@@ -104,11 +104,11 @@ def test_safeguard_rule():
     c = DraftLengthControl(num_draft_tokens=4, adaptive_batch_size=8, min_accepted_drafts=0.5)
     assert c.tokens_for(7) == 4 and c.tokens_for(8) == 4  # optimistic start
     for _ in range(40):
-        c.record([1], [4])
+        c.record([1, 1, 0, 2])
     assert c.tokens_for(8) == 2  # round(mean 1.0) + 1
     assert c.tokens_for(2) == 4  # small batches always use the full length
     for _ in range(30):
-        c.record([0], [4])
+        c.record([0, 0, 1, 0, 0])
     got = [c.tokens_for(32) for _ in range(PROBE_INTERVAL)]
     assert got.count(0) == PROBE_INTERVAL - 1 and got[-1] == 1  # paused, one probe per interval
 

@@ -161,6 +161,7 @@ class Scheduler:
         spec = config.speculative
         self.draft_control = DraftLengthControl(spec.num_draft_tokens, spec.adaptive_batch_size, spec.min_accepted_drafts)
         self.trees_ok = bool(getattr(runner, "supports_tree_mask", False))
+        self._step_acceptance: list[int] = []  # per verify step: accepted drafts of each drafting request
         if drafter is not None and self.overlap:
             logger.info("speculative decoding is on: overlap scheduling is switched off (verify steps run one at a time)")
             self.overlap = False
@@ -682,7 +683,7 @@ class Scheduler:
             req.decode_reserve[:0] = it.slots[unused].tolist()
         if draft.tokens:
             accepted = len(path) - 1
-            self.draft_control.record([accepted], [len(draft.tokens)])
+            self._step_acceptance.append(accepted)
             self.metrics.spec_verifies += 1
             self.metrics.spec_draft_tokens += len(draft.tokens)
             self.metrics.spec_accepted_tokens += accepted
@@ -793,6 +794,7 @@ class Scheduler:
 
     def _process(self, items: list[_Item], result: BatchResult) -> None:
         now_running: list[Req] = []
+        self._step_acceptance = []
         for i, it in enumerate(items):
             req = it.req
             if req.finished:  # overlap: aborted, or stopped a step earlier, while this batch ran
@@ -825,6 +827,8 @@ class Scheduler:
                 now_running.append(req)
             self._emit(req)
         self.running.extend(now_running)
+        if self._step_acceptance:  # the safeguard's average moves once per verify step
+            self.draft_control.record(self._step_acceptance)
 
     def _append_token(self, req: Req, token: int, lp: float | None, top: list | None) -> None:
         req.output_ids.append(token)

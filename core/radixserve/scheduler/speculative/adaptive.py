@@ -37,11 +37,9 @@ class DraftLengthControl:
             return 1
         return max(1, min(self.max_tokens, round(self.mean_accepted) + 1))
 
-    def record(self, accepted_drafts: list[int], proposed: list[int]) -> None:
-        """One verify step: per request, drafts accepted out of the proposed (requests that got
-        no draft are left out)."""
-        got = [a for a, p in zip(accepted_drafts, proposed, strict=True) if p > 0]
-        if not got:
+    def record(self, accepted_drafts: list[int]) -> None:
+        """One verify step: the drafts accepted by each request that had a draft."""
+        if not accepted_drafts:
             return
-        step_mean = sum(got) / len(got)
+        step_mean = sum(accepted_drafts) / len(accepted_drafts)
         self.mean_accepted = (1 - EMA_WEIGHT) * self.mean_accepted + EMA_WEIGHT * step_mean
