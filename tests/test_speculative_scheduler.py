@@ -353,3 +353,23 @@ def test_a_stop_string_inside_an_accepted_run(monkeypatch, stop, stream):
     assert st["generated_tokens"] == completing_token(tok, script, stop)  # nothing after the stop
     assert st["spec_accepted_tokens"] > 0
     assert_clean(sched)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_the_prefix_cache_holds_only_accepted_tokens(tree):
+    """A follow-up whose prompt is an earlier request's prompt + output reads that output's KV from
+    the radix cache; the toy model reads history through those slots, so a rejected draft's slot
+    (or a tree row not rewritten to the accepted nodes) in the cache would change its output."""
+    sched, _ = make({"mode": "mixed", "tree": tree, "seed": 17})
+    ps = prompts(4, seed=18)
+    for i, p in enumerate(ps):
+        sched.add_request(req(f"a{i}", p, 30))
+    first = run(sched)
+    for i, p in enumerate(ps):
+        sched.add_request(req(f"b{i}", p + first[f"a{i}"]["ids"], 10))
+    second = run(sched)
+    for i, p in enumerate(ps):
+        follow = p + first[f"a{i}"]["ids"]
+        assert second[f"b{i}"]["ids"] == reference(follow, 10)
+        assert second[f"b{i}"]["out"].cached_tokens >= len(follow) - 2  # served from the cache
+    assert_clean(sched)
