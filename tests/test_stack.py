@@ -49,12 +49,21 @@ def test_serve_honours_plugins_disable_from_the_stack_file(tmp_path):
     assert "no prefix_cache component named 'chunk'" in r.stderr and "radixserve-cache-chunk" in r.stderr, r.stderr
 
 
-def test_speculative_is_a_clear_startup_error(tmp_path):
-    r = run_cli(["config", "show", "stack.speculative=ngram"])
+def test_unknown_drafter_is_a_clear_startup_error(tmp_path):
+    r = run_cli(["config", "show", "stack.speculative=no-such-drafter"])
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "speculative decoding is not implemented by this core yet" in r.stderr and "'drafter'" in r.stderr
-    with pytest.raises(PluginError, match="not implemented"):
-        resolve_stack(Config.build({"stack": {"speculative": "ngram"}}), Registry.discover(), "cpu")
+    assert "no drafter component named 'no-such-drafter'" in r.stderr, r.stderr
+    with pytest.raises(PluginError, match="no drafter component named 'no-such-drafter'.*oracle"):
+        resolve_stack(Config.build({"stack": {"speculative": "no-such-drafter"}}), Registry.discover(), "cpu")
+
+
+def test_drafter_resolves_and_its_options_are_checked():
+    reg = Registry.discover()
+    stack = resolve_stack(Config.build({"stack": {"speculative": "oracle"}}), reg, "cpu")
+    assert stack.drafter is not None and stack.drafter.name == "oracle"
+    bad = Config.build({"stack": {"speculative": "oracle"}, "speculative": {"options": {"no_such": 1}}})
+    with pytest.raises(PluginError, match="speculative.options: drafter 'oracle' has no option 'no_such'"):
+        resolve_stack(bad, reg, "cpu")
 
 
 def test_component_that_does_not_support_the_device_is_an_error():

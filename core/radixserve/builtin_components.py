@@ -13,3 +13,9 @@ def radixserve_register(registry) -> None:
         "radixserve.layers.quant_unquantized:UnquantizedMethod",
         description="plain floating-point weights (the default)",
     )
+    registry.register(
+        "drafter",
+        "oracle",
+        "radixserve.scheduler.speculative.oracle:OracleDrafter",
+        description="benchmark drafter: proposes stored greedy continuations (known acceptance)",
+    )

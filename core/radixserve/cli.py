@@ -87,6 +87,8 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         print(f"  {kind}: {spec.name}  # {key}; {spec.distribution} {spec.version}")
         if kind == "policy" and resolved.policy_options:
             print(f"  policy_options: {resolved.policy_options}")
+        if kind == "drafter" and resolved.drafter_options:
+            print(f"  drafter_options: {resolved.drafter_options}  # speculative.options")
     return 0
 
 

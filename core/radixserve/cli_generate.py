@@ -24,6 +24,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="apply the model's chat template (default on when it has one)")
     parser.add_argument("--config", metavar="FILE", help="YAML component stack (see stacks/)")
     parser.add_argument("--stats", action="store_true", help="print load time and tokens/s to stderr")
+    from radixserve.cli_serve import add_speculative_arguments
+
+    add_speculative_arguments(parser)
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
 
 
@@ -43,13 +46,37 @@ def generate_ids(runner, prompt_ids: list[int], params: SamplingParams) -> Itera
         steps.close()  # gives the KV back at once when the caller stops early
 
 
+def generate_ids_speculative(runner, config, registry, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
+    """Like `generate_ids`, through the in-process Scheduler (speculative verify steps need it)."""
+    from radixserve.runtime.messages import GenerateRequest
+    from radixserve.scheduler import Scheduler
+
+    sched = Scheduler.from_config(config, runner, registry)
+    sched.add_request(GenerateRequest(rid="generate", input_ids=prompt_ids, sampling_params=params, stream=True))
+    try:
+        while sched.has_work():
+            for out in sched.step():
+                if out.error:
+                    raise ValueError(out.error)
+                yield from out.new_ids
+    finally:
+        sched.abort("generate")  # gives the KV back at once when the caller stops early
+        while sched.has_work():
+            sched.step()
+        sched.flush_cache()
+        if sched.drafter is not None and sched.metrics.spec_verifies:
+            print(f"[speculative: {sched.metrics.spec_verifies} verify steps, "
+                  f"{sched.metrics.spec_accept_length():.2f} tokens per step]", file=sys.stderr)
+
+
 def run_generate(args: argparse.Namespace) -> int:
-    from radixserve.config import Config, parse_dotted_overrides
+    from radixserve.cli_serve import speculative_overrides
+    from radixserve.config import Config, deep_merge, parse_dotted_overrides
     from radixserve.model_runner import ModelRunner
     from radixserve.plugins.registry import Registry
     from radixserve.tokenizer import apply_chat_template
 
-    overrides = parse_dotted_overrides(args.overrides or [])
+    overrides = deep_merge(parse_dotted_overrides(args.overrides or []), speculative_overrides(args))
     if args.model:
         overrides.setdefault("model", {})["path"] = args.model
     config = Config.load(args.config, overrides)
@@ -68,7 +95,11 @@ def run_generate(args: argparse.Namespace) -> int:
     out: list[int] = []
     printed = ""
     t0 = time.perf_counter()
-    for t in generate_ids(runner, prompt_ids, params):
+    if config.stack.speculative is not None:
+        ids = generate_ids_speculative(runner, config, registry, prompt_ids, params)
+    else:
+        ids = generate_ids(runner, prompt_ids, params)
+    for t in ids:
         if t in runner.eos_token_ids:
             break
         out.append(t)

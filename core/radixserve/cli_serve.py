@@ -21,7 +21,32 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", action="append", metavar="no:PLUGIN", help="do not load this plugin (repeatable)")
     p.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly (runtime.cuda_graph=false)")
     p.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling (runtime.overlap=false)")
+    add_speculative_arguments(p)
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. stack.policy=lpm")
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags mirroring `stack.speculative` and the `speculative` section (docs/speculative.md)."""
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative", metavar="NAME", help="drafter to use (stack.speculative), e.g. ngram or oracle")
+    g.add_argument("--speculative-num-draft-tokens", type=int, metavar="K", help="speculative.num_draft_tokens")
+    g.add_argument("--speculative-topk", type=int, metavar="N", help="speculative.topk (tree branching)")
+    g.add_argument("--speculative-num-steps", type=int, metavar="N", help="speculative.num_steps")
+    g.add_argument("--speculative-draft-model-path", metavar="PATH", help="speculative.draft_model_path")
+
+
+def speculative_overrides(args: argparse.Namespace) -> dict:
+    out: dict = {}
+    if getattr(args, "speculative", None) is not None:
+        out["stack"] = {"speculative": args.speculative}
+    section = {
+        key: getattr(args, f"speculative_{key}", None)
+        for key in ("num_draft_tokens", "topk", "num_steps", "draft_model_path")
+    }
+    section = {k: v for k, v in section.items() if v is not None}
+    if section:
+        out["speculative"] = section
+    return out
 
 
 def _flag_overrides(args: argparse.Namespace) -> dict:
@@ -37,7 +62,8 @@ def _flag_overrides(args: argparse.Namespace) -> dict:
         if v is not None
     }
     runtime = {k: False for k, on in (("cuda_graph", args.disable_cuda_graph), ("overlap", args.disable_overlap)) if on}
-    return {k: v for k, v in (("model", model), ("server", server), ("runtime", runtime)) if v}
+    out = {k: v for k, v in (("model", model), ("server", server), ("runtime", runtime)) if v}
+    return {**out, **speculative_overrides(args)}
 
 
 def run_serve(args: argparse.Namespace) -> int:

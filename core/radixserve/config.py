@@ -37,10 +37,24 @@ class StackSection(_Section):
     # against the constructor at start-up (unknown option -> error listing the valid ones)
     policy_options: dict[str, Any] = Field(default_factory=dict)
     quantization: str | None = None  # None: from the checkpoint (quantization_config / file format)
-    # selects a component of kind "drafter"; speculative decoding is not implemented by this core
-    # yet, so any value is a start-up error (None: no speculative decoding)
+    # selects a component of kind "drafter" (None: no speculative decoding); the `speculative`
+    # section sets its limits and options
     speculative: str | None = None
-    num_draft_tokens: int = Field(default=4, ge=1, le=16)
+
+
+class SpeculativeSection(_Section):
+    """Speculative decoding, used when `stack.speculative` names a drafter (docs/speculative.md)."""
+
+    num_draft_tokens: int = Field(default=4, ge=1, le=64)  # most draft tokens (tree nodes) per request per step
+    topk: int = Field(default=1, ge=1, le=16)  # branching of tree drafts (1: chains)
+    num_steps: int | None = Field(default=None, ge=1)  # draft depth of model drafters; None: num_draft_tokens
+    draft_model_path: str | None = None  # a draft model's checkpoint, for drafters that need one
+    # keyword arguments of the drafter's constructor, checked against it at start-up
+    options: dict[str, Any] = Field(default_factory=dict)
+    # low-acceptance safeguard: at decode batches of at least this many requests (0: never) drafts
+    # follow the measured acceptance, and speculation pauses while it is below min_accepted_drafts
+    adaptive_batch_size: int = Field(default=8, ge=0)
+    min_accepted_drafts: float = Field(default=0.5, ge=0)  # mean accepted drafts per verify
 
 
 class SchedulerSection(_Section):
@@ -106,12 +120,13 @@ class PluginsSection(_Section):
 class Config(_Section):
     model: ModelSection = ModelSection()
     stack: StackSection = StackSection()
+    speculative: SpeculativeSection = SpeculativeSection()
     scheduler: SchedulerSection = SchedulerSection()
     runtime: RuntimeSection = RuntimeSection()
     server: ServerSection = ServerSection()
     plugins: PluginsSection = PluginsSection()
 
-    @field_validator("model", "stack", "scheduler", "runtime", "server", "plugins", mode="before")
+    @field_validator("model", "stack", "speculative", "scheduler", "runtime", "server", "plugins", mode="before")
     @classmethod
     def _none_is_empty(cls, v: Any) -> Any:
         return {} if v is None else v  # an empty YAML section ("stack:") means defaults

@@ -63,6 +63,9 @@ class ReqTokenOut(msgspec.Struct, kw_only=True):
     top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None  # set when the scheduler rejects the request (it never ran)
     error_status: int = 400
+    # speculative decoding, totals so far: verify steps with a draft, draft tokens accepted in them
+    spec_verify_ct: int = 0
+    spec_accepted_drafts: int = 0
 
 
 class BatchTokenOut(msgspec.Struct, tag=True):
@@ -80,6 +83,8 @@ class ReqTextOut(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
     token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    spec_verify_ct: int = 0  # speculative decoding totals (see ReqTokenOut)
+    spec_accepted_drafts: int = 0
     error: str | None = None
     error_status: int = 400
 

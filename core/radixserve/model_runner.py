@@ -18,7 +18,8 @@ from radixserve.model_loader.model_files import resolve_model_path
 from radixserve.plugins.registry import Registry
 from radixserve.plugins.stack import resolve_stack
 from radixserve.sampling import SampleOutput, Sampler, SamplingBatch
-from radixserve.state import BatchResult, ForwardBatch, ForwardMode, LaunchedBatch, ScheduledBatch
+from radixserve.sampling.batch import DraftHistory
+from radixserve.state import BatchResult, ForwardBatch, ForwardMode, LaunchedBatch, ScheduledBatch, SpecVerify
 from radixserve.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -173,6 +174,11 @@ class ModelRunner:
         run_static_batch(self, [[1, 2, 3, 4]], max_new_tokens=2)
 
     @property
+    def supports_tree_mask(self) -> bool:
+        """Whether verify batches may carry tree drafts (the attention backend honours tree masks)."""
+        return bool(getattr(self.attn_backend, "supports_tree_mask", False))
+
+    @property
     def tokenizer(self):
         """Loaded on first use (tiny test checkpoints have none; GGUF tokenizers take seconds)."""
         if self._tokenizer is None:
@@ -184,7 +190,14 @@ class ModelRunner:
         """ForwardBatch (device tensors plus host length lists) for a scheduled batch."""
         prefix, ext = list(sb.prefix_lens), list(sb.extend_lens)
         seq = [p + e for p, e in zip(prefix, ext, strict=True)]
-        positions = torch.cat([torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(prefix, ext, strict=True)])
+        tree_blocks = None
+        if sb.spec is not None:  # a draft token sits at prefix + its depth in the draft tree
+            depths = [_depths(ps) for ps in sb.spec.parents]
+            positions = torch.tensor([p + d for p, ds in zip(prefix, depths, strict=True) for d in ds], dtype=torch.int64)
+            if sb.spec.has_tree:
+                tree_blocks = [_tree_block(ps) for ps in sb.spec.parents]
+        else:
+            positions = torch.cat([torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(prefix, ext, strict=True)])
         dev = self.device
 
         def to_dev(values) -> torch.Tensor:
@@ -195,7 +208,15 @@ class ModelRunner:
             input_ids = f.tokens[torch.tensor(f.rows, dtype=torch.int64).to(f.tokens.device, non_blocking=True)]
         else:
             input_ids = to_dev(sb.input_ids)
+        tree_mask = None
+        if tree_blocks is not None:
+            if not self.supports_tree_mask:
+                raise ValueError(f"attention backend {self.attn_backend_name!r} cannot verify tree drafts")
+            flat = [x for block in tree_blocks for row in block for x in row]
+            tree_mask = torch.tensor(flat, dtype=torch.bool).to(dev, non_blocking=True)
         return ForwardBatch(
+            tree_mask=tree_mask,
+            tree_mask_cpu=tree_blocks,
             mode=sb.mode,
             batch_size=sb.batch_size,
             input_ids=input_ids,
@@ -224,11 +245,15 @@ class ModelRunner:
         if sb.mode is ForwardMode.DECODE and any(e != 1 for e in sb.extend_lens):
             raise ValueError("DECODE batches must have extend_lens == 1 for every request")
         fb = self.prepare(sb)
-        self.last_run_used_cuda_graph = self.graph_runner is not None and self.graph_runner.can_run(fb)
+        self.last_run_used_cuda_graph = (
+            sb.spec is None and self.graph_runner is not None and self.graph_runner.can_run(fb)
+        )
         if self.last_run_used_cuda_graph:
             return self.graph_runner.run(fb)[:, : self.vocab_size], False
         self.attn_backend.init_forward_metadata(fb)
-        hidden = select_logit_rows(self.model(fb.input_ids, fb.positions, fb), fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        if sb.spec is None:  # a verify batch scores every new token, not only each request's last
+            hidden = select_logit_rows(hidden, fb)
         if greedy_ids:
             ids = self.model.greedy_token_ids(hidden, self.vocab_size)
             if ids is not None:
@@ -247,6 +272,8 @@ class ModelRunner:
         if sb.mode is ForwardMode.IDLE or sb.batch_size == 0:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return LaunchedBatch(empty, lambda: BatchResult(next_token_ids=[]))
+        if sb.spec is not None:
+            return self._launch_verify(sb)
         mask = list(sb.sample_mask) or [True] * sb.batch_size
         keep = [i for i, m in enumerate(mask) if m]
         if not keep:
@@ -288,6 +315,44 @@ class ModelRunner:
 
         return LaunchedBatch(token_ids, resolve)
 
+    def _launch_verify(self, sb: ScheduledBatch) -> LaunchedBatch:
+        """A speculative verify: one token per new token, each sampled as plain decoding would
+        sample it after the draft path leading there (see DraftHistory)."""
+        spec: SpecVerify = sb.spec
+        rows: list[DraftHistory] = []
+        start = 0
+        for req, parents, n in zip(sb.reqs, spec.parents, sb.extend_lens, strict=True):
+            tokens = sb.input_ids[start : start + n]
+            start += n
+            paths: list[list[int]] = [[]]
+            for j in range(1, n):
+                paths.append(paths[parents[j]] + [tokens[j]])
+            rows.extend(DraftHistory(req, path) for path in paths)
+        sampling = SamplingBatch.from_reqs(rows, self.vocab_size, self.device)
+        logits, are_token_ids = self._forward(sb, greedy_ids=sampling.is_plain_greedy)
+        out = SampleOutput(next_token_ids=logits) if are_token_ids else self.sampler.sample(logits, sampling)
+        ids_host, lps_host, ready = self._copy_to_host(out.next_token_ids, out.token_logprobs)
+        lens = list(sb.extend_lens)
+
+        def split(values: list) -> list[list]:
+            res, at = [], 0
+            for n in lens:
+                res.append(values[at : at + n])
+                at += n
+            return res
+
+        def resolve() -> BatchResult:
+            if ready is not None:
+                ready.synchronize()
+            result = BatchResult(next_token_ids=[None] * sb.batch_size, spec_token_ids=split(ids_host.tolist()))
+            if lps_host is not None:
+                result.spec_logprobs = split(lps_host.tolist())
+            if out.top_logprobs is not None:
+                result.spec_top_logprobs = split(out.top_logprobs)
+            return result
+
+        return LaunchedBatch(out.next_token_ids, resolve)
+
     def _copy_to_host(self, ids: torch.Tensor, logprobs: torch.Tensor | None):
         """Start device->host copies without blocking: (ids, logprobs or None, event to wait on or None)."""
         if self.device.type != "cuda":
@@ -303,3 +368,22 @@ class ModelRunner:
         ready = torch.cuda.Event()
         ready.record()
         return ids_host, lps_host, ready
+
+
+def _depths(parents: list[int]) -> list[int]:
+    d = [0] * len(parents)
+    for j in range(1, len(parents)):
+        d[j] = d[parents[j]] + 1
+    return d
+
+
+def _tree_block(parents: list[int]) -> list[list[bool]]:
+    """[n][n]: row a is True at a and its ancestors (the tokens it may attend among the new ones)."""
+    n = len(parents)
+    block = [[False] * n for _ in range(n)]
+    for a in range(n):
+        b = a
+        while b >= 0:
+            block[a][b] = True
+            b = parents[b]
+    return block

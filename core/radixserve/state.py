@@ -177,7 +177,8 @@ class Req:
     last_node: Any = None  # prefix-cache node locked for this request
     kv_len: int = 0  # tokens whose KV is in req_to_token[req_pool_idx]
     # free KV slots set aside for this request's next decode tokens, used front first (a run of
-    # consecutive slots where memory allowed); returned to the allocator when its KV is released
+    # consecutive slots where memory allowed; a speculative verify returns its rejected drafts'
+    # slots here); returned to the allocator when its KV is released
     decode_reserve: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported in usage)
     finished_reason: dict | None = None  # e.g. {"type": "stop", "matched": 2} / {"type": "length"}
@@ -220,10 +221,30 @@ class ScheduledBatch:
     # overlap scheduling: a decode launched before the previous step's tokens reached the host takes
     # its input ids from that step's device output instead of `input_ids` (then empty)
     future_inputs: FutureTokens | None = None
+    # speculative verify: request i's new tokens are its last verified token then its draft tokens;
+    # the runner returns a token for every new token (BatchResult.spec_*) instead of one per request
+    spec: SpecVerify | None = None
 
     @property
     def batch_size(self) -> int:
         return len(self.reqs)
+
+
+@dataclass
+class SpecVerify:
+    """The draft structure of a verify batch (written by the scheduler, read by the runner).
+
+    `parents[i][j]` is the parent (an index among request i's new tokens) of new token j; new
+    token 0 is the request's last verified token, with parent -1. A chain has parents
+    [-1, 0, 1, ...]. A new token sits at position prefix_len + its depth and attends its ancestors
+    (and the prefix) only; when some request is not a chain the runner passes the tree mask to the
+    attention backend (which must then have `supports_tree_mask`)."""
+
+    parents: list[list[int]]
+
+    @property
+    def has_tree(self) -> bool:
+        return any(any(p != j - 1 for j, p in enumerate(ps)) for ps in self.parents)
 
 
 @dataclass
@@ -257,3 +278,9 @@ class BatchResult:
     # logprob of each sampled token, and (token id, logprob) alternatives, when any request asked
     token_logprobs: list[float | None] | None = None
     top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # speculative verify batches (ScheduledBatch.spec): per request, the target's own token after
+    # each of its new tokens (argmax, or one draw from the processed distribution given the draft
+    # path to that token), and their logprobs / alternatives when the request asked
+    spec_token_ids: list[list[int]] | None = None
+    spec_logprobs: list[list[float]] | None = None
+    spec_top_logprobs: list[list[list[tuple[int, float]]]] | None = None

@@ -134,6 +134,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         if model is None:
             model = (await client.get("/v1/models")).json()["data"][0]["id"]
         work = _payloads(args, model)
+        before = await _spec_counters(client)
         recs = [RequestRecord() for _ in work]
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         rng = random.Random(args.seed + 1)
@@ -153,7 +154,30 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
-    return summarize(recs, duration, args)
+        after = await _spec_counters(client)
+    summary = summarize(recs, duration, args)
+    summary["spec_accept_length"] = _accept_length(before, after)
+    return summary
+
+
+async def _spec_counters(client) -> dict | None:
+    """The server's speculative counters (RadixServe's /server_info stats); None elsewhere."""
+    try:
+        stats = (await client.get("/server_info")).json().get("stats", {})
+        return {k: stats[k] for k in ("spec_verifies", "spec_accepted_tokens")}
+    except Exception:
+        return None
+
+
+def _accept_length(before: dict | None, after: dict | None) -> float | None:
+    """Mean tokens per verify step over the run (accepted drafts + the target's own token);
+    None when the server does not report it or did not speculate."""
+    if before is None or after is None:
+        return None
+    verifies = after["spec_verifies"] - before["spec_verifies"]
+    if verifies <= 0:
+        return None
+    return round((after["spec_accepted_tokens"] - before["spec_accepted_tokens"] + verifies) / verifies, 3)
 
 
 def summarize(recs: list[RequestRecord], duration: float, args: argparse.Namespace) -> dict:

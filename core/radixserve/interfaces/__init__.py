@@ -4,7 +4,7 @@ Each docstring is the contract: what the core guarantees when it calls, and what
 must guarantee in return. Breaking one of them is a plugin-API major version bump."""
 
 from radixserve.interfaces.attention import AttentionBackend, AttentionLayerSpec, AttentionRunnerInfo
-from radixserve.interfaces.drafter import Drafter, DraftProposal
+from radixserve.interfaces.drafter import Drafter, DrafterInfo, DraftProposal
 from radixserve.interfaces.model import Model
 from radixserve.interfaces.policy import SchedulePolicy
 from radixserve.interfaces.prefix_cache import MatchResult, PrefixCache
@@ -28,6 +28,7 @@ __all__ = [
     "AttentionLayerSpec",
     "AttentionRunnerInfo",
     "Drafter",
+    "DrafterInfo",
     "DraftProposal",
     "MatchResult",
     "Model",

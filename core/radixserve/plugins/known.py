@@ -10,6 +10,8 @@ _KNOWN = {
     ("quantization", "gguf"): "radixserve-quant-gguf",
     ("prefix_cache", "radix"): "radixserve-cache-radix",
     ("prefix_cache", "chunk"): "radixserve-cache-chunk",
+    ("drafter", "ngram"): "radixserve-spec-ngram",
+    ("drafter", "eagle"): "radixserve-spec-eagle",
     **{("policy", p): "radixserve-policies" for p in ("fcfs", "lpm", "dfs-weight", "lof", "priority", "random")},
 }
 

@@ -42,7 +42,8 @@ class ResolvedStack:
     policy: ComponentSpec
     policy_options: dict[str, Any] = field(default_factory=dict)
     quantization: ComponentSpec | None = None  # None: from the checkpoint
-    drafter: ComponentSpec | None = None  # always None until the core does speculative decoding
+    drafter: ComponentSpec | None = None  # None: no speculative decoding
+    drafter_options: dict[str, Any] = field(default_factory=dict)
 
     def by_kind(self) -> dict[str, ComponentSpec | None]:
         return {
@@ -57,14 +58,14 @@ class ResolvedStack:
 def resolve_stack(config: Config, registry: Registry, device: str, model_path: str | None = None) -> ResolvedStack:
     """Resolve `config.stack` for `device`. Raises PluginError for an unknown component (listing the
     installed ones and the package that provides a known one), a component that does not support
-    the device, a policy option the policy does not take, a drafter (speculative decoding is not
-    implemented) and, when `model_path` exists, a quantization method that cannot apply to it."""
+    the device, a policy or drafter option the component does not take and, when `model_path`
+    exists, a quantization method that cannot apply to it."""
     stack = config.stack
+    drafter = None
+    drafter_options: dict[str, Any] = {}
     if stack.speculative is not None:
-        raise PluginError(
-            f"stack.speculative={stack.speculative!r} selects a component of kind 'drafter', but speculative "
-            "decoding is not implemented by this core yet; remove stack.speculative"
-        )
+        drafter = _on_device(registry.get("drafter", stack.speculative), device)
+        drafter_options = check_drafter_options(registry, drafter.name, dict(config.speculative.options))
     prefix_cache = _on_device(registry.get("prefix_cache", stack.prefix_cache), device)
     policy = _on_device(registry.get("policy", stack.policy), device)
     options = check_policy_options(registry, policy.name, dict(stack.policy_options))
@@ -83,7 +84,7 @@ def resolve_stack(config: Config, registry: Registry, device: str, model_path: s
         attention = _on_device(registry.get("attention", stack.attention), device)
     resolved = ResolvedStack(
         device=device, attention=attention, prefix_cache=prefix_cache, policy=policy,
-        policy_options=options, quantization=quant,
+        policy_options=options, quantization=quant, drafter=drafter, drafter_options=drafter_options,
     )
     if model_path is not None and os.path.exists(model_path):
         check_quantization_fits(resolved, model_path, registry)
@@ -126,6 +127,21 @@ def check_policy_options(registry: Registry, name: str, options: dict[str, Any])
         cls(**options)
     except (TypeError, ValueError) as e:
         raise PluginError(f"stack.policy_options for policy {name!r}: {e}") from None
+    return options
+
+
+def check_drafter_options(registry: Registry, name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Check `speculative.options` against the drafter's constructor `Drafter(info, **options)`
+    (names only: building a drafter may load a draft model, so that waits for the scheduler)."""
+    cls = registry.load("drafter", name)
+    params = list(inspect.signature(cls).parameters.values())[1:]  # the first one takes DrafterInfo
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return options
+    valid = [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        takes = f"valid options: {', '.join(valid)}" if valid else "it takes no options"
+        raise PluginError(f"speculative.options: drafter {name!r} has no option {', '.join(map(repr, unknown))}; {takes}")
     return options
 
 

@@ -132,6 +132,8 @@ class DetokenizerManager:
             finished_reason=fin,
             completion_tokens=item.completion_tokens,
             cached_tokens=item.cached_tokens,
+            spec_verify_ct=item.spec_verify_ct,
+            spec_accepted_drafts=item.spec_accepted_drafts,
             token_logprobs=st.pending_logprobs,
             top_logprobs=st.pending_top,
         )

@@ -85,7 +85,8 @@ class TokenizerManager:
     - `async for out in tm.generate(GenerateInput(...))`: yields dicts
       `{"text": full text so far, "output_ids": all ids so far, "meta_info": {"id", "prompt_tokens",
       "completion_tokens", "cached_tokens", "finish_reason": None | {"type": "stop"|"length"|"abort",
-      "matched": token id or stop string}, "output_token_logprobs": [(logprob, token_id), ...],
+      "matched": token id or stop string}, with speculative decoding "spec_verify_ct" (verify steps
+      with a draft) and "spec_accept_length" (mean tokens per verify step), "output_token_logprobs": [(logprob, token_id), ...],
       "output_top_logprobs": [[(logprob, token_id), ...], ...]}}` (logprob keys only when
       return_logprob). stream=False: one item at the end; stream=True: one item per emission
       (scheduler.stream_interval steps), the last one has a finish_reason. Raises `RequestError`
@@ -384,6 +385,9 @@ class TokenizerManager:
             "cached_tokens": item.cached_tokens,
             "finish_reason": item.finished_reason,
         }
+        if item.spec_verify_ct:  # speculative decoding: verify steps, tokens per verify
+            meta["spec_verify_ct"] = item.spec_verify_ct
+            meta["spec_accept_length"] = (item.spec_accepted_drafts + item.spec_verify_ct) / item.spec_verify_ct
         if st.return_logprob:
             meta["output_token_logprobs"] = list(st.token_logprobs)
             meta["output_top_logprobs"] = list(st.top_logprobs)

@@ -139,6 +139,24 @@ class SamplingBatch:
         return sb
 
 
+class DraftHistory:
+    """A request seen as if some draft tokens were already in its output: what `from_reqs` reads
+    (parameters, history, seeds by output length) for the row that scores the token after them.
+    Verify batches sample every draft position this way, so penalties, min_new_tokens bans and
+    per-step seeds are those of plain decoding at that position."""
+
+    __slots__ = ("sampling_params", "eos_token_ids", "origin_input_ids", "output_ids")
+
+    def __init__(self, req: Req, draft_path: list[int]) -> None:
+        self.sampling_params = req.sampling_params
+        self.eos_token_ids = req.eos_token_ids
+        self.origin_input_ids = req.origin_input_ids
+        self.output_ids = req.output_ids + draft_path if draft_path else req.output_ids
+
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+
 def sampling_reads_history(req: Req) -> bool:
     """True when `from_reqs` reads `req`'s generated tokens (penalties, per-step seeds, stop-token
     suppression before min_new_tokens), so its next row cannot be built before the previous token

@@ -23,6 +23,11 @@ class SchedulerMetrics:
     decode_batches: int = 0
     mixed_batches: int = 0
     overlapped_batches: int = 0  # decode batches launched before the previous batch was processed
+    # speculative decoding: verify batches, and per request-step with a draft: drafts proposed/accepted
+    spec_verify_batches: int = 0
+    spec_verifies: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # (time, generated_tokens) samples for a sliding-window throughput
     _window: deque = field(default_factory=lambda: deque(maxlen=64))
 
@@ -35,6 +40,10 @@ class SchedulerMetrics:
             return 0.0
         (t0, n0), (t1, n1) = self._window[0], self._window[-1]
         return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def spec_accept_length(self) -> float:
+        """Mean tokens a verify produced per request (accepted drafts + the target's own); 0 before any."""
+        return (self.spec_accepted_tokens + self.spec_verifies) / self.spec_verifies if self.spec_verifies else 0.0
 
     def cache_hit_rate(self) -> float:
         total = self.prefill_tokens_computed + self.prefill_tokens_cached

@@ -20,12 +20,23 @@ from typing import Any
 import torch
 
 from radixserve.config import Config
-from radixserve.interfaces import PrefixCache, SchedulePolicy
+from radixserve.interfaces import Drafter, PrefixCache, SchedulePolicy
 from radixserve.messages import GenerateRequest, ReqTokenOut
 from radixserve.sampling.batch import sampling_reads_history
 from radixserve.scheduler.metrics import SchedulerMetrics
+from radixserve.scheduler.speculative.adaptive import DraftLengthControl
+from radixserve.scheduler.speculative.drafts import Draft, accepted_path, checked_draft
 from radixserve.scheduler.stop_strings import StopStringMatcher
-from radixserve.state import BatchResult, ForwardMode, FutureTokens, LaunchedBatch, Req, SamplingParams, ScheduledBatch
+from radixserve.state import (
+    BatchResult,
+    ForwardMode,
+    FutureTokens,
+    LaunchedBatch,
+    Req,
+    SamplingParams,
+    ScheduledBatch,
+    SpecVerify,
+)
 from radixserve.validation import ModelLimits, reject_reason
 
 logger = logging.getLogger(__name__)
@@ -49,6 +60,8 @@ class _Meta:
     stop_matcher: StopStringMatcher | None = None  # set when the request has stop strings
     sent: int = 0  # output tokens already emitted
     first_sent: bool = False
+    spec_verify_ct: int = 0  # verify steps this request took part in with a draft
+    spec_accepted_drafts: int = 0  # draft tokens accepted over those steps
 
 
 @dataclass
@@ -60,6 +73,7 @@ class _Item:
     extend_len: int
     decode: bool  # a running request's one-token step (inside a DECODE or mixed batch)
     slots: torch.Tensor  # KV slots of the new tokens, already written into the request's row
+    draft: Draft | None = None  # a verify step: the new tokens are the last token then these drafts
 
     @property
     def completes_prompt(self) -> bool:
@@ -83,7 +97,13 @@ class Scheduler:
       streamed request's text ends in a possible stop-string prefix, those tokens are held back.
     - `flush_cache()` empties the prefix cache when no request is resident (returns False otherwise);
       afterwards `allocator.available_size() == allocator.size`.
-    Greedy outputs do not depend on batching, chunking, cache hits, retraction or overlap.
+    - Speculative decoding (`drafter` given, from `stack.speculative`): the decode step of the
+      running requests becomes a verify step (`_verify_items`): each request's last token plus its
+      drafts in one EXTEND forward (`ScheduledBatch.spec`), the longest path of drafts equal to
+      the target's own tokens is appended (cut where the request finishes), the kept nodes' slots
+      stay in its row, the others go back to its decode reserve. Overlap is off with a drafter.
+    Greedy outputs do not depend on batching, chunking, cache hits, retraction, overlap or
+    speculation.
 
     Overlap (`overlap=True`): `step()` launches the next batch before it processes the previous one,
     so host work (result processing, emitting, the next batch's preparation) runs while the device
@@ -96,7 +116,13 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: Config, runner: Any, cache: PrefixCache, policy: SchedulePolicy, tokenizer: Any = None
+        self,
+        config: Config,
+        runner: Any,
+        cache: PrefixCache,
+        policy: SchedulePolicy,
+        tokenizer: Any = None,
+        drafter: Drafter | None = None,
     ) -> None:
         sc = config.scheduler
         self.runner = runner
@@ -130,6 +156,15 @@ class Scheduler:
         self._arrivals = 0
         self._evicted = False  # set by _alloc_slots when it evicted from the cache
         self.overlap = config.runtime.resolved_overlap(str(getattr(runner, "device", "cpu")))
+        # speculative decoding (docs/speculative.md): a verify step replaces the plain decode step
+        self.drafter = drafter
+        spec = config.speculative
+        self.draft_control = DraftLengthControl(spec.num_draft_tokens, spec.adaptive_batch_size, spec.min_accepted_drafts)
+        self.trees_ok = bool(getattr(runner, "supports_tree_mask", False))
+        self._step_acceptance: list[int] = []  # per verify step: accepted drafts of each drafting request
+        if drafter is not None and self.overlap:
+            logger.info("speculative decoding is on: overlap scheduling is switched off (verify steps run one at a time)")
+            self.overlap = False
         self._in_flight: tuple[list[_Item], LaunchedBatch] | None = None  # overlap: launched, not processed
         # requests of a batch whose forward raised: each runs alone until it passes (or fails alone)
         self._suspects: set[str] = set()
@@ -142,7 +177,10 @@ class Scheduler:
         cache_cls = registry.load("prefix_cache", config.stack.prefix_cache)
         policy_cls = registry.load("policy", config.stack.policy)
         cache = cache_cls(runner.req_to_token_pool, runner.token_allocator)
-        return cls(config, runner, cache, policy_cls(**config.stack.policy_options), tokenizer)
+        from radixserve.scheduler.speculative.setup import build_drafter
+
+        drafter = build_drafter(config, runner, registry)
+        return cls(config, runner, cache, policy_cls(**config.stack.policy_options), tokenizer, drafter)
 
     # ---- requests in ------------------------------------------------------------------------
     def add_request(self, msg: GenerateRequest) -> None:
@@ -208,6 +246,7 @@ class Scheduler:
         req.finished_reason = {"type": "abort"}
         self.metrics.aborted_requests += 1
         self._emit(req, force=True)
+        self._drafter_forget(req)
         return True
 
     def flush_cache(self) -> bool:
@@ -306,6 +345,7 @@ class Scheduler:
         req.finished_reason = {"type": "abort", "message": "internal error"}
         self.metrics.failed_requests += 1
         self.meta.pop(req.rid, None)
+        self._drafter_forget(req)
         self._outbox.append(
             ReqTokenOut(
                 rid=req.rid,
@@ -371,6 +411,10 @@ class Scheduler:
                 items += self._decode_items(allow_retract=False)
             return items
         if self.running:
+            if self.drafter is not None:
+                items = self._verify_items()
+                if items is not None:
+                    return items
             return self._decode_items(allow_retract=True)
         return []
 
@@ -540,6 +584,130 @@ class Scheduler:
                 req.decode_reserve = run
         return torch.tensor([r.decode_reserve.pop(0) for r in reqs], dtype=torch.int64)
 
+    # ---- speculative verify -----------------------------------------------------------------
+    def _verify_items(self) -> list[_Item] | None:
+        """The running requests as a verify batch (each its last token plus its drafts), or None
+        when this step decodes plainly: the safeguard turned drafts off, no request got a draft,
+        the drafter failed, or the drafts' KV slots are not free (plain decode may then retract)."""
+        reqs = self.running
+        k = self.draft_control.tokens_for(len(reqs))
+        if k == 0:
+            return None
+        limits = [self._draft_limit(r, k) for r in reqs]
+        asking = [i for i, lim in enumerate(limits) if lim > 0]
+        if not asking:
+            return None
+        try:
+            proposal = self.drafter.propose([reqs[i] for i in asking], max(limits[i] for i in asking))
+            if len(proposal.tokens) != len(asking) or (
+                proposal.parents is not None and len(proposal.parents) != len(asking)
+            ):
+                raise ValueError(f"the drafter returned {len(proposal.tokens)} drafts for {len(asking)} requests")
+            drafts = [Draft([], [-1]) for _ in reqs]
+            for j, i in enumerate(asking):
+                parents = proposal.parents[j] if proposal.parents is not None else None
+                drafts[i] = checked_draft(proposal.tokens[j], parents, limits[i], self.limits.vocab_size, self.trees_ok)
+        except Exception:
+            logger.exception("the drafter failed; this step decodes without drafts")
+            return None
+        if not any(d.tokens for d in drafts):
+            return None
+        need = [len(d.parents) for d in drafts]
+        slots = self._verify_slots(reqs, need)
+        if slots is None:
+            return None
+        rows, cols = [], []  # one write for the whole batch (a device copy each would cost more)
+        for req, sl in zip(reqs, slots, strict=True):
+            rows += [req.req_pool_idx] * len(sl)
+            cols += range(req.kv_len, req.kv_len + len(sl))
+        self.req_to_token_pool.write_positions(rows, cols, torch.cat(slots))
+        items = [
+            _Item(req, req.kv_len, len(sl), True, sl, draft=d) for req, d, sl in zip(reqs, drafts, slots, strict=True)
+        ]
+        self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - self.ratio_decay)
+        return items
+
+    def _draft_limit(self, req: Req, k: int) -> int:
+        """Drafts worth verifying: a step yields at most drafts + 1 tokens, so never more than
+        the request may still produce, nor past the end of its context."""
+        left = req.sampling_params.max_new_tokens - len(req.output_ids) - 1
+        room = self.context_len - 1 - req.kv_len
+        return max(0, min(k, left, room))
+
+    def _verify_slots(self, reqs: list[Req], need: list[int]) -> list[torch.Tensor] | None:
+        """`need[i]` KV slots for request i, from its decode reserve first; fresh runs of at least
+        DECODE_RUN when that many are free, else exactly what is missing (evicting if needed)."""
+        short = [max(0, n - len(r.decode_reserve)) for r, n in zip(reqs, need, strict=True)]
+        total = sum(short)
+        if total:
+            runs = [max(s, DECODE_RUN) if s else 0 for s in short]
+            if self.allocator.available_size() < sum(runs):
+                runs = short
+                if self.allocator.available_size() + self.cache.evictable_size() < total:
+                    return None
+            fresh = self._alloc_slots(sum(runs))
+            if fresh is None:
+                return None
+            at = 0
+            for r, n in zip(reqs, runs, strict=True):
+                r.decode_reserve.extend(fresh[at : at + n].tolist())
+                at += n
+        out = []
+        for r, n in zip(reqs, need, strict=True):
+            out.append(torch.tensor(r.decode_reserve[:n], dtype=torch.int64))
+            del r.decode_reserve[:n]
+        return out
+
+    def _apply_verify(self, it: _Item, result: BatchResult, i: int) -> None:
+        """Append the tokens a verify step produced (the accepted drafts, then the target's own
+        token), stopping where the request finishes; keep the KV of the tokens kept and give the
+        other slots back to the request's reserve."""
+        req, draft = it.req, it.draft
+        target = result.spec_token_ids[i]
+        path = accepted_path(draft, target)
+        lps = result.spec_logprobs[i] if result.spec_logprobs is not None else None
+        tops = result.spec_top_logprobs[i] if result.spec_top_logprobs is not None else None
+        appended = 0
+        for node in path:
+            self._append_token(req, int(target[node]), lps[node] if lps else None, tops[node] if tops else None)
+            appended += 1
+            if req.finished:
+                break
+        # node path[m] holds the token at position prefix_len + m; the first `appended` stay
+        kept = path[:appended]
+        if not draft.is_chain:
+            self.req_to_token_pool.write(req.req_pool_idx, it.prefix_len, it.slots[kept])
+        unused = sorted(set(range(len(draft.parents))) - set(kept))
+        req.kv_len = it.prefix_len + appended
+        if unused:
+            req.decode_reserve[:0] = it.slots[unused].tolist()
+        if draft.tokens:
+            accepted = len(path) - 1
+            self._step_acceptance.append(accepted)
+            self.metrics.spec_verifies += 1
+            self.metrics.spec_draft_tokens += len(draft.tokens)
+            self.metrics.spec_accepted_tokens += accepted
+            meta = self.meta.get(req.rid)
+            if meta is not None:
+                meta.spec_verify_ct += 1
+                meta.spec_accepted_drafts += accepted
+
+    def _notify_drafter(self, req: Req, n_before: int) -> None:
+        if self.drafter is None or len(req.output_ids) <= n_before:
+            return
+        try:
+            self.drafter.on_accepted(req, req.output_ids[n_before:])
+        except Exception:
+            logger.exception("the drafter's on_accepted failed (ignored)")
+
+    def _drafter_forget(self, req: Req) -> None:
+        if self.drafter is None:
+            return
+        try:
+            self.drafter.on_finished(req)
+        except Exception:
+            logger.exception("the drafter's on_finished failed (ignored)")
+
     def _write_rows(self, reqs: list[Req], slots: torch.Tensor) -> None:
         """Store each request's next-token slot at position kv_len of its row."""
         self.req_to_token_pool.write_positions([r.req_pool_idx for r in reqs], [r.kv_len for r in reqs], slots)
@@ -592,21 +760,27 @@ class Scheduler:
             r.kv_len = it.prefix_len + it.extend_len  # the batch owns these slots from now on
             if future is not None:
                 continue
-            if it.decode:
+            if it.draft is not None:
+                input_ids.append(r.output_ids[-1])
+                input_ids.extend(it.draft.tokens)
+            elif it.decode:
                 input_ids.append(r.output_ids[-1])
             else:
                 full = r.all_ids()
                 input_ids.extend(full[it.prefix_len : it.prefix_len + it.extend_len])
         slots = [it.slots for it in items]
         all_decode = all(it.decode for it in items)
-        if any(it.decode for it in items) and not all_decode:
+        verify = any(it.draft is not None for it in items)
+        if verify:
+            self.metrics.spec_verify_batches += 1
+        elif any(it.decode for it in items) and not all_decode:
             self.metrics.mixed_batches += 1
         elif all_decode:
             self.metrics.decode_batches += 1
         else:
             self.metrics.prefill_batches += 1
         return ScheduledBatch(
-            mode=ForwardMode.DECODE if all_decode else ForwardMode.EXTEND,
+            mode=ForwardMode.DECODE if all_decode and not verify else ForwardMode.EXTEND,
             reqs=[it.req for it in items],
             input_ids=input_ids,
             req_pool_indices=[it.req.req_pool_idx for it in items],
@@ -615,10 +789,12 @@ class Scheduler:
             out_cache_loc=torch.cat(slots) if len(slots) > 1 else slots[0],
             sample_mask=[it.completes_prompt for it in items],
             future_inputs=future,
+            spec=SpecVerify([it.draft.parents for it in items]) if verify else None,
         )
 
     def _process(self, items: list[_Item], result: BatchResult) -> None:
         now_running: list[Req] = []
+        self._step_acceptance = []
         for i, it in enumerate(items):
             req = it.req
             if req.finished:  # overlap: aborted, or stopped a step earlier, while this batch ran
@@ -631,13 +807,19 @@ class Scheduler:
                     continue
                 if req is self.chunked_req:
                     self.chunked_req = None
-            token = result.next_token_ids[i]
-            if req.sampling_params.max_new_tokens == 0:
+            n_before = len(req.output_ids)
+            if it.draft is not None:
+                self._apply_verify(it, result, i)
+            elif req.sampling_params.max_new_tokens == 0:
                 req.finished_reason = {"type": "length"}
             else:
-                self._append_token(req, int(token), result, i)
+                lp = result.token_logprobs[i] if result.token_logprobs is not None else None
+                top = result.top_logprobs[i] if result.top_logprobs is not None else None
+                self._append_token(req, int(result.next_token_ids[i]), lp, top)
+            self._notify_drafter(req, n_before)
             if req.finished:
                 self._release(req)
+                self._drafter_forget(req)
                 self.metrics.finished_requests += 1
                 if it.decode:
                     self.running.remove(req)
@@ -645,14 +827,14 @@ class Scheduler:
                 now_running.append(req)
             self._emit(req)
         self.running.extend(now_running)
+        if self._step_acceptance:  # the safeguard's average moves once per verify step
+            self.draft_control.record(self._step_acceptance)
 
-    def _append_token(self, req: Req, token: int, result: BatchResult, i: int) -> None:
+    def _append_token(self, req: Req, token: int, lp: float | None, top: list | None) -> None:
         req.output_ids.append(token)
         self.metrics.generated_tokens += 1
         if req.sampling_params.logprobs:
-            lp = result.token_logprobs[i] if result.token_logprobs is not None else None
             req.output_token_logprobs.append(float("nan") if lp is None else float(lp))
-            top = result.top_logprobs[i] if result.top_logprobs is not None else None
             req.output_top_logprobs.append(list(top or []))
         meta = self.meta.get(req.rid)
         if meta is not None and meta.stop_matcher is not None:
@@ -696,6 +878,8 @@ class Scheduler:
             stop=meta.stop,
             stream=meta.stream,
             prompt_tail=None if meta.first_sent else req.origin_input_ids[-PROMPT_TAIL:],
+            spec_verify_ct=meta.spec_verify_ct,
+            spec_accepted_drafts=meta.spec_accepted_drafts,
         )
         if req.sampling_params.logprobs:
             out.token_logprobs = req.output_token_logprobs[meta.sent : returned]
@@ -743,5 +927,12 @@ class Scheduler:
             "mixed_batches": m.mixed_batches,
             "overlapped_batches": m.overlapped_batches,
             "new_token_ratio": self.new_token_ratio,
+            "speculative": self.drafter is not None,
+            "spec_verify_batches": m.spec_verify_batches,
+            "spec_verifies": m.spec_verifies,
+            "spec_draft_tokens": m.spec_draft_tokens,
+            "spec_accepted_tokens": m.spec_accepted_tokens,
+            "spec_accept_length": m.spec_accept_length(),
+            "spec_mean_accepted_drafts": self.draft_control.mean_accepted if self.drafter is not None else 0.0,
             "time": time.time(),
         }

@@ -49,6 +49,7 @@ class ToyRunner:
         vocab_size: int = 1000,
         max_running_requests: int = 64,
         eos_token_ids: tuple[int, ...] = (),
+        supports_tree_mask: bool = True,
     ) -> None:
         self.max_total_tokens = max_total_tokens
         self.context_len = context_len
@@ -62,6 +63,7 @@ class ToyRunner:
         self.forward_tokens = 0  # tokens that went through a forward (prefill + decode)
         self.batches: list[ScheduledBatch] = []
         self.events: list[tuple[str, int]] = []  # ("launch" | "result", batch number)
+        self.supports_tree_mask = supports_tree_mask  # verify batches may carry tree drafts
 
     def run_batch(self, sb: ScheduledBatch) -> BatchResult:
         return self.launch_batch(sb).result()
@@ -91,6 +93,9 @@ class ToyRunner:
         self.forward_tokens += len(sb.input_ids)
         table = self.req_to_token_pool.req_to_token
         loc = sb.out_cache_loc.to(torch.int64)
+        if sb.spec is not None:
+            assert sb.spec.has_tree is False or self.supports_tree_mask, "tree draft sent to a chain-only runner"
+            return self._compute_verify(sb)
         positions = torch.cat(
             [torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(sb.prefix_lens, sb.extend_lens)]
         )
@@ -116,3 +121,39 @@ class ToyRunner:
             logprobs.append(-0.1 * (tok % 7))
             tops.append([(tok, -0.1 * (tok % 7)), ((tok + 1) % self.vocab_size, -5.0)])
         return BatchResult(next_token_ids=out, token_logprobs=logprobs, top_logprobs=tops)
+
+    def _compute_verify(self, sb: ScheduledBatch) -> BatchResult:
+        """A verify batch: the toy token after every new token, reading its history through the
+        prefix's KV slots and the slots of its ancestors in the draft tree."""
+        table = self.req_to_token_pool.req_to_token
+        loc = sb.out_cache_loc.to(torch.int64)
+        spec_ids: list[list[int]] = []
+        start = 0
+        for i, row in enumerate(sb.req_pool_indices):
+            p, e, parents = sb.prefix_lens[i], sb.extend_lens[i], sb.spec.parents[i]
+            assert len(parents) == e and parents[0] == -1
+            slots = loc[start : start + e]
+            assert torch.equal(table[row, p : p + e], slots), "row does not hold out_cache_loc"
+            depth = [0] * e
+            for j in range(1, e):
+                assert 0 <= parents[j] < j
+                depth[j] = depth[parents[j]] + 1
+            self.kv_pool[slots, 0] = torch.tensor(sb.input_ids[start : start + e], dtype=torch.int64)
+            self.kv_pool[slots, 1] = torch.tensor([p + d for d in depth], dtype=torch.int64)
+            start += e
+            prefix = self.kv_pool[table[row, :p]]
+            assert torch.equal(prefix[:, 1], torch.arange(p)), "KV slot holds another position (stale slot)"
+            out = []
+            for j in range(e):
+                path, node = [], j
+                while node >= 0:
+                    path.append(int(slots[node]))
+                    node = parents[node]
+                hist = torch.cat([prefix[:, 0], self.kv_pool[torch.tensor(path[::-1]), 0]])
+                out.append(toy_next_token(hist, self.vocab_size))
+            spec_ids.append(out)
+        logprobs = [[-0.1 * (t % 7) for t in ids] for ids in spec_ids]
+        tops = [[[(t, -0.1 * (t % 7)), ((t + 1) % self.vocab_size, -5.0)] for t in ids] for ids in spec_ids]
+        return BatchResult(
+            next_token_ids=[None] * len(sb.reqs), spec_token_ids=spec_ids, spec_logprobs=logprobs, spec_top_logprobs=tops
+        )

@@ -25,6 +25,7 @@ class _ReqView:
 
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
+    supports_tree_mask = True  # verify of tree drafts: new tokens attend by batch.tree_mask
 
     def __init__(self, runner_info=None) -> None:
         self.runner_info = runner_info
@@ -34,12 +35,18 @@ class TorchNativeBackend(AttentionBackend):
         rows = batch.req_pool_indices.tolist()
         views: list[_ReqView] = []
         q_start = 0
-        for row, seq_len, prefix_len, ext in zip(
+        tree = batch.tree_mask_cpu
+        for i, (row, seq_len, prefix_len, ext) in enumerate(zip(
             rows, batch.seq_lens_cpu, batch.prefix_lens_cpu, batch.extend_lens_cpu, strict=True
-        ):
+        )):
             slots = table[row, :seq_len]
             mask = None
-            if ext > 1:
+            if tree is not None and ext > 1:
+                # the whole prefix, then among the new tokens only those the draft tree allows
+                block = torch.tensor(tree[i], dtype=torch.bool, device=table.device)
+                prefix = torch.ones(ext, prefix_len, dtype=torch.bool, device=table.device)
+                mask = torch.cat([prefix, block], dim=1)
+            elif ext > 1:
                 # new token j sits at absolute position prefix_len + j and sees keys 0..prefix_len + j
                 q_pos = torch.arange(prefix_len, prefix_len + ext, device=table.device)
                 k_pos = torch.arange(seq_len, device=table.device)

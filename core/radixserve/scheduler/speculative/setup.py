@@ -1,0 +1,40 @@
+"""Build the drafter a config selects (`stack.speculative` + the `speculative` section)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from radixserve.config import Config
+from radixserve.interfaces.drafter import Drafter, DrafterInfo
+from radixserve.plugins.registry import PluginError
+
+
+def drafter_info(config: Config, runner: Any) -> DrafterInfo:
+    spec = config.speculative
+    return DrafterInfo(
+        device=torch.device(getattr(runner, "device", "cpu")),
+        vocab_size=int(runner.vocab_size),
+        num_draft_tokens=spec.num_draft_tokens,
+        topk=spec.topk,
+        num_steps=spec.num_steps or spec.num_draft_tokens,
+        supports_tree=bool(getattr(runner, "supports_tree_mask", False)),
+        model_path=getattr(runner, "model_path", None),
+        draft_model_path=spec.draft_model_path,
+        eos_token_ids=frozenset(getattr(runner, "eos_token_ids", ()) or ()),
+        hf_config=getattr(runner, "hf_config", None),
+    )
+
+
+def build_drafter(config: Config, runner: Any, registry: Any) -> Drafter | None:
+    """The configured drafter, or None when `stack.speculative` is not set. A constructor that
+    refuses its options or its info (TypeError / ValueError) becomes a PluginError naming it."""
+    name = config.stack.speculative
+    if name is None:
+        return None
+    cls = registry.load("drafter", name)
+    try:
+        return cls(drafter_info(config, runner), **config.speculative.options)
+    except (TypeError, ValueError) as e:
+        raise PluginError(f"stack.speculative={name!r}: the drafter refused its configuration: {e}") from None
