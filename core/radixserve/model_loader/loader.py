@@ -9,6 +9,7 @@ import torch
 from tqdm import tqdm
 
 from radixserve.layers.embedding import ParallelLMHead
+from radixserve.layers.linear import LinearBase
 from radixserve.model_loader.sources import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -78,9 +79,8 @@ def load_model(
     logger.info("weights of %s (%s) loaded in %.1f s", type(model).__name__, source.format, loaded_at - start)
     # packing for the device; may compile native kernels on first use (native.py logs those apart)
     for module in model.modules():
-        qm = getattr(module, "quant_method", None)
-        if qm is not None and hasattr(module, "weight"):
-            qm.process_weights_after_loading(module)
+        if isinstance(module, LinearBase):  # quantized layers may have no `weight` (qweight, ...)
+            module.quant_method.process_weights_after_loading(module)
         if isinstance(module, ParallelLMHead):
             module.pack_for_cpu()
     model.eval()
