@@ -73,12 +73,14 @@ class GPTQMethod(QuantMethod):
         # with act-order a row-parallel rank's rows may use any group, and one group spans all
         # rows: the group tensors are then whole on every rank (no input_dim)
         group_split = {} if (self.desc_act or self.group_size == -1) else {"input_dim": 0}
+        full_input = input_size * layer.tp_size if isinstance(layer, RowParallelLinear) else input_size
+        groups = self._groups(full_input if self.desc_act else input_size)
         for name, shape, dt, attrs in (
             ("qweight", (input_size // PACK, out), torch.int32,
              {"input_dim": 0, "output_dim": 1, "packed_dim": 0, "pack_factor": PACK}),
-            ("qzeros", (self._groups(input_size), out // PACK), torch.int32,
+            ("qzeros", (groups, out // PACK), torch.int32,
              {"output_dim": 1, "packed_dim": 1, "pack_factor": PACK, **group_split}),
-            ("scales", (self._groups(input_size), out), dtype, {"output_dim": 1, **group_split}),
+            ("scales", (groups, out), dtype, {"output_dim": 1, **group_split}),
         ):
             p = nn.Parameter(torch.empty(shape, dtype=dt), requires_grad=False)
             set_weight_attrs(p, {**attrs, "weight_loader": loader})
