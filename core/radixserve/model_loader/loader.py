@@ -34,11 +34,15 @@ def _fill_dummy(model: torch.nn.Module, seed: int) -> set[str]:
     gens: dict[torch.device, torch.Generator] = {}
     names = set()
     for name, p in model.named_parameters():
+        # drawn on the parameter's own device: an 8B model fills in seconds instead of minutes
+        gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
+        elif not p.dtype.is_floating_point:  # packed quantized codes (int32): random bits
+            p.data.random_(generator=gen)
+        elif p.element_size() == 1:  # fp8 weights: normal_ has no 8-bit kernel
+            p.data.copy_(torch.empty(p.shape, device=p.device).normal_(0.0, 0.02, generator=gen))
         else:
-            # drawn on the parameter's own device: an 8B model fills in seconds instead of minutes
-            gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
             p.data.normal_(0.0, 0.02, generator=gen)
         names.add(name)
     return names

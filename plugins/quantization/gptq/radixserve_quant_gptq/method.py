@@ -94,6 +94,10 @@ class GPTQMethod(QuantMethod):
             return
         zeros = unpack_int4(layer.qzeros.data, 1).to(torch.float32) + self.zero_offset
         g_idx = layer.g_idx.data
+        groups = layer.scales.shape[0]
+        if self.desc_act and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+            raise ValueError(f"GPTQ g_idx holds groups {int(g_idx.min())}..{int(g_idx.max())}, but the layer has "
+                             f"{groups} (a corrupt checkpoint, or desc_act/group_size not matching it)")
         if not self.desc_act:  # groups in row order; local to this rank when the groups are split
             rows = torch.arange(g_idx.numel(), device=g_idx.device, dtype=torch.int32)
             g_idx = rows // self.group_size if self.group_size > 0 else torch.zeros_like(rows)
