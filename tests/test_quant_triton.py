@@ -33,7 +33,9 @@ def _int4_weight(k: int, n: int, group: int, act_order: bool, dtype: torch.dtype
     scales = torch.rand(groups, n, generator=gen) * 0.05 + 0.01
     zeros = torch.randint(0, 16, (groups, n), generator=gen).float()
     g_idx = torch.arange(k) // group
-    if act_order:
+    if act_order == "uneven":  # groups of different sizes: the kernel must read scales through g_idx
+        g_idx = torch.sort(torch.randint(0, groups, (k,), generator=gen)).values
+    elif act_order:
         g_idx = g_idx[torch.randperm(k, generator=gen)]
     w = make_int4_weight(codes, scales, zeros, g_idx, dtype, packed=False)
     for name in ("qweight", "scales", "zeros", "g_idx", "perm"):
@@ -44,10 +46,12 @@ def _int4_weight(k: int, n: int, group: int, act_order: bool, dtype: torch.dtype
 
 
 @pytest.mark.parametrize("m", [1, 7, 16, 33])
-@pytest.mark.parametrize("group,act_order", [(32, False), (64, True), (128, False)])
+@pytest.mark.parametrize("group,act_order", [(32, False), (64, True), (128, False), (32, "uneven")])
 def test_int4_fused_gemm_matches_dequantized_reference(m, group, act_order):
     dtype = torch.float16 if ON_GPU else torch.float32
     w = _int4_weight(256, 96, group, act_order, dtype)
+    # sorted act-order groups are whole groups again: both take the per-group scale path
+    assert (int4_triton._group_size(w, 128) == 0) == (act_order == "uneven")
     ref_w = w.dequantize(torch.float32)
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
     xp = x[:, w.perm] if w.perm is not None else x

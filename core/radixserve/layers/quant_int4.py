@@ -61,6 +61,7 @@ class Int4Weight:
     zeros: torch.Tensor  # [G, N]
     g_idx: torch.Tensor  # int32 [K]
     perm: torch.Tensor | None = None  # long [K]
+    uniform_group_size: int | None = None  # g when g_idx[k] == k // g for every row (kernel fast path)
 
     @property
     def in_features(self) -> int:
@@ -91,7 +92,12 @@ def make_int4_weight(codes_or_qweight: torch.Tensor, scales: torch.Tensor, zeros
         codes_or_qweight, packed = codes[perm], False
         g_idx = g_idx[perm].contiguous()
     qweight = codes_or_qweight if packed else pack_int4(codes_or_qweight, 0)
-    return Int4Weight(qweight.contiguous(), scales.to(dtype).contiguous(), zeros.to(dtype).contiguous(), g_idx, perm)
+    k, groups = g_idx.numel(), scales.shape[0]
+    g = -(-k // groups)
+    rows = torch.arange(k, device=g_idx.device, dtype=torch.int32)
+    uniform = g if torch.equal(g_idx, rows // g) else None
+    return Int4Weight(qweight.contiguous(), scales.to(dtype).contiguous(), zeros.to(dtype).contiguous(), g_idx, perm,
+                      uniform)
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
