@@ -55,10 +55,12 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
     @triton.jit
     def _unpacked_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, K, N,
-                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr):
+                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                       GPT: tl.constexpr, ROWS: tl.constexpr):
         """W[k0:k0+BLOCK_K, offs_n] as fp32: unpack 8 codes per int32, then (code - zero) * scale.
         GROUP_SIZE > 0: row k is in group k // GROUP_SIZE, so the tile reads one scale/zero row per
-        group it spans; GROUP_SIZE == 0: any grouping, read through g_idx row by row."""
+        group it spans (GPT groups of ROWS rows per tile); GROUP_SIZE == 0: any grouping, read
+        through g_idx row by row."""
         offs_kp = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         n_ok = offs_n < N
         packed = tl.load(qw_ptr + offs_kp[:, None] * N + offs_n[None, :],
@@ -66,8 +68,6 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         shifts = tl.arange(0, 8) * 4
         codes = (packed[:, None, :] >> shifts[None, :, None]) & 0xF
         if GROUP_SIZE > 0:
-            GPT: tl.constexpr = max(BLOCK_K // GROUP_SIZE, 1)  # groups per tile (powers of two)
-            ROWS: tl.constexpr = BLOCK_K // GPT
             groups = k0 // GROUP_SIZE + tl.arange(0, GPT)
             g_ok = groups < (K + GROUP_SIZE - 1) // GROUP_SIZE
             s = tl.load(s_ptr + groups[:, None] * N + offs_n[None, :], mask=g_ok[:, None] & n_ok[None, :], other=0.0)
@@ -85,7 +85,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     @triton.jit
     def fused_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, stride_xm,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
-                          GROUP_SIZE: tl.constexpr):
+                          GROUP_SIZE: tl.constexpr, GPT: tl.constexpr, ROWS: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -98,18 +98,19 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-            w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, K, N, BLOCK_K, BLOCK_N, GROUP_SIZE)
+            w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, K, N, BLOCK_K, BLOCK_N, GROUP_SIZE, GPT, ROWS)
             acc += tl.dot(x, w.to(x.dtype))
         out = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
         tl.store(out, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
     @triton.jit
     def dequant_kernel(qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                       GPT: tl.constexpr, ROWS: tl.constexpr):
         k0 = tl.program_id(0) * BLOCK_K
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, K, N, BLOCK_K, BLOCK_N, GROUP_SIZE)
+        w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, K, N, BLOCK_K, BLOCK_N, GROUP_SIZE, GPT, ROWS)
         tl.store(out_ptr + offs_k[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
                  mask=(offs_k[:, None] < K) & (offs_n[None, :] < N))
 
@@ -120,9 +121,15 @@ def _group_size(w: Int4Weight, block_k: int) -> int:
     """The uniform group size when the kernel may read scales per group (rows k // g, and the
     tile is whole groups or inside one), else 0 (read through g_idx)."""
     g = w.uniform_group_size or 0
-    if g and g & (g - 1) == 0 and (block_k % g == 0 or g % block_k == 0):
+    if g and (block_k % g == 0 or g % block_k == 0):
         return g
     return 0
+
+
+def _group_args(w: Int4Weight, block_k: int) -> dict[str, int]:
+    g = _group_size(w, block_k)
+    gpt = max(block_k // g, 1) if g else 1  # groups per K tile
+    return {"GROUP_SIZE": g, "GPT": gpt, "ROWS": block_k // gpt}
 
 
 def _block_k(K: int) -> int:
@@ -156,7 +163,8 @@ def fused_gemm(x: torch.Tensor, w: Int4Weight, split_k: int | None = None) -> to
     grid = (triton_cdiv(M, block_m), triton_cdiv(N, block_n), split_k)
     _kernels(_interpreting()).fused_gemm[grid](
         x, w.qweight, w.scales, w.zeros, w.g_idx, partial, M, N, K, x.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_PER_SPLIT=k_per_split, GROUP_SIZE=_group_size(w, block_k),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_PER_SPLIT=k_per_split,
+        **_group_args(w, block_k),
     )
     out = partial[0] if split_k == 1 else partial.sum(0)
     return out.to(x.dtype)
@@ -169,7 +177,7 @@ def dequantize(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
     block_n, block_k = 64, _block_k(K)
     grid = (triton_cdiv(K, block_k), triton_cdiv(N, block_n))
     _kernels(_interpreting()).dequant[grid](w.qweight, w.scales, w.zeros, w.g_idx, out, N, K,
-                                            BLOCK_N=block_n, BLOCK_K=block_k, GROUP_SIZE=_group_size(w, block_k))
+                                            BLOCK_N=block_n, BLOCK_K=block_k, **_group_args(w, block_k))
     return out
 
 
