@@ -97,10 +97,15 @@ def kernels_section(args) -> dict:
             if y8 is not None:
                 out["fp8_rowwise_rel_err"] = rel_err(y8, x.float() @ (wt_fp8.float() * row_scale[:, None]).T)
                 out["fp8_rowwise_ms"] = bench_ms(lambda x=x, w8=wt_fp8, rs=row_scale: fp8k.scaled_mm_linear(x, w8, rs))
+            if m <= 64:  # the Triton W8A16 path with one scale per row (decode-sized batches)
+                rs2 = row_scale[:, None]
+                yt = fp8k.block_fp8_gemm(x, wt_fp8, rs2, (1, k))
+                out["fp8_triton_rowwise_rel_err"] = rel_err(yt, x.float() @ (wt_fp8.float() * row_scale[:, None]).T)
+                out["fp8_triton_rowwise_ms"] = bench_ms(lambda x=x, w8=wt_fp8, rs=rs2, k=k: fp8k.block_fp8_gemm(x, w8, rs, (1, k)))
             yb = fp8k.block_fp8_linear(x, wt_fp8, blk_scale, (128, 128))
             out["fp8_block_rel_err"] = rel_err(yb, x.float() @ blk_ref.T)
             out["fp8_block_ms"] = bench_ms(lambda x=x, w8=wt_fp8, bs=blk_scale: fp8k.block_fp8_linear(x, w8, bs, (128, 128)))
-            for key in ("int4", "fp8_rowwise", "fp8_block"):
+            for key in ("int4", "fp8_rowwise", "fp8_triton_rowwise", "fp8_block"):
                 if f"{key}_ms" in out:
                     out[f"{key}_speedup_vs_bf16"] = round(out["bf16_ms"] / out[f"{key}_ms"], 2)
             rows.append(out)
@@ -251,12 +256,13 @@ def markdown() -> str:
     if k.get("rows"):
         lines += ["## Kernels at Llama-3.1-8B shapes (bf16 activations, g128 int4)", "",
                   f"all within rel_err {k.get('tolerance')}: **{k.get('all_correct')}**", "",
-                  "| layer | M | int4 ms | bf16 ms | int4 x | fp8 rowwise ms | fp8 x | fp8 block ms | int4 err | fp8 block err |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| layer | M | int4 ms | bf16 ms | int4 x | fp8 _scaled_mm ms | x | fp8 Triton rowwise ms | x | fp8 block ms | x | int4 err | fp8 block err |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in k["rows"]:
             f = lambda key, fmt="{:.3f}", r=r: fmt.format(r[key]) if key in r else "-"  # noqa: E731
             lines.append(f"| {r['layer']} | {r['M']} | {f('int4_ms')} | {f('bf16_ms')} | {f('int4_speedup_vs_bf16', '{}')} | "
-                         f"{f('fp8_rowwise_ms')} | {f('fp8_rowwise_speedup_vs_bf16', '{}')} | {f('fp8_block_ms')} | "
+                         f"{f('fp8_rowwise_ms')} | {f('fp8_rowwise_speedup_vs_bf16', '{}')} | {f('fp8_triton_rowwise_ms')} | "
+                         f"{f('fp8_triton_rowwise_speedup_vs_bf16', '{}')} | {f('fp8_block_ms')} | {f('fp8_block_speedup_vs_bf16', '{}')} | "
                          f"{f('int4_rel_err', '{:.1e}')} | {f('fp8_block_rel_err', '{:.1e}')} |")
         lines.append("")
     d = results["sections"].get("decode", {})

@@ -39,8 +39,46 @@ def _has_fp8_gemm(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9) and hasattr(torch, "_scaled_mm")
 
 
-def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_rows: torch.Tensor) -> torch.Tensor | None:
+def quantize_per_token_padded(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_per_token` in one Triton launch, into `rows` >= M rows (the extra rows are zeros
+    with scale 1e-12/448-clamped, so a padded GEMM adds nothing). Also runs on CPU tensors under
+    TRITON_INTERPRET=1."""
+    m, k = x.shape
+    x = x.contiguous()
+    q = torch.empty((rows, k), dtype=FP8, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    _kernels(_interpreting()).quant_rows[(rows,)](x, q, scale, m, k, BLOCK=min(1024, _next_pow2(k)))
+    return q, scale
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+# decode-sized batches read the fp8 weight in a Triton GEMM with bf16 activations (no activation
+# quantization: fewer launches, memory-bound anyway); larger ones run W8A8 on fp8 tensor cores
+TRITON_MAX_ROWS = 16
+
+
+def rowwise_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_rows: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] @ (weight [N, K] fp8 * scale_rows [N]).T -> [M, N] in x's dtype, or None."""
+    if x.shape[0] <= TRITON_MAX_ROWS and "triton" not in _disabled and _triton_importable():
+        return block_fp8_gemm(x, weight, weight_scale_rows[:, None], (1, x.shape[1]))
+    return scaled_mm_linear(x, weight, weight_scale_rows)
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        _refuse("triton", "triton is not installed")
+        return False
+    return True
+
+
+def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_rows: torch.Tensor) -> torch.Tensor | None:
+    """W8A8 through `torch._scaled_mm`: activations quantized per token, weights per row."""
     if "scaled_mm" in _disabled:
         return None
     if not _has_fp8_gemm(x.device.index or 0):
@@ -48,7 +86,10 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_rows: t
         return None
     m = x.shape[0]
     pad = (-m) % 16  # cuBLASLt fp8 GEMMs want every dim a multiple of 16
-    xq, xs = quantize_per_token(torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x)
+    if _triton_importable():
+        xq, xs = quantize_per_token_padded(x, m + pad)
+    else:
+        xq, xs = quantize_per_token(torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x)
     out_dtype = x.dtype if x.dtype == torch.bfloat16 else torch.bfloat16  # rowwise scaling outputs bf16
     try:
         y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale_rows[None, :], out_dtype=out_dtype)
@@ -94,7 +135,26 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         out = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
         tl.store(out, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
-    return SimpleNamespace(block_gemm=block_gemm_kernel)
+    @triton.jit
+    def quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K: tl.constexpr, BLOCK: tl.constexpr):
+        """Row r (< M): scale = max(amax|x_r| / 448, 1e-12), q_r = clamp(x_r / scale) in e4m3;
+        rows >= M (padding): zeros."""
+        row = tl.program_id(0)
+        live = row < M
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            v = tl.load(x_ptr + row * K + offs, mask=(offs < K) & live, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+        tl.store(s_ptr + row, scale)
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            v = tl.load(x_ptr + row * K + offs, mask=(offs < K) & live, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+            tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+
+    return SimpleNamespace(block_gemm=block_gemm_kernel, quant_rows=quant_rows_kernel)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -138,12 +198,7 @@ FUSED_MAX_ROWS = 64
 
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                      block: tuple[int, int]) -> torch.Tensor | None:
-    if "triton" in _disabled:
-        return None
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        _refuse("triton", "triton is not installed")
+    if "triton" in _disabled or not _triton_importable():
         return None
     if x.shape[0] <= FUSED_MAX_ROWS:
         return block_fp8_gemm(x, weight, scale_inv, block)

@@ -11,7 +11,9 @@
   quantized per output channel (scale = amax / 448) after loading.
 
 Compute: on CUDA, per-channel / per-tensor weights run W8A8 through `torch._scaled_mm` (fp8
-tensor cores, rowwise scales: activations per token, weights per channel); block-wise weights
+tensor cores, rowwise scales: activations per token, weights per channel) above
+`kernels.TRITON_MAX_ROWS` rows, and a Triton kernel that reads the fp8 weight with bf16
+activations (W8A16, no activation quantization) for decode-sized batches; block-wise weights
 run a Triton kernel that dequantizes 128x128 tiles in the GEMM (W8A16, reads 1 byte per weight).
 On the CPU every path dequantizes the weight and multiplies in float (correct, not fast).
 """
@@ -126,7 +128,7 @@ class FP8Method(QuantMethod):
             if self.block_size is not None:
                 y = kernels.block_fp8_linear(x2, layer.weight, layer.weight_scale_inv, self.block_size)
             else:
-                y = kernels.scaled_mm_linear(x2, layer.weight, layer.weight_scale_rows)
+                y = kernels.rowwise_fp8_linear(x2, layer.weight, layer.weight_scale_rows)
         if y is None:  # CPU, or a GPU without fp8 GEMMs: dequantize
             y = (x2.float() @ self.dequantized_weight(layer).T).to(x.dtype)
         if bias is not None:
