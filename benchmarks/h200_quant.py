@@ -178,9 +178,15 @@ def decode_section(args, root: str) -> dict:
     for method in args.methods:
         log(f"decode: loading {method}")
         t = time.perf_counter()
+        offline = method in ("bf16", "fp8") and args.static_offline  # same runner: one load fewer
+        bs_cap = max(max_bs, args.offline_batch) if offline else max_bs
+        tokens = max_bs * (args.decode_input + args.decode_output) + 64
+        context = args.decode_input + args.decode_output + 16
+        if offline:
+            tokens = max(tokens, args.offline_batch * (args.offline_input + args.offline_output) + 64)
+            context = max(context, args.offline_input + args.offline_output + 16)
         try:
-            runner = make_runner(method, root, max_bs, max_bs * (args.decode_input + args.decode_output) + 64,
-                                 args.decode_input + args.decode_output + 16)
+            runner = make_runner(method, root, bs_cap, tokens, context)
         except Exception as e:  # noqa: BLE001 - recorded, the next method still runs
             rows.append({"method": method, "error": f"{type(e).__name__}: {e}"})
             log(f"decode: {method} failed to load: {e}")
@@ -198,8 +204,13 @@ def decode_section(args, root: str) -> dict:
                    "cuda_graph": res.used_cuda_graph, "load_s": round(load_s, 1), "gpu_mem_gb_after_load": round(weights_gb, 2)}
             rows.append(row)
             log(f"decode {method} bs={bs}: {row['decode_tok_s']} tok/s ({step_ms:.2f} ms/step, graph={res.used_cuda_graph})")
-        free(runner)
+        if offline:
+            try:
+                STATIC_OFFLINE_ROWS.append(static_offline(runner, method, args))
+            except Exception as e:  # noqa: BLE001
+                STATIC_OFFLINE_ROWS.append({"method": method, "error": f"{type(e).__name__}: {e}"})
         runner = None
+        free()
     base = {r["batch_size"]: r["decode_tok_s"] for r in rows if r.get("method") == "bf16" and "decode_tok_s" in r}
     for r in rows:
         if "decode_tok_s" in r and r["batch_size"] in base:
@@ -250,40 +261,51 @@ def engine_offline_section(args) -> dict:
     return {"rows": rows, "note": f"Engine, config {args.offline_config}, random token ids, dummy weights"}
 
 
-def offline_section(args, root: str) -> dict:
-    """Static-batch offline throughput (all prompts prefilled, then decoded together, in waves of
-    --offline-batch): output tok/s and total tok/s for bf16 and fp8, in the same process."""
+STATIC_OFFLINE_ROWS: list[dict] = []
+
+
+def static_offline(runner, method: str, args) -> dict:
+    """Offline throughput in static batches (waves of --offline-batch prompts, each prefilled then
+    decoded together), bounded by --offline-budget-s."""
     from radixserve.static_batch import run_static_batch
 
-    rows = []
     n, bs = args.offline_prompts, args.offline_batch
-    for method in ("bf16", "fp8"):
-        log(f"offline: loading {method}")
-        try:
-            runner = make_runner(method, root, bs, bs * (args.offline_input + args.offline_output) + 64,
-                                 args.offline_input + args.offline_output + 16)
-        except Exception as e:  # noqa: BLE001
-            rows.append({"method": method, "error": f"{type(e).__name__}: {e}"})
-            continue
-        gen = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(10, min(30000, runner.vocab_size - 10), (args.offline_input,), generator=gen).tolist() for _ in range(n)]
-        run_static_batch(runner, prompts[:bs], max_new_tokens=2)
-        sync()
-        t = time.perf_counter()
-        for i in range(0, n, bs):
-            run_static_batch(runner, prompts[i : i + bs], max_new_tokens=args.offline_output)
-            if time.perf_counter() - t > args.offline_budget_s:
-                n = i + bs  # bounded: report what ran
-                break
-        sync()
-        dt = time.perf_counter() - t
-        row = {"method": method, "prompts": n, "input_len": args.offline_input, "output_len": args.offline_output,
-               "wave_batch": bs, "seconds": round(dt, 2), "output_tok_s": round(n * args.offline_output / dt, 1),
-               "total_tok_s": round(n * (args.offline_input + args.offline_output) / dt, 1)}
-        rows.append(row)
-        log(f"offline {method}: {row['output_tok_s']} output tok/s over {n} prompts in {dt:.1f}s")
-        free(runner)
-        runner = None
+    gen = torch.Generator().manual_seed(0)
+    high = min(30000, runner.vocab_size - 10)
+    prompts = [torch.randint(10, high, (args.offline_input,), generator=gen).tolist() for _ in range(n)]
+    run_static_batch(runner, prompts[:bs], max_new_tokens=2)
+    sync()
+    t = time.perf_counter()
+    for i in range(0, n, bs):
+        run_static_batch(runner, prompts[i : i + bs], max_new_tokens=args.offline_output)
+        if time.perf_counter() - t > args.offline_budget_s:
+            n = min(n, i + bs)  # bounded: report what ran
+            break
+    sync()
+    dt = time.perf_counter() - t
+    row = {"method": method, "prompts": n, "input_len": args.offline_input, "output_len": args.offline_output,
+           "wave_batch": bs, "seconds": round(dt, 2), "output_tok_s": round(n * args.offline_output / dt, 1),
+           "total_tok_s": round(n * (args.offline_input + args.offline_output) / dt, 1)}
+    log(f"offline {method}: {row['output_tok_s']} output tok/s over {n} prompts in {dt:.1f}s")
+    return row
+
+
+def offline_section(args, root: str) -> dict:
+    """The static-batch offline rows the decode section measured on its bf16 and fp8 runners
+    (or, when the decode section was skipped, fresh runners)."""
+    rows = STATIC_OFFLINE_ROWS
+    if not rows:
+        for method in ("bf16", "fp8"):
+            log(f"offline: loading {method}")
+            try:
+                runner = make_runner(method, root, args.offline_batch,
+                                     args.offline_batch * (args.offline_input + args.offline_output) + 64,
+                                     args.offline_input + args.offline_output + 16)
+                rows.append(static_offline(runner, method, args))
+            except Exception as e:  # noqa: BLE001
+                rows.append({"method": method, "error": f"{type(e).__name__}: {e}"})
+            runner = None
+            free()
     ok = {r["method"]: r for r in rows if "output_tok_s" in r}
     if "bf16" in ok and "fp8" in ok:
         results["fp8_offline_speedup_vs_bf16"] = round(ok["fp8"]["total_tok_s"] / ok["bf16"]["total_tok_s"], 2)
@@ -347,7 +369,7 @@ def main() -> int:
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--decode-input", type=int, default=256)
     ap.add_argument("--decode-output", type=int, default=64)
-    ap.add_argument("--offline-prompts", type=int, default=256)
+    ap.add_argument("--offline-prompts", type=int, default=128)
     ap.add_argument("--offline-batch", type=int, default=128)
     ap.add_argument("--offline-input", type=int, default=1024)
     ap.add_argument("--offline-output", type=int, default=256)
@@ -361,6 +383,7 @@ def main() -> int:
     ARGS = args
     os.makedirs(args.out, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
+    args.static_offline = "offline" not in skip and not args.tokenizer
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device (pass --device cpu for a smoke run)", file=sys.stderr)
         return 2
