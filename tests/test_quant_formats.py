@@ -110,6 +110,13 @@ def test_awq_conformance(group_size):
     check_quant_method(lambda: AWQMethod(group_size), lambda w: qf.awq_quantize(w, group_size), unit=64)
 
 
+def test_int4_bf16_layers_keep_fp16_scales_exact():
+    """bf16 models: the checkpoint's fp16 scales stay fp16 (bf16 would round them)."""
+    check_quant_method(lambda: AWQMethod(32), lambda w: qf.awq_quantize(w, 32), unit=64, dtype=torch.bfloat16)
+    layer = ReplicatedLinear(64, 16, False, GPTQMethod(32), params_dtype=torch.bfloat16)
+    assert layer.scales.dtype == torch.float16
+
+
 @pytest.mark.parametrize("sym,act_order", [(False, False), (True, True)])
 def test_gptq_conformance(sym, act_order):
     check_quant_method(lambda: GPTQMethod(32, desc_act=act_order),

@@ -101,7 +101,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, K, N, BLOCK_K, BLOCK_N, GROUP_SIZE, GPT, ROWS)
             acc += tl.dot(x, w.to(x.dtype))
         out = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(out, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
     @triton.jit
     def dequant_kernel(qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K,
@@ -159,7 +159,8 @@ def fused_gemm(x: torch.Tensor, w: Int4Weight, split_k: int | None = None) -> to
     split_k = max(1, min(split_k, k_blocks))
     k_per_split = triton_cdiv(k_blocks, split_k) * block_k
     split_k = triton_cdiv(K, k_per_split)
-    partial = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
+    # one split stores the result in x's dtype directly; several store fp32 partials to add up
+    partial = torch.empty((split_k, M, N), dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
     grid = (triton_cdiv(M, block_m), triton_cdiv(N, block_n), split_k)
     _kernels(_interpreting()).fused_gemm[grid](
         x, w.qweight, w.scales, w.zeros, w.g_idx, partial, M, N, K, x.stride(0),

@@ -67,7 +67,7 @@ class AWQMethod(QuantMethod):
         for name, shape, dt, attrs in (
             ("qweight", (input_size, out // PACK), torch.int32, packed),
             ("qzeros", (groups, out // PACK), torch.int32, packed),
-            ("scales", (groups, out), dtype, {"output_dim": 1, "input_dim": 0, "weight_loader": loader}),
+            ("scales", (groups, out), _scale_dtype(dtype), {"output_dim": 1, "input_dim": 0, "weight_loader": loader}),
         ):
             p = nn.Parameter(torch.empty(shape, dtype=dt), requires_grad=False)
             set_weight_attrs(p, dict(attrs))
@@ -87,3 +87,9 @@ class AWQMethod(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return int4_linear(x, layer.int4_weight, bias)
+
+
+def _scale_dtype(act_dtype: torch.dtype) -> torch.dtype:
+    """Checkpoints store fp16 scales: keep them exact (bf16 would drop 3 mantissa bits); fp32 runs
+    keep fp32."""
+    return torch.float16 if act_dtype in (torch.float16, torch.bfloat16) else act_dtype

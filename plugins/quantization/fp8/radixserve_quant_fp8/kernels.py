@@ -133,7 +133,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                         mask=(offs_n[None, :] < N) & (offs_k[:, None] < K), other=0.0)
             acc += tl.dot(x, (w.to(tl.float32) * s).to(x.dtype))
         out = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(out, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
     @triton.jit
     def quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K: tl.constexpr, BLOCK: tl.constexpr):
@@ -183,7 +183,7 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tenso
     split_k = max(1, min(split_k, k_blocks))
     k_per_split = _cdiv(k_blocks, split_k) * block_k
     split_k = _cdiv(k, k_per_split)
-    partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    partial = torch.empty((split_k, m, n), dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
     grid = (_cdiv(m, block_m), _cdiv(n, block_n), split_k)
     _kernels(_interpreting()).block_gemm[grid](
         x, weight, scale_inv, partial, m, n, k, x.stride(0), weight.stride(0), scale_inv.stride(0),

@@ -80,7 +80,7 @@ class GPTQMethod(QuantMethod):
              {"input_dim": 0, "output_dim": 1, "packed_dim": 0, "pack_factor": PACK}),
             ("qzeros", (groups, out // PACK), torch.int32,
              {"output_dim": 1, "packed_dim": 1, "pack_factor": PACK, **group_split}),
-            ("scales", (groups, out), dtype, {"output_dim": 1, **group_split}),
+            ("scales", (groups, out), _scale_dtype(dtype), {"output_dim": 1, **group_split}),
         ):
             p = nn.Parameter(torch.empty(shape, dtype=dt), requires_grad=False)
             set_weight_attrs(p, {**attrs, "weight_loader": loader})
@@ -127,3 +127,9 @@ def _g_idx_loader(layer: nn.Module):
         param.loaded_once = True
 
     return load
+
+
+def _scale_dtype(act_dtype: torch.dtype) -> torch.dtype:
+    """Checkpoints store fp16 scales: keep them exact (bf16 would drop 3 mantissa bits); fp32 runs
+    keep fp32."""
+    return torch.float16 if act_dtype in (torch.float16, torch.bfloat16) else act_dtype
