@@ -95,7 +95,8 @@ def kernels_section(args) -> dict:
             out["bf16_ms"] = bench_ms(lambda x=x, w_bf16=w_bf16: x @ w_bf16)
             y8 = fp8k.scaled_mm_linear(x, wt_fp8, row_scale)
             if y8 is not None:
-                out["fp8_rowwise_rel_err"] = rel_err(y8, x.float() @ (wt_fp8.float() * row_scale[:, None]).T)
+                xq, xs = fp8k.quantize_per_token(x)  # W8A8: the reference quantizes activations the same way
+                out["fp8_rowwise_rel_err"] = rel_err(y8, (xq.float() * xs) @ (wt_fp8.float() * row_scale[:, None]).T)
                 out["fp8_rowwise_ms"] = bench_ms(lambda x=x, w8=wt_fp8, rs=row_scale: fp8k.scaled_mm_linear(x, w8, rs))
             if m <= 64:  # the Triton W8A16 path with one scale per row (decode-sized batches)
                 rs2 = row_scale[:, None]

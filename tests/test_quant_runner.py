@@ -104,3 +104,13 @@ def test_method_without_the_device_names_the_devices_that_work():
     stack = ResolvedStack(device="cpu", attention=None, prefix_cache=None, policy=None)
     with pytest.raises(PluginError, match="'awq' .* does not support device 'cpu': it runs on cuda"):
         build_quant_method(reg, stack, hf_config, torch.device("cpu"), torch.float32)
+
+
+def test_gpu_below_the_minimum_capability_is_named(monkeypatch):
+    """check_device: a GPU older than the method's min_capability is refused, naming both."""
+    from radixserve_quant_fp8.method import FP8Method
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    with pytest.raises(ValueError, match=r"FP8Method needs a CUDA device of compute capability >= 8\.0; this one is 7\.0"):
+        FP8Method().check_device(torch.device("cuda"), torch.bfloat16)
+    FP8Method().check_device(torch.device("cpu"), torch.float32)  # the CPU fallback always runs
