@@ -83,8 +83,10 @@ def load_model(
     logger.info("weights of %s (%s) loaded in %.1f s", type(model).__name__, source.format, loaded_at - start)
     # packing for the device; may compile native kernels on first use (native.py logs those apart)
     for module in model.modules():
-        if isinstance(module, LinearBase):  # quantized layers may have no `weight` (qweight, ...)
-            module.quant_method.process_weights_after_loading(module)
+        qm = getattr(module, "quant_method", None)
+        # quantized linears may have no `weight` (qweight, ...); other modules need one, as before
+        if qm is not None and (isinstance(module, LinearBase) or hasattr(module, "weight")):
+            qm.process_weights_after_loading(module)
         if isinstance(module, ParallelLMHead):
             module.pack_for_cpu()
     model.eval()
