@@ -69,10 +69,12 @@ def random_int4(k: int, n: int, group: int, dtype, act_order: bool = False):
 
 
 def kernels_section(args) -> dict:
+    from radixserve.layers import int4_triton
     from radixserve.layers.quant_int4 import int4_linear
     from radixserve_quant_fp8 import kernels as fp8k
 
     rows = []
+    results["int4_unpack_default"] = int4_triton.UNPACK
     dtype = torch.bfloat16
     for name, k, n in SHAPES:
         w = random_int4(k, n, 128, dtype)
@@ -92,6 +94,14 @@ def kernels_section(args) -> dict:
             y = int4_linear(x, w, None)
             out["int4_rel_err"] = rel_err(y, x.float() @ ref_w)
             out["int4_ms"] = bench_ms(lambda x=x, w=w: int4_linear(x, w, None))
+            if m <= 64:  # the other way of unpacking codes in the fused kernel (int4_triton.UNPACK)
+                default = int4_triton.UNPACK
+                int4_triton.UNPACK = "reshape" if default == "repeat" else "repeat"
+                try:
+                    out[f"int4_{int4_triton.UNPACK}_rel_err"] = rel_err(int4_linear(x, w, None), x.float() @ ref_w)
+                    out[f"int4_{int4_triton.UNPACK}_ms"] = bench_ms(lambda x=x, w=w: int4_linear(x, w, None))
+                finally:
+                    int4_triton.UNPACK = default
             out["bf16_ms"] = bench_ms(lambda x=x, w_bf16=w_bf16: x @ w_bf16)
             y8 = fp8k.scaled_mm_linear(x, wt_fp8, row_scale)
             if y8 is not None:
@@ -110,7 +120,8 @@ def kernels_section(args) -> dict:
                 if f"{key}_ms" in out:
                     out[f"{key}_speedup_vs_bf16"] = round(out["bf16_ms"] / out[f"{key}_ms"], 2)
             rows.append(out)
-            log(f"kernel {name} M={m}: int4 {out['int4_ms']:.3f} ms (err {out['int4_rel_err']:.1e}), bf16 "
+            alt = [f"{k2[5:-3]} {v:.3f} ms" for k2, v in out.items() if k2.startswith("int4_re") and k2.endswith("_ms")]
+            log(f"kernel {name} M={m}: int4 {out['int4_ms']:.3f} ms (err {out['int4_rel_err']:.1e}; other unpack: {alt}), bf16 "
                 f"{out['bf16_ms']:.3f} ms, fp8 rowwise {out.get('fp8_rowwise_ms', float('nan')):.3f} ms, "
                 f"fp8 block {out['fp8_block_ms']:.3f} ms (err {out['fp8_block_rel_err']:.1e})")
         del w, ref_w, torch_w, w_bf16, wt_fp8, blk_ref
@@ -322,11 +333,13 @@ def markdown() -> str:
     if k.get("rows"):
         lines += ["## Kernels at Llama-3.1-8B shapes (bf16 activations, g128 int4)", "",
                   f"all within rel_err {k.get('tolerance')}: **{k.get('all_correct')}**", "",
-                  "| layer | M | int4 ms | bf16 ms | int4 x | fp8 _scaled_mm ms | x | fp8 Triton rowwise ms | x | fp8 block ms | x | int4 err | fp8 block err |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"int4 unpacking: default `{results.get('int4_unpack_default')}`; the other one in its own column", "",
+                  "| layer | M | int4 ms | int4 other unpack ms | bf16 ms | int4 x | fp8 _scaled_mm ms | x | fp8 Triton rowwise ms | x | fp8 block ms | x | int4 err | fp8 block err |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in k["rows"]:
             f = lambda key, fmt="{:.3f}", r=r: fmt.format(r[key]) if key in r else "-"  # noqa: E731
-            lines.append(f"| {r['layer']} | {r['M']} | {f('int4_ms')} | {f('bf16_ms')} | {f('int4_speedup_vs_bf16', '{}')} | "
+            alt = next((f"{v:.3f}" for key, v in r.items() if key.startswith("int4_re") and key.endswith("_ms")), "-")
+            lines.append(f"| {r['layer']} | {r['M']} | {f('int4_ms')} | {alt} | {f('bf16_ms')} | {f('int4_speedup_vs_bf16', '{}')} | "
                          f"{f('fp8_rowwise_ms')} | {f('fp8_rowwise_speedup_vs_bf16', '{}')} | {f('fp8_triton_rowwise_ms')} | "
                          f"{f('fp8_triton_rowwise_speedup_vs_bf16', '{}')} | {f('fp8_block_ms')} | {f('fp8_block_speedup_vs_bf16', '{}')} | "
                          f"{f('int4_rel_err', '{:.1e}')} | {f('fp8_block_rel_err', '{:.1e}')} |")

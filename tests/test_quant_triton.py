@@ -45,9 +45,16 @@ def _int4_weight(k: int, n: int, group: int, act_order: bool, dtype: torch.dtype
     return w
 
 
+@pytest.fixture(params=["repeat", "reshape"])
+def unpack(request, monkeypatch):
+    """Both ways the int4 kernels bring codes into registers (int4_triton.UNPACK)."""
+    monkeypatch.setattr(int4_triton, "UNPACK", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("m", [1, 7, 16, 33])
 @pytest.mark.parametrize("group,act_order", [(32, False), (64, True), (128, False), (32, "uneven")])
-def test_int4_fused_gemm_matches_dequantized_reference(m, group, act_order):
+def test_int4_fused_gemm_matches_dequantized_reference(m, group, act_order, unpack):
     dtype = torch.float16 if ON_GPU else torch.float32
     w = _int4_weight(256, 96, group, act_order, dtype)
     # sorted act-order groups are whole groups again: both take the per-group scale path
@@ -62,7 +69,7 @@ def test_int4_fused_gemm_matches_dequantized_reference(m, group, act_order):
         torch.testing.assert_close(y.float(), want, rtol=2e-3, atol=2e-3 * float(want.abs().max()))
 
 
-def test_int4_dequantize_kernel_is_exact():
+def test_int4_dequantize_kernel_is_exact(unpack):
     w = _int4_weight(128, 64, 32, True, torch.float32)
     codes_ref = w.dequantize(torch.float32)  # torch path on CPU / the same kernel on GPU
     got = int4_triton.dequantize(w, torch.float32)

@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 
 triton = tl = _unpacked_tile = None  # defined by `_kernels` on first use
 
+# How a tile's 4-bit codes reach registers: "repeat" (each row loads its int32, cache hits) or
+# "reshape" (each int32 loaded once, expanded in registers). Which is faster is the GPU's call:
+# benchmarks/h200_quant.py times both; both are tested.
+UNPACK = "repeat"
+
 
 @functools.cache
 def _triton_importable() -> bool:
@@ -56,13 +61,28 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     @triton.jit
     def _unpacked_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, K, N,
                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                       GPT: tl.constexpr, ROWS: tl.constexpr):
+                       GPT: tl.constexpr, ROWS: tl.constexpr, REPEAT_LOADS: tl.constexpr):
         """W[k0:k0+BLOCK_K, offs_n] as fp32: unpack 8 codes per int32, then (code - zero) * scale.
-        GROUP_SIZE > 0: row k is in group k // GROUP_SIZE, so the tile reads one scale/zero row per
-        group it spans (GPT groups of ROWS rows per tile); GROUP_SIZE == 0: any grouping, read
-        through g_idx row by row."""
-        offs_kp = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        GROUP_SIZE > 0: row k is in group k // GROUP_SIZE; GROUP_SIZE == 0: any grouping, read
+        through g_idx row by row.
+        REPEAT_LOADS: each row k loads its int32 (k // 8) and scale/zero rows directly (the same
+        address 8 or GROUP_SIZE times: cache hits, no register reshapes); otherwise each int32 and
+        each group's scales are loaded once and expanded in registers (GPT groups of ROWS rows)."""
         n_ok = offs_n < N
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        if REPEAT_LOADS:
+            packed = tl.load(qw_ptr + (offs_k // 8)[:, None] * N + offs_n[None, :],
+                             mask=k_ok[:, None] & n_ok[None, :], other=0)
+            codes = ((packed >> ((offs_k % 8) * 4)[:, None]) & 0xF).to(tl.float32)
+            if GROUP_SIZE > 0:
+                g = offs_k // GROUP_SIZE
+            else:
+                g = tl.load(g_ptr + offs_k, mask=k_ok, other=0)
+            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            return (codes - z.to(tl.float32)) * s.to(tl.float32)
+        offs_kp = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         packed = tl.load(qw_ptr + offs_kp[:, None] * N + offs_n[None, :],
                          mask=(offs_kp[:, None] < K // 8) & n_ok[None, :], other=0)
         shifts = tl.arange(0, 8) * 4
@@ -76,8 +96,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             w = (codes - z.to(tl.float32)[:, None, :]) * s.to(tl.float32)[:, None, :]
             return tl.reshape(w, (BLOCK_K, BLOCK_N))
         codes = tl.reshape(codes, (BLOCK_K, BLOCK_N))
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0)
+        g = tl.load(g_ptr + offs_k, mask=k_ok, other=0)
         s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0.0)
         z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0.0)
         return (codes.to(tl.float32) - z.to(tl.float32)) * s.to(tl.float32)
@@ -85,7 +104,8 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     @triton.jit
     def fused_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, stride_xm,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
-                          GROUP_SIZE: tl.constexpr, GPT: tl.constexpr, ROWS: tl.constexpr):
+                          GROUP_SIZE: tl.constexpr, GPT: tl.constexpr, ROWS: tl.constexpr,
+                          REPEAT_LOADS: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -98,7 +118,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-            w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, K, N, BLOCK_K, BLOCK_N, GROUP_SIZE, GPT, ROWS)
+            w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, K, N, BLOCK_K, BLOCK_N, GROUP_SIZE, GPT, ROWS, REPEAT_LOADS)
             acc += tl.dot(x, w.to(x.dtype))
         out = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
@@ -106,11 +126,11 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     @triton.jit
     def dequant_kernel(qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                       GPT: tl.constexpr, ROWS: tl.constexpr):
+                       GPT: tl.constexpr, ROWS: tl.constexpr, REPEAT_LOADS: tl.constexpr):
         k0 = tl.program_id(0) * BLOCK_K
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, K, N, BLOCK_K, BLOCK_N, GROUP_SIZE, GPT, ROWS)
+        w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, K, N, BLOCK_K, BLOCK_N, GROUP_SIZE, GPT, ROWS, REPEAT_LOADS)
         tl.store(out_ptr + offs_k[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
                  mask=(offs_k[:, None] < K) & (offs_n[None, :] < N))
 
@@ -129,7 +149,7 @@ def _group_size(w: Int4Weight, block_k: int) -> int:
 def _group_args(w: Int4Weight, block_k: int) -> dict[str, int]:
     g = _group_size(w, block_k)
     gpt = max(block_k // g, 1) if g else 1  # groups per K tile
-    return {"GROUP_SIZE": g, "GPT": gpt, "ROWS": block_k // gpt}
+    return {"GROUP_SIZE": g, "GPT": gpt, "ROWS": block_k // gpt, "REPEAT_LOADS": UNPACK == "repeat"}
 
 
 def _block_k(K: int) -> int:
