@@ -1,6 +1,8 @@
 """The Triton kernels of the int4 (AWQ/GPTQ) and fp8 block-scaled linears against their
 dequantized references, at small shapes. Without a GPU they run in Triton's CPU interpreter
-(TRITON_INTERPRET=1) on CPU tensors; with one, on CUDA."""
+(TRITON_INTERPRET=1) on CPU tensors; with one, on CUDA. The interpreter runs fp32 activations:
+Triton 3.6's interpreter gets `tl.dot` wrong when an operand is converted to bf16 inside the
+kernel (seen here for any source dtype), so bf16 is covered on the GPU (and benchmarks/h200_quant.py)."""
 
 from __future__ import annotations
 
