@@ -84,11 +84,9 @@ class ModelRunner:
     def _quant_method(self, source):
         if source.weight_source is not None:
             return source.weight_source  # the file's reader is also its layers' QuantMethod
-        name = self.stack.quantization.name if self.stack.quantization is not None else None
-        if name is None:
-            qc = getattr(self.hf_config, "quantization_config", None)
-            name = (qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)) if qc else None
-        return self.registry.load("quantization", name or "unquantized")()
+        from radixserve.model_loader.quant_select import build_quant_method
+
+        return build_quant_method(self.registry, self.stack, self.hf_config, self.device, self.dtype)
 
     def _context_len(self) -> int:
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 4096))

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 class QuantMethod(abc.ABC):
     """Registered (kind "quantization") under the HF `quantization_config.quant_method` it
-    implements (e.g. "fp8"). The default, "unquantized", keeps a plain `weight` parameter.
+    implements (e.g. "awq", "gptq", "fp8"). The default, "unquantized", keeps a plain `weight`.
 
     How the core picks the method for a model (before any weight is read):
     - a checkpoint *file* (e.g. `model.gguf`) is read by the quantization component that declared
@@ -23,18 +23,63 @@ class QuantMethod(abc.ABC):
     - an HF directory uses `stack.quantization` if set, else its `quantization_config.quant_method`,
       else "unquantized". A method that conflicts with the checkpoint's declared `quant_method`,
       or a weight source (which reads files, not directories), is a start-up error naming both.
+    - the instance is built with `from_config(quantization_config)` (the checkpoint's dict, or None
+      when the checkpoint declares none, e.g. online quantization of a bf16 checkpoint), then
+      `check_device(device, dtype)` runs; both raise ValueError naming the bad value and what
+      works. The registration's `devices=` is checked first (a clear error naming those devices).
 
-    Contract:
+    Which layers: the model passes the method to its decoder linear layers only (attention
+    projections, MLP); embeddings and the LM head always stay unquantized. A format whose
+    checkpoint quantizes those (GPTQ `lm_head: true`) or skips some linears
+    (`modules_to_not_convert`) must refuse it in `from_config`.
+
+    Contract, per linear layer:
     - `create_weights(layer, input_size, output_sizes, dtype)` registers the layer's parameters
-      (e.g. `weight`, scales) on `layer` and attaches a `weight_loader` to each; `output_sizes`
-      lists the fused sub-matrices' rows (one entry for a plain linear, [q, k, v] for qkv).
-    - `process_weights_after_loading(layer)` runs once after all weights are loaded (repacking,
-      transposing, computing scales). It must be idempotent in effect and must not allocate
-      per-forward state.
-    - `apply(layer, x, bias)` computes `x @ W.T + bias` in x's dtype.
+      (e.g. `weight`, or `qweight`/`qzeros`/`scales`/`g_idx`) on `layer`, named as the checkpoint
+      names them, and attaches a `weight_loader` to each; `output_sizes` lists the fused
+      sub-matrices' local rows (one entry for a plain linear, [q, k, v] for qkv). `input_size` is
+      local too (divided by tp_size for a row-parallel layer). `dtype` is the activation dtype.
+      Parameter attributes the layers' own loaders read (set with `set_weight_attrs`):
+        - `output_dim`: the dim indexing output features (split across column-parallel ranks,
+          where fused shards are placed);
+        - `input_dim`: the dim indexing input features (split across row-parallel ranks); a
+          parameter without it is replicated on every row-parallel rank;
+        - `packed_dim` + `pack_factor`: that dim holds `pack_factor` features per element (int4
+          packed in int32: 8; a 128x128 block scale: 128), so the layers divide shard offsets
+          and sizes along it by `pack_factor` (sizes must divide evenly).
+    - `process_weights_after_loading(layer)` runs once after all weights are loaded (repacking
+      for the kernel, transposing, computing scales). It must be idempotent in effect and must
+      not allocate per-forward state.
+    - `apply(layer, x, bias)` computes `x @ W.T + bias` in x's dtype (W the dequantized weight;
+      x is [n, input_size], n from 1 to the prefill chunk).
 
-    Added in plugin API 1.0.
+    Class attributes: `min_capability` (CUDA compute capability as 10*major+minor, e.g. 80, or
+    None for any), checked by the default `check_device`.
+
+    Added in plugin API 1.0; `from_config`, `check_device`, `min_capability` and the packed
+    parameter attributes in 1.1.
     """
+
+    min_capability: int | None = None
+
+    @classmethod
+    def from_config(cls, quant_config: dict[str, Any] | None) -> QuantMethod:
+        """Build the method for a checkpoint's `quantization_config` (None: the checkpoint declares
+        none). Raise ValueError naming any setting this method does not support."""
+        return cls()
+
+    def check_device(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Raise ValueError when this method cannot run on `device` with activations in `dtype`
+        (say which devices/dtypes work). Default: the CUDA capability check."""
+        if device.type != "cuda" or self.min_capability is None:
+            return
+        import torch
+
+        major, minor = torch.cuda.get_device_capability(device)
+        if major * 10 + minor < self.min_capability:
+            need = f"{self.min_capability // 10}.{self.min_capability % 10}"
+            raise ValueError(f"quantization method {type(self).__name__} needs a CUDA device of compute capability "
+                             f">= {need}; this one is {major}.{minor} (use the CPU or a newer GPU)")
 
     @abc.abstractmethod
     def create_weights(

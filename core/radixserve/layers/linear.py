@@ -58,6 +58,17 @@ def _rank_slice(loaded: torch.Tensor, dim: int, size: int, rank: int) -> torch.T
     return loaded.narrow(dim, rank * size, size)
 
 
+def _packed(param: torch.Tensor, dim: int, n: int) -> int:
+    """`n` features along `dim` in the parameter's own units: a packed dim (int4 in int32, block
+    scales) holds `pack_factor` features per element."""
+    if getattr(param, "packed_dim", None) != dim:
+        return n
+    factor = int(param.pack_factor)
+    if n % factor:
+        raise ValueError(f"{n} features do not split into whole packed elements of {factor} (packed dim {dim})")
+    return n // factor
+
+
 class ReplicatedLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_method=None, **kw) -> None:
         super().__init__(input_size, [output_size], bias, quant_method, 0, 1, **kw)
@@ -128,10 +139,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if shard_id is None:  # the checkpoint already holds the fused matrix: load shard by shard
             offset = 0
             for i, full in enumerate(self.full_output_sizes):
+                full = _packed(param, dim, full)
                 self.weight_loader(param, loaded.narrow(dim, offset, full), i)
                 offset += full
             return
-        start, size = self._shard_range(shard_id)
+        start, size = (_packed(param, dim, n) for n in self._shard_range(shard_id))
         if loaded.shape[dim] != size * self.tp_size:
             raise ValueError(f"shard {shard_id!r}: expected {size * self.tp_size} rows, got {loaded.shape[dim]}")
         param.data.narrow(dim, start, size).copy_(_rank_slice(loaded, dim, size, self.tp_rank).to(param.dtype))
@@ -164,12 +176,13 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         if shard_id is None:
             offset = 0
             for sid, full in zip(("q", "k", "v"), self.full_output_sizes, strict=True):
+                full = _packed(param, dim, full)
                 self.weight_loader(param, loaded.narrow(dim, offset, full), sid)
                 offset += full
             return
-        start, size = self._shard_range(shard_id)
+        start, size = (_packed(param, dim, n) for n in self._shard_range(shard_id))
         rank = self.tp_rank if shard_id in ("q", 0) else self.tp_rank // self.kv_replicas
-        if loaded.shape[dim] != self.full_output_sizes[self._index(shard_id)]:
+        if loaded.shape[dim] != _packed(param, dim, self.full_output_sizes[self._index(shard_id)]):
             raise ValueError(f"qkv shard {shard_id!r}: unexpected checkpoint shape {tuple(loaded.shape)}")
         param.data.narrow(dim, start, size).copy_(_rank_slice(loaded, dim, size, rank).to(param.dtype))
 

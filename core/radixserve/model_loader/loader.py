@@ -9,6 +9,7 @@ import torch
 from tqdm import tqdm
 
 from radixserve.layers.embedding import ParallelLMHead
+from radixserve.layers.linear import LinearBase
 from radixserve.model_loader.sources import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -33,11 +34,15 @@ def _fill_dummy(model: torch.nn.Module, seed: int) -> set[str]:
     gens: dict[torch.device, torch.Generator] = {}
     names = set()
     for name, p in model.named_parameters():
+        # drawn on the parameter's own device: an 8B model fills in seconds instead of minutes
+        gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
+        elif not p.dtype.is_floating_point:  # packed quantized codes (int32): random bits
+            p.data.random_(generator=gen)
+        elif p.element_size() == 1:  # fp8 weights: normal_ has no 8-bit kernel
+            p.data.copy_(torch.empty(p.shape, device=p.device).normal_(0.0, 0.02, generator=gen))
         else:
-            # drawn on the parameter's own device: an 8B model fills in seconds instead of minutes
-            gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
             p.data.normal_(0.0, 0.02, generator=gen)
         names.add(name)
     return names
@@ -79,7 +84,8 @@ def load_model(
     # packing for the device; may compile native kernels on first use (native.py logs those apart)
     for module in model.modules():
         qm = getattr(module, "quant_method", None)
-        if qm is not None and hasattr(module, "weight"):
+        # quantized linears may have no `weight` (qweight, ...); other modules need one, as before
+        if qm is not None and (isinstance(module, LinearBase) or hasattr(module, "weight")):
             qm.process_weights_after_loading(module)
         if isinstance(module, ParallelLMHead):
             module.pack_for_cpu()

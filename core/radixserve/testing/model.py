@@ -161,6 +161,8 @@ def check_model_parity(
     seed: int = 0,
     logits_atol: float = 1e-3,
     attention=None,
+    quant_method=None,
+    reference: str | None = None,
 ) -> None:
     """Run a Model class on an HF safetensors checkpoint against transformers; raise
     AssertionError naming the prompt and step of the first difference.
@@ -174,6 +176,9 @@ def check_model_parity(
     :param chunk: prefill chunk size (prompts are prefilled in chunks, in mixed batches).
     :param logits_atol: largest absolute difference of the first step's logits.
     :param attention: the attention backend to run with (default: the kit's exact reference).
+    :param quant_method: a QuantMethod instance for a quantized `checkpoint` (default unquantized).
+    :param reference: the checkpoint transformers runs (default `checkpoint`); for a quantized
+        checkpoint, the same model with its weights dequantized to float.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -183,8 +188,8 @@ def check_model_parity(
 
     hf_config = AutoConfig.from_pretrained(checkpoint)
     model = load_model(ModelSource(path=checkpoint, format="safetensors"), hf_config, model_cls,
-                       torch.device("cpu"), torch.float32, show_progress=False)
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+                       torch.device("cpu"), torch.float32, quant_method=quant_method, show_progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(reference or checkpoint, dtype=torch.float32).eval()
     rng = random.Random(seed)
     vocab = hf_config.vocab_size
     seqs = [_Seq([rng.randrange(vocab) for _ in range(n)]) for n in prompt_lens]

@@ -1,0 +1,1 @@
+"""RadixServe plugin: AWQ int4 weight-only quantization (`quant_method: awq`, GEMM layout)."""

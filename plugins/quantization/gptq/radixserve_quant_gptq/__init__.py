@@ -1,0 +1,1 @@
+"""RadixServe plugin: GPTQ int4 weight-only quantization (`quant_method: gptq`)."""
