@@ -48,7 +48,7 @@ class ChatPlan:
 
     def explain_refusal(self, param: str | None, message: str) -> APIError | None:
         """A validation error caused by this plan's constraint, in terms the client sent."""
-        if "json_schema" in self.sampling_overrides and param and param.endswith("json_schema"):
+        if "json_schema" in self.sampling_overrides and "json_schema" in f"{param} {message.split(' ', 1)[0]}":
             what = "tool_choice=required" if self.tool_choice == "required" else "tool_choice naming a function"
             return APIError(
                 f"{what} needs a grammar backend to constrain the output, and this server cannot: {message}",
