@@ -257,3 +257,18 @@ def _is_object(text: str) -> bool:
         return isinstance(json.loads(text), dict)
     except ValueError:
         return False
+
+
+def test_the_docs_example_parser_conforms():
+    """docs/tools-and-reasoning.md's "Adding a parser" example passes the kit it documents."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "tools-and-reasoning.md").read_text()
+    blocks = doc.split("```python\n")[1:]
+    source = next(b.split("```")[0] for b in blocks if "class XmlCallParser" in b)
+    test = next(b.split("```")[0] for b in blocks if "check_tool_parser(XmlCallParser" in b)
+    namespace: dict = {}
+    exec(compile(source, "docs-example", "exec"), namespace)
+    test = test.replace("from my_parsers.xml import XmlCallParser\n", "")
+    exec(compile(test, "docs-example-test", "exec"), namespace)
+    namespace["test_xml_calls"]()
