@@ -11,6 +11,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 from radixserve.config import Config
+from radixserve.interfaces import KINDS
 from radixserve.plugins.registry import Registry
 from radixserve.server.app import create_app
 from radixserve.validation import ModelLimits
@@ -292,8 +293,7 @@ def test_unknown_parser_name_fails_at_start_up():
         create_app(CannedTM(), Config.build({"server": {"tool_call_parser": "nope"}}))
 
 
-HAS_GRAMMAR = bool(Registry.discover().names("grammar")) if "grammar" in __import__(
-    "radixserve.interfaces", fromlist=["KINDS"]).KINDS else False
+HAS_GRAMMAR = "grammar" in KINDS and bool(Registry.discover().names("grammar"))
 
 
 CHOICES = pytest.mark.parametrize(
