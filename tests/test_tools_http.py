@@ -405,3 +405,13 @@ def test_no_parsers_means_unchanged_output():
     assert msg.content == text
     _, streamed = raw_stream(oai, model=MODEL, messages=ASK)
     assert streamed["content"] == text and not streamed["calls"]
+
+
+def test_serve_refuses_an_unknown_parser_before_loading_the_model():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "radixserve.cli", "serve", "--reasoning-parser", "nope"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "server.reasoning_parser='nope'" in r.stderr and "qwen3" in r.stderr

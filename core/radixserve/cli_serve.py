@@ -57,11 +57,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from radixserve.plugins.registry import Registry
     from radixserve.plugins.stack import resolve_stack
     from radixserve.server.launch import end_process, run_server
+    from radixserve.server.parser_selection import check_parser_names
 
     # -p no:NAME lands in plugins.disable: the config carries it to every runtime process
     config = load_config_from_args(args, _flag_overrides(args))
     registry = Registry.from_config(config)  # this process's registry (HTTP routes, checks)
     resolve_stack(config, registry, config.runtime.resolved_device())  # fail before any file is read
+    check_parser_names(config, registry)
     if config.model.path is None:
         from radixserve.model_loader.model_files import resolve_model_path
 

@@ -51,6 +51,12 @@ def _pick(registry: Any, kind: str, wanted: str | None, template: str | None, ke
     return None, None
 
 
+def check_parser_names(config: Any, registry: Any) -> None:
+    """Fail fast (before the model loads) on a parser name that is not installed."""
+    for kind, key in (("tool_parser", "tool_call_parser"), ("reasoning_parser", "reasoning_parser")):
+        _pick(registry, kind, getattr(config.server, key), None, f"server.{key}")
+
+
 def select_output_parsers(config: Any, registry: Any, chat_template: str | None) -> OutputParsers:
     """The parsers for a model whose chat template text is `chat_template` (None: it has none)."""
     server = config.server
