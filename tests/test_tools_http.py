@@ -415,3 +415,19 @@ def test_serve_refuses_an_unknown_parser_before_loading_the_model():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "server.reasoning_parser='nope'" in r.stderr and "qwen3" in r.stderr
+
+
+def test_constrained_output_is_not_taken_for_reasoning(monkeypatch):
+    """deepseek_r1 starts inside the reasoning, but a constrained output starts at its first token."""
+    from dataclasses import replace
+
+    import radixserve.server.openai_serving as serving
+
+    if not HAS_GRAMMAR:
+        real = serving.check_sampling
+        monkeypatch.setattr(serving, "check_sampling", lambda sp, *a: real(replace(sp, json_schema=None), *a))
+    tm = CannedTM('[{"name": "get_time", "arguments": {"tz": "UTC"}}]', generation_prompt="<｜Assistant｜><think>\n")
+    oai = client_for(tm, tool_call_parser="hermes", reasoning_parser="deepseek_r1")
+    r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required")
+    assert calls_of(r.choices[0].message) == [("get_time", {"tz": "UTC"})]
+    assert getattr(r.choices[0].message, "reasoning_content", None) is None

@@ -22,9 +22,11 @@ class ReasoningParser(abc.ABC):
     - `final=True`: everything is resolved; an unterminated reasoning section is all reasoning.
     - Tags are not part of either piece.
 
-    :param starts_in_reasoning: the prompt already opened the reasoning section (its generation
-        prompt ends with the opening tag, as DeepSeek-R1's and some Qwen3 templates do), so the
-        output begins inside it.
+    :param starts_in_reasoning: the output begins inside the reasoning section. The server passes
+        True when the rendered prompt ends with `start_tag` (DeepSeek-R1's and some Qwen3
+        templates open the section themselves), False when a grammar constrains the output from its
+        first token (tool_choice required / named), and nothing otherwise: a subclass's default
+        then says how its family starts.
 
     Added in plugin API 1.2.
     """

@@ -234,12 +234,18 @@ def plan_chat(tm: Any, req: Any, parsers: OutputParsers) -> ChatPlan:
             return NamedCallParser([named])
 
     reasoning_cls = parsers.reasoning_parser if req.separate_reasoning else None
-    opened = reasoning_cls is not None and _prompt_opens(tm, ids, reasoning_cls.start_tag)
+    # where the output starts: inside the reasoning if the prompt opened it; never when a grammar
+    # constrains it from the first token; otherwise as the parser's family does by default
+    start: dict[str, bool] = {}
+    if "json_schema" in plan.sampling_overrides:
+        start["starts_in_reasoning"] = False
+    elif reasoning_cls is not None and _prompt_opens(tm, ids, reasoning_cls.start_tag):
+        start["starts_in_reasoning"] = True
     if tool_parser is not None or reasoning_cls is not None:
 
         def make_output() -> ChoiceOutput:
             return ChoiceOutput(
-                reasoning_cls(starts_in_reasoning=opened) if reasoning_cls is not None else None,
+                reasoning_cls(**start) if reasoning_cls is not None else None,
                 tool_parser() if tool_parser is not None else None,
                 max_calls,
             )

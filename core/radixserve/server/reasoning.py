@@ -6,7 +6,8 @@ Two built-in flavours differ only in where the output starts:
   content);
 - `deepseek_r1`: inside it, because the generation prompt of DeepSeek-R1 opens it (a leading
   `<think>` the model writes anyway is dropped).
-Either starts inside when the rendered prompt ends with `<think>` (the server checks per request)."""
+Either starts inside when the rendered prompt ends with `<think>` (the server checks per request),
+and neither when the output is constrained from its first token (tool_choice required / named)."""
 
 from __future__ import annotations
 
@@ -46,4 +47,4 @@ class DeepSeekR1ReasoningParser(ThinkTagReasoningParser):
         return all(m in template for m in cls.template_markers)
 
     def __init__(self, starts_in_reasoning: bool = True) -> None:
-        super().__init__(starts_in_reasoning=True)
+        super().__init__(starts_in_reasoning=starts_in_reasoning)

@@ -65,14 +65,15 @@ class ReasoningSample:
     text: str
     reasoning: str
     content: str
-    starts_in_reasoning: bool = False
+    starts_in_reasoning: bool | None = None  # None: the parser's default
 
 
 def check_reasoning_parser(parser_cls: type[ReasoningParser], samples: Sequence[ReasoningSample]) -> None:
     """Every sample splits into its reasoning and content (stripped), whole and streamed."""
     for n, sample in enumerate(samples):
         where = f"sample {n} ({sample.text[:40]!r}...)"
-        parser = parser_cls(starts_in_reasoning=sample.starts_in_reasoning)
+        start = {} if sample.starts_in_reasoning is None else {"starts_in_reasoning": sample.starts_in_reasoning}
+        parser = parser_cls(**start)
         reasoning, content = parser.split(sample.text, True)
         assert (reasoning.strip(), content.strip()) == (sample.reasoning.strip(), sample.content.strip()), (
             f"{where}: got {(reasoning, content)}, expected {(sample.reasoning, sample.content)}"
