@@ -67,7 +67,7 @@ def _lingering(pids: list[int], grace_s: float = 5.0) -> list[int]:
 
 
 class Server:
-    def __init__(self, log_path: Path, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, log_path: Path) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -81,7 +81,6 @@ class Server:
             "--api-key",
             KEY,
             "scheduler.cpu_kv_cache_gb=1.0",
-            *extra_args,
         ]
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)

