@@ -14,6 +14,7 @@ from radixserve.config import Config
 from radixserve.interfaces import KINDS
 from radixserve.plugins.registry import Registry
 from radixserve.server.app import create_app
+from radixserve.server.runtime_api import RequestError
 from radixserve.validation import ModelLimits
 
 MODEL = "canned"
@@ -73,6 +74,7 @@ class CannedTM:
         self.step = 3
         self.renders_tools = renders_tools
         self.generation_prompt = generation_prompt
+        self.has_grammar = HAS_GRAMMAR  # False: constrained requests are refused, as the runtime does
         self.inputs: list = []
         self.rendered: list[tuple[list[dict], dict]] = []
 
@@ -89,6 +91,8 @@ class CannedTM:
 
     async def generate(self, inp):
         self.inputs.append(inp)
+        if inp.sampling_params.json_schema is not None and not self.has_grammar:  # as the scheduler answers
+            raise RequestError("json_schema: structured output needs a grammar backend and this server has none", 400)
         cuts = list(range(self.step, len(self.reply), self.step)) + [len(self.reply)]
         for k in cuts:
             done = k == len(self.reply)
@@ -301,21 +305,33 @@ CHOICES = pytest.mark.parametrize(
 )
 
 
-def _constrained(choice) -> tuple[CannedTM, openai.OpenAI, dict]:
+def _constrained(choice, has_grammar: bool = HAS_GRAMMAR) -> tuple[CannedTM, openai.OpenAI, dict]:
     reply = ('[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]' if choice == "required"
              else '{"city": "Paris", "unit": "celsius"}')
     tm = CannedTM(reply)
+    tm.has_grammar = has_grammar
     return tm, client_for(tm, tool_call_parser="hermes"), dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice)
 
 
 @CHOICES
+@pytest.mark.parametrize("refused_by", ["validation", "runtime"])
 @pytest.mark.skipif(HAS_GRAMMAR, reason="a grammar backend is installed: the constraint is accepted")
-def test_required_and_named_without_a_grammar_backend_are_a_clear_400(choice):
-    """Never unconstrained text where the client asked for a call: a 400 naming tool_choice."""
+def test_required_and_named_without_a_grammar_backend_are_a_clear_400(choice, refused_by, monkeypatch):
+    """Never unconstrained text where the client asked for a call: a 400 naming tool_choice,
+    whether the request's validation refuses the constraint or the runtime does (streamed or not)."""
+    if refused_by == "runtime":
+        from dataclasses import replace
+
+        import radixserve.server.openai_serving as serving
+
+        real = serving.check_sampling
+        monkeypatch.setattr(serving, "check_sampling", lambda sp, *a: real(replace(sp, json_schema=None), *a))
     tm, oai, kw = _constrained(choice)
-    body = _error(oai, **{k: v for k, v in kw.items() if k != "model"})
-    assert body["param"] == "tool_choice" and "needs a grammar backend" in body["message"], body
-    assert tm.inputs == []
+    for stream in (False, True):
+        body = _error(oai, stream=stream, **{k: v for k, v in kw.items() if k != "model"})
+        assert body["param"] == "tool_choice" and "needs a grammar backend" in body["message"], body
+    assert all(inp.sampling_params.json_schema for inp in tm.inputs) and len(tm.inputs) == (
+        2 if refused_by == "runtime" else 0)
 
 
 @CHOICES
@@ -329,7 +345,7 @@ def test_required_and_named_constrain_the_output_and_parse_it(choice, monkeypatc
 
         real = serving.check_sampling
         monkeypatch.setattr(serving, "check_sampling", lambda sp, *a: real(replace(sp, json_schema=None), *a))
-    tm, oai, kw = _constrained(choice)
+    tm, oai, kw = _constrained(choice, has_grammar=True)
     r = oai.chat.completions.create(**kw)
     schema = json.loads(tm.inputs[-1].sampling_params.json_schema)
     if choice == "required":
@@ -427,6 +443,7 @@ def test_constrained_output_is_not_taken_for_reasoning(monkeypatch):
         real = serving.check_sampling
         monkeypatch.setattr(serving, "check_sampling", lambda sp, *a: real(replace(sp, json_schema=None), *a))
     tm = CannedTM('[{"name": "get_time", "arguments": {"tz": "UTC"}}]', generation_prompt="<｜Assistant｜><think>\n")
+    tm.has_grammar = True
     oai = client_for(tm, tool_call_parser="hermes", reasoning_parser="deepseek_r1")
     r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required")
     assert calls_of(r.choices[0].message) == [("get_time", {"tz": "UTC"})]

@@ -197,9 +197,13 @@ class Serving:
             for i in range(req.n)
         ]
         formatter = _ChatFormat(self, base, self.tm.model_name, req, plan)
-        if req.stream:
-            return await self._stream(jobs, raw, formatter, "chat", started, lambda index: 0)
-        last = await self._collect(jobs, raw, "chat")
+        try:
+            if req.stream:
+                return await self._stream(jobs, raw, formatter, "chat", started, lambda index: 0)
+            last = await self._collect(jobs, raw, "chat")
+        except RequestError as e:  # e.g. the runtime has no grammar backend for tool_choice=required
+            explained = plan.explain_refusal(getattr(e, "param", None), e.message) if e.status == 400 else None
+            raise (explained or e) from None
         tally = _Tally()
         choices = []
         for job in jobs:
