@@ -233,6 +233,10 @@ def plan_chat(tm: Any, req: Any, parsers: OutputParsers) -> ChatPlan:
         def tool_parser() -> Any:
             return NamedCallParser([named])
 
+    fmt = getattr(req, "response_format", None)  # structured output constrains the same output
+    if "json_schema" in plan.sampling_overrides and fmt is not None and getattr(fmt, "type", "text") != "text":
+        raise APIError("response_format cannot be combined with tool_choice required or a named function: both "
+                       "constrain the output", 400, "response_format")
     reasoning_cls = parsers.reasoning_parser if req.separate_reasoning else None
     # where the output starts: inside the reasoning if the prompt opened it; never when a grammar
     # constrains it from the first token; otherwise as the parser's family does by default
