@@ -5,6 +5,7 @@ members are complete. The parsers use it to stream a call's arguments as the mod
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 WS = " \t\r\n"
@@ -21,18 +22,15 @@ def skip_ws(text: str, i: int) -> int:
     return i
 
 
+# a string's characters and escapes up to its closing quote ("unrolled": one fast scan per run)
+_STRING_BODY = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.S)
+_STRUCTURAL = re.compile(r'["{}\[\]]')
+
+
 def string_end(text: str, i: int) -> int | None:
     """Index just past the string starting at `text[i] == '"'`; None when it is not closed yet."""
-    j = i + 1
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
-    return None
+    j = _STRING_BODY.match(text, i + 1).end()
+    return j + 1 if j < len(text) and text[j] == '"' else None
 
 
 def value_end(text: str, i: int, final: bool = False) -> int | None:
@@ -45,7 +43,11 @@ def value_end(text: str, i: int, final: bool = False) -> int | None:
     if c in "{[":
         stack: list[str] = []
         j = i
-        while j < len(text):
+        while True:  # jump from one structural character to the next (regex: fast on long values)
+            m = _STRUCTURAL.search(text, j)
+            if m is None:
+                return None
+            j = m.start()
             c = text[j]
             if c == '"':
                 end = string_end(text, j)
@@ -61,7 +63,6 @@ def value_end(text: str, i: int, final: bool = False) -> int | None:
                 if not stack:
                     return j + 1
             j += 1
-        return None
     if c in "-0123456789tfn":
         j = i
         while j < len(text) and text[j] not in _SCALAR_END:
