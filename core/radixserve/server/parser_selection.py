@@ -45,9 +45,12 @@ def _pick(registry: Any, kind: str, wanted: str | None, template: str | None, ke
         return None, None
     # highest priority first, so a specific format wins over a generic one
     for spec in registry.components(kind):
-        cls = registry.load(kind, spec.name)
-        if cls.matches_template(template):
-            return cls, spec.name
+        try:
+            cls = registry.load(kind, spec.name)
+            if cls.matches_template(template):
+                return cls, spec.name
+        except Exception as e:  # a broken plugin parser must not stop detection of the others
+            logger.warning("%s %r (%s) skipped in template detection: %s", kind, spec.name, spec.distribution, e)
     return None, None
 
 
