@@ -18,6 +18,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, help="port (default 30000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $RADIXSERVE_API_KEY if set)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--tool-call-parser", metavar="NAME",
+                   help="tool-call format of the model: hermes, llama3_json, mistral, pythonic, ... or none "
+                        "(default: detected from the chat template)")
+    p.add_argument("--reasoning-parser", metavar="NAME",
+                   help="reasoning format: qwen3, deepseek_r1, ... or none (default: detected from the chat template)")
     p.add_argument("-p", action="append", metavar="no:PLUGIN", help="do not load this plugin (repeatable)")
     p.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly (runtime.cuda_graph=false)")
     p.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling (runtime.overlap=false)")
@@ -58,7 +63,14 @@ def _flag_overrides(args: argparse.Namespace) -> dict:
     api_key = args.api_key if args.api_key is not None else os.environ.get("RADIXSERVE_API_KEY") or None
     server = {
         k: v
-        for k, v in (("host", args.host), ("port", args.port), ("api_key", api_key), ("log_level", args.log_level))
+        for k, v in (
+            ("host", args.host),
+            ("port", args.port),
+            ("api_key", api_key),
+            ("log_level", args.log_level),
+            ("tool_call_parser", args.tool_call_parser),
+            ("reasoning_parser", args.reasoning_parser),
+        )
         if v is not None
     }
     runtime = {k: False for k, on in (("cuda_graph", args.disable_cuda_graph), ("overlap", args.disable_overlap)) if on}
@@ -71,11 +83,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from radixserve.plugins.registry import Registry
     from radixserve.plugins.stack import resolve_stack
     from radixserve.server.launch import end_process, run_server
+    from radixserve.server.parser_selection import check_parser_names
 
     # -p no:NAME lands in plugins.disable: the config carries it to every runtime process
     config = load_config_from_args(args, _flag_overrides(args))
     registry = Registry.from_config(config)  # this process's registry (HTTP routes, checks)
     resolve_stack(config, registry, config.runtime.resolved_device())  # fail before any file is read
+    check_parser_names(config, registry)
     if config.model.path is None:
         from radixserve.model_loader.model_files import resolve_model_path
 

@@ -110,6 +110,13 @@ class ServerSection(_Section):
     log_requests: bool = True
     # SIGINT/SIGTERM: seconds in-flight requests may still run before they end with an error
     shutdown_grace_s: float = Field(default=5.0, ge=0)
+    # chat output parsers (components of kinds tool_parser / reasoning_parser): a name, "none"
+    # (off), or None: the parser whose markers are in the model's chat template, if any
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    # a chat template that ignores `tools`: describe them in a system message (Hermes format)
+    # instead of refusing the request
+    generic_tool_prompt: bool = False
 
 
 class PluginsSection(_Section):

@@ -64,11 +64,17 @@ def _gguf_tokenizer(path: str):
     return tok
 
 
-def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of `messages` rendered by the tokenizer's chat template (ready for generation)."""
+def apply_chat_template(
+    tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+) -> list[int]:
+    """Token ids of `messages` rendered by the tokenizer's chat template (ready for generation).
+    `template_kwargs` reach the template as variables: `tools=[...]` (OpenAI tool definitions),
+    `enable_thinking=False`, ..."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
     # the template already wrote any BOS / special tokens as text
     return list(tokenizer.encode(text, add_special_tokens=False))
 

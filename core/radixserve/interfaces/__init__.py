@@ -1,4 +1,4 @@
-"""The contracts of the six plugin kinds. A plugin component subclasses one of these.
+"""The contracts of the plugin kinds. A plugin component subclasses one of these.
 
 Each docstring is the contract: what the core guarantees when it calls, and what the component
 must guarantee in return. Breaking one of them is a plugin-API major version bump."""
@@ -9,8 +9,10 @@ from radixserve.interfaces.model import Model
 from radixserve.interfaces.policy import SchedulePolicy
 from radixserve.interfaces.prefix_cache import MatchResult, PrefixCache
 from radixserve.interfaces.quantization import QuantMethod, WeightSource
+from radixserve.interfaces.reasoning_parser import ReasoningParser
+from radixserve.interfaces.tool_parser import ParsedToolCall, ToolParse, ToolParser
 
-KINDS = ("attention", "model", "quantization", "policy", "prefix_cache", "drafter")
+KINDS = ("attention", "model", "quantization", "policy", "prefix_cache", "drafter", "tool_parser", "reasoning_parser")
 
 BASE_CLASS_OF_KIND = {
     "attention": AttentionBackend,
@@ -19,6 +21,8 @@ BASE_CLASS_OF_KIND = {
     "policy": SchedulePolicy,
     "prefix_cache": PrefixCache,
     "drafter": Drafter,
+    "tool_parser": ToolParser,  # HTTP-layer components: chosen by server.*, not by the stack
+    "reasoning_parser": ReasoningParser,
 }
 
 __all__ = [
@@ -32,8 +36,12 @@ __all__ = [
     "DraftProposal",
     "MatchResult",
     "Model",
+    "ParsedToolCall",
     "PrefixCache",
     "QuantMethod",
+    "ReasoningParser",
     "SchedulePolicy",
+    "ToolParse",
+    "ToolParser",
     "WeightSource",
 ]

@@ -81,7 +81,8 @@ class TokenizerManager:
       scheduler and detokenizer processes (fresh interpreters, see runtime/child.py) and returns
       once the model is loaded; raises RuntimeError if a child fails.
     - `tm.tokenizer` (a transformers tokenizer), `tm.model_name` (served name), `tm.context_len`.
-    - `tm.apply_chat_template(messages, add_generation_prompt=True) -> list[int]`.
+    - `tm.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs) -> list[int]`
+      (template_kwargs: `tools=[...]`, `enable_thinking=False`, ... passed to the template).
     - `async for out in tm.generate(GenerateInput(...))`: yields dicts
       `{"text": full text so far, "output_ids": all ids so far, "meta_info": {"id", "prompt_tokens",
       "completion_tokens", "cached_tokens", "finish_reason": None | {"type": "stop"|"length"|"abort",
@@ -304,10 +305,10 @@ class TokenizerManager:
             st.queue.put_nowait(out)
 
     # ---- requests ---------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
         from radixserve.tokenizer import apply_chat_template
 
-        return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt, **template_kwargs)
 
     @property
     def limits(self) -> ModelLimits:

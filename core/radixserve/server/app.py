@@ -19,6 +19,7 @@ from radixserve.server.errors import APIError, error_response, install_error_han
 from radixserve.server.generation import ClientGone
 from radixserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from radixserve.server.openai_serving import Serving
+from radixserve.server.parser_selection import select_output_parsers
 from radixserve.server.runtime_api import GenerateInput, RequestError
 from radixserve.state import SamplingParams
 from radixserve.version import __version__
@@ -37,7 +38,8 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
         registry = Registry.from_config(config)
     app = FastAPI(title="RadixServe", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(tm.model_name)
-    serving = Serving(tm, metrics, log_requests=config.server.log_requests)
+    parsers = select_output_parsers(config, registry, getattr(tm.tokenizer, "chat_template", None))
+    serving = Serving(tm, metrics, log_requests=config.server.log_requests, parsers=parsers)
     app.state.tm = tm
     app.state.metrics = metrics
     app.state.serving = serving

@@ -22,9 +22,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.server import protocol as p
+from radixserve.server import protocol_tools as pt
+from radixserve.server.chat_output import ChoiceOutput
+from radixserve.server.chat_plan import ChatPlan, plan_chat
 from radixserve.server.errors import APIError, error_body
 from radixserve.server.generation import ClientGone, Fanout, Job, until_disconnect
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.parser_selection import OutputParsers
 from radixserve.server.runtime_api import GenerateInput, RequestError
 from radixserve.state import SamplingParams
 from radixserve.validation import (
@@ -102,10 +106,13 @@ class _Tally:
 class Serving:
     """The generation handlers, bound to one TokenizerManager."""
 
-    def __init__(self, tm: Any, metrics: ServerMetrics, log_requests: bool = True) -> None:
+    def __init__(
+        self, tm: Any, metrics: ServerMetrics, log_requests: bool = True, parsers: OutputParsers | None = None
+    ) -> None:
         self.tm = tm
         self.metrics = metrics
         self.log_requests = log_requests
+        self.parsers = parsers if parsers is not None else OutputParsers()  # tool-call / reasoning parsers
         self._token_text: dict[int, str] = {}
 
     # ---- shared checks ----------------------------------------------------------------------
@@ -139,7 +146,13 @@ class Serving:
         return text
 
     def sampling(
-        self, req: p._SamplingFields, max_new_tokens: int, seed: int | None, logprobs: bool, top: int
+        self,
+        req: p._SamplingFields,
+        max_new_tokens: int,
+        seed: int | None,
+        logprobs: bool,
+        top: int,
+        plan: ChatPlan | None = None,
     ) -> SamplingParams:
         params = SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -160,10 +173,13 @@ class Serving:
             logprobs=logprobs,
             top_logprobs=top,
         )
+        for name, value in (plan.sampling_overrides if plan else {}).items():  # tool-choice constraint
+            setattr(params, name, value)
         try:
             check_sampling(params, self.tm.limits, OPENAI_FIELDS)
         except InvalidRequest as e:
-            raise APIError(e.message, 400, e.param) from None
+            explained = plan.explain_refusal(e.param, e.message) if plan else None
+            raise (explained or APIError(e.message, 400, e.param)) from None
         return params
 
     # ---- /v1/chat/completions ---------------------------------------------------------------
@@ -171,21 +187,23 @@ class Serving:
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
         started = time.perf_counter()
         self.check_ready(req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            ids = self.tm.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-        except Exception as e:  # a template that rejects the conversation (e.g. role order)
-            raise APIError(f"cannot apply the chat template: {e}", 400, "messages") from None
+        plan = plan_chat(self.tm, req, self.parsers)  # template, tools, constraint, parsers
+        ids = plan.ids
         max_new = self.budget(list(ids), req.requested_max_tokens(), CHAT_FIELDS)
         base = req.rid or f"chatcmpl-{uuid.uuid4().hex}"
         top = req.top_logprobs or 0
         jobs = [
-            self._job(i, base, req.n, req, dict(input_ids=list(ids)), max_new, req.logprobs, top) for i in range(req.n)
+            self._job(i, base, req.n, req, dict(input_ids=list(ids)), max_new, req.logprobs, top, plan=plan)
+            for i in range(req.n)
         ]
-        formatter = _ChatFormat(self, base, self.tm.model_name, req)
-        if req.stream:
-            return await self._stream(jobs, raw, formatter, "chat", started, lambda index: 0)
-        last = await self._collect(jobs, raw, "chat")
+        formatter = _ChatFormat(self, base, self.tm.model_name, req, plan)
+        try:
+            if req.stream:
+                return await self._stream(jobs, raw, formatter, "chat", started, lambda index: 0)
+            last = await self._collect(jobs, raw, "chat")
+        except RequestError as e:  # e.g. the runtime has no grammar backend for tool_choice=required
+            explained = plan.explain_refusal(getattr(e, "param", None), e.message) if e.status == 400 else None
+            raise (explained or e) from None
         tally = _Tally()
         choices = []
         for job in jobs:
@@ -193,10 +211,15 @@ class Serving:
             meta = out["meta_info"]
             tally.add(0, meta)
             reason, matched = _finish(meta)
+            message = p.ChatResponseMessage(content=out["text"])
+            if plan.make_output is not None:
+                parts = plan.make_output().finish(out["text"])
+                message = _message(parts)
+                reason = _tool_finish(reason, bool(parts.calls))
             choices.append(
                 p.ChatChoice(
                     index=job.index,
-                    message=p.ChatResponseMessage(content=out["text"]),
+                    message=message,
                     logprobs=formatter.logprobs(meta, 0) if req.logprobs else None,
                     finish_reason=reason,
                     matched_stop=matched,
@@ -317,12 +340,13 @@ class Serving:
         logprobs: bool,
         top: int,
         seed_offset: int | None = None,
+        plan: ChatPlan | None = None,
     ) -> Job:
         rid = base if total == 1 else f"{base}-{index}"
         offset = index if seed_offset is None else seed_offset
         # choices of one prompt must differ under a fixed seed, yet stay reproducible
         seed = None if req.seed is None else req.seed + offset
-        params = self.sampling(req, max_new, seed, logprobs, top)
+        params = self.sampling(req, max_new, seed, logprobs, top, plan)
         gen = GenerateInput(
             sampling_params=params, rid=rid, stream=req.stream, return_logprob=logprobs, top_logprobs_num=top,
             priority=req.priority, **given,
@@ -491,11 +515,25 @@ def _pairs(meta: dict, key: str, start: int) -> list:
     return list(meta.get(key) or [])[start:]
 
 
+def _message(parts) -> p.ChatResponseMessage:
+    calls = [pt.ToolCall(id=c.id, function=pt.FunctionCall(name=c.name, arguments=c.arguments)) for c in parts.calls]
+    return p.ChatResponseMessage(content=parts.content, reasoning_content=parts.reasoning, tool_calls=calls or None)
+
+
+def _tool_finish(reason: str | None, has_calls: bool) -> str | None:
+    """OpenAI ends a turn that called tools with finish_reason "tool_calls"."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
 class _ChatFormat(_Format):
-    def __init__(self, serving: Serving, rid: str, model: str, req: p.ChatCompletionRequest) -> None:
+    def __init__(
+        self, serving: Serving, rid: str, model: str, req: p.ChatCompletionRequest, plan: ChatPlan | None = None
+    ) -> None:
         self.s, self.rid, self.model, self.req = serving, rid, model, req
         self.created = int(time.time())
         self.top = req.top_logprobs or 0
+        self.plan = plan
+        self.outputs: dict[int, ChoiceOutput] = {}  # per choice, when tools or reasoning are parsed
 
     def logprobs(self, meta: dict, start: int) -> p.ChatLogprobs:
         tokens = _pairs(meta, "output_token_logprobs", start)
@@ -540,9 +578,11 @@ class _ChatFormat(_Format):
             logprobs = self.logprobs(meta, st.logprobs_sent)
             st.logprobs_sent += len(logprobs.content)
         reason, matched = _finish(meta)
+        usage = self.running_usage(meta)
+        if self.plan is not None and self.plan.make_output is not None:
+            return self._parsed_chunks(index, text, role, logprobs, reason, matched, usage)
         if not (role or delta or reason or (logprobs and logprobs.content)):
             return []
-        usage = self.running_usage(meta)
         choice = p.ChatChunkChoice(
             index=index,
             delta=p.DeltaMessage(role=role, content=delta),
@@ -551,6 +591,43 @@ class _ChatFormat(_Format):
             matched_stop=matched,
         )
         return [self._event(choice, usage)]
+
+    def _parsed_chunks(self, index, text, role, logprobs, reason, matched, usage) -> list[str]:
+        """Reasoning, content and tool-call deltas of one step: the text and reasoning ride on one
+        event; each call's start and each argument fragment is an event of its own (a call's first
+        delta carries id, type and name, as OpenAI streams them); the finish reason rides on the
+        last event."""
+        output = self.outputs.get(index)
+        if output is None:
+            output = self.outputs[index] = self.plan.make_output()
+        d = output.delta(text, final=reason is not None)
+        deltas = []
+        if role or d.reasoning or d.content or not d.calls:
+            deltas.append(p.DeltaMessage(role=role, content=d.content or None, reasoning_content=d.reasoning or None))
+        for c in d.calls:
+            call = pt.DeltaToolCall(
+                index=c.index,
+                id=c.id,
+                type="function" if c.id else None,
+                function=pt.DeltaFunctionCall(name=c.name, arguments=c.arguments),
+            )
+            deltas.append(p.DeltaMessage(tool_calls=[call]))
+        has_lp = bool(logprobs and logprobs.content)
+        if not (role or d.reasoning or d.content or d.calls or reason or has_lp):
+            return []
+        reason = _tool_finish(reason, output.has_calls)
+        events = []
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            choice = p.ChatChunkChoice(
+                index=index,
+                delta=delta,
+                logprobs=logprobs if k == 0 else None,
+                finish_reason=reason if last else None,
+                matched_stop=matched if last else None,
+            )
+            events.append(self._event(choice, usage if last else None))
+        return events
 
     def end(self, usage: p.UsageInfo) -> list[str]:
         if self.req.stream_options and self.req.stream_options.include_usage:

@@ -1,8 +1,9 @@
 """Request and response models of the HTTP API: OpenAI chat/completions/models, and the native
 /generate route (SGLang shape).
 
-Requests forbid unknown fields: a parameter we would silently ignore (tools, response_format, ...)
-is a 400 naming it, never a quietly different result. Fields OpenAI clients send that change
+Requests forbid unknown fields: a parameter we would silently ignore (response_format, ...) is a
+400 naming it, never a quietly different result. Tool calling and reasoning fields are in
+protocol_tools.py. Fields OpenAI clients send that change
 nothing here (user, store, metadata) are accepted and ignored."""
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from radixserve.server.protocol_tools import ChatToolFields, DeltaToolCall, ToolCall
 
 
 class _Request(BaseModel):
@@ -71,9 +74,22 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
+    reasoning_content: str | None = None  # assistant: its reasoning (templates that show it)
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only tool messages have a tool_call_id")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -83,7 +99,7 @@ class ChatMessage(_Request):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ChatToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -187,6 +203,12 @@ class ChatLogprobs(_Response):
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # omitted when None (no reasoning parser, or none found)
+    tool_calls: list[ToolCall] | None = None  # omitted when None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None or k == "content"}
 
 
 class ChatChoice(_Response):
@@ -209,6 +231,8 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_none(self, handler):  # OpenAI sends only the delta's present keys

@@ -11,21 +11,31 @@ kit in a few seconds). See docs/contracts.md ("Conformance kits")."""
 from radixserve.testing.attention import ReferenceAttentionBackend, check_attention_backend
 from radixserve.testing.drafter import check_drafter, drafter_info
 from radixserve.testing.model import check_model_parity, tiny_checkpoint
+from radixserve.testing.output_parsers import (
+    ReasoningSample,
+    ToolSample,
+    check_reasoning_parser,
+    check_tool_parser,
+)
 from radixserve.testing.policy import check_schedule_policy
 from radixserve.testing.prefix_cache import check_prefix_cache
 from radixserve.testing.quantization import check_quant_method
 from radixserve.testing.toy_runner import ToyRunner, toy_next_token, toy_reference
 
 __all__ = [
+    "ReasoningSample",
     "ReferenceAttentionBackend",
+    "ToolSample",
     "ToyRunner",
     "check_attention_backend",
     "check_drafter",
     "check_model_parity",
     "check_prefix_cache",
     "check_quant_method",
+    "check_reasoning_parser",
     "check_schedule_policy",
     "drafter_info",
+    "check_tool_parser",
     "tiny_checkpoint",
     "toy_next_token",
     "toy_reference",

@@ -1,0 +1,283 @@
+"""How a chat request with tools or reasoning is prepared: the conversation rendered through the
+model's chat template (tools, tool results and earlier tool calls included), the constraint that
+`tool_choice="required"` or a named function puts on the output, and the parsers of each choice.
+
+tool_choice:
+- `none` (the default without tools): the tools are not shown to the model, nothing is parsed.
+- `auto` (the default with tools): the tools go to the template; the model's own format is parsed
+  by the server's tool-call parser.
+- `required`: the output is constrained (grammar backend) to a JSON array of
+  `{"name", "arguments"}` objects for the given tools, parsed directly into calls.
+- a named function: the output is constrained to that function's arguments object.
+
+A template that ignores `tools` (renders the same prompt with and without them) cannot offer
+tools to the model: a 400, unless `server.generic_tool_prompt` is on, in which case the tools are
+described in a system message in the Hermes format and parsed with the `hermes` parser."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.server.chat_output import ChoiceOutput
+from radixserve.server.errors import APIError
+from radixserve.server.parser_selection import OutputParsers
+from radixserve.server.tool_parsers.constrained import NamedCallParser, RequiredCallsParser
+from radixserve.server.tool_parsers.hermes import HermesToolParser
+from radixserve.server.tool_schema import named_call_schema, required_calls_schema
+
+_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "tokenize", "documents", "conversation"}
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "radixserve_probe_tool",
+        "description": "probe",
+        "parameters": {"type": "object", "properties": {"probe_argument": {"type": "string"}}},
+    },
+}
+
+
+@dataclass
+class ChatPlan:
+    ids: list[int]
+    sampling_overrides: dict[str, Any] = field(default_factory=dict)
+    make_output: Callable[[], ChoiceOutput] | None = None  # None: the text is the content, as is
+    tool_choice: str = "none"  # none | auto | required | named
+
+    def explain_refusal(self, param: str | None, message: str) -> APIError | None:
+        """A validation error caused by this plan's constraint, in terms the client sent."""
+        if "json_schema" in self.sampling_overrides and "json_schema" in f"{param} {message.split(' ', 1)[0]}":
+            what = "tool_choice=required" if self.tool_choice == "required" else "tool_choice naming a function"
+            return APIError(
+                f"{what} needs a grammar backend to constrain the output, and this server cannot: {message}",
+                400,
+                "tool_choice",
+            )
+        return None
+
+
+def _tool_choice(req: Any) -> tuple[str, str | None]:
+    """("none" | "auto" | "required" | "named", the named function)."""
+    choice = req.tool_choice
+    if choice is None:
+        return ("auto" if req.tools else "none"), None
+    if isinstance(choice, str):
+        if choice in ("required",) and not req.tools:
+            raise APIError("tool_choice='required' needs `tools`", 400, "tool_choice")
+        return choice, None
+    name = choice.function.name
+    names = [t.function.name for t in req.tools or []]
+    if name not in names:
+        raise APIError(
+            f"tool_choice names the function {name!r}, which is not in `tools` ({', '.join(names) or 'none given'})",
+            400,
+            "tool_choice",
+        )
+    return "named", name
+
+
+def template_messages(req: Any) -> list[dict[str, Any]]:
+    """The conversation as chat templates expect it (transformers' conventions): assistant tool
+    calls with their arguments as objects, tool results with `tool_call_id` and the function's
+    `name` (found from the call they answer)."""
+    names: dict[str, str] = {}
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(req.messages):
+        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = []
+            for j, call in enumerate(m.tool_calls):
+                names[call.id] = call.function.name
+                msg["tool_calls"].append(
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {
+                            "name": call.function.name,
+                            "arguments": _arguments(call.function.arguments, f"messages.{i}.tool_calls.{j}"),
+                        },
+                    }
+                )
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
+        if m.role == "tool":
+            msg["tool_call_id"] = m.tool_call_id
+            if m.tool_call_id in names and "name" not in msg:
+                msg["name"] = names[m.tool_call_id]
+        out.append(msg)
+    return out
+
+
+def _arguments(text: str, where: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise APIError(f"{where}.function.arguments is not valid JSON: {e}", 400, f"{where}.function.arguments") from None
+    if not isinstance(value, dict):
+        raise APIError(f"{where}.function.arguments must be a JSON object", 400, f"{where}.function.arguments")
+    return value
+
+
+GENERIC_TOOL_PROMPT = (
+    "You can call functions to help with the user's request. The functions are described by these "
+    "JSON schemas:\n<tools>\n{tools}\n</tools>\n"
+    "To call functions, reply with one block per call, each holding a JSON object with the function's "
+    "name and its arguments:\n<tool_call>\n"
+    '{{"name": "<function name>", "arguments": {{"<argument>": "<value>"}}}}\n</tool_call>\n'
+    "Results come back inside <tool_response></tool_response>. If no function fits, answer directly."
+)
+
+
+def generic_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation for a template that cannot render tools: the tools described in the system
+    message, earlier calls written as `<tool_call>` blocks, tool results as user turns."""
+    prompt = GENERIC_TOOL_PROMPT.format(tools="\n".join(json.dumps(t["function"]) for t in tools))
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+            continue
+        msg = {"role": m["role"], "content": m["content"]}
+        for call in m.get("tool_calls") or []:
+            block = json.dumps({"name": call["function"]["name"], "arguments": call["function"]["arguments"]})
+            msg["content"] = (msg["content"] + "\n" if msg["content"] else "") + f"<tool_call>\n{block}\n</tool_call>"
+        out.append(msg)
+    if out and out[0]["role"] in ("system", "developer"):
+        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}" if out[0]["content"] else prompt}
+    else:
+        out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _render(tm: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]) -> list[int]:
+    if kwargs:
+        return list(tm.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs))
+    return list(tm.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+
+
+def _renders_tools(tm: Any, parsers: OutputParsers) -> bool:
+    """Whether the chat template shows `tools` to the model (learned once: the template is fixed)."""
+    if parsers.template_renders_tools is None:
+        probe = [{"role": "user", "content": "hello"}]
+        try:
+            plain = _render(tm, probe, True, {})
+            with_tools = _render(tm, probe, True, {"tools": [_PROBE_TOOL]})
+            parsers.template_renders_tools = plain != with_tools
+        except Exception:  # a template that raises on tools cannot render them either
+            parsers.template_renders_tools = False
+    return parsers.template_renders_tools
+
+
+def plan_chat(tm: Any, req: Any, parsers: OutputParsers) -> ChatPlan:
+    """Render the request's conversation and decide how its output is constrained and parsed.
+    Raises APIError (400) naming the field for what cannot be served."""
+    choice, named = _tool_choice(req)
+    kwargs = dict(req.chat_template_kwargs or {})
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise APIError(f"chat_template_kwargs must not set {reserved[0]!r}", 400, "chat_template_kwargs")
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    messages = template_messages(req)
+    generic = False
+    if tools and choice != "none":
+        if _renders_tools(tm, parsers):
+            kwargs["tools"] = tools
+        elif parsers.generic_tool_prompt:
+            generic = True
+            messages = generic_tool_messages(messages, tools)
+        else:
+            raise APIError(
+                f"the chat template of {tm.model_name} does not render tools (it ignores `tools`), so the model "
+                "cannot be offered them; start the server with server.generic_tool_prompt=true to describe the "
+                "tools in a system message instead, or serve a model whose template supports tools",
+                400,
+                "tools",
+            )
+    ids = _render_checked(tm, messages, req.add_generation_prompt, kwargs)
+
+    plan = ChatPlan(ids=ids, tool_choice=choice)
+    names = [t["function"]["name"] for t in tools]
+    tool_parser: Callable[[], Any] | None = None
+    max_calls = None if req.parallel_tool_calls is not False else 1
+    if choice == "auto" and tools:
+        cls = HermesToolParser if generic else parsers.tool_parser
+        if cls is None:
+            installed = ", ".join(parsers.installed_tool_parsers) or "none"
+            raise APIError(
+                f"no tool-call parser is set for {tm.model_name} and none recognises its chat template; start the "
+                f"server with --tool-call-parser NAME (installed: {installed})",
+                400,
+                "tools",
+            )
+        if cls.needs_special_tokens:
+            plan.sampling_overrides["skip_special_tokens"] = False
+
+        def tool_parser() -> Any:
+            return cls(names)
+    elif choice == "required":
+        try:
+            plan.sampling_overrides["json_schema"] = required_calls_schema(tools, req.parallel_tool_calls is not False)
+        except ValueError as e:
+            raise APIError(f"tools: {e}", 400, "tools") from None
+
+        def tool_parser() -> Any:
+            return RequiredCallsParser(names)
+    elif choice == "named":
+        tool = next(t for t in tools if t["function"]["name"] == named)
+        plan.sampling_overrides["json_schema"] = named_call_schema(tool)
+
+        def tool_parser() -> Any:
+            return NamedCallParser([named])
+
+    fmt = getattr(req, "response_format", None)  # structured output constrains the same output
+    if "json_schema" in plan.sampling_overrides and fmt is not None and getattr(fmt, "type", "text") != "text":
+        raise APIError("response_format cannot be combined with tool_choice required or a named function: both "
+                       "constrain the output", 400, "response_format")
+    reasoning_cls = parsers.reasoning_parser if req.separate_reasoning else None
+    # where the output starts: inside the reasoning if the prompt opened it; never when a grammar
+    # constrains it from the first token; otherwise as the parser's family does by default
+    start: dict[str, bool] = {}
+    if "json_schema" in plan.sampling_overrides:
+        start["starts_in_reasoning"] = False
+    elif reasoning_cls is not None and _prompt_opens(tm, ids, reasoning_cls.start_tag):
+        start["starts_in_reasoning"] = True
+    if tool_parser is not None or reasoning_cls is not None:
+
+        def make_output() -> ChoiceOutput:
+            return ChoiceOutput(
+                reasoning_cls(**start) if reasoning_cls is not None else None,
+                tool_parser() if tool_parser is not None else None,
+                max_calls,
+            )
+
+        plan.make_output = make_output
+    return plan
+
+
+def _render_checked(tm: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]) -> list[int]:
+    try:
+        return _render(tm, messages, add_generation_prompt, kwargs)
+    except Exception as e:  # a template that rejects the conversation (e.g. role order)
+        if "tools" in kwargs:
+            try:
+                _render(tm, messages, add_generation_prompt, {k: v for k, v in kwargs.items() if k != "tools"})
+            except Exception:
+                pass
+            else:
+                raise APIError(f"the chat template cannot render these tools: {e}", 400, "tools") from None
+        raise APIError(f"cannot apply the chat template: {e}", 400, "messages") from None
+
+
+def _prompt_opens(tm: Any, ids: list[int], tag: str) -> bool:
+    """Whether the rendered prompt ends inside an opened reasoning section (`...<think>\\n`)."""
+    if not tag:
+        return False
+    try:
+        tail = tm.tokenizer.decode(ids[-8:])
+    except Exception:
+        return False
+    return tail.rstrip().endswith(tag)

@@ -1,0 +1,89 @@
+"""Conformance kits of the chat output parsers (`ToolParser`, `ReasoningParser`).
+
+    from radixserve.testing import ToolSample, check_tool_parser
+    def test_my_parser():
+        check_tool_parser(MyParser, [ToolSample('<call>{"name": "f"}</call>', calls=[("f", {})])], ["f"])
+
+Each sample is parsed whole (`final=True`) and must give the expected content and calls; then it is
+fed the way the server streams it, growing one character at a time and split once at every
+position, and each step must keep the contract's prefix stability, ending with the same result."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.interfaces.reasoning_parser import ReasoningParser
+from radixserve.interfaces.tool_parser import ToolParse, ToolParser
+
+
+@dataclass
+class ToolSample:
+    text: str
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (name, arguments)
+    content: str = ""  # compared after stripping surrounding whitespace
+
+
+def _streamed(parser: ToolParser, text: str, cuts: Sequence[int], where: str) -> ToolParse:
+    """Parse growing prefixes ending at `cuts` (then the whole text, final) checking stability."""
+    prev = ToolParse()
+    for k in [*cuts, len(text)]:
+        final = k == len(text)
+        now = parser.parse(text[:k], final)
+        step = f"{where}, after {k} characters{' (final)' if final else ''}"
+        if not final:
+            assert now.content.startswith(prev.content), f"{step}: content {now.content!r} does not extend {prev.content!r}"
+            for a, b in zip(prev.calls, now.calls):
+                if a.name != b.name:
+                    break  # a dropped (malformed) call: what follows it is new
+                assert b.arguments.startswith(a.arguments), f"{step}: arguments {b.arguments!r} do not extend {a.arguments!r}"
+        prev = now
+    return prev
+
+
+def check_tool_parser(parser_cls: type[ToolParser], samples: Sequence[ToolSample], tool_names: Sequence[str]) -> None:
+    """Every sample parses to its content and calls, whole and streamed (prefix-stable)."""
+    for n, sample in enumerate(samples):
+        where = f"sample {n} ({sample.text[:40]!r}...)"
+        parser = parser_cls(tool_names)
+        whole = parser.parse(sample.text, True)
+        got = [(c.name, json.loads(c.arguments)) for c in whole.calls]
+        assert got == [(name, args) for name, args in sample.calls], f"{where}: calls {got}, expected {sample.calls}"
+        assert whole.content.strip() == sample.content.strip(), f"{where}: content {whole.content!r}, expected {sample.content!r}"
+        for c in whole.calls:
+            assert isinstance(json.loads(c.arguments), dict), f"{where}: arguments of {c.name} are not an object"
+        cuts_list = [list(range(len(sample.text)))] + [[k] for k in range(len(sample.text))]
+        for cuts in cuts_list:
+            streamed = _streamed(parser_cls(tool_names), sample.text, cuts, where)
+            assert streamed == whole, f"{where}: streamed with cuts {cuts[:5]}... ends as {streamed}, whole gives {whole}"
+
+
+@dataclass
+class ReasoningSample:
+    text: str
+    reasoning: str
+    content: str
+    starts_in_reasoning: bool | None = None  # None: the parser's default
+
+
+def check_reasoning_parser(parser_cls: type[ReasoningParser], samples: Sequence[ReasoningSample]) -> None:
+    """Every sample splits into its reasoning and content (stripped), whole and streamed."""
+    for n, sample in enumerate(samples):
+        where = f"sample {n} ({sample.text[:40]!r}...)"
+        start = {} if sample.starts_in_reasoning is None else {"starts_in_reasoning": sample.starts_in_reasoning}
+        parser = parser_cls(**start)
+        reasoning, content = parser.split(sample.text, True)
+        assert (reasoning.strip(), content.strip()) == (sample.reasoning.strip(), sample.content.strip()), (
+            f"{where}: got {(reasoning, content)}, expected {(sample.reasoning, sample.content)}"
+        )
+        prev = ("", "")
+        for k in range(len(sample.text) + 1):
+            now = parser.split(sample.text[:k], k == len(sample.text))
+            if k < len(sample.text):
+                assert now[0].startswith(prev[0]) and now[1].startswith(prev[1]), (
+                    f"{where}, after {k} characters: {now} does not extend {prev}"
+                )
+            prev = now
+        assert prev == (reasoning, content), f"{where}: streamed ends as {prev}, whole gives {(reasoning, content)}"

@@ -1,0 +1,450 @@
+"""Tool calling and reasoning on /v1/chat/completions through the real `openai` client, against the
+server with a canned runtime: the "model" answers with a recorded output of each family's format,
+streamed a few characters per step. Covers parsing (streamed and not), the template inputs
+(tools, tool messages, earlier calls), tool_choice, and every 400."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from radixserve.config import Config
+from radixserve.interfaces import KINDS
+from radixserve.plugins.registry import Registry
+from radixserve.server.app import create_app
+from radixserve.server.runtime_api import RequestError
+from radixserve.validation import ModelLimits
+
+MODEL = "canned"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "Weather and time in Paris?"}]
+PARIS = {"city": "Paris", "unit": "celsius"}
+
+HERMES_OUT = ('I will check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+              '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>')
+OUTPUTS = {  # recorded-style outputs of each format, with the calls they hold
+    "hermes": HERMES_OUT,
+    "llama3_json": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+                   '{"name": "get_time", "parameters": {"tz": "Europe/Paris"}}',
+    "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+               '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]',
+    "pythonic": '[get_weather(city="Paris", unit="celsius"), get_time(tz="Europe/Paris")]',
+}
+EXPECTED_CALLS = [("get_weather", PARIS), ("get_time", {"tz": "Europe/Paris"})]
+
+
+class CharTokenizer:
+    """One token per character (ids are code points), so prompts can be read back."""
+
+    def __init__(self, chat_template: str | None) -> None:
+        self.chat_template = chat_template
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+class CannedTM:
+    """A runtime whose model always answers `reply`, `step` characters per streamed step.
+    Its chat template renders tools (unless `renders_tools` is False) and any message fields."""
+
+    def __init__(self, reply: str = "", chat_template: str | None = None, renders_tools: bool = True,
+                 generation_prompt: str = "<|assistant|>") -> None:
+        self.tokenizer = CharTokenizer(chat_template)
+        self.model_name = MODEL
+        self.context_len = 100_000
+        self.reply = reply
+        self.step = 3
+        self.renders_tools = renders_tools
+        self.generation_prompt = generation_prompt
+        self.has_grammar = HAS_GRAMMAR  # False: constrained requests are refused, as the runtime does
+        self.inputs: list = []
+        self.rendered: list[tuple[list[dict], dict]] = []
+
+    @property
+    def limits(self) -> ModelLimits:
+        return ModelLimits(vocab_size=0x110000, context_len=self.context_len)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
+        self.rendered.append((messages, kwargs))
+        text = "".join(f"<|{m['role']}|>{json.dumps(m, sort_keys=True)}" for m in messages)
+        if kwargs.get("tools") and self.renders_tools:
+            text = f"<|tools|>{json.dumps(kwargs['tools'])}" + text
+        return self.tokenizer.encode(text + (self.generation_prompt if add_generation_prompt else ""))
+
+    async def generate(self, inp):
+        self.inputs.append(inp)
+        if inp.sampling_params.json_schema is not None and not self.has_grammar:  # as the scheduler answers
+            raise RequestError("json_schema: structured output needs a grammar backend and this server has none", 400)
+        cuts = list(range(self.step, len(self.reply), self.step)) + [len(self.reply)]
+        for k in cuts:
+            done = k == len(self.reply)
+            out = {
+                "text": self.reply[:k],
+                "output_ids": self.tokenizer.encode(self.reply[:k]),
+                "meta_info": {"id": inp.rid, "prompt_tokens": len(inp.input_ids), "completion_tokens": k,
+                              "cached_tokens": 0, "finish_reason": {"type": "stop", "matched": 2} if done else None},
+            }
+            if inp.stream or done:
+                yield out
+
+    def abort(self, rid: str) -> None:
+        pass
+
+    def is_healthy(self) -> bool:
+        return True
+
+    async def get_stats(self) -> dict:
+        return {}
+
+
+def client_for(tm: CannedTM, **server) -> openai.OpenAI:
+    http = TestClient(create_app(tm, Config.build({"server": server})))
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+
+
+def calls_of(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+
+def raw_stream(oai, **kw) -> tuple[list, dict]:
+    """The chunks, and the message assembled the way OpenAI's client documents it."""
+    chunks = list(oai.chat.completions.create(stream=True, **kw))
+    msg = {"content": "", "reasoning_content": "", "calls": {}, "finish_reason": None}
+    for chunk in chunks:
+        for ch in chunk.choices:
+            d = ch.delta
+            msg["content"] += d.content or ""
+            msg["reasoning_content"] += getattr(d, "reasoning_content", None) or ""
+            for tc in d.tool_calls or []:
+                slot = msg["calls"].setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                if tc.id:
+                    slot["id"] = tc.id
+                if tc.function and tc.function.name:
+                    slot["name"] += tc.function.name
+                if tc.function and tc.function.arguments:
+                    slot["arguments"] += tc.function.arguments
+            msg["finish_reason"] = ch.finish_reason or msg["finish_reason"]
+    return chunks, msg
+
+
+@pytest.mark.parametrize("parser", sorted(OUTPUTS))
+def test_each_parser_non_streamed_and_streamed_through_the_openai_client(parser):
+    tm = CannedTM(OUTPUTS[parser])
+    oai = client_for(tm, tool_call_parser=parser)
+    r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
+    msg = r.choices[0].message
+    assert calls_of(msg) == EXPECTED_CALLS
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert all(c.id.startswith("call_") and c.type == "function" for c in msg.tool_calls)
+    assert msg.content == ("I will check both." if parser == "hermes" else None)
+    special = parser in ("llama3_json", "mistral")  # markers are special tokens: kept in the text
+    assert tm.inputs[-1].sampling_params.skip_special_tokens is (not special)
+
+    chunks, streamed = raw_stream(oai, model=MODEL, messages=ASK, tools=TOOLS)
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"].values()] == EXPECTED_CALLS
+    assert streamed["content"] == (msg.content or "") and streamed["finish_reason"] == "tool_calls"
+    for marker in ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", '"name"', "get_weather("):
+        assert marker not in streamed["content"]
+    # a call's first delta has id, type and name, with no arguments yet; fragments follow
+    firsts = [tc for c in chunks for ch in c.choices for tc in ch.delta.tool_calls or [] if tc.id]
+    assert [(tc.index, tc.type, tc.function.name, tc.function.arguments) for tc in firsts] == [
+        (0, "function", "get_weather", ""), (1, "function", "get_time", "")]
+    fragments = [tc for c in chunks for ch in c.choices for tc in ch.delta.tool_calls or [] if not tc.id]
+    assert all(tc.function.name is None for tc in fragments)
+    if parser != "pythonic":  # JSON arguments stream as the model writes them; pythonic per call
+        assert len([f for f in fragments if f.index == 0]) > 1
+
+
+def test_the_openai_stream_helper_assembles_the_calls():
+    oai = client_for(CannedTM(HERMES_OUT), tool_call_parser="hermes")
+    with oai.chat.completions.stream(model=MODEL, messages=ASK, tools=TOOLS) as stream:
+        final = stream.get_final_completion()
+    assert calls_of(final.choices[0].message) == EXPECTED_CALLS
+    assert final.choices[0].message.content == "I will check both."
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
+def test_parser_detected_from_the_chat_template():
+    tm = CannedTM(HERMES_OUT, chat_template="{% for m in messages %}...<tool_call>\n{{ tool_call | tojson }}...")
+    r = client_for(tm).chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
+    assert calls_of(r.choices[0].message) == EXPECTED_CALLS
+
+
+def test_text_answer_with_tools_and_tool_choice_none():
+    tm = CannedTM("It is sunny in Paris.")
+    oai = client_for(tm, tool_call_parser="hermes")
+    r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
+    assert r.choices[0].message.content == "It is sunny in Paris." and r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason == "stop"
+    assert tm.rendered[-1][1]["tools"] == TOOLS
+    # none: the tools are not shown and the output is not parsed
+    tm.reply = HERMES_OUT
+    r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none")
+    assert r.choices[0].message.content == HERMES_OUT and r.choices[0].message.tool_calls is None
+    assert "tools" not in tm.rendered[-1][1]
+
+
+def test_parallel_tool_calls_false_returns_one_call():
+    oai = client_for(CannedTM(HERMES_OUT), tool_call_parser="hermes")
+    r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, parallel_tool_calls=False)
+    assert calls_of(r.choices[0].message) == EXPECTED_CALLS[:1]
+    _, streamed = raw_stream(oai, model=MODEL, messages=ASK, tools=TOOLS, parallel_tool_calls=False)
+    assert list(streamed["calls"]) == [0]
+
+
+def test_history_with_calls_and_results_goes_to_the_template():
+    tm = CannedTM("It is 18 degrees and 15:00 in Paris.")
+    oai = client_for(tm, tool_call_parser="hermes")
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 18}'},
+        {"role": "tool", "tool_call_id": "call_2", "content": "15:00"},
+    ]
+    r = oai.chat.completions.create(model=MODEL, messages=history, tools=TOOLS)
+    assert r.choices[0].message.content == "It is 18 degrees and 15:00 in Paris."
+    messages, kwargs = tm.rendered[-1]
+    assert kwargs["tools"] == TOOLS
+    assert messages[1]["tool_calls"][0] == {
+        "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    assert messages[2] == {"role": "tool", "content": '{"temp": 18}', "tool_call_id": "call_1", "name": "get_weather"}
+    assert messages[3]["name"] == "get_time"
+
+
+def test_template_without_tools_is_a_400_unless_the_generic_prompt_is_on():
+    tm = CannedTM(HERMES_OUT, renders_tools=False)
+    with pytest.raises(openai.BadRequestError) as e:
+        client_for(tm, tool_call_parser="hermes").chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
+    assert e.value.body["param"] == "tools" and "does not render tools" in e.value.body["message"]
+    assert "generic_tool_prompt" in e.value.body["message"]
+    # generic prompt: the tools are described in a system message and parsed as Hermes blocks
+    tm = CannedTM(HERMES_OUT, renders_tools=False)
+    oai = client_for(tm, generic_tool_prompt=True)
+    history = ASK + [
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "15:00"},
+    ]
+    r = oai.chat.completions.create(model=MODEL, messages=history, tools=TOOLS)
+    assert calls_of(r.choices[0].message) == EXPECTED_CALLS
+    messages, kwargs = tm.rendered[-1]
+    assert "tools" not in kwargs and messages[0]["role"] == "system"
+    assert '"name": "get_weather"' in messages[0]["content"] and "<tool_call>" in messages[0]["content"]
+    assert messages[2]["content"] == '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert messages[3] == {"role": "user", "content": "<tool_response>\n15:00\n</tool_response>"}
+
+
+def _error(oai, **kw) -> dict:
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=kw.pop("messages", ASK), **kw)
+    return e.value.body
+
+
+@pytest.mark.parametrize("tools,param,words", [
+    ([{"type": "retrieval", "function": WEATHER["function"]}], "tools.0.type", "function"),
+    ([{"type": "function", "function": {"description": "no name"}}], "tools.0.function.name", "Field required"),
+    ([{"type": "function", "function": {"name": "bad name!"}}], "tools.0.function.name", "function names"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], "tools.0.function.parameters",
+     "object"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"unit": {"type": "string", "enum": []}}}}}],
+     "tools.0.function.parameters", "properties.unit.enum"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integr"}}}}}], "tools.0.function.parameters", "properties.n.type"),
+    ([WEATHER, WEATHER], "tools", "unique"),
+])
+def test_bad_tools_are_a_400_naming_the_field(tools, param, words):
+    body = _error(client_for(CannedTM("x"), tool_call_parser="hermes"), tools=tools)
+    assert body["param"] == param and words in body["message"], body
+
+
+def test_bad_tool_choice_and_history_are_400s():
+    oai = client_for(CannedTM("x"), tool_call_parser="hermes")
+    body = _error(oai, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert body["param"] == "tool_choice" and "nope" in body["message"]
+    assert _error(oai, tool_choice="required")["param"] == "tool_choice"
+    bad_args = ASK + [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{not json"}}]}]
+    assert _error(oai, messages=bad_args, tools=TOOLS)["param"] == "messages.1.tool_calls.0.function.arguments"
+    assert "tool_call_id" in _error(oai, messages=[{"role": "tool", "content": "x"}])["message"]
+    assert _error(oai, tools=TOOLS, extra_body={"chat_template_kwargs": {"tools": []}})["param"] == "chat_template_kwargs"
+    # no parser configured and none detected
+    body = _error(client_for(CannedTM("x")), tools=TOOLS)
+    assert body["param"] == "tools" and "--tool-call-parser" in body["message"] and "hermes" in body["message"]
+
+
+def test_unknown_parser_name_fails_at_start_up():
+    with pytest.raises(Exception, match="no tool_parser component named 'nope'.*hermes"):
+        create_app(CannedTM(), Config.build({"server": {"tool_call_parser": "nope"}}))
+
+
+HAS_GRAMMAR = "grammar" in KINDS and bool(Registry.discover().names("grammar"))
+
+
+CHOICES = pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"]
+)
+
+
+def _constrained(choice, has_grammar: bool = HAS_GRAMMAR) -> tuple[CannedTM, openai.OpenAI, dict]:
+    reply = ('[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]' if choice == "required"
+             else '{"city": "Paris", "unit": "celsius"}')
+    tm = CannedTM(reply)
+    tm.has_grammar = has_grammar
+    return tm, client_for(tm, tool_call_parser="hermes"), dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice)
+
+
+@CHOICES
+@pytest.mark.parametrize("refused_by", ["validation", "runtime"])
+@pytest.mark.skipif(HAS_GRAMMAR, reason="a grammar backend is installed: the constraint is accepted")
+def test_required_and_named_without_a_grammar_backend_are_a_clear_400(choice, refused_by, monkeypatch):
+    """Never unconstrained text where the client asked for a call: a 400 naming tool_choice,
+    whether the request's validation refuses the constraint or the runtime does (streamed or not)."""
+    if refused_by == "runtime":
+        from dataclasses import replace
+
+        import radixserve.server.openai_serving as serving
+
+        real = serving.check_sampling
+        monkeypatch.setattr(serving, "check_sampling", lambda sp, *a: real(replace(sp, json_schema=None), *a))
+    tm, oai, kw = _constrained(choice)
+    for stream in (False, True):
+        body = _error(oai, stream=stream, **{k: v for k, v in kw.items() if k != "model"})
+        assert body["param"] == "tool_choice" and "needs a grammar backend" in body["message"], body
+    assert all(inp.sampling_params.json_schema for inp in tm.inputs) and len(tm.inputs) == (
+        2 if refused_by == "runtime" else 0)
+
+
+@CHOICES
+def test_required_and_named_constrain_the_output_and_parse_it(choice, monkeypatch):
+    """The schema handed to the grammar backend, and the parse of the constrained output. Without a
+    grammar backend the refusal is lifted here (the canned model writes valid output anyway)."""
+    if not HAS_GRAMMAR:
+        from dataclasses import replace
+
+        import radixserve.server.openai_serving as serving
+
+        real = serving.check_sampling
+        monkeypatch.setattr(serving, "check_sampling", lambda sp, *a: real(replace(sp, json_schema=None), *a))
+    tm, oai, kw = _constrained(choice, has_grammar=True)
+    r = oai.chat.completions.create(**kw)
+    schema = json.loads(tm.inputs[-1].sampling_params.json_schema)
+    if choice == "required":
+        assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+        variants = schema["items"]["anyOf"]
+        assert [v["properties"]["name"]["enum"] for v in variants] == [["get_weather"], ["get_time"]]
+        assert variants[0]["properties"]["arguments"] == WEATHER["function"]["parameters"]
+        assert variants[0]["required"] == ["name", "arguments"]
+    else:
+        assert schema == WEATHER["function"]["parameters"]
+    assert calls_of(r.choices[0].message) == [("get_weather", PARIS)]
+    assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
+    _, streamed = raw_stream(oai, **kw)
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"].values()] == [("get_weather", PARIS)]
+    assert streamed["content"] == ""
+
+
+def test_required_schema_builder():
+    from radixserve.server.tool_schema import required_calls_schema
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "string"}}}}}
+    schema = json.loads(required_calls_schema([tool], parallel=False))
+    assert schema["maxItems"] == 1 and schema["$defs"] == {"P": {"type": "string"}}
+    assert "$defs" not in schema["items"]["properties"]["arguments"]
+    other = {"type": "function", "function": {"name": "g", "parameters": {"$defs": {"P": {"type": "integer"}}}}}
+    with pytest.raises(ValueError, match=r"\$defs.P"):
+        required_calls_schema([tool, other], parallel=True)
+
+
+THINK = "<think>\nThe user wants the weather, so I call the tool.\n</think>\n\n" + HERMES_OUT
+
+
+def test_reasoning_is_separated_before_tool_parsing_streamed_and_not():
+    oai = client_for(CannedTM(THINK), tool_call_parser="hermes", reasoning_parser="qwen3")
+    r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
+    msg = r.choices[0].message
+    assert msg.reasoning_content == "The user wants the weather, so I call the tool."
+    assert msg.content == "I will check both." and calls_of(msg) == EXPECTED_CALLS
+    _, streamed = raw_stream(oai, model=MODEL, messages=ASK, tools=TOOLS)
+    assert streamed["reasoning_content"] == msg.reasoning_content and streamed["content"] == msg.content
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"].values()] == EXPECTED_CALLS
+
+
+def test_reasoning_without_tools_and_separate_reasoning_false():
+    text = "<think>\n2 + 2 is 4.\n</think>\n\nThe answer is 4."
+    tm = CannedTM(text)
+    oai = client_for(tm, reasoning_parser="qwen3")
+    msg = oai.chat.completions.create(model=MODEL, messages=ASK).choices[0].message
+    assert (msg.reasoning_content, msg.content) == ("2 + 2 is 4.", "The answer is 4.")
+    _, streamed = raw_stream(oai, model=MODEL, messages=ASK)
+    assert (streamed["reasoning_content"], streamed["content"]) == ("2 + 2 is 4.", "The answer is 4.")
+    msg = oai.chat.completions.create(model=MODEL, messages=ASK, extra_body={"separate_reasoning": False}).choices[0].message
+    assert msg.content == text and getattr(msg, "reasoning_content", None) is None
+    oai.chat.completions.create(model=MODEL, messages=ASK, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert tm.rendered[-1][1] == {"enable_thinking": False}
+
+
+def test_reasoning_opened_by_the_prompt_deepseek_style():
+    """The generation prompt ends with <think>: the output starts inside the reasoning."""
+    tm = CannedTM("Okay, 2 + 2 = 4.\n</think>\n\n**4**", generation_prompt="<｜Assistant｜><think>\n")
+    oai = client_for(tm, reasoning_parser="qwen3")  # qwen3 too starts inside when the prompt opened it
+    msg = oai.chat.completions.create(model=MODEL, messages=ASK).choices[0].message
+    assert (msg.reasoning_content, msg.content) == ("Okay, 2 + 2 = 4.", "**4**")
+    _, streamed = raw_stream(oai, model=MODEL, messages=ASK)
+    assert (streamed["reasoning_content"], streamed["content"]) == ("Okay, 2 + 2 = 4.", "**4**")
+
+
+def test_no_parsers_means_unchanged_output():
+    text = "  <think>x</think> <tool_call>{}</tool_call>  "
+    oai = client_for(CannedTM(text))
+    msg = oai.chat.completions.create(model=MODEL, messages=ASK).choices[0].message
+    assert msg.content == text
+    _, streamed = raw_stream(oai, model=MODEL, messages=ASK)
+    assert streamed["content"] == text and not streamed["calls"]
+
+
+def test_serve_refuses_an_unknown_parser_before_loading_the_model():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "radixserve.cli", "serve", "--reasoning-parser", "nope"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "server.reasoning_parser='nope'" in r.stderr and "qwen3" in r.stderr
+
+
+def test_constrained_output_is_not_taken_for_reasoning(monkeypatch):
+    """deepseek_r1 starts inside the reasoning, but a constrained output starts at its first token."""
+    from dataclasses import replace
+
+    import radixserve.server.openai_serving as serving
+
+    if not HAS_GRAMMAR:
+        real = serving.check_sampling
+        monkeypatch.setattr(serving, "check_sampling", lambda sp, *a: real(replace(sp, json_schema=None), *a))
+    tm = CannedTM('[{"name": "get_time", "arguments": {"tz": "UTC"}}]', generation_prompt="<｜Assistant｜><think>\n")
+    tm.has_grammar = True
+    oai = client_for(tm, tool_call_parser="hermes", reasoning_parser="deepseek_r1")
+    r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required")
+    assert calls_of(r.choices[0].message) == [("get_time", {"tz": "UTC"})]
+    assert getattr(r.choices[0].message, "reasoning_content", None) is None
