@@ -1,9 +1,10 @@
 # Source on the H200 from the repo root: installs the carried wheels and the project (editable, no deps).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
 export PYTHONPATH=/tmp/site:$PYTHONPATH
-python3 -m pip install -q --no-deps --no-build-isolation -e ./core -e ./plugins/policies -e ./plugins/cache/radix \
-  -e ./plugins/cache/chunk -e ./plugins/attention/torch_native -e ./plugins/attention/triton -e ./plugins/models/llama \
-  -e ./plugins/quantization/gguf > /tmp/pip-project.log 2>&1 || { cat /tmp/pip-project.log; return 1; }
+# the core and every plugin distribution of the tree (each folder with a pyproject.toml)
+python3 -m pip install -q --no-deps --no-build-isolation -e ./core \
+  $(for d in plugins/*/pyproject.toml plugins/*/*/pyproject.toml; do [ -f "$d" ] && printf -- '-e ./%s ' "$(dirname "$d")"; done) \
+  > /tmp/pip-project.log 2>&1 || { cat /tmp/pip-project.log; return 1; }
 export PATH=$PATH:$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
