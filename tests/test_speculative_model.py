@@ -241,11 +241,14 @@ def test_unseeded_sampling_matches_the_target_distribution(runners, tree):
     assert _chi_square_p(Counter(v[1] for v in plain2.values()), skewed) < 1e-3
 
 
-def test_tree_mask_equals_per_path_causal_forwards(runners):
-    runner = runners("torch_native")
+@pytest.mark.parametrize("attention,parents", [
+    ("torch_native", [-1, 0, 0, 1, 1, 3, 2]),  # a tree of 6 draft tokens under the root: tree mask
+    ("torch_native", [-1, 0, 1, 2, 3, 4, 5]),  # a chain: verified as decode rows sharing a request
+    ("cpu_batched", [-1, 0, 1, 2, 3, 4, 5]),  # a chain as an EXTEND batch
+], ids=["tree", "chain-decode-rows", "chain-extend"])
+def test_verify_forward_equals_per_path_causal_forwards(runners, attention, parents):
+    runner = runners(attention)
     prompt = [7, 100, 33, 250, 9, 41]
-    # a tree of 6 draft tokens under the root (the prompt's last token)
-    parents = [-1, 0, 0, 1, 1, 3, 2]  # per node, root first
     tokens = [prompt[-1], 11, 22, 33, 44, 55, 66]
     prefix = len(prompt) - 1
     row = runner.req_to_token_pool.alloc()
@@ -258,6 +261,7 @@ def test_tree_mask_equals_per_path_causal_forwards(runners):
         runner.forward_logits(pre)
         verify = ScheduledBatch(ForwardMode.EXTEND, [req], tokens, [row], [prefix], [len(tokens)], slots[prefix:],
                                 [True], spec=SpecVerify([parents]))
+        assert runner._verify_as_decode_rows(verify) == (attention == "torch_native" and not verify.spec.has_tree)
         with torch.inference_mode():
             tree_logits = runner._forward(verify, greedy_ids=False)[0]
         for j in range(len(tokens)):
