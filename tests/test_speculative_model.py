@@ -241,11 +241,31 @@ def test_unseeded_sampling_matches_the_target_distribution(runners, tree):
     assert _chi_square_p(Counter(v[1] for v in plain2.values()), skewed) < 1e-3
 
 
-def test_tree_mask_equals_per_path_causal_forwards(runners):
-    runner = runners("torch_native")
+@pytest.mark.parametrize("attention,parents,graph", [
+    ("torch_native", [-1, 0, 0, 1, 1, 3, 2], False),  # a tree of 6 draft tokens under the root: tree mask
+    ("torch_native", [-1, 0, 1, 2, 3, 4, 5], False),  # a chain: verified as decode rows sharing a request
+    ("torch_native", [-1, 0, 1, 2, 3, 4, 5], True),  # ... replayed through the decode graph bookkeeping
+    ("cpu_batched", [-1, 0, 1, 2, 3, 4, 5], False),  # a chain as an EXTEND batch
+], ids=["tree", "chain-decode-rows", "chain-decode-rows-graph", "chain-extend"])
+def test_verify_forward_equals_per_path_causal_forwards(runners, attention, parents, graph):
+    runner = runners(attention)
+    if graph:  # the CPU stand-in for CUDA graphs (EagerGraph re-runs over the static buffers)
+        from radixserve.cuda_graph_runner import DecodeGraphRunner, EagerGraph
+
+        dummy = runner.req_to_token_pool.alloc()
+        runner.graph_runner = DecodeGraphRunner(runner.model, runner.attn_backend, runner.req_to_token_pool,
+                                                runner.kv_pool, runner.device, [4, 16], dummy, EagerGraph)
+    try:
+        _check_verify_forward(runner, attention, parents)
+        assert runner.last_run_used_cuda_graph is False  # the per-path references are extends
+    finally:
+        if graph:
+            runner.graph_runner = None
+            runner.req_to_token_pool.free(dummy)
+
+
+def _check_verify_forward(runner, attention, parents):
     prompt = [7, 100, 33, 250, 9, 41]
-    # a tree of 6 draft tokens under the root (the prompt's last token)
-    parents = [-1, 0, 0, 1, 1, 3, 2]  # per node, root first
     tokens = [prompt[-1], 11, 22, 33, 44, 55, 66]
     prefix = len(prompt) - 1
     row = runner.req_to_token_pool.alloc()
@@ -258,8 +278,10 @@ def test_tree_mask_equals_per_path_causal_forwards(runners):
         runner.forward_logits(pre)
         verify = ScheduledBatch(ForwardMode.EXTEND, [req], tokens, [row], [prefix], [len(tokens)], slots[prefix:],
                                 [True], spec=SpecVerify([parents]))
+        assert runner._verify_as_decode_rows(verify) == (attention == "torch_native" and not verify.spec.has_tree)
         with torch.inference_mode():
             tree_logits = runner._forward(verify, greedy_ids=False)[0]
+        assert runner.last_run_used_cuda_graph == (runner.graph_runner is not None)
         for j in range(len(tokens)):
             path, node = [], j
             while node >= 0:

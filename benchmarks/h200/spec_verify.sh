@@ -6,6 +6,10 @@
 # (default) and off (adaptive_batch_size=0). Targets: batch 1 speculative decode_tok_s >= 3.5x plain;
 # the verify step ms within 1.15x of a plain decode step; batch 32 high acceptance not slower than
 # plain; batch 32 low acceptance with the safeguard close to plain (and better than without it).
+# Chain verifies replay the decode CUDA graphs only when the attention backend sets
+# `decode_rows_share_requests = True` (plugin API 1.1): the triton backend's forward_decode stores
+# every row's k, v (set_kv) before its kernel reads the pool, so it qualifies, but its owner must
+# set the flag; without it every verify runs eagerly (the rows then show cuda_graph=false).
 set -o pipefail
 source benchmarks/h200/setup.sh || exit 1
 M=benchmarks/model-configs/llama-3.1-8b

@@ -188,6 +188,8 @@ class ModelRunner:
         """ForwardBatch (device tensors plus host length lists) for a scheduled batch."""
         prefix, ext = list(sb.prefix_lens), list(sb.extend_lens)
         seq = [p + e for p, e in zip(prefix, ext, strict=True)]
+        if self._verify_as_decode_rows(sb):
+            return self._prepare_decode_rows(sb)
         tree_blocks = None
         if sb.spec is not None:  # a draft token sits at prefix + its depth in the draft tree
             depths = [_depths(ps) for ps in sb.spec.parents]
@@ -232,6 +234,48 @@ class ModelRunner:
             extend_lens_cpu=ext,
         )
 
+    def _verify_as_decode_rows(self, sb: ScheduledBatch) -> bool:
+        """Chain drafts on a backend whose decode rows may share a request: verify them as a DECODE
+        batch of one row per token (CUDA graphs apply), while that batch fits the captured graphs."""
+        return (
+            sb.spec is not None
+            and not sb.spec.has_tree
+            and bool(getattr(self.attn_backend, "decode_rows_share_requests", False))
+            and (self.graph_runner is None or sum(sb.extend_lens) <= self.graph_runner.max_bs)
+        )
+
+    def _prepare_decode_rows(self, sb: ScheduledBatch) -> ForwardBatch:
+        """A chain verify as a DECODE batch: token j of a request with prefix p is a row of its
+        request at position p + j that sees its first p + j + 1 slots (the row holds the tokens'
+        slots in order, and the backend stores every row's KV before any row attends)."""
+        rows, seq, prefix = [], [], []
+        for idx, p, e in zip(sb.req_pool_indices, sb.prefix_lens, sb.extend_lens, strict=True):
+            rows += [idx] * e
+            prefix += range(p, p + e)
+            seq += range(p + 1, p + e + 1)
+        dev = self.device
+
+        def to_dev(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True)
+
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            batch_size=len(rows),
+            input_ids=to_dev(sb.input_ids),
+            positions=to_dev(prefix),
+            req_pool_indices=to_dev(rows),
+            seq_lens=to_dev(seq),
+            prefix_lens=to_dev(prefix),
+            extend_lens=to_dev([1] * len(rows)),
+            out_cache_loc=sb.out_cache_loc.to(dev, torch.int64, non_blocking=True),
+            req_to_token_pool=self.req_to_token_pool,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+            seq_lens_cpu=seq,
+            prefix_lens_cpu=prefix,
+            extend_lens_cpu=[1] * len(rows),
+        )
+
     @torch.inference_mode()
     def forward_logits(self, sb: ScheduledBatch) -> torch.Tensor:
         """fp32 next-token logits [bs, vocab], one row per request (writes the batch's KV)."""
@@ -243,14 +287,13 @@ class ModelRunner:
         if sb.mode is ForwardMode.DECODE and any(e != 1 for e in sb.extend_lens):
             raise ValueError("DECODE batches must have extend_lens == 1 for every request")
         fb = self.prepare(sb)
-        self.last_run_used_cuda_graph = (
-            sb.spec is None and self.graph_runner is not None and self.graph_runner.can_run(fb)
-        )
+        # a chain verify prepared as decode rows is a DECODE batch and may replay a decode graph
+        self.last_run_used_cuda_graph = self.graph_runner is not None and self.graph_runner.can_run(fb)
         if self.last_run_used_cuda_graph:
             return self.graph_runner.run(fb)[:, : self.vocab_size], False
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
-        if sb.spec is None:  # a verify batch scores every new token, not only each request's last
+        if sb.spec is None or fb.mode is ForwardMode.DECODE:  # a verify scores every new token
             hidden = select_logit_rows(hidden, fb)
         if greedy_ids:
             ids = self.model.greedy_token_ids(hidden, self.vocab_size)

@@ -5,6 +5,8 @@ __version__ = "0.1.0"
 # The plugin API version: plugins declare the range they were built for (e.g. ">=1,<2").
 # Bump the major number on any breaking change to a hook or an interface in radixserve.interfaces.
 # 1.1: Model.greedy_token_ids; tree drafts (DraftProposal.parents, ForwardBatch.tree_mask,
-#      AttentionBackend.supports_tree_mask); QuantMethod.from_config/check_device/min_capability, packed parameters
+#      AttentionBackend.supports_tree_mask, decode_rows_share_requests); Drafter construction with DrafterInfo,
+#      on_finished; AttentionBackend.build_native_kernels; QuantMethod.from_config/check_device/min_capability,
+#      packed parameters
 # 1.2: kinds tool_parser (ToolParser) and reasoning_parser (ReasoningParser)
 PLUGIN_API_VERSION = "1.2"

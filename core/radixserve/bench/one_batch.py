@@ -162,6 +162,6 @@ def _speculative_row(config: Config, runner, prompts: list[list[int]], args: arg
         "spec_verifies": verifies,
         "device": str(runner.device),
         "dtype": str(runner.dtype),
-        "cuda_graph": False,  # verify steps run eagerly
+        "cuda_graph": runner.last_run_used_cuda_graph,  # the last step's (a verify as decode rows can replay one)
         "model": runner.model_path,
     }

@@ -90,6 +90,12 @@ class AttentionBackend(abc.ABC):
     # new tokens attend each other by the mask instead of causally; see ForwardBatch.tree_mask).
     # A backend that leaves it False is only given chain drafts. Added in plugin API 1.1.
     supports_tree_mask: bool = False
+    # True when forward_decode stores every row's k, v (at out_cache_loc) before any row's attention
+    # reads the pool, so several rows of one DECODE batch may be consecutive tokens of the same
+    # request (same req_pool_index, each row's seq_len one more than the previous row's). The
+    # runner then verifies chain drafts as such a decode batch, which runs in the decode CUDA
+    # graphs; False: chain drafts are verified as an EXTEND batch (eager). Added in plugin API 1.1.
+    decode_rows_share_requests: bool = False
 
     @classmethod
     def supports(cls, device: str, dtype: str, head_dim: int) -> bool:

@@ -26,6 +26,14 @@ class _ReqView:
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
     supports_tree_mask = True  # verify of tree drafts: new tokens attend by batch.tree_mask
+    decode_rows_share_requests = True  # _attend stores all k, v before any row reads the pool
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        # a subclass replaces the kernels these promises are about: it must make them itself
+        super().__init_subclass__(**kwargs)
+        for flag in ("supports_tree_mask", "decode_rows_share_requests"):
+            if flag not in cls.__dict__:
+                setattr(cls, flag, False)
 
     def __init__(self, runner_info=None) -> None:
         self.runner_info = runner_info
