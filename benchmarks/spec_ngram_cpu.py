@@ -1,9 +1,10 @@
 """n-gram speculation on CPU: SmolLM2-135M-Instruct (GGUF), batch 1, copy-heavy chat prompts.
 
-Runs every prompt of `spec_ngram_prompts.py` one at a time (greedy) through an Engine without
+Runs every prompt of `spec_ngram_prompts.py` one at a time (greedy, streamed) through an Engine without
 speculation, then through one with `stack.speculative: ngram` (chains; with --tree also a run with
 tree drafts), and records output tokens per second of each, the speed-up, the mean acceptance length
-(tokens per verify step, from meta_info) and whether every output is identical to the plain run.
+(tokens per verify step, from meta_info) and whether every output is identical to the plain run;
+tokens per second both over whole requests and after the first token (decode only).
 Each engine warms up on a prompt other than the timed ones. Writes a markdown results file with
 the machine, commit and command (default benchmarks/results/cpu-spec-ngram.md; appended).
 
@@ -16,6 +17,7 @@ Exit status 1 when an output differs from the plain run (greedy speculation must
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import os
 import shlex
@@ -49,23 +51,33 @@ def run_mode(name: str, model: str, stack: dict, speculative: dict | None, messa
         def ids(msg: str) -> list[int]:
             return apply_chat_template(eng.tokenizer, [{"role": "user", "content": msg}])
 
-        eng.generate(input_ids=ids(WARMUP_MESSAGE), sampling_params=params)
+        async def timed(prompt: list[int]) -> tuple[dict, float, float]:
+            """Streamed (as a chat client sees it): the final output, time to first token, total time."""
+            start = time.perf_counter()
+            first, last = None, {}
+            async for out in await eng.async_generate(input_ids=prompt, sampling_params=params, stream=True):
+                if first is None and out["output_ids"]:
+                    first = time.perf_counter() - start
+                last = out
+            return last, first or 0.0, time.perf_counter() - start
+
+        asyncio.run(timed(ids(WARMUP_MESSAGE)))
         for i, msg in enumerate(messages):
             prompt = ids(msg)
-            start = time.perf_counter()
-            out = eng.generate(input_ids=prompt, sampling_params=params)
-            wall = time.perf_counter() - start
+            out, ttft, wall = asyncio.run(timed(prompt))
             meta = out["meta_info"]
             rows.append({"prompt": i, "prompt_tokens": len(prompt), "output_ids": out["output_ids"],
-                         "tokens": meta["completion_tokens"], "wall": wall,
+                         "tokens": meta["completion_tokens"], "wall": wall, "ttft": ttft,
                          "verifies": meta.get("spec_verify_ct", 0), "accept": meta.get("spec_accept_length", 0.0)})
-            print(f"{name} prompt {i}: {meta['completion_tokens']} tokens in {wall:.2f} s"
+            print(f"{name} prompt {i}: {meta['completion_tokens']} tokens in {wall:.2f} s (first after {ttft:.2f} s)"
                   + (f", acceptance {rows[-1]['accept']:.2f}" if rows[-1]["verifies"] else ""), flush=True)
     tokens = sum(r["tokens"] for r in rows)
     wall = sum(r["wall"] for r in rows)
+    decode_wall = sum(r["wall"] - r["ttft"] for r in rows)
     verifies = sum(r["verifies"] for r in rows)
     accept = sum(r["accept"] * r["verifies"] for r in rows) / verifies if verifies else 0.0
-    return {"name": name, "rows": rows, "tokens": tokens, "wall": wall, "tok_s": tokens / wall, "accept": accept}
+    return {"name": name, "rows": rows, "tokens": tokens, "wall": wall, "tok_s": tokens / wall,
+            "decode_tok_s": (tokens - len(rows)) / decode_wall, "accept": accept}
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -112,8 +124,12 @@ def main() -> int:
         f"- model: {os.path.basename(model)}, attention {args.attention}, {args.threads} threads, greedy",
         "- peer: llama.cpp lookup decoding, `benchmarks/spec_ngram_llamacpp_peer.py` (run it in the same session)",
         "",
-        "| run | output tokens | time (s) | tok/s | speed-up | acceptance length | outputs identical |",
-        "|---|---|---|---|---|---|---|",
+        "tok/s: output tokens over the requests' whole time (prompt included); decode tok/s: tokens after the "
+        "first over the time after the first (streamed, as a chat client sees them).",
+        "",
+        "| run | output tokens | time (s) | tok/s | speed-up | decode tok/s | decode speed-up | acceptance length "
+        "| outputs identical |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     all_same = True
     for run in runs:
@@ -126,7 +142,8 @@ def main() -> int:
         same = "yes" if not diffs else "NO: " + "; ".join(diffs)
         accept = f"{run['accept']:.2f}" if run is not plain else "-"
         lines.append(f"| {run['name']} | {run['tokens']} | {run['wall']:.2f} | {run['tok_s']:.1f} | "
-                     f"{run['tok_s'] / plain['tok_s']:.2f}x | {accept} | {same} |")
+                     f"{run['tok_s'] / plain['tok_s']:.2f}x | {run['decode_tok_s']:.1f} | "
+                     f"{run['decode_tok_s'] / plain['decode_tok_s']:.2f}x | {accept} | {same} |")
     lines += ["", "Per prompt (tok/s plain / " + " / ".join(r["name"] for r in runs[1:]) + "; acceptance length):", ""]
     for i, p in enumerate(plain["rows"]):
         cells = [f"{p['tokens'] / p['wall']:.1f}"] + [

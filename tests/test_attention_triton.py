@@ -314,11 +314,32 @@ def test_tree_mask_verify_matches_exact_attention():
 
     assert TritonAttentionBackend.supports_tree_mask
     if ON_GPU:
-        for dtype in (torch.bfloat16, torch.float32):
-            check_attention_backend(TritonAttentionBackend, device="cuda", dtype=dtype, seeds=(0, 1, 2), tree_steps=4)
+        for dtype in (torch.bfloat16, torch.float32):  # fp32 dots run as TF32 on the GPU: this file's TOL
+            check_attention_backend(TritonAttentionBackend, device="cuda", dtype=dtype, seeds=(0, 1, 2), tree_steps=4,
+                                    tolerance=TOL[dtype])
     else:  # the interpreter is slow: two small head shapes (GQA; MHA with a padded head_dim)
         check_attention_backend(TritonAttentionBackend, heads=((2, 1, 32), (2, 2, 24)), seeds=(0,), num_requests=3,
                                 decode_steps=1, tree_steps=2)
+
+
+def test_decode_rows_may_share_a_request():
+    """`decode_rows_share_requests`: a DECODE batch whose consecutive rows are consecutive tokens of
+    one request (how the core verifies chain drafts inside the decode CUDA graphs) equals causal
+    extend attention over those tokens; another request's ordinary decode row sits beside them."""
+    assert TritonAttentionBackend.decode_rows_share_requests
+    p = make_problem([19, 33], [5, 1], 4, 2, 32, torch.float32, ForwardMode.EXTEND, seed=11)
+    want = reference(p)
+    b = p.batch
+    rows = b.req_pool_indices.tolist()
+    row_of = [rows[0]] * 5 + [rows[1]]
+    seq = [20, 21, 22, 23, 24, 34]  # each chain row sees one more token of its request than the previous
+    dev = b.seq_lens.device
+    b.mode, b.batch_size = ForwardMode.DECODE, 6
+    b.req_pool_indices = torch.tensor(row_of, device=dev)
+    b.seq_lens, b.seq_lens_cpu = torch.tensor(seq, device=dev), seq
+    b.prefix_lens, b.prefix_lens_cpu = torch.tensor([s - 1 for s in seq], device=dev), [s - 1 for s in seq]
+    b.extend_lens, b.extend_lens_cpu = torch.ones(6, dtype=torch.int64, device=dev), [1] * 6
+    assert_close(run(p), want, torch.float32)
 
 
 def test_registered_as_cuda_default_with_metadata():

@@ -70,6 +70,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supports_tree_mask = True  # the extend kernel takes ForwardBatch.tree_mask (verify of draft trees)
+    # forward_decode stores every row's k, v before the kernel reads the pool, and each row reads
+    # its own seq_len: rows may be consecutive tokens of one request (chain verify in decode graphs)
+    decode_rows_share_requests = True
 
     def __init__(
         self,

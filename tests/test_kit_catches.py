@@ -1,0 +1,123 @@
+"""The conformance kits added for speculative decoding fail on components that break their
+contract: a kit that passes everything would prove nothing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from radixserve.interfaces.drafter import Drafter, DraftProposal
+from radixserve.testing import ReferenceAttentionBackend, check_attention_backend, check_drafter
+
+SMALL = dict(heads=((2, 1, 32),), seeds=(0,), num_requests=3, decode_steps=1, tree_steps=2)
+
+
+class CopyDrafter(Drafter):
+    """A minimal correct drafter: proposes what followed the last token's previous occurrence."""
+
+    def __init__(self, info, **options) -> None:
+        self.info = info
+
+    def _draft(self, req, k: int) -> list[int]:
+        seq = req.origin_input_ids + req.output_ids
+        last = seq[-1]
+        for i in range(len(seq) - 2, -1, -1):
+            if seq[i] == last:
+                return seq[i + 1 : i + 1 + k]
+        return []
+
+    def propose(self, reqs, num_draft_tokens):
+        return DraftProposal([self._draft(r, num_draft_tokens) for r in reqs])
+
+
+def test_a_correct_drafter_passes():
+    check_drafter(CopyDrafter, topk=(1,), min_acceptance=0.5)
+
+
+@pytest.mark.parametrize("bug, message", [
+    ("too_long", "num_draft_tokens"),
+    ("missing_entry", "one entry per request"),
+    ("bad_token", "outside the vocabulary"),
+    ("bad_parent", "parents"),
+    ("random", "deterministic"),
+    ("keeps_state", "finished request's rid"),
+    ("keeps_req", "still holds the Req"),
+    ("mutates", "changed request"),
+])
+def test_a_broken_drafter_fails(bug, message):
+    class Broken(CopyDrafter):
+        def __init__(self, info, **options) -> None:
+            super().__init__(info)
+            self.rng = random.Random()  # unseeded: differs between two drafters
+            self.seen: dict[str, int] = {}
+            self.reqs: list = []
+
+        def propose(self, reqs, num_draft_tokens):
+            drafts = [self._draft(r, num_draft_tokens) for r in reqs]
+            parents = None
+            if bug == "too_long":
+                drafts = [d + [1] * (num_draft_tokens + 1 - len(d)) for d in drafts]
+            elif bug == "missing_entry":
+                drafts = drafts[:-1]
+            elif bug == "bad_token":
+                drafts = [d + [self.info.vocab_size] for d in drafts]
+                drafts = [d[-num_draft_tokens:] for d in drafts]
+            elif bug == "bad_parent":
+                parents = [[j for j in range(len(d))] for d in drafts]  # a token is its own parent
+            elif bug == "random":
+                drafts = [[self.rng.randrange(self.info.vocab_size)] for _ in reqs]
+            elif bug == "mutates":
+                reqs[0].output_ids.append(0)
+            for r in reqs:
+                self.seen[r.rid] = len(r.output_ids)
+                if bug == "keeps_req":
+                    self.reqs.append(r)
+            return DraftProposal(drafts, parents)
+
+        def on_finished(self, req):
+            if bug not in ("keeps_state", "keeps_req"):
+                self.seen.pop(req.rid, None)
+
+    with pytest.raises(AssertionError, match=message):
+        check_drafter(Broken, topk=(1,), seeds=(0,))
+
+
+def test_the_attention_kit_checks_tree_masks():
+    check_attention_backend(ReferenceAttentionBackend, **SMALL)
+
+    class IgnoresTheMask(ReferenceAttentionBackend):
+        def forward_extend(self, q, k, v, layer, batch):
+            batch.tree_mask = None  # plain causal attention instead of the tree
+            return super().forward_extend(q, k, v, layer, batch)
+
+    with pytest.raises(AssertionError, match="tree parents"):
+        check_attention_backend(IgnoresTheMask, **SMALL)
+
+    class NoTreeSupport(IgnoresTheMask):
+        supports_tree_mask = False  # then the kit gives it no trees, and it passes
+
+    check_attention_backend(NoTreeSupport, **SMALL)
+
+
+def test_a_chain_mask_must_equal_causal_extend():
+    class WrongWithoutMask(ReferenceAttentionBackend):
+        """Right with a mask, wrong for a plain extend of several tokens: only the chain check sees it."""
+
+        def forward_extend(self, q, k, v, layer, batch):
+            out = super().forward_extend(q, k, v, layer, batch)
+            if batch.tree_mask is None and max(batch.extend_lens_cpu) > 1 and self.verify_phase:
+                return out + 1.0
+            return out
+
+        verify_phase = False
+
+        def init_forward_metadata(self, batch):
+            if batch.tree_mask is not None:
+                WrongWithoutMask.verify_phase = True  # trees have started: prefill is over
+            super().init_forward_metadata(batch)
+
+    try:
+        with pytest.raises(AssertionError, match="causal"):
+            check_attention_backend(WrongWithoutMask, **SMALL)
+    finally:
+        WrongWithoutMask.verify_phase = False
