@@ -17,7 +17,7 @@ C="--model $M --load-format dummy --device cuda --dtype bfloat16 --input-len 102
 S="model.context_length=2048 stack.attention=triton"
 F='it/s\]\|tensor/s\]'
 {
-radixserve bench one-batch $C --batch-size 1 32 $S 2>&1 | grep -v "$F" | tail -3
+radixserve bench one-batch $C $S --batch-size 1 32 2>&1 | grep -v "$F" | tail -3
 radixserve bench one-batch $C --batch-size 1 32 --speculative oracle --speculative-num-draft-tokens 4 $S 2>&1 | grep -v "$F" | tail -3
 radixserve bench one-batch $C --batch-size 1 32 --speculative oracle --speculative-num-draft-tokens 4 \
   speculative.options.accept_len=0 $S 2>&1 | grep -v "$F" | tail -3
