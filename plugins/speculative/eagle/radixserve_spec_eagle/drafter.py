@@ -30,7 +30,9 @@ logger = logging.getLogger(__name__)
 class _ReqState:
     slots: torch.Tensor  # draft KV slots of the rows run so far (any order: rotary is applied)
     last_pos: int = -1  # highest position run or pending
-    pending: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (pos, token p+1, feature)
+    pending_pos: list[int] = field(default_factory=list)  # verified rows not yet run: position p,
+    pending_tok: list[int] = field(default_factory=list)  # token p + 1,
+    pending_feat: list[torch.Tensor] = field(default_factory=list)  # the target's features (chunks)
     root: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (pos, draft output, log-probs) of the last row
 
 
@@ -135,11 +137,16 @@ class EagleDrafter(Drafter):
             feats = rows.final if self.version == 2 else rows.aux
             if feats is None:
                 continue
+            take = []
             for j in verified_rows(rows, ids):
                 pos = rows.positions[j]
                 if pos > st.last_pos and pos + 1 < len(ids):
-                    st.pending.append((pos, ids[pos + 1], feats[j]))
+                    take.append(j)
+                    st.pending_pos.append(pos)
+                    st.pending_tok.append(ids[pos + 1])
                     st.last_pos = pos
+            if take:  # one gather per forward, not one slice per row
+                st.pending_feat.append(feats[torch.tensor(take, dtype=torch.int64, device=feats.device)])
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.head.embed_tokens is not None:
@@ -156,10 +163,10 @@ class EagleDrafter(Drafter):
 
     def _run_pending(self, st: _ReqState) -> None:
         """Run the newly verified rows into the draft's KV (kept) and remember the last one's output."""
-        pos = torch.tensor([p for p, _, _ in st.pending], dtype=torch.int64, device=self.pool.device)
-        ids = torch.tensor([t for _, t, _ in st.pending], dtype=torch.int64, device=self.pool.device)
-        feats = torch.stack([f for _, _, f in st.pending])
-        r = len(st.pending)
+        pos = torch.tensor(st.pending_pos, dtype=torch.int64, device=self.pool.device)
+        ids = torch.tensor(st.pending_tok, dtype=torch.int64, device=self.pool.device)
+        feats = torch.cat(st.pending_feat) if len(st.pending_feat) > 1 else st.pending_feat[0]
+        r = len(st.pending_pos)
         new = self.pool.alloc(r)
         slots = torch.cat([st.slots, new])
         mask = torch.ones(r, len(slots), dtype=torch.bool, device=self.pool.device)
@@ -171,13 +178,14 @@ class EagleDrafter(Drafter):
             return self._attention(q, self.pool.k[layer][slots], self.pool.v[layer][slots], mask)
 
         out = self.head.step(self._embed(ids), pos, feats, attend)
-        st.slots, st.pending = slots, []
-        st.root = (int(pos[-1]), out[-1:], self.head.log_probs(out[-1:], self.target.logits)[0])
+        st.slots = slots
+        st.pending_pos, st.pending_tok, st.pending_feat = [], [], []
+        st.root = (st.last_pos, out[-1:], self.head.log_probs(out[-1:], self.target.logits)[0])
 
     # ---- tree expansion ------------------------------------------------------------------------
     def _draft(self, req, limit: int) -> tuple[list[int], list[int]]:
         st = self._state(req.rid)
-        if st.pending:
+        if st.pending_pos:
             self._run_pending(st)
         if st.root is None or st.root[0] != len(req.all_ids()) - 2:
             return [], []  # features missing for the newest token: no draft this step
