@@ -52,12 +52,13 @@ def drafts(tmp_path_factory, target):
     }
 
 
-def _config(draft: str, topk: int = 1, num_draft_tokens: int = 4, num_steps: int | None = None) -> Config:
+def _config(draft: str, topk: int = 1, num_draft_tokens: int = 4, num_steps: int | None = None,
+            chunk: int = 2048) -> Config:
     return Config.build({
         "stack": {"prefix_cache": "radix", "speculative": "eagle"},
         "speculative": {"num_draft_tokens": num_draft_tokens, "topk": topk, "num_steps": num_steps,
                         "draft_model_path": draft, "adaptive_batch_size": 0},
-        "scheduler": {"max_total_tokens": 6000},
+        "scheduler": {"max_total_tokens": 6000, "chunked_prefill_size": chunk},
     })
 
 
@@ -67,6 +68,13 @@ class RecordingEagle(EagleDrafter):
     def __init__(self, info):
         super().__init__(info)
         self.proposals = []
+        self.rows_run: dict[str, int] = {}  # per request, draft rows run into the pool
+
+    def on_finished(self, req):
+        st = self.states.get(req.rid)
+        if st is not None:
+            self.rows_run[req.rid] = len(st.slots) + len(st.pending_pos)
+        super().on_finished(req)
 
     def propose(self, reqs, k):
         p = super().propose(reqs, k)
@@ -250,9 +258,13 @@ def test_a_draft_that_copies_the_target_is_accepted(tmp_path):
     ps = [[rng.randrange(VOCAB) for _ in range(120)] for _ in range(4)]
     plain = _run(_scheduler(runner, None), [_greedy(f"r{i}", p, 24) for i, p in enumerate(ps)])
     # trees: enough nodes that the first choices four deep are kept (the draft is rarely sure here)
-    for topk, n in ((1, 4), (2, 16)):
-        sched = _scheduler(runner, _config(draft, topk=topk, num_draft_tokens=n, num_steps=4 if topk > 1 else None))
+    # chunked prefill: the features of every chunk reach the draft
+    for topk, n, chunk in ((1, 4, 2048), (2, 16, 2048), (1, 4, 32)):
+        cfg = _config(draft, topk=topk, num_draft_tokens=n, num_steps=4 if topk > 1 else None, chunk=chunk)
+        sched = _scheduler(runner, cfg)
         assert _run(sched, [_greedy(f"r{i}", p, 24) for i, p in enumerate(ps)]) == plain
         # a random draft is accepted ~1/512 of the time: acceptance length ~1; at most 5 here
         assert sched.stats()["spec_accept_length"] > 3.5, (topk, sched.stats()["spec_accept_length"])
+        # a row for every position whose next token is known (prefill chunks included)
+        assert sched.drafter.rows_run == {f"r{i}": 120 + 24 - 1 for i in range(4)}, chunk
         _assert_released(sched.drafter)
