@@ -189,9 +189,36 @@ class EagleDrafter(Drafter):
             self._run_pending(st)
         if st.root is None or st.root[0] != len(req.all_ids()) - 2:
             return [], []  # features missing for the newest token: no draft this step
+        if self.topk == 1:
+            return self._chain(st, min(self.num_steps, limit)), []
+        return self._tree(st, limit)
+
+    def _chain(self, st: _ReqState, steps: int) -> list[int]:
+        """Greedy draft tokens, `steps` of them: the tree with k = 1, kept on the device until the
+        end (one host copy per request, no masks: each row sees every row before it)."""
         root_pos, root_out, root_lp = st.root
-        k = self.topk
-        steps = self.num_steps if k > 1 else min(self.num_steps, limit)
+        layers = len(self.head.layers)
+        keys = [self.pool.k[i][st.slots] for i in range(layers)]
+        values = [self.pool.v[i][st.slots] for i in range(layers)]
+        tok = self.head.to_target_ids(root_lp.argmax().view(1))
+        out, drafted = root_out, [tok]
+        for depth in range(1, steps):
+            pos = torch.full((1,), root_pos + depth, dtype=torch.int64, device=self.pool.device)
+
+            def attend(layer, q, kk, vv):
+                keys[layer] = torch.cat([keys[layer], kk])
+                values[layer] = torch.cat([values[layer], vv])
+                return self._attention(q, keys[layer], values[layer], None)
+
+            out = self.head.step(self._embed(tok), pos, out, attend)
+            tok = self.head.to_target_ids(self.head.log_probs(out, self.target.logits).argmax(-1))
+            drafted.append(tok)
+        return torch.cat(drafted).tolist()
+
+    def _tree(self, st: _ReqState, limit: int) -> tuple[list[int], list[int]]:
+        """EAGLE-2's dynamic tree (see the module docstring)."""
+        root_pos, root_out, root_lp = st.root
+        k, steps = self.topk, self.num_steps
         dev = self.pool.device
         lp, idx = root_lp.topk(k)
         toks = self.head.to_target_ids(idx).tolist()
