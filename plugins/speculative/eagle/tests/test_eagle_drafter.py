@@ -268,3 +268,28 @@ def test_a_draft_that_copies_the_target_is_accepted(tmp_path):
         # a row for every position whose next token is known (prefill chunks included)
         assert sched.drafter.rows_run == {f"r{i}": 120 + 24 - 1 for i in range(4)}, chunk
         _assert_released(sched.drafter)
+
+
+def test_retraction_under_memory_pressure(target, drafts):
+    """A small KV pool forces retraction (the request re-prefills, with the radix cache serving
+    part of it): the drafter keeps its draft cache, outputs stay the target's, nothing leaks."""
+    path, _ = target
+    cfg = Config.build({
+        "model": {"path": path},
+        "stack": {"attention": "torch_native"},
+        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
+        "scheduler": {"max_total_tokens": 400, "max_running_requests": 64},
+    })
+    runner = ModelRunner(cfg, show_progress=False)
+    rng = random.Random(11)
+    ps = [[rng.randrange(VOCAB) for _ in range(rng.randint(20, 40))] for _ in range(10)]
+    sched_cfg = {"max_total_tokens": 400, "chunked_prefill_size": 16, "schedule_conservativeness": 0.05}
+    plain_sched = _scheduler(runner, Config.build({"stack": {"prefix_cache": "radix"}, "scheduler": sched_cfg}))
+    plain = _run(plain_sched, [_greedy(f"r{i}", p, 40) for i, p in enumerate(ps)])
+    spec = _config(drafts["eagle3"], num_draft_tokens=3).model_dump()
+    spec["scheduler"].update(sched_cfg)
+    sched = _scheduler(runner, Config.build({k: spec[k] for k in ("stack", "speculative", "scheduler")}))
+    assert _run(sched, [_greedy(f"r{i}", p, 40) for i, p in enumerate(ps)]) == plain
+    assert sched.stats()["retractions"] > 0
+    assert sched.stats()["spec_verifies"] > 0
+    _assert_released(sched.drafter)
