@@ -293,3 +293,19 @@ def test_retraction_under_memory_pressure(target, drafts):
     assert sched.stats()["retractions"] > 0
     assert sched.stats()["spec_verifies"] > 0
     _assert_released(sched.drafter)
+
+
+def test_seeded_sampling_identical_on_and_off(target, drafts):
+    """Sampled rows verify EAGLE drafts by the target's own seeded draw: same tokens as without."""
+    _, runner = target
+
+    def sampled(rid, prompt):
+        sp = SamplingParams(max_new_tokens=16, temperature=0.7, top_k=5, ignore_eos=True, seed=123)
+        return GenerateRequest(rid=rid, input_ids=prompt, sampling_params=sp)
+
+    ps = _prompts(4, seed=21)
+    plain = _run(_scheduler(runner, None), [sampled(f"r{i}", p) for i, p in enumerate(ps)])
+    for topk in (1, 3):
+        sched = _scheduler(runner, _config(drafts["eagle2"], topk=topk, num_draft_tokens=6, num_steps=3))
+        assert _run(sched, [sampled(f"r{i}", p) for i, p in enumerate(ps)]) == plain
+        _assert_released(sched.drafter)
