@@ -116,12 +116,17 @@ class EagleDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, reqs, num_draft_tokens: int) -> DraftProposal:
+        ready = [self._ready(req) for req in reqs]
+        if self.topk == 1:  # chains: every request's steps in one batched draft forward
+            live = [st for st in ready if st is not None]
+            chains = iter(self._chains(live, min(self.num_steps, num_draft_tokens)) if live else [])
+            return DraftProposal([next(chains) if st is not None else [] for st in ready])
         tokens, parents = [], []
-        for req in reqs:
-            t, p = self._draft(req, num_draft_tokens)
+        for st in ready:
+            t, p = self._tree(st, num_draft_tokens) if st is not None else ([], [])
             tokens.append(t)
             parents.append(p)
-        return DraftProposal(tokens, parents if self.topk > 1 else None)
+        return DraftProposal(tokens, parents)
 
     # ---- features in, rows through the draft ---------------------------------------------------
     def _state(self, rid: str) -> _ReqState:
@@ -183,37 +188,57 @@ class EagleDrafter(Drafter):
         st.root = (st.last_pos, out[-1:], self.head.log_probs(out[-1:], self.target.logits)[0])
 
     # ---- tree expansion ------------------------------------------------------------------------
-    def _draft(self, req, limit: int) -> tuple[list[int], list[int]]:
+    def _ready(self, req) -> _ReqState | None:
+        """The request's state with its verified rows run, or None when the features of its newest
+        token are missing (no draft this step)."""
         st = self._state(req.rid)
         if st.pending_pos:
             self._run_pending(st)
         if st.root is None or st.root[0] != len(req.all_ids()) - 2:
-            return [], []  # features missing for the newest token: no draft this step
-        if self.topk == 1:
-            return self._chain(st, min(self.num_steps, limit)), []
-        return self._tree(st, limit)
+            return None
+        return st
 
-    def _chain(self, st: _ReqState, steps: int) -> list[int]:
-        """Greedy draft tokens, `steps` of them: the tree with k = 1, kept on the device until the
-        end (one host copy per request, no masks: each row sees every row before it)."""
-        root_pos, root_out, root_lp = st.root
-        layers = len(self.head.layers)
-        keys = [self.pool.k[i][st.slots] for i in range(layers)]
-        values = [self.pool.v[i][st.slots] for i in range(layers)]
-        tok = self.head.to_target_ids(root_lp.argmax().view(1))
-        out, drafted = root_out, [tok]
+    def _chains(self, sts: list[_ReqState], steps: int) -> list[list[int]]:
+        """Greedy chains of `steps` tokens for several requests at once (the tree with k = 1): each
+        request's cached keys padded into one batch, the new rows written after them, tokens kept
+        on the device until one host copy at the end."""
+        dev, b = self.pool.device, len(sts)
+        lens = torch.tensor([len(st.slots) for st in sts], dtype=torch.int64, device=dev)
+        width = max(len(st.slots) for st in sts) + steps
+        keys, values = [], []
+        for layer in range(len(self.head.layers)):
+            k = torch.zeros(b, width, *self.pool.shape, dtype=self.pool.dtype, device=dev)
+            v = torch.zeros_like(k)
+            for i, st in enumerate(sts):
+                k[i, : len(st.slots)] = self.pool.k[layer][st.slots]
+                v[i, : len(st.slots)] = self.pool.v[layer][st.slots]
+            keys.append(k)
+            values.append(v)
+        root_pos = torch.tensor([st.root[0] for st in sts], dtype=torch.int64, device=dev)
+        out = torch.cat([st.root[1] for st in sts])
+        tok = self.head.to_target_ids(torch.stack([st.root[2] for st in sts]).argmax(-1))
+        drafted, rows, cols = [tok], torch.arange(b, device=dev), torch.arange(width, device=dev)
         for depth in range(1, steps):
-            pos = torch.full((1,), root_pos + depth, dtype=torch.int64, device=self.pool.device)
+            at = lens + depth - 1  # where each request's new row goes
+            mask = (cols[None, :] <= at[:, None])[:, None, None, :]
 
-            def attend(layer, q, kk, vv):
-                keys[layer] = torch.cat([keys[layer], kk])
-                values[layer] = torch.cat([values[layer], vv])
-                return self._attention(q, keys[layer], values[layer], None)
+            def attend(layer, q, kk, vv, at=at, mask=mask):
+                keys[layer][rows, at] = kk
+                values[layer][rows, at] = vv
+                return self._attention_padded(q, keys[layer], values[layer], mask)
 
-            out = self.head.step(self._embed(tok), pos, out, attend)
+            out = self.head.step(self._embed(tok), root_pos + depth, out, attend)
             tok = self.head.to_target_ids(self.head.log_probs(out, self.target.logits).argmax(-1))
             drafted.append(tok)
-        return torch.cat(drafted).tolist()
+        return torch.stack(drafted, dim=1).tolist()
+
+    def _attention_padded(self, q, keys, values, mask) -> torch.Tensor:
+        """One query row per request: q [b, H, d], keys/values [b, T, KV, d], mask [b, 1, 1, T]."""
+        rep = q.shape[1] // keys.shape[2]
+        k = keys.repeat_interleave(rep, dim=2).transpose(1, 2)
+        v = values.repeat_interleave(rep, dim=2).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask)
+        return out.reshape(q.shape[0], -1)
 
     def _tree(self, st: _ReqState, limit: int) -> tuple[list[int], list[int]]:
         """EAGLE-2's dynamic tree (see the module docstring)."""
