@@ -10,6 +10,7 @@ import torch
 from radixserve import native
 from radixserve.config import Config
 from radixserve.interfaces import AttentionRunnerInfo
+from radixserve.interfaces.target_states import HiddenRows, TargetStates
 from radixserve.layers.logits import select_logit_rows
 from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.memory import KVPool, ReqToTokenPool, TokenAllocator, tokens_for_budget
@@ -77,6 +78,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graph_runner = None
         self.last_run_used_cuda_graph = False
+        self.target_states = self._target_states()
         if self.device.type == "cuda" and rt.cuda_graph:
             self._init_cuda_graphs()
 
@@ -162,6 +164,48 @@ class ModelRunner:
         except Exception as e:  # keep serving, but loudly: decode is then several times slower
             logger.error("CUDA graph capture failed (%r); decode runs eagerly. Disable with runtime.cuda_graph=false", e)
             torch.cuda.synchronize(self.device)
+
+    def _target_states(self) -> TargetStates:
+        """What a drafter may read of the model (docs/contracts.md, "Target hidden states")."""
+        model = self.model
+        capable = bool(getattr(model, "supports_aux_hidden_states", False))
+
+        def enable(final: bool, aux_layers: tuple[int, ...]) -> None:
+            if aux_layers:
+                model.set_aux_hidden_state_layers(tuple(aux_layers))
+
+        def embed(ids: torch.Tensor) -> torch.Tensor:
+            if not capable:
+                raise NotImplementedError(f"{type(model).__name__} does not expose its input embedding")
+            with torch.inference_mode():
+                return model.embed_input_ids(ids)
+
+        def logits(hidden: torch.Tensor) -> torch.Tensor:
+            with torch.inference_mode():
+                return model.compute_logits(hidden)
+
+        return TargetStates(
+            int(self.hf_config.num_hidden_layers), int(self.hf_config.hidden_size), self.vocab_size, self.dtype, capable,
+            enable, embed, logits,
+        )
+
+    def _record_hidden(self, sb: ScheduledBatch, hidden: torch.Tensor) -> None:
+        """Hand each request's rows of this forward to the drafter (only while one asked)."""
+        ts = self.target_states
+        aux = None
+        if ts.aux_layers:
+            aux = torch.cat(list(self.model.aux_hidden_states), dim=-1)
+        at = 0
+        for i, (req, p, n) in enumerate(zip(sb.reqs, sb.prefix_lens, sb.extend_lens, strict=True)):
+            parents = sb.spec.parents[i] if sb.spec is not None else None
+            positions = [p + d for d in _depths(parents)] if parents is not None else list(range(p, p + n))
+            tokens = list(sb.input_ids[at : at + n]) if sb.future_inputs is None else []
+            ts.record(req.rid, HiddenRows(
+                positions, tokens, list(parents) if parents is not None else None,
+                hidden[at : at + n].clone() if ts.final else None,
+                aux[at : at + n].clone() if aux is not None else None,
+            ))
+            at += n
 
     def warmup(self) -> None:
         """One tiny prefill + decode before serving: JIT-compiled kernels (Triton's extend kernel,
@@ -287,12 +331,18 @@ class ModelRunner:
         if sb.mode is ForwardMode.DECODE and any(e != 1 for e in sb.extend_lens):
             raise ValueError("DECODE batches must have extend_lens == 1 for every request")
         fb = self.prepare(sb)
-        # a chain verify prepared as decode rows is a DECODE batch and may replay a decode graph
-        self.last_run_used_cuda_graph = self.graph_runner is not None and self.graph_runner.can_run(fb)
+        # a chain verify prepared as decode rows is a DECODE batch and may replay a decode graph;
+        # the decode graphs do not record hidden states, so a drafter that reads them runs eagerly
+        recording = self.target_states.recording
+        self.last_run_used_cuda_graph = (
+            not recording and self.graph_runner is not None and self.graph_runner.can_run(fb)
+        )
         if self.last_run_used_cuda_graph:
             return self.graph_runner.run(fb)[:, : self.vocab_size], False
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
+        if recording and sb.reqs:
+            self._record_hidden(sb, hidden)
         if sb.spec is None or fb.mode is ForwardMode.DECODE:  # a verify scores every new token
             hidden = select_logit_rows(hidden, fb)
         if greedy_ids:

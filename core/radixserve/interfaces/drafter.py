@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from radixserve.interfaces.target_states import TargetStates
     from radixserve.state import Req
 
 
@@ -44,6 +45,9 @@ class DrafterInfo:
     eos_token_ids: frozenset[int] = frozenset()
     hf_config: Any = None  # the target's Hugging Face config object (None in toy setups)
     extra: dict[str, Any] = field(default_factory=dict)  # reserved for later capabilities
+    # the target's hidden states, embedding and LM head (radixserve.interfaces.target_states);
+    # None when the runner offers none (toy runners). Added in plugin API 1.1.
+    target_states: TargetStates | None = None
 
 
 class Drafter(abc.ABC):

@@ -75,6 +75,35 @@ class Model(nn.Module, abc.ABC):
         """
         return None
 
+    # ---- hidden-state capture (for drafters such as EAGLE) ------------------------------------
+    supports_aux_hidden_states: bool = False
+    """Class flag: the model implements `set_aux_hidden_state_layers` and `embed_input_ids`.
+    Added in plugin API 1.1."""
+
+    aux_hidden_states: list[torch.Tensor] | None = None
+    """After a `forward` with capture on: one `[num_tokens, hidden]` tensor per requested layer, in
+    the requested order (the residual stream after that decoder layer, before the next layer's
+    input norm). None when capture is off. The runner reads it right after `forward`.
+    Added in plugin API 1.1."""
+
+    def set_aux_hidden_state_layers(self, layer_ids: tuple[int, ...]) -> None:
+        """Capture, on every later `forward`, the residual stream after each decoder layer in
+        `layer_ids` (0-based) into `aux_hidden_states`; `()` turns capture off (then `forward`
+        must cost nothing extra). Only called when `supports_aux_hidden_states` is True.
+
+        Added in plugin API 1.1.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not capture intermediate hidden states")
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings `[n, hidden]` the model's first layer reads for `input_ids` (a
+        draft model that shares the target's embedding uses it). Only called when
+        `supports_aux_hidden_states` is True.
+
+        Added in plugin API 1.1.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not expose its input embedding")
+
     @abc.abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named weights; return the names of parameters that received data.

@@ -24,6 +24,7 @@ def drafter_info(config: Config, runner: Any) -> DrafterInfo:
         draft_model_path=spec.draft_model_path,
         eos_token_ids=frozenset(getattr(runner, "eos_token_ids", ()) or ()),
         hf_config=getattr(runner, "hf_config", None),
+        target_states=getattr(runner, "target_states", None),
     )
 
 

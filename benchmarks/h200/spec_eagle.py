@@ -1,0 +1,181 @@
+"""EAGLE draft overhead on the GPU (issue 13: the draft's steps per verify cost at most 25% of the
+verify step at batch 1). Llama-3.1-8B shape with dummy weights; a random EAGLE head of the
+published layout is written on the fly (EAGLE-3 by default: fc over 3 x 4096, one 2H-wide
+decoder layer, a 32k draft vocabulary; `--layout eagle2` for EAGLE-2).
+
+Each verify step is split into the drafter's `propose` (all draft work: the rows verified last
+step run into the draft KV, then `num_steps` tree levels) and the rest of the scheduler step (the
+verify forward, acceptance, bookkeeping). A random head is rarely accepted, so each propose runs
+one new row plus the tree; the cost of the tree steps does not depend on acceptance.
+
+    python benchmarks/h200/spec_eagle.py --out $OUT [--layout eagle3] [--topk 1] [--num-steps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+MODEL = "benchmarks/model-configs/llama-3.1-8b"
+
+
+def write_head(path: Path, layout: str, target: dict, draft_vocab: int) -> str:
+    from safetensors.torch import save_file
+
+    h, inter = target["hidden_size"], target["intermediate_size"]
+    nh, nkv, hd = target["num_attention_heads"], target["num_key_value_heads"], target["head_dim"]
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape):
+        return (0.02 * torch.randn(*shape, generator=g)).to(torch.bfloat16)
+
+    width = 2 * h if layout == "eagle3" else h
+    pre = "midlayer" if layout == "eagle3" else "layers.0"
+    t = {
+        f"{pre}.self_attn.q_proj.weight": rnd(nh * hd, width),
+        f"{pre}.self_attn.k_proj.weight": rnd(nkv * hd, width),
+        f"{pre}.self_attn.v_proj.weight": rnd(nkv * hd, width),
+        f"{pre}.self_attn.o_proj.weight": rnd(h, nh * hd),
+        f"{pre}.mlp.gate_proj.weight": rnd(inter, h),
+        f"{pre}.mlp.up_proj.weight": rnd(inter, h),
+        f"{pre}.mlp.down_proj.weight": rnd(h, inter),
+        f"{pre}.post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+    }
+    cfg = {k: target[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                  "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+                                  "rope_scaling")}
+    if layout == "eagle3":
+        t.update({
+            "fc.weight": rnd(h, 3 * h),
+            f"{pre}.input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            f"{pre}.hidden_norm.weight": torch.ones(h, dtype=torch.bfloat16),
+            "norm.weight": torch.ones(h, dtype=torch.bfloat16),
+            "lm_head.weight": rnd(draft_vocab, h),
+            "d2t": torch.zeros(draft_vocab, dtype=torch.int64),  # the first draft_vocab target ids
+            "t2d": torch.arange(target["vocab_size"]) < draft_vocab,
+        })
+        cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab, num_hidden_layers=1)
+    else:
+        t.update({"fc.weight": rnd(h, 2 * h), "fc.bias": rnd(h)})
+        cfg.update(architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file(t, str(path / "model.safetensors"))
+    return str(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layout", choices=("eagle2", "eagle3"), default="eagle3")
+    ap.add_argument("--topk", type=int, default=1)
+    ap.add_argument("--num-steps", type=int, default=4)
+    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=96)
+    ap.add_argument("--model", default=MODEL)  # a config dir (dummy weights); tiny ones smoke-test on CPU
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--attention", default="triton")
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    args = ap.parse_args()
+
+    from radixserve.config import Config
+    from radixserve.model_runner import ModelRunner
+    from radixserve.plugins.registry import Registry
+    from radixserve.runtime.messages import GenerateRequest
+    from radixserve.scheduler import Scheduler
+    from radixserve.scheduler.speculative.setup import build_drafter
+    from radixserve.state import SamplingParams
+
+    target = json.loads(Path(args.model, "config.json").read_text())
+    target.setdefault("head_dim", target["hidden_size"] // target["num_attention_heads"])
+    target.setdefault("rope_theta", 10000.0)
+    target.setdefault("rope_scaling", None)
+    head_dir = write_head(Path(tempfile.mkdtemp()) / args.layout, args.layout, target, args.draft_vocab)
+    cuda = args.device == "cuda"
+    base = {
+        "model": {"path": args.model, "load_format": "dummy", "context_length": 4096},
+        "stack": {"attention": args.attention, "prefix_cache": "radix"},
+        "runtime": {"device": args.device, "dtype": "bfloat16" if cuda else "float32"},
+    }
+    spec = {"num_draft_tokens": args.num_draft_tokens, "topk": args.topk, "num_steps": args.num_steps,
+            "draft_model_path": head_dir, "adaptive_batch_size": 0}
+    cfg = Config.build({**base, "stack": {**base["stack"], "speculative": "eagle"}, "speculative": spec})
+    registry = Registry.from_config(cfg)
+    runner = ModelRunner(cfg, registry, show_progress=False)
+    runner.warmup()
+    prompt = [int(x) for x in torch.randint(0, min(30000, target["vocab_size"]), (args.input_len,), generator=torch.Generator().manual_seed(1))]
+
+    def timed_run(sched) -> tuple[list[float], list[float]]:
+        """(step ms, propose ms within it, or 0 for steps without a propose) for one request."""
+        proposes: list[float] = []
+        drafter = sched.drafter
+        if drafter is not None:
+            inner = drafter.propose
+
+            def propose(reqs, k):
+                sync()
+                t0 = time.perf_counter()
+                out = inner(reqs, k)
+                sync()
+                proposes.append((time.perf_counter() - t0) * 1e3)
+                return out
+
+            drafter.propose = propose
+        sched.add_request(GenerateRequest(rid="r", input_ids=prompt, sampling_params=SamplingParams(
+            max_new_tokens=args.output_len, temperature=0, ignore_eos=True)))
+        steps, props = [], []
+        while sched.has_work():
+            n_before = len(proposes)
+            sync()
+            t0 = time.perf_counter()
+            sched.step()
+            sync()
+            steps.append((time.perf_counter() - t0) * 1e3)
+            props.append(proposes[-1] if len(proposes) > n_before else 0.0)
+        sched.flush_cache()
+        return steps[1:], props[1:]  # the prefill step is not a decode / verify step
+
+    def scheduler(with_drafter: bool):
+        c = cfg if with_drafter else Config.build(base)
+        cache = registry.load("prefix_cache", "radix")(runner.req_to_token_pool, runner.token_allocator)
+        drafter = build_drafter(c, runner, registry) if with_drafter else None
+        return Scheduler(c, runner, cache, registry.load("policy", "fcfs")(), drafter=drafter)
+
+    plain_steps, _ = timed_run(scheduler(False))  # recording is on (the drafter asked): eager decode
+    timed_run(scheduler(True))  # untimed pass: compiles, warms the draft pool
+    steps, props = timed_run(scheduler(True))
+    verify = [s - p for s, p in zip(steps, props, strict=True) if p > 0]
+    props = [p for p in props if p > 0]
+    res = {
+        "layout": args.layout, "topk": args.topk, "num_steps": args.num_steps,
+        "num_draft_tokens": args.num_draft_tokens, "input_len": args.input_len,
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "plain_decode_step_ms": statistics.median(plain_steps),
+        "propose_ms": statistics.median(props), "verify_step_ms": statistics.median(verify),
+        "verify_steps": len(verify),
+    }
+    res["propose_over_verify"] = res["propose_ms"] / res["verify_step_ms"]
+    res["target_met"] = res["propose_over_verify"] <= 0.25
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "spec_eagle.jsonl", "a") as f:
+        f.write(json.dumps(res) + "\n")
+    json.dump(res, sys.stdout)
+    print()
+
+
+if __name__ == "__main__":
+    main()

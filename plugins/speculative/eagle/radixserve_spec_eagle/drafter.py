@@ -1,0 +1,305 @@
+"""EagleDrafter: drafts with an EAGLE-2 / EAGLE-3 head fed the target's hidden states.
+
+Sequence bookkeeping: the draft row at position p reads (token p + 1, the target's feature at p)
+and predicts token p + 2, so once the target has verified tokens 0..L-1 (and computed features for
+0..L-2) the row at L-2 predicts the first draft token. `on_accepted` collects the new features
+(`DrafterInfo.target_states.take`); `propose` runs the pending rows into the draft's KV pool (kept
+for the request's life) and then expands a tree from the last row: top-k children per frontier
+node, a frontier of the k best by cumulative draft log-probability, `num_steps` levels, and keeps
+the best `num_draft_tokens` nodes (EAGLE-2's dynamic tree; topk 1 gives a chain). The tree rows'
+KV is scratch: dropped after `propose`, the verified path comes back as features later."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from radixserve.interfaces.drafter import Drafter, DrafterInfo, DraftProposal
+from radixserve.interfaces.target_states import HiddenRows
+
+from radixserve_spec_eagle.checkpoint import KEY, default_aux_layers, load_checkpoint
+from radixserve_spec_eagle.head import EagleHead
+from radixserve_spec_eagle.kv_pool import DraftKVPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _ReqState:
+    slots: torch.Tensor  # draft KV slots of the rows run so far (any order: rotary is applied)
+    last_pos: int = -1  # highest position run or pending
+    pending_pos: list[int] = field(default_factory=list)  # verified rows not yet run: position p,
+    pending_tok: list[int] = field(default_factory=list)  # token p + 1,
+    pending_feat: list[torch.Tensor] = field(default_factory=list)  # the target's features (chunks)
+    root: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (pos, draft output, log-probs) of the last row
+
+
+def verified_rows(rows: HiddenRows, ids: list[int]) -> list[int]:
+    """Indices of `rows` that belong to the request's verified sequence `ids`: for a prefill or
+    decode step those whose token is the sequence's; for a verify step the accepted path (from
+    each node, the first child carrying the next verified token, as the core accepts)."""
+    pos, toks = rows.positions, rows.token_ids
+    if rows.parents is None:
+        return [j for j, p in enumerate(pos) if p < len(ids) and (not toks or ids[p] == toks[j])]
+    if not toks or pos[0] >= len(ids) or ids[pos[0]] != toks[0]:
+        return []
+    path, node = [0], 0
+    while pos[node] + 1 < len(ids):
+        want = ids[pos[node] + 1]
+        child = next((c for c in range(node + 1, len(pos)) if rows.parents[c] == node and toks[c] == want), None)
+        if child is None:
+            break
+        path.append(child)
+        node = child
+    return path
+
+
+def best_nodes(scores: list[float], parents: list[int], limit: int) -> list[int]:
+    """Up to `limit` node indices with the highest scores whose parent (-1: the root) is kept too,
+    in index order (parents were created before their children)."""
+    kept: set[int] = set()
+    while len(kept) < limit:  # cumulative log-probs never rise along a path: one round in practice
+        open_ = [i for i in range(len(scores)) if i not in kept and (parents[i] == -1 or parents[i] in kept)]
+        if not open_:
+            break
+        kept.add(max(open_, key=lambda i: (scores[i], -i)))
+    return sorted(kept)
+
+
+class EagleDrafter(Drafter):
+    """Component "eagle" of kind "drafter" (radixserve-spec-eagle). No options of its own: the
+    draft checkpoint is `speculative.draft_model_path`, the tree shape `speculative.topk`,
+    `num_steps` and `num_draft_tokens`."""
+
+    def __init__(self, info: DrafterInfo) -> None:
+        super().__init__(info)
+        ts = info.target_states
+        if ts is None:
+            raise ValueError("stack.speculative=eagle needs the target's hidden states; this runner offers none")
+        ckpt = load_checkpoint(info.draft_model_path)
+        cfg = ckpt.config
+        if "embed_tokens.weight" not in ckpt.tensors and cfg.hidden_size != ts.hidden_size:
+            raise ValueError(f"{KEY}: the draft's hidden size {cfg.hidden_size} differs from the target's "
+                             f"{ts.hidden_size} and the draft has no embedding of its own")
+        if ckpt.version == 2:
+            if cfg.hidden_size != ts.hidden_size:
+                raise ValueError(f"{KEY}: an EAGLE-2 head of hidden size {cfg.hidden_size} cannot read the "
+                                 f"target's {ts.hidden_size}-wide hidden states")
+            ts.request(final=True)
+        else:
+            aux = default_aux_layers(cfg, ts.num_layers)
+            fc_in = ckpt.tensors["fc.weight"].shape[1]
+            if fc_in != len(aux) * ts.hidden_size:
+                raise ValueError(f"{KEY}: the EAGLE-3 fc reads {fc_in} features, the target gives "
+                                 f"{len(aux)} x {ts.hidden_size}")
+            ts.request(aux_layers=aux)
+        self.version = ckpt.version
+        self.target = ts
+        self.head = EagleHead(ckpt, ts.vocab_size).to(device=info.device, dtype=ts.dtype).eval()
+        self.pool = DraftKVPool(len(self.head.layers), cfg.num_key_value_heads, cfg.head_dim, ts.dtype, info.device)
+        self.topk = max(1, info.topk) if info.supports_tree else 1
+        self.num_steps = max(1, info.num_steps)
+        self.states: dict[str, _ReqState] = {}
+
+    # ---- the Drafter contract ------------------------------------------------------------------
+    @torch.inference_mode()
+    def on_accepted(self, req, accepted: list[int]) -> None:
+        self._collect(req)
+
+    def on_finished(self, req) -> None:
+        self.target.discard(req.rid)
+        st = self.states.pop(req.rid, None)
+        if st is not None and st.slots.numel():
+            self.pool.free(st.slots)
+
+    @torch.inference_mode()
+    def propose(self, reqs, num_draft_tokens: int) -> DraftProposal:
+        ready = [self._ready(req) for req in reqs]
+        if self.topk == 1:  # chains: every request's steps in one batched draft forward
+            live = [st for st in ready if st is not None]
+            chains = iter(self._chains(live, min(self.num_steps, num_draft_tokens)) if live else [])
+            return DraftProposal([next(chains) if st is not None else [] for st in ready])
+        tokens, parents = [], []
+        for st in ready:
+            t, p = self._tree(st, num_draft_tokens) if st is not None else ([], [])
+            tokens.append(t)
+            parents.append(p)
+        return DraftProposal(tokens, parents)
+
+    # ---- features in, rows through the draft ---------------------------------------------------
+    def _state(self, rid: str) -> _ReqState:
+        st = self.states.get(rid)
+        if st is None:
+            st = self.states[rid] = _ReqState(torch.empty(0, dtype=torch.int64, device=self.pool.device))
+        return st
+
+    def _collect(self, req) -> None:
+        st = self._state(req.rid)
+        ids = req.all_ids()
+        for rows in self.target.take(req.rid):
+            feats = rows.final if self.version == 2 else rows.aux
+            if feats is None:
+                continue
+            take = []
+            for j in verified_rows(rows, ids):
+                pos = rows.positions[j]
+                if pos > st.last_pos and pos + 1 < len(ids):
+                    take.append(j)
+                    st.pending_pos.append(pos)
+                    st.pending_tok.append(ids[pos + 1])
+                    st.last_pos = pos
+            if take:  # one gather per forward, not one slice per row
+                st.pending_feat.append(feats[torch.tensor(take, dtype=torch.int64, device=feats.device)])
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.head.embed_tokens is not None:
+            return self.head.embed_tokens(ids)
+        return self.target.embed(ids)
+
+    def _attention(self, q, keys, values, mask) -> torch.Tensor:
+        """q [r, H, d], keys/values [T, KV, d], mask [r, T] (True: may attend) -> [r, H * d]."""
+        rep = q.shape[1] // keys.shape[1]
+        k = keys.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
+        v = values.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask)
+        return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+    def _run_pending(self, st: _ReqState) -> None:
+        """Run the newly verified rows into the draft's KV (kept) and remember the last one's output."""
+        pos = torch.tensor(st.pending_pos, dtype=torch.int64, device=self.pool.device)
+        ids = torch.tensor(st.pending_tok, dtype=torch.int64, device=self.pool.device)
+        feats = torch.cat(st.pending_feat) if len(st.pending_feat) > 1 else st.pending_feat[0]
+        r = len(st.pending_pos)
+        new = self.pool.alloc(r)
+        slots = torch.cat([st.slots, new])
+        mask = torch.ones(r, len(slots), dtype=torch.bool, device=self.pool.device)
+        mask[:, len(st.slots):] = torch.tril(mask[:, len(st.slots):])
+
+        def attend(layer, q, k, v):
+            self.pool.k[layer][new] = k
+            self.pool.v[layer][new] = v
+            return self._attention(q, self.pool.k[layer][slots], self.pool.v[layer][slots], mask)
+
+        out = self.head.step(self._embed(ids), pos, feats, attend)
+        st.slots = slots
+        st.pending_pos, st.pending_tok, st.pending_feat = [], [], []
+        st.root = (st.last_pos, out[-1:], self.head.log_probs(out[-1:], self.target.logits)[0])
+
+    # ---- tree expansion ------------------------------------------------------------------------
+    def _ready(self, req) -> _ReqState | None:
+        """The request's state with its verified rows run, or None when the features of its newest
+        token are missing (no draft this step)."""
+        st = self._state(req.rid)
+        if st.pending_pos:
+            self._run_pending(st)
+        if st.root is None or st.root[0] != len(req.all_ids()) - 2:
+            return None
+        return st
+
+    def _chains(self, sts: list[_ReqState], steps: int) -> list[list[int]]:
+        """Greedy chains of `steps` tokens for several requests at once (the tree with k = 1): each
+        request's cached keys padded into one batch, the new rows written after them, tokens kept
+        on the device until one host copy at the end."""
+        dev, b = self.pool.device, len(sts)
+        lens = torch.tensor([len(st.slots) for st in sts], dtype=torch.int64, device=dev)
+        width = max(len(st.slots) for st in sts) + steps
+        keys, values = [], []
+        for layer in range(len(self.head.layers)):
+            k = torch.zeros(b, width, *self.pool.shape, dtype=self.pool.dtype, device=dev)
+            v = torch.zeros_like(k)
+            for i, st in enumerate(sts):
+                k[i, : len(st.slots)] = self.pool.k[layer][st.slots]
+                v[i, : len(st.slots)] = self.pool.v[layer][st.slots]
+            keys.append(k)
+            values.append(v)
+        root_pos = torch.tensor([st.root[0] for st in sts], dtype=torch.int64, device=dev)
+        out = torch.cat([st.root[1] for st in sts])
+        tok = self.head.to_target_ids(torch.stack([st.root[2] for st in sts]).argmax(-1))
+        drafted, rows, cols = [tok], torch.arange(b, device=dev), torch.arange(width, device=dev)
+        for depth in range(1, steps):
+            at = lens + depth - 1  # where each request's new row goes
+            mask = (cols[None, :] <= at[:, None])[:, None, None, :]
+
+            def attend(layer, q, kk, vv, at=at, mask=mask):
+                keys[layer][rows, at] = kk
+                values[layer][rows, at] = vv
+                return self._attention_padded(q, keys[layer], values[layer], mask)
+
+            out = self.head.step(self._embed(tok), root_pos + depth, out, attend)
+            tok = self.head.to_target_ids(self.head.log_probs(out, self.target.logits).argmax(-1))
+            drafted.append(tok)
+        return torch.stack(drafted, dim=1).tolist()
+
+    def _attention_padded(self, q, keys, values, mask) -> torch.Tensor:
+        """One query row per request: q [b, H, d], keys/values [b, T, KV, d], mask [b, 1, 1, T]."""
+        rep = q.shape[1] // keys.shape[2]
+        k = keys.repeat_interleave(rep, dim=2).transpose(1, 2)
+        v = values.repeat_interleave(rep, dim=2).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask)
+        return out.reshape(q.shape[0], -1)
+
+    def _tree(self, st: _ReqState, limit: int) -> tuple[list[int], list[int]]:
+        """EAGLE-2's dynamic tree (see the module docstring)."""
+        root_pos, root_out, root_lp = st.root
+        k, steps = self.topk, self.num_steps
+        dev = self.pool.device
+        lp, idx = root_lp.topk(k)
+        toks = self.head.to_target_ids(idx).tolist()
+        tokens, parents, scores, depth = list(toks), [-1] * k, lp.tolist(), [1] * k
+        feat = {i: root_out[0] for i in range(k)}  # node -> the feature its draft row reads
+        frontier = list(range(k))
+        layers = len(self.head.layers)
+        spec_k = [torch.empty(0, *self.pool.shape, dtype=self.pool.dtype, device=dev) for _ in range(layers)]
+        spec_v = [torch.empty(0, *self.pool.shape, dtype=self.pool.dtype, device=dev) for _ in range(layers)]
+        spec_nodes: list[int] = []  # the node of each scratch row
+        prefix_k = [self.pool.k[i][st.slots] for i in range(layers)]
+        prefix_v = [self.pool.v[i][st.slots] for i in range(layers)]
+        for _ in range(1, steps):
+            r = len(frontier)
+            ancestors = [self._ancestors(n, parents) for n in frontier]
+            mask = torch.ones(r, len(st.slots) + len(spec_nodes) + r, dtype=torch.bool)
+            for a, anc in enumerate(ancestors):
+                for s, node in enumerate(spec_nodes):
+                    mask[a, len(st.slots) + s] = node in anc
+                mask[a, len(st.slots) + len(spec_nodes):] = False
+                mask[a, len(st.slots) + len(spec_nodes) + a] = True
+            mask = mask.to(dev)
+            pos = torch.tensor([root_pos + depth[n] for n in frontier], dtype=torch.int64, device=dev)
+            ids = torch.tensor([tokens[n] for n in frontier], dtype=torch.int64, device=dev)
+
+            def attend(layer, q, kk, vv, mask=mask):
+                spec_k[layer] = torch.cat([spec_k[layer], kk])
+                spec_v[layer] = torch.cat([spec_v[layer], vv])
+                keys = torch.cat([prefix_k[layer], spec_k[layer]])
+                values = torch.cat([prefix_v[layer], spec_v[layer]])
+                return self._attention(q, keys, values, mask)
+
+            out = self.head.step(self._embed(ids), pos, torch.stack([feat[n] for n in frontier]), attend)
+            spec_nodes.extend(frontier)
+            lps = self.head.log_probs(out, self.target.logits)
+            child_lp, child_idx = lps.topk(k, dim=-1)
+            child_tok = self.head.to_target_ids(child_idx).tolist()
+            child_lp = child_lp.tolist()
+            born = []
+            for a, n in enumerate(frontier):
+                for c in range(k):
+                    tokens.append(child_tok[a][c])
+                    parents.append(n)
+                    scores.append(scores[n] + child_lp[a][c])
+                    depth.append(depth[n] + 1)
+                    feat[len(tokens) - 1] = out[a]
+                    born.append(len(tokens) - 1)
+            frontier = sorted(born, key=lambda i: -scores[i])[:k]
+        keep = best_nodes(scores, parents, limit)
+        where = {n: j for j, n in enumerate(keep)}
+        return [tokens[n] for n in keep], [where.get(parents[n], -1) for n in keep]
+
+    @staticmethod
+    def _ancestors(node: int, parents: list[int]) -> set[int]:
+        out = set()
+        while node != -1:
+            out.add(node)
+            node = parents[node]
+        return out

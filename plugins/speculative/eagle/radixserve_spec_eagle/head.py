@@ -1,0 +1,142 @@
+"""The EAGLE draft network: `fc` fusing the target's features, Llama decoder layer(s), and the
+head that turns the draft's output into draft log-probabilities over target token ids.
+
+Attention is delegated to an `attend(layer, q, k, v)` callable so the draft KV lives wherever the
+drafter keeps it (its own pool, see kv_pool.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from radixserve.layers.norm import RMSNorm
+from radixserve.layers.rotary import get_rope
+
+from radixserve_spec_eagle.checkpoint import KEY, EagleCheckpoint
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DraftLayer(nn.Module):
+    """A Llama decoder layer. EAGLE-2: reads the fused stream (layer 0 without input norm).
+    EAGLE-3: reads [input_layernorm(embed), hidden_norm(hidden)], so q/k/v are 2H wide."""
+
+    def __init__(self, cfg, index: int, eagle3: bool, input_norm: bool) -> None:
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.index, self.eagle3 = index, eagle3
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        width = 2 * h if eagle3 else h
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.q_proj = nn.Linear(width, self.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps) if input_norm else None
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps) if eagle3 else None
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.rotary_emb = get_rope(cfg, hd)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, embeds: torch.Tensor | None, attend: Attend):
+        """x: the incoming stream [n, H]; returns the outgoing stream (attention and MLP added)."""
+        residual = x
+        if self.eagle3:
+            h = torch.cat([self.input_layernorm(embeds), self.hidden_norm(x)], dim=-1)
+        else:
+            h = self.input_layernorm(x) if self.input_layernorm is not None else x
+        n = h.shape[0]
+        q, k = self.rotary_emb(positions, self.q_proj(h), self.k_proj(h))
+        v = self.v_proj(h)
+        out = attend(
+            self.index, q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
+            v.view(n, self.num_kv_heads, self.head_dim),
+        )
+        h, residual = self.post_attention_layernorm(self.o_proj(out.reshape(n, -1)), residual)
+        return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)) + residual
+
+
+class EagleHead(nn.Module):
+    """One EAGLE draft model. `step(...)` runs rows through it; `log_probs(out)` gives draft
+    log-probabilities and the target token id of each column."""
+
+    def __init__(self, ckpt: EagleCheckpoint, target_vocab: int) -> None:
+        super().__init__()
+        cfg, t = ckpt.config, ckpt.tensors
+        self.version = ckpt.version
+        self.hidden_size = cfg.hidden_size
+        eagle3 = ckpt.version == 3
+        if eagle3:
+            fc_in = t["fc.weight"].shape[1]
+            self.fc = nn.Linear(fc_in, cfg.hidden_size, bias="fc.bias" in t)
+            self.layers = nn.ModuleList([DraftLayer(cfg, 0, True, True)])
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            has_head = "lm_head.weight" in t
+            self.lm_head = nn.Linear(cfg.hidden_size, t["lm_head.weight"].shape[0], bias=False) if has_head else None
+        else:
+            self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias="fc.bias" in t)
+            self.layers = nn.ModuleList(DraftLayer(cfg, i, False, i > 0) for i in range(ckpt.num_layers))
+            self.norm, self.lm_head = None, None
+        self.embed_tokens = nn.Embedding(*t["embed_tokens.weight"].shape) if "embed_tokens.weight" in t else None
+        # draft id -> target id (EAGLE-3 reduced vocabularies); None: the draft's ids are target ids
+        self.register_buffer("draft_to_target", None)
+        if eagle3 and "d2t" in t:
+            d2t = t["d2t"].to(torch.int64)
+            self.draft_to_target = d2t + torch.arange(d2t.shape[0])
+        self._load(ckpt, target_vocab)
+
+    def _load(self, ckpt: EagleCheckpoint, target_vocab: int) -> None:
+        params = dict(self.named_parameters())
+        for name, tensor in ckpt.tensors.items():
+            if name in ("d2t", "t2d") or name.endswith("rotary_emb.inv_freq") or (
+                self.version == 2 and name == "lm_head.weight"  # EAGLE-2 reads the target's head
+            ):
+                continue
+            ours = name.replace("midlayer.", "layers.0.").replace("self_attn.", "").replace("mlp.", "")
+            if ours not in params:
+                raise ValueError(f"{KEY}: checkpoint tensor {name!r} has no place in an EAGLE-{self.version} head")
+            p = params.pop(ours)
+            if p.shape != tensor.shape:
+                raise ValueError(f"{KEY}: {name!r} has shape {tuple(tensor.shape)}, the config implies {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(tensor)
+        if params:
+            raise ValueError(f"{KEY}: the checkpoint lacks {sorted(params)}")
+        if self.draft_to_target is not None:
+            bad = (self.draft_to_target < 0) | (self.draft_to_target >= target_vocab)
+            if bool(bad.any()):
+                raise ValueError(f"{KEY}: d2t maps draft ids outside the target's vocabulary of {target_vocab}")
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3: the three target layers [n, 3H'] -> the draft's hidden size; a draft output (H
+        wide already) passes unchanged."""
+        if self.version == 3 and features.shape[-1] != self.hidden_size:
+            return self.fc(features)
+        return features
+
+    def step(self, embeds: torch.Tensor, positions: torch.Tensor, features: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Rows of (token embedding, feature) at `positions` -> the draft's output stream [n, H], which
+        is both the next step's feature and what `log_probs` reads."""
+        if self.version == 2:
+            x = self.fc(torch.cat([embeds, features], dim=-1))
+            for layer in self.layers:
+                x = layer(positions, x, None, attend)
+            return x
+        return self.layers[0](positions, self.fuse(features), embeds, attend)
+
+    def log_probs(self, out: torch.Tensor, target_logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """fp32 log-probabilities [n, draft vocab]: EAGLE-2 through the target's LM head, EAGLE-3
+        through its own norm and head (the target's when the checkpoint has none)."""
+        if self.version == 2:
+            logits = target_logits(out)
+        else:
+            h = self.norm(out)
+            logits = self.lm_head(h).float() if self.lm_head is not None else target_logits(h)
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]
