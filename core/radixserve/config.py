@@ -41,6 +41,12 @@ class StackSection(_Section):
     # yet, so any value is a start-up error (None: no speculative decoding)
     speculative: str | None = None
     num_draft_tokens: int = Field(default=4, ge=1, le=16)
+    # the grammar backend (kind "grammar") enforcing json_schema/regex/ebnf constraints; None: the
+    # highest-priority installed one (none installed: constrained requests are refused with a 400);
+    # "none": structured output off
+    grammar: str | None = None
+    grammar_compile_threads: int = Field(default=2, ge=1, le=64)  # threads compiling grammars off the scheduler loop
+    grammar_cache_size: int = Field(default=256, ge=1)  # compiled grammars kept (least recently used dropped)
 
 
 class SchedulerSection(_Section):

@@ -159,6 +159,7 @@ class Serving:
             skip_special_tokens=req.skip_special_tokens,
             logprobs=logprobs,
             top_logprobs=top,
+            json_schema=req.response_format.schema_text() if req.response_format is not None else None,
         )
         try:
             check_sampling(params, self.tm.limits, OPENAI_FIELDS)
