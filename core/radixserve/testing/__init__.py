@@ -9,6 +9,7 @@ what was expected). Default sizes are small so a kit runs in about a second on a
 kit in a few seconds). See docs/contracts.md ("Conformance kits")."""
 
 from radixserve.testing.attention import ReferenceAttentionBackend, check_attention_backend
+from radixserve.testing.grammar import check_grammar_backend, tiny_tokenizer
 from radixserve.testing.model import check_model_parity, tiny_checkpoint
 from radixserve.testing.policy import check_schedule_policy
 from radixserve.testing.prefix_cache import check_prefix_cache
@@ -19,11 +20,13 @@ __all__ = [
     "ReferenceAttentionBackend",
     "ToyRunner",
     "check_attention_backend",
+    "check_grammar_backend",
     "check_model_parity",
     "check_prefix_cache",
     "check_quant_method",
     "check_schedule_policy",
     "tiny_checkpoint",
+    "tiny_tokenizer",
     "toy_next_token",
     "toy_reference",
 ]

@@ -9,7 +9,7 @@ import torch
 import xgrammar as xgr
 from radixserve.interfaces.grammar import GrammarBackend, GrammarError, GrammarMatcher
 
-MAX_ROLLBACK_TOKENS = 16  # enough for any draft length the core allows (stack.num_draft_tokens <= 16)
+MAX_ROLLBACK_TOKENS = 16  # what we promise (xgrammar keeps the whole history): any draft the core allows (<= 16)
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:line: "; users need only the rest
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
 
@@ -22,7 +22,7 @@ class XGrammarMatcher(GrammarMatcher):
     max_rollback_tokens = MAX_ROLLBACK_TOKENS
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
-        self._m = xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+        self._m = xgr.GrammarMatcher(compiled)  # its rollback history is unbounded
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
