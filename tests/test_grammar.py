@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 from radixserve.config import Config
-from radixserve.interfaces import KINDS, GrammarBackend, GrammarError
+from radixserve.interfaces import KINDS, GrammarBackend
 from radixserve.interfaces.grammar import apply_bitmask_torch
 from radixserve.plugins.registry import PluginError, Registry
 from radixserve.plugins.stack import resolve_stack

@@ -11,9 +11,8 @@ from typing import Any
 import llguidance as llg
 import llguidance.hf
 import llguidance.torch
-from llguidance.gbnf_to_lark import any_to_lark
 import torch
-
+from llguidance.gbnf_to_lark import any_to_lark
 from radixserve.interfaces.grammar import GrammarBackend, GrammarError, GrammarMatcher
 
 MAX_ROLLBACK_TOKENS = 16  # llguidance keeps the whole history; the core never rolls back more
