@@ -97,7 +97,7 @@ class GrammarBackend(abc.ABC):
 
     Contract:
     - Built once per scheduler, in a worker thread, as
-      `Backend(tokenizer, vocab_size, stop_token_ids, **options)`: `tokenizer` is the model's
+      `Backend(tokenizer, vocab_size, stop_token_ids)`: `tokenizer` is the model's
       Hugging Face tokenizer (a `PreTrainedTokenizerFast`), `vocab_size` the width of the model's
       logits (may exceed `len(tokenizer)`: the extra rows are never allowed), `stop_token_ids` the
       model's end-of-sequence ids (the tokens that may end a complete constraint). Raise
