@@ -88,7 +88,7 @@ def schema_format(schema: dict, name: str = "person") -> dict:
 
 
 def test_chat_json_schema_validates_streaming_and_not(oai, server):
-    kw = dict(model=server[1], messages=ASK, max_tokens=120, temperature=0, response_format=schema_format(PERSON))
+    kw = dict(model=server[1], messages=ASK, max_tokens=100, temperature=0, response_format=schema_format(PERSON))
     full = oai.chat.completions.create(**kw)
     choice = full.choices[0]
     assert choice.finish_reason == "stop", choice
@@ -100,7 +100,7 @@ def test_chat_json_schema_validates_streaming_and_not(oai, server):
 
 def test_sampled_choices_and_json_object_parse(oai, server):
     r = oai.chat.completions.create(
-        model=server[1], messages=ASK, max_tokens=120, temperature=0.9, seed=3, n=3, response_format=schema_format(PERSON)
+        model=server[1], messages=ASK, max_tokens=100, temperature=0.9, seed=3, n=2, response_format=schema_format(PERSON)
     )
     for c in r.choices:
         assert c.finish_reason == "stop", c
