@@ -169,6 +169,6 @@ def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size:
     import torch
 
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [batch, 32 * words]
+    banned = (((bitmask.unsqueeze(-1) >> shifts) & 1) == 0).flatten(1)  # [batch, 32 * words]
     n = min(vocab_size, logits.shape[-1])
-    logits[:, :n].masked_fill_(~allowed[:, :n], float("-inf"))
+    logits[:, :n].masked_fill_(banned[:, :n], float("-inf"))

@@ -75,7 +75,6 @@ class XGrammarBackend(GrammarBackend):
         return XGrammarMatcher(compiled)
 
     def apply_bitmask_inplace(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-        if logits.is_cuda:  # xgrammar's fused kernel: one pass over the logits, no unpacked mask
-            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size)
-            return
-        super().apply_bitmask_inplace(logits, bitmask)
+        # xgrammar's kernels: fused on CUDA (one pass over the logits, no unpacked mask), and a
+        # native loop on CPU that is several times faster than unpacking the bits with torch ops
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size)
