@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 import xgrammar as xgr
-
 from radixserve.interfaces.grammar import apply_bitmask_torch, bitmask_width
 
 VOCAB = 128256
