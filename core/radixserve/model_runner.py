@@ -258,6 +258,8 @@ class ModelRunner:
             keep_dev = torch.tensor(keep).to(self.device, non_blocking=True)  # never a blocking copy: overlap
             logits = logits[keep_dev]
         if masked:
+            if sb.token_bitmask_ready is not None:
+                sb.token_bitmask_ready()  # filled on the host while the forward ran
             bitmask = sb.token_bitmask if keep_dev is None else sb.token_bitmask[keep]
             sb.apply_bitmask(logits, bitmask.to(self.device, non_blocking=True))
         if are_token_ids:  # the model's greedy ids: nothing left to sample

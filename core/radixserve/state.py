@@ -242,9 +242,12 @@ class ScheduledBatch:
     future_inputs: FutureTokens | None = None
     # structured output: int32 [batch, ceil(vocab / 32)] CPU bitmask of allowed next tokens (row i
     # for request i; every bit set for unconstrained rows), and the grammar backend's function that
-    # masks the logits with it (`GrammarBackend.apply_bitmask_inplace`); None when no row is constrained
+    # masks the logits with it (`GrammarBackend.apply_bitmask_inplace`); None when no row is constrained.
+    # The scheduler fills the bitmask in a thread while the forward runs: call `token_bitmask_ready()`
+    # (it waits, and re-raises a fill error) before reading `token_bitmask`.
     token_bitmask: torch.Tensor | None = None
     apply_bitmask: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    token_bitmask_ready: Callable[[], Any] | None = None
 
     @property
     def batch_size(self) -> int:

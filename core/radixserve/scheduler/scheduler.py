@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
@@ -100,8 +100,8 @@ class Scheduler:
     Structured output (`grammar`, a GrammarService; None: constrained requests are rejected): a
     request with a json_schema/regex/ebnf constraint waits in the queue, without holding up the
     others, until its grammar is compiled (a compile error ends it with a 400); each step the
-    scheduler fills a token bitmask for its row (`ScheduledBatch.token_bitmask`), the runner masks
-    the logits with it, and the sampled token is accepted into the request's matcher; when the
+    scheduler fills a token bitmask for its row (`ScheduledBatch.token_bitmask`, in a thread while
+    the forward runs), the runner masks the logits with it, and the sampled token is accepted into the request's matcher; when the
     matcher terminates the request ends (finish reason "stop"). Overlap does not launch a decode
     ahead while a constrained request runs: its mask needs the previous token, on the host.
     """
@@ -152,6 +152,7 @@ class Scheduler:
         self._suspects: set[str] = set()
         self.grammar = grammar
         self._grammar_pending: dict[str, Future] = {}  # rid -> compiled-grammar future (request waits)
+        self._mask_pool: ThreadPoolExecutor | None = None  # fills token bitmasks while forwards run
 
     @classmethod
     def from_config(cls, config: Config, runner: Any, registry: Any, tokenizer: Any = None) -> Scheduler:
@@ -684,19 +685,28 @@ class Scheduler:
             out_cache_loc=torch.cat(slots) if len(slots) > 1 else slots[0],
             sample_mask=sample_mask,
             future_inputs=future,
-            token_bitmask=bitmask,
-            apply_bitmask=None if bitmask is None else self.grammar.ready_backend.apply_bitmask_inplace,
+            token_bitmask=bitmask[0] if bitmask else None,
+            apply_bitmask=self.grammar.ready_backend.apply_bitmask_inplace if bitmask else None,
+            token_bitmask_ready=bitmask[1].result if bitmask else None,
         )
 
-    def _token_bitmask(self, items: list[_Item], sample_mask: list[bool]) -> torch.Tensor | None:
-        """The allowed next tokens of each constrained row that samples this step (None: no such row)."""
+    def _token_bitmask(self, items: list[_Item], sample_mask: list[bool]) -> tuple[torch.Tensor, Future] | None:
+        """The allowed next tokens of each constrained row that samples this step, filled in a
+        thread while the forward runs (the matchers already accepted every token up to this step),
+        with the future of that fill; None when no such row."""
         rows = [i for i, it in enumerate(items) if sample_mask[i] and it.req.grammar is not None]
         if not rows:
             return None
         bitmask = self.grammar.ready_backend.allocate_bitmask(len(items))
-        for i in rows:
-            items[i].req.grammar.fill_bitmask(bitmask, i)
-        return bitmask
+        matchers = [(i, items[i].req.grammar) for i in rows]
+
+        def fill() -> None:
+            for i, matcher in matchers:
+                matcher.fill_bitmask(bitmask, i)
+
+        if self._mask_pool is None:  # one thread: a matcher is only ever used by one thread at a time
+            self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        return bitmask, self._mask_pool.submit(fill)
 
     def _process(self, items: list[_Item], result: BatchResult) -> None:
         now_running: list[Req] = []

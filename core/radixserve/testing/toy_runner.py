@@ -86,6 +86,8 @@ class ToyRunner:
             f = sb.future_inputs
             assert not sb.input_ids and len(f.rows) == len(sb.reqs), "future batch carries host input ids"
             sb = dataclasses.replace(sb, input_ids=f.tokens[f.rows].tolist(), future_inputs=None)
+        if sb.token_bitmask_ready is not None:
+            sb.token_bitmask_ready()
         result = self._compute(sb)
         tokens = torch.tensor([t if t is not None else -1 for t in result.next_token_ids], dtype=torch.int64)
 
