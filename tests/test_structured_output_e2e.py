@@ -32,7 +32,7 @@ PERSON = {
         "name": {"type": "string", "maxLength": 20},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "city": {"enum": ["Paris", "Rome", "Oslo"]},
-        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 15}, "minItems": 1, "maxItems": 3},
+        "hobbies": {"type": "array", "items": {"enum": ["chess", "music", "hiking", "cooking"]}, "minItems": 1, "maxItems": 3},
     },
     "required": ["name", "age", "city", "hobbies"],
     "additionalProperties": False,
