@@ -4,4 +4,4 @@ __version__ = "0.1.0"
 
 # The plugin API version: plugins declare the range they were built for (e.g. ">=1,<2").
 # Bump the major number on any breaking change to a hook or an interface in radixserve.interfaces.
-PLUGIN_API_VERSION = "1.1"  # 1.1: Model.greedy_token_ids; tree drafts (DraftProposal.parents, ForwardBatch.tree_mask, AttentionBackend.supports_tree_mask)
+PLUGIN_API_VERSION = "1.1"  # 1.1: Model.greedy_token_ids; tree drafts (DraftProposal.parents, ForwardBatch.tree_mask, AttentionBackend.supports_tree_mask); the grammar kind (GrammarBackend, GrammarMatcher)
