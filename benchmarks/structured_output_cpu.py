@@ -49,7 +49,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--serve-args", default="", help="extra arguments for the launched server (one string)")
     p.add_argument("--limit", type=int, default=0, help="only the first N schemas of the corpus (0: all)")
     p.add_argument("--concurrency", type=int, default=8, help="validity run: requests in flight")
-    p.add_argument("--max-tokens", type=int, default=512, help="validity run: token budget per output")
+    p.add_argument("--max-tokens", type=int, default=1024, help="validity run: token budget per output")
     p.add_argument("--batch", type=int, default=16, help="overhead run: concurrent requests")
     p.add_argument("--batch-tokens", type=int, default=64, help="overhead run: tokens per request")
     p.add_argument("--trials", type=int, default=5, help="TTFT run: requests of each kind")

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 from radixserve.config import Config
-from radixserve.interfaces import KINDS, GrammarBackend
+from radixserve.interfaces import KINDS, GrammarBackend, GrammarError
 from radixserve.interfaces.grammar import apply_bitmask_torch
 from radixserve.plugins.registry import PluginError, Registry
 from radixserve.plugins.stack import resolve_stack
@@ -247,3 +247,18 @@ def test_abort_while_the_grammar_compiles(tok):
     assert s.abort("a")
     got = run(s)
     assert got["a"]["finish"] == {"type": "abort"}
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_keywords_a_backend_cannot_enforce_are_refused_not_ignored(name, tok):
+    backend = BACKENDS[name](tok, VOCAB, [EOS])
+    for keyword, schema in [
+        ("uniqueItems", {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True}),
+        ("not", {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}),
+        ("if", {"if": {"type": "integer"}, "then": {"minimum": 5}}),
+    ]:
+        with pytest.raises(GrammarError, match=keyword):
+            backend.compile("json_schema", json.dumps(schema))
+    # the same words as property names or enum values are data, not keywords
+    fine = {"type": "object", "properties": {"not": {"enum": ["if", "uniqueItems"]}}, "required": ["not"]}
+    assert backend.compile("json_schema", json.dumps(fine)) is not None

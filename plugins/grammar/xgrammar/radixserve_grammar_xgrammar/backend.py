@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -12,6 +13,40 @@ from radixserve.interfaces.grammar import GrammarBackend, GrammarError, GrammarM
 MAX_ROLLBACK_TOKENS = 16  # what we promise (xgrammar keeps the whole history): any draft the core allows (<= 16)
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:line: "; users need only the rest
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
+
+
+# JSON-schema keywords xgrammar 0.1.27 accepts but does not enforce (checked one by one): a
+# schema using them is refused (HTTP 400) rather than answered with output that may violate it
+UNENFORCED_KEYWORDS = (
+    "uniqueItems", "multipleOf", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
+    "dependencies", "exclusiveMinimum", "exclusiveMaximum",
+)
+# keywords whose value maps names to subschemas, and keywords whose value is data, not a schema
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA = ("enum", "const", "default", "examples", "required", "title", "description")
+
+
+def unenforced_keyword(schema: Any, path: str = "") -> str | None:
+    """The location of the first keyword of UNENFORCED_KEYWORDS in `schema`, or None."""
+    if isinstance(schema, list):
+        for i, sub in enumerate(schema):
+            found = unenforced_keyword(sub, f"{path}/{i}")
+            if found:
+                return found
+        return None
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        if key in UNENFORCED_KEYWORDS and not (key == "uniqueItems" and value is False):
+            return f"{path}/{key}"
+        if key in _DATA:
+            continue
+        subs = value.items() if key in _SCHEMA_MAPS and isinstance(value, dict) else [("", value)]
+        for name, sub in subs:
+            found = unenforced_keyword(sub, f"{path}/{key}" + (f"/{name}" if name else ""))
+            if found:
+                return found
+    return None
 
 
 def _clean(e: Exception) -> str:
@@ -62,11 +97,19 @@ class XGrammarBackend(GrammarBackend):
     def compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
         try:
             if kind == "json_schema":
+                where = unenforced_keyword(json.loads(text))
+                if where:
+                    raise GrammarError(
+                        f"{where.rsplit('/', 1)[1]} (at {where}) is not supported by the xgrammar backend: it cannot "
+                        "be enforced while generating"
+                    )
                 return self._compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
             if kind == "regex":
                 return self._compiler.compile_regex(text)
             if kind == "ebnf":
                 return self._compiler.compile_grammar(text)
+        except GrammarError:
+            raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with a C++ location prefix
             raise GrammarError(_clean(e)) from None
         raise GrammarError(f"xgrammar does not compile constraints of kind {kind!r}")
