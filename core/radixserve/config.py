@@ -40,6 +40,12 @@ class StackSection(_Section):
     # selects a component of kind "drafter" (None: no speculative decoding); the `speculative`
     # section sets its limits and options
     speculative: str | None = None
+    # the grammar backend (kind "grammar") enforcing json_schema/regex/ebnf constraints; None: the
+    # highest-priority installed one (none installed: constrained requests are refused with a 400);
+    # "none": structured output off
+    grammar: str | None = None
+    grammar_compile_threads: int = Field(default=2, ge=1, le=64)  # threads compiling grammars off the scheduler loop
+    grammar_cache_size: int = Field(default=256, ge=1)  # compiled grammars kept (least recently used dropped)
 
 
 class SpeculativeSection(_Section):

@@ -373,11 +373,17 @@ class ModelRunner:
             return LaunchedBatch(torch.zeros(sb.batch_size, dtype=torch.int64, device=self.device), lambda: none)
         reqs = [sb.reqs[i] for i in keep]
         sampling = SamplingBatch.from_reqs(reqs, self.vocab_size, self.device)
-        logits, are_token_ids = self._forward(sb, greedy_ids=sampling.is_plain_greedy)
+        masked = sb.token_bitmask is not None  # structured output: the grammar decides, not the argmax
+        logits, are_token_ids = self._forward(sb, greedy_ids=sampling.is_plain_greedy and not masked)
         keep_dev = None  # rows to sample when some are intermediate prefill chunks
         if len(keep) != sb.batch_size:
             keep_dev = torch.tensor(keep).to(self.device, non_blocking=True)  # never a blocking copy: overlap
             logits = logits[keep_dev]
+        if masked:
+            if sb.token_bitmask_ready is not None:
+                sb.token_bitmask_ready()  # filled on the host while the forward ran
+            bitmask = sb.token_bitmask if keep_dev is None else sb.token_bitmask[keep]
+            sb.apply_bitmask(logits, bitmask.to(self.device, non_blocking=True))
         if are_token_ids:  # the model's greedy ids: nothing left to sample
             out = SampleOutput(next_token_ids=logits)
         else:

@@ -79,8 +79,13 @@ class SamplingParams:
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         constraints = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
-        if constraints:  # until a grammar backend enforces them: refused, never silently ignored
-            raise ValueError(f"{constraints[0]}: structured output is not supported by this server yet")
+        for k in constraints:
+            if not isinstance(getattr(self, k), str) or not getattr(self, k):
+                raise ValueError(f"{k} must be a non-empty string, got {getattr(self, k)!r}")
+        if len(constraints) > 1:
+            raise ValueError(f"{constraints[1]} cannot be combined with {constraints[0]}: give at most one of json_schema, regex, ebnf")
+        if self.json_schema is not None:
+            _check_json_schema_text(self.json_schema)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -97,6 +102,18 @@ class SamplingParams:
         p = cls(**d)
         p.validate()
         return p
+
+
+def _check_json_schema_text(text: str) -> None:
+    """The cheap part of a schema's check (the grammar backend checks the rest when it compiles)."""
+    import json
+
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"json_schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict | bool):
+        raise ValueError(f"json_schema must be a JSON object (a schema), got {type(schema).__name__}")
 
 
 class ForwardMode(enum.Enum):
@@ -186,6 +203,9 @@ class Req:
     # logprobs of each output token (when sampling_params.logprobs), and top alternatives
     output_token_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # the GrammarMatcher of a constrained request (json_schema/regex/ebnf), set once its grammar is
+    # compiled; it has accepted exactly `output_ids`
+    grammar: Any = None
 
     @property
     def finished(self) -> bool:
@@ -224,6 +244,14 @@ class ScheduledBatch:
     # speculative verify: request i's new tokens are its last verified token then its draft tokens;
     # the runner returns a token for every new token (BatchResult.spec_*) instead of one per request
     spec: SpecVerify | None = None
+    # structured output: int32 [batch, ceil(vocab / 32)] CPU bitmask of allowed next tokens (row i
+    # for request i; every bit set for unconstrained rows), and the grammar backend's function that
+    # masks the logits with it (`GrammarBackend.apply_bitmask_inplace`); None when no row is constrained.
+    # The scheduler fills the bitmask in a thread while the forward runs: call `token_bitmask_ready()`
+    # (it waits, and re-raises a fill error) before reading `token_bitmask`.
+    token_bitmask: torch.Tensor | None = None
+    apply_bitmask: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    token_bitmask_ready: Callable[[], Any] | None = None
 
     @property
     def batch_size(self) -> int:

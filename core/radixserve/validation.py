@@ -9,6 +9,7 @@ prompt plus max_new_tokens longer than the context."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -156,6 +157,8 @@ def sampling_from_dict(d: Any, limits: ModelLimits, names: FieldNames = NATIVE) 
         )
     if isinstance(d.get("stop"), str):
         d["stop"] = [d["stop"]]
+    if isinstance(d.get("json_schema"), dict | bool):  # a schema given as a JSON object, not as text
+        d["json_schema"] = json.dumps(d["json_schema"])
     for name in ("stop", "stop_token_ids"):
         if d.get(name) is None and name in d:
             d[name] = []

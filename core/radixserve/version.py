@@ -8,5 +8,6 @@ __version__ = "0.1.0"
 #      AttentionBackend.supports_tree_mask, decode_rows_share_requests); Drafter construction with DrafterInfo,
 #      on_finished; AttentionBackend.build_native_kernels; QuantMethod.from_config/check_device/min_capability,
 #      packed parameters
+#      the grammar kind (GrammarBackend, GrammarMatcher)
 # 1.2: kinds tool_parser (ToolParser) and reasoning_parser (ReasoningParser)
 PLUGIN_API_VERSION = "1.2"

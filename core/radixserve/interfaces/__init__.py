@@ -5,6 +5,7 @@ must guarantee in return. Breaking one of them is a plugin-API major version bum
 
 from radixserve.interfaces.attention import AttentionBackend, AttentionLayerSpec, AttentionRunnerInfo
 from radixserve.interfaces.drafter import Drafter, DrafterInfo, DraftProposal
+from radixserve.interfaces.grammar import GRAMMAR_KINDS, GrammarBackend, GrammarError, GrammarMatcher
 from radixserve.interfaces.model import Model
 from radixserve.interfaces.policy import SchedulePolicy
 from radixserve.interfaces.prefix_cache import MatchResult, PrefixCache
@@ -12,7 +13,9 @@ from radixserve.interfaces.quantization import QuantMethod, WeightSource
 from radixserve.interfaces.reasoning_parser import ReasoningParser
 from radixserve.interfaces.tool_parser import ParsedToolCall, ToolParse, ToolParser
 
-KINDS = ("attention", "model", "quantization", "policy", "prefix_cache", "drafter", "tool_parser", "reasoning_parser")
+KINDS = (
+    "attention", "model", "quantization", "policy", "prefix_cache", "drafter", "grammar", "tool_parser", "reasoning_parser",
+)
 
 BASE_CLASS_OF_KIND = {
     "attention": AttentionBackend,
@@ -21,6 +24,7 @@ BASE_CLASS_OF_KIND = {
     "policy": SchedulePolicy,
     "prefix_cache": PrefixCache,
     "drafter": Drafter,
+    "grammar": GrammarBackend,
     "tool_parser": ToolParser,  # HTTP-layer components: chosen by server.*, not by the stack
     "reasoning_parser": ReasoningParser,
 }
@@ -34,6 +38,10 @@ __all__ = [
     "Drafter",
     "DrafterInfo",
     "DraftProposal",
+    "GRAMMAR_KINDS",
+    "GrammarBackend",
+    "GrammarError",
+    "GrammarMatcher",
     "MatchResult",
     "Model",
     "ParsedToolCall",

@@ -6,7 +6,7 @@ bad value, never after the weights are read.
 
 Kinds and their config keys: attention <- stack.attention, prefix_cache <- stack.prefix_cache,
 policy <- stack.policy (+ stack.policy_options), quantization <- stack.quantization,
-drafter <- stack.speculative."""
+drafter <- stack.speculative, grammar <- stack.grammar."""
 
 from __future__ import annotations
 
@@ -29,7 +29,10 @@ CONFIG_KEY_OF_KIND = {
     "policy": "policy",
     "quantization": "quantization",
     "drafter": "speculative",
+    "grammar": "grammar",
 }
+
+GRAMMAR_OFF = "none"  # stack.grammar value that turns structured output off
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class ResolvedStack:
     quantization: ComponentSpec | None = None  # None: from the checkpoint
     drafter: ComponentSpec | None = None  # None: no speculative decoding
     drafter_options: dict[str, Any] = field(default_factory=dict)
+    grammar: ComponentSpec | None = None  # None: no grammar backend (constrained requests get a 400)
 
     def by_kind(self) -> dict[str, ComponentSpec | None]:
         return {
@@ -52,6 +56,7 @@ class ResolvedStack:
             "policy": self.policy,
             "quantization": self.quantization,
             "drafter": self.drafter,
+            "grammar": self.grammar,
         }
 
 
@@ -85,10 +90,22 @@ def resolve_stack(config: Config, registry: Registry, device: str, model_path: s
     resolved = ResolvedStack(
         device=device, attention=attention, prefix_cache=prefix_cache, policy=policy,
         policy_options=options, quantization=quant, drafter=drafter, drafter_options=drafter_options,
+        grammar=resolve_grammar(config, registry, device),
     )
     if model_path is not None and os.path.exists(model_path):
         check_quantization_fits(resolved, model_path, registry)
     return resolved
+
+
+def resolve_grammar(config: Config, registry: Registry, device: str) -> ComponentSpec | None:
+    """The grammar backend `stack.grammar` selects: a named one (must be installed), "none" (off),
+    or by default the highest-priority installed one for the device (None when none is installed)."""
+    name = config.stack.grammar
+    if name == GRAMMAR_OFF:
+        return None
+    if name is None:
+        return registry.default("grammar", device)
+    return _on_device(registry.get("grammar", name), device)
 
 
 def _on_device(spec: ComponentSpec, device: str) -> ComponentSpec:

@@ -174,8 +174,8 @@ def sampling_reads_history(req: Req) -> bool:
 def _stop_tokens_to_suppress(req: Req) -> list[int]:
     """Tokens that would end `req`, while it has fewer than min_new_tokens outputs (else none)."""
     p = req.sampling_params
-    if len(req.output_ids) >= p.min_new_tokens:
-        return []
+    if len(req.output_ids) >= p.min_new_tokens or getattr(req, "grammar", None) is not None:
+        return []  # a grammar decides when its output may end (banning EOS could leave no token)
     stops = set(p.stop_token_ids)
     if not p.ignore_eos:
         stops |= set(req.eos_token_ids)

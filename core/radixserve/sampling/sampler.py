@@ -1,10 +1,12 @@
 """Sampler: logits of one batch -> next token per request, every parameter applied per row.
 
 Order of operations for each row (a documented contract the tests hold us to):
+0. structured output (done by the runner before `sample`): tokens the row's grammar forbids get -inf;
 1. penalties on the raw logits: repetition (HF semantics: over prompt + output tokens, a positive
    logit is divided by the penalty and a negative one multiplied), then frequency and presence
    (OpenAI semantics: over output tokens only, `logit -= freq * count + presence * (count > 0)`),
-   then `logit_bias` is added, then stop tokens are banned while fewer than `min_new_tokens` were made;
+   then `logit_bias` is added, then stop tokens are banned while fewer than `min_new_tokens` were made
+   (not in constrained rows: there the grammar decides when the output may end);
 2. logprobs, when asked, are `log_softmax` of these processed logits -- before temperature and
    before top-k/top-p/min-p truncation (vLLM's "raw" convention after penalties);
 3. greedy rows (temperature 0 or top_k 1) take the argmax of the processed logits;

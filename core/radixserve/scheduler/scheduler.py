@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ from radixserve.config import Config
 from radixserve.interfaces import Drafter, PrefixCache, SchedulePolicy
 from radixserve.messages import GenerateRequest, ReqTokenOut
 from radixserve.sampling.batch import sampling_reads_history
+from radixserve.scheduler.grammar import GrammarCompileError, GrammarService, constraint_of, tokenizer_fingerprint
 from radixserve.scheduler.metrics import SchedulerMetrics
 from radixserve.scheduler.speculative.adaptive import DraftLengthControl
 from radixserve.scheduler.speculative.drafts import Draft, accepted_path, checked_draft
@@ -113,6 +116,14 @@ class Scheduler:
     waits for the in-flight batch. A request that
     stops on EOS in step N has already been launched in step N+1; that extra token is dropped.
     Between steps `req.kv_len` counts every KV slot assigned to the request, launched or done.
+
+    Structured output (`grammar`, a GrammarService; None: constrained requests are rejected): a
+    request with a json_schema/regex/ebnf constraint waits in the queue, without holding up the
+    others, until its grammar is compiled (a compile error ends it with a 400); each step the
+    scheduler fills a token bitmask for its row (`ScheduledBatch.token_bitmask`, in a thread while
+    the forward runs), the runner masks the logits with it, and the sampled token is accepted into the request's matcher; when the
+    matcher terminates the request ends (finish reason "stop"). Overlap does not launch a decode
+    ahead while a constrained request runs: its mask needs the previous token, on the host.
     """
 
     def __init__(
@@ -123,6 +134,7 @@ class Scheduler:
         policy: SchedulePolicy,
         tokenizer: Any = None,
         drafter: Drafter | None = None,
+        grammar: GrammarService | None = None,
     ) -> None:
         sc = config.scheduler
         self.runner = runner
@@ -168,6 +180,9 @@ class Scheduler:
         self._in_flight: tuple[list[_Item], LaunchedBatch] | None = None  # overlap: launched, not processed
         # requests of a batch whose forward raised: each runs alone until it passes (or fails alone)
         self._suspects: set[str] = set()
+        self.grammar = grammar
+        self._grammar_pending: dict[str, Future] = {}  # rid -> compiled-grammar future (request waits)
+        self._mask_pool: ThreadPoolExecutor | None = None  # fills token bitmasks while forwards run
 
     @classmethod
     def from_config(cls, config: Config, runner: Any, registry: Any, tokenizer: Any = None) -> Scheduler:
@@ -179,8 +194,10 @@ class Scheduler:
         cache = cache_cls(runner.req_to_token_pool, runner.token_allocator)
         from radixserve.scheduler.speculative.setup import build_drafter
 
+        policy = policy_cls(**config.stack.policy_options)
         drafter = build_drafter(config, runner, registry)
-        return cls(config, runner, cache, policy_cls(**config.stack.policy_options), tokenizer, drafter)
+        grammar = grammar_service(config, runner, registry, tokenizer)
+        return cls(config, runner, cache, policy, tokenizer, drafter, grammar)
 
     # ---- requests in ------------------------------------------------------------------------
     def add_request(self, msg: GenerateRequest) -> None:
@@ -202,8 +219,46 @@ class Scheduler:
             arrival_time=float(self._arrivals),  # arrival order; policies only compare it
         )
         req.fill_ids = list(ids)
+        constraint = constraint_of(sp)
+        if constraint is not None:
+            if self.grammar is None:
+                self.metrics.rejected_requests += 1
+                self._outbox.append(ReqTokenOut(rid=msg.rid, new_ids=[], error=(
+                    f"{constraint[0]}: structured output needs a grammar backend and this server has none; "
+                    "install one (pip install radixserve-grammar-xgrammar) or set stack.grammar"
+                )))
+                return
+            self._grammar_pending[req.rid] = self.grammar.compile(*constraint)
         self.meta[req.rid] = _Meta(stream=msg.stream, stop=list(sp.stop), stop_matcher=self._stop_matcher(req))
         self.waiting.append(req)
+
+    def _poll_grammars(self) -> None:
+        """Give each request whose grammar is compiled its matcher; end those whose grammar failed."""
+        for rid, fut in list(self._grammar_pending.items()):
+            if not fut.done():
+                continue
+            del self._grammar_pending[rid]
+            req = next((r for r in self.waiting if r.rid == rid), None)
+            if req is None:  # aborted while compiling
+                continue
+            try:
+                req.grammar = self.grammar.ready_backend.new_matcher(fut.result())
+            except GrammarCompileError as e:
+                self._refuse_waiting(req, e.message)
+            except Exception as e:  # a backend bug: this request fails, the server goes on
+                logger.exception("grammar for request %s failed", rid)
+                self._refuse_waiting(req, f"the grammar backend failed: {e!r}")
+
+    def _refuse_waiting(self, req: Req, message: str) -> None:
+        self.waiting.remove(req)
+        self.meta.pop(req.rid, None)
+        self.metrics.rejected_requests += 1
+        self._outbox.append(ReqTokenOut(rid=req.rid, new_ids=[], error=message))
+
+    def _wait_for_grammars(self, timeout: float = 0.02) -> None:
+        """Nothing could run: block briefly on the compiles instead of spinning the loop."""
+        if self._grammar_pending:
+            wait_futures(list(self._grammar_pending.values()), timeout=timeout, return_when=FIRST_COMPLETED)
 
     def _stop_matcher(self, req: Req) -> StopStringMatcher | None:
         sp = req.sampling_params
@@ -234,6 +289,7 @@ class Scheduler:
         req = next((r for r in self.waiting if r.rid == rid), None)
         if req is not None:
             self.waiting.remove(req)
+            self._grammar_pending.pop(rid, None)
         elif self.chunked_req is not None and self.chunked_req.rid == rid:
             req, self.chunked_req = self.chunked_req, None
             self._release(req)
@@ -263,10 +319,14 @@ class Scheduler:
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[ReqTokenOut]:
+        if self._grammar_pending:
+            self._poll_grammars()
         if self.overlap:
             self._step_overlapped()
         else:
             items = self._schedule()
+            if not items:
+                self._wait_for_grammars()
             if items:
                 try:
                     result = self.runner.launch_batch(self._to_scheduled_batch(items)).result()
@@ -297,6 +357,8 @@ class Scheduler:
             if ahead is not None:
                 return
         items = self._schedule()
+        if not items and prev is None:
+            self._wait_for_grammars()
         if items:
             try:
                 self._in_flight = (items, self.runner.launch_batch(self._to_scheduled_batch(items)))
@@ -380,8 +442,8 @@ class Scheduler:
             n_out = len(req.output_ids) + 1  # counting the in-flight token
             if n_out >= req.sampling_params.max_new_tokens or len(req.origin_input_ids) + n_out >= self.context_len:
                 continue  # its in-flight token is its last
-            if sampling_reads_history(req):
-                return None
+            if sampling_reads_history(req) or req.grammar is not None:
+                return None  # its next row needs the in-flight token on the host
             reqs.append(req)
             rows.append(i)
         if not reqs or live != len(self.running):
@@ -469,12 +531,14 @@ class Scheduler:
             token_budget -= n
             reserved += self._future_tokens(req)
 
-        if not self.waiting or chunk_budget <= 0 or token_budget <= 0:
+        # requests still waiting for their grammar are not admissible yet
+        candidates = [r for r in self.waiting if r.rid not in self._grammar_pending]
+        if not candidates or chunk_budget <= 0 or token_budget <= 0:
             return items
-        for req in self.waiting:
+        for req in candidates:
             req.fill_ids = req.all_ids()
             req.prefix_indices, req.last_node = None, None
-        ordered = self.policy.order(list(self.waiting), self.cache)
+        ordered = self.policy.order(candidates, self.cache)
         self._evicted = False
         admitted: list[Req] = []
         resident = len(self.running) + len(items)
@@ -592,6 +656,10 @@ class Scheduler:
         reqs = self.running
         k = self.draft_control.tokens_for(len(reqs))
         if k == 0:
+            return None
+        if any(r.grammar is not None for r in reqs):
+            # the grammar bitmask holds one row per request, a verify scores several tokens per
+            # request: while a constrained request runs, the batch decodes plainly
             return None
         limits = [self._draft_limit(r, k) for r in reqs]
         asking = [i for i, lim in enumerate(limits) if lim > 0]
@@ -779,6 +847,8 @@ class Scheduler:
             self.metrics.decode_batches += 1
         else:
             self.metrics.prefill_batches += 1
+        sample_mask = [it.completes_prompt for it in items]
+        bitmask = self._token_bitmask(items, sample_mask)
         return ScheduledBatch(
             mode=ForwardMode.DECODE if all_decode and not verify else ForwardMode.EXTEND,
             reqs=[it.req for it in items],
@@ -787,10 +857,31 @@ class Scheduler:
             prefix_lens=[it.prefix_len for it in items],
             extend_lens=[it.extend_len for it in items],
             out_cache_loc=torch.cat(slots) if len(slots) > 1 else slots[0],
-            sample_mask=[it.completes_prompt for it in items],
+            sample_mask=sample_mask,
             future_inputs=future,
             spec=SpecVerify([it.draft.parents for it in items]) if verify else None,
+            token_bitmask=bitmask[0] if bitmask else None,
+            apply_bitmask=self.grammar.ready_backend.apply_bitmask_inplace if bitmask else None,
+            token_bitmask_ready=bitmask[1].result if bitmask else None,
         )
+
+    def _token_bitmask(self, items: list[_Item], sample_mask: list[bool]) -> tuple[torch.Tensor, Future] | None:
+        """The allowed next tokens of each constrained row that samples this step, filled in a
+        thread while the forward runs (the matchers already accepted every token up to this step),
+        with the future of that fill; None when no such row."""
+        rows = [i for i, it in enumerate(items) if sample_mask[i] and it.req.grammar is not None]
+        if not rows:
+            return None
+        bitmask = self.grammar.ready_backend.allocate_bitmask(len(items))
+        matchers = [(i, items[i].req.grammar) for i in rows]
+
+        def fill() -> None:
+            for i, matcher in matchers:
+                matcher.fill_bitmask(bitmask, i)
+
+        if self._mask_pool is None:  # one thread: a matcher is only ever used by one thread at a time
+            self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        return bitmask, self._mask_pool.submit(fill)
 
     def _process(self, items: list[_Item], result: BatchResult) -> None:
         now_running: list[Req] = []
@@ -836,6 +927,8 @@ class Scheduler:
         if req.sampling_params.logprobs:
             req.output_token_logprobs.append(float("nan") if lp is None else float(lp))
             req.output_top_logprobs.append(list(top or []))
+        if req.grammar is not None and not self._grammar_accepts(req, token):
+            return
         meta = self.meta.get(req.rid)
         if meta is not None and meta.stop_matcher is not None:
             matched = meta.stop_matcher.push(token)
@@ -848,6 +941,18 @@ class Scheduler:
             req.finished_reason = {"type": "stop", "matched": token}
         elif n >= sp.max_new_tokens or len(req.origin_input_ids) + n >= self.context_len:
             req.finished_reason = {"type": "length"}
+
+    def _grammar_accepts(self, req: Req, token: int) -> bool:
+        """Advance the request's matcher; False when that ended the request (its grammar is
+        complete, or it refused a token its own mask allowed)."""
+        if not req.grammar.accept_token(token):
+            logger.error("request %s: the grammar refused token %d that its mask allowed", req.rid, token)
+            req.finished_reason = {"type": "abort", "message": "the grammar backend refused a token it allowed"}
+            return False
+        if req.grammar.is_terminated():
+            req.finished_reason = {"type": "stop", "matched": token}
+            return False
+        return True
 
     # ---- results out ------------------------------------------------------------------------
     def _emit(self, req: Req, force: bool = False) -> None:
@@ -936,3 +1041,24 @@ class Scheduler:
             "spec_mean_accepted_drafts": self.draft_control.mean_accepted if self.drafter is not None else 0.0,
             "time": time.time(),
         }
+
+
+def grammar_service(config: Config, runner: Any, registry: Any, tokenizer: Any = None) -> GrammarService | None:
+    """The GrammarService of `stack.grammar` (None: no grammar backend in the stack). The backend
+    is built in the service's pool on the first constrained request, with the model's tokenizer."""
+    from radixserve.plugins.stack import resolve_grammar
+
+    spec = resolve_grammar(config, registry, str(getattr(runner, "device", "cpu")))
+    if spec is None:
+        return None
+
+    def make_backend():
+        cls = registry.load("grammar", spec.name)
+        tok = tokenizer if tokenizer is not None else runner.tokenizer
+        if tok is None:
+            raise RuntimeError("the model has no tokenizer")
+        return cls(tok, int(runner.vocab_size), sorted(getattr(runner, "eos_token_ids", ()) or ()))
+
+    key = tokenizer_fingerprint(str(getattr(runner, "model_path", "")), config.model.tokenizer)
+    sg = config.stack
+    return GrammarService(spec.name, make_backend, key, sg.grammar_compile_threads, sg.grammar_cache_size)

@@ -172,6 +172,7 @@ class Serving:
             skip_special_tokens=req.skip_special_tokens,
             logprobs=logprobs,
             top_logprobs=top,
+            json_schema=req.response_format.schema_text() if req.response_format is not None else None,
         )
         for name, value in (plan.sampling_overrides if plan else {}).items():  # tool-choice constraint
             setattr(params, name, value)

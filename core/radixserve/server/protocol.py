@@ -8,6 +8,7 @@ nothing here (user, store, metadata) are accepted and ignored."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -27,6 +28,42 @@ class _Response(BaseModel):
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # usage on every chunk (vLLM extension)
+
+
+class JsonSchemaFormat(_Request):
+    """`response_format.json_schema`: OpenAI's named schema. `strict` is accepted either way: the
+    grammar backend always enforces the whole schema (outputs never leave it)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI `response_format`: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_matches_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('response_format.json_schema is required when type is "json_schema"')
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f'response_format.json_schema is only allowed with type "json_schema", not {self.type!r}')
+        return self
+
+    def schema_text(self) -> str | None:
+        """The JSON schema the output must follow, as JSON text (None: unconstrained text)."""
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        if self.type == "json_schema":
+            schema = self.json_schema.schema_ if self.json_schema is not None else None
+            return json.dumps({} if schema is None or schema is True else schema)
+        return None
 
 
 class _SamplingFields(_Request):
@@ -56,6 +93,7 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     rid: str | None = Field(default=None, max_length=200)  # caller-chosen request id (for /abort_request)
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)  # higher first under the `priority` policy
+    response_format: ResponseFormat | None = None  # structured output (docs/structured-output.md)
 
     @model_validator(mode="after")
     def _check_stop(self) -> _SamplingFields:

@@ -10,6 +10,7 @@ kit in a few seconds). See docs/contracts.md ("Conformance kits")."""
 
 from radixserve.testing.attention import ReferenceAttentionBackend, check_attention_backend
 from radixserve.testing.drafter import check_drafter, drafter_info
+from radixserve.testing.grammar import check_grammar_backend, tiny_tokenizer
 from radixserve.testing.model import check_model_parity, tiny_checkpoint
 from radixserve.testing.output_parsers import (
     ReasoningSample,
@@ -29,6 +30,7 @@ __all__ = [
     "ToyRunner",
     "check_attention_backend",
     "check_drafter",
+    "check_grammar_backend",
     "check_model_parity",
     "check_prefix_cache",
     "check_quant_method",
@@ -37,6 +39,7 @@ __all__ = [
     "drafter_info",
     "check_tool_parser",
     "tiny_checkpoint",
+    "tiny_tokenizer",
     "toy_next_token",
     "toy_reference",
 ]

@@ -39,6 +39,16 @@ def toy_reference(
     return out
 
 
+def _first_allowed_from(bitmask_row: torch.Tensor, tok: int, vocab_size: int) -> int:
+    """Structured output on the toy: its token if the bitmask allows it, else the next allowed id."""
+    words = bitmask_row.tolist()
+    for k in range(vocab_size):
+        t = (tok + k) % vocab_size
+        if (words[t // 32] >> (t % 32)) & 1:
+            return t
+    return tok  # nothing allowed: the grammar will refuse it
+
+
 class ToyRunner:
     """Fake ModelRunner: real ReqToTokenPool/TokenAllocator, a fake KV pool of (token, position)."""
 
@@ -78,6 +88,8 @@ class ToyRunner:
             f = sb.future_inputs
             assert not sb.input_ids and len(f.rows) == len(sb.reqs), "future batch carries host input ids"
             sb = dataclasses.replace(sb, input_ids=f.tokens[f.rows].tolist(), future_inputs=None)
+        if sb.token_bitmask_ready is not None:
+            sb.token_bitmask_ready()
         result = self._compute(sb)
         tokens = torch.tensor([t if t is not None else -1 for t in result.next_token_ids], dtype=torch.int64)
 
@@ -117,6 +129,8 @@ class ToyRunner:
             kv = self.kv_pool[table[row, : p + e]]
             assert torch.equal(kv[:, 1], torch.arange(p + e)), "KV slot holds another position (stale slot)"
             tok = toy_next_token(kv[:, 0], self.vocab_size)
+            if sb.token_bitmask is not None:
+                tok = _first_allowed_from(sb.token_bitmask[i], tok, self.vocab_size)
             out.append(tok)
             logprobs.append(-0.1 * (tok % 7))
             tops.append([(tok, -0.1 * (tok % 7)), ((tok + 1) % self.vocab_size, -5.0)])

@@ -1,0 +1,174 @@
+"""GrammarBackend: constrained decoding (structured output) for JSON schemas, regexes and grammars."""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+# The constraint kinds a request can carry (the SamplingParams field of the same name holds its
+# text). "json_schema" text is a JSON schema serialised as JSON; `{"type": "object"}` is how the API
+# asks for "any JSON object" (response_format json_object).
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
+
+
+class GrammarError(ValueError):
+    """A constraint the backend cannot compile: invalid syntax, or a feature it does not support.
+    The message names the problem (the core prefixes the request field and returns HTTP 400).
+
+    Added in plugin API 1.1."""
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """32-bit words per bitmask row for a vocabulary of `vocab_size` tokens."""
+    return (vocab_size + 31) // 32
+
+
+class GrammarMatcher(abc.ABC):
+    """The state of one request's constraint: which tokens may come next.
+
+    Contract:
+    - A fresh matcher is at the start of the output (no token accepted).
+    - `fill_bitmask(bitmask, row)` writes the allowed next tokens into `bitmask[row]`; it does not
+      change the state. When the constraint is complete (the text so far matches it and nothing may
+      follow), the stop tokens given to the backend are the only allowed tokens.
+    - `accept_token(token)` advances the state by one token and returns True, or returns False and
+      leaves the state unchanged when the token is not allowed. Accepting a stop token where the
+      constraint is complete terminates the matcher.
+    - `rollback(n)` undoes the last `n` accepted tokens (speculative decoding rejects drafts);
+      `n` is at most the number accepted and at most `max_rollback_tokens`.
+    - `is_terminated()` is True once a stop token was accepted at the end of the constraint; the
+      core then ends the request (finish reason "stop").
+    - One matcher serves one request; the core calls it from one thread at a time (the scheduler's).
+
+    Added in plugin API 1.1.
+    """
+
+    # how many accepted tokens `rollback` can undo at least (the core never asks for more)
+    max_rollback_tokens: ClassVar[int] = 0
+
+    @abc.abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into one row of a bitmask.
+
+        :param bitmask: int32 CPU tensor [batch, ceil(vocab_size / 32)] from
+            `GrammarBackend.allocate_bitmask`; token t is allowed iff bit t % 32 of word t // 32 of
+            the row is set. Every word of the row must be written (the core reuses buffers).
+        :param row: the row to fill.
+        :return: nothing.
+        Restrictions: must not change the matcher's state; must return quickly (it runs between
+        forward passes, once per constrained request per step: well under a millisecond is the aim).
+        Added in plugin API 1.1.
+        """
+
+    @abc.abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one generated token.
+
+        :param token_id: the sampled token (a row of the model's vocabulary).
+        :return: True when accepted; False when the constraint does not allow it (the state is then
+            unchanged; the core ends the request with an error, since its mask allowed the token).
+        Added in plugin API 1.1.
+        """
+
+    @abc.abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (0 is a no-op).
+
+        Restrictions: `num_tokens` <= tokens accepted and <= `max_rollback_tokens`; a terminated
+        matcher rolled back past its stop token is no longer terminated.
+        Added in plugin API 1.1.
+        """
+
+    @abc.abstractmethod
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted where the constraint is complete.
+
+        Added in plugin API 1.1.
+        """
+
+
+class GrammarBackend(abc.ABC):
+    """Compiles constraints for one tokenizer and makes per-request matchers. Kind "grammar",
+    selected by the config key `stack.grammar` (default: the highest-priority installed one; "none"
+    turns structured output off).
+
+    Contract:
+    - Built once per scheduler, in a worker thread, as
+      `Backend(tokenizer, vocab_size, stop_token_ids)`: `tokenizer` is the model's
+      Hugging Face tokenizer (a `PreTrainedTokenizerFast`), `vocab_size` the width of the model's
+      logits (may exceed `len(tokenizer)`: the extra rows are never allowed), `stop_token_ids` the
+      model's end-of-sequence ids (the tokens that may end a complete constraint). Raise
+      GrammarError when the tokenizer cannot be used.
+    - `compile(kind, text)` turns a constraint into an opaque compiled grammar. It runs in a
+      thread pool, possibly several at once, so it must be thread-safe; it may be slow (the core
+      caches the result by (backend, kind, text, tokenizer) and never compiles the same key twice).
+      Invalid or unsupported constraints raise GrammarError naming the problem.
+    - `new_matcher(compiled)` returns a fresh GrammarMatcher (cheap; called on the scheduler thread).
+    - `apply_bitmask_inplace(logits, bitmask)` sets the logits of disallowed tokens to -inf; the
+      default is a torch implementation for any device; a backend may override it with a fused
+      kernel (same result).
+    - `supported_kinds` lists the kinds of GRAMMAR_KINDS it compiles; a request with another kind
+      is refused with HTTP 400 before it reaches `compile`.
+
+    Check a backend with `radixserve.testing.check_grammar_backend(MyBackend, tokenizer)`.
+
+    Added in plugin API 1.1.
+    """
+
+    supported_kinds: ClassVar[tuple[str, ...]] = GRAMMAR_KINDS
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | tuple[int, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
+
+    @abc.abstractmethod
+    def compile(self, kind: str, text: str) -> Any:
+        """Compile one constraint.
+
+        :param kind: one of `supported_kinds`.
+        :param text: the constraint (JSON schema as JSON text, regex, or EBNF in the backend's
+            dialect; xgrammar's is GBNF-like with `root ::= ...`).
+        :return: any object `new_matcher` accepts; it is shared by every request with the same
+            constraint, so it must not hold per-request state.
+        Restrictions: thread-safe; raises GrammarError (never another exception) for bad input.
+        Added in plugin API 1.1.
+        """
+
+    @abc.abstractmethod
+    def new_matcher(self, compiled: Any) -> GrammarMatcher:
+        """A matcher at the start of `compiled` for one request.
+
+        Added in plugin API 1.1.
+        """
+
+    def allocate_bitmask(self, batch_size: int) -> torch.Tensor:
+        """An int32 CPU tensor [batch_size, ceil(vocab_size / 32)] with every token allowed.
+
+        Added in plugin API 1.1."""
+        import torch
+
+        return torch.full((batch_size, bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+
+    def apply_bitmask_inplace(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Set `logits[i, t]` to -inf wherever bit t of `bitmask[i]` is clear.
+
+        :param logits: float [batch, V] on the model's device (V >= vocab_size may include padding,
+            which stays untouched beyond the bitmask's width).
+        :param bitmask: int32 [batch, ceil(vocab_size / 32)] on the same device.
+        Added in plugin API 1.1.
+        """
+        apply_bitmask_torch(logits, bitmask, self.vocab_size)
+
+
+def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int) -> None:
+    """The reference bitmask application (any device): unpack the words, mask the logits."""
+    import torch
+
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    banned = (((bitmask.unsqueeze(-1) >> shifts) & 1) == 0).flatten(1)  # [batch, 32 * words]
+    n = min(vocab_size, logits.shape[-1])
+    logits[:, :n].masked_fill_(banned[:, :n], float("-inf"))

@@ -1,0 +1,130 @@
+"""Grammar compilation off the scheduler loop: a thread pool, and a cache of compiled grammars.
+
+A constrained request waits in the queue until its grammar is compiled; the batch keeps running
+meanwhile (the scheduler only polls futures). The backend itself (which reads the whole vocabulary)
+is built in the pool on the first constrained request, so servers that never see one pay nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from radixserve.interfaces.grammar import GRAMMAR_KINDS, GrammarBackend, GrammarError
+from radixserve.state import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def constraint_of(sp: SamplingParams) -> tuple[str, str] | None:
+    """(kind, text) of the request's constraint, or None (SamplingParams.validate allows at most one)."""
+    for kind in GRAMMAR_KINDS:
+        text = getattr(sp, kind, None)
+        if text is not None:
+            return kind, text
+    return None
+
+
+class GrammarCompileError(Exception):
+    """A request's constraint cannot be used; `message` is the client's 400 (it names the field)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class GrammarService:
+    """Compiles constraints in `threads` worker threads and keeps the last `cache_size` compiled
+    grammars, keyed by (backend, kind, text, tokenizer): identical constraints (n > 1 choices, a
+    tool's schema, a popular response format) compile once, even when requested concurrently."""
+
+    def __init__(
+        self,
+        name: str,
+        make_backend: Callable[[], GrammarBackend],
+        tokenizer_key: str = "",
+        threads: int = 2,
+        cache_size: int = 256,
+    ) -> None:
+        self.name = name
+        self._make_backend = make_backend
+        self._tokenizer_key = tokenizer_key
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
+        self._backend_future: Future | None = None
+        self._cache: OrderedDict[tuple[str, str, str, str], Future] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    # ---- backend ------------------------------------------------------------------------------
+    def _backend_started(self) -> Future:
+        with self._lock:
+            if self._backend_future is None:
+                self._backend_future = self._pool.submit(self._make_backend)
+            return self._backend_future
+
+    def backend(self) -> GrammarBackend:
+        """The backend (builds it on first use; raises GrammarCompileError when it cannot be built)."""
+        try:
+            return self._backend_started().result()
+        except GrammarCompileError:
+            raise
+        except Exception as e:
+            raise GrammarCompileError(f"the grammar backend {self.name!r} is unavailable: {e}") from None
+
+    @property
+    def ready_backend(self) -> GrammarBackend | None:
+        """The backend once built (never waits)."""
+        f = self._backend_future
+        return f.result() if f is not None and f.done() and f.exception() is None else None
+
+    # ---- compiling ----------------------------------------------------------------------------
+    def compile(self, kind: str, text: str) -> Future:
+        """A future of the compiled grammar; it raises GrammarCompileError naming the field."""
+        key = (self.name, kind, text, self._tokenizer_key)
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None:
+                self._cache.move_to_end(key)
+                return fut
+            fut = self._pool.submit(self._compile, kind, text)
+            self._cache[key] = fut
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        self._backend_started()
+        return fut
+
+    def _compile(self, kind: str, text: str) -> Any:
+        backend = self.backend()
+        if kind not in backend.supported_kinds:
+            raise GrammarCompileError(
+                f"{kind}: the grammar backend {self.name!r} does not support {kind} constraints "
+                f"(it supports {', '.join(backend.supported_kinds)})"
+            )
+        try:
+            return backend.compile(kind, text)
+        except GrammarError as e:
+            raise GrammarCompileError(f"{kind}: {_invalid(kind)}: {e}") from None
+        except Exception as e:  # a backend breaking its contract: still the client's 400, logged for us
+            logger.exception("grammar backend %r failed compiling a %s constraint", self.name, kind)
+            raise GrammarCompileError(f"{kind}: {_invalid(kind)}: {e!r}") from None
+
+    def cached(self) -> int:
+        return len(self._cache)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _invalid(kind: str) -> str:
+    return {"json_schema": "invalid JSON schema", "regex": "invalid regex", "ebnf": "invalid EBNF grammar"}.get(
+        kind, "invalid constraint"
+    )
+
+
+def tokenizer_fingerprint(model_path: str, tokenizer_path: str | None) -> str:
+    """A short key naming the tokenizer in the grammar cache."""
+    return hashlib.sha1(f"{model_path}|{tokenizer_path}".encode()).hexdigest()[:12]

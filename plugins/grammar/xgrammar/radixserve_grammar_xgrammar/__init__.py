@@ -1,0 +1,1 @@
+"""RadixServe plugin: grammar backend built on xgrammar."""

@@ -1,0 +1,123 @@
+"""XGrammarBackend: RadixServe's grammar contract over xgrammar's compiler and matcher."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import torch
+import xgrammar as xgr
+from radixserve.interfaces.grammar import GrammarBackend, GrammarError, GrammarMatcher
+
+MAX_ROLLBACK_TOKENS = 16  # what we promise (xgrammar keeps the whole history): any draft the core allows (<= 16)
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:line: "; users need only the rest
+_CPP_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
+
+
+# JSON-schema keywords xgrammar 0.1.27 accepts but does not enforce (checked one by one): a
+# schema using them is refused (HTTP 400) rather than answered with output that may violate it
+UNENFORCED_KEYWORDS = (
+    "uniqueItems", "multipleOf", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
+    "dependencies", "exclusiveMinimum", "exclusiveMaximum",
+)
+# keywords whose value maps names to subschemas, and keywords whose value is data, not a schema
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA = ("enum", "const", "default", "examples", "required", "title", "description")
+
+
+def unenforced_keyword(schema: Any, path: str = "") -> str | None:
+    """The location of the first keyword of UNENFORCED_KEYWORDS in `schema`, or None."""
+    if isinstance(schema, list):
+        for i, sub in enumerate(schema):
+            found = unenforced_keyword(sub, f"{path}/{i}")
+            if found:
+                return found
+        return None
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        if key in UNENFORCED_KEYWORDS and not (key == "uniqueItems" and value is False):
+            return f"{path}/{key}"
+        if key in _DATA:
+            continue
+        subs = value.items() if key in _SCHEMA_MAPS and isinstance(value, dict) else [("", value)]
+        for name, sub in subs:
+            found = unenforced_keyword(sub, f"{path}/{key}" + (f"/{name}" if name else ""))
+            if found:
+                return found
+    return None
+
+
+def _clean(e: Exception) -> str:
+    return _CPP_PREFIX.sub("", str(e).strip()).strip() or type(e).__name__
+
+
+class XGrammarMatcher(GrammarMatcher):
+    max_rollback_tokens = MAX_ROLLBACK_TOKENS
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self._m = xgr.GrammarMatcher(compiled)  # its rollback history is unbounded
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self._m.accept_token(int(token_id)))
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._m.rollback(int(num_tokens))
+
+    def is_terminated(self) -> bool:
+        return bool(self._m.is_terminated())
+
+
+class XGrammarBackend(GrammarBackend):
+    """JSON schema, regex and EBNF (xgrammar's GBNF dialect, `root ::= ...`).
+
+    JSON is generated compactly (`{"a": 1, "b": [2, 3]}`: no free whitespace): with free
+    whitespace a small model can emit newlines until its token budget ends, leaving invalid JSON.
+    `strict_mode`: properties and items the schema does not declare are not generated."""
+
+    supported_kinds = ("json_schema", "regex", "ebnf")
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids) -> None:
+        super().__init__(tokenizer, vocab_size, stop_token_ids)
+        try:
+            info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids) or None
+            )
+        except Exception as e:
+            raise GrammarError(f"xgrammar cannot use this tokenizer: {_clean(e)}") from None
+        # one thread per compile: the core runs several compiles at once in its own pool, and
+        # caches compiled grammars itself (xgrammar's cache would hold a second copy)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    def compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
+        try:
+            if kind == "json_schema":
+                where = unenforced_keyword(json.loads(text))
+                if where:
+                    raise GrammarError(
+                        f"{where.rsplit('/', 1)[1]} (at {where}) is not supported by the xgrammar backend: it cannot "
+                        "be enforced while generating"
+                    )
+                return self._compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+            if kind == "regex":
+                return self._compiler.compile_regex(text)
+            if kind == "ebnf":
+                return self._compiler.compile_grammar(text)
+        except GrammarError:
+            raise
+        except Exception as e:  # xgrammar raises RuntimeError/ValueError with a C++ location prefix
+            raise GrammarError(_clean(e)) from None
+        raise GrammarError(f"xgrammar does not compile constraints of kind {kind!r}")
+
+    def new_matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
+        return XGrammarMatcher(compiled)
+
+    def apply_bitmask_inplace(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        # xgrammar's kernels: fused on CUDA (one pass over the logits, no unpacked mask), and a
+        # native loop on CPU that is several times faster than unpacking the bits with torch ops
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size)

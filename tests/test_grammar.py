@@ -1,0 +1,264 @@
+"""Structured output below the HTTP layer: the grammar kind's conformance kit on both backends, the
+bitmask masking, the stack key, request validation, and the scheduler on the toy runner (masking,
+compile errors, batching with unconstrained requests, chunked prefill, retraction, overlap)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from radixserve.config import Config
+from radixserve.interfaces import KINDS, GrammarBackend, GrammarError
+from radixserve.interfaces.grammar import apply_bitmask_torch
+from radixserve.plugins.registry import PluginError, Registry
+from radixserve.plugins.stack import resolve_stack
+from radixserve.runtime.messages import GenerateRequest
+from radixserve.scheduler import Scheduler
+from radixserve.scheduler.grammar import GrammarService
+from radixserve.state import SamplingParams
+from radixserve.testing import ToyRunner, check_grammar_backend, tiny_tokenizer, toy_reference
+from radixserve.validation import InvalidRequest, ModelLimits, sampling_from_dict
+from radixserve_grammar_llguidance.backend import LLGuidanceBackend
+from radixserve_grammar_xgrammar.backend import XGrammarBackend
+
+BACKENDS = {"xgrammar": XGrammarBackend, "llguidance": LLGuidanceBackend}
+VOCAB = 1000
+EOS = 0  # the tiny tokenizer's </s>
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+# ---- the kind and its conformance kit --------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_backend_passes_the_conformance_kit(name, tok):
+    check_grammar_backend(BACKENDS[name], tok)
+
+
+class _AllowsEverything(XGrammarBackend):
+    """A broken backend: its matchers never mask anything."""
+
+    def new_matcher(self, compiled):
+        m = super().new_matcher(compiled)
+
+        class Loose(type(m)):
+            def fill_bitmask(self, bitmask, row):
+                bitmask[row] = -1
+
+        m.__class__ = Loose
+        return m
+
+
+class _NoOpApply(XGrammarBackend):
+    def apply_bitmask_inplace(self, logits, bitmask):
+        return None
+
+
+@pytest.mark.parametrize("broken", [_AllowsEverything, _NoOpApply])
+def test_the_kit_catches_a_broken_backend(broken, tok):
+    with pytest.raises(AssertionError):
+        check_grammar_backend(broken, tok, seeds=1)
+
+
+def test_grammar_is_a_plugin_kind_with_both_backends_registered():
+    assert "grammar" in KINDS
+    reg = Registry.discover()
+    assert reg.names("grammar")[:2] == ["xgrammar", "llguidance"]  # priority order: xgrammar is the default
+    assert issubclass(reg.load("grammar", "llguidance"), GrammarBackend)
+
+
+def test_reference_bitmask_masks_exactly_the_cleared_bits():
+    vocab = 70
+    bitmask = torch.zeros(2, 3, dtype=torch.int32)
+    bitmask[0, 0] = 0b101  # tokens 0 and 2
+    bitmask[1, 2] = 1 << 5  # token 69
+    logits = torch.zeros(2, vocab + 2)
+    apply_bitmask_torch(logits, bitmask, vocab)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [0, 2, 70, 71]  # padding untouched
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [69, 70, 71]
+
+
+# ---- configuration and validation ------------------------------------------------------------
+
+
+def test_stack_grammar_defaults_to_xgrammar_and_can_be_off_or_named():
+    reg = Registry.discover()
+    assert resolve_stack(Config.build({}), reg, "cpu").grammar.name == "xgrammar"
+    assert resolve_stack(Config.build({"stack": {"grammar": "none"}}), reg, "cpu").grammar is None
+    assert resolve_stack(Config.build({"stack": {"grammar": "llguidance"}}), reg, "cpu").grammar.name == "llguidance"
+    with pytest.raises(PluginError, match="no grammar component named 'outlines'.*xgrammar"):
+        resolve_stack(Config.build({"stack": {"grammar": "outlines"}}), reg, "cpu")
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"json_schema": "{not json"}, "sampling_params.json_schema"),
+        ({"json_schema": "[1, 2]"}, "sampling_params.json_schema"),
+        ({"regex": "a+", "ebnf": 'root ::= "a"'}, "sampling_params.ebnf"),
+        ({"regex": ""}, "sampling_params.regex"),
+        ({"regex": 5}, "sampling_params.regex"),
+    ],
+)
+def test_bad_constraints_are_refused_naming_the_field(params, field):
+    with pytest.raises(InvalidRequest) as e:
+        sampling_from_dict(params, ModelLimits())
+    assert e.value.param == field
+
+
+def test_generate_accepts_a_schema_given_as_an_object():
+    sp = sampling_from_dict({"json_schema": {"type": "object"}}, ModelLimits())
+    assert json.loads(sp.json_schema) == {"type": "object"}
+
+
+# ---- the scheduler on the toy runner ---------------------------------------------------------
+
+
+def make_scheduler(tok, backend="xgrammar", overlap=False, **scheduler) -> Scheduler:
+    runner = ToyRunner(vocab_size=VOCAB, eos_token_ids=(EOS,), **scheduler.pop("runner", {}))
+    config = Config.build({"scheduler": scheduler, "runtime": {"overlap": overlap}})
+    cls = BACKENDS[backend]
+    service = GrammarService(backend, lambda: cls(tok, VOCAB, [EOS]))
+    reg = Registry.discover()
+    cache = reg.load("prefix_cache", "radix")(runner.req_to_token_pool, runner.token_allocator)
+    return Scheduler(config, runner, cache, reg.load("policy", "fcfs")(), tok, service)
+
+
+def run(s: Scheduler, max_steps: int = 5000) -> dict[str, dict]:
+    got: dict[str, dict] = {}
+    for _ in range(max_steps):
+        if not s.has_work():
+            break
+        for out in s.step():
+            r = got.setdefault(out.rid, {"ids": [], "error": None, "finish": None})
+            r["ids"].extend(out.new_ids)
+            r["error"] = r["error"] or out.error
+            r["finish"] = out.finished_reason or r["finish"]
+    assert not s.has_work(), "the scheduler still has work"
+    return got
+
+
+def add(s: Scheduler, rid: str, prompt: list[int], max_new: int = 40, **constraint) -> None:
+    sp = SamplingParams(max_new_tokens=max_new, temperature=0, **constraint)
+    s.add_request(GenerateRequest(rid=rid, input_ids=prompt, sampling_params=sp))
+
+
+def text(tok, ids: list[int]) -> str:
+    return tok.decode([t for t in ids if t != EOS])
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"enum": [1, 2]}, "b": {"type": "boolean"}}, "required": ["a", "b"],
+          "additionalProperties": False}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_constrained_rows_follow_their_grammar_and_others_are_unchanged(tok, backend, overlap):
+    s = make_scheduler(tok, backend, overlap)
+    plain = {f"p{i}": [7 + i, 30, 40 + i, 5] for i in range(3)}
+    for rid, prompt in plain.items():
+        add(s, rid, prompt, max_new=25)
+    add(s, "re", [3, 4, 5], regex=r"(yes|no)! [a-c]{3}")
+    add(s, "js", [3, 4, 6], json_schema=json.dumps(SCHEMA))
+    got = run(s)
+    for rid, prompt in plain.items():  # the toy's own greedy output, masks or not in the same batches
+        assert got[rid]["ids"] == toy_reference(prompt, 25, VOCAB, frozenset({EOS}))
+    assert re.fullmatch(r"(yes|no)! [a-c]{3}", text(tok, got["re"]["ids"]))
+    value = json.loads(text(tok, got["js"]["ids"]))
+    assert value["a"] in (1, 2) and isinstance(value["b"], bool) and set(value) == {"a", "b"}
+    assert got["re"]["finish"]["type"] == "stop" and got["js"]["finish"]["type"] == "stop"
+
+
+def test_invalid_constraint_ends_only_that_request_with_a_400_message(tok):
+    s = make_scheduler(tok)
+    add(s, "bad", [1, 2, 3], regex="a(b")
+    add(s, "ok", [1, 2, 4], max_new=5)
+    got = run(s)
+    assert got["bad"]["error"].startswith("regex: invalid regex:") and not got["bad"]["ids"]
+    assert got["ok"]["ids"] == toy_reference([1, 2, 4], 5, VOCAB, frozenset({EOS}))
+
+
+def test_kind_the_backend_does_not_support_is_refused(tok):
+    class RegexOnly(XGrammarBackend):
+        supported_kinds = ("regex",)
+
+    runner = ToyRunner(vocab_size=VOCAB, eos_token_ids=(EOS,))
+    reg = Registry.discover()
+    cache = reg.load("prefix_cache", "radix")(runner.req_to_token_pool, runner.token_allocator)
+    service = GrammarService("regex-only", lambda: RegexOnly(tok, VOCAB, [EOS]))
+    s = Scheduler(Config.build({}), runner, cache, reg.load("policy", "fcfs")(), tok, service)
+    add(s, "e", [1, 2], ebnf='root ::= "a"')
+    assert "does not support ebnf" in run(s)["e"]["error"]
+
+
+def test_no_grammar_backend_is_a_400_naming_the_field(tok):
+    runner = ToyRunner(vocab_size=VOCAB)
+    s = Scheduler.from_config(Config.build({"stack": {"grammar": "none"}}), runner, Registry.discover())
+    add(s, "j", [1, 2], json_schema='{"type": "object"}')
+    err = run(s)["j"]["error"]
+    assert err.startswith("json_schema:") and "no" in err and "grammar backend" in err
+
+
+def test_identical_constraints_compile_once(tok):
+    calls = []
+
+    class Counting(XGrammarBackend):
+        def compile(self, kind, text):
+            calls.append(text)
+            return super().compile(kind, text)
+
+    runner = ToyRunner(vocab_size=VOCAB, eos_token_ids=(EOS,))
+    reg = Registry.discover()
+    cache = reg.load("prefix_cache", "radix")(runner.req_to_token_pool, runner.token_allocator)
+    service = GrammarService("counting", lambda: Counting(tok, VOCAB, [EOS]))
+    s = Scheduler(Config.build({}), runner, cache, reg.load("policy", "fcfs")(), tok, service)
+    for i in range(4):
+        add(s, f"r{i}", [1, 2, i + 3], regex="(yes|no)")
+    got = run(s)
+    assert calls == ["(yes|no)"]
+    assert all(text(tok, got[f"r{i}"]["ids"]) in ("yes", "no") for i in range(4))
+
+
+def test_chunked_prefill_and_retraction_keep_the_grammar_state(tok):
+    # 160 KV slots for 8 requests admitted optimistically (a tiny reservation for future tokens):
+    # prompts are prefilled in 8-token chunks and decode runs out of memory and must retract
+    s = make_scheduler(tok, chunked_prefill_size=8, schedule_conservativeness=0.05, runner={"max_total_tokens": 160})
+    pattern = r"\((yes|no)(, (yes|no)){8,12}\)"
+    prompts = {f"r{i}": [10 + i] * 3 + list(range(20, 32)) for i in range(8)}
+    for rid, prompt in prompts.items():
+        add(s, rid, prompt, max_new=100, regex=pattern)
+    got = run(s)
+    for rid in prompts:
+        assert got[rid]["error"] is None
+        assert re.fullmatch(pattern, text(tok, got[rid]["ids"])), got[rid]
+    assert s.metrics.retractions > 0, "the pool was meant to force retraction"
+    assert s.flush_cache() and s.allocator.available_size() == s.allocator.size
+
+
+def test_abort_while_the_grammar_compiles(tok):
+    s = make_scheduler(tok)
+    add(s, "a", [1, 2], regex="[a-z]{1,3}")
+    assert s.abort("a")
+    got = run(s)
+    assert got["a"]["finish"] == {"type": "abort"}
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_keywords_a_backend_cannot_enforce_are_refused_not_ignored(name, tok):
+    backend = BACKENDS[name](tok, VOCAB, [EOS])
+    for keyword, schema in [
+        ("uniqueItems", {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True}),
+        ("not", {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}),
+        ("if", {"if": {"type": "integer"}, "then": {"minimum": 5}}),
+    ]:
+        with pytest.raises(GrammarError, match=keyword):
+            backend.compile("json_schema", json.dumps(schema))
+    # the same words as property names or enum values are data, not keywords
+    fine = {"type": "object", "properties": {"not": {"enum": ["if", "uniqueItems"]}}, "required": ["not"]}
+    assert backend.compile("json_schema", json.dumps(fine)) is not None
