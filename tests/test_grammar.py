@@ -127,7 +127,7 @@ def make_scheduler(tok, backend="xgrammar", overlap=False, **scheduler) -> Sched
     service = GrammarService(backend, lambda: cls(tok, VOCAB, [EOS]))
     reg = Registry.discover()
     cache = reg.load("prefix_cache", "radix")(runner.req_to_token_pool, runner.token_allocator)
-    return Scheduler(config, runner, cache, reg.load("policy", "fcfs")(), tok, service)
+    return Scheduler(config, runner, cache, reg.load("policy", "fcfs")(), tok, grammar=service)
 
 
 def run(s: Scheduler, max_steps: int = 5000) -> dict[str, dict]:
@@ -175,6 +175,27 @@ def test_constrained_rows_follow_their_grammar_and_others_are_unchanged(tok, bac
     assert got["re"]["finish"]["type"] == "stop" and got["js"]["finish"]["type"] == "stop"
 
 
+def test_speculation_pauses_while_a_constrained_request_runs(tok):
+    """A verify scores several tokens per request but the grammar mask has one row per request:
+    steps with a constrained request decode plainly; outputs are those without speculation."""
+    from radixserve.testing import drafter_info
+    from test_speculative_scheduler import ToyDrafter
+
+    runner = ToyRunner(vocab_size=VOCAB, eos_token_ids=(EOS,))
+    reg = Registry.discover()
+    cache = reg.load("prefix_cache", "radix")(runner.req_to_token_pool, runner.token_allocator)
+    service = GrammarService("xgrammar", lambda: XGrammarBackend(tok, VOCAB, [EOS]))
+    drafter = ToyDrafter(drafter_info(vocab_size=VOCAB, num_draft_tokens=4), mode="right")
+    s = Scheduler(Config.build({}), runner, cache, reg.load("policy", "fcfs")(), tok, drafter=drafter, grammar=service)
+    add(s, "plain", [7, 30, 40, 5], max_new=60)
+    add(s, "js", [3, 4, 6], json_schema=json.dumps(SCHEMA))
+    got = run(s)
+    assert got["plain"]["ids"] == toy_reference([7, 30, 40, 5], 60, VOCAB, frozenset({EOS}))
+    value = json.loads(text(tok, got["js"]["ids"]))
+    assert value["a"] in (1, 2) and isinstance(value["b"], bool)
+    assert s.metrics.spec_verifies > 0  # the plain request drafted once the constrained one finished
+
+
 def test_invalid_constraint_ends_only_that_request_with_a_400_message(tok):
     s = make_scheduler(tok)
     add(s, "bad", [1, 2, 3], regex="a(b")
@@ -192,7 +213,7 @@ def test_kind_the_backend_does_not_support_is_refused(tok):
     reg = Registry.discover()
     cache = reg.load("prefix_cache", "radix")(runner.req_to_token_pool, runner.token_allocator)
     service = GrammarService("regex-only", lambda: RegexOnly(tok, VOCAB, [EOS]))
-    s = Scheduler(Config.build({}), runner, cache, reg.load("policy", "fcfs")(), tok, service)
+    s = Scheduler(Config.build({}), runner, cache, reg.load("policy", "fcfs")(), tok, grammar=service)
     add(s, "e", [1, 2], ebnf='root ::= "a"')
     assert "does not support ebnf" in run(s)["e"]["error"]
 
@@ -217,7 +238,7 @@ def test_identical_constraints_compile_once(tok):
     reg = Registry.discover()
     cache = reg.load("prefix_cache", "radix")(runner.req_to_token_pool, runner.token_allocator)
     service = GrammarService("counting", lambda: Counting(tok, VOCAB, [EOS]))
-    s = Scheduler(Config.build({}), runner, cache, reg.load("policy", "fcfs")(), tok, service)
+    s = Scheduler(Config.build({}), runner, cache, reg.load("policy", "fcfs")(), tok, grammar=service)
     for i in range(4):
         add(s, f"r{i}", [1, 2, i + 3], regex="(yes|no)")
     got = run(s)

@@ -75,7 +75,7 @@ def serve(runner, requests: dict[str, tuple[list[int], SamplingParams]], chunk: 
     reg = Registry.discover()
     cache = reg.load("prefix_cache", "radix")(runner.req_to_token_pool, runner.token_allocator)
     service = GrammarService("even", lambda: EvenBackend(None, runner.vocab_size, [STOP]))
-    s = Scheduler(config, runner, cache, reg.load("policy", "fcfs")(), None, service)
+    s = Scheduler(config, runner, cache, reg.load("policy", "fcfs")(), None, grammar=service)
     for rid, (prompt, sp) in requests.items():
         s.add_request(GenerateRequest(rid=rid, input_ids=prompt, sampling_params=sp))
     got: dict[str, list[int]] = {rid: [] for rid in requests}

@@ -133,6 +133,7 @@ class Scheduler:
         cache: PrefixCache,
         policy: SchedulePolicy,
         tokenizer: Any = None,
+        *,
         drafter: Drafter | None = None,
         grammar: GrammarService | None = None,
     ) -> None:
@@ -197,7 +198,7 @@ class Scheduler:
         policy = policy_cls(**config.stack.policy_options)
         drafter = build_drafter(config, runner, registry)
         grammar = grammar_service(config, runner, registry, tokenizer)
-        return cls(config, runner, cache, policy, tokenizer, drafter, grammar)
+        return cls(config, runner, cache, policy, tokenizer, drafter=drafter, grammar=grammar)
 
     # ---- requests in ------------------------------------------------------------------------
     def add_request(self, msg: GenerateRequest) -> None:

@@ -17,12 +17,11 @@ import random
 import types
 import weakref
 from collections.abc import Callable, Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from radixserve.interfaces.drafter import Drafter, DraftProposal
+from radixserve.interfaces.drafter import Drafter, DrafterInfo, DraftProposal
 from radixserve.state import Req, SamplingParams
 
 
@@ -33,11 +32,6 @@ def drafter_info(*, vocab_size: int = 64, num_draft_tokens: int = 4, topk: int =
     values = dict(device=torch.device("cpu"), vocab_size=vocab_size, num_draft_tokens=num_draft_tokens, topk=topk,
                   num_steps=num_draft_tokens, supports_tree=topk > 1 if supports_tree is None else supports_tree)
     values.update(fields)
-    try:
-        from radixserve.interfaces.drafter import DrafterInfo  # plugin API 1.1
-    except ImportError:  # a core without DrafterInfo yet: the same fields on a namespace
-        return SimpleNamespace(model_path=None, draft_model_path=None, eos_token_ids=frozenset(), hf_config=None,
-                               extra={}, **values)
     return DrafterInfo(**values)
 
 
