@@ -7,6 +7,13 @@ import os
 from collections.abc import Callable
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU every Triton kernel runs in Triton's CPU interpreter. Set before any test module
+    # imports triton: a kernel decorated while the variable is unset needs a GPU driver to launch,
+    # so a kernel module imported early by another test (a plugin's import chain) would fail later.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _prebuild_kernels_in_parallel() -> None:
