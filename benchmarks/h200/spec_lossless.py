@@ -71,54 +71,66 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a local smoke run with torch_native attention")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
-    target = tiny_checkpoint("llama", str(tmp / "target"), seed=3, num_hidden_layers=4)
-    tcfg = target_config(target)
+    targets = {
+        "4-layer": tiny_checkpoint("llama", str(tmp / "target4"), seed=3, num_hidden_layers=4),
+        "1-layer": tiny_checkpoint("llama", str(tmp / "target1"), seed=4, num_hidden_layers=1),
+    }
+    tcfg = target_config(targets["4-layer"])
     heads = {"eagle2": write_eagle2(tmp / "eagle2", tcfg, seed=1), "eagle3": write_eagle3(tmp / "eagle3", tcfg, seed=2),
-             "eagle2_copy": write_eagle2_copy(tmp / "eagle2_copy", target)}  # reproduces the target: high acceptance
+             # a head that reproduces the 1-layer target: high acceptance, so long accepted runs are checked
+             "eagle2_copy": write_eagle2_copy(tmp / "eagle2_copy", targets["1-layer"])}
     registry = Registry.discover()
-    drafters = [
-        ("ngram chain", {"speculative": "ngram"}, {"num_draft_tokens": 4}),
-        ("ngram tree", {"speculative": "ngram"}, {"num_draft_tokens": 8, "topk": 3}),
-        ("eagle2 chain", {"speculative": "eagle"}, {"num_draft_tokens": 4, "draft_model_path": heads["eagle2"]}),
-        ("eagle2 copy tree", {"speculative": "eagle"},
-         {"num_draft_tokens": 6, "topk": 2, "num_steps": 3, "draft_model_path": heads["eagle2_copy"]}),
-        ("eagle3 tree", {"speculative": "eagle"},
-         {"num_draft_tokens": 6, "topk": 3, "num_steps": 3, "draft_model_path": heads["eagle3"]}),
-    ]
+    drafters = {
+        "4-layer": [
+            ("ngram chain", {"speculative": "ngram"}, {"num_draft_tokens": 4}),
+            ("ngram tree", {"speculative": "ngram"}, {"num_draft_tokens": 8, "topk": 3}),
+            ("eagle2 chain", {"speculative": "eagle"}, {"num_draft_tokens": 4, "draft_model_path": heads["eagle2"]}),
+            ("eagle3 tree", {"speculative": "eagle"},
+             {"num_draft_tokens": 6, "topk": 3, "num_steps": 3, "draft_model_path": heads["eagle3"]}),
+        ],
+        "1-layer": [
+            ("eagle2 copy chain", {"speculative": "eagle"},
+             {"num_draft_tokens": 4, "draft_model_path": heads["eagle2_copy"]}),
+            ("eagle2 copy tree", {"speculative": "eagle"},
+             {"num_draft_tokens": 6, "topk": 2, "num_steps": 3, "draft_model_path": heads["eagle2_copy"]}),
+        ],
+    }
     rows, ok = [], True
     for dtype in ("float32", "bfloat16"):
-        runner = ModelRunner(Config.build({
-            "model": {"path": target}, "stack": {"attention": "triton" if args.device == "cuda" else "torch_native"},
-            "runtime": {"device": args.device, "dtype": dtype},
-            "scheduler": {"max_total_tokens": 16000, "max_running_requests": 64},
-        }), show_progress=False)
-        ps = prompts(32, seed=7)
-        greedy = SamplingParams(max_new_tokens=args.new_tokens, temperature=0, ignore_eos=True)
-        plain, _ = run(runner, registry, {}, {}, [(p, greedy) for p in ps])
-        plain_alone, _ = run(runner, registry, {}, {}, [(ps[0], greedy)])
-        sampled = [(p, SamplingParams(max_new_tokens=args.new_tokens, temperature=0.8, top_p=0.9, seed=100 + i,
-                                      ignore_eos=True)) for i, p in enumerate(ps[:8])]
-        plain_sampled, _ = run(runner, registry, {}, {}, sampled)
-        for name, stack, spec in drafters:
-            batched, stats = run(runner, registry, stack, spec, [(p, greedy) for p in ps])
-            alone, _ = run(runner, registry, stack, spec, [(ps[0], greedy)])
-            samp, _ = run(runner, registry, stack, spec, sampled)
-            row = {
-                "dtype": dtype, "drafter": name,
-                "batched_equal": batched == plain,
-                "batched_mismatches": sum(batched[k] != plain[k] for k in plain),
-                "alone_equal": alone == plain_alone,
-                "sampled_equal": samp == plain_sampled,
-                "verifies": stats.get("spec_verifies"), "accepted": stats.get("spec_accepted_tokens"),
-                "cuda_graph_decode": runner.graph_runner is not None,
-            }
-            # fp32 must be exact; bf16 verify (multi-row) and decode (one row) kernels may round a
-            # near-tie differently, so bf16 rows are reported, not required
-            if dtype == "float32":
-                ok &= row["batched_equal"] and row["alone_equal"] and row["sampled_equal"]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        del runner
+        for tname, target in targets.items():
+            runner = ModelRunner(Config.build({
+                "model": {"path": target},
+                "stack": {"attention": "triton" if args.device == "cuda" else "torch_native"},
+                "runtime": {"device": args.device, "dtype": dtype},
+                "scheduler": {"max_total_tokens": 16000, "max_running_requests": 64},
+            }), show_progress=False)
+            ps = prompts(32, seed=7)
+            greedy = SamplingParams(max_new_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+            plain, _ = run(runner, registry, {}, {}, [(p, greedy) for p in ps])
+            plain_alone, _ = run(runner, registry, {}, {}, [(ps[0], greedy)])
+            sampled = [(p, SamplingParams(max_new_tokens=args.new_tokens, temperature=0.8, top_p=0.9, seed=100 + i,
+                                          ignore_eos=True)) for i, p in enumerate(ps[:8])]
+            plain_sampled, _ = run(runner, registry, {}, {}, sampled)
+            for name, stack, spec in drafters[tname]:
+                batched, stats = run(runner, registry, stack, spec, [(p, greedy) for p in ps])
+                alone, _ = run(runner, registry, stack, spec, [(ps[0], greedy)])
+                samp, _ = run(runner, registry, stack, spec, sampled)
+                row = {
+                    "dtype": dtype, "target": tname, "drafter": name,
+                    "batched_equal": batched == plain,
+                    "batched_mismatches": sum(batched[k] != plain[k] for k in plain),
+                    "alone_equal": alone == plain_alone,
+                    "sampled_equal": samp == plain_sampled,
+                    "verifies": stats.get("spec_verifies"), "accepted": stats.get("spec_accepted_tokens"),
+                    "cuda_graph_decode": runner.graph_runner is not None,
+                }
+                # fp32 must be exact; bf16 verify (multi-row) and decode (one row) kernels may round
+                # a near-tie differently, so bf16 rows are reported, not required
+                if dtype == "float32":
+                    ok &= row["batched_equal"] and row["alone_equal"] and row["sampled_equal"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del runner
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "spec_lossless.json").write_text(json.dumps({"ok": ok, "rows": rows}, indent=1))
     print("ALL FP32 ROWS IDENTICAL" if ok else "MISMATCH", flush=True)
