@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.layers.split_k import cdiv, plan_split_k
+
 if TYPE_CHECKING:
     from radixserve.layers.quant_int4 import Int4Weight
 
@@ -156,11 +158,6 @@ def _block_k(K: int) -> int:
     return 128 if K >= 128 else max(16, 1 << (K.bit_length() - 1))
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def fused_gemm(x: torch.Tensor, w: Int4Weight, split_k: int | None = None) -> torch.Tensor:
     """x [M, K] @ W [K, N] -> [M, N] in x's dtype, with W dequantized tile by tile in registers."""
     M, K = x.shape
@@ -170,18 +167,10 @@ def fused_gemm(x: torch.Tensor, w: Int4Weight, split_k: int | None = None) -> to
     x = x.contiguous()
     block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
     block_n, block_k = 64, _block_k(K)
-    tiles = triton_cdiv(M, block_m) * triton_cdiv(N, block_n)
-    k_blocks = triton_cdiv(K, block_k)
-    if split_k is None:
-        # enough programs to cover every SM a few times; each keeps >= 2 K blocks to amortize
-        sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
-        split_k = max(1, min(k_blocks // 2, (4 * sms) // max(tiles, 1)))
-    split_k = max(1, min(split_k, k_blocks))
-    k_per_split = triton_cdiv(k_blocks, split_k) * block_k
-    split_k = triton_cdiv(K, k_per_split)
+    split_k, k_per_split = plan_split_k(M, N, K, block_m, block_n, block_k, x.device, split_k)
     # one split stores the result in x's dtype directly; several store fp32 partials to add up
     partial = torch.empty((split_k, M, N), dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
-    grid = (triton_cdiv(M, block_m), triton_cdiv(N, block_n), split_k)
+    grid = (cdiv(M, block_m), cdiv(N, block_n), split_k)
     _kernels(_interpreting()).fused_gemm[grid](
         x, w.qweight, w.scales, w.zeros, w.g_idx, partial, M, N, K, x.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_PER_SPLIT=k_per_split,
@@ -196,11 +185,7 @@ def dequantize(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
     K, N = w.in_features, w.out_features
     out = torch.empty((K, N), dtype=dtype, device=w.qweight.device)
     block_n, block_k = 64, _block_k(K)
-    grid = (triton_cdiv(K, block_k), triton_cdiv(N, block_n))
+    grid = (cdiv(K, block_k), cdiv(N, block_n))
     _kernels(_interpreting()).dequant[grid](w.qweight, w.scales, w.zeros, w.g_idx, out, N, K,
                                             BLOCK_N=block_n, BLOCK_K=block_k, **_group_args(w, block_k))
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)

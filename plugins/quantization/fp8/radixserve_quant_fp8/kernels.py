@@ -13,6 +13,7 @@ import os
 from types import SimpleNamespace
 
 import torch
+from radixserve.layers.split_k import cdiv, plan_split_k
 
 logger = logging.getLogger(__name__)
 
@@ -157,15 +158,6 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     return SimpleNamespace(block_gemm=block_gemm_kernel, quant_rows=quant_rows_kernel)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                    block: tuple[int, int], split_k: int | None = None) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] fp8 * 128x128 block scales).T -> [M, N] in x's dtype (Triton).
@@ -175,16 +167,9 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tenso
     x = x.contiguous()
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n, block_k = 64, min(128, block[1])
-    tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
-    k_blocks = _cdiv(k, block_k)
-    if split_k is None:
-        sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
-        split_k = max(1, min(k_blocks // 2, (4 * sms) // max(tiles, 1)))
-    split_k = max(1, min(split_k, k_blocks))
-    k_per_split = _cdiv(k_blocks, split_k) * block_k
-    split_k = _cdiv(k, k_per_split)
+    split_k, k_per_split = plan_split_k(m, n, k, block_m, block_n, block_k, x.device, split_k)
     partial = torch.empty((split_k, m, n), dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
-    grid = (_cdiv(m, block_m), _cdiv(n, block_n), split_k)
+    grid = (cdiv(m, block_m), cdiv(n, block_n), split_k)
     _kernels(_interpreting()).block_gemm[grid](
         x, weight, scale_inv, partial, m, n, k, x.stride(0), weight.stride(0), scale_inv.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_PER_SPLIT=k_per_split, SCALE_BLOCK_N=block[0], SCALE_BLOCK_K=block[1],
