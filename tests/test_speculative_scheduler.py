@@ -17,20 +17,13 @@ from radixserve.plugins.registry import Registry
 from radixserve.runtime.messages import GenerateRequest
 from radixserve.scheduler import Scheduler
 from radixserve.state import SamplingParams
-from radixserve.testing import ToyRunner, toy_next_token
+from radixserve.testing import ToyRunner, toy_next_token, toy_reference
 
 VOCAB = 1000
 
 
 def reference(prompt: list[int], max_new: int, stop_ids=()) -> list[int]:
-    ids, out = list(prompt), []
-    while len(out) < max_new:
-        tok = toy_next_token(ids, VOCAB)
-        out.append(tok)
-        ids.append(tok)
-        if tok in stop_ids:
-            break
-    return out
+    return toy_reference(prompt, max_new, VOCAB, frozenset(stop_ids))
 
 
 class ToyDrafter(Drafter):
