@@ -19,6 +19,7 @@ from radixserve.runtime.messages import GenerateRequest
 from radixserve.scheduler import Scheduler
 from radixserve.scheduler.speculative.setup import drafter_info
 from radixserve.state import ForwardMode, Req, SamplingParams, ScheduledBatch, SpecVerify
+from radixserve.testing import run_to_completion as run
 
 VOCAB = 512
 
@@ -98,19 +99,6 @@ def scheduler(runner, drafter_kwargs=None, num_draft_tokens=4, cache="radix"):
     drafter = None if drafter_kwargs is None else TableDrafter(drafter_info(cfg, runner), **drafter_kwargs)
     cache_obj = reg.load("prefix_cache", cache)(runner.req_to_token_pool, runner.token_allocator)
     return Scheduler(cfg, runner, cache_obj, reg.load("policy", "fcfs")(), drafter=drafter)
-
-
-def run(sched, reqs):
-    for r in reqs:
-        sched.add_request(r)
-    res: dict[str, list[int]] = {}
-    while sched.has_work():
-        for out in sched.step():
-            assert out.error is None, out.error
-            res.setdefault(out.rid, []).extend(out.new_ids)
-    assert sched.flush_cache()
-    assert sched.allocator.available_size() == sched.allocator.size, "KV slots leaked"
-    return res
 
 
 def greedy(rid, prompt, n, **kw):

@@ -10,6 +10,7 @@ kit in a few seconds). See docs/contracts.md ("Conformance kits")."""
 
 from radixserve.testing.attention import ReferenceAttentionBackend, check_attention_backend
 from radixserve.testing.drafter import check_drafter, drafter_info
+from radixserve.testing.end_to_end import run_to_completion
 from radixserve.testing.grammar import check_grammar_backend, tiny_tokenizer
 from radixserve.testing.model import check_model_parity, tiny_checkpoint
 from radixserve.testing.output_parsers import (
@@ -37,6 +38,7 @@ __all__ = [
     "check_reasoning_parser",
     "check_schedule_policy",
     "drafter_info",
+    "run_to_completion",
     "check_tool_parser",
     "tiny_checkpoint",
     "tiny_tokenizer",

@@ -19,6 +19,26 @@ class ArrivalOrder(SchedulePolicy):
         return sorted(waiting, key=lambda r: r.arrival_time)
 
 
+def run_to_completion(sched, reqs: list, max_steps: int = 100_000) -> dict[str, list[int]]:
+    """Add `reqs` (GenerateRequest) to the scheduler `sched`, step it until it has no work, and
+    return each request's output ids by rid. Raises AssertionError when a request fails, when the
+    scheduler does not finish in `max_steps`, or when a KV slot is still held once the cache is
+    flushed (a leak). Added in plugin API 1.2."""
+    for r in reqs:
+        sched.add_request(r)
+    res: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not sched.has_work():
+            break
+        for out in sched.step():
+            assert not getattr(out, "error", None), f"request {out.rid} failed: {out.error}"
+            res.setdefault(out.rid, []).extend(out.new_ids)
+    assert not sched.has_work(), f"the scheduler still has work after {max_steps} steps"
+    assert sched.flush_cache(), "flush_cache() refused with every request finished"
+    assert sched.allocator.available_size() == sched.allocator.size, "KV slots leaked"
+    return res
+
+
 def check_scheduler_outputs(
     cache_factory: Callable, policy_factory: Callable[[], SchedulePolicy], seed: int = 0, num_requests: int = 12
 ) -> None:

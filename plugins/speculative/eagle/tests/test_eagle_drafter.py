@@ -19,6 +19,7 @@ from radixserve.scheduler import Scheduler
 from radixserve.scheduler.speculative.setup import build_drafter, drafter_info
 from radixserve.state import SamplingParams
 from radixserve.static_batch import run_static_batch
+from radixserve.testing import run_to_completion as _run
 from radixserve.testing import tiny_checkpoint
 from radixserve_spec_eagle.checkpoint import default_aux_layers, load_checkpoint
 from radixserve_spec_eagle.drafter import EagleDrafter, best_nodes
@@ -88,19 +89,6 @@ def _scheduler(runner, cfg: Config | None, drafter_cls=RecordingEagle):
     drafter = drafter_cls(drafter_info(cfg, runner)) if cfg.stack.speculative else None
     cache = reg.load("prefix_cache", "radix")(runner.req_to_token_pool, runner.token_allocator)
     return Scheduler(cfg, runner, cache, reg.load("policy", "fcfs")(), drafter=drafter)
-
-
-def _run(sched, reqs):
-    for r in reqs:
-        sched.add_request(r)
-    res: dict[str, list[int]] = {}
-    while sched.has_work():
-        for out in sched.step():
-            assert out.error is None, out.error
-            res.setdefault(out.rid, []).extend(out.new_ids)
-    assert sched.flush_cache()
-    assert sched.allocator.available_size() == sched.allocator.size, "KV slots leaked"
-    return res
 
 
 def _greedy(rid, prompt, n):
