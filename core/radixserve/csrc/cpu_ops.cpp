@@ -4,7 +4,14 @@
 // (casts, reductions, cat, elementwise), each a dispatch plus a full pass over memory; one pass
 // each here. Numerics follow the torch code of the layers (fp32 statistics, the same operations
 // in the same order per element); only the order of the fp32 sum of squares differs.
-#include <torch/extension.h>
+// Only the headers these kernels use: torch/extension.h (the whole C++ frontend) takes ~4x the
+// CPU time to parse, and a first start compiles every kernel (docs/architecture.md, start-up).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -21,8 +28,8 @@ constexpr float kExpMax = 88.f;
 
 constexpr int64_t kRowsPerTask = 4;  // rows are small (hidden <= 16k floats): batch a few per task
 
-void check_rows(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat, what, ": fp32 only");
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, what, ": fp32 only");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, what, ": expects [rows, cols] with contiguous rows");
 }
 
@@ -38,10 +45,10 @@ inline void normalize_row(const float* r, const float* w, float* out, int64_t n,
 }  // namespace
 
 // norm(x) = weight * (x * rsqrt(mean(x^2) + eps)), row-wise. x: [rows, hidden].
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_rows(x, "rms_norm");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "rms_norm: weight shape");
-  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
   const int64_t n = x.size(1), sx = x.stride(0);
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -52,14 +59,14 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 // (norm(x + residual), x + residual), row-wise; fresh outputs.
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight,
                                                       double eps) {
   check_rows(x, "add_rms_norm");
   check_rows(residual, "add_rms_norm");
   TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm: residual shape");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "add_rms_norm: weight shape");
-  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
-  auto res_out = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  auto res_out = at::empty({x.size(0), x.size(1)}, x.options());
   const int64_t n = x.size(1), sx = x.stride(0), sr = residual.stride(0);
   const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float *op = out.data_ptr<float>(), *rop = res_out.data_ptr<float>();
@@ -76,11 +83,11 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
 }
 
 // x = [gate | up] per row -> silu(gate) * up, silu(g) = g / (1 + exp(-g)).
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   check_rows(x, "silu_and_mul");
   TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: odd width");
   const int64_t d = x.size(1) / 2, sx = x.stride(0);
-  auto out = torch::empty({x.size(0), d}, x.options());
+  auto out = at::empty({x.size(0), d}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, x.size(0), 1, [&](int64_t b, int64_t e) {
@@ -115,22 +122,22 @@ inline void rotate_row(float* x, int64_t heads, int64_t head_dim, int64_t rot, c
 
 // Rotated copies of q [n, hq*head_dim] and k [n, hkv*head_dim] (rows may be strided slices of a
 // fused qkv); dims past `rot` in each head are copied. cos/sin: [max_position, rot] fp32 tables.
-std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
-                                                torch::Tensor cos, torch::Tensor sin, int64_t head_dim, int64_t rot) {
+std::tuple<at::Tensor, at::Tensor> rotary(at::Tensor q, at::Tensor k, at::Tensor positions,
+                                                at::Tensor cos, at::Tensor sin, int64_t head_dim, int64_t rot) {
   check_rows(q, "rotary");
   check_rows(k, "rotary");
-  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous() && positions.numel() == q.size(0),
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == q.size(0),
               "rotary: int64 positions, one per row");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat &&
-                  sin.scalar_type() == torch::kFloat && cos.size(1) == rot && sin.size(1) == rot,
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat && cos.size(1) == rot && sin.size(1) == rot,
               "rotary: cos/sin tables");
   TORCH_CHECK(rot % 2 == 0 && rot <= head_dim && q.size(1) % head_dim == 0 && k.size(1) % head_dim == 0 &&
                   k.size(0) == q.size(0), "rotary: dims");
   const int64_t n = q.size(0), wq = q.size(1), wk = k.size(1), max_pos = cos.size(0);
   const int64_t* pp = positions.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(pp[i] >= 0 && pp[i] < max_pos, "rotary: position ", pp[i], " outside the table");
-  auto q_out = torch::empty({n, wq}, q.options());
-  auto k_out = torch::empty({n, wk}, k.options());
+  auto q_out = at::empty({n, wq}, q.options());
+  auto k_out = at::empty({n, wk}, k.options());
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float *qo = q_out.data_ptr<float>(), *ko = k_out.data_ptr<float>();
@@ -158,11 +165,11 @@ inline bool is_nan_bits(uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; }
 
 // Row-wise argmax of x [rows, cols] as torch.argmax(x, dim=-1): the first index of the largest
 // value, a NaN counting as the largest.
-torch::Tensor argmax_rows(torch::Tensor x) {
+at::Tensor argmax_rows(at::Tensor x) {
   check_rows(x, "argmax_rows");
   TORCH_CHECK(x.size(1) > 0, "argmax_rows: empty rows");
   const int64_t rows = x.size(0), cols = x.size(1), sx = x.stride(0);
-  auto out = torch::empty({rows}, x.options().dtype(torch::kLong));
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {

@@ -6,7 +6,14 @@
 // FMA units keep fed. Microkernel: 8 rows x 48 columns (24 AVX-512 accumulators) where the CPU has
 // AVX-512, else 4 rows x 24 columns (12 AVX2 accumulators); the panel width follows, so packed
 // weights belong to the build that packed them. RS_NO_AVX512 forces the AVX2 kernel (tests).
-#include <torch/extension.h>
+// Only the headers these kernels use: torch/extension.h (the whole C++ frontend) takes ~4x the
+// CPU time to parse, and a first start compiles every kernel (docs/architecture.md, start-up).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -186,9 +193,9 @@ inline void panel_product(const float* x, int64_t lda, int64_t rows, const float
 #endif
 
 // x fp32 [M, K] with contiguous rows, and `num_panels` packed [K, NR] panels for it.
-void check_operands(const torch::Tensor& x, const torch::Tensor& panels, int64_t num_panels) {
+void check_operands(const at::Tensor& x, const at::Tensor& panels, int64_t num_panels) {
   TORCH_CHECK(RS_HAVE_AVX2, "gemm: built without AVX2/FMA");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "gemm: x fp32 [M, K]");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "gemm: x fp32 [M, K]");
   TORCH_CHECK(panels.dim() == 3 && panels.size(1) == x.size(1) && panels.size(2) == NR && panels.is_contiguous() &&
                   panels.size(0) == num_panels, "gemm: panels do not match x and the output width");
 }
@@ -202,11 +209,11 @@ int64_t rows_per_chunk(int64_t K) { return std::max<int64_t>(MR, (kL2Budget / (K
 bool available() { return RS_HAVE_AVX2; }
 
 // w [N, K] -> panels [ceil(N / NR), K, NR] (zero-padded columns).
-torch::Tensor pack(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat, "pack: fp32 [N, K]");
+at::Tensor pack(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "pack: fp32 [N, K]");
   w = w.contiguous();
   const int64_t N = w.size(0), K = w.size(1), panels = (N + NR - 1) / NR;
-  auto out = torch::zeros({panels, K, NR}, w.options());
+  auto out = at::zeros({panels, K, NR}, w.options());
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t b, int64_t e) {
@@ -218,10 +225,10 @@ torch::Tensor pack(torch::Tensor w) {
 }
 
 // x [M, K] (rows contiguous), panels from `pack`, n = the unpadded N. Returns [M, n].
-torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t n) {
+at::Tensor linear(at::Tensor x, at::Tensor panels, int64_t n) {
   check_operands(x, panels, (n + NR - 1) / NR);
   const int64_t M = x.size(0), K = x.size(1), lda = x.stride(0), np = panels.size(0);
-  auto y = torch::empty({M, n}, x.options());
+  auto y = at::empty({M, n}, x.options());
 #if RS_HAVE_AVX2
   const float* xp = x.data_ptr<float>();
   const float* pp = panels.data_ptr<float>();
@@ -244,21 +251,21 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t n) {
 
 // w [2I, K] = [gate; up] -> panels [2 * ceil(I / NR), K, NR] ordered gate 0, up 0, gate 1, up 1, ...:
 // the thread that owns a column range computes both halves of it (for `linear_silu_mul`).
-torch::Tensor pack_gated(torch::Tensor w) {
+at::Tensor pack_gated(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.size(0) % 2 == 0, "pack_gated: [2I, K] weight");
   const int64_t half = w.size(0) / 2;
   auto gate = pack(w.narrow(0, 0, half)), up = pack(w.narrow(0, half, half));
-  return torch::stack({gate, up}, 1).reshape({-1, w.size(1), NR});
+  return at::stack({gate, up}, 1).reshape({-1, w.size(1), NR});
 }
 
 // silu(x @ gate^T) * (x @ up^T) from `pack_gated` panels; i = the unpadded I. Returns [M, i].
 // Each NR-column pair is computed into a per-thread scratch and activated while it is in L1, so
 // the [M, 2I] pre-activation never goes to memory.
-torch::Tensor linear_silu_mul(torch::Tensor x, torch::Tensor panels, int64_t i) {
+at::Tensor linear_silu_mul(at::Tensor x, at::Tensor panels, int64_t i) {
   const int64_t pairs = (i + NR - 1) / NR;
   check_operands(x, panels, 2 * pairs);
   const int64_t M = x.size(0), K = x.size(1), lda = x.stride(0);
-  auto y = torch::empty({M, i}, x.options());
+  auto y = at::empty({M, i}, x.options());
 #if RS_HAVE_AVX2
   const float* xp = x.data_ptr<float>();
   const float* pp = panels.data_ptr<float>();

@@ -10,7 +10,14 @@
 // (2u + u^2) |x_k w_k|; fp32 accumulation of K terms adds at most gamma_K sum |x_k w_k| to the
 // bf16 sum and to the fp32 logit each, and sum_k |x_k w_k| <= ||x|| ||w_v|| (Cauchy-Schwarz).
 // Denormals flushed by vdpbf16ps change a sum by less than K * 2^-126 * max|.|: the absolute term.
-#include <torch/extension.h>
+// Only the headers these kernels use: torch/extension.h (the whole C++ frontend) takes ~4x the
+// CPU time to parse, and a first start compiles every kernel (docs/architecture.md, start-up).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -147,14 +154,14 @@ bool available() { return RS_HAVE_BF16_SCREEN; }
 
 // w [N, K] fp32 -> (panels [ceil(N / 48), ceil(K / 2), 48, 2] bf16 as int16, norms [N] fp32):
 // panel element (p, k2, j, e) = bf16(w[48 p + j, 2 k2 + e]), zero past the ends; norms rounded up.
-std::tuple<torch::Tensor, torch::Tensor> pack(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat, "greedy_head.pack: fp32 [N, K]");
+std::tuple<at::Tensor, at::Tensor> pack(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "greedy_head.pack: fp32 [N, K]");
   w = w.contiguous();
   const int64_t N = w.size(0), K = w.size(1), K2 = (K + 1) / 2, np = (N + NR - 1) / NR;
   const float* wp = w.data_ptr<float>();
   for (int64_t i = 0; i < N * K; ++i) TORCH_CHECK(finite_bits(wp[i]), "greedy_head.pack: non-finite weight");
-  auto panels = torch::zeros({np, K2, NR, 2}, w.options().dtype(torch::kShort));
-  auto norms = torch::empty({N}, w.options());
+  auto panels = at::zeros({np, K2, NR, 2}, w.options().dtype(at::kShort));
+  auto norms = at::empty({N}, w.options());
   auto* pp = reinterpret_cast<uint16_t*>(panels.data_ptr<int16_t>());
   float* np_ = norms.data_ptr<float>();
   at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
@@ -171,18 +178,18 @@ std::tuple<torch::Tensor, torch::Tensor> pack(torch::Tensor w) {
 // For each row of x [M, K]: argmax over v < n of the fp32 logit x . w[v] (w [n, K] fp32, the
 // weight `pack` saw), first index on ties; rows holding a non-finite value get torch.argmax's answer
 // from a full fp32 pass. Returns int64 [M].
-torch::Tensor argmax(torch::Tensor x, torch::Tensor panels, torch::Tensor norms, torch::Tensor w) {
+at::Tensor argmax(at::Tensor x, at::Tensor panels, at::Tensor norms, at::Tensor w) {
   TORCH_CHECK(RS_HAVE_BF16_SCREEN, "greedy_head: built without AVX-512 BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "greedy_head: x fp32 [M, K]");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat && w.is_contiguous() && w.size(1) == x.size(1),
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "greedy_head: x fp32 [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == x.size(1),
               "greedy_head: w fp32 [n, K], contiguous");
   const int64_t M = x.size(0), K = x.size(1), K2 = (K + 1) / 2, n = w.size(0), np = (n + NR - 1) / NR;
   TORCH_CHECK(panels.dim() == 4 && panels.size(0) == np && panels.size(1) == K2 && panels.size(2) == NR &&
-                  panels.size(3) == 2 && panels.is_contiguous() && panels.scalar_type() == torch::kShort,
+                  panels.size(3) == 2 && panels.is_contiguous() && panels.scalar_type() == at::kShort,
               "greedy_head: panels do not match w");
-  TORCH_CHECK(norms.numel() == n && norms.is_contiguous() && norms.scalar_type() == torch::kFloat,
+  TORCH_CHECK(norms.numel() == n && norms.is_contiguous() && norms.scalar_type() == at::kFloat,
               "greedy_head: norms do not match w");
-  auto out = torch::empty({M}, x.options().dtype(torch::kLong));
+  auto out = at::empty({M}, x.options().dtype(at::kLong));
 #if RS_HAVE_BF16_SCREEN
   const float* xp = x.data_ptr<float>();
   const int64_t lda = x.stride(0);
@@ -206,7 +213,7 @@ torch::Tensor argmax(torch::Tensor x, torch::Tensor panels, torch::Tensor norms,
     }
   }
   // approximate logits, panel by panel (each thread streams a contiguous run of panels)
-  auto approx_t = torch::empty({M, n}, x.options());
+  auto approx_t = at::empty({M, n}, x.options());
   float* approx = approx_t.data_ptr<float>();
   at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p) {
