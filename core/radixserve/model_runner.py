@@ -41,8 +41,8 @@ class ModelRunner:
     def __init__(self, config: Config, registry: Registry | None = None, show_progress: bool = True,
                  tp_group: TPGroup | None = None) -> None:
         """`registry`: the process's plugin registry (None: built from `config`). `tp_group`: this
-        rank's tensor-parallel group (needed when runtime.tp_size > 1; see runtime/tp.py): rank 0
-        broadcasts every forward to the others, which run it through `runtime.tp.follow`."""
+        rank's tensor-parallel group (needed when runtime.tp_size > 1; see radixserve/tensor_parallel.py): rank 0
+        broadcasts every forward to the others, which run it through `tensor_parallel.follow`."""
         self.config = config
         self.registry = registry if registry is not None else Registry.from_config(config)
         rt = config.runtime
@@ -143,7 +143,7 @@ class ModelRunner:
         self.max_total_tokens = self.tp_group.min_int(self._kv_tokens()) if self.tp_group.size > 1 else self._kv_tokens()
         pool_cls = ReqToTokenPool
         if self.tp_group.size > 1 and self.tp_group.is_leader:
-            from radixserve.runtime.tp import JournaledReqToTokenPool
+            from radixserve.tensor_parallel import JournaledReqToTokenPool
 
             pool_cls = JournaledReqToTokenPool  # its writes are replayed on the other ranks
         self.max_running_requests = self.config.scheduler.max_running_requests
@@ -356,7 +356,7 @@ class ModelRunner:
         if sb.mode is ForwardMode.DECODE and any(e != 1 for e in sb.extend_lens):
             raise ValueError("DECODE batches must have extend_lens == 1 for every request")
         tp = self.tp_group
-        if tp.size > 1 and tp.is_leader:  # the followers run the same forward (runtime/tp.py)
+        if tp.size > 1 and tp.is_leader:  # the followers run the same forward (tensor_parallel.py)
             self._broadcast_step(sb, greedy_ids)
         fb = self.prepare(sb)
         if tp.size > 1 and sb.future_inputs is not None:  # overlap: ids still on rank 0's device
@@ -382,7 +382,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden)[:, : self.vocab_size], False
 
     def _broadcast_step(self, sb: ScheduledBatch, greedy_ids: bool) -> None:
-        from radixserve.runtime.tp import TPRankLost, TPStep
+        from radixserve.tensor_parallel import TPRankLost, TPStep
 
         try:
             self.tp_group.broadcast_object(TPStep.of(sb, greedy_ids, self.req_to_token_pool.take_journal()))

@@ -46,8 +46,8 @@ class Model(nn.Module, abc.ABC):
     """
 
     supports_tensor_parallel: bool = False
-    """Class flag: the constructor takes `tp_group` and the model shards itself over it (see
-    above). A tp_size > 1 config serving a model that leaves it False is refused, naming the
+    """Class flag: the constructor takes `tp_group` and the model shards itself over it (see above).
+    A tp_size > 1 config serving a model that leaves it False is refused, naming the
     architecture. Added in plugin API 1.3."""
 
     @abc.abstractmethod
