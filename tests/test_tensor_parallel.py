@@ -187,3 +187,60 @@ def test_two_node_launch_serves_and_shuts_down_cleanly(tiny_llama_dir, tmp_path)
             f.close()
     text = "".join((tmp_path / f"node{i}.log").read_text() for i in (0, 1))
     assert "Traceback" not in text, text[-3000:]
+
+
+# ---- layers: shards of 2 detached ranks recombine to the single-process result -----------------
+def test_layer_shards_recombine_to_the_full_layer():
+    import torch
+    from radixserve.layers.distributed import TPGroup
+    from radixserve.layers.embedding import ParallelLMHead
+    from radixserve.layers.linear import QKVParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 32)
+    # 4 query heads, 1 KV head (replicated on both ranks), head_dim 8
+    qkv_w = torch.randn(4 * 8 + 2 * 8, 32)
+    full = QKVParallelLinear(32, 8, 4, 1)
+    full.weight_loader(full.weight, qkv_w)
+    shards = [QKVParallelLinear(32, 8, 4, 1, tp_group=TPGroup(r, 2)) for r in (0, 1)]
+    for s in shards:
+        s.weight_loader(s.weight, qkv_w)
+    q_full, k_full, v_full = full(x).split([32, 8, 8], dim=-1)
+    outs = [s(x).split([16, 8, 8], dim=-1) for s in shards]
+    assert torch.equal(torch.cat([o[0] for o in outs], dim=-1), q_full)  # query heads split
+    assert all(torch.equal(o[1], k_full) and torch.equal(o[2], v_full) for o in outs)  # KV replicated
+
+    row_w, bias = torch.randn(16, 32), torch.randn(16)
+    row_full = RowParallelLinear(32, 16, bias=True)
+    row_full.weight_loader(row_full.weight, row_w)
+    row_full.weight_loader(row_full.bias, bias)
+    parts = []
+    for r in (0, 1):
+        row = RowParallelLinear(32, 16, bias=True, tp_group=TPGroup(r, 2))
+        row.weight_loader(row.weight, row_w)
+        row.weight_loader(row.bias, bias)
+        row.reduce_results = False  # the all-reduce is the sum below
+        parts.append(row(x[:, r * 16 : (r + 1) * 16]))
+    torch.testing.assert_close(parts[0] + parts[1], row_full(x), rtol=1e-5, atol=1e-5)
+
+    vocab_w = torch.randn(101, 32)  # not divisible by 2: padded rows give no logits
+    head_full = ParallelLMHead(101, 32)
+    head_full.weight_loader(head_full.weight, vocab_w)
+    heads = [ParallelLMHead(101, 32, tp_group=TPGroup(r, 2)) for r in (0, 1)]
+    for h in heads:
+        h.weight_loader(h.weight, vocab_w)
+    logits = torch.cat([x @ h.weight.T for h in heads], dim=-1)[:, :101]
+    torch.testing.assert_close(logits, head_full.compute_logits(x), rtol=1e-5, atol=1e-5)
+
+
+def test_group_of_one_is_the_identity_and_a_detached_group_cannot_communicate():
+    import torch
+    from radixserve.layers.distributed import TPGroup
+
+    x = torch.randn(2, 3)
+    one = TPGroup.single()
+    assert one.all_reduce(x) is x and one.all_gather_last_dim(x) is x and one.broadcast_object({"a": 1}) == {"a": 1}
+    with pytest.raises(RuntimeError, match="no process group"):
+        TPGroup(1, 2).all_reduce(x)
+    with pytest.raises(ValueError, match="invalid tensor-parallel rank 2 of size 2"):
+        TPGroup(2, 2)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 
 import torch
 
 from radixserve.tensor_parallel import follow
 
 logger = logging.getLogger(__name__)
+START_FAILURE_GRACE_S = 2.0
 
 
 def free_local_addr() -> str:
@@ -44,7 +46,14 @@ def run_tp_worker_process(config_dict: dict, rank: int, dist_init_addr: str, par
     rt = config.runtime
     group = init_tp_group(rank, rt.tp_size, dist_init_addr, rt.resolved_device(),
                           local_rank=rank % (rt.tp_size // rt.nnodes))
-    runner = ModelRunner(config, Registry.from_config(config), show_progress=False, tp_group=group)
+    try:
+        runner = ModelRunner(config, Registry.from_config(config), show_progress=False, tp_group=group)
+    except Exception:
+        # a bad config fails on rank 0 too, which reports it to the user: let that message arrive
+        # before this exit makes the engine report "rank K exited"
+        logger.exception("tensor-parallel rank %d could not start", rank)
+        time.sleep(START_FAILURE_GRACE_S)
+        raise SystemExit(1) from None
     follow(runner)
     group.destroy()
     logger.info("tensor-parallel rank %d stopped", rank)
