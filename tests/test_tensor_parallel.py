@@ -158,12 +158,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_two_node_launch_serves_and_shuts_down_cleanly(tiny_llama_dir, tmp_path):
     path = _with_tokenizer(tiny_llama_dir("llama"))
     rendezvous, port = f"127.0.0.1:{_free_port()}", _free_port()
-    common = [sys.executable, "-m", "radixserve.cli", "serve", "--model", path, "--tp", "2", "--nnodes", "2",
+    # 4 ranks, 2 per node: node 0 runs rank 0 (the scheduler) and rank 1, node 1 ranks 2 and 3;
+    # 4 query heads and 2 KV heads: one query head per rank, each KV head on two ranks
+    common = [sys.executable, "-m", "radixserve.cli", "serve", "--model", path, "--tp", "4", "--nnodes", "2",
               "--dist-init-addr", rendezvous, "runtime.device=cpu", "runtime.num_threads=1",
-              "scheduler.max_total_tokens=2048"]
+              "scheduler.max_total_tokens=2048", "scheduler.chunked_prefill_size=2"]
     logs = [open(tmp_path / f"node{i}.log", "w") for i in (0, 1)]
     node1 = subprocess.Popen(common + ["--node-rank", "1"], stdout=logs[1], stderr=subprocess.STDOUT)
     node0 = subprocess.Popen(common + ["--node-rank", "0", "--port", str(port)], stdout=logs[0],
@@ -176,9 +191,13 @@ def test_two_node_launch_serves_and_shuts_down_cleanly(tiny_llama_dir, tmp_path)
         })
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == _reference(path, [PROMPTS[2]], NEW_TOKENS)[0]
+        children = _children(node0.pid) + _children(node1.pid)
+        assert len(children) == 3 + 2, children  # scheduler, detokenizer, tp1; tp2, tp3
         node0.send_signal(signal.SIGTERM)
         assert node0.wait(timeout=60) == 0
-        assert node1.wait(timeout=60) == 0  # rank 0 stopped node 1's rank; that node exits by itself
+        assert node1.wait(timeout=60) == 0  # rank 0 stopped node 1's ranks; that node exits by itself
+        time.sleep(0.5)
+        assert not [pid for pid in children if _alive(pid)], "a rank outlived the shutdown"
     finally:
         for p in (node0, node1):
             if p.poll() is None:
