@@ -26,8 +26,28 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", action="append", metavar="no:PLUGIN", help="do not load this plugin (repeatable)")
     p.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly (runtime.cuda_graph=false)")
     p.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling (runtime.overlap=false)")
+    add_parallel_arguments(p)
     add_speculative_arguments(p)
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. stack.policy=lpm")
+
+
+def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    """Tensor parallelism and multi-node launch (runtime.tp_size/nnodes/node_rank/dist_init_addr;
+    docs/parallelism.md)."""
+    g = p.add_argument_group("tensor parallelism")
+    g.add_argument("--tp", "--tp-size", dest="tp_size", type=int, metavar="N", help="tensor-parallel ranks (runtime.tp_size)")
+    g.add_argument("--nnodes", type=int, metavar="N", help="machines the ranks span (runtime.nnodes)")
+    g.add_argument("--node-rank", type=int, metavar="I", help="this machine's index; 0 serves HTTP (runtime.node_rank)")
+    g.add_argument("--dist-init-addr", metavar="HOST:PORT", help="rendezvous address on node 0 (runtime.dist_init_addr)")
+
+
+def parallel_overrides(args: argparse.Namespace) -> dict:
+    runtime = {
+        key: getattr(args, key, None)
+        for key in ("tp_size", "nnodes", "node_rank", "dist_init_addr")
+        if getattr(args, key, None) is not None
+    }
+    return {"runtime": runtime} if runtime else {}
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,6 +94,7 @@ def _flag_overrides(args: argparse.Namespace) -> dict:
         if v is not None
     }
     runtime = {k: False for k, on in (("cuda_graph", args.disable_cuda_graph), ("overlap", args.disable_overlap)) if on}
+    runtime.update(parallel_overrides(args).get("runtime", {}))
     out = {k: v for k, v in (("model", model), ("server", server), ("runtime", runtime)) if v}
     return {**out, **speculative_overrides(args)}
 
@@ -89,6 +110,10 @@ def run_serve(args: argparse.Namespace) -> int:
     config = load_config_from_args(args, _flag_overrides(args))
     registry = Registry.from_config(config)  # this process's registry (HTTP routes, checks)
     resolve_stack(config, registry, config.runtime.resolved_device())  # fail before any file is read
+    if config.runtime.node_rank > 0:  # a follower node: its TP ranks only, no HTTP
+        from radixserve.runtime.tp_node import run_follower_node
+
+        return run_follower_node(config)
     check_parser_names(config, registry)
     if config.model.path is None:
         from radixserve.model_loader.model_files import resolve_model_path

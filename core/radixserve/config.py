@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -82,12 +82,27 @@ class SchedulerSection(_Section):
 class RuntimeSection(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
-    tp_size: int = Field(default=1, ge=1)
+    tp_size: int = Field(default=1, ge=1)  # tensor-parallel ranks (docs/parallelism.md)
+    nnodes: int = Field(default=1, ge=1)  # machines the TP ranks span (tp_size / nnodes ranks each)
+    node_rank: int = Field(default=0, ge=0)  # this machine's index; node 0 serves HTTP and runs rank 0
+    dist_init_addr: str | None = None  # host:port of the TP rendezvous (rank 0's node); None: a free local port
     cuda_graph: bool = True
     cuda_graph_max_bs: int = Field(default=160, ge=1)
     overlap: bool | None = None  # overlap scheduling; None: on for CUDA, off for CPU (nothing to overlap)
     seed: int = 0
     num_threads: int | None = Field(default=None, ge=1)  # CPU torch threads; None: all cores
+
+    @model_validator(mode="after")
+    def _check_parallel_layout(self) -> RuntimeSection:
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"runtime.tp_size={self.tp_size} must be a multiple of runtime.nnodes={self.nnodes}")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"runtime.node_rank={self.node_rank} must be below runtime.nnodes={self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("runtime.nnodes > 1 needs runtime.dist_init_addr (host:port of node 0, e.g. 10.0.0.1:29500)")
+        if self.dist_init_addr is not None and not self.dist_init_addr.rpartition(":")[2].isdigit():
+            raise ValueError(f"runtime.dist_init_addr={self.dist_init_addr!r} must look like host:port")
+        return self
 
     def resolved_overlap(self, device: str) -> bool:
         if self.overlap is not None:

@@ -27,6 +27,7 @@ class Engine:
     """`Engine(model=None, config=None, **sections)`.
 
     - `model`: HF directory or .gguf file (None: `config`'s model.path, else the embedded SmolLM2).
+    - `tp_size`: tensor-parallel ranks (runtime.tp_size; one process each, on this machine).
     - `config`: a YAML stack path or a `Config`; `sections` are overrides named like the YAML
       sections (stack=..., scheduler=..., runtime=..., model=...), applied on top.
     - `generate(prompt | input_ids, sampling_params)`: one request (str / list[int]) -> dict, or a batch
@@ -39,9 +40,12 @@ class Engine:
     Raises `radixserve.runtime.errors.RequestError` for invalid requests.
     """
 
-    def __init__(self, model: str | None = None, config: str | Path | Config | None = None, **sections: Any) -> None:
+    def __init__(self, model: str | None = None, config: str | Path | Config | None = None, *,
+                 tp_size: int | None = None, **sections: Any) -> None:
         base = config if isinstance(config, Config) else Config.load(config)
         overrides: dict[str, Any] = {k: dict(v) for k, v in sections.items()}
+        if tp_size is not None:  # shorthand for runtime={"tp_size": N}: spawns N ranks (docs/parallelism.md)
+            overrides.setdefault("runtime", {})["tp_size"] = tp_size
         if model is not None:
             overrides.setdefault("model", {})["path"] = str(model)
         self.config = base.with_overrides(overrides) if overrides else base

@@ -11,6 +11,7 @@ from radixserve import native
 from radixserve.config import Config
 from radixserve.interfaces import AttentionRunnerInfo
 from radixserve.interfaces.target_states import HiddenRows, TargetStates
+from radixserve.layers.distributed import TPGroup
 from radixserve.layers.logits import select_logit_rows
 from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.memory import KVPool, ReqToTokenPool, TokenAllocator, tokens_for_budget
@@ -37,8 +38,11 @@ class ModelRunner:
     Public attributes read by the scheduler: hf_config, model, device, dtype, req_to_token_pool,
     token_allocator, kv_pool, max_total_tokens, context_len, vocab_size, eos_token_ids, tokenizer."""
 
-    def __init__(self, config: Config, registry: Registry | None = None, show_progress: bool = True) -> None:
-        """`registry`: the process's plugin registry (None: built from `config`)."""
+    def __init__(self, config: Config, registry: Registry | None = None, show_progress: bool = True,
+                 tp_group: TPGroup | None = None) -> None:
+        """`registry`: the process's plugin registry (None: built from `config`). `tp_group`: this
+        rank's tensor-parallel group (needed when runtime.tp_size > 1; see radixserve/tensor_parallel.py): rank 0
+        broadcasts every forward to the others, which run it through `tensor_parallel.follow`."""
         self.config = config
         self.registry = registry if registry is not None else Registry.from_config(config)
         rt = config.runtime
@@ -46,8 +50,12 @@ class ModelRunner:
             torch.set_num_threads(rt.num_threads)
         self.device = torch.device(rt.resolved_device())
         self.dtype = _DTYPES[rt.resolved_dtype(self.device.type)]
-        if rt.tp_size != 1:
-            raise NotImplementedError("tensor parallelism (runtime.tp_size > 1) is not implemented yet")
+        self.tp_group = tp_group if tp_group is not None else TPGroup.single()
+        if rt.tp_size != self.tp_group.size:
+            raise ValueError(f"runtime.tp_size={rt.tp_size} needs a TPGroup of that size (got {self.tp_group!r}): "
+                             "tensor-parallel ranks are started by `radixserve serve --tp N` or Engine(tp_size=N)")
+        if self.tp_group.size > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU
 
         # every component checked before the model path is even resolved (a Hub id may download),
         # then the quantization against the checkpoint, all before loading
@@ -64,9 +72,13 @@ class ModelRunner:
             raise ValueError(f"{self.model_path!r}: config has no `architectures`; cannot pick a model class")
         model_cls = self.registry.load("model", arch)
         quant = self._quant_method(source)
+        tp = self.tp_group if self.tp_group.size > 1 else None
+        if tp is not None:
+            check_model_tensor_parallel(arch, model_cls, quant, self.hf_config, tp.size)
         torch.manual_seed(rt.seed)
         self.model = load_model(
-            source, self.hf_config, model_cls, self.device, self.dtype, quant, seed=rt.seed, show_progress=show_progress
+            source, self.hf_config, model_cls, self.device, self.dtype, quant, seed=rt.seed, show_progress=show_progress,
+            tp_group=tp,
         )
         self.vocab_size = int(self.hf_config.vocab_size)
         self.context_len = self._context_len()
@@ -101,9 +113,15 @@ class ModelRunner:
         return int(ctx)
 
     def _kv_shape(self) -> tuple[int, int, int]:
+        """(layers, KV heads on this rank, head_dim): a rank holds kv_heads / tp_size heads, or one
+        replicated head when there are fewer KV heads than ranks."""
         c = self.hf_config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        tp = self.tp_group.size
+        if tp > 1:
+            kv_heads = kv_heads // tp if kv_heads >= tp else 1
+        return c.num_hidden_layers, kv_heads, head_dim
 
     def _kv_tokens(self) -> int:
         sched = self.config.scheduler
@@ -121,9 +139,15 @@ class ModelRunner:
 
     def _init_memory(self) -> None:
         layers, kv_heads, head_dim = self._kv_shape()
-        self.max_total_tokens = self._kv_tokens()
+        # every rank's pool has the same slots (rank 0 allocates for all): the smallest one decides
+        self.max_total_tokens = self.tp_group.min_int(self._kv_tokens()) if self.tp_group.size > 1 else self._kv_tokens()
+        pool_cls = ReqToTokenPool
+        if self.tp_group.size > 1 and self.tp_group.is_leader:
+            from radixserve.tensor_parallel import JournaledReqToTokenPool
+
+            pool_cls = JournaledReqToTokenPool  # its writes are replayed on the other ranks
         self.max_running_requests = self.config.scheduler.max_running_requests
-        self.req_to_token_pool = ReqToTokenPool(
+        self.req_to_token_pool = pool_cls(
             self.max_running_requests + REQ_POOL_EXTRA_ROWS, self.context_len, self.device
         )
         self.token_allocator = TokenAllocator(self.max_total_tokens)
@@ -141,7 +165,8 @@ class ModelRunner:
         self.attn_backend = cls(
             AttentionRunnerInfo(
                 device=self.device, dtype=self.dtype, num_layers=layers,
-                num_heads=self.hf_config.num_attention_heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                num_heads=self.hf_config.num_attention_heads // self.tp_group.size, num_kv_heads=kv_heads,
+                head_dim=head_dim,
                 req_to_token_pool=self.req_to_token_pool, kv_pool=self.kv_pool,
                 max_bs=self.req_to_token_pool.size, context_len=self.context_len,
             )
@@ -330,7 +355,12 @@ class ModelRunner:
         (the argmax token ids [bs] int64 straight from the hidden rows, True)."""
         if sb.mode is ForwardMode.DECODE and any(e != 1 for e in sb.extend_lens):
             raise ValueError("DECODE batches must have extend_lens == 1 for every request")
+        tp = self.tp_group
+        if tp.size > 1 and tp.is_leader:  # the followers run the same forward (tensor_parallel.py)
+            self._broadcast_step(sb, greedy_ids)
         fb = self.prepare(sb)
+        if tp.size > 1 and sb.future_inputs is not None:  # overlap: ids still on rank 0's device
+            tp.broadcast_tensor(fb.input_ids)
         # a chain verify prepared as decode rows is a DECODE batch and may replay a decode graph;
         # the decode graphs do not record hidden states, so a drafter that reads them runs eagerly
         recording = self.target_states.recording
@@ -350,6 +380,22 @@ class ModelRunner:
             if ids is not None:
                 return ids, True
         return self.model.compute_logits(hidden)[:, : self.vocab_size], False
+
+    def _broadcast_step(self, sb: ScheduledBatch, greedy_ids: bool) -> None:
+        from radixserve.tensor_parallel import TPRankLost, TPStep
+
+        try:
+            self.tp_group.broadcast_object(TPStep.of(sb, greedy_ids, self.req_to_token_pool.take_journal()))
+        except RuntimeError as e:
+            raise TPRankLost(e) from e
+
+    def stop_followers(self) -> None:
+        """Rank 0, at shutdown: end the other ranks' `follow` loops (they exit 0)."""
+        if self.tp_group.size > 1 and self.tp_group.is_leader:
+            try:
+                self.tp_group.broadcast_object(None)
+            except RuntimeError as e:
+                logger.warning("tensor parallelism: could not stop the other ranks (%r)", e)
 
     @torch.inference_mode()
     def run_batch(self, sb: ScheduledBatch) -> BatchResult:
@@ -465,6 +511,24 @@ class ModelRunner:
         ready = torch.cuda.Event()
         ready.record()
         return ids_host, lps_host, ready
+
+
+def check_model_tensor_parallel(arch: str, model_cls: type, quant, hf_config, tp_size: int) -> None:
+    """Refuse tp_size > 1 for a model class or quantization method that does not declare
+    `supports_tensor_parallel`, or a model whose heads do not split over the ranks."""
+    from radixserve.plugins.registry import PluginError
+
+    if not getattr(model_cls, "supports_tensor_parallel", False):
+        raise PluginError(f"runtime.tp_size={tp_size}: model architecture {arch!r} ({model_cls.__module__}) does not "
+                          "support tensor parallelism (supports_tensor_parallel is False); set runtime.tp_size=1")
+    if quant is not None and not getattr(quant, "supports_tensor_parallel", False):
+        raise PluginError(f"runtime.tp_size={tp_size}: quantization method {type(quant).__name__} does not support "
+                          "tensor parallelism (supports_tensor_parallel is False); set runtime.tp_size=1")
+    heads = int(hf_config.num_attention_heads)
+    kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    if heads % tp_size or (kv % tp_size if kv >= tp_size else tp_size % kv):
+        raise ValueError(f"runtime.tp_size={tp_size} does not divide the model's attention heads ({heads} query, {kv} "
+                         "key/value): choose a tp_size that divides both (or that the KV head count divides)")
 
 
 def _depths(parents: list[int]) -> list[int]:

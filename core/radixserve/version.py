@@ -10,4 +10,6 @@ __version__ = "0.1.0"
 #      packed parameters
 #      the grammar kind (GrammarBackend, GrammarMatcher)
 # 1.2: kinds tool_parser (ToolParser) and reasoning_parser (ReasoningParser)
-PLUGIN_API_VERSION = "1.2"
+# 1.3: tensor parallelism: `supports_tensor_parallel` on every kind, Model(..., tp_group=TPGroup),
+#      radixserve.layers.distributed.TPGroup
+PLUGIN_API_VERSION = "1.3"

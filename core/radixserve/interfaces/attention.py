@@ -83,6 +83,13 @@ class AttentionBackend(abc.ABC):
     Added in plugin API 1.0.
     """
 
+    supports_tensor_parallel: bool = False
+    """Class flag: this component works when `runtime.tp_size > 1` (each rank's backend sees only
+    that rank's q/k/v heads (`AttentionRunnerInfo.num_heads`/`num_kv_heads` are per rank) and its
+    own KV pool, and must make no assumption about the whole model's head count). The stack
+    resolution refuses a tp_size > 1 config that selects a component leaving it False, naming it.
+    Added in plugin API 1.3."""
+
     # Metadata read by the registry without importing the module is declared at registration;
     # these class attributes repeat it for components built directly.
     name: str = "base"

@@ -96,6 +96,12 @@ class Drafter(abc.ABC):
     Added in plugin API 1.0 (DrafterInfo construction, on_finished and trees in 1.1).
     """
 
+    supports_tensor_parallel: bool = False
+    """Class flag: this component works when `runtime.tp_size > 1` (the drafter runs on rank 0 only;
+    a drafter with its own model would need that model sharded too). The stack resolution refuses
+    a tp_size > 1 config that selects a component leaving it False, naming it. Added in plugin
+    API 1.3."""
+
     def __init__(self, info: DrafterInfo) -> None:
         self.info = info
 

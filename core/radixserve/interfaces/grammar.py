@@ -118,6 +118,11 @@ class GrammarBackend(abc.ABC):
     Added in plugin API 1.1.
     """
 
+    supports_tensor_parallel: bool = True
+    """Class flag: this component works when `runtime.tp_size > 1`. True by default: grammars run in
+    the rank-0 scheduler and mask the full-vocabulary logits every rank gathers. Set False to
+    make the stack resolution refuse it with tp_size > 1. Added in plugin API 1.3."""
+
     supported_kinds: ClassVar[tuple[str, ...]] = GRAMMAR_KINDS
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | tuple[int, ...]) -> None:

@@ -36,8 +36,19 @@ class Model(nn.Module, abc.ABC):
     activation, attention, logits) and the weight-loading rules are in docs/contracts.md.
     Check a model with `radixserve.testing.check_model_parity(MyModel, checkpoint_dir)`.
 
+    Tensor parallelism (plugin API 1.3): a model with `supports_tensor_parallel = True` also
+    takes `tp_group` (a `radixserve.layers.distributed.TPGroup`) as a keyword argument when
+    `runtime.tp_size > 1`, and passes it to every parallel layer it builds (`tp_group=`), so each
+    rank holds its shard and the layers run their collectives over it. `forward` returns the full
+    hidden state on every rank; `compute_logits` the full vocabulary on every rank.
+
     Added in plugin API 1.0.
     """
+
+    supports_tensor_parallel: bool = False
+    """Class flag: the constructor takes `tp_group` and the model shards itself over it (see above).
+    A tp_size > 1 config serving a model that leaves it False is refused, naming the
+    architecture. Added in plugin API 1.3."""
 
     @abc.abstractmethod
     def __init__(self, config, quant_method: QuantMethod | None = None, prefix: str = "") -> None:

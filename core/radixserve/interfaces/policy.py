@@ -34,6 +34,11 @@ class SchedulePolicy(abc.ABC):
     Added in plugin API 1.0.
     """
 
+    supports_tensor_parallel: bool = True
+    """Class flag: this component works when `runtime.tp_size > 1`. True by default: a policy only
+    orders requests inside the rank-0 scheduler, which broadcasts the resulting batch. Set False
+    to make the stack resolution refuse it with tp_size > 1. Added in plugin API 1.3."""
+
     def __init__(self, **options) -> None:
         if options:
             raise ValueError(f"{type(self).__name__} takes no options, got {sorted(options)}")

@@ -66,6 +66,13 @@ class PrefixCache(abc.ABC):
     Added in plugin API 1.0 (`shares_prefixes` in 1.0 as well, defaulted so older plugins keep working).
     """
 
+    supports_tensor_parallel: bool = False
+    """Class flag: this component works when `runtime.tp_size > 1` (the cache lives on rank 0 only
+    and must touch the KV layout only through `ReqToTokenPool.write`/`write_positions`, which the
+    runner replays on the other ranks; a cache that copies KV data itself cannot be mirrored).
+    The stack resolution refuses a tp_size > 1 config that selects a component leaving it False,
+    naming it. Added in plugin API 1.3."""
+
     shares_prefixes: bool = True
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenAllocator) -> None:

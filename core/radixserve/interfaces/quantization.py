@@ -60,6 +60,13 @@ class QuantMethod(abc.ABC):
     parameter attributes in 1.1.
     """
 
+    supports_tensor_parallel: bool = False
+    """Class flag: this component works when `runtime.tp_size > 1` (`create_weights` gets the
+    layer's per-rank sizes and the weights' loader must shard through the layer's
+    `weight_loader`; packed or grouped layouts must split along the rank boundaries). The stack
+    resolution refuses a tp_size > 1 config that selects a component leaving it False, naming it.
+    Added in plugin API 1.3."""
+
     min_capability: int | None = None
 
     @classmethod

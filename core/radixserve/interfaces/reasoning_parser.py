@@ -31,6 +31,11 @@ class ReasoningParser(abc.ABC):
     Added in plugin API 1.2.
     """
 
+    supports_tensor_parallel: bool = True
+    """Class flag: this component works when `runtime.tp_size > 1`. True by default: parsers run in
+    the HTTP process, which tensor parallelism does not change. Set False to make the stack
+    resolution refuse it with tp_size > 1. Added in plugin API 1.3."""
+
     #: substrings of a chat template that identify this format (used by `matches_template`)
     template_markers: ClassVar[tuple[str, ...]] = ()
     #: the opening tag; the server checks whether the rendered prompt ends with it

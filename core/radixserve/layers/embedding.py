@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from radixserve.layers import cpu_gemm, cpu_greedy_head
-from radixserve.layers.distributed import all_gather_last_dim, all_reduce
+from radixserve.layers.distributed import TPGroup, group_for
 from radixserve.layers.weight_utils import set_weight_attrs
 
 
@@ -17,10 +17,12 @@ class VocabParallelEmbedding(nn.Module):
     """Rows [rank*per_rank, (rank+1)*per_rank) of the (vocab padded to tp_size) embedding table."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1,
-                 params_dtype: torch.dtype | None = None) -> None:
+                 params_dtype: torch.dtype | None = None, tp_group: TPGroup | None = None) -> None:
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
+        self.tp_group = group_for(tp_group, tp_rank, tp_size)
+        tp_rank, tp_size = self.tp_group.rank, self.tp_group.size
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.per_rank = -(-num_embeddings // tp_size)
         self.vocab_start = tp_rank * self.per_rank
@@ -44,7 +46,7 @@ class VocabParallelEmbedding(nn.Module):
         mask = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(mask, input_ids - self.vocab_start, torch.zeros_like(input_ids))
         out = F.embedding(local, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
-        return all_reduce(out, self.tp_size)
+        return self.tp_group.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -66,15 +68,32 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [rows, vocab]."""
         logits = cpu_gemm.linear(hidden, self.weight, self.packed_weight)
-        logits = all_gather_last_dim(logits, self.tp_size)[..., : self.num_embeddings]
+        logits = self.tp_group.all_gather_last_dim(logits)[..., : self.num_embeddings]
         return logits.float()
 
     def greedy_token_ids(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """argmax of `compute_logits(hidden)[:, :vocab_size]` per row without the logits, where the
         CPU screen applies (see cpu_greedy_head); None otherwise."""
+        if self.tp_size > 1:
+            return self._distributed_argmax(hidden, vocab_size)
         if self.greedy_head is None or vocab_size != self.weight.shape[0]:
             return None
         return cpu_greedy_head.argmax(hidden, self.weight, self.greedy_head)
+
+    def _distributed_argmax(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """TP: each rank's best (logit, id) over its vocab range, one all-gather of [rows, 2]
+        pairs instead of the [rows, vocab] logits; the first maximum wins, as torch.argmax (rank
+        ranges are in vocab order)."""
+        logits = cpu_gemm.linear(hidden, self.weight, self.packed_weight).float()
+        valid = max(0, min(vocab_size, self.vocab_end) - self.vocab_start)
+        pair = torch.full((hidden.shape[0], 2), float("-inf"), dtype=torch.float64, device=hidden.device)
+        if valid:
+            idx = logits[:, :valid].argmax(dim=-1)
+            pair[:, 0] = logits.gather(1, idx.unsqueeze(1)).squeeze(1).double()
+            pair[:, 1] = (idx + self.vocab_start).double()
+        gathered = self.tp_group.all_gather_last_dim(pair).view(hidden.shape[0], self.tp_size, 2)
+        winner = gathered[:, :, 0].argmax(dim=-1, keepdim=True)  # first (lowest-rank) maximum
+        return gathered[:, :, 1].gather(1, winner).squeeze(1).to(torch.int64)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is not an embedding; call compute_logits(hidden)")

@@ -14,7 +14,7 @@ import torch.nn as nn
 from radixserve.interfaces.quantization import QuantMethod
 from radixserve.layers import cpu_gemm
 from radixserve.layers.activation import SiluAndMul
-from radixserve.layers.distributed import all_gather_last_dim, all_reduce, divide
+from radixserve.layers.distributed import TPGroup, divide, group_for
 from radixserve.layers.quant_unquantized import UnquantizedMethod
 from radixserve.layers.weight_utils import default_weight_loader, set_weight_attrs
 
@@ -31,13 +31,15 @@ class LinearBase(nn.Module):
         tp_rank: int,
         tp_size: int,
         params_dtype: torch.dtype | None = None,
+        tp_group: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_sizes = output_sizes
         self.output_size = sum(output_sizes)
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
+        self.tp_group = group_for(tp_group, tp_rank, tp_size)
+        self.tp_rank = self.tp_group.rank
+        self.tp_size = self.tp_group.size
         self.quant_method = quant_method or UnquantizedMethod()
         dtype = params_dtype or torch.get_default_dtype()
         self.quant_method.create_weights(self, input_size, output_sizes, dtype)
@@ -87,11 +89,13 @@ class ColumnParallelLinear(LinearBase):
         tp_size: int = 1,
         gather_output: bool = False,
         output_sizes: list[int] | None = None,
+        tp_group: TPGroup | None = None,
         **kw,
     ) -> None:
         self.gather_output = gather_output
-        local = output_sizes if output_sizes is not None else [divide(output_size, tp_size)]
-        super().__init__(input_size, local, bias, quant_method, tp_rank, tp_size, **kw)
+        group = group_for(tp_group, tp_rank, tp_size)
+        local = output_sizes if output_sizes is not None else [divide(output_size, group.size)]
+        super().__init__(input_size, local, bias, quant_method, group.rank, group.size, tp_group=group, **kw)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if shard_id is not None:
@@ -102,7 +106,7 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
-        return all_gather_last_dim(y, self.tp_size) if self.gather_output else y
+        return self.tp_group.all_gather_last_dim(y) if self.gather_output else y
 
 
 _SILU_AND_MUL = SiluAndMul()
@@ -116,14 +120,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     activation inside the GEMM (the CPU fp32 path does), skipping the [n, 2I] intermediate."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, quant_method=None,
-                 tp_rank: int = 0, tp_size: int = 1, fuse_silu_and_mul: bool = False, **kw) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, fuse_silu_and_mul: bool = False,
+                 tp_group: TPGroup | None = None, **kw) -> None:
         if fuse_silu_and_mul and (len(output_sizes) != 2 or output_sizes[0] != output_sizes[1]):
             raise ValueError(f"fuse_silu_and_mul needs two equal output sizes (gate, up), got {output_sizes}")
         self.fuse_silu_and_mul = fuse_silu_and_mul
         self.full_output_sizes = list(output_sizes)
-        local = [divide(s, tp_size) for s in output_sizes]
-        super().__init__(input_size, sum(output_sizes), bias, quant_method, tp_rank, tp_size,
-                         output_sizes=local, **kw)
+        group = group_for(tp_group, tp_rank, tp_size)
+        local = [divide(s, group.size) for s in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias, quant_method, group.rank, group.size,
+                         output_sizes=local, tp_group=group, **kw)
 
     def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this projection: `SiluAndMul()(self(x))`, in one kernel where packed for it."""
@@ -154,7 +160,10 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     exceeds their count."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 quant_method=None, tp_rank: int = 0, tp_size: int = 1, **kw) -> None:
+                 quant_method=None, tp_rank: int = 0, tp_size: int = 1, tp_group: TPGroup | None = None,
+                 **kw) -> None:
+        group = group_for(tp_group, tp_rank, tp_size)
+        tp_rank, tp_size = group.rank, group.size
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp_size)
         if tp_size >= num_kv_heads:
@@ -165,7 +174,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         self.full_output_sizes = [q * tp_size, kv * tp_size // self.kv_replicas, kv * tp_size // self.kv_replicas]
         self.gather_output = False
         # sizes are already local: skip MergedColumnParallelLinear's per-rank division
-        LinearBase.__init__(self, hidden_size, [q, kv, kv], bias, quant_method, tp_rank, tp_size, **kw)
+        LinearBase.__init__(self, hidden_size, [q, kv, kv], bias, quant_method, tp_rank, tp_size, tp_group=group, **kw)
 
     def _shard_range(self, shard_id: Any) -> tuple[int, int]:
         idx = {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else int(shard_id)
@@ -195,9 +204,12 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial results are all-reduced (bias added once)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_method=None,
-                 tp_rank: int = 0, tp_size: int = 1, reduce_results: bool = True, **kw) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, reduce_results: bool = True,
+                 tp_group: TPGroup | None = None, **kw) -> None:
         self.reduce_results = reduce_results
-        super().__init__(divide(input_size, tp_size), [output_size], bias, quant_method, tp_rank, tp_size, **kw)
+        group = group_for(tp_group, tp_rank, tp_size)
+        super().__init__(divide(input_size, group.size), [output_size], bias, quant_method, group.rank, group.size,
+                         tp_group=group, **kw)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if shard_id is not None:
@@ -212,4 +224,4 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
         y = self.quant_method.apply(self, x, bias)
-        return all_reduce(y, self.tp_size) if self.reduce_results else y
+        return self.tp_group.all_reduce(y) if self.reduce_results else y

@@ -11,6 +11,7 @@ from radixserve.layers.weight_utils import default_weight_loader, set_weight_att
 
 
 class UnquantizedMethod(QuantMethod):
+    supports_tensor_parallel = True  # the layers shard the plain weight (GGUF, dequantized, too)
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], dtype: torch.dtype) -> None:
         weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype), requires_grad=False)
         # the layer knows its TP shard and fused layout, so it owns the loader when it has one

@@ -57,13 +57,17 @@ def load_model(
     quant_method=None,
     seed: int = 0,
     show_progress: bool = True,
+    tp_group=None,
 ) -> torch.nn.Module:
     """Instantiate `model_cls(hf_config, quant_method)` on `device` in `dtype` and load its weights.
+    `tp_group` (tensor parallelism, a TPGroup of size > 1) is passed on as `tp_group=`: the model
+    then holds and loads this rank's shard only.
 
     Raises ValueError naming the parameters no checkpoint tensor reached (never silent)."""
     start = time.perf_counter()
     with torch.device(device), _default_dtype(dtype):
-        model = model_cls(hf_config, quant_method)
+        model = model_cls(hf_config, quant_method) if tp_group is None else model_cls(
+            hf_config, quant_method, tp_group=tp_group)
     if source.format == "dummy":
         loaded = _fill_dummy(model, seed)
     else:

@@ -94,7 +94,25 @@ def resolve_stack(config: Config, registry: Registry, device: str, model_path: s
     )
     if model_path is not None and os.path.exists(model_path):
         check_quantization_fits(resolved, model_path, registry)
+    if config.runtime.tp_size > 1:
+        for spec in resolved.by_kind().values():
+            if spec is not None:
+                check_tensor_parallel(spec, registry, config.runtime.tp_size)
     return resolved
+
+
+def check_tensor_parallel(spec: ComponentSpec, registry: Registry, tp_size: int) -> None:
+    """Refuse `tp_size > 1` with a component whose class leaves `supports_tensor_parallel` False
+    (plugin API 1.3; docs/parallelism.md lists the ones that support it)."""
+    if tp_size <= 1 or getattr(registry.load(spec.kind, spec.name), "supports_tensor_parallel", False):
+        return
+    where = f"stack.{CONFIG_KEY_OF_KIND[spec.kind]}={spec.name!r}" if spec.kind in CONFIG_KEY_OF_KIND else (
+        f"{spec.kind} {spec.name!r}")
+    raise PluginError(
+        f"runtime.tp_size={tp_size}: {where} ({spec.kind} component from {spec.distribution}) does not support "
+        "tensor parallelism (supports_tensor_parallel is False); choose a component that does "
+        "(see docs/parallelism.md) or set runtime.tp_size=1"
+    )
 
 
 def resolve_grammar(config: Config, registry: Registry, device: str) -> ComponentSpec | None:

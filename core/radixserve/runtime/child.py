@@ -44,6 +44,8 @@ class ChildSpec:
     parent_pid: int
     tokenizer_path: str
     sys_path: list[str]  # the parent's import path: plugins on it resolve the same in the child
+    tp_rank: int = 0  # tensor parallelism: this process's rank ("tp_worker": > 0; "scheduler": 0)
+    dist_init_addr: str = ""  # host:port of the TP rendezvous (rank 0 serves it); "" when tp_size == 1
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -58,7 +60,7 @@ class ChildSpec:
 def _run_scheduler(spec: ChildSpec) -> None:
     from radixserve.runtime.scheduler_process import run_scheduler_process
 
-    run_scheduler_process(spec.config, spec.ports, spec.parent_pid)
+    run_scheduler_process(spec.config, spec.ports, spec.parent_pid, spec.dist_init_addr)
 
 
 def _run_detokenizer(spec: ChildSpec) -> None:
@@ -67,7 +69,15 @@ def _run_detokenizer(spec: ChildSpec) -> None:
     run_detokenizer_process(spec.config, spec.ports, spec.tokenizer_path, spec.parent_pid)
 
 
-ENTRY_POINTS: dict[str, Callable[[ChildSpec], None]] = {"scheduler": _run_scheduler, "detokenizer": _run_detokenizer}
+def _run_tp_worker(spec: ChildSpec) -> None:
+    from radixserve.runtime.tp import run_tp_worker_process
+
+    run_tp_worker_process(spec.config, spec.tp_rank, spec.dist_init_addr, spec.parent_pid)
+
+
+ENTRY_POINTS: dict[str, Callable[[ChildSpec], None]] = {
+    "scheduler": _run_scheduler, "detokenizer": _run_detokenizer, "tp_worker": _run_tp_worker,
+}
 
 
 def spawn(spec: ChildSpec) -> subprocess.Popen:

@@ -107,6 +107,9 @@ class SchedulerServer:
         self.close()
 
     def close(self) -> None:
+        stop = getattr(self.scheduler.runner, "stop_followers", None)
+        if stop is not None:  # tensor parallelism: the other ranks exit with us
+            stop()
         # after a ShutdownRequest nobody reads our outputs any more (the manager also tells the
         # detokenizer to stop): lingering would only delay the exit the parent waits for
         for sock in (self.recv, self.to_detok, self.to_manager):
@@ -138,9 +141,10 @@ def _process_start_s() -> float:
         return time.monotonic()
 
 
-def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int) -> None:
+def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int, dist_init_addr: str = "") -> None:
     """Entry point of the scheduler process (spawned by the TokenizerManager). It builds its own
-    plugin registry from the config, builds the ModelRunner, reports ready (or the load error), then serves."""
+    plugin registry from the config, builds the ModelRunner, reports ready (or the load error), then serves.
+    With runtime.tp_size > 1 it is TP rank 0 and joins the group at `dist_init_addr` first."""
     import zmq
 
     from radixserve.config import Config
@@ -160,7 +164,13 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int) -
         registry = Registry.from_config(config)  # this process's own, from the parent's config
         if config.runtime.resolved_device() == "cpu":
             _build_cpu_kernels_in_background()
-        runner = ModelRunner(config, registry)  # checks the whole stack before loading
+        group = None
+        if config.runtime.tp_size > 1:
+            from radixserve.layers.distributed import init_tp_group
+
+            group = init_tp_group(0, config.runtime.tp_size, dist_init_addr, config.runtime.resolved_device(),
+                                  local_rank=0)
+        runner = ModelRunner(config, registry, tp_group=group)  # checks the whole stack before loading
         warmup_start = time.perf_counter()
         runner.warmup()  # before "ready": the first requests must not pay for kernel compilation
         logger.info("warm-up done in %.1f s", time.perf_counter() - warmup_start)

@@ -152,14 +152,16 @@ class TokenizerManager:
         # tokenizer load (each loads the tokenizer itself; GGUF conversions are cached on disk)
         config = self.config.with_overrides({"model": {"path": self.model_path}})
         self._started = True
-        for name in CHILDREN:
+        for name, process, rank, addr in self._child_layout():
             spec = ChildSpec(
-                process=name,
+                process=process,
                 config=config.model_dump(mode="json"),
                 ports=self._ports,
                 parent_pid=os.getpid(),
                 tokenizer_path=self.config.model.tokenizer or self.model_path,
                 sys_path=list(sys.path),
+                tp_rank=rank,
+                dist_init_addr=addr,
             )
             self._procs[name] = proc = spawn_child(spec)
             self._unwatch[name] = watch_exit(loop, proc, functools.partial(self._on_child_exit, name))
@@ -173,6 +175,21 @@ class TokenizerManager:
             raise
         self.server_info = dict(infos[0])
         self.context_len = int(self.server_info.get("context_len") or 0)
+
+    def _child_layout(self) -> list[tuple[str, str, int, str]]:
+        """(name, process kind, TP rank, rendezvous address) of each child: the scheduler (TP rank
+        0), the detokenizer, and with runtime.tp_size > 1 this node's other ranks ("tp1", ...:
+        they only follow rank 0, see runtime/tp.py; other nodes start theirs themselves)."""
+        rt = self.config.runtime
+        if rt.tp_size == 1:
+            return [(name, name, 0, "") for name in CHILDREN]
+        from radixserve.runtime.tp import free_local_addr, local_ranks
+
+        addr = rt.dist_init_addr or free_local_addr()
+        followers = [r for r in local_ranks(rt.tp_size, rt.nnodes, 0) if r != 0]
+        return [("scheduler", "scheduler", 0, addr), ("detokenizer", "detokenizer", 0, "")] + [
+            (f"tp{r}", "tp_worker", r, addr) for r in followers
+        ]
 
     async def shutdown(self) -> None:
         import zmq
@@ -196,7 +213,8 @@ class TokenizerManager:
     async def _stop_child(self, name: str) -> None:
         proc = self._procs[name]
         self._unwatch[name]()
-        ready = self._ready.get(name)
+        # a TP follower rank exits when the scheduler (rank 0) stops it, so it shares its readiness
+        ready = self._ready.get(name if name in CHILDREN else "scheduler")
         if ready is None or not ready.done() or ready.cancelled() or ready.exception() is not None:
             proc.kill()  # still loading (it reads no messages yet) or failed: nothing to lose
         loop = asyncio.get_running_loop()
@@ -209,7 +227,7 @@ class TokenizerManager:
             await loop.run_in_executor(None, proc.wait)
 
     def child_pids(self) -> dict[str, int]:
-        """{"scheduler": pid, "detokenizer": pid} of the runtime's child processes."""
+        """{"scheduler": pid, "detokenizer": pid, and "tp1", ... for TP ranks} of the runtime's child processes."""
         return {name: proc.pid for name, proc in self._procs.items()}
 
     def is_healthy(self) -> bool:
@@ -237,7 +255,8 @@ class TokenizerManager:
         if self._closing:
             return
         code = proc.wait()
-        reason = f"the {name} process exited unexpectedly (exit code {code})"
+        label = f"tensor-parallel rank {name[2:]} ({name})" if name.startswith("tp") else name
+        reason = f"the {label} process exited unexpectedly (exit code {code})"
         if self.dead_reason is None:
             self.dead_reason = reason
         logger.error(reason)

@@ -64,6 +64,7 @@ class _PaddedDecodeMeta:
 
 
 class CPUBatchedBackend(TorchNativeBackend):
+    supports_tensor_parallel = True  # reads per-rank head counts only
     name = "cpu_batched"
     supports_tree_mask = True
 

@@ -24,6 +24,7 @@ class _ReqView:
 
 
 class TorchNativeBackend(AttentionBackend):
+    supports_tensor_parallel = True  # reads per-rank head counts only
     name = "torch_native"
     supports_tree_mask = True  # verify of tree drafts: new tokens attend by batch.tree_mask
     decode_rows_share_requests = True  # _attend stores all k, v before any row reads the pool

@@ -67,6 +67,7 @@ class TritonAttentionBackend(AttentionBackend):
     flight (`sm_count` defaults to the GPU's multiprocessor count); `extend_config` / `decode_config`
     override the kernels' tile sizes.
     """
+    supports_tensor_parallel = True  # reads per-rank head counts only
 
     name = "triton"
     supports_tree_mask = True  # the extend kernel takes ForwardBatch.tree_mask (verify of draft trees)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 
 class ChunkCache(PrefixCache):
+    supports_tensor_parallel = True  # lives on rank 0; rows written through ReqToTokenPool (replayed)
     shares_prefixes = False
 
     def match_prefix(self, key: list[int]) -> MatchResult:

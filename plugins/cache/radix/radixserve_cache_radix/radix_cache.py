@@ -26,6 +26,7 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class RadixCache(PrefixCache):
+    supports_tensor_parallel = True  # lives on rank 0; rows written through ReqToTokenPool (replayed)
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenAllocator) -> None:
         super().__init__(req_to_token_pool, allocator)
         self._clock = 0  # logical time for LRU; a counter, so ties are impossible

@@ -11,6 +11,7 @@ import torch.nn as nn
 from radixserve.interfaces.model import Model
 from radixserve.interfaces.quantization import QuantMethod
 from radixserve.layers.attention import RadixAttention
+from radixserve.layers.distributed import TPGroup
 from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from radixserve.layers.norm import RMSNorm
@@ -35,19 +36,20 @@ def _head_dim(config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_id: int, quant_method: QuantMethod | None, flags: dict[str, bool]) -> None:
+    def __init__(self, config, layer_id: int, quant_method: QuantMethod | None, flags: dict[str, bool],
+                 tp: TPGroup) -> None:
         super().__init__()
         self.head_dim = _head_dim(config)
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
-            bias=flags["qkv_bias"], quant_method=quant_method,
+            bias=flags["qkv_bias"], quant_method=quant_method, tp_group=tp,
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=flags["o_bias"],
-            quant_method=quant_method,
+            quant_method=quant_method, tp_group=tp,
         )
         self.qk_norm = flags["qk_norm"]
         if self.qk_norm:
@@ -67,27 +69,28 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, quant_method: QuantMethod | None) -> None:
+    def __init__(self, config, quant_method: QuantMethod | None, tp: TPGroup) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.intermediate_size] * 2, bias=bias, quant_method=quant_method,
-            fuse_silu_and_mul=True,
+            fuse_silu_and_mul=True, tp_group=tp,
         )
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
-                                           quant_method=quant_method)
+                                           quant_method=quant_method, tp_group=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, quant_method: QuantMethod | None, flags: dict[str, bool]) -> None:
+    def __init__(self, config, layer_id: int, quant_method: QuantMethod | None, flags: dict[str, bool],
+                 tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, quant_method, flags)
-        self.mlp = LlamaMLP(config, quant_method)
+        self.self_attn = LlamaAttention(config, layer_id, quant_method, flags, tp)
+        self.mlp = LlamaMLP(config, quant_method, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -103,11 +106,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, quant_method: QuantMethod | None, flags: dict[str, bool]) -> None:
+    def __init__(self, config, quant_method: QuantMethod | None, flags: dict[str, bool], tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, quant_method, flags) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, quant_method, flags, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.aux_layers: frozenset[int] = frozenset()  # layers whose output a drafter asked for
@@ -133,10 +136,13 @@ class LlamaForCausalLM(Model):
     qkv_bias_default = False  # used when the config has no `attention_bias`
     o_bias_follows_attention_bias = True
     qk_norm = False
+    supports_tensor_parallel = True
 
-    def __init__(self, config, quant_method: QuantMethod | None = None, prefix: str = "") -> None:
+    def __init__(self, config, quant_method: QuantMethod | None = None, prefix: str = "",
+                 tp_group: TPGroup | None = None) -> None:
         super().__init__(config, quant_method, prefix)
         self.config = config
+        tp = tp_group if tp_group is not None else TPGroup.single()
         attention_bias = getattr(config, "attention_bias", None)
         qkv_bias = self.qkv_bias_default if attention_bias is None else bool(attention_bias)
         flags = {
@@ -144,9 +150,9 @@ class LlamaForCausalLM(Model):
             "o_bias": bool(attention_bias) and self.o_bias_follows_attention_bias,
             "qk_norm": self.qk_norm,
         }
-        self.model = LlamaModel(config, quant_method, flags)
+        self.model = LlamaModel(config, quant_method, flags, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group=tp)
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
