@@ -131,7 +131,13 @@ def create_router_app(router: Router, config: Config, metrics: RouterMetrics) ->
         answers = dict(await _ask_all(router, "GET", "/server_info"))
         replicas, stats = [], []
         for r in router.replicas:
-            info: dict[str, Any] = {"index": r.index, "alive": r.alive, "pid": r.proc.pid, "in_flight": r.load}
+            info: dict[str, Any] = {
+                "index": r.index,
+                "alive": r.alive,
+                "pid": r.proc.pid,
+                "address": f"unix:{r.socket_path}",
+                "in_flight": r.load,
+            }
             if r.dead_reason:
                 info["error"] = r.dead_reason
             a = answers.get(r)
