@@ -48,12 +48,12 @@ def workload(groups: int, questions: int, seed: int = 0) -> list[str]:
 
 def start(dp: int, policy: str | None, log_path: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "server.log_requests=false",
-           "scheduler.cpu_kv_cache_gb=0.5"]  # fmt: skip
+    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port)]
     if dp > 1:
         cmd += ["--dp", str(dp), "--router-policy", policy, "runtime.num_threads=1"]
     else:
         cmd += ["runtime.num_threads=2"]
+    cmd += ["server.log_requests=false", "scheduler.cpu_kv_cache_gb=0.5"]  # overrides last (positional)
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
