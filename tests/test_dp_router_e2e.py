@@ -201,6 +201,20 @@ def test_metrics_and_server_info_cover_every_replica(server):
     assert [r["healthy"] for r in health["replicas"]] == [True, True]
 
 
+def test_a_client_that_disconnects_aborts_its_request_in_the_replica(server):
+    before = server.info()["stats"]["aborted_requests"]
+    body = {"model": server.model, "prompt": "Count to a million:", "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # not streaming: nothing arrives before the end
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=2)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        info = server.info()
+        if info["stats"]["aborted_requests"] > before and all(r["in_flight"] == 0 for r in info["replicas"]):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the replica did not abort the abandoned request: {info['stats']}")
+
+
 class _Stream(threading.Thread):
     def __init__(self, url: str, body: dict) -> None:
         super().__init__(daemon=True)

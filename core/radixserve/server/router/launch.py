@@ -1,6 +1,6 @@
 """`run_router(config) -> int`: start `runtime.dp_size` replicas and serve the router in front.
 
-Exit codes, as a single server's: 0 after SIGINT/SIGTERM (no new requests, in-flight ones get
+Exit codes, as a single server's: 2 when there is no model to serve; 0 after SIGINT/SIGTERM (no new requests, in-flight ones get
 `server.shutdown_grace_s` and then end with an error, then every replica is stopped with SIGTERM
 and waited for); 1 when a replica fails to start or every replica has died; 130 when interrupted
 during startup. One replica dying while others live is not an exit: it leaves rotation, its
@@ -66,7 +66,9 @@ async def _start_replicas(config: Config, socket_dir: str) -> tuple[list[Replica
     finally:
         for sig in SIGNALS:
             loop.remove_signal_handler(sig)
-    await stop_replicas(replicas, timeout_s=5.0)
+    codes = await stop_replicas(replicas, timeout_s=5.0)
+    if code == 1 and set(codes) == {2}:
+        code = 2  # every replica found no model to serve: the single server's exit code for it
     return [], code
 
 

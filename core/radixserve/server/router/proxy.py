@@ -6,11 +6,12 @@ Failure rules (never a hang, never a cut stream):
 - the replica fails or is ended while answering: a 502/503 in the OpenAI error shape, or, once a
   stream has started, a final `data: {"error": ...}` event and `data: [DONE]` (what a single
   server sends when a stream fails);
-- the client goes away during a stream: the upstream response is closed, so the replica sees the
-  disconnect and aborts the request (frees its KV)."""
+- the client goes away: the upstream request is closed, so the replica sees the disconnect and
+  aborts the request (frees its KV)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -42,6 +43,16 @@ async def _next_chunk(it: AsyncIterator[bytes]) -> bytes | None:
         return None
 
 
+async def _end_on_disconnect(request: Request, flight: Flight) -> None:
+    """End `flight` when the client goes away before its answer is ready: closing the upstream
+    request makes the replica abort the generation (and free its KV)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            flight.end("the client disconnected", 499)
+            return
+
+
 async def forward(router: Router, request: Request) -> Response:
     """Route `request` to a replica chosen by the router's policy and relay the answer."""
     body = await request.body()
@@ -56,6 +67,7 @@ async def forward(router: Router, request: Request) -> Response:
     while True:
         replica, _ = router.pick(text, exclude=tried)
         flight = router.open_flight(replica)
+        watcher = asyncio.ensure_future(_end_on_disconnect(request, flight))
         upstream = replica.client.build_request(
             request.method, path, content=body, headers=headers, params=request.query_params
         )
@@ -63,20 +75,25 @@ async def forward(router: Router, request: Request) -> Response:
             resp = await flight.race(replica.client.send(upstream, stream=True))
             break
         except httpx.ConnectError as e:  # nothing reached the replica: another one takes it
+            watcher.cancel()
             router.close_flight(flight)
             tried.add(replica.index)
             if replica.proc.poll() is not None:
                 router.replica_died(replica, f"exited with code {replica.proc.returncode} ({e})")
         except FlightEnded as e:
+            watcher.cancel()
             router.close_flight(flight)
             return error_response(e.message, e.status)
         except httpx.HTTPError as e:
+            watcher.cancel()
             router.close_flight(flight)
             return error_response(f"replica {replica.index} failed: {type(e).__name__}: {e}", 502)
         except BaseException:
+            watcher.cancel()
             router.close_flight(flight)
             raise
     if "text/event-stream" in resp.headers.get("content-type", ""):
+        watcher.cancel()  # from here Starlette watches the client itself (and cancels the relay)
         return StreamingResponse(
             _relay_events(router, flight, resp), status_code=resp.status_code, media_type="text/event-stream",
             headers=_SSE_HEADERS,
@@ -88,6 +105,7 @@ async def forward(router: Router, request: Request) -> Response:
     except httpx.HTTPError as e:
         return error_response(f"replica {replica.index} failed: {type(e).__name__}: {e}", 502)
     finally:
+        watcher.cancel()
         with contextlib.suppress(Exception):
             await resp.aclose()
         router.close_flight(flight)
