@@ -62,13 +62,11 @@ async def _start_replicas(config: Config, socket_dir: str) -> tuple[list[Replica
         code = 130
     except ReplicaStartError as e:
         logger.error("%s", e)
-        code = 1
+        code = 2 if e.exit_code == 2 else 1  # 2: no model to serve, as a single server says
     finally:
         for sig in SIGNALS:
             loop.remove_signal_handler(sig)
-    codes = await stop_replicas(replicas, timeout_s=5.0)
-    if code == 1 and set(codes) == {2}:
-        code = 2  # every replica found no model to serve: the single server's exit code for it
+    await stop_replicas(replicas, timeout_s=5.0)
     return [], code
 
 

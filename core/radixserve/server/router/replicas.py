@@ -32,7 +32,11 @@ READY_POLL_S = 0.5
 
 
 class ReplicaStartError(RuntimeError):
-    """A replica exited or did not become healthy during startup."""
+    """A replica exited (`exit_code`) or did not become healthy (`exit_code` None) during startup."""
+
+    def __init__(self, message: str, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def replica_config(config: Config, index: int) -> Config:
@@ -97,7 +101,7 @@ async def wait_ready(replica: Replica, timeout_s: float) -> None:
     while True:
         code = replica.proc.poll()
         if code is not None:
-            raise ReplicaStartError(f"replica {replica.index} exited during startup with code {code}")
+            raise ReplicaStartError(f"replica {replica.index} exited during startup with code {code}", code)
         with contextlib.suppress(httpx.HTTPError, OSError):
             r = await replica.client.get("/health", timeout=5.0)
             if r.status_code == 200:
