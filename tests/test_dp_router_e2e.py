@@ -2,7 +2,8 @@
 
 What a user relies on: answers through the router are the replicas' own (streams included);
 cache-aware routing reuses the replicas' prefix caches more than round-robin on a shared-prefix
-workload (measured by the replicas' own cache counters); a replica that dies fails only its own
+workload (measured by the replicas' own cache counters; round-robin's assignment is replayed on
+the same replicas, benchmarks/dp_router_cpu.py runs a round_robin router); a replica that dies fails only its own
 in-flight requests, at once, and the other keeps serving; SIGTERM ends the router and every
 replica with exit 0."""
 
@@ -107,35 +108,20 @@ def _prompts() -> list[tuple[int, str]]:
     ]
 
 
-def _hit_rate(srv: DPServer) -> float:
-    """Prompt tokens served from the replicas' prefix caches over all prompt tokens, for the
-    workload sent one request at a time on flushed caches."""
+def _hit_rate(srv: DPServer, send) -> float:
+    """Prompt tokens served from the replicas' prefix caches over all prompt tokens (the replicas'
+    own counters, aggregated by the router), for the workload sent one request at a time by
+    `send(index, body)` on flushed caches."""
     assert httpx.post(f"{srv.url}/flush_cache", timeout=30).status_code == 200
     before = srv.info()["stats"]
-    for _, prompt in _prompts():
-        body = {"model": srv.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
-        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
+    for i, (_, prompt) in enumerate(_prompts()):
+        r = send(i, {"model": srv.model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
         assert r.status_code == 200, r.text
     after = srv.info()["stats"]
     cached = after["prefill_tokens_cached"] - before["prefill_tokens_cached"]
     computed = after["prefill_tokens_computed"] - before["prefill_tokens_computed"]
     assert cached + computed > 0
     return cached / (cached + computed)
-
-
-@pytest.fixture(scope="module")
-def round_robin_hit_rate(tmp_path_factory) -> float:
-    """The round-robin server: measured, then stopped with SIGTERM (exit 0, no process left)."""
-    srv = DPServer("round_robin", tmp_path_factory.mktemp("dp-rr") / "server.log")
-    family = _descendants(srv.proc.pid)
-    try:
-        assert len([p for p in family if p in {r["pid"] for r in srv.info()["replicas"]}]) == 2
-        rate = _hit_rate(srv)
-    finally:
-        code = srv.stop()
-        srv.kill_leftovers(family)
-    assert code == 0, srv.log_path.read_text()[-4000:]
-    return rate
 
 
 @pytest.fixture(scope="module")
@@ -147,11 +133,18 @@ def server(tmp_path_factory):
     srv.kill_leftovers(family)
 
 
-# the round-robin fixture comes first: its server is measured and stopped before this one starts
-def test_cache_aware_routing_gets_a_higher_cache_hit_rate_than_round_robin(round_robin_hit_rate, server):
-    cache_aware = _hit_rate(server)
+def test_cache_aware_routing_gets_a_higher_cache_hit_rate_than_round_robin(server):
+    cache_aware = _hit_rate(server, lambda i, body: httpx.post(f"{server.url}/v1/completions", json=body, timeout=120))
+    # round-robin, as RoundRobin routes (test_dp_routing): request i to replica i % 2, sent to the
+    # replicas' own sockets so that one server (not a second one started for it) measures both
+    clients = [_replica_client(r["address"]) for r in server.info()["replicas"]]
+    try:
+        round_robin = _hit_rate(server, lambda i, body: clients[i % 2].post("/v1/completions", json=body, timeout=120))
+    finally:
+        for c in clients:
+            c.close()
     # cache_aware computes each shared prefix once; round-robin once on each replica
-    assert cache_aware > round_robin_hit_rate + 0.1, (cache_aware, round_robin_hit_rate)
+    assert cache_aware > round_robin + 0.1, (cache_aware, round_robin)
     routed = httpx.get(f"{server.url}/metrics", timeout=30).text
     assert 'radixserve_router_routed_requests_total{reason="cache_hit"' in routed
 
