@@ -277,3 +277,10 @@ def test_stats_are_aggregated_like_the_metrics():
     )
     assert out["running"] == 3 and out["cache_hit_rate"] == pytest.approx(0.3)
     assert out["token_usage"] == pytest.approx(0.3) and "speculative" not in out
+
+
+def test_one_engine_refuses_dp_size_above_one_naming_the_way_to_serve_it():
+    from radixserve.runtime.tokenizer_manager import TokenizerManager
+
+    with pytest.raises(ConfigError, match=r"runtime.dp_size=2.*radixserve serve --dp N"):
+        TokenizerManager(Config.build({"runtime": {"dp_size": 2}}))
