@@ -8,6 +8,8 @@ import argparse
 import os
 import sys
 
+from radixserve.config import deep_merge
+
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH", help="HF directory or .gguf file (default: embedded SmolLM2-135M)")
@@ -28,6 +30,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling (runtime.overlap=false)")
     add_parallel_arguments(p)
     add_speculative_arguments(p)
+    add_data_parallel_arguments(p)
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. stack.policy=lpm")
 
 
@@ -58,6 +61,23 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-topk", type=int, metavar="N", help="speculative.topk (tree branching)")
     g.add_argument("--speculative-num-steps", type=int, metavar="N", help="speculative.num_steps")
     g.add_argument("--speculative-draft-model-path", metavar="PATH", help="speculative.draft_model_path")
+
+
+def add_data_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags mirroring runtime.dp_size and the `router` section (docs/parallelism.md)."""
+    g = p.add_argument_group("data parallelism")
+    g.add_argument("--dp", type=int, metavar="N", help="serve N engine replicas behind a router (runtime.dp_size)")
+    g.add_argument("--router-policy", metavar="NAME",
+                   help="router.policy: cache_aware (default), round_robin or least_load")
+
+
+def data_parallel_overrides(args: argparse.Namespace) -> dict:
+    out: dict = {}
+    if getattr(args, "dp", None) is not None:
+        out["runtime"] = {"dp_size": args.dp}
+    if getattr(args, "router_policy", None) is not None:
+        out["router"] = {"policy": args.router_policy}
+    return out
 
 
 def speculative_overrides(args: argparse.Namespace) -> dict:
@@ -96,7 +116,7 @@ def _flag_overrides(args: argparse.Namespace) -> dict:
     runtime = {k: False for k, on in (("cuda_graph", args.disable_cuda_graph), ("overlap", args.disable_overlap)) if on}
     runtime.update(parallel_overrides(args).get("runtime", {}))
     out = {k: v for k, v in (("model", model), ("server", server), ("runtime", runtime)) if v}
-    return {**out, **speculative_overrides(args)}
+    return deep_merge({**out, **speculative_overrides(args)}, data_parallel_overrides(args))
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -91,6 +91,8 @@ class RuntimeSection(_Section):
     overlap: bool | None = None  # overlap scheduling; None: on for CUDA, off for CPU (nothing to overlap)
     seed: int = 0
     num_threads: int | None = Field(default=None, ge=1)  # CPU torch threads; None: all cores
+    # data parallelism: this many full engine replicas behind a router (the `router` section)
+    dp_size: int = Field(default=1, ge=1)
 
     @model_validator(mode="after")
     def _check_parallel_layout(self) -> RuntimeSection:
@@ -140,6 +142,25 @@ class ServerSection(_Section):
     generic_tool_prompt: bool = False
 
 
+class RouterSection(_Section):
+    """The data-parallel router in front of `runtime.dp_size` > 1 replicas (docs/parallelism.md)."""
+
+    # cache_aware: the replica whose (approximate) prefix cache holds the longest prefix of the
+    # request, unless the load is uneven; round_robin: in turn; least_load: fewest in flight
+    policy: Literal["cache_aware", "round_robin", "least_load"] = "cache_aware"
+    # follow the cache when the matched prefix covers at least this fraction of the request's
+    # text; below it, the replica with the smallest prefix tree (the most room) gets it
+    cache_threshold: float = Field(default=0.5, ge=0, le=1)
+    # the load is uneven (cache_aware then picks the least-loaded replica) when the most and the
+    # least loaded replicas differ by more than abs requests in flight AND by more than rel times
+    balance_abs_threshold: int = Field(default=32, ge=0)
+    balance_rel_threshold: float = Field(default=1.5, ge=1)
+    # size bound of each replica's prefix tree, in characters of request text (LRU beyond it)
+    max_tree_chars: int = Field(default=8_000_000, gt=0)
+    tree_block_chars: int = Field(default=16, ge=1, le=4096)  # granularity of the prefix tree
+    replica_start_timeout_s: float = Field(default=900.0, gt=0)
+
+
 class PluginsSection(_Section):
     prefer: dict[str, str] = Field(default_factory=dict)  # {"kind/name": distribution} on conflicts
     disable: list[str] = Field(default_factory=list)  # plugin names never loaded
@@ -152,9 +173,12 @@ class Config(_Section):
     scheduler: SchedulerSection = SchedulerSection()
     runtime: RuntimeSection = RuntimeSection()
     server: ServerSection = ServerSection()
+    router: RouterSection = RouterSection()
     plugins: PluginsSection = PluginsSection()
 
-    @field_validator("model", "stack", "speculative", "scheduler", "runtime", "server", "plugins", mode="before")
+    @field_validator(
+        "model", "stack", "speculative", "scheduler", "runtime", "server", "router", "plugins", mode="before"
+    )
     @classmethod
     def _none_is_empty(cls, v: Any) -> Any:
         return {} if v is None else v  # an empty YAML section ("stack:") means defaults

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.config import Config
+from radixserve.config import Config, ConfigError
 from radixserve.model_loader.model_files import load_tokenizer, resolve_model_path, served_name
 from radixserve.plugins.registry import Registry
 from radixserve.plugins.stack import check_quantization_fits, resolve_stack
@@ -107,6 +107,11 @@ class TokenizerManager:
     def __init__(self, config: Config, registry: Registry | None = None) -> None:
         """`registry`: this process's plugin registry (None: built from `config`). The stack is
         checked here, before any file is read; the scheduler process builds its own from `config`."""
+        if config.runtime.dp_size > 1:  # one engine is one replica; replicas sit behind the router
+            raise ConfigError(
+                f"runtime.dp_size={config.runtime.dp_size}: data parallelism is served by "
+                "`radixserve serve --dp N` (a router in front of N engines); one engine runs with dp_size 1"
+            )
         self.config = config
         self.registry = registry if registry is not None else Registry.from_config(config)
         self.stack = resolve_stack(config, self.registry, config.runtime.resolved_device())

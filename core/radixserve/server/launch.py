@@ -58,11 +58,17 @@ def setup_logging(level: str) -> None:
     )
 
 
-def run_server(config: Config, registry: Any = None) -> int:
-    """`registry`: this process's plugin registry (None: built from `config`)."""
+def run_server(config: Config, registry: Any = None, uds: str | None = None) -> int:
+    """`registry`: this process's plugin registry (None: built from `config`). `uds`: serve on this
+    unix socket instead of host:port (a data-parallel replica). With runtime.dp_size > 1 this runs
+    the router and its replicas instead (server/router/launch.py)."""
+    if config.runtime.dp_size > 1:
+        from radixserve.server.router.launch import run_router
+
+        return run_router(config)
     setup_logging(config.server.log_level)
     try:
-        return asyncio.run(_serve(config, registry))
+        return asyncio.run(_serve(config, registry, uds))
     except KeyboardInterrupt:
         return 130
 
@@ -109,7 +115,7 @@ async def _start_runtime(config: Config, registry: Any) -> tuple[Any, int]:
             loop.remove_signal_handler(sig)
 
 
-async def _serve(config: Config, registry: Any) -> int:
+async def _serve(config: Config, registry: Any, uds: str | None = None) -> int:
     from radixserve.server.app import create_app
     from radixserve.server.shutdown import GracefulShutdown
 
@@ -126,6 +132,7 @@ async def _serve(config: Config, registry: Any) -> int:
                 app,
                 host=s.host,
                 port=s.port,
+                uds=uds,
                 log_level=s.log_level,
                 log_config=None,
                 access_log=False,
@@ -147,7 +154,7 @@ async def _serve(config: Config, registry: Any) -> int:
         tasks = [
             asyncio.create_task(_watch_health(tm, shutdown, runtime_died)),
             asyncio.create_task(_log_stats(tm)),
-            asyncio.create_task(_announce(server, tm, config)),
+            asyncio.create_task(_announce(server, tm, config, uds)),
         ]
         try:
             await server.serve()
@@ -172,16 +179,15 @@ async def _watch_health(tm: Any, shutdown: Any, on_dead) -> None:
             return
 
 
-async def _announce(server: uvicorn.Server, tm: Any, config: Config) -> None:
+async def _announce(server: uvicorn.Server, tm: Any, config: Config, uds: str | None = None) -> None:
     while not server.started:
         await asyncio.sleep(0.05)
-    host = config.server.host
+    where = f"unix:{uds}" if uds else f"http://{config.server.host}:{config.server.port}"
     logger.info(
-        "RadixServe ready: model %r (context %d) on http://%s:%d%s",
+        "RadixServe ready: model %r (context %d) on %s%s",
         tm.model_name,
         tm.context_len,
-        host,
-        config.server.port,
+        where,
         "" if config.server.api_key is None else " (API key required)",
     )
 

@@ -1,0 +1,1 @@
+"""Data parallelism: N full engine replicas behind a cache-aware HTTP router (docs/parallelism.md)."""
