@@ -10,4 +10,6 @@ __version__ = "0.1.0"
 #      packed parameters
 #      the grammar kind (GrammarBackend, GrammarMatcher)
 # 1.2: kinds tool_parser (ToolParser) and reasoning_parser (ReasoningParser)
-PLUGIN_API_VERSION = "1.2"
+# 1.3: per-layer attention options: AttentionLayerSpec.sliding_window and .logit_cap (RadixAttention
+#      arguments), AttentionBackend.supports_sliding_window / supports_logit_cap
+PLUGIN_API_VERSION = "1.3"
