@@ -48,6 +48,8 @@ class Layer:
     num_kv_heads: int
     head_dim: int
     scaling: float
+    sliding_window: int | None = None
+    logit_cap: float | None = None
 
 
 @dataclass
@@ -319,7 +321,35 @@ def test_tree_mask_verify_matches_exact_attention():
                                     tolerance=TOL[dtype])
     else:  # the interpreter is slow: two small head shapes (GQA; MHA with a padded head_dim)
         check_attention_backend(TritonAttentionBackend, heads=((2, 1, 32), (2, 2, 24)), seeds=(0,), num_requests=3,
-                                decode_steps=1, tree_steps=2)
+                                decode_steps=1, tree_steps=2, layer_options=((5, 1.5),))
+
+
+@pytest.mark.parametrize("mode, prefix_lens, extend_lens", [
+    # extends longer than a query block (16 in the interpreter): earlier blocks of the new tokens are skipped
+    (ForwardMode.EXTEND, [17, 40, 0, 3], [33, 1, 40, 18]),
+    (ForwardMode.DECODE, [0, 19, 69, 128], [1, 1, 1, 1]),  # several KV splits, windows shorter than a split
+])
+@pytest.mark.parametrize("window, cap", [(7, 2.0), (20, None)])
+def test_window_and_softcap_match_torch_native(mode, prefix_lens, extend_lens, window, cap):
+    """Per-layer sliding window and logit soft-capping (plugin API 1.3) against the torch_native
+    backend on the same pool; the windows are shorter than the sequences, so ignoring one fails."""
+    from dataclasses import replace
+
+    from radixserve_attention_torch_native.backend import TorchNativeBackend
+
+    heads = (4, 2, 32)
+    kwargs = {} if ON_GPU else {"min_split_tokens": 8, "max_kv_splits": 4, "sm_count": 8}
+    p = make_problem(prefix_lens, extend_lens, *heads, dtype=torch.float32, mode=mode, seed=5, **kwargs)
+    p.layer.sliding_window, p.layer.logit_cap = window, cap
+    out = run(p)
+    assert_pool_written(p)
+    native = TorchNativeBackend()
+    native.init_forward_metadata(p.batch)
+    want = native.forward(p.q, p.k_new, p.v_new, p.layer, p.batch)
+    assert_close(out, want.double() if not ON_GPU else want, torch.float32)
+    native.init_forward_metadata(p.batch)
+    plain = native.forward(p.q, p.k_new, p.v_new, replace(p.layer, sliding_window=None, logit_cap=None), p.batch)
+    assert (plain - want).abs().max() > 1e-2, "this case does not exercise the option"
 
 
 def test_decode_rows_may_share_a_request():

@@ -121,3 +121,23 @@ def test_a_chain_mask_must_equal_causal_extend():
             check_attention_backend(WrongWithoutMask, **SMALL)
     finally:
         WrongWithoutMask.verify_phase = False
+
+
+@pytest.mark.parametrize("option, message", [("sliding_window", "sliding_window 6"), ("logit_cap", "logit_cap 1.5")])
+def test_the_attention_kit_checks_layer_options(option, message):
+    """A backend that declares windows / soft-capping but computes without them fails the kit (the
+    kit's windows are shorter than its sequences); one that does not declare them is not given them."""
+    from dataclasses import replace
+
+    class IgnoresTheOption(ReferenceAttentionBackend):
+        def attend64(self, q, k, v, layer, batch):
+            return super().attend64(q, k, v, replace(layer, **{option: None}), batch)
+
+    with pytest.raises(AssertionError, match=message):
+        check_attention_backend(IgnoresTheOption, **SMALL)
+
+    class DoesNotDeclareIt(IgnoresTheOption):
+        pass
+
+    setattr(DoesNotDeclareIt, f"supports_{option}", False)
+    check_attention_backend(DoesNotDeclareIt, **SMALL)

@@ -132,6 +132,25 @@ def test_greedy_identical_on_and_off(runners, attention, tree):
         assert run(s, [greedy("r0", ps[0], 24)]) == {"r0": plain["r0"]}
 
 
+@pytest.mark.parametrize("attention", ["torch_native", "cpu_batched"])
+def test_greedy_identical_on_and_off_with_a_sliding_window(tiny_llama_dir, attention):
+    """Tree verifies of a windowed model (Mistral, window 5 < every sequence): a draft token's
+    window starts from its position (prefix + depth), so greedy outputs equal plain decoding."""
+    cfg = Config.build({
+        "model": {"path": tiny_llama_dir("mistral", sliding_window=5, head_dim=64)},  # 64: cpu_batched's kernel
+        "stack": {"attention": attention},
+        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
+        "scheduler": {"max_total_tokens": 6000, "max_running_requests": 64},
+    })
+    runner = ModelRunner(cfg, show_progress=False)
+    ps = prompts(4, seed=6)
+    plain = run(scheduler(runner), [greedy(f"r{i}", p, 16) for i, p in enumerate(ps)])
+    table = {tuple(p): plain[f"r{i}"] for i, p in enumerate(ps)}
+    s = scheduler(runner, {"table": table, "mode": "mixed", "tree": True, "seed": 2})
+    assert run(s, [greedy(f"r{i}", p, 16) for i, p in enumerate(ps)]) == plain
+    assert s.stats()["spec_verifies"] > 0
+
+
 def test_greedy_with_penalties_and_logprobs(runners):
     runner = runners("torch_native")
     ps = prompts(4, seed=4)

@@ -11,6 +11,7 @@ from radixserve import native
 from radixserve.config import Config
 from radixserve.interfaces import AttentionRunnerInfo
 from radixserve.interfaces.target_states import HiddenRows, TargetStates
+from radixserve.layers.attention import check_backend_supports_layers
 from radixserve.layers.distributed import TPGroup
 from radixserve.layers.logits import select_logit_rows
 from radixserve.layers.rotary import reserve_rotary_caches
@@ -104,13 +105,8 @@ class ModelRunner:
 
     def _context_len(self) -> int:
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 4096))
-        ctx = self.config.model.context_length or model_max
-        window = getattr(self.hf_config, "sliding_window", None)
-        if window and ctx > window:
-            # sliding-window attention is not implemented: beyond the window outputs would differ
-            logger.warning("capping context length %d to the model's sliding window %d", ctx, window)
-            ctx = int(window)
-        return int(ctx)
+        # a sliding window does not cap the context: the attention backends apply it per layer
+        return int(self.config.model.context_length or model_max)
 
     def _kv_shape(self) -> tuple[int, int, int]:
         """(layers, KV heads on this rank, head_dim): a rank holds kv_heads / tp_size heads, or one
@@ -161,6 +157,7 @@ class ModelRunner:
         if not cls.supports(self.device.type, dtype_name, head_dim):
             raise RuntimeError(f"attention backend {name!r} does not support {self.device.type}/{dtype_name}/"
                                f"head_dim={head_dim}")
+        check_backend_supports_layers(self.model, cls, name)  # windows, soft-capping
         self.attn_backend_name = name
         self.attn_backend = cls(
             AttentionRunnerInfo(

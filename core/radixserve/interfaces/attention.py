@@ -61,6 +61,16 @@ class AttentionLayerSpec(Protocol):
     num_kv_heads: int  # KV heads on this TP rank (GQA when < num_heads)
     head_dim: int
     scaling: float  # softmax scale, usually head_dim ** -0.5
+    # Per-layer options (added in plugin API 1.3; read them with getattr(layer, name, None), a layer
+    # object of an older model may lack them):
+    # sliding_window: None = full causal attention; W >= 1 = the query at position t sees only keys at
+    #   positions p with t - W < p <= t (its W most recent tokens, itself included; HF's convention).
+    #   Positions are absolute positions in the request: prefix tokens sit at their index, a new
+    #   token at prefix_len + j (a draft-tree token at prefix_len + its depth in the tree).
+    # logit_cap: None = off; c > 0 = each score s = scaling * q.k becomes c * tanh(s / c) before the
+    #   mask and the softmax (Gemma 2's attention soft-capping).
+    sliding_window: int | None
+    logit_cap: float | None
 
 
 class AttentionBackend(abc.ABC):
@@ -103,6 +113,12 @@ class AttentionBackend(abc.ABC):
     # runner then verifies chain drafts as such a decode batch, which runs in the decode CUDA
     # graphs; False: chain drafts are verified as an EXTEND batch (eager). Added in plugin API 1.1.
     decode_rows_share_requests: bool = False
+    # True when forward_extend and forward_decode honour `layer.sliding_window` and `layer.logit_cap`
+    # (see AttentionLayerSpec), tree masks included. The runner refuses to run a model that has a
+    # windowed (or soft-capped) layer on a backend that leaves the matching flag False, naming it.
+    # Added in plugin API 1.3.
+    supports_sliding_window: bool = False
+    supports_logit_cap: bool = False
 
     @classmethod
     def supports(cls, device: str, dtype: str, head_dim: int) -> bool:
@@ -165,6 +181,8 @@ class AttentionBackend(abc.ABC):
         :return: `[num_tokens, num_heads*head_dim]` in q's dtype: for each new token, softmax-
             weighted values over its request's prefix KV plus the new tokens up to and including
             itself (causal), query head h reading KV head h // (num_heads // num_kv_heads).
+            With `layer.sliding_window` set only the window's keys count; with `layer.logit_cap` the
+            scores are soft-capped first (see AttentionLayerSpec; added in plugin API 1.3).
 
         Restrictions: first store k, v into `batch.kv_pool` at `batch.out_cache_loc` for
         `layer.layer_id` (as `KVPool.set_kv` would); change no other slot of any layer.

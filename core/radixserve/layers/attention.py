@@ -15,15 +15,48 @@ class RadixAttention(nn.Module):
     """Holds the per-layer facts a backend needs (see AttentionLayerSpec) and delegates.
 
     q: [num_tokens, num_heads*head_dim]; k, v: [num_tokens, num_kv_heads*head_dim] (new tokens only).
-    Returns [num_tokens, num_heads*head_dim]."""
+    Returns [num_tokens, num_heads*head_dim].
 
-    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float) -> None:
+    :param sliding_window: None (or 0) for full causal attention; W >= 1: each query sees only its
+        W most recent positions, itself included (HF's `sliding_window` convention).
+    :param logit_cap: None (or 0) for none; c > 0: scores become c * tanh(score / c) (Gemma 2).
+
+    `sliding_window` and `logit_cap` added in plugin API 1.3."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
+                 sliding_window: int | None = None, logit_cap: float | None = None) -> None:
         super().__init__()
+        if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 0):
+            raise ValueError(f"layer {layer_id}: sliding_window must be None or an integer >= 1, got {sliding_window!r}")
+        if logit_cap is not None and not logit_cap >= 0:
+            raise ValueError(f"layer {layer_id}: logit_cap must be None or > 0, got {logit_cap!r}")
         self.layer_id = layer_id
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scaling = scaling
+        self.sliding_window = int(sliding_window) if sliding_window else None
+        self.logit_cap = float(logit_cap) if logit_cap else None
+
+    def extra_repr(self) -> str:
+        return f"layer_id={self.layer_id}, sliding_window={self.sliding_window}, logit_cap={self.logit_cap}"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return batch.attn_backend.forward(q, k, v, self, batch)
+
+
+def check_backend_supports_layers(model: nn.Module, backend, backend_name: str) -> None:
+    """Raise ValueError when `model` has a RadixAttention layer with an option (sliding window,
+    logit soft-capping) that `backend` does not declare support for: it would silently compute
+    full, uncapped attention."""
+    needs = {"sliding_window": "supports_sliding_window", "logit_cap": "supports_logit_cap"}
+    for module in model.modules():
+        if not isinstance(module, RadixAttention):
+            continue
+        for option, flag in needs.items():
+            value = getattr(module, option)
+            if value is not None and not getattr(backend, flag, False):
+                raise ValueError(
+                    f"the model's attention layer {module.layer_id} uses {option}={value}, which attention backend "
+                    f"{backend_name!r} does not support ({flag} is False); choose a backend that does "
+                    f"(torch_native, cpu_batched, triton)")

@@ -37,6 +37,8 @@ class ReferenceAttentionBackend(AttentionBackend):
 
     name = "reference"
     supports_tree_mask = True
+    supports_sliding_window = True
+    supports_logit_cap = True
 
     def __init__(self, runner_info: AttentionRunnerInfo | None = None) -> None:
         self.runner_info = runner_info
@@ -59,13 +61,23 @@ class ReferenceAttentionBackend(AttentionBackend):
             keys = k_buf[slots].double().repeat_interleave(hq // hkv, dim=1)  # [seq, hq, d]
             values = v_buf[slots].double().repeat_interleave(hq // hkv, dim=1)
             scores = torch.einsum("thd,shd->hts", q64[start : start + ext], keys) * layer.scaling
+            cap = getattr(layer, "logit_cap", None)
+            if cap:
+                scores = cap * torch.tanh(scores / cap)
             query_pos = torch.arange(seq - ext, seq, device=q.device)[:, None]
-            hidden = torch.arange(seq, device=q.device)[None, :] > query_pos  # causal: the future is hidden
+            key_pos = torch.arange(seq, device=q.device)[None, :]
+            hidden = key_pos > query_pos  # causal: the future is hidden
             if batch.tree_mask is not None:  # the new tokens see each other by the tree, the prefix fully
                 block = batch.tree_mask[mask_start : mask_start + ext * ext].view(ext, ext).to(q.device)
                 hidden = hidden.clone()
                 hidden[:, seq - ext :] = ~block
                 mask_start += ext * ext
+                # a draft token sits at prefix + its depth (its ancestors, itself included, minus one)
+                query_pos = (seq - ext) + block.sum(1, dtype=torch.int64)[:, None] - 1
+                key_pos = torch.cat([key_pos[:, : seq - ext], query_pos.T], dim=1)
+            window = getattr(layer, "sliding_window", None)
+            if window:
+                hidden = hidden | (key_pos <= query_pos - window)
             scores = scores.masked_fill(hidden, float("-inf"))
             out[start : start + ext] = torch.einsum("hts,shd->thd", scores.softmax(-1), values)
             start += ext
@@ -85,6 +97,8 @@ class _Layer:
     num_kv_heads: int
     head_dim: int
     scaling: float
+    sliding_window: int | None = None
+    logit_cap: float | None = None
 
 
 @dataclass
@@ -116,12 +130,14 @@ def _make_memory(heads, dtype, device, num_slots, rows, context, garbage: torch.
 class _Scenario:
     """Drives one random scenario through the backend under test and the reference."""
 
-    def __init__(self, factory, heads, dtype, device, seed: int, tol: float) -> None:
+    def __init__(self, factory, heads, dtype, device, seed: int, tol: float,
+                 sliding_window: int | None = None, logit_cap: float | None = None) -> None:
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.heads, self.dtype, self.device, self.tol, self.seed = heads, dtype, device, tol, seed
         hq, hkv, d = heads
-        self.layer = _Layer(_LAYER_ID, hq, hkv, d, scaling=1.3 * d**-0.5)  # not the default: it must be read
+        # scaling is not the default: it must be read
+        self.layer = _Layer(_LAYER_ID, hq, hkv, d, 1.3 * d**-0.5, sliding_window, logit_cap)
         self.num_slots, rows, self.context = 1000, 12, 256
         slots = list(range(1, self.num_slots + 1))
         self.rng.shuffle(slots)
@@ -189,7 +205,9 @@ class _Scenario:
         hq, hkv, d = self.heads
         num_tokens = len(new_slots)
         q, k, v = self._rand(num_tokens, hq * d), self._rand(num_tokens, hkv * d), self._rand(num_tokens, hkv * d)
-        what = f"seed {self.seed}, heads {self.heads}, {mode.name} step (prefix, extend) = {list(zip(prefix_lens, extend_lens))}"
+        options = f", sliding_window {self.layer.sliding_window}, logit_cap {self.layer.logit_cap}" if (
+            self.layer.sliding_window or self.layer.logit_cap) else ""
+        what = f"seed {self.seed}, heads {self.heads}{options}, {mode.name} step (prefix, extend) = {list(zip(prefix_lens, extend_lens))}"
         blocks = None
         if trees is not None:
             blocks = [_tree_block(parents) for parents in trees]
@@ -322,6 +340,7 @@ def check_attention_backend(
     decode_steps: int = 3,
     tree_steps: int = 3,
     tolerance: float | None = None,
+    layer_options: Sequence[tuple[int, float]] = ((6, 1.5), (1, 0.7)),
 ) -> None:
     """Run `backend` against exact attention; raise AssertionError naming the first difference.
 
@@ -335,6 +354,11 @@ def check_attention_backend(
         with chains as trees), run when the backend sets `supports_tree_mask = True`.
     :param tolerance: the largest relative error (norm of the difference over the norm of the
         exact result) per request and step; default by dtype (fp32 1e-3, fp16 5e-3, bf16 2e-2).
+    :param layer_options: (sliding_window, logit_cap) pairs: for a backend with
+        `supports_sliding_window` / `supports_logit_cap` one more scenario per pair and head shape
+        runs (trees included) with the layer windowed and soft-capped (each where supported). The
+        windows are shorter than the scenarios' sequences, so a backend that ignores them fails.
+        Added in plugin API 1.3.
     """
     tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[dtype]
     dtype_name = str(dtype).removeprefix("torch.")
@@ -351,5 +375,15 @@ def check_attention_backend(
             if tree_steps and getattr(scenario.test.backend, "supports_tree_mask", False):
                 scenario.run_trees(tree_steps)
             checked += 1
+        for i, (window, cap) in enumerate(layer_options):
+            scenario = _Scenario(backend, shape, dtype, device, seeds[0] + 100 + i, tol)
+            test = scenario.test.backend
+            scenario.layer.sliding_window = window if getattr(test, "supports_sliding_window", False) else None
+            scenario.layer.logit_cap = cap if getattr(test, "supports_logit_cap", False) else None
+            if scenario.layer.sliding_window is None and scenario.layer.logit_cap is None:
+                break
+            scenario.run(num_requests, decode_steps)
+            if tree_steps and getattr(test, "supports_tree_mask", False):
+                scenario.run_trees(tree_steps)
     if not checked:
         raise AssertionError(f"{backend!r}.supports() refused every head shape in {list(heads)} on {device}/{dtype_name}")

@@ -178,7 +178,8 @@ def check_model_parity(
     :param attention: the attention backend to run with (default: the kit's exact reference).
     :param quant_method: a QuantMethod instance for a quantized `checkpoint` (default unquantized).
     :param reference: the checkpoint transformers runs (default `checkpoint`); for a quantized
-        checkpoint, the same model with its weights dequantized to float.
+        checkpoint, the same model with its weights dequantized to float. transformers runs its
+        eager attention (its SDPA path ignores attention soft-capping).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -189,7 +190,9 @@ def check_model_parity(
     hf_config = AutoConfig.from_pretrained(checkpoint)
     model = load_model(ModelSource(path=checkpoint, format="safetensors"), hf_config, model_cls,
                        torch.device("cpu"), torch.float32, quant_method=quant_method, show_progress=False)
-    hf = AutoModelForCausalLM.from_pretrained(reference or checkpoint, dtype=torch.float32).eval()
+    # eager: transformers' SDPA path silently drops options such as Gemma 2's attention soft-capping
+    hf = AutoModelForCausalLM.from_pretrained(reference or checkpoint, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
     rng = random.Random(seed)
     vocab = hf_config.vocab_size
     seqs = [_Seq([rng.randrange(vocab) for _ in range(n)]) for n in prompt_lens]

@@ -15,6 +15,11 @@ rows, and extend uses the reference path.
 Speculative verify of draft trees (`supports_tree_mask`): the native kernel takes the batch's
 tree mask and hides, for each new token, the draft tokens that are not its ancestors; without the
 kernel a per-request SDPA with the same mask does it (`_masked_extend`).
+
+Per-layer sliding windows and logit soft-capping (plugin API 1.3): the native kernel takes both
+(for a tree it also takes each draft token's depth, which places it in the window); without the
+kernel, windowed or capped layers run the torch_native reference path (decode included), which
+implements both.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class _NativeExtendMeta:
     extend_lens: torch.Tensor  # [bs] int64 CPU: new tokens per request, packed in request order
     tree_mask: torch.Tensor = _NO_MASK  # flat bool CPU (a verify of draft trees), else empty
     mask_offsets: torch.Tensor = _NO_OFFSETS  # [bs] int64: where request i's [e, e] block starts
+    depths: torch.Tensor = _NO_OFFSETS  # [num_tokens] int64: each draft token's depth (trees only)
 
 
 @dataclass
@@ -55,18 +61,22 @@ class _MaskedExtendMeta:
     """Tree-masked extend without the native kernel: per request, its slots and full attention mask."""
 
     views: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (q_start, q_len, kv slots, [q_len, seq_len] bool)
+    reference: list  # torch_native's per-request views of the same batch, for windowed or capped layers
 
 
 @dataclass
 class _PaddedDecodeMeta:
     slots: torch.Tensor  # [bs, max_len] int64 KV slots; padding points at slot 0 (reserved)
     mask: torch.Tensor  # [bs, 1, 1, max_len] bool, True where a key exists
+    reference: list | None = None  # torch_native's views, built when a windowed or capped layer runs
 
 
 class CPUBatchedBackend(TorchNativeBackend):
     supports_tensor_parallel = True  # reads per-rank head counts only
     name = "cpu_batched"
     supports_tree_mask = True
+    supports_sliding_window = True  # native kernel, or the reference path (see the module docstring)
+    supports_logit_cap = True
 
     def __init__(self, runner_info=None, use_native: bool = True) -> None:
         super().__init__(runner_info)
@@ -96,6 +106,9 @@ class CPUBatchedBackend(TorchNativeBackend):
                     meta.tree_mask = batch.tree_mask.to("cpu", torch.bool).contiguous()
                     sizes = [0] + [e * e for e in batch.extend_lens_cpu[:-1]]
                     meta.mask_offsets = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
+                    # a draft token's depth: its ancestors in the tree, itself included, minus one
+                    meta.depths = torch.tensor([sum(row) - 1 for block in batch.tree_mask_cpu for row in block],
+                                               dtype=torch.int64)
                 batch.attn_metadata = meta
             elif batch.tree_mask is not None:
                 batch.attn_metadata = self._masked_extend_meta(batch)
@@ -121,13 +134,15 @@ class CPUBatchedBackend(TorchNativeBackend):
         # the kernel stores the new k, v at out_cache_loc itself (what KVPool.set_kv would do)
         return self._kernels.extend_attention(
             q, k, v, batch.out_cache_loc, k_buf, v_buf, batch.req_to_token_pool.req_to_token,
-            batch.req_pool_indices, batch.seq_lens, meta.extend_lens, meta.tree_mask, meta.mask_offsets,
-            layer.scaling,
+            batch.req_pool_indices, batch.seq_lens, meta.extend_lens, meta.tree_mask, meta.mask_offsets, meta.depths,
+            layer.scaling, *_native_options(layer),
         )
 
     @staticmethod
     def _masked_extend_meta(batch: ForwardBatch) -> _MaskedExtendMeta:
         table = batch.req_to_token_pool.req_to_token
+        reference = TorchNativeBackend()
+        reference.init_forward_metadata(batch)  # windowed layers use its per-request views
         views = []
         q_start = mask_start = 0
         for row, seq_len, ext in zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu, batch.extend_lens_cpu,
@@ -138,10 +153,12 @@ class CPUBatchedBackend(TorchNativeBackend):
             views.append((q_start, ext, table[row, :seq_len], mask))
             q_start += ext
             mask_start += ext * ext
-        return _MaskedExtendMeta(views)
+        return _MaskedExtendMeta(views, batch.attn_metadata)
 
     def _masked_extend(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch,
                        meta: _MaskedExtendMeta) -> torch.Tensor:
+        if _has_options(layer):
+            return self._reference(q, k, v, layer, batch, meta.reference)
         batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
@@ -161,10 +178,27 @@ class CPUBatchedBackend(TorchNativeBackend):
             # the kernel stores the new k, v at out_cache_loc itself (what KVPool.set_kv would do)
             return self._kernels.decode_attention(
                 q, k, v, batch.out_cache_loc, k_buf, v_buf, batch.req_to_token_pool.req_to_token,
-                batch.req_pool_indices, batch.seq_lens, layer.scaling,
+                batch.req_pool_indices, batch.seq_lens, layer.scaling, *_native_options(layer),
             )
+        if _has_options(layer):
+            return self._reference(q, k, v, layer, batch, None)
         batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         return self._padded_sdpa(q, k_buf, v_buf, layer, batch.attn_metadata)
+
+    def _reference(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch, views) -> torch.Tensor:
+        """torch_native's path (it implements windows and capping) for this layer of the batch."""
+        meta = batch.attn_metadata
+        if views is None:  # decode: the reference views are built on first use, once per forward
+            if getattr(meta, "reference", None) is None:
+                TorchNativeBackend.init_forward_metadata(self, batch)
+                meta.reference = batch.attn_metadata
+                batch.attn_metadata = meta
+            views = meta.reference
+        batch.attn_metadata = views
+        try:
+            return self._attend(q, k, v, layer, batch)
+        finally:
+            batch.attn_metadata = meta
 
     def _padded_sdpa(self, q, k_buf, v_buf, layer: AttentionLayerSpec, meta: _PaddedDecodeMeta) -> torch.Tensor:
         bs, hq, hkv, d = q.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
@@ -175,3 +209,12 @@ class CPUBatchedBackend(TorchNativeBackend):
         queries = q.view(bs, hkv, hq // hkv, d)  # query heads of one KV group share its keys
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=layer.scaling)
         return out.reshape(bs, hq * d)
+
+
+def _has_options(layer: AttentionLayerSpec) -> bool:
+    return bool(getattr(layer, "sliding_window", None) or getattr(layer, "logit_cap", None))
+
+
+def _native_options(layer: AttentionLayerSpec) -> tuple[int, float]:
+    """(window, cap) as the native kernel takes them: 0 for none."""
+    return int(getattr(layer, "sliding_window", None) or 0), float(getattr(layer, "logit_cap", None) or 0.0)

@@ -1,11 +1,14 @@
 """torch_native: attention over the token-slot KV pool with plain torch ops.
 
 The reference backend: a per-request loop around scaled_dot_product_attention with an explicit
-causal-offset mask. Slow but exact and easy to audit; GPU kernels are tested against it."""
+causal-offset mask. Slow but exact and easy to audit; GPU kernels are tested against it.
+Per-layer options (plugin API 1.3): a sliding window narrows the mask (built once per forward and
+window size, shared by the layers that use it); a logit cap computes the scores explicitly (SDPA
+has no soft-capping) and caps them before the mask."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +24,19 @@ class _ReqView:
     q_len: int  # new tokens
     kv_slots: torch.Tensor  # [seq_len] int64 slots, prefix first
     mask: torch.Tensor | None  # [q_len, seq_len] bool (True = attend); None when q_len == 1
+    q_pos: torch.Tensor  # [q_len, 1] int64 absolute positions of the new tokens
+    k_pos: torch.Tensor  # [1, seq_len] int64 absolute positions of the keys
+    windowed: dict[int, torch.Tensor | None] = field(default_factory=dict)  # window -> mask (None: all)
+
+    def mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The attention mask of a layer with this sliding window (None: full causal)."""
+        if not window:
+            return self.mask
+        if window not in self.windowed:
+            inside = self.k_pos > self.q_pos - window
+            mask = inside if self.mask is None else self.mask & inside
+            self.windowed[window] = None if bool(mask.all()) else mask
+        return self.windowed[window]
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -28,11 +44,14 @@ class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
     supports_tree_mask = True  # verify of tree drafts: new tokens attend by batch.tree_mask
     decode_rows_share_requests = True  # _attend stores all k, v before any row reads the pool
+    supports_sliding_window = True  # per-layer windows and soft-capping (plugin API 1.3)
+    supports_logit_cap = True
 
     def __init_subclass__(cls, **kwargs) -> None:
         # a subclass replaces the kernels these promises are about: it must make them itself
         super().__init_subclass__(**kwargs)
-        for flag in ("supports_tree_mask", "decode_rows_share_requests"):
+        for flag in ("supports_tree_mask", "decode_rows_share_requests", "supports_sliding_window",
+                     "supports_logit_cap"):
             if flag not in cls.__dict__:
                 setattr(cls, flag, False)
 
@@ -50,17 +69,19 @@ class TorchNativeBackend(AttentionBackend):
         )):
             slots = table[row, :seq_len]
             mask = None
+            # new token j sits at absolute position prefix_len + j (a draft at prefix_len + its depth)
+            q_pos = torch.arange(prefix_len, prefix_len + ext, device=table.device)
+            k_pos = torch.arange(seq_len, device=table.device)
             if tree is not None and ext > 1:
                 # the whole prefix, then among the new tokens only those the draft tree allows
                 block = torch.tensor(tree[i], dtype=torch.bool, device=table.device)
                 prefix = torch.ones(ext, prefix_len, dtype=torch.bool, device=table.device)
                 mask = torch.cat([prefix, block], dim=1)
+                q_pos = prefix_len + block.sum(1, dtype=torch.int64) - 1  # ancestors and itself
+                k_pos = torch.cat([k_pos[:prefix_len], q_pos])
             elif ext > 1:
-                # new token j sits at absolute position prefix_len + j and sees keys 0..prefix_len + j
-                q_pos = torch.arange(prefix_len, prefix_len + ext, device=table.device)
-                k_pos = torch.arange(seq_len, device=table.device)
-                mask = k_pos[None, :] <= q_pos[:, None]
-            views.append(_ReqView(q_start, ext, slots, mask))
+                mask = k_pos[None, :] <= q_pos[:, None]  # causal
+            views.append(_ReqView(q_start, ext, slots, mask, q_pos[:, None], k_pos[None, :]))
             q_start += ext
         batch.attn_metadata = views
 
@@ -70,6 +91,7 @@ class TorchNativeBackend(AttentionBackend):
         n, hq, hkv, d = q.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
         q = q.view(n, hq, d)
         out = torch.empty_like(q)
+        window, cap = getattr(layer, "sliding_window", None), getattr(layer, "logit_cap", None)
         for view in batch.attn_metadata:
             qi = q[view.q_start : view.q_start + view.q_len].transpose(0, 1)  # [hq, q_len, d]
             ki = k_buf[view.kv_slots].transpose(0, 1).to(q.dtype)  # [hkv, seq_len, d]
@@ -77,10 +99,14 @@ class TorchNativeBackend(AttentionBackend):
             if hkv != hq:
                 ki = ki.repeat_interleave(hq // hkv, dim=0)
                 vi = vi.repeat_interleave(hq // hkv, dim=0)
-            oi = F.scaled_dot_product_attention(
-                qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), attn_mask=view.mask, scale=layer.scaling
-            )
-            out[view.q_start : view.q_start + view.q_len] = oi[0].transpose(0, 1)
+            mask = view.mask_for(window)
+            if cap:
+                oi = capped_attention(qi, ki, vi, mask, layer.scaling, cap)
+            else:
+                oi = F.scaled_dot_product_attention(
+                    qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), attn_mask=mask, scale=layer.scaling
+                )[0]
+            out[view.q_start : view.q_start + view.q_len] = oi.transpose(0, 1)
         return out.reshape(n, hq * d)
 
     def forward_extend(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
@@ -88,3 +114,14 @@ class TorchNativeBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         return self._attend(q, k, v, layer, batch)
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                     cap: float) -> torch.Tensor:
+    """Attention with soft-capped scores: q [..., t, d], k/v [..., s, d], mask [t, s] bool (True = attend)
+    or None. Scores cap * tanh(scale * q.k / cap), softmax in fp32 (as transformers does)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = cap * torch.tanh(scores / cap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1).to(v.dtype), v)

@@ -24,3 +24,18 @@ def online_softmax_step(qk, v, m_i, l_i, acc):
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
+
+
+@triton.jit
+def scores_log2(qk, sm_scale, logit_cap, HAS_CAP: tl.constexpr):
+    """Raw q.k dot products -> log2-domain scores: `sm_scale * qk`, soft-capped to
+    `logit_cap * tanh(sm_scale * qk / logit_cap)` when HAS_CAP, then times log2(e)."""
+    if HAS_CAP:
+        x = qk * (sm_scale / logit_cap)
+        e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|): tanh from it never overflows
+        t = (1.0 - e) / (1.0 + e)
+        t = tl.where(x < 0, -t, t)
+        out = t * (logit_cap * 1.4426950408889634)
+    else:
+        out = qk * (sm_scale * 1.4426950408889634)
+    return out

@@ -33,6 +33,7 @@ class ExtendMetadata:
     # speculative verify of draft trees: the flat mask as uint8 and where request i's block starts
     tree_mask: torch.Tensor | None = None
     mask_start: torch.Tensor | None = None  # int64 [bs]
+    depths: torch.Tensor | None = None  # int32 [num_tokens]: each draft token's depth (places it in a window)
 
 
 @dataclass
@@ -74,6 +75,8 @@ class TritonAttentionBackend(AttentionBackend):
     # forward_decode stores every row's k, v before the kernel reads the pool, and each row reads
     # its own seq_len: rows may be consecutive tokens of one request (chain verify in decode graphs)
     decode_rows_share_requests = True
+    supports_sliding_window = True  # per-layer windows and soft-capping in both kernels (plugin API 1.3)
+    supports_logit_cap = True
 
     def __init__(
         self,
@@ -142,6 +145,9 @@ class TritonAttentionBackend(AttentionBackend):
             meta.mask_start = torch.zeros_like(batch.extend_lens)
             if batch.batch_size > 1:
                 torch.cumsum(batch.extend_lens[:-1] * batch.extend_lens[:-1], 0, out=meta.mask_start[1:])
+            if batch.tree_mask_cpu is not None:  # host lists: no device sync (verify batches are small)
+                depths = [sum(row) - 1 for block in batch.tree_mask_cpu for row in block]
+                meta.depths = torch.tensor(depths, dtype=torch.int32).to(self.device, non_blocking=True)
         batch.attn_metadata = meta
 
     def _decode_metadata(
@@ -184,6 +190,9 @@ class TritonAttentionBackend(AttentionBackend):
             config=self.extend_config,
             tree_mask=meta.tree_mask,
             mask_start=meta.mask_start,
+            sliding_window=getattr(layer, "sliding_window", None),
+            logit_cap=getattr(layer, "logit_cap", None),
+            depths=meta.depths,
         )
         return out.view(q.shape[0], -1)
 
@@ -209,6 +218,8 @@ class TritonAttentionBackend(AttentionBackend):
             layer.scaling,
             interpret=self.interpret,
             config=self.decode_config,
+            sliding_window=getattr(layer, "sliding_window", None),
+            logit_cap=getattr(layer, "logit_cap", None),
         )
         return out.view(q.shape[0], -1)
 

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from radixserve_attention_triton import _interpreter_compat
-from radixserve_attention_triton._softmax import LOG2E, NEG_BIG, online_softmax_step
+from radixserve_attention_triton._softmax import NEG_BIG, online_softmax_step, scores_log2
 
 _interpreter_compat.apply()
 
@@ -35,7 +35,9 @@ def _decode_stage1_kernel(
     num_splits_ptr,
     MidO,
     MidLse,
-    sm_scale_log2,
+    sm_scale,
+    logit_cap,
+    window,
     stride_qb,
     stride_qh,
     stride_kbs,
@@ -53,6 +55,8 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -62,9 +66,13 @@ def _decode_stage1_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     req = tl.load(req_pool_idx_ptr + b).to(tl.int64)
+    # a sliding window: only the last `window` keys (the new token's included) are read
+    kv_start = seq_len * 0
+    if HAS_WINDOW:
+        kv_start = tl.maximum(seq_len - window, 0)
     # Splits are whole multiples of BLOCK_N so loads stay aligned; trailing splits may be empty.
-    split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
-    lo = split * split_len
+    split_len = tl.cdiv(tl.cdiv(seq_len - kv_start, n_splits), BLOCK_N) * BLOCK_N
+    lo = kv_start + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -89,7 +97,7 @@ def _decode_stage1_kernel(
         slot = tl.load(r2t_row + n, mask=mask_n, other=0).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(K_buf + slot[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * sm_scale_log2
+        qk = scores_log2(tl.dot(q, tl.trans(k)), sm_scale, logit_cap, HAS_CAP)
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         v = tl.load(V_buf + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
@@ -198,8 +206,13 @@ def decode_attention(
     sm_scale: float,
     interpret: bool = False,
     config: DecodeConfig | None = None,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
 ) -> None:
     """Write decode attention into `out` (tiles from `config`, else `decode_config`).
+
+    `sliding_window` W: each request attends its last W keys only; `logit_cap` c: scores are
+    soft-capped to c * tanh(score / c) (None: off, for both).
 
     Shapes: q/out [bs, H, D]; k_buf/v_buf [slots, KVH, D]; num_kv_splits int32 [bs];
     mid_o float32 [>=bs, H, S, D] and mid_lse float32 [>=bs, H, S] are scratch, S = max splits
@@ -223,7 +236,9 @@ def decode_attention(
         num_kv_splits,
         mid_o,
         mid_lse,
-        sm_scale * LOG2E,
+        sm_scale,
+        float(logit_cap or 1.0),
+        int(sliding_window or 0),
         q.stride(0),
         q.stride(1),
         k_buf.stride(0),
@@ -241,6 +256,8 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
         BLOCK_N=cfg.block_n,
+        HAS_CAP=bool(logit_cap),
+        HAS_WINDOW=bool(sliding_window),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

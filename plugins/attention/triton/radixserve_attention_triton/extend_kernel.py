@@ -6,6 +6,9 @@ stages with one running (online) softmax:
   2. the new tokens' own K/V, read contiguously from the packed k/v inputs, with a causal mask;
      for a speculative verify of draft trees (HAS_TREE_MASK) also with the request's [e, e] tree
      mask block (`ForwardBatch.tree_mask`): a draft token sees only its ancestors and itself.
+Per-layer options: a sliding window (HAS_WINDOW; query at position p sees keys at positions
+> p - window; prefix blocks wholly before a query block's window are skipped) and soft-capping of
+the scores (HAS_CAP). In a tree a draft token sits at prefix + its depth (`Depth`, per new token).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import triton
 import triton.language as tl
 
 from radixserve_attention_triton import _interpreter_compat
-from radixserve_attention_triton._softmax import LOG2E, NEG_BIG, online_softmax_step
+from radixserve_attention_triton._softmax import NEG_BIG, online_softmax_step, scores_log2
 
 _interpreter_compat.apply()
 
@@ -47,7 +50,10 @@ def _extend_kernel(
     extend_start_ptr,
     TreeMask,
     mask_start_ptr,
-    sm_scale_log2,
+    Depth,
+    sm_scale,
+    logit_cap,
+    window,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -68,6 +74,8 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     HAS_TREE_MASK: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -94,16 +102,33 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+    # Positions relative to prefix_len: new token j at j, a draft token at its depth in the tree.
+    q_rel = offs_m
+    prefix_lo = prefix_len * 0  # first prefix key any query of this block can see
+    new_lo = prefix_len * 0  # first earlier new token (a multiple of BLOCK_N) any query can see
+    if HAS_TREE_MASK:
+        if HAS_WINDOW:
+            q_rel = tl.load(Depth + ext_start + offs_m, mask=mask_m, other=0).to(tl.int32)
+    if HAS_WINDOW:
+        if HAS_TREE_MASK:
+            prefix_lo = tl.maximum(prefix_len - window + 1, 0)  # depths start at 0
+        else:
+            prefix_lo = tl.maximum(prefix_len + m_start - window + 1, 0)
+            new_lo = (tl.maximum(m_start - window + 1, 0) // BLOCK_N) * BLOCK_N
+
     # Stage 1: the cached prefix, gathered slot by slot through req_to_token.
     r2t_row = ReqToToken + req * stride_r2t
-    for start in range(0, prefix_len, BLOCK_N):
+    for start in range(prefix_lo, prefix_len, BLOCK_N):
         n = start + offs_n
         mask_n = n < prefix_len
         slot = tl.load(r2t_row + n, mask=mask_n, other=0).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(K_buf + slot[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * sm_scale_log2
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        qk = scores_log2(tl.dot(q, tl.trans(k)), sm_scale, logit_cap, HAS_CAP)
+        seen = mask_n[None, :]
+        if HAS_WINDOW:
+            seen = seen & (n[None, :] > prefix_len + q_rel[:, None] - window)
+        qk = tl.where(seen, qk, float("-inf"))
         v = tl.load(V_buf + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
 
@@ -112,13 +137,18 @@ def _extend_kernel(
 
     # Stage 2a: new tokens before this query block: every query sees every key, no mask on rows
     # (except a tree mask's). BLOCK_M is a multiple of BLOCK_N, so these blocks end exactly at m_start.
-    for start in range(0, m_start, BLOCK_N):
+    for start in range(new_lo, m_start, BLOCK_N):
         tok = (ext_start + start + offs_n)[:, None]
         k = _load_rows(K_new + tok * stride_kt + kvh * stride_kh + offs_d[None, :], mask_d, EVEN_D)
-        qk = tl.dot(q, tl.trans(k)) * sm_scale_log2
+        qk = scores_log2(tl.dot(q, tl.trans(k)), sm_scale, logit_cap, HAS_CAP)
         if HAS_TREE_MASK:
             seen = tl.load(mask_row + (start + offs_n)[None, :], mask=mask_m[:, None], other=0)
             qk = tl.where(seen != 0, qk, float("-inf"))
+        if HAS_WINDOW:
+            k_rel = start + offs_n
+            if HAS_TREE_MASK:
+                k_rel = tl.load(Depth + ext_start + start + offs_n).to(tl.int32)
+            qk = tl.where(k_rel[None, :] > q_rel[:, None] - window, qk, float("-inf"))
         v = _load_rows(V_new + tok * stride_vt + kvh * stride_vh + offs_d[None, :], mask_d, EVEN_D)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
 
@@ -130,11 +160,16 @@ def _extend_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         tok = (ext_start + n)[:, None]
         k = tl.load(K_new + tok * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * sm_scale_log2
+        qk = scores_log2(tl.dot(q, tl.trans(k)), sm_scale, logit_cap, HAS_CAP)
         causal = (offs_m[:, None] >= n[None, :]) & mask_n[None, :]
         if HAS_TREE_MASK:
             seen = tl.load(mask_row + n[None, :], mask=mask_m[:, None] & causal, other=0)
             causal = causal & (seen != 0)
+        if HAS_WINDOW:
+            k_rel = n
+            if HAS_TREE_MASK:
+                k_rel = tl.load(Depth + ext_start + n, mask=mask_n, other=0).to(tl.int32)
+            causal = causal & (k_rel[None, :] > q_rel[:, None] - window)
         qk = tl.where(causal, qk, float("-inf"))
         v = tl.load(V_new + tok * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
@@ -188,12 +223,18 @@ def extend_attention(
     config: ExtendConfig | None = None,
     tree_mask: torch.Tensor | None = None,
     mask_start: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+    depths: torch.Tensor | None = None,
 ) -> None:
     """Write attention of the packed new tokens into `out` (tiles from `config`, else `extend_config`).
 
     `tree_mask` (uint8, flat; request i's row-major [e_i, e_i] block starts at `mask_start[i]`)
     restricts which new tokens each new token sees (speculative verify of draft trees); the
     causal rule still applies and the prefix stays fully visible.
+    `sliding_window` W (None: off): a query at position p sees keys at positions > p - W; with a
+    tree mask `depths` (int32 [T], each new token's depth in its draft tree) places draft tokens.
+    `logit_cap` c (None: off): scores become c * tanh(score / c).
 
     Shapes: q/out [T, H, D]; k_new/v_new [T, KVH, D]; k_buf/v_buf [slots, KVH, D] (last dim
     contiguous everywhere); req_to_token [rows, max_ctx]; per-request vectors [bs]. H must be a
@@ -207,6 +248,8 @@ def extend_attention(
     cfg = config or extend_config(head_dim, q.dtype, interpret)
     if cfg.block_m % cfg.block_n:
         raise ValueError(f"block_m must be a multiple of block_n, got {cfg}")
+    if sliding_window and tree_mask is not None and depths is None:
+        raise ValueError("a sliding window with a tree mask needs the draft tokens' depths")
     grid = (bs, num_heads, triton.cdiv(max_extend_len, cfg.block_m))
     _extend_kernel[grid](
         q,
@@ -222,7 +265,10 @@ def extend_attention(
         extend_start,
         tree_mask if tree_mask is not None else extend_start,  # any pointer: unread without a mask
         mask_start if mask_start is not None else extend_start,
-        sm_scale * LOG2E,
+        depths if depths is not None else extend_start,
+        sm_scale,
+        float(logit_cap or 1.0),
+        int(sliding_window or 0),
         q.stride(0),
         q.stride(1),
         k_new.stride(0),
@@ -243,6 +289,8 @@ def extend_attention(
         BLOCK_N=cfg.block_n,
         EVEN_D=triton.next_power_of_2(head_dim) == head_dim,
         HAS_TREE_MASK=tree_mask is not None,
+        HAS_CAP=bool(logit_cap),
+        HAS_WINDOW=bool(sliding_window),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

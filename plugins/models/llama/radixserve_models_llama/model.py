@@ -1,5 +1,8 @@
 """The Llama family: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm).
 
+Sliding windows come from the config per layer (`sliding_window_for_layer`): Mistral's on every
+layer, Qwen2/3's on the layers its `layer_types` marks (only with `use_sliding_window`).
+
 One implementation; the architectures differ only in the class-level flags below."""
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.rotary import get_rope
+from radixserve.layers.sliding_window import sliding_window_for_layer
 from radixserve.layers.weight_utils import load_into
 from radixserve.state import ForwardBatch
 
@@ -56,7 +60,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = get_rope(config, self.head_dim)
-        self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
+                                   sliding_window=sliding_window_for_layer(config, layer_id))
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -201,7 +206,7 @@ class LlamaForCausalLM(Model):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    pass  # same math; sliding-window attention is handled by the runner capping the context
+    pass  # same math; its sliding window (every layer) is set per layer from the config
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

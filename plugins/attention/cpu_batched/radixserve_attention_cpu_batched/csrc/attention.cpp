@@ -25,6 +25,15 @@ struct TreeMask {
   const bool* rows = nullptr;  // nullptr: plain causal attention
   int64_t stride = 0;
   int64_t new_start = 0;
+  const int64_t* depth = nullptr;  // depth of each of the request's new tokens (a draft sits at new_start + depth)
+  int64_t first_query = 0;         // the request's new-token index of query 0
+};
+
+// Per-layer options: a sliding window (0: none; else a query at position p sees keys at positions
+// > p - window) and soft-capping of the scores (0: none; else cap * tanh(score / cap)).
+struct LayerOptions {
+  int64_t window = 0;
+  float cap = 0.f;
 };
 
 // One request's queries i = 0..nq-1 (rows q + i * q_stride), every query head of each: query i
@@ -35,13 +44,20 @@ struct TreeMask {
 template <int D>
 void attend_queries(const float* q, int64_t q_stride, int64_t nq, int64_t hq, int64_t hkv, const float* k_buf,
                     const float* v_buf, const int64_t* slots, int64_t first_len, float scale, float* out,
-                    int64_t out_stride, std::vector<float>& scores, const TreeMask& tree = TreeMask()) {
+                    int64_t out_stride, std::vector<float>& scores, const TreeMask& tree = TreeMask(),
+                    const LayerOptions& opt = LayerOptions()) {
   const int64_t group = hq / hkv, row = hkv * D, len = first_len + nq - 1;
   scores.resize(static_cast<size_t>(nq * hq * len));
   float* s = scores.data();  // s[(i * hq + h) * len + t]
   // key t is seen by queries i >= t - first_len + 1
   auto first_query = [&](int64_t t) { return std::max<int64_t>(0, t - first_len + 1); };
-  for (int64_t t = 0; t < len; ++t) {
+  // absolute positions: a key's is its index, a draft token's is new_start + its depth
+  auto key_pos = [&](int64_t t) { return tree.depth != nullptr && t >= tree.new_start ? tree.new_start + tree.depth[t - tree.new_start] : t; };
+  auto query_pos = [&](int64_t i) { return tree.depth != nullptr ? tree.new_start + tree.depth[tree.first_query + i] : first_len - 1 + i; };
+  // with a window, keys before the earliest query's window are never seen (queries sit at or after
+  // new_start in a tree, at first_len - 1 onward otherwise)
+  const int64_t lo = opt.window > 0 ? std::max<int64_t>(0, (tree.depth != nullptr ? tree.new_start : first_len - 1) - opt.window + 1) : 0;
+  for (int64_t t = lo; t < len; ++t) {
     if (t + kPrefetchAhead < len) prefetch_row(k_buf + slots[t + kPrefetchAhead] * row, row);
     const float* k_row = k_buf + slots[t] * row;
     for (int64_t i = first_query(t); i < nq; ++i) {
@@ -53,7 +69,9 @@ void attend_queries(const float* q, int64_t q_stride, int64_t nq, int64_t hq, in
           float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
           for (int j = 0; j < D; ++j) acc += qh[j] * k[j];
-          s[(i * hq + h) * len + t] = acc * scale;
+          acc *= scale;
+          if (opt.cap > 0.f) acc = opt.cap * std::tanh(acc / opt.cap);
+          s[(i * hq + h) * len + t] = acc;
         }
       }
     }
@@ -61,6 +79,7 @@ void attend_queries(const float* q, int64_t q_stride, int64_t nq, int64_t hq, in
   std::vector<float> inv_sum(static_cast<size_t>(nq * hq));
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t n = first_len + i;
+    const int64_t oldest = opt.window > 0 ? query_pos(i) - opt.window : -1;  // keys at or before it are hidden
     for (int64_t h = 0; h < hq; ++h) {
       float* sh = s + (i * hq + h) * len;
       if (tree.rows != nullptr) {  // hidden draft tokens (not ancestors) weigh exp(-inf) = 0
@@ -68,11 +87,14 @@ void attend_queries(const float* q, int64_t q_stride, int64_t nq, int64_t hq, in
         for (int64_t t = tree.new_start; t < n; ++t)
           if (!row[t - tree.new_start]) sh[t] = -INFINITY;
       }
+      if (opt.window > 0)
+        for (int64_t t = lo; t < n; ++t)
+          if (key_pos(t) <= oldest) sh[t] = -INFINITY;
       float m = -INFINITY;
-      for (int64_t t = 0; t < n; ++t) m = std::max(m, sh[t]);
+      for (int64_t t = lo; t < n; ++t) m = std::max(m, sh[t]);
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = lo; t < n; ++t) {
         sh[t] = std::exp(sh[t] - m);
         sum += sh[t];
       }
@@ -80,7 +102,7 @@ void attend_queries(const float* q, int64_t q_stride, int64_t nq, int64_t hq, in
     }
     std::fill(out + i * out_stride, out + i * out_stride + hq * D, 0.f);
   }
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t t = lo; t < len; ++t) {
     if (t + kPrefetchAhead < len) prefetch_row(v_buf + slots[t + kPrefetchAhead] * row, row);
     const float* v_row = v_buf + slots[t] * row;
     for (int64_t i = first_query(t); i < nq; ++i) {
@@ -106,7 +128,7 @@ void attend_queries(const float* q, int64_t q_stride, int64_t nq, int64_t hq, in
 template <int D>
 void run(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new, const torch::Tensor& out_loc,
          torch::Tensor& k_buf, torch::Tensor& v_buf, const torch::Tensor& table, const torch::Tensor& rows,
-         const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
+         const torch::Tensor& seq_lens, double scale, const LayerOptions& opt, torch::Tensor& out) {
   const int64_t bs = q.size(0), hkv = k_buf.size(1), hq = q.size(1) / D, row = hkv * D;
   const float* qp = q.data_ptr<float>();
   float* kp = k_buf.data_ptr<float>();
@@ -127,7 +149,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor
       std::copy(knp + b * skn, knp + b * skn + row, kp + locp[b] * row);
       std::copy(vnp + b * svn, vnp + b * svn + row, vp + locp[b] * row);
       attend_queries<D>(qp + b * hq * D, hq * D, 1, hq, hkv, kp, vp, tp + rp[b] * table_stride, lp[b],
-                        static_cast<float>(scale), op + b * hq * D, hq * D, scores);
+                        static_cast<float>(scale), op + b * hq * D, hq * D, scores, TreeMask(), opt);
     }
   });
 }
@@ -140,7 +162,8 @@ template <int D>
 void run_extend(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
                 const torch::Tensor& out_loc, torch::Tensor& k_buf, torch::Tensor& v_buf, const torch::Tensor& table,
                 const torch::Tensor& rows, const torch::Tensor& seq_lens, const torch::Tensor& extend_lens,
-                const torch::Tensor& tree_mask, const torch::Tensor& mask_offsets, double scale, torch::Tensor& out) {
+                const torch::Tensor& tree_mask, const torch::Tensor& mask_offsets, const torch::Tensor& depths,
+                double scale, const LayerOptions& opt, torch::Tensor& out) {
   const int64_t n = q.size(0), bs = rows.size(0), hkv = k_buf.size(1), hq = q.size(1) / D, row = hkv * D;
   const float* qp = q.data_ptr<float>();
   float* kp = k_buf.data_ptr<float>();
@@ -171,6 +194,9 @@ void run_extend(const torch::Tensor& q, const torch::Tensor& k_new, const torch:
   const int64_t table_stride = table.stride(0), width = hq * D;
   const bool* mp = tree_mask.numel() ? tree_mask.data_ptr<bool>() : nullptr;
   const int64_t* mop = mask_offsets.numel() ? mask_offsets.data_ptr<int64_t>() : nullptr;
+  const int64_t* dp = depths.numel() ? depths.data_ptr<int64_t>() : nullptr;  // packed like the queries
+  std::vector<int64_t> req_start(static_cast<size_t>(bs), 0);  // first packed row of each request
+  for (int64_t r = 1; r < bs; ++r) req_start[r] = req_start[r - 1] + ep[r - 1];
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t j = begin; j < end; ++j) {
@@ -181,10 +207,14 @@ void run_extend(const torch::Tensor& q, const torch::Tensor& k_new, const torch:
         tree.stride = ep[task.req];
         tree.rows = mp + mop[task.req] + task.first_query * tree.stride;
         tree.new_start = prefix;
+        if (dp != nullptr) {
+          tree.depth = dp + req_start[task.req];
+          tree.first_query = task.first_query;
+        }
       }
       attend_queries<D>(qp + task.q_row * width, width, task.count, hq, hkv, kp, vp, tp + rp[task.req] * table_stride,
                         prefix + task.first_query + 1, static_cast<float>(scale), op + task.q_row * width, width, scores,
-                        tree);
+                        tree, opt);
     }
   });
 }
@@ -221,17 +251,19 @@ void check_inputs(const torch::Tensor& q, const torch::Tensor& k_new, const torc
 // Stores each request's new k, v ([bs, num_kv_heads * head_dim], rows may be strided) at its slot
 // out_loc[b], then attends. q: [bs, num_heads * head_dim] fp32; k_buf, v_buf: [slots, num_kv_heads,
 // head_dim] fp32 contiguous; table: [rows, max_context] int64 slot table; rows, seq_lens, out_loc: [bs]
-// int64. Returns [bs, num_heads * head_dim].
+// int64. window: sliding window (0: none); cap: score soft-cap (0: none). Returns [bs, num_heads * head_dim].
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor out_loc,
                                torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor table, torch::Tensor rows,
-                               torch::Tensor seq_lens, double scale) {
+                               torch::Tensor seq_lens, double scale, int64_t window, double cap) {
   check_inputs(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, q.size(0));
+  TORCH_CHECK(window >= 0 && cap >= 0, "decode_attention: window and cap must be >= 0");
+  const LayerOptions opt{window, static_cast<float>(cap)};
   q = q.contiguous();
   auto out = torch::empty_like(q);
   switch (k_buf.size(2)) {
-    case 64: run<64>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, scale, out); break;
-    case 128: run<128>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, scale, out); break;
-    default: run<256>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, scale, out); break;
+    case 64: run<64>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, scale, opt, out); break;
+    case 128: run<128>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, scale, opt, out); break;
+    default: run<256>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, scale, opt, out); break;
   }
   return out;
 }
@@ -240,13 +272,21 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tens
 // in request order) at positions seq_lens[b] - extend_lens[b] onward; stores every new k, v at its
 // out_loc slot, then causal attention over the request's slot row. With a non-empty tree_mask (a
 // speculative verify: flat bool, request b's row-major [e, e] block at mask_offsets[b]) new token a
-// sees new token c only where the block says so; the prefix stays fully visible.
+// sees new token c only where the block says so; the prefix stays fully visible. depths (int64 [n],
+// with a tree mask and a window only; else empty): each new token's depth in its draft tree, which
+// places it at position prefix + depth for the window. window, cap: as decode_attention.
 // Returns [n, num_heads * head_dim].
 torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor out_loc,
                                torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor table, torch::Tensor rows,
                                torch::Tensor seq_lens, torch::Tensor extend_lens, torch::Tensor tree_mask,
-                               torch::Tensor mask_offsets, double scale) {
+                               torch::Tensor mask_offsets, torch::Tensor depths, double scale, int64_t window,
+                               double cap) {
   check_inputs(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, rows.numel());
+  TORCH_CHECK(window >= 0 && cap >= 0, "extend_attention: window and cap must be >= 0");
+  TORCH_CHECK(depths.numel() == 0 || (depths.scalar_type() == torch::kLong && depths.is_contiguous() &&
+                                      depths.numel() == q.size(0) && tree_mask.numel()),
+              "extend_attention: depths must be empty or one int64 per query row (with a tree mask)");
+  const LayerOptions opt{window, static_cast<float>(cap)};
   TORCH_CHECK(extend_lens.scalar_type() == torch::kLong && extend_lens.is_contiguous() &&
                   extend_lens.numel() == rows.numel(), "extend_attention: one extend length per request");
   if (tree_mask.numel()) {
@@ -262,9 +302,9 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tens
   q = q.contiguous();
   auto out = torch::empty_like(q);
   switch (k_buf.size(2)) {
-    case 64: run_extend<64>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, tree_mask, mask_offsets, scale, out); break;
-    case 128: run_extend<128>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, tree_mask, mask_offsets, scale, out); break;
-    default: run_extend<256>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, tree_mask, mask_offsets, scale, out); break;
+    case 64: run_extend<64>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, tree_mask, mask_offsets, depths, scale, opt, out); break;
+    case 128: run_extend<128>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, tree_mask, mask_offsets, depths, scale, opt, out); break;
+    default: run_extend<256>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, tree_mask, mask_offsets, depths, scale, opt, out); break;
   }
   return out;
 }

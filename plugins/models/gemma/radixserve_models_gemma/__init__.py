@@ -1,0 +1,1 @@
+"""RadixServe model plugin: Gemma 2 and Gemma 3 (text)."""

@@ -1,0 +1,208 @@
+"""Gemma 2 and Gemma 3 (text): a Llama-like decoder with Gemma's own pieces.
+
+- embeddings scaled by sqrt(hidden_size) (rounded to the model dtype, as transformers does);
+- RMSNorm scaling by (1 + w) (`GemmaRMSNorm`), and four norms per layer: input, post-attention,
+  pre-feedforward and post-feedforward (the attention and MLP outputs are normed before the residual add);
+- GeGLU MLP: gelu_pytorch_tanh(gate) * up;
+- attention scaled by query_pre_attn_scalar ** -0.5, sliding-window layers by `layer_types`
+  (Gemma 2 alternates, Gemma 3 has five local layers per global one);
+- Gemma 2: attention logits soft-capped (`attn_logit_softcapping`) and final logits soft-capped
+  (`final_logit_softcapping`);
+- Gemma 3: per-head q/k norms and a separate rotary base for the local (sliding) layers
+  (`rope_parameters[layer_type]`); no attention soft-capping (transformers applies none either).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from radixserve.interfaces.model import Model
+from radixserve.interfaces.quantization import QuantMethod
+from radixserve.layers.attention import RadixAttention
+from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from radixserve.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_of
+from radixserve.layers.sliding_window import SLIDING, sliding_window_for_layer
+from radixserve.layers.weight_utils import load_into
+from radixserve.state import ForwardBatch
+
+from radixserve_models_gemma.norm import GemmaRMSNorm
+
+_STACKED = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # hidden_activation -> F.gelu(approximate=)
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, config, layer_id: int, quant_method: QuantMethod | None, version: int) -> None:
+        super().__init__()
+        self.head_dim = _head_dim(config)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=bias, quant_method=quant_method)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias,
+                                        quant_method=quant_method)
+        self.qk_norm = version >= 3
+        if self.qk_norm:
+            self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        window = sliding_window_for_layer(config, layer_id)
+        if version >= 3:  # the rotary base follows the layer type, even where no window is configured
+            local = (getattr(config, "layer_types", None) or ["full_attention"] * (layer_id + 1))[layer_id] == SLIDING
+            self.rotary_emb = _rope(config, self.head_dim, local)
+        else:
+            self.rotary_emb = get_rope(config, self.head_dim)
+        cap = getattr(config, "attn_logit_softcapping", None) if version == 2 else None
+        self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
+                                   float(config.query_pre_attn_scalar) ** -0.5, sliding_window=window, logit_cap=cap)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:  # Gemma 3: RMSNorm over each head before rotary
+            n = q.shape[0]
+            q = self.q_norm(q.reshape(-1, self.head_dim)).reshape(n, -1)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).reshape(n, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, batch))
+
+
+def _rope(config, head_dim: int, local: bool) -> RotaryEmbedding:
+    """Gemma 3's rotary embedding of a local (sliding) or global layer: `rope_parameters` holds one
+    entry per layer type (the local one with its own, smaller base)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    layer_type = "sliding_attention" if local else "full_attention"
+    if layer_type in params:
+        params = rope_parameters_of(SimpleNamespace(rope_parameters=params[layer_type]))
+    else:  # an older flat config: rope_local_base_freq for the local layers
+        params = rope_parameters_of(config)
+        if local:
+            params = {"rope_type": "default", "rope_theta": getattr(config, "rope_local_base_freq", 10000.0)}
+    return RotaryEmbedding(head_dim, head_dim, getattr(config, "max_position_embeddings", 4096), params)
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, config, quant_method: QuantMethod | None) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_activation {act!r} for Gemma (supported: {sorted(_ACTIVATIONS)})")
+        self.approximate = _ACTIVATIONS[act]
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+                                                       quant_method=quant_method)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, quant_method=quant_method)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate=self.approximate) * up)
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, quant_method: QuantMethod | None, version: int) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = GemmaAttention(config, layer_id, quant_method, version)
+        self.mlp = GemmaMLP(config, quant_method)
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+
+    def forward(self, positions, h, residual, batch):
+        """`h` is what the previous layer added to the residual stream `residual` (None: h is the stream)."""
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h, batch))
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
+class GemmaModel(nn.Module):
+    def __init__(self, config, quant_method: QuantMethod | None, version: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = float(config.hidden_size) ** 0.5
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(config, i, quant_method, version) for i in range(config.num_hidden_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, batch):
+        h = self.embed_tokens(input_ids)
+        h = h * torch.tensor(self.embed_scale, dtype=h.dtype)  # the scale rounded to the dtype first
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual, batch)
+        h, _ = self.norm(h, residual)
+        return h
+
+
+class Gemma2ForCausalLM(Model):
+    """Gemma 2; `Gemma3ForCausalLM` below is the text-only Gemma 3."""
+
+    version = 2
+
+    def __init__(self, config, quant_method: QuantMethod | None = None, prefix: str = "") -> None:
+        super().__init__(config, quant_method, prefix)
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError(f"{type(self).__name__}: use_bidirectional_attention=True (an embedding model) is not "
+                             "supported; only causal Gemma decoders are")
+        self.config = config
+        self.model = GemmaModel(config, quant_method, self.version)
+        self.final_logit_cap = getattr(config, "final_logit_softcapping", None) or None
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head.compute_logits(hidden)
+        if self.final_logit_cap:
+            logits = self.final_logit_cap * torch.tanh(logits / self.final_logit_cap)
+        return logits
+
+    def greedy_token_ids(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        if self.final_logit_cap:
+            return None  # tanh can round near-equal large logits to a tie the screen would not see
+        return self.lm_head.greedy_token_ids(hidden, vocab_size)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # the head shares the embedding's parameter
+            target, shard_id = name, None
+            for hf_piece, our_piece, sid in _STACKED:
+                if hf_piece in name:
+                    target, shard_id = name.replace(hf_piece, our_piece), sid
+                    break
+            param = params.get(target)
+            if param is None:
+                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+            load_into(param, tensor, shard_id)
+            loaded.add(target)
+        return loaded
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    version = 3

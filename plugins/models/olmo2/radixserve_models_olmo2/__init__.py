@@ -1,0 +1,1 @@
+"""RadixServe model plugin: OLMo 2."""

@@ -1,0 +1,1 @@
+"""RadixServe model plugin: Phi-3."""
