@@ -4,7 +4,13 @@
 // SDPA over it; at batch 64 that copy and SDPA's per-(request, head) set-up cost more than the math.
 // Here each (request, KV head) task reads its keys and values in place through the request's slot
 // row and serves all query heads of its GQA group with one pass over them.
-#include <torch/extension.h>
+// Only the headers this kernel uses: torch/extension.h (the whole C++ frontend) takes ~4x the CPU
+// time to parse, and a first start compiles every kernel.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -126,9 +132,9 @@ void attend_queries(const float* q, int64_t q_stride, int64_t nq, int64_t hq, in
 }
 
 template <int D>
-void run(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new, const torch::Tensor& out_loc,
-         torch::Tensor& k_buf, torch::Tensor& v_buf, const torch::Tensor& table, const torch::Tensor& rows,
-         const torch::Tensor& seq_lens, double scale, const LayerOptions& opt, torch::Tensor& out) {
+void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& out_loc,
+         at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& table, const at::Tensor& rows,
+         const at::Tensor& seq_lens, double scale, const LayerOptions& opt, at::Tensor& out) {
   const int64_t bs = q.size(0), hkv = k_buf.size(1), hq = q.size(1) / D, row = hkv * D;
   const float* qp = q.data_ptr<float>();
   float* kp = k_buf.data_ptr<float>();
@@ -159,11 +165,11 @@ void run(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor
 constexpr int64_t kQueryBlock = 16;
 
 template <int D>
-void run_extend(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
-                const torch::Tensor& out_loc, torch::Tensor& k_buf, torch::Tensor& v_buf, const torch::Tensor& table,
-                const torch::Tensor& rows, const torch::Tensor& seq_lens, const torch::Tensor& extend_lens,
-                const torch::Tensor& tree_mask, const torch::Tensor& mask_offsets, const torch::Tensor& depths,
-                double scale, const LayerOptions& opt, torch::Tensor& out) {
+void run_extend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                const at::Tensor& out_loc, at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& table,
+                const at::Tensor& rows, const at::Tensor& seq_lens, const at::Tensor& extend_lens,
+                const at::Tensor& tree_mask, const at::Tensor& mask_offsets, const at::Tensor& depths,
+                double scale, const LayerOptions& opt, at::Tensor& out) {
   const int64_t n = q.size(0), bs = rows.size(0), hkv = k_buf.size(1), hq = q.size(1) / D, row = hkv * D;
   const float* qp = q.data_ptr<float>();
   float* kp = k_buf.data_ptr<float>();
@@ -224,14 +230,14 @@ void run_extend(const torch::Tensor& q, const torch::Tensor& k_new, const torch:
 namespace {
 
 // Shapes and dtypes shared by both entry points; n = query rows (one per new token).
-void check_inputs(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
-                  const torch::Tensor& out_loc, const torch::Tensor& k_buf, const torch::Tensor& v_buf,
-                  const torch::Tensor& table, const torch::Tensor& rows, const torch::Tensor& seq_lens, int64_t bs) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_buf.scalar_type() == torch::kFloat &&
-                  v_buf.scalar_type() == torch::kFloat && k_new.scalar_type() == torch::kFloat &&
-                  v_new.scalar_type() == torch::kFloat, "attention: fp32 only");
-  TORCH_CHECK(table.scalar_type() == torch::kLong && rows.scalar_type() == torch::kLong &&
-                  seq_lens.scalar_type() == torch::kLong && out_loc.scalar_type() == torch::kLong,
+void check_inputs(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                  const at::Tensor& out_loc, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                  const at::Tensor& table, const at::Tensor& rows, const at::Tensor& seq_lens, int64_t bs) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_buf.scalar_type() == at::kFloat &&
+                  v_buf.scalar_type() == at::kFloat && k_new.scalar_type() == at::kFloat &&
+                  v_new.scalar_type() == at::kFloat, "attention: fp32 only");
+  TORCH_CHECK(table.scalar_type() == at::kLong && rows.scalar_type() == at::kLong &&
+                  seq_lens.scalar_type() == at::kLong && out_loc.scalar_type() == at::kLong,
               "attention: int64 indices");
   TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && table.stride(1) == 1, "attention: layout");
   const int64_t n = q.size(0), row_floats = k_buf.size(1) * k_buf.size(2);
@@ -252,14 +258,14 @@ void check_inputs(const torch::Tensor& q, const torch::Tensor& k_new, const torc
 // out_loc[b], then attends. q: [bs, num_heads * head_dim] fp32; k_buf, v_buf: [slots, num_kv_heads,
 // head_dim] fp32 contiguous; table: [rows, max_context] int64 slot table; rows, seq_lens, out_loc: [bs]
 // int64. window: sliding window (0: none); cap: score soft-cap (0: none). Returns [bs, num_heads * head_dim].
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor out_loc,
-                               torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor table, torch::Tensor rows,
-                               torch::Tensor seq_lens, double scale, int64_t window, double cap) {
+at::Tensor decode_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at::Tensor out_loc,
+                               at::Tensor k_buf, at::Tensor v_buf, at::Tensor table, at::Tensor rows,
+                               at::Tensor seq_lens, double scale, int64_t window, double cap) {
   check_inputs(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, q.size(0));
   TORCH_CHECK(window >= 0 && cap >= 0, "decode_attention: window and cap must be >= 0");
   const LayerOptions opt{window, static_cast<float>(cap)};
   q = q.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   switch (k_buf.size(2)) {
     case 64: run<64>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, scale, opt, out); break;
     case 128: run<128>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, scale, opt, out); break;
@@ -276,23 +282,23 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tens
 // with a tree mask and a window only; else empty): each new token's depth in its draft tree, which
 // places it at position prefix + depth for the window. window, cap: as decode_attention.
 // Returns [n, num_heads * head_dim].
-torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor out_loc,
-                               torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor table, torch::Tensor rows,
-                               torch::Tensor seq_lens, torch::Tensor extend_lens, torch::Tensor tree_mask,
-                               torch::Tensor mask_offsets, torch::Tensor depths, double scale, int64_t window,
+at::Tensor extend_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at::Tensor out_loc,
+                               at::Tensor k_buf, at::Tensor v_buf, at::Tensor table, at::Tensor rows,
+                               at::Tensor seq_lens, at::Tensor extend_lens, at::Tensor tree_mask,
+                               at::Tensor mask_offsets, at::Tensor depths, double scale, int64_t window,
                                double cap) {
   check_inputs(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, rows.numel());
   TORCH_CHECK(window >= 0 && cap >= 0, "extend_attention: window and cap must be >= 0");
-  TORCH_CHECK(depths.numel() == 0 || (depths.scalar_type() == torch::kLong && depths.is_contiguous() &&
+  TORCH_CHECK(depths.numel() == 0 || (depths.scalar_type() == at::kLong && depths.is_contiguous() &&
                                       depths.numel() == q.size(0) && tree_mask.numel()),
               "extend_attention: depths must be empty or one int64 per query row (with a tree mask)");
   const LayerOptions opt{window, static_cast<float>(cap)};
-  TORCH_CHECK(extend_lens.scalar_type() == torch::kLong && extend_lens.is_contiguous() &&
+  TORCH_CHECK(extend_lens.scalar_type() == at::kLong && extend_lens.is_contiguous() &&
                   extend_lens.numel() == rows.numel(), "extend_attention: one extend length per request");
   if (tree_mask.numel()) {
-    TORCH_CHECK(tree_mask.scalar_type() == torch::kBool && tree_mask.is_contiguous() && !tree_mask.is_cuda(),
+    TORCH_CHECK(tree_mask.scalar_type() == at::kBool && tree_mask.is_contiguous() && !tree_mask.is_cuda(),
                 "extend_attention: tree_mask must be a contiguous CPU bool tensor");
-    TORCH_CHECK(mask_offsets.scalar_type() == torch::kLong && mask_offsets.is_contiguous() &&
+    TORCH_CHECK(mask_offsets.scalar_type() == at::kLong && mask_offsets.is_contiguous() &&
                     mask_offsets.numel() == rows.numel(), "extend_attention: one mask offset per request");
     const int64_t* ep = extend_lens.data_ptr<int64_t>();
     const int64_t* mop = mask_offsets.data_ptr<int64_t>();
@@ -300,7 +306,7 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tens
       TORCH_CHECK(mop[b] >= 0 && mop[b] + ep[b] * ep[b] <= tree_mask.numel(), "extend_attention: tree_mask too short");
   }
   q = q.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   switch (k_buf.size(2)) {
     case 64: run_extend<64>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, tree_mask, mask_offsets, depths, scale, opt, out); break;
     case 128: run_extend<128>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, tree_mask, mask_offsets, depths, scale, opt, out); break;
