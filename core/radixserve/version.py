@@ -10,4 +10,6 @@ __version__ = "0.1.0"
 #      packed parameters
 #      the grammar kind (GrammarBackend, GrammarMatcher)
 # 1.2: kinds tool_parser (ToolParser) and reasoning_parser (ReasoningParser)
-PLUGIN_API_VERSION = "1.2"
+# 1.3: MoE: QuantMethod.create_moe_weights/process_moe_weights_after_loading/apply_moe;
+#      radixserve.layers.moe (FusedMoE, RoutingConfig, select_experts)
+PLUGIN_API_VERSION = "1.3"
