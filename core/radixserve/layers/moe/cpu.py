@@ -2,8 +2,8 @@
 
 fp32 weights go through the core's native GEMM (`cpu_gemm`: the [gate; up] projection with SiLU
 applied in the GEMM, then the down projection), packed once per expert at load; other dtypes use
-torch matmuls. Results are scattered back with the routing weights in fp32, in a fixed order of
-experts, so a token's output does not depend on the other tokens in the batch."""
+torch matmuls. Each (token, k) pair's result, scaled by its routing weight in fp32, lands in its
+own row; the rows of a token are summed over k, so its output does not depend on the batch."""
 
 from __future__ import annotations
 
@@ -40,16 +40,17 @@ def cpu_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order within
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    out = torch.zeros(t, w2.shape[1], dtype=torch.float32, device=x.device)
+    # one row per (token, k) pair, summed over k at the end: a token's sum has the same order in any
+    # batch (and index_add_ spins its OpenMP threads on a busy machine: 10x slower than the GEMMs)
+    rows = torch.empty(t * k, w2.shape[1], dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1, 1).float()
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
         pairs = order[start : start + n]
         start += n
-        tokens = pairs // k
         p13, p2 = (packed[0][e], packed[1][e]) if packed is not None else (None, None)
-        y = _expert_mlp(x.index_select(0, tokens), w13[e], w2[e], p13, p2)
-        weights = topk_weights.reshape(-1).index_select(0, pairs).float().unsqueeze(1)
-        out.index_add_(0, tokens, y.float() * weights)
-    return out.to(x.dtype)
+        y = _expert_mlp(x.index_select(0, pairs // k), w13[e], w2[e], p13, p2)
+        rows[pairs] = y.float() * weights[pairs]
+    return rows.view(t, k, -1).sum(1).to(x.dtype)
