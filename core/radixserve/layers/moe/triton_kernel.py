@@ -119,7 +119,8 @@ def align_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     flat = topk_ids.reshape(-1).long()
     pairs = flat.numel()
     p_max = _cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    # not torch.bincount: on CUDA it reads the max id back to the host (no graph capture)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     run_ends = padded.cumsum(0)
     run_starts = run_ends - padded
