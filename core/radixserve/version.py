@@ -12,5 +12,7 @@ __version__ = "0.1.0"
 # 1.2: kinds tool_parser (ToolParser) and reasoning_parser (ReasoningParser)
 # 1.3: tensor parallelism: `supports_tensor_parallel` on every kind, Model(..., tp_group=TPGroup),
 #      radixserve.layers.distributed.TPGroup; per-layer attention options: AttentionLayerSpec.sliding_window
-#      and .logit_cap (RadixAttention arguments), AttentionBackend.supports_sliding_window / supports_logit_cap
+#      and .logit_cap (RadixAttention arguments), AttentionBackend.supports_sliding_window / supports_logit_cap;
+#      MoE: QuantMethod.create_moe_weights/process_moe_weights_after_loading/apply_moe;
+#      radixserve.layers.moe (FusedMoE, RoutingConfig, select_experts)
 PLUGIN_API_VERSION = "1.3"

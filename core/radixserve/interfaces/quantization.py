@@ -1,4 +1,4 @@
-"""QuantMethod: how linear layers store and apply their weights; WeightSource: the role of a
+"""QuantMethod: how linear layers (and MoE experts) store and apply their weights; WeightSource: the role of a
 quantization component that also reads a checkpoint file format (GGUF)."""
 
 from __future__ import annotations
@@ -56,8 +56,20 @@ class QuantMethod(abc.ABC):
     Class attributes: `min_capability` (CUDA compute capability as 10*major+minor, e.g. 80, or
     None for any), checked by the default `check_device`.
 
+    Contract, per MoE layer (`radixserve.layers.moe.FusedMoE`; added in plugin API 1.3):
+    - `create_moe_weights(layer, num_experts, hidden_size, intermediate_size, dtype)` registers the
+      stacked expert parameters on `layer` (unquantized: `w13_weight` [E, 2I, H], gate rows then
+      up rows, and `w2_weight` [E, H, I]), each with `weight_loader=layer.weight_loader` (it takes
+      `shard_id` "gate"/"up"/"down" and `expert_id`) and, on a parameter holding gate and up
+      stacked, `moe_fused_dim` (the dim along which the two halves sit). The default refuses: a
+      method without MoE support raises ValueError naming the method and the layer, at start-up.
+    - `process_moe_weights_after_loading(layer)` runs once after loading (default: nothing).
+    - `apply_moe(layer, x, topk_weights, topk_ids)` returns the routed experts' output [T, H] in
+      x's dtype: sum over k of topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with
+      e = topk_ids[t, k] (topk_weights fp32 [T, K], topk_ids int32 [T, K]).
+
     Added in plugin API 1.0; `from_config`, `check_device`, `min_capability` and the packed
-    parameter attributes in 1.1.
+    parameter attributes in 1.1; the MoE hooks in 1.3.
     """
 
     supports_tensor_parallel: bool = False
@@ -98,6 +110,24 @@ class QuantMethod(abc.ABC):
 
     @abc.abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    def create_moe_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,
+                           dtype: torch.dtype) -> None:
+        """Register an MoE layer's stacked expert parameters. Default: refuse (ValueError naming
+        this method and the layer). Added in plugin API 1.3."""
+        where = getattr(layer, "prefix", "") or type(layer).__name__
+        raise ValueError(f"quantization method {type(self).__name__} does not support MoE expert weights "
+                         f"(layer {where!r}, {num_experts} experts); serve this model unquantized or with a "
+                         "method that supports MoE")
+
+    def process_moe_weights_after_loading(self, layer: nn.Module) -> None:
+        """Prepare loaded expert weights for `apply_moe` (once). Added in plugin API 1.3."""
+        return None
+
+    def apply_moe(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output [T, H] (see the class docstring). Added in plugin API 1.3."""
+        raise NotImplementedError(f"quantization method {type(self).__name__} does not implement apply_moe")
 
 
 class WeightSource(abc.ABC):

@@ -28,3 +28,28 @@ class UnquantizedMethod(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return cpu_gemm.linear(x, layer.weight, getattr(layer, "packed_weight", None), bias)
+
+    # MoE experts (plugin API 1.3): stacked [E, 2I, H] and [E, H, I] weights
+    def create_moe_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,
+                           dtype: torch.dtype) -> None:
+        w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
+                           requires_grad=False)
+        w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), requires_grad=False)
+        set_weight_attrs(w13, {"weight_loader": layer.weight_loader, "moe_fused_dim": 1})
+        set_weight_attrs(w2, {"weight_loader": layer.weight_loader})
+        layer.register_parameter("w13_weight", w13)
+        layer.register_parameter("w2_weight", w2)
+
+    def process_moe_weights_after_loading(self, layer: nn.Module) -> None:
+        from radixserve.layers.moe.cpu import pack_experts
+
+        layer.packed_experts = pack_experts(layer.w13_weight, layer.w2_weight)  # None off CPU fp32
+
+    def apply_moe(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+        from radixserve.layers.moe import cpu, triton_kernel
+
+        if triton_kernel.available(x):
+            return triton_kernel.triton_fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+        return cpu.cpu_fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                     getattr(layer, "packed_experts", None))

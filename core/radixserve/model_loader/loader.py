@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from radixserve.layers.embedding import ParallelLMHead
 from radixserve.layers.linear import LinearBase
+from radixserve.layers.moe import FusedMoE
 from radixserve.model_loader.sources import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,9 @@ def load_model(
     for module in model.modules():
         qm = getattr(module, "quant_method", None)
         # quantized linears may have no `weight` (qweight, ...); other modules need one, as before
-        if qm is not None and (isinstance(module, LinearBase) or hasattr(module, "weight")):
+        if isinstance(module, FusedMoE):
+            qm.process_moe_weights_after_loading(module)
+        elif qm is not None and (isinstance(module, LinearBase) or hasattr(module, "weight")):
             qm.process_weights_after_loading(module)
         if isinstance(module, ParallelLMHead):
             module.pack_for_cpu()

@@ -1,0 +1,1 @@
+"""RadixServe plugin: models mixtral (mixture of experts)."""

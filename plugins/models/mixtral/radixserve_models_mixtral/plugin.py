@@ -1,0 +1,11 @@
+"""Entry-point module of radixserve-models-mixtral: declares its components; cheap to import (no torch)."""
+
+from radixserve.plugins import hookimpl
+
+PLUGIN_API = ">=1.3,<2"  # 1.3: the MoE layers (radixserve.layers.moe)
+
+
+@hookimpl
+def radixserve_register(registry) -> None:
+    registry.register("model", "MixtralForCausalLM", "radixserve_models_mixtral.model:MixtralForCausalLM",
+                      description="Mixtral mixture-of-experts decoder")

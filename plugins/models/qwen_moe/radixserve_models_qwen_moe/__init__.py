@@ -1,0 +1,1 @@
+"""RadixServe plugin: models qwen_moe (mixture of experts)."""
