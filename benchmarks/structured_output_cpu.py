@@ -1,13 +1,16 @@
 """Structured output on the CPU with SmolLM2: validity on a schema corpus, batch-16 overhead, and
 time to first token with an uncached grammar.
 
-1. Validity: every schema of benchmarks/data/json_schemas.jsonl (240, see make_schema_corpus.py)
-   as `response_format: json_schema` on /v1/chat/completions (greedy). Each output is parsed and
+1. Validity: every schema of the corpus (default benchmarks/data/real_json_schemas.jsonl: 264
+   real-world schemas from JSONSchemaBench, see benchmarks/data/README.md) as
+   `response_format: json_schema` on /v1/chat/completions (greedy). Each output is parsed and
    validated with `jsonschema`; counted: valid, invalid (and why), cut by max_tokens, refused by
    the server (400, with the reason), server errors (5xx / connection failures).
 2. Overhead: 16 concurrent chat requests, every one with a JSON-schema constraint, against the
    same 16 without one (both `ignore_eos` to the same max_tokens, so both make the same number of
-   tokens); output tokens per second of each, and the ratio.
+   tokens); output tokens per second of each, and the ratio. The two kinds alternate, round after
+   round (--rounds), and the medians are compared: on a shared machine, contention then hits both
+   alike.
 3. TTFT: streaming requests one at a time, unconstrained vs constrained by a schema never seen
    before (a fresh property name each time, so its grammar is compiled inside the measured time).
 
@@ -38,7 +41,7 @@ import httpx
 import jsonschema
 
 HERE = Path(__file__).parent
-CORPUS = HERE / "data" / "json_schemas.jsonl"
+CORPUS = HERE / "data" / "real_json_schemas.jsonl"
 TIMEOUT = 900
 
 
@@ -47,11 +50,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
     p.add_argument("--launch", action="store_true", help="start `radixserve serve` for the run, stop it after")
     p.add_argument("--serve-args", default="", help="extra arguments for the launched server (one string)")
+    p.add_argument("--corpus", type=Path, default=CORPUS, help="JSONL of {id, prompt, schema, features}")
     p.add_argument("--limit", type=int, default=0, help="only the first N schemas of the corpus (0: all)")
     p.add_argument("--concurrency", type=int, default=8, help="validity run: requests in flight")
     p.add_argument("--max-tokens", type=int, default=1024, help="validity run: token budget per output")
     p.add_argument("--batch", type=int, default=16, help="overhead run: concurrent requests")
     p.add_argument("--batch-tokens", type=int, default=64, help="overhead run: tokens per request")
+    p.add_argument("--rounds", type=int, default=5, help="overhead run: rounds of each kind, alternating")
     p.add_argument("--trials", type=int, default=5, help="TTFT run: requests of each kind")
     p.add_argument("--skip", default="", help="comma list of parts to skip: validity,overhead,ttft")
     p.add_argument("--out", default=None)
@@ -110,7 +115,7 @@ def one_schema(client: httpx.Client, model: str, entry: dict, max_tokens: int) -
 
 
 def validity(client: httpx.Client, model: str, args: argparse.Namespace) -> dict:
-    entries = [json.loads(line) for line in CORPUS.read_text().splitlines() if line.strip()]
+    entries = [json.loads(line) for line in args.corpus.read_text().splitlines() if line.strip()]
     if args.limit:
         entries = entries[: args.limit]
     t0 = time.perf_counter()
@@ -121,6 +126,7 @@ def validity(client: httpx.Client, model: str, args: argparse.Namespace) -> dict
         counts[rec["outcome"]] = counts.get(rec["outcome"], 0) + 1
     accepted = len(records) - counts.get("refused", 0)
     return {
+        "corpus": str(args.corpus),
         "schemas": len(records),
         "counts": counts,
         "valid_pct_of_accepted": round(100.0 * counts.get("valid", 0) / max(accepted, 1), 2),
@@ -159,10 +165,17 @@ def batch_tok_s(client: httpx.Client, model: str, args: argparse.Namespace, cons
 
 def overhead(client: httpx.Client, model: str, args: argparse.Namespace) -> dict:
     batch_tok_s(client, model, args, True)  # warm: the backend (vocabulary index) and this grammar
-    plain = batch_tok_s(client, model, args, False)
-    constrained = batch_tok_s(client, model, args, True)
-    return {"unconstrained": plain, "constrained": constrained,
-            "constrained_over_unconstrained": round(constrained["tok_s"] / plain["tok_s"], 3)}
+    batch_tok_s(client, model, args, False)
+    plain, constrained = [], []
+    for i in range(args.rounds):  # alternate (and swap who goes first) so drift hits both kinds
+        for kind in ((False, True) if i % 2 == 0 else (True, False)):
+            (constrained if kind else plain).append(batch_tok_s(client, model, args, kind))
+    p50p = statistics.median(r["tok_s"] for r in plain)
+    p50c = statistics.median(r["tok_s"] for r in constrained)
+    return {"rounds": args.rounds, "unconstrained_tok_s": [r["tok_s"] for r in plain],
+            "constrained_tok_s": [r["tok_s"] for r in constrained], "median_unconstrained_tok_s": p50p,
+            "median_constrained_tok_s": p50c, "completion_tokens_per_round": plain[0]["completion_tokens"],
+            "constrained_over_unconstrained": round(p50c / p50p, 3)}
 
 
 # ---- 3. TTFT with an uncached grammar -------------------------------------------------------------

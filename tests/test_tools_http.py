@@ -448,3 +448,27 @@ def test_constrained_output_is_not_taken_for_reasoning(monkeypatch):
     r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required")
     assert calls_of(r.choices[0].message) == [("get_time", {"tz": "UTC"})]
     assert getattr(r.choices[0].message, "reasoning_content", None) is None
+
+
+def test_response_format_with_a_reasoning_parser_constrains_only_the_answer():
+    """The grammar starts after </think>; from the first token when the prompt closed the section
+    or reasoning is not separated."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    tm = CannedTM('<think>\nfour\n</think>\n{"n": 4}')
+    tm.has_grammar = True
+    oai = client_for(tm, reasoning_parser="qwen3")
+    msg = oai.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt).choices[0].message
+    sp = tm.inputs[-1].sampling_params
+    assert json.loads(sp.json_schema) == schema and sp.grammar_after == "</think>"
+    assert (msg.reasoning_content, json.loads(msg.content)) == ("four", {"n": 4})
+    oai.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, extra_body={"separate_reasoning": False})
+    assert tm.inputs[-1].sampling_params.grammar_after is None
+    closed = CannedTM('{"n": 4}', generation_prompt="<|assistant|><think>\n\n</think>\n\n")
+    closed.has_grammar = True
+    client_for(closed, reasoning_parser="qwen3").chat.completions.create(model=MODEL, messages=ASK, response_format=fmt)
+    assert closed.inputs[-1].sampling_params.grammar_after is None
+    plain = CannedTM('{"n": 4}')
+    plain.has_grammar = True
+    client_for(plain).chat.completions.create(model=MODEL, messages=ASK, response_format=fmt)  # no reasoning parser
+    assert plain.inputs[-1].sampling_params.grammar_after is None

@@ -49,6 +49,9 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # the constraint starts once the output's text contains this marker (e.g. `</think>`: a reasoning
+    # section before it is free, the answer after it is constrained); None: from the first token
+    grammar_after: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -86,6 +89,11 @@ class SamplingParams:
             raise ValueError(f"{constraints[1]} cannot be combined with {constraints[0]}: give at most one of json_schema, regex, ebnf")
         if self.json_schema is not None:
             _check_json_schema_text(self.json_schema)
+        if self.grammar_after is not None:
+            if not isinstance(self.grammar_after, str) or not self.grammar_after:
+                raise ValueError(f"grammar_after must be a non-empty string, got {self.grammar_after!r}")
+            if not constraints:
+                raise ValueError("grammar_after needs a constraint (json_schema, regex or ebnf) to start")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -206,6 +214,9 @@ class Req:
     # the GrammarMatcher of a constrained request (json_schema/regex/ebnf), set once its grammar is
     # compiled; it has accepted exactly `output_ids`
     grammar: Any = None
+    # with sampling_params.grammar_after: the compiled grammar waiting for its marker in the output
+    # (radixserve.scheduler.grammar.DeferredGrammar); `grammar` is set when the marker is generated
+    grammar_start: Any = None
 
     @property
     def finished(self) -> bool:

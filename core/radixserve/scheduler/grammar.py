@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from radixserve.interfaces.grammar import GRAMMAR_KINDS, GrammarBackend, GrammarError
+from radixserve.scheduler.stop_strings import StopStringMatcher
 from radixserve.state import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,22 @@ class GrammarCompileError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+class DeferredGrammar:
+    """A compiled grammar whose matcher starts once the output's text contains `after` (the end of
+    a reasoning section, `</think>`): the scheduler pushes each output token until `reached` says
+    the marker is complete, then constrains the tokens after it. The marker is found in the decoded
+    text (special tokens kept), so it works whether the model writes it as one token or several;
+    text that shares the marker's last token is not checked by the grammar."""
+
+    def __init__(self, compiled: Any, after: str, tokenizer: Any, context_ids: list[int]) -> None:
+        self.compiled = compiled
+        self._watch = StopStringMatcher(tokenizer, [after], context_ids, skip_special_tokens=False)
+
+    def reached(self, token: int) -> bool:
+        """Push the next output token; True once the output contains the marker."""
+        return self._watch.push(token) is not None
 
 
 class GrammarService:

@@ -25,7 +25,13 @@ from radixserve.config import Config
 from radixserve.interfaces import Drafter, PrefixCache, SchedulePolicy
 from radixserve.messages import GenerateRequest, ReqTokenOut
 from radixserve.sampling.batch import sampling_reads_history
-from radixserve.scheduler.grammar import GrammarCompileError, GrammarService, constraint_of, tokenizer_fingerprint
+from radixserve.scheduler.grammar import (
+    DeferredGrammar,
+    GrammarCompileError,
+    GrammarService,
+    constraint_of,
+    tokenizer_fingerprint,
+)
 from radixserve.scheduler.metrics import SchedulerMetrics
 from radixserve.scheduler.speculative.adaptive import DraftLengthControl
 from radixserve.scheduler.speculative.drafts import Draft, accepted_path, checked_draft
@@ -243,7 +249,13 @@ class Scheduler:
             if req is None:  # aborted while compiling
                 continue
             try:
-                req.grammar = self.grammar.ready_backend.new_matcher(fut.result())
+                compiled = fut.result()
+                after = req.sampling_params.grammar_after
+                if after:  # e.g. after the reasoning section: the matcher starts when it is generated
+                    req.grammar_start = DeferredGrammar(compiled, after, self._tokenizer_or_runners(),
+                                                        req.origin_input_ids[-PROMPT_TAIL:])
+                else:
+                    req.grammar = self.grammar.ready_backend.new_matcher(compiled)
             except GrammarCompileError as e:
                 self._refuse_waiting(req, e.message)
             except Exception as e:  # a backend bug: this request fails, the server goes on
@@ -261,14 +273,17 @@ class Scheduler:
         if self._grammar_pending:
             wait_futures(list(self._grammar_pending.values()), timeout=timeout, return_when=FIRST_COMPLETED)
 
+    def _tokenizer_or_runners(self) -> Any:
+        if self._tokenizer is None:
+            self._tokenizer = self.runner.tokenizer
+        return self._tokenizer
+
     def _stop_matcher(self, req: Req) -> StopStringMatcher | None:
         sp = req.sampling_params
         if not any(sp.stop):
             return None
-        if self._tokenizer is None:
-            self._tokenizer = self.runner.tokenizer
         return StopStringMatcher(
-            self._tokenizer, sp.stop, req.origin_input_ids[-PROMPT_TAIL:], sp.skip_special_tokens
+            self._tokenizer_or_runners(), sp.stop, req.origin_input_ids[-PROMPT_TAIL:], sp.skip_special_tokens
         )
 
     def _reject_reason(self, ids: list[int], sp: SamplingParams) -> str | None:
@@ -443,7 +458,7 @@ class Scheduler:
             n_out = len(req.output_ids) + 1  # counting the in-flight token
             if n_out >= req.sampling_params.max_new_tokens or len(req.origin_input_ids) + n_out >= self.context_len:
                 continue  # its in-flight token is its last
-            if sampling_reads_history(req) or req.grammar is not None:
+            if sampling_reads_history(req) or req.grammar is not None or req.grammar_start is not None:
                 return None  # its next row needs the in-flight token on the host
             reqs.append(req)
             rows.append(i)
@@ -658,7 +673,7 @@ class Scheduler:
         k = self.draft_control.tokens_for(len(reqs))
         if k == 0:
             return None
-        if any(r.grammar is not None for r in reqs):
+        if any(r.grammar is not None or r.grammar_start is not None for r in reqs):
             # the grammar bitmask holds one row per request, a verify scores several tokens per
             # request: while a constrained request runs, the batch decodes plainly
             return None
@@ -928,7 +943,11 @@ class Scheduler:
         if req.sampling_params.logprobs:
             req.output_token_logprobs.append(float("nan") if lp is None else float(lp))
             req.output_top_logprobs.append(list(top or []))
-        if req.grammar is not None and not self._grammar_accepts(req, token):
+        if req.grammar_start is not None:
+            if req.grammar_start.reached(token):  # the constraint applies from the next token on
+                req.grammar = self.grammar.ready_backend.new_matcher(req.grammar_start.compiled)
+                req.grammar_start = None
+        elif req.grammar is not None and not self._grammar_accepts(req, token):
             return
         meta = self.meta.get(req.rid)
         if meta is not None and meta.stop_matcher is not None:

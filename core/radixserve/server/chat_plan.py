@@ -245,6 +245,12 @@ def plan_chat(tm: Any, req: Any, parsers: OutputParsers) -> ChatPlan:
         start["starts_in_reasoning"] = False
     elif reasoning_cls is not None and _prompt_opens(tm, ids, reasoning_cls.start_tag):
         start["starts_in_reasoning"] = True
+    end_tag = getattr(reasoning_cls, "end_tag", "")
+    if (end_tag and fmt is not None and fmt.schema_text() is not None and "json_schema" not in plan.sampling_overrides
+            and not _prompt_opens(tm, ids, end_tag)):
+        # response_format constrains the answer, not the reasoning: the grammar starts after the end
+        # tag (unless the prompt already closed the section, e.g. Qwen3 with enable_thinking=false)
+        plan.sampling_overrides["grammar_after"] = end_tag
     if tool_parser is not None or reasoning_cls is not None:
 
         def make_output() -> ChoiceOutput:
@@ -277,7 +283,7 @@ def _prompt_opens(tm: Any, ids: list[int], tag: str) -> bool:
     if not tag:
         return False
     try:
-        tail = tm.tokenizer.decode(ids[-8:])
+        tail = tm.tokenizer.decode(ids[-(8 + len(tag)) :])  # the tag, and whitespace after it
     except Exception:
         return False
     return tail.rstrip().endswith(tag)
