@@ -110,12 +110,17 @@ def main() -> int:
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--gguf", help="SmolLM2 GGUF file for the real-model comparison")
     ap.add_argument("--skip-tiny", action="store_true", help="only the GGUF comparison")
+    ap.add_argument("--families", action="store_true",
+                    help="only the native families beyond Llama (tests/family_cases.py: Gemma 2/3, Phi-3, OLMo 2, "
+                         "Mistral with a window, Mixtral, Qwen2/3-MoE)")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(1)
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         if args.skip_tiny:
             return 0 if not args.gguf else compare_gguf(args)
+        if args.families:
+            return 0 if compare_families(tmp, args) else 1
         llama = build_tiny("llama", os.path.join(tmp, "llama"), tie_word_embeddings=False, rope_parameters=dict(
             rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
             original_max_position_embeddings=64))
@@ -127,6 +132,30 @@ def main() -> int:
     if args.gguf:
         ok &= compare_gguf(args) == 0
     return 0 if ok else 1
+
+
+def compare_families(tmp: str, args) -> bool:
+    """Each family's tiny checkpoint (windows of 4-5 tokens, shorter than the prompts) against
+    transformers (eager attention: its SDPA path ignores Gemma 2's attention soft-capping). Prompts
+    plus new tokens stay under 64 positions: Phi-3's LongRoPE case switches factors there, per
+    position here and per sequence in transformers."""
+    from family_cases import DENSE_CASES, MOE_CASES
+    from radixserve.testing import tiny_checkpoint
+
+    gen = torch.Generator().manual_seed(2)
+    ok = True
+    for name, (model_type, overrides) in {**DENSE_CASES, **MOE_CASES}.items():
+        path = tiny_checkpoint(model_type, os.path.join(tmp, name), **overrides)
+        vocab = config_vocab_size(path)
+        prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 31, 2, 17)]
+        ok &= compare(name, path, prompts, 24, args, hf_kwargs={"attn_implementation": "eager"})
+    return ok
+
+
+def config_vocab_size(path: str) -> int:
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(path).vocab_size)
 
 
 def compare_gguf(args) -> int:

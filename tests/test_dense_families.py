@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_cases import DENSE_CASES as CASES
+from family_cases import WINDOW
 from hf_reference import hf_greedy
 from radixserve.config import Config
 from radixserve.model_runner import ModelRunner
@@ -15,26 +17,6 @@ from radixserve.plugins.registry import Registry
 from radixserve.testing import ReferenceAttentionBackend, check_model_parity, tiny_checkpoint
 from runner_driver import greedy_generate
 from transformers import AutoConfig, AutoModelForCausalLM
-
-WINDOW = 4  # shorter than every test sequence but the 2-token prompt's first steps
-GEMMA = dict(query_pre_attn_scalar=24, attn_logit_softcapping=1.0, final_logit_softcapping=3.0, sliding_window=WINDOW)
-CASES = {
-    # layer 0 sliding, layer 1 global (transformers' default alternation); both caps bite at these scales
-    # head_dim 64: cpu_batched runs its native kernel (window and cap inside it)
-    "gemma2-softcap-window": ("gemma2", dict(GEMMA, tie_word_embeddings=True, head_dim=64)),
-    "gemma3-text-local-rope": ("gemma3_text", dict(
-        GEMMA, tie_word_embeddings=False, layer_types=["sliding_attention", "full_attention"],
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                         "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 2.0}})),
-    "phi3-window-longrope": ("phi3", dict(
-        tie_word_embeddings=False, sliding_window=WINDOW + 1, original_max_position_embeddings=64, pad_token_id=0,
-        eos_token_id=2,
-        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(8)],
-                         "long_factor": [2.0 + i for i in range(8)]})),
-    "olmo2-qknorm-postnorm": ("olmo2", dict(tie_word_embeddings=False)),
-    "mistral-window": ("mistral", dict(tie_word_embeddings=False, sliding_window=WINDOW)),
-}
-WINDOWED = ("gemma2-softcap-window", "gemma3-text-local-rope", "phi3-window-longrope", "mistral-window")
 
 
 @pytest.fixture(scope="module")

@@ -9,21 +9,9 @@ import shutil
 
 import pytest
 import torch
+from family_cases import MOE_CASES as CASES
 from radixserve.plugins.registry import Registry
 from radixserve.testing import check_model_parity, tiny_checkpoint
-
-MOE = dict(num_experts_per_tok=2, initializer_range=0.1)
-CASES = {
-    # arch: (model_type, config overrides)
-    "MixtralForCausalLM": ("mixtral", dict(MOE, num_local_experts=4, tie_word_embeddings=False)),
-    # a shared expert behind its gate; layer 0 dense (mlp_only_layers), q/k/v bias
-    "Qwen2MoeForCausalLM": ("qwen2_moe", dict(MOE, num_experts=4, moe_intermediate_size=32,
-                                              shared_expert_intermediate_size=48, mlp_only_layers=[0],
-                                              norm_topk_prob=False, tie_word_embeddings=False)),
-    # q/k norm, renormalised top-k, every second layer sparse (decoder_sparse_step)
-    "Qwen3MoeForCausalLM": ("qwen3_moe", dict(MOE, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True,
-                                              decoder_sparse_step=2, num_hidden_layers=3, tie_word_embeddings=True)),
-}
 
 
 @pytest.fixture(scope="module")
