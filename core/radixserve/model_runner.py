@@ -16,6 +16,7 @@ from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.memory import KVPool, ReqToTokenPool, TokenAllocator, tokens_for_budget
 from radixserve.model_loader import load_model, open_source
 from radixserve.model_loader.model_files import resolve_model_path
+from radixserve.plugins.model_select import select_model
 from radixserve.plugins.registry import Registry
 from radixserve.plugins.stack import resolve_stack
 from radixserve.sampling import SampleOutput, Sampler, SamplingBatch
@@ -62,7 +63,9 @@ class ModelRunner:
         arch = (getattr(self.hf_config, "architectures", None) or [None])[0]
         if arch is None:
             raise ValueError(f"{self.model_path!r}: config has no `architectures`; cannot pick a model class")
-        model_cls = self.registry.load("model", arch)
+        choice = select_model(self.registry, arch, config.model.impl)
+        logger.info("model %s", choice.describe())
+        model_cls = choice.cls
         quant = self._quant_method(source)
         torch.manual_seed(rt.seed)
         self.model = load_model(
@@ -100,10 +103,19 @@ class ModelRunner:
             ctx = int(window)
         return int(ctx)
 
-    def _kv_shape(self) -> tuple[int, int, int]:
+    def _attention_dims(self) -> tuple[int, int, int, int]:
+        """(layers, heads, kv heads, head dim): the model's own (Model.attention_dims), else the config's."""
+        dims = self.model.attention_dims()
+        if dims is not None:
+            return dims
         c = self.hf_config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        return c.num_hidden_layers, c.num_attention_heads, kv_heads, head_dim
+
+    def _kv_shape(self) -> tuple[int, int, int]:
+        layers, _, kv_heads, head_dim = self._attention_dims()
+        return layers, kv_heads, head_dim
 
     def _kv_tokens(self) -> int:
         sched = self.config.scheduler
@@ -141,7 +153,7 @@ class ModelRunner:
         self.attn_backend = cls(
             AttentionRunnerInfo(
                 device=self.device, dtype=self.dtype, num_layers=layers,
-                num_heads=self.hf_config.num_attention_heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                num_heads=self._attention_dims()[1], num_kv_heads=kv_heads, head_dim=head_dim,
                 req_to_token_pool=self.req_to_token_pool, kv_pool=self.kv_pool,
                 max_bs=self.req_to_token_pool.size, context_len=self.context_len,
             )

@@ -10,4 +10,6 @@ __version__ = "0.1.0"
 #      packed parameters
 #      the grammar kind (GrammarBackend, GrammarMatcher)
 # 1.2: kinds tool_parser (ToolParser) and reasoning_parser (ReasoningParser)
-PLUGIN_API_VERSION = "1.2"
+# 1.3: Model.attention_dims (a model's KV-cache shape when its HF config does not give it); the
+#      transformers fallback model component (`model.impl`)
+PLUGIN_API_VERSION = "1.3"
