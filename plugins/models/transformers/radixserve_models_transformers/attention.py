@@ -92,6 +92,8 @@ class ForwardContext:
         self.calls: dict[int, LayerCall] = {}  # id(module) -> first call, in call order
         self.modules: list[torch.nn.Module] = []
         self.repeated: set[int] = set()  # modules called twice in one probing forward
+        self.seen: set[int] = set()  # modules called in the current probing forward
+        self.last_token_qkv: list[torch.Tensor] = []  # current probing forward: the last token's q, k, v per call
 
 
 def radixserve_attention(
@@ -150,11 +152,13 @@ def _packed(x: torch.Tensor, n: int, dim: int, pool_dim: int) -> torch.Tensor:
 
 def _probe(ctx: ForwardContext, module, query, key, value, scaling, sliding_window, softcap, kwargs):
     key_id = id(module)
-    if key_id in ctx.calls:
+    ctx.last_token_qkv += [t[0, :, -1].detach().clone() for t in (query, key, value)]
+    if key_id in ctx.seen:
         ctx.repeated.add(key_id)
-    else:
+    ctx.seen.add(key_id)
+    if key_id not in ctx.calls:
         unsupported = [desc for name, desc in _UNSUPPORTED_KWARGS.items() if kwargs.get(name) is not None]
-        if kwargs.get("is_causal") is False:
+        if kwargs.get("is_causal") is False or (kwargs.get("is_causal") is None and not getattr(module, "is_causal", True)):
             unsupported.append("bidirectional (non-causal) attention")
         unsupported += [f"attention argument {name!r}" for name, v in kwargs.items()
                         if name not in _HARMLESS_KWARGS and name not in _UNSUPPORTED_KWARGS
@@ -181,6 +185,8 @@ class Probing:
         self.ctx = ctx
 
     def __enter__(self) -> ForwardContext:
+        self.ctx.seen.clear()
+        self.ctx.last_token_qkv = []
         _probing.ctx = self.ctx
         return self.ctx
 

@@ -44,14 +44,14 @@ class TransformersForCausalLM(Model):
         self.config = config
         self.hf = _build(config)
         self.ctx = ForwardContext()
-        base = getattr(self.hf, self.hf.base_model_prefix, None)
         head = self.hf.get_output_embeddings()
-        if base is None or head is None or base is self.hf:
+        if head is None or not _base_candidates(self.hf):
             raise UnsupportedModelError(
                 f"{type(self.hf).__name__} has no separate base model and LM head to run apart", "model-layout")
         # plain attributes, not submodules: the parameters stay named as in the HF model under `hf.`
-        object.__setattr__(self, "_base", base)
         object.__setattr__(self, "_head", head)
+        object.__setattr__(self, "_base", None)  # set by the probe
+        self._head_via_hf = False  # True: compute_logits runs the HF model's own head path
         self._softcap = getattr(config, "final_logit_softcapping", None)
         self._logit_mul = _logit_multiplier(config)
         self._dims = self._probe()
@@ -67,12 +67,25 @@ class TransformersForCausalLM(Model):
         return _last_hidden(out)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._head_via_hf:
+            return self._logits_via_hf(hidden)
         logits = self._head(hidden).float()
         if self._logit_mul is not None:
             logits = logits * self._logit_mul
         if self._softcap:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits
+
+    def _logits_via_hf(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The causal LM's own forward with its base model standing in for a module that returns
+        `hidden`: exactly the model's head path (an LM head with its own transform, scalings)."""
+        self._base_parent._modules[self._base_attr] = _HiddenStates(hidden.unsqueeze(0))
+        try:
+            ids = torch.zeros(1, hidden.shape[0], dtype=torch.long, device=hidden.device)
+            out = self.hf(input_ids=ids, use_cache=False, return_dict=True)
+        finally:
+            self._base_parent._modules[self._base_attr] = self._base
+        return out.logits[0].float()
 
     def attention_dims(self) -> tuple[int, int, int, int]:
         return self._dims
@@ -83,36 +96,108 @@ class TransformersForCausalLM(Model):
     # ---- construction -----------------------------------------------------------------------
     @torch.no_grad()
     def _probe(self) -> tuple[int, int, int, int]:
-        """Run two tokens through the whole HF model with attention recording instead of attending;
-        bind the attention modules; check compute_logits against the model's own logits."""
+        """Probing forwards through the whole HF model, attention recording instead of attending:
+        bind the attention modules; check that a token's state depends only on the token and its
+        position id (not on other tokens outside attention, nor on its index in the flattened
+        sequence); check compute_logits against the model's own logits."""
         device = next(self.hf.parameters()).device
-        ids = torch.tensor([[1, 2]], device=device)
-        pos = torch.tensor([[0, 1]], device=device)
-        captured: list[torch.Tensor] = []
-        hook = self._base.register_forward_hook(lambda _m, _a, out: captured.append(_last_hidden(out)))
-        try:
-            with Probing(self.ctx):
-                out = self.hf(input_ids=ids, position_ids=pos, use_cache=False, return_dict=True)
-        except UnsupportedModelError:
-            raise
-        except Exception as e:  # the model cannot run on a flattened batch with explicit positions
-            raise UnsupportedModelError(
-                f"{type(self.hf).__name__} failed on a probing forward (input_ids + position_ids, no cache): {e!r}",
-                "probe-forward") from e
-        finally:
-            hook.remove()
+        runs = {  # name: (input ids, position ids); token 2 at position 1 in all three
+            "base": ([1, 2], [0, 1]), "other_first": ([3, 2], [0, 1]), "alone": ([2], [1]),
+        }
+        hidden: dict[str, torch.Tensor] = {}
+        signature: dict[str, list[torch.Tensor]] = {}
+        logits = None
+        candidates = _base_candidates(self.hf)
+        for name, (ids, pos) in runs.items():
+            captured: list[tuple[int, torch.Tensor]] = []  # (candidate index, its output), in completion order
+            hooks = [m.register_forward_hook(lambda _m, _a, out, i=i, c=captured: c.append((i, _last_hidden(out))))
+                     for i, m in enumerate(candidates)]
+            try:
+                with Probing(self.ctx):
+                    out = self.hf(input_ids=torch.tensor([ids], device=device),
+                                  position_ids=torch.tensor([pos], device=device), use_cache=False, return_dict=True)
+            except UnsupportedModelError:
+                raise
+            except Exception as e:  # the model cannot run on a flattened batch with explicit positions
+                raise UnsupportedModelError(
+                    f"{type(self.hf).__name__} failed on a probing forward (input_ids + position_ids, no cache): "
+                    f"{e!r}", "probe-forward") from e
+            finally:
+                for h in hooks:
+                    h.remove()
+            if not captured:
+                raise UnsupportedModelError(f"{type(self.hf).__name__} did not run its base model", "model-layout")
+            index, state = min(captured, key=lambda c: c[0])  # the outermost candidate that ran
+            if self._base is None:
+                object.__setattr__(self, "_base", candidates[index])
+                self._base_parent, self._base_attr = _parent_of(self.hf, self._base)
+            hidden[name] = state[0]
+            signature[name] = [state[0, -1]] + self.ctx.last_token_qkv
+            logits = out.logits[0] if name == "base" else logits
         dims = attention.bind_layers(self.ctx, getattr(self.config, "sliding_window", None))
-        if device.type != "meta" and captured:
-            self._check_logits(captured[-1][0], out.logits[0])
+        if device.type != "meta":
+            if not _same(signature["base"], signature["other_first"]):
+                raise UnsupportedModelError(
+                    f"{type(self.hf).__name__} mixes tokens outside attention (recurrent, state-space or convolution "
+                    "layers keep sequence state the KV pool does not hold)", "sequence-state")
+            if not _same(signature["base"], signature["alone"]):
+                raise UnsupportedModelError(
+                    f"{type(self.hf).__name__} does not take its positions from position_ids (it counts them from "
+                    "the start of its input), so a flattened batch would give tokens the wrong positions",
+                    "ignores-position-ids")
+            self._check_logits(hidden["base"], logits)
         return dims
 
     def _check_logits(self, hidden: torch.Tensor, expected: torch.Tensor) -> None:
-        ours = self.compute_logits(hidden)
+        """Use the LM head directly when that gives the model's logits, else its own head path."""
         tol = 1e-4 if hidden.dtype == torch.float32 else 2e-2
-        if ours.shape != expected.shape or not torch.allclose(ours, expected.float(), rtol=tol, atol=tol):
-            raise UnsupportedModelError(
-                f"{type(self.hf).__name__} post-processes its logits in a way the fallback does not reproduce "
-                "(LM head, final_logit_softcapping, logit_scale and logits_scaling are known)", "logits-postprocess")
+        for via_hf in (False, True):
+            self._head_via_hf = via_hf
+            ours = self.compute_logits(hidden)
+            if ours.shape == expected.shape and torch.allclose(ours, expected.float(), rtol=tol, atol=tol):
+                return
+        raise UnsupportedModelError(
+            f"{type(self.hf).__name__}'s logits cannot be computed from the base model's last hidden state",
+            "logits-postprocess")
+
+
+def _base_candidates(hf) -> list[torch.nn.Module]:
+    """Modules that may be what the causal LM runs before its head: the base model under
+    `base_model_prefix` and the decoder inside it (BartForCausalLM calls `model.decoder` directly).
+    The probe keeps the outermost one that actually ran."""
+    out = []
+    for m in (getattr(hf, hf.base_model_prefix, None), hf.get_decoder() if hasattr(hf, "get_decoder") else None):
+        if isinstance(m, torch.nn.Module) and m is not hf and all(m is not o for o in out):
+            out.append(m)
+    return out
+
+
+def _parent_of(root: torch.nn.Module, module: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    for name, m in root.named_modules():
+        if m is module:
+            parent, _, attr = name.rpartition(".")
+            return root.get_submodule(parent) if parent else root, attr
+    raise UnsupportedModelError("the base model is not a submodule of the causal LM", "model-layout")
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    if len(a) != len(b):
+        return False
+    tol = 1e-5 if a[0].dtype == torch.float32 else 1e-2
+    return all(x.shape == y.shape and torch.allclose(x, y, rtol=tol, atol=tol) for x, y in zip(a, b, strict=True))
+
+
+class _HiddenStates(torch.nn.Module):
+    """Stands in for a base model: returns the given hidden states, whatever it is called with."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, *args, **kwargs):
+        from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=self.hidden)
 
 
 def _check_unquantized(config, quant_method: QuantMethod | None) -> None:
@@ -140,9 +225,6 @@ def _build(config) -> torch.nn.Module:
                 f"{arch} ({config.model_type}) is not a decoder transformers can build with AutoModelForCausalLM, "
                 f"so the transformers fallback (model.impl: transformers) cannot run it", "not-causal-lm") from None
         raise
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"{arch} is an encoder-decoder model; the fallback runs decoder-only models",
-                                    "encoder-decoder")
     logger.debug("built %s with attn_implementation=%s", type(model).__name__, attention.ATTN_IMPLEMENTATION)
     return model.eval()
 
