@@ -43,7 +43,7 @@ _SIZES = {
                      "decoder_ffn_dim", "hidden_dim", "ffn_intermediate_size"), 128),
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"), 2),
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads"), 4),
-    "head_dim": 16,
+    "head_dim": 16, "rotary_dim": 8,
     **dict.fromkeys(("vocab_size",), 512),
     **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length",
                      "max_sequence_length"), 512),

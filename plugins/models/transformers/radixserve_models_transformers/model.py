@@ -51,6 +51,7 @@ class TransformersForCausalLM(Model):
         # plain attributes, not submodules: the parameters stay named as in the HF model under `hf.`
         object.__setattr__(self, "_head", head)
         object.__setattr__(self, "_base", None)  # set by the probe
+        self._position_offset = 0  # added to positions (set by the probe)
         self._head_via_hf = False  # True: compute_logits runs the HF model's own head path
         self._softcap = getattr(config, "final_logit_softcapping", None)
         self._logit_mul = _logit_multiplier(config)
@@ -60,6 +61,8 @@ class TransformersForCausalLM(Model):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         self.ctx.batch = batch
         try:
+            if self._position_offset:
+                positions = positions + self._position_offset
             out = self._base(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
                              use_cache=False, return_dict=True)
         finally:
@@ -99,61 +102,79 @@ class TransformersForCausalLM(Model):
         """Probing forwards through the whole HF model, attention recording instead of attending:
         bind the attention modules; check that a token's state depends only on the token and its
         position id (not on other tokens outside attention, nor on its index in the flattened
-        sequence); check compute_logits against the model's own logits."""
-        device = next(self.hf.parameters()).device
-        runs = {  # name: (input ids, position ids); token 2 at position 1 in all three
-            "base": ([1, 2], [0, 1]), "other_first": ([3, 2], [0, 1]), "alone": ([2], [1]),
-        }
-        hidden: dict[str, torch.Tensor] = {}
-        signature: dict[str, list[torch.Tensor]] = {}
-        logits = None
-        candidates = _base_candidates(self.hf)
-        for name, (ids, pos) in runs.items():
-            captured: list[tuple[int, torch.Tensor]] = []  # (candidate index, its output), in completion order
-            hooks = [m.register_forward_hook(lambda _m, _a, out, i=i, c=captured: c.append((i, _last_hidden(out))))
-                     for i, m in enumerate(candidates)]
-            try:
-                with Probing(self.ctx):
-                    out = self.hf(input_ids=torch.tensor([ids], device=device),
-                                  position_ids=torch.tensor([pos], device=device), use_cache=False, return_dict=True)
-            except UnsupportedModelError:
-                raise
-            except Exception as e:  # the model cannot run on a flattened batch with explicit positions
-                raise UnsupportedModelError(
-                    f"{type(self.hf).__name__} failed on a probing forward (input_ids + position_ids, no cache): "
-                    f"{e!r}", "probe-forward") from e
-            finally:
-                for h in hooks:
-                    h.remove()
-            if not captured:
-                raise UnsupportedModelError(f"{type(self.hf).__name__} did not run its base model", "model-layout")
-            index, state = min(captured, key=lambda c: c[0])  # the outermost candidate that ran
-            if self._base is None:
-                object.__setattr__(self, "_base", candidates[index])
-                self._base_parent, self._base_attr = _parent_of(self.hf, self._base)
-            hidden[name] = state[0]
-            signature[name] = [state[0, -1]] + self.ctx.last_token_qkv
-            logits = out.logits[0] if name == "base" else logits
+        sequence); find the position convention (RoBERTa-style models count from an offset); check
+        compute_logits against the model's own logits."""
+        self._device = next(self.hf.parameters()).device
+        base = self._probe_run([1, 2], [0, 1])  # token 2 at position 1 in the first three runs
+        other_first = self._probe_run([3, 2], [0, 1])
+        alone = self._probe_run([2], [1])
         dims = attention.bind_layers(self.ctx, getattr(self.config, "sliding_window", None))
-        if device.type != "meta":
-            if not _same(signature["base"], signature["other_first"]):
-                raise UnsupportedModelError(
-                    f"{type(self.hf).__name__} mixes tokens outside attention (recurrent, state-space or convolution "
-                    "layers keep sequence state the KV pool does not hold)", "sequence-state")
-            if not _same(signature["base"], signature["alone"]):
-                raise UnsupportedModelError(
-                    f"{type(self.hf).__name__} does not take its positions from position_ids (it counts them from "
-                    "the start of its input), so a flattened batch would give tokens the wrong positions",
-                    "ignores-position-ids")
-            self._check_logits(hidden["base"], logits)
+        if self._device.type == "meta":
+            return dims
+        if not _same(base[1], other_first[1]):
+            raise UnsupportedModelError(
+                f"{type(self.hf).__name__} mixes tokens outside attention (recurrent, state-space or convolution "
+                "layers keep sequence state the KV pool does not hold)", "sequence-state")
+        if not _same(base[1], alone[1]):
+            raise UnsupportedModelError(
+                f"{type(self.hf).__name__} does not take its positions from position_ids (it counts them from "
+                "the start of its input), so a flattened batch would give tokens the wrong positions",
+                "ignores-position-ids")
+        self._position_offset = self._find_position_offset()
+        self._check_logits(base[0], base[2])
         return dims
+
+    def _probe_run(self, ids: list[int], pos: list[int] | None):
+        """One probing forward: (the base model's hidden states, the last token's signature: its
+        hidden state and every attention call's q, k, v, the logits)."""
+        candidates = _base_candidates(self.hf)
+        captured: list[tuple[int, torch.Tensor]] = []  # (candidate index, its output), in completion order
+        hooks = [m.register_forward_hook(lambda _m, _a, out, i=i: captured.append((i, _last_hidden(out))))
+                 for i, m in enumerate(candidates)]
+        kwargs = {} if pos is None else {"position_ids": torch.tensor([pos], device=self._device)}
+        try:
+            with Probing(self.ctx):
+                out = self.hf(input_ids=torch.tensor([ids], device=self._device), use_cache=False, return_dict=True,
+                              **kwargs)
+        except UnsupportedModelError:
+            raise
+        except Exception as e:  # the model cannot run on a flattened batch with explicit positions
+            raise UnsupportedModelError(
+                f"{type(self.hf).__name__} failed on a probing forward (input_ids + position_ids, no cache): {e!r}",
+                "probe-forward") from e
+        finally:
+            for h in hooks:
+                h.remove()
+        if not captured:
+            raise UnsupportedModelError(f"{type(self.hf).__name__} did not run its base model", "model-layout")
+        index, state = min(captured, key=lambda c: c[0])  # the outermost candidate that ran
+        if self._base is None:
+            object.__setattr__(self, "_base", candidates[index])
+            self._base_parent, self._base_attr = _parent_of(self.hf, self._base)
+        return state[0], [state[0, -1]] + self.ctx.last_token_qkv, out.logits[0]
+
+    def _find_position_offset(self) -> int:
+        """What the model adds to a sequence index to get its position id when it counts them
+        itself (0 for most; RoBERTa-style embeddings start after the padding index). Token ids 5, 6
+        are not padding in any vocabulary the probe meets."""
+        own = self._probe_run([5, 6], None)[1]
+        pad = getattr(self.config, "pad_token_id", None)
+        for offset in dict.fromkeys([0, 1, 2] + ([pad + 1] if isinstance(pad, int) and 0 <= pad < 64 else [])):
+            if _same(own, self._probe_run([5, 6], [offset, offset + 1])[1]):
+                return offset
+        raise UnsupportedModelError(
+            f"{type(self.hf).__name__} numbers positions in a way the fallback cannot reproduce with position_ids",
+            "position-convention")
 
     def _check_logits(self, hidden: torch.Tensor, expected: torch.Tensor) -> None:
         """Use the LM head directly when that gives the model's logits, else its own head path."""
         tol = 1e-4 if hidden.dtype == torch.float32 else 2e-2
         for via_hf in (False, True):
             self._head_via_hf = via_hf
-            ours = self.compute_logits(hidden)
+            try:
+                ours = self.compute_logits(hidden)
+            except RuntimeError:  # e.g. a head whose input is a projection of the hidden state
+                continue
             if ours.shape == expected.shape and torch.allclose(ours, expected.float(), rtol=tol, atol=tol):
                 return
         raise UnsupportedModelError(
