@@ -56,6 +56,7 @@ _SIZES = {
     # multi-head latent attention
     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
 }
+_LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
 _KV_HEAD_FIELDS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv")
 _SUB_CONFIG_MARKERS = ("vision_config", "audio_config", "vision_tower_config", "image_config", "speech_config")
 
@@ -121,7 +122,13 @@ def tiny_config(model_type: str):
     try:
         return AutoConfig.for_model(model_type, **over)
     except Exception as e:  # the shrunk sizes break a constraint of the config class
-        raise _ConfigError(f"tiny config rejected: {e!r}") from e
+        first = e
+    # per-layer pattern fields (layer types, block lists) must match the layer count: keep the default count
+    keep_layers = {k: v for k, v in over.items() if k not in _LAYER_FIELDS}
+    try:
+        return AutoConfig.for_model(model_type, **keep_layers)
+    except Exception:
+        raise _ConfigError(f"tiny config rejected: {first!r}") from first
 
 
 class _ConfigError(Exception):
@@ -166,9 +173,8 @@ def build_checkpoint(model_type: str, path: str, seed: int = 0) -> str:
                 p.add_(0.1 * torch.randn(p.shape, generator=gen))
     model.config.architectures = [type(model).__name__]
     model.eval()
-    with torch.inference_mode():  # transformers itself must run it (a prompt, then one cached step)
-        out = model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True)
-        model(input_ids=torch.tensor([[4]]), past_key_values=out.past_key_values, use_cache=True)
+    with torch.inference_mode():  # transformers itself must run it
+        model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
     model.save_pretrained(path)
     return type(model).__name__
 
