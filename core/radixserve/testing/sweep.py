@@ -185,7 +185,15 @@ def run_one(model_type: str, workdir: str, impl: str = "auto") -> SweepResult:
     import torch
 
     start = time.perf_counter()
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only contend (restored on return)
+    try:
+        return _run_one(model_type, workdir, impl, start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_one(model_type: str, workdir: str, impl: str, start: float) -> SweepResult:
     arch, path = "", ""
 
     def done(status: str, why: str) -> SweepResult:
@@ -369,7 +377,7 @@ def render_markdown(results: list[SweepResult], header: str) -> str:
     """The generated doc page: `header` (how it was made), the counts, then one row per model type."""
     counts = summary(results)
     native = sum(1 for r in results if r.status == "pass" and r.path.startswith("native"))
-    lines = [header.rstrip(), "",
+    lines = [header.rstrip(), "", "## Results", "",
              f"**{counts['pass']} architectures pass** ({native} through a native plugin, "
              f"{counts['pass'] - native} through the transformers fallback); "
              f"{counts['unsupported']} use a feature the fallback does not run yet, {counts['transformers']} fail "
