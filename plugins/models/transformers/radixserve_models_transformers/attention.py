@@ -207,8 +207,8 @@ def bind_layers(ctx: ForwardContext, max_context: int | None) -> tuple[int, int,
     Raises UnsupportedModelError naming what the backends cannot run."""
     if not ctx.calls:
         raise UnsupportedModelError(
-            "the model never called transformers' attention interface (its attention is hand-written: "
-            "the fallback needs models whose attention modules go through ALL_ATTENTION_FUNCTIONS)",
+            "the model never called transformers' attention interface (it has no attention layers, or hand-written "
+            "attention that does not go through ALL_ATTENTION_FUNCTIONS)",
             "no-attention-interface",
         )
     if ctx.repeated:
