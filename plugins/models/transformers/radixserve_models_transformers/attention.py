@@ -75,13 +75,15 @@ class LayerCall:
 
 @dataclass
 class AttentionBinding:
-    """Attached to an HF attention module (`module._radixserve`): its context and its layer."""
+    """Attached to an HF attention module (`module._radixserve`): its context and one layer per
+    call it makes in a forward (a module that attends twice, like DiffLlama's, gets two layer ids)."""
 
     ctx: ForwardContext
-    layer: RadixAttention
+    layers: list[RadixAttention]
     head_dim: int  # the pool's head size (q/k/v narrower than it are zero-padded)
     qk_dim: int
     v_dim: int
+    next: int = 0  # calls made in the current forward (reset by the model at each forward)
 
 
 class ForwardContext:
@@ -89,11 +91,16 @@ class ForwardContext:
 
     def __init__(self) -> None:
         self.batch: ForwardBatch | None = None
-        self.calls: dict[int, LayerCall] = {}  # id(module) -> first call, in call order
-        self.modules: list[torch.nn.Module] = []
-        self.repeated: set[int] = set()  # modules called twice in one probing forward
-        self.seen: set[int] = set()  # modules called in the current probing forward
+        self.bindings: list[AttentionBinding] = []
+        self.calls: list[tuple[torch.nn.Module, LayerCall]] = []  # the first probing forward, in call order
+        self.call_order: list[int] | None = None  # id(module) per call of the first probing forward
+        self.current: list[int] = []  # id(module) per call of the probing forward in progress
+        self.inconsistent = False  # a later probing forward called the modules in another order
         self.last_token_qkv: list[torch.Tensor] = []  # current probing forward: the last token's q, k, v per call
+
+    def start_forward(self) -> None:
+        for b in self.bindings:
+            b.next = 0
 
 
 def radixserve_attention(
@@ -124,11 +131,12 @@ def radixserve_attention(
     batch = binding.ctx.batch
     if batch is None:
         raise RuntimeError("the RadixServe attention function ran outside a RadixServe forward")
-    return _attend(binding, query, key, value, scaling, batch)
+    layer = binding.layers[binding.next]
+    binding.next += 1
+    return _attend(binding, layer, query, key, value, scaling, batch)
 
 
-def _attend(binding: AttentionBinding, query, key, value, scaling, batch) -> tuple[torch.Tensor, None]:
-    layer = binding.layer
+def _attend(binding: AttentionBinding, layer: RadixAttention, query, key, value, scaling, batch):
     if scaling is not None and not isinstance(scaling, torch.Tensor):
         layer.scaling = float(scaling)  # a Python number: no sync
     n = query.shape[2]
@@ -151,12 +159,9 @@ def _packed(x: torch.Tensor, n: int, dim: int, pool_dim: int) -> torch.Tensor:
 
 
 def _probe(ctx: ForwardContext, module, query, key, value, scaling, sliding_window, softcap, kwargs):
-    key_id = id(module)
     ctx.last_token_qkv += [t[0, :, -1].detach().clone() for t in (query, key, value)]
-    if key_id in ctx.seen:
-        ctx.repeated.add(key_id)
-    ctx.seen.add(key_id)
-    if key_id not in ctx.calls:
+    ctx.current.append(id(module))
+    if ctx.call_order is None:
         unsupported = [desc for name, desc in _UNSUPPORTED_KWARGS.items() if kwargs.get(name) is not None]
         if kwargs.get("is_causal") is False or (kwargs.get("is_causal") is None and not getattr(module, "is_causal", True)):
             unsupported.append("bidirectional (non-causal) attention")
@@ -166,13 +171,12 @@ def _probe(ctx: ForwardContext, module, query, key, value, scaling, sliding_wind
         if query.shape[0] != 1 or key.shape[2] != query.shape[2]:
             unsupported.append("attention whose keys are not the layer's own new tokens (cross or cached attention "
                                f"inside the model: query {tuple(query.shape)}, key {tuple(key.shape)})")
-        ctx.calls[key_id] = LayerCall(
+        ctx.calls.append((module, LayerCall(
             num_heads=int(query.shape[1]), num_kv_heads=int(key.shape[1]), qk_dim=int(query.shape[-1]),
             v_dim=int(value.shape[-1]), scaling=None if scaling is None else float(scaling),
             sliding_window=None if sliding_window is None else int(sliding_window),
             softcap=None if softcap is None else float(softcap), unsupported=unsupported,
-        )
-        ctx.modules.append(module)
+        )))
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
     return out, None
 
@@ -185,13 +189,17 @@ class Probing:
         self.ctx = ctx
 
     def __enter__(self) -> ForwardContext:
-        self.ctx.seen.clear()
+        self.ctx.current = []
         self.ctx.last_token_qkv = []
         _probing.ctx = self.ctx
         return self.ctx
 
     def __exit__(self, *exc) -> None:
         _probing.ctx = None
+        if self.ctx.call_order is None:
+            self.ctx.call_order = self.ctx.current
+        elif self.ctx.current != self.ctx.call_order:
+            self.ctx.inconsistent = True
 
 
 def _layer_accepts(name: str) -> bool:
@@ -199,8 +207,8 @@ def _layer_accepts(name: str) -> bool:
 
 
 def bind_layers(ctx: ForwardContext, max_context: int | None) -> tuple[int, int, int, int]:
-    """After a probing forward: give every attention module its RadixAttention (layer ids in call
-    order) and return the KV-cache shape `(num_layers, num_heads, num_kv_heads, head_dim)`.
+    """After the probing forwards: give every attention call its RadixAttention (layer ids in call
+    order; a module called twice per forward gets two) and return the KV-cache shape `(num_layers, num_heads, num_kv_heads, head_dim)`.
 
     :param max_context: the longest context the runner may serve without window support (the
         config's `sliding_window`, which the runner caps the context to), or None.
@@ -211,10 +219,10 @@ def bind_layers(ctx: ForwardContext, max_context: int | None) -> tuple[int, int,
             "attention that does not go through ALL_ATTENTION_FUNCTIONS)",
             "no-attention-interface",
         )
-    if ctx.repeated:
-        raise UnsupportedModelError("an attention module runs more than once per forward (shared layers)",
-                                    "shared-attention-layers")
-    calls = [ctx.calls[id(m)] for m in ctx.modules]
+    if ctx.inconsistent:
+        raise UnsupportedModelError("the model calls its attention modules in an order that depends on the input",
+                                    "data-dependent-layers")
+    calls = [c for _, c in ctx.calls]
     for c in calls:
         if c.unsupported:
             raise UnsupportedModelError(f"the model's attention uses {c.unsupported[0]}", "attention-feature")
@@ -228,7 +236,8 @@ def bind_layers(ctx: ForwardContext, max_context: int | None) -> tuple[int, int,
         raise UnsupportedModelError(f"{heads} query heads are not a multiple of {kv_heads} KV heads", "gqa-shape")
     head_dim = max(qk_dim, v_dim)
     window_ok, softcap_ok = _layer_accepts("sliding_window"), _layer_accepts("logit_cap")
-    for layer_id, (module, c) in enumerate(zip(ctx.modules, calls, strict=True)):
+    per_module: dict[int, AttentionBinding] = {}
+    for layer_id, (module, c) in enumerate(ctx.calls):
         extra: dict[str, Any] = {}
         if c.softcap is not None:
             if not softcap_ok:
@@ -246,7 +255,12 @@ def bind_layers(ctx: ForwardContext, max_context: int | None) -> tuple[int, int,
                     "the context to", "sliding-window")
         scaling = c.scaling if c.scaling is not None else qk_dim**-0.5
         layer = RadixAttention(layer_id, heads, kv_heads, head_dim, scaling, **extra)
-        module._radixserve = AttentionBinding(ctx, layer, head_dim, qk_dim, v_dim)
+        binding = per_module.get(id(module))
+        if binding is None:
+            binding = per_module[id(module)] = AttentionBinding(ctx, [], head_dim, qk_dim, v_dim)
+            module._radixserve = binding
+            ctx.bindings.append(binding)
+        binding.layers.append(layer)
     return len(calls), heads, kv_heads, head_dim
 
 

@@ -60,6 +60,7 @@ class TransformersForCausalLM(Model):
     # ---- the Model contract -----------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         self.ctx.batch = batch
+        self.ctx.start_forward()
         try:
             if self._position_offset:
                 positions = positions + self._position_offset
@@ -187,7 +188,8 @@ def _base_candidates(hf) -> list[torch.nn.Module]:
     `base_model_prefix` and the decoder inside it (BartForCausalLM calls `model.decoder` directly).
     The probe keeps the outermost one that actually ran."""
     out = []
-    for m in (getattr(hf, hf.base_model_prefix, None), hf.get_decoder() if hasattr(hf, "get_decoder") else None):
+    named = (getattr(hf, hf.base_model_prefix, None), getattr(hf, "model", None), getattr(hf, "transformer", None))
+    for m in (*named, hf.get_decoder() if hasattr(hf, "get_decoder") else None):
         if isinstance(m, torch.nn.Module) and m is not hf and all(m is not o for o in out):
             out.append(m)
     return out
