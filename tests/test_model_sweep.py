@@ -16,7 +16,7 @@ FAST_SUBSET = {
     "gemma": ("pass", None),          # fallback: embedding scaling, offset norms
     "mixtral": ("pass", None),        # MoE: native once a plugin claims it, else the fallback
     "mamba": ("unsupported", "no-attention-interface"),
-    "bart": ("unsupported", "ignores-position-ids"),
+    "bart": ("pass", None),           # fallback: its position embedding counts from the input start otherwise
     "gemma3": ("skip", None),         # multimodal wrapper: its text model is gemma3_text
 }
 

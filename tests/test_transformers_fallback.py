@@ -104,7 +104,8 @@ def test_model_impl_flag_and_plugins_listing(capsys):
 @pytest.mark.parametrize("model_type, overrides, feature", [
     ("gemma2", {"hidden_size": 64, "intermediate_size": 64, "head_dim": 16}, "attention-softcap"),  # logit soft-capping
     ("mamba", {"hidden_size": 32, "state_size": 4}, "no-attention-interface"),  # no attention at all
-    ("bart", {"d_model": 64, "decoder_attention_heads": 4, "decoder_ffn_dim": 64}, "ignores-position-ids"),
+    ("gpt_oss", {"hidden_size": 64, "intermediate_size": 64, "head_dim": 16, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "num_local_experts": 4}, "attention-feature"),  # attention sinks
 ])
 def test_unsupported_features_are_named_before_any_weight_loads(model_type, overrides, feature):
     base = {"vocab_size": 128, "num_hidden_layers": 2, "decoder_layers": 2}

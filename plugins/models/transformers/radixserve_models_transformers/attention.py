@@ -91,6 +91,7 @@ class ForwardContext:
 
     def __init__(self) -> None:
         self.batch: ForwardBatch | None = None
+        self.positions: torch.Tensor | None = None  # [num_tokens] of the forward in flight (probe included)
         self.bindings: list[AttentionBinding] = []
         self.calls: list[tuple[torch.nn.Module, LayerCall]] = []  # the first probing forward, in call order
         self.call_order: list[int] | None = None  # id(module) per call of the first probing forward

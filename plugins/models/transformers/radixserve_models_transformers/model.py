@@ -55,6 +55,7 @@ class TransformersForCausalLM(Model):
         self._head_via_hf = False  # True: compute_logits runs the HF model's own head path
         self._softcap = getattr(config, "final_logit_softcapping", None)
         self._logit_mul = _logit_multiplier(config)
+        _route_positions(self.hf, self.ctx)
         self._dims = self._probe()
 
     # ---- the Model contract -----------------------------------------------------------------
@@ -64,10 +65,11 @@ class TransformersForCausalLM(Model):
         try:
             if self._position_offset:
                 positions = positions + self._position_offset
+            self.ctx.positions = positions
             out = self._base(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
                              use_cache=False, return_dict=True)
         finally:
-            self.ctx.batch = None
+            self.ctx.batch = self.ctx.positions = None
         return _last_hidden(out)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -133,6 +135,7 @@ class TransformersForCausalLM(Model):
         hooks = [m.register_forward_hook(lambda _m, _a, out, i=i: captured.append((i, _last_hidden(out))))
                  for i, m in enumerate(candidates)]
         kwargs = {} if pos is None else {"position_ids": torch.tensor([pos], device=self._device)}
+        self.ctx.positions = None if pos is None else kwargs["position_ids"][0]
         try:
             with Probing(self.ctx):
                 out = self.hf(input_ids=torch.tensor([ids], device=self._device), use_cache=False, return_dict=True,
@@ -144,6 +147,7 @@ class TransformersForCausalLM(Model):
                 f"{type(self.hf).__name__} failed on a probing forward (input_ids + position_ids, no cache): {e!r}",
                 "probe-forward") from e
         finally:
+            self.ctx.positions = None
             for h in hooks:
                 h.remove()
         if not captured:
@@ -181,6 +185,28 @@ class TransformersForCausalLM(Model):
         raise UnsupportedModelError(
             f"{type(self.hf).__name__}'s logits cannot be computed from the base model's last hidden state",
             "logits-postprocess")
+
+
+def _route_positions(hf: torch.nn.Module, ctx: ForwardContext) -> None:
+    """Decoders of the Bart family count positions from the start of their input and hand them to
+    their position-embedding module (`embed_positions(..., position_ids=...)`); inside a RadixServe
+    forward that module gets the flattened batch's positions instead (outside one, e.g. when the
+    model runs on its own, it is untouched)."""
+    import inspect
+
+    for name, module in hf.named_modules():
+        if not name.endswith("embed_positions") or "position_ids" not in inspect.signature(module.forward).parameters:
+            continue
+        original = module.forward
+
+        def forward(*args, _original=original, **kwargs):
+            if ctx.positions is not None:
+                given = kwargs.get("position_ids")
+                shape = given.shape if isinstance(given, torch.Tensor) else ctx.positions.shape
+                kwargs["position_ids"] = ctx.positions.reshape(shape)
+            return _original(*args, **kwargs)
+
+        module.forward = forward
 
 
 def _base_candidates(hf) -> list[torch.nn.Module]:
