@@ -268,6 +268,12 @@ def _build(config) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention.ATTN_IMPLEMENTATION, dtype=torch.get_default_dtype()
         )
+    except KeyError as e:
+        if e.args and e.args[0] == attention.ATTN_IMPLEMENTATION:  # a {implementation: attention class} table
+            raise UnsupportedModelError(
+                f"{arch} picks its attention class from a fixed table of implementations instead of "
+                "transformers' attention interface", "no-attention-interface") from None
+        raise
     except ValueError as e:
         if "Unrecognized configuration class" in str(e):
             raise UnsupportedModelError(
