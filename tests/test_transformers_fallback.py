@@ -151,3 +151,11 @@ def test_forward_has_no_host_sync_so_it_can_be_graph_captured():
     with torch.inference_mode():
         logits = model.compute_logits(model(batch.input_ids, batch.positions, batch))
     assert logits.shape == (3, 256) and logits.device.type == "meta"
+
+
+def test_cli_names_the_option_when_no_native_plugin_claims_the_model(gpt2_dir, capsys):
+    from radixserve.cli import main
+
+    assert main(["generate", "hi", "runtime.device=cpu", "--model", gpt2_dir, "--model-impl", "native"]) == 2
+    err = capsys.readouterr().err
+    assert "GPT2LMHeadModel" in err and "model.impl: transformers" in err and "Traceback" not in err
