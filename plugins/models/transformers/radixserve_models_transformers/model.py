@@ -199,12 +199,14 @@ def _route_positions(hf: torch.nn.Module, ctx: ForwardContext) -> None:
             continue
         original = module.forward
 
-        def forward(*args, _original=original, **kwargs):
-            if ctx.positions is not None:
-                given = kwargs.get("position_ids")
-                shape = given.shape if isinstance(given, torch.Tensor) else ctx.positions.shape
-                kwargs["position_ids"] = ctx.positions.reshape(shape)
-            return _original(*args, **kwargs)
+        def forward(*args, _original=original, _sig=inspect.signature(original), **kwargs):
+            if ctx.positions is None:
+                return _original(*args, **kwargs)
+            bound = _sig.bind_partial(*args, **kwargs)  # position_ids may come positionally
+            given = bound.arguments.get("position_ids")
+            shape = given.shape if isinstance(given, torch.Tensor) else ctx.positions.shape
+            bound.arguments["position_ids"] = ctx.positions.reshape(shape)
+            return _original(*bound.args, **bound.kwargs)
 
         module.forward = forward
 
@@ -295,6 +297,8 @@ def _logit_multiplier(config) -> float | None:
 
 
 def _last_hidden(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
     if isinstance(out, tuple):
         return out[0]
     return out.last_hidden_state
