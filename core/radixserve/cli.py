@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 
 from radixserve.config import Config, ConfigError, deep_merge, parse_dotted_overrides
+from radixserve.plugins.model_select import FALLBACK_CLAIM, FALLBACK_DISTRIBUTION, FALLBACK_MODEL, fallback_spec
 from radixserve.plugins.registry import PluginError, Registry
 from radixserve.plugins.stack import CONFIG_KEY_OF_KIND, resolve_stack
 
@@ -48,8 +49,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         }
         for s in reg.components()
     ]
+    claims = _architecture_claims(reg)
     if args.json:
-        print(json.dumps({"plugins": [vars(p) for p in reg.plugins.values()], "components": rows}, indent=2))
+        print(json.dumps({"plugins": [vars(p) for p in reg.plugins.values()], "components": rows,
+                          "architectures": claims}, indent=2))
         return 0
     headers = ["distribution", "version", "kind", "name", "devices", "priority"]
     table = [[r["distribution"], r["version"], r["kind"], r["name"], ",".join(r["devices"]), str(r["priority"])] for r in rows]
@@ -58,7 +61,25 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     print("  ".join("-" * w for w in widths))
     for t in table:
         print("  ".join(c.ljust(w) for c, w in zip(t, widths)))
+    print("\nmodel architectures (model.impl: auto takes the native plugin, else the transformers fallback):")
+    width = max([len(c["architecture"]) for c in claims] + [12])
+    for c in claims:
+        print(f"  {c['architecture'].ljust(width)}  {c['path'].ljust(8)}  {c['distribution']}")
+    if not any(c["path"] == "fallback" for c in claims):
+        print(f"  (other architectures: none; pip install {FALLBACK_DISTRIBUTION} runs any AutoModelForCausalLM)")
     return 0
+
+
+def _architecture_claims(reg: Registry) -> list[dict]:
+    """Who runs which architecture: each native model component, then the fallback if installed."""
+    out = [{"architecture": s.name, "path": "native", "distribution": s.distribution}
+           for s in reg.components("model") if s.name != FALLBACK_MODEL]
+    out.sort(key=lambda c: c["architecture"])
+    fallback = fallback_spec(reg)
+    if fallback is not None:
+        out.append({"architecture": FALLBACK_CLAIM, "path": "fallback",
+                    "distribution": fallback.distribution})
+    return out
 
 
 # ---- config ----------------------------------------------------------------------------------

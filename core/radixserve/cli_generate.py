@@ -24,8 +24,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="apply the model's chat template (default on when it has one)")
     parser.add_argument("--config", metavar="FILE", help="YAML component stack (see stacks/)")
     parser.add_argument("--stats", action="store_true", help="print load time and tokens/s to stderr")
-    from radixserve.cli_serve import add_speculative_arguments
+    from radixserve.cli_serve import add_model_impl_argument, add_speculative_arguments
 
+    add_model_impl_argument(parser)
     add_speculative_arguments(parser)
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
 
@@ -79,6 +80,8 @@ def run_generate(args: argparse.Namespace) -> int:
     overrides = deep_merge(parse_dotted_overrides(args.overrides or []), speculative_overrides(args))
     if args.model:
         overrides.setdefault("model", {})["path"] = args.model
+    if args.model_impl:
+        overrides.setdefault("model", {})["impl"] = args.model_impl
     config = Config.load(args.config, overrides)
     registry = Registry.from_config(config)
     start = time.perf_counter()

@@ -16,6 +16,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML component stack (see stacks/)")
     p.add_argument("--tokenizer", metavar="PATH", help="tokenizer directory (default: from the model)")
     p.add_argument("--served-model-name", metavar="NAME", help="model name clients send (default: file name)")
+    add_model_impl_argument(p)
     p.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 exposes the server)")
     p.add_argument("--port", type=int, help="port (default 30000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $RADIXSERVE_API_KEY if set)")
@@ -51,6 +52,13 @@ def parallel_overrides(args: argparse.Namespace) -> dict:
         if getattr(args, key, None) is not None
     }
     return {"runtime": runtime} if runtime else {}
+
+
+def add_model_impl_argument(p: argparse.ArgumentParser) -> None:
+    """`--model-impl` (model.impl): which implementation runs the architecture."""
+    p.add_argument("--model-impl", choices=["auto", "native", "transformers"],
+                   help="auto: the architecture's native plugin, else the transformers fallback (default); "
+                        "native: the plugin only; transformers: the fallback (radixserve-models-transformers)")
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,7 +105,8 @@ def speculative_overrides(args: argparse.Namespace) -> dict:
 def _flag_overrides(args: argparse.Namespace) -> dict:
     model = {
         k: v
-        for k, v in (("path", args.model), ("tokenizer", args.tokenizer), ("served_model_name", args.served_model_name))
+        for k, v in (("path", args.model), ("tokenizer", args.tokenizer), ("served_model_name", args.served_model_name),
+                     ("impl", args.model_impl))
         if v is not None
     }
     api_key = args.api_key if args.api_key is not None else os.environ.get("RADIXSERVE_API_KEY") or None

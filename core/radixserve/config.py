@@ -27,6 +27,9 @@ class ModelSection(_Section):
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     context_length: int | None = Field(default=None, gt=0)  # default: the model's max_position_embeddings
     served_model_name: str | None = None
+    # which implementation runs the architecture: auto (its native plugin, else the transformers
+    # fallback), native (the plugin only), transformers (the fallback, radixserve-models-transformers)
+    impl: Literal["auto", "native", "transformers"] = "auto"
 
 
 class StackSection(_Section):

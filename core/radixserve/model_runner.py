@@ -18,6 +18,7 @@ from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.memory import KVPool, ReqToTokenPool, TokenAllocator, tokens_for_budget
 from radixserve.model_loader import load_model, open_source
 from radixserve.model_loader.model_files import resolve_model_path
+from radixserve.plugins.model_select import select_model
 from radixserve.plugins.registry import Registry
 from radixserve.plugins.stack import resolve_stack
 from radixserve.sampling import SampleOutput, Sampler, SamplingBatch
@@ -71,7 +72,9 @@ class ModelRunner:
         arch = (getattr(self.hf_config, "architectures", None) or [None])[0]
         if arch is None:
             raise ValueError(f"{self.model_path!r}: config has no `architectures`; cannot pick a model class")
-        model_cls = self.registry.load("model", arch)
+        choice = select_model(self.registry, arch, config.model.impl)
+        logger.info("model %s", choice.describe())
+        model_cls = choice.cls
         quant = self._quant_method(source)
         tp = self.tp_group if self.tp_group.size > 1 else None
         if tp is not None:
@@ -108,16 +111,27 @@ class ModelRunner:
         # a sliding window does not cap the context: the attention backends apply it per layer
         return int(self.config.model.context_length or model_max)
 
-    def _kv_shape(self) -> tuple[int, int, int]:
-        """(layers, KV heads on this rank, head_dim): a rank holds kv_heads / tp_size heads, or one
-        replicated head when there are fewer KV heads than ranks."""
-        c = self.hf_config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    def _attention_dims(self) -> tuple[int, int, int, int]:
+        """(layers, heads, KV heads, head dim) on this rank: the model's own (Model.attention_dims),
+        else the config's. A rank holds heads / tp_size query heads and kv_heads / tp_size KV heads,
+        or one replicated KV head when there are fewer KV heads than ranks."""
+        dims = self.model.attention_dims()
+        if dims is not None:
+            layers, heads, kv_heads, head_dim = dims
+        else:
+            c = self.hf_config
+            head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+            kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+            layers, heads = c.num_hidden_layers, c.num_attention_heads
         tp = self.tp_group.size
         if tp > 1:
+            heads //= tp
             kv_heads = kv_heads // tp if kv_heads >= tp else 1
-        return c.num_hidden_layers, kv_heads, head_dim
+        return layers, heads, kv_heads, head_dim
+
+    def _kv_shape(self) -> tuple[int, int, int]:
+        layers, _, kv_heads, head_dim = self._attention_dims()
+        return layers, kv_heads, head_dim
 
     def _kv_tokens(self) -> int:
         sched = self.config.scheduler
@@ -162,8 +176,7 @@ class ModelRunner:
         self.attn_backend = cls(
             AttentionRunnerInfo(
                 device=self.device, dtype=self.dtype, num_layers=layers,
-                num_heads=self.hf_config.num_attention_heads // self.tp_group.size, num_kv_heads=kv_heads,
-                head_dim=head_dim,
+                num_heads=self._attention_dims()[1], num_kv_heads=kv_heads, head_dim=head_dim,
                 req_to_token_pool=self.req_to_token_pool, kv_pool=self.kv_pool,
                 max_bs=self.req_to_token_pool.size, context_len=self.context_len,
             )

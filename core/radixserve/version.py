@@ -14,5 +14,6 @@ __version__ = "0.1.0"
 #      radixserve.layers.distributed.TPGroup; per-layer attention options: AttentionLayerSpec.sliding_window
 #      and .logit_cap (RadixAttention arguments), AttentionBackend.supports_sliding_window / supports_logit_cap;
 #      MoE: QuantMethod.create_moe_weights/process_moe_weights_after_loading/apply_moe;
-#      radixserve.layers.moe (FusedMoE, RoutingConfig, select_experts)
+#      radixserve.layers.moe (FusedMoE, RoutingConfig, select_experts); Model.attention_dims (a model's
+#      KV-cache shape when its HF config does not give it); the transformers fallback (`model.impl`)
 PLUGIN_API_VERSION = "1.3"

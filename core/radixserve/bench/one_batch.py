@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF directory, .gguf file, or (with --load-format dummy) a config directory")
     p.add_argument("--config", help="YAML stack")
     p.add_argument("--load-format", choices=["auto", "safetensors", "gguf", "dummy"], default=None)
+    p.add_argument("--model-impl", choices=["auto", "native", "transformers"], default=None,
+                   help="model.impl: native plugin or the transformers fallback")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="batch sizes to run")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=64)
@@ -42,6 +44,8 @@ def _config(args: argparse.Namespace) -> Config:
         cli["model"]["path"] = args.model
     if args.load_format:
         cli["model"]["load_format"] = args.load_format
+    if getattr(args, "model_impl", None):
+        cli["model"]["impl"] = args.model_impl
     if args.device:
         cli["runtime"]["device"] = args.device
     if args.dtype:

@@ -86,6 +86,17 @@ class Model(nn.Module, abc.ABC):
         """
         return None
 
+    def attention_dims(self) -> tuple[int, int, int, int] | None:
+        """The KV-cache shape this model's attention layers use, when the HF config cannot be read
+        for it: `(num_layers, num_heads, num_kv_heads, head_dim)`; the runner then sizes the KV
+        pool and the attention backend from it (one buffer pair per layer id `0..num_layers-1`).
+        Default None: taken from the config (`num_hidden_layers`, `num_attention_heads`,
+        `num_key_value_heads`, `head_dim` or `hidden_size // num_attention_heads`).
+
+        Called once, after the weights are loaded. Added in plugin API 1.3.
+        """
+        return None
+
     # ---- hidden-state capture (for drafters such as EAGLE) ------------------------------------
     supports_aux_hidden_states: bool = False
     """Class flag: the model implements `set_aux_hidden_state_layers` and `embed_input_ids`.

@@ -7,6 +7,7 @@ _KNOWN = {
     ("model", "MistralForCausalLM"): "radixserve-models-llama",
     ("model", "Qwen2ForCausalLM"): "radixserve-models-llama",
     ("model", "Qwen3ForCausalLM"): "radixserve-models-llama",
+    ("model", "transformers"): "radixserve-models-transformers",  # the fallback (model.impl)
     ("quantization", "gguf"): "radixserve-quant-gguf",
     ("quantization", "awq"): "radixserve-quant-awq",
     ("quantization", "gptq"): "radixserve-quant-gptq",

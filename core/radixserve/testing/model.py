@@ -79,14 +79,17 @@ class _Driver:
         c = hf_config
         self.model = model
         self.vocab = c.vocab_size
-        heads = c.num_attention_heads
-        kv_heads = getattr(c, "num_key_value_heads", None) or heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        dims = model.attention_dims()  # the model's own KV-cache shape, else the config's (as the runner)
+        if dims is None:
+            heads = c.num_attention_heads
+            kv_heads = getattr(c, "num_key_value_heads", None) or heads
+            dims = (c.num_hidden_layers, heads, kv_heads, getattr(c, "head_dim", None) or c.hidden_size // heads)
+        layers, heads, kv_heads, head_dim = dims
         self.alloc = TokenAllocator(1024)
         self.table = ReqToTokenPool(8, 256)
-        self.kv = KVPool(1024, c.num_hidden_layers, kv_heads, head_dim, torch.float32)
+        self.kv = KVPool(1024, layers, kv_heads, head_dim, torch.float32)
         self.backend = attention(AttentionRunnerInfo(
-            device=torch.device("cpu"), dtype=torch.float32, num_layers=c.num_hidden_layers, num_heads=heads,
+            device=torch.device("cpu"), dtype=torch.float32, num_layers=layers, num_heads=heads,
             num_kv_heads=kv_heads, head_dim=head_dim, req_to_token_pool=self.table, kv_pool=self.kv, max_bs=8,
             context_len=256,
         ))

@@ -1,0 +1,1 @@
+"""radixserve-models-transformers: the transformers fallback model (docs/transformers-fallback.md)."""

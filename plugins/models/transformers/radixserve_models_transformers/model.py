@@ -1,0 +1,304 @@
+"""TransformersForCausalLM: any transformers AutoModelForCausalLM as a RadixServe `Model`.
+
+The HF module tree is built as transformers defines it (`AutoModelForCausalLM.from_config`) with
+`attn_implementation="radixserve"`, so its attention modules call RadixServe's attention backends
+(see attention.py). A forward runs the HF base model on one flattened sequence: every request's
+new tokens back to back, `position_ids` giving each token's position in its own request, the HF
+cache off (`use_cache=False`): the KV pool is the only cache. The LM head (plus the logit
+post-processing the config asks for) is `compute_logits`.
+
+At construction a probing forward of two tokens finds the attention modules (in call order: their
+layer ids), their shapes (the KV-cache shape the runner reads from `attention_dims`) and whether
+`compute_logits` reproduces the model's own logits; anything the backends cannot run is an
+`UnsupportedModelError` naming the feature, before any weight is read."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterable
+
+import torch
+from radixserve.interfaces.model import Model
+from radixserve.interfaces.quantization import QuantMethod
+from radixserve.plugins.model_select import FALLBACK_DISTRIBUTION
+from radixserve.state import ForwardBatch
+
+from radixserve_models_transformers import attention
+from radixserve_models_transformers.attention import ForwardContext, Probing, UnsupportedModelError
+from radixserve_models_transformers.weights import load_hf_weights
+
+logger = logging.getLogger(__name__)
+
+
+class TransformersForCausalLM(Model):
+    """The transformers fallback (registered as model component "transformers").
+
+    Restrictions: unquantized weights only; attention must go through transformers'
+    attention interface with every layer of one shape (see docs/transformers-fallback.md)."""
+
+    def __init__(self, config, quant_method: QuantMethod | None = None, prefix: str = "") -> None:
+        super().__init__(config, quant_method, prefix)
+        _check_unquantized(config, quant_method)
+        attention.register()
+        self.config = config
+        self.hf = _build(config)
+        self.ctx = ForwardContext()
+        head = self.hf.get_output_embeddings()
+        if head is None or not _base_candidates(self.hf):
+            raise UnsupportedModelError(
+                f"{type(self.hf).__name__} has no separate base model and LM head to run apart", "model-layout")
+        # plain attributes, not submodules: the parameters stay named as in the HF model under `hf.`
+        object.__setattr__(self, "_head", head)
+        object.__setattr__(self, "_base", None)  # set by the probe
+        self._position_offset = 0  # added to positions (set by the probe)
+        self._head_via_hf = False  # True: compute_logits runs the HF model's own head path
+        self._softcap = getattr(config, "final_logit_softcapping", None)
+        self._logit_mul = _logit_multiplier(config)
+        _route_positions(self.hf, self.ctx)
+        self._dims = self._probe()
+
+    # ---- the Model contract -----------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        self.ctx.batch = batch
+        self.ctx.start_forward()
+        try:
+            if self._position_offset:
+                positions = positions + self._position_offset
+            self.ctx.positions = positions
+            out = self._base(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
+                             use_cache=False, return_dict=True)
+        finally:
+            self.ctx.batch = self.ctx.positions = None
+        return _last_hidden(out)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._head_via_hf:
+            return self._logits_via_hf(hidden)
+        logits = self._head(hidden).float()
+        if self._logit_mul is not None:
+            logits = logits * self._logit_mul
+        if self._softcap:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits
+
+    def _logits_via_hf(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The causal LM's own forward with its base model standing in for a module that returns
+        `hidden`: exactly the model's head path (an LM head with its own transform, scalings)."""
+        self._base_parent._modules[self._base_attr] = _HiddenStates(hidden.unsqueeze(0))
+        try:
+            ids = torch.zeros(1, hidden.shape[0], dtype=torch.long, device=hidden.device)
+            out = self.hf(input_ids=ids, use_cache=False, return_dict=True)
+        finally:
+            self._base_parent._modules[self._base_attr] = self._base
+        return out.logits[0].float()
+
+    def attention_dims(self) -> tuple[int, int, int, int]:
+        return self._dims
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return {f"hf.{name}" for name in load_hf_weights(self.hf, weights)}
+
+    # ---- construction -----------------------------------------------------------------------
+    @torch.no_grad()
+    def _probe(self) -> tuple[int, int, int, int]:
+        """Probing forwards through the whole HF model, attention recording instead of attending:
+        bind the attention modules; check that a token's state depends only on the token and its
+        position id (not on other tokens outside attention, nor on its index in the flattened
+        sequence); find the position convention (RoBERTa-style models count from an offset); check
+        compute_logits against the model's own logits."""
+        self._device = next(self.hf.parameters()).device
+        base = self._probe_run([1, 2], [0, 1])  # token 2 at position 1 in the first three runs
+        other_first = self._probe_run([3, 2], [0, 1])
+        alone = self._probe_run([2], [1])
+        dims = attention.bind_layers(self.ctx, getattr(self.config, "sliding_window", None))
+        if self._device.type == "meta":
+            return dims
+        if not _same(base[1], other_first[1]):
+            raise UnsupportedModelError(
+                f"{type(self.hf).__name__} mixes tokens outside attention (recurrent, state-space or convolution "
+                "layers keep sequence state the KV pool does not hold)", "sequence-state")
+        if not _same(base[1], alone[1]):
+            raise UnsupportedModelError(
+                f"{type(self.hf).__name__} does not take its positions from position_ids (it counts them from "
+                "the start of its input), so a flattened batch would give tokens the wrong positions",
+                "ignores-position-ids")
+        self._position_offset = self._find_position_offset()
+        self._check_logits(base[0], base[2])
+        return dims
+
+    def _probe_run(self, ids: list[int], pos: list[int] | None):
+        """One probing forward: (the base model's hidden states, the last token's signature: its
+        hidden state and every attention call's q, k, v, the logits)."""
+        candidates = _base_candidates(self.hf)
+        captured: list[tuple[int, torch.Tensor]] = []  # (candidate index, its output), in completion order
+        hooks = [m.register_forward_hook(lambda _m, _a, out, i=i: captured.append((i, _last_hidden(out))))
+                 for i, m in enumerate(candidates)]
+        kwargs = {} if pos is None else {"position_ids": torch.tensor([pos], device=self._device)}
+        self.ctx.positions = None if pos is None else kwargs["position_ids"][0]
+        try:
+            with Probing(self.ctx):
+                out = self.hf(input_ids=torch.tensor([ids], device=self._device), use_cache=False, return_dict=True,
+                              **kwargs)
+        except UnsupportedModelError:
+            raise
+        except Exception as e:  # the model cannot run on a flattened batch with explicit positions
+            raise UnsupportedModelError(
+                f"{type(self.hf).__name__} failed on a probing forward (input_ids + position_ids, no cache): {e!r}",
+                "probe-forward") from e
+        finally:
+            self.ctx.positions = None
+            for h in hooks:
+                h.remove()
+        if not captured:
+            raise UnsupportedModelError(f"{type(self.hf).__name__} did not run its base model", "model-layout")
+        index, state = min(captured, key=lambda c: c[0])  # the outermost candidate that ran
+        if self._base is None:
+            object.__setattr__(self, "_base", candidates[index])
+            self._base_parent, self._base_attr = _parent_of(self.hf, self._base)
+        return state[0], [state[0, -1]] + self.ctx.last_token_qkv, out.logits[0]
+
+    def _find_position_offset(self) -> int:
+        """What the model adds to a sequence index to get its position id when it counts them
+        itself (0 for most; RoBERTa-style embeddings start after the padding index). Token ids 5, 6
+        are not padding in any vocabulary the probe meets."""
+        own = self._probe_run([5, 6], None)[1]
+        pad = getattr(self.config, "pad_token_id", None)
+        for offset in dict.fromkeys([0, 1, 2] + ([pad + 1] if isinstance(pad, int) and 0 <= pad < 64 else [])):
+            if _same(own, self._probe_run([5, 6], [offset, offset + 1])[1]):
+                return offset
+        raise UnsupportedModelError(
+            f"{type(self.hf).__name__} numbers positions in a way the fallback cannot reproduce with position_ids",
+            "position-convention")
+
+    def _check_logits(self, hidden: torch.Tensor, expected: torch.Tensor) -> None:
+        """Use the LM head directly when that gives the model's logits, else its own head path."""
+        tol = 1e-4 if hidden.dtype == torch.float32 else 2e-2
+        for via_hf in (False, True):
+            self._head_via_hf = via_hf
+            try:
+                ours = self.compute_logits(hidden)
+            except RuntimeError:  # e.g. a head whose input is a projection of the hidden state
+                continue
+            if ours.shape == expected.shape and torch.allclose(ours, expected.float(), rtol=tol, atol=tol):
+                return
+        raise UnsupportedModelError(
+            f"{type(self.hf).__name__}'s logits cannot be computed from the base model's last hidden state",
+            "logits-postprocess")
+
+
+def _route_positions(hf: torch.nn.Module, ctx: ForwardContext) -> None:
+    """Decoders of the Bart family count positions from the start of their input and hand them to
+    their position-embedding module (`embed_positions(..., position_ids=...)`); inside a RadixServe
+    forward that module gets the flattened batch's positions instead (outside one, e.g. when the
+    model runs on its own, it is untouched)."""
+    import inspect
+
+    for name, module in hf.named_modules():
+        if not name.endswith("embed_positions") or "position_ids" not in inspect.signature(module.forward).parameters:
+            continue
+        original = module.forward
+
+        def forward(*args, _original=original, _sig=inspect.signature(original), **kwargs):
+            if ctx.positions is None:
+                return _original(*args, **kwargs)
+            bound = _sig.bind_partial(*args, **kwargs)  # position_ids may come positionally
+            given = bound.arguments.get("position_ids")
+            shape = given.shape if isinstance(given, torch.Tensor) else ctx.positions.shape
+            bound.arguments["position_ids"] = ctx.positions.reshape(shape)
+            return _original(*bound.args, **bound.kwargs)
+
+        module.forward = forward
+
+
+def _base_candidates(hf) -> list[torch.nn.Module]:
+    """Modules that may be what the causal LM runs before its head: the base model under
+    `base_model_prefix` and the decoder inside it (BartForCausalLM calls `model.decoder` directly).
+    The probe keeps the outermost one that actually ran."""
+    out = []
+    named = (getattr(hf, hf.base_model_prefix, None), getattr(hf, "model", None), getattr(hf, "transformer", None))
+    for m in (*named, hf.get_decoder() if hasattr(hf, "get_decoder") else None):
+        if isinstance(m, torch.nn.Module) and m is not hf and all(m is not o for o in out):
+            out.append(m)
+    return out
+
+
+def _parent_of(root: torch.nn.Module, module: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    for name, m in root.named_modules():
+        if m is module:
+            parent, _, attr = name.rpartition(".")
+            return root.get_submodule(parent) if parent else root, attr
+    raise UnsupportedModelError("the base model is not a submodule of the causal LM", "model-layout")
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    if len(a) != len(b):
+        return False
+    tol = 1e-5 if a[0].dtype == torch.float32 else 1e-2
+    return all(x.shape == y.shape and torch.allclose(x, y, rtol=tol, atol=tol) for x, y in zip(a, b, strict=True))
+
+
+class _HiddenStates(torch.nn.Module):
+    """Stands in for a base model: returns the given hidden states, whatever it is called with."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, *args, **kwargs):
+        from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=self.hidden)
+
+
+def _check_unquantized(config, quant_method: QuantMethod | None) -> None:
+    from radixserve.layers.quant_unquantized import UnquantizedMethod
+
+    if quant_method is not None and not isinstance(quant_method, UnquantizedMethod):
+        raise UnsupportedModelError(
+            f"the transformers fallback ({FALLBACK_DISTRIBUTION}) runs unquantized weights only, not "
+            f"{type(quant_method).__name__}", "quantized")
+
+
+def _build(config) -> torch.nn.Module:
+    """The HF causal LM for `config`, on the current default device and dtype."""
+    from transformers import AutoModelForCausalLM
+
+    arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+    config = copy.deepcopy(config)  # from_config writes dtype and the attention implementation into it
+    try:
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention.ATTN_IMPLEMENTATION, dtype=torch.get_default_dtype()
+        )
+    except KeyError as e:
+        if e.args and e.args[0] == attention.ATTN_IMPLEMENTATION:  # a {implementation: attention class} table
+            raise UnsupportedModelError(
+                f"{arch} picks its attention class from a fixed table of implementations instead of "
+                "transformers' attention interface", "no-attention-interface") from None
+        raise
+    except ValueError as e:
+        if "Unrecognized configuration class" in str(e):
+            raise UnsupportedModelError(
+                f"{arch} ({config.model_type}) is not a decoder transformers can build with AutoModelForCausalLM, "
+                f"so the transformers fallback (model.impl: transformers) cannot run it", "not-causal-lm") from None
+        raise
+    logger.debug("built %s with attn_implementation=%s", type(model).__name__, attention.ATTN_IMPLEMENTATION)
+    return model.eval()
+
+
+def _logit_multiplier(config) -> float | None:
+    """Scalar factors some families apply to the LM head's output (Cohere, Granite)."""
+    factor = 1.0
+    if getattr(config, "logit_scale", None) is not None:
+        factor *= float(config.logit_scale)
+    if getattr(config, "logits_scaling", None):
+        factor /= float(config.logits_scaling)
+    return None if factor == 1.0 else factor
+
+
+def _last_hidden(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, tuple):
+        return out[0]
+    return out.last_hidden_state

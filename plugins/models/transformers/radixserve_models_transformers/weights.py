@@ -1,0 +1,81 @@
+"""Load (HF name, tensor) pairs into an HF module tree, the loader's `Model.load_weights` contract.
+
+Most checkpoints name their tensors exactly as the module's parameters: those are copied in as
+they stream past. The rest (checkpoints in an older layout: per-expert MoE weights that transformers
+5 stacks, renamed keys) go through transformers' own conversion rules
+(`get_model_conversion_mapping` + `convert_and_load_state_dict_in_model`), once, at the end."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+
+# buffers some checkpoints carry that every model recomputes
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached", ".masked_bias")
+
+
+def load_hf_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Fill `model`'s parameters; return the names (as in `model.named_parameters()`) loaded.
+
+    Raises KeyError naming checkpoint tensors that match nothing, ValueError on a shape mismatch."""
+    params = dict(model.named_parameters())
+    aliases = _tied_aliases(model)
+    buffers = dict(model.named_buffers())
+    loaded: set[str] = set()
+    rest: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, tensor in weights:
+            target = aliases.get(name, name)
+            param = params.get(target)
+            if param is not None:
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model's "
+                                     f"parameter {target!r} {tuple(param.shape)}")
+                param.copy_(tensor)
+                loaded.add(target)
+            elif name in buffers and tuple(buffers[name].shape) == tuple(tensor.shape):
+                buffers[name].copy_(tensor)
+            elif not name.endswith(_IGNORED_SUFFIXES):
+                rest[name] = tensor
+    if rest:
+        loaded |= _load_converted(model, rest)
+    return loaded
+
+
+def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Second names of shared parameters (a tied LM head) -> the name `named_parameters()` uses."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def _load_converted(model, state: dict[str, torch.Tensor]) -> set[str]:
+    """Load what did not match by name through transformers' conversion rules; return the
+    parameters it filled. Raises KeyError naming any tensor it could not place either."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    before = {name: p for name, p in model.named_parameters()}
+    device = next(iter(before.values())).device
+    dtype = next(iter(before.values())).dtype
+    config = LoadStateDictConfig(
+        dtype=dtype, device_map={"": device}, weight_mapping=get_model_conversion_mapping(model, None, None)
+    )
+    info, _ = convert_and_load_state_dict_in_model(model, state, config)
+    ignored = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    unexpected = sorted(k for k in info.unexpected_keys if not any(re.search(p, k) for p in ignored))
+    if unexpected or info.mismatched_keys or info.conversion_errors:
+        problems = unexpected or sorted(str(m) for m in info.mismatched_keys) or sorted(info.conversion_errors)
+        raise KeyError(f"checkpoint tensor(s) with no matching parameter in {type(model).__name__}: "
+                       f"{', '.join(map(str, problems[:8]))}" + (" ..." if len(problems) > 8 else ""))
+    params = dict(model.named_parameters())
+    # loaded = what the conversion did not report missing (it starts from every model key)
+    return {name for name in params if name not in info.missing_keys}

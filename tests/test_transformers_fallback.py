@@ -1,0 +1,161 @@
+"""The transformers fallback (radixserve-models-transformers) and `model.impl`: parity with
+transformers through the runner, selection and its errors, features it refuses by name, and the
+graph-safety of its forward (no host synchronisation: it runs on the meta device)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from hf_reference import hf_greedy
+from radixserve.config import Config, ConfigError
+from radixserve.model_runner import ModelRunner
+from radixserve.plugins.model_select import select_model
+from radixserve.plugins.registry import PluginError, Registry
+from radixserve.testing import check_model_parity, tiny_checkpoint
+from radixserve_models_transformers.attention import UnsupportedModelError
+from radixserve_models_transformers.model import TransformersForCausalLM
+from runner_driver import greedy_generate
+from transformers import AutoConfig, AutoModelForCausalLM
+
+
+def _runner(path: str, impl: str) -> ModelRunner:
+    cfg = Config.build({
+        "model": {"path": path, "impl": impl},
+        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
+        "scheduler": {"max_total_tokens": 1024, "max_running_requests": 8},
+    })
+    return ModelRunner(cfg, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory) -> str:
+    """GPT-2: no native plugin, absolute position embeddings, a config without num_key_value_heads
+    whose attention is MHA (the KV shape comes from the model, not the config)."""
+    return tiny_checkpoint("gpt2", str(tmp_path_factory.mktemp("gpt2")), bos_token_id=1, eos_token_id=2)
+
+
+def test_auto_falls_back_for_an_unclaimed_architecture_and_matches_transformers(gpt2_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="radixserve.model_runner"):
+        runner = _runner(gpt2_dir, "auto")
+    assert isinstance(runner.model, TransformersForCausalLM)
+    assert any("GPT2LMHeadModel: transformers fallback" in r.getMessage() for r in caplog.records)
+    assert runner.kv_pool.k_buffers[0].shape[1:] == (4, 16)  # 4 KV heads (MHA), not the config's 2
+    hf = AutoModelForCausalLM.from_pretrained(gpt2_dir, dtype=torch.float32).eval()
+    prompts = [[5, 9, 33, 2, 7], list(range(40, 47)), [8, 8, 1, 9, 30, 31, 4, 6]]  # 2 chunks each
+    ours = greedy_generate(runner, prompts, 12, prefill_chunk=4)  # batched, chunked prefill
+    for prompt, gen in zip(prompts, ours, strict=True):
+        assert gen.tokens == hf_greedy(hf, prompt, 12)[0]
+
+
+def test_forced_fallback_equals_the_native_plugin(tiny_llama_dir, caplog):
+    """model.impl: transformers on an architecture with a native plugin: same greedy tokens."""
+    path = tiny_llama_dir("qwen3")
+    with caplog.at_level(logging.INFO, logger="radixserve.model_runner"):
+        fallback = _runner(path, "transformers")
+    assert type(fallback.model).__name__ == "TransformersForCausalLM"
+    assert any("forced by model.impl=transformers" in r.getMessage() for r in caplog.records)
+    native = _runner(path, "auto")
+    assert type(native.model).__name__ == "Qwen3ForCausalLM"
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 7]]
+    assert [g.tokens for g in greedy_generate(fallback, prompts, 10)] == \
+        [g.tokens for g in greedy_generate(native, prompts, 10)]
+
+
+def test_fallback_conforms_to_the_model_kit(tmp_path):
+    """The model kit (chunked prefill in mixed batches, a prefix-cache hit, decode) on a latent-
+    attention model whose value heads are narrower than its query/key heads (padded in the pool)."""
+    path = tiny_checkpoint("deepseek_v3", str(tmp_path), q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                           qk_nope_head_dim=8, v_head_dim=16, head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=1)
+    check_model_parity(TransformersForCausalLM, path)
+
+
+def test_selection_errors_name_the_option_and_the_package():
+    reg = Registry.discover()
+    with pytest.raises(PluginError, match="model.impl: transformers"):
+        select_model(reg, "GPT2LMHeadModel", "native")
+    without = Registry.discover(deny={"transformers"})
+    with pytest.raises(PluginError, match="pip install radixserve-models-transformers"):
+        select_model(without, "GPT2LMHeadModel", "auto")
+    with pytest.raises(PluginError, match="model.impl: transformers needs"):
+        select_model(without, "LlamaForCausalLM", "transformers")
+    assert not select_model(without, "LlamaForCausalLM", "auto").fallback
+
+
+def test_config_rejects_an_unknown_impl_naming_it():
+    with pytest.raises(ConfigError, match="model.impl.*'vllm'"):
+        Config.build({"model": {"impl": "vllm"}})
+
+
+def test_model_impl_flag_and_plugins_listing(capsys):
+    from radixserve.cli import main, make_parser
+    from radixserve.cli_serve import _flag_overrides
+
+    args = make_parser().parse_args(["serve", "--model", "m", "--model-impl", "transformers"])
+    assert _flag_overrides(args)["model"] == {"path": "m", "impl": "transformers"}
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "any AutoModelForCausalLM  fallback  radixserve-models-transformers" in out
+    assert "LlamaForCausalLM" in out.split("model architectures")[1]
+
+
+@pytest.mark.parametrize("model_type, overrides, feature", [
+    ("gemma2", {"hidden_size": 64, "intermediate_size": 64, "head_dim": 16}, "attention-softcap"),  # logit soft-capping
+    ("mamba", {"hidden_size": 32, "state_size": 4}, "no-attention-interface"),  # no attention at all
+    ("gpt_oss", {"hidden_size": 64, "intermediate_size": 64, "head_dim": 16, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "num_local_experts": 4}, "attention-feature"),  # attention sinks
+])
+def test_unsupported_features_are_named_before_any_weight_loads(model_type, overrides, feature):
+    base = {"vocab_size": 128, "num_hidden_layers": 2, "decoder_layers": 2}
+    cfg = AutoConfig.for_model(model_type, **{**base, **overrides})
+    cfg.architectures = [AutoModelForCausalLM._model_mapping[type(cfg)].__name__]
+    with pytest.raises(UnsupportedModelError) as err:
+        TransformersForCausalLM(cfg)
+    assert err.value.feature == feature
+
+
+class _ShapeOnlyBackend:
+    """Stands in for an attention backend on the meta device: checks the packed layout only."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int) -> None:
+        self.dims = (heads, kv_heads, head_dim)
+
+    def forward(self, q, k, v, layer, batch):
+        heads, kv_heads, d = self.dims
+        assert q.shape == (batch.input_ids.shape[0], heads * d) and k.shape[1] == v.shape[1] == kv_heads * d
+        return torch.empty_like(q)
+
+
+def test_forward_has_no_host_sync_so_it_can_be_graph_captured():
+    """Every tensor lives on the meta device, so any `.item()`, `.tolist()` or branch on a tensor's
+    value in the HF model or the attention function raises: the decode forward is capturable."""
+    from radixserve.state import ForwardBatch, ForwardMode
+
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                               rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 64})
+    cfg.architectures = ["LlamaForCausalLM"]
+    with torch.device("meta"):
+        model = TransformersForCausalLM(cfg)
+    assert model.attention_dims() == (2, 4, 2, 16)
+    meta = lambda n: torch.empty(n, dtype=torch.int64, device="meta")  # noqa: E731
+    batch = ForwardBatch(mode=ForwardMode.DECODE, batch_size=3, input_ids=meta(3), positions=meta(3),
+                         req_pool_indices=meta(3), seq_lens=meta(3), prefix_lens=meta(3), extend_lens=meta(3),
+                         out_cache_loc=meta(3), req_to_token_pool=None, kv_pool=None,
+                         attn_backend=_ShapeOnlyBackend(4, 2, 16), seq_lens_cpu=[4, 5, 6], prefix_lens_cpu=[3, 4, 5],
+                         extend_lens_cpu=[1, 1, 1])
+    with torch.inference_mode():
+        logits = model.compute_logits(model(batch.input_ids, batch.positions, batch))
+    assert logits.shape == (3, 256) and logits.device.type == "meta"
+
+
+def test_cli_names_the_option_when_no_native_plugin_claims_the_model(gpt2_dir, capsys):
+    from radixserve.cli import main
+
+    assert main(["generate", "hi", "runtime.device=cpu", "--model", gpt2_dir, "--model-impl", "native"]) == 2
+    err = capsys.readouterr().err
+    assert "GPT2LMHeadModel" in err and "model.impl: transformers" in err and "Traceback" not in err
