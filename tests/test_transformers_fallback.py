@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from family_cases import DENSE_CASES
 from hf_reference import hf_greedy
 from radixserve.config import Config, ConfigError
 from radixserve.model_runner import ModelRunner
@@ -68,7 +69,11 @@ def test_fallback_conforms_to_the_model_kit(tmp_path):
     attention model whose value heads are narrower than its query/key heads (padded in the pool)."""
     path = tiny_checkpoint("deepseek_v3", str(tmp_path), q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
                            qk_nope_head_dim=8, v_head_dim=16, head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
-                           moe_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=1)
+                           moe_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=1,
+                           # as in DeepSeek's own configs: MLA expands the latent to every head, and
+                           # transformers' eager attention (the kit's reference) repeats KV heads by
+                           # heads / num_key_value_heads
+                           num_key_value_heads=4)
     check_model_parity(TransformersForCausalLM, path)
 
 
@@ -101,8 +106,14 @@ def test_model_impl_flag_and_plugins_listing(capsys):
     assert "LlamaForCausalLM" in out.split("model architectures")[1]
 
 
+def test_windows_and_soft_capping_pass_through_to_the_backend(tmp_path):
+    """Gemma 2 through the fallback: its sliding window (shorter than the prompts) and both soft-caps
+    reach RadixServe's attention layer (plugin API 1.3), so the result matches transformers."""
+    model_type, overrides = DENSE_CASES["gemma2-softcap-window"]
+    check_model_parity(TransformersForCausalLM, tiny_checkpoint(model_type, str(tmp_path), **overrides))
+
+
 @pytest.mark.parametrize("model_type, overrides, feature", [
-    ("gemma2", {"hidden_size": 64, "intermediate_size": 64, "head_dim": 16}, "attention-softcap"),  # logit soft-capping
     ("mamba", {"hidden_size": 32, "state_size": 4}, "no-attention-interface"),  # no attention at all
     ("gpt_oss", {"hidden_size": 64, "intermediate_size": 64, "head_dim": 16, "num_attention_heads": 4,
                  "num_key_value_heads": 2, "num_local_experts": 4}, "attention-feature"),  # attention sinks

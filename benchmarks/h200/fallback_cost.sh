@@ -11,7 +11,7 @@ T=${TOKENIZER:-.gpu2/tok-smollm2}
 python3 benchmarks/h200/hbm_limit.py 2>&1 | tee $OUT/limit.txt
 if [ "${PART:-all}" != offline ]; then
   for impl in native transformers; do
-    timeout 180 radixserve bench one-batch --model $M --load-format dummy --device cuda --dtype bfloat16 --batch-size 1 \
+    timeout ${ONE_BATCH_TIMEOUT:-180} radixserve bench one-batch --model $M --load-format dummy --device cuda --dtype bfloat16 --batch-size 1 \
       --input-len 1024 --output-len 128 --model-impl $impl --result-file $OUT/one_batch_$impl.jsonl \
       model.context_length=2048 stack.attention=triton runtime.cuda_graph_max_bs=8 2>&1 \
       | grep -v "it/s\]\|tensor/s\]" | tail -4
