@@ -6,6 +6,7 @@ must guarantee in return. Breaking one of them is a plugin-API major version bum
 from radixserve.interfaces.attention import AttentionBackend, AttentionLayerSpec, AttentionRunnerInfo
 from radixserve.interfaces.drafter import Drafter, DrafterInfo, DraftProposal
 from radixserve.interfaces.grammar import GRAMMAR_KINDS, GrammarBackend, GrammarError, GrammarMatcher
+from radixserve.interfaces.latent_attention import LatentAttentionDims, LatentAttentionLayerSpec
 from radixserve.interfaces.model import Model
 from radixserve.interfaces.policy import SchedulePolicy
 from radixserve.interfaces.prefix_cache import MatchResult, PrefixCache
@@ -42,6 +43,8 @@ __all__ = [
     "GrammarBackend",
     "GrammarError",
     "GrammarMatcher",
+    "LatentAttentionDims",
+    "LatentAttentionLayerSpec",
     "MatchResult",
     "Model",
     "ParsedToolCall",

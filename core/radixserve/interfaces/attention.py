@@ -24,6 +24,7 @@ from radixserve.state import ForwardMode
 if TYPE_CHECKING:
     import torch
 
+    from radixserve.interfaces.latent_attention import LatentAttentionDims, LatentAttentionLayerSpec
     from radixserve.memory.kv_pool import KVPool
     from radixserve.memory.req_to_token import ReqToTokenPool
     from radixserve.state import ForwardBatch
@@ -50,6 +51,10 @@ class AttentionRunnerInfo:
     kv_pool: KVPool
     max_bs: int  # most requests one batch can hold (rows of req_to_token_pool)
     context_len: int  # longest sequence (prefix + new tokens) of any request
+    # Latent attention (plugin API 1.4): the model's LatentAttentionDims when its attention_type is
+    # "latent"; kv_pool is then a LatentKVPool, num_kv_heads is 1 and head_dim the latent row width.
+    # None for standard attention.
+    latent: LatentAttentionDims | None = None
 
 
 class AttentionLayerSpec(Protocol):
@@ -119,6 +124,13 @@ class AttentionBackend(abc.ABC):
     # Added in plugin API 1.3.
     supports_sliding_window: bool = False
     supports_logit_cap: bool = False
+    # Latent attention (MLA; plugin API 1.4). supports_latent_attention: the backend implements
+    # forward_latent_extend / forward_latent_decode below and works on a LatentKVPool.
+    # supports_standard_attention: it implements forward_extend / forward_decode; a latent-only
+    # backend sets it False. The runner refuses a model whose attention type the selected backend
+    # does not support, naming both.
+    supports_latent_attention: bool = False
+    supports_standard_attention: bool = True
 
     @classmethod
     def supports(cls, device: str, dtype: str, head_dim: int) -> bool:
@@ -209,6 +221,54 @@ class AttentionBackend(abc.ABC):
         if batch.mode is ForwardMode.DECODE:
             return self.forward_decode(q, k, v, layer, batch)
         return self.forward_extend(q, k, v, layer, batch)
+
+    # ---- latent attention (MLA), plugin API 1.4 ----------------------------------------------
+    def forward_latent_extend(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+        layer: LatentAttentionLayerSpec, batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Latent attention for an EXTEND batch (same batch shapes and masking rules as
+        `forward_extend`: causal over the request's prefix and new tokens, or `batch.tree_mask` when
+        the backend declares `supports_tree_mask`).
+
+        :param q_nope: `[num_tokens, num_heads, qk_nope_head_dim]`, the queries' non-rotary part.
+        :param q_pe: `[num_tokens, num_heads, qk_rope_head_dim]`, rotary already applied.
+        :param c_kv: `[num_tokens, kv_lora_rank]`, the new tokens' normalised latents.
+        :param k_pe: `[num_tokens, qk_rope_head_dim]`, their shared rotary key part, rotary applied.
+        :param layer: the calling layer (`LatentAttentionLayerSpec`: dims, `scaling`, `w_uk`, `w_uv`).
+        :param batch: the batch passed to `init_forward_metadata`; `batch.kv_pool` is a LatentKVPool.
+        :return: `[num_tokens, num_heads * v_head_dim]` in q_nope's dtype: per head h the attention of
+            query `[q_nope[h], q_pe[h]]` over keys `[c_kv @ w_uk[h].T, k_pe]` and values
+            `c_kv @ w_uv[h].T` of the request's prefix and new tokens (see latent_attention.py).
+
+        Restrictions: first store the new rows (`LatentKVPool.set_latent(layer_id, out_cache_loc,
+        c_kv, k_pe)` or the same bytes); change no other slot. Called only when
+        `supports_latent_attention` is True.
+
+        Added in plugin API 1.4.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support latent attention (MLA)")
+
+    def forward_latent_decode(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+        layer: LatentAttentionLayerSpec, batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Latent attention for a DECODE batch (one new token per request). Parameters, return
+        value and restrictions as `forward_latent_extend`; with `decode_rows_share_requests` the
+        same promise as for `forward_decode` (all rows stored before any row reads).
+
+        Added in plugin API 1.4.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support latent attention (MLA)")
+
+    def forward_latent(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+        layer: LatentAttentionLayerSpec, batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Dispatch on `batch.mode`; backends normally do not override it. Added in plugin API 1.4."""
+        if batch.mode is ForwardMode.DECODE:
+            return self.forward_latent_decode(q_nope, q_pe, c_kv, k_pe, layer, batch)
+        return self.forward_latent_extend(q_nope, q_pe, c_kv, k_pe, layer, batch)
 
     # ---- optional CUDA graph support -------------------------------------------------------
     def supports_cuda_graph(self) -> bool:

@@ -11,6 +11,7 @@ import torch.nn as nn
 if TYPE_CHECKING:
     import torch
 
+    from radixserve.interfaces.latent_attention import LatentAttentionDims
     from radixserve.interfaces.quantization import QuantMethod
     from radixserve.state import ForwardBatch
 
@@ -96,6 +97,22 @@ class Model(nn.Module, abc.ABC):
         Called once, after the weights are loaded. Added in plugin API 1.3.
         """
         return None
+
+    attention_type: str = "standard"
+    """Class attribute: which KV memory the model's attention layers use. "standard": per-head K and
+    V (`KVPool`, `RadixAttention`). "latent": multi-head latent attention (MLA) with one compressed
+    row per token (`LatentKVPool`, `radixserve.layers.latent_attention.RadixLatentAttention`); the
+    model then implements `latent_attention_dims`, and only a backend with
+    `supports_latent_attention` may serve it. The runner picks the pool from this declaration, never
+    from the architecture name. Added in plugin API 1.4."""
+
+    def latent_attention_dims(self) -> LatentAttentionDims:
+        """The latent-attention shape on this rank (`radixserve.interfaces.LatentAttentionDims`).
+        Only called when `attention_type == "latent"`, once, after the weights are loaded.
+
+        Added in plugin API 1.4.
+        """
+        raise NotImplementedError(f"{type(self).__name__} declares no latent attention")
 
     # ---- hidden-state capture (for drafters such as EAGLE) ------------------------------------
     supports_aux_hidden_states: bool = False
