@@ -386,3 +386,41 @@ class _NotLatent(TorchNativeBackend):
 def test_latent_kit_catches_broken_backends(broken, needle):
     with pytest.raises(AssertionError, match=needle):
         check_latent_attention_backend(broken, dims=((2, 16, 8, 4, 8),), seeds=(0,), tree_steps=1)
+
+
+def test_latent_models_at_tp2_need_supports_tensor_parallel():
+    from radixserve.model_runner import check_model_tensor_parallel
+
+    config = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=1)
+    with pytest.raises(PluginError, match=f"{ARCH}.*supports_tensor_parallel is False"):
+        check_model_tensor_parallel(ARCH, TinyLatentModel, None, config, 2)
+
+    class ShardedLatent(TinyLatentModel):
+        supports_tensor_parallel = True
+
+    # every rank keeps the whole latent row: only the query heads must split
+    check_model_tensor_parallel(ARCH, ShardedLatent, None, config, 2)
+    with pytest.raises(ValueError, match="tp_size=3"):
+        check_model_tensor_parallel(ARCH, ShardedLatent, None, config, 3)
+
+
+def test_a_latent_only_backend_need_not_define_the_standard_methods():
+    from radixserve.interfaces import AttentionBackend
+
+    class MinimalLatent(AttentionBackend):
+        supports_latent_attention = True
+        supports_standard_attention = False
+
+        def init_forward_metadata(self, batch):
+            pass
+
+    backend = MinimalLatent()  # constructible: forward_extend / forward_decode are not abstract for it
+    with pytest.raises(NotImplementedError, match="MinimalLatent is latent-only"):
+        backend.forward_extend(None, None, None, None, None)
+
+    class MissingStandard(AttentionBackend):
+        def init_forward_metadata(self, batch):
+            pass
+
+    with pytest.raises(TypeError):  # a standard backend must still define them
+        MissingStandard()
