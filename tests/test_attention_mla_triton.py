@@ -70,13 +70,13 @@ def tree_block(parents: list[int]) -> list[list[bool]]:
 
 
 def make_problem(prefix_lens, extend_lens, mode=ForwardMode.EXTEND, seed=0, trees=None, shape=SHAPE,
-                 dtype=DTYPE, **backend_kwargs) -> Problem:
+                 dtype=DTYPE, num_slots=None, max_context=None, **backend_kwargs) -> Problem:
     heads, lora, rope, nope, v = shape
     gen = torch.Generator().manual_seed(seed)
     bs = len(prefix_lens)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-    num_slots = sum(seq_lens) + 9  # spare slots that must stay untouched
-    max_ctx = max(seq_lens) + 5
+    num_slots = num_slots or sum(seq_lens) + 9  # spare slots that must stay untouched
+    max_ctx = max_context or max(seq_lens) + 5
     pool = LatentKVPool(num_slots, 2, lora, rope, dtype, DEVICE)
     for layer_id in range(2):  # the pool starts with noise: a kernel reading a wrong slot shows
         pool.get_latent(layer_id).copy_(torch.randn(num_slots + 1, lora + rope, generator=gen).to(dtype))
@@ -291,7 +291,8 @@ def test_graph_metadata_is_refreshed_in_place():
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 def test_cuda_graph_capture_and_replay_with_new_lengths():
-    p = make_problem([50, 7, 900], [1, 1, 1], ForwardMode.DECODE, seed=11)
+    sizes = {"num_slots": 1000, "max_context": 1000}  # both steps' pools and tables have one shape
+    p = make_problem([50, 7, 900], [1, 1, 1], ForwardMode.DECODE, seed=11, **sizes)
     b, batch = p.backend, p.batch
     b.init_graph_state(max_bs=3)
     b.init_forward_metadata_capture(batch)
@@ -304,7 +305,7 @@ def test_cuda_graph_capture_and_replay_with_new_lengths():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = b.forward_latent(*args, p.layer, batch)
-    nxt = make_problem([51, 8, 901], [1, 1, 1], ForwardMode.DECODE, seed=11)
+    nxt = make_problem([51, 8, 901], [1, 1, 1], ForwardMode.DECODE, seed=12, **sizes)
     # the next step written into the captured tensors: pool, table, lengths, inputs; weights stay
     batch.kv_pool.get_latent(1).copy_(nxt.batch.kv_pool.get_latent(1))
     batch.req_to_token_pool.req_to_token.copy_(nxt.batch.req_to_token_pool.req_to_token)
