@@ -320,6 +320,19 @@ def test_cuda_graph_capture_and_replay_with_new_lengths():
     assert_close(out, reference(nxt), "graph replay")
 
 
+def test_latent_conformance_kit():
+    """radixserve.testing's latent kit: random scenarios (shared prefixes, chunked prefill in mixed
+    batches, decode over random subsets, draft trees, chain rows sharing a request in one decode
+    batch) against its exact decompressed reference, pools compared after every step."""
+    from radixserve.testing import check_latent_attention_backend
+
+    if ON_GPU:
+        check_latent_attention_backend(MlaTritonBackend, device="cuda", dtype=torch.bfloat16, tolerance=TOL)
+    else:  # the interpreter is slow: one seed, fewer steps; both default shapes (odd heads, rope 8)
+        check_latent_attention_backend(MlaTritonBackend, seeds=(0,), num_requests=3, decode_steps=2, tree_steps=2,
+                                       decode_row_steps=1)
+
+
 def test_refuses_standard_attention_and_declares_its_flags():
     assert MlaTritonBackend.supports_latent_attention and not MlaTritonBackend.supports_standard_attention
     assert MlaTritonBackend.supports_tree_mask

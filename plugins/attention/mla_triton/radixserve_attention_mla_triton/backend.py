@@ -165,12 +165,6 @@ class MlaTritonBackend(AttentionBackend):
         return meta
 
     # ---- forward ------------------------------------------------------------------------------
-    def forward_extend(self, q, k, v, layer, batch) -> torch.Tensor:
-        raise NotImplementedError("the mla_triton backend runs latent attention (MLA) only "
-                                  "(supports_standard_attention is False): use forward_latent")
-
-    forward_decode = forward_extend
-
     def forward_latent_extend(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
         layer: LatentAttentionLayerSpec, batch: ForwardBatch,
