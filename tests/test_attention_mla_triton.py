@@ -349,10 +349,23 @@ def test_refuses_standard_attention_and_declares_its_flags():
 
 
 def test_registered_as_a_latent_cuda_backend():
+    from radixserve.plugins.known import install_hint
     from radixserve.plugins.registry import Registry
 
     reg = Registry.discover()
     spec = reg.get("attention", "mla_triton")
     assert spec.devices == ("cuda",) and "latent_attention" in spec.capabilities
+    assert spec.distribution == install_hint("attention", "mla_triton") == "radixserve-attention-mla_triton"
     assert reg.load("attention", "mla_triton") is MlaTritonBackend
     assert reg.default("attention", "cuda").name != "mla_triton"  # never the default for standard models
+
+
+def test_stack_default_on_cuda_by_attention_type():
+    """With stack.attention unset the runner picks, per model attention type, the highest-priority
+    CUDA backend that supports it: mla_triton for a latent model, never for a standard one."""
+    from radixserve.plugins.registry import Registry
+    from radixserve.plugins.stack import default_attention
+
+    reg = Registry.discover()
+    assert default_attention(reg, "cuda", "latent").name == "mla_triton"
+    assert default_attention(reg, "cuda", "standard").name == "triton"
