@@ -2,7 +2,7 @@
 
 from radixserve.plugins import hookimpl
 
-PLUGIN_API = ">=1,<2"  # needs the latent contract of plugin API 1.4 (core still reports 1.3 while it is a draft)
+PLUGIN_API = ">=1.4,<2"  # the latent-attention contract (LatentKVPool, forward_latent_*)
 
 
 @hookimpl
