@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from radixserve.interfaces.attention import AttentionBackend
+from radixserve.layers.triton_interpreter import interpreter_enabled
 from radixserve.state import ForwardMode
 
-from radixserve_attention_triton._interpreter_compat import interpreter_enabled
 from radixserve_attention_triton.decode_kernel import DecodeConfig, compute_num_kv_splits, decode_attention
 from radixserve_attention_triton.extend_kernel import ExtendConfig, extend_attention
 
