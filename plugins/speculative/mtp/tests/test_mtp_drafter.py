@@ -1,0 +1,298 @@
+"""The MTP drafter on a tiny random DeepSeek-V3 target with one MTP layer (CPU): the MTP module
+against transformers' decoder layer, clear errors for checkpoints without MTP weights, the Drafter
+contract kit, greedy outputs with speculation equal to those without (chains of 2 and 3, batched,
+radix cache hits, chunked prefill), acceptance reported, and an MTP layer built to reproduce the
+target being accepted (the hidden-state and draft-KV plumbing lines up)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from mtp_checkpoints import TINY_V3, mtp_tensors, write_copy_target, write_tiny_v3_with_mtp, write_tiny_v3_without_mtp
+from radixserve.config import Config
+from radixserve.interfaces.target_states import HiddenRows
+from radixserve.model_runner import ModelRunner
+from radixserve.plugins.registry import PluginError, Registry
+from radixserve.runtime.messages import GenerateRequest
+from radixserve.scheduler import Scheduler
+from radixserve.scheduler.speculative.setup import build_drafter, drafter_info
+from radixserve.state import SamplingParams
+from radixserve.static_batch import run_static_batch
+from radixserve.testing import check_drafter
+from radixserve.testing import run_to_completion as _run
+from radixserve_spec_mtp.checkpoint import MtpCheckpointError, read_mtp_layer
+from radixserve_spec_mtp.drafter import MtpDrafter
+from radixserve_spec_mtp.layer import MtpModule
+
+VOCAB = 512
+
+
+def _runner(path: str, max_total_tokens: int = 6000) -> ModelRunner:
+    cfg = Config.build({
+        "model": {"path": path},
+        "stack": {"attention": "torch_native"},
+        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
+        "scheduler": {"max_total_tokens": max_total_tokens, "max_running_requests": 64},
+    })
+    return ModelRunner(cfg, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """(checkpoint dir, runner) for a 2-layer tiny DeepSeek-V3 with one random MTP layer."""
+    path = write_tiny_v3_with_mtp(tmp_path_factory.mktemp("v3"), seed=3)
+    return path, _runner(path)
+
+
+def _config(num_steps: int = 3, chunk: int = 2048, draft_path: str | None = None, **options) -> Config:
+    return Config.build({
+        "stack": {"prefix_cache": "radix", "speculative": "mtp"},
+        "speculative": {"num_draft_tokens": num_steps, "draft_model_path": draft_path, "adaptive_batch_size": 0,
+                        "options": options},
+        "scheduler": {"max_total_tokens": 6000, "chunked_prefill_size": chunk},
+    })
+
+
+class RecordingMtp(MtpDrafter):
+    def __init__(self, info, **kw):
+        super().__init__(info, **kw)
+        self.proposals = []
+        self.rows_run: dict[str, int] = {}
+
+    def on_finished(self, req):
+        st = self.states.get(req.rid)
+        if st is not None:
+            self.rows_run[req.rid] = len(st.slots) + len(st.pending_pos)
+        super().on_finished(req)
+
+    def propose(self, reqs, k):
+        p = super().propose(reqs, k)
+        self.proposals.append((len(reqs), k, p))
+        return p
+
+
+def _scheduler(runner, cfg: Config | None):
+    reg = Registry.discover()
+    cfg = cfg or Config.build({"stack": {"prefix_cache": "radix"}, "scheduler": {"max_total_tokens": 6000}})
+    drafter = RecordingMtp(drafter_info(cfg, runner), **cfg.speculative.options) if cfg.stack.speculative else None
+    cache = reg.load("prefix_cache", "radix")(runner.req_to_token_pool, runner.token_allocator)
+    return Scheduler(cfg, runner, cache, reg.load("policy", "fcfs")(), drafter=drafter)
+
+
+def _greedy(rid, prompt, n):
+    return GenerateRequest(rid=rid, input_ids=prompt,
+                           sampling_params=SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True))
+
+
+def _prompts(n, seed=0):
+    rng = random.Random(seed)
+    base = [rng.randrange(VOCAB) for _ in range(12)]
+    # half share a prefix (the radix cache serves it to the second and later ones)
+    return [(base if i % 2 else []) + [rng.randrange(VOCAB) for _ in range(rng.randint(3, 15))] for i in range(n)]
+
+
+def _assert_released(drafter: MtpDrafter):
+    assert drafter.states == {}
+    assert drafter.pool.free_slots() == drafter.pool.capacity
+    assert drafter.target._rows == {}
+
+
+# ---- registration, loading, the module's math --------------------------------------------------
+def test_registered_as_the_mtp_drafter():
+    registry = Registry.discover()
+    assert registry.load("drafter", "mtp") is MtpDrafter
+    assert registry.get("drafter", "mtp").supports_device("cpu")
+
+
+def test_mtp_module_matches_transformers_decoder_layer(tmp_path):
+    """The MTP module's fusion + decoder layer (MLA with interleaved rope, MoE with grouped routing
+    and shared experts) over its own latent cache equals transformers' DeepseekV3DecoderLayer run on
+    eh_proj(cat(enorm(embed), hnorm(hidden))) with a causal mask."""
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RotaryEmbedding
+
+    path = write_tiny_v3_with_mtp(tmp_path / "v3", seed=5)
+    cfg = AutoConfig.from_pretrained(path)
+    weights = read_mtp_layer(path, cfg)
+    assert weights.layer == 2 and "shared_head.head.weight" in weights.tensors
+    mtp = MtpModule(weights).eval()
+    params = dict(mtp.named_parameters())
+    for name, tensor in weights.tensors.items():  # every tensor landed where its name says
+        assert torch.equal(params[MtpModule._param_name(name)], tensor), name
+
+    cfg._attn_implementation = "eager"
+    hf = DeepseekV3DecoderLayer(cfg, weights.layer).eval()
+    t = dict(weights.tensors)
+    e = cfg.n_routed_experts
+    hf_state = {k: v for k, v in t.items() if k in hf.state_dict()}
+    hf_state["mlp.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([t[f"mlp.experts.{i}.gate_proj.weight"], t[f"mlp.experts.{i}.up_proj.weight"]]) for i in range(e)])
+    hf_state["mlp.experts.down_proj"] = torch.stack([t[f"mlp.experts.{i}.down_proj.weight"] for i in range(e)])
+    hf.load_state_dict(hf_state, strict=True)
+
+    n, g = 9, torch.Generator().manual_seed(0)
+    embeds, hidden = torch.randn(n, cfg.hidden_size, generator=g), torch.randn(n, cfg.hidden_size, generator=g)
+    positions = torch.arange(4, 4 + n)
+    from radixserve_spec_mtp.layer import latent_attention
+
+    attn = mtp.layer.self_attn
+    with torch.no_grad():
+        def attend(q_nope, q_pe, c_kv, k_pe):
+            lat = torch.cat([c_kv, k_pe.reshape(n, -1)], dim=-1)[None]
+            mask = torch.tril(torch.ones(n, n, dtype=torch.bool))[None]
+            return latent_attention(q_nope[None], q_pe[None], lat, attn.w_uk, attn.w_uv, attn.kv_lora_rank,
+                                    attn.scaling, mask)[0]
+
+        ours = mtp.step(embeds, positions, hidden, attend)
+        x = mtp.eh_proj(torch.cat([mtp.enorm(embeds), mtp.hnorm(hidden)], dim=-1))[None]
+        cos_sin = DeepseekV3RotaryEmbedding(cfg)(x, positions[None])
+        causal = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        theirs = hf(x, attention_mask=causal, position_ids=positions[None], position_embeddings=cos_sin)[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_checkpoints_without_mtp_weights_are_named_errors(tmp_path, target):
+    from transformers import AutoConfig
+
+    none = write_tiny_v3_without_mtp(tmp_path / "none", declared=0)
+    with pytest.raises(MtpCheckpointError, match=r"num_nextn_predict_layers is 0"):
+        read_mtp_layer(none, AutoConfig.from_pretrained(none))
+    dropped = write_tiny_v3_without_mtp(tmp_path / "dropped", declared=1)
+    with pytest.raises(MtpCheckpointError, match=r"no tensors under model\.layers\.2\.\*"):
+        read_mtp_layer(dropped, AutoConfig.from_pretrained(dropped))
+    # at start-up, through the core: a PluginError naming the drafter and the checkpoint
+    registry = Registry.discover()
+    runner = _runner(dropped)
+    with pytest.raises(PluginError, match=r"stack.speculative='mtp'.*model\.layers\.2\."):
+        build_drafter(_config(), runner, registry)
+    with pytest.raises(PluginError, match=r"mtp.*unexpected keyword|layr"):
+        build_drafter(_config(layr=0), target[1], registry)
+    with pytest.raises(PluginError, match=r"MTP layer 1 requested, the checkpoint has 1"):
+        build_drafter(_config(layer=1), target[1], registry)
+
+
+def test_target_hidden_state_is_the_last_layer_before_the_norm(target):
+    """The hook the drafter reads: the residual stream after the last decoder layer; the target's
+    final norm of it is the state its LM head reads."""
+    path, runner = target
+    ts = runner.target_states
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompt = [5, 77, 300, 12, 9, 401, 33]
+    was = ts.aux_layers
+    ts.request(aux_layers=(0, 1))
+    try:
+        out = run_static_batch(runner, [prompt], max_new_tokens=3).output_ids[0]
+        rows = ts.take("0")
+    finally:
+        ts.request(aux_layers=was or (ts.num_layers - 1,))
+    aux = torch.cat([r.aux for r in rows])
+    full = torch.tensor([prompt + out[:2]])
+    with torch.no_grad():
+        states = hf(input_ids=full, output_hidden_states=True).hidden_states
+        torch.testing.assert_close(aux[:, :64], states[1][0], atol=2e-4, rtol=1e-3)  # after layer 0
+        torch.testing.assert_close(hf.model.norm(aux[:, 64:]), states[-1][0], atol=2e-4, rtol=1e-3)
+    torch.testing.assert_close(ts.embed(full[0]), hf.model.embed_tokens(full[0]))
+
+
+# ---- the contract kit ----------------------------------------------------------------------------
+def test_passes_the_drafter_kit(target):
+    """check_drafter's toy requests run no target forwards; a subclass stands in for the runner and
+    records a deterministic pseudo hidden state for every new position, so proposals are real MTP
+    chains under the kit's random batches, orders and releases."""
+    path, runner = target
+    base = drafter_info(_config(), runner)
+
+    class KitMtp(MtpDrafter):
+        def _collect(self, req):
+            st = self._state(req.rid)
+            ids = req.all_ids()
+            start = st.last_pos + 1
+            if start < len(ids) - 1:
+                pos = list(range(start, len(ids) - 1))
+                g = torch.Generator().manual_seed(sum(ids[: len(ids) - 1]) % 1000)
+                aux = torch.randn(len(pos), self.target.hidden_size, generator=g)
+                self.target.record(req.rid, HiddenRows(pos, [ids[p] for p in pos], None, None, aux))
+            super()._collect(req)
+
+    def factory(info):
+        from dataclasses import replace
+
+        return KitMtp(replace(base, vocab_size=info.vocab_size, num_draft_tokens=info.num_draft_tokens,
+                              num_steps=info.num_steps, topk=info.topk, supports_tree=info.supports_tree))
+
+    check_drafter(factory, vocab_size=VOCAB, num_draft_tokens=3, topk=(1,), seeds=(0,), num_requests=6)
+
+
+# ---- losslessness --------------------------------------------------------------------------------
+@pytest.mark.parametrize("steps,chunk", [(2, 2048), (3, 8)])
+def test_greedy_identical_on_and_off(target, steps, chunk):
+    _, runner = target
+    ps = _prompts(6, seed=steps)
+    plain = _run(_scheduler(runner, None), [_greedy(f"r{i}", p, 16) for i, p in enumerate(ps)])
+    cfg = _config(num_steps=steps, chunk=chunk)
+    sched = _scheduler(runner, cfg)
+    assert _run(sched, [_greedy(f"r{i}", p, 16) for i, p in enumerate(ps)]) == plain  # batched
+    stats = sched.stats()
+    assert stats["spec_verifies"] > 0
+    print(f"mtp random weights, k={steps}: accept length {stats['spec_accept_length']:.3f}")
+    d = sched.drafter
+    drafted = 0
+    for batch, k, prop in d.proposals:
+        assert len(prop.tokens) == batch and prop.parents is None
+        for toks in prop.tokens:
+            assert len(toks) <= min(k, steps) and all(0 <= t < VOCAB for t in toks)
+            drafted += len(toks) > 0
+    assert drafted > 0  # the MTP layer did draft (not every proposal empty)
+    # a row for every position whose next token is known, except radix-served prefix positions
+    for i, p in enumerate(ps):
+        assert d.rows_run[f"r{i}"] <= len(p) + 16 - 1
+    assert d.rows_run["r0"] == len(ps[0]) + 16 - 1  # the first request had no cache hit
+    _assert_released(d)
+    alone = _scheduler(runner, cfg)
+    assert _run(alone, [_greedy("r1", ps[1], 16)]) == {"r1": plain["r1"]}
+    _assert_released(alone.drafter)
+
+
+def test_an_mtp_layer_that_copies_the_target_is_accepted(tmp_path):
+    path = write_copy_target(tmp_path / "copy", seed=7)
+    runner = _runner(path)
+    rng = random.Random(9)
+    # long prompts: the MTP layer never sees token 0 (its row p reads token p + 1), which matters
+    # less the more context there is
+    ps = [[rng.randrange(VOCAB) for _ in range(100)] for _ in range(4)]
+    plain = _run(_scheduler(runner, None), [_greedy(f"r{i}", p, 24) for i, p in enumerate(ps)])
+    for steps in (2, 3):
+        sched = _scheduler(runner, _config(num_steps=steps))
+        assert _run(sched, [_greedy(f"r{i}", p, 24) for i, p in enumerate(ps)]) == plain
+        length = sched.stats()["spec_accept_length"]
+        print(f"mtp copy of the target, k={steps}: accept length {length:.3f}")
+        # random weights accept ~1/512 of drafts (length ~1); the copy nearly all (at most k + 1)
+        assert length > steps + 0.5, (steps, length)
+        assert sched.drafter.rows_run == {f"r{i}": 100 + 24 - 1 for i in range(4)}
+        _assert_released(sched.drafter)
+
+
+def test_mtp_weights_from_a_separate_draft_checkpoint(tmp_path, target):
+    """speculative.draft_model_path: an exported NextN checkpoint (config + the MTP layer only)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    path, runner = target
+    cfg = AutoConfig.from_pretrained(path)
+    draft = tmp_path / "nextn"
+    draft.mkdir()
+    (draft / "config.json").write_text((Path(path) / "config.json").read_text())
+    t = mtp_tensors(cfg, torch.Generator().manual_seed(1), own_head=False)
+    save_file({f"model.layers.2.{k}": v.contiguous() for k, v in t.items()}, str(draft / "model.safetensors"))
+    assert json.loads((draft / "config.json").read_text())["num_nextn_predict_layers"] == TINY_V3[
+        "num_nextn_predict_layers"]
+    d = MtpDrafter(drafter_info(_config(draft_path=str(draft)), runner))
+    assert d.mtp.shared_head.head is None and d.mtp.embed_tokens is None  # the target's are used
+    assert torch.equal(d.mtp.eh_proj.weight, t["eh_proj.weight"])
