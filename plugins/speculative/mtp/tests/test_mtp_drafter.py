@@ -106,14 +106,14 @@ def test_registered_as_the_mtp_drafter():
     assert registry.get("drafter", "mtp").supports_device("cpu")
 
 
-def test_mtp_module_matches_transformers_decoder_layer(tmp_path):
+def test_mtp_module_matches_transformers_decoder_layer(target):
     """The MTP module's fusion + decoder layer (MLA with interleaved rope, MoE with grouped routing
     and shared experts) over its own latent cache equals transformers' DeepseekV3DecoderLayer run on
     eh_proj(cat(enorm(embed), hnorm(hidden))) with a causal mask."""
     from transformers import AutoConfig
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RotaryEmbedding
 
-    path = write_tiny_v3_with_mtp(tmp_path / "v3", seed=5)
+    path = target[0]
     cfg = AutoConfig.from_pretrained(path)
     weights = read_mtp_layer(path, cfg)
     assert weights.layer == 2 and "shared_head.head.weight" in weights.tensors
