@@ -27,11 +27,14 @@ from radixserve_spec_mtp.drafter import MtpDrafter
 from radixserve_spec_mtp.layer import MtpModule
 
 VOCAB = 512
+# The target runs through the transformers fallback: the runner does not serve latent-attention
+# models yet (plugin API 1.4, branch mla-core). Once it does, "auto" picks the native DeepSeek plugin.
+TARGET_IMPL = "transformers"
 
 
 def _runner(path: str, max_total_tokens: int = 6000) -> ModelRunner:
     cfg = Config.build({
-        "model": {"path": path},
+        "model": {"path": path, "impl": TARGET_IMPL},
         "stack": {"attention": "torch_native"},
         "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
         "scheduler": {"max_total_tokens": max_total_tokens, "max_running_requests": 64},
@@ -296,3 +299,53 @@ def test_mtp_weights_from_a_separate_draft_checkpoint(tmp_path, target):
     d = MtpDrafter(drafter_info(_config(draft_path=str(draft)), runner))
     assert d.mtp.shared_head.head is None and d.mtp.embed_tokens is None  # the target's are used
     assert torch.equal(d.mtp.eh_proj.weight, t["eh_proj.weight"])
+
+
+# ---- the native DeepSeek model's capability --------------------------------------------------------
+class _OneSequenceLatentBackend:
+    """Stands in for the runner's latent backend on one sequence (causal, no pool): enough to run
+    the native model's forward before the runner serves latent models."""
+
+    def forward_latent(self, q_nope, q_pe, c_kv, k_pe, layer, batch):
+        from radixserve_spec_mtp.layer import latent_attention
+
+        n = q_nope.shape[0]
+        lat = torch.cat([c_kv, k_pe.reshape(n, -1)], dim=-1)[None]
+        mask = torch.tril(torch.ones(n, n, dtype=torch.bool))[None]
+        return latent_attention(q_nope[None], q_pe.view(n, layer.num_heads, -1)[None], lat, layer.w_uk, layer.w_uv,
+                                layer.kv_lora_rank, layer.scaling, mask)[0]
+
+
+def test_native_deepseek_exposes_the_last_layer_output(target):
+    """radixserve-models-deepseek's DeepseekV3ForCausalLM has the hidden-state capability the
+    drafter needs: the residual stream after each requested layer, in the requested order, equal to
+    transformers' hidden states (and the final norm of the last one to the model's output); its MTP
+    tensors are skipped at load."""
+    from types import SimpleNamespace
+
+    from radixserve.model_loader.loader import load_model
+    from radixserve.model_loader.sources import ModelSource
+    from radixserve_models_deepseek.model import DeepseekV3ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = target[0]
+    cfg = AutoConfig.from_pretrained(path)
+    model = load_model(ModelSource(path=path, format="safetensors"), cfg, DeepseekV3ForCausalLM,
+                       torch.device("cpu"), torch.float32, show_progress=False)
+    assert model.supports_aux_hidden_states
+    model.set_aux_hidden_state_layers((1, 0))
+    ids = torch.tensor([5, 77, 300, 12, 9, 401, 33])
+    batch = SimpleNamespace(attn_backend=_OneSequenceLatentBackend())
+    with torch.no_grad():
+        final = model(ids, torch.arange(len(ids)), batch)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        states = hf(input_ids=ids[None], output_hidden_states=True).hidden_states
+        after1, after0 = model.aux_hidden_states
+        torch.testing.assert_close(after0, states[1][0], atol=2e-4, rtol=1e-3)
+        torch.testing.assert_close(final, states[-1][0], atol=2e-4, rtol=1e-3)
+        torch.testing.assert_close(hf.model.norm(after1), final, atol=2e-4, rtol=1e-3)
+        torch.testing.assert_close(model.embed_input_ids(ids), hf.model.embed_tokens(ids))
+    model.set_aux_hidden_state_layers(())
+    with torch.no_grad():
+        model(ids, torch.arange(len(ids)), batch)
+    assert model.aux_hidden_states is None
