@@ -85,6 +85,7 @@ def read_mtp_layer(path: str | None, config: Any, index: int = 0) -> MtpWeights:
             for name in sf.keys():
                 if name.startswith(prefix):
                     tensors[name[len(prefix):]] = sf.get_tensor(name)
+    tensors = dequantize_fp8_blocks(tensors, config, path)
     missing = [k for k in REQUIRED if k not in tensors]
     if not tensors or missing:
         what = "no tensors" if not tensors else f"not {', '.join(missing)}"
@@ -92,6 +93,30 @@ def read_mtp_layer(path: str | None, config: Any, index: int = 0) -> MtpWeights:
             f"{path!r}: num_nextn_predict_layers={n} but the weights hold {what} under {prefix}* (the MTP layer's "
             "tensors are missing: checkpoints re-saved by transformers drop them)")
     return MtpWeights(config, layer, tensors, str(path))
+
+
+def dequantize_fp8_blocks(tensors: dict[str, torch.Tensor], config: Any, path: str) -> dict[str, torch.Tensor]:
+    """Block-FP8 weights (DeepSeek-V3's release: `X.weight` in float8 with `X.weight_scale_inv`, one
+    fp32 scale per `weight_block_size` tile) -> fp32 weights; other tensors pass through. The MTP
+    layer then runs in the model dtype (its experts unquantized: memory, not speed, is the cost)."""
+    scales = {n[: -len("_scale_inv")]: n for n in tensors if n.endswith(".weight_scale_inv")}
+    if not scales:
+        return tensors
+    qcfg = getattr(config, "quantization_config", None) or {}
+    qcfg = qcfg if isinstance(qcfg, dict) else vars(qcfg)
+    bo, bi = (int(x) for x in (qcfg.get("weight_block_size") or (128, 128)))
+    out = {n: t for n, t in tensors.items() if not n.endswith(".weight_scale_inv")}
+    for name, scale_name in scales.items():
+        if name not in out:
+            raise MtpCheckpointError(f"{path!r}: {scale_name} without its weight {name}")
+        w, s = out[name].to(torch.float32), tensors[scale_name].to(torch.float32)
+        want = (-(-w.shape[0] // bo), -(-w.shape[1] // bi))
+        if s.numel() != 1 and tuple(s.shape) != want:
+            raise MtpCheckpointError(f"{path!r}: {scale_name} has shape {tuple(s.shape)}, a {tuple(w.shape)} weight in "
+                                     f"{bo}x{bi} blocks needs {want}")
+        full = s if s.numel() == 1 else s.repeat_interleave(bo, 0).repeat_interleave(bi, 1)[: w.shape[0], : w.shape[1]]
+        out[name] = w * full
+    return out
 
 
 def load_config(path: str) -> Any:

@@ -349,3 +349,33 @@ def test_native_deepseek_exposes_the_last_layer_output(target):
     with torch.no_grad():
         model(ids, torch.arange(len(ids)), batch)
     assert model.aux_hidden_states is None
+
+
+def test_block_fp8_mtp_weights_are_dequantized(target, tmp_path):
+    """DeepSeek-V3 ships its MTP layer in block FP8 (`weight_scale_inv` per tile): read back as
+    fp32 within FP8's rounding, and the module builds from them."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    path = target[0]
+    cfg = AutoConfig.from_pretrained(path)
+    cfg.quantization_config = {"quant_method": "fp8", "weight_block_size": [16, 16]}
+    plain = read_mtp_layer(path, cfg).tensors
+    quant, block = {}, 16
+    for name, w in plain.items():
+        if w.dim() == 2 and name.endswith("proj.weight") and not (w.shape[0] % block or w.shape[1] % block):
+            amax = w.abs().unflatten(0, (-1, block)).unflatten(2, (-1, block)).amax(dim=(1, 3))
+            scale = (amax / 448.0).clamp_min(1e-12)
+            full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+            quant[name] = (w / full).to(torch.float8_e4m3fn)
+            quant[name + "_scale_inv"] = scale
+        else:
+            quant[name] = w
+    d = tmp_path
+    save_file({f"model.layers.2.{k}": v.contiguous() for k, v in quant.items()}, str(d / "model.safetensors"))
+    got = read_mtp_layer(str(d), cfg).tensors
+    assert any(n.endswith("_scale_inv") for n in quant) and not any(n.endswith("_scale_inv") for n in got)
+    for name, w in plain.items():
+        assert got[name].dtype == torch.float32
+        torch.testing.assert_close(got[name], w, atol=0.02 * float(w.abs().max()), rtol=0.07)
+    MtpModule(read_mtp_layer(str(d), cfg))
