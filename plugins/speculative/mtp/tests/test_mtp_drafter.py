@@ -260,6 +260,30 @@ def test_greedy_identical_on_and_off(target, steps, chunk):
     _assert_released(alone.drafter)
 
 
+def test_seeded_sampling_and_retraction_identical_on_and_off(target):
+    """Sampled rows verify drafts by the target's own seeded draw; a small KV pool forces
+    retraction (the request comes back, the radix cache serving part of it): same tokens as
+    without speculation, nothing left behind."""
+    path, _ = target
+    runner = _runner(path, max_total_tokens=400)
+
+    def sampled(rid, prompt):
+        sp = SamplingParams(max_new_tokens=30, temperature=0.7, top_k=5, ignore_eos=True, seed=123)
+        return GenerateRequest(rid=rid, input_ids=prompt, sampling_params=sp)
+
+    rng = random.Random(11)
+    ps = [[rng.randrange(VOCAB) for _ in range(rng.randint(20, 40))] for _ in range(10)]
+    sched_cfg = {"max_total_tokens": 400, "chunked_prefill_size": 16, "schedule_conservativeness": 0.05}
+    plain = _run(_scheduler(runner, Config.build({"stack": {"prefix_cache": "radix"}, "scheduler": sched_cfg})),
+                 [sampled(f"r{i}", p) for i, p in enumerate(ps)])
+    spec = _config(num_steps=3).model_dump()
+    spec["scheduler"].update(sched_cfg)
+    sched = _scheduler(runner, Config.build({k: spec[k] for k in ("stack", "speculative", "scheduler")}))
+    assert _run(sched, [sampled(f"r{i}", p) for i, p in enumerate(ps)]) == plain
+    assert sched.stats()["retractions"] > 0 and sched.stats()["spec_verifies"] > 0
+    _assert_released(sched.drafter)
+
+
 def test_an_mtp_layer_that_copies_the_target_is_accepted(tmp_path):
     path = write_copy_target(tmp_path / "copy", seed=7)
     runner = _runner(path)
