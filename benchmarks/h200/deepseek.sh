@@ -9,7 +9,7 @@ source benchmarks/h200/setup.sh || exit 1
 T=.gpu2/tok-smollm2
 PARTS=${PARTS:-"parity v2lite"}
 ATTN=${ATTN:-}  # empty: the default backend for the device (stack.attention unset)
-A=${ATTN:+$A}
+A=${ATTN:+stack.attention=$ATTN}
 M=benchmarks/model-configs/deepseek-v2-lite
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 if has parity; then
