@@ -9,18 +9,25 @@ import torch
 
 from radixserve import native
 from radixserve.config import Config
-from radixserve.interfaces import AttentionRunnerInfo
+from radixserve.interfaces import AttentionRunnerInfo, LatentAttentionDims
 from radixserve.interfaces.target_states import HiddenRows, TargetStates
 from radixserve.layers.attention import check_backend_supports_layers
 from radixserve.layers.distributed import TPGroup
 from radixserve.layers.logits import select_logit_rows
 from radixserve.layers.rotary import reserve_rotary_caches
-from radixserve.memory import KVPool, ReqToTokenPool, TokenAllocator, tokens_for_budget
+from radixserve.memory import (
+    KVPool,
+    LatentKVPool,
+    ReqToTokenPool,
+    TokenAllocator,
+    kv_bytes_per_token,
+    latent_bytes_per_token,
+)
 from radixserve.model_loader import load_model, open_source
 from radixserve.model_loader.model_files import resolve_model_path
 from radixserve.plugins.model_select import select_model
 from radixserve.plugins.registry import Registry
-from radixserve.plugins.stack import resolve_stack
+from radixserve.plugins.stack import check_backend_attention_type, resolve_stack
 from radixserve.sampling import SampleOutput, Sampler, SamplingBatch
 from radixserve.sampling.batch import DraftHistory
 from radixserve.state import BatchResult, ForwardBatch, ForwardMode, LaunchedBatch, ScheduledBatch, SpecVerify
@@ -66,7 +73,6 @@ class ModelRunner:
         attention_cls = self.registry.load("attention", early.attention.name)
         native.build_in_background([lambda: attention_cls.build_native_kernels(self.device.type)])
         self.model_path = resolve_model_path(config.model.path)  # a local path, a Hub id, or the default
-        self.stack = resolve_stack(config, self.registry, self.device.type, self.model_path)
         source = open_source(self.model_path, config.model.load_format, self.registry)
         self.hf_config = source.hf_config()
         arch = (getattr(self.hf_config, "architectures", None) or [None])[0]
@@ -75,6 +81,12 @@ class ModelRunner:
         choice = select_model(self.registry, arch, config.model.impl)
         logger.info("model %s", choice.describe())
         model_cls = choice.cls
+        # the model's declared KV memory picks the pool and the default backend (docs/mla.md)
+        self.attention_type = getattr(model_cls, "attention_type", "standard")
+        model_name = f"model architecture {arch!r} ({model_cls.__module__}.{model_cls.__name__})"
+        self.stack = resolve_stack(config, self.registry, self.device.type, self.model_path,
+                                   attention_type=self.attention_type, model_name=model_name)
+        self._model_name = model_name
         quant = self._quant_method(source)
         tp = self.tp_group if self.tp_group.size > 1 else None
         if tp is not None:
@@ -84,6 +96,7 @@ class ModelRunner:
             source, self.hf_config, model_cls, self.device, self.dtype, quant, seed=rt.seed, show_progress=show_progress,
             tp_group=tp,
         )
+        self.latent_dims = self._latent_dims() if self.attention_type == "latent" else None
         self.vocab_size = int(self.hf_config.vocab_size)
         self.context_len = self._context_len()
         reserve_rotary_caches(self.model, self.context_len, self.device)
@@ -111,6 +124,13 @@ class ModelRunner:
         # a sliding window does not cap the context: the attention backends apply it per layer
         return int(self.config.model.context_length or model_max)
 
+    def _latent_dims(self) -> LatentAttentionDims:
+        dims = self.model.latent_attention_dims()
+        if not isinstance(dims, LatentAttentionDims):
+            raise TypeError(f"{self._model_name}: latent_attention_dims() must return a "
+                            f"radixserve.interfaces.LatentAttentionDims, got {type(dims).__name__}")
+        return dims
+
     def _attention_dims(self) -> tuple[int, int, int, int]:
         """(layers, heads, KV heads, head dim) on this rank: the model's own (Model.attention_dims),
         else the config's. A rank holds heads / tp_size query heads and kv_heads / tp_size KV heads,
@@ -130,14 +150,28 @@ class ModelRunner:
         return layers, heads, kv_heads, head_dim
 
     def _kv_shape(self) -> tuple[int, int, int]:
+        """(layers, KV heads, head dim) of the pool rows; a latent pool is one "head" of the latent
+        row width per layer and token."""
+        if self.latent_dims is not None:
+            return self.latent_dims.num_layers, 1, self.latent_dims.latent_width
         layers, _, kv_heads, head_dim = self._attention_dims()
         return layers, kv_heads, head_dim
+
+    def _num_heads(self) -> int:
+        return self.latent_dims.num_heads if self.latent_dims is not None else self._attention_dims()[1]
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's KV memory takes across all layers (latent rows for a latent model)."""
+        if self.latent_dims is not None:
+            d = self.latent_dims
+            return latent_bytes_per_token(d.num_layers, d.kv_lora_rank, d.qk_rope_head_dim, self.dtype)
+        layers, kv_heads, head_dim = self._kv_shape()
+        return kv_bytes_per_token(layers, kv_heads, head_dim, self.dtype)
 
     def _kv_tokens(self) -> int:
         sched = self.config.scheduler
         if sched.max_total_tokens:
             return sched.max_total_tokens
-        layers, kv_heads, head_dim = self._kv_shape()
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * sched.mem_fraction - (total - free)  # what the fraction leaves after weights
@@ -145,7 +179,7 @@ class ModelRunner:
             budget = sched.cpu_kv_cache_gb * 2**30
         if budget <= 0:
             raise RuntimeError("no memory left for the KV cache after loading weights; raise mem_fraction")
-        return tokens_for_budget(budget, layers, kv_heads, head_dim, self.dtype)
+        return max(1, int(budget // self.kv_bytes_per_token()))  # as tokens_for_budget, for either pool
 
     def _init_memory(self) -> None:
         layers, kv_heads, head_dim = self._kv_shape()
@@ -161,7 +195,14 @@ class ModelRunner:
             self.max_running_requests + REQ_POOL_EXTRA_ROWS, self.context_len, self.device
         )
         self.token_allocator = TokenAllocator(self.max_total_tokens)
-        self.kv_pool = KVPool(self.max_total_tokens, layers, kv_heads, head_dim, self.dtype, self.device)
+        if self.latent_dims is not None:
+            d = self.latent_dims
+            self.kv_pool = LatentKVPool(self.max_total_tokens, d.num_layers, d.kv_lora_rank, d.qk_rope_head_dim,
+                                        self.dtype, self.device)
+        else:
+            self.kv_pool = KVPool(self.max_total_tokens, layers, kv_heads, head_dim, self.dtype, self.device)
+        logger.info("KV pool: %s attention, %d token slots, %d bytes per token, %.2f GiB", self.attention_type,
+                    self.max_total_tokens, self.kv_bytes_per_token(), self.kv_pool.nbytes() / 2**30)
 
     def _init_attention(self) -> None:
         name = self.stack.attention.name
@@ -171,14 +212,15 @@ class ModelRunner:
         if not cls.supports(self.device.type, dtype_name, head_dim):
             raise RuntimeError(f"attention backend {name!r} does not support {self.device.type}/{dtype_name}/"
                                f"head_dim={head_dim}")
+        check_backend_attention_type(cls, name, self.attention_type, self._model_name)  # standard / latent
         check_backend_supports_layers(self.model, cls, name)  # windows, soft-capping
         self.attn_backend_name = name
         self.attn_backend = cls(
             AttentionRunnerInfo(
                 device=self.device, dtype=self.dtype, num_layers=layers,
-                num_heads=self._attention_dims()[1], num_kv_heads=kv_heads, head_dim=head_dim,
+                num_heads=self._num_heads(), num_kv_heads=kv_heads, head_dim=head_dim,
                 req_to_token_pool=self.req_to_token_pool, kv_pool=self.kv_pool,
-                max_bs=self.req_to_token_pool.size, context_len=self.context_len,
+                max_bs=self.req_to_token_pool.size, context_len=self.context_len, latent=self.latent_dims,
             )
         )
 
@@ -536,6 +578,8 @@ def check_model_tensor_parallel(arch: str, model_cls: type, quant, hf_config, tp
                           "tensor parallelism (supports_tensor_parallel is False); set runtime.tp_size=1")
     heads = int(hf_config.num_attention_heads)
     kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    if getattr(model_cls, "attention_type", "standard") == "latent":
+        kv = heads  # latent attention: every rank stores the whole latent row; only the query heads split
     if heads % tp_size or (kv % tp_size if kv >= tp_size else tp_size % kv):
         raise ValueError(f"runtime.tp_size={tp_size} does not divide the model's attention heads ({heads} query, {kv} "
                          "key/value): choose a tp_size that divides both (or that the KV head count divides)")

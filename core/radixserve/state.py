@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from radixserve.interfaces.attention import AttentionBackend
     from radixserve.memory.kv_pool import KVPool
+    from radixserve.memory.latent_pool import LatentKVPool
     from radixserve.memory.req_to_token import ReqToTokenPool
 
 
@@ -156,7 +157,7 @@ class ForwardBatch:
     extend_lens: torch.Tensor  # [bs] int64, new tokens in this forward
     out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slots for the new tokens
     req_to_token_pool: ReqToTokenPool
-    kv_pool: KVPool
+    kv_pool: KVPool | LatentKVPool  # LatentKVPool for a latent-attention model (plugin API 1.4)
     attn_backend: AttentionBackend
     # host copies, so backends and samplers never sync the device to read lengths
     seq_lens_cpu: list[int] = field(default_factory=list)

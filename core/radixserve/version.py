@@ -16,4 +16,9 @@ __version__ = "0.1.0"
 #      MoE: QuantMethod.create_moe_weights/process_moe_weights_after_loading/apply_moe;
 #      radixserve.layers.moe (FusedMoE, RoutingConfig, select_experts); Model.attention_dims (a model's
 #      KV-cache shape when its HF config does not give it); the transformers fallback (`model.impl`)
-PLUGIN_API_VERSION = "1.3"
+# 1.4: latent attention (MLA): Model.attention_type ("standard" | "latent") and latent_attention_dims();
+#      radixserve.interfaces.LatentAttentionDims / LatentAttentionLayerSpec; radixserve.memory.LatentKVPool;
+#      radixserve.layers.latent_attention.RadixLatentAttention; AttentionRunnerInfo.latent;
+#      AttentionBackend.supports_latent_attention / supports_standard_attention and forward_latent_extend /
+#      forward_latent_decode / forward_latent; radixserve.testing.check_latent_attention_backend
+PLUGIN_API_VERSION = "1.4"

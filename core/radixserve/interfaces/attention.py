@@ -11,6 +11,9 @@ The memory a backend works on (see docs/contracts.md for the full picture):
 - `ReqToTokenPool`: `req_to_token[row, pos]` (int64, on the runner's device) is the KV slot of the
   token at position `pos` of the request that owns `row`. Entries at or beyond a request's
   `seq_len` are stale garbage a backend must never read.
+- `LatentKVPool` (`radixserve.memory.LatentKVPool`, plugin API 1.4) instead of `KVPool` for a model
+  with `attention_type = "latent"` (MLA): per layer one row of `kv_lora_rank + qk_rope_head_dim`
+  values per slot; see radixserve.interfaces.latent_attention and docs/mla.md.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ if TYPE_CHECKING:
 
     from radixserve.interfaces.latent_attention import LatentAttentionDims, LatentAttentionLayerSpec
     from radixserve.memory.kv_pool import KVPool
+    from radixserve.memory.latent_pool import LatentKVPool
     from radixserve.memory.req_to_token import ReqToTokenPool
     from radixserve.state import ForwardBatch
 
@@ -48,7 +52,7 @@ class AttentionRunnerInfo:
     num_kv_heads: int  # KV heads (this TP rank); num_heads is a multiple of it (GQA/MQA)
     head_dim: int
     req_to_token_pool: ReqToTokenPool
-    kv_pool: KVPool
+    kv_pool: KVPool | LatentKVPool  # LatentKVPool for a latent-attention model (plugin API 1.4)
     max_bs: int  # most requests one batch can hold (rows of req_to_token_pool)
     context_len: int  # longest sequence (prefix + new tokens) of any request
     # Latent attention (plugin API 1.4): the model's LatentAttentionDims when its attention_type is
@@ -76,6 +80,10 @@ class AttentionLayerSpec(Protocol):
     #   mask and the softmax (Gemma 2's attention soft-capping).
     sliding_window: int | None
     logit_cap: float | None
+
+
+def _standard_unsupported(self, q, k, v, layer, batch):
+    raise NotImplementedError(f"{type(self).__name__} is latent-only (supports_standard_attention is False)")
 
 
 class AttentionBackend(abc.ABC):
@@ -127,10 +135,18 @@ class AttentionBackend(abc.ABC):
     # Latent attention (MLA; plugin API 1.4). supports_latent_attention: the backend implements
     # forward_latent_extend / forward_latent_decode below and works on a LatentKVPool.
     # supports_standard_attention: it implements forward_extend / forward_decode; a latent-only
-    # backend sets it False. The runner refuses a model whose attention type the selected backend
+    # backend sets it False and then need not define forward_extend / forward_decode (they raise
+    # NotImplementedError). The runner refuses a model whose attention type the selected backend
     # does not support, naming both.
     supports_latent_attention: bool = False
     supports_standard_attention: bool = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if not cls.supports_standard_attention:  # latent-only: the standard methods are no longer abstract
+            for method in ("forward_extend", "forward_decode"):
+                if getattr(getattr(cls, method), "__isabstractmethod__", False):
+                    setattr(cls, method, _standard_unsupported)
 
     @classmethod
     def supports(cls, device: str, dtype: str, head_dim: int) -> bool:
@@ -138,7 +154,8 @@ class AttentionBackend(abc.ABC):
 
         :param device: torch device type, e.g. "cpu" or "cuda".
         :param dtype: the runner's dtype name without "torch.", e.g. "bfloat16".
-        :param head_dim: the model's head size.
+        :param head_dim: the model's head size; for a latent-attention model (plugin API 1.4) the
+            latent row width `kv_lora_rank + qk_rope_head_dim` (`AttentionRunnerInfo.head_dim`).
         :return: False makes the runner refuse the selected backend with a message naming the
             configuration. The default accepts everything.
 

@@ -60,11 +60,18 @@ class ResolvedStack:
         }
 
 
-def resolve_stack(config: Config, registry: Registry, device: str, model_path: str | None = None) -> ResolvedStack:
+def resolve_stack(config: Config, registry: Registry, device: str, model_path: str | None = None,
+                  attention_type: str | None = None, model_name: str = "the model") -> ResolvedStack:
     """Resolve `config.stack` for `device`. Raises PluginError for an unknown component (listing the
     installed ones and the package that provides a known one), a component that does not support
     the device, a policy or drafter option the component does not take and, when `model_path`
-    exists, a quantization method that cannot apply to it."""
+    exists, a quantization method that cannot apply to it.
+
+    `attention_type`: the model's `Model.attention_type` ("standard" or "latent") once its class is
+    known (None before: the default attention backend is then the highest-priority one for the
+    device). Given, the default is the highest-priority backend whose class supports that type
+    (`supports_standard_attention` / `supports_latent_attention`), and a backend named in
+    `stack.attention` that does not is refused, naming it, `model_name` and the type."""
     stack = config.stack
     drafter = None
     drafter_options: dict[str, Any] = {}
@@ -77,8 +84,15 @@ def resolve_stack(config: Config, registry: Registry, device: str, model_path: s
     quant = None
     if stack.quantization is not None:
         quant = _on_device(registry.get("quantization", stack.quantization), device)
+    if attention_type is not None:
+        check_attention_type(attention_type, model_name)
     if stack.attention is None:
-        attention = registry.default("attention", device)
+        attention = default_attention(registry, device, attention_type)
+        if attention is None and attention_type is not None and registry.default("attention", device) is not None:
+            raise PluginError(
+                f"no installed attention backend for device {device!r} supports {attention_type} attention, which "
+                f"{model_name} uses (attention_type={attention_type!r}); install one (e.g. radixserve-attention-torch_native)"
+            )
         if attention is None:
             installed = ", ".join(f"{s.name} ({'/'.join(s.devices)})" for s in registry.components("attention"))
             raise PluginError(
@@ -87,6 +101,9 @@ def resolve_stack(config: Config, registry: Registry, device: str, model_path: s
             )
     else:
         attention = _on_device(registry.get("attention", stack.attention), device)
+        if attention_type is not None:
+            check_backend_attention_type(registry.load("attention", attention.name), attention.name, attention_type,
+                                         model_name, registry, device)
     resolved = ResolvedStack(
         device=device, attention=attention, prefix_cache=prefix_cache, policy=policy,
         policy_options=options, quantization=quant, drafter=drafter, drafter_options=drafter_options,
@@ -99,6 +116,54 @@ def resolve_stack(config: Config, registry: Registry, device: str, model_path: s
             if spec is not None:
                 check_tensor_parallel(spec, registry, config.runtime.tp_size)
     return resolved
+
+
+ATTENTION_TYPES = {"standard": "supports_standard_attention", "latent": "supports_latent_attention"}
+"""`Model.attention_type` values and the AttentionBackend class flag that declares support (plugin API 1.4)."""
+
+
+def check_attention_type(attention_type: str, model_name: str = "the model") -> None:
+    """ValueError for an `attention_type` other than "standard" / "latent"."""
+    if attention_type not in ATTENTION_TYPES:
+        raise ValueError(f"{model_name} declares attention_type={attention_type!r}; a model's attention_type must be "
+                         f"one of {', '.join(map(repr, ATTENTION_TYPES))}")
+
+
+def backend_supports_attention_type(backend_cls: type, attention_type: str) -> bool:
+    """Whether an AttentionBackend class declares support for the attention type (its class flag)."""
+    default = attention_type == "standard"  # a class without the flag predates 1.4: standard only
+    return bool(getattr(backend_cls, ATTENTION_TYPES[attention_type], default))
+
+
+def default_attention(registry: Registry, device: str, attention_type: str | None = None) -> ComponentSpec | None:
+    """The highest-priority attention component for `device` (whose class supports `attention_type`
+    when given; classes are imported only until one fits). None when there is none."""
+    for spec in registry.components("attention"):
+        if not spec.supports_device(device):
+            continue
+        if attention_type is None or backend_supports_attention_type(registry.load("attention", spec.name), attention_type):
+            return spec
+    return None
+
+
+def check_backend_attention_type(backend_cls: type, backend_name: str, attention_type: str, model_name: str = "the model",
+                                 registry: Registry | None = None, device: str | None = None) -> None:
+    """PluginError when the backend cannot serve the model's attention type, naming both (and, given
+    the registry and device, the installed backends that can)."""
+    check_attention_type(attention_type, model_name)
+    if backend_supports_attention_type(backend_cls, attention_type):
+        return
+    flag = ATTENTION_TYPES[attention_type]
+    hint = ""
+    if registry is not None and device is not None:
+        able = [s.name for s in registry.components("attention") if s.supports_device(device)
+                and backend_supports_attention_type(registry.load("attention", s.name), attention_type)]
+        hint = f" (installed for {device}: {', '.join(able)})" if able else f" (none is installed for {device})"
+    raise PluginError(
+        f"stack.attention={backend_name!r}: this attention backend does not support {attention_type} attention "
+        f"({flag} is False), which {model_name} uses (attention_type={attention_type!r}); choose a backend that "
+        f"does{hint}, or leave stack.attention unset to pick one"
+    )
 
 
 def check_tensor_parallel(spec: ComponentSpec, registry: Registry, tp_size: int) -> None:

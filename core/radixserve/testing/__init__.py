@@ -12,6 +12,7 @@ from radixserve.testing.attention import ReferenceAttentionBackend, check_attent
 from radixserve.testing.drafter import check_drafter, drafter_info
 from radixserve.testing.end_to_end import run_to_completion
 from radixserve.testing.grammar import check_grammar_backend, tiny_tokenizer
+from radixserve.testing.latent_attention import ReferenceLatentAttentionBackend, check_latent_attention_backend
 from radixserve.testing.model import check_model_parity, tiny_checkpoint
 from radixserve.testing.output_parsers import (
     ReasoningSample,
@@ -27,11 +28,13 @@ from radixserve.testing.toy_runner import ToyRunner, toy_next_token, toy_referen
 __all__ = [
     "ReasoningSample",
     "ReferenceAttentionBackend",
+    "ReferenceLatentAttentionBackend",
     "ToolSample",
     "ToyRunner",
     "check_attention_backend",
     "check_drafter",
     "check_grammar_backend",
+    "check_latent_attention_backend",
     "check_model_parity",
     "check_prefix_cache",
     "check_quant_method",

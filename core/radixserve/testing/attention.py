@@ -50,37 +50,15 @@ class ReferenceAttentionBackend(AttentionBackend):
         """The contract's result in float64, after storing k, v like `KVPool.set_kv`."""
         batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
-        table = batch.req_to_token_pool.req_to_token
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         q64 = q.reshape(-1, hq, d).double()
         out = torch.empty_like(q64)
-        start = mask_start = 0
-        rows = batch.req_pool_indices.tolist()
-        for row, seq, ext in zip(rows, batch.seq_lens_cpu, batch.extend_lens_cpu, strict=True):
-            slots = table[row, :seq]
+
+        def keys_values(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             keys = k_buf[slots].double().repeat_interleave(hq // hkv, dim=1)  # [seq, hq, d]
-            values = v_buf[slots].double().repeat_interleave(hq // hkv, dim=1)
-            scores = torch.einsum("thd,shd->hts", q64[start : start + ext], keys) * layer.scaling
-            cap = getattr(layer, "logit_cap", None)
-            if cap:
-                scores = cap * torch.tanh(scores / cap)
-            query_pos = torch.arange(seq - ext, seq, device=q.device)[:, None]
-            key_pos = torch.arange(seq, device=q.device)[None, :]
-            hidden = key_pos > query_pos  # causal: the future is hidden
-            if batch.tree_mask is not None:  # the new tokens see each other by the tree, the prefix fully
-                block = batch.tree_mask[mask_start : mask_start + ext * ext].view(ext, ext).to(q.device)
-                hidden = hidden.clone()
-                hidden[:, seq - ext :] = ~block
-                mask_start += ext * ext
-                # a draft token sits at prefix + its depth (its ancestors, itself included, minus one)
-                query_pos = (seq - ext) + block.sum(1, dtype=torch.int64)[:, None] - 1
-                key_pos = torch.cat([key_pos[:, : seq - ext], query_pos.T], dim=1)
-            window = getattr(layer, "sliding_window", None)
-            if window:
-                hidden = hidden | (key_pos <= query_pos - window)
-            scores = scores.masked_fill(hidden, float("-inf"))
-            out[start : start + ext] = torch.einsum("hts,shd->thd", scores.softmax(-1), values)
-            start += ext
+            return keys, v_buf[slots].double().repeat_interleave(hq // hkv, dim=1)
+
+        exact_attention_per_request(q64, keys_values, out, layer, batch)
         return out.reshape(-1, hq * d)
 
     def forward_extend(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
@@ -88,6 +66,40 @@ class ReferenceAttentionBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         return self.attend64(q, k, v, layer, batch).to(q.dtype)
+
+
+def exact_attention_per_request(q64: torch.Tensor, keys_values, out: torch.Tensor, layer, batch: ForwardBatch) -> None:
+    """The contract's masked attention in float64, one request at a time, written into `out`
+    `[num_tokens, heads, v_dim]`: q64 `[num_tokens, heads, dk]`; `keys_values(slots)` gives the
+    request's float64 keys `[seq, heads, dk]` and values `[seq, heads, v_dim]` for its slots in
+    position order. Causal, or by `batch.tree_mask` among the new tokens; the layer's sliding
+    window and logit cap when it has them."""
+    table = batch.req_to_token_pool.req_to_token
+    start = mask_start = 0
+    rows = batch.req_pool_indices.tolist()
+    for row, seq, ext in zip(rows, batch.seq_lens_cpu, batch.extend_lens_cpu, strict=True):
+        keys, values = keys_values(table[row, :seq])
+        scores = torch.einsum("thd,shd->hts", q64[start : start + ext], keys) * layer.scaling
+        cap = getattr(layer, "logit_cap", None)
+        if cap:
+            scores = cap * torch.tanh(scores / cap)
+        query_pos = torch.arange(seq - ext, seq, device=q64.device)[:, None]
+        key_pos = torch.arange(seq, device=q64.device)[None, :]
+        hidden = key_pos > query_pos  # causal: the future is hidden
+        if batch.tree_mask is not None:  # the new tokens see each other by the tree, the prefix fully
+            block = batch.tree_mask[mask_start : mask_start + ext * ext].view(ext, ext).to(q64.device)
+            hidden = hidden.clone()
+            hidden[:, seq - ext :] = ~block
+            mask_start += ext * ext
+            # a draft token sits at prefix + its depth (its ancestors, itself included, minus one)
+            query_pos = (seq - ext) + block.sum(1, dtype=torch.int64)[:, None] - 1
+            key_pos = torch.cat([key_pos[:, : seq - ext], query_pos.T], dim=1)
+        window = getattr(layer, "sliding_window", None)
+        if window:
+            hidden = hidden | (key_pos <= query_pos - window)
+        scores = scores.masked_fill(hidden, float("-inf"))
+        out[start : start + ext] = torch.einsum("hts,shd->thd", scores.softmax(-1), values)
+        start += ext
 
 
 @dataclass
@@ -114,30 +126,20 @@ class _Twin:
     """One copy of the KV memory and the backend that works on it."""
 
     backend: AttentionBackend
-    kv_pool: KVPool
+    kv_pool: KVPool  # a LatentKVPool in the latent kit
     table: ReqToTokenPool
 
 
-def _make_memory(heads, dtype, device, num_slots, rows, context, garbage: torch.Tensor):
-    _, hkv, d = heads
-    kv = KVPool(num_slots, _NUM_LAYERS, hkv, d, dtype, device)
-    table = ReqToTokenPool(rows, context, device)
-    table.req_to_token.copy_(garbage.to(device))  # stale entries past any request's length
-    table.host.copy_(garbage)
-    return kv, table
-
-
 class _Scenario:
-    """Drives one random scenario through the backend under test and the reference."""
+    """Drives one random scenario through the backend under test and the reference. The latent
+    kit (radixserve.testing.latent_attention) subclasses it, replacing the hooks marked below."""
 
     def __init__(self, factory, heads, dtype, device, seed: int, tol: float,
                  sliding_window: int | None = None, logit_cap: float | None = None) -> None:
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.heads, self.dtype, self.device, self.tol, self.seed = heads, dtype, device, tol, seed
-        hq, hkv, d = heads
-        # scaling is not the default: it must be read
-        self.layer = _Layer(_LAYER_ID, hq, hkv, d, 1.3 * d**-0.5, sliding_window, logit_cap)
+        self.layer = self._make_layer(sliding_window, logit_cap)
         self.num_slots, rows, self.context = 1000, 12, 256
         slots = list(range(1, self.num_slots + 1))
         self.rng.shuffle(slots)
@@ -145,15 +147,59 @@ class _Scenario:
         self.free_rows = self.rng.sample(range(rows), rows)
         garbage = torch.randint(1, self.num_slots + 1, (rows, self.context), generator=self.gen)
         twins = []
-        for make in (factory, ReferenceAttentionBackend):
-            kv, table = _make_memory(heads, dtype, device, self.num_slots, rows, self.context, garbage)
-            info = AttentionRunnerInfo(
-                device=torch.device(device), dtype=dtype, num_layers=_NUM_LAYERS, num_heads=hq, num_kv_heads=hkv,
-                head_dim=d, req_to_token_pool=table, kv_pool=kv, max_bs=rows, context_len=self.context,
-            )
-            twins.append(_Twin(make(info), kv, table))
+        for make in (factory, self._reference_backend()):
+            table = ReqToTokenPool(rows, self.context, device)
+            table.req_to_token.copy_(garbage.to(device))  # stale entries past any request's length
+            table.host.copy_(garbage)
+            kv = self._make_pool()
+            twins.append(_Twin(make(self._runner_info(table, kv, rows)), kv, table))
         self.test, self.ref = twins
         self.reqs: list[_Request] = []
+
+    # ---- hooks (the latent kit replaces them) ----
+    def _make_layer(self, sliding_window, logit_cap):
+        hq, hkv, d = self.heads
+        return _Layer(_LAYER_ID, hq, hkv, d, 1.3 * d**-0.5, sliding_window, logit_cap)  # scaling must be read
+
+    def _reference_backend(self):
+        return ReferenceAttentionBackend
+
+    def _make_pool(self):
+        _, hkv, d = self.heads
+        return KVPool(self.num_slots, _NUM_LAYERS, hkv, d, self.dtype, self.device)
+
+    def _runner_info(self, table, kv, rows: int) -> AttentionRunnerInfo:
+        hq, hkv, d = self.heads
+        return AttentionRunnerInfo(
+            device=torch.device(self.device), dtype=self.dtype, num_layers=_NUM_LAYERS, num_heads=hq,
+            num_kv_heads=hkv, head_dim=d, req_to_token_pool=table, kv_pool=kv, max_bs=rows, context_len=self.context,
+        )
+
+    def _fill_prefix(self, layer_id: int, loc: torch.Tensor) -> None:
+        """Random cached KV for slots `loc` of a layer, the same in both twins."""
+        _, hkv, d = self.heads
+        k, v = self._rand(len(loc), hkv, d), self._rand(len(loc), hkv, d)
+        for twin in (self.test, self.ref):
+            twin.kv_pool.set_kv(layer_id, loc, k, v)
+
+    def _inputs(self, num_tokens: int) -> tuple[torch.Tensor, ...]:
+        hq, hkv, d = self.heads
+        return self._rand(num_tokens, hq * d), self._rand(num_tokens, hkv * d), self._rand(num_tokens, hkv * d)
+
+    def _out_width(self) -> int:
+        return self.heads[0] * self.heads[2]
+
+    def _run_test(self, inputs, batch: ForwardBatch) -> torch.Tensor:
+        return self.test.backend.forward(*inputs, self.layer, batch)
+
+    def _run_reference(self, inputs, batch: ForwardBatch) -> torch.Tensor:
+        return self.ref.backend.attend64(*inputs, self.layer, batch)
+
+    def _pool_tensors(self, twin: _Twin, layer_id: int) -> Sequence[torch.Tensor]:
+        return twin.kv_pool.get_kv(layer_id)
+
+    def _describe(self) -> str:
+        return f"heads {self.heads}"
 
     def _rand(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen).to(self.dtype).to(self.device)
@@ -170,12 +216,8 @@ class _Scenario:
             slots = self.reqs[share_from].slots[:prefix]
         own = self._take_slots(prefix - len(slots))
         if own:
-            _, hkv, d = self.heads
             for layer_id in range(_NUM_LAYERS):
-                k, v = self._rand(len(own), hkv, d), self._rand(len(own), hkv, d)
-                loc = torch.tensor(own, dtype=torch.int64, device=self.device)
-                for twin in (self.test, self.ref):
-                    twin.kv_pool.set_kv(layer_id, loc, k, v)
+                self._fill_prefix(layer_id, torch.tensor(own, dtype=torch.int64, device=self.device))
         slots = slots + own
         row = self.free_rows.pop()
         for twin in (self.test, self.ref):
@@ -183,52 +225,63 @@ class _Scenario:
         self.reqs.append(_Request(row, slots, prompt, share_from))
 
     def step(self, mode: ForwardMode, picks: Sequence[tuple[int, int]],
-             trees: Sequence[list[int]] | None = None, same_as_causal: bool = False) -> None:
+             trees: Sequence[list[int]] | None = None, same_as_causal: bool = False,
+             decode_rows: bool = False) -> None:
         """One forward: request `i` adds `n` tokens for each (i, n) in `picks` (batch order).
 
         `trees`: a speculative verify; for each pick, the parent of each new token within the
         request's new tokens (`parents[0] == -1`: the root, the last verified token). With
         `same_as_causal` (chains only) the backend's result must also equal its own result for
-        the same batch without the mask."""
-        prefix_lens, extend_lens, rows, new_slots = [], [], [], []
+        the same batch without the mask. `decode_rows` (DECODE only): a chain verify as decode
+        rows, the n tokens of a pick are n rows of the same request (the runner's
+        `decode_rows_share_requests` batches)."""
+        prefix_lens, extend_lens, rows, new_slots, pick_prefix = [], [], [], [], []
         for i, n in picks:
             req = self.reqs[i]
+            pick_prefix.append(len(req.slots))
             loc = self._take_slots(n)
             for twin in (self.test, self.ref):
                 twin.table.write(req.row, len(req.slots), torch.tensor(loc, dtype=torch.int64))
-            prefix_lens.append(len(req.slots))
-            extend_lens.append(n)
-            rows.append(req.row)
+            if decode_rows:  # row j sees the request's first prefix + j + 1 slots
+                prefix_lens += range(len(req.slots), len(req.slots) + n)
+                extend_lens += [1] * n
+                rows += [req.row] * n
+            else:
+                prefix_lens.append(len(req.slots))
+                extend_lens.append(n)
+                rows.append(req.row)
             new_slots += loc
             req.slots += loc
             req.prompt_left = max(0, req.prompt_left - n)
-        hq, hkv, d = self.heads
         num_tokens = len(new_slots)
-        q, k, v = self._rand(num_tokens, hq * d), self._rand(num_tokens, hkv * d), self._rand(num_tokens, hkv * d)
-        options = f", sliding_window {self.layer.sliding_window}, logit_cap {self.layer.logit_cap}" if (
-            self.layer.sliding_window or self.layer.logit_cap) else ""
-        what = f"seed {self.seed}, heads {self.heads}{options}, {mode.name} step (prefix, extend) = {list(zip(prefix_lens, extend_lens))}"
+        inputs = self._inputs(num_tokens)
+        window, cap = getattr(self.layer, "sliding_window", None), getattr(self.layer, "logit_cap", None)
+        options = f", sliding_window {window}, logit_cap {cap}" if (window or cap) else ""
+        what = f"seed {self.seed}, {self._describe()}{options}, {mode.name} step (prefix, extend) = {list(zip(prefix_lens, extend_lens))}"
         blocks = None
         if trees is not None:
             blocks = [_tree_block(parents) for parents in trees]
             what += f", tree parents {list(trees)}"
+        if decode_rows:
+            what += f", rows sharing requests {[i for i, n in picks for _ in range(n)]}"
         outs = []
         for twin in (self.test, self.ref):
             batch = self._batch(mode, twin, rows, prefix_lens, extend_lens, new_slots, blocks)
             twin.backend.init_forward_metadata(batch)
             if twin is self.test:
                 self._assert_pools_equal(f"{what}: init_forward_metadata wrote to the KV pool")
-                out = twin.backend.forward(q, k, v, self.layer, batch)
+                out = self._run_test(inputs, batch)
             else:
-                out = twin.backend.attend64(q, k, v, self.layer, batch)
+                out = self._run_reference(inputs, batch)
             outs.append(out)
         got, want = outs
+        q_dtype, width = inputs[0].dtype, self._out_width()
         assert isinstance(got, torch.Tensor), f"{what}: forward returned {type(got).__name__}, not a tensor"
-        assert got.shape == (num_tokens, hq * d), f"{what}: output shape {tuple(got.shape)} != {(num_tokens, hq * d)}"
-        assert got.dtype == q.dtype, f"{what}: output dtype {got.dtype} != q's dtype {q.dtype}"
+        assert got.shape == (num_tokens, width), f"{what}: output shape {tuple(got.shape)} != {(num_tokens, width)}"
+        assert got.dtype == q_dtype, f"{what}: output dtype {got.dtype} != q's dtype {q_dtype}"
         assert bool(torch.isfinite(got).all()), f"{what}: NaN or inf in the output"
         start = 0
-        for (i, n), p in zip(picks, prefix_lens, strict=True):
+        for (i, n), p in zip(picks, pick_prefix, strict=True):
             err = _rel_err(got[start : start + n], want[start : start + n])
             assert err < self.tol, (
                 f"{what}: request {i} (prefix {p}, {n} new tokens) differs from exact attention: relative error "
@@ -240,7 +293,7 @@ class _Scenario:
         if same_as_causal:  # the same forward again without the mask: storing the same K/V is idempotent
             batch = self._batch(mode, self.test, rows, prefix_lens, extend_lens, new_slots, None)
             self.test.backend.init_forward_metadata(batch)
-            causal = self.test.backend.forward(q, k, v, self.layer, batch)
+            causal = self._run_test(inputs, batch)
             err = _rel_err(got, causal)
             assert err < self.tol, (f"{what}: a chain passed as a tree mask differs from the backend's own causal "
                                     f"extend: relative error {err:.2e} >= {self.tol:.0e}")
@@ -266,7 +319,7 @@ class _Scenario:
 
     def _assert_pools_equal(self, message: str) -> None:
         for layer_id in range(_NUM_LAYERS):
-            for a, b in zip(self.test.kv_pool.get_kv(layer_id), self.ref.kv_pool.get_kv(layer_id), strict=True):
+            for a, b in zip(self._pool_tensors(self.test, layer_id), self._pool_tensors(self.ref, layer_id), strict=True):
                 if not torch.equal(a, b):
                     bad = (a != b).flatten(1).any(1).nonzero().flatten().tolist()
                     raise AssertionError(f"{message}; layer {layer_id}, slots {bad[:10]}")

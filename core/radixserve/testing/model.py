@@ -19,7 +19,7 @@ import torch
 
 from radixserve.interfaces.attention import AttentionRunnerInfo
 from radixserve.layers.logits import select_logit_rows
-from radixserve.memory import KVPool, ReqToTokenPool, TokenAllocator
+from radixserve.memory import KVPool, LatentKVPool, ReqToTokenPool, TokenAllocator
 from radixserve.state import ForwardBatch, ForwardMode
 from radixserve.testing._threads import single_threaded
 
@@ -79,19 +79,27 @@ class _Driver:
         c = hf_config
         self.model = model
         self.vocab = c.vocab_size
-        dims = model.attention_dims()  # the model's own KV-cache shape, else the config's (as the runner)
-        if dims is None:
-            heads = c.num_attention_heads
-            kv_heads = getattr(c, "num_key_value_heads", None) or heads
-            dims = (c.num_hidden_layers, heads, kv_heads, getattr(c, "head_dim", None) or c.hidden_size // heads)
-        layers, heads, kv_heads, head_dim = dims
+        latent = None
+        if getattr(model, "attention_type", "standard") == "latent":  # one latent row per token (as the runner)
+            latent = model.latent_attention_dims()
+            layers, heads, kv_heads, head_dim = latent.num_layers, latent.num_heads, 1, latent.latent_width
+        else:
+            dims = model.attention_dims()  # the model's own KV-cache shape, else the config's (as the runner)
+            if dims is None:
+                heads = c.num_attention_heads
+                kv_heads = getattr(c, "num_key_value_heads", None) or heads
+                dims = (c.num_hidden_layers, heads, kv_heads, getattr(c, "head_dim", None) or c.hidden_size // heads)
+            layers, heads, kv_heads, head_dim = dims
         self.alloc = TokenAllocator(1024)
         self.table = ReqToTokenPool(8, 256)
-        self.kv = KVPool(1024, layers, kv_heads, head_dim, torch.float32)
+        if latent is not None:
+            self.kv = LatentKVPool(1024, layers, latent.kv_lora_rank, latent.qk_rope_head_dim, torch.float32)
+        else:
+            self.kv = KVPool(1024, layers, kv_heads, head_dim, torch.float32)
         self.backend = attention(AttentionRunnerInfo(
             device=torch.device("cpu"), dtype=torch.float32, num_layers=layers, num_heads=heads,
             num_kv_heads=kv_heads, head_dim=head_dim, req_to_token_pool=self.table, kv_pool=self.kv, max_bs=8,
-            context_len=256,
+            context_len=256, latent=latent,
         ))
 
     def admit(self, seq: _Seq, cached_from: _Seq | None = None, cached: int = 0) -> None:
@@ -178,7 +186,9 @@ def check_model_parity(
     :param new_tokens: greedy tokens per prompt.
     :param chunk: prefill chunk size (prompts are prefilled in chunks, in mixed batches).
     :param logits_atol: largest absolute difference of the first step's logits.
-    :param attention: the attention backend to run with (default: the kit's exact reference).
+    :param attention: the attention backend to run with (default: the kit's exact reference,
+        `ReferenceLatentAttentionBackend` for a model with `attention_type = "latent"`, which then
+        runs on a `LatentKVPool` sized from its `latent_attention_dims()`).
     :param quant_method: a QuantMethod instance for a quantized `checkpoint` (default unquantized).
     :param reference: the checkpoint transformers runs (default `checkpoint`); for a quantized
         checkpoint, the same model with its weights dequantized to float. transformers runs its
@@ -201,7 +211,12 @@ def check_model_parity(
     seqs = [_Seq([rng.randrange(vocab) for _ in range(n)]) for n in prompt_lens]
     first = seqs[0].prompt
     sharer = _Seq(first + [rng.randrange(vocab) for _ in range(3)])
-    driver = _Driver(model, hf_config, attention or ReferenceAttentionBackend)
+    if attention is None:
+        from radixserve.testing.latent_attention import ReferenceLatentAttentionBackend
+
+        latent = getattr(model, "attention_type", "standard") == "latent"
+        attention = ReferenceLatentAttentionBackend if latent else ReferenceAttentionBackend
+    driver = _Driver(model, hf_config, attention)
     for s in seqs:
         driver.admit(s)
     sharer_in = False

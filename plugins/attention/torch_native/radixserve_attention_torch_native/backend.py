@@ -4,7 +4,10 @@ The reference backend: a per-request loop around scaled_dot_product_attention wi
 causal-offset mask. Slow but exact and easy to audit; GPU kernels are tested against it.
 Per-layer options (plugin API 1.3): a sliding window narrows the mask (built once per forward and
 window size, shared by the layers that use it); a logit cap computes the scores explicitly (SDPA
-has no soft-capping) and caps them before the mask."""
+has no soft-capping) and caps them before the mask.
+Latent attention (MLA, plugin API 1.4) is the exact decompressed form: per request the latent rows
+of its slots become per-head keys [c_kv @ w_uk[h].T, k_pe] and values c_kv @ w_uv[h].T, then the
+same masked attention as the standard path (see radixserve.interfaces.latent_attention)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from radixserve.interfaces.attention import AttentionBackend, AttentionLayerSpec
+from radixserve.interfaces.latent_attention import LatentAttentionLayerSpec
 from radixserve.state import ForwardBatch
 
 
@@ -46,12 +50,13 @@ class TorchNativeBackend(AttentionBackend):
     decode_rows_share_requests = True  # _attend stores all k, v before any row reads the pool
     supports_sliding_window = True  # per-layer windows and soft-capping (plugin API 1.3)
     supports_logit_cap = True
+    supports_latent_attention = True  # MLA, decompressed (plugin API 1.4)
 
     def __init_subclass__(cls, **kwargs) -> None:
         # a subclass replaces the kernels these promises are about: it must make them itself
         super().__init_subclass__(**kwargs)
         for flag in ("supports_tree_mask", "decode_rows_share_requests", "supports_sliding_window",
-                     "supports_logit_cap"):
+                     "supports_logit_cap", "supports_latent_attention"):
             if flag not in cls.__dict__:
                 setattr(cls, flag, False)
 
@@ -89,16 +94,26 @@ class TorchNativeBackend(AttentionBackend):
         batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
         n, hq, hkv, d = q.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
-        q = q.view(n, hq, d)
-        out = torch.empty_like(q)
-        window, cap = getattr(layer, "sliding_window", None), getattr(layer, "logit_cap", None)
-        for view in batch.attn_metadata:
-            qi = q[view.q_start : view.q_start + view.q_len].transpose(0, 1)  # [hq, q_len, d]
+
+        def keys_values(view: _ReqView) -> tuple[torch.Tensor, torch.Tensor]:
             ki = k_buf[view.kv_slots].transpose(0, 1).to(q.dtype)  # [hkv, seq_len, d]
             vi = v_buf[view.kv_slots].transpose(0, 1).to(q.dtype)
             if hkv != hq:
                 ki = ki.repeat_interleave(hq // hkv, dim=0)
                 vi = vi.repeat_interleave(hq // hkv, dim=0)
+            return ki, vi
+
+        return self._attend_views(q.view(n, hq, d), keys_values, d, layer, batch)
+
+    def _attend_views(self, q: torch.Tensor, keys_values, v_dim: int, layer, batch: ForwardBatch) -> torch.Tensor:
+        """q `[n, h, dk]`; `keys_values(view)` gives the request's `[h, seq_len, dk]` keys and
+        `[h, seq_len, v_dim]` values. Masked attention per request -> `[n, h * v_dim]`."""
+        n, h = q.shape[0], q.shape[1]
+        out = q.new_empty(n, h, v_dim)
+        window, cap = getattr(layer, "sliding_window", None), getattr(layer, "logit_cap", None)
+        for view in batch.attn_metadata:
+            qi = q[view.q_start : view.q_start + view.q_len].transpose(0, 1)  # [h, q_len, dk]
+            ki, vi = keys_values(view)
             mask = view.mask_for(window)
             if cap:
                 oi = capped_attention(qi, ki, vi, mask, layer.scaling, cap)
@@ -107,13 +122,41 @@ class TorchNativeBackend(AttentionBackend):
                     qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), attn_mask=mask, scale=layer.scaling
                 )[0]
             out[view.q_start : view.q_start + view.q_len] = oi.transpose(0, 1)
-        return out.reshape(n, hq * d)
+        return out.reshape(n, h * v_dim)
+
+    def _attend_latent(self, q_nope, q_pe, c_kv, k_pe, layer: LatentAttentionLayerSpec,
+                       batch: ForwardBatch) -> torch.Tensor:
+        # every new row is stored before any request reads: decode rows may share a request
+        batch.kv_pool.set_latent(layer.layer_id, batch.out_cache_loc, c_kv, k_pe)
+        buf = batch.kv_pool.get_latent(layer.layer_id)
+        h, lora = layer.num_heads, layer.kv_lora_rank
+        dtype = q_nope.dtype
+        w_uk, w_uv = layer.w_uk.to(dtype), layer.w_uv.to(dtype)  # [h, nope, lora], [h, v, lora]
+        q = torch.cat([q_nope.reshape(-1, h, layer.qk_nope_head_dim), q_pe.reshape(-1, h, layer.qk_rope_head_dim)],
+                      dim=-1)  # [n, h, nope + rope]
+
+        def keys_values(view: _ReqView) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = buf[view.kv_slots].to(dtype)  # [seq_len, lora + rope]
+            latent, pe = rows[:, :lora], rows[:, lora:]
+            k_nope = torch.einsum("sc,hdc->hsd", latent, w_uk)
+            keys = torch.cat([k_nope, pe.unsqueeze(0).expand(h, -1, -1)], dim=-1)  # [h, seq_len, nope + rope]
+            return keys, torch.einsum("sc,hdc->hsd", latent, w_uv)
+
+        return self._attend_views(q, keys_values, layer.v_head_dim, layer, batch)
 
     def forward_extend(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         return self._attend(q, k, v, layer, batch)
 
     def forward_decode(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         return self._attend(q, k, v, layer, batch)
+
+    def forward_latent_extend(self, q_nope, q_pe, c_kv, k_pe, layer: LatentAttentionLayerSpec,
+                              batch: ForwardBatch) -> torch.Tensor:
+        return self._attend_latent(q_nope, q_pe, c_kv, k_pe, layer, batch)
+
+    def forward_latent_decode(self, q_nope, q_pe, c_kv, k_pe, layer: LatentAttentionLayerSpec,
+                              batch: ForwardBatch) -> torch.Tensor:
+        return self._attend_latent(q_nope, q_pe, c_kv, k_pe, layer, batch)
 
 
 def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
