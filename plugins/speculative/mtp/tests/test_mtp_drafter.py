@@ -27,14 +27,13 @@ from radixserve_spec_mtp.drafter import MtpDrafter
 from radixserve_spec_mtp.layer import MtpModule
 
 VOCAB = 512
-# The target runs through the transformers fallback: the runner does not serve latent-attention
-# models yet (plugin API 1.4, branch mla-core). Once it does, "auto" picks the native DeepSeek plugin.
-TARGET_IMPL = "transformers"
 
 
-def _runner(path: str, max_total_tokens: int = 6000) -> ModelRunner:
+def _runner(path: str, max_total_tokens: int = 6000, impl: str = "native") -> ModelRunner:
+    """The target: the native DeepSeek plugin (latent KV pool, torch_native latent attention), or
+    the transformers fallback with `impl="transformers"`."""
     cfg = Config.build({
-        "model": {"path": path, "impl": TARGET_IMPL},
+        "model": {"path": path, "impl": impl},
         "stack": {"attention": "torch_native"},
         "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
         "scheduler": {"max_total_tokens": max_total_tokens, "max_running_requests": 64},
@@ -46,7 +45,15 @@ def _runner(path: str, max_total_tokens: int = 6000) -> ModelRunner:
 def target(tmp_path_factory):
     """(checkpoint dir, runner) for a 2-layer tiny DeepSeek-V3 with one random MTP layer."""
     path = write_tiny_v3_with_mtp(tmp_path_factory.mktemp("v3"), seed=3)
-    return path, _runner(path)
+    runner = _runner(path)
+    assert type(runner.model).__name__ == "DeepseekV3ForCausalLM"
+    return path, runner
+
+
+@pytest.fixture(scope="module")
+def targets(target):
+    """The same checkpoint served natively and through the transformers fallback."""
+    return {"native": target[1], "transformers": _runner(target[0], impl="transformers")}
 
 
 def _config(num_steps: int = 3, chunk: int = 2048, draft_path: str | None = None, **options) -> Config:
@@ -176,10 +183,11 @@ def test_checkpoints_without_mtp_weights_are_named_errors(tmp_path, target):
         build_drafter(_config(layer=1), target[1], registry)
 
 
-def test_target_hidden_state_is_the_last_layer_before_the_norm(target):
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_target_hidden_state_is_the_last_layer_before_the_norm(target, targets, impl):
     """The hook the drafter reads: the residual stream after the last decoder layer; the target's
     final norm of it is the state its LM head reads."""
-    path, runner = target
+    path, runner = target[0], targets[impl]
     ts = runner.target_states
     from transformers import AutoModelForCausalLM
 
@@ -231,9 +239,9 @@ def test_passes_the_drafter_kit(target):
 
 
 # ---- losslessness --------------------------------------------------------------------------------
-@pytest.mark.parametrize("steps,chunk", [(2, 2048), (3, 8)])
-def test_greedy_identical_on_and_off(target, steps, chunk):
-    _, runner = target
+@pytest.mark.parametrize("steps,chunk,impl", [(2, 2048, "native"), (3, 8, "native"), (2, 2048, "transformers")])
+def test_greedy_identical_on_and_off(targets, steps, chunk, impl):
+    runner = targets[impl]
     ps = _prompts(6, seed=steps)
     plain = _run(_scheduler(runner, None), [_greedy(f"r{i}", p, 16) for i, p in enumerate(ps)])
     cfg = _config(num_steps=steps, chunk=chunk)
@@ -327,8 +335,8 @@ def test_mtp_weights_from_a_separate_draft_checkpoint(tmp_path, target):
 
 # ---- the native DeepSeek model's capability --------------------------------------------------------
 class _OneSequenceLatentBackend:
-    """Stands in for the runner's latent backend on one sequence (causal, no pool): enough to run
-    the native model's forward before the runner serves latent models."""
+    """Stands in for the runner's latent backend on one sequence (causal, no pool): runs the
+    native model's forward outside the runner, with this plugin's latent attention."""
 
     def forward_latent(self, q_nope, q_pe, c_kv, k_pe, layer, batch):
         from radixserve_spec_mtp.layer import latent_attention
