@@ -28,6 +28,9 @@ from radixserve_spec_mtp.layer import MtpModule, latent_attention
 
 logger = logging.getLogger(__name__)
 
+ROWS_PER_PIECE = 256  # verified rows of one request per draft forward (a long prompt runs in pieces)
+SCORE_BUDGET = 1 << 26  # attention-score elements (fp32) one draft forward may hold: 256 MiB
+
 
 @dataclass
 class _ReqState:
@@ -108,7 +111,7 @@ class MtpDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, reqs, num_draft_tokens: int) -> DraftProposal:
-        ready = [self._ready(req) for req in reqs]
+        ready = self._ready(reqs)
         live = [st for st in ready if st is not None]
         chains = iter(self._chains(live, min(self.num_steps, num_draft_tokens)) if live else [])
         return DraftProposal([next(chains) if st is not None else [] for st in ready])
@@ -145,39 +148,89 @@ class MtpDrafter(Drafter):
     def _greedy(self, out: torch.Tensor) -> torch.Tensor:
         return self.mtp.logits(out, self.target.logits)[:, : self.target.vocab_size].argmax(-1)
 
-    def _run_pending(self, st: _ReqState) -> None:
-        """Run the newly verified rows into the draft's latent KV (kept) and remember the last one."""
+    def _run_pending(self, sts: list[_ReqState]) -> None:
+        """Run the newly verified rows of `sts` into the draft's latent KV (kept) and remember each
+        request's last row. Rows are cut into pieces of at most ROWS_PER_PIECE; pieces of several
+        requests (and successive pieces of one request) share a forward while its attention
+        scores stay within SCORE_BUDGET: a decode step's few rows per request run in one forward,
+        a long prompt in bounded pieces."""
+        heads = self.mtp.layer.self_attn.num_heads
+        pieces: list[tuple[_ReqState, int, int, torch.Tensor]] = []  # (state, first row, end, context slots)
+        for st in sts:
+            slots = st.slots
+            new = self.pool.alloc(len(st.pending_pos))
+            for a in range(0, len(st.pending_pos), ROWS_PER_PIECE):
+                b = min(a + ROWS_PER_PIECE, len(st.pending_pos))
+                slots = torch.cat([slots, new[a:b]])
+                pieces.append((st, a, b, slots))
+            st.slots = slots
+        group: list = []
+        for piece in pieces:
+            cand = group + [piece]
+            rows = max(b - a for _, a, b, _ in cand)
+            width = max(len(ctx) for *_, ctx in cand)
+            if group and len(cand) * rows * width * heads > SCORE_BUDGET:
+                self._run_pieces(group)
+                cand = [piece]
+            group = cand
+        if group:
+            self._run_pieces(group)
+        outs = torch.cat([st.root[1] for st in sts])
+        toks = self._greedy(outs).tolist()
+        for st, tok in zip(sts, toks, strict=True):
+            st.root = (st.last_pos, st.root[1], tok)
+            st.pending_pos, st.pending_tok, st.pending_hidden = [], [], []
+
+    def _run_pieces(self, pieces) -> None:
+        """One MTP forward over `pieces` (see `_run_pending`), padded per piece for attention."""
         dev = self.pool.device
-        pos = torch.tensor(st.pending_pos, dtype=torch.int64, device=dev)
-        ids = torch.tensor(st.pending_tok, dtype=torch.int64, device=dev)
-        hidden = torch.cat(st.pending_hidden) if len(st.pending_hidden) > 1 else st.pending_hidden[0]
-        r = len(st.pending_pos)
-        new = self.pool.alloc(r)
-        slots = torch.cat([st.slots, new])
-        mask = torch.ones(r, len(slots), dtype=torch.bool, device=dev)
-        mask[:, len(st.slots):] = torch.tril(mask[:, len(st.slots):])
         attn = self.mtp.layer.self_attn
+        counts = [b - a for _, a, b, _ in pieces]
+        pos = torch.tensor([p for st, a, b, _ in pieces for p in st.pending_pos[a:b]], dtype=torch.int64, device=dev)
+        ids = torch.tensor([t for st, a, b, _ in pieces for t in st.pending_tok[a:b]], dtype=torch.int64, device=dev)
+        hidden = torch.cat([self._hidden_rows(st)[a:b] for st, a, b, _ in pieces]).to(self.pool.dtype)
+        news = torch.cat([ctx[len(ctx) - (b - a):] for _, a, b, ctx in pieces])
+        n, rows, width = len(pieces), max(counts), max(len(ctx) for *_, ctx in pieces)
+        which = torch.repeat_interleave(torch.arange(n, device=dev), torch.tensor(counts, device=dev))
+        within = torch.cat([torch.arange(c, device=dev) for c in counts])
+        # query row j of a piece sees its context up to and including its own new row
+        seen = torch.tensor([len(ctx) - c for (*_, ctx), c in zip(pieces, counts, strict=True)], device=dev)
+        cols, qrows = torch.arange(width, device=dev), torch.arange(rows, device=dev)
+        mask = cols[None, None, :] <= (seen[:, None, None] + qrows[None, :, None])
 
         def attend(q_nope, q_pe, c_kv, k_pe):
-            self.pool.write(new, c_kv, k_pe)
-            latents = self.pool.rows[slots]
-            return latent_attention(q_nope[None], q_pe[None], latents[None], attn.w_uk, attn.w_uv,
-                                    attn.kv_lora_rank, attn.scaling, mask[None])[0]
+            self.pool.write(news, c_kv, k_pe)
+            latents = torch.zeros(n, width, self.pool.rows.shape[1], dtype=self.pool.dtype, device=dev)
+            for i, (*_, ctx) in enumerate(pieces):
+                latents[i, : len(ctx)] = self.pool.rows[ctx]
+            qn = q_nope.new_zeros(n, rows, *q_nope.shape[1:])
+            qp = q_pe.new_zeros(n, rows, *q_pe.shape[1:])
+            qn[which, within], qp[which, within] = q_nope, q_pe
+            out = latent_attention(qn, qp, latents, attn.w_uk, attn.w_uv, attn.kv_lora_rank, attn.scaling, mask)
+            return out[which, within]
 
-        out = self.mtp.step(self._embed(ids), pos, hidden.to(self.pool.dtype), attend)
-        st.slots = slots
-        st.pending_pos, st.pending_tok, st.pending_hidden = [], [], []
-        st.root = (st.last_pos, out[-1:], int(self._greedy(out[-1:])[0]))
+        out = self.mtp.step(self._embed(ids), pos, hidden, attend)
+        at = 0
+        for (st, _a, b, _), c in zip(pieces, counts, strict=True):
+            if b == len(st.pending_pos):  # the request's last verified row: the chain starts from it
+                st.root = (st.last_pos, out[at + c - 1 : at + c], -1)
+            at += c
 
-    def _ready(self, req) -> _ReqState | None:
-        """The request's state with its verified rows run, or None when the hidden state of its
+    @staticmethod
+    def _hidden_rows(st: _ReqState) -> torch.Tensor:
+        if len(st.pending_hidden) > 1:  # gathered once, reused by every piece of the request
+            st.pending_hidden = [torch.cat(st.pending_hidden)]
+        return st.pending_hidden[0]
+
+    def _ready(self, reqs) -> list[_ReqState | None]:
+        """Each request's state with its verified rows run, or None when the hidden state of its
         newest token's predecessor is missing (no draft this step)."""
-        st = self._state(req.rid)
-        if st.pending_pos:
-            self._run_pending(st)
-        if st.root is None or st.root[0] != len(req.all_ids()) - 2:
-            return None
-        return st
+        sts = [self._state(req.rid) for req in reqs]
+        pending = [st for st in sts if st.pending_pos]
+        if pending:
+            self._run_pending(pending)
+        return [st if st.root is not None and st.root[0] == len(req.all_ids()) - 2 else None
+                for req, st in zip(reqs, sts, strict=True)]
 
     def _chains(self, sts: list[_ReqState], steps: int) -> list[list[int]]:
         """Greedy chains of `steps` tokens for several requests at once: each request's cached

@@ -292,7 +292,9 @@ def test_seeded_sampling_and_retraction_identical_on_and_off(target):
     _assert_released(sched.drafter)
 
 
-def test_an_mtp_layer_that_copies_the_target_is_accepted(tmp_path):
+def test_an_mtp_layer_that_copies_the_target_is_accepted(tmp_path, monkeypatch):
+    import radixserve_spec_mtp.drafter as drafter_module
+
     path = write_copy_target(tmp_path / "copy", seed=7)
     runner = _runner(path)
     rng = random.Random(9)
@@ -300,11 +302,14 @@ def test_an_mtp_layer_that_copies_the_target_is_accepted(tmp_path):
     # less the more context there is
     ps = [[rng.randrange(VOCAB) for _ in range(100)] for _ in range(4)]
     plain = _run(_scheduler(runner, None), [_greedy(f"r{i}", p, 24) for i, p in enumerate(ps)])
-    for steps in (2, 3):
+    for steps, piece, budget in ((2, 256, 1 << 26), (3, 256, 1 << 26), (3, 7, 4 * 7 * 40 * 3)):
+        # the last case cuts each prompt's rows into pieces of 7, several per forward, several forwards
+        monkeypatch.setattr(drafter_module, "ROWS_PER_PIECE", piece)
+        monkeypatch.setattr(drafter_module, "SCORE_BUDGET", budget)
         sched = _scheduler(runner, _config(num_steps=steps))
         assert _run(sched, [_greedy(f"r{i}", p, 24) for i, p in enumerate(ps)]) == plain
         length = sched.stats()["spec_accept_length"]
-        print(f"mtp copy of the target, k={steps}: accept length {length:.3f}")
+        print(f"mtp copy of the target, k={steps}, pieces of {piece}: accept length {length:.3f}")
         # random weights accept ~1/512 of drafts (length ~1); the copy nearly all (at most k + 1)
         assert length > steps + 0.5, (steps, length)
         assert sched.drafter.rows_run == {f"r{i}": 100 + 24 - 1 for i in range(4)}
