@@ -33,10 +33,12 @@ def _hf(path: str):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_parity_with_transformers(registry, case, tmp_path):
-    """The kit: chunked prefill in mixed batches, a prefix-cache hit, decode; top-5 rule."""
+    """The kit on torch_native's latent attention (the CPU default for latent models): chunked
+    prefill in mixed batches, a prefix-cache hit, decode; top-5 rule."""
     model_type, _ = CASES[case]
     path = write_checkpoint(case, str(tmp_path))
-    check_model_parity(registry.load("model", ARCHS[model_type]), path, new_tokens=10)
+    check_model_parity(registry.load("model", ARCHS[model_type]), path, new_tokens=10,
+                       attention=registry.load("attention", "torch_native"))
 
 
 def test_v3_correction_bias_and_yarn_matter(tmp_path):
