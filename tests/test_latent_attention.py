@@ -386,3 +386,94 @@ class _NotLatent(TorchNativeBackend):
 def test_latent_kit_catches_broken_backends(broken, needle):
     with pytest.raises(AssertionError, match=needle):
         check_latent_attention_backend(broken, dims=((2, 16, 8, 4, 8),), seeds=(0,), tree_steps=1)
+
+
+def test_latent_models_at_tp2_need_supports_tensor_parallel():
+    from radixserve.model_runner import check_model_tensor_parallel
+
+    config = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=1)
+    with pytest.raises(PluginError, match=f"{ARCH}.*supports_tensor_parallel is False"):
+        check_model_tensor_parallel(ARCH, TinyLatentModel, None, config, 2)
+
+    class ShardedLatent(TinyLatentModel):
+        supports_tensor_parallel = True
+
+    # every rank keeps the whole latent row: only the query heads must split
+    check_model_tensor_parallel(ARCH, ShardedLatent, None, config, 2)
+    with pytest.raises(ValueError, match="tp_size=3"):
+        check_model_tensor_parallel(ARCH, ShardedLatent, None, config, 3)
+
+
+def test_a_latent_only_backend_need_not_define_the_standard_methods():
+    from radixserve.interfaces import AttentionBackend
+
+    class MinimalLatent(AttentionBackend):
+        supports_latent_attention = True
+        supports_standard_attention = False
+
+        def init_forward_metadata(self, batch):
+            pass
+
+    backend = MinimalLatent()  # constructible: forward_extend / forward_decode are not abstract for it
+    with pytest.raises(NotImplementedError, match="MinimalLatent is latent-only"):
+        backend.forward_extend(None, None, None, None, None)
+
+    class MissingStandard(AttentionBackend):
+        def init_forward_metadata(self, batch):
+            pass
+
+    with pytest.raises(TypeError):  # a standard backend must still define them
+        MissingStandard()
+
+
+# ---- speculative verify on latent attention: chains as decode rows, trees as masked extends ----
+def _table_drafter(runner, config, table: dict, tree: bool):
+    """Drafts the known greedy continuation; `tree`: a wrong sibling before every right node."""
+    from radixserve.interfaces import Drafter, DraftProposal
+    from radixserve.scheduler.speculative.setup import drafter_info
+
+    class TableDrafter(Drafter):
+        def propose(self, reqs, k):
+            chains = [list(table[tuple(r.origin_input_ids)][len(r.output_ids) : len(r.output_ids) + k]) for r in reqs]
+            if not tree:
+                return DraftProposal(chains)
+            tokens, parents = [], []
+            for chain in chains:
+                t, p, prev = [], [], -1
+                for tok in chain:
+                    if len(t) + 2 > k:
+                        break
+                    t += [(tok + 1) % TINY["vocab_size"], tok]
+                    p += [prev, prev]
+                    prev = len(t) - 1
+                tokens.append(t)
+                parents.append(p)
+            return DraftProposal(tokens, parents)
+
+    return TableDrafter(drafter_info(config, runner))
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_speculative_verify_on_a_latent_model_keeps_greedy_outputs(runner, tree):
+    prompts = {"a": [5, 17, 33, 2, 80, 41, 9], "b": [44, 2, 19, 60], "c": [5, 17, 33, 2, 80, 7, 7, 1]}
+    n = 10
+    want = {rid: runner.model.reference_greedy(p, n) for rid, p in prompts.items()}
+    config = Config.build({"speculative": {"num_draft_tokens": 4},
+                           "scheduler": {"max_total_tokens": 1024, "chunked_prefill_size": 4}})
+    reg = Registry.discover()
+    cache = reg.load("prefix_cache", "radix")(runner.req_to_token_pool, runner.token_allocator)
+    table = {tuple(p): want[rid] + [0] * 8 for rid, p in prompts.items()}
+    drafter = _table_drafter(runner, config, table, tree)
+    sched = Scheduler(config, runner, cache, reg.load("policy", "fcfs")(), drafter=drafter)
+    params = SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+    for rid, p in prompts.items():
+        sched.add_request(GenerateRequest(rid=rid, input_ids=p, sampling_params=params))
+    got: dict[str, list[int]] = {}
+    while sched.has_work():
+        for out in sched.step():
+            assert out.error is None, out.error
+            got.setdefault(out.rid, []).extend(out.new_ids)
+    assert got == want
+    stats = sched.stats()
+    assert stats["spec_verifies"] > 0 and stats["spec_accept_length"] > (2.5 if tree else 3.5)
+    assert sched.flush_cache() and sched.allocator.available_size() == sched.allocator.size

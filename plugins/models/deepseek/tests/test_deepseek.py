@@ -33,10 +33,12 @@ def _hf(path: str):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_parity_with_transformers(registry, case, tmp_path):
-    """The kit: chunked prefill in mixed batches, a prefix-cache hit, decode; top-5 rule."""
+    """The kit on torch_native's latent attention (the CPU default for latent models): chunked
+    prefill in mixed batches, a prefix-cache hit, decode; top-5 rule."""
     model_type, _ = CASES[case]
     path = write_checkpoint(case, str(tmp_path))
-    check_model_parity(registry.load("model", ARCHS[model_type]), path, new_tokens=10)
+    check_model_parity(registry.load("model", ARCHS[model_type]), path, new_tokens=10,
+                       attention=registry.load("attention", "torch_native"))
 
 
 def test_v3_correction_bias_and_yarn_matter(tmp_path):
@@ -99,26 +101,37 @@ def test_dequantize_fp8_blocks_with_partial_edges():
         dequantize_fp8(q, scale[:2], (4, 4))
 
 
-def _fp8_kv_b_checkpoint(src: str, dst: str, ref: str) -> None:
-    """`dst`: `src` with every kv_b_proj in block FP8 (128x128 scales, 2x2 tiles, partial edges);
-    `ref`: the same weights dequantized back to float, for transformers."""
+def _block_fp8(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp8 weight, fp32 scale per block x block tile [ceil(out/b), ceil(in/b)], the dequantized
+    fp32 weight): DeepSeek-V3's `weight` / `weight_scale_inv` layout, partial edge tiles included."""
+    tiles = (-(-w.shape[0] // block), -(-w.shape[1] // block))
+    padded = torch.zeros(tiles[0] * block, tiles[1] * block)
+    padded[: w.shape[0], : w.shape[1]] = w
+    scale = (padded.view(tiles[0], block, tiles[1], block).abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+    full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[: w.shape[0], : w.shape[1]]
+    q = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, scale, q.float() * full
+
+
+def _write_fp8(src: str, dst: str, ref: str, which, quant_config: dict | None = None) -> None:
+    """`dst`: `src` with the weights `which(name)` selects in block FP8 (+ `quantization_config`);
+    `ref`: the same model with those weights dequantized to float, for transformers."""
+    import json
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     weights = load_file(f"{src}/model.safetensors")
     quantized, dequantized = dict(weights), dict(weights)
-    for name in [n for n in weights if n.endswith("kv_b_proj.weight")]:
-        w = weights[name]
-        tiles = (-(-w.shape[0] // 128), -(-w.shape[1] // 128))
-        scale = torch.rand(tiles, generator=torch.Generator().manual_seed(2)) * 0.01 + 0.001
-        full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
-        q = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
-        quantized[name], quantized[name + "_scale_inv"] = q, scale
-        dequantized[name] = q.float() * full
+    for name in [n for n in weights if which(n)]:
+        q, scale, deq = _block_fp8(weights[name])
+        quantized[name], quantized[name + "_scale_inv"], dequantized[name] = q, scale, deq
     for d, tensors in ((dst, quantized), (ref, dequantized)):
         shutil.copytree(src, d)
         save_file(tensors, f"{d}/model.safetensors", metadata={"format": "pt"})
+    if quant_config is not None:
+        cfg = json.load(open(f"{dst}/config.json"))
+        json.dump({**cfg, "quantization_config": quant_config}, open(f"{dst}/config.json", "w"))
 
 
 def test_fp8_block_kv_b_proj_is_dequantized_at_load(registry, tmp_path):
@@ -130,9 +143,47 @@ def test_fp8_block_kv_b_proj_is_dequantized_at_load(registry, tmp_path):
     _, overrides = CASES["v3-noaux-yarn"]
     src = tiny_checkpoint("deepseek_v3", str(tmp_path / "src"),
                           **{**overrides, "kv_lora_rank": 160, "num_attention_heads": 8, "num_key_value_heads": 8})
-    _fp8_kv_b_checkpoint(src, str(tmp_path / "fp8"), str(tmp_path / "ref"))
+    _write_fp8(src, str(tmp_path / "fp8"), str(tmp_path / "ref"), lambda n: n.endswith("kv_b_proj.weight"))
     check_model_parity(registry.load("model", "DeepseekV3ForCausalLM"), str(tmp_path / "fp8"),
                        reference=str(tmp_path / "ref"), new_tokens=6, prompt_lens=(5, 3))
+
+
+FP8_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+# every dimension a linear quantizes is a multiple of 128; kv_a_proj_with_mqa's 512 + 64 rows are not
+FP8_SHAPES = dict(hidden_size=256, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                  q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
+                  num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                  n_group=1, topk_group=1)
+
+
+def test_fp8_block_checkpoint_through_the_fp8_method(registry, tmp_path):
+    """A DeepSeek-V3 block-FP8 checkpoint (dense layers: the fp8 plugin has no MoE support yet) runs
+    through the fp8 quant method: q/o/MLP projections stay FP8, kv_b_proj and the 576-row
+    kv_a_proj_with_mqa are dequantized into float; greedy parity with transformers on the
+    dequantized weights."""
+    from radixserve.testing import tiny_checkpoint
+
+    src = tiny_checkpoint("deepseek_v3", str(tmp_path / "src"), **FP8_SHAPES, first_k_dense_replace=2)
+    _write_fp8(src, str(tmp_path / "fp8"), str(tmp_path / "ref"),
+               lambda n: n.startswith("model.layers.") and n.endswith("proj.weight"), FP8_BLOCK)
+    fp8 = registry.load("quantization", "fp8").from_config(FP8_BLOCK)
+    check_model_parity(registry.load("model", "DeepseekV3ForCausalLM"), str(tmp_path / "fp8"), quant_method=fp8,
+                       reference=str(tmp_path / "ref"), new_tokens=6, prompt_lens=(5, 3))
+    from transformers import AutoConfig
+
+    with torch.device("meta"):
+        attn = DeepseekDecoderLayer(AutoConfig.from_pretrained(src), 0, fp8).self_attn
+    assert attn.q_b_proj.weight.dtype == torch.float8_e4m3fn and attn.o_proj.weight.dtype == torch.float8_e4m3fn
+    assert attn.kv_a_proj_with_mqa.weight.dtype == torch.float32 and attn.kv_b_proj.weight.dtype == torch.float32
+
+
+def test_fp8_moe_layers_are_refused_naming_the_method(registry):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("deepseek_v3", **FP8_SHAPES, first_k_dense_replace=1)
+    fp8 = registry.load("quantization", "fp8").from_config(FP8_BLOCK)
+    with torch.device("meta"), pytest.raises(ValueError, match=r"FP8Method does not support MoE.*model\.layers\.1\.mlp"):
+        DeepseekV3ForCausalLM(cfg, fp8)
 
 
 def test_fp8_weight_without_its_scale_is_named(tmp_path):
@@ -216,13 +267,20 @@ def test_alone_batched_and_radix_cache_invariance(tmp_path):
 
 
 def test_registered_under_its_distribution(registry, capsys):
+    """Discovered under its distribution, listed by `radixserve plugins`; tensor parallelism (not
+    implemented yet) refused by name."""
     from radixserve.cli import main
+    from radixserve.model_runner import check_model_tensor_parallel
+    from radixserve.plugins.registry import PluginError
+    from transformers import AutoConfig
 
     table = {(c.kind, c.name): c.distribution for c in registry.components()}
     for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
         assert table[("model", arch)] == "radixserve-models-deepseek"
         cls = registry.load("model", arch)
-        assert cls.attention_type == "latent" and cls.supports_tensor_parallel is False
+        assert cls.attention_type == "latent"
+        with pytest.raises(PluginError, match=f"runtime.tp_size=2: model architecture '{arch}'.*set runtime.tp_size=1"):
+            check_model_tensor_parallel(arch, cls, None, AutoConfig.for_model("deepseek_v3"), 2)
     main(["plugins"])
     listed = capsys.readouterr().out
     assert "DeepseekV2ForCausalLM" in listed and "DeepseekV3ForCausalLM" in listed
