@@ -235,7 +235,7 @@ def test_passes_the_drafter_kit(target):
         return KitMtp(replace(base, vocab_size=info.vocab_size, num_draft_tokens=info.num_draft_tokens,
                               num_steps=info.num_steps, topk=info.topk, supports_tree=info.supports_tree))
 
-    check_drafter(factory, vocab_size=VOCAB, num_draft_tokens=3, topk=(1,), seeds=(0,), num_requests=6)
+    check_drafter(factory, vocab_size=VOCAB, num_draft_tokens=3, topk=(1, 3), seeds=(0,), num_requests=6)
 
 
 # ---- losslessness --------------------------------------------------------------------------------
