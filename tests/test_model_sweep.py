@@ -15,6 +15,7 @@ FAST_SUBSET = {
     "gpt_neox": ("pass", None),       # fallback: partial rotary, parallel residual
     "gemma": ("pass", None),          # fallback: embedding scaling, offset norms
     "mixtral": ("pass", None),        # MoE: native once a plugin claims it, else the fallback
+    "deepseek_v3": ("pass", None),    # latent attention (MLA): run on a backend that supports it
     "mamba": ("unsupported", "no-attention-interface"),
     "bart": ("pass", None),           # fallback: its position embedding counts from the input start otherwise
     "gemma3": ("skip", None),         # multimodal wrapper: its text model is gemma3_text

@@ -226,15 +226,17 @@ def _run_one(model_type: str, workdir: str, impl: str, start: float) -> SweepRes
 def _parity(model_cls, ckpt: str) -> None:
     from radixserve.testing.model import check_model_parity
 
-    check_model_parity(model_cls, ckpt, attention=_attention_backend())
+    check_model_parity(model_cls, ckpt, attention=_attention_backend(getattr(model_cls, "attention_type", "standard")))
 
 
-def _attention_backend():
-    """The attention backend the runner picks on this machine (CPU): the registry's default."""
+def _attention_backend(attention_type: str = "standard"):
+    """The attention backend the runner picks on this machine (CPU) for a model of this
+    `attention_type`: the highest-priority one that supports it (latent models: not cpu_batched)."""
     from radixserve.plugins.registry import Registry
+    from radixserve.plugins.stack import default_attention
 
     reg = Registry.discover()
-    spec = reg.default("attention", "cpu")
+    spec = default_attention(reg, "cpu", attention_type)
     return reg.load("attention", spec.name)
 
 
