@@ -270,11 +270,15 @@ def extend_point(rows: list[str], bs: int, prefix: int, ext: int, configs: dict[
         peer = f"{sdpa_ms * 1e3:.0f} us, {flops / (sdpa_ms * 1e-3) / 1e12:.0f} TFLOP/s"
         del qs, ks, vs
     ref = None
-    for name, cfg in configs.items():
+    # the kernel's own configurations (prefill_sdpa off), then the backend's fresh-prompt SDPA path
+    variants = {name: {"extend_config": cfg, "prefill_sdpa": False} for name, cfg in configs.items()}
+    if prefix == 0:
+        variants["backend SDPA path"] = {"prefill_sdpa": True}
+    for name, kw in variants.items():
 
-        def point(name=name, cfg=cfg):
+        def point(name=name, kw=kw):
             nonlocal ref
-            backend = backend_for(s, extend_config=cfg)
+            backend = backend_for(s, **kw)
             out = backend.forward_extend(s.q, s.k, s.v, Layer(0), s.batch)
             ref = reference(s) if ref is None else ref
             err = rel_err(out, ref)

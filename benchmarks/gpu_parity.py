@@ -113,6 +113,9 @@ def main() -> int:
     ap.add_argument("--families", action="store_true",
                     help="only the native families beyond Llama (tests/family_cases.py: Gemma 2/3, Phi-3, OLMo 2, "
                          "Mistral with a window, Mixtral, Qwen2/3-MoE)")
+    ap.add_argument("--deepseek", action="store_true",
+                    help="only the tiny DeepSeek-V2/V3 checkpoints (plugins/models/deepseek/tests/deepseek_cases.py); "
+                         "pair with --attention mla_triton or torch_native")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(1)
     ok = True
@@ -121,6 +124,8 @@ def main() -> int:
             return 0 if not args.gguf else compare_gguf(args)
         if args.families:
             return 0 if compare_families(tmp, args) else 1
+        if args.deepseek:
+            return 0 if compare_deepseek(tmp, args) else 1
         llama = build_tiny("llama", os.path.join(tmp, "llama"), tie_word_embeddings=False, rope_parameters=dict(
             rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
             original_max_position_embeddings=64))
@@ -149,6 +154,24 @@ def compare_families(tmp: str, args) -> bool:
         vocab = config_vocab_size(path)
         prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 31, 2, 17)]
         ok &= compare(name, path, prompts, 24, args, hf_kwargs={"attn_implementation": "eager"})
+    return ok
+
+
+def compare_deepseek(tmp: str, args) -> bool:
+    """The DeepSeek plugin's tiny checkpoints (latent attention, YaRN, V2/V3 routing) against
+    transformers, with the latent pool and the selected latent backend; the last case also through
+    the real scheduler with and without overlap."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "plugins", "models", "deepseek", "tests"))
+    from deepseek_cases import CASES, write_checkpoint
+
+    gen = torch.Generator().manual_seed(3)
+    ok = True
+    for name in CASES:
+        path = write_checkpoint(name, os.path.join(tmp, name))
+        vocab = config_vocab_size(path)
+        prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 130, 2, 77)]
+        ok &= compare(name, path, prompts, 32, args, hf_kwargs={"attn_implementation": "eager"})
+    ok &= compare_overlap(name, path, prompts, 32, args)
     return ok
 
 

@@ -214,10 +214,14 @@ def _ids(cases):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda t: "h{}kv{}d{}".format(*t))
 @pytest.mark.parametrize("lens", EXTEND_LENS, ids=_ids(EXTEND_LENS))
-def test_extend_matches_reference_and_writes_kv(dtype, heads, lens):
+@pytest.mark.parametrize("prefill_sdpa", [True, False], ids=["sdpa-fresh-prompts", "kernel-only"])
+def test_extend_matches_reference_and_writes_kv(dtype, heads, lens, prefill_sdpa):
     prefix_lens, extend_lens = lens
-    p = make_problem(prefix_lens, extend_lens, *heads, dtype=dtype, mode=ForwardMode.EXTEND)
+    p = make_problem(prefix_lens, extend_lens, *heads, dtype=dtype, mode=ForwardMode.EXTEND, prefill_sdpa=prefill_sdpa)
     out = run(p)
+    fresh = prefill_sdpa and not any(prefix_lens)
+    # batches of fresh prompts take the SDPA path, everything else (cached prefixes) the Triton kernel
+    assert (p.batch.attn_metadata.fresh_prompt_lens is not None) == fresh
     assert_close(out, reference(p), dtype)
     assert_pool_written(p)
 

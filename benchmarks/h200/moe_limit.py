@@ -1,7 +1,7 @@
 """The batch-1 decode limit of an MoE model: the bytes one decode step reads, over the HBM
 bandwidth measured in the same run (device-to-device copy, read + write).
 
-A batch-1 step reads: per layer the attention weights (qkv, o, q/k norms), the router, the
+A batch-1 step reads: per layer (DeepSeek's latent attention: q, kv_a, kv_b and o projections) the attention weights (qkv, o, q/k norms), the router, the
 weights of the top_k experts the token is routed to (not all experts), any shared expert or
 dense MLP, the two norms; then the final norm, the LM head, and one embedding row. KV-cache reads
 are left out (small at batch 1 and short contexts), so the limit is a floor on the step time.
@@ -19,8 +19,29 @@ import json
 import torch
 
 
+def _deepseek_step_bytes(cfg: dict) -> dict[str, int]:
+    """DeepSeek-V2/V3 (latent attention, shared experts, dense first layers), in parameters."""
+    h, layers, heads = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    nope, rope, v, lora = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    q_lora = cfg.get("q_lora_rank")
+    q = h * heads * (nope + rope) if not q_lora else h * q_lora + q_lora + q_lora * heads * (nope + rope)
+    attn = q + h * (lora + rope) + lora + lora * heads * (nope + v) + heads * v * h
+    first_dense, freq = cfg.get("first_k_dense_replace", 0), cfg.get("moe_layer_freq", 1) or 1
+    sparse = [i for i in range(layers) if i >= first_dense and i % freq == 0]
+    inter, top_k = cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
+    return {
+        "attention": layers * attn,
+        "routed_experts_active": len(sparse) * (cfg["n_routed_experts"] * h + top_k * 3 * h * inter),
+        "shared_experts": len(sparse) * cfg.get("n_shared_experts", 0) * 3 * h * inter,
+        "dense_mlp": (layers - len(sparse)) * 3 * h * cfg["intermediate_size"],
+        "norms": layers * 2 * h + h, "lm_head": cfg["vocab_size"] * h, "embedding_row": h,
+    }
+
+
 def step_bytes(cfg: dict, elem: int = 2) -> dict[str, int]:
     """Parameter bytes one batch-1 decode step reads, by part."""
+    if "kv_lora_rank" in cfg:
+        return {k: n * elem for k, n in _deepseek_step_bytes(cfg).items()}
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     hd = cfg.get("head_dim") or h // heads

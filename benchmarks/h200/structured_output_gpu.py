@@ -23,14 +23,14 @@ so the grammar backend indexes a vocabulary as large as Llama-3's and every samp
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import random
 import statistics
-import string
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from full_vocab_tokenizer import make_tokenizer
 
 VOCAB = 128256
 
@@ -55,32 +55,6 @@ BOUNDED_SCHEMAS = [
                                                           "required": ["sku", "qty"], "additionalProperties": False}}},
      "required": ["items"], "additionalProperties": False},
 ]
-
-
-def make_tokenizer(out: Path, vocab_size: int = VOCAB) -> None:
-    """A byte-level BPE tokenizer with exactly `vocab_size` tokens (no merges: it encodes text
-    byte by byte, which is all the benchmark needs; every id decodes)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_chars = sorted(alphabet)
-    vocab: dict[str, int] = {"<|eos|>": 0}
-    for ch in byte_chars:
-        vocab.setdefault(ch, len(vocab))
-    pieces = [c for c in string.ascii_letters + string.digits + "{}[]\":,._-"] + ["Ġ"]  # Ġ: a space
-    for n in (2, 3, 4):
-        for combo in itertools.product(pieces, repeat=n):
-            if len(vocab) >= vocab_size:
-                break
-            vocab.setdefault("".join(combo), len(vocab))
-    assert len(vocab) == vocab_size, len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>")
-    fast.save_pretrained(out)
-    print(f"wrote a {len(vocab)}-token byte-level tokenizer to {out}")
 
 
 def generate(client, ids: list[int], **sp) -> dict:
@@ -155,7 +129,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
     if args.make_tokenizer:
-        make_tokenizer(args.make_tokenizer)
+        make_tokenizer(args.make_tokenizer, VOCAB)
         return
     import httpx
 

@@ -3,6 +3,7 @@
 _KNOWN = {
     ("attention", "torch_native"): "radixserve-attention-torch_native",
     ("attention", "triton"): "radixserve-attention-triton",
+    ("attention", "mla_triton"): "radixserve-attention-mla_triton",
     ("model", "LlamaForCausalLM"): "radixserve-models-llama",
     ("model", "MistralForCausalLM"): "radixserve-models-llama",
     ("model", "Qwen2ForCausalLM"): "radixserve-models-llama",

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from radixserve.interfaces.attention import AttentionBackend
+from radixserve.layers.triton_interpreter import interpreter_enabled
 from radixserve.state import ForwardMode
 
-from radixserve_attention_triton._interpreter_compat import interpreter_enabled
 from radixserve_attention_triton.decode_kernel import DecodeConfig, compute_num_kv_splits, decode_attention
 from radixserve_attention_triton.extend_kernel import ExtendConfig, extend_attention
 
@@ -34,6 +35,9 @@ class ExtendMetadata:
     tree_mask: torch.Tensor | None = None
     mask_start: torch.Tensor | None = None  # int64 [bs]
     depths: torch.Tensor | None = None  # int32 [num_tokens]: each draft token's depth (places it in a window)
+    # host lengths of the new tokens when every request starts from an empty prefix (a fresh
+    # prompt's first chunk) and no tree mask: such a batch may use PyTorch's flash SDPA
+    fresh_prompt_lens: list[int] | None = None
 
 
 @dataclass
@@ -66,7 +70,11 @@ class TritonAttentionBackend(AttentionBackend):
     Tuning knobs (keyword-only) control decode splitting: at most `max_kv_splits` splits per request,
     none shorter than `min_split_tokens`, and about `sm_count * programs_per_sm` decode programs in
     flight (`sm_count` defaults to the GPU's multiprocessor count); `extend_config` / `decode_config`
-    override the kernels' tile sizes.
+    override the kernels' tile sizes. `prefill_sdpa` (default True): an extend batch in which every
+    request starts from an empty prefix (no cached tokens, no tree mask, no window or soft-cap in the
+    layer) runs PyTorch's `scaled_dot_product_attention` per request (its flash kernel on Hopper,
+    measured ~2x this plugin's extend kernel there: benchmarks/results/h200-attention-kernels.md);
+    every other extend batch runs the Triton kernel.
     """
     supports_tensor_parallel = True  # reads per-rank head counts only
 
@@ -88,6 +96,8 @@ class TritonAttentionBackend(AttentionBackend):
         programs_per_sm: int = 4,
         extend_config: ExtendConfig | None = None,
         decode_config: DecodeConfig | None = None,
+        prefill_sdpa: bool = True,
+        sdpa_max_requests: int = 64,
     ) -> None:
         self.device = torch.device(runner_info.device)
         dtype = runner_info.dtype
@@ -112,6 +122,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.programs_per_sm = programs_per_sm
         self.extend_config = extend_config  # None: per-head-dim defaults (extend_kernel.extend_config)
         self.decode_config = decode_config
+        self.prefill_sdpa = prefill_sdpa
+        self.sdpa_max_requests = sdpa_max_requests  # one SDPA call per request: bounded host work per layer
         self._graph: _GraphBuffers | None = None
 
     @classmethod
@@ -140,6 +152,9 @@ class TritonAttentionBackend(AttentionBackend):
             torch.cumsum(batch.extend_lens[:-1], 0, out=extend_start[1:])
         lens = batch.extend_lens_cpu or batch.extend_lens.tolist()  # host copy avoids a device sync
         meta = ExtendMetadata(extend_start=extend_start, max_extend_len=max(lens, default=0))
+        if (self.prefill_sdpa and batch.tree_mask is None and 0 < batch.batch_size <= self.sdpa_max_requests
+                and batch.prefix_lens_cpu and not any(batch.prefix_lens_cpu)):
+            meta.fresh_prompt_lens = list(lens)
         if batch.tree_mask is not None:
             meta.tree_mask = batch.tree_mask.to(device=self.device, dtype=torch.uint8)
             meta.mask_start = torch.zeros_like(batch.extend_lens)
@@ -170,6 +185,9 @@ class TritonAttentionBackend(AttentionBackend):
         meta: ExtendMetadata = batch.attn_metadata
         q3, k3, v3 = self._split_heads(q, k, v, layer)
         batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k3, v3)
+        window, cap = getattr(layer, "sliding_window", None), getattr(layer, "logit_cap", None)
+        if meta.fresh_prompt_lens is not None and not window and not cap:
+            return self._fresh_prompts_sdpa(q3, k3, v3, layer, meta.fresh_prompt_lens).view(q.shape[0], -1)
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
         out = torch.empty_like(q3)
         extend_attention(
@@ -190,11 +208,31 @@ class TritonAttentionBackend(AttentionBackend):
             config=self.extend_config,
             tree_mask=meta.tree_mask,
             mask_start=meta.mask_start,
-            sliding_window=getattr(layer, "sliding_window", None),
-            logit_cap=getattr(layer, "logit_cap", None),
+            sliding_window=window,
+            logit_cap=cap,
             depths=meta.depths,
         )
         return out.view(q.shape[0], -1)
+
+    @staticmethod
+    def _fresh_prompts_sdpa(
+        q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, layer: AttentionLayerSpec, lens: list[int]
+    ) -> torch.Tensor:
+        """Causal attention of requests with no cached prefix: their keys are exactly the new tokens,
+        so no pool read is needed (the caller stored them already)."""
+        out = torch.empty_like(q3)
+        gqa = layer.num_heads != layer.num_kv_heads
+        start = 0
+        for n in lens:
+            rows = slice(start, start + n)
+            # [1, heads, n, head_dim] views: the head dim stays contiguous, as the flash kernel needs
+            o = F.scaled_dot_product_attention(
+                q3[rows].transpose(0, 1)[None], k3[rows].transpose(0, 1)[None], v3[rows].transpose(0, 1)[None],
+                is_causal=True, scale=layer.scaling, enable_gqa=gqa,
+            )
+            out[rows] = o[0].transpose(0, 1)
+            start += n
+        return out
 
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch

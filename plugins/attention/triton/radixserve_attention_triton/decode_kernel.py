@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-from radixserve_attention_triton import _interpreter_compat
-from radixserve_attention_triton._softmax import NEG_BIG, online_softmax_step, scores_log2
+from radixserve.layers import triton_interpreter as _interpreter_compat
+from radixserve.layers.kv_splits import compute_num_kv_splits  # noqa: F401 - re-exported (its old home)
+from radixserve.layers.triton_softmax import NEG_BIG, online_softmax_step, scores_log2
 
 _interpreter_compat.apply()
 
@@ -167,29 +167,6 @@ def decode_config(head_dim: int, interpret: bool) -> DecodeConfig:
     if block_d <= 128:
         return DecodeConfig(128, 4, 2)
     return DecodeConfig(32, 4, 2)
-
-
-def compute_num_kv_splits(
-    seq_lens: torch.Tensor,
-    out: torch.Tensor,
-    num_kv_heads: int,
-    max_splits: int,
-    min_split_tokens: int,
-    target_programs: int,
-) -> None:
-    """Fill `out` (int32 [bs]) with each request's KV split count, on the device, without a host sync.
-
-    One split length serves the whole batch: the batch's KV tokens (times KV heads, one program per
-    KV head and split) spread over about `target_programs` programs, but no split shorter than
-    `min_split_tokens`. Long requests thus get more splits than short ones, which also evens out a
-    batch mixing long and short contexts. Each count is then clamped to [1, max_splits].
-    """
-    total = seq_lens.sum() * num_kv_heads
-    split_len = torch.div(total + (target_programs - 1), target_programs, rounding_mode="floor").clamp_(
-        min=min_split_tokens
-    )
-    splits = torch.div(seq_lens + split_len - 1, split_len, rounding_mode="floor")
-    out.copy_(splits.clamp_(1, max_splits))
 
 
 def decode_attention(

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-from radixserve_attention_triton import _interpreter_compat
-from radixserve_attention_triton._softmax import NEG_BIG, online_softmax_step, scores_log2
+from radixserve.layers import triton_interpreter as _interpreter_compat
+from radixserve.layers.triton_softmax import NEG_BIG, online_softmax_step, scores_log2
 
 _interpreter_compat.apply()
 

@@ -98,11 +98,19 @@ class DeepseekModel(nn.Module):
         self.layers = nn.ModuleList(DeepseekDecoderLayer(config, i, quant_method, f"model.layers.{i}", v3=v3)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.aux_layers: frozenset[int] = frozenset()  # layers whose output a drafter asked for (MTP, EAGLE-3)
+        self.aux_order: tuple[int, ...] = ()
+        self.aux_hidden_states: list[torch.Tensor] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         h, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
             h, residual = layer(positions, h, residual, batch)
+            if i in self.aux_layers:  # the residual stream after layer i (h + residual, unfused)
+                captured[i] = h + residual
+        if self.aux_order:
+            self.aux_hidden_states = [captured[i] for i in self.aux_order]
         h, _ = self.norm(h, residual)
         return h
 
@@ -139,6 +147,18 @@ class DeepseekV2ForCausalLM(Model):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
+
+    # the MTP drafter reads the last layer's output (before the final norm) through this capability
+    supports_aux_hidden_states = True
+
+    def set_aux_hidden_state_layers(self, layer_ids: tuple[int, ...]) -> None:
+        self.model.aux_order = tuple(layer_ids)
+        self.model.aux_layers = frozenset(layer_ids)
+        self.model.aux_hidden_states = None
+
+    @property
+    def aux_hidden_states(self) -> list[torch.Tensor] | None:
+        return self.model.aux_hidden_states
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())

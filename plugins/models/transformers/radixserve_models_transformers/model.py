@@ -70,6 +70,8 @@ class TransformersForCausalLM(Model):
                              use_cache=False, return_dict=True)
         finally:
             self.ctx.batch = self.ctx.positions = None
+        if getattr(self, "_aux_order", ()):
+            self.aux_hidden_states = [self._aux_captured[i] for i in self._aux_order]
         return _last_hidden(out)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -97,7 +99,35 @@ class TransformersForCausalLM(Model):
         return self._dims
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return {f"hf.{name}" for name in load_hf_weights(self.hf, weights)}
+        return {f"hf.{name}" for name in load_hf_weights(self.hf, _without_mtp_layers(weights, self.config))}
+
+    # ---- hidden-state capture (drafters: EAGLE-3, DeepSeek MTP) ------------------------------
+    supports_aux_hidden_states = True
+
+    def set_aux_hidden_state_layers(self, layer_ids: tuple[int, ...]) -> None:
+        """Forward hooks on the base model's decoder layers record their outputs (the residual
+        stream after each layer); `()` removes them."""
+        for h in getattr(self, "_aux_hooks", []):
+            h.remove()
+        self._aux_hooks, self._aux_order, self._aux_captured = [], tuple(layer_ids), {}
+        self.aux_hidden_states = None
+        if not layer_ids:
+            return
+        layers = _decoder_layers(self._base, int(self.config.num_hidden_layers))
+        if layers is None:
+            raise ValueError(f"{type(self.hf).__name__}: no list of {self.config.num_hidden_layers} decoder layers "
+                             "to capture hidden states from")
+
+        def record(_m, _a, out, i):
+            self._aux_captured[i] = _last_hidden(out)[0]
+
+        for i in set(layer_ids):
+            self._aux_hooks.append(layers[i].register_forward_hook(lambda m, a, out, i=i: record(m, a, out, i)))
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The base model's input embedding module (a model that scales embeddings inside its
+        forward, as Gemma does, is not scaled here)."""
+        return self.hf.get_input_embeddings()(input_ids)
 
     # ---- construction -----------------------------------------------------------------------
     @torch.no_grad()
@@ -294,6 +324,30 @@ def _logit_multiplier(config) -> float | None:
     if getattr(config, "logits_scaling", None):
         factor /= float(config.logits_scaling)
     return None if factor == 1.0 else factor
+
+
+def _decoder_layers(base: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList | None:
+    """The base model's decoder layers: its `layers`, else its first ModuleList of `num_layers`."""
+    layers = getattr(base, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and len(layers) == num_layers:
+        return layers
+    return next((m for m in base.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers), None)
+
+
+def _without_mtp_layers(weights: Iterable[tuple[str, torch.Tensor]], config) -> Iterable[tuple[str, torch.Tensor]]:
+    """Drop the multi-token-prediction layers a DeepSeek-V3-style checkpoint stores after the decoder
+    (`model.layers.{num_hidden_layers + i}.*`, `num_nextn_predict_layers` of them): transformers
+    builds no module for them; an MTP drafter reads them itself."""
+    if not getattr(config, "num_nextn_predict_layers", 0):
+        yield from weights
+        return
+    first = int(config.num_hidden_layers)
+    for name, tensor in weights:
+        parts = name.split(".")
+        if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit() \
+                and int(parts[2]) >= first:
+            continue
+        yield name, tensor
 
 
 def _last_hidden(out) -> torch.Tensor:

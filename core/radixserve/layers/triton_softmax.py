@@ -1,4 +1,4 @@
-"""Pieces shared by the extend and decode kernels: the online-softmax step and its constants.
+"""Shared by the Triton attention kernels (plugins triton, mla_triton): the online-softmax step.
 
 Scores are kept in the log2 domain (softmax scale multiplied by log2(e)) so kernels use exp2.
 """

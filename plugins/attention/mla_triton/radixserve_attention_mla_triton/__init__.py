@@ -1,0 +1,1 @@
+"""RadixServe attention plugin: latent attention (MLA) with Triton kernels."""
