@@ -23,7 +23,7 @@ from radixserve.layers.weight_utils import load_into
 from radixserve.state import ForwardBatch
 
 from radixserve_models_deepseek.attention import DeepseekAttention, latent_dims
-from radixserve_models_deepseek.moe import DeepseekMLP, DeepseekMoE, is_moe_layer
+from radixserve_models_deepseek.moe import DeepseekMLP, DeepseekMoE, check_activation, is_moe_layer
 from radixserve_models_deepseek.weights import (
     IGNORED_SUFFIXES,
     FP8ToFloatLoader,
@@ -65,6 +65,7 @@ class DeepseekDecoderLayer(nn.Module):
     def __init__(self, config, layer_id: int, quant_method: QuantMethod | None = None, prefix: str = "", *,
                  v3: bool | None = None, attn_layer_id: int | None = None) -> None:
         super().__init__()
+        check_activation(config)
         v3 = uses_v3_routing(config) if v3 is None else v3
         prefix = prefix or f"model.layers.{layer_id}"
         self.self_attn = DeepseekAttention(config, layer_id if attn_layer_id is None else attn_layer_id,

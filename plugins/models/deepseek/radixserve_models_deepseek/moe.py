@@ -37,6 +37,12 @@ class DeepseekMLP(nn.Module):
         return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
 
 
+def check_activation(config) -> None:
+    """ValueError naming a `hidden_act` other than silu (the MLPs are SwiGLU)."""
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
+
+
 def num_routed_experts(config) -> int:
     return int(getattr(config, "n_routed_experts", None) or 0)
 
@@ -95,8 +101,7 @@ class DeepseekMoE(nn.Module):
 
     def __init__(self, config, quant_method: QuantMethod | None, sigmoid_noaux: bool, prefix: str = "") -> None:
         super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
+        check_activation(config)
         num_experts = num_routed_experts(config)
         self.gate = DeepseekRouter(num_experts, config.hidden_size)
         self.experts = FusedMoE(num_experts, config.hidden_size, config.moe_intermediate_size,

@@ -80,7 +80,7 @@ def test_router_matches_transformers(case, tmp_path):
     torch.testing.assert_close(weights.gather(1, order.indices), ref_w.gather(1, ref_order.indices))
 
 
-def test_unsupported_routing_is_named():
+def test_unsupported_routing_and_activation_are_named():
     from transformers import AutoConfig
 
     cfg = AutoConfig.for_model("deepseek_v2", topk_method="noaux_tc", num_experts_per_tok=2)
@@ -89,6 +89,9 @@ def test_unsupported_routing_is_named():
     cfg = AutoConfig.for_model("deepseek_v3", scoring_func="softmax")
     with pytest.raises(ValueError, match="scoring_func='softmax'"):
         routing_from_config(cfg, sigmoid_noaux=True)
+    cfg = AutoConfig.for_model("deepseek_v2", hidden_act="gelu", **CASES["v2-lite-yarn"][1])
+    with torch.device("meta"), pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        DeepseekDecoderLayer(cfg, 0)  # a dense layer
 
 
 def test_dequantize_fp8_blocks_with_partial_edges():
