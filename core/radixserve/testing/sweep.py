@@ -55,7 +55,11 @@ _SIZES = {
     **dict.fromkeys(("n_group", "topk_group", "first_k_dense_replace"), 1),
     # multi-head latent attention
     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    # layers that reuse an earlier layer's KV (Gemma 3n): keep one so the sharing is exercised
+    "num_kv_shared_layers": 1,
 }
+# counts a family may restrict (ZAYA routes to one expert only): shrunk, never raised above the default
+_NEVER_RAISE = ("num_experts_per_tok", "moe_topk", "num_selected_experts", "num_kv_shared_layers")
 _LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
 _KV_HEAD_FIELDS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv")
 _SUB_CONFIG_MARKERS = ("vision_config", "audio_config", "vision_tower_config", "image_config", "speech_config")
@@ -96,6 +100,14 @@ def tiny_config(model_type: str):
     if subs or getattr(default, "text_config", None) is not None:
         raise Skip(f"multimodal model (has {', '.join(subs) or 'text_config'}); not a text decoder on its own")
     over: dict = {k: v for k, v in _SIZES.items() if _has(default, k) and not _derived(default, k)}
+    for k in _NEVER_RAISE:
+        if k in over and isinstance(getattr(default, k), int):
+            over[k] = min(over[k], getattr(default, k))
+    if _has(default, "expand") and {"num_heads", "head_dim", "hidden_size"} <= over.keys():
+        # state-space heads (Mamba 2) must tile hidden_size * expand exactly
+        over["num_heads"] = over["hidden_size"] * int(default.expand) // over["head_dim"]
+    if getattr(default, "languages", None) and _has(default, "default_language") and default.default_language is None:
+        over["default_language"] = default.languages[0]  # X-MOD: a forward without lang_ids uses it
     if _has(default, "qk_rope_head_dim"):  # latent attention: its rotary part is the head size rotary sees
         over["head_dim"] = _SIZES["qk_rope_head_dim"]
     heads = over.get("num_attention_heads", 4)
@@ -143,9 +155,20 @@ def _has(config, name: str) -> bool:
 
 
 def _derived(config, name: str) -> bool:
-    """A read-only property computed from other fields (setting it fails)."""
+    """A read-only property computed from other fields, or one whose setter refuses every value
+    (XLNet's max_position_embeddings: it has no length limit)."""
     attr = getattr(type(config), name, None)
-    return isinstance(attr, property) and attr.fset is None
+    if not isinstance(attr, property):
+        return False
+    if attr.fset is None:
+        return True
+    import copy
+
+    try:
+        attr.fset(copy.copy(config), getattr(config, name))
+    except Exception:
+        return True
+    return False
 
 
 def _first_int(config, names: Iterable[str]) -> int | None:
