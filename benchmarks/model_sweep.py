@@ -2,6 +2,8 @@
 
     python benchmarks/model_sweep.py                      # every causal-LM model type (~20-40 min on 2 cores)
     python benchmarks/model_sweep.py --from-jsonl R.jsonl # render a recorded run again
+    python benchmarks/model_sweep.py --only a,b --jsonl R.jsonl && python benchmarks/model_sweep.py --from-jsonl R.jsonl
+                                                          # re-run some rows: appended rows replace earlier ones
     python benchmarks/model_sweep.py --only gpt2,llama --out /tmp/page.md
 
 Runs each architecture through RadixServe (the native plugin if one is installed for it, else the
@@ -61,7 +63,13 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "supported-models.md"))
     args = ap.parse_args()
     if args.from_jsonl:
-        results = [SweepResult(**json.loads(line)) for line in open(args.from_jsonl) if line.strip()]
+        latest: dict[str, SweepResult] = {}  # a later row of a model type (a re-run) replaces the earlier one
+        for line in open(args.from_jsonl):
+            if line.strip():
+                r = SweepResult(**json.loads(line))
+                latest.pop(r.model_type, None)
+                latest[r.model_type] = r
+        results = list(latest.values())
     else:
         types = args.only.split(",") if args.only else [t for t, _ in causal_lm_architectures()]
         results = []

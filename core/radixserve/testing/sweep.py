@@ -23,6 +23,7 @@ worker process with a time limit, so a crash or a hang is one classified row, no
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import select
@@ -44,7 +45,8 @@ _SIZES = {
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"), 2),
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads"), 4),
     "head_dim": 16, "rotary_dim": 8,
-    **dict.fromkeys(("vocab_size",), 512),
+    **dict.fromkeys(("vocab_size", "encoder_hash_byte_group_vocab"), 512),
+    "hidden_size_global": 64,  # BLT's local models project to the global model's hidden size
     **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length",
                      "max_sequence_length"), 512),
     # mixture of experts
@@ -55,7 +57,11 @@ _SIZES = {
     **dict.fromkeys(("n_group", "topk_group", "first_k_dense_replace"), 1),
     # multi-head latent attention
     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    # layers that reuse an earlier layer's KV (Gemma 3n): keep one so the sharing is exercised
+    "num_kv_shared_layers": 1,
 }
+# counts a family may restrict (ZAYA routes to one expert only): shrunk, never raised above the default
+_NEVER_RAISE = ("num_experts_per_tok", "moe_topk", "num_selected_experts", "num_kv_shared_layers")
 _LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
 _KV_HEAD_FIELDS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv")
 _SUB_CONFIG_MARKERS = ("vision_config", "audio_config", "vision_tower_config", "image_config", "speech_config")
@@ -95,15 +101,24 @@ def tiny_config(model_type: str):
     subs = [m for m in _SUB_CONFIG_MARKERS if getattr(default, m, None) is not None]
     if subs or getattr(default, "text_config", None) is not None:
         raise Skip(f"multimodal model (has {', '.join(subs) or 'text_config'}); not a text decoder on its own")
-    over: dict = {k: v for k, v in _SIZES.items() if _has(default, k) and not _derived(default, k)}
+    over = _shrunk_fields(default)
+    for name in getattr(default, "sub_configs", None) or {}:  # nested text configs (BLT's local/global models)
+        sub = getattr(default, name, None)
+        fields = _shrunk_fields(sub) if sub is not None and hasattr(sub, "to_dict") else {}
+        if fields:
+            over[name] = copy.deepcopy(sub)
+            for k, v in fields.items():
+                setattr(over[name], k, v)
+    for k in _NEVER_RAISE:
+        if k in over and isinstance(getattr(default, k), int):
+            over[k] = min(over[k], getattr(default, k))
+    if _has(default, "expand") and {"num_heads", "head_dim", "hidden_size"} <= over.keys():
+        # state-space heads (Mamba 2) must tile hidden_size * expand exactly
+        over["num_heads"] = over["hidden_size"] * int(default.expand) // over["head_dim"]
+    if getattr(default, "languages", None) and _has(default, "default_language") and default.default_language is None:
+        over["default_language"] = default.languages[0]  # X-MOD: a forward without lang_ids uses it
     if _has(default, "qk_rope_head_dim"):  # latent attention: its rotary part is the head size rotary sees
         over["head_dim"] = _SIZES["qk_rope_head_dim"]
-    heads = over.get("num_attention_heads", 4)
-    for field in _KV_HEAD_FIELDS:
-        if _has(default, field) and isinstance(getattr(default, field), int):
-            d_heads = _first_int(default, ("num_attention_heads", "n_head", "num_heads"))
-            kv = getattr(default, field)
-            over[field] = 1 if kv == 1 else (heads if kv == d_heads else 2)
     if _has(default, "is_decoder"):
         over["is_decoder"] = True  # an encoder family's causal-LM head: the decoder use
     if _has(default, "initializer_range"):
@@ -131,6 +146,19 @@ def tiny_config(model_type: str):
         raise _ConfigError(f"tiny config rejected: {first!r}") from first
 
 
+def _shrunk_fields(config) -> dict:
+    """The size fields of `config` shrunk (`_SIZES`), KV heads keeping their relation to the heads
+    (multi-query stays 1, as many as the heads stays equal, else 2 groups)."""
+    over = {k: v for k, v in _SIZES.items() if _has(config, k) and not _derived(config, k)}
+    heads = over.get("num_attention_heads", 4)
+    for field in _KV_HEAD_FIELDS:
+        if _has(config, field) and isinstance(getattr(config, field), int):
+            d_heads = _first_int(config, ("num_attention_heads", "n_head", "num_heads"))
+            kv = getattr(config, field)
+            over[field] = 1 if kv == 1 else (heads if kv == d_heads else 2)
+    return over
+
+
 class _ConfigError(Exception):
     pass
 
@@ -143,9 +171,18 @@ def _has(config, name: str) -> bool:
 
 
 def _derived(config, name: str) -> bool:
-    """A read-only property computed from other fields (setting it fails)."""
+    """A read-only property computed from other fields, or one whose setter refuses every value
+    (XLNet's max_position_embeddings: it has no length limit)."""
     attr = getattr(type(config), name, None)
-    return isinstance(attr, property) and attr.fset is None
+    if not isinstance(attr, property):
+        return False
+    if attr.fset is None:
+        return True
+    try:
+        attr.fset(copy.copy(config), getattr(config, name))
+    except Exception:
+        return True
+    return False
 
 
 def _first_int(config, names: Iterable[str]) -> int | None:

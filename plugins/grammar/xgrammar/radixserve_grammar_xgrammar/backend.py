@@ -10,6 +10,8 @@ import torch
 import xgrammar as xgr
 from radixserve.interfaces.grammar import GrammarBackend, GrammarError, GrammarMatcher
 
+from radixserve_grammar_xgrammar.json_strings import exclude_control_characters
+
 MAX_ROLLBACK_TOKENS = 16  # what we promise (xgrammar keeps the whole history): any draft the core allows (<= 16)
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:line: "; users need only the rest
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
@@ -53,6 +55,14 @@ def _clean(e: Exception) -> str:
     return _CPP_PREFIX.sub("", str(e).strip()).strip() or type(e).__name__
 
 
+def json_schema_grammar(schema: str) -> xgr.Grammar:
+    """xgrammar's grammar for `schema` (compact JSON, undeclared fields not generated) with raw
+    control characters kept out of strings (xgrammar lets them into length-limited and `pattern`
+    strings)."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+    return xgr.Grammar.from_ebnf(exclude_control_characters(str(grammar)))
+
+
 class XGrammarMatcher(GrammarMatcher):
     max_rollback_tokens = MAX_ROLLBACK_TOKENS
 
@@ -78,7 +88,8 @@ class XGrammarBackend(GrammarBackend):
 
     JSON is generated compactly (`{"a": 1, "b": [2, 3]}`: no free whitespace): with free
     whitespace a small model can emit newlines until its token budget ends, leaving invalid JSON.
-    `strict_mode`: properties and items the schema does not declare are not generated."""
+    `strict_mode`: properties and items the schema does not declare are not generated. Strings
+    never hold a raw control character (U+0000-U+001F), which JSON forbids: see json_strings.py."""
 
     supported_kinds = ("json_schema", "regex", "ebnf")
 
@@ -103,7 +114,7 @@ class XGrammarBackend(GrammarBackend):
                         f"{where.rsplit('/', 1)[1]} (at {where}) is not supported by the xgrammar backend: it cannot "
                         "be enforced while generating"
                     )
-                return self._compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+                return self._compiler.compile_grammar(json_schema_grammar(text))
             if kind == "regex":
                 return self._compiler.compile_regex(text)
             if kind == "ebnf":

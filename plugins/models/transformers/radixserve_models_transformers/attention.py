@@ -47,7 +47,9 @@ _UNSUPPORTED_KWARGS = {
     "position_bias": "an additive position bias (position_bias)",
     "alibi": "ALiBi position biases",
     "head_mask": "a head mask",
+    "indices": "sparse attention over top-k keys chosen by an indexer (DeepSeek sparse attention)",
 }
+MASKED_IMPLEMENTATION = "radixserve_masked"  # the same function, with transformers' causal mask built
 
 
 class UnsupportedModelError(ValueError):
@@ -70,6 +72,7 @@ class LayerCall:
     scaling: float | None
     sliding_window: int | None
     softcap: float | None
+    key_bias: bool = False  # the model passes a per-key additive score bias as its attention mask
     unsupported: list[str] = field(default_factory=list)
 
 
@@ -83,6 +86,7 @@ class AttentionBinding:
     head_dim: int  # the pool's head size (q/k/v narrower than it are zero-padded)
     qk_dim: int
     v_dim: int
+    key_bias: bool = False  # q gets a column of ones and k the bias / scaling (see `_attend`)
     next: int = 0  # calls made in the current forward (reset by the model at each forward)
 
 
@@ -118,11 +122,12 @@ def radixserve_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention-function signature: returns (`[1, num_tokens, heads, v_dim]`, None).
 
-    The attention mask transformers would build is not needed (the backend applies causal masking
-    per request) and is ignored."""
+    The causal mask transformers builds (for models that read it themselves) is not needed (the
+    backend applies causal masking per request) and is ignored; a per-key score bias the model
+    passes as its mask (Doge's dynamic mask) is applied (found by the probe, see `_mask_kind`)."""
     probe_ctx = getattr(_probing, "ctx", None)
     if probe_ctx is not None:
-        return _probe(probe_ctx, module, query, key, value, scaling, sliding_window, softcap, kwargs)
+        return _probe(probe_ctx, module, query, key, value, attention_mask, scaling, sliding_window, softcap, kwargs)
     binding: AttentionBinding | None = getattr(module, "_radixserve", None)
     if binding is None:
         raise RuntimeError(
@@ -134,16 +139,22 @@ def radixserve_attention(
         raise RuntimeError("the RadixServe attention function ran outside a RadixServe forward")
     layer = binding.layers[binding.next]
     binding.next += 1
-    return _attend(binding, layer, query, key, value, scaling, batch)
+    return _attend(binding, layer, query, key, value, scaling, batch, attention_mask)
 
 
-def _attend(binding: AttentionBinding, layer: RadixAttention, query, key, value, scaling, batch):
+def _attend(binding: AttentionBinding, layer: RadixAttention, query, key, value, scaling, batch, mask=None):
     if scaling is not None and not isinstance(scaling, torch.Tensor):
         layer.scaling = float(scaling)  # a Python number: no sync
     n = query.shape[2]
     d = binding.head_dim
-    q = _packed(query, n, binding.qk_dim, d)
-    k = _packed(key, n, binding.qk_dim, d)
+    if binding.key_bias:
+        # scaling * (q . k + 1 * bias / scaling) = scaling * q . k + bias: the bias travels in the KV pool
+        bias = _key_bias(mask, layer.num_kv_heads)  # [n, kv heads]
+        q = _packed(query, n, binding.qk_dim, d, extra=1.0)
+        k = _packed(key, n, binding.qk_dim, d, extra=bias / layer.scaling)
+    else:
+        q = _packed(query, n, binding.qk_dim, d)
+        k = _packed(key, n, binding.qk_dim, d)
     v = _packed(value, n, binding.v_dim, d)
     out = layer(q, k, v, batch).view(n, layer.num_heads, d)
     if binding.v_dim != d:
@@ -151,19 +162,60 @@ def _attend(binding: AttentionBinding, layer: RadixAttention, query, key, value,
     return out.unsqueeze(0), None
 
 
-def _packed(x: torch.Tensor, n: int, dim: int, pool_dim: int) -> torch.Tensor:
-    """`[1, heads, n, dim]` -> `[n, heads * pool_dim]`, zero-padding the head size to the pool's."""
+def _packed(x: torch.Tensor, n: int, dim: int, pool_dim: int, extra=None) -> torch.Tensor:
+    """`[1, heads, n, dim]` -> `[n, heads * pool_dim]`, zero-padding the head size to the pool's;
+    `extra` (a number or `[n, heads]`), when given, fills column `dim`."""
     x = x[0].transpose(0, 1)
     if dim != pool_dim:  # zeros add nothing to q.k and come out as columns the caller drops
         x = torch.nn.functional.pad(x, (0, pool_dim - dim))
+    if extra is not None:
+        x[..., dim] = extra
     return x.reshape(n, -1)
 
 
-def _probe(ctx: ForwardContext, module, query, key, value, scaling, sliding_window, softcap, kwargs):
+def _key_bias(mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The per-key bias of a mask `[1, heads or 1, queries, keys]` whose rows are all equal and
+    whose heads repeat per KV group (checked by the probe): `[keys, kv_heads]`."""
+    last = mask[0, :, -1, :]  # [heads or 1, keys]
+    if last.shape[0] != 1:
+        last = last[:: last.shape[0] // kv_heads]
+    return last.expand(kv_heads, -1).transpose(0, 1).float()
+
+
+def _mask_kind(mask, heads: int, kv_heads: int) -> str | None:
+    """What an attention mask the probe sees means: None (absent, or the causal mask transformers
+    builds for a model that reads it: ignorable), "key_bias" (a finite bias per head and key, the
+    same for every query: appliable), else the description of a mask the backends cannot apply."""
+    if not isinstance(mask, torch.Tensor):
+        return None
+    if mask.ndim != 4 or mask.shape[0] != 1:
+        return f"an attention mask of shape {tuple(mask.shape)} built by the model"
+    q_len, k_len = mask.shape[-2:]
+    causal = torch.ones(q_len, k_len, dtype=torch.bool, device=mask.device).tril(k_len - q_len)
+    if mask.dtype == torch.bool:
+        if bool((mask == causal).all()):
+            return None
+        return "a boolean attention mask built by the model that is not causal"
+    low = torch.finfo(mask.dtype).min / 2
+    if bool(torch.where(causal, mask == 0, mask <= low).all()):
+        return None
+    if bool((mask > low).all()) and bool(torch.isfinite(mask).all()) and mask.shape[1] in (1, heads):
+        same_rows = torch.equal(mask, mask[:, :, -1:, :].expand_as(mask))
+        grouped = mask.shape[1] == 1 or torch.equal(
+            mask, mask[:, :: heads // kv_heads].repeat_interleave(heads // kv_heads, dim=1))
+        if same_rows and grouped:
+            return "key_bias"
+    return "an attention mask or score bias built by the model that is not a per-key bias"
+
+
+def _probe(ctx: ForwardContext, module, query, key, value, mask, scaling, sliding_window, softcap, kwargs):
     ctx.last_token_qkv += [t[0, :, -1].detach().clone() for t in (query, key, value)]
     ctx.current.append(id(module))
     if ctx.call_order is None:
         unsupported = [desc for name, desc in _UNSUPPORTED_KWARGS.items() if kwargs.get(name) is not None]
+        mask_kind = _mask_kind(mask, int(query.shape[1]), int(key.shape[1]))
+        if mask_kind not in (None, "key_bias"):
+            unsupported.append(mask_kind)
         if kwargs.get("is_causal") is False or (kwargs.get("is_causal") is None and not getattr(module, "is_causal", True)):
             unsupported.append("bidirectional (non-causal) attention")
         unsupported += [f"attention argument {name!r}" for name, v in kwargs.items()
@@ -176,7 +228,8 @@ def _probe(ctx: ForwardContext, module, query, key, value, scaling, sliding_wind
             num_heads=int(query.shape[1]), num_kv_heads=int(key.shape[1]), qk_dim=int(query.shape[-1]),
             v_dim=int(value.shape[-1]), scaling=None if scaling is None else float(scaling),
             sliding_window=None if sliding_window is None else int(sliding_window),
-            softcap=None if softcap is None else float(softcap), unsupported=unsupported,
+            softcap=None if softcap is None else float(softcap), key_bias=mask_kind == "key_bias",
+            unsupported=unsupported,
         )))
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
     return out, None
@@ -235,7 +288,8 @@ def bind_layers(ctx: ForwardContext, max_context: int | None) -> tuple[int, int,
     heads, kv_heads, qk_dim, v_dim = shapes.pop()
     if heads % kv_heads:
         raise UnsupportedModelError(f"{heads} query heads are not a multiple of {kv_heads} KV heads", "gqa-shape")
-    head_dim = max(qk_dim, v_dim)
+    key_bias = any(c.key_bias for c in calls)
+    head_dim = max(qk_dim + key_bias, v_dim)  # one more q/k column carries a per-key bias
     window_ok, softcap_ok = _layer_accepts("sliding_window"), _layer_accepts("logit_cap")
     per_module: dict[int, AttentionBinding] = {}
     for layer_id, (module, c) in enumerate(ctx.calls):
@@ -258,7 +312,7 @@ def bind_layers(ctx: ForwardContext, max_context: int | None) -> tuple[int, int,
         layer = RadixAttention(layer_id, heads, kv_heads, head_dim, scaling, **extra)
         binding = per_module.get(id(module))
         if binding is None:
-            binding = per_module[id(module)] = AttentionBinding(ctx, [], head_dim, qk_dim, v_dim)
+            binding = per_module[id(module)] = AttentionBinding(ctx, [], head_dim, qk_dim, v_dim, c.key_bias)
             module._radixserve = binding
             ctx.bindings.append(binding)
         binding.layers.append(layer)
@@ -267,7 +321,13 @@ def bind_layers(ctx: ForwardContext, max_context: int | None) -> tuple[int, int,
 
 def register() -> None:
     """Make `attn_implementation="radixserve"` valid in transformers (idempotent). No mask function
-    is registered on purpose: for an implementation without one, transformers builds no mask."""
+    is registered for it on purpose: for an implementation without one, transformers builds no mask.
+    `"radixserve_masked"` is the same attention with transformers' eager causal mask built, for the
+    models whose own code reads the mask (the model switches to it when a probe needs it)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, radixserve_attention)
+    # for models that read the mask outside attention (DSA indexers, MPT): transformers' float causal mask
+    AttentionInterface.register(MASKED_IMPLEMENTATION, radixserve_attention)
+    AttentionMaskInterface.register(MASKED_IMPLEMENTATION, eager_mask)

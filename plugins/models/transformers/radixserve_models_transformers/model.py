@@ -138,10 +138,16 @@ class TransformersForCausalLM(Model):
         sequence); find the position convention (RoBERTa-style models count from an offset); check
         compute_logits against the model's own logits."""
         self._device = next(self.hf.parameters()).device
-        base = self._probe_run([1, 2], [0, 1])  # token 2 at position 1 in the first three runs
+        try:
+            base = self._probe_run([1, 2], [0, 1])  # token 2 at position 1 in the first three runs
+        except UnsupportedModelError as e:
+            if e.feature != "probe-forward":
+                raise
+            base = self._probe_with_mask(e)
         other_first = self._probe_run([3, 2], [0, 1])
         alone = self._probe_run([2], [1])
         dims = attention.bind_layers(self.ctx, getattr(self.config, "sliding_window", None))
+        _keep_dynamic_masks_dense(self.ctx, self.config)
         if self._device.type == "meta":
             return dims
         if not _same(base[1], other_first[1]):
@@ -156,6 +162,21 @@ class TransformersForCausalLM(Model):
         self._position_offset = self._find_position_offset()
         self._check_logits(base[0], base[2])
         return dims
+
+    def _probe_with_mask(self, first: UnsupportedModelError):
+        """The first probe failed: models whose own code reads the attention mask (DSA indexers,
+        MPT) get none from the plain implementation; run again with transformers' causal mask
+        built ("radixserve_masked"; it costs a [tokens, tokens] mask per forward). If that fails
+        too, the first error stands."""
+        self.ctx.calls, self.ctx.call_order, self.ctx.inconsistent = [], None, False
+        object.__setattr__(self, "_base", None)
+        _set_attn_implementation(self.hf, attention.MASKED_IMPLEMENTATION)
+        try:
+            return self._probe_run([1, 2], [0, 1])
+        except UnsupportedModelError as e:
+            if e.feature != "probe-forward":
+                raise
+            raise first from None
 
     def _probe_run(self, ids: list[int], pos: list[int] | None):
         """One probing forward: (the base model's hidden states, the last token's signature: its
@@ -215,6 +236,37 @@ class TransformersForCausalLM(Model):
         raise UnsupportedModelError(
             f"{type(self.hf).__name__}'s logits cannot be computed from the base model's last hidden state",
             "logits-postprocess")
+
+
+def _set_attn_implementation(hf: torch.nn.Module, name: str) -> None:
+    """Point the model (and every sub-config its modules read at call time) at `name`."""
+    hf.set_attn_implementation(name)
+    for module in hf.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = name
+
+
+def _keep_dynamic_masks_dense(ctx: ForwardContext, config) -> None:
+    """Doge's dynamic mask keeps only the `keep_window_size` keys with the largest bias once a
+    forward holds more keys than that. Within one request's context that never happens when the
+    window covers `max_position_embeddings`; a flattened batch may hold more tokens than one
+    request, so the window is widened for it. A smaller window is real sparsity: refused."""
+    max_pos = getattr(config, "max_position_embeddings", None)
+    for binding in ctx.bindings:
+        if not binding.key_bias:
+            continue
+        for module, _ in ctx.calls:
+            if getattr(module, "_radixserve", None) is not binding:
+                continue
+            window = getattr(module, "keep_window_size", None)
+            if not isinstance(window, int):
+                continue
+            if not isinstance(max_pos, int) or window < max_pos:
+                raise UnsupportedModelError(
+                    f"the dynamic attention mask keeps only {window} keys (keep_window_size) of a context up to "
+                    f"{max_pos} tokens: sparse attention the backends cannot run", "dynamic-mask-sparsity")
+            module.keep_window_size = 1 << 62  # never top-k over a flattened batch
 
 
 def _route_positions(hf: torch.nn.Module, ctx: ForwardContext) -> None:
