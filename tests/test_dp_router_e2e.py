@@ -13,7 +13,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_process import wait_until_healthy
+from server_process import descendant_pids, free_port, is_alive, wait_until_healthy
 
 START_TIMEOUT_S = 600
 GRACE_S = 2.0
@@ -30,37 +29,9 @@ GROUPS = 3  # shared prefixes; with 2 replicas and the groups interleaved, round
 QUESTIONS = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _descendants(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
-    children: dict[int, list[int]] = {}
-    for line in out.splitlines():
-        child, parent = (int(x) for x in line.split())
-        children.setdefault(parent, []).append(child)
-    found, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            found.append(c)
-            todo.append(c)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 class DPServer:
     def __init__(self, policy: str, log_path: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [
@@ -93,7 +64,7 @@ class DPServer:
 
     def kill_leftovers(self, pids: list[int]) -> None:
         for pid in pids:
-            if _alive(pid):
+            if is_alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -127,7 +98,7 @@ def _hit_rate(srv: DPServer, send) -> float:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = DPServer("cache_aware", tmp_path_factory.mktemp("dp-ca") / "server.log")
-    family = _descendants(srv.proc.pid)
+    family = descendant_pids(srv.proc.pid)
     yield srv
     srv.stop()
     srv.kill_leftovers(family)
@@ -290,7 +261,7 @@ def test_a_killed_replica_fails_its_own_requests_fast_and_the_other_keeps_servin
 
 
 def test_sigterm_ends_the_router_and_every_replica_with_exit_0(server):
-    family = [p for p in _descendants(server.proc.pid) if _alive(p)]
+    family = [p for p in descendant_pids(server.proc.pid) if is_alive(p)]
     stream = _Stream(server.url, {"model": server.model, "prompt": "Once", "max_tokens": 3000,
                                   "ignore_eos": True, "stream": True})  # fmt: skip
     stream.start()
@@ -309,6 +280,6 @@ def test_sigterm_ends_the_router_and_every_replica_with_exit_0(server):
     assert "Traceback" not in log, log
     assert "error" in stream.last_event()  # outlived the grace period: ended with an error event
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in family) and time.monotonic() < deadline:
+    while any(is_alive(p) for p in family) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in family), "a replica or its child outlived the router"
+    assert not any(is_alive(p) for p in family), "a replica or its child outlived the router"

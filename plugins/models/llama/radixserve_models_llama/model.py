@@ -7,43 +7,24 @@ One implementation; the architectures differ only in the class-level flags below
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 import torch.nn as nn
-from radixserve.interfaces.model import Model
 from radixserve.interfaces.quantization import QuantMethod
 from radixserve.layers.attention import RadixAttention
+from radixserve.layers.causal_lm import DecoderOnlyCausalLM, PreNormDecoderLayer, head_dim_of
 from radixserve.layers.distributed import TPGroup
-from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.rotary import get_rope
 from radixserve.layers.sliding_window import sliding_window_for_layer
-from radixserve.layers.weight_utils import load_into
 from radixserve.state import ForwardBatch
-
-# HF checkpoint name piece -> (our fused parameter piece, shard id)
-_STACKED = (
-    (".q_proj.", ".qkv_proj.", "q"),
-    (".k_proj.", ".qkv_proj.", "k"),
-    (".v_proj.", ".qkv_proj.", "v"),
-    (".gate_proj.", ".gate_up_proj.", 0),
-    (".up_proj.", ".gate_up_proj.", 1),
-)
-# buffers some checkpoints carry that we recompute
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
-
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_id: int, quant_method: QuantMethod | None, flags: dict[str, bool],
                  tp: TPGroup) -> None:
         super().__init__()
-        self.head_dim = _head_dim(config)
+        self.head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
             bias=flags["qkv_bias"], quant_method=quant_method, tp_group=tp,
@@ -90,52 +71,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, quant_method: QuantMethod | None, flags: dict[str, bool],
-                 tp: TPGroup) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, quant_method, flags, tp)
-        self.mlp = LlamaMLP(config, quant_method, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, positions, h, residual, batch):
-        if residual is None:
-            residual = h
-            h = self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(positions, h, batch)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
-
-
-class LlamaModel(nn.Module):
-    def __init__(self, config, quant_method: QuantMethod | None, flags: dict[str, bool], tp: TPGroup) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=tp)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, quant_method, flags, tp) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.aux_layers: frozenset[int] = frozenset()  # layers whose output a drafter asked for
-        self.aux_order: tuple[int, ...] = ()
-        self.aux_hidden_states: list[torch.Tensor] | None = None
-
-    def forward(self, input_ids, positions, batch):
-        h, residual = self.embed_tokens(input_ids), None
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            h, residual = layer(positions, h, residual, batch)
-            if i in self.aux_layers:  # the residual stream after layer i (h + residual, unfused)
-                captured[i] = h + residual
-        if self.aux_order:
-            self.aux_hidden_states = [captured[i] for i in self.aux_order]
-        h, _ = self.norm(h, residual)
-        return h
-
-
-class LlamaForCausalLM(Model):
+class LlamaForCausalLM(DecoderOnlyCausalLM):
     """Llama; subclasses below flip the flags for the other architectures."""
 
     qkv_bias_default = False  # used when the config has no `attention_bias`
@@ -143,66 +79,17 @@ class LlamaForCausalLM(Model):
     qk_norm = False
     supports_tensor_parallel = True
 
-    def __init__(self, config, quant_method: QuantMethod | None = None, prefix: str = "",
-                 tp_group: TPGroup | None = None) -> None:
-        super().__init__(config, quant_method, prefix)
-        self.config = config
-        tp = tp_group if tp_group is not None else TPGroup.single()
+    def build_layer(self, config, layer_id: int, quant_method: QuantMethod | None, tp: TPGroup) -> nn.Module:
         attention_bias = getattr(config, "attention_bias", None)
-        qkv_bias = self.qkv_bias_default if attention_bias is None else bool(attention_bias)
         flags = {
-            "qkv_bias": qkv_bias,
+            "qkv_bias": self.qkv_bias_default if attention_bias is None else bool(attention_bias),
             "o_bias": bool(attention_bias) and self.o_bias_follows_attention_bias,
             "qk_norm": self.qk_norm,
         }
-        self.model = LlamaModel(config, quant_method, flags, tp)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group=tp)
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, batch)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
-
-    supports_aux_hidden_states = True
-
-    def set_aux_hidden_state_layers(self, layer_ids: tuple[int, ...]) -> None:
-        self.model.aux_order = tuple(layer_ids)
-        self.model.aux_layers = frozenset(layer_ids)
-        self.model.aux_hidden_states = None
-
-    @property
-    def aux_hidden_states(self) -> list[torch.Tensor] | None:
-        return self.model.aux_hidden_states
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def greedy_token_ids(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-        return self.lm_head.greedy_token_ids(hidden, vocab_size)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # the head shares the embedding's parameter
-            target, shard_id = name, None
-            for hf_piece, our_piece, sid in _STACKED:
-                if hf_piece in name:
-                    target, shard_id = name.replace(hf_piece, our_piece), sid
-                    break
-            param = params.get(target)
-            if param is None:
-                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            load_into(param, tensor, shard_id)
-            loaded.add(target)
-        return loaded
+        eps = config.rms_norm_eps
+        return PreNormDecoderLayer(LlamaAttention(config, layer_id, quant_method, flags, tp),
+                                   LlamaMLP(config, quant_method, tp),
+                                   RMSNorm(config.hidden_size, eps), RMSNorm(config.hidden_size, eps))
 
 
 class MistralForCausalLM(LlamaForCausalLM):
