@@ -5,7 +5,9 @@ The shell is the HF layout `model.embed_tokens` -> `model.layers[i]` -> `model.n
 `lm_head` (tied to the embedding when the config says so), with the `Model` contract around it:
 `forward`, `compute_logits`, `greedy_token_ids`, hidden-state capture for drafters
 (`set_aux_hidden_state_layers`, `embed_input_ids`), the TP group threaded to every layer, and
-`load_weights` through `radixserve.layers.weight_utils.load_stacked_weights`.
+`load_weights` through `radixserve.layers.weight_utils.load_stacked_weights`. The usual pieces of
+a layer (`DecoderAttention`, `SwiGLUMLP`, `PreNormDecoderLayer`) are in
+`radixserve.layers.decoder_blocks`.
 
 Added in plugin API 1.4."""
 
@@ -23,12 +25,6 @@ from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.weight_utils import RECOMPUTED_BUFFERS, STACKED_QKV_GATE_UP, load_stacked_weights
 from radixserve.state import ForwardBatch
-
-
-def head_dim_of(config) -> int:
-    """The attention head size of an HF config: `head_dim`, or `hidden_size // num_attention_heads`
-    where the config has none. Added in plugin API 1.4."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class DecoderStack(nn.Module):
@@ -74,41 +70,6 @@ class DecoderStack(nn.Module):
             return self.norm(h)
         h, _ = self.norm(h, residual)
         return h
-
-
-class PreNormDecoderLayer(nn.Module):
-    """The Llama-style decoder layer: `h = attn(input_norm(stream))`, `stream += h`,
-    `h = mlp(post_attention_norm(stream))`, with the residual add fused into the norms
-    (`norm(h, residual) -> (normed, h + residual)`), following the `DecoderStack` convention.
-
-    :param self_attn: called as `self_attn(positions, h, batch)`.
-    :param mlp: called as `mlp(h)`; registered under `mlp_name` (the checkpoint's name for it,
-        e.g. Mixtral's "block_sparse_moe").
-    :param input_layernorm: / `post_attention_layernorm`: norms taking `(x)` and `(x, residual)`
-        as `radixserve.layers.norm.RMSNorm` does.
-
-    Added in plugin API 1.4.
-    """
-
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, input_layernorm: nn.Module,
-                 post_attention_layernorm: nn.Module, mlp_name: str = "mlp") -> None:
-        super().__init__()
-        self.self_attn = self_attn
-        setattr(self, mlp_name, mlp)
-        self.mlp_name = mlp_name
-        self.input_layernorm = input_layernorm
-        self.post_attention_layernorm = post_attention_layernorm
-
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
-                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = h
-            h = self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(positions, h, batch)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return getattr(self, self.mlp_name)(h), residual
 
 
 class DecoderOnlyCausalLM(Model):

@@ -20,52 +20,33 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from radixserve.interfaces.quantization import QuantMethod
-from radixserve.layers.attention import RadixAttention
-from radixserve.layers.causal_lm import DecoderOnlyCausalLM, head_dim_of
+from radixserve.layers.causal_lm import DecoderOnlyCausalLM
+from radixserve.layers.decoder_blocks import DecoderAttention, head_dim_of
 from radixserve.layers.distributed import TPGroup
-from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from radixserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from radixserve.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_of
 from radixserve.layers.sliding_window import SLIDING, sliding_window_for_layer
-from radixserve.state import ForwardBatch
 
 from radixserve_models_gemma.norm import GemmaRMSNorm
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # hidden_activation -> F.gelu(approximate=)
 
 
-class GemmaAttention(nn.Module):
-    def __init__(self, config, layer_id: int, quant_method: QuantMethod | None, version: int) -> None:
-        super().__init__()
-        self.head_dim = head_dim_of(config)
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=bias, quant_method=quant_method)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias,
-                                        quant_method=quant_method)
-        self.qk_norm = version >= 3
-        if self.qk_norm:
-            self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        window = sliding_window_for_layer(config, layer_id)
-        if version >= 3:  # the rotary base follows the layer type, even where no window is configured
-            local = (getattr(config, "layer_types", None) or ["full_attention"] * (layer_id + 1))[layer_id] == SLIDING
-            self.rotary_emb = _rope(config, self.head_dim, local)
-        else:
-            self.rotary_emb = get_rope(config, self.head_dim)
-        cap = getattr(config, "attn_logit_softcapping", None) if version == 2 else None
-        self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
-                                   float(config.query_pre_attn_scalar) ** -0.5, sliding_window=window, logit_cap=cap)
-
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:  # Gemma 3: RMSNorm over each head before rotary
-            n = q.shape[0]
-            q = self.q_norm(q.reshape(-1, self.head_dim)).reshape(n, -1)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).reshape(n, -1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, batch))
+def gemma_attention(config, layer_id: int, quant_method: QuantMethod | None, version: int) -> DecoderAttention:
+    head_dim, eps = head_dim_of(config), config.rms_norm_eps
+    if version >= 3:  # the rotary base follows the layer type, even where no window is configured
+        local = (getattr(config, "layer_types", None) or ["full_attention"] * (layer_id + 1))[layer_id] == SLIDING
+        rotary_emb = _rope(config, head_dim, local)
+    else:
+        rotary_emb = get_rope(config, head_dim)
+    bias = bool(getattr(config, "attention_bias", False))
+    return DecoderAttention(
+        config, layer_id, quant_method, qkv_bias=bias, o_bias=bias,
+        qk_norm=(lambda dim: GemmaRMSNorm(dim, eps)) if version >= 3 else None,  # Gemma 3
+        rotary_emb=rotary_emb, scaling=float(config.query_pre_attn_scalar) ** -0.5,
+        sliding_window=sliding_window_for_layer(config, layer_id),
+        logit_cap=getattr(config, "attn_logit_softcapping", None) if version == 2 else None,
+    )
 
 
 def _rope(config, head_dim: int, local: bool) -> RotaryEmbedding:
@@ -102,7 +83,7 @@ class GemmaDecoderLayer(nn.Module):
     def __init__(self, config, layer_id: int, quant_method: QuantMethod | None, version: int) -> None:
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = GemmaAttention(config, layer_id, quant_method, version)
+        self.self_attn = gemma_attention(config, layer_id, quant_method, version)
         self.mlp = GemmaMLP(config, quant_method)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)

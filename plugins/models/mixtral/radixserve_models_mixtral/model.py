@@ -10,41 +10,18 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from radixserve.interfaces.quantization import QuantMethod
-from radixserve.layers.attention import RadixAttention
-from radixserve.layers.causal_lm import DecoderOnlyCausalLM, PreNormDecoderLayer, head_dim_of
+from radixserve.layers.causal_lm import DecoderOnlyCausalLM
+from radixserve.layers.decoder_blocks import DecoderAttention, PreNormDecoderLayer, check_silu
 from radixserve.layers.distributed import TPGroup
-from radixserve.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from radixserve.layers.linear import ReplicatedLinear
 from radixserve.layers.moe import FusedMoE, RoutingConfig
 from radixserve.layers.norm import RMSNorm
-from radixserve.layers.rotary import get_rope
-from radixserve.state import ForwardBatch
-
-
-class MixtralAttention(nn.Module):
-    def __init__(self, config, layer_id: int, quant_method: QuantMethod | None) -> None:
-        super().__init__()
-        self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, quant_method=quant_method)
-        self.q_size = self.qkv_proj.num_heads * self.head_dim
-        self.kv_size = self.qkv_proj.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                        quant_method=quant_method)
-        self.rotary_emb = get_rope(config, self.head_dim)
-        self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim,
-                                   self.head_dim**-0.5)
-
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, batch))
 
 
 class MixtralSparseMoeBlock(nn.Module):
     def __init__(self, config, quant_method: QuantMethod | None, prefix: str) -> None:
         super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
+        check_silu(config, "Mixtral")
         routing = RoutingConfig(top_k=config.num_experts_per_tok, scoring="softmax", renormalize=True)
         self.gate = ReplicatedLinear(config.hidden_size, config.num_local_experts)  # the router stays unquantized
         self.experts = FusedMoE(config.num_local_experts, config.hidden_size, config.intermediate_size, routing,
@@ -60,7 +37,7 @@ class MixtralForCausalLM(DecoderOnlyCausalLM):
     def build_layer(self, config, layer_id: int, quant_method: QuantMethod | None, tp: TPGroup) -> nn.Module:
         eps = config.rms_norm_eps
         return PreNormDecoderLayer(
-            MixtralAttention(config, layer_id, quant_method),
+            DecoderAttention(config, layer_id, quant_method),
             MixtralSparseMoeBlock(config, quant_method, f"model.layers.{layer_id}.block_sparse_moe"),
             RMSNorm(config.hidden_size, eps), RMSNorm(config.hidden_size, eps), mlp_name="block_sparse_moe")
 

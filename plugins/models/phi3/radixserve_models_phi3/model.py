@@ -4,17 +4,14 @@ and a sliding window on every layer when the config has one."""
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 from radixserve.interfaces.quantization import QuantMethod
-from radixserve.layers.attention import RadixAttention
-from radixserve.layers.causal_lm import DecoderOnlyCausalLM, PreNormDecoderLayer, head_dim_of
+from radixserve.layers.causal_lm import DecoderOnlyCausalLM
+from radixserve.layers.decoder_blocks import DecoderAttention, PreNormDecoderLayer, SwiGLUMLP, check_silu, head_dim_of
 from radixserve.layers.distributed import TPGroup
-from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_of
 from radixserve.layers.sliding_window import sliding_window_for_layer
-from radixserve.state import ForwardBatch
 
 from radixserve_models_phi3.rope import LongRoPE
 
@@ -33,43 +30,13 @@ def phi3_rope(config, head_dim: int) -> RotaryEmbedding:
     return LongRoPE(head_dim, int(head_dim * partial), config.max_position_embeddings, params, original)
 
 
-class Phi3Attention(nn.Module):
-    def __init__(self, config, layer_id: int, quant_method: QuantMethod | None) -> None:
-        super().__init__()
-        self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, quant_method=quant_method)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                        quant_method=quant_method)
-        self.rotary_emb = phi3_rope(config, self.head_dim)
-        self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
-                                   sliding_window=sliding_window_for_layer(config, layer_id))
-
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, batch))
-
-
-class Phi3MLP(nn.Module):
-    def __init__(self, config, quant_method: QuantMethod | None) -> None:
-        super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} for Phi-3 (only silu)")
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
-                                                       quant_method=quant_method, fuse_silu_and_mul=True)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, quant_method=quant_method)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
-
-
 class Phi3ForCausalLM(DecoderOnlyCausalLM):
     stacked_params_mapping = ()  # the checkpoint's qkv_proj / gate_up_proj are fused already: their loaders split
 
     def build_layer(self, config, layer_id: int, quant_method: QuantMethod | None, tp: TPGroup) -> nn.Module:
+        check_silu(config, "Phi-3")
         eps = config.rms_norm_eps
-        return PreNormDecoderLayer(Phi3Attention(config, layer_id, quant_method), Phi3MLP(config, quant_method),
+        attn = DecoderAttention(config, layer_id, quant_method, rotary_emb=phi3_rope(config, head_dim_of(config)),
+                                sliding_window=sliding_window_for_layer(config, layer_id))
+        return PreNormDecoderLayer(attn, SwiGLUMLP(config.hidden_size, config.intermediate_size, quant_method),
                                    RMSNorm(config.hidden_size, eps), RMSNorm(config.hidden_size, eps))

@@ -11,61 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from radixserve.interfaces.quantization import QuantMethod
-from radixserve.layers.attention import RadixAttention
-from radixserve.layers.causal_lm import DecoderOnlyCausalLM, PreNormDecoderLayer, head_dim_of
+from radixserve.layers.causal_lm import DecoderOnlyCausalLM
+from radixserve.layers.decoder_blocks import DecoderAttention, PreNormDecoderLayer, SwiGLUMLP, check_silu
 from radixserve.layers.distributed import TPGroup
-from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from radixserve.layers.linear import ReplicatedLinear
 from radixserve.layers.moe import FusedMoE, RoutingConfig
 from radixserve.layers.norm import RMSNorm
-from radixserve.layers.rotary import get_rope
-from radixserve.state import ForwardBatch
-
-
-def _check_silu(config) -> None:
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
-
-
-class QwenMoeAttention(nn.Module):
-    def __init__(self, config, layer_id: int, quant_method: QuantMethod | None, qkv_bias: bool, qk_norm: bool) -> None:
-        super().__init__()
-        o_bias = qk_norm and qkv_bias  # Qwen3-MoE: `attention_bias` covers o_proj too; Qwen2-MoE: never
-        self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=qkv_bias, quant_method=quant_method)
-        self.q_size = self.qkv_proj.num_heads * self.head_dim
-        self.kv_size = self.qkv_proj.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias,
-                                        quant_method=quant_method)
-        self.qk_norm = qk_norm
-        if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary_emb = get_rope(config, self.head_dim)
-        self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim,
-                                   self.head_dim**-0.5)
-
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:  # Qwen3: RMSNorm over each head before rotary
-            n = q.shape[0]
-            q = self.q_norm(q.reshape(n, -1, self.head_dim)).reshape(n, -1)
-            k = self.k_norm(k.reshape(n, -1, self.head_dim)).reshape(n, -1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, batch))
-
-
-class QwenMLP(nn.Module):
-    """SwiGLU MLP: the dense layers' MLP and Qwen2-MoE's shared expert."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, quant_method: QuantMethod | None) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, quant_method=quant_method,
-                                                       fuse_silu_and_mul=True)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, quant_method=quant_method)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
 
 
 class QwenSparseMoeBlock(nn.Module):
@@ -80,7 +31,7 @@ class QwenSparseMoeBlock(nn.Module):
                                 quant_method=quant_method, prefix=f"{prefix}.experts")
         shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
         if shared:
-            self.shared_expert = QwenMLP(config.hidden_size, shared, quant_method)
+            self.shared_expert = SwiGLUMLP(config.hidden_size, shared, quant_method)
             self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
         else:
             self.shared_expert = None
@@ -101,13 +52,15 @@ def is_sparse_layer(config, layer_id: int) -> bool:
 
 def _qwen_moe_layer(config, layer_id: int, quant_method: QuantMethod | None, qkv_bias: bool,
                     qk_norm: bool) -> PreNormDecoderLayer:
+    eps = config.rms_norm_eps
+    attn = DecoderAttention(config, layer_id, quant_method, qkv_bias=qkv_bias,
+                            o_bias=qk_norm and qkv_bias,  # Qwen3-MoE: `attention_bias` covers o_proj too; Qwen2: never
+                            qk_norm=(lambda dim: RMSNorm(dim, eps)) if qk_norm else None)
     if is_sparse_layer(config, layer_id):
         mlp = QwenSparseMoeBlock(config, quant_method, f"model.layers.{layer_id}.mlp")
     else:
-        mlp = QwenMLP(config.hidden_size, config.intermediate_size, quant_method)
-    return PreNormDecoderLayer(QwenMoeAttention(config, layer_id, quant_method, qkv_bias, qk_norm), mlp,
-                               RMSNorm(config.hidden_size, config.rms_norm_eps),
-                               RMSNorm(config.hidden_size, config.rms_norm_eps))
+        mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, quant_method)
+    return PreNormDecoderLayer(attn, mlp, RMSNorm(config.hidden_size, eps), RMSNorm(config.hidden_size, eps))
 
 
 class Qwen2MoeForCausalLM(DecoderOnlyCausalLM):
@@ -121,7 +74,7 @@ class Qwen2MoeForCausalLM(DecoderOnlyCausalLM):
 
     def __init__(self, config, quant_method: QuantMethod | None = None, prefix: str = "",
                  tp_group: TPGroup | None = None) -> None:
-        _check_silu(config)
+        check_silu(config, type(self).__name__)
         super().__init__(config, quant_method, prefix, tp_group)
 
     def build_layer(self, config, layer_id: int, quant_method: QuantMethod | None, tp: TPGroup) -> nn.Module:
