@@ -3,6 +3,8 @@ and check what it leaves behind."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -71,3 +73,20 @@ def is_alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> int:
+    """SIGTERM `proc` (the graceful shutdown) and wait up to `timeout_s`; past that kill it, with
+    its whole process group when it leads one (started with `start_new_session=True`). Returns its
+    exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            if os.getpgid(proc.pid) == proc.pid:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+            proc.wait()
+    return proc.returncode

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_process import descendant_pids, free_port, is_alive, wait_until_healthy
+from server_process import descendant_pids, free_port, is_alive, stop_server, wait_until_healthy
 
 START_TIMEOUT_S = 600
 GRACE_S = 2.0
@@ -52,15 +52,9 @@ class DPServer:
         return self.log_path.read_text()[-5000:]
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        code = stop_server(self.proc)
         self.log.close()
-        return self.proc.returncode
+        return code
 
     def kill_leftovers(self, pids: list[int]) -> None:
         for pid in pids:

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_process import descendant_pids, free_port, is_alive, wait_until_healthy
+from server_process import descendant_pids, free_port, is_alive, stop_server, wait_until_healthy
 
 KEY = "e2e-secret-key"
 START_TIMEOUT_S = 300
@@ -65,15 +65,9 @@ class Server:
         return self.log_path.read_text()[-5000:]
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = stop_server(self.proc)
         self.log.close()
-        return self.proc.returncode
+        return code
 
 
 @pytest.fixture(scope="module")
