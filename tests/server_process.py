@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -90,3 +91,29 @@ def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> int:
                 proc.kill()
             proc.wait()
     return proc.returncode
+
+
+class ServerProcess:
+    """`radixserve serve --port <free port> *args` as a subprocess, healthy once constructed; its
+    output goes to `log_path`. `new_session=True` starts it in its own process group (so a stuck
+    shutdown can be ended with every process it started)."""
+
+    def __init__(self, args: list[str], log_path: Path, timeout_s: float, new_session: bool = False) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(self.port), *args]
+        self.proc, self.log = spawn_server(cmd, log_path, start_new_session=new_session)
+        wait_until_healthy(self.proc, self.url, log_path, timeout_s)
+
+    def logs(self) -> str:
+        """The last 5000 characters of the server's output so far."""
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text()[-5000:]
+
+    def stop(self) -> int:
+        """`stop_server`, then close the log; the exit code."""
+        code = stop_server(self.proc)
+        self.log.close()
+        return code

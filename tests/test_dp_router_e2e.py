@@ -13,15 +13,13 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from server_process import descendant_pids, free_port, is_alive, stop_server, wait_until_healthy
+from server_process import ServerProcess, descendant_pids, is_alive
 
 START_TIMEOUT_S = 600
 GRACE_S = 2.0
@@ -29,32 +27,17 @@ GROUPS = 3  # shared prefixes; with 2 replicas and the groups interleaved, round
 QUESTIONS = 4
 
 
-class DPServer:
+class DPServer(ServerProcess):
     def __init__(self, policy: str, log_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [
-            sys.executable, "-m", "radixserve.cli", "serve", "--dp", "2", "--router-policy", policy,
-            "--port", str(self.port), "runtime.num_threads=1", "scheduler.cpu_kv_cache_gb=0.25",
+        args = [
+            "--dp", "2", "--router-policy", policy, "runtime.num_threads=1", "scheduler.cpu_kv_cache_gb=0.25",
             f"server.shutdown_grace_s={GRACE_S}", "server.log_requests=false",
         ]  # fmt: skip
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_until_healthy(self.proc, self.url, log_path, START_TIMEOUT_S)
+        super().__init__(args, log_path, START_TIMEOUT_S, new_session=True)
         self.model = httpx.get(f"{self.url}/v1/models", timeout=30).json()["data"][0]["id"]
 
     def info(self) -> dict:
         return httpx.get(f"{self.url}/server_info", timeout=30).json()
-
-    def logs(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text()[-5000:]
-
-    def stop(self) -> int:
-        code = stop_server(self.proc)
-        self.log.close()
-        return code
 
     def kill_leftovers(self, pids: list[int]) -> None:
         for pid in pids:

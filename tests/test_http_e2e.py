@@ -8,15 +8,13 @@ import asyncio
 import importlib.util
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from server_process import descendant_pids, free_port, is_alive, stop_server, wait_until_healthy
+from server_process import ServerProcess, descendant_pids, is_alive
 
 KEY = "e2e-secret-key"
 START_TIMEOUT_S = 300
@@ -36,38 +34,12 @@ def _lingering(pids: list[int], grace_s: float = 5.0) -> list[int]:
         time.sleep(0.1)
 
 
-class Server:
+class Server(ServerProcess):
     def __init__(self, log_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [
-            sys.executable,
-            "-m",
-            "radixserve.cli",
-            "serve",
-            "--port",
-            str(self.port),
-            "--api-key",
-            KEY,
-            "scheduler.cpu_kv_cache_gb=1.0",
-        ]
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        wait_until_healthy(self.proc, self.url, log_path, START_TIMEOUT_S)
+        super().__init__(["--api-key", KEY, "scheduler.cpu_kv_cache_gb=1.0"], log_path, START_TIMEOUT_S)
         self.children = set(descendant_pids(self.proc.pid))
         self.headers = {"Authorization": f"Bearer {KEY}"}
         self.model = httpx.get(f"{self.url}/v1/models", headers=self.headers).json()["data"][0]["id"]
-
-    def logs(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return self.log_path.read_text()[-5000:]
-
-    def stop(self) -> int:
-        code = stop_server(self.proc)
-        self.log.close()
-        return code
 
 
 @pytest.fixture(scope="module")
