@@ -13,16 +13,13 @@ import json
 import os
 import random
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from server_process import wait_until_healthy
+from server_process import ServerProcess, descendant_pids, is_alive
 
 START_TIMEOUT_S = 600
 GRACE_S = 2.0
@@ -30,70 +27,21 @@ GROUPS = 3  # shared prefixes; with 2 replicas and the groups interleaved, round
 QUESTIONS = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _descendants(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
-    children: dict[int, list[int]] = {}
-    for line in out.splitlines():
-        child, parent = (int(x) for x in line.split())
-        children.setdefault(parent, []).append(child)
-    found, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            found.append(c)
-            todo.append(c)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-class DPServer:
+class DPServer(ServerProcess):
     def __init__(self, policy: str, log_path: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [
-            sys.executable, "-m", "radixserve.cli", "serve", "--dp", "2", "--router-policy", policy,
-            "--port", str(self.port), "runtime.num_threads=1", "scheduler.cpu_kv_cache_gb=0.25",
+        args = [
+            "--dp", "2", "--router-policy", policy, "runtime.num_threads=1", "scheduler.cpu_kv_cache_gb=0.25",
             f"server.shutdown_grace_s={GRACE_S}", "server.log_requests=false",
         ]  # fmt: skip
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_until_healthy(self.proc, self.url, log_path, START_TIMEOUT_S)
+        super().__init__(args, log_path, START_TIMEOUT_S, new_session=True)
         self.model = httpx.get(f"{self.url}/v1/models", timeout=30).json()["data"][0]["id"]
 
     def info(self) -> dict:
         return httpx.get(f"{self.url}/server_info", timeout=30).json()
 
-    def logs(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text()[-5000:]
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
-
     def kill_leftovers(self, pids: list[int]) -> None:
         for pid in pids:
-            if _alive(pid):
+            if is_alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -127,7 +75,7 @@ def _hit_rate(srv: DPServer, send) -> float:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = DPServer("cache_aware", tmp_path_factory.mktemp("dp-ca") / "server.log")
-    family = _descendants(srv.proc.pid)
+    family = descendant_pids(srv.proc.pid)
     yield srv
     srv.stop()
     srv.kill_leftovers(family)
@@ -290,7 +238,7 @@ def test_a_killed_replica_fails_its_own_requests_fast_and_the_other_keeps_servin
 
 
 def test_sigterm_ends_the_router_and_every_replica_with_exit_0(server):
-    family = [p for p in _descendants(server.proc.pid) if _alive(p)]
+    family = [p for p in descendant_pids(server.proc.pid) if is_alive(p)]
     stream = _Stream(server.url, {"model": server.model, "prompt": "Once", "max_tokens": 3000,
                                   "ignore_eos": True, "stream": True})  # fmt: skip
     stream.start()
@@ -309,6 +257,6 @@ def test_sigterm_ends_the_router_and_every_replica_with_exit_0(server):
     assert "Traceback" not in log, log
     assert "error" in stream.last_event()  # outlived the grace period: ended with an error event
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in family) and time.monotonic() < deadline:
+    while any(is_alive(p) for p in family) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in family), "a replica or its child outlived the router"
+    assert not any(is_alive(p) for p in family), "a replica or its child outlived the router"

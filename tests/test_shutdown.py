@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,30 +16,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_process import wait_until_healthy
+from server_process import child_pids, free_port, is_alive, wait_until_healthy
 
 GRACE_S = 2.0
 STREAMS = 8
 START_TIMEOUT_S = 600
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 class _Stream(threading.Thread):
@@ -76,7 +56,7 @@ class _Stream(threading.Thread):
 
 
 def _start_server(log_path: Path) -> tuple[subprocess.Popen, str, str]:
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port),
         f"server.shutdown_grace_s={GRACE_S}", "scheduler.cpu_kv_cache_gb=1.0", "runtime.num_threads=1",
@@ -96,7 +76,7 @@ def test_signal_with_streams_in_flight_exits_cleanly(tmp_path, how):
     log_path = tmp_path / "server.log"
     proc, url, model = _start_server(log_path)
     try:
-        children = _children(proc.pid)
+        children = child_pids(proc.pid)
         assert len(children) == 2, children
         streams = [_Stream(url, model, i) for i in range(STREAMS)]
         for s in streams:
@@ -137,9 +117,9 @@ def test_signal_with_streams_in_flight_exits_cleanly(tmp_path, how):
         assert "error" in last or last["choices"][0]["finish_reason"], last
     assert any("error" in json.loads(s.events[-2]) for s in streams)
     deadline = time.monotonic() + 5
-    while any(_alive(c) for c in children) and time.monotonic() < deadline:
+    while any(is_alive(c) for c in children) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(c) for c in children), "a child process outlived the server"
+    assert not any(is_alive(c) for c in children), "a child process outlived the server"
 
 
 class _FakeManager:

@@ -8,18 +8,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import signal
-import socket
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from server_process import wait_until_healthy
+from server_process import ServerProcess
 
 START_TIMEOUT_S = 300
 T = 300
@@ -40,30 +35,12 @@ PERSON = {
 ASK = [{"role": "user", "content": "Invent a person and describe them as JSON."}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    log = open(log_path, "w")
-    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "scheduler.cpu_kv_cache_gb=1.0"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    wait_until_healthy(proc, url, Path(log_path), START_TIMEOUT_S)
-    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-    yield url, model
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
+    srv = ServerProcess(["scheduler.cpu_kv_cache_gb=1.0"], tmp_path_factory.mktemp("serve") / "server.log",
+                        START_TIMEOUT_S)
+    yield srv.url, httpx.get(f"{srv.url}/v1/models").json()["data"][0]["id"]
+    srv.stop()
 
 
 @pytest.fixture(scope="module")

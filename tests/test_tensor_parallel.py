@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 
@@ -20,7 +18,7 @@ from radixserve.model_runner import ModelRunner, check_model_tensor_parallel
 from radixserve.plugins.registry import PluginError, Registry
 from radixserve.plugins.stack import resolve_stack
 from runner_driver import greedy_generate
-from server_process import wait_until_healthy
+from server_process import child_pids, free_port, is_alive, spawn_server, wait_until_healthy
 
 # shared 12-token prefix: the later requests hit the radix cache; chunk 5 splits every prompt
 PREFIX = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
@@ -152,37 +150,16 @@ def test_runner_refuses_tp_size_without_a_group(tiny_llama_dir):
 
 
 # ---- two "nodes" on one machine ---------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_two_node_launch_serves_and_shuts_down_cleanly(tiny_llama_dir, tmp_path):
     path = _with_tokenizer(tiny_llama_dir("llama"))
-    rendezvous, port = f"127.0.0.1:{_free_port()}", _free_port()
+    rendezvous, port = f"127.0.0.1:{free_port()}", free_port()
     # 4 ranks, 2 per node: node 0 runs rank 0 (the scheduler) and rank 1, node 1 ranks 2 and 3;
     # 4 query heads and 2 KV heads: one query head per rank, each KV head on two ranks
     common = [sys.executable, "-m", "radixserve.cli", "serve", "--model", path, "--tp", "4", "--nnodes", "2",
               "--dist-init-addr", rendezvous, "runtime.device=cpu", "runtime.num_threads=1",
               "scheduler.max_total_tokens=2048", "scheduler.chunked_prefill_size=2"]
-    logs = [open(tmp_path / f"node{i}.log", "w") for i in (0, 1)]
-    node1 = subprocess.Popen(common + ["--node-rank", "1"], stdout=logs[1], stderr=subprocess.STDOUT)
-    node0 = subprocess.Popen(common + ["--node-rank", "0", "--port", str(port)], stdout=logs[0],
-                             stderr=subprocess.STDOUT)
+    node1, log1 = spawn_server(common + ["--node-rank", "1"], tmp_path / "node1.log")
+    node0, log0 = spawn_server(common + ["--node-rank", "0", "--port", str(port)], tmp_path / "node0.log")
     try:
         wait_until_healthy(node0, f"http://127.0.0.1:{port}", tmp_path / "node0.log", 300)
         r = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=120, json={
@@ -191,19 +168,19 @@ def test_two_node_launch_serves_and_shuts_down_cleanly(tiny_llama_dir, tmp_path)
         })
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == _reference(path, [PROMPTS[2]], NEW_TOKENS)[0]
-        children = _children(node0.pid) + _children(node1.pid)
+        children = child_pids(node0.pid) + child_pids(node1.pid)
         assert len(children) == 3 + 2, children  # scheduler, detokenizer, tp1; tp2, tp3
         node0.send_signal(signal.SIGTERM)
         assert node0.wait(timeout=60) == 0
         assert node1.wait(timeout=60) == 0  # rank 0 stopped node 1's ranks; that node exits by itself
         time.sleep(0.5)
-        assert not [pid for pid in children if _alive(pid)], "a rank outlived the shutdown"
+        assert not [pid for pid in children if is_alive(pid)], "a rank outlived the shutdown"
     finally:
         for p in (node0, node1):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        for f in logs:
+        for f in (log0, log1):
             f.close()
     text = "".join((tmp_path / f"node{i}.log").read_text() for i in (0, 1))
     assert "Traceback" not in text, text[-3000:]

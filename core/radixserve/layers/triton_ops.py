@@ -16,10 +16,12 @@ recorded into CUDA graphs; outputs are fresh tensors (torch.empty), never views 
 from __future__ import annotations
 
 import functools
-import os
 from types import SimpleNamespace
 
 import torch
+
+from radixserve.layers.triton_support import available  # noqa: F401 (callers ask this module)
+from radixserve.layers.triton_support import interpreting as _interpreting
 
 triton = tl = None  # imported by `_kernels` on first use
 
@@ -27,23 +29,6 @@ triton = tl = None  # imported by `_kernels` on first use
 MAX_NORM_HIDDEN = 65536
 
 
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:  # ImportError, or a broken install that fails while importing
-        return False
-    return True
-
-
-def available(t: torch.Tensor) -> bool:
-    """True when `t` lives on a CUDA device and Triton imports (the import is tried once)."""
-    return t.is_cuda and _triton_importable()
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def _next_pow2(n: int) -> int:

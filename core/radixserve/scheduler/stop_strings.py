@@ -14,6 +14,7 @@ next token instead of becoming a broken character.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Sequence
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -61,7 +62,7 @@ def find_stop(text: str, stop: list[str], start: int) -> tuple[int, str] | None:
     return best
 
 
-def stop_prefix_len(text: str, stop: list[str]) -> int:
+def stop_prefix_len(text: str, stop: Sequence[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of a stop string: text that a
     later token may turn into a stop string, so it must not be shown yet."""
     hold = 0

@@ -38,16 +38,48 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self.on_signal = on_signal
 
-    @contextlib.contextmanager
     def capture_signals(self):
-        loop = asyncio.get_running_loop()
+        return on_signals(self.on_signal)
+
+
+@contextlib.contextmanager
+def on_signals(handler: Callable[[int], None]):
+    """While inside (in a running event loop): SIGINT/SIGTERM call `handler(signum)` instead of
+    their default action. Shared by the server, the router and their start-up phases."""
+    loop = asyncio.get_running_loop()
+    for sig in SIGNALS:
+        loop.add_signal_handler(sig, handler, sig)
+    try:
+        yield
+    finally:
         for sig in SIGNALS:
-            loop.add_signal_handler(sig, self.on_signal, sig)
-        try:
-            yield
-        finally:
-            for sig in SIGNALS:
-                loop.remove_signal_handler(sig)
+            loop.remove_signal_handler(sig)
+
+
+def graceful_server(app: Any, config: Config, target: Any, uds: str | None = None) -> tuple[_Server, Any]:
+    """The uvicorn server for `app` on `config.server`'s host and port (or the unix socket `uds`),
+    with SIGINT/SIGTERM starting a `GracefulShutdown` of `target` (the runtime, or the router):
+    returns (server, shutdown)."""
+    from radixserve.server.shutdown import GracefulShutdown
+
+    s = config.server
+    shutdown = GracefulShutdown(target, s.shutdown_grace_s)
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=s.host,
+            port=s.port,
+            uds=uds,
+            log_level=s.log_level,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=CONNECTION_CLOSE_S,
+            lifespan="off",
+        ),
+        on_signal=shutdown.on_signal,
+    )
+    shutdown.server = server
+    return server, shutdown
 
 
 def setup_logging(level: str) -> None:
@@ -94,54 +126,31 @@ async def _start_runtime(config: Config, registry: Any) -> tuple[Any, int]:
     except FileNotFoundError as e:
         logger.error("%s", e)
         return None, 2
-    loop = asyncio.get_running_loop()
     starting = asyncio.ensure_future(tm.start())
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, starting.cancel)
-    try:
-        logger.info("loading %s ...", tm.model_path)
-        await starting
-        return tm, 0
-    except asyncio.CancelledError:
-        logger.info("interrupted during startup")
-        await tm.shutdown()
-        return None, 130
-    except Exception as e:
-        logger.error("the runtime failed to start: %s", e)
-        await tm.shutdown()
-        return None, 1
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+    with on_signals(lambda _sig: starting.cancel()):  # also while a failed start is cleaned up
+        try:
+            logger.info("loading %s ...", tm.model_path)
+            await starting
+            return tm, 0
+        except asyncio.CancelledError:
+            logger.info("interrupted during startup")
+            await tm.shutdown()
+            return None, 130
+        except Exception as e:
+            logger.error("the runtime failed to start: %s", e)
+            await tm.shutdown()
+            return None, 1
 
 
 async def _serve(config: Config, registry: Any, uds: str | None = None) -> int:
     from radixserve.server.app import create_app
-    from radixserve.server.shutdown import GracefulShutdown
 
     tm, code = await _start_runtime(config, registry)
     if tm is None:
         return code
     exit_code = 0
     try:
-        app = create_app(tm, config, tm.registry)
-        s = config.server
-        shutdown = GracefulShutdown(tm, s.shutdown_grace_s)
-        server = _Server(
-            uvicorn.Config(
-                app,
-                host=s.host,
-                port=s.port,
-                uds=uds,
-                log_level=s.log_level,
-                log_config=None,
-                access_log=False,
-                timeout_graceful_shutdown=CONNECTION_CLOSE_S,
-                lifespan="off",
-            ),
-            on_signal=shutdown.on_signal,
-        )
-        shutdown.server = server
+        server, shutdown = graceful_server(create_app(tm, config, tm.registry), config, tm, uds)
 
         def runtime_died(reason: str) -> None:
             nonlocal exit_code

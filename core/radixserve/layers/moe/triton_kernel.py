@@ -15,31 +15,16 @@ have expert id -1 and return at once."""
 from __future__ import annotations
 
 import functools
-import os
 from types import SimpleNamespace
 
 import torch
 
+from radixserve.layers.triton_support import available  # noqa: F401 (callers ask this module)
+from radixserve.layers.triton_support import interpreting as _interpreting
+
 triton = tl = None  # imported by `_kernels` on first use (CPU machines may lack Triton)
 
 
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def available(t: torch.Tensor) -> bool:
-    """True for CUDA tensors when Triton imports."""
-    return t.is_cuda and _triton_importable()
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def _cdiv(a: int, b: int) -> int:

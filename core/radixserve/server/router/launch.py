@@ -17,7 +17,7 @@ import uvicorn
 
 from radixserve.config import Config
 from radixserve.runtime.child import watch_exit
-from radixserve.server.launch import CONNECTION_CLOSE_S, SIGNALS, _Server, setup_logging
+from radixserve.server.launch import graceful_server, on_signals, setup_logging
 from radixserve.server.router.app import create_router_app
 from radixserve.server.router.core import Router
 from radixserve.server.router.metrics import RouterMetrics
@@ -29,7 +29,6 @@ from radixserve.server.router.replicas import (
     stop_replicas,
     wait_ready,
 )
-from radixserve.server.shutdown import GracefulShutdown
 
 logger = logging.getLogger("radixserve.router")
 
@@ -48,24 +47,19 @@ async def _start_replicas(config: Config, socket_dir: str) -> tuple[list[Replica
     n = config.runtime.dp_size
     logger.info("starting %d replicas (router policy %s)", n, config.router.policy)
     replicas = [spawn_replica(config, i, f"{socket_dir}/replica-{i}.sock") for i in range(n)]
-    loop = asyncio.get_running_loop()
     starting = asyncio.ensure_future(
         asyncio.gather(*(wait_ready(r, config.router.replica_start_timeout_s) for r in replicas))
     )
-    for sig in SIGNALS:
-        loop.add_signal_handler(sig, starting.cancel)
-    try:
-        await starting
-        return replicas, 0
-    except asyncio.CancelledError:
-        logger.info("interrupted during startup")
-        code = 130
-    except ReplicaStartError as e:
-        logger.error("%s", e)
-        code = 2 if e.exit_code == 2 else 1  # 2: no model to serve, as a single server says
-    finally:
-        for sig in SIGNALS:
-            loop.remove_signal_handler(sig)
+    with on_signals(lambda _sig: starting.cancel()):
+        try:
+            await starting
+            return replicas, 0
+        except asyncio.CancelledError:
+            logger.info("interrupted during startup")
+            code = 130
+        except ReplicaStartError as e:
+            logger.error("%s", e)
+            code = 2 if e.exit_code == 2 else 1  # 2: no model to serve, as a single server says
     await stop_replicas(replicas, timeout_s=5.0)
     return [], code
 
@@ -86,23 +80,7 @@ async def _serve(config: Config, replicas: list[Replica]) -> int:
     router = Router(replicas, make_policy(config.router, len(replicas)), metrics)
     exit_code = 0
     try:
-        app = create_router_app(router, config, metrics)
-        s = config.server
-        shutdown = GracefulShutdown(router, s.shutdown_grace_s)
-        server = _Server(
-            uvicorn.Config(
-                app,
-                host=s.host,
-                port=s.port,
-                log_level=s.log_level,
-                log_config=None,
-                access_log=False,
-                timeout_graceful_shutdown=CONNECTION_CLOSE_S,
-                lifespan="off",
-            ),
-            on_signal=shutdown.on_signal,
-        )
-        shutdown.server = server
+        server, shutdown = graceful_server(create_router_app(router, config, metrics), config, router)
 
         def all_dead(reason: str) -> None:
             nonlocal exit_code

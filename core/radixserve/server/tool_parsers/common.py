@@ -6,6 +6,7 @@ import json
 from typing import NamedTuple
 
 from radixserve.interfaces.tool_parser import ParsedToolCall
+from radixserve.scheduler.stop_strings import stop_prefix_len
 from radixserve.server.tool_parsers.json_scan import Malformed, scan_object
 
 ARGUMENT_KEYS = ("arguments", "parameters")  # Hermes/Qwen/Mistral say arguments, Llama parameters
@@ -13,14 +14,8 @@ ARGUMENT_KEYS = ("arguments", "parameters")  # Hermes/Qwen/Mistral say arguments
 
 def partial_marker_len(text: str, *markers: str) -> int:
     """Length of the longest tail of `text` that is the start (not the whole) of a marker: that
-    much must wait for the next token before it can be shown as content."""
-    best = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:n]):
-                best = n
-                break
-    return best
+    much must wait for the next token before it can be shown as content (the rule of stop strings)."""
+    return stop_prefix_len(text, markers)
 
 
 def content_before(text: str, final: bool, *markers: str) -> str:

@@ -14,71 +14,39 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from radixserve.interfaces.model import Model
 from radixserve.interfaces.quantization import QuantMethod
-from radixserve.layers.attention import RadixAttention
-from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from radixserve.layers.causal_lm import DecoderOnlyCausalLM
+from radixserve.layers.decoder_blocks import DecoderAttention, head_dim_of
+from radixserve.layers.distributed import TPGroup
+from radixserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from radixserve.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_of
 from radixserve.layers.sliding_window import SLIDING, sliding_window_for_layer
-from radixserve.layers.weight_utils import load_into
-from radixserve.state import ForwardBatch
 
 from radixserve_models_gemma.norm import GemmaRMSNorm
 
-_STACKED = (
-    (".q_proj.", ".qkv_proj.", "q"),
-    (".k_proj.", ".qkv_proj.", "k"),
-    (".v_proj.", ".qkv_proj.", "v"),
-    (".gate_proj.", ".gate_up_proj.", 0),
-    (".up_proj.", ".gate_up_proj.", 1),
-)
 _ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # hidden_activation -> F.gelu(approximate=)
 
 
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-class GemmaAttention(nn.Module):
-    def __init__(self, config, layer_id: int, quant_method: QuantMethod | None, version: int) -> None:
-        super().__init__()
-        self.head_dim = _head_dim(config)
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=bias, quant_method=quant_method)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias,
-                                        quant_method=quant_method)
-        self.qk_norm = version >= 3
-        if self.qk_norm:
-            self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        window = sliding_window_for_layer(config, layer_id)
-        if version >= 3:  # the rotary base follows the layer type, even where no window is configured
-            local = (getattr(config, "layer_types", None) or ["full_attention"] * (layer_id + 1))[layer_id] == SLIDING
-            self.rotary_emb = _rope(config, self.head_dim, local)
-        else:
-            self.rotary_emb = get_rope(config, self.head_dim)
-        cap = getattr(config, "attn_logit_softcapping", None) if version == 2 else None
-        self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
-                                   float(config.query_pre_attn_scalar) ** -0.5, sliding_window=window, logit_cap=cap)
-
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:  # Gemma 3: RMSNorm over each head before rotary
-            n = q.shape[0]
-            q = self.q_norm(q.reshape(-1, self.head_dim)).reshape(n, -1)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).reshape(n, -1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, batch))
+def gemma_attention(config, layer_id: int, quant_method: QuantMethod | None, version: int) -> DecoderAttention:
+    head_dim, eps = head_dim_of(config), config.rms_norm_eps
+    if version >= 3:  # the rotary base follows the layer type, even where no window is configured
+        local = (getattr(config, "layer_types", None) or ["full_attention"] * (layer_id + 1))[layer_id] == SLIDING
+        rotary_emb = _rope(config, head_dim, local)
+    else:
+        rotary_emb = get_rope(config, head_dim)
+    bias = bool(getattr(config, "attention_bias", False))
+    return DecoderAttention(
+        config, layer_id, quant_method, qkv_bias=bias, o_bias=bias,
+        qk_norm=(lambda dim: GemmaRMSNorm(dim, eps)) if version >= 3 else None,  # Gemma 3
+        rotary_emb=rotary_emb, scaling=float(config.query_pre_attn_scalar) ** -0.5,
+        sliding_window=sliding_window_for_layer(config, layer_id),
+        logit_cap=getattr(config, "attn_logit_softcapping", None) if version == 2 else None,
+    )
 
 
 def _rope(config, head_dim: int, local: bool) -> RotaryEmbedding:
@@ -115,7 +83,7 @@ class GemmaDecoderLayer(nn.Module):
     def __init__(self, config, layer_id: int, quant_method: QuantMethod | None, version: int) -> None:
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = GemmaAttention(config, layer_id, quant_method, version)
+        self.self_attn = gemma_attention(config, layer_id, quant_method, version)
         self.mlp = GemmaMLP(config, quant_method)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
@@ -134,45 +102,28 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
-class GemmaModel(nn.Module):
-    def __init__(self, config, quant_method: QuantMethod | None, version: int) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.embed_scale = float(config.hidden_size) ** 0.5
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, i, quant_method, version) for i in range(config.num_hidden_layers))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids, positions, batch):
-        h = self.embed_tokens(input_ids)
-        h = h * torch.tensor(self.embed_scale, dtype=h.dtype)  # the scale rounded to the dtype first
-        residual = None
-        for layer in self.layers:
-            h, residual = layer(positions, h, residual, batch)
-        h, _ = self.norm(h, residual)
-        return h
-
-
-class Gemma2ForCausalLM(Model):
+class Gemma2ForCausalLM(DecoderOnlyCausalLM):
     """Gemma 2; `Gemma3ForCausalLM` below is the text-only Gemma 3."""
 
     version = 2
+    tie_word_embeddings_default = True
 
-    def __init__(self, config, quant_method: QuantMethod | None = None, prefix: str = "") -> None:
-        super().__init__(config, quant_method, prefix)
+    def __init__(self, config, quant_method: QuantMethod | None = None, prefix: str = "",
+                 tp_group: TPGroup | None = None) -> None:
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError(f"{type(self).__name__}: use_bidirectional_attention=True (an embedding model) is not "
                              "supported; only causal Gemma decoders are")
-        self.config = config
-        self.model = GemmaModel(config, quant_method, self.version)
+        super().__init__(config, quant_method, prefix, tp_group)
         self.final_logit_cap = getattr(config, "final_logit_softcapping", None) or None
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, batch)
+    def build_layer(self, config, layer_id: int, quant_method: QuantMethod | None, tp: TPGroup) -> nn.Module:
+        return GemmaDecoderLayer(config, layer_id, quant_method, self.version)
+
+    def build_norm(self, config) -> nn.Module:
+        return GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def embed_scale(self, config) -> float:
+        return float(config.hidden_size) ** 0.5
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden)
@@ -184,24 +135,6 @@ class Gemma2ForCausalLM(Model):
         if self.final_logit_cap:
             return None  # tanh can round near-equal large logits to a tie the screen would not see
         return self.lm_head.greedy_token_ids(hidden, vocab_size)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # the head shares the embedding's parameter
-            target, shard_id = name, None
-            for hf_piece, our_piece, sid in _STACKED:
-                if hf_piece in name:
-                    target, shard_id = name.replace(hf_piece, our_piece), sid
-                    break
-            param = params.get(target)
-            if param is None:
-                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            load_into(param, tensor, shard_id)
-            loaded.add(target)
-        return loaded
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -1,0 +1,143 @@
+"""The pieces most HF decoder layers are made of, for `DecoderOnlyCausalLM.build_layer`:
+`DecoderAttention` (fused q/k/v, optional per-head q/k norm, rotary, `RadixAttention`, output
+projection), `SwiGLUMLP` (fused gate/up, silu-and-mul, down) and `PreNormDecoderLayer` (the
+Llama layer around them). Parameter names are HF's after the q/k/v and gate/up fusion
+(`self_attn.qkv_proj`, `self_attn.o_proj`, `self_attn.q_norm`, `mlp.gate_up_proj`, ...).
+
+Added in plugin API 1.4."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from radixserve.interfaces.quantization import QuantMethod
+from radixserve.layers.attention import RadixAttention
+from radixserve.layers.distributed import TPGroup
+from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from radixserve.layers.rotary import get_rope
+from radixserve.state import ForwardBatch
+
+
+def head_dim_of(config) -> int:
+    """The attention head size of an HF config: `head_dim`, or `hidden_size // num_attention_heads`
+    where the config has none. Added in plugin API 1.4."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_silu(config, family: str) -> None:
+    """Raise ValueError naming `config.hidden_act` unless it is silu (or absent): what
+    `SwiGLUMLP` computes. Added in plugin API 1.4."""
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {config.hidden_act!r} for {family} (only silu)")
+
+
+class DecoderAttention(nn.Module):
+    """Self-attention of a decoder layer, called as `(positions, h, batch) -> [n, hidden]`:
+    `qkv_proj` -> per-head `q_norm`/`k_norm` (when `qk_norm` is given) -> `rotary_emb` ->
+    `RadixAttention` -> `o_proj`.
+
+    :param config: the HF config (`hidden_size`, `num_attention_heads`, `num_key_value_heads`,
+        `head_dim` or `hidden_size // num_attention_heads`).
+    :param layer_id: the layer's index (its KV buffers).
+    :param quant_method: / `tp`: passed to both projections (`tp` None: one rank).
+    :param qkv_bias: / `o_bias`: biases of the projections.
+    :param qk_norm: `qk_norm(head_dim) -> norm module` for Qwen3/Gemma 3-style RMSNorm over each
+        head of q and k before rotary; None: no such norm.
+    :param rotary_emb: the rotary embedding (default `get_rope(config, head_dim)`).
+    :param scaling: the softmax scale (default `head_dim ** -0.5`).
+    :param sliding_window: / `logit_cap`: passed to `RadixAttention` (None: full attention,
+        no soft-capping).
+
+    Added in plugin API 1.4.
+    """
+
+    def __init__(self, config, layer_id: int, quant_method: QuantMethod | None = None, tp: TPGroup | None = None,
+                 *, qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm: Callable[[int], nn.Module] | None = None, rotary_emb: nn.Module | None = None,
+                 scaling: float | None = None, sliding_window: int | None = None,
+                 logit_cap: float | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=qkv_bias, quant_method=quant_method,
+                                          tp_group=tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias,
+                                        quant_method=quant_method, tp_group=tp)
+        self.qk_norm = qk_norm is not None
+        if qk_norm is not None:
+            self.q_norm = qk_norm(self.head_dim)
+            self.k_norm = qk_norm(self.head_dim)
+        self.rotary_emb = rotary_emb if rotary_emb is not None else get_rope(config, self.head_dim)
+        self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
+                                   self.head_dim**-0.5 if scaling is None else scaling,
+                                   sliding_window=sliding_window, logit_cap=logit_cap)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:  # over each head, before rotary
+            n = q.shape[0]
+            q = self.q_norm(q.reshape(n, -1, self.head_dim)).reshape(n, -1)
+            k = self.k_norm(k.reshape(n, -1, self.head_dim)).reshape(n, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, batch))
+
+
+class SwiGLUMLP(nn.Module):
+    """`down_proj(silu(gate_proj(x)) * up_proj(x))`, gate and up fused in `gate_up_proj`.
+
+    :param hidden_size: / `intermediate_size`: the MLP's sizes (the full ones; `tp` shards them).
+    :param quant_method: / `tp`: passed to both projections. `bias`: biases on both.
+
+    Added in plugin API 1.4.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, quant_method: QuantMethod | None = None,
+                 tp: TPGroup | None = None, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias,
+                                                       quant_method=quant_method, fuse_silu_and_mul=True, tp_group=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, quant_method=quant_method,
+                                           tp_group=tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
+
+
+class PreNormDecoderLayer(nn.Module):
+    """The Llama-style decoder layer: `h = attn(input_norm(stream))`, `stream += h`,
+    `h = mlp(post_attention_norm(stream))`, with the residual add fused into the norms
+    (`norm(h, residual) -> (normed, h + residual)`), following the `DecoderStack` convention.
+
+    :param self_attn: called as `self_attn(positions, h, batch)`.
+    :param mlp: called as `mlp(h)`; registered under `mlp_name` (the checkpoint's name for it,
+        e.g. Mixtral's "block_sparse_moe").
+    :param input_layernorm: / `post_attention_layernorm`: norms taking `(x)` and `(x, residual)`
+        as `radixserve.layers.norm.RMSNorm` does.
+
+    Added in plugin API 1.4.
+    """
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, input_layernorm: nn.Module,
+                 post_attention_layernorm: nn.Module, mlp_name: str = "mlp") -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        setattr(self, mlp_name, mlp)
+        self.mlp_name = mlp_name
+        self.input_layernorm = input_layernorm
+        self.post_attention_layernorm = post_attention_layernorm
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, h, batch)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return getattr(self, self.mlp_name)(h), residual
