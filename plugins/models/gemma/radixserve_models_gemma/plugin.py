@@ -2,7 +2,7 @@
 
 from radixserve.plugins import hookimpl
 
-PLUGIN_API = ">=1.4,<2"  # per-layer sliding windows and logit soft-capping in RadixAttention
+PLUGIN_API = ">=1.4,<2"  # 1.4: DecoderOnlyCausalLM (windows and soft-capping came in 1.3)
 
 _ARCHS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 

@@ -2,7 +2,7 @@
 
 from radixserve.plugins import hookimpl
 
-PLUGIN_API = ">=1.4,<2"
+PLUGIN_API = ">=1.4,<2"  # 1.4: DecoderOnlyCausalLM
 
 _ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 

@@ -2,7 +2,7 @@
 
 from radixserve.plugins import hookimpl
 
-PLUGIN_API = ">=1.4,<2"  # 1.3: the MoE layers (radixserve.layers.moe)
+PLUGIN_API = ">=1.4,<2"  # 1.4: DecoderOnlyCausalLM (the MoE layers came in 1.3)
 
 
 @hookimpl

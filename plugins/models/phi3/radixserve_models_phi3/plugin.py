@@ -2,7 +2,7 @@
 
 from radixserve.plugins import hookimpl
 
-PLUGIN_API = ">=1.4,<2"  # per-layer sliding windows in RadixAttention
+PLUGIN_API = ">=1.4,<2"  # 1.4: DecoderOnlyCausalLM (windows came in 1.3)
 
 
 @hookimpl
