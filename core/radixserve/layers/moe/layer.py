@@ -24,6 +24,9 @@ from radixserve.layers.moe.routing import RoutingConfig, select_experts
 from radixserve.layers.quant_unquantized import UnquantizedMethod
 
 _PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.")
+# per-expert checkpoint tensors a layer's QuantMethod may create parameters for: `w13_<suffix>` and
+# `w2_<suffix>` (block-FP8 checkpoints store `weight` and `weight_scale_inv` per expert)
+_EXPERT_TENSOR_SUFFIXES = ("weight", "weight_scale_inv")
 _SHARD_ALIASES = {"gate": "gate", "w1": "gate", "up": "up", "w3": "up", "down": "down", "w2": "down"}
 
 
@@ -75,14 +78,16 @@ class FusedMoE(nn.Module):
         this layer's `weight_loader`, or None for a name that is not an expert tensor.
 
         Per-expert names `....experts.{e}.{gate|up|down}.weight` (Mixtral: gate="w1", up="w3",
-        down="w2") map to `....experts.w13_weight` / `w2_weight` with expert e; the stacked names of
+        down="w2") map to `....experts.w13_weight` / `w2_weight` with expert e, and a block-FP8
+        checkpoint's `....weight_scale_inv` to `w13_weight_scale_inv` / `w2_weight_scale_inv`; the stacked names of
         transformers 5 (`....experts.gate_up_proj`, `....experts.down_proj`) map whole."""
         match = _PER_EXPERT.search(name)
         if match is not None:
             shard = {gate: "gate", up: "up", down: "down"}.get(match.group(2))
-            if shard is None or not name.endswith(".weight"):
+            suffix = name[match.end():]  # "weight", or a quantized format's companion ("weight_scale_inv")
+            if shard is None or suffix not in _EXPERT_TENSOR_SUFFIXES:
                 return None
-            param = "experts.w13_weight" if shard != "down" else "experts.w2_weight"
+            param = ("experts.w13_" if shard != "down" else "experts.w2_") + suffix
             return name[: match.start()] + "." + param, int(match.group(1)), shard
         for stacked, param in ((".experts.gate_up_proj", "experts.w13_weight"),
                                (".experts.down_proj", "experts.w2_weight")):

@@ -180,11 +180,33 @@ def test_fp8_block_checkpoint_through_the_fp8_method(registry, tmp_path):
     assert attn.kv_a_proj_with_mqa.weight.dtype == torch.float32 and attn.kv_b_proj.weight.dtype == torch.float32
 
 
-def test_fp8_moe_layers_are_refused_naming_the_method(registry):
+def test_fp8_block_experts_match_transformers(registry, tmp_path):
+    """DeepSeek-V3's layout: every expert's gate/up/down in block FP8 with its `weight_scale_inv`
+    (layer 1 is MoE). The experts stay FP8 in memory and match transformers on the dequantized
+    weights: prompts of 5 and 3 tokens take the all-experts path, decode steps (2 pairs < 4 experts)
+    the per-pair path."""
+    from radixserve.testing import tiny_checkpoint
+
+    src = tiny_checkpoint("deepseek_v3", str(tmp_path / "src"), **FP8_SHAPES, first_k_dense_replace=1)
+    _write_fp8(src, str(tmp_path / "fp8"), str(tmp_path / "ref"),
+               lambda n: n.startswith("model.layers.") and n.endswith("proj.weight"), FP8_BLOCK)
+    fp8 = registry.load("quantization", "fp8").from_config(FP8_BLOCK)
+    check_model_parity(registry.load("model", "DeepseekV3ForCausalLM"), str(tmp_path / "fp8"), quant_method=fp8,
+                       reference=str(tmp_path / "ref"), new_tokens=6, prompt_lens=(5, 3))
+    from transformers import AutoConfig
+
+    with torch.device("meta"):
+        experts = DeepseekV3ForCausalLM(AutoConfig.from_pretrained(src), fp8).model.layers[1].mlp.experts
+    assert experts.w13_weight.dtype == torch.float8_e4m3fn and experts.w2_weight.dtype == torch.float8_e4m3fn
+    assert tuple(experts.w13_weight_scale_inv.shape) == (4, 2, 2)  # 2 x 128 rows, 256 columns
+
+
+def test_online_fp8_moe_layers_are_refused_naming_the_method(registry):
+    """Online FP8 (a float checkpoint quantized at load) has no expert path: refused by name."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.for_model("deepseek_v3", **FP8_SHAPES, first_k_dense_replace=1)
-    fp8 = registry.load("quantization", "fp8").from_config(FP8_BLOCK)
+    fp8 = registry.load("quantization", "fp8")()
     with torch.device("meta"), pytest.raises(ValueError, match=r"FP8Method does not support MoE.*model\.layers\.1\.mlp"):
         DeepseekV3ForCausalLM(cfg, fp8)
 

@@ -1,4 +1,4 @@
-"""FP8 (e4m3) linears as a RadixServe QuantMethod, three ways in:
+"""FP8 (e4m3) linears (and block-FP8 routed experts, see moe.py) as a RadixServe QuantMethod, three ways in:
 
 - HF fp8 checkpoint, block-wise (`quant_method: fp8`, `weight_block_size: [128, 128]`, as
   DeepSeek-V3 / Qwen3-FP8): `weight` float8_e4m3fn [out, in] and `weight_scale_inv` fp32
@@ -28,7 +28,7 @@ import torch.nn as nn
 from radixserve.interfaces.quantization import QuantMethod
 from radixserve.layers.weight_utils import set_weight_attrs
 
-from radixserve_quant_fp8 import kernels
+from radixserve_quant_fp8 import kernels, moe
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,18 @@ class FP8Method(QuantMethod):
                 layer.weight = nn.Parameter(q, requires_grad=False)
             layer.weight_scale_rows = rows.to(torch.float32).contiguous()
         layer.fp8_prepared = True
+
+    # ---- routed experts (FusedMoE), block-FP8 checkpoints only -----------------------------------
+    def create_moe_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,
+                           dtype: torch.dtype) -> None:
+        if not (self.serialized and self.block_size is not None):
+            super().create_moe_weights(layer, num_experts, hidden_size, intermediate_size, dtype)  # refuses, naming it
+            return
+        moe.create_block_fp8_moe_weights(layer, num_experts, hidden_size, intermediate_size, self.block_size)
+
+    def apply_moe(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+        return moe.apply_block_fp8_moe(layer, x, topk_weights, topk_ids, self.block_size)
 
     # ---- compute ----------------------------------------------------------------------------
     def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tensor:
