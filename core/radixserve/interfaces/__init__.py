@@ -13,10 +13,7 @@ from radixserve.interfaces.prefix_cache import MatchResult, PrefixCache
 from radixserve.interfaces.quantization import QuantMethod, WeightSource
 from radixserve.interfaces.reasoning_parser import ReasoningParser
 from radixserve.interfaces.tool_parser import ParsedToolCall, ToolParse, ToolParser
-
-KINDS = (
-    "attention", "model", "quantization", "policy", "prefix_cache", "drafter", "grammar", "tool_parser", "reasoning_parser",
-)
+from radixserve.plugins.kinds import KINDS  # torch-free home: discovery checks kinds without torch
 
 BASE_CLASS_OF_KIND = {
     "attention": AttentionBackend,

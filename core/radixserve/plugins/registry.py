@@ -87,7 +87,7 @@ class ComponentRegistrar:
         description: str = "",
         weight_file_suffixes: tuple[str, ...] | list[str] = (),
     ) -> None:
-        from radixserve.interfaces import KINDS
+        from radixserve.plugins.kinds import KINDS
 
         if kind not in KINDS:
             raise PluginError(
