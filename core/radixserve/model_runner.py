@@ -67,7 +67,8 @@ class ModelRunner:
         native.build_in_background([lambda: attention_cls.build_native_kernels(self.device.type)])
         self.model_path = resolve_model_path(config.model.path)  # a local path, a Hub id, or the default
         self.stack = resolve_stack(config, self.registry, self.device.type, self.model_path)
-        source = open_source(self.model_path, config.model.load_format, self.registry)
+        source = open_source(self.model_path, config.model.load_format, self.registry,
+                             config.model.weight_source_options)
         self.hf_config = source.hf_config()
         arch = (getattr(self.hf_config, "architectures", None) or [None])[0]
         if arch is None:
