@@ -42,6 +42,7 @@ def radixserve_side(path: str, dequantize: bool, new_tokens: int, threads: int) 
     cfg = Config.build({"model": {"path": path, "weight_source_options": {"dequantize": dequantize}},
                         "runtime": {"device": "cpu", "dtype": "float32", "num_threads": threads},
                         "scheduler": {"max_total_tokens": 4096, "max_running_requests": 4}})
+    rss_before = vm_rss_mb()  # torch, transformers and the runtime imported; no model yet
     runner = ModelRunner(cfg, show_progress=False)
     rss_loaded = vm_rss_mb()
     ids_all = [apply_chat_template(runner.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
@@ -54,7 +55,11 @@ def radixserve_side(path: str, dequantize: bool, new_tokens: int, threads: int) 
         t = time.perf_counter()
         n += len(list(gen))
         decode_s += time.perf_counter() - t
-    return {"decode_tok_s": n / decode_s, "rss_after_load_mb": rss_loaded, "rss_after_decode_mb": vm_rss_mb()}
+    kv = runner.kv_pool
+    kv_mb = sum(b.numel() * b.element_size() for b in kv.k_buffers + kv.v_buffers) / 2**20
+    weights_mb = sum(p.numel() * p.element_size() for p in runner.model.parameters()) / 2**20
+    return {"decode_tok_s": n / decode_s, "rss_before_load_mb": rss_before, "rss_after_load_mb": rss_loaded,
+            "rss_after_decode_mb": vm_rss_mb(), "kv_pool_mb": kv_mb, "parameter_mb": weights_mb}
 
 
 def llamacpp_side(path: str, new_tokens: int, threads: int) -> dict:

@@ -26,7 +26,7 @@ from radixserve.layers.weight_utils import set_weight_attrs
 
 from radixserve_quant_gguf import kernels
 from radixserve_quant_gguf.hf_config import build_hf_config, gguf_architecture
-from radixserve_quant_gguf.reader import open_gguf
+from radixserve_quant_gguf.reader import open_gguf, release
 from radixserve_quant_gguf.tensors import LINEAR_SUFFIXES, hf_name, iter_hf_tensors, unpermute_qk
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,12 @@ class GGUFMethod(UnquantizedMethod, WeightSource):
         return len(open_gguf(path).tensors)
 
     def iter_weights(self, path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+        try:
+            yield from self._iter_weights(path, hf_config)
+        finally:  # every tensor is copied out: the file's pages need not stay resident
+            release()
+
+    def _iter_weights(self, path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
         reader = open_gguf(path)
         arch = gguf_architecture(reader)
         heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
