@@ -52,11 +52,18 @@ def _cpu_attention() -> None:
 
 
 # extension name -> its loader
+def _gguf_blocks() -> None:
+    from radixserve_quant_gguf import kernels
+
+    kernels.load()
+
+
 KERNELS: dict[str, Callable[[], None]] = {
     "radixserve_cpu_ops": _cpu_ops,
     "radixserve_cpu_gemm": _cpu_gemm,
     "radixserve_cpu_greedy_head": _cpu_greedy_head,
     "radixserve_cpu_attention": _cpu_attention,
+    "radixserve_gguf_blocks": _gguf_blocks,  # tests of GGUF kept blocks (dequantize: false)
 }
 if _cpu_has_avx512():  # tests/test_native_cpu_kernels.py also runs the AVX2 GEMM of AVX2-only CPUs
     KERNELS["radixserve_cpu_gemm_avx2"] = _cpu_gemm_avx2

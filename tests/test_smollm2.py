@@ -39,7 +39,8 @@ def hf_reference(smollm2_gguf_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def runner(smollm2_gguf_path) -> ModelRunner:
     cfg = Config.build({
-        "model": {"path": smollm2_gguf_path},
+        # dequantized at load: the fp32 path transformers computes (kept blocks: test_gguf_kept_quantized.py)
+        "model": {"path": smollm2_gguf_path, "weight_source_options": {"dequantize": True}},
         "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},  # no OpenMP oversubscription
         "scheduler": {"max_total_tokens": 4096, "max_running_requests": 8},
     })

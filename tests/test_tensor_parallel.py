@@ -29,7 +29,9 @@ CPU = {"device": "cpu", "dtype": "float32", "num_threads": 1, "cuda_graph": Fals
 
 def _reference(path: str, prompts: list[list[int]], new_tokens: int, tokenizer: str | None = None) -> list[list[int]]:
     """Greedy tokens of one process (TP=1), the prompts batched together without any cache."""
-    cfg = Config.build({"model": {"path": path, "tokenizer": tokenizer}, "runtime": CPU,
+    # a GGUF dequantized, as tensor-parallel ranks load it (kept blocks are one-process only)
+    options = {"dequantize": True} if path.endswith(".gguf") else {}
+    cfg = Config.build({"model": {"path": path, "tokenizer": tokenizer, "weight_source_options": options}, "runtime": CPU,
                         "scheduler": {"max_total_tokens": 2048, "max_running_requests": 8}})
     return [g.tokens for g in greedy_generate(ModelRunner(cfg, show_progress=False), prompts, new_tokens)]
 

@@ -30,6 +30,9 @@ class ModelSection(_Section):
     # which implementation runs the architecture: auto (its native plugin, else the transformers
     # fallback), native (the plugin only), transformers (the fallback, radixserve-models-transformers)
     impl: Literal["auto", "native", "transformers"] = "auto"
+    # keyword arguments of the weight source that reads a checkpoint file (e.g. {dequantize: true}
+    # for GGUF), checked against its constructor at start-up (unknown option -> error listing the valid ones)
+    weight_source_options: dict[str, Any] = Field(default_factory=dict)
 
 
 class StackSection(_Section):

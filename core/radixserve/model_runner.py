@@ -73,7 +73,8 @@ class ModelRunner:
         attention_cls = self.registry.load("attention", early.attention.name)
         native.build_in_background([lambda: attention_cls.build_native_kernels(self.device.type)])
         self.model_path = resolve_model_path(config.model.path)  # a local path, a Hub id, or the default
-        source = open_source(self.model_path, config.model.load_format, self.registry)
+        source = open_source(self.model_path, config.model.load_format, self.registry,
+                             config.model.weight_source_options)
         self.hf_config = source.hf_config()
         arch = (getattr(self.hf_config, "architectures", None) or [None])[0]
         if arch is None:

@@ -145,6 +145,13 @@ class WeightSource(abc.ABC):
       (`model.layers.0.self_attn.q_proj.weight`, ...), fed to the model's `load_weights`.
     - then it is the layers' QuantMethod (a dequantize-at-load source keeps them unquantized).
 
+    - optionally `prepare_model(model)`, called once after the model is built and before any
+      weight is read: a source that keeps embeddings or the LM head in the file's format swaps
+      those modules here (returning the model, or None for the same one). Added in plugin API 1.4.
+
+    Options: `model.weight_source_options` are passed to the constructor as keyword arguments
+    (unknown names are a start-up error listing the constructor's). Added in plugin API 1.4.
+
     The core never calls a weight source by its name; two installed components declaring the same
     suffix resolve like any other conflict (the first by priority, then name).
 

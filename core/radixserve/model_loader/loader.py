@@ -69,6 +69,9 @@ def load_model(
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(hf_config, quant_method) if tp_group is None else model_cls(
             hf_config, quant_method, tp_group=tp_group)
+    prepare = getattr(source.weight_source, "prepare_model", None)
+    if prepare is not None:  # e.g. GGUF keeping the embedding's blocks: swaps modules before loading
+        model = prepare(model) or model
     if source.format == "dummy":
         loaded = _fill_dummy(model, seed)
     else:

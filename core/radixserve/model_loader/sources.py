@@ -105,12 +105,30 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def open_source(path: str, load_format: str, registry: Registry) -> ModelSource:
-    """Detect the checkpoint format; a file gets the weight source that declared its suffix."""
+def open_source(path: str, load_format: str, registry: Registry, options: dict | None = None) -> ModelSource:
+    """Detect the checkpoint format; a file gets the weight source that declared its suffix, built
+    with `options` (`model.weight_source_options`) as keyword arguments."""
     fmt = detect_format(path, load_format, registry)
     source = None
     if os.path.isfile(path):
         spec = registry.weight_source_for(path)
         assert spec is not None  # detect_format raised otherwise
-        source = registry.load("quantization", spec.name)()
+        cls = registry.load("quantization", spec.name)
+        _check_options(cls, spec.name, options or {})
+        source = cls(**(options or {}))
+    elif options:
+        raise ValueError(f"model.weight_source_options {options!r} apply to checkpoint files read by a weight source "
+                         f"(e.g. .gguf); {path!r} is a {fmt} checkpoint")
     return ModelSource(path=path, format=fmt, weight_source=source)
+
+
+def _check_options(cls, name: str, options: dict) -> None:
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    valid = [p for p, param in params.items() if p != "self" and param.kind in kinds]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"model.weight_source_options: {', '.join(map(repr, unknown))} not accepted by the "
+                         f"weight source {name!r} (valid: {', '.join(valid) or 'none'})")

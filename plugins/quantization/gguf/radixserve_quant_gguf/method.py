@@ -1,34 +1,168 @@
-"""The "gguf" quantization component: a weight source (declared for ".gguf" files) that
-dequantizes GGUF files at load time.
+"""The "gguf" quantization component: a weight source (declared for ".gguf" files) that either
+keeps the file's blocks or dequantizes them at load.
 
-Layers stay unquantized (plain float weights); what this component adds is reading the file
-(the WeightSource contract): `hf_config(path)`, `num_tensors(path)`, `iter_weights(path, hf_config)`."""
+Kept quantized (opt-in, `dequantize=False`; CPU, every decoder linear of the file Q4_0, Q4_1 or
+Q8_0): each linear holds its tensor's blocks unchanged (uint8 [out, in / 32 * block bytes]) and
+computes with the native int8 kernels (kernels.py); a Q4_0/Q4_1/Q8_0 token embedding stays in
+blocks too (rows dequantized on lookup), and the LM head, tied or the file's own `output.weight`,
+computes with the same kernel. Dequantized (the default): plain fp32 weights, as transformers
+loads the file.
+
+Reading the file is the WeightSource contract: `hf_config(path)`, `num_tensors(path)`,
+`iter_weights(path, hf_config)`, `prepare_model(model)`."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
+import numpy as np
 import torch
+import torch.nn as nn
 from radixserve.interfaces.quantization import WeightSource
+from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from radixserve.layers.quant_unquantized import UnquantizedMethod
+from radixserve.layers.weight_utils import set_weight_attrs
 
+from radixserve_quant_gguf import kernels
 from radixserve_quant_gguf.hf_config import build_hf_config, gguf_architecture
-from radixserve_quant_gguf.reader import open_gguf
-from radixserve_quant_gguf.tensors import iter_hf_tensors
+from radixserve_quant_gguf.reader import open_gguf, release
+from radixserve_quant_gguf.tensors import LINEAR_SUFFIXES, hf_name, iter_hf_tensors, unpermute_qk
+
+logger = logging.getLogger(__name__)
 
 
 class GGUFMethod(UnquantizedMethod, WeightSource):
-    @staticmethod
-    def hf_config(path: str):
+    """Options (`model.weight_source_options`): `dequantize` — True (default): dequantize to fp32 at
+    load (parity with transformers, the faster path from a few rows per step up); False: keep the
+    file's blocks (CPU, every decoder linear Q4_0/Q4_1/Q8_0, native kernels built, tp_size 1: ~4x
+    less model memory, faster batch-1 decode, slower batches; benchmarks/results/cpu-gguf-quantized.md)
+    and refuse to start, naming why, where that is not possible. Kept blocks are opt-in because
+    their int8 activations drift from the fp32 path at near-ties and batches run slower."""
+
+    def __init__(self, dequantize: bool = True) -> None:
+        if not isinstance(dequantize, bool):
+            raise ValueError(f"GGUF option dequantize must be true or false, got {dequantize!r}")
+        self.dequantize = dequantize
+        self.path: str | None = None
+        self.keep: bool | None = None  # decided at the first linear (the device is known then)
+        self.linear_type: str | None = None
+
+    # ---- WeightSource ---------------------------------------------------------------------
+    def hf_config(self, path: str):
+        self.path = path
         return build_hf_config(open_gguf(path))
 
     @staticmethod
     def num_tensors(path: str) -> int:
         return len(open_gguf(path).tensors)
 
-    @staticmethod
-    def iter_weights(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+        try:
+            yield from self._iter_weights(path, hf_config)
+        finally:  # every tensor is copied out: the file's pages need not stay resident
+            release()
+
+    def _iter_weights(self, path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
         reader = open_gguf(path)
-        yield from iter_hf_tensors(
-            reader, gguf_architecture(reader), hf_config.num_attention_heads, hf_config.num_key_value_heads
-        )
+        arch = gguf_architecture(reader)
+        heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+        if not self.keep:
+            yield from iter_hf_tensors(reader, arch, heads, kv_heads)
+            return
+        kept = set(self._kept_table_names(reader))
+        for t in reader.tensors:
+            name = hf_name(t.name)
+            if name is None:
+                continue
+            if not (t.name.endswith(LINEAR_SUFFIXES) or t.name in kept):
+                yield from iter_hf_tensors(reader, arch, heads, kv_heads, only=t)
+                continue
+            blocks = torch.from_numpy(np.array(t.data, copy=True))  # [rows, row bytes], as in the file
+            if arch == "llama" and name.endswith("q_proj.weight"):
+                blocks = unpermute_qk(blocks, heads)  # whole rows move: the blocks stay intact
+            elif arch == "llama" and name.endswith("k_proj.weight"):
+                blocks = unpermute_qk(blocks, kv_heads)
+            yield name, blocks
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Kept quantized: put BlockEmbedding / BlockLMHead in place of the float embedding and
+        head whose file tensors are Q4_0/Q4_1/Q8_0 (before loading, so no float table is filled)."""
+        if not self.keep:
+            return model
+        from radixserve_quant_gguf.kept import BlockEmbedding, BlockLMHead
+
+        types = self._kept_table_names(open_gguf(self.path))
+        swaps: dict[str, nn.Module] = {}
+        embed_weight, new_embed = None, None
+        for name, module in model.named_modules():
+            if type(module) is VocabParallelEmbedding and "token_embd.weight" in types:
+                embed_weight, new_embed = module.weight, BlockEmbedding(module, types["token_embd.weight"])
+                swaps[name] = new_embed
+        for name, module in model.named_modules():
+            if type(module) is not ParallelLMHead:
+                continue
+            if new_embed is not None and module.weight is embed_weight:  # tied
+                head = BlockLMHead(module, new_embed.qtype)
+                head.tie_to(new_embed)
+                swaps[name] = head
+            elif "output.weight" in types:
+                swaps[name] = BlockLMHead(module, types["output.weight"])
+        for name, new in swaps.items():
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, new)
+        return model
+
+    # ---- QuantMethod ----------------------------------------------------------------------
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], dtype: torch.dtype) -> None:
+        if self.keep is None:
+            self.keep = self._decide(getattr(layer, "tp_size", 1))
+        if not self.keep:
+            return super().create_weights(layer, input_size, output_sizes, dtype)
+        rows = kernels.row_bytes(self.linear_type, input_size)
+        weight = nn.Parameter(torch.empty(sum(output_sizes), rows, dtype=torch.uint8), requires_grad=False)
+        set_weight_attrs(weight, {"output_dim": 0, "weight_loader": layer.weight_loader})
+        layer.register_parameter("weight", weight)
+        layer.gguf_qtype = self.linear_type
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not self.keep:
+            super().process_weights_after_loading(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not self.keep:
+            return super().apply(layer, x, bias)
+        y = kernels.linear(x, layer.weight, layer.gguf_qtype)
+        return y if bias is None else y + bias
+
+    # ---- the choice -----------------------------------------------------------------------
+    def _decide(self, tp_size: int) -> bool:
+        """Whether the layers keep the blocks (only when asked: dequantize=False); raises ValueError naming
+        why when they cannot."""
+        if self.dequantize:
+            return False
+        reader = open_gguf(self.path)
+        linear_types = sorted({t.tensor_type.name for t in reader.tensors if t.name.endswith(LINEAR_SUFFIXES)})
+        why = None
+        device = torch.get_default_device()
+        if device.type != "cpu":
+            why = f"the block kernels run on the CPU (device is {device.type})"
+        elif tp_size > 1:
+            why = f"tensor parallelism (tp_size {tp_size}) needs float weights"
+        elif len(linear_types) != 1 or linear_types[0] not in kernels.KEPT_TYPES:
+            why = (f"the file's linear tensors are {'/'.join(linear_types)}; the kernels keep files whose linears "
+                   f"are all one of {', '.join(kernels.KEPT_TYPES)}")
+        elif kernels.load() is None:
+            why = "the native block kernels could not be built here (see the log)"
+        if why is not None:
+            raise ValueError(f"model.weight_source_options dequantize=false: cannot keep {self.path!r} quantized: "
+                             f"{why}; drop the option to dequantize at load")
+        self.linear_type = linear_types[0]
+        logger.info("GGUF %s weights kept quantized (int8 %s kernels)", self.linear_type, kernels.isa())
+        return True
+
+    @staticmethod
+    def _kept_table_names(reader) -> dict[str, str]:
+        """The embedding / LM-head tensors whose type the kernels read: {gguf name: type}."""
+        return {t.name: t.tensor_type.name for t in reader.tensors
+                if t.name in ("token_embd.weight", "output.weight") and t.tensor_type.name in kernels.KEPT_TYPES}

