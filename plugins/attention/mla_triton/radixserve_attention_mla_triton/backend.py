@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from radixserve.interfaces.attention import AttentionBackend
-from radixserve.layers.kv_splits import compute_num_kv_splits
+from radixserve.layers.kv_splits import SplitKVDecodeMetadata, compute_num_kv_splits
 from radixserve.layers.triton_interpreter import interpreter_enabled
 from radixserve.state import ForwardMode
 
@@ -53,11 +53,7 @@ class LatentExtendMetadata:
     mask_start: torch.Tensor | None = None  # int64 [bs]: where request i's [e_i, e_i] block starts
 
 
-@dataclass
-class LatentDecodeMetadata:
-    num_kv_splits: torch.Tensor  # int32 [bs]
-    mid_o: torch.Tensor  # float32 [bs, H, max_kv_splits, kv_lora_rank]: stage-1 partial latent outputs
-    mid_lse: torch.Tensor  # float32 [bs, H, max_kv_splits]: their log2-sum-exp
+LatentDecodeMetadata = SplitKVDecodeMetadata  # mid_o: float32 [bs, H, max_kv_splits, kv_lora_rank]
 
 
 class MlaTritonBackend(AttentionBackend):
@@ -129,13 +125,8 @@ class MlaTritonBackend(AttentionBackend):
     # ---- metadata -----------------------------------------------------------------------------
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode is ForwardMode.DECODE:
-            bs = batch.batch_size
-            batch.attn_metadata = self._plan_decode(batch, LatentDecodeMetadata(
-                num_kv_splits=torch.empty(bs, dtype=torch.int32, device=self.device),
-                mid_o=torch.empty(bs, self.num_heads, self.max_kv_splits, self.kv_lora_rank,
-                                  dtype=torch.float32, device=self.device),
-                mid_lse=torch.empty(bs, self.num_heads, self.max_kv_splits, dtype=torch.float32, device=self.device),
-            ))
+            batch.attn_metadata = self._plan_decode(batch, LatentDecodeMetadata.allocate(
+                batch.batch_size, self.num_heads, self.max_kv_splits, self.kv_lora_rank, self.device))
             return
         if batch.mode is ForwardMode.IDLE:
             batch.attn_metadata = None
@@ -249,24 +240,13 @@ class MlaTritonBackend(AttentionBackend):
         return True
 
     def init_graph_state(self, max_bs: int) -> None:
-        h, s, lora = self.num_heads, self.max_kv_splits, self.kv_lora_rank
-        self._graph = LatentDecodeMetadata(
-            num_kv_splits=torch.ones(max_bs, dtype=torch.int32, device=self.device),
-            mid_o=torch.zeros(max_bs, h, s, lora, dtype=torch.float32, device=self.device),
-            mid_lse=torch.zeros(max_bs, h, s, dtype=torch.float32, device=self.device),
-        )
+        self._graph = LatentDecodeMetadata.allocate(max_bs, self.num_heads, self.max_kv_splits, self.kv_lora_rank,
+                                                    self.device, zeroed=True)
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         if self._graph is None:
             raise RuntimeError("init_graph_state(max_bs) must run before capturing a CUDA graph")
-        if batch.mode is not ForwardMode.DECODE:
-            raise ValueError(f"the mla_triton backend captures decode batches only, got {batch.mode}")
-        bs = batch.batch_size
-        if bs > self._graph.num_kv_splits.shape[0]:
-            raise ValueError(f"batch size {bs} exceeds the graph state's max_bs {self._graph.num_kv_splits.shape[0]}")
-        g = self._graph
-        batch.attn_metadata = self._plan_decode(
-            batch, LatentDecodeMetadata(g.num_kv_splits[:bs], g.mid_o[:bs], g.mid_lse[:bs]))
+        batch.attn_metadata = self._plan_decode(batch, self._graph.graph_slice(batch, "mla_triton"))
 
     def init_forward_metadata_replay(self, batch: ForwardBatch, real_bs: int) -> None:
         # the runner refreshes the padded batch's seq_lens in place; re-planning the splits into the
