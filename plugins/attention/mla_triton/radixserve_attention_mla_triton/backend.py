@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from radixserve.interfaces.attention import AttentionBackend
+from radixserve.layers.extend_layout import extend_starts, tree_mask_starts
 from radixserve.layers.kv_splits import SplitKVDecodeMetadata, compute_num_kv_splits
 from radixserve.layers.triton_interpreter import interpreter_enabled
 from radixserve.state import ForwardMode
@@ -131,16 +132,10 @@ class MlaTritonBackend(AttentionBackend):
         if batch.mode is ForwardMode.IDLE:
             batch.attn_metadata = None
             return
-        extend_start = torch.zeros_like(batch.extend_lens)
-        if batch.batch_size > 1:
-            torch.cumsum(batch.extend_lens[:-1], 0, out=extend_start[1:])
-        lens = batch.extend_lens_cpu or batch.extend_lens.tolist()  # host copy avoids a device sync
+        extend_start, lens = extend_starts(batch)
         meta = LatentExtendMetadata(extend_start=extend_start, max_extend_len=max(lens, default=0))
         if batch.tree_mask is not None:
-            meta.tree_mask = batch.tree_mask.to(device=self.device, dtype=torch.uint8)
-            meta.mask_start = torch.zeros_like(batch.extend_lens)
-            if batch.batch_size > 1:
-                torch.cumsum(batch.extend_lens[:-1] * batch.extend_lens[:-1], 0, out=meta.mask_start[1:])
+            meta.tree_mask, meta.mask_start = tree_mask_starts(batch, self.device)
         batch.attn_metadata = meta
 
     def _plan_decode(self, batch: ForwardBatch, meta: LatentDecodeMetadata) -> LatentDecodeMetadata:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from radixserve.interfaces.attention import AttentionBackend
+from radixserve.layers.extend_layout import extend_starts, tree_mask_starts
 from radixserve.layers.kv_splits import SplitKVDecodeMetadata
 from radixserve.layers.triton_interpreter import interpreter_enabled
 from radixserve.state import ForwardMode
@@ -130,19 +131,13 @@ class TritonAttentionBackend(AttentionBackend):
         if batch.mode is ForwardMode.IDLE:
             batch.attn_metadata = None
             return
-        extend_start = torch.zeros_like(batch.extend_lens)
-        if batch.batch_size > 1:
-            torch.cumsum(batch.extend_lens[:-1], 0, out=extend_start[1:])
-        lens = batch.extend_lens_cpu or batch.extend_lens.tolist()  # host copy avoids a device sync
+        extend_start, lens = extend_starts(batch)
         meta = ExtendMetadata(extend_start=extend_start, max_extend_len=max(lens, default=0))
         if (self.prefill_sdpa and batch.tree_mask is None and 0 < batch.batch_size <= self.sdpa_max_requests
                 and batch.prefix_lens_cpu and not any(batch.prefix_lens_cpu)):
             meta.fresh_prompt_lens = list(lens)
         if batch.tree_mask is not None:
-            meta.tree_mask = batch.tree_mask.to(device=self.device, dtype=torch.uint8)
-            meta.mask_start = torch.zeros_like(batch.extend_lens)
-            if batch.batch_size > 1:
-                torch.cumsum(batch.extend_lens[:-1] * batch.extend_lens[:-1], 0, out=meta.mask_start[1:])
+            meta.tree_mask, meta.mask_start = tree_mask_starts(batch, self.device)
             if batch.tree_mask_cpu is not None:  # host lists: no device sync (verify batches are small)
                 depths = [sum(row) - 1 for block in batch.tree_mask_cpu for row in block]
                 meta.depths = torch.tensor(depths, dtype=torch.int32).to(self.device, non_blocking=True)
