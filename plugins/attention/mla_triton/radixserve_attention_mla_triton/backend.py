@@ -156,37 +156,31 @@ class MlaTritonBackend(AttentionBackend):
         layer: LatentAttentionLayerSpec, batch: ForwardBatch,
     ) -> torch.Tensor:
         meta: LatentExtendMetadata = batch.attn_metadata
-        latent = self._store(c_kv, k_pe, layer, batch)
-        q_lat = self._absorb(q_nope, layer, latent.dtype)
-        o_lat = torch.empty_like(q_lat)
-        latent_extend_attention(
-            q_lat.transpose(0, 1),
-            self._rope_query(q_pe, layer, latent.dtype),
-            o_lat.transpose(0, 1),
-            latent,
-            layer.kv_lora_rank,
-            batch.req_to_token_pool.req_to_token,
-            batch.req_pool_indices,
-            batch.prefix_lens,
-            batch.extend_lens,
-            meta.extend_start,
-            meta.max_extend_len,
-            layer.scaling,
-            self.extend_config,
-            tree_mask=meta.tree_mask,
-            mask_start=meta.mask_start,
+        return self._run_absorbed(
+            latent_extend_attention, q_nope, q_pe, c_kv, k_pe, layer, batch,
+            batch.prefix_lens, batch.extend_lens, meta.extend_start, meta.max_extend_len, layer.scaling,
+            self.extend_config, tree_mask=meta.tree_mask, mask_start=meta.mask_start,
         )
-        return self._expand(o_lat, layer, q_nope.dtype)
 
     def forward_latent_decode(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
         layer: LatentAttentionLayerSpec, batch: ForwardBatch,
     ) -> torch.Tensor:
         meta: LatentDecodeMetadata = batch.attn_metadata
+        return self._run_absorbed(
+            latent_decode_attention, q_nope, q_pe, c_kv, k_pe, layer, batch,
+            batch.seq_lens, meta.num_kv_splits, meta.mid_o, meta.mid_lse, layer.scaling, self.decode_config,
+        )
+
+    def _run_absorbed(self, kernel, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
+                      k_pe: torch.Tensor, layer: LatentAttentionLayerSpec, batch: ForwardBatch,
+                      *args, **kwargs) -> torch.Tensor:
+        """Store the new rows, move q_nope into latent space, run `kernel(q_lat, q_pe, o_lat, latent,
+        kv_lora_rank, req_to_token, req_pool_indices, *args, **kwargs)` and expand its output."""
         latent = self._store(c_kv, k_pe, layer, batch)
         q_lat = self._absorb(q_nope, layer, latent.dtype)
         o_lat = torch.empty_like(q_lat)
-        latent_decode_attention(
+        kernel(
             q_lat.transpose(0, 1),
             self._rope_query(q_pe, layer, latent.dtype),
             o_lat.transpose(0, 1),
@@ -194,12 +188,8 @@ class MlaTritonBackend(AttentionBackend):
             layer.kv_lora_rank,
             batch.req_to_token_pool.req_to_token,
             batch.req_pool_indices,
-            batch.seq_lens,
-            meta.num_kv_splits,
-            meta.mid_o,
-            meta.mid_lse,
-            layer.scaling,
-            self.decode_config,
+            *args,
+            **kwargs,
         )
         return self._expand(o_lat, layer, q_nope.dtype)
 
