@@ -35,6 +35,24 @@ def compute_num_kv_splits(
     out.copy_(splits.clamp_(1, max_splits))
 
 
+
+def split_planning_defaults(device: torch.device, min_split_tokens: int | None, sm_count: int | None,
+                            interpret: bool) -> tuple[int, int]:
+    """(min_split_tokens, sm_count) for `compute_num_kv_splits`, each the caller's value when given:
+    else 128 tokens (16 under the Triton interpreter) and the CUDA device's multiprocessor count
+    (8 off CUDA: the interpreter, where only the split count depends on it).
+
+    Added in plugin API 1.4."""
+    if min_split_tokens is None or min_split_tokens == 0:
+        min_split_tokens = 16 if interpret else 128
+    if sm_count is None:
+        if device.type == "cuda":
+            sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            sm_count = 8
+    return min_split_tokens, sm_count
+
+
 @dataclass
 class SplitKVDecodeMetadata:
     """A split-KV decode's per-request buffers: the split counts and the stage-1 partial results

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from radixserve.interfaces.attention import AttentionBackend
 from radixserve.layers.extend_layout import extend_starts, tree_mask_starts
-from radixserve.layers.kv_splits import SplitKVDecodeMetadata, compute_num_kv_splits
+from radixserve.layers.kv_splits import SplitKVDecodeMetadata, compute_num_kv_splits, split_planning_defaults
 from radixserve.layers.triton_interpreter import interpreter_enabled
 from radixserve.state import ForwardMode
 
@@ -105,13 +105,8 @@ class MlaTritonBackend(AttentionBackend):
         self.max_bs = int(getattr(runner_info, "max_bs", 0) or 1)
         self.interpret = interpreter_enabled()
         self.max_kv_splits = max_kv_splits
-        self.min_split_tokens = min_split_tokens or (16 if self.interpret else 128)
-        if sm_count is not None:
-            self.sm_count = sm_count
-        elif self.device.type == "cuda":
-            self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
-        else:
-            self.sm_count = 8  # interpreter: any small number; only the split count depends on it
+        self.min_split_tokens, self.sm_count = split_planning_defaults(self.device, min_split_tokens, sm_count,
+                                                                       self.interpret)
         self.programs_per_sm = programs_per_sm
         self.decode_config = decode_config or latent_decode_config(self.num_heads, self.kv_lora_rank, self.interpret)
         self.extend_config = extend_config or latent_extend_config(self.num_heads, self.kv_lora_rank, self.interpret)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from radixserve.interfaces.attention import AttentionBackend
 from radixserve.layers.extend_layout import extend_starts, tree_mask_starts
-from radixserve.layers.kv_splits import SplitKVDecodeMetadata
+from radixserve.layers.kv_splits import SplitKVDecodeMetadata, split_planning_defaults
 from radixserve.layers.triton_interpreter import interpreter_enabled
 from radixserve.state import ForwardMode
 
@@ -103,13 +103,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.kv_pool = runner_info.kv_pool
         self.interpret = interpreter_enabled()
         self.max_kv_splits = max_kv_splits
-        self.min_split_tokens = min_split_tokens or (16 if self.interpret else 128)
-        if sm_count is not None:
-            self.sm_count = sm_count
-        elif self.device.type == "cuda":
-            self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
-        else:
-            self.sm_count = 8  # interpreter: any small number; only the split count depends on it
+        self.min_split_tokens, self.sm_count = split_planning_defaults(self.device, min_split_tokens, sm_count,
+                                                                       self.interpret)
         self.programs_per_sm = programs_per_sm
         self.extend_config = extend_config  # None: per-head-dim defaults (extend_kernel.extend_config)
         self.decode_config = decode_config
