@@ -10,6 +10,7 @@ import random
 from collections.abc import Callable
 
 from radixserve.config import Config
+from radixserve.interfaces.drafter import DraftProposal
 from radixserve.runtime.messages import GenerateRequest
 from radixserve.state import SamplingParams
 
@@ -75,3 +76,24 @@ def assert_drafter_released(drafter) -> None:
     assert drafter.states == {}
     assert drafter.pool.free_slots() == drafter.pool.capacity
     assert drafter.target._rows == {}
+
+
+def trees_with_wrong_siblings(chains: list[list[int]], num_draft_tokens: int, vocab: int,
+                              shift: int = 1) -> DraftProposal:
+    """Tree drafts from chains: before each chain node a wrong sibling (`(token + shift) % vocab`)
+    under the same parent, the chain continuing below the right one; at most `num_draft_tokens`
+    nodes per request (whole pairs). Exercises tree verify where only the second child is accepted.
+
+    Added in plugin API 1.4."""
+    tokens, parents = [], []
+    for chain in chains:
+        t, p, prev = [], [], -1
+        for tok in chain:
+            if len(t) + 2 > num_draft_tokens:
+                break
+            t += [(tok + shift) % vocab, tok]
+            p += [prev, prev]
+            prev = len(t) - 1
+        tokens.append(t)
+        parents.append(p)
+    return DraftProposal(tokens, parents)
