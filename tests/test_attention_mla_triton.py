@@ -9,22 +9,20 @@ bf16 at DeepSeek-V2-Lite's attention shape, plus a real CUDA-graph capture and r
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
+from triton_interpret import use_interpreter_without_gpu
 
-ON_GPU = torch.cuda.is_available()
-_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' @triton.jit decoration
+ON_GPU, _restore_interpret = use_interpreter_without_gpu()  # must precede the kernels' @triton.jit decoration
+_restore_triton_interpret = pytest.fixture(autouse=True, scope="module")(_restore_interpret)
 
 from radixserve.interfaces.attention import AttentionRunnerInfo  # noqa: E402
 from radixserve.interfaces.latent_attention import LatentAttentionDims  # noqa: E402
 from radixserve.layers.latent_attention import RadixLatentAttention  # noqa: E402
 from radixserve.memory import LatentKVPool, ReqToTokenPool  # noqa: E402
-from radixserve.state import ForwardBatch, ForwardMode  # noqa: E402
+from radixserve.state import ForwardBatch, ForwardMode, tree_block  # noqa: E402
 from radixserve_attention_mla_triton.backend import MlaTritonBackend  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -32,16 +30,6 @@ DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 TOL = 3e-2 if ON_GPU else 1e-4
 # (heads, kv_lora_rank, rope, nope, v): tiny in the interpreter, DeepSeek-V2-Lite on a GPU
 SHAPE = (16, 512, 64, 128, 128) if ON_GPU else (4, 64, 16, 32, 24)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _restore_triton_interpret():
-    """Keep the interpreter switch for this module's tests only (later tests may spawn processes)."""
-    yield
-    if _PREV_INTERPRET is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
 
 
 @dataclass
@@ -56,17 +44,6 @@ class Problem:
     rows_full: list[torch.Tensor]  # per request [seq, lora + rope]: every token's latent row
     pool_before: torch.Tensor
     blocks: list[torch.Tensor] | None = None  # per request [e, e] bool tree blocks
-
-
-def tree_block(parents: list[int]) -> list[list[bool]]:
-    n = len(parents)
-    block = [[False] * n for _ in range(n)]
-    for a in range(n):
-        b = a
-        while b != -1:
-            block[a][b] = True
-            b = parents[b]
-    return block
 
 
 def make_problem(prefix_lens, extend_lens, mode=ForwardMode.EXTEND, seed=0, trees=None, shape=SHAPE,

@@ -8,17 +8,15 @@ pydantic) so the file also runs on the bare GPU image.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
 import torch
+from triton_interpret import use_interpreter_without_gpu
 
-ON_GPU = torch.cuda.is_available()
-_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' @triton.jit decoration
+ON_GPU, _restore_interpret = use_interpreter_without_gpu()  # must precede the kernels' @triton.jit decoration
+_restore_triton_interpret = pytest.fixture(autouse=True, scope="module")(_restore_interpret)
 
 from radixserve.memory.kv_pool import KVPool  # noqa: E402
 from radixserve.memory.req_to_token import ReqToTokenPool  # noqa: E402
@@ -26,16 +24,6 @@ from radixserve.state import ForwardBatch, ForwardMode  # noqa: E402
 from radixserve_attention_triton.backend import TritonAttentionBackend  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _restore_triton_interpret():
-    """Keep the interpreter switch for this module's tests only (later tests may spawn processes)."""
-    yield
-    if _PREV_INTERPRET is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
 
 
 TOL = {torch.float32: 5e-3 if ON_GPU else 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}

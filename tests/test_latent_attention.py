@@ -431,24 +431,14 @@ def _table_drafter(runner, config, table: dict, tree: bool):
     """Drafts the known greedy continuation; `tree`: a wrong sibling before every right node."""
     from radixserve.interfaces import Drafter, DraftProposal
     from radixserve.scheduler.speculative.setup import drafter_info
+    from radixserve.testing.speculative import trees_with_wrong_siblings
 
     class TableDrafter(Drafter):
         def propose(self, reqs, k):
             chains = [list(table[tuple(r.origin_input_ids)][len(r.output_ids) : len(r.output_ids) + k]) for r in reqs]
             if not tree:
                 return DraftProposal(chains)
-            tokens, parents = [], []
-            for chain in chains:
-                t, p, prev = [], [], -1
-                for tok in chain:
-                    if len(t) + 2 > k:
-                        break
-                    t += [(tok + 1) % TINY["vocab_size"], tok]
-                    p += [prev, prev]
-                    prev = len(t) - 1
-                tokens.append(t)
-                parents.append(p)
-            return DraftProposal(tokens, parents)
+            return trees_with_wrong_siblings(chains, k, TINY["vocab_size"])
 
     return TableDrafter(drafter_info(config, runner))
 

@@ -20,6 +20,7 @@ from radixserve.scheduler import Scheduler
 from radixserve.scheduler.speculative.setup import drafter_info
 from radixserve.state import ForwardMode, Req, SamplingParams, ScheduledBatch, SpecVerify
 from radixserve.testing import run_to_completion as run
+from radixserve.testing.speculative import trees_with_wrong_siblings
 
 VOCAB = 512
 
@@ -75,18 +76,7 @@ class TableDrafter(Drafter):
         chains = [self._chain(r, k) for r in reqs]
         if not self.tree:
             return DraftProposal(chains)
-        tokens, parents = [], []
-        for chain in chains:
-            t, p, prev = [], [], -1
-            for tok in chain:
-                if len(t) + 2 > k:
-                    break
-                t += [(tok + 1) % VOCAB, tok]
-                p += [prev, prev]
-                prev = len(t) - 1
-            tokens.append(t)
-            parents.append(p)
-        return DraftProposal(tokens, parents)
+        return trees_with_wrong_siblings(chains, k, VOCAB)
 
 
 def scheduler(runner, drafter_kwargs=None, num_draft_tokens=4, cache="radix"):

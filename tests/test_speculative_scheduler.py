@@ -18,6 +18,7 @@ from radixserve.runtime.messages import GenerateRequest
 from radixserve.scheduler import Scheduler
 from radixserve.state import SamplingParams
 from radixserve.testing import ToyRunner, toy_next_token, toy_reference
+from radixserve.testing.speculative import trees_with_wrong_siblings
 
 VOCAB = 1000
 
@@ -56,18 +57,7 @@ class ToyDrafter(Drafter):
         chains = [self._chain(r, num_draft_tokens) for r in reqs]
         if not self.tree:
             return DraftProposal(chains)
-        tokens, parents = [], []
-        for chain in chains:
-            t, p, prev = [], [], -1
-            for tok in chain:
-                if len(t) + 2 > num_draft_tokens:
-                    break
-                t += [(tok + 7) % VOCAB, tok]  # a wrong sibling first, then the chain's node
-                p += [prev, prev]
-                prev = len(t) - 1
-            tokens.append(t)
-            parents.append(p)
-        return DraftProposal(tokens, parents)
+        return trees_with_wrong_siblings(chains, num_draft_tokens, VOCAB, shift=7)
 
     def on_accepted(self, req, accepted):
         seen = self.accepted.setdefault(req.rid, [])

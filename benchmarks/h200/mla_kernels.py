@@ -35,7 +35,7 @@ from radixserve.interfaces.attention import AttentionRunnerInfo  # noqa: E402
 from radixserve.interfaces.latent_attention import LatentAttentionDims  # noqa: E402
 from radixserve.layers.latent_attention import RadixLatentAttention  # noqa: E402
 from radixserve.memory import LatentKVPool, ReqToTokenPool  # noqa: E402
-from radixserve.state import ForwardBatch, ForwardMode  # noqa: E402
+from radixserve.state import ForwardBatch, ForwardMode, tree_block  # noqa: E402
 
 # MLA_KERNELS_SMOKE=1: a CPU run of every code path under Triton's interpreter at tiny shapes (a check
 # of this script, not a measurement); must be set before the kernels are imported
@@ -100,17 +100,6 @@ def decompressed_backend(info):
     except Exception:  # noqa: BLE001 - recorded as the fallback's name
         pass
     return ScriptDecompressed()
-
-
-def tree_block(parents):
-    n = len(parents)
-    block = [[False] * n for _ in range(n)]
-    for a in range(n):
-        b = a
-        while b != -1:
-            block[a][b] = True
-            b = parents[b]
-    return block
 
 
 class World:

@@ -30,7 +30,15 @@ from radixserve.plugins.registry import Registry
 from radixserve.plugins.stack import check_backend_attention_type, resolve_stack
 from radixserve.sampling import SampleOutput, Sampler, SamplingBatch
 from radixserve.sampling.batch import DraftHistory
-from radixserve.state import BatchResult, ForwardBatch, ForwardMode, LaunchedBatch, ScheduledBatch, SpecVerify
+from radixserve.state import (
+    BatchResult,
+    ForwardBatch,
+    ForwardMode,
+    LaunchedBatch,
+    ScheduledBatch,
+    SpecVerify,
+    tree_block,
+)
 from radixserve.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -317,7 +325,7 @@ class ModelRunner:
             depths = [_depths(ps) for ps in sb.spec.parents]
             positions = torch.tensor([p + d for p, ds in zip(prefix, depths, strict=True) for d in ds], dtype=torch.int64)
             if sb.spec.has_tree:
-                tree_blocks = [_tree_block(ps) for ps in sb.spec.parents]
+                tree_blocks = [tree_block(ps) for ps in sb.spec.parents]
         else:
             positions = torch.cat([torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(prefix, ext, strict=True)])
         dev = self.device
@@ -591,15 +599,3 @@ def _depths(parents: list[int]) -> list[int]:
     for j in range(1, len(parents)):
         d[j] = d[parents[j]] + 1
     return d
-
-
-def _tree_block(parents: list[int]) -> list[list[bool]]:
-    """[n][n]: row a is True at a and its ancestors (the tokens it may attend among the new ones)."""
-    n = len(parents)
-    block = [[False] * n for _ in range(n)]
-    for a in range(n):
-        b = a
-        while b >= 0:
-            block[a][b] = True
-            b = parents[b]
-    return block

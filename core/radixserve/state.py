@@ -324,3 +324,21 @@ class BatchResult:
     spec_token_ids: list[list[int]] | None = None
     spec_logprobs: list[list[float]] | None = None
     spec_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+
+
+def tree_block(parents: list[int]) -> list[list[bool]]:
+    """One request's block of `ForwardBatch.tree_mask`: `[n][n]`, row a True at a and at each of
+    its ancestors (the new tokens it may attend).
+
+    :param parents: per new token, its parent's index (-1 for the root, token 0); each parent
+        comes before its children.
+
+    Added in plugin API 1.4."""
+    n = len(parents)
+    block = [[False] * n for _ in range(n)]
+    for a in range(n):
+        b = a
+        while b >= 0:
+            block[a][b] = True
+            b = parents[b]
+    return block

@@ -1,4 +1,5 @@
-"""Shared by the Triton attention kernels (plugins triton, mla_triton): the online-softmax step.
+"""Shared by the Triton attention kernels (plugins triton, mla_triton): the online-softmax step
+and the split-KV decode's stage-1 store.
 
 Scores are kept in the log2 domain (softmax scale multiplied by log2(e)) so kernels use exp2.
 """
@@ -39,3 +40,17 @@ def scores_log2(qk, sm_scale, logit_cap, HAS_CAP: tl.constexpr):
     else:
         out = qk * (sm_scale * 1.4426950408889634)
     return out
+
+
+@triton.jit
+def store_split_partial(MidO, MidLse, b, heads, split, offs_w, mask_h, mask_w, m_i, l_i, acc,
+                        stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh):
+    """Last step of stage 1 of a split-KV decode: store the split's normalised output
+    `acc / l_i` [H, W] at `MidO[b, heads, split, offs_w]` and its log2-sum-exp `m_i + log2(l_i)`
+    at `MidLse[b, heads, split]` (-inf, output 0, for a split that saw no key)."""
+    nonempty = l_i > 0.0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    mo_ptrs = MidO + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_w[None, :]
+    tl.store(mo_ptrs, out, mask=mask_h[:, None] & mask_w[None, :])
+    tl.store(MidLse + b * stride_mlb + heads * stride_mlh + split, lse, mask=mask_h)

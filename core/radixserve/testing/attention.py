@@ -23,7 +23,7 @@ import torch
 
 from radixserve.interfaces.attention import AttentionBackend, AttentionLayerSpec, AttentionRunnerInfo
 from radixserve.memory import KVPool, ReqToTokenPool
-from radixserve.state import ForwardBatch, ForwardMode
+from radixserve.state import ForwardBatch, ForwardMode, tree_block
 from radixserve.testing._threads import single_threaded
 
 DEFAULT_HEADS = ((4, 2, 64), (8, 1, 64), (3, 3, 32))  # (query heads, KV heads, head_dim): GQA, MQA, MHA
@@ -260,7 +260,7 @@ class _Scenario:
         what = f"seed {self.seed}, {self._describe()}{options}, {mode.name} step (prefix, extend) = {list(zip(prefix_lens, extend_lens))}"
         blocks = None
         if trees is not None:
-            blocks = [_tree_block(parents) for parents in trees]
+            blocks = [tree_block(parents) for parents in trees]
             what += f", tree parents {list(trees)}"
         if decode_rows:
             what += f", rows sharing requests {[i for i, n in picks for _ in range(n)]}"
@@ -362,18 +362,6 @@ def _random_tree(rng: random.Random, n: int) -> list[int]:
     hangs below an earlier one (bushy or deep at random)."""
     bushy = rng.random() < 0.5
     return [-1] + [rng.randrange(j) if bushy else rng.randint(max(0, j - 2), j - 1) for j in range(1, n)]
-
-
-def _tree_block(parents: list[int]) -> list[list[bool]]:
-    """block[a][b]: new token a may attend new token b (b is a or one of its ancestors)."""
-    n = len(parents)
-    block = [[False] * n for _ in range(n)]
-    for a in range(n):
-        b = a
-        while b != -1:
-            block[a][b] = True
-            b = parents[b]
-    return block
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

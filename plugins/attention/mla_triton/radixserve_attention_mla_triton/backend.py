@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from radixserve.interfaces.attention import AttentionBackend
-from radixserve.layers.kv_splits import compute_num_kv_splits
+from radixserve.layers.extend_layout import extend_starts, tree_mask_starts
+from radixserve.layers.kv_splits import SplitKVDecodeMetadata, compute_num_kv_splits, split_planning_defaults
 from radixserve.layers.triton_interpreter import interpreter_enabled
 from radixserve.state import ForwardMode
 
@@ -53,11 +54,7 @@ class LatentExtendMetadata:
     mask_start: torch.Tensor | None = None  # int64 [bs]: where request i's [e_i, e_i] block starts
 
 
-@dataclass
-class LatentDecodeMetadata:
-    num_kv_splits: torch.Tensor  # int32 [bs]
-    mid_o: torch.Tensor  # float32 [bs, H, max_kv_splits, kv_lora_rank]: stage-1 partial latent outputs
-    mid_lse: torch.Tensor  # float32 [bs, H, max_kv_splits]: their log2-sum-exp
+LatentDecodeMetadata = SplitKVDecodeMetadata  # mid_o: float32 [bs, H, max_kv_splits, kv_lora_rank]
 
 
 class MlaTritonBackend(AttentionBackend):
@@ -108,13 +105,8 @@ class MlaTritonBackend(AttentionBackend):
         self.max_bs = int(getattr(runner_info, "max_bs", 0) or 1)
         self.interpret = interpreter_enabled()
         self.max_kv_splits = max_kv_splits
-        self.min_split_tokens = min_split_tokens or (16 if self.interpret else 128)
-        if sm_count is not None:
-            self.sm_count = sm_count
-        elif self.device.type == "cuda":
-            self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
-        else:
-            self.sm_count = 8  # interpreter: any small number; only the split count depends on it
+        self.min_split_tokens, self.sm_count = split_planning_defaults(self.device, min_split_tokens, sm_count,
+                                                                       self.interpret)
         self.programs_per_sm = programs_per_sm
         self.decode_config = decode_config or latent_decode_config(self.num_heads, self.kv_lora_rank, self.interpret)
         self.extend_config = extend_config or latent_extend_config(self.num_heads, self.kv_lora_rank, self.interpret)
@@ -129,27 +121,16 @@ class MlaTritonBackend(AttentionBackend):
     # ---- metadata -----------------------------------------------------------------------------
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode is ForwardMode.DECODE:
-            bs = batch.batch_size
-            batch.attn_metadata = self._plan_decode(batch, LatentDecodeMetadata(
-                num_kv_splits=torch.empty(bs, dtype=torch.int32, device=self.device),
-                mid_o=torch.empty(bs, self.num_heads, self.max_kv_splits, self.kv_lora_rank,
-                                  dtype=torch.float32, device=self.device),
-                mid_lse=torch.empty(bs, self.num_heads, self.max_kv_splits, dtype=torch.float32, device=self.device),
-            ))
+            batch.attn_metadata = self._plan_decode(batch, LatentDecodeMetadata.allocate(
+                batch.batch_size, self.num_heads, self.max_kv_splits, self.kv_lora_rank, self.device))
             return
         if batch.mode is ForwardMode.IDLE:
             batch.attn_metadata = None
             return
-        extend_start = torch.zeros_like(batch.extend_lens)
-        if batch.batch_size > 1:
-            torch.cumsum(batch.extend_lens[:-1], 0, out=extend_start[1:])
-        lens = batch.extend_lens_cpu or batch.extend_lens.tolist()  # host copy avoids a device sync
+        extend_start, lens = extend_starts(batch)
         meta = LatentExtendMetadata(extend_start=extend_start, max_extend_len=max(lens, default=0))
         if batch.tree_mask is not None:
-            meta.tree_mask = batch.tree_mask.to(device=self.device, dtype=torch.uint8)
-            meta.mask_start = torch.zeros_like(batch.extend_lens)
-            if batch.batch_size > 1:
-                torch.cumsum(batch.extend_lens[:-1] * batch.extend_lens[:-1], 0, out=meta.mask_start[1:])
+            meta.tree_mask, meta.mask_start = tree_mask_starts(batch, self.device)
         batch.attn_metadata = meta
 
     def _plan_decode(self, batch: ForwardBatch, meta: LatentDecodeMetadata) -> LatentDecodeMetadata:
@@ -170,37 +151,31 @@ class MlaTritonBackend(AttentionBackend):
         layer: LatentAttentionLayerSpec, batch: ForwardBatch,
     ) -> torch.Tensor:
         meta: LatentExtendMetadata = batch.attn_metadata
-        latent = self._store(c_kv, k_pe, layer, batch)
-        q_lat = self._absorb(q_nope, layer, latent.dtype)
-        o_lat = torch.empty_like(q_lat)
-        latent_extend_attention(
-            q_lat.transpose(0, 1),
-            self._rope_query(q_pe, layer, latent.dtype),
-            o_lat.transpose(0, 1),
-            latent,
-            layer.kv_lora_rank,
-            batch.req_to_token_pool.req_to_token,
-            batch.req_pool_indices,
-            batch.prefix_lens,
-            batch.extend_lens,
-            meta.extend_start,
-            meta.max_extend_len,
-            layer.scaling,
-            self.extend_config,
-            tree_mask=meta.tree_mask,
-            mask_start=meta.mask_start,
+        return self._run_absorbed(
+            latent_extend_attention, q_nope, q_pe, c_kv, k_pe, layer, batch,
+            batch.prefix_lens, batch.extend_lens, meta.extend_start, meta.max_extend_len, layer.scaling,
+            self.extend_config, tree_mask=meta.tree_mask, mask_start=meta.mask_start,
         )
-        return self._expand(o_lat, layer, q_nope.dtype)
 
     def forward_latent_decode(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
         layer: LatentAttentionLayerSpec, batch: ForwardBatch,
     ) -> torch.Tensor:
         meta: LatentDecodeMetadata = batch.attn_metadata
+        return self._run_absorbed(
+            latent_decode_attention, q_nope, q_pe, c_kv, k_pe, layer, batch,
+            batch.seq_lens, meta.num_kv_splits, meta.mid_o, meta.mid_lse, layer.scaling, self.decode_config,
+        )
+
+    def _run_absorbed(self, kernel, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
+                      k_pe: torch.Tensor, layer: LatentAttentionLayerSpec, batch: ForwardBatch,
+                      *args, **kwargs) -> torch.Tensor:
+        """Store the new rows, move q_nope into latent space, run `kernel(q_lat, q_pe, o_lat, latent,
+        kv_lora_rank, req_to_token, req_pool_indices, *args, **kwargs)` and expand its output."""
         latent = self._store(c_kv, k_pe, layer, batch)
         q_lat = self._absorb(q_nope, layer, latent.dtype)
         o_lat = torch.empty_like(q_lat)
-        latent_decode_attention(
+        kernel(
             q_lat.transpose(0, 1),
             self._rope_query(q_pe, layer, latent.dtype),
             o_lat.transpose(0, 1),
@@ -208,12 +183,8 @@ class MlaTritonBackend(AttentionBackend):
             layer.kv_lora_rank,
             batch.req_to_token_pool.req_to_token,
             batch.req_pool_indices,
-            batch.seq_lens,
-            meta.num_kv_splits,
-            meta.mid_o,
-            meta.mid_lse,
-            layer.scaling,
-            self.decode_config,
+            *args,
+            **kwargs,
         )
         return self._expand(o_lat, layer, q_nope.dtype)
 
@@ -249,24 +220,13 @@ class MlaTritonBackend(AttentionBackend):
         return True
 
     def init_graph_state(self, max_bs: int) -> None:
-        h, s, lora = self.num_heads, self.max_kv_splits, self.kv_lora_rank
-        self._graph = LatentDecodeMetadata(
-            num_kv_splits=torch.ones(max_bs, dtype=torch.int32, device=self.device),
-            mid_o=torch.zeros(max_bs, h, s, lora, dtype=torch.float32, device=self.device),
-            mid_lse=torch.zeros(max_bs, h, s, dtype=torch.float32, device=self.device),
-        )
+        self._graph = LatentDecodeMetadata.allocate(max_bs, self.num_heads, self.max_kv_splits, self.kv_lora_rank,
+                                                    self.device, zeroed=True)
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         if self._graph is None:
             raise RuntimeError("init_graph_state(max_bs) must run before capturing a CUDA graph")
-        if batch.mode is not ForwardMode.DECODE:
-            raise ValueError(f"the mla_triton backend captures decode batches only, got {batch.mode}")
-        bs = batch.batch_size
-        if bs > self._graph.num_kv_splits.shape[0]:
-            raise ValueError(f"batch size {bs} exceeds the graph state's max_bs {self._graph.num_kv_splits.shape[0]}")
-        g = self._graph
-        batch.attn_metadata = self._plan_decode(
-            batch, LatentDecodeMetadata(g.num_kv_splits[:bs], g.mid_o[:bs], g.mid_lse[:bs]))
+        batch.attn_metadata = self._plan_decode(batch, self._graph.graph_slice(batch, "mla_triton"))
 
     def init_forward_metadata_replay(self, batch: ForwardBatch, real_bs: int) -> None:
         # the runner refreshes the padded batch's seq_lens in place; re-planning the splits into the

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from radixserve.layers import triton_interpreter
-from radixserve.layers.triton_softmax import LOG2E, NEG_BIG, online_softmax_step
+from radixserve.layers.triton_softmax import LOG2E, NEG_BIG, online_softmax_step, store_split_partial
 
 triton_interpreter.apply()
 
@@ -106,12 +106,8 @@ def _latent_decode_split_kernel(
         qk = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
         m_i, l_i, acc = online_softmax_step(qk, c_kv, m_i, l_i, acc)
 
-    nonempty = l_i > 0.0
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    mo_ptrs = MidO + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_l[None, :]
-    tl.store(mo_ptrs, out, mask=mask_h[:, None] & mask_l[None, :])
-    tl.store(MidLse + b * stride_mlb + heads * stride_mlh + split, lse, mask=mask_h)
+    store_split_partial(MidO, MidLse, b, heads, split, offs_l, mask_h, mask_l, m_i, l_i, acc,
+                        stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
 
 
 @triton.jit

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from radixserve.interfaces.attention import AttentionBackend
+from radixserve.layers.extend_layout import extend_starts, tree_mask_starts
+from radixserve.layers.kv_splits import SplitKVDecodeMetadata, split_planning_defaults
 from radixserve.layers.triton_interpreter import interpreter_enabled
 from radixserve.state import ForwardMode
 
@@ -40,18 +42,7 @@ class ExtendMetadata:
     fresh_prompt_lens: list[int] | None = None
 
 
-@dataclass
-class DecodeMetadata:
-    num_kv_splits: torch.Tensor  # int32 [bs]
-    mid_o: torch.Tensor  # float32 [bs, H, max_kv_splits, D], stage-1 partial outputs
-    mid_lse: torch.Tensor  # float32 [bs, H, max_kv_splits], stage-1 log2-sum-exp
-
-
-@dataclass
-class _GraphBuffers:
-    num_kv_splits: torch.Tensor
-    mid_o: torch.Tensor
-    mid_lse: torch.Tensor
+DecodeMetadata = SplitKVDecodeMetadata  # mid_o: float32 [bs, H, max_kv_splits, head_dim]
 
 
 def _max_batch_size(info: Any) -> int:
@@ -112,19 +103,14 @@ class TritonAttentionBackend(AttentionBackend):
         self.kv_pool = runner_info.kv_pool
         self.interpret = interpreter_enabled()
         self.max_kv_splits = max_kv_splits
-        self.min_split_tokens = min_split_tokens or (16 if self.interpret else 128)
-        if sm_count is not None:
-            self.sm_count = sm_count
-        elif self.device.type == "cuda":
-            self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
-        else:
-            self.sm_count = 8  # interpreter: any small number; only the split count depends on it
+        self.min_split_tokens, self.sm_count = split_planning_defaults(self.device, min_split_tokens, sm_count,
+                                                                       self.interpret)
         self.programs_per_sm = programs_per_sm
         self.extend_config = extend_config  # None: per-head-dim defaults (extend_kernel.extend_config)
         self.decode_config = decode_config
         self.prefill_sdpa = prefill_sdpa
         self.sdpa_max_requests = sdpa_max_requests  # one SDPA call per request: bounded host work per layer
-        self._graph: _GraphBuffers | None = None
+        self._graph: DecodeMetadata | None = None
 
     @classmethod
     def supports(cls, device: str, dtype: str, head_dim: int) -> bool:
@@ -134,49 +120,34 @@ class TritonAttentionBackend(AttentionBackend):
     # ---- metadata -----------------------------------------------------------------------------
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode is ForwardMode.DECODE:
-            bs = batch.batch_size
-            batch.attn_metadata = self._decode_metadata(
-                batch,
-                torch.empty(bs, dtype=torch.int32, device=self.device),
-                torch.empty(
-                    bs, self.num_heads, self.max_kv_splits, self.head_dim, dtype=torch.float32, device=self.device
-                ),
-                torch.empty(bs, self.num_heads, self.max_kv_splits, dtype=torch.float32, device=self.device),
-            )
+            batch.attn_metadata = self._decode_metadata(batch, DecodeMetadata.allocate(
+                batch.batch_size, self.num_heads, self.max_kv_splits, self.head_dim, self.device))
             return
         if batch.mode is ForwardMode.IDLE:
             batch.attn_metadata = None
             return
-        extend_start = torch.zeros_like(batch.extend_lens)
-        if batch.batch_size > 1:
-            torch.cumsum(batch.extend_lens[:-1], 0, out=extend_start[1:])
-        lens = batch.extend_lens_cpu or batch.extend_lens.tolist()  # host copy avoids a device sync
+        extend_start, lens = extend_starts(batch)
         meta = ExtendMetadata(extend_start=extend_start, max_extend_len=max(lens, default=0))
         if (self.prefill_sdpa and batch.tree_mask is None and 0 < batch.batch_size <= self.sdpa_max_requests
                 and batch.prefix_lens_cpu and not any(batch.prefix_lens_cpu)):
             meta.fresh_prompt_lens = list(lens)
         if batch.tree_mask is not None:
-            meta.tree_mask = batch.tree_mask.to(device=self.device, dtype=torch.uint8)
-            meta.mask_start = torch.zeros_like(batch.extend_lens)
-            if batch.batch_size > 1:
-                torch.cumsum(batch.extend_lens[:-1] * batch.extend_lens[:-1], 0, out=meta.mask_start[1:])
+            meta.tree_mask, meta.mask_start = tree_mask_starts(batch, self.device)
             if batch.tree_mask_cpu is not None:  # host lists: no device sync (verify batches are small)
                 depths = [sum(row) - 1 for block in batch.tree_mask_cpu for row in block]
                 meta.depths = torch.tensor(depths, dtype=torch.int32).to(self.device, non_blocking=True)
         batch.attn_metadata = meta
 
-    def _decode_metadata(
-        self, batch: ForwardBatch, num_kv_splits: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor
-    ) -> DecodeMetadata:
+    def _decode_metadata(self, batch: ForwardBatch, meta: DecodeMetadata) -> DecodeMetadata:
         compute_num_kv_splits(
             batch.seq_lens,
-            num_kv_splits,
+            meta.num_kv_splits,
             self.num_kv_heads,
             self.max_kv_splits,
             self.min_split_tokens,
             target_programs=self.programs_per_sm * self.sm_count,
         )
-        return DecodeMetadata(num_kv_splits=num_kv_splits, mid_o=mid_o, mid_lse=mid_lse)
+        return meta
 
     # ---- forward ------------------------------------------------------------------------------
     def forward_extend(
@@ -278,21 +249,13 @@ class TritonAttentionBackend(AttentionBackend):
         return True
 
     def init_graph_state(self, max_bs: int) -> None:
-        h, s, d = self.num_heads, self.max_kv_splits, self.head_dim
-        self._graph = _GraphBuffers(
-            num_kv_splits=torch.ones(max_bs, dtype=torch.int32, device=self.device),
-            mid_o=torch.zeros(max_bs, h, s, d, dtype=torch.float32, device=self.device),
-            mid_lse=torch.zeros(max_bs, h, s, dtype=torch.float32, device=self.device),
-        )
+        self._graph = DecodeMetadata.allocate(max_bs, self.num_heads, self.max_kv_splits, self.head_dim, self.device,
+                                              zeroed=True)
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         if self._graph is None:
             raise RuntimeError("init_graph_state(max_bs) must run before capturing a CUDA graph")
-        if batch.mode is not ForwardMode.DECODE:
-            raise ValueError(f"the triton backend captures decode batches only, got {batch.mode}")
-        bs = batch.batch_size
-        g = self._graph
-        batch.attn_metadata = self._decode_metadata(batch, g.num_kv_splits[:bs], g.mid_o[:bs], g.mid_lse[:bs])
+        batch.attn_metadata = self._decode_metadata(batch, self._graph.graph_slice(batch, "triton"))
 
     def init_forward_metadata_replay(self, batch: ForwardBatch, real_bs: int) -> None:
         # The padded batch has the captured size; its seq_lens are refreshed in place by the runner,

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from radixserve.layers import triton_interpreter as _interpreter_compat
 from radixserve.layers.kv_splits import compute_num_kv_splits  # noqa: F401 - re-exported (its old home)
-from radixserve.layers.triton_softmax import NEG_BIG, online_softmax_step, scores_log2
+from radixserve.layers.triton_softmax import NEG_BIG, online_softmax_step, scores_log2, store_split_partial
 
 _interpreter_compat.apply()
 
@@ -102,12 +102,8 @@ def _decode_stage1_kernel(
         v = tl.load(V_buf + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
 
-    nonempty = l_i > 0.0
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    mo_ptrs = MidO + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
-    tl.store(mo_ptrs, out, mask=mask_h[:, None] & mask_d[None, :])
-    tl.store(MidLse + b * stride_mlb + heads * stride_mlh + split, lse, mask=mask_h)
+    store_split_partial(MidO, MidLse, b, heads, split, offs_d, mask_h, mask_d, m_i, l_i, acc,
+                        stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
 
 
 @triton.jit

@@ -10,10 +10,10 @@ from radixserve.layers.weight_utils import load_into
 
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # block scales (DeepSeek-V3), per-tensor scalar
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
-# HF name piece -> (our fused parameter piece, shard id) for the dense MLP and the shared experts
+# HF name piece -> (our fused parameter piece, shard id) for the dense MLP and the shared experts;
+# RENAMED: the router's correction bias lives on the routed experts here
 STACKED = ((".gate_proj.", ".gate_up_proj.", 0), (".up_proj.", ".gate_up_proj.", 1))
 RENAMED = ((".mlp.gate.e_score_correction_bias", ".mlp.experts.e_score_correction_bias"),)
 
@@ -22,17 +22,6 @@ def checkpoint_layer(name: str) -> int | None:
     """The decoder-layer index a checkpoint name belongs to (None outside `model.layers.N.`)."""
     match = _LAYER.match(name)
     return int(match.group(1)) if match else None
-
-
-def map_dense_name(name: str) -> tuple[str, int | None]:
-    """(parameter name, shard id) of a non-expert checkpoint tensor."""
-    for hf, ours in RENAMED:
-        if name.endswith(hf):
-            return name[: -len(hf)] + ours, None
-    for hf_piece, our_piece, shard in STACKED:
-        if hf_piece in name:
-            return name.replace(hf_piece, our_piece), shard
-    return name, None
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

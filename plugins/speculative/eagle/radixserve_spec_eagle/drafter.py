@@ -12,48 +12,18 @@ KV is scratch: dropped after `propose`, the verified path comes back as features
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from radixserve.interfaces.drafter import Drafter, DrafterInfo, DraftProposal
+from radixserve.interfaces.drafter import DrafterInfo, DraftProposal
 from radixserve.interfaces.target_states import HiddenRows
+from radixserve.scheduler.speculative.draft_state import DraftRequestState, PooledDrafter
 
 from radixserve_spec_eagle.checkpoint import KEY, default_aux_layers, load_checkpoint
 from radixserve_spec_eagle.head import EagleHead
 from radixserve_spec_eagle.kv_pool import DraftKVPool
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _ReqState:
-    slots: torch.Tensor  # draft KV slots of the rows run so far (any order: rotary is applied)
-    last_pos: int = -1  # highest position run or pending
-    pending_pos: list[int] = field(default_factory=list)  # verified rows not yet run: position p,
-    pending_tok: list[int] = field(default_factory=list)  # token p + 1,
-    pending_feat: list[torch.Tensor] = field(default_factory=list)  # the target's features (chunks)
-    root: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (pos, draft output, log-probs) of the last row
-
-
-def verified_rows(rows: HiddenRows, ids: list[int]) -> list[int]:
-    """Indices of `rows` that belong to the request's verified sequence `ids`: for a prefill or
-    decode step those whose token is the sequence's; for a verify step the accepted path (from
-    each node, the first child carrying the next verified token, as the core accepts)."""
-    pos, toks = rows.positions, rows.token_ids
-    if rows.parents is None:
-        return [j for j, p in enumerate(pos) if p < len(ids) and (not toks or ids[p] == toks[j])]
-    if not toks or pos[0] >= len(ids) or ids[pos[0]] != toks[0]:
-        return []
-    path, node = [0], 0
-    while pos[node] + 1 < len(ids):
-        want = ids[pos[node] + 1]
-        child = next((c for c in range(node + 1, len(pos)) if rows.parents[c] == node and toks[c] == want), None)
-        if child is None:
-            break
-        path.append(child)
-        node = child
-    return path
 
 
 def best_nodes(scores: list[float], parents: list[int], limit: int) -> list[int]:
@@ -68,7 +38,7 @@ def best_nodes(scores: list[float], parents: list[int], limit: int) -> list[int]
     return sorted(kept)
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(PooledDrafter):
     """Component "eagle" of kind "drafter" (radixserve-spec-eagle). No options of its own: the
     draft checkpoint is `speculative.draft_model_path`, the tree shape `speculative.topk`,
     `num_steps` and `num_draft_tokens`."""
@@ -101,19 +71,9 @@ class EagleDrafter(Drafter):
         self.pool = DraftKVPool(len(self.head.layers), cfg.num_key_value_heads, cfg.head_dim, ts.dtype, info.device)
         self.topk = max(1, info.topk) if info.supports_tree else 1
         self.num_steps = max(1, info.num_steps)
-        self.states: dict[str, _ReqState] = {}
+        self.init_states()
 
-    # ---- the Drafter contract ------------------------------------------------------------------
-    @torch.inference_mode()
-    def on_accepted(self, req, accepted: list[int]) -> None:
-        self._collect(req)
-
-    def on_finished(self, req) -> None:
-        self.target.discard(req.rid)
-        st = self.states.pop(req.rid, None)
-        if st is not None and st.slots.numel():
-            self.pool.free(st.slots)
-
+    # ---- the Drafter contract (on_accepted, on_finished: PooledDrafter's) ------------------------
     @torch.inference_mode()
     def propose(self, reqs, num_draft_tokens: int) -> DraftProposal:
         ready = [self._ready(req) for req in reqs]
@@ -129,29 +89,8 @@ class EagleDrafter(Drafter):
         return DraftProposal(tokens, parents)
 
     # ---- features in, rows through the draft ---------------------------------------------------
-    def _state(self, rid: str) -> _ReqState:
-        st = self.states.get(rid)
-        if st is None:
-            st = self.states[rid] = _ReqState(torch.empty(0, dtype=torch.int64, device=self.pool.device))
-        return st
-
-    def _collect(self, req) -> None:
-        st = self._state(req.rid)
-        ids = req.all_ids()
-        for rows in self.target.take(req.rid):
-            feats = rows.final if self.version == 2 else rows.aux
-            if feats is None:
-                continue
-            take = []
-            for j in verified_rows(rows, ids):
-                pos = rows.positions[j]
-                if pos > st.last_pos and pos + 1 < len(ids):
-                    take.append(j)
-                    st.pending_pos.append(pos)
-                    st.pending_tok.append(ids[pos + 1])
-                    st.last_pos = pos
-            if take:  # one gather per forward, not one slice per row
-                st.pending_feat.append(feats[torch.tensor(take, dtype=torch.int64, device=feats.device)])
+    def _features(self, rows: HiddenRows) -> torch.Tensor | None:
+        return rows.final if self.version == 2 else rows.aux
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.head.embed_tokens is not None:
@@ -166,11 +105,11 @@ class EagleDrafter(Drafter):
         out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask)
         return out[0].transpose(0, 1).reshape(q.shape[0], -1)
 
-    def _run_pending(self, st: _ReqState) -> None:
+    def _run_pending(self, st: DraftRequestState) -> None:
         """Run the newly verified rows into the draft's KV (kept) and remember the last one's output."""
         pos = torch.tensor(st.pending_pos, dtype=torch.int64, device=self.pool.device)
         ids = torch.tensor(st.pending_tok, dtype=torch.int64, device=self.pool.device)
-        feats = torch.cat(st.pending_feat) if len(st.pending_feat) > 1 else st.pending_feat[0]
+        feats = torch.cat(st.pending_feats) if len(st.pending_feats) > 1 else st.pending_feats[0]
         r = len(st.pending_pos)
         new = self.pool.alloc(r)
         slots = torch.cat([st.slots, new])
@@ -184,11 +123,11 @@ class EagleDrafter(Drafter):
 
         out = self.head.step(self._embed(ids), pos, feats, attend)
         st.slots = slots
-        st.pending_pos, st.pending_tok, st.pending_feat = [], [], []
+        st.pending_pos, st.pending_tok, st.pending_feats = [], [], []
         st.root = (st.last_pos, out[-1:], self.head.log_probs(out[-1:], self.target.logits)[0])
 
     # ---- tree expansion ------------------------------------------------------------------------
-    def _ready(self, req) -> _ReqState | None:
+    def _ready(self, req) -> DraftRequestState | None:
         """The request's state with its verified rows run, or None when the features of its newest
         token are missing (no draft this step)."""
         st = self._state(req.rid)
@@ -198,7 +137,7 @@ class EagleDrafter(Drafter):
             return None
         return st
 
-    def _chains(self, sts: list[_ReqState], steps: int) -> list[list[int]]:
+    def _chains(self, sts: list[DraftRequestState], steps: int) -> list[list[int]]:
         """Greedy chains of `steps` tokens for several requests at once (the tree with k = 1): each
         request's cached keys padded into one batch, the new rows written after them, tokens kept
         on the device until one host copy at the end."""
@@ -240,7 +179,7 @@ class EagleDrafter(Drafter):
         out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask)
         return out.reshape(q.shape[0], -1)
 
-    def _tree(self, st: _ReqState, limit: int) -> tuple[list[int], list[int]]:
+    def _tree(self, st: DraftRequestState, limit: int) -> tuple[list[int], list[int]]:
         """EAGLE-2's dynamic tree (see the module docstring)."""
         root_pos, root_out, root_lp = st.root
         k, steps = self.topk, self.num_steps

@@ -2,7 +2,7 @@
 
 from radixserve.plugins import hookimpl
 
-PLUGIN_API = ">=1.1,<2"  # DrafterInfo.target_states and tree drafts are plugin API 1.1
+PLUGIN_API = ">=1.4,<2"  # 1.4: PooledDrafter / DraftSlotStack (target_states and tree drafts came in 1.1)
 
 
 @hookimpl

@@ -16,11 +16,11 @@ rows per request, and the backend's batch metadata is built for the target's poo
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
-from radixserve.interfaces.drafter import Drafter, DrafterInfo, DraftProposal
+from radixserve.interfaces.drafter import DrafterInfo, DraftProposal
 from radixserve.interfaces.target_states import HiddenRows
+from radixserve.scheduler.speculative.draft_state import DraftRequestState, PooledDrafter
 
 from radixserve_spec_mtp.checkpoint import KEY, load_config, read_mtp_layer
 from radixserve_spec_mtp.kv_pool import DraftLatentPool
@@ -32,37 +32,7 @@ ROWS_PER_PIECE = 256  # verified rows of one request per draft forward (a long p
 SCORE_BUDGET = 1 << 26  # attention-score elements (fp32) one draft forward may hold: 256 MiB
 
 
-@dataclass
-class _ReqState:
-    slots: torch.Tensor  # draft latent slots of the rows run so far, in position order
-    last_pos: int = -1  # highest position run or pending
-    pending_pos: list[int] = field(default_factory=list)  # verified rows not yet run: position p,
-    pending_tok: list[int] = field(default_factory=list)  # token p + 1,
-    pending_hidden: list[torch.Tensor] = field(default_factory=list)  # the target's hidden states (chunks)
-    root: tuple[int, torch.Tensor, int] | None = None  # (pos, MTP output, greedy token) of the last row
-
-
-def verified_rows(rows: HiddenRows, ids: list[int]) -> list[int]:
-    """Indices of `rows` on the request's verified sequence `ids`: for a prefill or decode step
-    those whose token is the sequence's; for a verify step the accepted chain (from each node, the
-    child carrying the next verified token)."""
-    pos, toks = rows.positions, rows.token_ids
-    if rows.parents is None:
-        return [j for j, p in enumerate(pos) if p < len(ids) and (not toks or ids[p] == toks[j])]
-    if not toks or pos[0] >= len(ids) or ids[pos[0]] != toks[0]:
-        return []
-    path, node = [0], 0
-    while pos[node] + 1 < len(ids):
-        want = ids[pos[node] + 1]
-        child = next((c for c in range(node + 1, len(pos)) if rows.parents[c] == node and toks[c] == want), None)
-        if child is None:
-            break
-        path.append(child)
-        node = child
-    return path
-
-
-class MtpDrafter(Drafter):
+class MtpDrafter(PooledDrafter):
     """Component "mtp" of kind "drafter" (radixserve-spec-mtp).
 
     :param layer: which MTP module of the checkpoint drafts (0-based, < num_nextn_predict_layers;
@@ -96,19 +66,9 @@ class MtpDrafter(Drafter):
         attn = self.mtp.layer.self_attn
         self.pool = DraftLatentPool(attn.kv_lora_rank, attn.rope, ts.dtype, info.device)
         self.num_steps = max(1, info.num_steps)
-        self.states: dict[str, _ReqState] = {}
+        self.init_states()
 
-    # ---- the Drafter contract ------------------------------------------------------------------
-    @torch.inference_mode()
-    def on_accepted(self, req, accepted: list[int]) -> None:
-        self._collect(req)
-
-    def on_finished(self, req) -> None:
-        self.target.discard(req.rid)
-        st = self.states.pop(req.rid, None)
-        if st is not None and st.slots.numel():
-            self.pool.free(st.slots)
-
+    # ---- the Drafter contract (on_accepted, on_finished: PooledDrafter's) ------------------------
     @torch.inference_mode()
     def propose(self, reqs, num_draft_tokens: int) -> DraftProposal:
         ready = self._ready(reqs)
@@ -117,28 +77,8 @@ class MtpDrafter(Drafter):
         return DraftProposal([next(chains) if st is not None else [] for st in ready])
 
     # ---- hidden states in, rows through the MTP layer ------------------------------------------
-    def _state(self, rid: str) -> _ReqState:
-        st = self.states.get(rid)
-        if st is None:
-            st = self.states[rid] = _ReqState(torch.empty(0, dtype=torch.int64, device=self.pool.device))
-        return st
-
-    def _collect(self, req) -> None:
-        st = self._state(req.rid)
-        ids = req.all_ids()
-        for rows in self.target.take(req.rid):
-            if rows.aux is None:
-                continue
-            take = []
-            for j in verified_rows(rows, ids):
-                pos = rows.positions[j]
-                if pos > st.last_pos and pos + 1 < len(ids):
-                    take.append(j)
-                    st.pending_pos.append(pos)
-                    st.pending_tok.append(ids[pos + 1])
-                    st.last_pos = pos
-            if take:  # one gather per forward, not one slice per row
-                st.pending_hidden.append(rows.aux[torch.tensor(take, dtype=torch.int64, device=rows.aux.device)])
+    def _features(self, rows: HiddenRows) -> torch.Tensor | None:
+        return rows.aux
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.mtp.embed_tokens is not None:
@@ -148,14 +88,14 @@ class MtpDrafter(Drafter):
     def _greedy(self, out: torch.Tensor) -> torch.Tensor:
         return self.mtp.logits(out, self.target.logits)[:, : self.target.vocab_size].argmax(-1)
 
-    def _run_pending(self, sts: list[_ReqState]) -> None:
+    def _run_pending(self, sts: list[DraftRequestState]) -> None:
         """Run the newly verified rows of `sts` into the draft's latent KV (kept) and remember each
         request's last row. Rows are cut into pieces of at most ROWS_PER_PIECE; pieces of several
         requests (and successive pieces of one request) share a forward while its attention
         scores stay within SCORE_BUDGET: a decode step's few rows per request run in one forward,
         a long prompt in bounded pieces."""
         heads = self.mtp.layer.self_attn.num_heads
-        pieces: list[tuple[_ReqState, int, int, torch.Tensor]] = []  # (state, first row, end, context slots)
+        pieces: list[tuple[DraftRequestState, int, int, torch.Tensor]] = []  # (state, first row, end, context slots)
         for st in sts:
             slots = st.slots
             new = self.pool.alloc(len(st.pending_pos))
@@ -179,7 +119,7 @@ class MtpDrafter(Drafter):
         toks = self._greedy(outs).tolist()
         for st, tok in zip(sts, toks, strict=True):
             st.root = (st.last_pos, st.root[1], tok)
-            st.pending_pos, st.pending_tok, st.pending_hidden = [], [], []
+            st.pending_pos, st.pending_tok, st.pending_feats = [], [], []
 
     def _run_pieces(self, pieces) -> None:
         """One MTP forward over `pieces` (see `_run_pending`), padded per piece for attention."""
@@ -217,12 +157,12 @@ class MtpDrafter(Drafter):
             at += c
 
     @staticmethod
-    def _hidden_rows(st: _ReqState) -> torch.Tensor:
-        if len(st.pending_hidden) > 1:  # gathered once, reused by every piece of the request
-            st.pending_hidden = [torch.cat(st.pending_hidden)]
-        return st.pending_hidden[0]
+    def _hidden_rows(st: DraftRequestState) -> torch.Tensor:
+        if len(st.pending_feats) > 1:  # gathered once, reused by every piece of the request
+            st.pending_feats = [torch.cat(st.pending_feats)]
+        return st.pending_feats[0]
 
-    def _ready(self, reqs) -> list[_ReqState | None]:
+    def _ready(self, reqs) -> list[DraftRequestState | None]:
         """Each request's state with its verified rows run, or None when the hidden state of its
         newest token's predecessor is missing (no draft this step)."""
         sts = [self._state(req.rid) for req in reqs]
@@ -232,7 +172,7 @@ class MtpDrafter(Drafter):
         return [st if st.root is not None and st.root[0] == len(req.all_ids()) - 2 else None
                 for req, st in zip(reqs, sts, strict=True)]
 
-    def _chains(self, sts: list[_ReqState], steps: int) -> list[list[int]]:
+    def _chains(self, sts: list[DraftRequestState], steps: int) -> list[list[int]]:
         """Greedy chains of `steps` tokens for several requests at once: each request's cached
         latents padded into one batch, the chain's rows written after them, tokens kept on the
         device until one host copy at the end."""

@@ -2,7 +2,7 @@
 
 from radixserve.plugins import hookimpl
 
-PLUGIN_API = ">=1.1,<2"  # DrafterInfo.target_states (aux hidden states, embedding, LM head): plugin API 1.1
+PLUGIN_API = ">=1.4,<2"  # 1.4: PooledDrafter / DraftSlotStack (target_states came in 1.1)
 
 
 @hookimpl

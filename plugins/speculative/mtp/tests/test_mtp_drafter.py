@@ -16,12 +16,14 @@ from radixserve.interfaces.target_states import HiddenRows
 from radixserve.model_runner import ModelRunner
 from radixserve.plugins.registry import PluginError, Registry
 from radixserve.runtime.messages import GenerateRequest
-from radixserve.scheduler import Scheduler
 from radixserve.scheduler.speculative.setup import build_drafter, drafter_info
 from radixserve.state import SamplingParams
 from radixserve.static_batch import run_static_batch
 from radixserve.testing import check_drafter
 from radixserve.testing import run_to_completion as _run
+from radixserve.testing.speculative import RecordingDrafter, shared_prefix_prompts, speculative_scheduler
+from radixserve.testing.speculative import assert_drafter_released as _assert_released
+from radixserve.testing.speculative import greedy_request as _greedy
 from radixserve_spec_mtp.checkpoint import MtpCheckpointError, read_mtp_layer
 from radixserve_spec_mtp.drafter import MtpDrafter
 from radixserve_spec_mtp.layer import MtpModule
@@ -65,48 +67,16 @@ def _config(num_steps: int = 3, chunk: int = 2048, draft_path: str | None = None
     })
 
 
-class RecordingMtp(MtpDrafter):
-    def __init__(self, info, **kw):
-        super().__init__(info, **kw)
-        self.proposals = []
-        self.rows_run: dict[str, int] = {}
-
-    def on_finished(self, req):
-        st = self.states.get(req.rid)
-        if st is not None:
-            self.rows_run[req.rid] = len(st.slots) + len(st.pending_pos)
-        super().on_finished(req)
-
-    def propose(self, reqs, k):
-        p = super().propose(reqs, k)
-        self.proposals.append((len(reqs), k, p))
-        return p
+class RecordingMtp(RecordingDrafter, MtpDrafter):
+    """Keeps every proposal and the rows each request ran."""
 
 
 def _scheduler(runner, cfg: Config | None):
-    reg = Registry.discover()
-    cfg = cfg or Config.build({"stack": {"prefix_cache": "radix"}, "scheduler": {"max_total_tokens": 6000}})
-    drafter = RecordingMtp(drafter_info(cfg, runner), **cfg.speculative.options) if cfg.stack.speculative else None
-    cache = reg.load("prefix_cache", "radix")(runner.req_to_token_pool, runner.token_allocator)
-    return Scheduler(cfg, runner, cache, reg.load("policy", "fcfs")(), drafter=drafter)
-
-
-def _greedy(rid, prompt, n):
-    return GenerateRequest(rid=rid, input_ids=prompt,
-                           sampling_params=SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True))
+    return speculative_scheduler(runner, cfg, lambda info, cfg: RecordingMtp(info, **cfg.speculative.options))
 
 
 def _prompts(n, seed=0):
-    rng = random.Random(seed)
-    base = [rng.randrange(VOCAB) for _ in range(12)]
-    # half share a prefix (the radix cache serves it to the second and later ones)
-    return [(base if i % 2 else []) + [rng.randrange(VOCAB) for _ in range(rng.randint(3, 15))] for i in range(n)]
-
-
-def _assert_released(drafter: MtpDrafter):
-    assert drafter.states == {}
-    assert drafter.pool.free_slots() == drafter.pool.capacity
-    assert drafter.target._rows == {}
+    return shared_prefix_prompts(n, VOCAB, seed)
 
 
 # ---- registration, loading, the module's math --------------------------------------------------
