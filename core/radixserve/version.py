@@ -20,5 +20,9 @@ __version__ = "0.1.0"
 #      radixserve.interfaces.LatentAttentionDims / LatentAttentionLayerSpec; radixserve.memory.LatentKVPool;
 #      radixserve.layers.latent_attention.RadixLatentAttention; AttentionRunnerInfo.latent;
 #      AttentionBackend.supports_latent_attention / supports_standard_attention and forward_latent_extend /
-#      forward_latent_decode / forward_latent; radixserve.testing.check_latent_attention_backend
+#      forward_latent_decode / forward_latent; radixserve.testing.check_latent_attention_backend;
+#      the model shell radixserve.layers.causal_lm.DecoderOnlyCausalLM, radixserve.layers.decoder_blocks and
+#      weight_utils.load_stacked_weights; drafter helpers radixserve.scheduler.speculative.draft_slots /
+#      draft_state (DraftSlotStack, PooledDrafter); WeightSource.prepare_model and its options
+#      (`model.weight_source_options`); FusedMoE.map_checkpoint_name maps per-expert `weight_scale_inv`
 PLUGIN_API_VERSION = "1.4"
