@@ -178,7 +178,7 @@ def test_fp8_block_experts_match_the_dequantized_reference(tokens):
     """Block-FP8 routed experts: both compute paths equal the reference MoE on the dequantized
     weights (1 token x top-2 < 4 experts dequantizes only the routed pairs; 6 tokens all experts)."""
     from radixserve.layers.moe.reference import fused_experts_reference
-    from radixserve_quant_fp8 import moe
+    from radixserve_quant_fp8 import kernels, moe
 
     gen = torch.Generator().manual_seed(0)
     e, h, i, block = 4, 256, 128, (128, 128)
@@ -194,6 +194,6 @@ def test_fp8_block_experts_match_the_dequantized_reference(tokens):
     ids = torch.stack([torch.randperm(e, generator=gen)[:2] for _ in range(tokens)])
     weights = torch.rand(tokens, 2, generator=gen)
     got = moe.apply_block_fp8_moe(layer, x, weights, ids, block)
-    w13 = moe.dequantize_experts(layer.w13_weight, layer.w13_weight_scale_inv, block, torch.float32)
-    w2 = moe.dequantize_experts(layer.w2_weight, layer.w2_weight_scale_inv, block, torch.float32)
+    w13 = kernels.dequantize_blocks(layer.w13_weight, layer.w13_weight_scale_inv, block, torch.float32)
+    w2 = kernels.dequantize_blocks(layer.w2_weight, layer.w2_weight_scale_inv, block, torch.float32)
     torch.testing.assert_close(got, fused_experts_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-3)

@@ -159,23 +159,31 @@ FP8_SHAPES = dict(hidden_size=256, intermediate_size=256, num_attention_heads=2,
                   n_group=1, topk_group=1)
 
 
-def test_fp8_block_checkpoint_through_the_fp8_method(registry, tmp_path):
-    """A DeepSeek-V3 block-FP8 checkpoint (dense layers: the fp8 plugin has no MoE support yet) runs
-    through the fp8 quant method: q/o/MLP projections stay FP8, kv_b_proj and the 576-row
-    kv_a_proj_with_mqa are dequantized into float; greedy parity with transformers on the
-    dequantized weights."""
+def _fp8_v3_parity(registry, tmp_path, first_k_dense_replace: int):
+    """A tiny DeepSeek-V3 with every decoder `*proj.weight` (experts included) in block FP8, checked
+    through the fp8 method against transformers on the dequantized weights; returns (its config,
+    the fp8 method)."""
     from radixserve.testing import tiny_checkpoint
+    from transformers import AutoConfig
 
-    src = tiny_checkpoint("deepseek_v3", str(tmp_path / "src"), **FP8_SHAPES, first_k_dense_replace=2)
+    src = tiny_checkpoint("deepseek_v3", str(tmp_path / "src"), **FP8_SHAPES,
+                          first_k_dense_replace=first_k_dense_replace)
     _write_fp8(src, str(tmp_path / "fp8"), str(tmp_path / "ref"),
                lambda n: n.startswith("model.layers.") and n.endswith("proj.weight"), FP8_BLOCK)
     fp8 = registry.load("quantization", "fp8").from_config(FP8_BLOCK)
     check_model_parity(registry.load("model", "DeepseekV3ForCausalLM"), str(tmp_path / "fp8"), quant_method=fp8,
                        reference=str(tmp_path / "ref"), new_tokens=6, prompt_lens=(5, 3))
-    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(src), fp8
 
+
+def test_fp8_block_checkpoint_through_the_fp8_method(registry, tmp_path):
+    """A DeepSeek-V3 block-FP8 checkpoint with dense layers only runs
+    through the fp8 quant method: q/o/MLP projections stay FP8, kv_b_proj and the 576-row
+    kv_a_proj_with_mqa are dequantized into float; greedy parity with transformers on the
+    dequantized weights."""
+    config, fp8 = _fp8_v3_parity(registry, tmp_path, first_k_dense_replace=2)
     with torch.device("meta"):
-        attn = DeepseekDecoderLayer(AutoConfig.from_pretrained(src), 0, fp8).self_attn
+        attn = DeepseekDecoderLayer(config, 0, fp8).self_attn
     assert attn.q_b_proj.weight.dtype == torch.float8_e4m3fn and attn.o_proj.weight.dtype == torch.float8_e4m3fn
     assert attn.kv_a_proj_with_mqa.weight.dtype == torch.float32 and attn.kv_b_proj.weight.dtype == torch.float32
 
@@ -185,18 +193,9 @@ def test_fp8_block_experts_match_transformers(registry, tmp_path):
     (layer 1 is MoE). The experts stay FP8 in memory and match transformers on the dequantized
     weights: prompts of 5 and 3 tokens take the all-experts path, decode steps (2 pairs < 4 experts)
     the per-pair path."""
-    from radixserve.testing import tiny_checkpoint
-
-    src = tiny_checkpoint("deepseek_v3", str(tmp_path / "src"), **FP8_SHAPES, first_k_dense_replace=1)
-    _write_fp8(src, str(tmp_path / "fp8"), str(tmp_path / "ref"),
-               lambda n: n.startswith("model.layers.") and n.endswith("proj.weight"), FP8_BLOCK)
-    fp8 = registry.load("quantization", "fp8").from_config(FP8_BLOCK)
-    check_model_parity(registry.load("model", "DeepseekV3ForCausalLM"), str(tmp_path / "fp8"), quant_method=fp8,
-                       reference=str(tmp_path / "ref"), new_tokens=6, prompt_lens=(5, 3))
-    from transformers import AutoConfig
-
+    config, fp8 = _fp8_v3_parity(registry, tmp_path, first_k_dense_replace=1)
     with torch.device("meta"):
-        experts = DeepseekV3ForCausalLM(AutoConfig.from_pretrained(src), fp8).model.layers[1].mlp.experts
+        experts = DeepseekV3ForCausalLM(config, fp8).model.layers[1].mlp.experts
     assert experts.w13_weight.dtype == torch.float8_e4m3fn and experts.w2_weight.dtype == torch.float8_e4m3fn
     assert tuple(experts.w13_weight_scale_inv.shape) == (4, 2, 2)  # 2 x 128 rows, 256 columns
 

@@ -29,6 +29,15 @@ def _refuse(path: str, why: str) -> None:
         _disabled.add(path)
 
 
+def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[..., out, in] float weights from FP8 `weight` and one scale per `block` tile
+    [..., ceil(out/bo), ceil(in/bi)] (partial edge tiles allowed); multiplied in fp32, cast to `dtype`."""
+    bo, bi = block
+    full = scale.repeat_interleave(bo, dim=-2).repeat_interleave(bi, dim=-1)
+    return (weight.to(torch.float32) * full[..., : weight.shape[-2], : weight.shape[-1]]).to(dtype)
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic activation quantization: fp8 rows and their fp32 scales [M, 1] (amax / 448)."""
     scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)

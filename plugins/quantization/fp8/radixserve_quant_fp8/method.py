@@ -125,12 +125,9 @@ class FP8Method(QuantMethod):
     # ---- compute ----------------------------------------------------------------------------
     def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [out, in] in `dtype` (the reference every path must match)."""
-        w = layer.weight.data.to(torch.float32)
         if self.block_size is not None:
-            bo, bi = self.block_size
-            s = layer.weight_scale_inv.data.repeat_interleave(bo, 0).repeat_interleave(bi, 1)
-            return (w * s[: w.shape[0], : w.shape[1]]).to(dtype)
-        return (w * layer.weight_scale_rows[:, None]).to(dtype)
+            return kernels.dequantize_blocks(layer.weight.data, layer.weight_scale_inv.data, self.block_size, dtype)
+        return (layer.weight.data.to(torch.float32) * layer.weight_scale_rows[:, None]).to(dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape

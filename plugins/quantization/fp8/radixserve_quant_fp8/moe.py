@@ -19,6 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from radixserve.layers.weight_utils import set_weight_attrs
 
+from radixserve_quant_fp8.kernels import dequantize_blocks
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -44,14 +46,6 @@ def create_block_fp8_moe_weights(layer: nn.Module, num_experts: int, hidden_size
         layer.register_parameter(name, param)
 
 
-def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                       dtype: torch.dtype) -> torch.Tensor:
-    """[..., out, in] float weights from FP8 `weight` and its per-tile `scale` [..., out/bo, in/bi]."""
-    bo, bi = block
-    full = scale.repeat_interleave(bo, dim=-2).repeat_interleave(bi, dim=-1)
-    return (weight.to(torch.float32) * full).to(dtype)
-
-
 def apply_block_fp8_moe(layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                         block: tuple[int, int]) -> torch.Tensor:
     num_experts = layer.w13_weight.shape[0]
@@ -59,8 +53,8 @@ def apply_block_fp8_moe(layer: nn.Module, x: torch.Tensor, topk_weights: torch.T
     dtype = x.dtype if x.is_cuda else torch.float32  # the CPU multiplies in fp32, as the core's expert path
     if tokens * top_k < num_experts:
         pairs = topk_ids.reshape(-1)
-        w13 = dequantize_experts(layer.w13_weight[pairs], layer.w13_weight_scale_inv[pairs], block, dtype)
-        w2 = dequantize_experts(layer.w2_weight[pairs], layer.w2_weight_scale_inv[pairs], block, dtype)
+        w13 = dequantize_blocks(layer.w13_weight[pairs], layer.w13_weight_scale_inv[pairs], block, dtype)
+        w2 = dequantize_blocks(layer.w2_weight[pairs], layer.w2_weight_scale_inv[pairs], block, dtype)
         xs = x.to(dtype).repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [pairs, H, 1]
         gate, up = torch.bmm(w13, xs).squeeze(-1).chunk(2, dim=-1)
         out = torch.bmm(w2, (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [pairs, H]
@@ -68,8 +62,8 @@ def apply_block_fp8_moe(layer: nn.Module, x: torch.Tensor, topk_weights: torch.T
         return out.sum(dim=1).to(x.dtype)
     from radixserve.layers.moe import cpu, triton_kernel
 
-    w13 = dequantize_experts(layer.w13_weight, layer.w13_weight_scale_inv, block, x.dtype)
-    w2 = dequantize_experts(layer.w2_weight, layer.w2_weight_scale_inv, block, x.dtype)
+    w13 = dequantize_blocks(layer.w13_weight, layer.w13_weight_scale_inv, block, x.dtype)
+    w2 = dequantize_blocks(layer.w2_weight, layer.w2_weight_scale_inv, block, x.dtype)
     if triton_kernel.available(x):
         return triton_kernel.triton_fused_experts(x, w13, w2, topk_weights, topk_ids)
     return cpu.cpu_fused_experts(x, w13, w2, topk_weights, topk_ids, None)
