@@ -14,6 +14,7 @@ from radixserve.testing import (
     check_model_parity,
     check_prefix_cache,
     check_quant_method,
+    check_quant_method_moe,
     check_schedule_policy,
     tiny_checkpoint,
 )
@@ -112,6 +113,23 @@ def test_unquantized_method():
     from radixserve.layers.quant_unquantized import UnquantizedMethod
 
     check_quant_method(UnquantizedMethod, lambda w: ({"weight": w}, w))
+    check_quant_method_moe(UnquantizedMethod, lambda w: ({"weight": w}, w))
+
+
+def test_moe_kit_catches_a_wrong_expert_layout():
+    """The MoE step fails, naming apply_moe, for a method whose experts compute the wrong thing
+    (here: gate and up swapped)."""
+    from radixserve.layers.moe.reference import fused_experts_reference
+    from radixserve.layers.quant_unquantized import UnquantizedMethod
+
+    class SwappedHalves(UnquantizedMethod):
+        def apply_moe(self, layer, x, topk_weights, topk_ids):
+            inter = layer.intermediate_size
+            w13 = torch.cat([layer.w13_weight[:, inter:], layer.w13_weight[:, :inter]], dim=1)
+            return fused_experts_reference(x, w13, layer.w2_weight, topk_weights, topk_ids)
+
+    with pytest.raises(AssertionError, match="apply_moe"):
+        check_quant_method_moe(SwappedHalves, lambda w: ({"weight": w}, w))
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from radixserve.layers.linear import ReplicatedLinear
 from radixserve.layers.quant_int4 import pack_int4, unpack_int4
-from radixserve.testing import check_model_parity, check_quant_method, tiny_checkpoint
+from radixserve.testing import check_model_parity, check_quant_method, check_quant_method_moe, tiny_checkpoint
 from radixserve_models_llama.model import LlamaForCausalLM
 from radixserve_quant_awq.method import AWQ_ORDER, AWQMethod
 from radixserve_quant_fp8.method import FP8Method
@@ -126,6 +126,12 @@ def test_gptq_conformance(sym, act_order):
 def test_fp8_conformance():
     check_quant_method(lambda: FP8Method.from_config(qf.QUANT_CONFIGS["fp8_block"]()), qf.fp8_block_quantize, unit=256)
     check_quant_method(lambda: FP8Method.from_config(qf.QUANT_CONFIGS["fp8_tensor"]()), qf.fp8_tensor_quantize)
+
+
+def test_fp8_block_moe_conformance():
+    """Block-FP8 routed experts (DeepSeek-V3 layout) against their dequantized reference."""
+    check_quant_method_moe(lambda: FP8Method.from_config(qf.QUANT_CONFIGS["fp8_block"]()), qf.fp8_block_quantize,
+                           unit=128)
 
 
 # ---- greedy fidelity on tiny checkpoints ---------------------------------------------------------

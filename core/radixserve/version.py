@@ -25,4 +25,5 @@ __version__ = "0.1.0"
 #      weight_utils.load_stacked_weights; drafter helpers radixserve.scheduler.speculative.draft_slots /
 #      draft_state (DraftSlotStack, PooledDrafter); WeightSource.prepare_model and its options
 #      (`model.weight_source_options`); FusedMoE.map_checkpoint_name maps per-expert `weight_scale_inv`
-PLUGIN_API_VERSION = "1.4"
+# 1.5: radixserve.testing.check_quant_method_moe (the conformance kit's MoE step)
+PLUGIN_API_VERSION = "1.5"

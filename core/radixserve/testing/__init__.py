@@ -22,7 +22,7 @@ from radixserve.testing.output_parsers import (
 )
 from radixserve.testing.policy import check_schedule_policy
 from radixserve.testing.prefix_cache import check_prefix_cache
-from radixserve.testing.quantization import check_quant_method
+from radixserve.testing.quantization import check_quant_method, check_quant_method_moe
 from radixserve.testing.toy_runner import ToyRunner, toy_next_token, toy_reference
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "check_model_parity",
     "check_prefix_cache",
     "check_quant_method",
+    "check_quant_method_moe",
     "check_reasoning_parser",
     "check_schedule_policy",
     "drafter_info",

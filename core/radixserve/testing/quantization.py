@@ -2,6 +2,8 @@
 column- and row-parallel, fused gate_up and qkv), built with the method, loaded from a checkpoint
 through its parameters' weight loaders (as one tensor, or shard by shard with the fused layers'
 shard ids, and split over 2 tensor-parallel ranks), must compute `x @ dequant(W).T + b`.
+`check_quant_method_moe` does the same for a method's MoE hooks: a `FusedMoE` layer's stacked
+experts, loaded expert by expert, must compute the routed sum of its dequantized experts.
 
 Splitting over ranks is what catches a parameter without `input_dim` / `output_dim`: the layer's
 loader cannot tell which dimension to cut and loads the full tensor (a row-parallel weight is then
@@ -23,6 +25,8 @@ from radixserve.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from radixserve.layers.moe.layer import FusedMoE
+from radixserve.layers.moe.routing import RoutingConfig
 from radixserve.layers.weight_utils import default_weight_loader
 from radixserve.testing._threads import single_threaded
 
@@ -182,3 +186,77 @@ def check_quant_method(
                 w_r, b_r = _local(shards_, rank, tp)
                 _assert_close(layer.quant_method.apply(layer, x, layer.bias), x64 @ w_r.double().T + b_r.double(), x,
                               tol, where)
+
+
+@single_threaded
+def check_quant_method_moe(
+    method: Callable[[], QuantMethod],
+    quantize: Quantize,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    unit: int = 16,
+    num_experts: int = 4,
+    top_k: int = 2,
+    tolerance: float | None = None,
+    seed: int = 0,
+) -> None:
+    """Run a QuantMethod's MoE hooks (`create_moe_weights`, `process_moe_weights_after_loading`,
+    `apply_moe`) against the dequantized experts; raise AssertionError naming the step.
+
+    A `FusedMoE` layer (hidden 4*unit, intermediate 2*unit, `num_experts` experts) is built with
+    the method; each expert's gate, up and down matrix goes through `quantize` and every tensor it
+    returns is loaded with the layer's loader (`w13_<name>` for gate and up, `w2_<name>` for down,
+    shard id and expert id as a checkpoint loader passes them); then `apply_moe` on 1 and 7 tokens
+    (distinct experts per token, fp32 routing weights) must equal
+    `sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))` of the dequantized weights.
+
+    :param method, quantize, dtype, device, unit, tolerance, seed: as for `check_quant_method`;
+        `quantize(w)` must return tensors named by the suffixes the method's expert parameters
+        use (e.g. {"weight": ..., "weight_scale_inv": ...} for `w13_weight`, `w13_weight_scale_inv`).
+    :param num_experts, top_k: the layer's experts and the experts each token uses.
+
+    Added in plugin API 1.5."""
+    tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[dtype]
+    gen = torch.Generator().manual_seed(seed)
+    name = getattr(method, "__name__", type(method()).__name__)
+    hidden, inter = 4 * unit, 2 * unit
+    with torch.device(device):
+        layer = FusedMoE(num_experts, hidden, inter, RoutingConfig(top_k=top_k), quant_method=method(),
+                         prefix="kit.experts", params_dtype=dtype)
+    params = dict(layer.named_parameters(recurse=False))
+    experts: list[dict[str, torch.Tensor]] = []
+    for e in range(num_experts):
+        deq = {}
+        for shard, (rows, cols) in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+            tensors, deq[shard] = quantize(torch.randn(rows, cols, generator=gen) * cols**-0.5)
+            for suffix, tensor in tensors.items():
+                pname = ("w2_" if shard == "down" else "w13_") + suffix
+                assert pname in params, (f"{name}: quantize() gave {suffix!r} for the {shard} matrix, but the MoE layer "
+                                         f"has no parameter {pname!r} (it has {sorted(params)})")
+                loader = getattr(params[pname], "weight_loader", None)
+                assert loader is not None, f"{name}: MoE parameter {pname!r} has no weight_loader (use layer.weight_loader)"
+                try:
+                    loader(params[pname], tensor, shard_id=shard, expert_id=e)
+                except Exception as err:
+                    raise AssertionError(f"{name}: loading expert {e}'s {shard} {suffix!r} (checkpoint shape "
+                                         f"{tuple(tensor.shape)}) into {pname!r} {tuple(params[pname].shape)} failed: "
+                                         f"{err!r}") from err
+        experts.append({k: v.double() for k, v in deq.items()})
+    missing = layer.incomplete_params()
+    assert not missing, f"{name}: MoE parameters {missing} were not filled by the per-expert tensors quantize() gave"
+    layer.quant_method.process_moe_weights_after_loading(layer)
+
+    for tokens in (1, 7):
+        x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(device)
+        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32)
+        weights = torch.rand(tokens, top_k, generator=gen).softmax(-1)
+        want = torch.zeros(tokens, hidden, dtype=torch.float64)
+        x64 = x.double().cpu()
+        for t in range(tokens):
+            for k in range(top_k):
+                w = experts[int(ids[t, k])]
+                act = torch.nn.functional.silu(x64[t] @ w["gate"].T) * (x64[t] @ w["up"].T)
+                want[t] += float(weights[t, k]) * (act @ w["down"].T)
+        got = layer.quant_method.apply_moe(layer, x, weights.to(device), ids.to(device))
+        _assert_close(got, want, x, tol, f"{name}: apply_moe on {tokens} token(s), top-{top_k} of {num_experts}")
