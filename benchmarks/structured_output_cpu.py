@@ -54,6 +54,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=0, help="only the first N schemas of the corpus (0: all)")
     p.add_argument("--concurrency", type=int, default=8, help="validity run: requests in flight")
     p.add_argument("--max-tokens", type=int, default=1024, help="validity run: token budget per output")
+    p.add_argument("--validity-params", type=json.loads, default={},
+                   help='validity run: extra request fields as JSON, e.g. \'{"repetition_penalty": 1.1}\' '
+                        "(greedy SmolLM2 otherwise loops inside what some schemas allow until max_tokens)")
     p.add_argument("--batch", type=int, default=16, help="overhead run: concurrent requests")
     p.add_argument("--batch-tokens", type=int, default=64, help="overhead run: tokens per request")
     p.add_argument("--rounds", type=int, default=5, help="overhead run: rounds of each kind, alternating")
@@ -92,10 +95,11 @@ def response_format(schema: dict, name: str = "payload") -> dict:
 # ---- 1. validity ----------------------------------------------------------------------------------
 
 
-def one_schema(client: httpx.Client, model: str, entry: dict, max_tokens: int) -> dict:
+def one_schema(client: httpx.Client, model: str, entry: dict, max_tokens: int, params: dict) -> dict:
     rec = {"id": entry["id"], "features": entry["features"]}
     try:
-        r = chat(client, model, entry["prompt"], max_tokens=max_tokens, response_format=response_format(entry["schema"]))
+        r = chat(client, model, entry["prompt"], max_tokens=max_tokens, response_format=response_format(entry["schema"]),
+                 **params)
     except httpx.HTTPError as e:
         return {**rec, "outcome": "server_error", "detail": repr(e)}
     if r.status_code == 400:
@@ -120,13 +124,15 @@ def validity(client: httpx.Client, model: str, args: argparse.Namespace) -> dict
         entries = entries[: args.limit]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(args.concurrency) as pool:
-        records = list(pool.map(lambda e: one_schema(client, model, e, args.max_tokens), entries))
+        records = list(pool.map(lambda e: one_schema(client, model, e, args.max_tokens, args.validity_params), entries))
     counts: dict[str, int] = {}
     for rec in records:
         counts[rec["outcome"]] = counts.get(rec["outcome"], 0) + 1
     accepted = len(records) - counts.get("refused", 0)
     return {
         "corpus": str(args.corpus),
+        "max_tokens": args.max_tokens,
+        "request_params": args.validity_params,
         "schemas": len(records),
         "counts": counts,
         "valid_pct_of_accepted": round(100.0 * counts.get("valid", 0) / max(accepted, 1), 2),
