@@ -15,7 +15,7 @@ ROUTINGS = {
     "sigmoid-renorm": RoutingConfig(top_k=2, scoring="sigmoid", renormalize=True),
     "sigmoid-raw-scaled": RoutingConfig(top_k=2, scoring="sigmoid", renormalize=False, routed_scaling_factor=2.5),
 }
-E, H, INTER = 5, 32, 48
+E, H, INTER = 8, 24, 16
 
 
 def _layer(cfg: RoutingConfig, dtype=torch.float32, seed=0, correction_bias=False) -> FusedMoE:
@@ -105,7 +105,8 @@ def test_fused_router_with_correction_bias():
 
 
 def test_layer_takes_the_small_path_only_for_few_pairs(as_if_on_cuda, monkeypatch):
-    assert small_m.use_small_m(64) and not small_m.use_small_m(65) and not small_m.use_small_m(0)
+    assert small_m.use_small_m(64, 128) and not small_m.use_small_m(65, 128) and not small_m.use_small_m(0, 128)
+    assert small_m.use_small_m(16, 8) and not small_m.use_small_m(17, 8)  # at most 2 pairs per expert
     monkeypatch.setattr(small_m, "SMALL_M_MAX_PAIRS", 4)
     cfg = RoutingConfig(top_k=2)
     layer = _layer(cfg)

@@ -23,6 +23,8 @@ Added in plugin API 1.4."""
 from __future__ import annotations
 
 import functools
+import os
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -33,16 +35,31 @@ from radixserve.layers.triton_support import interpreting as _interpreting
 
 triton = tl = None  # imported by `_kernels` on first use (CPU machines may lack Triton)
 
-# The small path runs while tokens * top_k is at most this. Each pair reads its expert's weights on
-# its own, so once pairs repeat experts often (pairs well past the expert count, or many tokens of a
-# few big experts) the grouped GEMM, which reads a tile of an expert once for up to BLOCK_M rows,
-# wins. 64 pairs is batch 8 of Qwen3-30B-A3B (top 8 of 128 experts: at most half of them active)
-# and batch 32 of Mixtral (top 2 of 8); benchmarks/h200/s5_moe.sh measures the crossover.
-SMALL_M_MAX_PAIRS = 64
+# The small path runs while tokens * top_k is at most this (and at most 2 pairs per expert, see
+# `use_small_m`). Each pair reads its expert's weights on its own (programs of the same weight tile
+# run side by side, so L2 may serve repeats), while the grouped GEMM reads a tile of an expert once
+# for up to BLOCK_M rows but launches a tile per expert and sorts first. 64 pairs is batch 8 of
+# Qwen3-30B-A3B (top 8 of 128: at most half the experts active, so repeats are rare); Mixtral (top 2
+# of 8) gets batch 8 by the per-expert bound. benchmarks/h200/s5_moe.sh measures the crossover.
+# RADIXSERVE_MOE_SMALL_M_MAX_PAIRS overrides it (0 turns the path off: A/B runs on the GPU).
+SMALL_M_MAX_PAIRS = int(os.environ.get("RADIXSERVE_MOE_SMALL_M_MAX_PAIRS", "64"))
 
-_GATE_UP_BLOCK_N, _GATE_UP_BLOCK_K = 16, 256
-_DOWN_BLOCK_N, _DOWN_BLOCK_K = 32, 256
-_SUM_BLOCK_N = 256
+
+@dataclass(frozen=True)
+class SmallMBlocks:
+    """Tile sizes of the small path's kernels (columns x reduction per program, warps per program).
+    Each program of a GEMV holds a [BLOCK_N, BLOCK_K] fp32 partial sum; the defaults keep a few
+    programs per SM at one token of Qwen3-30B-A3B (benchmarks/h200/s5_moe.sh sweeps others)."""
+
+    gate_up_n: int = 16
+    gate_up_k: int = 256
+    down_n: int = 32
+    down_k: int = 256
+    num_warps: int = 4
+    sum_n: int = 256
+
+
+DEFAULT_BLOCKS = SmallMBlocks()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -53,9 +70,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def use_small_m(pairs: int, max_pairs: int | None = None) -> bool:
-    """True when `pairs` (tokens * top_k) (token, expert) pairs go through the small-batch path."""
-    return 0 < pairs <= (SMALL_M_MAX_PAIRS if max_pairs is None else max_pairs)
+def use_small_m(pairs: int, num_experts: int) -> bool:
+    """True when `pairs` (tokens * top_k) (token, expert) pairs over `num_experts` experts go through
+    the small-batch path: at most SMALL_M_MAX_PAIRS, and at most 2 per expert on average (past that
+    the grouped GEMM's tiles share one read of an expert's weights among many rows)."""
+    return 0 < pairs <= min(SMALL_M_MAX_PAIRS, 2 * num_experts)
 
 
 @functools.cache
@@ -67,13 +86,13 @@ def _processors(x: torch.Tensor) -> int:
     return _sm_count(x.device) if x.is_cuda else 4  # the interpreter: a small pretend GPU
 
 
-def down_splits(top_k: int, hidden: int, inter: int, processors: int) -> int:
+def down_splits(top_k: int, hidden: int, inter: int, processors: int, blocks: SmallMBlocks = DEFAULT_BLOCKS) -> int:
     """How many parts the down projection's reduction over I is split into: enough programs for
     about 4 per processor at one token, each part at least 4 BLOCK_K steps long. It depends on the
     layer's shape only (not on the batch), so a token's sum has the same order at any batch size."""
-    programs = top_k * _cdiv(hidden, _DOWN_BLOCK_N)
+    programs = top_k * _cdiv(hidden, blocks.down_n)
     want = _cdiv(4 * processors, programs)
-    return max(1, min(want, inter // (4 * _DOWN_BLOCK_K)))
+    return max(1, min(want, inter // (4 * blocks.down_k)))
 
 
 @functools.cache
@@ -186,13 +205,15 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
 
 def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                          topk_ids: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+                          topk_ids: torch.Tensor, splits: int | None = None,
+                          blocks: SmallMBlocks | None = None) -> torch.Tensor:
     """[T, H] routed-expert output (see `reference.fused_experts_reference`) in x's dtype, by GEMVs.
 
     :param x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]; contiguous in
         their last dim; fp32, bf16 or fp16 (x and the weights may differ: both are read into fp32).
     :param topk_weights: [T, top_k] (any float dtype); topk_ids: [T, top_k] integer expert ids.
     :param splits: parts of the down projection's reduction (default `down_splits`).
+    :param blocks: tile sizes (default `DEFAULT_BLOCKS`).
     Meant for few pairs (`use_small_m`); correct at any size."""
     t, hidden = x.shape
     num_experts, two_i, _ = w13.shape
@@ -209,20 +230,20 @@ def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     x = x.contiguous()
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
-    splits = splits or down_splits(top_k, hidden, inter, _processors(x))
-    k_per_split = _cdiv(_cdiv(inter, splits), _DOWN_BLOCK_K) * _DOWN_BLOCK_K
+    b = blocks or DEFAULT_BLOCKS
+    splits = splits or down_splits(top_k, hidden, inter, _processors(x), b)
+    k_per_split = _cdiv(_cdiv(inter, splits), b.down_k) * b.down_k
     splits = _cdiv(inter, k_per_split)  # no empty split
     kernels = _kernels(_interpreting())
     act = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
-    kernels.gate_up[(pairs, _cdiv(inter, _GATE_UP_BLOCK_N))](
+    kernels.gate_up[(pairs, _cdiv(inter, b.gate_up_n))](
         x, w13, act, ids, inter, hidden, top_k, x.stride(0), w13.stride(0), w13.stride(1),
-        BLOCK_N=_GATE_UP_BLOCK_N, BLOCK_K=_GATE_UP_BLOCK_K)
+        BLOCK_N=b.gate_up_n, BLOCK_K=b.gate_up_k, num_warps=b.num_warps)
     partial = torch.empty((pairs * splits, hidden), dtype=torch.float32, device=x.device)
-    kernels.down[(pairs, _cdiv(hidden, _DOWN_BLOCK_N), splits)](
+    kernels.down[(pairs, _cdiv(hidden, b.down_n), splits)](
         act, w2, partial, weights, ids, hidden, inter, k_per_split, w2.stride(0), w2.stride(1),
-        BLOCK_N=_DOWN_BLOCK_N, BLOCK_K=_DOWN_BLOCK_K)
-    kernels.sum_rows[(t, _cdiv(hidden, _SUM_BLOCK_N))](
-        partial, out, top_k * splits, hidden, BLOCK_N=_SUM_BLOCK_N)
+        BLOCK_N=b.down_n, BLOCK_K=b.down_k, num_warps=b.num_warps)
+    kernels.sum_rows[(t, _cdiv(hidden, b.sum_n))](partial, out, top_k * splits, hidden, BLOCK_N=b.sum_n)
     return out
 
 
@@ -231,7 +252,7 @@ def fused_router_applies(router_logits: torch.Tensor, cfg: RoutingConfig) -> boo
     test), a small batch (`use_small_m`), no expert groups."""
     if cfg.num_expert_group is not None and cfg.num_expert_group > 1:
         return False
-    return available(router_logits) and use_small_m(router_logits.shape[0] * cfg.top_k)
+    return available(router_logits) and use_small_m(router_logits.shape[0] * cfg.top_k, router_logits.shape[1])
 
 
 def fused_select_experts(router_logits: torch.Tensor, cfg: RoutingConfig,

@@ -147,11 +147,11 @@ def triton_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         (fp32, bf16 or fp16), contiguous in their last dim.
     :param topk_weights: [T, top_k] (any float dtype); topk_ids: [T, top_k] integer expert ids.
     :param block_m: tile rows (16 or more; default by the number of pairs).
-    :param path: "auto" (the small-batch GEMV path of `small_m` while T * top_k is at most
-        `small_m.SMALL_M_MAX_PAIRS`, else the grouped GEMM), "small" or "grouped" to force one."""
+    :param path: "auto" (the small-batch GEMV path of `small_m` where `small_m.use_small_m` says
+        so, else the grouped GEMM), "small" or "grouped" to force one."""
     if path not in ("auto", "small", "grouped"):
         raise ValueError(f"unknown fused-MoE path {path!r} (choose auto, small or grouped)")
-    if path == "small" or (path == "auto" and block_m is None and small_m.use_small_m(topk_ids.numel())):
+    if path == "small" or (path == "auto" and block_m is None and small_m.use_small_m(topk_ids.numel(), w13.shape[0])):
         return small_m.small_m_fused_experts(x, w13, w2, topk_weights, topk_ids)
     t, hidden = x.shape
     num_experts, two_i, _ = w13.shape
