@@ -189,7 +189,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         chosen_ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
         chosen_w = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
         for j in tl.static_range(TOP_K):
-            best = tl.argmax(choice, axis=0)
+            best = tl.minimum(tl.argmax(choice, axis=0), E - 1)  # NaN logits (a padding row) stay in range
             w = tl.sum(tl.where(offs == best, scores, 0.0), axis=0)
             chosen_ids = tl.where(slots == j, best.to(tl.int32), chosen_ids)
             chosen_w = tl.where(slots == j, w, chosen_w)
@@ -272,5 +272,6 @@ def fused_select_experts(router_logits: torch.Tensor, cfg: RoutingConfig,
     _kernels(_interpreting()).router[(t,)](
         logits, bias, weights, ids, e, logits.stride(0), float(cfg.routed_scaling_factor),
         TOP_K=cfg.top_k, SIGMOID=cfg.scoring == "sigmoid", RENORMALIZE=cfg.renormalize,
-        HAS_BIAS=correction_bias is not None, BLOCK_E=_pow2(e), BLOCK_TOPK=_pow2(cfg.top_k))
+        HAS_BIAS=correction_bias is not None, BLOCK_E=_pow2(e), BLOCK_TOPK=_pow2(cfg.top_k),
+        num_warps=1 if e <= 256 else 4)  # one warp: the top-k's reductions stay in shuffles, no barriers
     return weights, ids
