@@ -86,11 +86,11 @@ def replay_matches_eager(fn) -> bool:
     return bool(torch.equal(out, eager))
 
 
-def emit(path: str, row: dict) -> None:
-    line = json.dumps(row)
-    print(line, flush=True)
+def emit(path: str, row: dict, hide: tuple[str, ...] = ()) -> None:
+    """Append row to path; print it without the `hide` keys."""
+    print(json.dumps({k: v for k, v in row.items() if k not in hide}), flush=True)
     with open(path, "a") as f:
-        f.write(line + "\n")
+        f.write(json.dumps(row) + "\n")
 
 
 def main() -> int:
@@ -191,7 +191,7 @@ def main() -> int:
             results.sort(key=lambda r: r["us"])
             emit(sweep_path, {"shape": name, "tokens": m, "default": dataclasses.asdict(DEFAULT_BLOCKS),
                               "default_splits": down_splits(k, h, i, sms), "best": results[:3],
-                              "all": results})
+                              "all": results}, hide=("all",))
         w13 = w2 = w13f = w2f = None  # free this shape before the next
         torch.cuda.empty_cache()
     print("kernel check", "ok" if ok else "FAILED", flush=True)
