@@ -169,11 +169,9 @@ def main() -> int:
                   dataclasses.replace(DEFAULT_BLOCKS, gate_up_n=8, gate_up_k=512),
                   dataclasses.replace(DEFAULT_BLOCKS, gate_up_n=16, gate_up_k=128),
                   dataclasses.replace(DEFAULT_BLOCKS, num_warps=8),
-                  dataclasses.replace(DEFAULT_BLOCKS, num_warps=2),
                   dataclasses.replace(DEFAULT_BLOCKS, down_n=16, down_k=256),
-                  dataclasses.replace(DEFAULT_BLOCKS, down_n=64, down_k=128),
-                  dataclasses.replace(DEFAULT_BLOCKS, down_n=16, down_k=512)]
-        split_choices = (1, 2, 3) if i <= 1024 else (1, 2, 3, 4, 7)
+                  dataclasses.replace(DEFAULT_BLOCKS, down_n=64, down_k=128)]
+        split_choices = (1, 2, 3) if i <= 1024 else (1, 3, 7)
         for m in ((1, 8) if k >= 8 else (1,)):
             x = torch.randn(m, h, device="cuda", generator=gen, dtype=torch.bfloat16)
             weights, ids = select_experts(torch.randn(m, e, device="cuda", generator=gen), cfg)
