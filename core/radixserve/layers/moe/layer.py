@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from radixserve.interfaces.quantization import QuantMethod
+from radixserve.layers.moe import small_m
 from radixserve.layers.moe.routing import RoutingConfig, select_experts
 from radixserve.layers.quant_unquantized import UnquantizedMethod
 
@@ -139,7 +140,10 @@ class FusedMoE(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(router_logits, self.routing, self.e_score_correction_bias)
+        if small_m.fused_router_applies(router_logits, self.routing):  # decode batches on CUDA: one launch
+            weights, ids = small_m.fused_select_experts(router_logits, self.routing, self.e_score_correction_bias)
+        else:
+            weights, ids = select_experts(router_logits, self.routing, self.e_score_correction_bias)
         return self.quant_method.apply_moe(self, x, weights, ids)
 
     def extra_repr(self) -> str:

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
+from radixserve.layers.moe import small_m
 from radixserve.layers.triton_support import available  # noqa: F401 (callers ask this module)
 from radixserve.layers.triton_support import interpreting as _interpreting
 
@@ -139,13 +140,19 @@ def _launch(kernels, a, w, c, weights, sorted_ids, tile_expert, n, k, pairs, a_r
 
 
 def triton_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                         topk_ids: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
+                         topk_ids: torch.Tensor, block_m: int | None = None, path: str = "auto") -> torch.Tensor:
     """[T, H] routed-expert output (see `reference.fused_experts_reference`) in x's dtype.
 
     :param x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]; all one dtype
         (fp32, bf16 or fp16), contiguous in their last dim.
     :param topk_weights: [T, top_k] (any float dtype); topk_ids: [T, top_k] integer expert ids.
-    :param block_m: tile rows (16 or more; default by the number of pairs)."""
+    :param block_m: tile rows (16 or more; default by the number of pairs).
+    :param path: "auto" (the small-batch GEMV path of `small_m` where `small_m.use_small_m` says
+        so, else the grouped GEMM), "small" or "grouped" to force one."""
+    if path not in ("auto", "small", "grouped"):
+        raise ValueError(f"unknown fused-MoE path {path!r} (choose auto, small or grouped)")
+    if path == "small" or (path == "auto" and block_m is None and small_m.use_small_m(topk_ids.numel(), w13.shape[0])):
+        return small_m.small_m_fused_experts(x, w13, w2, topk_weights, topk_ids)
     t, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2

@@ -1,0 +1,277 @@
+"""The small-batch (decode) path of the routed experts: GEMV kernels launched straight from the top-k ids.
+
+At a few tokens the grouped-GEMM path (`triton_kernel`) is sized for the worst case: its grid has a
+tile per expert (fixed bounds, so CUDA graphs can capture it) and nearly every program exits empty,
+and it first sorts the pairs by expert in several small kernels. Here nothing is sorted:
+
+1. `gate_up`: one program per ((token, k) pair, BLOCK_N columns of I) reads the pair's expert id,
+   multiplies the token's row of x by the expert's gate and up rows (a GEMV: I/O bound, no tensor
+   cores needed at one row) and writes silu(gate) * up in fp32 ([pairs, I]);
+2. `down`: one program per (pair, BLOCK_N columns of H, split of I) writes the pair's partial down
+   projection times its routing weight to its own row of an fp32 buffer [pairs * splits, H];
+3. `sum_rows`: each token's top_k * splits rows are summed in one fixed order and cast to x's dtype.
+
+No atomics: the result is deterministic run to run, and a token's output does not depend on the
+other tokens of the batch (the split count depends only on the layer's shape and the device).
+Every size is known on the host from the tensors' shapes, so the launches are CUDA-graph safe.
+
+`fused_select_experts` is the router (softmax or sigmoid, top-k, renormalisation, scaling, an
+optional correction bias) as one kernel per token, for the same small batches (no expert groups).
+
+Added in plugin API 1.4."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from radixserve.layers.moe.routing import RoutingConfig
+from radixserve.layers.triton_support import available
+from radixserve.layers.triton_support import interpreting as _interpreting
+
+triton = tl = None  # imported by `_kernels` on first use (CPU machines may lack Triton)
+
+# The small path runs while tokens * top_k is at most this (and at most 2 pairs per expert, see
+# `use_small_m`). Each pair reads its expert's weights on its own (programs of the same weight tile
+# run side by side, so L2 may serve repeats), while the grouped GEMM reads a tile of an expert once
+# for up to BLOCK_M rows but launches a tile per expert and sorts first. 64 pairs is batch 8 of
+# Qwen3-30B-A3B (top 8 of 128: at most half the experts active, so repeats are rare); Mixtral (top 2
+# of 8) gets batch 8 by the per-expert bound. benchmarks/h200/s5_moe.sh measures the crossover.
+# RADIXSERVE_MOE_SMALL_M_MAX_PAIRS overrides it (0 turns the path off: A/B runs on the GPU).
+SMALL_M_MAX_PAIRS = int(os.environ.get("RADIXSERVE_MOE_SMALL_M_MAX_PAIRS", "64"))
+
+
+@dataclass(frozen=True)
+class SmallMBlocks:
+    """Tile sizes of the small path's kernels (columns x reduction per program, warps per program).
+    Each program of a GEMV holds a [BLOCK_N, BLOCK_K] fp32 partial sum; the defaults keep a few
+    programs per SM at one token of Qwen3-30B-A3B (benchmarks/h200/s5_moe.sh sweeps others)."""
+
+    gate_up_n: int = 16
+    gate_up_k: int = 256
+    down_n: int = 32
+    down_k: int = 256
+    num_warps: int = 4
+    sum_n: int = 256
+
+
+DEFAULT_BLOCKS = SmallMBlocks()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def use_small_m(pairs: int, num_experts: int) -> bool:
+    """True when `pairs` (tokens * top_k) (token, expert) pairs over `num_experts` experts go through
+    the small-batch path: at most SMALL_M_MAX_PAIRS, and at most 2 per expert on average (past that
+    the grouped GEMM's tiles share one read of an expert's weights among many rows)."""
+    return 0 < pairs <= min(SMALL_M_MAX_PAIRS, 2 * num_experts)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _processors(x: torch.Tensor) -> int:
+    return _sm_count(x.device) if x.is_cuda else 4  # the interpreter: a small pretend GPU
+
+
+def down_splits(top_k: int, hidden: int, inter: int, processors: int, blocks: SmallMBlocks = DEFAULT_BLOCKS) -> int:
+    """How many parts the down projection's reduction over I is split into: enough programs for
+    about 4 per processor at one token, each part at least 4 BLOCK_K steps long. It depends on the
+    layer's shape only (not on the batch), so a token's sum has the same order at any batch size."""
+    programs = top_k * _cdiv(hidden, blocks.down_n)
+    want = _cdiv(4 * processors, programs)
+    return max(1, min(want, inter // (4 * blocks.down_k)))
+
+
+@functools.cache
+def _kernels(interpret: bool) -> SimpleNamespace:
+    del interpret  # cache key only: @triton.jit picks interpreter mode when it decorates
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, N, K: tl.constexpr, top_k, stride_xm, stride_we, stride_wn,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """act[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]), fp32; e = ids[pair]."""
+        pair = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        token = pair // top_k
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        w_gate = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        w_up = w_gate + N * stride_wn
+        x_row = x_ptr + token.to(tl.int64) * stride_xm
+        acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            k_ok = kk < K
+            xv = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            mask = n_ok[:, None] & k_ok[None, :]
+            acc_gate += tl.load(w_gate + kk[None, :], mask=mask, other=0.0).to(tl.float32) * xv
+            acc_up += tl.load(w_up + kk[None, :], mask=mask, other=0.0).to(tl.float32) * xv
+        gate = tl.sum(acc_gate, axis=1)
+        up = tl.sum(acc_up, axis=1)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(act_ptr + pair * N + offs_n, act, mask=n_ok)
+
+    @triton.jit
+    def down_kernel(act_ptr, w_ptr, out_ptr, weight_ptr, ids_ptr, N, K: tl.constexpr, k_per_split: tl.constexpr, stride_we, stride_wn,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[pair * splits + s, n] = weight[pair] * sum over k in split s of act[pair, k] * w[e, n, k]."""
+        pair = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        split = tl.program_id(2)
+        splits = tl.num_programs(2)
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        w_rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        act_row = act_ptr + pair.to(tl.int64) * K
+        k_start = split * k_per_split  # k_per_split: a whole number of BLOCK_K, so splits do not overlap
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, k_per_split, BLOCK_K):
+            kk = k_start + k0 + offs_k
+            k_ok = kk < K
+            av = tl.load(act_row + kk, mask=k_ok, other=0.0)[None, :]
+            acc += tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * av
+        out = tl.sum(acc, axis=1) * tl.load(weight_ptr + pair)
+        tl.store(out_ptr + (pair * splits + split).to(tl.int64) * N + offs_n, out, mask=n_ok)
+
+    @triton.jit
+    def sum_rows_kernel(buf_ptr, out_ptr, R: tl.constexpr, N, BLOCK_N: tl.constexpr):
+        """out[t, n] = sum over r < R of buf[t * R + r, n], rows added in index order."""
+        t = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        base = buf_ptr + t.to(tl.int64) * R * N + offs_n
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for r in range(0, R):
+            acc += tl.load(base + r * N, mask=n_ok, other=0.0)
+        tl.store(out_ptr + t.to(tl.int64) * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
+    def router_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride_lm, scale,
+                      TOP_K: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr):
+        """One token's routing, as `routing.select_experts` without expert groups."""
+        t = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_E)
+        ok = offs < E
+        logits = tl.load(logits_ptr + t.to(tl.int64) * stride_lm + offs, mask=ok, other=float("-inf")).to(tl.float32)
+        if SIGMOID:
+            scores = 1.0 / (1.0 + tl.exp(-logits))
+        else:
+            p = tl.exp(logits - tl.max(logits, axis=0))
+            p = tl.where(ok, p, 0.0)
+            scores = p / tl.sum(p, axis=0)
+        choice = scores
+        if HAS_BIAS:
+            choice = scores + tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        choice = tl.where(ok, choice, float("-inf"))
+        slots = tl.arange(0, BLOCK_TOPK)
+        chosen_ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
+        chosen_w = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            best = tl.minimum(tl.argmax(choice, axis=0), E - 1)  # NaN logits (a padding row) stay in range
+            w = tl.sum(tl.where(offs == best, scores, 0.0), axis=0)
+            chosen_ids = tl.where(slots == j, best.to(tl.int32), chosen_ids)
+            chosen_w = tl.where(slots == j, w, chosen_w)
+            choice = tl.where(offs == best, float("-inf"), choice)
+        if RENORMALIZE:
+            chosen_w = chosen_w / tl.maximum(tl.sum(chosen_w, axis=0), 1e-20)
+        chosen_w = chosen_w * scale
+        keep = slots < TOP_K
+        tl.store(weights_ptr + t * TOP_K + slots, chosen_w, mask=keep)
+        tl.store(ids_ptr + t * TOP_K + slots, chosen_ids, mask=keep)
+
+    return SimpleNamespace(gate_up=gate_up_kernel, down=down_kernel, sum_rows=sum_rows_kernel, router=router_kernel)
+
+
+def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                          topk_ids: torch.Tensor, splits: int | None = None,
+                          blocks: SmallMBlocks | None = None) -> torch.Tensor:
+    """[T, H] routed-expert output (see `reference.fused_experts_reference`) in x's dtype, by GEMVs.
+
+    :param x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]; contiguous in
+        their last dim; fp32, bf16 or fp16 (x and the weights may differ: both are read into fp32).
+    :param topk_weights: [T, top_k] (any float dtype); topk_ids: [T, top_k] integer expert ids.
+    :param splits: parts of the down projection's reduction (default `down_splits`).
+    :param blocks: tile sizes (default `DEFAULT_BLOCKS`).
+    Meant for few pairs (`use_small_m`); correct at any size."""
+    t, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    pairs = t * top_k
+    if w13.shape[2] != hidden or tuple(w2.shape) != (num_experts, hidden, inter):
+        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not fit hidden size {hidden}")
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("expert weights must be contiguous in their last dim")
+    out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
+    if pairs == 0:
+        return out
+    x = x.contiguous()
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    weights = topk_weights.reshape(-1).float().contiguous()
+    b = blocks or DEFAULT_BLOCKS
+    splits = splits or down_splits(top_k, hidden, inter, _processors(x), b)
+    k_per_split = _cdiv(_cdiv(inter, splits), b.down_k) * b.down_k
+    splits = _cdiv(inter, k_per_split)  # no empty split
+    kernels = _kernels(_interpreting())
+    act = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
+    kernels.gate_up[(pairs, _cdiv(inter, b.gate_up_n))](
+        x, w13, act, ids, inter, hidden, top_k, x.stride(0), w13.stride(0), w13.stride(1),
+        BLOCK_N=b.gate_up_n, BLOCK_K=b.gate_up_k, num_warps=b.num_warps)
+    partial = torch.empty((pairs * splits, hidden), dtype=torch.float32, device=x.device)
+    kernels.down[(pairs, _cdiv(hidden, b.down_n), splits)](
+        act, w2, partial, weights, ids, hidden, inter, k_per_split, w2.stride(0), w2.stride(1),
+        BLOCK_N=b.down_n, BLOCK_K=b.down_k, num_warps=b.num_warps)
+    kernels.sum_rows[(t, _cdiv(hidden, b.sum_n))](partial, out, top_k * splits, hidden, BLOCK_N=b.sum_n)
+    return out
+
+
+def fused_router_applies(router_logits: torch.Tensor, cfg: RoutingConfig) -> bool:
+    """True when `fused_select_experts` serves this call: CUDA (or the interpreter on a CUDA-less
+    test), a small batch (`use_small_m`), no expert groups."""
+    if cfg.num_expert_group is not None and cfg.num_expert_group > 1:
+        return False
+    return available(router_logits) and use_small_m(router_logits.shape[0] * cfg.top_k, router_logits.shape[1])
+
+
+def fused_select_experts(router_logits: torch.Tensor, cfg: RoutingConfig,
+                         correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`routing.select_experts` in one kernel launch (one program per token), without expert groups.
+
+    :returns: (weights fp32 [T, top_k], expert ids int32 [T, top_k])."""
+    if cfg.num_expert_group is not None and cfg.num_expert_group > 1:
+        raise ValueError(f"the fused router has no expert groups (num_expert_group={cfg.num_expert_group})")
+    t, e = router_logits.shape
+    weights = torch.empty((t, cfg.top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((t, cfg.top_k), dtype=torch.int32, device=router_logits.device)
+    if t == 0:
+        return weights, ids
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    bias = correction_bias if correction_bias is not None else weights
+    _kernels(_interpreting()).router[(t,)](
+        logits, bias, weights, ids, e, logits.stride(0), float(cfg.routed_scaling_factor),
+        TOP_K=cfg.top_k, SIGMOID=cfg.scoring == "sigmoid", RENORMALIZE=cfg.renormalize,
+        HAS_BIAS=correction_bias is not None, BLOCK_E=_pow2(e), BLOCK_TOPK=_pow2(cfg.top_k),
+        num_warps=1 if e <= 256 else 4)  # one warp: the top-k's reductions stay in shuffles, no barriers
+    return weights, ids

@@ -1,0 +1,126 @@
+"""The small-batch fused-MoE path (radixserve.layers.moe.small_m) under TRITON_INTERPRET=1: the GEMV
+kernels and the fused router against the plain reference, the split down projection, batch
+invariance, and the layer choosing the small path only for few (token, expert) pairs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from radixserve.layers.moe import FusedMoE, RoutingConfig, select_experts, small_m, triton_kernel
+from radixserve.layers.moe.reference import fused_experts_reference
+
+ROUTINGS = {
+    "softmax-renorm": RoutingConfig(top_k=2, scoring="softmax", renormalize=True),
+    "softmax-raw": RoutingConfig(top_k=3, scoring="softmax", renormalize=False),
+    "sigmoid-renorm": RoutingConfig(top_k=2, scoring="sigmoid", renormalize=True),
+    "sigmoid-raw-scaled": RoutingConfig(top_k=2, scoring="sigmoid", renormalize=False, routed_scaling_factor=2.5),
+}
+E, H, INTER = 8, 24, 16
+
+
+def _layer(cfg: RoutingConfig, dtype=torch.float32, seed=0, correction_bias=False) -> FusedMoE:
+    layer = FusedMoE(E, H, INTER, cfg, prefix="model.layers.0.mlp.experts", params_dtype=dtype,
+                     correction_bias=correction_bias)
+    gen = torch.Generator().manual_seed(seed)
+    layer.w13_weight.data.copy_(torch.randn(E, 2 * INTER, H, generator=gen) * 0.2)
+    layer.w2_weight.data.copy_(torch.randn(E, H, INTER, generator=gen) * 0.2)
+    return layer
+
+
+@pytest.fixture
+def as_if_on_cuda(monkeypatch):
+    """The layer's Triton routes taken with CPU tensors (run by the interpreter); records which
+    expert path each call took."""
+    taken = []
+    monkeypatch.setattr(small_m, "available", lambda t: True)
+    monkeypatch.setattr(triton_kernel, "available", lambda t: True)
+    real_small, real_align = small_m.small_m_fused_experts, triton_kernel.align_pairs_by_expert
+
+    def small(*args, **kwargs):
+        taken.append("small")
+        return real_small(*args, **kwargs)
+
+    def grouped(*args, **kwargs):
+        taken.append("grouped")
+        return real_align(*args, **kwargs)
+
+    monkeypatch.setattr(small_m, "small_m_fused_experts", small)
+    monkeypatch.setattr(triton_kernel, "align_pairs_by_expert", grouped)
+    return taken
+
+
+@pytest.mark.parametrize("case", sorted(ROUTINGS))
+def test_layer_small_path_matches_reference_for_one_to_four_tokens(case, as_if_on_cuda):
+    cfg = ROUTINGS[case]
+    layer = _layer(cfg)
+    gen = torch.Generator().manual_seed(7)
+    for m in (1, 2, 3, 4):
+        x = torch.randn(m, H, generator=gen)
+        logits = torch.randn(m, E, generator=gen) * 2
+        weights, ids = select_experts(logits, cfg)
+        got_w, got_ids = small_m.fused_select_experts(logits, cfg)
+        assert torch.equal(got_ids, ids) and got_ids.dtype == torch.int32
+        torch.testing.assert_close(got_w, weights, atol=1e-6, rtol=1e-5)
+        got = layer(x, logits)
+        want = fused_experts_reference(x, layer.w13_weight, layer.w2_weight, weights, ids)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert as_if_on_cuda == ["small"] * 4
+
+
+def test_small_path_bf16_and_split_down_projection():
+    """bf16 weights and activations, and the down projection's reduction split in 3 parts (I = 520
+    is three 256-wide blocks) and summed per token in a fixed order."""
+    gen = torch.Generator().manual_seed(1)
+    e, h, i = 4, 16, 520
+    w13 = (torch.randn(e, 2 * i, h, generator=gen) * 0.2).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, i, generator=gen) * 0.2).to(torch.bfloat16)
+    x = torch.randn(1, h, generator=gen).to(torch.bfloat16)
+    weights, ids = select_experts(torch.randn(1, e, generator=gen), RoutingConfig(top_k=2))
+    got = small_m.small_m_fused_experts(x, w13, w2, weights, ids, splits=3)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, h)
+    torch.testing.assert_close(got, fused_experts_reference(x, w13, w2, weights, ids), atol=3e-2, rtol=3e-2)
+
+
+def test_small_path_is_batch_invariant():
+    """A token's output is bit-identical alone and among other tokens (no atomics, no split that
+    depends on the batch)."""
+    layer = _layer(RoutingConfig(top_k=2))
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, H, generator=gen)
+    weights, ids = select_experts(torch.randn(3, E, generator=gen), layer.routing)
+    args = (layer.w13_weight, layer.w2_weight)
+    batched = small_m.small_m_fused_experts(x, *args, weights, ids)
+    alone = small_m.small_m_fused_experts(x[1:2], *args, weights[1:2], ids[1:2])
+    assert torch.equal(batched[1:2], alone)
+
+
+def test_fused_router_with_correction_bias():
+    cfg = RoutingConfig(top_k=3, scoring="sigmoid", renormalize=True, routed_scaling_factor=2.5)
+    gen = torch.Generator().manual_seed(5)
+    logits, bias = torch.randn(4, 16, generator=gen), torch.randn(16, generator=gen)
+    weights, ids = select_experts(logits, cfg, bias)
+    got_w, got_ids = small_m.fused_select_experts(logits, cfg, bias)
+    assert torch.equal(got_ids, ids)
+    torch.testing.assert_close(got_w, weights, atol=1e-6, rtol=1e-5)
+
+
+def test_layer_takes_the_small_path_only_for_few_pairs(as_if_on_cuda, monkeypatch):
+    assert small_m.use_small_m(64, 128) and not small_m.use_small_m(65, 128) and not small_m.use_small_m(0, 128)
+    assert small_m.use_small_m(16, 8) and not small_m.use_small_m(17, 8)  # at most 2 pairs per expert
+    monkeypatch.setattr(small_m, "SMALL_M_MAX_PAIRS", 4)
+    cfg = RoutingConfig(top_k=2)
+    layer = _layer(cfg)
+    for m in (1, 2, 3):  # 2, 4, 6 pairs
+        x, logits = torch.randn(m, H), torch.randn(m, E)
+        want = fused_experts_reference(x, layer.w13_weight, layer.w2_weight, *select_experts(logits, cfg))
+        torch.testing.assert_close(layer(x, logits), want, atol=1e-4, rtol=1e-4)
+    assert as_if_on_cuda == ["small", "small", "grouped"]
+    grouped = RoutingConfig(top_k=2, num_expert_group=4, topk_group=2)
+    assert not small_m.fused_router_applies(torch.randn(1, 8), grouped)  # expert groups: the torch router
+
+
+def test_path_argument_is_checked():
+    w13, w2 = torch.zeros(2, 8, 4), torch.zeros(2, 4, 4)
+    with pytest.raises(ValueError, match="'fast'"):
+        triton_kernel.triton_fused_experts(torch.zeros(1, 4), w13, w2, torch.ones(1, 1),
+                                           torch.zeros(1, 1, dtype=torch.int32), path="fast")
