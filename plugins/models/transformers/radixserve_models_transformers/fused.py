@@ -56,11 +56,11 @@ def _no_extra(module: nn.Module) -> dict:
 
 
 # Forward as LlamaAttention's (and its module's apply_rotary_pos_emb/rotate_half as Llama's); the
-# value: the extra keyword arguments the class passes to the attention function.
+# value: the extra keyword arguments the class passes to the attention function. Not here: Helium
+# (same forward, interleaved rotary), Qwen3/Olmo2 (q/k norms), Glm (partial interleaved rotary).
 LLAMA_ATTENTION_CLASSES: dict[str, Callable[[nn.Module], dict]] = {
     "LlamaAttention": _no_extra,
     "GraniteAttention": _no_extra,
-    "HeliumAttention": _no_extra,
     "Qwen2MoeAttention": _no_extra,
     "MistralAttention": lambda m: {"sliding_window": getattr(m.config, "sliding_window", None)},
     "Qwen2Attention": lambda m: {"sliding_window": m.sliding_window},
