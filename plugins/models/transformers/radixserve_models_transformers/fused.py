@@ -187,13 +187,12 @@ def _fuse_linears(parts: list[nn.Linear]) -> nn.Linear | None:
            for p in parts) or len({p.bias is None for p in parts}) != 1:
         return None
     bias = parts[0].bias is not None
-    fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=bias,
-                      device=first.device, dtype=first.dtype)
+    # built on meta, then given the concatenations: one allocation per fused parameter
+    fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=bias, device="meta")
     with torch.no_grad():
-        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
         if bias:
-            fused.bias.copy_(torch.cat([p.bias for p in parts]))
-    fused.requires_grad_(False)
+            fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
     return fused
 
 
@@ -330,7 +329,12 @@ def fuse_modules(model: nn.Module) -> FusionReport:
             return report
     except StopIteration:
         return report
-    for name, module in list(model.named_modules()):
+    # by name, looked up one at a time: a replaced module (and its unfused weights) is freed at once
+    for name in [n for n, _ in model.named_modules()]:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:  # inside a module replaced already
+            continue
         cls = type(module).__name__
         prefix = f"{name}." if name else ""
         if cls in RMSNORM_CLASSES:
@@ -350,11 +354,8 @@ def fuse_modules(model: nn.Module) -> FusionReport:
                 logger.warning("%s at %s disagrees with its fused replacement on a random input: kept", cls, name)
             continue
         parent_name, _, attr = name.rpartition(".")
-        try:
-            parent = model.get_submodule(parent_name) if parent_name else model
-        except AttributeError:  # inside a module replaced already
-            continue
-        setattr(parent, attr, ours)
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, ours)
+        del module
         report.replaced[f"{cls} -> {kind}"] += 1
     if report.shards and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the unfused copies' blocks, so the KV pool can size itself on them
