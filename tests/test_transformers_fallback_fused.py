@@ -122,3 +122,23 @@ def test_fused_parameters_load_from_unfused_tensors_and_only_when_complete(tiny_
     bad = {**state, "model.layers.0.self_attn.k_proj.weight": torch.zeros(3, 3)}
     with pytest.raises(ValueError, match="model.layers.0.self_attn.k_proj.weight"):
         load_hf_weights(model.hf, bad.items(), model._shards)
+
+
+def test_fused_forward_has_no_host_sync_so_it_can_be_graph_captured(tiny_llama_dir):
+    """The fused model moved to the meta device after construction: any `.item()` or branch on a
+    tensor's value in the fused modules would raise (the graph-safety check the unfused path has)."""
+    from radixserve.state import ForwardBatch, ForwardMode
+    from test_transformers_fallback import _ShapeOnlyBackend
+
+    model = TransformersForCausalLM(_config(tiny_llama_dir("llama")))
+    assert isinstance(model.hf.model.layers[0].self_attn, FusedQKVAttention)
+    model.to("meta")
+    meta = lambda n: torch.empty(n, dtype=torch.int64, device="meta")  # noqa: E731
+    batch = ForwardBatch(mode=ForwardMode.DECODE, batch_size=3, input_ids=meta(3), positions=meta(3),
+                         req_pool_indices=meta(3), seq_lens=meta(3), prefix_lens=meta(3), extend_lens=meta(3),
+                         out_cache_loc=meta(3), req_to_token_pool=None, kv_pool=None,
+                         attn_backend=_ShapeOnlyBackend(4, 2, 16), seq_lens_cpu=[4, 5, 6], prefix_lens_cpu=[3, 4, 5],
+                         extend_lens_cpu=[1, 1, 1])
+    with torch.inference_mode():
+        logits = model.compute_logits(model(batch.input_ids, batch.positions, batch))
+    assert logits.shape == (3, 512) and logits.device.type == "meta"
