@@ -121,7 +121,7 @@ def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     if kernel is None:
         kernel = triton_ops.available(q) and b == 1 and cos.dtype == q.dtype and cos.shape[-1] == head_dim
     if kernel:
-        q_rot, k_rot = triton_ops.rotary(q.view(n, -1), k.view(n, -1), cos.view(n, -1), sin.view(n, -1),
+        q_rot, k_rot = triton_ops.rotary(q.reshape(n, -1), k.reshape(n, -1), cos.reshape(n, -1), sin.reshape(n, -1),
                                          head_dim, head_dim)
         return q_rot.view(b, n, -1, head_dim), k_rot.view(b, n, -1, head_dim)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
