@@ -26,6 +26,7 @@ from radixserve.state import ForwardBatch
 
 from radixserve_models_transformers import attention
 from radixserve_models_transformers.attention import ForwardContext, Probing, UnsupportedModelError
+from radixserve_models_transformers.fused import fuse_modules
 from radixserve_models_transformers.weights import load_hf_weights
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,11 @@ class TransformersForCausalLM(Model):
         attention.register()
         self.config = config
         self.hf = _build(config)
+        # known modules -> fused layers, each checked against the module it replaces (fused.py)
+        fusion = fuse_modules(self.hf)
+        self._shards = fusion.shards
+        if fusion.replaced or fusion.kept:
+            logger.info("transformers fallback %s: %s", type(self.hf).__name__, fusion.summary())
         self.ctx = ForwardContext()
         head = self.hf.get_output_embeddings()
         if head is None or not _base_candidates(self.hf):
@@ -99,7 +105,8 @@ class TransformersForCausalLM(Model):
         return self._dims
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return {f"hf.{name}" for name in load_hf_weights(self.hf, _without_mtp_layers(weights, self.config))}
+        loaded = load_hf_weights(self.hf, _without_mtp_layers(weights, self.config), self._shards)
+        return {f"hf.{name}" for name in loaded}
 
     # ---- hidden-state capture (drafters: EAGLE-3, DeepSeek MTP) ------------------------------
     supports_aux_hidden_states = True

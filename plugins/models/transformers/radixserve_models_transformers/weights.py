@@ -8,28 +8,49 @@ they stream past. The rest (checkpoints in an older layout: per-expert MoE weigh
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from radixserve_models_transformers.fused import Shard
 
 # buffers some checkpoints carry that every model recomputes
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached", ".masked_bias")
 
 
-def load_hf_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+def load_hf_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                    shards: Mapping[str, Shard] | None = None) -> set[str]:
     """Fill `model`'s parameters; return the names (as in `model.named_parameters()`) loaded.
+    `shards`: checkpoint names that fill rows of a fused parameter (fused.py); a fused parameter
+    counts as loaded once every shard of it arrived.
 
     Raises KeyError naming checkpoint tensors that match nothing, ValueError on a shape mismatch."""
     params = dict(model.named_parameters())
     aliases = _tied_aliases(model)
     buffers = dict(model.named_buffers())
+    shards = shards or {}
+    pending = {}  # fused parameter -> checkpoint names still to come
+    for source, shard in shards.items():
+        pending.setdefault(shard.target, set()).add(source)
     loaded: set[str] = set()
     rest: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, tensor in weights:
             target = aliases.get(name, name)
             param = params.get(target)
-            if param is not None:
+            shard = shards.get(name) if param is None else None
+            if shard is not None:
+                rows = params[shard.target].narrow(0, shard.start, shard.size)
+                if tuple(rows.shape) != tuple(tensor.shape):
+                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, its rows of the "
+                                     f"fused parameter {shard.target!r} {tuple(rows.shape)}")
+                rows.copy_(tensor)
+                pending[shard.target].discard(name)
+                if not pending[shard.target]:
+                    loaded.add(shard.target)
+            elif param is not None:
                 if tuple(param.shape) != tuple(tensor.shape):
                     raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model's "
                                      f"parameter {target!r} {tuple(param.shape)}")
