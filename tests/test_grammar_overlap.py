@@ -226,3 +226,27 @@ def test_the_model_runner_gives_the_same_constrained_outputs_with_overlap_on_and
     assert re.fullmatch(REGEXES["r1"], text(tok, got["r1"]["ids"]))
     assert len(got["p0"]["ids"]) == 40 and len(got["p1"]["ids"]) == 40
     assert s.metrics.overlapped_batches > 0 and s.flush_cache()
+
+
+def test_waiting_for_the_mask_on_another_thread_is_refused_not_raced(tok, caplog):
+    """A runner that calls token_bitmask_ready() off the launching thread would process the previous
+    step concurrently with the scheduler: such batches fail with an error that says so (and the
+    failure isolation re-runs the request, whose output stays valid)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from radixserve.testing import ToyRunner
+    from test_scheduler import _with_runner
+
+    class OtherThreadRunner(ToyRunner):
+        def launch_batch(self, sb):
+            if sb.token_bitmask_ready is not None:
+                with ThreadPoolExecutor(1) as pool:
+                    pool.submit(sb.token_bitmask_ready).result()
+            return super().launch_batch(sb)
+
+    s = make_scheduler(tok, True)
+    _with_runner(s, OtherThreadRunner(vocab_size=VOCAB, eos_token_ids=(EOS,)))
+    add(s, "j1", [3, 4, 6], max_new=60, json_schema=json.dumps(SCHEMAS["j1"]))
+    got = run(s)
+    assert set(json.loads(text(tok, got["j1"]["ids"]))) == {"name", "ok"}
+    assert "must be called on the thread that called launch_batch" in caplog.text

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
@@ -948,8 +949,12 @@ class Scheduler:
         if not any(it.req.grammar is not None or it.req.grammar_start is not None for it in items):
             return None
         bitmask = self._new_bitmask(len(items))
+        launching = threading.get_ident()
 
         def ready() -> None:
+            if threading.get_ident() != launching:  # it processes prev: the scheduler's state, one thread
+                raise RuntimeError("token_bitmask_ready() of a batch launched ahead must be called on the thread "
+                                   "that called launch_batch, before launch_batch returns")
             prev_step.process()
             for i, it in enumerate(items):
                 if it.req.grammar is not None and not it.req.finished:
