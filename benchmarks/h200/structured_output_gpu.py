@@ -10,8 +10,11 @@ so the grammar backend indexes a vocabulary as large as Llama-3's and every samp
    max_new_tokens 256) in rounds, constrained by a schema whose documents are longer than 256
    tokens (an array of at least 400 small objects: the grammar never ends a request early, so
    both kinds make exactly 64 x 256 tokens), alternating with the same requests unconstrained;
-   medians of the rounds' output tok/s.
-2. Validity: 64 requests with schemas whose documents are bounded (enums, bounded integers,
+   medians of the rounds' output tok/s; from the server's stats, how many of the constrained
+   rounds' decode batches were launched ahead (overlap scheduling, on by default on CUDA).
+2. TTFT: one request at a time, a 1-token /generate unconstrained vs with a schema never seen
+   before (compiled inside the measured time): medians (target: within 50 ms).
+3. Validity: 64 requests with schemas whose documents are bounded (enums, bounded integers,
    maxLength strings, maxItems arrays, nesting, anyOf), max_new_tokens large enough for the
    longest document: each output must parse and validate (jsonschema when installed, else parsed
    and checked by hand for the fields).
@@ -64,16 +67,26 @@ def generate(client, ids: list[int], **sp) -> dict:
     return r.json()
 
 
+def scheduler_stats(client) -> dict:
+    return client.get("/server_info", timeout=60).json().get("stats", {})
+
+
 def one_round(client, prompts: list[list[int]], constrained: bool, max_new: int) -> dict:
     sp = {"max_new_tokens": max_new, "ignore_eos": True}
     if constrained:
         sp["json_schema"] = json.dumps(THROUGHPUT_SCHEMA)
+    before = scheduler_stats(client)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(prompts)) as pool:
         outs = list(pool.map(lambda p: generate(client, p, **sp), prompts))
     dt = time.perf_counter() - t0
+    after = scheduler_stats(client)
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    return {"tok_s": round(tokens / dt, 1), "tokens": tokens, "s": round(dt, 3)}
+    # decode batches launched ahead (overlap scheduling) out of all decode batches of the round
+    decodes = after.get("decode_batches", 0) - before.get("decode_batches", 0)
+    ahead = after.get("overlapped_batches", 0) - before.get("overlapped_batches", 0)
+    return {"tok_s": round(tokens / dt, 1), "tokens": tokens, "s": round(dt, 3), "decode_batches": decodes,
+            "launched_ahead": ahead}
 
 
 def throughput(client, args) -> dict:
@@ -85,10 +98,41 @@ def throughput(client, args) -> dict:
     for i in range(args.rounds):  # alternating, who goes first swapped each round
         for kind in ((False, True) if i % 2 == 0 else (True, False)):
             (constrained if kind else plain).append(one_round(client, prompts, kind, args.max_new))
+        print(f"round {i + 1}/{args.rounds}: unconstrained {plain[-1]['tok_s']} tok/s, constrained "
+              f"{constrained[-1]['tok_s']} tok/s ({constrained[-1]['launched_ahead']}/{constrained[-1]['decode_batches']} "
+              "constrained decode batches launched ahead)", flush=True)
     p, c = statistics.median(r["tok_s"] for r in plain), statistics.median(r["tok_s"] for r in constrained)
     return {"batch": args.batch, "max_new_tokens": args.max_new, "rounds": args.rounds,
             "unconstrained": plain, "constrained": constrained, "median_unconstrained_tok_s": p,
             "median_constrained_tok_s": c, "constrained_over_unconstrained": round(c / p, 4)}
+
+
+def first_token(client, args) -> dict:
+    """Time to first token, one request at a time: a 1-token /generate (its latency is the
+    prefill and the first sampled token) unconstrained vs with a schema never seen before (a fresh
+    property name each time, so its grammar is compiled inside the measured time)."""
+    rng = random.Random(2)
+    ids = [rng.randrange(300, 30000) for _ in range(args.input_len)]
+
+    def timed(**sp) -> float:
+        t0 = time.perf_counter()
+        generate(client, ids, max_new_tokens=1, **sp)
+        return 1000 * (time.perf_counter() - t0)
+
+    def fresh() -> str:
+        return json.dumps({"type": "object", "properties": {f"f{rng.getrandbits(40):x}": {"type": "string"},
+                                                            "n": {"type": "integer"}}, "required": ["n"]})
+
+    timed()
+    timed(json_schema=fresh())
+    plain, uncached = [], []
+    for _ in range(args.trials):
+        plain.append(timed())
+        uncached.append(timed(json_schema=fresh()))
+    p, u = statistics.median(plain), statistics.median(uncached)
+    return {"trials": args.trials, "unconstrained_ms": [round(x, 1) for x in plain],
+            "uncached_grammar_ms": [round(x, 1) for x in uncached], "median_unconstrained_ms": round(p, 1),
+            "median_uncached_grammar_ms": round(u, 1), "median_difference_ms": round(u - p, 1)}
 
 
 def validity(client, args) -> dict:
@@ -126,6 +170,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--trials", type=int, default=5, help="TTFT: requests of each kind")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
     if args.make_tokenizer:
@@ -134,12 +179,23 @@ def main() -> None:
     import httpx
 
     with httpx.Client(base_url=args.base_url) as client:
-        summary = {"throughput": throughput(client, args), "validity": validity(client, args)}
+        info = client.get("/server_info", timeout=60).json()
+        overlap = info.get("config", {}).get("runtime", {}).get("overlap")
+        print(f"server up; runtime.overlap={overlap} (None: on for CUDA)", flush=True)
+        summary = {"overlap": overlap, "throughput": throughput(client, args)}
+        summary["ttft"] = first_token(client, args)
+        print("ttft done", flush=True)
+        summary["validity"] = validity(client, args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "structured_output_gpu.json").write_text(json.dumps(summary, indent=1))
-    t, v = summary["throughput"], summary["validity"]
+    t, v, f = summary["throughput"], summary["validity"], summary["ttft"]
+    ahead = sum(r["launched_ahead"] for r in t["constrained"])
+    decodes = sum(r["decode_batches"] for r in t["constrained"])
     print(f"batch {t['batch']} decode: unconstrained {t['median_unconstrained_tok_s']} tok/s, constrained "
-          f"{t['median_constrained_tok_s']} tok/s, ratio {t['constrained_over_unconstrained']} (target >= 0.95)")
+          f"{t['median_constrained_tok_s']} tok/s, ratio {t['constrained_over_unconstrained']} (target >= 0.95); "
+          f"constrained decode batches launched ahead: {ahead}/{decodes}")
+    print(f"TTFT (1-token /generate, {args.input_len}-token prompt): unconstrained {f['median_unconstrained_ms']} ms, "
+          f"uncached grammar {f['median_uncached_grammar_ms']} ms, difference {f['median_difference_ms']} ms (target <= 50)")
     print(f"validity: {v['valid']}/{v['requests']} valid ({v['checked_with']})")
     if v["failures"]:
         print(json.dumps(v["failures"], indent=1))

@@ -260,7 +260,9 @@ class ScheduledBatch:
     # for request i; every bit set for unconstrained rows), and the grammar backend's function that
     # masks the logits with it (`GrammarBackend.apply_bitmask_inplace`); None when no row is constrained.
     # The scheduler fills the bitmask in a thread while the forward runs: call `token_bitmask_ready()`
-    # (it waits, and re-raises a fill error) before reading `token_bitmask`.
+    # (it waits, and re-raises a fill error) before reading `token_bitmask`, after queueing the forward,
+    # on the thread that called `launch_batch` and before it returns: for a batch launched ahead
+    # (`future_inputs`) it runs the scheduler's processing of the previous batch (its `result()`).
     token_bitmask: torch.Tensor | None = None
     apply_bitmask: Callable[[torch.Tensor, torch.Tensor], None] | None = None
     token_bitmask_ready: Callable[[], Any] | None = None

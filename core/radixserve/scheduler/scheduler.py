@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -91,6 +93,29 @@ class _Item:
         )
 
 
+class _PrevStep:
+    """The in-flight step during the launch of the decode that follows it: `process()` (once)
+    waits for its tokens and processes them. A constrained batch launched ahead calls it from its
+    `token_bitmask_ready` (its mask needs those tokens); otherwise the scheduler calls it after the
+    launch."""
+
+    def __init__(self, scheduler: Scheduler, step: tuple[list[_Item], LaunchedBatch]) -> None:
+        self._scheduler = scheduler
+        self._step = step
+        self.done = False
+
+    def process(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        items, launched = self._step
+        result = launched.result()
+        # called inside the runner's launch (inference mode): tensors made here live on, as usual
+        with torch.inference_mode(False):
+            self._scheduler._passed(items)
+            self._scheduler._process(items, result)
+
+
 class Scheduler:
     """Continuous batching over one ModelRunner.
 
@@ -119,7 +144,10 @@ class Scheduler:
     computes. Only a decode that continues a decode is launched ahead (also while requests wait for
     a running slot): its input tokens are the in-flight batch's device output (`FutureTokens`).
     Anything else (admission, chunks, retraction, penalties that read the token history) first
-    waits for the in-flight batch. A request that
+    waits for the in-flight batch. A decode with constrained rows is launched ahead too: the
+    in-flight batch is processed (the matchers accept its tokens) inside the new batch's
+    `token_bitmask_ready`, which the runner calls after queueing the forward and before sampling,
+    and then its bitmask is filled. A request that
     stops on EOS in step N has already been launched in step N+1; that extra token is dropped.
     Between steps `req.kv_len` counts every KV slot assigned to the request, launched or done.
 
@@ -127,9 +155,9 @@ class Scheduler:
     request with a json_schema/regex/ebnf constraint waits in the queue, without holding up the
     others, until its grammar is compiled (a compile error ends it with a 400); each step the
     scheduler fills a token bitmask for its row (`ScheduledBatch.token_bitmask`, in a thread while
-    the forward runs), the runner masks the logits with it, and the sampled token is accepted into the request's matcher; when the
-    matcher terminates the request ends (finish reason "stop"). Overlap does not launch a decode
-    ahead while a constrained request runs: its mask needs the previous token, on the host.
+    the forward runs; with overlap, after the previous step's processing, see above), the runner
+    masks the logits with it, and the sampled token is accepted into the request's matcher; when the
+    matcher terminates the request ends (finish reason "stop").
     """
 
     def __init__(
@@ -190,6 +218,7 @@ class Scheduler:
         self.grammar = grammar
         self._grammar_pending: dict[str, Future] = {}  # rid -> compiled-grammar future (request waits)
         self._mask_pool: ThreadPoolExecutor | None = None  # fills token bitmasks while forwards run
+        self._pin_bitmasks = str(getattr(runner, "device", "cpu")).startswith("cuda")
 
     @classmethod
     def from_config(cls, config: Config, runner: Any, registry: Any, tokenizer: Any = None) -> Scheduler:
@@ -359,17 +388,21 @@ class Scheduler:
         prev, self._in_flight = self._in_flight, None
         if prev is not None:
             ahead = None
+            prev_step = _PrevStep(self, prev)
             try:
                 ahead = self._lookahead_decode(prev)
                 if ahead is not None:
                     items, future = ahead
-                    self._in_flight = (items, self.runner.launch_batch(self._to_scheduled_batch(items, future)))
-                result = prev[1].result()
+                    sb = self._to_scheduled_batch(items, future, prev_step)
+                    self._in_flight = (items, self.runner.launch_batch(sb))
+                # a constrained ahead batch already processed prev, before its sampling
+                result = None if prev_step.done else prev[1].result()
             except Exception:  # the ahead batch reads prev's tokens: both are untrusted
                 self._isolate_failure([prev[0]] + ([ahead[0]] if ahead is not None else []))
                 return
-            self._passed(prev[0])
-            self._process(prev[0], result)  # the device is busy with the next batch meanwhile
+            if result is not None:
+                self._passed(prev[0])
+                self._process(prev[0], result)  # the device is busy with the next batch meanwhile
             if ahead is not None:
                 return
         items = self._schedule()
@@ -458,7 +491,7 @@ class Scheduler:
             n_out = len(req.output_ids) + 1  # counting the in-flight token
             if n_out >= req.sampling_params.max_new_tokens or len(req.origin_input_ids) + n_out >= self.context_len:
                 continue  # its in-flight token is its last
-            if sampling_reads_history(req) or req.grammar is not None or req.grammar_start is not None:
+            if sampling_reads_history(req):
                 return None  # its next row needs the in-flight token on the host
             reqs.append(req)
             rows.append(i)
@@ -837,7 +870,11 @@ class Scheduler:
         req.last_node = None
 
     # ---- running a batch --------------------------------------------------------------------
-    def _to_scheduled_batch(self, items: list[_Item], future: FutureTokens | None = None) -> ScheduledBatch:
+    def _to_scheduled_batch(
+        self, items: list[_Item], future: FutureTokens | None = None, prev_step: _PrevStep | None = None
+    ) -> ScheduledBatch:
+        """`prev_step`: the in-flight step this batch (a decode launched ahead, reading `future`)
+        follows, still to be processed."""
         input_ids: list[int] = []
         for it in items:
             r = it.req
@@ -864,7 +901,10 @@ class Scheduler:
         else:
             self.metrics.prefill_batches += 1
         sample_mask = [it.completes_prompt for it in items]
-        bitmask = self._token_bitmask(items, sample_mask)
+        if prev_step is None:
+            bitmask = self._token_bitmask(items, sample_mask)
+        else:
+            bitmask = self._bitmask_after(items, prev_step)
         return ScheduledBatch(
             mode=ForwardMode.DECODE if all_decode and not verify else ForwardMode.EXTEND,
             reqs=[it.req for it in items],
@@ -878,17 +918,17 @@ class Scheduler:
             spec=SpecVerify([it.draft.parents for it in items]) if verify else None,
             token_bitmask=bitmask[0] if bitmask else None,
             apply_bitmask=self.grammar.ready_backend.apply_bitmask_inplace if bitmask else None,
-            token_bitmask_ready=bitmask[1].result if bitmask else None,
+            token_bitmask_ready=bitmask[1] if bitmask else None,
         )
 
-    def _token_bitmask(self, items: list[_Item], sample_mask: list[bool]) -> tuple[torch.Tensor, Future] | None:
+    def _token_bitmask(self, items: list[_Item], sample_mask: list[bool]) -> tuple[torch.Tensor, Callable] | None:
         """The allowed next tokens of each constrained row that samples this step, filled in a
         thread while the forward runs (the matchers already accepted every token up to this step),
-        with the future of that fill; None when no such row."""
+        with the function that waits for that fill; None when no such row."""
         rows = [i for i, it in enumerate(items) if sample_mask[i] and it.req.grammar is not None]
         if not rows:
             return None
-        bitmask = self.grammar.ready_backend.allocate_bitmask(len(items))
+        bitmask = self._new_bitmask(len(items))
         matchers = [(i, items[i].req.grammar) for i in rows]
 
         def fill() -> None:
@@ -897,7 +937,36 @@ class Scheduler:
 
         if self._mask_pool is None:  # one thread: a matcher is only ever used by one thread at a time
             self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
-        return bitmask, self._mask_pool.submit(fill)
+        return bitmask, self._mask_pool.submit(fill).result
+
+    def _bitmask_after(self, items: list[_Item], prev_step: _PrevStep) -> tuple[torch.Tensor, Callable] | None:
+        """The bitmask of a decode launched ahead of the in-flight step `prev_step`, whose tokens
+        the matchers have not accepted yet; None when no row is (or may become, DeferredGrammar)
+        constrained. The runner calls the returned function on the scheduler's thread once the
+        forward is queued and before sampling: it processes `prev_step` (the matchers accept its
+        tokens, requests finish) while the device computes, then fills the rows still constrained.
+        Rows whose request finished in `prev_step` keep every token allowed (their token is dropped)."""
+        if not any(it.req.grammar is not None or it.req.grammar_start is not None for it in items):
+            return None
+        bitmask = self._new_bitmask(len(items))
+        launching = threading.get_ident()
+
+        def ready() -> None:
+            if threading.get_ident() != launching:  # it processes prev: the scheduler's state, one thread
+                raise RuntimeError("token_bitmask_ready() of a batch launched ahead must be called on the thread "
+                                   "that called launch_batch, before launch_batch returns")
+            prev_step.process()
+            for i, it in enumerate(items):
+                if it.req.grammar is not None and not it.req.finished:
+                    it.req.grammar.fill_bitmask(bitmask, i)
+
+        return bitmask, ready
+
+    def _new_bitmask(self, batch_size: int) -> torch.Tensor:
+        bitmask = self.grammar.ready_backend.allocate_bitmask(batch_size)
+        if self._pin_bitmasks:  # a pinned buffer: the runner's copy to the device does not block the host
+            bitmask = bitmask.pin_memory()
+        return bitmask
 
     def _process(self, items: list[_Item], result: BatchResult) -> None:
         now_running: list[Req] = []
