@@ -1,0 +1,209 @@
+"""CUDA graphs of the EAGLE draft's small steps, so a propose at batch 1 costs a few graph
+launches instead of ~40 kernel launches per draft step.
+
+Two computations are captured, each on first use per shape bucket (the draft KV pool is the
+drafter's own; the target's graphs are not involved):
+
+- `ChainGraph` (batch bucket B, KV width bucket W, steps): the `steps - 1` chain steps after the
+  root, for up to B requests at once. Static inputs: each request's cached draft keys / values
+  padded to W columns, its cached length, root position, root output and first draft token.
+- `PendingGraph` (row bucket R, KV width bucket W): the request's newly verified rows (one
+  request, at most R rows) run into the draft; outputs the rows' keys / values (copied into the
+  pool after the replay) and the last row's output and draft log-probabilities.
+
+Padding: padded requests have cached length 0, position 0, token 0 and a zero feature; padded
+verified rows come after the real ones. Every row attends only to columns up to its own (a
+boolean mask built inside the graph from the static lengths), so neither padding nor stale
+columns beyond a request's length reach a real row. Shapes past the largest bucket run eagerly.
+
+The graphs read the pool only through the static buffers (filled before each replay), so the pool
+may grow (new tensors) without invalidating them.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from radixserve.cuda_graph_runner import CudaGraph, EagerGraph
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+ROW_BUCKETS = (1, 2, 4, 8, 16)
+WIDTH_STEP = 256  # KV widths are captured in multiples of this
+MAX_WIDTH = 8192
+MAX_KV_ROWS = 32768  # B * W of one chain graph's static keys (memory bound)
+MAX_GRAPHS = 64
+
+
+def bucket(n: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest size >= n, or None when n exceeds them all."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+def width_bucket(n: int, step: int = WIDTH_STEP, limit: int = MAX_WIDTH) -> int | None:
+    """`n` KV columns rounded up to a multiple of `step`, or None above `limit`."""
+    w = max(step, -(-n // step) * step)
+    return w if w <= limit else None
+
+
+def chain_key(lens: list[int], steps: int) -> tuple[int, int, int] | None:
+    """(B, W, steps) of the chain graph for requests with `lens` cached draft rows, or None when
+    it would be too large (then the chain runs eagerly)."""
+    b = bucket(len(lens), BATCH_BUCKETS)
+    w = width_bucket(max(lens) + steps)
+    if b is None or w is None or b * w > MAX_KV_ROWS:
+        return None
+    return b, w, steps
+
+
+def pending_key(cached: int, rows: int) -> tuple[int, int] | None:
+    """(R, W) of the pending-rows graph for a request with `cached` draft rows and `rows` new
+    ones, or None (eager)."""
+    r = bucket(rows, ROW_BUCKETS)
+    if r is None:
+        return None
+    w = width_bucket(cached + r)
+    return None if w is None else (r, w)
+
+
+@dataclass
+class ChainInputs:
+    keys: list[torch.Tensor]  # per layer [B, W, KV, d]
+    values: list[torch.Tensor]
+    lens: torch.Tensor  # [B] cached rows per request
+    root_pos: torch.Tensor  # [B]
+    root_out: torch.Tensor  # [B, H]
+    tok: torch.Tensor  # [B] first draft token (target ids)
+
+
+@dataclass
+class PendingInputs:
+    keys: list[torch.Tensor]  # per layer [W, KV, d]: the request's cached rows, then the new ones
+    values: list[torch.Tensor]
+    cached: torch.Tensor  # [1] the request's cached rows
+    last: torch.Tensor  # [1] index of the last real new row
+    ids: torch.Tensor  # [R] tokens (target ids)
+    pos: torch.Tensor  # [R]
+    feats: torch.Tensor  # [R, F]
+
+
+class DraftGraphs:
+    """The drafter's captured graphs. `chain_fn(inputs, steps) -> tokens [B, steps]` and
+    `pending_fn(inputs) -> (last row's output [1, H], its log-probs [V])` are the drafter's
+    computations over static inputs; this class owns the buffers, the buckets and the graphs.
+
+    `graph_factory` defaults to CUDA graphs on a CUDA device and to `EagerGraph` elsewhere (CPU
+    tests exercise the same bookkeeping)."""
+
+    def __init__(self, num_layers: int, kv_shape: tuple[int, int], hidden_size: int, dtype: torch.dtype,
+                 device: torch.device, chain_fn: Callable, pending_fn: Callable,
+                 graph_factory: Callable[[], EagerGraph | CudaGraph] | None = None) -> None:
+        self.num_layers, self.kv_shape, self.hidden_size = num_layers, kv_shape, hidden_size
+        self.dtype, self.device = dtype, torch.device(device)
+        self.chain_fn, self.pending_fn = chain_fn, pending_fn
+        cuda = self.device.type == "cuda"
+        self._pool = torch.cuda.graph_pool_handle() if cuda else None
+        self.graph_factory = graph_factory or ((lambda: CudaGraph(self._pool)) if cuda else EagerGraph)
+        self.chains: dict[tuple, tuple[EagerGraph | CudaGraph, ChainInputs]] = {}
+        self.pendings: dict[tuple, tuple[EagerGraph | CudaGraph, PendingInputs]] = {}
+        self.replays = 0  # graph replays so far (tests, benchmarks)
+
+    def _room(self) -> bool:
+        return len(self.chains) + len(self.pendings) < MAX_GRAPHS
+
+    def _kv(self, *lead: int) -> list[torch.Tensor]:
+        return [torch.zeros(*lead, *self.kv_shape, dtype=self.dtype, device=self.device)
+                for _ in range(self.num_layers)]
+
+    # ---- chains ---------------------------------------------------------------------------------
+    def chain(self, pool_k: list[torch.Tensor], pool_v: list[torch.Tensor], slots: list[torch.Tensor],
+              root_pos: list[int], root_out: torch.Tensor, tok: torch.Tensor, steps: int) -> torch.Tensor | None:
+        """Draft tokens [b, steps] for b requests (their cached `slots`, root positions, root
+        outputs [b, H] and first tokens [b]) through the graph of their bucket; None when the
+        shape has no graph (the caller runs eagerly)."""
+        b = len(slots)
+        key = chain_key([len(s) for s in slots], steps)
+        if key is None:
+            return None
+        if key not in self.chains:
+            if not self._room():
+                return None
+            self.chains[key] = self._capture_chain(*key)
+        graph, inp = self.chains[key]
+        for layer in range(self.num_layers):
+            for i, s in enumerate(slots):
+                inp.keys[layer][i, : len(s)] = pool_k[layer][s]
+                inp.values[layer][i, : len(s)] = pool_v[layer][s]
+        inp.lens.zero_()
+        inp.root_pos.zero_()
+        inp.root_out.zero_()
+        inp.tok.zero_()
+        inp.lens[:b].copy_(torch.tensor([len(s) for s in slots], dtype=torch.int64), non_blocking=True)
+        inp.root_pos[:b].copy_(torch.tensor(root_pos, dtype=torch.int64), non_blocking=True)
+        inp.root_out[:b].copy_(root_out)
+        inp.tok[:b].copy_(tok)
+        self.replays += 1
+        return graph.replay()[:b]
+
+    def _capture_chain(self, bs: int, width: int, steps: int):
+        inp = ChainInputs(
+            self._kv(bs, width), self._kv(bs, width),
+            torch.zeros(bs, dtype=torch.int64, device=self.device), torch.zeros(bs, dtype=torch.int64, device=self.device),
+            torch.zeros(bs, self.hidden_size, dtype=self.dtype, device=self.device),
+            torch.zeros(bs, dtype=torch.int64, device=self.device),
+        )
+        graph = self.graph_factory()
+        with torch.inference_mode():
+            graph.capture(lambda: self.chain_fn(inp, steps))
+        return graph, inp
+
+    # ---- verified rows --------------------------------------------------------------------------
+    def pending(self, pool_k: list[torch.Tensor], pool_v: list[torch.Tensor], cached: torch.Tensor,
+                new: torch.Tensor, ids: list[int], pos: list[int], feats: torch.Tensor):
+        """Run one request's `len(ids)` new rows (features `feats` [r, F]) after its `cached`
+        slots; writes their keys / values into the pool at slots `new` and returns (the last
+        row's output [1, H], its draft log-probs [V]) as fresh tensors; None when the shape has
+        no graph."""
+        n, r = len(cached), len(ids)
+        key = pending_key(n, r)
+        if key is None:
+            return None
+        key = (*key, feats.shape[1])
+        if key not in self.pendings:
+            if not self._room():
+                return None
+            self.pendings[key] = self._capture_pending(*key)
+        graph, inp = self.pendings[key]
+        for layer in range(self.num_layers):
+            inp.keys[layer][:n] = pool_k[layer][cached]
+            inp.values[layer][:n] = pool_v[layer][cached]
+        inp.cached.fill_(n)
+        inp.last.fill_(r - 1)
+        inp.ids.zero_()
+        inp.pos.zero_()
+        inp.feats.zero_()
+        inp.ids[:r].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
+        inp.pos[:r].copy_(torch.tensor(pos, dtype=torch.int64), non_blocking=True)
+        inp.feats[:r].copy_(feats)
+        self.replays += 1
+        out, lp = graph.replay()
+        for layer in range(self.num_layers):
+            pool_k[layer][new] = inp.keys[layer][n : n + r]
+            pool_v[layer][new] = inp.values[layer][n : n + r]
+        return out.clone(), lp.clone()
+
+    def _capture_pending(self, rows: int, width: int, feat_width: int):
+        z = torch.zeros
+        inp = PendingInputs(
+            self._kv(width), self._kv(width),
+            z(1, dtype=torch.int64, device=self.device), z(1, dtype=torch.int64, device=self.device),
+            z(rows, dtype=torch.int64, device=self.device), z(rows, dtype=torch.int64, device=self.device),
+            z(rows, feat_width, dtype=self.dtype, device=self.device),
+        )
+        graph = self.graph_factory()
+        with torch.inference_mode():
+            graph.capture(lambda: self.pending_fn(inp))
+        return graph, inp
