@@ -8,6 +8,13 @@ step run into the draft KV, then `num_steps` tree levels) and the rest of the sc
 verify forward, acceptance, bookkeeping). A random head is rarely accepted, so each propose runs
 one new row plus the tree; the cost of the tree steps does not depend on acceptance.
 
+CUDA graphs: the target's decode graphs record the hidden rows the draft reads (recaptured when
+the drafter asks), so chain verifies (decode rows on triton) and plain decode steps replay them;
+the draft's verified-row step and its chain steps replay the drafter's own graphs
+(`--draft-cuda-graph off` runs the draft eagerly, for comparison). Reported per layout: propose
+ms, verify step ms (the step without its propose), the plain decode step ms (no drafter), the
+ratio, the share of verify steps that replayed a target graph and the draft graph replays.
+
     python benchmarks/h200/spec_eagle.py --out $OUT [--layout eagle3] [--topk 1] [--num-steps 4]
 """
 
@@ -90,6 +97,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--attention", default="triton")
     ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--draft-cuda-graph", choices=("on", "off"), default="on")
     args = ap.parse_args()
 
     from radixserve.config import Config
@@ -109,18 +117,23 @@ def main() -> None:
     base = {
         "model": {"path": args.model, "load_format": "dummy", "context_length": 4096},
         "stack": {"attention": args.attention, "prefix_cache": "radix"},
-        "runtime": {"device": args.device, "dtype": "bfloat16" if cuda else "float32"},
+        # batch 1: graphs up to 16 rows cover the plain step and a chain verify (1 + drafts rows)
+        "runtime": {"device": args.device, "dtype": "bfloat16" if cuda else "float32", "cuda_graph_max_bs": 16},
     }
     spec = {"num_draft_tokens": args.num_draft_tokens, "topk": args.topk, "num_steps": args.num_steps,
-            "draft_model_path": head_dir, "adaptive_batch_size": 0}
+            "draft_model_path": head_dir, "adaptive_batch_size": 0,
+            "options": {"cuda_graph": args.draft_cuda_graph == "on" and cuda}}
     cfg = Config.build({**base, "stack": {**base["stack"], "speculative": "eagle"}, "speculative": spec})
     registry = Registry.from_config(cfg)
     runner = ModelRunner(cfg, registry, show_progress=False)
     runner.warmup()
     prompt = [int(x) for x in torch.randint(0, min(30000, target["vocab_size"]), (args.input_len,), generator=torch.Generator().manual_seed(1))]
 
+    graph_steps: list[bool] = []  # per step of the last run: its (last) forward replayed a target graph
+
     def timed_run(sched) -> tuple[list[float], list[float]]:
         """(step ms, propose ms within it, or 0 for steps without a propose) for one request."""
+        graph_steps.clear()
         proposes: list[float] = []
         drafter = sched.drafter
         if drafter is not None:
@@ -145,6 +158,7 @@ def main() -> None:
             sched.step()
             sync()
             steps.append((time.perf_counter() - t0) * 1e3)
+            graph_steps.append(bool(runner.last_run_used_cuda_graph))
             props.append(proposes[-1] if len(proposes) > n_before else 0.0)
         sched.flush_cache()
         return steps[1:], props[1:]  # the prefill step is not a decode / verify step
@@ -156,8 +170,11 @@ def main() -> None:
         return Scheduler(c, runner, cache, registry.load("policy", "fcfs")(), drafter=drafter)
 
     plain_steps, _ = timed_run(scheduler(False))  # recording is on (the drafter asked): eager decode
-    timed_run(scheduler(True))  # untimed pass: compiles, warms the draft pool
-    steps, props = timed_run(scheduler(True))
+    print(f"plain decode: {statistics.median(plain_steps):.2f} ms/step", flush=True)
+    timed_run(scheduler(True))  # untimed pass: compiles, captures the draft graphs, warms the draft pool
+    sched = scheduler(True)
+    steps, props = timed_run(sched)
+    graphed = [g for g, p in zip(graph_steps[1:], props, strict=True) if p > 0]
     verify = [s - p for s, p in zip(steps, props, strict=True) if p > 0]
     props = [p for p in props if p > 0]
     res = {
@@ -165,8 +182,13 @@ def main() -> None:
         "num_draft_tokens": args.num_draft_tokens, "input_len": args.input_len,
         "device": torch.cuda.get_device_name() if cuda else "cpu", "plain_decode_step_ms": statistics.median(plain_steps),
         "propose_ms": statistics.median(props), "verify_step_ms": statistics.median(verify),
-        "verify_steps": len(verify),
+        "verify_steps": len(verify), "draft_cuda_graph": args.draft_cuda_graph,
+        "verify_steps_graph_replayed": sum(graphed) / max(1, len(graphed)),
+        "target_graph_records": list(runner.graph_runner.recording) if runner.graph_runner is not None else None,
     }
+    dg = getattr(sched.drafter, "graphs", None)
+    res["draft_graph_replays"] = dg.replays if dg is not None else 0
+    res["draft_graphs"] = sorted(str(k) for k in [*dg.chains, *dg.pendings]) if dg is not None else []
     res["propose_over_verify"] = res["propose_ms"] / res["verify_step_ms"]
     res["target_met"] = res["propose_over_verify"] <= 0.25
     out = Path(args.out)
