@@ -39,7 +39,9 @@ def default_capture_sizes(max_bs: int) -> list[int]:
 
 class EagerGraph:
     """Stand-in for torch.cuda.CUDAGraph on devices without graphs: replay re-runs the function,
-    which reads the same static buffers a real graph would."""
+    which reads the same static buffers a real graph would. `capture(fn)` returns fn's output;
+    `replay()` returns it again. Drafters capturing their own steps may use it for CPU tests.
+    Added in plugin API 1.4."""
 
     def __init__(self) -> None:
         self._fn: Callable[[], torch.Tensor] | None = None
@@ -58,7 +60,10 @@ class EagerGraph:
 
 class CudaGraph:
     """torch.cuda.CUDAGraph; graphs built with the same `pool` handle share one memory pool
-    (the DecodeGraphRunner passes its own, so pools never outlive or cross runners)."""
+    (the DecodeGraphRunner passes its own, so pools never outlive or cross runners).
+    `capture(fn)` runs fn twice (warm-up), then captures it and returns its output (static
+    tensors, rewritten by every `replay()`, which returns them). fn must read only static
+    buffers and never synchronize with the host. Added in plugin API 1.4 (for drafters)."""
 
     def __init__(self, pool=None) -> None:
         self.graph = torch.cuda.CUDAGraph()

@@ -24,5 +24,7 @@ __version__ = "0.1.0"
 #      the model shell radixserve.layers.causal_lm.DecoderOnlyCausalLM, radixserve.layers.decoder_blocks and
 #      weight_utils.load_stacked_weights; drafter helpers radixserve.scheduler.speculative.draft_slots /
 #      draft_state (DraftSlotStack, PooledDrafter); WeightSource.prepare_model and its options
-#      (`model.weight_source_options`); FusedMoE.map_checkpoint_name maps per-expert `weight_scale_inv`
+#      (`model.weight_source_options`); FusedMoE.map_checkpoint_name maps per-expert `weight_scale_inv`;
+#      radixserve.cuda_graph_runner.CudaGraph / EagerGraph for drafters capturing their own steps (the
+#      decode graphs record the hidden rows TargetStates hands out)
 PLUGIN_API_VERSION = "1.4"
