@@ -14,7 +14,8 @@ drafter's own; the target's graphs are not involved):
 Padding: padded requests have cached length 0, position 0, token 0 and a zero feature; padded
 verified rows come after the real ones. Every row attends only to columns up to its own (a
 boolean mask built inside the graph from the static lengths), so neither padding nor stale
-columns beyond a request's length reach a real row. Shapes past the largest bucket run eagerly.
+columns beyond a request's length reach a real row. Shapes past the largest bucket run eagerly; at
+most MAX_GRAPHS graphs are kept (least recently used dropped).
 
 The graphs read the pool only through the static buffers (filled before each replay), so the pool
 may grow (new tensors) without invalidating them.
@@ -111,8 +112,17 @@ class DraftGraphs:
         self.pendings: dict[tuple, tuple[EagerGraph | CudaGraph, PendingInputs]] = {}
         self.replays = 0  # graph replays so far (tests, benchmarks)
 
-    def _room(self) -> bool:
-        return len(self.chains) + len(self.pendings) < MAX_GRAPHS
+    def _get(self, graphs: dict, key: tuple, capture: Callable):
+        """The graph of `key` (captured now when missing), most recently used last; at MAX_GRAPHS
+        the least recently used graph of the same kind (else of the other) is dropped first."""
+        if key in graphs:
+            graphs[key] = graphs.pop(key)
+            return graphs[key]
+        while len(self.chains) + len(self.pendings) >= MAX_GRAPHS:
+            victims = graphs if graphs else (self.pendings if graphs is self.chains else self.chains)
+            victims.pop(next(iter(victims)))
+        graphs[key] = capture(*key)
+        return graphs[key]
 
     def _kv(self, *lead: int) -> list[torch.Tensor]:
         return [torch.zeros(*lead, *self.kv_shape, dtype=self.dtype, device=self.device)
@@ -128,11 +138,7 @@ class DraftGraphs:
         key = chain_key([len(s) for s in slots], steps)
         if key is None:
             return None
-        if key not in self.chains:
-            if not self._room():
-                return None
-            self.chains[key] = self._capture_chain(*key)
-        graph, inp = self.chains[key]
+        graph, inp = self._get(self.chains, key, self._capture_chain)
         for layer in range(self.num_layers):
             for i, s in enumerate(slots):
                 inp.keys[layer][i, : len(s)] = pool_k[layer][s]
@@ -172,11 +178,7 @@ class DraftGraphs:
         if key is None:
             return None
         key = (*key, feats.shape[1])
-        if key not in self.pendings:
-            if not self._room():
-                return None
-            self.pendings[key] = self._capture_pending(*key)
-        graph, inp = self.pendings[key]
+        graph, inp = self._get(self.pendings, key, self._capture_pending)
         for layer in range(self.num_layers):
             inp.keys[layer][:n] = pool_k[layer][cached]
             inp.values[layer][:n] = pool_v[layer][cached]

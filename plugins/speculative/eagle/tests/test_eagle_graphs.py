@@ -165,3 +165,19 @@ def test_graph_pending_rows_match_eager(setup):
             torch.testing.assert_close(g.pool.k[layer][sg.slots], e.pool.k[layer][se.slots], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(g.pool.v[layer][sg.slots], e.pool.v[layer][se.slots], rtol=1e-5, atol=1e-5)
     assert sorted(g.graphs.pendings) == [(1, 256, feat_w), (4, 256, feat_w)]
+
+
+def test_graph_cache_drops_the_least_recently_used(monkeypatch):
+    captured = []
+    dg = graphs.DraftGraphs(1, (1, 2), 4, torch.float32, torch.device("cpu"), None, None, EagerGraph)
+    monkeypatch.setattr(graphs, "MAX_GRAPHS", 3)
+
+    def capture(*key):
+        captured.append(key)
+        return key
+
+    for key in [(1,), (2,), (3,), (1,), (4,)]:  # (1,) used again: (2,) is the oldest when (4,) comes
+        dg._get(dg.chains, key, capture)
+    assert list(dg.chains) == [(3,), (1,), (4,)] and captured == [(1,), (2,), (3,), (4,)]
+    dg._get(dg.pendings, (9,), capture)  # a pending graph makes room by dropping a chain graph
+    assert list(dg.chains) == [(1,), (4,)] and list(dg.pendings) == [(9,)]
