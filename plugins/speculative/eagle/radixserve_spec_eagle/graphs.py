@@ -143,10 +143,8 @@ class DraftGraphs:
             for i, s in enumerate(slots):
                 inp.keys[layer][i, : len(s)] = pool_k[layer][s]
                 inp.values[layer][i, : len(s)] = pool_v[layer][s]
-        inp.lens.zero_()
-        inp.root_pos.zero_()
-        inp.root_out.zero_()
-        inp.tok.zero_()
+        for t in (inp.lens, inp.root_pos, inp.root_out, inp.tok):  # padded requests: harmless zeros
+            t[b:].zero_()
         inp.lens[:b].copy_(torch.tensor([len(s) for s in slots], dtype=torch.int64), non_blocking=True)
         inp.root_pos[:b].copy_(torch.tensor(root_pos, dtype=torch.int64), non_blocking=True)
         inp.root_out[:b].copy_(root_out)
@@ -184,9 +182,8 @@ class DraftGraphs:
             inp.values[layer][:n] = pool_v[layer][cached]
         inp.cached.fill_(n)
         inp.last.fill_(r - 1)
-        inp.ids.zero_()
-        inp.pos.zero_()
-        inp.feats.zero_()
+        for t in (inp.ids, inp.pos, inp.feats):  # padded rows: harmless zeros
+            t[r:].zero_()
         inp.ids[:r].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
         inp.pos[:r].copy_(torch.tensor(pos, dtype=torch.int64), non_blocking=True)
         inp.feats[:r].copy_(feats)
