@@ -279,9 +279,11 @@ class ModelRunner:
 
     def _record_in_graphs(self) -> None:
         """Recapture the decode graphs so they write the hidden rows the drafter asked for (a
-        failure drops the graphs, as at start-up: decode then runs eagerly)."""
+        failure drops the graphs, as at start-up: decode then runs eagerly). Not under tensor
+        parallelism: capturing runs the forward's collectives, which the other ranks would not join
+        (there the recording forwards stay eager on rank 0, as before)."""
         ts, gr = self.target_states, self.graph_runner
-        if gr is None or not ts.recording:
+        if gr is None or not ts.recording or self.tp_group.size > 1:
             return
         try:
             gr.set_recording(ts.final, ts.aux_layers, int(self.hf_config.hidden_size), self.dtype)
@@ -437,7 +439,6 @@ class ModelRunner:
         if tp.size > 1 and sb.future_inputs is not None:  # overlap: ids still on rank 0's device
             tp.broadcast_tensor(fb.input_ids)
         # a chain verify prepared as decode rows is a DECODE batch and may replay a decode graph;
-        # the decode graphs do not record hidden states, so a drafter that reads them runs eagerly
         # the graphs record the hidden rows a drafter reads (recaptured when it asked, see
         # _record_in_graphs); graphs recording something else are not used
         ts = self.target_states
