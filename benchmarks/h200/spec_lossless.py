@@ -62,7 +62,6 @@ def run(runner, registry, stack: dict, spec: dict, reqs: list[tuple[list[int], S
     stats = sched.stats()
     graphs = getattr(sched.drafter, "graphs", None)  # the EAGLE draft's own CUDA graphs
     stats["draft_graph_replays"] = graphs.replays if graphs is not None else None
-    stats["verify_graph"] = runner.last_run_used_cuda_graph  # the last step's forward replayed a target graph
     assert sched.flush_cache() and sched.allocator.available_size() == sched.allocator.size, "KV slots leaked"
     return res, stats
 
