@@ -43,6 +43,16 @@ def best_nodes(scores: list[float], parents: list[int], limit: int) -> list[int]
     return sorted(kept)
 
 
+def _repeat_heads(x: torch.Tensor, rep: int, dim: int) -> torch.Tensor:
+    """`x.repeat_interleave(rep, dim)` by expand + reshape: never reads a size back to the host,
+    so it may run inside a CUDA graph capture."""
+    if rep == 1:
+        return x
+    shape = list(x.shape)
+    expanded = x.unsqueeze(dim + 1).expand(*shape[: dim + 1], rep, *shape[dim + 1 :])
+    return expanded.reshape(*shape[:dim], shape[dim] * rep, *shape[dim + 1 :])
+
+
 class EagleDrafter(PooledDrafter):
     """Component "eagle" of kind "drafter" (radixserve-spec-eagle). The draft checkpoint is
     `speculative.draft_model_path`, the tree shape `speculative.topk`, `num_steps` and
@@ -114,8 +124,8 @@ class EagleDrafter(PooledDrafter):
     def _attention(self, q, keys, values, mask) -> torch.Tensor:
         """q [r, H, d], keys/values [T, KV, d], mask [r, T] (True: may attend) -> [r, H * d]."""
         rep = q.shape[1] // keys.shape[1]
-        k = keys.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
-        v = values.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
+        k = _repeat_heads(keys, rep, 1).transpose(0, 1).unsqueeze(0)
+        v = _repeat_heads(values, rep, 1).transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask)
         return out[0].transpose(0, 1).reshape(q.shape[0], -1)
 
@@ -230,8 +240,8 @@ class EagleDrafter(PooledDrafter):
     def _attention_padded(self, q, keys, values, mask) -> torch.Tensor:
         """One query row per request: q [b, H, d], keys/values [b, T, KV, d], mask [b, 1, 1, T]."""
         rep = q.shape[1] // keys.shape[2]
-        k = keys.repeat_interleave(rep, dim=2).transpose(1, 2)
-        v = values.repeat_interleave(rep, dim=2).transpose(1, 2)
+        k = _repeat_heads(keys, rep, 2).transpose(1, 2)
+        v = _repeat_heads(values, rep, 2).transpose(1, 2)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask)
         return out.reshape(q.shape[0], -1)
 

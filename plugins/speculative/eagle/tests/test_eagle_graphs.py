@@ -181,3 +181,12 @@ def test_graph_cache_drops_the_least_recently_used(monkeypatch):
     assert list(dg.chains) == [(3,), (1,), (4,)] and captured == [(1,), (2,), (3,), (4,)]
     dg._get(dg.pendings, (9,), capture)  # a pending graph makes room by dropping a chain graph
     assert list(dg.chains) == [(1,), (4,)] and list(dg.pendings) == [(9,)]
+
+
+def test_repeat_heads_is_repeat_interleave():
+    from radixserve_spec_eagle.drafter import _repeat_heads
+
+    x = torch.randn(3, 2, 5, 4)
+    for dim in (1, 2):
+        for rep in (1, 3):
+            assert torch.equal(_repeat_heads(x, rep, dim), x.repeat_interleave(rep, dim=dim))
