@@ -24,11 +24,14 @@ may grow (new tensors) without invalidating them.
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from radixserve.cuda_graph_runner import CudaGraph, EagerGraph
+
+logger = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 ROW_BUCKETS = (1, 2, 4, 8, 16)
@@ -111,17 +114,28 @@ class DraftGraphs:
         self.chains: dict[tuple, tuple[EagerGraph | CudaGraph, ChainInputs]] = {}
         self.pendings: dict[tuple, tuple[EagerGraph | CudaGraph, PendingInputs]] = {}
         self.replays = 0  # graph replays so far (tests, benchmarks)
+        self.failed = False  # a capture failed: everything runs eagerly from then on
 
     def _get(self, graphs: dict, key: tuple, capture: Callable):
         """The graph of `key` (captured now when missing), most recently used last; at MAX_GRAPHS
-        the least recently used graph of the same kind (else of the other) is dropped first."""
+        the least recently used graph of the same kind (else of the other) is dropped first. None
+        once a capture has failed (logged; the draft then runs eagerly)."""
+        if self.failed:
+            return None
         if key in graphs:
             graphs[key] = graphs.pop(key)
             return graphs[key]
         while len(self.chains) + len(self.pendings) >= MAX_GRAPHS:
             victims = graphs if graphs else (self.pendings if graphs is self.chains else self.chains)
             victims.pop(next(iter(victims)))
-        graphs[key] = capture(*key)
+        try:
+            graphs[key] = capture(*key)
+        except Exception as e:  # keep drafting, eagerly, but loudly
+            logger.error("capturing an EAGLE draft CUDA graph %s failed (%r); the draft runs eagerly", key, e)
+            self.failed = True
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return None
         return graphs[key]
 
     def _kv(self, *lead: int) -> list[torch.Tensor]:
@@ -138,7 +152,10 @@ class DraftGraphs:
         key = chain_key([len(s) for s in slots], steps)
         if key is None:
             return None
-        graph, inp = self._get(self.chains, key, self._capture_chain)
+        got = self._get(self.chains, key, self._capture_chain)
+        if got is None:
+            return None
+        graph, inp = got
         for layer in range(self.num_layers):
             for i, s in enumerate(slots):
                 inp.keys[layer][i, : len(s)] = pool_k[layer][s]
@@ -176,7 +193,10 @@ class DraftGraphs:
         if key is None:
             return None
         key = (*key, feats.shape[1])
-        graph, inp = self._get(self.pendings, key, self._capture_pending)
+        got = self._get(self.pendings, key, self._capture_pending)
+        if got is None:
+            return None
+        graph, inp = got
         for layer in range(self.num_layers):
             inp.keys[layer][:n] = pool_k[layer][cached]
             inp.values[layer][:n] = pool_v[layer][cached]

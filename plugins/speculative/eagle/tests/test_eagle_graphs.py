@@ -190,3 +190,13 @@ def test_repeat_heads_is_repeat_interleave():
     for dim in (1, 2):
         for rep in (1, 3):
             assert torch.equal(_repeat_heads(x, rep, dim), x.repeat_interleave(rep, dim=dim))
+
+
+def test_a_failed_capture_falls_back_to_eager():
+    dg = graphs.DraftGraphs(1, (1, 2), 4, torch.float32, torch.device("cpu"), None, None, EagerGraph)
+
+    def broken(*key):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    assert dg._get(dg.chains, (1, 256, 4), broken) is None and dg.failed
+    assert dg._get(dg.chains, (1, 256, 4), lambda *k: k) is None  # no more attempts
