@@ -9,8 +9,9 @@ node, a frontier of the k best by cumulative draft log-probability, `num_steps` 
 the best `num_draft_tokens` nodes (EAGLE-2's dynamic tree; topk 1 gives a chain). The tree rows'
 KV is scratch: dropped after `propose`, the verified path comes back as features later.
 
-On CUDA the verified rows (up to 16 per request) and the chain steps replay CUDA graphs of the
-same computations (graphs.py); `cuda_graph=False` (option) keeps everything eager."""
+On CUDA the verified rows (up to 16 per request), the chain steps and the tree levels replay CUDA
+graphs of the same computations (graphs.py; the tree's levels then stay on the device until one
+host copy); `cuda_graph=False` (option) keeps everything eager."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.scheduler.speculative.draft_state import DraftRequestState, PooledDrafter
 
 from radixserve_spec_eagle.checkpoint import KEY, default_aux_layers, load_checkpoint
-from radixserve_spec_eagle.graphs import ChainInputs, DraftGraphs, PendingInputs
+from radixserve_spec_eagle.graphs import ChainInputs, DraftGraphs, PendingInputs, TreeInputs
 from radixserve_spec_eagle.head import EagleHead
 from radixserve_spec_eagle.kv_pool import DraftKVPool
 
@@ -95,7 +96,7 @@ class EagleDrafter(PooledDrafter):
             # the captured rotary must not read positions back to the host: size its cache now
             reserve_rotary_caches(self.head, int(getattr(cfg, "max_position_embeddings", 8192)), info.device)
             self.graphs = DraftGraphs(len(self.head.layers), self.pool.shape, cfg.hidden_size, ts.dtype, info.device,
-                                      self._chain_steps, self._pending_rows, self.graph_factory)
+                                      self._chain_steps, self._pending_rows, self.graph_factory, self._tree_steps)
 
     # ---- the Drafter contract (on_accepted, on_finished: PooledDrafter's) ------------------------
     @torch.inference_mode()
@@ -246,7 +247,63 @@ class EagleDrafter(PooledDrafter):
         return out.reshape(q.shape[0], -1)
 
     def _tree(self, st: DraftRequestState, limit: int) -> tuple[list[int], list[int]]:
-        """EAGLE-2's dynamic tree (see the module docstring)."""
+        """EAGLE-2's dynamic tree (see the module docstring): through the tree graph when there is
+        one, else eagerly. Both number the nodes alike and keep the same ones (up to exact ties
+        of cumulative scores, which the device's top-k may order differently)."""
+        if self.graphs is not None:
+            got = self.graphs.tree(self.pool.k, self.pool.v, st.slots, st.root[0], st.root[1], st.root[2],
+                                   self.topk, self.num_steps)
+            if got is not None:
+                tokens, scores, parents = got
+                keep = best_nodes(scores, parents, limit)
+                where = {n: j for j, n in enumerate(keep)}
+                return [tokens[n] for n in keep], [where.get(parents[n], -1) for n in keep]
+        return self._tree_eager(st, limit)
+
+    def _tree_steps(self, inp: TreeInputs, k: int, steps: int):
+        """The tree expansion on the device (what the tree graph captures): (tokens [N] int64,
+        cumulative scores [N] fp32, parents [N] int64, -1 for the root's children), N = k + (steps
+        - 1) * k * k, nodes in the eager order: the root's top k, then per level the k * k children
+        of the frontier (frontier row by row, each row's children by rank)."""
+        dev = inp.root_lp.device
+        width = inp.keys[0].shape[0]
+        scratch = inp.scratch_k[0].shape[0]
+        score, idx = inp.root_lp.topk(k)
+        tok = self.head.to_target_ids(idx)
+        feat = inp.root_out.expand(k, -1).contiguous()
+        node = torch.arange(k, device=dev)  # the frontier's node ids
+        anc = torch.zeros(k, scratch, dtype=torch.bool, device=dev)  # frontier rows' ancestors' scratch rows
+        cached_cols = torch.arange(width, device=dev)[None, :] < inp.cached  # [1, W]
+        tokens, scores, parents = [tok], [score], [torch.full((k,), -1, dtype=torch.int64, device=dev)]
+        first = k
+        for level in range(1, steps):
+            rows = (level - 1) * k + torch.arange(k, device=dev)
+            anc = anc.clone()
+            anc[torch.arange(k, device=dev), rows] = True  # each row sees itself
+            mask = torch.cat([cached_cols.expand(k, -1), anc], dim=1)
+
+            def attend(layer, q, kk, vv, rows=rows, mask=mask):
+                inp.scratch_k[layer][rows] = kk
+                inp.scratch_v[layer][rows] = vv
+                keys = torch.cat([inp.keys[layer], inp.scratch_k[layer]])
+                values = torch.cat([inp.values[layer], inp.scratch_v[layer]])
+                return self._attention(q, keys, values, mask)
+
+            out = self.head.step(self._embed(tok), inp.root_pos.expand(k) + level, feat, attend)
+            child_lp, child_idx = self.head.log_probs(out, self.target.logits).topk(k, dim=-1)  # [k, k]
+            child_score = (score[:, None] + child_lp).flatten()
+            child_tok = self.head.to_target_ids(child_idx).flatten()
+            tokens.append(child_tok)
+            scores.append(child_score)
+            parents.append(node[:, None].expand(k, k).flatten())
+            best = child_score.topk(k).indices
+            parent_row = torch.div(best, k, rounding_mode="floor")
+            node, tok, score = first + best, child_tok[best], child_score[best]
+            feat, anc = out[parent_row], anc[parent_row]
+            first += k * k
+        return torch.cat(tokens), torch.cat(scores), torch.cat(parents)
+
+    def _tree_eager(self, st: DraftRequestState, limit: int) -> tuple[list[int], list[int]]:
         root_pos, root_out, root_lp = st.root
         k, steps = self.topk, self.num_steps
         dev = self.pool.device

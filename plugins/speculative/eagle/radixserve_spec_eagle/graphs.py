@@ -10,6 +10,10 @@ drafter's own; the target's graphs are not involved):
 - `PendingGraph` (row bucket R, KV width bucket W): the request's newly verified rows (one
   request, at most R rows) run into the draft; outputs the rows' keys / values (copied into the
   pool after the replay) and the last row's output and draft log-probabilities.
+- `TreeGraph` (KV width bucket W, topk, steps): one request's tree expansion (EAGLE-2's dynamic
+  tree) kept on the device: every level's top-k children, the frontier of the k best cumulative
+  scores, the ancestors mask of the scratch rows; outputs every node's token, cumulative score
+  and parent for one host copy (the host keeps the best `num_draft_tokens`).
 
 Padding: padded requests have cached length 0, position 0, token 0 and a zero feature; padded
 verified rows come after the real ones. Every row attends only to columns up to its own (a
@@ -94,6 +98,25 @@ class PendingInputs:
     feats: torch.Tensor  # [R, F]
 
 
+def tree_key(cached: int, topk: int, steps: int, vocab: int) -> tuple[int, int, int, int] | None:
+    """(W, topk, steps, draft vocab) of the tree graph for a request with `cached` draft rows (the
+    tree's scratch rows have their own buffer), or None (eager)."""
+    w = width_bucket(cached)
+    return None if w is None else (w, topk, steps, vocab)
+
+
+@dataclass
+class TreeInputs:
+    keys: list[torch.Tensor]  # per layer [W, KV, d]: the request's cached rows
+    values: list[torch.Tensor]
+    scratch_k: list[torch.Tensor]  # per layer [topk * (steps - 1), KV, d]: the tree levels' rows
+    scratch_v: list[torch.Tensor]
+    cached: torch.Tensor  # [1]
+    root_pos: torch.Tensor  # [1]
+    root_out: torch.Tensor  # [1, H]
+    root_lp: torch.Tensor  # [V] fp32
+
+
 class DraftGraphs:
     """The drafter's captured graphs. `chain_fn(inputs, steps) -> tokens [B, steps]` and
     `pending_fn(inputs) -> (last row's output [1, H], its log-probs [V])` are the drafter's
@@ -104,10 +127,12 @@ class DraftGraphs:
 
     def __init__(self, num_layers: int, kv_shape: tuple[int, int], hidden_size: int, dtype: torch.dtype,
                  device: torch.device, chain_fn: Callable, pending_fn: Callable,
-                 graph_factory: Callable[[], EagerGraph | CudaGraph] | None = None) -> None:
+                 graph_factory: Callable[[], EagerGraph | CudaGraph] | None = None,
+                 tree_fn: Callable | None = None) -> None:
         self.num_layers, self.kv_shape, self.hidden_size = num_layers, kv_shape, hidden_size
         self.dtype, self.device = dtype, torch.device(device)
-        self.chain_fn, self.pending_fn = chain_fn, pending_fn
+        self.chain_fn, self.pending_fn, self.tree_fn = chain_fn, pending_fn, tree_fn
+        self.trees: dict[tuple, tuple[EagerGraph | CudaGraph, TreeInputs]] = {}
         cuda = self.device.type == "cuda"
         self._pool = torch.cuda.graph_pool_handle() if cuda else None
         self.graph_factory = graph_factory or ((lambda: CudaGraph(self._pool)) if cuda else EagerGraph)
@@ -125,8 +150,8 @@ class DraftGraphs:
         if key in graphs:
             graphs[key] = graphs.pop(key)
             return graphs[key]
-        while len(self.chains) + len(self.pendings) >= MAX_GRAPHS:
-            victims = graphs if graphs else (self.pendings if graphs is self.chains else self.chains)
+        while len(self.chains) + len(self.pendings) + len(self.trees) >= MAX_GRAPHS:
+            victims = graphs if graphs else next(g for g in (self.chains, self.pendings, self.trees) if g)
             victims.pop(next(iter(victims)))
         try:
             graphs[key] = capture(*key)
@@ -225,4 +250,42 @@ class DraftGraphs:
         graph = self.graph_factory()
         with torch.inference_mode():
             graph.capture(lambda: self.pending_fn(inp))
+        return graph, inp
+
+    # ---- trees ----------------------------------------------------------------------------------
+    def tree(self, pool_k: list[torch.Tensor], pool_v: list[torch.Tensor], cached: torch.Tensor, root_pos: int,
+             root_out: torch.Tensor, root_lp: torch.Tensor, topk: int, steps: int):
+        """One request's tree from its root (position, output [1, H], log-probs [V]): (tokens,
+        cumulative scores, parents) of every node as lists, nodes numbered level by level (the
+        root's children first); None when the shape has no graph."""
+        n = len(cached)
+        key = tree_key(n, topk, steps, root_lp.shape[0])
+        if key is None or self.tree_fn is None:
+            return None
+        got = self._get(self.trees, key, self._capture_tree)
+        if got is None:
+            return None
+        graph, inp = got
+        for layer in range(self.num_layers):
+            inp.keys[layer][:n] = pool_k[layer][cached]
+            inp.values[layer][:n] = pool_v[layer][cached]
+        inp.cached.fill_(n)
+        inp.root_pos.fill_(root_pos)
+        inp.root_out.copy_(root_out)
+        inp.root_lp.copy_(root_lp)
+        self.replays += 1
+        tokens, scores, parents = graph.replay()
+        return tokens.tolist(), scores.tolist(), parents.tolist()
+
+    def _capture_tree(self, width: int, topk: int, steps: int, vocab: int):
+        z, dev = torch.zeros, self.device
+        scratch = topk * max(1, steps - 1)
+        inp = TreeInputs(
+            self._kv(width), self._kv(width), self._kv(scratch), self._kv(scratch),
+            z(1, dtype=torch.int64, device=dev), z(1, dtype=torch.int64, device=dev),
+            z(1, self.hidden_size, dtype=self.dtype, device=dev), z(vocab, dtype=torch.float32, device=dev),
+        )
+        graph = self.graph_factory()
+        with torch.inference_mode():
+            graph.capture(lambda: self.tree_fn(inp, topk, steps))
         return graph, inp

@@ -38,6 +38,8 @@ def test_buckets():
     # verified rows: row bucket, then room for the cached rows plus the padded new rows
     assert graphs.pending_key(100, 3) == (4, 256) and graphs.pending_key(253, 3) == (4, 512)
     assert graphs.pending_key(100, 17) is None  # a prefill's rows run eagerly
+    # trees: room for the cached rows (the levels' rows have a buffer of their own)
+    assert graphs.tree_key(300, 4, 4, 100) == (512, 4, 4, 100) and graphs.tree_key(graphs.MAX_WIDTH + 1, 4, 4, 100) is None
 
 
 class GraphEagle(RecordingDrafter, EagleDrafter):
@@ -87,7 +89,7 @@ def setup(tmp_path_factory):
     return path, drafts, ps, plain
 
 
-@pytest.mark.parametrize("draft,topk", [("eagle3", 1), ("eagle2", 1), ("eagle3", 2)])
+@pytest.mark.parametrize("draft,topk", [("eagle3", 1), ("eagle2", 1), ("eagle3", 2), ("eagle2", 3)])
 def test_graph_path_drafts_as_the_eager_path(setup, draft, topk):
     """Graphs on both sides (the target's recording decode graphs, the draft's own) give the same
     drafts as the all-eager path, and greedy outputs equal to decoding without speculation."""
@@ -115,13 +117,13 @@ def test_graph_path_drafts_as_the_eager_path(setup, draft, topk):
         results[name] = [p.tokens for _, _, p in d.proposals]
         if name == "graph":
             assert d.graphs.pendings, "the verified rows never went through a graph"
-            assert bool(d.graphs.chains) == (topk == 1)  # trees run eagerly
+            assert bool(d.graphs.chains) == (topk == 1) and bool(d.graphs.trees) == (topk > 1)
             if topk == 1:
                 assert any(k[0] == 4 for k in d.graphs.chains), "3 requests were not padded to the bucket of 4"
                 # chain verifies (1 + 3 drafts per request) replayed the recording decode graphs
                 assert max(verify_rows) > len(ps)
             else:
-                assert d.graphs.chains == {}
+                assert all(k[1:3] == (topk, 3) for k in d.graphs.trees)
         else:
             assert d.graphs is None
         _assert_released(d)
