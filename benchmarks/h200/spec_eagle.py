@@ -10,7 +10,7 @@ one new row plus the tree; the cost of the tree steps does not depend on accepta
 
 CUDA graphs: the target's decode graphs record the hidden rows the draft reads (recaptured when
 the drafter asks), so chain verifies (decode rows on triton) and plain decode steps replay them;
-the draft's verified-row step and its chain steps replay the drafter's own graphs
+the draft's verified-row step, its chain steps and its tree levels replay the drafter's own graphs
 (`--draft-cuda-graph off` runs the draft eagerly, for comparison). Reported per layout: propose
 ms, verify step ms (the step without its propose), the plain decode step ms (no drafter), the
 ratio, the share of verify steps that replayed a target graph and the draft graph replays.
@@ -230,7 +230,7 @@ def report(args, layout, topk, num_steps, num_draft_tokens, draft_graphs, runner
     }
     dg = getattr(sched.drafter, "graphs", None)
     res["draft_graph_replays"] = dg.replays if dg is not None else 0
-    res["draft_graphs"] = sorted(str(k) for k in [*dg.chains, *dg.pendings]) if dg is not None else []
+    res["draft_graphs"] = sorted(str(k) for k in [*dg.chains, *dg.pendings, *dg.trees]) if dg is not None else []
     res["propose_over_verify"] = res["propose_ms"] / res["verify_step_ms"]
     res["target_met"] = res["propose_over_verify"] <= 0.25
     out = Path(args.out)

@@ -5,7 +5,7 @@
 #   bash benchmarks/h200/spec_eagle.sh
 # Writes $OUT/spec_eagle.jsonl, $OUT/spec_eagle.txt, $OUT/spec_lossless.json.
 # Rows (one target load): EAGLE-3 chain (4 steps), EAGLE-3 tree (topk 4, 4 steps, 16 nodes), EAGLE-2
-# chain, and EAGLE-3 chain with the draft eager (for comparison). The target's decode graphs record
+# chain, and EAGLE-3 chain and tree with the draft eager (for comparison). The target's decode graphs record
 # the draft's hidden rows (chain verifies replay them); the draft's steps replay its own graphs.
 # Exit status: 1 when the fp32 losslessness check fails.
 set -o pipefail
@@ -13,7 +13,7 @@ source benchmarks/h200/setup.sh || exit 1
 {
 echo "== [1/2] EAGLE overhead at batch 1 (8B shape, 1024-token prompt, 96 new tokens)"
 timeout 200 python3 benchmarks/h200/spec_eagle.py --out $OUT \
-  --rows eagle3:1:4:4,eagle3:4:4:16,eagle2:1:4:4,eagle3:1:4:4:eager
+  --rows eagle3:1:4:4,eagle3:4:4:16,eagle2:1:4:4,eagle3:1:4:4:eager,eagle3:4:4:16:eager
 echo "== [2/2] losslessness on CUDA (tiny checkpoints, graphs on both sides)"
 timeout 150 python3 benchmarks/h200/spec_lossless.py --out $OUT
 } 2>&1 | grep -v 'it/s\]' | tee $OUT/spec_eagle.txt
