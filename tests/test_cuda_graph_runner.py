@@ -9,9 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 from radixserve.config import Config
-from radixserve.cuda_graph_runner import DecodeGraphRunner, EagerGraph, default_capture_sizes
+from radixserve.cuda_graph_runner import (
+    DecodeGraphRunner,
+    EagerGraph,
+    default_capture_sizes,
+    record_buffers,
+    write_recorded_rows,
+)
 from radixserve.model_runner import ModelRunner
 from radixserve.state import ForwardMode, ScheduledBatch
+from radixserve.static_batch import run_static_batch
 from runner_driver import greedy_generate
 
 
@@ -104,3 +111,55 @@ def test_graph_runner_rejects_extend_and_oversize(runner):
     a = greedy_generate(runner, [[3, 4, 5]], 4)
     b = greedy_generate(runner, [[3, 4, 5]], 4)
     assert a[0].tokens == b[0].tokens
+
+
+# ---- recording the hidden rows a drafter reads ---------------------------------------------------
+def test_record_buffers_layout():
+    final, aux = record_buffers(4, 3, True, 2, torch.float32, torch.device("cpu"))
+    assert final.shape == (4, 3) and aux.shape == (4, 6)
+    assert record_buffers(4, 3, False, 0, torch.float32, torch.device("cpu")) == (None, None)
+    hidden, a0, a1 = torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3)
+    write_recorded_rows(final, aux, hidden, [a0, a1])
+    assert torch.equal(final[:2], hidden)
+    assert torch.equal(aux[:2], torch.cat([a0, a1], dim=-1))  # the eager path's layout: layers in asked order
+    assert not final[2:].any() and not aux[2:].any()  # rows past the batch untouched
+    with pytest.raises(RuntimeError, match="captured none"):
+        write_recorded_rows(None, aux, hidden, None)
+    with pytest.raises(RuntimeError, match="3 wide, the record buffer 6"):
+        write_recorded_rows(None, aux, hidden, [a0])
+
+
+def test_recording_graphs_hand_the_drafter_the_eager_rows(tiny_llama_dir):
+    """With a drafter recording, decode steps still replay the (recaptured) graphs, and the rows
+    recorded from the static buffers equal those of an eager forward: real rows only, padding none."""
+    runner = ModelRunner(Config.build({
+        "model": {"path": tiny_llama_dir("llama", seed=2, num_hidden_layers=3)},
+        "runtime": {"device": "cpu", "dtype": "float32"},
+        "scheduler": {"max_total_tokens": 1024, "max_running_requests": 8},
+    }), show_progress=False)
+    gr = DecodeGraphRunner(runner.model, runner.attn_backend, runner.req_to_token_pool, runner.kv_pool, runner.device,
+                           capture_sizes=[1, 2, 4], dummy_row=runner.req_to_token_pool.alloc(), graph_factory=EagerGraph)
+    runner.graph_runner = gr
+    ts = runner.target_states
+    assert gr.recording == (False, ()) and gr.buf_aux is None
+    ts.request(final=True, aux_layers=(2, 0))
+    assert gr.recording == (True, (2, 0)) and gr.buf_aux.shape == (4, 2 * ts.hidden_size)
+    assert gr.buf_final.shape == (4, ts.hidden_size)
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23]]  # 3 decode rows: padded to 4
+
+    def rows_of_run():
+        out = run_static_batch(runner, prompts, max_new_tokens=4).output_ids
+        return out, {str(i): ts.take(str(i)) for i in range(len(prompts))}
+
+    out_g, rows_g = rows_of_run()
+    assert runner.last_run_used_cuda_graph
+    runner.graph_runner = None
+    out_e, rows_e = rows_of_run()
+    assert out_g == out_e
+    for rid, rows in rows_g.items():
+        assert [r.positions for r in rows] == [r.positions for r in rows_e[rid]]
+        assert [r.token_ids for r in rows] == [r.token_ids for r in rows_e[rid]]
+        assert [r.final.shape[0] for r in rows[1:]] == [1, 1, 1]  # one row per decode step
+        for g, e in zip(rows, rows_e[rid], strict=True):
+            torch.testing.assert_close(g.final, e.final, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(g.aux, e.aux, rtol=1e-5, atol=1e-5)

@@ -8,7 +8,19 @@ step run into the draft KV, then `num_steps` tree levels) and the rest of the sc
 verify forward, acceptance, bookkeeping). A random head is rarely accepted, so each propose runs
 one new row plus the tree; the cost of the tree steps does not depend on acceptance.
 
+CUDA graphs: the target's decode graphs record the hidden rows the draft reads (recaptured when
+the drafter asks), so chain verifies (decode rows on triton) and plain decode steps replay them;
+the draft's verified-row step, its chain steps and its tree levels replay the drafter's own graphs
+(`--draft-cuda-graph off` runs the draft eagerly, for comparison). Reported per layout: propose
+ms, verify step ms (the step without its propose), the plain decode step ms (no drafter), the
+ratio, the share of verify steps that replayed a target graph and the draft graph replays.
+
     python benchmarks/h200/spec_eagle.py --out $OUT [--layout eagle3] [--topk 1] [--num-steps 4]
+    python benchmarks/h200/spec_eagle.py --out $OUT --rows eagle3:1:4:4,eagle3:4:4:16,eagle2:1:4:4
+
+`--rows` measures several layouts (layout:topk:num_steps:num_draft_tokens) on one target load: the
+target's hidden-state recording is switched off between rows (a benchmark-only reset; a server's
+drafter never changes), so each row records only what its head reads.
 """
 
 from __future__ import annotations
@@ -90,7 +102,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--attention", default="triton")
     ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--draft-cuda-graph", choices=("on", "off"), default="on")
+    ap.add_argument("--rows", default=None, help="layout:topk:num_steps:num_draft_tokens,... (overrides the above)")
     args = ap.parse_args()
+    rows = [(args.layout, args.topk, args.num_steps, args.num_draft_tokens, args.draft_cuda_graph == "on")]
+    if args.rows:  # a fifth field "eager" runs that row's draft without its CUDA graphs
+        rows = [(f[0], int(f[1]), int(f[2]), int(f[3]), f[4:] != ["eager"]) for f in
+                (r.split(":") for r in args.rows.split(","))]
 
     from radixserve.config import Config
     from radixserve.model_runner import ModelRunner
@@ -104,23 +122,35 @@ def main() -> None:
     target.setdefault("head_dim", target["hidden_size"] // target["num_attention_heads"])
     target.setdefault("rope_theta", 10000.0)
     target.setdefault("rope_scaling", None)
-    head_dir = write_head(Path(tempfile.mkdtemp()) / args.layout, args.layout, target, args.draft_vocab)
+    tmp = Path(tempfile.mkdtemp())
+    heads = {lay: write_head(tmp / lay, lay, target, args.draft_vocab) for lay in {r[0] for r in rows}}
     cuda = args.device == "cuda"
     base = {
         "model": {"path": args.model, "load_format": "dummy", "context_length": 4096},
         "stack": {"attention": args.attention, "prefix_cache": "radix"},
-        "runtime": {"device": args.device, "dtype": "bfloat16" if cuda else "float32"},
+        # batch 1: graphs up to 16 rows cover the plain step and a chain verify (1 + drafts rows)
+        "runtime": {"device": args.device, "dtype": "bfloat16" if cuda else "float32", "cuda_graph_max_bs": 16},
     }
-    spec = {"num_draft_tokens": args.num_draft_tokens, "topk": args.topk, "num_steps": args.num_steps,
-            "draft_model_path": head_dir, "adaptive_batch_size": 0}
-    cfg = Config.build({**base, "stack": {**base["stack"], "speculative": "eagle"}, "speculative": spec})
+
+    def spec_config(layout: str, topk: int, num_steps: int, num_draft_tokens: int, draft_graphs: bool) -> Config:
+        spec = {"num_draft_tokens": num_draft_tokens, "topk": topk, "num_steps": num_steps,
+                "draft_model_path": heads[layout], "adaptive_batch_size": 0,
+                "options": {"cuda_graph": draft_graphs and cuda}}
+        return Config.build({**base, "stack": {**base["stack"], "speculative": "eagle"}, "speculative": spec})
+
+    cfg = spec_config(*rows[0])
     registry = Registry.from_config(cfg)
+    t_load = time.perf_counter()
     runner = ModelRunner(cfg, registry, show_progress=False)
     runner.warmup()
+    print(f"target loaded, graphs captured, warmed up in {time.perf_counter() - t_load:.1f} s", flush=True)
     prompt = [int(x) for x in torch.randint(0, min(30000, target["vocab_size"]), (args.input_len,), generator=torch.Generator().manual_seed(1))]
+
+    graph_steps: list[bool] = []  # per step of the last run: its (last) forward replayed a target graph
 
     def timed_run(sched) -> tuple[list[float], list[float]]:
         """(step ms, propose ms within it, or 0 for steps without a propose) for one request."""
+        graph_steps.clear()
         proposes: list[float] = []
         drafter = sched.drafter
         if drafter is not None:
@@ -145,6 +175,7 @@ def main() -> None:
             sched.step()
             sync()
             steps.append((time.perf_counter() - t0) * 1e3)
+            graph_steps.append(bool(runner.last_run_used_cuda_graph))
             props.append(proposes[-1] if len(proposes) > n_before else 0.0)
         sched.flush_cache()
         return steps[1:], props[1:]  # the prefill step is not a decode / verify step
@@ -155,18 +186,51 @@ def main() -> None:
         drafter = build_drafter(c, runner, registry) if with_drafter else None
         return Scheduler(c, runner, cache, registry.load("policy", "fcfs")(), drafter=drafter)
 
-    plain_steps, _ = timed_run(scheduler(False))  # recording is on (the drafter asked): eager decode
-    timed_run(scheduler(True))  # untimed pass: compiles, warms the draft pool
-    steps, props = timed_run(scheduler(True))
+    timed_run(scheduler(False))  # untimed
+    plain_steps, _ = timed_run(scheduler(False))  # no drafter yet: nothing recorded
+    print(f"plain decode: {statistics.median(plain_steps):.2f} ms/step", flush=True)
+    for layout, topk, num_steps, num_draft_tokens, draft_graphs in rows:
+        stop_recording(runner)
+        cfg = spec_config(layout, topk, num_steps, num_draft_tokens, draft_graphs)
+        t0 = time.perf_counter()
+        timed_run(scheduler(True))  # untimed pass: compiles, captures the draft graphs, warms the draft pool
+        sched = scheduler(True)
+        steps, props = timed_run(sched)
+        print(f"{layout} topk {topk}: two passes in {time.perf_counter() - t0:.1f} s", flush=True)
+        report(args, layout, topk, num_steps, num_draft_tokens, draft_graphs, runner, sched, plain_steps, steps,
+               props, graph_steps, cuda)
+
+
+def stop_recording(runner) -> None:
+    """Benchmark-only: forget what an earlier row's drafter asked the target to record (and give
+    the decode graphs back their plain form), so the next row records only what its head reads."""
+    ts = runner.target_states
+    if not ts.recording:
+        return
+    ts.final, ts.aux_layers = False, ()
+    if ts.supports_aux_layers:
+        runner.model.set_aux_hidden_state_layers(())
+    if runner.graph_runner is not None:
+        runner.graph_runner.set_recording(False, (), 0, runner.dtype)
+
+
+def report(args, layout, topk, num_steps, num_draft_tokens, draft_graphs, runner, sched, plain_steps, steps, props,
+           graph_steps, cuda) -> None:
+    graphed = [g for g, p in zip(graph_steps[1:], props, strict=True) if p > 0]
     verify = [s - p for s, p in zip(steps, props, strict=True) if p > 0]
     props = [p for p in props if p > 0]
     res = {
-        "layout": args.layout, "topk": args.topk, "num_steps": args.num_steps,
-        "num_draft_tokens": args.num_draft_tokens, "input_len": args.input_len,
+        "layout": layout, "topk": topk, "num_steps": num_steps,
+        "num_draft_tokens": num_draft_tokens, "input_len": args.input_len,
         "device": torch.cuda.get_device_name() if cuda else "cpu", "plain_decode_step_ms": statistics.median(plain_steps),
         "propose_ms": statistics.median(props), "verify_step_ms": statistics.median(verify),
-        "verify_steps": len(verify),
+        "verify_steps": len(verify), "draft_cuda_graph": draft_graphs and cuda,
+        "verify_steps_graph_replayed": sum(graphed) / max(1, len(graphed)),
+        "target_graph_records": list(runner.graph_runner.recording) if runner.graph_runner is not None else None,
     }
+    dg = getattr(sched.drafter, "graphs", None)
+    res["draft_graph_replays"] = dg.replays if dg is not None else 0
+    res["draft_graphs"] = sorted(str(k) for k in [*dg.chains, *dg.pendings, *dg.trees]) if dg is not None else []
     res["propose_over_verify"] = res["propose_ms"] / res["verify_step_ms"]
     res["target_met"] = res["propose_over_verify"] <= 0.25
     out = Path(args.out)

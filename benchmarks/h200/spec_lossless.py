@@ -60,6 +60,8 @@ def run(runner, registry, stack: dict, spec: dict, reqs: list[tuple[list[int], S
                 raise RuntimeError(o.error)
             res.setdefault(o.rid, []).extend(o.new_ids)
     stats = sched.stats()
+    graphs = getattr(sched.drafter, "graphs", None)  # the EAGLE draft's own CUDA graphs
+    stats["draft_graph_replays"] = graphs.replays if graphs is not None else None
     assert sched.flush_cache() and sched.allocator.available_size() == sched.allocator.size, "KV slots leaked"
     return res, stats
 
@@ -123,6 +125,8 @@ def main() -> int:
                     "sampled_equal": samp == plain_sampled,
                     "verifies": stats.get("spec_verifies"), "accepted": stats.get("spec_accepted_tokens"),
                     "cuda_graph_decode": runner.graph_runner is not None,
+                    "target_graph_records": list(runner.graph_runner.recording) if runner.graph_runner else None,
+                    "draft_graph_replays": stats.get("draft_graph_replays"),
                 }
                 # fp32 must be exact; bf16 verify (multi-row) and decode (one row) kernels may round
                 # a near-tie differently, so bf16 rows are reported, not required

@@ -12,6 +12,11 @@ Bookkeeping rules:
   touches a real request's KV.
 - The attention backend keeps its own graph metadata static through its graph hooks
   (`init_graph_state`, `init_forward_metadata_capture`, `init_forward_metadata_replay`).
+- Hidden-state recording for drafters (`set_recording`): the captured forward also writes the
+  final hidden rows and/or the requested layers' residual rows into static buffers
+  (`buf_final` [max_bs, hidden], `buf_aux` [max_bs, len(aux_layers) * hidden], layer blocks in
+  the requested order), so a verify or decode step with a drafter attached still replays;
+  `recorded_rows(bs)` views the first `bs` rows after a replay (overwritten by the next one).
 - `graph_factory` is injectable so the CPU tests exercise the same bookkeeping with an eager
   stand-in (`EagerGraph`) that re-runs the captured function on replay.
 """
@@ -34,7 +39,9 @@ def default_capture_sizes(max_bs: int) -> list[int]:
 
 class EagerGraph:
     """Stand-in for torch.cuda.CUDAGraph on devices without graphs: replay re-runs the function,
-    which reads the same static buffers a real graph would."""
+    which reads the same static buffers a real graph would. `capture(fn)` returns fn's output;
+    `replay()` returns it again. Drafters capturing their own steps may use it for CPU tests.
+    Added in plugin API 1.4."""
 
     def __init__(self) -> None:
         self._fn: Callable[[], torch.Tensor] | None = None
@@ -53,7 +60,10 @@ class EagerGraph:
 
 class CudaGraph:
     """torch.cuda.CUDAGraph; graphs built with the same `pool` handle share one memory pool
-    (the DecodeGraphRunner passes its own, so pools never outlive or cross runners)."""
+    (the DecodeGraphRunner passes its own, so pools never outlive or cross runners).
+    `capture(fn)` runs fn twice (warm-up), then captures it and returns its output (static
+    tensors, rewritten by every `replay()`, which returns them). fn must read only static
+    buffers and never synchronize with the host. Added in plugin API 1.4 (for drafters)."""
 
     def __init__(self, pool=None) -> None:
         self.graph = torch.cuda.CUDAGraph()
@@ -72,6 +82,34 @@ class CudaGraph:
         self.graph.replay()
         assert self.output is not None
         return self.output
+
+
+def record_buffers(max_bs: int, hidden_size: int, final: bool, num_aux: int, dtype: torch.dtype,
+                   device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The static buffers a recording graph writes: (final [max_bs, hidden] when `final`, aux
+    [max_bs, num_aux * hidden] when `num_aux`), zero-filled (padding rows stay harmless)."""
+    buf_final = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device) if final else None
+    buf_aux = torch.zeros(max_bs, num_aux * hidden_size, dtype=dtype, device=device) if num_aux else None
+    return buf_final, buf_aux
+
+
+def write_recorded_rows(buf_final: torch.Tensor | None, buf_aux: torch.Tensor | None, hidden: torch.Tensor,
+                        aux_states: list[torch.Tensor] | None) -> None:
+    """Copy one forward's rows into the first rows of the record buffers (inside the captured
+    forward): `hidden` [bs, H] into `buf_final`; aux layer j's rows into columns [j*H, (j+1)*H) of
+    `buf_aux`, the layout `torch.cat(aux_states, -1)` has (what the eager path records)."""
+    bs = hidden.shape[0]
+    if buf_final is not None:
+        buf_final[:bs].copy_(hidden)
+    if buf_aux is not None:
+        if aux_states is None:
+            raise RuntimeError("the graph records aux hidden states but the model captured none")
+        at = 0
+        for a in aux_states:
+            buf_aux[:bs, at : at + a.shape[-1]].copy_(a)
+            at += a.shape[-1]
+        if at != buf_aux.shape[1]:
+            raise RuntimeError(f"aux hidden states are {at} wide, the record buffer {buf_aux.shape[1]}")
 
 
 class DecodeGraphRunner:
@@ -107,6 +145,9 @@ class DecodeGraphRunner:
         self.buf_out_cache_loc = torch.zeros(n, dtype=i64, device=dev)
         self.graphs: dict[int, EagerGraph | CudaGraph] = {}
         self.batches: dict[int, ForwardBatch] = {}
+        self.recording: tuple[bool, tuple[int, ...]] = (False, ())  # (final, aux layers) the graphs write
+        self.buf_final: torch.Tensor | None = None
+        self.buf_aux: torch.Tensor | None = None
         if self.backend.supports_cuda_graph():
             self.backend.init_graph_state(self.max_bs)
         self.capture()
@@ -135,7 +176,31 @@ class DecodeGraphRunner:
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         hidden = self.model.forward(fb.input_ids, fb.positions, fb)
+        write_recorded_rows(self.buf_final, self.buf_aux, hidden, self.model.aux_hidden_states
+                            if self.buf_aux is not None else None)
         return self.model.compute_logits(hidden)
+
+    def set_recording(self, final: bool, aux_layers: tuple[int, ...], hidden_size: int, dtype: torch.dtype) -> None:
+        """Make the graphs write what a drafter reads (the model's aux layers must already be set
+        to `aux_layers`): allocates the static record buffers and captures every size again.
+        Nothing happens when the graphs already record exactly this."""
+        want = (bool(final), tuple(aux_layers))
+        if want == self.recording:
+            return
+        self.buf_final, self.buf_aux = record_buffers(self.max_bs, hidden_size, want[0], len(want[1]), dtype,
+                                                      self.device)
+        self.graphs, self.batches = {}, {}
+        if self.device.type == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()  # the old graphs' memory goes with them
+        self.capture()
+        self.recording = want
+
+    def recorded_rows(self, bs: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(final [bs, hidden] or None, aux [bs, n_aux * hidden] or None) of the last replay: views
+        of the static buffers, valid until the next replay."""
+        final = self.buf_final[:bs] if self.buf_final is not None else None
+        aux = self.buf_aux[:bs] if self.buf_aux is not None else None
+        return final, aux
 
     def capture(self) -> None:
         graphs_supported = self.backend.supports_cuda_graph()

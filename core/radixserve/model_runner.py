@@ -247,6 +247,7 @@ class ModelRunner:
             self.graph_runner = DecodeGraphRunner(
                 self.model, self.attn_backend, self.req_to_token_pool, self.kv_pool, self.device, sizes, dummy_row
             )
+            self._record_in_graphs()  # a drafter that asked before the graphs existed
         except Exception as e:  # keep serving, but loudly: decode is then several times slower
             logger.error("CUDA graph capture failed (%r); decode runs eagerly. Disable with runtime.cuda_graph=false", e)
             torch.cuda.synchronize(self.device)
@@ -259,6 +260,7 @@ class ModelRunner:
         def enable(final: bool, aux_layers: tuple[int, ...]) -> None:
             if aux_layers:
                 model.set_aux_hidden_state_layers(tuple(aux_layers))
+            self._record_in_graphs()
 
         def embed(ids: torch.Tensor) -> torch.Tensor:
             if not capable:
@@ -275,12 +277,26 @@ class ModelRunner:
             enable, embed, logits,
         )
 
-    def _record_hidden(self, sb: ScheduledBatch, hidden: torch.Tensor) -> None:
-        """Hand each request's rows of this forward to the drafter (only while one asked)."""
+    def _record_in_graphs(self) -> None:
+        """Recapture the decode graphs so they write the hidden rows the drafter asked for (a
+        failure drops the graphs, as at start-up: decode then runs eagerly). Not under tensor
+        parallelism: capturing runs the forward's collectives, which the other ranks would not join
+        (there the recording forwards stay eager on rank 0, as before)."""
+        ts, gr = self.target_states, self.graph_runner
+        if gr is None or not ts.recording or self.tp_group.size > 1:
+            return
+        try:
+            gr.set_recording(ts.final, ts.aux_layers, int(self.hf_config.hidden_size), self.dtype)
+        except Exception as e:
+            logger.error("recapturing the decode CUDA graphs with hidden-state recording failed (%r); "
+                         "decode runs eagerly", e)
+            self.graph_runner = None
+            torch.cuda.synchronize(self.device)
+
+    def _record_hidden(self, sb: ScheduledBatch, hidden: torch.Tensor | None, aux: torch.Tensor | None) -> None:
+        """Hand each request's rows of this forward to the drafter (only while one asked): `hidden`
+        the final rows, `aux` the requested layers' rows concatenated, one row per new token."""
         ts = self.target_states
-        aux = None
-        if ts.aux_layers:
-            aux = torch.cat(list(self.model.aux_hidden_states), dim=-1)
         at = 0
         for i, (req, p, n) in enumerate(zip(sb.reqs, sb.prefix_lens, sb.extend_lens, strict=True)):
             parents = sb.spec.parents[i] if sb.spec is not None else None
@@ -423,17 +439,24 @@ class ModelRunner:
         if tp.size > 1 and sb.future_inputs is not None:  # overlap: ids still on rank 0's device
             tp.broadcast_tensor(fb.input_ids)
         # a chain verify prepared as decode rows is a DECODE batch and may replay a decode graph;
-        # the decode graphs do not record hidden states, so a drafter that reads them runs eagerly
-        recording = self.target_states.recording
+        # the graphs record the hidden rows a drafter reads (recaptured when it asked, see
+        # _record_in_graphs); graphs recording something else are not used
+        ts = self.target_states
+        recording = ts.recording
+        gr = self.graph_runner
         self.last_run_used_cuda_graph = (
-            not recording and self.graph_runner is not None and self.graph_runner.can_run(fb)
+            gr is not None and gr.can_run(fb) and (not recording or gr.recording == (ts.final, ts.aux_layers))
         )
         if self.last_run_used_cuda_graph:
-            return self.graph_runner.run(fb)[:, : self.vocab_size], False
+            logits = gr.run(fb)[:, : self.vocab_size]
+            if recording and sb.reqs:
+                self._record_hidden(sb, *gr.recorded_rows(fb.batch_size))
+            return logits, False
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
         if recording and sb.reqs:
-            self._record_hidden(sb, hidden)
+            aux = torch.cat(list(self.model.aux_hidden_states), dim=-1) if ts.aux_layers else None
+            self._record_hidden(sb, hidden, aux)
         if sb.spec is None or fb.mode is ForwardMode.DECODE:  # a verify scores every new token
             hidden = select_logit_rows(hidden, fb)
         if greedy_ids:

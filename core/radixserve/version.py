@@ -25,5 +25,7 @@ __version__ = "0.1.0"
 #      weight_utils.load_stacked_weights; drafter helpers radixserve.scheduler.speculative.draft_slots /
 #      draft_state (DraftSlotStack, PooledDrafter); WeightSource.prepare_model and its options
 #      (`model.weight_source_options`); FusedMoE.map_checkpoint_name maps per-expert `weight_scale_inv`
-# 1.5: radixserve.testing.check_quant_method_moe (the conformance kit's MoE step)
+# 1.5: radixserve.testing.check_quant_method_moe (the conformance kit's MoE step);
+#      radixserve.cuda_graph_runner.CudaGraph / EagerGraph for drafters capturing their own steps (the
+#      decode graphs record the hidden rows TargetStates hands out)
 PLUGIN_API_VERSION = "1.5"

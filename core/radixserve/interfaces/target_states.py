@@ -37,8 +37,8 @@ class TargetStates:
 
     Recording is off until a drafter calls `request(...)` (normally in its constructor), so a
     server without such a drafter pays nothing. Once on, every target forward (prefill chunks,
-    decode and verify steps) appends one `HiddenRows` per request, and the plain-decode CUDA
-    graphs are not used (they do not record). A drafter collects a request's rows with `take(rid)`
+    decode and verify steps) appends one `HiddenRows` per request; the runner's decode CUDA graphs
+    are captured again to write the requested rows too (the same values as an eager forward). A drafter collects a request's rows with `take(rid)`
     (typically in `on_accepted`, which follows the forward that produced the tokens) and calls
     `discard(rid)` in `on_finished`. Rows of positions served from the prefix cache were never
     computed and are absent: a drafter must cope with a sequence whose early positions are missing.

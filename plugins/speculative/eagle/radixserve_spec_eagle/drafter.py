@@ -7,7 +7,11 @@ and predicts token p + 2, so once the target has verified tokens 0..L-1 (and com
 for the request's life) and then expands a tree from the last row: top-k children per frontier
 node, a frontier of the k best by cumulative draft log-probability, `num_steps` levels, and keeps
 the best `num_draft_tokens` nodes (EAGLE-2's dynamic tree; topk 1 gives a chain). The tree rows'
-KV is scratch: dropped after `propose`, the verified path comes back as features later."""
+KV is scratch: dropped after `propose`, the verified path comes back as features later.
+
+On CUDA the verified rows (up to 16 per request), the chain steps and the tree levels replay CUDA
+graphs of the same computations (graphs.py; the tree's levels then stay on the device until one
+host copy); `cuda_graph=False` (option) keeps everything eager."""
 
 from __future__ import annotations
 
@@ -17,9 +21,11 @@ import torch
 import torch.nn.functional as F
 from radixserve.interfaces.drafter import DrafterInfo, DraftProposal
 from radixserve.interfaces.target_states import HiddenRows
+from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.scheduler.speculative.draft_state import DraftRequestState, PooledDrafter
 
 from radixserve_spec_eagle.checkpoint import KEY, default_aux_layers, load_checkpoint
+from radixserve_spec_eagle.graphs import ChainInputs, DraftGraphs, PendingInputs, TreeInputs
 from radixserve_spec_eagle.head import EagleHead
 from radixserve_spec_eagle.kv_pool import DraftKVPool
 
@@ -38,12 +44,25 @@ def best_nodes(scores: list[float], parents: list[int], limit: int) -> list[int]
     return sorted(kept)
 
 
-class EagleDrafter(PooledDrafter):
-    """Component "eagle" of kind "drafter" (radixserve-spec-eagle). No options of its own: the
-    draft checkpoint is `speculative.draft_model_path`, the tree shape `speculative.topk`,
-    `num_steps` and `num_draft_tokens`."""
+def _repeat_heads(x: torch.Tensor, rep: int, dim: int) -> torch.Tensor:
+    """`x.repeat_interleave(rep, dim)` by expand + reshape: never reads a size back to the host,
+    so it may run inside a CUDA graph capture."""
+    if rep == 1:
+        return x
+    shape = list(x.shape)
+    expanded = x.unsqueeze(dim + 1).expand(*shape[: dim + 1], rep, *shape[dim + 1 :])
+    return expanded.reshape(*shape[:dim], shape[dim] * rep, *shape[dim + 1 :])
 
-    def __init__(self, info: DrafterInfo) -> None:
+
+class EagleDrafter(PooledDrafter):
+    """Component "eagle" of kind "drafter" (radixserve-spec-eagle). The draft checkpoint is
+    `speculative.draft_model_path`, the tree shape `speculative.topk`, `num_steps` and
+    `num_draft_tokens`. Option `cuda_graph` (default: on when the device is CUDA): replay the draft
+    steps from CUDA graphs (True on a CPU device runs the same bookkeeping without graphs)."""
+
+    graph_factory = None  # tests: a stand-in for torch.cuda.CUDAGraph (see DraftGraphs)
+
+    def __init__(self, info: DrafterInfo, cuda_graph: bool | None = None) -> None:
         super().__init__(info)
         ts = info.target_states
         if ts is None:
@@ -72,6 +91,12 @@ class EagleDrafter(PooledDrafter):
         self.topk = max(1, info.topk) if info.supports_tree else 1
         self.num_steps = max(1, info.num_steps)
         self.init_states()
+        self.graphs = None
+        if cuda_graph if cuda_graph is not None else info.device.type == "cuda":
+            # the captured rotary must not read positions back to the host: size its cache now
+            reserve_rotary_caches(self.head, int(getattr(cfg, "max_position_embeddings", 8192)), info.device)
+            self.graphs = DraftGraphs(len(self.head.layers), self.pool.shape, cfg.hidden_size, ts.dtype, info.device,
+                                      self._chain_steps, self._pending_rows, self.graph_factory, self._tree_steps)
 
     # ---- the Drafter contract (on_accepted, on_finished: PooledDrafter's) ------------------------
     @torch.inference_mode()
@@ -100,18 +125,47 @@ class EagleDrafter(PooledDrafter):
     def _attention(self, q, keys, values, mask) -> torch.Tensor:
         """q [r, H, d], keys/values [T, KV, d], mask [r, T] (True: may attend) -> [r, H * d]."""
         rep = q.shape[1] // keys.shape[1]
-        k = keys.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
-        v = values.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
+        k = _repeat_heads(keys, rep, 1).transpose(0, 1).unsqueeze(0)
+        v = _repeat_heads(values, rep, 1).transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask)
         return out[0].transpose(0, 1).reshape(q.shape[0], -1)
 
     def _run_pending(self, st: DraftRequestState) -> None:
         """Run the newly verified rows into the draft's KV (kept) and remember the last one's output."""
+        feats = torch.cat(st.pending_feats) if len(st.pending_feats) > 1 else st.pending_feats[0]
+        new = self.pool.alloc(len(st.pending_pos))
+        got = None
+        if self.graphs is not None:
+            got = self.graphs.pending(self.pool.k, self.pool.v, st.slots, new, st.pending_tok, st.pending_pos, feats)
+        if got is None:
+            self._run_pending_eager(st, feats, new)
+            return
+        st.slots = torch.cat([st.slots, new])
+        st.pending_pos, st.pending_tok, st.pending_feats = [], [], []
+        st.root = (st.last_pos, got[0], got[1])
+
+    def _pending_rows(self, inp: PendingInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the pending graph captures: one request's new rows after its cached ones in the
+        static keys (row j sees the cached rows and new rows 0..j); (last row's output [1, H],
+        its log-probs [V]). The new rows' keys / values are left in `inp.keys` / `inp.values`."""
+        rows, width = inp.ids.shape[0], inp.keys[0].shape[0]
+        dev = inp.ids.device
+        at = inp.cached + torch.arange(rows, device=dev)
+        mask = torch.arange(width, device=dev)[None, :] <= at[:, None]
+
+        def attend(layer, q, k, v):
+            inp.keys[layer][at] = k
+            inp.values[layer][at] = v
+            return self._attention(q, inp.keys[layer], inp.values[layer], mask)
+
+        out = self.head.step(self._embed(inp.ids), inp.pos, inp.feats, attend)
+        last = out.index_select(0, inp.last)
+        return last, self.head.log_probs(last, self.target.logits)[0]
+
+    def _run_pending_eager(self, st: DraftRequestState, feats: torch.Tensor, new: torch.Tensor) -> None:
         pos = torch.tensor(st.pending_pos, dtype=torch.int64, device=self.pool.device)
         ids = torch.tensor(st.pending_tok, dtype=torch.int64, device=self.pool.device)
-        feats = torch.cat(st.pending_feats) if len(st.pending_feats) > 1 else st.pending_feats[0]
         r = len(st.pending_pos)
-        new = self.pool.alloc(r)
         slots = torch.cat([st.slots, new])
         mask = torch.ones(r, len(slots), dtype=torch.bool, device=self.pool.device)
         mask[:, len(st.slots):] = torch.tril(mask[:, len(st.slots):])
@@ -142,6 +196,13 @@ class EagleDrafter(PooledDrafter):
         request's cached keys padded into one batch, the new rows written after them, tokens kept
         on the device until one host copy at the end."""
         dev, b = self.pool.device, len(sts)
+        root_out = torch.cat([st.root[1] for st in sts])
+        tok = self.head.to_target_ids(torch.stack([st.root[2] for st in sts]).argmax(-1))
+        if self.graphs is not None and steps > 1:
+            got = self.graphs.chain(self.pool.k, self.pool.v, [st.slots for st in sts], [st.root[0] for st in sts],
+                                    root_out, tok, steps)
+            if got is not None:
+                return got.tolist()
         lens = torch.tensor([len(st.slots) for st in sts], dtype=torch.int64, device=dev)
         width = max(len(st.slots) for st in sts) + steps
         keys, values = [], []
@@ -154,33 +215,95 @@ class EagleDrafter(PooledDrafter):
             keys.append(k)
             values.append(v)
         root_pos = torch.tensor([st.root[0] for st in sts], dtype=torch.int64, device=dev)
-        out = torch.cat([st.root[1] for st in sts])
-        tok = self.head.to_target_ids(torch.stack([st.root[2] for st in sts]).argmax(-1))
+        return self._chain_steps(ChainInputs(keys, values, lens, root_pos, root_out, tok), steps).tolist()
+
+    def _chain_steps(self, inp: ChainInputs, steps: int) -> torch.Tensor:
+        """The chain steps after the root (what the chain graph captures): each request's new row
+        goes after its `lens` cached keys in the padded `inp.keys`; tokens [b, steps]."""
+        b, width = inp.lens.shape[0], inp.keys[0].shape[1]
+        dev = inp.lens.device
+        out, tok = inp.root_out, inp.tok
         drafted, rows, cols = [tok], torch.arange(b, device=dev), torch.arange(width, device=dev)
         for depth in range(1, steps):
-            at = lens + depth - 1  # where each request's new row goes
+            at = inp.lens + depth - 1  # where each request's new row goes
             mask = (cols[None, :] <= at[:, None])[:, None, None, :]
 
             def attend(layer, q, kk, vv, at=at, mask=mask):
-                keys[layer][rows, at] = kk
-                values[layer][rows, at] = vv
-                return self._attention_padded(q, keys[layer], values[layer], mask)
+                inp.keys[layer][rows, at] = kk
+                inp.values[layer][rows, at] = vv
+                return self._attention_padded(q, inp.keys[layer], inp.values[layer], mask)
 
-            out = self.head.step(self._embed(tok), root_pos + depth, out, attend)
+            out = self.head.step(self._embed(tok), inp.root_pos + depth, out, attend)
             tok = self.head.to_target_ids(self.head.log_probs(out, self.target.logits).argmax(-1))
             drafted.append(tok)
-        return torch.stack(drafted, dim=1).tolist()
+        return torch.stack(drafted, dim=1)
 
     def _attention_padded(self, q, keys, values, mask) -> torch.Tensor:
         """One query row per request: q [b, H, d], keys/values [b, T, KV, d], mask [b, 1, 1, T]."""
         rep = q.shape[1] // keys.shape[2]
-        k = keys.repeat_interleave(rep, dim=2).transpose(1, 2)
-        v = values.repeat_interleave(rep, dim=2).transpose(1, 2)
+        k = _repeat_heads(keys, rep, 2).transpose(1, 2)
+        v = _repeat_heads(values, rep, 2).transpose(1, 2)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask)
         return out.reshape(q.shape[0], -1)
 
     def _tree(self, st: DraftRequestState, limit: int) -> tuple[list[int], list[int]]:
-        """EAGLE-2's dynamic tree (see the module docstring)."""
+        """EAGLE-2's dynamic tree (see the module docstring): through the tree graph when there is
+        one, else eagerly. Both number the nodes alike and keep the same ones (up to exact ties
+        of cumulative scores, which the device's top-k may order differently)."""
+        if self.graphs is not None:
+            got = self.graphs.tree(self.pool.k, self.pool.v, st.slots, st.root[0], st.root[1], st.root[2],
+                                   self.topk, self.num_steps)
+            if got is not None:
+                tokens, scores, parents = got
+                keep = best_nodes(scores, parents, limit)
+                where = {n: j for j, n in enumerate(keep)}
+                return [tokens[n] for n in keep], [where.get(parents[n], -1) for n in keep]
+        return self._tree_eager(st, limit)
+
+    def _tree_steps(self, inp: TreeInputs, k: int, steps: int):
+        """The tree expansion on the device (what the tree graph captures): (tokens [N] int64,
+        cumulative scores [N] fp32, parents [N] int64, -1 for the root's children), N = k + (steps
+        - 1) * k * k, nodes in the eager order: the root's top k, then per level the k * k children
+        of the frontier (frontier row by row, each row's children by rank)."""
+        dev = inp.root_lp.device
+        width = inp.keys[0].shape[0]
+        scratch = inp.scratch_k[0].shape[0]
+        score, idx = inp.root_lp.topk(k)
+        tok = self.head.to_target_ids(idx)
+        feat = inp.root_out.expand(k, -1).contiguous()
+        node = torch.arange(k, device=dev)  # the frontier's node ids
+        anc = torch.zeros(k, scratch, dtype=torch.bool, device=dev)  # frontier rows' ancestors' scratch rows
+        cached_cols = torch.arange(width, device=dev)[None, :] < inp.cached  # [1, W]
+        tokens, scores, parents = [tok], [score], [torch.full((k,), -1, dtype=torch.int64, device=dev)]
+        first = k
+        for level in range(1, steps):
+            rows = (level - 1) * k + torch.arange(k, device=dev)
+            anc = anc.clone()
+            anc[torch.arange(k, device=dev), rows] = True  # each row sees itself
+            mask = torch.cat([cached_cols.expand(k, -1), anc], dim=1)
+
+            def attend(layer, q, kk, vv, rows=rows, mask=mask):
+                inp.scratch_k[layer][rows] = kk
+                inp.scratch_v[layer][rows] = vv
+                keys = torch.cat([inp.keys[layer], inp.scratch_k[layer]])
+                values = torch.cat([inp.values[layer], inp.scratch_v[layer]])
+                return self._attention(q, keys, values, mask)
+
+            out = self.head.step(self._embed(tok), inp.root_pos.expand(k) + level, feat, attend)
+            child_lp, child_idx = self.head.log_probs(out, self.target.logits).topk(k, dim=-1)  # [k, k]
+            child_score = (score[:, None] + child_lp).flatten()
+            child_tok = self.head.to_target_ids(child_idx).flatten()
+            tokens.append(child_tok)
+            scores.append(child_score)
+            parents.append(node[:, None].expand(k, k).flatten())
+            best = child_score.topk(k).indices
+            parent_row = torch.div(best, k, rounding_mode="floor")
+            node, tok, score = first + best, child_tok[best], child_score[best]
+            feat, anc = out[parent_row], anc[parent_row]
+            first += k * k
+        return torch.cat(tokens), torch.cat(scores), torch.cat(parents)
+
+    def _tree_eager(self, st: DraftRequestState, limit: int) -> tuple[list[int], list[int]]:
         root_pos, root_out, root_lp = st.root
         k, steps = self.topk, self.num_steps
         dev = self.pool.device

@@ -1,0 +1,291 @@
+"""CUDA graphs of the EAGLE draft's small steps, so a propose at batch 1 costs a few graph
+launches instead of ~40 kernel launches per draft step.
+
+Two computations are captured, each on first use per shape bucket (the draft KV pool is the
+drafter's own; the target's graphs are not involved):
+
+- `ChainGraph` (batch bucket B, KV width bucket W, steps): the `steps - 1` chain steps after the
+  root, for up to B requests at once. Static inputs: each request's cached draft keys / values
+  padded to W columns, its cached length, root position, root output and first draft token.
+- `PendingGraph` (row bucket R, KV width bucket W): the request's newly verified rows (one
+  request, at most R rows) run into the draft; outputs the rows' keys / values (copied into the
+  pool after the replay) and the last row's output and draft log-probabilities.
+- `TreeGraph` (KV width bucket W, topk, steps): one request's tree expansion (EAGLE-2's dynamic
+  tree) kept on the device: every level's top-k children, the frontier of the k best cumulative
+  scores, the ancestors mask of the scratch rows; outputs every node's token, cumulative score
+  and parent for one host copy (the host keeps the best `num_draft_tokens`).
+
+Padding: padded requests have cached length 0, position 0, token 0 and a zero feature; padded
+verified rows come after the real ones. Every row attends only to columns up to its own (a
+boolean mask built inside the graph from the static lengths), so neither padding nor stale
+columns beyond a request's length reach a real row. Shapes past the largest bucket run eagerly; at
+most MAX_GRAPHS graphs are kept (least recently used dropped).
+
+The graphs read the pool only through the static buffers (filled before each replay), so the pool
+may grow (new tensors) without invalidating them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from radixserve.cuda_graph_runner import CudaGraph, EagerGraph
+
+logger = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+ROW_BUCKETS = (1, 2, 4, 8, 16)
+WIDTH_STEP = 256  # KV widths are captured in multiples of this
+MAX_WIDTH = 8192
+MAX_KV_ROWS = 32768  # B * W of one chain graph's static keys (memory bound)
+MAX_GRAPHS = 64
+
+
+def bucket(n: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest size >= n, or None when n exceeds them all."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+def width_bucket(n: int, step: int = WIDTH_STEP, limit: int = MAX_WIDTH) -> int | None:
+    """`n` KV columns rounded up to a multiple of `step`, or None above `limit`."""
+    w = max(step, -(-n // step) * step)
+    return w if w <= limit else None
+
+
+def chain_key(lens: list[int], steps: int) -> tuple[int, int, int] | None:
+    """(B, W, steps) of the chain graph for requests with `lens` cached draft rows, or None when
+    it would be too large (then the chain runs eagerly)."""
+    b = bucket(len(lens), BATCH_BUCKETS)
+    w = width_bucket(max(lens) + steps)
+    if b is None or w is None or b * w > MAX_KV_ROWS:
+        return None
+    return b, w, steps
+
+
+def pending_key(cached: int, rows: int) -> tuple[int, int] | None:
+    """(R, W) of the pending-rows graph for a request with `cached` draft rows and `rows` new
+    ones, or None (eager)."""
+    r = bucket(rows, ROW_BUCKETS)
+    if r is None:
+        return None
+    w = width_bucket(cached + r)
+    return None if w is None else (r, w)
+
+
+@dataclass
+class ChainInputs:
+    keys: list[torch.Tensor]  # per layer [B, W, KV, d]
+    values: list[torch.Tensor]
+    lens: torch.Tensor  # [B] cached rows per request
+    root_pos: torch.Tensor  # [B]
+    root_out: torch.Tensor  # [B, H]
+    tok: torch.Tensor  # [B] first draft token (target ids)
+
+
+@dataclass
+class PendingInputs:
+    keys: list[torch.Tensor]  # per layer [W, KV, d]: the request's cached rows, then the new ones
+    values: list[torch.Tensor]
+    cached: torch.Tensor  # [1] the request's cached rows
+    last: torch.Tensor  # [1] index of the last real new row
+    ids: torch.Tensor  # [R] tokens (target ids)
+    pos: torch.Tensor  # [R]
+    feats: torch.Tensor  # [R, F]
+
+
+def tree_key(cached: int, topk: int, steps: int, vocab: int) -> tuple[int, int, int, int] | None:
+    """(W, topk, steps, draft vocab) of the tree graph for a request with `cached` draft rows (the
+    tree's scratch rows have their own buffer), or None (eager)."""
+    w = width_bucket(cached)
+    return None if w is None else (w, topk, steps, vocab)
+
+
+@dataclass
+class TreeInputs:
+    keys: list[torch.Tensor]  # per layer [W, KV, d]: the request's cached rows
+    values: list[torch.Tensor]
+    scratch_k: list[torch.Tensor]  # per layer [topk * (steps - 1), KV, d]: the tree levels' rows
+    scratch_v: list[torch.Tensor]
+    cached: torch.Tensor  # [1]
+    root_pos: torch.Tensor  # [1]
+    root_out: torch.Tensor  # [1, H]
+    root_lp: torch.Tensor  # [V] fp32
+
+
+class DraftGraphs:
+    """The drafter's captured graphs. `chain_fn(inputs, steps) -> tokens [B, steps]` and
+    `pending_fn(inputs) -> (last row's output [1, H], its log-probs [V])` are the drafter's
+    computations over static inputs; this class owns the buffers, the buckets and the graphs.
+
+    `graph_factory` defaults to CUDA graphs on a CUDA device and to `EagerGraph` elsewhere (CPU
+    tests exercise the same bookkeeping)."""
+
+    def __init__(self, num_layers: int, kv_shape: tuple[int, int], hidden_size: int, dtype: torch.dtype,
+                 device: torch.device, chain_fn: Callable, pending_fn: Callable,
+                 graph_factory: Callable[[], EagerGraph | CudaGraph] | None = None,
+                 tree_fn: Callable | None = None) -> None:
+        self.num_layers, self.kv_shape, self.hidden_size = num_layers, kv_shape, hidden_size
+        self.dtype, self.device = dtype, torch.device(device)
+        self.chain_fn, self.pending_fn, self.tree_fn = chain_fn, pending_fn, tree_fn
+        self.trees: dict[tuple, tuple[EagerGraph | CudaGraph, TreeInputs]] = {}
+        cuda = self.device.type == "cuda"
+        self._pool = torch.cuda.graph_pool_handle() if cuda else None
+        self.graph_factory = graph_factory or ((lambda: CudaGraph(self._pool)) if cuda else EagerGraph)
+        self.chains: dict[tuple, tuple[EagerGraph | CudaGraph, ChainInputs]] = {}
+        self.pendings: dict[tuple, tuple[EagerGraph | CudaGraph, PendingInputs]] = {}
+        self.replays = 0  # graph replays so far (tests, benchmarks)
+        self.failed = False  # a capture failed: everything runs eagerly from then on
+
+    def _get(self, graphs: dict, key: tuple, capture: Callable):
+        """The graph of `key` (captured now when missing), most recently used last; at MAX_GRAPHS
+        the least recently used graph of the same kind (else of the other) is dropped first. None
+        once a capture has failed (logged; the draft then runs eagerly)."""
+        if self.failed:
+            return None
+        if key in graphs:
+            graphs[key] = graphs.pop(key)
+            return graphs[key]
+        while len(self.chains) + len(self.pendings) + len(self.trees) >= MAX_GRAPHS:
+            victims = graphs if graphs else next(g for g in (self.chains, self.pendings, self.trees) if g)
+            victims.pop(next(iter(victims)))
+        try:
+            graphs[key] = capture(*key)
+        except Exception as e:  # keep drafting, eagerly, but loudly
+            logger.error("capturing an EAGLE draft CUDA graph %s failed (%r); the draft runs eagerly", key, e)
+            self.failed = True
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return None
+        return graphs[key]
+
+    def _kv(self, *lead: int) -> list[torch.Tensor]:
+        return [torch.zeros(*lead, *self.kv_shape, dtype=self.dtype, device=self.device)
+                for _ in range(self.num_layers)]
+
+    # ---- chains ---------------------------------------------------------------------------------
+    def chain(self, pool_k: list[torch.Tensor], pool_v: list[torch.Tensor], slots: list[torch.Tensor],
+              root_pos: list[int], root_out: torch.Tensor, tok: torch.Tensor, steps: int) -> torch.Tensor | None:
+        """Draft tokens [b, steps] for b requests (their cached `slots`, root positions, root
+        outputs [b, H] and first tokens [b]) through the graph of their bucket; None when the
+        shape has no graph (the caller runs eagerly)."""
+        b = len(slots)
+        key = chain_key([len(s) for s in slots], steps)
+        if key is None:
+            return None
+        got = self._get(self.chains, key, self._capture_chain)
+        if got is None:
+            return None
+        graph, inp = got
+        for layer in range(self.num_layers):
+            for i, s in enumerate(slots):
+                inp.keys[layer][i, : len(s)] = pool_k[layer][s]
+                inp.values[layer][i, : len(s)] = pool_v[layer][s]
+        for t in (inp.lens, inp.root_pos, inp.root_out, inp.tok):  # padded requests: harmless zeros
+            t[b:].zero_()
+        inp.lens[:b].copy_(torch.tensor([len(s) for s in slots], dtype=torch.int64), non_blocking=True)
+        inp.root_pos[:b].copy_(torch.tensor(root_pos, dtype=torch.int64), non_blocking=True)
+        inp.root_out[:b].copy_(root_out)
+        inp.tok[:b].copy_(tok)
+        self.replays += 1
+        return graph.replay()[:b]
+
+    def _capture_chain(self, bs: int, width: int, steps: int):
+        inp = ChainInputs(
+            self._kv(bs, width), self._kv(bs, width),
+            torch.zeros(bs, dtype=torch.int64, device=self.device), torch.zeros(bs, dtype=torch.int64, device=self.device),
+            torch.zeros(bs, self.hidden_size, dtype=self.dtype, device=self.device),
+            torch.zeros(bs, dtype=torch.int64, device=self.device),
+        )
+        graph = self.graph_factory()
+        with torch.inference_mode():
+            graph.capture(lambda: self.chain_fn(inp, steps))
+        return graph, inp
+
+    # ---- verified rows --------------------------------------------------------------------------
+    def pending(self, pool_k: list[torch.Tensor], pool_v: list[torch.Tensor], cached: torch.Tensor,
+                new: torch.Tensor, ids: list[int], pos: list[int], feats: torch.Tensor):
+        """Run one request's `len(ids)` new rows (features `feats` [r, F]) after its `cached`
+        slots; writes their keys / values into the pool at slots `new` and returns (the last
+        row's output [1, H], its draft log-probs [V]) as fresh tensors; None when the shape has
+        no graph."""
+        n, r = len(cached), len(ids)
+        key = pending_key(n, r)
+        if key is None:
+            return None
+        key = (*key, feats.shape[1])
+        got = self._get(self.pendings, key, self._capture_pending)
+        if got is None:
+            return None
+        graph, inp = got
+        for layer in range(self.num_layers):
+            inp.keys[layer][:n] = pool_k[layer][cached]
+            inp.values[layer][:n] = pool_v[layer][cached]
+        inp.cached.fill_(n)
+        inp.last.fill_(r - 1)
+        for t in (inp.ids, inp.pos, inp.feats):  # padded rows: harmless zeros
+            t[r:].zero_()
+        inp.ids[:r].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
+        inp.pos[:r].copy_(torch.tensor(pos, dtype=torch.int64), non_blocking=True)
+        inp.feats[:r].copy_(feats)
+        self.replays += 1
+        out, lp = graph.replay()
+        for layer in range(self.num_layers):
+            pool_k[layer][new] = inp.keys[layer][n : n + r]
+            pool_v[layer][new] = inp.values[layer][n : n + r]
+        return out.clone(), lp.clone()
+
+    def _capture_pending(self, rows: int, width: int, feat_width: int):
+        z = torch.zeros
+        inp = PendingInputs(
+            self._kv(width), self._kv(width),
+            z(1, dtype=torch.int64, device=self.device), z(1, dtype=torch.int64, device=self.device),
+            z(rows, dtype=torch.int64, device=self.device), z(rows, dtype=torch.int64, device=self.device),
+            z(rows, feat_width, dtype=self.dtype, device=self.device),
+        )
+        graph = self.graph_factory()
+        with torch.inference_mode():
+            graph.capture(lambda: self.pending_fn(inp))
+        return graph, inp
+
+    # ---- trees ----------------------------------------------------------------------------------
+    def tree(self, pool_k: list[torch.Tensor], pool_v: list[torch.Tensor], cached: torch.Tensor, root_pos: int,
+             root_out: torch.Tensor, root_lp: torch.Tensor, topk: int, steps: int):
+        """One request's tree from its root (position, output [1, H], log-probs [V]): (tokens,
+        cumulative scores, parents) of every node as lists, nodes numbered level by level (the
+        root's children first); None when the shape has no graph."""
+        n = len(cached)
+        key = tree_key(n, topk, steps, root_lp.shape[0])
+        if key is None or self.tree_fn is None:
+            return None
+        got = self._get(self.trees, key, self._capture_tree)
+        if got is None:
+            return None
+        graph, inp = got
+        for layer in range(self.num_layers):
+            inp.keys[layer][:n] = pool_k[layer][cached]
+            inp.values[layer][:n] = pool_v[layer][cached]
+        inp.cached.fill_(n)
+        inp.root_pos.fill_(root_pos)
+        inp.root_out.copy_(root_out)
+        inp.root_lp.copy_(root_lp)
+        self.replays += 1
+        tokens, scores, parents = graph.replay()
+        return tokens.tolist(), scores.tolist(), parents.tolist()
+
+    def _capture_tree(self, width: int, topk: int, steps: int, vocab: int):
+        z, dev = torch.zeros, self.device
+        scratch = topk * max(1, steps - 1)
+        inp = TreeInputs(
+            self._kv(width), self._kv(width), self._kv(scratch), self._kv(scratch),
+            z(1, dtype=torch.int64, device=dev), z(1, dtype=torch.int64, device=dev),
+            z(1, self.hidden_size, dtype=self.dtype, device=dev), z(vocab, dtype=torch.float32, device=dev),
+        )
+        graph = self.graph_factory()
+        with torch.inference_mode():
+            graph.capture(lambda: self.tree_fn(inp, topk, steps))
+        return graph, inp
