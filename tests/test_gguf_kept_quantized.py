@@ -65,6 +65,10 @@ def test_linear_matches_fp32_within_int8_activation_rounding(qtype):
     assert (y.double() - plain).abs().max() < 0.02 * plain.abs().max()
     for i in range(7):  # each row alone gives the same bits as inside the batch
         assert torch.equal(kernels.linear(x[i : i + 1], torch.from_numpy(blocks), qtype)[0], y[i])
+    # leading dimensions and non-contiguous rows: the same bits
+    assert torch.equal(kernels.linear(x.view(7, 1, 288), torch.from_numpy(blocks), qtype), y.view(7, 1, 100))
+    wide = torch.cat([x, torch.zeros(7, 32)], 1)[:, :288]
+    assert torch.equal(kernels.linear(wide, torch.from_numpy(blocks), qtype), y)
     y16 = kernels.linear(x.to(torch.bfloat16), torch.from_numpy(blocks), qtype)
     assert y16.dtype == torch.bfloat16 and y16.shape == (7, 100)
 

@@ -395,12 +395,18 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_row(const uint8_t* 
 
 }  // namespace
 
-// x fp32 [M, K] (rows contiguous), w blocks [N, K/32 * block bytes] of `qtype`. Returns fp32 [M, N].
-at::Tensor linear(at::Tensor x, at::Tensor w, int64_t qtype) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "gguf_blocks.linear: x fp32 [M, K]");
+// x fp32 [..., K] (a [M, K] matrix with contiguous rows, or any contiguous tensor), w blocks
+// [N, K/32 * block bytes] of `qtype`. Returns fp32 [..., N]. (The reshape is here, not in Python:
+// at batch 1 the wrapper's tensor calls cost a visible share of a decode step.)
+at::Tensor linear(at::Tensor x_in, at::Tensor w, int64_t qtype) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.scalar_type() == at::kFloat, "gguf_blocks.linear: x fp32 [..., K]");
+  const bool matrix = x_in.dim() == 2 && x_in.stride(1) == 1;
+  const at::Tensor x = matrix ? x_in : x_in.contiguous().view({-1, x_in.size(-1)});
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check_weight(w, qtype, K);
-  auto y = at::empty({M, N}, x.options());
+  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
+  out_shape.back() = N;
+  auto y = at::empty(out_shape, x.options());
   QuantizedRows xq;
   quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, xq);
   const uint8_t* wp = w.data_ptr<uint8_t>();
