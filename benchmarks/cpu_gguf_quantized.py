@@ -93,7 +93,9 @@ def offline_side(path: str, dequantize: bool, args) -> dict:
 
     cfg = Config.build({"model": {"path": path, "weight_source_options": {"dequantize": dequantize},
                                   "context_length": args.offline_input + args.offline_output + 16},
-                        "runtime": {"device": "cpu", "num_threads": args.threads}})
+                        "runtime": {"device": "cpu", "num_threads": args.threads},
+                        **({"scheduler": {"max_total_tokens": args.server_max_total_tokens}}
+                           if args.server_max_total_tokens else {})})
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 30000) for _ in range(args.offline_input)] for _ in range(args.offline_prompts)]
     params = {"max_new_tokens": args.offline_output, "ignore_eos": True, "temperature": 0.0}
@@ -139,7 +141,8 @@ def llamacpp_side(path: str, new_tokens: int, threads: int) -> dict:
 def run_child(python: str, side: str, args) -> dict:
     cmd = [python, __file__, "--child", side, "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
            "--model", args.model, "--offline-prompts", str(args.offline_prompts), "--offline-input",
-           str(args.offline_input), "--offline-output", str(args.offline_output)]
+           str(args.offline_input), "--offline-output", str(args.offline_output),
+           "--server-max-total-tokens", str(args.server_max_total_tokens)]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if out.returncode:
         raise RuntimeError(f"{side} failed:\n{out.stderr[-3000:]}")
@@ -160,6 +163,9 @@ def main() -> int:
     ap.add_argument("--offline-input", type=int, default=64)
     ap.add_argument("--offline-output", type=int, default=128)
     ap.add_argument("--no-offline", action="store_true", help="batch-1 decode and runner RSS only")
+    ap.add_argument("--server-max-total-tokens", type=int, default=0,
+                    help="the Engine's KV pool in tokens, the same for both modes (0: the server's default sizing, "
+                         "which gives the KV pool the memory the weights leave and so hides their difference)")
     ap.add_argument("--child", choices=["kept", "dequantized", "llama.cpp", "offline-kept", "offline-dequantized"])
     args = ap.parse_args()
     args.model = args.model or smollm2_path()
