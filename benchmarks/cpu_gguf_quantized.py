@@ -164,8 +164,8 @@ def main() -> int:
     ap.add_argument("--offline-output", type=int, default=128)
     ap.add_argument("--no-offline", action="store_true", help="batch-1 decode and runner RSS only")
     ap.add_argument("--server-max-total-tokens", type=int, default=0,
-                    help="the Engine's KV pool in tokens, the same for both modes (0: the server's default sizing, "
-                         "which gives the KV pool the memory the weights leave and so hides their difference)")
+                    help="the Engine's KV pool in tokens for both modes (0: the server's default, a pool of about "
+                         "2 GB here that dominates both processes' RSS)")
     ap.add_argument("--child", choices=["kept", "dequantized", "llama.cpp", "offline-kept", "offline-dequantized"])
     args = ap.parse_args()
     args.model = args.model or smollm2_path()
