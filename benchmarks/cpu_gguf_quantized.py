@@ -1,11 +1,17 @@
-"""CPU, SmolLM2-135M-Instruct Q4_1 GGUF: batch-1 greedy decode tok/s and resident memory with the
-blocks kept quantized vs dequantized at load (our fp32 path), next to llama.cpp on the same file,
-rounds interleaved in one run (each side in its own process, so VmRSS is that side's alone).
+"""CPU, SmolLM2-135M-Instruct Q4_1 GGUF, everything issue 14's CPU targets need in one run:
+- batch-1 greedy decode tok/s and resident memory with the blocks kept quantized vs dequantized at
+  load (our fp32 path), next to llama.cpp on the same file (each side in its own process, so VmRSS
+  is that side's alone; rounds interleaved);
+- offline throughput through the Engine (64 requests x 64 input / 128 output tokens by default),
+  kept vs fp32, with the VmRSS of the Engine's scheduler process (the server process that holds
+  the model) after the run.
 
     python benchmarks/cpu_gguf_quantized.py [--rounds 2] [--new-tokens 64] [--llamacpp-python PY]
+        [--offline-prompts 64 --offline-input 64 --offline-output 128 | --no-offline]
 
 PY: a Python with llama-cpp-python (benchmarks/.peers/llamacpp/bin/python); skipped when absent.
-Prints one JSON line per measurement and a summary."""
+Prints one JSON line per measurement (with the 1-minute load average: the machine is shared) and a
+summary with the ratios of the targets."""
 
 from __future__ import annotations
 
@@ -62,6 +68,52 @@ def radixserve_side(path: str, dequantize: bool, new_tokens: int, threads: int) 
             "rss_after_decode_mb": vm_rss_mb(), "kv_pool_mb": kv_mb, "parameter_mb": weights_mb}
 
 
+def children_rss_mb() -> dict[int, float]:
+    """VmRSS of this process's children (the Engine's scheduler and detokenizer processes)."""
+    me, out = os.getpid(), {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != me:
+                continue
+            with open(f"/proc/{pid}/status") as f:
+                out[int(pid)] = next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+        except (OSError, StopIteration, ValueError):
+            continue
+    return out
+
+
+def offline_side(path: str, dequantize: bool, args) -> dict:
+    """Engine throughput on random prompts (the offline_throughput.py set-up) and the server RSS."""
+    import random
+
+    from radixserve.config import Config
+    from radixserve.engine import Engine
+
+    cfg = Config.build({"model": {"path": path, "weight_source_options": {"dequantize": dequantize},
+                                  "context_length": args.offline_input + args.offline_output + 16},
+                        "runtime": {"device": "cpu", "num_threads": args.threads},
+                        **({"scheduler": {"max_total_tokens": args.server_max_total_tokens}}
+                           if args.server_max_total_tokens else {})})
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 30000) for _ in range(args.offline_input)] for _ in range(args.offline_prompts)]
+    params = {"max_new_tokens": args.offline_output, "ignore_eos": True, "temperature": 0.0}
+    with Engine(config=cfg) as engine:
+        warm = [[rng.randrange(100, 30000) for _ in range(args.offline_input)] for _ in range(4)]
+        engine.generate(input_ids=warm, sampling_params={**params, "max_new_tokens": 4})
+        engine.flush_cache()
+        rss_idle = max(children_rss_mb().values())  # the scheduler process: the largest child
+        t0 = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        dt = time.perf_counter() - t0
+        rss_after = max(children_rss_mb().values())
+    n_out = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    n_in = sum(o["meta_info"]["prompt_tokens"] for o in outs)
+    return {"output_tok_s": n_out / dt, "total_tok_s": (n_in + n_out) / dt, "seconds": dt,
+            "server_rss_idle_mb": rss_idle, "server_rss_after_mb": rss_after}
+
+
 def llamacpp_side(path: str, new_tokens: int, threads: int) -> dict:
     import llama_cpp
     from llama_cpp import Llama
@@ -88,7 +140,9 @@ def llamacpp_side(path: str, new_tokens: int, threads: int) -> dict:
 
 def run_child(python: str, side: str, args) -> dict:
     cmd = [python, __file__, "--child", side, "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
-           "--model", args.model]
+           "--model", args.model, "--offline-prompts", str(args.offline_prompts), "--offline-input",
+           str(args.offline_input), "--offline-output", str(args.offline_output),
+           "--server-max-total-tokens", str(args.server_max_total_tokens)]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if out.returncode:
         raise RuntimeError(f"{side} failed:\n{out.stderr[-3000:]}")
@@ -105,12 +159,21 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default=None)
     ap.add_argument("--llamacpp-python", default="benchmarks/.peers/llamacpp/bin/python")
-    ap.add_argument("--child", choices=["kept", "dequantized", "llama.cpp"])
+    ap.add_argument("--offline-prompts", type=int, default=64)
+    ap.add_argument("--offline-input", type=int, default=64)
+    ap.add_argument("--offline-output", type=int, default=128)
+    ap.add_argument("--no-offline", action="store_true", help="batch-1 decode and runner RSS only")
+    ap.add_argument("--server-max-total-tokens", type=int, default=0,
+                    help="the Engine's KV pool in tokens for both modes (0: the server's default, a pool of about "
+                         "2 GB here that dominates both processes' RSS)")
+    ap.add_argument("--child", choices=["kept", "dequantized", "llama.cpp", "offline-kept", "offline-dequantized"])
     args = ap.parse_args()
     args.model = args.model or smollm2_path()
     if args.child:
         if args.child == "llama.cpp":
             row = llamacpp_side(args.model, args.new_tokens, args.threads)
+        elif args.child.startswith("offline-"):
+            row = offline_side(args.model, args.child == "offline-dequantized", args)
         else:
             row = radixserve_side(args.model, args.child == "dequantized", args.new_tokens, args.threads)
         print(json.dumps(row))
@@ -123,10 +186,24 @@ def main() -> int:
     else:
         print(f"llama.cpp peer skipped: no llama_cpp importable by {args.llamacpp_python}", flush=True)
     rows = [run_child(py, side, args) for _ in range(args.rounds) for side, py in sides]
+    def best(side: str, key: str) -> float:
+        return max(r[key] for r in rows if r["side"] == side)
+
     for side, _ in sides:
         mine = [r for r in rows if r["side"] == side]
         print(f"{side}: decode tok/s {[round(r['decode_tok_s'], 1) for r in mine]}, "
               f"VmRSS after decode MB {[round(r['rss_after_decode_mb']) for r in mine]}")
+    summary = {"decode_kept_over_fp32": best("kept", "decode_tok_s") / best("dequantized", "decode_tok_s"),
+               "runner_rss_fp32_over_kept": min(r["rss_after_decode_mb"] for r in rows if r["side"] == "dequantized")
+               / min(r["rss_after_decode_mb"] for r in rows if r["side"] == "kept")}
+    if any(r["side"] == "llama.cpp" for r in rows):
+        summary["decode_kept_over_llamacpp"] = best("kept", "decode_tok_s") / best("llama.cpp", "decode_tok_s")
+    if not args.no_offline:
+        offline = [run_child(sys.executable, side, args) for side in ("offline-kept", "offline-dequantized")]
+        kept, fp32 = offline
+        summary["offline_kept_over_fp32"] = kept["output_tok_s"] / fp32["output_tok_s"]
+        summary["server_rss_fp32_over_kept"] = fp32["server_rss_after_mb"] / kept["server_rss_after_mb"]
+    print(json.dumps({"summary": {k: round(v, 2) for k, v in summary.items()}}), flush=True)
     return 0
 
 

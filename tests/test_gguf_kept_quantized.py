@@ -13,10 +13,16 @@ from gguf_fixtures import build
 from hf_reference import first_divergence, top5_rule_holds
 from radixserve.config import Config
 from radixserve.model_runner import ModelRunner
+from radixserve.plugins.registry import Registry
+from radixserve.runtime.messages import GenerateRequest
+from radixserve.scheduler import Scheduler
+from radixserve.scheduler.speculative.setup import drafter_info
+from radixserve.state import SamplingParams
 from radixserve.tokenizer import apply_chat_template
 from radixserve_quant_gguf import kernels
 from radixserve_quant_gguf.method import GGUFMethod
 from runner_driver import greedy_generate
+from test_speculative_model import TableDrafter
 
 TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -59,6 +65,10 @@ def test_linear_matches_fp32_within_int8_activation_rounding(qtype):
     assert (y.double() - plain).abs().max() < 0.02 * plain.abs().max()
     for i in range(7):  # each row alone gives the same bits as inside the batch
         assert torch.equal(kernels.linear(x[i : i + 1], torch.from_numpy(blocks), qtype)[0], y[i])
+    # leading dimensions and non-contiguous rows: the same bits
+    assert torch.equal(kernels.linear(x.view(7, 1, 288), torch.from_numpy(blocks), qtype), y.view(7, 1, 100))
+    wide = torch.cat([x, torch.zeros(7, 32)], 1)[:, :288]
+    assert torch.equal(kernels.linear(wide, torch.from_numpy(blocks), qtype), y)
     y16 = kernels.linear(x.to(torch.bfloat16), torch.from_numpy(blocks), qtype)
     assert y16.dtype == torch.bfloat16 and y16.shape == (7, 100)
 
@@ -139,3 +149,44 @@ def test_dequantize_false_refused_where_blocks_cannot_stay(smollm2_gguf_path, mo
     method.hf_config(smollm2_gguf_path)
     with pytest.raises(ValueError, match="dequantize=false: cannot keep .* tensor parallelism"):
         method._decide(tp_size=2)
+
+
+def _scheduled(runner, prompts, n_new, table=None):
+    """Greedy outputs through the scheduler, all requests together; with `table`, speculative:
+    4-token drafts from the known continuations with a random wrong suffix (partial acceptance)."""
+    cfg = Config.build({"speculative": {"num_draft_tokens": 4}, "scheduler": {"max_total_tokens": 2048}})
+    reg = Registry.discover()
+    cache = reg.load("prefix_cache", "radix")(runner.req_to_token_pool, runner.token_allocator)
+    drafter = None if table is None else TableDrafter(drafter_info(cfg, runner), table=table, mode="mixed", seed=1)
+    sched = Scheduler(cfg, runner, cache, reg.load("policy", "fcfs")(), drafter=drafter)
+    for i, p in enumerate(prompts):
+        sp = SamplingParams(max_new_tokens=n_new, temperature=0, ignore_eos=True)
+        sched.add_request(GenerateRequest(rid=f"r{i}", input_ids=p, sampling_params=sp))
+    out: dict[str, list[int]] = {}
+    while sched.has_work():
+        for o in sched.step():
+            out.setdefault(o.rid, []).extend(o.new_ids)
+    assert sched.flush_cache()
+    return [out[f"r{i}"] for i in range(len(prompts))], sched.stats()
+
+
+def test_smollm2_kept_speculative_equals_plain_decoding(smollm2_pair):
+    """Kept blocks amplify a 1-ulp difference of an activation into a whole int8 step, so a verify
+    extend (several rows) must compute each row exactly as a decode does (attention included)."""
+    kept, _ = smollm2_pair
+    prompts = [apply_chat_template(kept.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    plain, _ = _scheduled(kept, prompts, 16)
+    spec, stats = _scheduled(kept, prompts, 16, {tuple(p): out for p, out in zip(prompts, plain, strict=True)})
+    assert stats["spec_accepted_tokens"] > 0
+    assert spec == plain
+
+
+def test_smollm2_kept_logits_same_bits_in_decode_and_in_an_extend(smollm2_pair):
+    """The logits of a position are the same bits whether it is decoded alone or is a row of an
+    extend over the tokens before it (a prefill, a speculative verify): every layer row-invariant."""
+    kept, _ = smollm2_pair
+    prompt = apply_chat_template(kept.tokenizer, [{"role": "user", "content": QUESTIONS[0]}])
+    decoded = greedy_generate(kept, [prompt], 8, keep_logits=True)[0]
+    for k in (1, 4, 7):  # decode step k vs the last row of a prefill of the prompt and k generated tokens
+        extended = greedy_generate(kept, [prompt + decoded.tokens[:k]], 1, keep_logits=True)[0]
+        assert torch.equal(extended.logits[0], decoded.logits[k]), f"step {k}"

@@ -223,6 +223,31 @@ def test_native_extend_attention_matches_the_reference(hq, hkv, d):
         torch.testing.assert_close(got, ref_backend._attend(q, k, v, layer, batch), rtol=1e-4, atol=1e-5)
 
 
+def test_native_attention_row_is_the_same_bits_in_decode_and_extend():
+    """A query row's output does not depend on how many queries its call carries: the last row of an
+    extend (a prefill, a speculative verify) equals a decode of that row bit for bit. Needed for
+    speculative outputs to equal plain decoding where later layers amplify 1-ulp differences (int8
+    activation rounding of GGUF blocks kept quantized)."""
+    from radixserve_attention_cpu_batched.backend import load_kernels
+
+    kernels, gen = load_kernels(), torch.Generator().manual_seed(0)
+    hq, hkv, d, slots = 9, 3, 64, 80
+    k_buf, v_buf = torch.randn(slots, hkv, d, generator=gen), torch.randn(slots, hkv, d, generator=gen)
+    table = torch.randperm(slots - 1, generator=gen)[None, :] + 1  # scattered slots; 0 is the pad slot
+    row, none_b, none_i = torch.zeros(1, dtype=torch.int64), torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=torch.int64)
+    for seq_len, extend in ((5, 5), (23, 9), (40, 17), (61, 3)):  # ends inside and past a 16-query block
+        q = torch.randn(extend, hq * d, generator=gen)
+        loc = table[0, seq_len - extend : seq_len].contiguous()
+        k_new, v_new = k_buf[loc].reshape(extend, -1).clone(), v_buf[loc].reshape(extend, -1).clone()
+        ext = kernels.extend_attention(q, k_new, v_new, loc, k_buf, v_buf, table, row, torch.tensor([seq_len]),
+                                       torch.tensor([extend]), none_b, none_i, none_i, d**-0.5, 0, 0.0)
+        for i in range(extend):  # query i of the extend is a decode at sequence length seq_len - extend + i + 1
+            one = kernels.decode_attention(q[i : i + 1].clone(), k_new[i : i + 1].clone(), v_new[i : i + 1].clone(),
+                                           loc[i : i + 1].clone(), k_buf, v_buf, table, row,
+                                           torch.tensor([seq_len - extend + i + 1]), d**-0.5, 0, 0.0)
+            assert torch.equal(one[0], ext[i]), f"seq_len {seq_len}, extend {extend}: query {i} differs"
+
+
 def test_native_kernel_is_skipped_where_it_does_not_apply():
     backend, *_ = _decode_batch(lambda info: CPUBatchedBackend(info), [3], 4, 2, 16, seed=0)
     assert not backend.uses_native_kernel  # head_dim 16 is not compiled

@@ -39,8 +39,7 @@ def runners(smollm2_gguf_path):
     def get(attention):
         if attention not in built:
             cfg = Config.build({
-                # dequantized at load (the default): with the GGUF blocks kept (dequantize: false)
-                # speculative and plain greedy outputs still part on a few requests (docs/quantization.md)
+                # dequantized at load (the default); kept blocks: tests/test_gguf_kept_quantized.py
                 "model": {"path": smollm2_gguf_path, "weight_source_options": {"dequantize": True}},
                 "stack": {"attention": attention},
                 "runtime": {"device": "cpu", "num_threads": 1},

@@ -25,11 +25,18 @@ def load():
     return native.load_extension("radixserve_gguf_blocks", _SOURCE)
 
 
+_built = None  # the module once loaded (the per-call path skips the loader)
+
+
 def _module():
+    global _built
+    if _built is not None:
+        return _built
     module = load()
     if module is None:
         raise RuntimeError("the GGUF block kernels are not available (no C++ compiler, or RADIXSERVE_NATIVE=0); "
                            "serve with model.weight_source_options: {dequantize: true}")
+    _built = module
     return module
 
 
@@ -46,10 +53,10 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype, W the [N, K] weight held as `blocks` (uint8
     [N, K / 32 * block bytes]). Accumulates in fp32 over int8-quantized activations: within the
     int8 rounding of x (about 0.4% of each block's largest value) of the fp32 product."""
-    shape, dtype = x.shape, x.dtype
-    x2 = x.reshape(-1, shape[-1]).to(torch.float32).contiguous()
-    y = _module().linear(x2, blocks, KEPT_TYPES[qtype][0])
-    return y.reshape(*shape[:-1], blocks.shape[0]).to(dtype)
+    module = _built or _module()
+    if x.dtype == torch.float32:  # the CPU serving path: no conversions (the kernel reshapes)
+        return module.linear(x, blocks, KEPT_TYPES[qtype][0])
+    return module.linear(x.to(torch.float32), blocks, KEPT_TYPES[qtype][0]).to(x.dtype)
 
 
 def dequantize(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:

@@ -25,6 +25,46 @@ inline void prefetch_row(const float* row, int64_t floats) {
   for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i, 0, 1);
 }
 
+// The reductions of a query row (its score dot products, the softmax sum and the exponentials)
+// run in a fixed lane order: partial sum l holds the elements at offsets = l (mod 8) from the
+// start, and the exponentials are taken 8 at a time from an aligned buffer. Why: with `omp simd`
+// the compiler may peel iterations at run time to align a row's address, which moves elements
+// between its scalar and vector code (another exp, another sum order); a query's scores sit at a
+// different offset of the buffer in a decode (one query) than in an extend (several queries), so
+// the same row gave different bits, and a speculative verify then did not reproduce plain decoding
+// (visible after int8 activation rounding: GGUF blocks kept quantized).
+constexpr int kLanes = 8;
+constexpr float kExpUnderflow = -200.f;  // exp() of it is exactly 0 (finite: -ffast-math assumes no inf)
+
+inline float lane_sum(const float* part) {
+  return ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
+}
+
+template <int D>
+inline float dot_fixed(const float* a, const float* b) {
+  static_assert(D % kLanes == 0, "head_dim is a multiple of 8");
+  float part[kLanes] = {};
+  for (int j = 0; j < D; j += kLanes)
+#pragma GCC unroll 8
+    for (int l = 0; l < kLanes; ++l) part[l] += a[j + l] * b[j + l];
+  return lane_sum(part);
+}
+
+// sh[t] = exp(sh[t] - m) for t in [lo, n); returns their sum.
+inline float exp_and_sum(float* sh, int64_t lo, int64_t n, float m) {
+  float part[kLanes] = {};
+  alignas(32) float buf[kLanes];
+  for (int64_t t = lo; t < n; t += kLanes) {
+    const int64_t c = std::min<int64_t>(kLanes, n - t);
+    for (int l = 0; l < kLanes; ++l) buf[l] = l < c ? sh[t + l] - m : kExpUnderflow;
+#pragma omp simd aligned(buf : 32)
+    for (int l = 0; l < kLanes; ++l) buf[l] = std::exp(std::max(buf[l], kExpUnderflow));
+    for (int l = 0; l < c; ++l) sh[t + l] = buf[l];
+    for (int l = 0; l < kLanes; ++l) part[l] += buf[l];
+  }
+  return lane_sum(part);
+}
+
 // A speculative verify's tree mask for one block of queries: query i may attend the new key
 // t >= new_start iff rows[i * stride + t - new_start] (keys before new_start, the prefix, always).
 struct TreeMask {
@@ -72,10 +112,7 @@ void attend_queries(const float* q, int64_t q_stride, int64_t nq, int64_t hq, in
       for (int64_t g = 0; g < hkv; ++g, k += D) {
         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
           const float* qh = qi + h * D;
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int j = 0; j < D; ++j) acc += qh[j] * k[j];
-          acc *= scale;
+          float acc = dot_fixed<D>(qh, k) * scale;
           if (opt.cap > 0.f) acc = opt.cap * std::tanh(acc / opt.cap);
           s[(i * hq + h) * len + t] = acc;
         }
@@ -98,13 +135,7 @@ void attend_queries(const float* q, int64_t q_stride, int64_t nq, int64_t hq, in
           if (key_pos(t) <= oldest) sh[t] = -INFINITY;
       float m = -INFINITY;
       for (int64_t t = lo; t < n; ++t) m = std::max(m, sh[t]);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = lo; t < n; ++t) {
-        sh[t] = std::exp(sh[t] - m);
-        sum += sh[t];
-      }
-      inv_sum[i * hq + h] = 1.f / sum;
+      inv_sum[i * hq + h] = 1.f / exp_and_sum(sh, lo, n, m);
     }
     std::fill(out + i * out_stride, out + i * out_stride + hq * D, 0.f);
   }

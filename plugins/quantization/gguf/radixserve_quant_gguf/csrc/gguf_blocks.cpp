@@ -11,7 +11,8 @@
 // Why: decode streams every weight once per step; 4.5-8.5 bits per weight instead of 32 means
 // 4-7x fewer bytes, and int8 dots do 32 multiply-adds per instruction.
 // The int8 dot is AVX-512 VNNI (vpdpbusd) where the compiler targets it (-march=native), else
-// AVX2 (vpmaddubsw + vpmaddwd), else scalar. Work is split over output rows (at::parallel_for).
+// AVX2 (vpmaddubsw + vpmaddwd), else scalar. Work is split over groups of 8 output rows
+// (at::parallel_for); one activation row (decode) reads each group straight from the file layout.
 // Only the headers used (not torch/extension.h), as in core/radixserve/csrc/gemm.cpp.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -250,6 +251,55 @@ inline void group8_dot(const Group8& g, int64_t nb, const int8_t* xq, int64_t K,
 }
 #endif
 
+#if RS_HAVE_AVX2
+// The 8 fp16 values at p, p + stride, ..., p + 7 * stride as fp32 (one per weight row of a group).
+inline __m256 gather8_f16(const uint8_t* p, int64_t stride) {
+  auto h = [&](int j) { uint16_t v; std::memcpy(&v, p + j * stride, 2); return static_cast<int>(v); };
+  __m128i v = _mm_cvtsi32_si128(h(0));
+  v = _mm_insert_epi16(v, h(1), 1);
+  v = _mm_insert_epi16(v, h(2), 2);
+  v = _mm_insert_epi16(v, h(3), 3);
+  v = _mm_insert_epi16(v, h(4), 4);
+  v = _mm_insert_epi16(v, h(5), 5);
+  v = _mm_insert_epi16(v, h(6), 6);
+  v = _mm_insert_epi16(v, h(7), 7);
+  return _mm256_cvtph_ps(v);
+}
+
+// One activation row against 8 weight rows read straight from the file layout (batch-1 decode):
+// per block the 8 rows' dots are reduced into one vector and scaled with the rows' scales and
+// offsets 8 lanes at a time, the same fp32 operations per lane as group8_dot and rows_dot (so a
+// row's result does not depend on the path or the batch) at about half rows_dot's instructions
+// (no per-block horizontal sum, no scalar fp16 conversions). out[j] for j < 8.
+template <int QT>
+inline void group8_direct(const uint8_t* wrow0, int64_t row_bytes, int64_t nb, const int8_t* xq, const float* xd,
+                          const float* xs, float* out) {
+  constexpr int64_t BB = QT == Q8_0 ? 34 : QT == Q4_1 ? 20 : 18;
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk0 = wrow0 + b * BB;
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * QK));
+    __m256i p[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      // the next group's rows, a group ahead: 8 rows in lockstep are 8 streams for the prefetcher
+      _mm_prefetch(reinterpret_cast<const char*>(blk0 + (j + 8) * row_bytes), _MM_HINT_T0);
+      const __m256i wv = block_codes<QT>(blk0 + j * row_bytes);
+      if constexpr (QT == Q8_0)
+        p[j] = dot_u8s8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+      else
+        p[j] = dot_u8s8(wv, xv);
+    }
+    const __m256 d8 = gather8_f16(blk0, row_bytes);
+    const __m256 dots = _mm256_cvtepi32_ps(reduce8(p));
+    acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(d8, _mm256_set1_ps(xd[b])), acc);
+    if constexpr (QT == Q4_1) acc = _mm256_fmadd_ps(gather8_f16(blk0 + 2, row_bytes), _mm256_set1_ps(xs[b]), acc);
+    if constexpr (QT == Q4_0) acc = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(-8.f)), _mm256_set1_ps(xs[b]), acc);
+  }
+  _mm256_storeu_ps(out, acc);
+}
+#endif
+
 // Scalar reference of rows_dot, one activation row (no AVX2).
 inline float row_dot_scalar(const uint8_t* wrow, int64_t qtype, int64_t nb, const int8_t* xq, const float* xd,
                             const float* xs) {
@@ -282,7 +332,9 @@ void linear_rows(const uint8_t* wp, int64_t row_bytes, int64_t begin, int64_t en
   const int64_t nb = K / QK;
   int64_t n = begin;
 #if RS_HAVE_AVX2
-  if (M > 1) {  // one activation row: rows_dot below, with no decode pass (all it would save is shared)
+  if (M == 1) {
+    for (; n + 8 <= end; n += 8) group8_direct<QT>(wp + n * row_bytes, row_bytes, nb, x.q.data(), x.d.data(), x.s.data(), yp + n);
+  } else {
     Group8 g(nb);
     for (; n + 8 <= end; n += 8) {
       decode8<QT>(wp + n * row_bytes, row_bytes, nb, g);
@@ -343,19 +395,27 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_row(const uint8_t* 
 
 }  // namespace
 
-// x fp32 [M, K] (rows contiguous), w blocks [N, K/32 * block bytes] of `qtype`. Returns fp32 [M, N].
-at::Tensor linear(at::Tensor x, at::Tensor w, int64_t qtype) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "gguf_blocks.linear: x fp32 [M, K]");
+// x fp32 [..., K] (a [M, K] matrix with contiguous rows, or any contiguous tensor), w blocks
+// [N, K/32 * block bytes] of `qtype`. Returns fp32 [..., N]. (The reshape is here, not in Python:
+// at batch 1 the wrapper's tensor calls cost a visible share of a decode step.)
+at::Tensor linear(at::Tensor x_in, at::Tensor w, int64_t qtype) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.scalar_type() == at::kFloat, "gguf_blocks.linear: x fp32 [..., K]");
+  const bool matrix = x_in.dim() == 2 && x_in.stride(1) == 1;
+  const at::Tensor x = matrix ? x_in : x_in.contiguous().view({-1, x_in.size(-1)});
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check_weight(w, qtype, K);
-  auto y = at::empty({M, N}, x.options());
+  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
+  out_shape.back() = N;
+  auto y = at::empty(out_shape, x.options());
   QuantizedRows xq;
   quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, xq);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t row_bytes = w.size(1);
   float* yp = y.data_ptr<float>();
-  // grain: enough rows per task that a thread streams a contiguous run of the weight
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  // tasks over groups of 8 output rows (the kernels' unit; only the last group is partial),
+  // at least 2 groups per task so that a thread streams a contiguous run of the weight
+  at::parallel_for(0, (N + 7) / 8, 2, [&](int64_t group_begin, int64_t group_end) {
+    const int64_t begin = group_begin * 8, end = std::min(group_end * 8, N);
     switch (qtype) {
       case Q4_0: linear_rows<Q4_0>(wp, row_bytes, begin, end, xq, M, K, yp, N); break;
       case Q4_1: linear_rows<Q4_1>(wp, row_bytes, begin, end, xq, M, K, yp, N); break;
