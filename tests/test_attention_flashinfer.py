@@ -179,6 +179,15 @@ def test_graph_decode_plans_into_static_buffers_and_replays_with_new_lengths():
         backend.init_forward_metadata_capture(nxt)
 
 
+def test_graph_page_list_capacity_is_bounded_by_the_pool():
+    backend, *_ = _batch(ForwardMode.DECODE, [2, 6], [1, 1])  # pool of 14 slots, context_len 9
+    assert backend.graph_kv_capacity(4) == 4 * 9  # max_bs * context_len is the smaller bound here
+    backend.context_len = 10_000
+    assert backend.graph_kv_capacity(4) == 4 * backend.kv_pool.num_slots + 4
+    backend.max_graph_kv_slots = 100
+    assert backend.graph_kv_capacity(4) == 100
+
+
 def test_graph_runner_pads_and_replays_through_the_backend():
     """The core DecodeGraphRunner's padded replay (dummy rows -> slot 0) through this backend."""
     from radixserve.cuda_graph_runner import DecodeGraphRunner, EagerGraph

@@ -3,7 +3,7 @@
 # into build/flashinfer-site (git-ignored `build/`, kept on a warm machine; re-unpacked only when
 # the archive changes), points FlashInfer's JIT workspace at build/flashinfer-jit (compiled kernels
 # survive between calls on a warm machine) and JIT-compiles what the plugin uses unless
-# FI_SKIP_JIT=1 (a separate step: flashinfer_jit_warm below, timed).
+# FI_SKIP_JIT=1 (flashinfer_jit_warm below: four parallel builds, progress every 20 s, timed).
 FI_SITE=$PWD/build/flashinfer-site
 FI_STAMP=$(cat .fi/*.whl .fi/flashinfer-trim.tar.xz | md5sum | cut -c1-12)
 if [ ! -f "$FI_SITE/.stamp-$FI_STAMP" ]; then
@@ -20,7 +20,7 @@ export PYTHONPATH=$FI_SITE:$PYTHONPATH
 export FLASHINFER_WORKSPACE_BASE=$PWD/build/flashinfer-jit  # JIT cache: $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer
 export FLASHINFER_DISABLE_VERSION_CHECK=1
 export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}  # H200 only: one gencode per kernel
-export MAX_JOBS=${MAX_JOBS:-8}  # ninja jobs per build; three builds run at once on the 16 cores
+export MAX_JOBS=${MAX_JOBS:-6}  # ninja jobs per build; up to four builds run at once on the 16 cores
 export FLASHINFER_NVCC_THREADS=${FLASHINFER_NVCC_THREADS:-2}
 mkdir -p "$FLASHINFER_WORKSPACE_BASE"
 python3 -c "import flashinfer.prefill, flashinfer.decode, flashinfer; print('flashinfer', flashinfer.__version__, 'imports OK')" || return 1
@@ -30,12 +30,15 @@ python3 -c "import flashinfer.prefill, flashinfer.decode, flashinfer; print('fla
 flashinfer_jit_warm() {
   local t0=$(date +%s) pids=() rc=0
   mkdir -p "${OUT:-/tmp}"
-  # 8B shape: fa3 ragged/paged prefill + fa2 (tensor-core decode, tree masks), bf16 head_dim 128
-  python3 benchmarks/h200/flashinfer_device.py kit 32 8 128 bfloat16 > "${OUT:-/tmp}/jit_8b.log" 2>&1 & pids+=($!)
-  # the same shape with every prefill on fa2 (its module compiles in parallel with the fa3 one)
-  python3 benchmarks/h200/flashinfer_device.py kit 32 8 128 bfloat16 fa2 > "${OUT:-/tmp}/jit_8b_fa2.log" 2>&1 & pids+=($!)
-  # tiny checkpoints: head_dim 64, GQA group 2 (the non-tensor-core decode kernel), bf16
-  python3 benchmarks/h200/flashinfer_device.py kit 4 2 64 bfloat16 > "${OUT:-/tmp}/jit_tiny.log" 2>&1 & pids+=($!)
+  local kit="timeout ${FI_JIT_TIMEOUT:-480} python3 benchmarks/h200/flashinfer_device.py kit"
+  # 8B shape, bf16 head_dim 128: fa3 ragged/paged prefill (auto on sm90), then fa2 (tensor-core
+  # decode, tree masks) and the mask bit-packing module
+  $kit 32 8 128 bfloat16 > "${OUT:-/tmp}/jit_8b.log" 2>&1 & pids+=($!)
+  # the same shape with every prefill on fa2: starts that module's build beside the fa3 one
+  $kit 32 8 128 bfloat16 fa2 > "${OUT:-/tmp}/jit_8b_fa2.log" 2>&1 & pids+=($!)
+  # tiny checkpoints, head_dim 64 with GQA group 2 (the non-tensor-core decode kernel): fa3 and fa2
+  $kit 4 2 64 bfloat16 > "${OUT:-/tmp}/jit_tiny.log" 2>&1 & pids+=($!)
+  $kit 4 2 64 bfloat16 fa2 > "${OUT:-/tmp}/jit_tiny_fa2.log" 2>&1 & pids+=($!)
   while [ -n "$(jobs -rp)" ]; do
     sleep 20
     echo "flashinfer JIT: $(( $(date +%s) - t0 ))s, $(find "$FLASHINFER_WORKSPACE_BASE" -name '*.so' 2>/dev/null | wc -l) modules built, $(pgrep -c nvcc || true) nvcc running"

@@ -8,7 +8,10 @@
 #            torch_native, then the same prompts again from the radix cache (fi_engine.jsonl)
 #   parity   benchmarks/gpu_parity.py --attention flashinfer: the runner with CUDA graphs vs HF transformers (top-5 rule)
 #   kernels  per-layer times beside triton's, Llama-3.1-8B shape (fi_kernels.jsonl)
-# PARTS selects (default all). A second call on a warm machine reuses build/flashinfer-jit (no recompiling).
+# PARTS selects (default all). The JIT build takes minutes on a cold machine, so split it in two calls:
+#   call 1 (cold, ~8 min): PARTS="graph engine" bash benchmarks/h200/s5_flashinfer.sh
+#   call 2 (warm, ~4 min): PARTS="parity kernels" bash benchmarks/h200/s5_flashinfer.sh
+# (the second reuses build/flashinfer-site and the compiled kernels in build/flashinfer-jit).
 set -o pipefail
 source benchmarks/h200/setup.sh || exit 1
 PARTS=${PARTS:-"graph engine parity kernels"}

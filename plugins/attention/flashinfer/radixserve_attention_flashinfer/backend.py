@@ -63,7 +63,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     FlashInfer), `workspace_bytes` (float workspace shared by the wrappers), `decode_tensor_cores`
     (None: on for GQA groups >= 4), `prefill_backend` ("auto", "fa2" or "fa3"; tree masks always use
     "fa2", the one with custom masks), `max_graph_kv_slots` (page-list capacity of the CUDA-graph
-    decode buffers; default max_bs * context_len).
+    decode buffers; default `graph_kv_capacity`).
 
     Not supported: sliding windows and logit soft-capping (the runner refuses such models, naming
     this backend), latent attention (MLA).
@@ -224,9 +224,21 @@ class FlashInferAttentionBackend(AttentionBackend):
     def supports_cuda_graph(self) -> bool:
         return True
 
+    def graph_kv_capacity(self, max_bs: int) -> int:
+        """Page-list slots of the graph buffers: what one decode batch may read in total. Default:
+        `max_bs * context_len`, capped at four times the pool's slots (a batch reads more slots than
+        the pool holds only through shared prefixes) so long contexts do not cost hundreds of MB."""
+        if self.max_graph_kv_slots:
+            return max(int(self.max_graph_kv_slots), max_bs)
+        bound = max_bs * self.context_len
+        slots = getattr(self.kv_pool, "num_slots", None)
+        if slots:
+            bound = min(bound, 4 * int(slots) + max_bs)
+        return max(bound, max_bs)
+
     def init_graph_state(self, max_bs: int) -> None:
-        capacity = self.max_graph_kv_slots or max_bs * self.context_len
-        self.graph_buffers = DecodeGraphBuffers.allocate(max_bs, max(capacity, max_bs), self.device)
+        capacity = self.graph_kv_capacity(max_bs)
+        self.graph_buffers = DecodeGraphBuffers.allocate(max_bs, capacity, self.device)
         self.graph_wrappers = {}
 
     def graph_wrapper(self, bs: int) -> Any:
