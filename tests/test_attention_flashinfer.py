@@ -264,3 +264,12 @@ def test_the_plugin_never_imports_flashinfer_until_the_backend_is_built():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_prefill_kernels_can_be_picked_by_variable_and_bad_values_are_named(monkeypatch):
+    monkeypatch.setenv("RADIXSERVE_FLASHINFER_PREFILL", "fa2")
+    backend, *_ = _batch(ForwardMode.EXTEND, [0], [3])
+    assert backend.paged_wrapper.options["backend"] == "fa2" and backend.tree_wrapper is backend.paged_wrapper
+    monkeypatch.setenv("RADIXSERVE_FLASHINFER_PREFILL", "fa4")
+    with pytest.raises(ValueError, match="RADIXSERVE_FLASHINFER_PREFILL.*got 'fa4'"):
+        _batch(ForwardMode.EXTEND, [0], [3])

@@ -23,6 +23,7 @@ plugin's entry point: the registry can list and resolve the backend without it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 HEAD_DIMS = (64, 128, 256)  # the head sizes FlashInfer's prefill and decode kernels are instantiated for
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partials)
+# the stack has no per-backend options: this variable picks the prefill kernels for A/B runs
+PREFILL_BACKEND_ENV = "RADIXSERVE_FLASHINFER_PREFILL"
 
 
 @dataclass
@@ -61,8 +64,9 @@ class FlashInferAttentionBackend(AttentionBackend):
     """Attention with FlashInfer's batch prefill / decode kernels (CUDA; bfloat16 or float16; head_dim
     64, 128 or 256). Options (keyword-only): `kernels` (a `FlashInferKernels`; default: import
     FlashInfer), `workspace_bytes` (float workspace shared by the wrappers), `decode_tensor_cores`
-    (None: on for GQA groups >= 4), `prefill_backend` ("auto", "fa2" or "fa3"; tree masks always use
-    "fa2", the one with custom masks), `max_graph_kv_slots` (page-list capacity of the CUDA-graph
+    (None: on for GQA groups >= 4), `prefill_backend` ("auto", "fa2" or "fa3"; default: the
+    RADIXSERVE_FLASHINFER_PREFILL variable, else "auto"; tree masks always use "fa2", the one with
+    custom masks), `max_graph_kv_slots` (page-list capacity of the CUDA-graph
     decode buffers; default `graph_kv_capacity`).
 
     Not supported: sliding windows and logit soft-capping (the runner refuses such models, naming
@@ -83,7 +87,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         kernels: FlashInferKernels | None = None,
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
         decode_tensor_cores: bool | None = None,
-        prefill_backend: str = "auto",
+        prefill_backend: str | None = None,
         max_graph_kv_slots: int | None = None,
     ) -> None:
         self.device = torch.device(runner_info.device)
@@ -95,8 +99,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.head_dim = int(runner_info.head_dim)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if prefill_backend is None:
+            prefill_backend = os.environ.get(PREFILL_BACKEND_ENV, "auto")
         if prefill_backend not in ("auto", "fa2", "fa3"):
-            raise ValueError(f"prefill_backend must be 'auto', 'fa2' or 'fa3', got {prefill_backend!r}")
+            raise ValueError(f"prefill_backend (or ${PREFILL_BACKEND_ENV}) must be 'auto', 'fa2' or 'fa3', "
+                             f"got {prefill_backend!r}")
         self.kv_pool = runner_info.kv_pool
         self.kv_dtype = getattr(self.kv_pool, "dtype", self.dtype)
         self.req_to_token_pool = runner_info.req_to_token_pool
