@@ -64,7 +64,6 @@ while todo:
                 seen.add(cand); pick.add(cand); todo.append(cand)
                 break
 pick.discard("flashinfer/__init__.py")
-buf = io.BytesIO()
 t0 = time.time()
 raw = 0
 with tarfile.open(dest, "w:xz", preset=6) as tar:
