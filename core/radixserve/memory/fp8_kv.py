@@ -1,8 +1,9 @@
 """FP8 (e4m3) storage of the KV cache: the quantize and dequantize rules every backend shares.
 
 A value x of layer l is stored as `fp8(clamp(x / scale_l, -448, 448))` and read back as
-`stored.float() * scale_l`. The clamp saturates: a plain cast to float8_e4m3fn turns anything past
-its largest finite value (448) into NaN, which would poison every later softmax. Added in plugin API 1.5."""
+`stored.float() * scale_l`. The clamp saturates explicitly: e4m3fn has no infinity, and how a cast
+treats values past its largest finite value (448) depends on the converter (saturate or NaN); a
+NaN key would poison every later softmax. Added in plugin API 1.5."""
 
 from __future__ import annotations
 
