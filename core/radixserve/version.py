@@ -26,4 +26,7 @@ __version__ = "0.1.0"
 #      draft_state (DraftSlotStack, PooledDrafter); WeightSource.prepare_model and its options
 #      (`model.weight_source_options`); FusedMoE.map_checkpoint_name maps per-expert `weight_scale_inv`
 # 1.5: radixserve.testing.check_quant_method_moe (the conformance kit's MoE step)
+#      FP8 KV pools (runtime.kv_cache_dtype: fp8_e4m3): KVPool in float8_e4m3fn with per-layer k/v scales
+#      (KVPool.is_fp8 / kv_scales / quantize_kv / read_kv, radixserve.memory.fp8_kv);
+#      AttentionBackend.supports_fp8_kv_cache
 PLUGIN_API_VERSION = "1.5"
