@@ -36,7 +36,7 @@ def tiny(out_dir: str) -> None:
     from radixserve.testing import tiny_checkpoint
     from safetensors.torch import load_file, save_file
 
-    path = tiny_checkpoint("llama", "/tmp/fp8kv-tiny", 0, hidden_size=256, head_dim=64, num_attention_heads=4,
+    path = tiny_checkpoint("llama", "/tmp/fp8kv-tiny", 0, head_dim=64, num_attention_heads=4,
                            num_key_value_heads=2, max_position_embeddings=1024)
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
