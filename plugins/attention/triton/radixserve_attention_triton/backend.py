@@ -105,6 +105,12 @@ class TritonAttentionBackend(AttentionBackend):
         self.req_to_token_pool = runner_info.req_to_token_pool
         self.kv_pool = runner_info.kv_pool
         self.interpret = interpreter_enabled()
+        if getattr(self.kv_pool, "is_fp8", False) and self.device.type == "cuda" and not self.interpret:
+            major, minor = torch.cuda.get_device_capability(self.device)
+            if (major, minor) < (8, 9):  # Triton converts float8_e4m3fn only on Ada / Hopper and newer
+                raise ValueError(f"runtime.kv_cache_dtype=fp8_e4m3: the triton attention backend needs compute "
+                                 f"capability 8.9+ for fp8 KV (this GPU: {major}.{minor}); use stack.attention="
+                                 "torch_native or runtime.kv_cache_dtype=auto")
         self.max_kv_splits = max_kv_splits
         self.min_split_tokens, self.sm_count = split_planning_defaults(self.device, min_split_tokens, sm_count,
                                                                        self.interpret)
