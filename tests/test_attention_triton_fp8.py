@@ -137,3 +137,39 @@ def test_kernels_refuse_mixed_fp8_and_float_inputs():
     with pytest.raises(ValueError, match="fp8 KV pool needs float8_e4m3fn"):
         extend_attention(q, q, q, q.clone(), k_buf, k_buf, torch.zeros(1, 4, dtype=torch.int64), z, z, z + 1, z, 1,
                          1.0, interpret=True)
+
+
+def test_chunked_prefill_equals_whole_prefill_on_fp8_pool():
+    """The new tokens are attended as stored (fp8), so a prompt prefilled whole (fresh-prompt SDPA path)
+    and the same prompt's second half prefilled over its cached first half (the extend kernel reading
+    the fp8 prefix) give the second half the same outputs."""
+    gen = torch.Generator().manual_seed(5)
+    h, kvh, d, n, half = 4, 2, 32, 24, 12
+    q = torch.randn(n, h * d, generator=gen).to(DEVICE, DTYPE)
+    k = torch.randn(n, kvh * d, generator=gen).to(DEVICE, DTYPE)
+    v = torch.randn(n, kvh * d, generator=gen).to(DEVICE, DTYPE)
+    layer = _layer(h, kvh, d)
+
+    def run(prefix: int) -> torch.Tensor:
+        pool = KVPool(n + 2, 2, kvh, d, torch.float8_e4m3fn, DEVICE, k_scales=[1.0, K_SCALE], v_scales=[1.0, V_SCALE])
+        r2t = ReqToTokenPool(2, n + 2, DEVICE)
+        slots = torch.arange(1, n + 1)
+        r2t.write(0, 0, slots)
+        pool.set_kv(LAYER_ID, slots[:prefix].to(DEVICE), k[:prefix], v[:prefix])
+        backend = TritonAttentionBackend(SimpleNamespace(device=DEVICE, dtype=DTYPE, num_heads=h, num_kv_heads=kvh,
+                                                         head_dim=d, max_bs=1, req_to_token_pool=r2t, kv_pool=pool))
+        one = torch.tensor([0], dtype=torch.int64, device=DEVICE)
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND, batch_size=1, input_ids=torch.zeros(n - prefix, dtype=torch.int64, device=DEVICE),
+            positions=torch.arange(prefix, n, device=DEVICE), req_pool_indices=one, seq_lens=one + n,
+            prefix_lens=one + prefix, extend_lens=one + n - prefix, out_cache_loc=slots[prefix:].to(DEVICE),
+            req_to_token_pool=r2t, kv_pool=pool, attn_backend=backend, seq_lens_cpu=[n], prefix_lens_cpu=[prefix],
+            extend_lens_cpu=[n - prefix],
+        )
+        backend.init_forward_metadata(batch)
+        assert (batch.attn_metadata.fresh_prompt_lens is not None) == (prefix == 0)  # SDPA path vs the kernel
+        return backend.forward(q[prefix:], k[prefix:], v[prefix:], layer, batch).float()
+
+    whole, chunked = run(0)[half:], run(half)
+    rel = ((whole - chunked).norm() / whole.norm()).item()
+    assert rel < TOL, f"chunked vs whole prefill on an fp8 pool: relative error {rel:.2e}"
