@@ -41,7 +41,7 @@ class EagerGraph:
     """Stand-in for torch.cuda.CUDAGraph on devices without graphs: replay re-runs the function,
     which reads the same static buffers a real graph would. `capture(fn)` returns fn's output;
     `replay()` returns it again. Drafters capturing their own steps may use it for CPU tests.
-    Added in plugin API 1.4."""
+    Added in plugin API 1.5."""
 
     def __init__(self) -> None:
         self._fn: Callable[[], torch.Tensor] | None = None
@@ -63,7 +63,7 @@ class CudaGraph:
     (the DecodeGraphRunner passes its own, so pools never outlive or cross runners).
     `capture(fn)` runs fn twice (warm-up), then captures it and returns its output (static
     tensors, rewritten by every `replay()`, which returns them). fn must read only static
-    buffers and never synchronize with the host. Added in plugin API 1.4 (for drafters)."""
+    buffers and never synchronize with the host. Added in plugin API 1.5 (for drafters)."""
 
     def __init__(self, pool=None) -> None:
         self.graph = torch.cuda.CUDAGraph()

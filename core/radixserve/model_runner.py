@@ -23,6 +23,7 @@ from radixserve.memory import (
     kv_bytes_per_token,
     latent_bytes_per_token,
 )
+from radixserve.memory.fp8_kv import KV_CACHE_DTYPES, KVScaleCollector
 from radixserve.model_loader import load_model, open_source
 from radixserve.model_loader.model_files import resolve_model_path
 from radixserve.plugins.model_select import select_model
@@ -67,6 +68,9 @@ class ModelRunner:
             torch.set_num_threads(rt.num_threads)
         self.device = torch.device(rt.resolved_device())
         self.dtype = _DTYPES[rt.resolved_dtype(self.device.type)]
+        # the KV pool's element type (runtime.kv_cache_dtype; "auto": the model dtype)
+        self.kv_dtype = KV_CACHE_DTYPES.get(rt.kv_cache_dtype, self.dtype)
+        self._kv_scales = KVScaleCollector()  # the checkpoint's k_scale / v_scale, filled while loading
         self.tp_group = tp_group if tp_group is not None else TPGroup.single()
         if rt.tp_size != self.tp_group.size:
             raise ValueError(f"runtime.tp_size={rt.tp_size} needs a TPGroup of that size (got {self.tp_group!r}): "
@@ -103,7 +107,7 @@ class ModelRunner:
         torch.manual_seed(rt.seed)
         self.model = load_model(
             source, self.hf_config, model_cls, self.device, self.dtype, quant, seed=rt.seed, show_progress=show_progress,
-            tp_group=tp,
+            tp_group=tp, kv_scales=self._kv_scales,
         )
         self.latent_dims = self._latent_dims() if self.attention_type == "latent" else None
         self.vocab_size = int(self.hf_config.vocab_size)
@@ -175,7 +179,7 @@ class ModelRunner:
             d = self.latent_dims
             return latent_bytes_per_token(d.num_layers, d.kv_lora_rank, d.qk_rope_head_dim, self.dtype)
         layers, kv_heads, head_dim = self._kv_shape()
-        return kv_bytes_per_token(layers, kv_heads, head_dim, self.dtype)
+        return kv_bytes_per_token(layers, kv_heads, head_dim, self.kv_dtype)
 
     def _kv_tokens(self) -> int:
         sched = self.config.scheduler
@@ -209,7 +213,14 @@ class ModelRunner:
             self.kv_pool = LatentKVPool(self.max_total_tokens, d.num_layers, d.kv_lora_rank, d.qk_rope_head_dim,
                                         self.dtype, self.device)
         else:
-            self.kv_pool = KVPool(self.max_total_tokens, layers, kv_heads, head_dim, self.dtype, self.device)
+            scales = {}
+            if self.kv_dtype != self.dtype:  # fp8: per-layer scales from the checkpoint, else 1.0
+                k_scales, v_scales = self._kv_scales.scales(layers)
+                scales = {"k_scales": k_scales, "v_scales": v_scales}
+                logger.info("KV cache %s: k/v scales %s", self.config.runtime.kv_cache_dtype,
+                            "from the checkpoint" if self._kv_scales else "1.0 (the checkpoint has none)")
+            self.kv_pool = KVPool(self.max_total_tokens, layers, kv_heads, head_dim, self.kv_dtype, self.device,
+                                  **scales)
         logger.info("KV pool: %s attention, %d token slots, %d bytes per token, %.2f GiB", self.attention_type,
                     self.max_total_tokens, self.kv_bytes_per_token(), self.kv_pool.nbytes() / 2**30)
 

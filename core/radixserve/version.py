@@ -27,5 +27,8 @@ __version__ = "0.1.0"
 #      (`model.weight_source_options`); FusedMoE.map_checkpoint_name maps per-expert `weight_scale_inv`
 # 1.5: radixserve.testing.check_quant_method_moe (the conformance kit's MoE step);
 #      radixserve.cuda_graph_runner.CudaGraph / EagerGraph for drafters capturing their own steps (the
-#      decode graphs record the hidden rows TargetStates hands out)
+#      decode graphs record the hidden rows TargetStates hands out);
+#      FP8 KV pools (runtime.kv_cache_dtype: fp8_e4m3): KVPool in float8_e4m3fn with per-layer k/v scales
+#      (KVPool.is_fp8 / kv_scales / quantize_kv / read_kv, radixserve.memory.fp8_kv);
+#      AttentionBackend.supports_fp8_kv_cache
 PLUGIN_API_VERSION = "1.5"

@@ -11,6 +11,9 @@ The memory a backend works on (see docs/contracts.md for the full picture):
 - `ReqToTokenPool`: `req_to_token[row, pos]` (int64, on the runner's device) is the KV slot of the
   token at position `pos` of the request that owns `row`. Entries at or beyond a request's
   `seq_len` are stale garbage a backend must never read.
+- FP8 pools (plugin API 1.5, `runtime.kv_cache_dtype: fp8_e4m3`): `kv_pool.dtype` is
+  `torch.float8_e4m3fn` and each layer has a k and a v scale (`kv_pool.kv_scales(layer_id)`); only a
+  backend with `supports_fp8_kv_cache = True` is given one (see that flag).
 - `LatentKVPool` (`radixserve.memory.LatentKVPool`, plugin API 1.4) instead of `KVPool` for a model
   with `attention_type = "latent"` (MLA): per layer one row of `kv_lora_rank + qk_rope_head_dim`
   values per slot; see radixserve.interfaces.latent_attention and docs/mla.md.
@@ -46,7 +49,7 @@ class AttentionRunnerInfo:
     """
 
     device: torch.device  # where the pools live and every batch tensor is
-    dtype: torch.dtype  # activations and the KV pool (float32, bfloat16 or float16)
+    dtype: torch.dtype  # activations and the KV pool (float32, bfloat16 or float16; an fp8 pool: kv_pool.dtype)
     num_layers: int  # layers of the model: valid layer_ids are 0..num_layers-1
     num_heads: int  # query heads of the model (this TP rank)
     num_kv_heads: int  # KV heads (this TP rank); num_heads is a multiple of it (GQA/MQA)
@@ -140,6 +143,13 @@ class AttentionBackend(abc.ABC):
     # does not support, naming both.
     supports_latent_attention: bool = False
     supports_standard_attention: bool = True
+    # FP8 KV cache (plugin API 1.5): True when forward_extend / forward_decode work on a KVPool whose
+    # dtype is torch.float8_e4m3fn (`runtime.kv_cache_dtype: fp8_e4m3`): they store k, v quantized
+    # (`kv_pool.set_kv`, or `kv_pool.quantize_kv` then the same bytes) and dequantize what they read
+    # with the layer's `kv_pool.kv_scales(layer_id)` (real value = stored.float() * scale). The
+    # stack resolution refuses fp8_e4m3 with a backend that leaves it False, naming the ones that
+    # declare it. Standard attention only: latent (MLA) pools stay in the model dtype.
+    supports_fp8_kv_cache: bool = False
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

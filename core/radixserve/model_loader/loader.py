@@ -11,6 +11,7 @@ from tqdm import tqdm
 from radixserve.layers.embedding import ParallelLMHead
 from radixserve.layers.linear import LinearBase
 from radixserve.layers.moe import FusedMoE
+from radixserve.memory.fp8_kv import KVScaleCollector
 from radixserve.model_loader.sources import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -59,10 +60,14 @@ def load_model(
     seed: int = 0,
     show_progress: bool = True,
     tp_group=None,
+    kv_scales=None,
 ) -> torch.nn.Module:
     """Instantiate `model_cls(hf_config, quant_method)` on `device` in `dtype` and load its weights.
     `tp_group` (tensor parallelism, a TPGroup of size > 1) is passed on as `tp_group=`: the model
     then holds and loads this rank's shard only.
+
+    The checkpoint's KV-cache scales (`self_attn.k_scale` / `v_scale`, see radixserve.memory.fp8_kv)
+    are not model parameters: they go to `kv_scales` (a KVScaleCollector) when given, else are dropped.
 
     Raises ValueError naming the parameters no checkpoint tensor reached (never silent)."""
     start = time.perf_counter()
@@ -76,7 +81,7 @@ def load_model(
         loaded = _fill_dummy(model, seed)
     else:
         weights = tqdm(
-            source.iter_weights(hf_config),
+            (kv_scales if kv_scales is not None else KVScaleCollector()).filter(source.iter_weights(hf_config)),
             total=source.num_tensors(),
             desc=f"loading {source.format} weights",
             unit="tensor",

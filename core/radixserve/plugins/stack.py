@@ -84,10 +84,14 @@ def resolve_stack(config: Config, registry: Registry, device: str, model_path: s
     quant = None
     if stack.quantization is not None:
         quant = _on_device(registry.get("quantization", stack.quantization), device)
+    kv_cache_dtype = config.runtime.kv_cache_dtype
     if attention_type is not None:
         check_attention_type(attention_type, model_name)
+        check_latent_kv_cache_dtype(attention_type, kv_cache_dtype, model_name)
     if stack.attention is None:
-        attention = default_attention(registry, device, attention_type)
+        # an fp8 KV cache prefers the best backend that supports it; none: the check below names them
+        attention = (default_attention(registry, device, attention_type, kv_cache_dtype)
+                     or default_attention(registry, device, attention_type))
         if attention is None and attention_type is not None and registry.default("attention", device) is not None:
             raise PluginError(
                 f"no installed attention backend for device {device!r} supports {attention_type} attention, which "
@@ -104,6 +108,7 @@ def resolve_stack(config: Config, registry: Registry, device: str, model_path: s
         if attention_type is not None:
             check_backend_attention_type(registry.load("attention", attention.name), attention.name, attention_type,
                                          model_name, registry, device)
+    check_backend_kv_cache_dtype(registry, attention.name, kv_cache_dtype, device)
     resolved = ResolvedStack(
         device=device, attention=attention, prefix_cache=prefix_cache, policy=policy,
         policy_options=options, quantization=quant, drafter=drafter, drafter_options=drafter_options,
@@ -135,15 +140,48 @@ def backend_supports_attention_type(backend_cls: type, attention_type: str) -> b
     return bool(getattr(backend_cls, ATTENTION_TYPES[attention_type], default))
 
 
-def default_attention(registry: Registry, device: str, attention_type: str | None = None) -> ComponentSpec | None:
+def default_attention(registry: Registry, device: str, attention_type: str | None = None,
+                      kv_cache_dtype: str = "auto") -> ComponentSpec | None:
     """The highest-priority attention component for `device` (whose class supports `attention_type`
-    when given; classes are imported only until one fits). None when there is none."""
+    when given, and an fp8 KV cache when `kv_cache_dtype` is not "auto"; classes are imported only
+    until one fits). None when there is none."""
     for spec in registry.components("attention"):
         if not spec.supports_device(device):
             continue
-        if attention_type is None or backend_supports_attention_type(registry.load("attention", spec.name), attention_type):
+        if attention_type is None and kv_cache_dtype == "auto":
+            return spec
+        cls = registry.load("attention", spec.name)
+        if attention_type is not None and not backend_supports_attention_type(cls, attention_type):
+            continue
+        if kv_cache_dtype == "auto" or getattr(cls, "supports_fp8_kv_cache", False):
             return spec
     return None
+
+
+def check_latent_kv_cache_dtype(attention_type: str, kv_cache_dtype: str, model_name: str = "the model") -> None:
+    """PluginError for an fp8 KV cache on a latent-attention (MLA) model: its LatentKVPool stays in
+    the model dtype (plugin API 1.5)."""
+    if attention_type == "latent" and kv_cache_dtype != "auto":
+        raise PluginError(
+            f"runtime.kv_cache_dtype={kv_cache_dtype!r}: {model_name} uses latent attention (MLA), whose KV pool "
+            "is kept in the model dtype (an fp8 latent cache is not supported); set runtime.kv_cache_dtype=auto"
+        )
+
+
+def check_backend_kv_cache_dtype(registry: Registry, backend_name: str, kv_cache_dtype: str, device: str) -> None:
+    """PluginError when `runtime.kv_cache_dtype` is not "auto" and the attention backend does not
+    declare `supports_fp8_kv_cache`, naming the installed backends for `device` that do."""
+    if kv_cache_dtype == "auto" or getattr(registry.load("attention", backend_name), "supports_fp8_kv_cache", False):
+        return
+    able = [s.name for s in registry.components("attention") if s.supports_device(device)
+            and getattr(registry.load("attention", s.name), "supports_fp8_kv_cache", False)]
+    hint = (f"backends that support it on {device}: {', '.join(able)}" if able
+            else f"no installed backend supports it on {device} (torch_native and triton do)")
+    raise PluginError(
+        f"runtime.kv_cache_dtype={kv_cache_dtype!r}: attention backend {backend_name!r} does not support an fp8 KV "
+        f"cache (supports_fp8_kv_cache is False); {hint}. Choose one with stack.attention, or set "
+        "runtime.kv_cache_dtype=auto"
+    )
 
 
 def check_backend_attention_type(backend_cls: type, backend_name: str, attention_type: str, model_name: str = "the model",

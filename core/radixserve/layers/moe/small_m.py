@@ -18,7 +18,7 @@ Every size is known on the host from the tensors' shapes, so the launches are CU
 `fused_select_experts` is the router (softmax or sigmoid, top-k, renormalisation, scaling, an
 optional correction bias) as one kernel per token, for the same small batches (no expert groups).
 
-Added in plugin API 1.4."""
+Added in plugin API 1.5."""
 
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 
 The reference backend: a per-request loop around scaled_dot_product_attention with an explicit
 causal-offset mask. Slow but exact and easy to audit; GPU kernels are tested against it.
+FP8 KV pools (plugin API 1.5) are the reference too: every key and value is read back through
+`KVPool.read_kv` (stored.float() * the layer's scale), the new tokens' as well.
 Per-layer options (plugin API 1.3): a sliding window narrows the mask (built once per forward and
 window size, shared by the layers that use it); a logit cap computes the scores explicitly (SDPA
 has no soft-capping) and caps them before the mask.
@@ -51,12 +53,13 @@ class TorchNativeBackend(AttentionBackend):
     supports_sliding_window = True  # per-layer windows and soft-capping (plugin API 1.3)
     supports_logit_cap = True
     supports_latent_attention = True  # MLA, decompressed (plugin API 1.4)
+    supports_fp8_kv_cache = True  # fp8 pools: quantized by set_kv, dequantized on read (plugin API 1.5)
 
     def __init_subclass__(cls, **kwargs) -> None:
         # a subclass replaces the kernels these promises are about: it must make them itself
         super().__init_subclass__(**kwargs)
         for flag in ("supports_tree_mask", "decode_rows_share_requests", "supports_sliding_window",
-                     "supports_logit_cap", "supports_latent_attention"):
+                     "supports_logit_cap", "supports_latent_attention", "supports_fp8_kv_cache"):
             if flag not in cls.__dict__:
                 setattr(cls, flag, False)
 
@@ -91,13 +94,14 @@ class TorchNativeBackend(AttentionBackend):
         batch.attn_metadata = views
 
     def _attend(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
-        batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
-        k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        pool = batch.kv_pool
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         n, hq, hkv, d = q.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
 
         def keys_values(view: _ReqView) -> tuple[torch.Tensor, torch.Tensor]:
-            ki = k_buf[view.kv_slots].transpose(0, 1).to(q.dtype)  # [hkv, seq_len, d]
-            vi = v_buf[view.kv_slots].transpose(0, 1).to(q.dtype)
+            # every key and value as stored (an fp8 pool: dequantized, the new tokens' included)
+            ki, vi = pool.read_kv(layer.layer_id, view.kv_slots, q.dtype)
+            ki, vi = ki.transpose(0, 1), vi.transpose(0, 1)  # [hkv, seq_len, d]
             if hkv != hq:
                 ki = ki.repeat_interleave(hq // hkv, dim=0)
                 vi = vi.repeat_interleave(hq // hkv, dim=0)

@@ -17,6 +17,7 @@ from radixserve.interfaces.attention import AttentionBackend
 from radixserve.layers.extend_layout import extend_starts, tree_mask_starts
 from radixserve.layers.kv_splits import SplitKVDecodeMetadata, split_planning_defaults
 from radixserve.layers.triton_interpreter import interpreter_enabled
+from radixserve.memory.fp8_kv import dequantize_fp8
 from radixserve.state import ForwardMode
 
 from radixserve_attention_triton.decode_kernel import DecodeConfig, compute_num_kv_splits, decode_attention
@@ -76,6 +77,8 @@ class TritonAttentionBackend(AttentionBackend):
     decode_rows_share_requests = True
     supports_sliding_window = True  # per-layer windows and soft-capping in both kernels (plugin API 1.3)
     supports_logit_cap = True
+    # fp8 pools (plugin API 1.5): both kernels load float8_e4m3fn tiles and apply the layer's scales
+    supports_fp8_kv_cache = True
 
     def __init__(
         self,
@@ -102,6 +105,12 @@ class TritonAttentionBackend(AttentionBackend):
         self.req_to_token_pool = runner_info.req_to_token_pool
         self.kv_pool = runner_info.kv_pool
         self.interpret = interpreter_enabled()
+        if getattr(self.kv_pool, "is_fp8", False) and self.device.type == "cuda" and not self.interpret:
+            major, minor = torch.cuda.get_device_capability(self.device)
+            if (major, minor) < (8, 9):  # Triton converts float8_e4m3fn only on Ada / Hopper and newer
+                raise ValueError(f"runtime.kv_cache_dtype=fp8_e4m3: the triton attention backend needs compute "
+                                 f"capability 8.9+ for fp8 KV (this GPU: {major}.{minor}); use stack.attention="
+                                 "torch_native or runtime.kv_cache_dtype=auto")
         self.max_kv_splits = max_kv_splits
         self.min_split_tokens, self.sm_count = split_planning_defaults(self.device, min_split_tokens, sm_count,
                                                                        self.interpret)
@@ -155,16 +164,22 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         meta: ExtendMetadata = batch.attn_metadata
         q3, k3, v3 = self._split_heads(q, k, v, layer)
-        batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k3, v3)
+        pool = batch.kv_pool
+        # the new tokens as the pool stores them (fp8: quantized), for the store and for the kernel
+        k_st, v_st = pool.quantize_kv(layer.layer_id, k3, v3)
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k_st, v_st)
+        k_scale, v_scale = pool.kv_scales(layer.layer_id)
         window, cap = getattr(layer, "sliding_window", None), getattr(layer, "logit_cap", None)
         if meta.fresh_prompt_lens is not None and not window and not cap:
+            if pool.is_fp8:  # attend the stored values, as every later step will
+                k3, v3 = dequantize_fp8(k_st, k_scale, q3.dtype), dequantize_fp8(v_st, v_scale, q3.dtype)
             return self._fresh_prompts_sdpa(q3, k3, v3, layer, meta.fresh_prompt_lens).view(q.shape[0], -1)
-        k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        k_buf, v_buf = pool.get_kv(layer.layer_id)
         out = torch.empty_like(q3)
         extend_attention(
             q3,
-            k3.to(k_buf.dtype),
-            v3.to(v_buf.dtype),
+            k_st,
+            v_st,
             out,
             k_buf,
             v_buf,
@@ -182,6 +197,8 @@ class TritonAttentionBackend(AttentionBackend):
             sliding_window=window,
             logit_cap=cap,
             depths=meta.depths,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         return out.view(q.shape[0], -1)
 
@@ -210,11 +227,13 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         meta: DecodeMetadata = batch.attn_metadata
         q3, k3, v3 = self._split_heads(q, k, v, layer)
-        batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k3, v3)
-        k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        pool = batch.kv_pool
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k3, v3)
+        k_buf, v_buf = pool.get_kv(layer.layer_id)
+        k_scale, v_scale = pool.kv_scales(layer.layer_id)
         out = torch.empty_like(q3)
         decode_attention(
-            q3.to(k_buf.dtype),
+            q3 if pool.is_fp8 else q3.to(k_buf.dtype),
             out,
             k_buf,
             v_buf,
@@ -229,6 +248,8 @@ class TritonAttentionBackend(AttentionBackend):
             config=self.decode_config,
             sliding_window=getattr(layer, "sliding_window", None),
             logit_cap=getattr(layer, "logit_cap", None),
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         return out.view(q.shape[0], -1)
 

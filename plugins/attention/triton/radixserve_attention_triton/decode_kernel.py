@@ -8,6 +8,12 @@ Stage 2: program (request, query head) merges the partials of the request's spli
 The number of splits per request is a device tensor (see `compute_num_kv_splits`) and the grid's
 split axis is the fixed `max_kv_splits`, so a launch never depends on host-side lengths: that is
 what lets CUDA graphs replay it with new lengths.
+
+FP8 KV pools (KV_FP8): K and V tiles are loaded as float8_e4m3fn (half the bytes of bf16) and
+widened to q's dtype, which is exact; the dequantization `stored * scale` is applied to the
+tile's results instead of every element: the k scale is folded into the softmax scale (scores
+are q . (k_stored * k_scale) = k_scale * (q . k_stored)) and the v scale multiplies the split's
+accumulated output (sum_j p_j * v_stored_j * v_scale), the same numbers with fewer multiplies.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ def _decode_stage1_kernel(
     MidO,
     MidLse,
     sm_scale,
+    v_scale,
     logit_cap,
     window,
     stride_qb,
@@ -57,6 +64,7 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr,
     HAS_CAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -97,10 +105,16 @@ def _decode_stage1_kernel(
         slot = tl.load(r2t_row + n, mask=mask_n, other=0).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(K_buf + slot[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)  # exact; the k scale is in sm_scale
         qk = scores_log2(tl.dot(q, tl.trans(k)), sm_scale, logit_cap, HAS_CAP)
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         v = tl.load(V_buf + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
+    if KV_FP8:
+        acc = acc * v_scale
 
     store_split_partial(MidO, MidLse, b, heads, split, offs_d, mask_h, mask_d, m_i, l_i, acc,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
@@ -181,8 +195,13 @@ def decode_attention(
     config: DecodeConfig | None = None,
     sliding_window: int | None = None,
     logit_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write decode attention into `out` (tiles from `config`, else `decode_config`).
+
+    An fp8 pool (k_buf/v_buf float8_e4m3fn): the real keys and values are `stored * k_scale` and
+    `stored * v_scale` (the layer's `KVPool.kv_scales`); q stays in the model dtype.
 
     `sliding_window` W: each request attends its last W keys only; `logit_cap` c: scores are
     soft-capped to c * tanh(score / c) (None: off, for both).
@@ -196,6 +215,10 @@ def decode_attention(
         return
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
+    kv_fp8 = k_buf.dtype == torch.float8_e4m3fn
+    if kv_fp8 != (v_buf.dtype == torch.float8_e4m3fn) or (not kv_fp8 and (k_scale, v_scale) != (1.0, 1.0)):
+        raise ValueError(f"k/v scales need float8_e4m3fn K and V buffers (got {k_buf.dtype}, {v_buf.dtype}, "
+                         f"scales {k_scale}, {v_scale})")
     max_splits = mid_o.shape[2]
     cfg = config or decode_config(head_dim, interpret)
     block_d = triton.next_power_of_2(head_dim)
@@ -209,7 +232,8 @@ def decode_attention(
         num_kv_splits,
         mid_o,
         mid_lse,
-        sm_scale,
+        sm_scale * k_scale,
+        float(v_scale),
         float(logit_cap or 1.0),
         int(sliding_window or 0),
         q.stride(0),
@@ -231,6 +255,7 @@ def decode_attention(
         BLOCK_N=cfg.block_n,
         HAS_CAP=bool(logit_cap),
         HAS_WINDOW=bool(sliding_window),
+        KV_FP8=kv_fp8,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -9,6 +9,10 @@ stages with one running (online) softmax:
 Per-layer options: a sliding window (HAS_WINDOW; query at position p sees keys at positions
 > p - window; prefix blocks wholly before a query block's window are skipped) and soft-capping of
 the scores (HAS_CAP). In a tree a draft token sits at prefix + its depth (`Depth`, per new token).
+FP8 KV (KV_FP8): the pool and the new tokens' k/v are float8_e4m3fn (the new ones as the pool
+stores them, so a token's keys are the same numbers in the forward that wrote it and in every
+later one); tiles are widened to q's dtype, the k scale is folded into the softmax scale and the
+v scale multiplies the accumulated output (see decode_kernel.py).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ def _extend_kernel(
     mask_start_ptr,
     Depth,
     sm_scale,
+    v_scale,
     logit_cap,
     window,
     stride_qt,
@@ -75,6 +80,7 @@ def _extend_kernel(
     HAS_TREE_MASK: tl.constexpr,
     HAS_CAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -123,12 +129,16 @@ def _extend_kernel(
         slot = tl.load(r2t_row + n, mask=mask_n, other=0).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(K_buf + slot[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)  # exact; the k scale is in sm_scale
         qk = scores_log2(tl.dot(q, tl.trans(k)), sm_scale, logit_cap, HAS_CAP)
         seen = mask_n[None, :]
         if HAS_WINDOW:
             seen = seen & (n[None, :] > prefix_len + q_rel[:, None] - window)
         qk = tl.where(seen, qk, float("-inf"))
         v = tl.load(V_buf + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
 
     if HAS_TREE_MASK:  # this request's row-major [ext_len, ext_len] block of the flat mask
@@ -139,6 +149,8 @@ def _extend_kernel(
     for start in range(new_lo, m_start, BLOCK_N):
         tok = (ext_start + start + offs_n)[:, None]
         k = _load_rows(K_new + tok * stride_kt + kvh * stride_kh + offs_d[None, :], mask_d, EVEN_D)
+        if KV_FP8:
+            k = k.to(q.dtype)
         qk = scores_log2(tl.dot(q, tl.trans(k)), sm_scale, logit_cap, HAS_CAP)
         if HAS_TREE_MASK:
             seen = tl.load(mask_row + (start + offs_n)[None, :], mask=mask_m[:, None], other=0)
@@ -149,6 +161,8 @@ def _extend_kernel(
                 k_rel = tl.load(Depth + ext_start + start + offs_n).to(tl.int32)
             qk = tl.where(k_rel[None, :] > q_rel[:, None] - window, qk, float("-inf"))
         v = _load_rows(V_new + tok * stride_vt + kvh * stride_vh + offs_d[None, :], mask_d, EVEN_D)
+        if KV_FP8:
+            v = v.to(q.dtype)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
 
     # Stage 2b: the diagonal, causal; keys past this block's last query are never needed.
@@ -159,6 +173,8 @@ def _extend_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         tok = (ext_start + n)[:, None]
         k = tl.load(K_new + tok * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         qk = scores_log2(tl.dot(q, tl.trans(k)), sm_scale, logit_cap, HAS_CAP)
         causal = (offs_m[:, None] >= n[None, :]) & mask_n[None, :]
         if HAS_TREE_MASK:
@@ -171,8 +187,12 @@ def _extend_kernel(
             causal = causal & (k_rel[None, :] > q_rel[:, None] - window)
         qk = tl.where(causal, qk, float("-inf"))
         v = tl.load(V_new + tok * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
 
+    if KV_FP8:
+        acc = acc * v_scale
     out = acc / l_i[:, None]
     o_ptrs = Out + (ext_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
@@ -225,6 +245,8 @@ def extend_attention(
     sliding_window: int | None = None,
     logit_cap: float | None = None,
     depths: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write attention of the packed new tokens into `out` (tiles from `config`, else `extend_config`).
 
@@ -234,6 +256,8 @@ def extend_attention(
     `sliding_window` W (None: off): a query at position p sees keys at positions > p - W; with a
     tree mask `depths` (int32 [T], each new token's depth in its draft tree) places draft tokens.
     `logit_cap` c (None: off): scores become c * tanh(score / c).
+    An fp8 pool (k_buf/v_buf float8_e4m3fn) needs k_new/v_new in float8_e4m3fn too (as
+    `KVPool.quantize_kv` gives them); real values are `stored * k_scale` / `stored * v_scale`.
 
     Shapes: q/out [T, H, D]; k_new/v_new [T, KVH, D]; k_buf/v_buf [slots, KVH, D] (last dim
     contiguous everywhere); req_to_token [rows, max_ctx]; per-request vectors [bs]. H must be a
@@ -247,6 +271,12 @@ def extend_attention(
     cfg = config or extend_config(head_dim, q.dtype, interpret)
     if cfg.block_m % cfg.block_n:
         raise ValueError(f"block_m must be a multiple of block_n, got {cfg}")
+    kv_fp8 = k_buf.dtype == torch.float8_e4m3fn
+    fp8_inputs = [t.dtype == torch.float8_e4m3fn for t in (v_buf, k_new, v_new)]
+    if (kv_fp8 and not all(fp8_inputs)) or (not kv_fp8 and (any(fp8_inputs) or (k_scale, v_scale) != (1.0, 1.0))):
+        raise ValueError("an fp8 KV pool needs float8_e4m3fn k_buf, v_buf, k_new and v_new, and k/v scales only "
+                         f"apply to one (got {k_buf.dtype}, {v_buf.dtype}, {k_new.dtype}, {v_new.dtype}, "
+                         f"scales {k_scale}, {v_scale})")
     if sliding_window and tree_mask is not None and depths is None:
         raise ValueError("a sliding window with a tree mask needs the draft tokens' depths")
     grid = (bs, num_heads, triton.cdiv(max_extend_len, cfg.block_m))
@@ -265,7 +295,8 @@ def extend_attention(
         tree_mask if tree_mask is not None else extend_start,  # any pointer: unread without a mask
         mask_start if mask_start is not None else extend_start,
         depths if depths is not None else extend_start,
-        sm_scale,
+        sm_scale * k_scale,
+        float(v_scale),
         float(logit_cap or 1.0),
         int(sliding_window or 0),
         q.stride(0),
@@ -290,6 +321,7 @@ def extend_attention(
         HAS_TREE_MASK=tree_mask is not None,
         HAS_CAP=bool(logit_cap),
         HAS_WINDOW=bool(sliding_window),
+        KV_FP8=kv_fp8,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
