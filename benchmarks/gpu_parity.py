@@ -51,6 +51,11 @@ def compare(name: str, path: str, prompts: list[list[int]], new_tokens: int, arg
     })
     runner = ModelRunner(cfg, show_progress=False)
     ours = greedy_generate(runner, prompts, new_tokens, keep_logits=True)
+    if args.dump_tokens:  # one JSON line per checkpoint: to compare two runs' greedy outputs exactly
+        import json
+
+        with open(args.dump_tokens, "a") as f:
+            f.write(json.dumps({"name": name, "tokens": [o.tokens for o in ours]}) + "\n")
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(hf_path or path, dtype=dtype, **(hf_kwargs or {})).to(args.device).eval()
     ok_all, exact = True, 0
@@ -110,6 +115,7 @@ def main() -> int:
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--gguf", help="SmolLM2 GGUF file for the real-model comparison")
     ap.add_argument("--skip-tiny", action="store_true", help="only the GGUF comparison")
+    ap.add_argument("--dump-tokens", help="append each checkpoint's greedy tokens to this file (JSON lines)")
     ap.add_argument("--families", action="store_true",
                     help="only the native families beyond Llama (tests/family_cases.py: Gemma 2/3, Phi-3, OLMo 2, "
                          "Mistral with a window, Mixtral, Qwen2/3-MoE)")

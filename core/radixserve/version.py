@@ -25,4 +25,6 @@ __version__ = "0.1.0"
 #      weight_utils.load_stacked_weights; drafter helpers radixserve.scheduler.speculative.draft_slots /
 #      draft_state (DraftSlotStack, PooledDrafter); WeightSource.prepare_model and its options
 #      (`model.weight_source_options`); FusedMoE.map_checkpoint_name maps per-expert `weight_scale_inv`
-PLUGIN_API_VERSION = "1.4"
+# 1.5: rotary fused with the KV store: AttentionBackend.fuses_rotary_with_kv_store / forward_decode_rotary,
+#      RadixAttention.forward_rotary, RotaryEmbedding.cos_sin_tables, radixserve.layers.rotary.is_stock_rotary
+PLUGIN_API_VERSION = "1.5"
