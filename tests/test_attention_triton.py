@@ -502,3 +502,46 @@ def test_radix_attention_fuses_rotary_only_where_declared():
     batch.mode = ForwardMode.DECODE
     attn.forward_rotary(positions, q, k, k, stock, batch)
     assert calls == ["fused", "plain", "plain", "plain"]
+
+
+def test_decoder_layers_take_the_fused_store_with_the_same_result(monkeypatch):
+    """A tiny Qwen3 (per-head q/k norm before rotary, q/k/v sliced from the fused qkv) decode step
+    through the model's `DecoderAttention` on this backend: with the fusions each layer makes one
+    rotary+store launch, and the hidden states and the whole pool equal the unfused step's (both on
+    the layers' Triton kernels, as on CUDA)."""
+    arch = "Qwen3ForCausalLM"
+    import radixserve_attention_triton.backend as backend_module
+    import transformers
+    from radixserve.layers import triton_ops
+    from radixserve_models_llama import model as models
+
+    monkeypatch.setattr(triton_ops, "available", lambda t: True)  # the CUDA layer path, also on CPU tensors
+    cfg_cls = transformers.Qwen3Config if arch.startswith("Qwen3") else transformers.LlamaConfig
+    config = cfg_cls(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, vocab_size=100, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = getattr(models, arch)(config).to(DEVICE)
+    with torch.no_grad():
+        for prm in model.parameters():
+            prm.copy_(0.2 * torch.randn_like(prm) + (1.0 if prm.dim() == 1 else 0.0))
+    seqs = [6, 30, 19]
+    kwargs = {} if ON_GPU else {"min_split_tokens": 8, "max_kv_splits": 4, "sm_count": 8}
+    p = make_problem([s - 1 for s in seqs], [1] * 3, 4, 2, 32, torch.float32, ForwardMode.DECODE, seed=9, **kwargs)
+    p.batch.input_ids = torch.tensor([5, 17, 99], device=DEVICE)
+    launches = []
+    fused = backend_module.rotary_and_store
+    monkeypatch.setattr(backend_module, "rotary_and_store", lambda *a: launches.append(1) or fused(*a))
+    results = []
+    for on in (True, False):
+        k_buf, v_buf = p.batch.kv_pool.get_kv(1)
+        k_buf.copy_(p.pool_before[0]), v_buf.copy_(p.pool_before[1])
+        p.backend.set_decode_fusions(rotary_store=on, one_kernel=on)
+        p.backend.init_forward_metadata(p.batch)
+        with torch.no_grad():
+            hidden = model(p.batch.input_ids, p.batch.positions, p.batch)
+        results.append((hidden, [t.clone() for t in p.batch.kv_pool.k_buffers + p.batch.kv_pool.v_buffers]))
+        assert len(launches) == (2 if on else 0)  # one per layer
+        launches.clear()
+    (h_on, pool_on), (h_off, pool_off) = results
+    assert torch.isfinite(h_on).all() and torch.equal(h_on, h_off)
+    assert all(torch.equal(a, b) for a, b in zip(pool_on, pool_off))

@@ -53,7 +53,7 @@ class RadixAttention(nn.Module):
         `fuses_rotary_with_kv_store` rotate q and k in its KV-store kernel (decode batches, stock
         `RotaryEmbedding` only; anything else takes the unfused path). Added in plugin API 1.5."""
         backend = batch.attn_backend
-        if (batch.mode is ForwardMode.DECODE and getattr(backend, "fuses_rotary_with_kv_store", False)
+        if (getattr(backend, "fuses_rotary_with_kv_store", False) and batch.mode is ForwardMode.DECODE
                 and is_stock_rotary(rotary)):
             return backend.forward_decode_rotary(q, k, v, positions, rotary, self, batch)
         q, k = rotary(positions, q, k)
