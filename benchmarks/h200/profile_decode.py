@@ -9,7 +9,9 @@ host work between (the GPU's own time per step), (3) the top CUDA kernels of an 
 time. (1) - (2) is host overhead that overlap scheduling can hide; (2) against the HBM floor is kernel
 efficiency. Variants (comma-separated, measured in this order on the same weights, graphs recaptured
 for each): `off` (rotary + two index_put_ KV stores, two-launch decode attention), `on` (rotary fused
-into the KV store, one-launch decode attention: the defaults), `rotary` / `onekernel` (one of the two).
+into the KV store, one-launch decode attention: the defaults), `rotary` / `onekernel` (one of the two);
+`on+gemv`: `on` with the batch-1 projections whose shape `--gemv-json` (benchmarks/h200/gemv_vs_cublas.py's
+output) found faster on the Triton GEMV routed to it (patched here, not wired in the layers).
 Writes profile_decode.json: {variant: row}."""
 
 from __future__ import annotations
@@ -25,7 +27,34 @@ from radixserve.config import Config
 from radixserve.model_runner import ModelRunner
 from radixserve.static_batch import run_static_batch
 
-VARIANTS = {"off": (False, False), "on": (True, True), "rotary": (True, False), "onekernel": (False, True)}
+VARIANTS = {"off": (False, False), "on": (True, True), "rotary": (True, False), "onekernel": (False, True),
+            "on+gemv": (True, True)}
+
+
+def route_gemv(gemv_json: str | None, enable: bool) -> None:
+    """Send one-row bf16 projections of the shapes where the Triton GEMV won to it (or undo that)."""
+    from radixserve.layers import quant_unquantized
+    from radixserve.layers.triton_gemv import GemvConfig, gemv
+
+    cls = quant_unquantized.UnquantizedMethod
+    original = getattr(cls, "_cublas_apply", None) or cls.apply
+    cls._cublas_apply = original
+    if not enable:
+        cls.apply = original
+        return
+    with open(gemv_json) as f:
+        rows = json.load(f)
+    winners = {(r["N"], r["K"]): GemvConfig(**r["best"]["config"]) for r in rows.values()
+               if isinstance(r, dict) and r.get("best") and r["best"]["us"] < r["cublas_us"]}
+    print(f"    Triton GEMV for (N, K) in {sorted(winners)}")
+
+    def apply(self, layer, x, bias):
+        cfg = winners.get(tuple(layer.weight.shape)) if x.dim() == 2 and x.shape[0] == 1 else None
+        if cfg is None or not x.is_cuda:
+            return original(self, layer, x, bias)
+        return gemv(x, layer.weight, bias, cfg)
+
+    cls.apply = apply
 
 
 def runner_for(model: str) -> ModelRunner:
@@ -91,11 +120,14 @@ def main() -> None:
     ap.add_argument("--model", default="benchmarks/model-configs/llama-3.1-8b")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--variants", default="off,on", help=f"comma-separated, of {sorted(VARIANTS)}")
+    ap.add_argument("--gemv-json", help="gemv_vs_cublas.json, for the on+gemv variant")
     args = ap.parse_args()
     variants = args.variants.split(",")
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise SystemExit(f"unknown variant(s) {bad}; choose from {sorted(VARIANTS)}")
+    if "on+gemv" in variants and not (args.gemv_json and os.path.exists(args.gemv_json)):
+        raise SystemExit(f"variant on+gemv needs --gemv-json (gemv_vs_cublas.json), got {args.gemv_json!r}")
     prompt = [[(7 * i) % 30000 + 100 for i in range(1024)]]
     runner = runner_for(args.model)
     rows: dict = {}
@@ -107,6 +139,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         runner.attn_backend.set_decode_fusions(rotary_store=rotary_store, one_kernel=one_kernel)
+        route_gemv(args.gemv_json, name.endswith("+gemv"))
         runner._init_cuda_graphs()  # recapture with this variant's kernels
         rows[name] = measure(runner, prompt)
         r = rows[name]
@@ -115,8 +148,13 @@ def main() -> None:
         for op in r["top_ops_device_ms_per_decode_step"]:
             if not op["name"].startswith(("aten::", "cu")):
                 print(f"    {op['ms']:8.4f} ms  {op['calls']:4d}x  {op['name']}")
-    same = len({tuple(r["output_ids"]) for r in rows.values()}) == 1
-    print(f"greedy tokens (64 new, 1024-token prompt) identical across variants {variants}: {same}")
+    exact = [v for v in variants if not v.endswith("+gemv")]  # the GEMV sums in another order
+    same = len({tuple(rows[v]["output_ids"]) for v in exact}) == 1
+    print(f"greedy tokens (64 new, 1024-token prompt) identical across variants {exact}: {same}")
+    for v in variants:
+        if v.endswith("+gemv") and exact:
+            agree = sum(a == b for a, b in zip(rows[v]["output_ids"], rows[exact[-1]]["output_ids"]))
+            print(f"{v}: {agree}/64 greedy tokens equal to {exact[-1]}'s (dummy weights: near-ties are common)")
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk not in ("top_ops_device_ms_per_decode_step", "output_ids")}
                       for k, v in rows.items()}, indent=1))
     with open(os.path.join(args.out, "profile_decode.json"), "w") as f:

@@ -5,8 +5,10 @@
 # 2. the triton test file's decode/fusion cases on CUDA (bit-equality of fused vs unfused, graphs)
 # 3. greedy parity of tiny Llama/Qwen3 (bf16, triton attention, CUDA graphs) vs transformers, fusions on
 #    (the defaults) and off (defaults flipped with sed), and their greedy tokens compared exactly
-# 4. per-kernel profile of a batch-1 step, variants off and on, on one runner (profile_decode.json)
-# 5. Engine batch-1 decode 1024 in / 512 out (warm-up on other prompts), fusions on, then off
+# 4. batch-1 projections, cuBLAS vs the Triton GEMV over a few configs (gemv_vs_cublas.json)
+# 5. per-kernel profile of a batch-1 step on one runner: fusions off, on, and on + the Triton GEMV for
+#    the shapes where step 4 found it faster (profile_decode.json)
+# 6. Engine batch-1 decode 1024 in / 512 out (warm-up on other prompts), fusions on, then off
 set -o pipefail
 source benchmarks/h200/setup.sh || exit 1
 M=benchmarks/model-configs/llama-3.1-8b
@@ -30,9 +32,12 @@ timeout 90 python3 benchmarks/gpu_parity.py --dump-tokens $OUT/parity_tokens_off
 cmp -s $OUT/parity_tokens_on.jsonl $OUT/parity_tokens_off.jsonl && echo "tiny Llama/Qwen3 greedy tokens: fusions on == off" \
   || echo "tiny Llama/Qwen3 greedy tokens DIFFER between fusions on and off"
 fusions on
-echo "== 4. profile (variants off, on)"
-timeout 150 python3 benchmarks/h200/profile_decode.py --out $OUT --variants off,on 2>&1 | grep -v "$F" | tee $OUT/profile_decode.txt | head -70
-echo "== 5. Engine batch-1"
+echo "== 4. batch-1 projections: cuBLAS vs the Triton GEMV (no split-K)"
+timeout 120 python3 benchmarks/h200/gemv_vs_cublas.py --out $OUT 2>&1 | grep -v "$F" | tee $OUT/gemv_vs_cublas.txt
+echo "== 5. profile (variants off, on, on+gemv)"
+timeout 180 python3 benchmarks/h200/profile_decode.py --out $OUT --variants off,on,on+gemv --gemv-json $OUT/gemv_vs_cublas.json \
+  2>&1 | grep -v "$F" | tee $OUT/profile_decode.txt | head -90
+echo "== 6. Engine batch-1"
 B1="runtime.device=cuda runtime.dtype=bfloat16 stack.attention=triton runtime.cuda_graph_max_bs=8 scheduler.max_running_requests=8"
 engine() {
   timeout 100 python3 benchmarks/offline_throughput.py --model $M --load-format dummy --tokenizer $T --num-prompts 1 \
