@@ -429,13 +429,13 @@ def test_decode_rotary_falls_back_when_the_pool_dtype_differs():
     """A pool in another dtype than q (the fused store does not cast) takes rotary + set_kv."""
     p = make_problem([9], [1], 2, 1, 32, torch.float32, ForwardMode.DECODE, seed=2)
     rot = _rotary(32, 32)
-    q, k, v = p.q.double(), p.k_new.double(), p.v_new.double()
+    q, k, v = p.q.half(), p.k_new.half(), p.v_new.half()
     p.backend.init_forward_metadata(p.batch)
     positions = p.batch.seq_lens - 1
     got = p.backend.forward_decode_rotary(q, k, v, positions, rot, p.layer, p.batch)
     q_rot, k_rot = rot(positions, q, k)
     k_buf, _ = p.batch.kv_pool.get_kv(p.layer.layer_id)
-    assert got.dtype == torch.float64 and torch.equal(k_buf[p.batch.out_cache_loc], k_rot.float().view(1, 1, 32))
+    assert got.dtype == torch.float16 and torch.equal(k_buf[p.batch.out_cache_loc], k_rot.float().view(1, 1, 32))
 
 
 @pytest.mark.parametrize("seqs, split", [([1, 20, 70], True), ([129], True), ([3, 8], False)],
