@@ -43,3 +43,35 @@ def test_gemv_refuses_what_it_cannot_compute():
         gemv(torch.zeros(1, 8, device=DEVICE), w.t())
     with pytest.raises(ValueError, match="bias shape"):
         gemv(torch.zeros(1, 16, device=DEVICE), w, torch.zeros(4, device=DEVICE))
+
+
+def test_plain_linear_layers_route_only_the_enabled_shapes(monkeypatch):
+    """`use_for_shapes` sends one-row CUDA activations of the listed weight shapes to the GEMV (the
+    same result as the usual path); other shapes, several rows and CPU tensors keep the usual path,
+    and an empty table turns it off."""
+    from radixserve.layers import quant_unquantized, triton_gemv
+
+    calls = []
+    real = triton_gemv.gemv
+    monkeypatch.setattr(triton_gemv, "gemv", lambda *a: calls.append(tuple(a[1].shape)) or real(*a))
+    method = quant_unquantized.UnquantizedMethod()
+    layers = {}
+    for n in (24, 40):
+        layer = torch.nn.Module()
+        method.create_weights(layer, 64, [n], torch.float32)
+        layer.to(DEVICE)
+        torch.nn.init.normal_(layer.weight)
+        method.process_weights_after_loading(layer)
+        layers[n] = layer
+    x1, x2 = torch.randn(1, 64, device=DEVICE), torch.randn(2, 64, device=DEVICE)
+    try:
+        triton_gemv.use_for_shapes({(24, 64): GemvConfig(8, 32, 1, 1)})
+        for layer in layers.values():
+            torch.testing.assert_close(method.apply(layer, x1, None), F.linear(x1, layer.weight), rtol=1e-5, atol=1e-5)
+            method.apply(layer, x2, None)
+        assert calls == ([(24, 64)] if ON_GPU else [])
+        triton_gemv.use_for_shapes({})
+        method.apply(layers[24], x1, None)
+        assert len(calls) == (1 if ON_GPU else 0)
+    finally:
+        triton_gemv.use_for_shapes({})

@@ -11,7 +11,7 @@ efficiency. Variants (comma-separated, measured in this order on the same weight
 for each): `off` (rotary + two index_put_ KV stores, two-launch decode attention), `on` (rotary fused
 into the KV store, one-launch decode attention: the defaults), `rotary` / `onekernel` (one of the two);
 `on+gemv`: `on` with the batch-1 projections whose shape `--gemv-json` (benchmarks/h200/gemv_vs_cublas.py's
-output) found faster on the Triton GEMV routed to it (patched here, not wired in the layers).
+output) found faster on the Triton GEMV routed to it (`radixserve.layers.triton_gemv.use_for_shapes`).
 Writes profile_decode.json: {variant: row}."""
 
 from __future__ import annotations
@@ -32,29 +32,17 @@ VARIANTS = {"off": (False, False), "on": (True, True), "rotary": (True, False), 
 
 
 def route_gemv(gemv_json: str | None, enable: bool) -> None:
-    """Send one-row bf16 projections of the shapes where the Triton GEMV won to it (or undo that)."""
-    from radixserve.layers import quant_unquantized
-    from radixserve.layers.triton_gemv import GemvConfig, gemv
+    """Send one-row projections of the shapes where the Triton GEMV won to it (or none)."""
+    from radixserve.layers import triton_gemv
 
-    cls = quant_unquantized.UnquantizedMethod
-    original = getattr(cls, "_cublas_apply", None) or cls.apply
-    cls._cublas_apply = original
-    if not enable:
-        cls.apply = original
-        return
-    with open(gemv_json) as f:
-        rows = json.load(f)
-    winners = {(r["N"], r["K"]): GemvConfig(**r["best"]["config"]) for r in rows.values()
-               if isinstance(r, dict) and r.get("best") and r["best"]["us"] < r["cublas_us"]}
-    print(f"    Triton GEMV for (N, K) in {sorted(winners)}")
-
-    def apply(self, layer, x, bias):
-        cfg = winners.get(tuple(layer.weight.shape)) if x.dim() == 2 and x.shape[0] == 1 else None
-        if cfg is None or not x.is_cuda:
-            return original(self, layer, x, bias)
-        return gemv(x, layer.weight, bias, cfg)
-
-    cls.apply = apply
+    winners = {}
+    if enable:
+        with open(gemv_json) as f:
+            rows = json.load(f)
+        winners = {(r["N"], r["K"]): triton_gemv.GemvConfig(**r["best"]["config"]) for r in rows.values()
+                   if isinstance(r, dict) and r.get("best") and r["best"]["us"] < r["cublas_us"]}
+        print(f"    Triton GEMV for (N, K) in {sorted(winners)}")
+    triton_gemv.use_for_shapes(winners)
 
 
 def runner_for(model: str) -> ModelRunner:
