@@ -108,28 +108,31 @@ def _decode_stage1_kernel(
         v = tl.load(V_buf + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
 
-    if ONE_KERNEL and n_splits == 1:
-        # one split covers the context: its normalised output is the answer (what stage 2 would
-        # compute from a single partial, bit for bit), written without the partial's round trip
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
-        return
-    store_split_partial(MidO, MidLse, b, heads, split, offs_d, mask_h, mask_d, m_i, l_i, acc,
-                        stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
     if ONE_KERNEL:
-        # The last of the request's splits to finish merges them all (no stage-2 launch). Every
-        # thread's partial stores come before the barrier, the release-acquire atomic publishes them
-        # to the program that counts last, which reads them past L1 (.cg). It resets the counter,
-        # so the buffer is all zeros again for the next layer's launch.
-        tl.debug_barrier()
-        arrivals = Arrivals + b * tl.num_programs(1) + kvh
-        if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-            tl.store(arrivals, 0)
-            for g in tl.static_range(GROUP):
-                _merge_splits(MidO, MidLse, Out, b, kvh * GROUP + g, n_splits, stride_mob, stride_moh,
-                              stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, HEAD_DIM, BLOCK_D,
-                              BLOCK_S, ".cg")
+        if n_splits == 1:
+            # one split covers the context: its normalised output is the answer (what stage 2 computes
+            # from a single partial, bit for bit), written without the partial's round trip
+            out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+            tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                     out.to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+        else:
+            store_split_partial(MidO, MidLse, b, heads, split, offs_d, mask_h, mask_d, m_i, l_i, acc,
+                                stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
+            # The last of the request's splits to finish merges them all (no stage-2 launch). Every
+            # thread's partial stores come before the barrier, the release-acquire atomic publishes
+            # them to the program that counts last, which reads them past L1 (.cg). It resets the
+            # counter, so the buffer is all zeros again for the next layer's launch.
+            tl.debug_barrier()
+            arrivals = Arrivals + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+                tl.store(arrivals, 0)
+                for g in tl.static_range(GROUP):
+                    _merge_splits(MidO, MidLse, Out, b, kvh * GROUP + g, n_splits, stride_mob, stride_moh,
+                                  stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, HEAD_DIM, BLOCK_D,
+                                  BLOCK_S, ".cg")
+    else:
+        store_split_partial(MidO, MidLse, b, heads, split, offs_d, mask_h, mask_d, m_i, l_i, acc,
+                            stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
 
 
 @triton.jit
