@@ -81,11 +81,12 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             cols = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 x = tl.load(X + cols)
-                w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None], other=0.0)
+                w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
             else:
                 mask_k = cols < K
                 x = tl.load(X + cols, mask=mask_k, other=0.0)
-                w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+                w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                            eviction_policy="evict_first")  # weights stream through once: keep L2 for the rest
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
