@@ -517,7 +517,7 @@ def test_decoder_layers_take_the_fused_store_with_the_same_result(monkeypatch):
 
     monkeypatch.setattr(triton_ops, "available", lambda t: True)  # the CUDA layer path, also on CPU tensors
     cfg_cls = transformers.Qwen3Config if arch.startswith("Qwen3") else transformers.LlamaConfig
-    config = cfg_cls(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    config = cfg_cls(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=32, vocab_size=100, max_position_embeddings=256)
     torch.manual_seed(0)
     model = getattr(models, arch)(config).to(DEVICE)
@@ -531,16 +531,19 @@ def test_decoder_layers_take_the_fused_store_with_the_same_result(monkeypatch):
     launches = []
     fused = backend_module.rotary_and_store
     monkeypatch.setattr(backend_module, "rotary_and_store", lambda *a: launches.append(1) or fused(*a))
+    buffers = p.batch.kv_pool.k_buffers + p.batch.kv_pool.v_buffers
+    before = [t.clone() for t in buffers]
     results = []
     for on in (True, False):
-        k_buf, v_buf = p.batch.kv_pool.get_kv(1)
-        k_buf.copy_(p.pool_before[0]), v_buf.copy_(p.pool_before[1])
+        for t, saved in zip(buffers, before):
+            t.copy_(saved)
         p.backend.set_decode_fusions(rotary_store=on, one_kernel=on)
         p.backend.init_forward_metadata(p.batch)
         with torch.no_grad():
             hidden = model(p.batch.input_ids, p.batch.positions, p.batch)
-        results.append((hidden, [t.clone() for t in p.batch.kv_pool.k_buffers + p.batch.kv_pool.v_buffers]))
-        assert len(launches) == (2 if on else 0)  # one per layer
+        results.append((hidden, [t.clone() for t in buffers]))
+        assert p.batch.kv_pool.k_buffers[0][p.batch.out_cache_loc].abs().sum() > 0  # layer 0's new K is stored
+        assert len(launches) == (1 if on else 0)  # one per layer
         launches.clear()
     (h_on, pool_on), (h_off, pool_off) = results
     assert torch.isfinite(h_on).all() and torch.equal(h_on, h_off)
