@@ -17,19 +17,19 @@ T=.gpu2/tok-smollm2
 F='it/s\]\|tensor/s\]\|Warning'
 echo "== 1. limit"; python3 benchmarks/h200/hbm_limit.py 2>&1 | tee $OUT/limit.txt
 echo "== 2. tests"
-timeout 100 python3 -m pytest tests/test_attention_triton.py -q -k "rotary or one_launch or graph or decoder_layers" \
+timeout 90 python3 -m pytest tests/test_attention_triton.py -q -k "rotary or one_launch or graph or decoder_layers" \
   --noconftest -p no:cacheprovider -o addopts="" 2>&1 | tail -4 | tee $OUT/tests.txt
 echo "== 3. parity (fusions on vs transformers; the same runners with the fusions off: tokens must be equal)"
-timeout 100 python3 benchmarks/gpu_parity.py --decode-fusions-ab 2>&1 | grep "SUMMARY\|BROKEN\|Error" | tee $OUT/parity.txt
+timeout 90 python3 benchmarks/gpu_parity.py --decode-fusions-ab 2>&1 | grep "SUMMARY\|BROKEN\|Error" | tee $OUT/parity.txt
 echo "== 4. batch-1 projections: cuBLAS vs the Triton GEMV (no split-K)"
-timeout 120 python3 benchmarks/h200/gemv_vs_cublas.py --out $OUT 2>&1 | grep -v "$F" | tee $OUT/gemv_vs_cublas.txt
+timeout 75 python3 benchmarks/h200/gemv_vs_cublas.py --out $OUT 2>&1 | grep -v "$F" | tee $OUT/gemv_vs_cublas.txt
 echo "== 5. profile (variants off, on, on+gemv)"
-timeout 180 python3 benchmarks/h200/profile_decode.py --out $OUT --variants off,on,on+gemv --gemv-json $OUT/gemv_vs_cublas.json \
+timeout 150 python3 benchmarks/h200/profile_decode.py --out $OUT --variants off,on,on+gemv --gemv-json $OUT/gemv_vs_cublas.json \
   2>&1 | grep -v "$F" | tee $OUT/profile_decode.txt | head -90
 echo "== 6. Engine batch-1"
 B1="runtime.device=cuda runtime.dtype=bfloat16 stack.attention=triton runtime.cuda_graph_max_bs=8 scheduler.max_running_requests=8"
 engine() {
-  timeout 100 python3 benchmarks/offline_throughput.py --model $M --load-format dummy --tokenizer $T --num-prompts 1 \
+  timeout 90 python3 benchmarks/offline_throughput.py --model $M --load-format dummy --tokenizer $T --num-prompts 1 \
     --input-len 1024 --output-len 512 --result-file $OUT/batch1_engine_$1.jsonl $B1 2>&1 | grep '^{' | cut -c1-200
 }
 engine on
