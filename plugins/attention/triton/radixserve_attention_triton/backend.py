@@ -120,20 +120,17 @@ class TritonAttentionBackend(AttentionBackend):
         self.sdpa_max_requests = sdpa_max_requests  # one SDPA call per request: bounded host work per layer
         self._graph: DecodeMetadata | None = None
         self.fuse_rotary_store = fuse_rotary_store
-        # the one-launch decode's per-(request, KV head) arrival counters: zeros between launches
-        self._arrivals = (torch.zeros(self.max_bs * self.num_kv_heads, dtype=torch.int32, device=self.device)
-                          if decode_one_kernel else None)
+        self.decode_one_kernel = decode_one_kernel
+        # the one-launch decode's per-(request, KV head) arrival counters, zeros between launches;
+        # never replaced once a CUDA graph may have recorded its address (init_graph_state sizes it)
+        self._arrivals = torch.zeros(self.max_bs * self.num_kv_heads, dtype=torch.int32, device=self.device)
 
     def set_decode_fusions(self, *, rotary_store: bool, one_kernel: bool) -> None:
         """Turn the two decode fusions on or off (the constructor's `fuse_rotary_store` and
         `decode_one_kernel`); CUDA graphs captured before keep what they recorded. For A/B
         measurements (benchmarks/h200/profile_decode.py)."""
         self.fuse_rotary_store = rotary_store
-        if not one_kernel:
-            self._arrivals = None
-        elif self._arrivals is None:
-            size = max(self.max_bs, self._graph.num_kv_splits.shape[0] if self._graph is not None else 0)
-            self._arrivals = torch.zeros(size * self.num_kv_heads, dtype=torch.int32, device=self.device)
+        self.decode_one_kernel = one_kernel
 
     @classmethod
     def supports(cls, device: str, dtype: str, head_dim: int) -> bool:
@@ -255,10 +252,10 @@ class TritonAttentionBackend(AttentionBackend):
         meta: DecodeMetadata = batch.attn_metadata
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
         out = torch.empty_like(q3)
-        arrivals = self._arrivals
-        if arrivals is not None and arrivals.numel() < q3.shape[0] * self.num_kv_heads:  # eager only: graphs
-            arrivals = self._arrivals = torch.zeros(q3.shape[0] * self.num_kv_heads, dtype=torch.int32,
-                                                    device=self.device)  # are sized by init_graph_state
+        arrivals = self._arrivals if self.decode_one_kernel else None
+        if arrivals is not None and arrivals.numel() < q3.shape[0] * self.num_kv_heads:
+            # an eager batch past the static size (graphs never are): counters of its own
+            arrivals = torch.zeros(q3.shape[0] * self.num_kv_heads, dtype=torch.int32, device=self.device)
         decode_attention(
             q3.to(k_buf.dtype),
             out,
@@ -298,7 +295,7 @@ class TritonAttentionBackend(AttentionBackend):
     def init_graph_state(self, max_bs: int) -> None:
         self._graph = DecodeMetadata.allocate(max_bs, self.num_heads, self.max_kv_splits, self.head_dim, self.device,
                                               zeroed=True)
-        if self._arrivals is not None and self._arrivals.numel() < max_bs * self.num_kv_heads:
+        if self._arrivals.numel() < max_bs * self.num_kv_heads:  # before any capture
             self._arrivals = torch.zeros(max_bs * self.num_kv_heads, dtype=torch.int32, device=self.device)
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
