@@ -51,6 +51,25 @@ def compare(name: str, path: str, prompts: list[list[int]], new_tokens: int, arg
     })
     runner = ModelRunner(cfg, show_progress=False)
     ours = greedy_generate(runner, prompts, new_tokens, keep_logits=True)
+    if args.dump_tokens:  # one JSON line per checkpoint: to compare two runs' greedy outputs exactly
+        import json
+
+        with open(args.dump_tokens, "a") as f:
+            f.write(json.dumps({"name": name, "tokens": [o.tokens for o in ours]}) + "\n")
+    fusions_ok = True
+    if args.decode_fusions_ab and hasattr(runner.attn_backend, "set_decode_fusions"):
+        # the same runner with the triton backend's decode fusions off (graphs recaptured): exact equality
+        if runner.graph_runner is not None:
+            runner.req_to_token_pool.free(runner.graph_runner.dummy_row)
+            runner.graph_runner = None
+        runner.attn_backend.set_decode_fusions(rotary_store=False, one_kernel=False)
+        if not args.disable_cuda_graph:
+            runner._init_cuda_graphs()
+        unfused = greedy_generate(runner, prompts, new_tokens)
+        same = [o.tokens for o in ours] == [o.tokens for o in unfused]
+        print(f"SUMMARY {name} decode fusions: greedy tokens {'identical' if same else 'DIFFER'} with them off "
+              f"(rotary+KV store fused, one-launch decode attention)")
+        fusions_ok = same
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(hf_path or path, dtype=dtype, **(hf_kwargs or {})).to(args.device).eval()
     ok_all, exact = True, 0
@@ -65,7 +84,7 @@ def compare(name: str, path: str, prompts: list[list[int]], new_tokens: int, arg
               f" top5-rule={'ok' if ok else 'BROKEN'} used_graph={runner.last_run_used_cuda_graph}")
     print(f"SUMMARY {name}: {exact}/{len(prompts)} identical over {new_tokens} tokens; top-5 rule "
           f"{'holds' if ok_all else 'BROKEN'} ({args.device}, {args.dtype}, attention={args.attention})")
-    return ok_all
+    return ok_all and fusions_ok
 
 
 def scheduled_outputs(path: str, prompts: list[list[int]], new_tokens: int, args, overlap: bool):
@@ -110,6 +129,9 @@ def main() -> int:
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--gguf", help="SmolLM2 GGUF file for the real-model comparison")
     ap.add_argument("--skip-tiny", action="store_true", help="only the GGUF comparison")
+    ap.add_argument("--dump-tokens", help="append each checkpoint's greedy tokens to this file (JSON lines)")
+    ap.add_argument("--decode-fusions-ab", action="store_true",
+                    help="also generate with the triton backend's decode fusions off; fail unless the tokens are equal")
     ap.add_argument("--families", action="store_true",
                     help="only the native families beyond Llama (tests/family_cases.py: Gemma 2/3, Phi-3, OLMo 2, "
                          "Mistral with a window, Mixtral, Qwen2/3-MoE)")

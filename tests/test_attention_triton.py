@@ -376,3 +376,174 @@ def test_registered_as_cuda_default_with_metadata():
     assert reg.load("attention", "triton") is TritonAttentionBackend
     assert TritonAttentionBackend.supports("cuda", "bfloat16", 128)
     assert not TritonAttentionBackend.supports("cuda", "bfloat16", 512)
+
+
+# ---- decode fusions (plugin API 1.5): rotary + KV store in one kernel, one-launch decode ----------------
+
+
+def _rotary(head_dim: int, rotary_dim: int):
+    from radixserve.layers.rotary import RotaryEmbedding
+
+    return RotaryEmbedding(head_dim, rotary_dim, 512, {"rope_type": "default", "rope_theta": 10000.0})
+
+
+@pytest.mark.parametrize("heads, rotary_dim", [((4, 2, 32), 32), ((4, 1, 64), 32), ((2, 2, 24), 24)],
+                         ids=["gqa", "mqa-partial", "mha-padded"])
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_decode_rotary_fused_store_is_bitwise_the_unfused_path(heads, rotary_dim, fuse):
+    """`forward_decode_rotary` (one kernel rotates q, k and stores k, v) gives the same bits as rotary
+    followed by `forward_decode`, in the output and in the pool, with q/k/v strided slices of one
+    fused qkv tensor as the model passes them; no other slot changes."""
+    h, kvh, d = heads
+    seqs = [5, 40, 23]
+    kwargs = {} if ON_GPU else {"min_split_tokens": 8, "max_kv_splits": 4, "sm_count": 8}
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    p = make_problem([s - 1 for s in seqs], [1] * 3, h, kvh, d, dtype, ForwardMode.DECODE, seed=13,
+                     fuse_rotary_store=fuse, **kwargs)
+    rot = _rotary(d, rotary_dim)
+    qkv = torch.cat([p.q, p.k_new, p.v_new], dim=1)
+    q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=1)  # strided views, as DecoderAttention passes them
+    positions = p.batch.seq_lens - 1
+    p.backend.init_forward_metadata(p.batch)
+    got = p.backend.forward_decode_rotary(q, k, v, positions, rot, p.layer, p.batch)
+    pool_got = [t.clone() for t in p.batch.kv_pool.get_kv(p.layer.layer_id)]
+    # the unfused computation on the same (restored) pool
+    k_buf, v_buf = p.batch.kv_pool.get_kv(p.layer.layer_id)
+    k_buf.copy_(p.pool_before[0]), v_buf.copy_(p.pool_before[1])
+    # fused: the rotation of the layer's CUDA path, the Triton rotary (on CPU tensors the layer runs a
+    # C++ kernel that may differ in the last bit); unfused: the layer's rotary, whatever it runs
+    from radixserve.layers import triton_ops
+
+    if fuse:
+        q_rot, k_rot = triton_ops.rotary(q, k, *rot.cos_sin_tables(positions), d, rotary_dim, positions=positions)
+    else:
+        q_rot, k_rot = rot(positions, q, k)
+    want = p.backend.forward_decode(q_rot, k_rot, v, p.layer, p.batch)
+    assert torch.equal(got, want)
+    assert torch.equal(pool_got[0], k_buf) and torch.equal(pool_got[1], v_buf)
+    p.k_new = k_rot  # the pool holds the rotated keys at out_cache_loc and nothing else changed
+    assert_pool_written(p)
+
+
+def test_decode_rotary_falls_back_when_the_pool_dtype_differs():
+    """A pool in another dtype than q (the fused store does not cast) takes rotary + set_kv."""
+    p = make_problem([9], [1], 2, 1, 32, torch.float32, ForwardMode.DECODE, seed=2)
+    rot = _rotary(32, 32)
+    q, k, v = p.q.half(), p.k_new.half(), p.v_new.half()
+    p.backend.init_forward_metadata(p.batch)
+    positions = p.batch.seq_lens - 1
+    got = p.backend.forward_decode_rotary(q, k, v, positions, rot, p.layer, p.batch)
+    q_rot, k_rot = rot(positions, q, k)
+    k_buf, _ = p.batch.kv_pool.get_kv(p.layer.layer_id)
+    assert got.dtype == torch.float16 and torch.equal(k_buf[p.batch.out_cache_loc], k_rot.float().view(1, 1, 32))
+
+
+@pytest.mark.parametrize("seqs, split", [([1, 20, 70], True), ([129], True), ([3, 8], False)],
+                         ids=["mixed-splits", "many-splits", "one-split"])
+def test_one_launch_decode_is_bitwise_the_two_stage_decode(seqs, split):
+    """With `decode_one_kernel` the last split of each request merges the partials (or a single split
+    writes the output directly): the same bits as the two-launch decode, and the arrival counters are
+    all zero again afterwards, so the next layer's launch starts clean."""
+    heads = (4, 2, 32)
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    kwargs = {"min_split_tokens": 8, "max_kv_splits": 4, "sm_count": 8}
+    outs = []
+    for one in (True, False):
+        p = make_problem([s - 1 for s in seqs], [1] * len(seqs), *heads, dtype=dtype, mode=ForwardMode.DECODE,
+                         seed=4, decode_one_kernel=one, **kwargs)
+        outs.append(run(p))
+        assert_close(outs[-1], reference(p), dtype)
+        assert p.backend.decode_one_kernel == one
+        if one:
+            splits = p.batch.attn_metadata.num_kv_splits.tolist()
+            assert not p.backend._arrivals.any()
+            run(p)  # a second launch on the same counters
+            assert not p.backend._arrivals.any()
+    assert (max(splits) > 1) == split
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_radix_attention_fuses_rotary_only_where_declared():
+    """`RadixAttention.forward_rotary` hands q, k unrotated to `forward_decode_rotary` only for a
+    DECODE batch, a backend declaring `fuses_rotary_with_kv_store` and a stock RotaryEmbedding; a
+    subclass that overrides `forward` (another layout) and every other case get rotary from the layer."""
+    from radixserve.layers.attention import RadixAttention
+    from radixserve.layers.rotary import RotaryEmbedding, is_stock_rotary
+
+    class Interleaved(RotaryEmbedding):
+        def forward(self, positions, q, k):
+            return q + 1, k + 1
+
+    calls = []
+
+    class Spy:
+        fuses_rotary_with_kv_store = True
+
+        def forward_decode_rotary(self, q, k, v, positions, rotary, layer, batch):
+            calls.append("fused")
+            return q
+
+        def forward(self, q, k, v, layer, batch):
+            calls.append("plain")
+            return q
+
+    attn = RadixAttention(0, 2, 1, 32, 32**-0.5)
+    stock, other = _rotary(32, 32), Interleaved(32, 32, 64, {"rope_type": "default", "rope_theta": 1e4})
+    assert is_stock_rotary(stock) and not is_stock_rotary(other)
+    q, k = torch.randn(1, 64), torch.randn(1, 32)
+    batch = SimpleNamespace(mode=ForwardMode.DECODE, attn_backend=Spy())
+    positions = torch.tensor([3])
+    assert torch.equal(attn.forward_rotary(positions, q, k, k, stock, batch), q)
+    assert torch.equal(attn.forward_rotary(positions, q, k, k, other, batch), q + 1)
+    batch.mode = ForwardMode.EXTEND
+    assert torch.equal(attn.forward_rotary(positions, q, k, k, stock, batch), stock(positions, q, k)[0])
+    Spy.fuses_rotary_with_kv_store = False
+    batch.mode = ForwardMode.DECODE
+    attn.forward_rotary(positions, q, k, k, stock, batch)
+    assert calls == ["fused", "plain", "plain", "plain"]
+
+
+def test_decoder_layers_take_the_fused_store_with_the_same_result(monkeypatch):
+    """A tiny Qwen3 (per-head q/k norm before rotary, q/k/v sliced from the fused qkv) decode step
+    through the model's `DecoderAttention` on this backend: with the fusions each layer makes one
+    rotary+store launch, and the hidden states and the whole pool equal the unfused step's (both on
+    the layers' Triton kernels, as on CUDA)."""
+    arch = "Qwen3ForCausalLM"
+    import radixserve_attention_triton.backend as backend_module
+    import transformers
+    from radixserve.layers import triton_ops
+    from radixserve_models_llama import model as models
+
+    monkeypatch.setattr(triton_ops, "available", lambda t: True)  # the CUDA layer path, also on CPU tensors
+    cfg_cls = transformers.Qwen3Config if arch.startswith("Qwen3") else transformers.LlamaConfig
+    config = cfg_cls(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, vocab_size=100, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = getattr(models, arch)(config).to(DEVICE)
+    with torch.no_grad():
+        for prm in model.parameters():
+            prm.copy_(0.2 * torch.randn_like(prm) + (1.0 if prm.dim() == 1 else 0.0))
+    seqs = [6, 30, 19]
+    kwargs = {} if ON_GPU else {"min_split_tokens": 8, "max_kv_splits": 4, "sm_count": 8}
+    p = make_problem([s - 1 for s in seqs], [1] * 3, 4, 2, 32, torch.float32, ForwardMode.DECODE, seed=9, **kwargs)
+    p.batch.input_ids = torch.tensor([5, 17, 99], device=DEVICE)
+    launches = []
+    fused = backend_module.rotary_and_store
+    monkeypatch.setattr(backend_module, "rotary_and_store", lambda *a: launches.append(1) or fused(*a))
+    buffers = p.batch.kv_pool.k_buffers + p.batch.kv_pool.v_buffers
+    before = [t.clone() for t in buffers]
+    results = []
+    for on in (True, False):
+        for t, saved in zip(buffers, before):
+            t.copy_(saved)
+        p.backend.set_decode_fusions(rotary_store=on, one_kernel=on)
+        p.backend.init_forward_metadata(p.batch)
+        with torch.no_grad():
+            hidden = model(p.batch.input_ids, p.batch.positions, p.batch)
+        results.append((hidden, [t.clone() for t in buffers]))
+        assert p.batch.kv_pool.k_buffers[0][p.batch.out_cache_loc].abs().sum() > 0  # layer 0's new K is stored
+        assert len(launches) == (1 if on else 0)  # one per layer
+        launches.clear()
+    (h_on, pool_on), (h_off, pool_off) = results
+    assert torch.isfinite(h_on).all() and torch.equal(h_on, h_off)
+    assert all(torch.equal(a, b) for a, b in zip(pool_on, pool_off))

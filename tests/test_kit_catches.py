@@ -141,3 +141,24 @@ def test_the_attention_kit_checks_layer_options(option, message):
 
     setattr(DoesNotDeclareIt, f"supports_{option}", False)
     check_attention_backend(DoesNotDeclareIt, **SMALL)
+
+
+def test_the_attention_kit_checks_the_fused_rotary_store():
+    """A backend declaring `fuses_rotary_with_kv_store` (plugin API 1.5) is driven through
+    `forward_decode_rotary` on every DECODE step: the base class's unfused default passes, one that
+    skips the rotation (of q for the output, of k for the pool) fails naming the path."""
+
+    class Fusing(ReferenceAttentionBackend):
+        fuses_rotary_with_kv_store = True  # the base class's default: rotary, then forward_decode
+
+    check_attention_backend(Fusing, **SMALL)
+
+    for skipped in ("q", "k"):
+        class ForgetsOne(Fusing):
+            def forward_decode_rotary(self, q, k, v, positions, rotary, layer, batch, skipped=skipped):
+                q_rot, k_rot = rotary(positions, q, k)
+                return self.forward_decode(q if skipped == "q" else q_rot, k if skipped == "k" else k_rot, v,
+                                           layer, batch)
+
+        with pytest.raises(AssertionError, match="forward_decode_rotary"):
+            check_attention_backend(ForgetsOne, **SMALL)

@@ -30,5 +30,7 @@ __version__ = "0.1.0"
 #      decode graphs record the hidden rows TargetStates hands out);
 #      FP8 KV pools (runtime.kv_cache_dtype: fp8_e4m3): KVPool in float8_e4m3fn with per-layer k/v scales
 #      (KVPool.is_fp8 / kv_scales / quantize_kv / read_kv, radixserve.memory.fp8_kv);
-#      AttentionBackend.supports_fp8_kv_cache
+#      AttentionBackend.supports_fp8_kv_cache;
+#      rotary fused with the KV store: AttentionBackend.fuses_rotary_with_kv_store / forward_decode_rotary,
+#      RadixAttention.forward_rotary, RotaryEmbedding.cos_sin_tables, radixserve.layers.rotary.is_stock_rotary
 PLUGIN_API_VERSION = "1.5"

@@ -150,6 +150,10 @@ class AttentionBackend(abc.ABC):
     # stack resolution refuses fp8_e4m3 with a backend that leaves it False, naming the ones that
     # declare it. Standard attention only: latent (MLA) pools stay in the model dtype.
     supports_fp8_kv_cache: bool = False
+    # True when the backend overrides `forward_decode_rotary` (rotary applied in the kernel that
+    # stores k, v into the pool). False: the layer applies rotary itself and calls `forward`, so a
+    # backend that leaves it False sees no change. Added in plugin API 1.5.
+    fuses_rotary_with_kv_store: bool = False
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -240,6 +244,30 @@ class AttentionBackend(abc.ABC):
 
         Added in plugin API 1.0.
         """
+
+    def forward_decode_rotary(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, rotary,
+        layer: AttentionLayerSpec, batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """`forward_decode` of q and k before rotary: the result must equal
+        `forward_decode(*rotary(positions, q, k), v, layer, batch)`, and the pool must end up holding
+        the rotated k, as that call leaves it; a backend overrides it to do the rotation in the same
+        kernel that stores k and v. Called (by `RadixAttention.forward_rotary`) only for DECODE
+        batches, only when `fuses_rotary_with_kv_store` is True, and only with a stock rotary.
+
+        :param q: / `k`, `v`: as `forward_decode`, q and k not yet rotated.
+        :param positions: int64 `[num_tokens]`, each token's position (`batch.positions`).
+        :param rotary: a `radixserve.layers.rotary.RotaryEmbedding` that does not override `forward`
+            (neox / rotate-half layout on the first `rotary.rotary_dim` of each head's
+            `rotary.head_dim` values); `rotary.cos_sin_tables(positions)` gives its fp32 cos and
+            sin caches `[>= max position + 1, rotary_dim]` (the rotation rounds each to q's dtype,
+            as the torch code does); `rotary(positions, q, k)` is the unfused computation.
+        :return: as `forward_decode`.
+
+        Default: exactly the unfused computation. Added in plugin API 1.5.
+        """
+        q, k = rotary(positions, q, k)
+        return self.forward_decode(q, k, v, layer, batch)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch

@@ -7,6 +7,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from radixserve.layers.rotary import is_stock_rotary
+from radixserve.state import ForwardMode
+
 if TYPE_CHECKING:
     from radixserve.state import ForwardBatch
 
@@ -43,6 +46,18 @@ class RadixAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return batch.attn_backend.forward(q, k, v, self, batch)
+
+    def forward_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       rotary: nn.Module, batch: ForwardBatch) -> torch.Tensor:
+        """`forward(*rotary(positions, q, k), v, batch)`, letting a backend that declares
+        `fuses_rotary_with_kv_store` rotate q and k in its KV-store kernel (decode batches, stock
+        `RotaryEmbedding` only; anything else takes the unfused path). Added in plugin API 1.5."""
+        backend = batch.attn_backend
+        if (getattr(backend, "fuses_rotary_with_kv_store", False) and batch.mode is ForwardMode.DECODE
+                and is_stock_rotary(rotary)):
+            return backend.forward_decode_rotary(q, k, v, positions, rotary, self, batch)
+        q, k = rotary(positions, q, k)
+        return self.forward(q, k, v, batch)
 
 
 def check_backend_supports_layers(model: nn.Module, backend, backend_name: str) -> None:

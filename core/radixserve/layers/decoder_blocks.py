@@ -83,8 +83,8 @@ class DecoderAttention(nn.Module):
             n = q.shape[0]
             q = self.q_norm(q.reshape(n, -1, self.head_dim)).reshape(n, -1)
             k = self.k_norm(k.reshape(n, -1, self.head_dim)).reshape(n, -1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, batch))
+        # rotary, then attention; a backend may fuse the rotation into its KV store (decode)
+        return self.o_proj(self.attn.forward_rotary(positions, q, k, v, self.rotary_emb, batch))
 
 
 class SwiGLUMLP(nn.Module):

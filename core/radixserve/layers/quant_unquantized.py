@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from radixserve.interfaces.quantization import QuantMethod
-from radixserve.layers import cpu_gemm
+from radixserve.layers import cpu_gemm, triton_gemv
 from radixserve.layers.weight_utils import default_weight_loader, set_weight_attrs
 
 
@@ -27,6 +27,9 @@ class UnquantizedMethod(QuantMethod):
             layer.packed_weight = cpu_gemm.pack(layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        gemv_config = triton_gemv.config_for(x, layer.weight)  # None unless enabled for this shape
+        if gemv_config is not None:
+            return triton_gemv.gemv(x, layer.weight, bias, gemv_config)
         return cpu_gemm.linear(x, layer.weight, getattr(layer, "packed_weight", None), bias)
 
     # MoE experts (plugin API 1.3): stacked [E, 2I, H] and [E, H, I] weights

@@ -131,6 +131,12 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._tables(positions)
         return cos[positions], sin[positions]
 
+    def cos_sin_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 cos and sin caches `[>= max(positions) + 1, rotary_dim]` (attention scaling
+        applied) that `forward` gathers row `positions[i]` of; what a fused kernel reads. Reads
+        nothing back to the host once `reserve` sized them for the context. Added in plugin API 1.5."""
+        return self._tables(positions)
+
     def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The fp32 cos/sin caches, covering every position in `positions`."""
         if not (self._covers_context and self._cache is not None and self._cache[0].device == positions.device):
@@ -158,6 +164,13 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._cos_sin(positions)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+def is_stock_rotary(rotary: Any) -> bool:
+    """True for a `RotaryEmbedding` whose `forward` is the stock one (a subclass may change the
+    tables, not the rotation): what `AttentionBackend.forward_decode_rotary` may fuse.
+    Added in plugin API 1.5."""
+    return isinstance(rotary, RotaryEmbedding) and type(rotary).forward is RotaryEmbedding.forward
 
 
 def get_rope(config: Any, head_dim: int, max_position: int | None = None) -> RotaryEmbedding:

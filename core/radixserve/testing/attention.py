@@ -11,7 +11,13 @@ layer, every other slot untouched).
 For a backend with `supports_tree_mask = True` the scenarios go on with speculative verify
 forwards: EXTEND batches whose requests each score a random draft tree after their prefix
 (`ForwardBatch.tree_mask`), several requests per batch, some adding a single token; and chains
-passed as trees, whose result must equal the backend's own plain causal extend."""
+passed as trees, whose result must equal the backend's own plain causal extend.
+
+For a backend with `fuses_rotary_with_kv_store = True` (plugin API 1.5) every DECODE step goes
+through `forward_decode_rotary` with unrotated q, k and a stock `RotaryEmbedding` (partial rotary
+where the head size allows), the reference getting the layer's own `rotary(positions, q, k)`: the
+outputs must match as above and the pools too, the new slots up to the tolerance (a fused kernel may
+round the rotation differently from the CPU layer's), every other slot exactly."""
 
 from __future__ import annotations
 
@@ -264,14 +270,21 @@ class _Scenario:
             what += f", tree parents {list(trees)}"
         if decode_rows:
             what += f", rows sharing requests {[i for i, n in picks for _ in range(n)]}"
+        rotary = self._fused_rotary() if mode is ForwardMode.DECODE else None
+        if rotary is not None:
+            what += f", through forward_decode_rotary (rotary_dim {rotary.rotary_dim})"
         outs = []
         for twin in (self.test, self.ref):
             batch = self._batch(mode, twin, rows, prefix_lens, extend_lens, new_slots, blocks)
             twin.backend.init_forward_metadata(batch)
             if twin is self.test:
                 self._assert_pools_equal(f"{what}: init_forward_metadata wrote to the KV pool")
-                out = self._run_test(inputs, batch)
+                out = (self._run_test(inputs, batch) if rotary is None else self.test.backend.forward_decode_rotary(
+                    *inputs, batch.positions, rotary, self.layer, batch))
             else:
+                if rotary is not None:
+                    q, k, v = inputs
+                    inputs = (*rotary(batch.positions, q, k), v)
                 out = self._run_reference(inputs, batch)
             outs.append(out)
         got, want = outs
@@ -289,7 +302,8 @@ class _Scenario:
             )
             start += n
         self._assert_pools_equal(f"{what}: KV pool differs from the reference after the step (new K/V must land "
-                                 f"at out_cache_loc of layer {_LAYER_ID}, nothing else may change)")
+                                 f"at out_cache_loc of layer {_LAYER_ID}, nothing else may change)",
+                                 loose_slots=new_slots if rotary is not None else None)
         if same_as_causal:  # the same forward again without the mask: storing the same K/V is idempotent
             batch = self._batch(mode, self.test, rows, prefix_lens, extend_lens, new_slots, None)
             self.test.backend.init_forward_metadata(batch)
@@ -317,9 +331,29 @@ class _Scenario:
             tree_mask_cpu=None if blocks is None else [[list(row) for row in block] for block in blocks],
         )
 
-    def _assert_pools_equal(self, message: str) -> None:
+    def _fused_rotary(self):
+        """The rotary to pass through `forward_decode_rotary`, or None when the backend does not
+        declare `fuses_rotary_with_kv_store` (or is not a standard-attention scenario)."""
+        if not (getattr(self.test.backend, "fuses_rotary_with_kv_store", False)
+                and type(self)._run_test is _Scenario._run_test):
+            return None
+        from radixserve.layers.rotary import RotaryEmbedding
+
+        d = self.heads[2]
+        rotary_dim = d // 2 if d % 4 == 0 else d  # partial rotary where the halves stay even
+        return RotaryEmbedding(d, rotary_dim, self.context, {"rope_type": "default", "rope_theta": 10000.0})
+
+    def _assert_pools_equal(self, message: str, loose_slots: Sequence[int] | None = None) -> None:
+        """Both twins' pools equal: exactly, except `loose_slots`, compared up to the tolerance and then
+        copied from the backend's pool into the reference's."""
         for layer_id in range(_NUM_LAYERS):
             for a, b in zip(self._pool_tensors(self.test, layer_id), self._pool_tensors(self.ref, layer_id), strict=True):
+                if loose_slots is not None and layer_id == _LAYER_ID:
+                    loose = torch.tensor(list(loose_slots), dtype=torch.int64, device=a.device)
+                    err = _rel_err(a[loose], b[loose])
+                    if err >= self.tol:
+                        raise AssertionError(f"{message}; layer {layer_id}, new slots: relative error {err:.2e}")
+                    b[loose] = a[loose]  # the reference goes on from the backend's rounding: later checks are exact
                 if not torch.equal(a, b):
                     bad = (a != b).flatten(1).any(1).nonzero().flatten().tolist()
                     raise AssertionError(f"{message}; layer {layer_id}, slots {bad[:10]}")

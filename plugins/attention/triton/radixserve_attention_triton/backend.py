@@ -22,6 +22,7 @@ from radixserve.state import ForwardMode
 
 from radixserve_attention_triton.decode_kernel import DecodeConfig, compute_num_kv_splits, decode_attention
 from radixserve_attention_triton.extend_kernel import ExtendConfig, extend_attention
+from radixserve_attention_triton.rotary_store_kernel import rotary_and_store
 
 if TYPE_CHECKING:
     from radixserve.interfaces.attention import AttentionLayerSpec
@@ -66,7 +67,11 @@ class TritonAttentionBackend(AttentionBackend):
     request starts from an empty prefix (no cached tokens, no tree mask, no window or soft-cap in the
     layer) runs PyTorch's `scaled_dot_product_attention` per request (its flash kernel on Hopper,
     measured ~2x this plugin's extend kernel there: benchmarks/results/h200-attention-kernels.md);
-    every other extend batch runs the Triton kernel.
+    every other extend batch runs the Triton kernel. Decode (batch-1 latency, each saving launches
+    per layer): `fuse_rotary_store` (default True) applies rotary to q and k in the kernel that
+    stores k, v into the pool (`forward_decode_rotary`, when the pool has q's dtype);
+    `decode_one_kernel` (default True) runs decode attention as one launch, the last split of each
+    request merging the partials instead of a second reduction kernel.
     """
     supports_tensor_parallel = True  # reads per-rank head counts only
 
@@ -79,6 +84,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_logit_cap = True
     # fp8 pools (plugin API 1.5): both kernels load float8_e4m3fn tiles and apply the layer's scales
     supports_fp8_kv_cache = True
+    fuses_rotary_with_kv_store = True  # forward_decode_rotary (plugin API 1.5); off: fuse_rotary_store=False
 
     def __init__(
         self,
@@ -92,6 +98,8 @@ class TritonAttentionBackend(AttentionBackend):
         decode_config: DecodeConfig | None = None,
         prefill_sdpa: bool = True,
         sdpa_max_requests: int = 64,
+        fuse_rotary_store: bool = True,
+        decode_one_kernel: bool = True,
     ) -> None:
         self.device = torch.device(runner_info.device)
         dtype = runner_info.dtype
@@ -120,6 +128,18 @@ class TritonAttentionBackend(AttentionBackend):
         self.prefill_sdpa = prefill_sdpa
         self.sdpa_max_requests = sdpa_max_requests  # one SDPA call per request: bounded host work per layer
         self._graph: DecodeMetadata | None = None
+        self.fuse_rotary_store = fuse_rotary_store
+        self.decode_one_kernel = decode_one_kernel
+        # the one-launch decode's per-(request, KV head) arrival counters, zeros between launches;
+        # never replaced once a CUDA graph may have recorded its address (init_graph_state sizes it)
+        self._arrivals = torch.zeros(self.max_bs * self.num_kv_heads, dtype=torch.int32, device=self.device)
+
+    def set_decode_fusions(self, *, rotary_store: bool, one_kernel: bool) -> None:
+        """Turn the two decode fusions on or off (the constructor's `fuse_rotary_store` and
+        `decode_one_kernel`); CUDA graphs captured before keep what they recorded. For A/B
+        measurements (benchmarks/h200/profile_decode.py)."""
+        self.fuse_rotary_store = rotary_store
+        self.decode_one_kernel = one_kernel
 
     @classmethod
     def supports(cls, device: str, dtype: str, head_dim: int) -> bool:
@@ -225,13 +245,36 @@ class TritonAttentionBackend(AttentionBackend):
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
     ) -> torch.Tensor:
-        meta: DecodeMetadata = batch.attn_metadata
         q3, k3, v3 = self._split_heads(q, k, v, layer)
+        batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k3, v3)
+        return self._decode_from_pool(q3, layer, batch)
+
+    def forward_decode_rotary(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, rotary: Any,
+        layer: AttentionLayerSpec, batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """One kernel rotates q and k and stores k, v (`rotary_store_kernel`), then decode attention;
+        the unfused path (rotary, then `forward_decode`) when the switch is off or the pool's dtype
+        differs from q's (the fused store does not cast)."""
+        k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        if (not self.fuse_rotary_store or not q.dtype == k.dtype == v.dtype == k_buf.dtype == v_buf.dtype
+                or rotary.head_dim != layer.head_dim or k_buf.stride(-1) != 1 or v_buf.stride(-1) != 1):
+            q, k = rotary(positions, q, k)
+            return self.forward_decode(q, k, v, layer, batch)
+        cos, sin = rotary.cos_sin_tables(positions)
+        q_rot = rotary_and_store(q, k, v, positions, cos, sin, rotary.rotary_dim, k_buf, v_buf, batch.out_cache_loc)
+        return self._decode_from_pool(q_rot.view(-1, layer.num_heads, layer.head_dim), layer, batch)
+
+    def _decode_from_pool(self, q3: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+        meta: DecodeMetadata = batch.attn_metadata
         pool = batch.kv_pool
-        pool.set_kv(layer.layer_id, batch.out_cache_loc, k3, v3)
         k_buf, v_buf = pool.get_kv(layer.layer_id)
         k_scale, v_scale = pool.kv_scales(layer.layer_id)
         out = torch.empty_like(q3)
+        arrivals = self._arrivals if self.decode_one_kernel else None
+        if arrivals is not None and arrivals.numel() < q3.shape[0] * self.num_kv_heads:
+            # an eager batch past the static size (graphs never are): counters of its own
+            arrivals = torch.zeros(q3.shape[0] * self.num_kv_heads, dtype=torch.int32, device=self.device)
         decode_attention(
             q3 if pool.is_fp8 else q3.to(k_buf.dtype),
             out,
@@ -250,8 +293,9 @@ class TritonAttentionBackend(AttentionBackend):
             logit_cap=getattr(layer, "logit_cap", None),
             k_scale=k_scale,
             v_scale=v_scale,
+            arrivals=arrivals,
         )
-        return out.view(q.shape[0], -1)
+        return out.view(q3.shape[0], -1)
 
     @staticmethod
     def _split_heads(
@@ -272,6 +316,8 @@ class TritonAttentionBackend(AttentionBackend):
     def init_graph_state(self, max_bs: int) -> None:
         self._graph = DecodeMetadata.allocate(max_bs, self.num_heads, self.max_kv_splits, self.head_dim, self.device,
                                               zeroed=True)
+        if self._arrivals.numel() < max_bs * self.num_kv_heads:  # before any capture
+            self._arrivals = torch.zeros(max_bs * self.num_kv_heads, dtype=torch.int32, device=self.device)
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         if self._graph is None:

@@ -1,0 +1,94 @@
+"""Batch-1 projections of the Llama-3.1-8B shape: cuBLAS (F.linear, split-K and its reduce kernel
+included) against the Triton GEMV of radixserve.layers.triton_gemv over a few tile configurations.
+
+    python benchmarks/h200/gemv_vs_cublas.py [--out DIR]
+
+Each timing replays a CUDA graph of calls that cycle over enough weight copies (> 4x the 60 MB L2)
+that every call streams its weight from HBM, as a decode step does. Prints per shape the cuBLAS
+time, each config's time and error, and the per-step saving (32 layers) if each shape used the
+faster of the two; writes gemv_vs_cublas.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from radixserve.layers.triton_gemv import GemvConfig, gemv
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
+CONFIGS = [GemvConfig(*c) for c in [
+    (16, 512, 4, 3), (8, 512, 4, 3), (32, 256, 8, 3), (16, 256, 4, 4), (8, 1024, 4, 2), (16, 1024, 8, 2),
+    (4, 1024, 4, 3), (32, 512, 8, 2), (64, 128, 8, 4), (8, 256, 4, 4),
+    # few rows, wide K steps: more programs per SM, more bytes in flight each
+    (4, 2048, 8, 1), (2, 2048, 4, 1), (8, 2048, 8, 1),
+]]
+
+
+def time_graph(fn, weights: list[torch.Tensor], x: torch.Tensor, reps: int = 20) -> float:
+    """Microseconds per call of fn(x, w), w cycling over `weights`, replayed from a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights:  # warm-up: compile, cuBLAS heuristics, workspace
+            fn(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps / len(weights)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rows, saved_us = {}, 0.0
+    for name, (n, k) in SHAPES.items():
+        copies = max(2, -(-256 * 2**20 // (n * k * 2)))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        want = F.linear(x, weights[0]).float()
+        cublas = time_graph(lambda a, w: F.linear(a, w), weights, x)
+        gbytes = n * k * 2 / 1e9
+        row = {"N": n, "K": k, "cublas_us": round(cublas, 2), "cublas_TBps": round(gbytes / cublas * 1e3, 2),
+               "configs": []}
+        for cfg in CONFIGS:
+            try:
+                err = ((gemv(x, weights[0], config=cfg).float() - want).norm() / want.norm()).item()
+                us = time_graph(lambda a, w, c=cfg: gemv(a, w, config=c), weights, x)
+            except Exception as e:  # a config that does not compile (shared memory) is reported, not fatal
+                row["configs"].append({"config": cfg.__dict__, "error": repr(e)[:120]})
+                continue
+            row["configs"].append({"config": cfg.__dict__, "us": round(us, 2), "TBps": round(gbytes / us * 1e3, 2),
+                                   "rel_err": float(f"{err:.2e}")})
+        ok = [c for c in row["configs"] if "us" in c and c["rel_err"] < 1e-2]
+        best = min(ok, key=lambda c: c["us"]) if ok else None
+        row["best"] = best
+        gain = max(0.0, cublas - best["us"]) if best else 0.0
+        saved_us += 32 * gain
+        print(f"{name:8s} N={n:6d} K={k:6d}  cuBLAS {cublas:7.2f} us ({row['cublas_TBps']} TB/s)   best Triton "
+              + (f"{best['us']:7.2f} us ({best['TBps']} TB/s) {best['config']}" if best else "none"), flush=True)
+        rows[name] = row
+        del weights
+        torch.cuda.empty_cache()
+    rows["per_step_saving_ms_if_best_of_both"] = round(saved_us / 1e3, 3)
+    print(f"batch-1 step (32 layers): {saved_us / 1e3:.3f} ms saved using the faster of cuBLAS / Triton per shape")
+    with open(os.path.join(args.out, "gemv_vs_cublas.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
