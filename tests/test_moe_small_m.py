@@ -106,7 +106,7 @@ def test_fused_router_with_correction_bias():
 
 def test_layer_takes_the_small_path_only_for_few_pairs(as_if_on_cuda, monkeypatch):
     assert small_m.use_small_m(64, 128) and not small_m.use_small_m(65, 128) and not small_m.use_small_m(0, 128)
-    assert small_m.use_small_m(16, 8) and not small_m.use_small_m(17, 8)  # at most 2 pairs per expert
+    assert small_m.use_small_m(4, 8) and not small_m.use_small_m(5, 8)  # at most one pair per two experts
     monkeypatch.setattr(small_m, "SMALL_M_MAX_PAIRS", 4)
     cfg = RoutingConfig(top_k=2)
     layer = _layer(cfg)

@@ -35,12 +35,13 @@ from radixserve.layers.triton_support import interpreting as _interpreting
 
 triton = tl = None  # imported by `_kernels` on first use (CPU machines may lack Triton)
 
-# The small path runs while tokens * top_k is at most this (and at most 2 pairs per expert, see
+# The small path runs while tokens * top_k is at most this (and at most one pair per two experts, see
 # `use_small_m`). Each pair reads its expert's weights on its own (programs of the same weight tile
 # run side by side, so L2 may serve repeats), while the grouped GEMM reads a tile of an expert once
 # for up to BLOCK_M rows but launches a tile per expert and sorts first. 64 pairs is batch 8 of
 # Qwen3-30B-A3B (top 8 of 128: at most half the experts active, so repeats are rare); Mixtral (top 2
-# of 8) gets batch 8 by the per-expert bound. benchmarks/h200/s5_moe.sh measures the crossover.
+# of 8) gets batch 2 by the per-expert bound (past it the H200 measured a loss). benchmarks/h200/s5_moe.sh
+# measures the crossover.
 # RADIXSERVE_MOE_SMALL_M_MAX_PAIRS overrides it (0 turns the path off: A/B runs on the GPU).
 SMALL_M_MAX_PAIRS = int(os.environ.get("RADIXSERVE_MOE_SMALL_M_MAX_PAIRS", "64"))
 
@@ -72,9 +73,12 @@ def _pow2(n: int) -> int:
 
 def use_small_m(pairs: int, num_experts: int) -> bool:
     """True when `pairs` (tokens * top_k) (token, expert) pairs over `num_experts` experts go through
-    the small-batch path: at most SMALL_M_MAX_PAIRS, and at most 2 per expert on average (past that
-    the grouped GEMM's tiles share one read of an expert's weights among many rows)."""
-    return 0 < pairs <= min(SMALL_M_MAX_PAIRS, 2 * num_experts)
+    the small-batch path: at most SMALL_M_MAX_PAIRS, and at most one per two experts (past that
+    pairs share experts and the grouped GEMM's tiles share one read of an expert's weights among
+    many rows). Measured on the H200 (benchmarks/results/h200-moe.md): Qwen3-30B-A3B (128 experts)
+    gains 3.6x at 1 token and 1.4x at 8 (64 pairs); Mixtral (8 experts) gains 1.6x at 1 token and
+    1.2x at 2, but loses at 4 (8 pairs: 0.97x) and 8 (16 pairs: 0.78x)."""
+    return 0 < pairs <= min(SMALL_M_MAX_PAIRS, num_experts // 2)
 
 
 @functools.cache
