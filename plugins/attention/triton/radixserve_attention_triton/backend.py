@@ -70,8 +70,10 @@ class TritonAttentionBackend(AttentionBackend):
     every other extend batch runs the Triton kernel. Decode (batch-1 latency, each saving launches
     per layer): `fuse_rotary_store` (default True) applies rotary to q and k in the kernel that
     stores k, v into the pool (`forward_decode_rotary`, when the pool has q's dtype);
-    `decode_one_kernel` (default True) runs decode attention as one launch, the last split of each
-    request merging the partials instead of a second reduction kernel.
+    `decode_one_kernel` (default False) runs decode attention as one launch, the last split of each
+    request merging the partials instead of a second reduction kernel: off by default because on the
+    H200 (8B shape, batch 1, 1k context) its stage-1 kernel took 0.36 ms per step against 0.26 ms for
+    the two launches together (benchmarks/results/h200-session5.md).
     """
     supports_tensor_parallel = True  # reads per-rank head counts only
 
@@ -99,7 +101,7 @@ class TritonAttentionBackend(AttentionBackend):
         prefill_sdpa: bool = True,
         sdpa_max_requests: int = 64,
         fuse_rotary_store: bool = True,
-        decode_one_kernel: bool = True,
+        decode_one_kernel: bool = False,
     ) -> None:
         self.device = torch.device(runner_info.device)
         dtype = runner_info.dtype
