@@ -283,3 +283,25 @@ def test_keywords_a_backend_cannot_enforce_are_refused_not_ignored(name, tok):
     # the same words as property names or enum values are data, not keywords
     fine = {"type": "object", "properties": {"not": {"enum": ["if", "uniqueItems"]}}, "required": ["not"]}
     assert backend.compile("json_schema", json.dumps(fine)) is not None
+
+
+@pytest.mark.parametrize("schema, reason", [
+    ({"type": "object", "properties": {"shape": {"type": "string"}, "radius": {"type": "number"},
+                                        "side": {"type": "number"}},
+      "oneOf": [{"required": ["radius"]}, {"required": ["side"]}]}, "only list `required`"),
+    ({"type": "object", "properties": {"builtin": {"type": "object", "enum": ["MODIFIABLE", "DELETABLE"]}}},
+     "not of the declared type object"),
+    ({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["id", "name"]},
+     "'id' that is not declared"),
+    ({"type": "object", "properties": {"updatedAt": {"type": "string"}},
+      "patternProperties": {"^[a-zA-Z]+$": {"type": "number"}}}, "both `properties` and `patternProperties`"),
+])
+def test_xgrammar_refuses_constructs_it_compiles_but_does_not_enforce(schema, reason, tok):
+    """Each of these made SmolLM2 write invalid JSON for a real corpus schema
+    (benchmarks/results/cpu-structured-output.md): refused with the construct named, not answered."""
+    backend = BACKENDS["xgrammar"](tok, VOCAB, [EOS])
+    with pytest.raises(GrammarError, match=re.escape(reason)):
+        backend.compile("json_schema", json.dumps(schema))
+    fine = {"type": "object", "properties": {"kind": {"type": "string", "enum": ["a", "b"]}, "n": {"type": "integer",
+            "enum": [1, 2.0]}}, "required": ["kind"], "anyOf": [{"required": ["kind"], "properties": {"n": {}}}]}
+    assert backend.compile("json_schema", json.dumps(fine)) is not None

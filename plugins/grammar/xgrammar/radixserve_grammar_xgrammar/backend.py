@@ -51,6 +51,81 @@ def unenforced_keyword(schema: Any, path: str = "") -> str | None:
     return None
 
 
+def _subschemas(schema: Any, path: str = "", branch: bool = False):
+    """Every (path, subschema dict, is a branch of anyOf/oneOf/allOf) of `schema`, itself first."""
+    if isinstance(schema, list):
+        for i, sub in enumerate(schema):
+            yield from _subschemas(sub, f"{path}/{i}", branch)
+        return
+    if not isinstance(schema, dict):
+        return
+    yield path, schema, branch
+    for key, value in schema.items():
+        if key in _DATA:
+            continue
+        subs = value.items() if key in _SCHEMA_MAPS and isinstance(value, dict) else [("", value)]
+        for name, sub in subs:
+            yield from _subschemas(sub, f"{path}/{key}" + (f"/{name}" if name else ""),
+                                   key in ("anyOf", "oneOf", "allOf"))
+
+
+_JSON_TYPES = {"string": (str,), "boolean": (bool,), "null": (type(None),), "object": (dict,), "array": (list,),
+               "integer": (int,), "number": (int, float)}
+_ANNOTATIONS = {"required", "title", "description", "$comment", "examples"}
+
+
+def _has_type(value: Any, json_type: str) -> bool:
+    if json_type in ("integer", "number") and isinstance(value, bool):
+        return False
+    if json_type == "integer" and isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, _JSON_TYPES.get(json_type, (object,)))
+
+
+def unenforced_construct(schema: Any) -> str | None:
+    """Why `schema` holds a construct xgrammar 0.1.27 compiles without enforcing it, or None.
+
+    Found by validating its outputs on a corpus of real schemas (benchmarks/results/
+    cpu-structured-output.md): an `anyOf`/`oneOf` whose branches only list `required` properties
+    (the branch is not chosen), an `enum`/`const` value without the declared `type` (xgrammar follows
+    one of the two), a `required` property missing from `properties` (strict mode never writes
+    undeclared properties, so the output always misses it), and a declared property that a
+    `patternProperties` pattern also matches (its value must satisfy both; xgrammar picks one)."""
+    for path, sub, branch in _subschemas(schema):
+        for union in ("anyOf", "oneOf"):
+            branches = sub.get(union)
+            if isinstance(branches, list) and any(isinstance(b, dict) and b and set(b) <= _ANNOTATIONS
+                                                  and "required" in b for b in branches):
+                return f"{union} branches that only list `required` properties (at {path}/{union})"
+        types = sub.get("type")
+        types = [types] if isinstance(types, str) else types if isinstance(types, list) else None
+        if types:
+            values = list(sub["enum"]) if isinstance(sub.get("enum"), list) else []
+            values += [sub["const"]] if "const" in sub else []
+            for value in values:
+                if not any(_has_type(value, t) for t in types):
+                    return (f"enum/const value {json.dumps(value)[:40]} that is not of the declared type "
+                            f"{'/'.join(types)} (at {path})")
+        props, required = sub.get("properties"), sub.get("required")
+        patterns = sub.get("patternProperties")
+        if isinstance(props, dict) and isinstance(patterns, dict):
+            for pattern in patterns:
+                try:
+                    overlap = next((name for name in props if re.search(pattern, name)), None)
+                except re.error:
+                    overlap = None
+                if overlap is not None:
+                    return (f"property {overlap!r} matched by both `properties` and `patternProperties` pattern "
+                            f"{pattern!r} (at {path}; its value must satisfy both)")
+        # (a union branch may require what its parent declares)
+        if isinstance(props, dict) and isinstance(required, list) and not sub.get("patternProperties") and not branch:
+            missing = [name for name in required if isinstance(name, str) and name not in props]
+            if missing:
+                return (f"required property {missing[0]!r} that is not declared in `properties` (at {path}; "
+                        "undeclared properties are never generated)")
+    return None
+
+
 def _clean(e: Exception) -> str:
     return _CPP_PREFIX.sub("", str(e).strip()).strip() or type(e).__name__
 
@@ -114,6 +189,9 @@ class XGrammarBackend(GrammarBackend):
                         f"{where.rsplit('/', 1)[1]} (at {where}) is not supported by the xgrammar backend: it cannot "
                         "be enforced while generating"
                     )
+                why = unenforced_construct(json.loads(text))
+                if why:
+                    raise GrammarError(f"the schema has {why}: the xgrammar backend cannot enforce it while generating")
                 return self._compiler.compile_grammar(json_schema_grammar(text))
             if kind == "regex":
                 return self._compiler.compile_regex(text)
