@@ -274,12 +274,14 @@ class EagleDrafter(PooledDrafter):
         node = torch.arange(k, device=dev)  # the frontier's node ids
         anc = torch.zeros(k, scratch, dtype=torch.bool, device=dev)  # frontier rows' ancestors' scratch rows
         cached_cols = torch.arange(width, device=dev)[None, :] < inp.cached  # [1, W]
+        scratch_cols = torch.arange(scratch, device=dev)
         tokens, scores, parents = [tok], [score], [torch.full((k,), -1, dtype=torch.int64, device=dev)]
         first = k
         for level in range(1, steps):
             rows = (level - 1) * k + torch.arange(k, device=dev)
-            anc = anc.clone()
-            anc[torch.arange(k, device=dev), rows] = True  # each row sees itself
+            # each row sees itself (pure device ops: an index_put of a Python True copies a host
+            # scalar, which CUDA graph capture refuses)
+            anc = anc | (scratch_cols[None, :] == rows[:, None])
             mask = torch.cat([cached_cols.expand(k, -1), anc], dim=1)
 
             def attend(layer, q, kk, vv, rows=rows, mask=mask):
