@@ -15,7 +15,7 @@ ROUTINGS = {
     "sigmoid-renorm": RoutingConfig(top_k=2, scoring="sigmoid", renormalize=True),
     "sigmoid-raw-scaled": RoutingConfig(top_k=2, scoring="sigmoid", renormalize=False, routed_scaling_factor=2.5),
 }
-E, H, INTER = 8, 24, 16
+E, H, INTER = 32, 24, 16  # 32 experts: up to 16 pairs take the small path (one per two experts)
 
 
 def _layer(cfg: RoutingConfig, dtype=torch.float32, seed=0, correction_bias=False) -> FusedMoE:

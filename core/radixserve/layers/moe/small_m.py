@@ -81,6 +81,19 @@ def use_small_m(pairs: int, num_experts: int) -> bool:
     return 0 < pairs <= min(SMALL_M_MAX_PAIRS, num_experts // 2)
 
 
+def expert_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_ids: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    """(tokens, hidden, experts, intermediate, top_k, pairs) of a fused-experts call; ValueError when
+    the expert weights do not fit x (w13 [E, 2I, H], w2 [E, H, I])."""
+    t, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    if w13.shape[2] != hidden or tuple(w2.shape) != (num_experts, hidden, inter):
+        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not fit hidden size {hidden}")
+    return t, hidden, num_experts, inter, top_k, t * top_k
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -219,13 +232,7 @@ def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     :param splits: parts of the down projection's reduction (default `down_splits`).
     :param blocks: tile sizes (default `DEFAULT_BLOCKS`).
     Meant for few pairs (`use_small_m`); correct at any size."""
-    t, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
-    inter = two_i // 2
-    top_k = topk_ids.shape[1]
-    pairs = t * top_k
-    if w13.shape[2] != hidden or tuple(w2.shape) != (num_experts, hidden, inter):
-        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not fit hidden size {hidden}")
+    t, hidden, num_experts, inter, top_k, pairs = expert_shapes(x, w13, w2, topk_ids)
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("expert weights must be contiguous in their last dim")
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)

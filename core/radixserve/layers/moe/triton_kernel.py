@@ -153,13 +153,7 @@ def triton_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         raise ValueError(f"unknown fused-MoE path {path!r} (choose auto, small or grouped)")
     if path == "small" or (path == "auto" and block_m is None and small_m.use_small_m(topk_ids.numel(), w13.shape[0])):
         return small_m.small_m_fused_experts(x, w13, w2, topk_weights, topk_ids)
-    t, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
-    inter = two_i // 2
-    top_k = topk_ids.shape[1]
-    pairs = t * top_k
-    if w13.shape[2] != hidden or tuple(w2.shape) != (num_experts, hidden, inter):
-        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not fit hidden size {hidden}")
+    t, hidden, num_experts, inter, top_k, pairs = small_m.expert_shapes(x, w13, w2, topk_ids)
     x = x.contiguous()
     block_m = block_m or _block_m(pairs, num_experts)
     sorted_ids, tile_expert = align_pairs_by_expert(topk_ids, num_experts, block_m)
