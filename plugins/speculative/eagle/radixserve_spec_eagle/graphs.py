@@ -222,10 +222,7 @@ class DraftGraphs:
         if got is None:
             return None
         graph, inp = got
-        for layer in range(self.num_layers):
-            inp.keys[layer][:n] = pool_k[layer][cached]
-            inp.values[layer][:n] = pool_v[layer][cached]
-        inp.cached.fill_(n)
+        self._load_cached(inp, pool_k, pool_v, cached)
         inp.last.fill_(r - 1)
         for t in (inp.ids, inp.pos, inp.feats):  # padded rows: harmless zeros
             t[r:].zero_()
@@ -238,6 +235,15 @@ class DraftGraphs:
             pool_k[layer][new] = inp.keys[layer][n : n + r]
             pool_v[layer][new] = inp.values[layer][n : n + r]
         return out.clone(), lp.clone()
+
+    def _load_cached(self, inp, pool_k: list[torch.Tensor], pool_v: list[torch.Tensor], cached: torch.Tensor) -> None:
+        """Copy a request's cached draft KV rows (pool slots `cached`) into a graph's static key /
+        value buffers and set its cached-row count."""
+        n = len(cached)
+        for layer in range(self.num_layers):
+            inp.keys[layer][:n] = pool_k[layer][cached]
+            inp.values[layer][:n] = pool_v[layer][cached]
+        inp.cached.fill_(n)
 
     def _capture_pending(self, rows: int, width: int, feat_width: int):
         z = torch.zeros
@@ -266,10 +272,7 @@ class DraftGraphs:
         if got is None:
             return None
         graph, inp = got
-        for layer in range(self.num_layers):
-            inp.keys[layer][:n] = pool_k[layer][cached]
-            inp.values[layer][:n] = pool_v[layer][cached]
-        inp.cached.fill_(n)
+        self._load_cached(inp, pool_k, pool_v, cached)
         inp.root_pos.fill_(root_pos)
         inp.root_out.copy_(root_out)
         inp.root_lp.copy_(root_lp)
