@@ -10,8 +10,8 @@ time. (1) - (2) is host overhead that overlap scheduling can hide; (2) against t
 efficiency. Variants (comma-separated, measured in this order on the same weights, graphs recaptured
 for each): `off` (rotary + two index_put_ KV stores, two-launch decode attention), `on` (rotary fused
 into the KV store, one-launch decode attention: the defaults), `rotary` / `onekernel` (one of the two);
-`on+gemv`: `on` with the batch-1 projections whose shape `--gemv-json` (benchmarks/h200/gemv_vs_cublas.py's
-output) found faster on the Triton GEMV routed to it (`radixserve.layers.triton_gemv.use_for_shapes`).
+`on+gemv` / `off+gemv`: with runtime.batch1_gemv=auto's per-layer Triton GEMV tiles
+(radixserve.layers.gemv_selection); the variants without `+gemv` run with it off (cuBLAS).
 Writes profile_decode.json: {variant: row}."""
 
 from __future__ import annotations
@@ -28,21 +28,15 @@ from radixserve.model_runner import ModelRunner
 from radixserve.static_batch import run_static_batch
 
 VARIANTS = {"off": (False, False), "on": (True, True), "rotary": (True, False), "onekernel": (False, True),
-            "on+gemv": (True, True)}
+            "on+gemv": (True, True), "off+gemv": (False, False)}
 
 
-def route_gemv(gemv_json: str | None, enable: bool) -> None:
-    """Send one-row projections of the shapes where the Triton GEMV won to it (or none)."""
-    from radixserve.layers import triton_gemv
+def route_gemv(runner: ModelRunner, enable: bool) -> None:
+    """runtime.batch1_gemv on this runner's layers: `auto` (the default) or `off`."""
+    from radixserve.layers.gemv_selection import attach_batch1_gemv
 
-    winners = {}
-    if enable:
-        with open(gemv_json) as f:
-            rows = json.load(f)
-        winners = {(r["N"], r["K"]): triton_gemv.GemvConfig(**r["best"]["config"]) for r in rows.values()
-                   if isinstance(r, dict) and r.get("best") and r["best"]["us"] < r["cublas_us"]}
-        print(f"    Triton GEMV for (N, K) in {sorted(winners)}")
-    triton_gemv.use_for_shapes(winners)
+    n = attach_batch1_gemv(runner.model, "auto" if enable else "off", runner.device)
+    print(f"    batch-1 Triton GEMV on {n} linear layers", flush=True)
 
 
 def runner_for(model: str) -> ModelRunner:
@@ -108,15 +102,11 @@ def main() -> None:
     ap.add_argument("--model", default="benchmarks/model-configs/llama-3.1-8b")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--variants", default="off,on", help=f"comma-separated, of {sorted(VARIANTS)}")
-    ap.add_argument("--gemv-json", help="gemv_vs_cublas.json, for the on+gemv variant")
     args = ap.parse_args()
     variants = args.variants.split(",")
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise SystemExit(f"unknown variant(s) {bad}; choose from {sorted(VARIANTS)}")
-    if "on+gemv" in variants and not (args.gemv_json and os.path.exists(args.gemv_json)):
-        print(f"skipping variant on+gemv: it needs --gemv-json (gemv_vs_cublas.json), got {args.gemv_json!r}")
-        variants.remove("on+gemv")
     prompt = [[(7 * i) % 30000 + 100 for i in range(1024)]]
     runner = runner_for(args.model)
     rows: dict = {}
@@ -128,7 +118,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         runner.attn_backend.set_decode_fusions(rotary_store=rotary_store, one_kernel=one_kernel)
-        route_gemv(args.gemv_json, name.endswith("+gemv"))
+        route_gemv(runner, name.endswith("+gemv"))
         runner._init_cuda_graphs()  # recapture with this variant's kernels
         rows[name] = measure(runner, prompt)
         r = rows[name]

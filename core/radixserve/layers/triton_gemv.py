@@ -2,10 +2,10 @@
 
 cuBLAS picks split-K kernels for some batch-1 projections (a partial pass, then a `splitKreduce`
 launch). This kernel gives each program `block_n` whole output rows: it streams their weight rows
-once, accumulates in fp32 and writes the result, so there is nothing to reduce afterwards. Off by
-default: the plain-weight layers (`UnquantizedMethod.apply`) route a one-row CUDA activation here only
-for the weight shapes given to `use_for_shapes`, which benchmarks/h200/gemv_vs_cublas.py picks by
-measuring it against cuBLAS per shape (only where it is not slower). Rounding: one fp32 accumulation rounded to the
+once, accumulates in fp32 and writes the result, so there is nothing to reduce afterwards. The
+plain-weight layers (`UnquantizedMethod.apply`) route a one-row activation here when the model
+runner gave the layer a `gemv_config` (`runtime.batch1_gemv`, chosen per layer by
+radixserve.layers.gemv_selection from shapes measured against cuBLAS). Rounding: one fp32 accumulation rounded to the
 output dtype, as cuBLAS does, in a different summation order (results may differ in the last bit).
 
 Triton is imported on first use (the module imports on machines without it).
@@ -37,26 +37,6 @@ def default_config(n: int, k: int, interpret: bool) -> GemvConfig:
     if interpret:
         return GemvConfig(8, 32, 1, 1)
     return GemvConfig(16, 512, 4, 3)
-
-
-_SHAPE_CONFIGS: dict[tuple[int, int], GemvConfig] = {}
-
-
-def use_for_shapes(configs: dict[tuple[int, int], GemvConfig]) -> None:
-    """Route one-row projections whose weight is [N, K] = a key of `configs` to this kernel with that
-    config (replacing any earlier table; {} turns it off). Set it before CUDA graphs are captured."""
-    _SHAPE_CONFIGS.clear()
-    _SHAPE_CONFIGS.update(configs)
-
-
-def config_for(x: torch.Tensor, weight: torch.Tensor) -> GemvConfig | None:
-    """The config to run `F.linear(x, weight)` with here, or None for the usual path: x one row on
-    CUDA, weight [N, K] of x's dtype with unit stride on K and a shape in the `use_for_shapes` table."""
-    if not _SHAPE_CONFIGS or x.dim() != 2 or x.shape[0] != 1 or not x.is_cuda:
-        return None
-    if weight.dtype != x.dtype or weight.dim() != 2 or weight.stride(1) != 1:
-        return None
-    return _SHAPE_CONFIGS.get((weight.shape[0], weight.shape[1]))
 
 
 @functools.cache
