@@ -180,7 +180,8 @@ def main() -> int:
         prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (5, 130, 2, 77)]
         ok &= compare("tiny-llama", llama, prompts, 32, args)
         ok &= compare("tiny-qwen3", qwen3, prompts, 32, args)
-        ok &= compare_overlap("tiny-llama", llama, prompts, 32, args)
+        if not args.batch1_gemv_all:  # (scheduled batches > 1 would not exercise the GEMV)
+            ok &= compare_overlap("tiny-llama", llama, prompts, 32, args)
     if args.gguf:
         ok &= compare_gguf(args) == 0
     return 0 if ok else 1
