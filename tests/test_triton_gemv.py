@@ -154,7 +154,7 @@ def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tmp_path, monkeypa
     from radixserve.testing import tiny_checkpoint
 
     monkeypatch.setattr(sel, "batch1_gemv_enabled", lambda mode, device: mode == "on")
-    monkeypatch.setattr(sel, "gemv_config_for_shape", lambda n, k: GemvConfig(16, 32, 1, 1))
+    monkeypatch.setattr(sel, "gemv_config_for_shape", lambda n, k: GemvConfig(64, 64, 1, 1))  # few programs: interpreter time
     monkeypatch.setattr(sel, "_DTYPES", (torch.float32,))
     calls = []
     real = triton_gemv.gemv
