@@ -158,7 +158,7 @@ def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tmp_path, monkeypa
     monkeypatch.setattr(sel, "_DTYPES", (torch.float32,))
     calls = []
     real = triton_gemv.gemv
-    monkeypatch.setattr(triton_gemv, "gemv", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(triton_gemv, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     cfg = Config.build({"model": {"path": tiny_checkpoint("llama", str(tmp_path))}, "runtime": {"device": DEVICE, "dtype": "float32", "batch1_gemv": "on", "cuda_graph": False},
                         "stack": {"attention": "torch_native"}})
     runner = ModelRunner(cfg, show_progress=False)
@@ -172,3 +172,44 @@ def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tmp_path, monkeypa
     n_calls = len(calls)
     assert run_static_batch(runner, prompt, max_new_tokens=4).output_ids == routed
     assert len(calls) == n_calls
+
+
+@pytest.mark.parametrize("k", [64, 40], ids=["even", "ragged"])
+def test_gated_gemv_is_silu_and_mul_then_gemv(k):
+    """gated=True: x = [gate | up] of 2K columns; the product equals the GEMV of the silu_and_mul
+    kernel's output bit for bit (same rounding of the activation, same tile) and F.linear of
+    silu(gate) * up up to summation order."""
+    from radixserve.layers import triton_ops
+
+    gen = torch.Generator().manual_seed(k)
+    w = torch.randn(24, k, generator=gen).to(DEVICE)
+    gate_up = torch.randn(1, 2 * k, generator=gen).to(DEVICE)
+    b = torch.randn(24, generator=gen).to(DEVICE)
+    tile = GemvConfig(8, 32, 1, 1)
+    got = gemv(gate_up, w, b, tile, gated=True)
+    assert torch.equal(got, gemv(triton_ops.silu_and_mul(gate_up), w, b, tile))
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(got, F.linear(F.silu(gate) * up, w, b), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="2K columns"):
+        gemv(gate_up[:, :k], w, gated=True)
+
+
+def test_swiglu_mlp_folds_the_activation_into_down_at_batch_1(monkeypatch):
+    """A SwiGLU MLP whose down projection has a tile runs one row as gate_up, then one gated GEMV
+    (no silu_and_mul launch): the same output as the unrouted MLP. Two rows keep the usual path."""
+    from radixserve.layers import triton_gemv
+    from radixserve.layers.decoder_blocks import SwiGLUMLP
+
+    calls = []
+    real = triton_gemv.gemv
+    monkeypatch.setattr(triton_gemv, "gemv", lambda *a, **kw: calls.append(kw.get("gated")) or real(*a, **kw))
+    mlp = SwiGLUMLP(32, 48).to(DEVICE)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x1, x2 = torch.randn(1, 32, device=DEVICE), torch.randn(2, 32, device=DEVICE)
+    want1, want2 = mlp(x1), mlp(x2)
+    mlp.down_proj.gemv_config = GemvConfig(16, 16, 1, 1)
+    torch.testing.assert_close(mlp(x1), want1, rtol=1e-5, atol=1e-5)
+    assert calls == [True]
+    torch.testing.assert_close(mlp(x2), want2, rtol=1e-5, atol=1e-5)
+    assert calls == [True]

@@ -52,7 +52,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
     @triton.jit
     def gemv_kernel(X, W, B, Y, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rows < N
         w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
@@ -60,14 +60,23 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
-                x = tl.load(X + cols)
+                x = tl.load(X + cols).to(tl.float32)
+                if GATED:
+                    up = tl.load(X + K + cols).to(tl.float32)
                 w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
             else:
                 mask_k = cols < K
-                x = tl.load(X + cols, mask=mask_k, other=0.0)
+                x = tl.load(X + cols, mask=mask_k, other=0.0).to(tl.float32)
+                if GATED:
+                    up = tl.load(X + K + cols, mask=mask_k, other=0.0).to(tl.float32)
                 w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
                             eviction_policy="evict_first")  # weights stream through once: keep L2 for the rest
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            if GATED:
+                # X = [gate | up]: x = silu(gate) * up, rounded to X's dtype twice as the silu_and_mul
+                # kernel rounds, so the product sees the same x bit for bit
+                act = tl.div_rn(x, 1.0 + tl.exp(-x)).to(X.dtype.element_ty).to(tl.float32)
+                x = (act * up).to(X.dtype.element_ty).to(tl.float32)
+            acc += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(B + rows, mask=mask_n, other=0.0).to(tl.float32)
@@ -77,17 +86,21 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, gated: bool = False) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x of one row: x [1, K] (or [K]), weight [N, K] with unit
-    stride on K, bias [N] or None; returns [1, N] (or [N]) in x's dtype. Launch-only (no host sync),
-    so it can be captured in CUDA graphs. Raises ValueError for more than one row or mismatched shapes."""
+    stride on K, bias [N] or None; returns [1, N] (or [N]) in x's dtype. `gated`: x is [gate | up]
+    of 2K columns and the product is `F.linear(silu_and_mul(x), weight, bias)` (the activation in
+    the kernel's prologue: one launch, the [K] intermediate never written). Launch-only (no host
+    sync), so it can be captured in CUDA graphs. Raises ValueError for more than one row or
+    mismatched shapes."""
     squeeze = x.dim() == 1
     x2 = x.reshape(1, -1) if squeeze else x
     if x2.dim() != 2 or x2.shape[0] != 1:
         raise ValueError(f"gemv: x must be one row ([K] or [1, K]), got {tuple(x.shape)}")
     n, k = weight.shape
-    if x2.shape[1] != k or weight.stride(1) != 1:
-        raise ValueError(f"gemv: x {tuple(x.shape)} / weight {tuple(weight.shape)} (unit stride on K needed)")
+    if x2.shape[1] != (2 * k if gated else k) or weight.stride(1) != 1:
+        raise ValueError(f"gemv: x {tuple(x.shape)} / weight {tuple(weight.shape)} (unit stride on K needed"
+                         + ("; gated: x has 2K columns)" if gated else ")"))
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"gemv: bias shape {tuple(bias.shape)} != ({n},)")
     xc = x2.contiguous()
@@ -97,7 +110,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _kernels(_interpreting()).gemv[grid](
         xc, weight, bias if bias is not None else xc, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GATED=gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y.view(n) if squeeze else y
 
