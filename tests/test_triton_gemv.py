@@ -95,7 +95,8 @@ def test_gemv_tiles_per_shape_measured_then_envelope():
     ("auto", (9, 0), True), ("auto", (8, 0), False), ("on", (8, 0), True), ("off", (9, 0), False)])
 def test_attach_decides_per_layer_from_mode_and_device(monkeypatch, mode, capability, routed):
     """`runtime.batch1_gemv`: auto routes on measured GPUs (sm90) only, on everywhere on CUDA, off
-    nowhere; per layer, only 2-D bf16/fp16 plain weights with unit stride on K, of an eligible shape.
+    nowhere; per layer, only 2-D bf16/fp16 plain weights with unit stride on K, of an eligible shape
+    (not a quant method's weight, nor an UnquantizedMethod subclass with its own `apply`).
     Weights on the meta device: the choice needs only shapes, dtypes and strides."""
     from radixserve.interfaces.quantization import QuantMethod
     from radixserve.layers import gemv_selection as sel
@@ -109,7 +110,9 @@ def test_attach_decides_per_layer_from_mode_and_device(monkeypatch, mode, capabi
         "small": _plain_layer(method, 1024, 4096, torch.bfloat16, "meta"),
         "fp32": _plain_layer(method, 4096, 4096, torch.float32, "meta"),
         "quantized": torch.nn.Module(),
+        "own_apply": _plain_layer(method, 4096, 4096, torch.bfloat16, "meta"),
     })
+    model["own_apply"].quant_method = type("KeptBlocks", (UnquantizedMethod,), {"apply": lambda *a: None})()
     model["quantized"].quant_method = type("Int4Method", (QuantMethod,), {"create_weights": None, "apply": None})()
     model["quantized"].weight = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
     n = sel.attach_batch1_gemv(model, mode, torch.device("cuda"))
@@ -118,7 +121,8 @@ def test_attach_decides_per_layer_from_mode_and_device(monkeypatch, mode, capabi
         assert n == 2 and got["o"] == GemvConfig(16, 1024, 8, 2) and got["big"] == sel.SM90_UNMEASURED
     else:
         assert n == 0 and got["o"] is None and got["big"] is None
-    assert got["small"] is None and got["fp32"] is None and got["quantized"] == "unset"
+    assert got["small"] is None and got["fp32"] is None
+    assert got["quantized"] == "unset" and got["own_apply"] == "unset"  # other weight layouts: untouched
 
 
 def test_attach_never_routes_on_cpu_and_names_a_bad_mode():

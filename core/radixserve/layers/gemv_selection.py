@@ -60,7 +60,8 @@ def batch1_gemv_enabled(mode: str, device: torch.device) -> bool:
 
 def attach_batch1_gemv(model: nn.Module, mode: str, device: torch.device) -> int:
     """Set `gemv_config` on every plain-weight linear layer of `model` (those whose quant method is
-    `UnquantizedMethod`, with a 2-D bf16/fp16 weight of unit stride on K): the chosen tile, or None.
+    `UnquantizedMethod` or a subclass keeping its `apply`, with a 2-D bf16/fp16 weight of unit stride
+    on K): the chosen tile, or None.
     Returns how many layers got a tile. Call it after the weights are loaded, before CUDA graphs
     are captured."""
     from radixserve.layers.quant_unquantized import UnquantizedMethod
@@ -68,7 +69,10 @@ def attach_batch1_gemv(model: nn.Module, mode: str, device: torch.device) -> int
     enabled = batch1_gemv_enabled(mode, device)
     routed = 0
     for layer in model.modules():
-        if not isinstance(getattr(layer, "quant_method", None), UnquantizedMethod):
+        method = getattr(layer, "quant_method", None)
+        # plain weights only: a subclass with its own `apply` (a weight source such as GGUF) may keep
+        # another layout under `weight`, which the GEMV (and the MLP's fold into it) would misread
+        if not isinstance(method, UnquantizedMethod) or type(method).apply is not UnquantizedMethod.apply:
             continue
         w = getattr(layer, "weight", None)
         ok = enabled and isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype in _DTYPES and w.stride(1) == 1
