@@ -217,3 +217,16 @@ def test_swiglu_mlp_folds_the_activation_into_down_at_batch_1(monkeypatch):
     assert calls == [True]
     torch.testing.assert_close(mlp(x2), want2, rtol=1e-5, atol=1e-5)
     assert calls == [True]
+
+
+@pytest.mark.parametrize("capability, pdl", [((9, 0), True), ((8, 0), False)])
+def test_attach_pdl_tiles_only_on_sm90(monkeypatch, capability, pdl):
+    """pdl=True (programmatic dependent launch, opt-in) marks the chosen tiles on sm90+ only (the
+    griddepcontrol instructions do not exist before Hopper); the tile is otherwise the same."""
+    from radixserve.layers import gemv_selection as sel
+    from radixserve.layers.quant_unquantized import UnquantizedMethod
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    model = torch.nn.ModuleDict({"o": _plain_layer(UnquantizedMethod(), 4096, 4096, torch.bfloat16, "meta")})
+    assert sel.attach_batch1_gemv(model, "on", torch.device("cuda"), pdl=True) == 1
+    assert model["o"].gemv_config == GemvConfig(16, 1024, 8, 2, pdl=pdl)

@@ -91,9 +91,46 @@ def selected(out: str) -> None:
                   flush=True)
         del weights
         torch.cuda.empty_cache()
+    rows["layer_chain_pdl"] = chain_pdl_ab()
     with open(os.path.join(out, "gemv_selected.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print(f"all close (rel < 1e-2): {all(r['close'] for r in rows.values() if 'close' in r)}")
+
+
+def chain_pdl_ab(layers: int = 8) -> dict:
+    """The 8B layer's four GEMVs chained (qkv -> o on q -> gate_up -> gated down -> next layer), in
+    one CUDA graph over `layers` weight sets, with auto's tiles as they are and with programmatic
+    dependent launch (GemvConfig.pdl): microseconds per layer and whether the outputs are equal.
+    No norm / attention kernels in between, so this bounds what PDL can save between GEMVs."""
+    import dataclasses
+
+    from radixserve.layers.gemv_selection import gemv_config_for_shape
+
+    shapes = [SHAPES[s] for s in ("qkv", "o", "gate_up", "down")]
+    sets = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in shapes] for _ in range(layers)]
+    x0 = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def run(pdl: bool):
+        tiles = [dataclasses.replace(gemv_config_for_shape(n, k), pdl=pdl) for n, k in shapes]
+
+        def step(x, _w):
+            for wq, wo, wgu, wd in sets:
+                q = gemv(x, wq, config=tiles[0])[:, :4096]
+                h = gemv(q, wo, config=tiles[1])
+                x = gemv(gemv(h, wgu, config=tiles[2]), wd, config=tiles[3], gated=True)
+            return x
+
+        out = step(x0, None)
+        torch.cuda.synchronize()
+        return time_graph(step, [None], x0, reps=20) / layers, out
+
+    plain_us, plain = run(False)
+    pdl_us, with_pdl = run(True)
+    row = {"plain_us_per_layer": round(plain_us, 2), "pdl_us_per_layer": round(pdl_us, 2),
+           "equal": bool(torch.equal(plain, with_pdl))}
+    print(f"layer chain of 4 GEMVs: {plain_us:.2f} us/layer, with PDL {pdl_us:.2f} us/layer, "
+          f"outputs equal {row['equal']}", flush=True)
+    return row
 
 
 def main() -> None:

@@ -11,7 +11,8 @@ efficiency. Variants (comma-separated, measured in this order on the same weight
 for each): `off` (rotary + two index_put_ KV stores, two-launch decode attention), `on` (rotary fused
 into the KV store, one-launch decode attention: the defaults), `rotary` / `onekernel` (one of the two);
 `on+gemv` / `off+gemv`: with runtime.batch1_gemv=auto's per-layer Triton GEMV tiles
-(radixserve.layers.gemv_selection); the variants without `+gemv` run with it off (cuBLAS).
+(radixserve.layers.gemv_selection); the variants without `+gemv` run with it off (cuBLAS);
+`on+gemv+pdl`: those tiles with programmatic dependent launch (GemvConfig.pdl).
 Writes profile_decode.json: {variant: row}."""
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ from radixserve.model_runner import ModelRunner
 from radixserve.static_batch import run_static_batch
 
 VARIANTS = {"off": (False, False), "on": (True, True), "rotary": (True, False), "onekernel": (False, True),
-            "on+gemv": (True, True), "off+gemv": (False, False)}
+            "on+gemv": (True, True), "off+gemv": (False, False), "on+gemv+pdl": (True, True)}
 
 
-def route_gemv(runner: ModelRunner, enable: bool) -> None:
-    """runtime.batch1_gemv on this runner's layers: `auto` (the default) or `off`."""
+def route_gemv(runner: ModelRunner, enable: bool, pdl: bool) -> None:
+    """runtime.batch1_gemv on this runner's layers: `auto` (the default) or `off`; `pdl`: its tiles
+    with programmatic dependent launch."""
     from radixserve.layers.gemv_selection import attach_batch1_gemv
 
-    n = attach_batch1_gemv(runner.model, "auto" if enable else "off", runner.device)
+    n = attach_batch1_gemv(runner.model, "auto" if enable else "off", runner.device, pdl=pdl)
     print(f"    batch-1 Triton GEMV on {n} linear layers", flush=True)
 
 
@@ -118,7 +120,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         runner.attn_backend.set_decode_fusions(rotary_store=rotary_store, one_kernel=one_kernel)
-        route_gemv(runner, name.endswith("+gemv"))
+        route_gemv(runner, "+gemv" in name, name.endswith("+pdl"))
         runner._init_cuda_graphs()  # recapture with this variant's kernels
         rows[name] = measure(runner, prompt)
         r = rows[name]
@@ -127,11 +129,11 @@ def main() -> None:
         for op in r["top_ops_device_ms_per_decode_step"]:
             if not op["name"].startswith(("aten::", "cu")):
                 print(f"    {op['ms']:8.4f} ms  {op['calls']:4d}x  {op['name']}")
-    exact = [v for v in variants if not v.endswith("+gemv")]  # the GEMV sums in another order
+    exact = [v for v in variants if "+gemv" not in v]  # the GEMV sums in another order
     same = len({tuple(rows[v]["output_ids"]) for v in exact}) == 1
     print(f"greedy tokens (64 new, 1024-token prompt) identical across variants {exact}: {same}")
     for v in variants:
-        if v.endswith("+gemv") and exact:
+        if "+gemv" in v and exact:
             agree = sum(a == b for a, b in zip(rows[v]["output_ids"], rows[exact[-1]]["output_ids"]))
             print(f"{v}: {agree}/64 greedy tokens equal to {exact[-1]}'s (dummy weights: near-ties are common)")
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk not in ("top_ops_device_ms_per_decode_step", "output_ids")}

@@ -19,6 +19,8 @@ cuBLAS; `on` uses the sm90 choice on any CUDA GPU (to measure one).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 
@@ -58,15 +60,17 @@ def batch1_gemv_enabled(mode: str, device: torch.device) -> bool:
     return mode == "on" or torch.cuda.get_device_capability(device) in MEASURED_CAPABILITIES
 
 
-def attach_batch1_gemv(model: nn.Module, mode: str, device: torch.device) -> int:
+def attach_batch1_gemv(model: nn.Module, mode: str, device: torch.device, pdl: bool = False) -> int:
     """Set `gemv_config` on every plain-weight linear layer of `model` (those whose quant method is
     `UnquantizedMethod` or a subclass keeping its `apply`, with a 2-D bf16/fp16 weight of unit stride
     on K): the chosen tile, or None.
     Returns how many layers got a tile. Call it after the weights are loaded, before CUDA graphs
-    are captured."""
+    are captured. `pdl`: tiles with programmatic dependent launch on sm90+ GPUs (`GemvConfig.pdl`;
+    not a default until measured: benchmarks/h200/profile_decode.py's `+pdl` variant)."""
     from radixserve.layers.quant_unquantized import UnquantizedMethod
 
     enabled = batch1_gemv_enabled(mode, device)
+    pdl = pdl and enabled and torch.cuda.get_device_capability(device) >= (9, 0)
     routed = 0
     for layer in model.modules():
         method = getattr(layer, "quant_method", None)
@@ -77,5 +81,7 @@ def attach_batch1_gemv(model: nn.Module, mode: str, device: torch.device) -> int
         w = getattr(layer, "weight", None)
         ok = enabled and isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype in _DTYPES and w.stride(1) == 1
         layer.gemv_config = gemv_config_for_shape(*w.shape) if ok else None
+        if pdl and layer.gemv_config is not None:
+            layer.gemv_config = dataclasses.replace(layer.gemv_config, pdl=True)
         routed += layer.gemv_config is not None
     return routed

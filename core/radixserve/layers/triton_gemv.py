@@ -30,6 +30,10 @@ class GemvConfig:
     block_k: int  # K elements per loop step
     num_warps: int
     num_stages: int
+    # programmatic dependent launch (sm90+; ignored by the interpreter): the kernel may start while the
+    # previous one finishes, loads its first weight tile, then waits for it (griddepcontrol.wait)
+    # before reading x; it lets the next PDL launch start early too. Off unless chosen (not yet measured).
+    pdl: bool = False
 
 
 def default_config(n: int, k: int, interpret: bool) -> GemvConfig:
@@ -45,6 +49,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     global triton, tl
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_* (PDL tiles)
 
     from radixserve.layers import triton_interpreter
 
@@ -52,12 +57,32 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
     @triton.jit
     def gemv_kernel(X, W, B, Y, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr):
+                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rows < N
         w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_first = 0
+        if PDL:
+            # the first tile's weights (never written by earlier kernels) stream in while the previous
+            # kernel finishes; x is its output, read only after the wait
+            cols = tl.arange(0, BLOCK_K)
+            mask_k = cols < K
+            if EVEN_K:
+                w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                            eviction_policy="evict_first")
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+            x = tl.load(X + cols, mask=mask_k, other=0.0).to(tl.float32)
+            if GATED:
+                up = tl.load(X + K + cols, mask=mask_k, other=0.0).to(tl.float32)
+                act = tl.div_rn(x, 1.0 + tl.exp(-x)).to(X.dtype.element_ty).to(tl.float32)
+                x = (act * up).to(X.dtype.element_ty).to(tl.float32)
+            acc += w.to(tl.float32) * x[None, :]
+            k_first = BLOCK_K
+        for k0 in range(k_first, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 x = tl.load(X + cols).to(tl.float32)
@@ -105,12 +130,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv: bias shape {tuple(bias.shape)} != ({n},)")
     xc = x2.contiguous()
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    cfg = config or default_config(n, k, _interpreting())
+    interpret = _interpreting()
+    cfg = config or default_config(n, k, interpret)
     grid = (triton_cdiv(n, cfg.block_n),)
-    _kernels(_interpreting()).gemv[grid](
+    pdl = cfg.pdl and not interpret
+    _kernels(interpret).gemv[grid](
         xc, weight, bias if bias is not None else xc, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        GATED=gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GATED=gated, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return y.view(n) if squeeze else y
 
