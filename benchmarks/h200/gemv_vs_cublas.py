@@ -91,7 +91,11 @@ def selected(out: str) -> None:
                   flush=True)
         del weights
         torch.cuda.empty_cache()
-    rows["layer_chain_pdl"] = chain_pdl_ab()
+    try:
+        rows["layer_chain_pdl"] = chain_pdl_ab()
+    except Exception as e:  # PDL is opt-in: its failure is a finding, not the end of the run
+        rows["layer_chain_pdl"] = {"error": repr(e)[:300]}
+        print(f"layer chain with PDL failed: {e!r}"[:300], flush=True)
     with open(os.path.join(out, "gemv_selected.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print(f"all close (rel < 1e-2): {all(r['close'] for r in rows.values() if 'close' in r)}")

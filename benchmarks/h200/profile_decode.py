@@ -120,9 +120,14 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         runner.attn_backend.set_decode_fusions(rotary_store=rotary_store, one_kernel=one_kernel)
-        route_gemv(runner, "+gemv" in name, name.endswith("+pdl"))
-        runner._init_cuda_graphs()  # recapture with this variant's kernels
-        rows[name] = measure(runner, prompt)
+        try:
+            route_gemv(runner, "+gemv" in name, name.endswith("+pdl"))
+            runner._init_cuda_graphs()  # recapture with this variant's kernels
+            rows[name] = measure(runner, prompt)
+        except Exception as e:  # e.g. an opt-in variant's capture failing: keep the others' rows
+            print(f"[{name}] failed: {e!r}"[:300], flush=True)
+            variants = [v for v in variants if v != name]
+            continue
         r = rows[name]
         print(f"[{name}] sync step {r['sync_step_ms']} ms, graph replay {r['graph_replay_ms']} ms, eager kernels "
               f"{r['kernel_ms_per_decode_step']} ms/step", flush=True)

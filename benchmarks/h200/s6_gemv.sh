@@ -20,9 +20,9 @@ echo "== 1. tests (CUDA)"
 timeout 60 python3 -m pytest tests/test_triton_gemv.py -q -k "not runner" --noconftest -p no:cacheprovider -o addopts="" 2>&1 \
   | tail -4 | tee $OUT/tests.txt
 echo "== 2. parity (every projection on the GEMV, batch-1 decode) vs transformers"
-timeout 75 python3 benchmarks/gpu_parity.py --batch1-gemv-all 2>&1 | grep "SUMMARY\|BROKEN\|Error\|GEMV" | tee $OUT/parity.txt
+timeout 90 python3 benchmarks/gpu_parity.py --batch1-gemv-all 2>&1 | grep "SUMMARY\|BROKEN\|Error\|GEMV" | tee $OUT/parity.txt
 echo "== 3. auto's tiles vs cuBLAS / F.linear"
-timeout 45 python3 benchmarks/h200/gemv_vs_cublas.py --selected --out $OUT 2>&1 | grep -v "$F" | tee $OUT/gemv_selected.txt
+timeout 75 python3 benchmarks/h200/gemv_vs_cublas.py --selected --out $OUT 2>&1 | grep -v "$F" | tee $OUT/gemv_selected.txt
 echo "== 4. profile (on = cuBLAS, on+gemv = the default, on+gemv+pdl = its tiles with programmatic dependent launch)"
 timeout 170 python3 benchmarks/h200/profile_decode.py --out $OUT --variants on,on+gemv,on+gemv+pdl \
   2>&1 | grep -v "$F" | tee $OUT/profile_decode.txt | head -70
