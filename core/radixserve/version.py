@@ -33,4 +33,6 @@ __version__ = "0.1.0"
 #      AttentionBackend.supports_fp8_kv_cache;
 #      rotary fused with the KV store: AttentionBackend.fuses_rotary_with_kv_store / forward_decode_rotary,
 #      RadixAttention.forward_rotary, RotaryEmbedding.cos_sin_tables, radixserve.layers.rotary.is_stock_rotary
-PLUGIN_API_VERSION = "1.5"
+# 1.6: GrammarBackend.fill_bitmasks (every constrained row of a step in one call; xgrammar fills them in
+#      parallel threads)
+PLUGIN_API_VERSION = "1.6"
