@@ -229,7 +229,10 @@ class RowParallelLinear(LinearBase):
     def forward_silu_and_mul_input(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`self(SiluAndMul()(gate_up))`: one batch-1 GEMV launch with the activation in its
         prologue when the runner gave this layer a tile (`gemv_config`, runtime.batch1_gemv) and
-        gate_up is one row; else the activation, then `forward`."""
+        gate_up is one row; else the activation, then `forward`. gate_up: [tokens, 2 * input_size]
+        ([gate | up] of this rank's shard, as MergedColumnParallelLinear produces it).
+
+        Added in plugin API 1.6."""
         config = getattr(self, "gemv_config", None)
         if config is None or gate_up.dim() != 2 or gate_up.shape[0] != 1:
             return self.forward(_SILU_AND_MUL(gate_up))
