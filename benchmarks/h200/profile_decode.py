@@ -9,7 +9,7 @@ host work between (the GPU's own time per step), (3) the top CUDA kernels of an 
 time. (1) - (2) is host overhead that overlap scheduling can hide; (2) against the HBM floor is kernel
 efficiency. Variants (comma-separated, measured in this order on the same weights, graphs recaptured
 for each): `off` (rotary + two index_put_ KV stores, two-launch decode attention), `on` (rotary fused
-into the KV store, one-launch decode attention: the defaults), `rotary` / `onekernel` (one of the two);
+into the KV store, one-launch decode attention), `rotary` / `onekernel` (one of the two);
 `rotary` is the backend's default since session 5 (the one-launch attention was slower).
 `<variant>+gemv`: with runtime.batch1_gemv=auto's per-layer Triton GEMV tiles
 (radixserve.layers.gemv_selection); the variants without `+gemv` run with it off (cuBLAS);
