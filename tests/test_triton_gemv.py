@@ -145,7 +145,7 @@ def test_config_key_defaults_to_auto_and_rejects_other_values():
         Config.build({"runtime": {"batch1_gemv": "fast"}})
 
 
-def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tmp_path, monkeypatch):
+def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tiny_llama_dir, monkeypatch):
     """The model runner passes runtime.batch1_gemv down and attaches the tiles after loading: with
     every tiny-model projection routed (the shape rule, dtype and device checks widened to fp32 and
     the CPU interpreter), batch-1 decode runs through the GEMV and generates the same greedy tokens as
@@ -155,7 +155,6 @@ def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tmp_path, monkeypa
     from radixserve.layers import triton_gemv
     from radixserve.model_runner import ModelRunner
     from radixserve.static_batch import run_static_batch
-    from radixserve.testing import tiny_checkpoint
 
     monkeypatch.setattr(sel, "batch1_gemv_enabled", lambda mode, device: mode == "on")
     monkeypatch.setattr(sel, "gemv_config_for_shape", lambda n, k: GemvConfig(64, 64, 1, 1))  # few programs: interpreter time
@@ -163,7 +162,7 @@ def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tmp_path, monkeypa
     calls = []
     real = triton_gemv.gemv
     monkeypatch.setattr(triton_gemv, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    cfg = Config.build({"model": {"path": tiny_checkpoint("llama", str(tmp_path))}, "runtime": {"device": DEVICE, "dtype": "float32", "batch1_gemv": "on", "cuda_graph": False},
+    cfg = Config.build({"model": {"path": tiny_llama_dir("llama")}, "runtime": {"device": DEVICE, "dtype": "float32", "batch1_gemv": "on", "cuda_graph": False},
                         "stack": {"attention": "torch_native"}})
     runner = ModelRunner(cfg, show_progress=False)
     layers = [m for m in runner.model.modules() if getattr(m, "gemv_config", None) is not None]
