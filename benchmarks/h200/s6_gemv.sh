@@ -7,10 +7,8 @@
 # 3. the tiles auto picks on the 8B shapes (+ Qwen3-8B's unmeasured MLP shapes): time vs cuBLAS, bit-equal
 #    fraction and max |diff| vs F.linear; down with silu_and_mul in its prologue vs two launches; a chain
 #    of the layer's 4 GEMVs with / without programmatic dependent launch (PDL) (gemv_selected.json)
-# 4. per-kernel profile of a batch-1 step with the attention backend's defaults (`rotary`: rotary+KV store
-#    fused, two-launch decode attention): GEMV off (cuBLAS) vs on (`rotary+gemv`, the new default, silu_and_mul
-#    folded into down) vs on with PDL tiles (`rotary+gemv+pdl`, opt-in). Session 5's 4.300 ms used `on`
-#    (one-launch attention, since switched off as slower)
+# 4. per-kernel profile of a batch-1 step: GEMV off (`on`: decode fusions on, cuBLAS) vs on (`on+gemv`,
+#    the new default, silu_and_mul folded into down) vs on with PDL tiles (`on+gemv+pdl`, opt-in)
 # 5. Engine batch-1 decode 1024 in / 512 out with the defaults (GEMV on); the recorded GEMV-off figure is
 #    203.0 tok/s (session 5), and step 4 has both variants' graph replay times
 set -o pipefail
@@ -22,8 +20,8 @@ echo "== 2. parity (every projection on the GEMV, batch-1 decode) vs transformer
 timeout 90 python3 benchmarks/gpu_parity.py --batch1-gemv-all 2>&1 | grep "SUMMARY\|BROKEN\|Error\|GEMV" | tee $OUT/parity.txt
 echo "== 3. auto's tiles vs cuBLAS / F.linear"
 timeout 75 python3 benchmarks/h200/gemv_vs_cublas.py --selected --out $OUT 2>&1 | grep -v "$F" | tee $OUT/gemv_selected.txt
-echo "== 4. profile (rotary = the backend defaults on cuBLAS, rotary+gemv = the new defaults, +pdl = PDL tiles)"
-timeout 170 python3 benchmarks/h200/profile_decode.py --out $OUT --variants rotary,rotary+gemv,rotary+gemv+pdl \
+echo "== 4. profile (on = cuBLAS, on+gemv = the default, on+gemv+pdl = its tiles with programmatic dependent launch)"
+timeout 170 python3 benchmarks/h200/profile_decode.py --out $OUT --variants on,on+gemv,on+gemv+pdl \
   2>&1 | grep -v "$F" | tee $OUT/profile_decode.txt | head -70
 echo "== 5. Engine batch-1 (defaults: GEMV on)"
 B1="runtime.device=cuda runtime.dtype=bfloat16 stack.attention=triton runtime.cuda_graph_max_bs=8 scheduler.max_running_requests=8"
