@@ -33,4 +33,6 @@ __version__ = "0.1.0"
 #      AttentionBackend.supports_fp8_kv_cache;
 #      rotary fused with the KV store: AttentionBackend.fuses_rotary_with_kv_store / forward_decode_rotary,
 #      RadixAttention.forward_rotary, RotaryEmbedding.cos_sin_tables, radixserve.layers.rotary.is_stock_rotary
-PLUGIN_API_VERSION = "1.5"
+# 1.6: per-head q/k norms in the decode rotary + KV-store kernel: radixserve.layers.attention.QKNorm,
+#      RadixAttention.forward_rotary(..., qk_norm=), AttentionBackend.fuses_qk_norm_with_rotary
+PLUGIN_API_VERSION = "1.6"
