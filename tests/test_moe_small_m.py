@@ -104,6 +104,42 @@ def test_fused_router_with_correction_bias():
     torch.testing.assert_close(got_w, weights, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["softmax-renorm", "sigmoid-raw-scaled"])
+def test_one_launch_router_computes_the_gate_and_routes(case, as_if_on_cuda):
+    """`FusedMoE.forward_with_gate`: the router's linear and its top-k in one kernel (the last program
+    of each token routes it) give the ids and weights of the linear layer + `select_experts`, the
+    layer output of `layer(x, gate(x))`, and leave the arrival counters at zero for the next launch;
+    1 and 3 tokens, 33 experts (the last program holds a partial block of rows), a correction bias."""
+    from radixserve.layers.linear import ReplicatedLinear
+
+    cfg = ROUTINGS[case]
+    e = 33
+    torch.manual_seed(11)
+    layer = FusedMoE(e, H, INTER, cfg, correction_bias=True)
+    layer.w13_weight.data.normal_(0, 0.2), layer.w2_weight.data.normal_(0, 0.2)
+    layer.e_score_correction_bias.data.normal_(0, 0.1)
+    gate = ReplicatedLinear(H, e)
+    gate.weight.data.normal_(0, 0.5)
+    for m in (1, 3):
+        x = torch.randn(m, H)
+        logits = gate(x)
+        weights, ids = select_experts(logits, cfg, layer.e_score_correction_bias)
+        assert small_m.fused_gate_applies(x, gate.weight, cfg, layer._gate_arrivals)
+        got_w, got_ids = small_m.fused_gate_select_experts(x, gate.weight, cfg, layer._gate_arrivals,
+                                                           layer.e_score_correction_bias)
+        assert torch.equal(got_ids, ids) and got_ids.dtype == torch.int32
+        torch.testing.assert_close(got_w, weights, atol=1e-5, rtol=1e-4)
+        assert not layer._gate_arrivals.any()
+        torch.testing.assert_close(layer.forward_with_gate(x, gate), layer(x, logits), atol=1e-5, rtol=1e-5)
+    assert as_if_on_cuda == ["small"] * 4
+    # a gate with a bias, or more pairs than the small path takes: the linear layer, then the router
+    assert not small_m.fused_gate_applies(torch.randn(17, H), gate.weight, cfg, layer._gate_arrivals)
+    biased = ReplicatedLinear(H, e, bias=True)
+    biased.weight.data.copy_(gate.weight), biased.bias.data.normal_(0, 1.0)
+    x = torch.randn(1, H)
+    torch.testing.assert_close(layer.forward_with_gate(x, biased), layer(x, biased(x)), atol=0, rtol=0)
+
+
 def test_layer_takes_the_small_path_only_for_few_pairs(as_if_on_cuda, monkeypatch):
     assert small_m.use_small_m(64, 128) and not small_m.use_small_m(65, 128) and not small_m.use_small_m(0, 128)
     assert small_m.use_small_m(4, 8) and not small_m.use_small_m(5, 8)  # at most one pair per two experts

@@ -1,14 +1,17 @@
 # Qwen3-30B-A3B batch-1 decode on the H200 (session 6, issue 16). Carry: .whl .gpu2 (wheels, SmolLM2 tokenizer).
-#   PARTS="b p" bash benchmarks/h200/s6_qwen.sh      (default "b p": ~4 min; "c" adds the offline peer run, ~6 min more)
+#   PARTS="g b p" bash benchmarks/h200/s6_qwen.sh    (default "g b p": ~5 min; "c" adds the offline peer run, ~6 min more)
 # Parts (progress lines on stdout, JSON under $OUT, a summary in $OUT/summary.jsonl):
+#   g   greedy parity with transformers on the GPU (bf16, triton attention, CUDA graphs): tiny Llama and Qwen3
+#       (q/k norms in the rotary + KV-store kernel) and the families (Qwen3-MoE: the one-launch router)
 #   b   Engine batch-1 decode, 128 in / 512 out (dummy bf16, triton attention, CUDA graphs) and the HBM
 #       limit measured in the same call (moe_limit.py): the issue's >= 70% target
 #   p   qwen3moe_profile.py: graph replay time and its kernels, eager kernels, the scheduler loop's host
 #       time per step and graph use
+#   AB=1 also runs b with the one-launch MoE router off (RADIXSERVE_MOE_FUSED_GATE=0)
 #   c   offline 1000 x 1024/256 (ours) and the HF transformers peer (s5_moe.sh PARTS=c)
 set -o pipefail
 source benchmarks/h200/setup.sh || exit 1
-PARTS=" ${PARTS:-b p} "
+PARTS=" ${PARTS:-g b p} "
 has() { case "$PARTS" in *" $1 "*) return 0;; esac; return 1; }
 log() { echo "[s6_qwen $(date +%H:%M:%S)] $*"; }
 QWEN=benchmarks/model-configs/qwen3-30b-a3b
@@ -16,6 +19,13 @@ T=.gpu2/tok-smollm2
 B1="runtime.device=cuda runtime.dtype=bfloat16 stack.attention=triton runtime.cuda_graph_max_bs=8 scheduler.max_running_requests=8"
 last_json() { python3 -c "import json,sys; print(json.loads(open(sys.argv[1]).readlines()[-1])[sys.argv[2]])" "$1" "$2"; }
 
+if has g; then
+  log "g: GPU parity (tiny Llama / Qwen3, then the families incl. Qwen2/3-MoE)"
+  timeout 150 python3 benchmarks/gpu_parity.py 2>&1 | grep -v Warning | tail -6
+  echo "{\"part\": \"g-tiny\", \"exit\": $?}" | tee -a $OUT/summary.jsonl
+  timeout 150 python3 benchmarks/gpu_parity.py --families 2>&1 | grep -v Warning | tail -12
+  echo "{\"part\": \"g-families\", \"exit\": $?}" | tee -a $OUT/summary.jsonl
+fi
 if has b; then
   log "b: Engine batch-1 decode, 128 in / 512 out"
   timeout 240 python3 benchmarks/offline_throughput.py --model $QWEN --load-format dummy --tokenizer $T --num-prompts 1 \
@@ -27,6 +37,12 @@ if has b; then
   else
     log "b: no batch-1 result"
   fi
+fi
+if [ "${AB:-0}" = 1 ]; then  # the one-launch router off (linear layer + router kernel), for an A/B
+  log "b-ab: Engine batch-1 with RADIXSERVE_MOE_FUSED_GATE=0"
+  RADIXSERVE_MOE_FUSED_GATE=0 timeout 240 python3 benchmarks/offline_throughput.py --model $QWEN --load-format dummy \
+    --tokenizer $T --num-prompts 1 --input-len 128 --output-len 512 --vocab-high 30000 \
+    --result-file $OUT/qwen3_batch1_gate_unfused.jsonl $B1 2>&1 | grep -v "it/s\]" | tail -1 | cut -c1-200
 fi
 if has p; then
   log "p: per-kernel profile of the batch-1 step"

@@ -218,7 +218,66 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         tl.store(weights_ptr + t * TOP_K + slots, chosen_w, mask=keep)
         tl.store(ids_ptr + t * TOP_K + slots, chosen_ids, mask=keep)
 
-    return SimpleNamespace(gate_up=gate_up_kernel, down=down_kernel, sum_rows=sum_rows_kernel, router=router_kernel)
+    @triton.jit
+    def gate_router_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, weights_ptr, ids_ptr, arrivals_ptr, E,
+                           K: tl.constexpr, stride_xm, stride_we, scale,
+                           TOP_K: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr):
+        """The router's linear (ROWS experts' logits per program, rounded to x's dtype as the linear
+        layer's output is) and, in the program of the token that arrives last, its routing."""
+        t = tl.program_id(0)
+        pid = tl.program_id(1)
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        rows_ok = rows < E
+        offs_k = tl.arange(0, BLOCK_K)
+        x_row = x_ptr + t.to(tl.int64) * stride_xm
+        w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_we
+        acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            k_ok = kk < K
+            xv = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(w_rows + kk[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * xv
+        logit = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(logits_ptr + t.to(tl.int64) * E + rows, logit, mask=rows_ok)
+        # publish the logits: every thread's stores before the barrier, the release-acquire atomic hands
+        # them to the token's last program, which reads them past L1 (.cg) and resets the counter
+        tl.debug_barrier()
+        if tl.atomic_add(arrivals_ptr + t, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
+            tl.store(arrivals_ptr + t, 0)
+            offs = tl.arange(0, BLOCK_E)
+            ok = offs < E
+            logits = tl.load(logits_ptr + t.to(tl.int64) * E + offs, mask=ok, other=float("-inf"),
+                             cache_modifier=".cg")
+            if SIGMOID:
+                scores = 1.0 / (1.0 + tl.exp(-logits))
+            else:
+                p = tl.exp(logits - tl.max(logits, axis=0))
+                p = tl.where(ok, p, 0.0)
+                scores = p / tl.sum(p, axis=0)
+            choice = scores
+            if HAS_BIAS:
+                choice = scores + tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            choice = tl.where(ok, choice, float("-inf"))
+            slots = tl.arange(0, BLOCK_TOPK)
+            chosen_ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
+            chosen_w = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
+            for j in tl.static_range(TOP_K):
+                best = tl.minimum(tl.argmax(choice, axis=0), E - 1)
+                w = tl.sum(tl.where(offs == best, scores, 0.0), axis=0)
+                chosen_ids = tl.where(slots == j, best.to(tl.int32), chosen_ids)
+                chosen_w = tl.where(slots == j, w, chosen_w)
+                choice = tl.where(offs == best, float("-inf"), choice)
+            if RENORMALIZE:
+                chosen_w = chosen_w / tl.maximum(tl.sum(chosen_w, axis=0), 1e-20)
+            chosen_w = chosen_w * scale
+            keep = slots < TOP_K
+            tl.store(weights_ptr + t * TOP_K + slots, chosen_w, mask=keep)
+            tl.store(ids_ptr + t * TOP_K + slots, chosen_ids, mask=keep)
+
+    return SimpleNamespace(gate_up=gate_up_kernel, down=down_kernel, sum_rows=sum_rows_kernel, router=router_kernel,
+                           gate_router=gate_router_kernel)
 
 
 def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -285,4 +344,54 @@ def fused_select_experts(router_logits: torch.Tensor, cfg: RoutingConfig,
         TOP_K=cfg.top_k, SIGMOID=cfg.scoring == "sigmoid", RENORMALIZE=cfg.renormalize,
         HAS_BIAS=correction_bias is not None, BLOCK_E=_pow2(e), BLOCK_TOPK=_pow2(cfg.top_k),
         num_warps=1 if e <= 256 else 4)  # one warp: the top-k's reductions stay in shuffles, no barriers
+    return weights, ids
+
+
+# The router's linear and its routing in one launch (`fused_gate_select_experts`); "0" keeps the
+# linear layer + `fused_select_experts` (two launches) for A/B runs on the GPU.
+FUSED_GATE = os.environ.get("RADIXSERVE_MOE_FUSED_GATE", "1") != "0"
+GATE_ROWS = 4  # experts per program of the router's linear: 32 programs for 128 experts
+
+
+def fused_gate_applies(x: torch.Tensor, gate_weight: torch.Tensor, cfg: RoutingConfig,
+                       arrivals: torch.Tensor) -> bool:
+    """True when `fused_gate_select_experts` serves this call: the fused router applies
+    (`fused_router_applies` on x's rows), the gate weight is a plain [E, H] matrix in x's dtype and
+    the arrival counters cover the tokens."""
+    if not FUSED_GATE or gate_weight.dim() != 2 or gate_weight.dtype != x.dtype or gate_weight.stride(1) != 1:
+        return False
+    if cfg.num_expert_group is not None and cfg.num_expert_group > 1:
+        return False
+    t = x.shape[0]
+    return (available(x) and t <= arrivals.numel() and x.shape[1] == gate_weight.shape[1]
+            and use_small_m(t * cfg.top_k, gate_weight.shape[0]))
+
+
+def fused_gate_select_experts(x: torch.Tensor, gate_weight: torch.Tensor, cfg: RoutingConfig,
+                              arrivals: torch.Tensor, correction_bias: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_experts(x @ gate_weight.T, cfg)` in one launch: programs of GATE_ROWS experts compute
+    the router logits (fp32 sums rounded to x's dtype, as the linear layer returns them); the last
+    program of each token to finish (an arrival counter) routes it as `fused_select_experts`.
+
+    :param x: [T, H]; gate_weight: [E, H] in x's dtype, unit stride on H.
+    :param arrivals: int32 [>= T] all zeros; left all zeros (reset by the last program).
+    :returns: (weights fp32 [T, top_k], expert ids int32 [T, top_k]).
+    Added in plugin API 1.6."""
+    t, hidden = x.shape
+    e = gate_weight.shape[0]
+    if arrivals.dtype != torch.int32 or arrivals.numel() < t:
+        raise ValueError(f"fused_gate_select_experts: arrivals must be int32 with >= {t} elements")
+    weights = torch.empty((t, cfg.top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((t, cfg.top_k), dtype=torch.int32, device=x.device)
+    if t == 0:
+        return weights, ids
+    x = x if x.stride(1) == 1 else x.contiguous()
+    logits = torch.empty((t, e), dtype=torch.float32, device=x.device)
+    bias = correction_bias if correction_bias is not None else weights
+    _kernels(_interpreting()).gate_router[(t, _cdiv(e, GATE_ROWS))](
+        x, gate_weight, logits, bias, weights, ids, arrivals, e, hidden, x.stride(0), gate_weight.stride(0),
+        float(cfg.routed_scaling_factor), TOP_K=cfg.top_k, SIGMOID=cfg.scoring == "sigmoid",
+        RENORMALIZE=cfg.renormalize, HAS_BIAS=correction_bias is not None, ROWS=GATE_ROWS,
+        BLOCK_K=min(512, _pow2(hidden)), BLOCK_E=_pow2(e), BLOCK_TOPK=_pow2(cfg.top_k), num_warps=4)
     return weights, ids
