@@ -202,6 +202,36 @@ def scheduler_section(runner: ModelRunner, cfg: Config, row: dict, overlap: bool
     log(f"scheduler ({key}): {row[f'sched_{key}']}")
 
 
+def fused_gate_check(runner: ModelRunner, row: dict) -> None:
+    """The one-launch router (FusedMoE.forward_with_gate, when the tree has it) against the linear
+    layer + router on the first MoE block, 1-8 tokens, 200 launches each (the arrival counters must
+    stay consistent): the routed ids agree (ties aside) and the outputs are close."""
+    block = next((m for m in runner.model.modules() if hasattr(m, "experts") and hasattr(m, "gate")), None)
+    if block is None or not hasattr(block.experts, "forward_with_gate"):
+        row["fused_gate_check"] = "not in this tree"
+        return
+    from radixserve.layers.moe import select_experts, small_m
+
+    experts, gate = block.experts, block.gate
+    out: dict = {}
+    with torch.inference_mode():
+        for m in (1, 2, 4, 8):
+            x = torch.randn(m, gate.weight.shape[1], device="cuda", dtype=gate.weight.dtype)
+            if not small_m.fused_gate_applies(x, gate.weight, experts.routing, experts._gate_arrivals):
+                out[m] = "not applicable"
+                continue
+            want_w, want_ids = select_experts(gate(x), experts.routing)
+            same_ids = 0
+            for _ in range(200):
+                w, ids = small_m.fused_gate_select_experts(x, gate.weight, experts.routing, experts._gate_arrivals)
+                same_ids += int(torch.equal(ids.long().sort(1).values, want_ids.long().sort(1).values))
+            err = (experts.forward_with_gate(x, gate).float() - experts(x, gate(x)).float()).abs().max().item()
+            out[m] = {"ids_equal_runs": same_ids, "of": 200, "max_abs_out_diff": round(err, 5),
+                      "counters_zero": not bool(experts._gate_arrivals.any())}
+    row["fused_gate_check"] = out
+    log(f"one-launch router vs linear + router: {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="benchmarks/model-configs/qwen3-30b-a3b")
@@ -224,6 +254,8 @@ def main() -> None:
         row["static_sync_step_ms"] = round(statistics.median(res.decode_step_s) * 1e3, 3)
         row["static_used_cuda_graph"] = res.used_cuda_graph
         log(f"static batch-1 decode step (sync): {row['static_sync_step_ms']} ms, graph: {res.used_cuda_graph}")
+        if args.device == "cuda":
+            fused_gate_check(runner, row)
         if runner.graph_runner is not None:
             graph_section(runner, row)
         for overlap in (True, False):
