@@ -81,6 +81,26 @@ def test_small_path_bf16_and_split_down_projection():
     torch.testing.assert_close(got, fused_experts_reference(x, w13, w2, weights, ids), atol=3e-2, rtol=3e-2)
 
 
+def test_down_projection_sums_the_rows_in_its_last_program(monkeypatch):
+    """With FUSED_SUM the last program of each (token, column block) sums the token's top_k * splits
+    partial rows itself (no `sum_rows` launch): the same bits as the separate launch, for several
+    tokens and a split reduction, and the arrival counters are all zero again afterwards."""
+    gen = torch.Generator().manual_seed(9)
+    e, h, i = 8, 40, 72  # 40: a partial last column block of 16; I = 72: three 32-wide splits
+    blocks = small_m.SmallMBlocks(gate_up_n=16, gate_up_k=32, down_n=16, down_k=32)
+    w13 = torch.randn(e, 2 * i, h, generator=gen) * 0.2
+    w2 = torch.randn(e, h, i, generator=gen) * 0.2
+    x = torch.randn(3, h, generator=gen)
+    weights, ids = select_experts(torch.randn(3, e, generator=gen), RoutingConfig(top_k=2))
+    outs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(small_m, "FUSED_SUM", fused)
+        outs[fused] = small_m.small_m_fused_experts(x, w13, w2, weights, ids, splits=3, blocks=blocks)
+    assert torch.equal(outs[True], outs[False])
+    torch.testing.assert_close(outs[True], fused_experts_reference(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+    assert not any(buf.any() for buf in small_m._ARRIVALS[x.device])
+
+
 def test_small_path_is_batch_invariant():
     """A token's output is bit-identical alone and among other tokens (no atomics, no split that
     depends on the batch)."""

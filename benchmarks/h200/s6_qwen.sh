@@ -7,7 +7,7 @@
 #       limit measured in the same call (moe_limit.py): the issue's >= 70% target
 #   p   qwen3moe_profile.py: graph replay time and its kernels, eager kernels, the scheduler loop's host
 #       time per step and graph use
-#   AB=1 also runs b with the one-launch MoE router off (RADIXSERVE_MOE_FUSED_GATE=0)
+#   AB=1 also runs b with the one-launch MoE router and the fused expert sum off (RADIXSERVE_MOE_FUSED_GATE=0 _SUM=0)
 #   c   offline 1000 x 1024/256 (ours) and the HF transformers peer (s5_moe.sh PARTS=c)
 set -o pipefail
 source benchmarks/h200/setup.sh || exit 1
@@ -39,8 +39,8 @@ if has b; then
   fi
 fi
 if [ "${AB:-0}" = 1 ]; then  # the one-launch router off (linear layer + router kernel), for an A/B
-  log "b-ab: Engine batch-1 with RADIXSERVE_MOE_FUSED_GATE=0"
-  RADIXSERVE_MOE_FUSED_GATE=0 timeout 240 python3 benchmarks/offline_throughput.py --model $QWEN --load-format dummy \
+  log "b-ab: Engine batch-1 with RADIXSERVE_MOE_FUSED_GATE=0 RADIXSERVE_MOE_FUSED_SUM=0"
+  RADIXSERVE_MOE_FUSED_GATE=0 RADIXSERVE_MOE_FUSED_SUM=0 timeout 240 python3 benchmarks/offline_throughput.py --model $QWEN --load-format dummy \
     --tokenizer $T --num-prompts 1 --input-len 128 --output-len 512 --vocab-high 30000 \
     --result-file $OUT/qwen3_batch1_gate_unfused.jsonl $B1 2>&1 | grep -v "it/s\]" | tail -1 | cut -c1-200
 fi

@@ -149,8 +149,11 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
     @triton.jit
     def down_kernel(act_ptr, w_ptr, out_ptr, weight_ptr, ids_ptr, N, K: tl.constexpr, k_per_split: tl.constexpr, stride_we, stride_wn,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[pair * splits + s, n] = weight[pair] * sum over k in split s of act[pair, k] * w[e, n, k]."""
+                    final_ptr, arrivals_ptr, top_k, ROWS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSED_SUM: tl.constexpr):
+        """out[pair * splits + s, n] = weight[pair] * sum over k in split s of act[pair, k] * w[e, n, k].
+        FUSED_SUM: the last of a (token, column block)'s top_k * splits programs to finish also does
+        `sum_rows` for that block (same rows, same order) into final; ROWS = top_k * splits."""
         pair = tl.program_id(0)
         pid_n = tl.program_id(1)
         split = tl.program_id(2)
@@ -170,6 +173,19 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             acc += tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * av
         out = tl.sum(acc, axis=1) * tl.load(weight_ptr + pair)
         tl.store(out_ptr + (pair * splits + split).to(tl.int64) * N + offs_n, out, mask=n_ok)
+        if FUSED_SUM:
+            # publish the partial (stores before the barrier, release-acquire atomic); the block's last
+            # program reads the token's rows past L1 (.cg), sums them in index order, resets the counter
+            tl.debug_barrier()
+            token = pair // top_k
+            counter = arrivals_ptr + token * tl.num_programs(1) + pid_n
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == ROWS - 1:
+                tl.store(counter, 0)
+                base = out_ptr + (token * ROWS).to(tl.int64) * N + offs_n
+                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for r in range(0, ROWS):
+                    total += tl.load(base + r * N, mask=n_ok, other=0.0, cache_modifier=".cg")
+                tl.store(final_ptr + token.to(tl.int64) * N + offs_n, total.to(final_ptr.dtype.element_ty), mask=n_ok)
 
     @triton.jit
     def sum_rows_kernel(buf_ptr, out_ptr, R: tl.constexpr, N, BLOCK_N: tl.constexpr):
@@ -310,11 +326,31 @@ def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
         x, w13, act, ids, inter, hidden, top_k, x.stride(0), w13.stride(0), w13.stride(1),
         BLOCK_N=b.gate_up_n, BLOCK_K=b.gate_up_k, num_warps=b.num_warps)
     partial = torch.empty((pairs * splits, hidden), dtype=torch.float32, device=x.device)
-    kernels.down[(pairs, _cdiv(hidden, b.down_n), splits)](
+    n_blocks = _cdiv(hidden, b.down_n)
+    arrivals = _sum_arrivals(x.device, t * n_blocks) if FUSED_SUM else None
+    kernels.down[(pairs, n_blocks, splits)](
         act, w2, partial, weights, ids, hidden, inter, k_per_split, w2.stride(0), w2.stride(1),
-        BLOCK_N=b.down_n, BLOCK_K=b.down_k, num_warps=b.num_warps)
-    kernels.sum_rows[(t, _cdiv(hidden, b.sum_n))](partial, out, top_k * splits, hidden, BLOCK_N=b.sum_n)
+        out, arrivals if arrivals is not None else ids, top_k, ROWS=top_k * splits,
+        BLOCK_N=b.down_n, BLOCK_K=b.down_k, FUSED_SUM=arrivals is not None, num_warps=b.num_warps)
+    if arrivals is None:
+        kernels.sum_rows[(t, _cdiv(hidden, b.sum_n))](partial, out, top_k * splits, hidden, BLOCK_N=b.sum_n)
     return out
+
+
+# The per-token sum of the down projection's rows done by the last program of each column block
+# (no `sum_rows` launch; the same sum in the same order). "0" keeps the separate launch (A/B runs).
+FUSED_SUM = os.environ.get("RADIXSERVE_MOE_FUSED_SUM", "1") != "0"
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _sum_arrivals(device: torch.device, n: int) -> torch.Tensor:
+    """An all-zero int32 buffer of at least n counters on `device`, left all zero by each launch. A
+    larger one replaces it for later calls, but every buffer stays alive: a captured CUDA graph keeps
+    the address it recorded."""
+    held = _ARRIVALS.setdefault(device, [])
+    if not held or held[-1].numel() < n:
+        held.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return held[-1]
 
 
 def fused_router_applies(router_logits: torch.Tensor, cfg: RoutingConfig) -> bool:
