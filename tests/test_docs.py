@@ -48,7 +48,7 @@ def documented_keys(text: str) -> set[str]:
     for line in text.splitlines():
         cells = line.split("|")
         if line.startswith("|") and len(cells) > 2:
-            keys |= set(re.findall(r"`([a-z_]+(?:\.[a-z_]+)+)`", cells[1]))
+            keys |= set(re.findall(r"`([a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)+)`", cells[1]))
     return keys
 
 

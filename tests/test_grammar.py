@@ -60,10 +60,36 @@ class _NoOpApply(XGrammarBackend):
         return None
 
 
-@pytest.mark.parametrize("broken", [_AllowsEverything, _NoOpApply])
+class _BatchFillOffByOne(XGrammarBackend):
+    """A broken batch fill: each matcher's mask lands in the row after its own."""
+
+    def fill_bitmasks(self, bitmask, rows):
+        super().fill_bitmasks(bitmask, [(row + 1, m) for row, m in rows])
+
+
+@pytest.mark.parametrize("broken", [_AllowsEverything, _NoOpApply, _BatchFillOffByOne])
 def test_the_kit_catches_a_broken_backend(broken, tok):
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="fill_bitmasks" if broken is _BatchFillOffByOne else ""):
         check_grammar_backend(broken, tok, seeds=1)
+
+
+def test_xgrammar_fills_a_large_batch_in_one_parallel_call_with_the_per_row_result(tok, monkeypatch):
+    from radixserve_grammar_xgrammar import backend as xb
+
+    monkeypatch.setattr(xb, "_fill_threads", lambda: 2)  # real threads even on a 2-core machine
+    b = XGrammarBackend(tok, len(tok), [tok.eos_token_id])
+    compiled = b.compile("json_schema", json.dumps({"type": "object", "properties": {"a": {"enum": [1, 2]}}}))
+    matchers = [b.new_matcher(compiled) for _ in range(12)]
+    for m in matchers[::2]:  # half of them one token in: different masks
+        assert m.accept_token(tok.encode("{", add_special_tokens=False)[0])
+    rows = [(2 * i, m) for i, m in enumerate(matchers)]
+    got, want = b.allocate_bitmask(24), b.allocate_bitmask(24)
+    b.fill_bitmasks(got, rows)
+    assert b._batch is not None, "12 rows must take xgrammar's batch path"
+    for row, m in rows:
+        m.fill_bitmask(want, row)
+    assert torch.equal(got, want)
+    assert not torch.equal(got[0], got[2])
 
 
 def test_grammar_is_a_plugin_kind_with_both_backends_registered():

@@ -45,33 +45,188 @@ def test_gemv_refuses_what_it_cannot_compute():
         gemv(torch.zeros(1, 16, device=DEVICE), w, torch.zeros(4, device=DEVICE))
 
 
-def test_plain_linear_layers_route_only_the_enabled_shapes(monkeypatch):
-    """`use_for_shapes` sends one-row CUDA activations of the listed weight shapes to the GEMV (the
-    same result as the usual path); other shapes, several rows and CPU tensors keep the usual path,
-    and an empty table turns it off."""
+def _plain_layer(method, n: int, k: int, dtype=torch.float32, device=DEVICE) -> torch.nn.Module:
+    layer = torch.nn.Module()
+    method.create_weights(layer, k, [n], dtype)
+    layer.to(device)
+    if device != "meta":
+        torch.nn.init.normal_(layer.weight)
+        method.process_weights_after_loading(layer)
+    layer.quant_method = method
+    return layer
+
+
+def test_plain_linear_layers_route_one_row_by_their_gemv_config(monkeypatch):
+    """`UnquantizedMethod.apply` sends a one-row activation to the GEMV with the tile attached to the
+    layer (same result as F.linear, bias included); several rows, or a layer without a tile, keep
+    the usual path."""
     from radixserve.layers import quant_unquantized, triton_gemv
 
     calls = []
     real = triton_gemv.gemv
-    monkeypatch.setattr(triton_gemv, "gemv", lambda *a: calls.append(tuple(a[1].shape)) or real(*a))
+    monkeypatch.setattr(triton_gemv, "gemv", lambda *a: calls.append((tuple(a[1].shape), a[3])) or real(*a))
     method = quant_unquantized.UnquantizedMethod()
-    layers = {}
-    for n in (24, 40):
-        layer = torch.nn.Module()
-        method.create_weights(layer, 64, [n], torch.float32)
-        layer.to(DEVICE)
-        torch.nn.init.normal_(layer.weight)
-        method.process_weights_after_loading(layer)
-        layers[n] = layer
+    routed, plain = _plain_layer(method, 24, 64), _plain_layer(method, 40, 64)
+    tile = GemvConfig(8, 32, 1, 1)
+    routed.gemv_config, plain.gemv_config = tile, None
     x1, x2 = torch.randn(1, 64, device=DEVICE), torch.randn(2, 64, device=DEVICE)
-    try:
-        triton_gemv.use_for_shapes({(24, 64): GemvConfig(8, 32, 1, 1)})
-        for layer in layers.values():
-            torch.testing.assert_close(method.apply(layer, x1, None), F.linear(x1, layer.weight), rtol=1e-5, atol=1e-5)
-            method.apply(layer, x2, None)
-        assert calls == ([(24, 64)] if ON_GPU else [])
-        triton_gemv.use_for_shapes({})
-        method.apply(layers[24], x1, None)
-        assert len(calls) == (1 if ON_GPU else 0)
-    finally:
-        triton_gemv.use_for_shapes({})
+    bias = torch.randn(24, device=DEVICE)
+    torch.testing.assert_close(method.apply(routed, x1, bias), F.linear(x1, routed.weight, bias), rtol=1e-5, atol=1e-5)
+    assert calls == [((24, 64), tile)]
+    torch.testing.assert_close(method.apply(routed, x2, None), F.linear(x2, routed.weight), rtol=1e-5, atol=1e-5)
+    method.apply(plain, x1, None)
+    assert len(calls) == 1
+
+
+def test_gemv_tiles_per_shape_measured_then_envelope():
+    """Measured H200 shapes get their own best tile; unmeasured shapes inside the measured envelope
+    (N, K >= 4096) the all-round tile; smaller shapes (small models, TP shards) stay on cuBLAS."""
+    from radixserve.layers import gemv_selection as sel
+
+    assert sel.gemv_config_for_shape(4096, 4096) == GemvConfig(16, 1024, 8, 2)
+    assert sel.gemv_config_for_shape(6144, 4096) == GemvConfig(8, 512, 4, 3)
+    assert sel.gemv_config_for_shape(4096, 14336) == GemvConfig(16, 1024, 8, 2)
+    assert sel.gemv_config_for_shape(8192, 8192) == sel.SM90_UNMEASURED
+    assert sel.gemv_config_for_shape(1024, 4096) is None  # e.g. Qwen3-0.6B / TP-sharded shapes
+    assert sel.gemv_config_for_shape(4096, 2048) is None
+
+
+@pytest.mark.parametrize("mode, capability, routed", [
+    ("auto", (9, 0), True), ("auto", (8, 0), False), ("on", (8, 0), True), ("off", (9, 0), False)])
+def test_attach_decides_per_layer_from_mode_and_device(monkeypatch, mode, capability, routed):
+    """`runtime.batch1_gemv`: auto routes on measured GPUs (sm90) only, on everywhere on CUDA, off
+    nowhere; per layer, only 2-D bf16/fp16 plain weights with unit stride on K, of an eligible shape
+    (not a quant method's weight, nor an UnquantizedMethod subclass with its own `apply`).
+    Weights on the meta device: the choice needs only shapes, dtypes and strides."""
+    from radixserve.interfaces.quantization import QuantMethod
+    from radixserve.layers import gemv_selection as sel
+    from radixserve.layers.quant_unquantized import UnquantizedMethod
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    method = UnquantizedMethod()
+    model = torch.nn.ModuleDict({
+        "o": _plain_layer(method, 4096, 4096, torch.bfloat16, "meta"),
+        "big": _plain_layer(method, 8192, 8192, torch.float16, "meta"),
+        "small": _plain_layer(method, 1024, 4096, torch.bfloat16, "meta"),
+        "fp32": _plain_layer(method, 4096, 4096, torch.float32, "meta"),
+        "quantized": torch.nn.Module(),
+        "own_apply": _plain_layer(method, 4096, 4096, torch.bfloat16, "meta"),
+    })
+    model["own_apply"].quant_method = type("KeptBlocks", (UnquantizedMethod,), {"apply": lambda *a: None})()
+    model["quantized"].quant_method = type("Int4Method", (QuantMethod,), {"create_weights": None, "apply": None})()
+    model["quantized"].weight = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
+    n = sel.attach_batch1_gemv(model, mode, torch.device("cuda"))
+    got = {name: getattr(layer, "gemv_config", "unset") for name, layer in model.items()}
+    if routed:
+        assert n == 2 and got["o"] == GemvConfig(16, 1024, 8, 2) and got["big"] == sel.SM90_UNMEASURED
+    else:
+        assert n == 0 and got["o"] is None and got["big"] is None
+    assert got["small"] is None and got["fp32"] is None
+    assert got["quantized"] == "unset" and got["own_apply"] == "unset"  # other weight layouts: untouched
+
+
+def test_attach_never_routes_on_cpu_and_names_a_bad_mode():
+    from radixserve.layers import gemv_selection as sel
+    from radixserve.layers.quant_unquantized import UnquantizedMethod
+
+    model = torch.nn.ModuleDict({"o": _plain_layer(UnquantizedMethod(), 4096, 4096, torch.bfloat16, "meta")})
+    assert sel.attach_batch1_gemv(model, "on", torch.device("cpu")) == 0
+    assert model["o"].gemv_config is None
+    with pytest.raises(ValueError, match="batch1_gemv='fast'"):
+        sel.attach_batch1_gemv(model, "fast", torch.device("cuda"))
+
+
+def test_config_key_defaults_to_auto_and_rejects_other_values():
+    from radixserve.config import Config, ConfigError
+
+    assert Config.build({}).runtime.batch1_gemv == "auto"
+    assert Config.build({"runtime": {"batch1_gemv": "off"}}).runtime.batch1_gemv == "off"
+    with pytest.raises(ConfigError, match="batch1_gemv"):
+        Config.build({"runtime": {"batch1_gemv": "fast"}})
+
+
+def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tmp_path, monkeypatch):
+    """The model runner passes runtime.batch1_gemv down and attaches the tiles after loading: with
+    every tiny-model projection routed (the shape rule, dtype and device checks widened to fp32 and
+    the CPU interpreter), batch-1 decode runs through the GEMV and generates the same greedy tokens as
+    the same runner with the tiles removed."""
+    from radixserve.config import Config
+    from radixserve.layers import gemv_selection as sel
+    from radixserve.layers import triton_gemv
+    from radixserve.model_runner import ModelRunner
+    from radixserve.static_batch import run_static_batch
+    from radixserve.testing import tiny_checkpoint
+
+    monkeypatch.setattr(sel, "batch1_gemv_enabled", lambda mode, device: mode == "on")
+    monkeypatch.setattr(sel, "gemv_config_for_shape", lambda n, k: GemvConfig(64, 64, 1, 1))  # few programs: interpreter time
+    monkeypatch.setattr(sel, "_DTYPES", (torch.float32,))
+    calls = []
+    real = triton_gemv.gemv
+    monkeypatch.setattr(triton_gemv, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    cfg = Config.build({"model": {"path": tiny_checkpoint("llama", str(tmp_path))}, "runtime": {"device": DEVICE, "dtype": "float32", "batch1_gemv": "on", "cuda_graph": False},
+                        "stack": {"attention": "torch_native"}})
+    runner = ModelRunner(cfg, show_progress=False)
+    layers = [m for m in runner.model.modules() if getattr(m, "gemv_config", None) is not None]
+    assert len(layers) >= 4 * runner.hf_config.num_hidden_layers  # qkv, o, gate_up, down per layer
+    prompt = [[5, 17, 42, 9, 33, 21]]
+    routed = run_static_batch(runner, prompt, max_new_tokens=4).output_ids
+    assert calls  # the decode steps' projections ran on the GEMV
+    for layer in layers:
+        layer.gemv_config = None
+    n_calls = len(calls)
+    assert run_static_batch(runner, prompt, max_new_tokens=4).output_ids == routed
+    assert len(calls) == n_calls
+
+
+@pytest.mark.parametrize("k", [64, 40], ids=["even", "ragged"])
+def test_gated_gemv_is_silu_and_mul_then_gemv(k):
+    """gated=True: x = [gate | up] of 2K columns; the product equals the GEMV of the silu_and_mul
+    kernel's output bit for bit (same rounding of the activation, same tile) and F.linear of
+    silu(gate) * up up to summation order."""
+    from radixserve.layers import triton_ops
+
+    gen = torch.Generator().manual_seed(k)
+    w = torch.randn(24, k, generator=gen).to(DEVICE)
+    gate_up = torch.randn(1, 2 * k, generator=gen).to(DEVICE)
+    b = torch.randn(24, generator=gen).to(DEVICE)
+    tile = GemvConfig(8, 32, 1, 1)
+    got = gemv(gate_up, w, b, tile, gated=True)
+    assert torch.equal(got, gemv(triton_ops.silu_and_mul(gate_up), w, b, tile))
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(got, F.linear(F.silu(gate) * up, w, b), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="2K columns"):
+        gemv(gate_up[:, :k], w, gated=True)
+
+
+def test_swiglu_mlp_folds_the_activation_into_down_at_batch_1(monkeypatch):
+    """A SwiGLU MLP whose down projection has a tile runs one row as gate_up, then one gated GEMV
+    (no silu_and_mul launch): the same output as the unrouted MLP. Two rows keep the usual path."""
+    from radixserve.layers import triton_gemv
+    from radixserve.layers.decoder_blocks import SwiGLUMLP
+
+    calls = []
+    real = triton_gemv.gemv
+    monkeypatch.setattr(triton_gemv, "gemv", lambda *a, **kw: calls.append(kw.get("gated")) or real(*a, **kw))
+    mlp = SwiGLUMLP(32, 48).to(DEVICE)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x1, x2 = torch.randn(1, 32, device=DEVICE), torch.randn(2, 32, device=DEVICE)
+    want1, want2 = mlp(x1), mlp(x2)
+    mlp.down_proj.gemv_config = GemvConfig(16, 16, 1, 1)
+    torch.testing.assert_close(mlp(x1), want1, rtol=1e-5, atol=1e-5)
+    assert calls == [True]
+    torch.testing.assert_close(mlp(x2), want2, rtol=1e-5, atol=1e-5)
+    assert calls == [True]
+
+
+@pytest.mark.parametrize("capability, pdl", [((9, 0), True), ((8, 0), False)])
+def test_attach_pdl_tiles_only_on_sm90(monkeypatch, capability, pdl):
+    """pdl=True (programmatic dependent launch, opt-in) marks the chosen tiles on sm90+ only (the
+    griddepcontrol instructions do not exist before Hopper); the tile is otherwise the same."""
+    from radixserve.layers import gemv_selection as sel
+    from radixserve.layers.quant_unquantized import UnquantizedMethod
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    model = torch.nn.ModuleDict({"o": _plain_layer(UnquantizedMethod(), 4096, 4096, torch.bfloat16, "meta")})
+    assert sel.attach_batch1_gemv(model, "on", torch.device("cuda"), pdl=True) == 1
+    assert model["o"].gemv_config == GemvConfig(16, 1024, 8, 2, pdl=pdl)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -107,6 +108,10 @@ def engine() -> int:
         path = tiny_checkpoint("llama", os.path.join(tmp, "tiny"), hidden_size=256, intermediate_size=512,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024,
                                max_position_embeddings=1024)
+        # the tiny checkpoint's own tokenizer needs sentencepiece (absent on the device): use SmolLM2's
+        # (the carried .gpu2/tok-smollm2; the prompts are ids < 1024, it only detokenizes)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(".gpu2/tok-smollm2", name), path)
         for attention in ("flashinfer", "triton", "torch_native"):
             t0 = time.time()
             eng = Engine(path, stack={"attention": attention},

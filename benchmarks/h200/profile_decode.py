@@ -10,8 +10,9 @@ time. (1) - (2) is host overhead that overlap scheduling can hide; (2) against t
 efficiency. Variants (comma-separated, measured in this order on the same weights, graphs recaptured
 for each): `off` (rotary + two index_put_ KV stores, two-launch decode attention), `on` (rotary fused
 into the KV store, one-launch decode attention: the defaults), `rotary` / `onekernel` (one of the two);
-`on+gemv`: `on` with the batch-1 projections whose shape `--gemv-json` (benchmarks/h200/gemv_vs_cublas.py's
-output) found faster on the Triton GEMV routed to it (`radixserve.layers.triton_gemv.use_for_shapes`).
+`on+gemv` / `off+gemv`: with runtime.batch1_gemv=auto's per-layer Triton GEMV tiles
+(radixserve.layers.gemv_selection); the variants without `+gemv` run with it off (cuBLAS);
+`on+gemv+pdl`: those tiles with programmatic dependent launch (GemvConfig.pdl).
 Writes profile_decode.json: {variant: row}."""
 
 from __future__ import annotations
@@ -28,21 +29,16 @@ from radixserve.model_runner import ModelRunner
 from radixserve.static_batch import run_static_batch
 
 VARIANTS = {"off": (False, False), "on": (True, True), "rotary": (True, False), "onekernel": (False, True),
-            "on+gemv": (True, True)}
+            "on+gemv": (True, True), "off+gemv": (False, False), "on+gemv+pdl": (True, True)}
 
 
-def route_gemv(gemv_json: str | None, enable: bool) -> None:
-    """Send one-row projections of the shapes where the Triton GEMV won to it (or none)."""
-    from radixserve.layers import triton_gemv
+def route_gemv(runner: ModelRunner, enable: bool, pdl: bool) -> None:
+    """runtime.batch1_gemv on this runner's layers: `auto` (the default) or `off`; `pdl`: its tiles
+    with programmatic dependent launch."""
+    from radixserve.layers.gemv_selection import attach_batch1_gemv
 
-    winners = {}
-    if enable:
-        with open(gemv_json) as f:
-            rows = json.load(f)
-        winners = {(r["N"], r["K"]): triton_gemv.GemvConfig(**r["best"]["config"]) for r in rows.values()
-                   if isinstance(r, dict) and r.get("best") and r["best"]["us"] < r["cublas_us"]}
-        print(f"    Triton GEMV for (N, K) in {sorted(winners)}")
-    triton_gemv.use_for_shapes(winners)
+    n = attach_batch1_gemv(runner.model, "auto" if enable else "off", runner.device, pdl=pdl)
+    print(f"    batch-1 Triton GEMV on {n} linear layers", flush=True)
 
 
 def runner_for(model: str) -> ModelRunner:
@@ -108,15 +104,11 @@ def main() -> None:
     ap.add_argument("--model", default="benchmarks/model-configs/llama-3.1-8b")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--variants", default="off,on", help=f"comma-separated, of {sorted(VARIANTS)}")
-    ap.add_argument("--gemv-json", help="gemv_vs_cublas.json, for the on+gemv variant")
     args = ap.parse_args()
     variants = args.variants.split(",")
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise SystemExit(f"unknown variant(s) {bad}; choose from {sorted(VARIANTS)}")
-    if "on+gemv" in variants and not (args.gemv_json and os.path.exists(args.gemv_json)):
-        print(f"skipping variant on+gemv: it needs --gemv-json (gemv_vs_cublas.json), got {args.gemv_json!r}")
-        variants.remove("on+gemv")
     prompt = [[(7 * i) % 30000 + 100 for i in range(1024)]]
     runner = runner_for(args.model)
     rows: dict = {}
@@ -128,20 +120,25 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         runner.attn_backend.set_decode_fusions(rotary_store=rotary_store, one_kernel=one_kernel)
-        route_gemv(args.gemv_json, name.endswith("+gemv"))
-        runner._init_cuda_graphs()  # recapture with this variant's kernels
-        rows[name] = measure(runner, prompt)
+        try:
+            route_gemv(runner, "+gemv" in name, name.endswith("+pdl"))
+            runner._init_cuda_graphs()  # recapture with this variant's kernels
+            rows[name] = measure(runner, prompt)
+        except Exception as e:  # e.g. an opt-in variant's capture failing: keep the others' rows
+            print(f"[{name}] failed: {e!r}"[:300], flush=True)
+            variants = [v for v in variants if v != name]
+            continue
         r = rows[name]
         print(f"[{name}] sync step {r['sync_step_ms']} ms, graph replay {r['graph_replay_ms']} ms, eager kernels "
               f"{r['kernel_ms_per_decode_step']} ms/step", flush=True)
         for op in r["top_ops_device_ms_per_decode_step"]:
             if not op["name"].startswith(("aten::", "cu")):
                 print(f"    {op['ms']:8.4f} ms  {op['calls']:4d}x  {op['name']}")
-    exact = [v for v in variants if not v.endswith("+gemv")]  # the GEMV sums in another order
+    exact = [v for v in variants if "+gemv" not in v]  # the GEMV sums in another order
     same = len({tuple(rows[v]["output_ids"]) for v in exact}) == 1
     print(f"greedy tokens (64 new, 1024-token prompt) identical across variants {exact}: {same}")
     for v in variants:
-        if v.endswith("+gemv") and exact:
+        if "+gemv" in v and exact:
             agree = sum(a == b for a, b in zip(rows[v]["output_ids"], rows[exact[-1]]["output_ids"]))
             print(f"{v}: {agree}/64 greedy tokens equal to {exact[-1]}'s (dummy weights: near-ties are common)")
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk not in ("top_ops_device_ms_per_decode_step", "output_ids")}

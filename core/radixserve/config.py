@@ -98,6 +98,9 @@ class RuntimeSection(_Section):
     cuda_graph: bool = True
     cuda_graph_max_bs: int = Field(default=160, ge=1)
     overlap: bool | None = None  # overlap scheduling; None: on for CUDA, off for CPU (nothing to overlap)
+    # batch-1 projections of plain-weight layers on the Triton GEMV (layers/gemv_selection.py): auto
+    # (CUDA GPUs where it was measured faster than cuBLAS: sm90), on (any CUDA GPU), off
+    batch1_gemv: Literal["auto", "on", "off"] = "auto"
     seed: int = 0
     num_threads: int | None = Field(default=None, ge=1)  # CPU torch threads; None: all cores
     # data parallelism: this many full engine replicas behind a router (the `router` section)

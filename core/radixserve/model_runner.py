@@ -13,6 +13,7 @@ from radixserve.interfaces import AttentionRunnerInfo, LatentAttentionDims
 from radixserve.interfaces.target_states import HiddenRows, TargetStates
 from radixserve.layers.attention import check_backend_supports_layers
 from radixserve.layers.distributed import TPGroup
+from radixserve.layers.gemv_selection import attach_batch1_gemv
 from radixserve.layers.logits import select_logit_rows
 from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.memory import (
@@ -109,6 +110,9 @@ class ModelRunner:
             source, self.hf_config, model_cls, self.device, self.dtype, quant, seed=rt.seed, show_progress=show_progress,
             tp_group=tp, kv_scales=self._kv_scales,
         )
+        n_gemv = attach_batch1_gemv(self.model, rt.batch1_gemv, self.device)  # per-layer choice, before graphs
+        if n_gemv:
+            logger.info("batch-1 Triton GEMV on %d linear layers (runtime.batch1_gemv=%s)", n_gemv, rt.batch1_gemv)
         self.latent_dims = self._latent_dims() if self.attention_type == "latent" else None
         self.vocab_size = int(self.hf_config.vocab_size)
         self.context_len = self._context_len()

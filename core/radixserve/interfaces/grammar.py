@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -157,6 +158,21 @@ class GrammarBackend(abc.ABC):
         import torch
 
         return torch.full((batch_size, bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+
+    def fill_bitmasks(self, bitmask: torch.Tensor, rows: Sequence[tuple[int, GrammarMatcher]]) -> None:
+        """Fill several rows of one bitmask: `matcher.fill_bitmask(bitmask, row)` for each pair.
+
+        :param bitmask: as for `GrammarMatcher.fill_bitmask`.
+        :param rows: (row, matcher) pairs, rows distinct; the matchers are this backend's.
+        :return: nothing.
+        The default fills the rows one after another. A backend may override it to fill them in
+        parallel (the core calls it once per step with every constrained row, so a batch of 64 rows
+        costs one call), with the same result. Restrictions: as `fill_bitmask` (no state change);
+        it may use threads of its own but must return only when every row is written.
+        Added in plugin API 1.6.
+        """
+        for row, matcher in rows:
+            matcher.fill_bitmask(bitmask, row)
 
     def apply_bitmask_inplace(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """Set `logits[i, t]` to -inf wherever bit t of `bitmask[i]` is clear.

@@ -27,8 +27,9 @@ class UnquantizedMethod(QuantMethod):
             layer.packed_weight = cpu_gemm.pack(layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        gemv_config = triton_gemv.config_for(x, layer.weight)  # None unless enabled for this shape
-        if gemv_config is not None:
+        # a tile set by the runner (runtime.batch1_gemv, layers/gemv_selection.py): one row -> the GEMV
+        gemv_config = getattr(layer, "gemv_config", None)
+        if gemv_config is not None and x.dim() == 2 and x.shape[0] == 1:
             return triton_gemv.gemv(x, layer.weight, bias, gemv_config)
         return cpu_gemm.linear(x, layer.weight, getattr(layer, "packed_weight", None), bias)
 

@@ -2,10 +2,10 @@
 
 cuBLAS picks split-K kernels for some batch-1 projections (a partial pass, then a `splitKreduce`
 launch). This kernel gives each program `block_n` whole output rows: it streams their weight rows
-once, accumulates in fp32 and writes the result, so there is nothing to reduce afterwards. Off by
-default: the plain-weight layers (`UnquantizedMethod.apply`) route a one-row CUDA activation here only
-for the weight shapes given to `use_for_shapes`, which benchmarks/h200/gemv_vs_cublas.py picks by
-measuring it against cuBLAS per shape (only where it is not slower). Rounding: one fp32 accumulation rounded to the
+once, accumulates in fp32 and writes the result, so there is nothing to reduce afterwards. The
+plain-weight layers (`UnquantizedMethod.apply`) route a one-row activation here when the model
+runner gave the layer a `gemv_config` (`runtime.batch1_gemv`, chosen per layer by
+radixserve.layers.gemv_selection from shapes measured against cuBLAS). Rounding: one fp32 accumulation rounded to the
 output dtype, as cuBLAS does, in a different summation order (results may differ in the last bit).
 
 Triton is imported on first use (the module imports on machines without it).
@@ -30,6 +30,10 @@ class GemvConfig:
     block_k: int  # K elements per loop step
     num_warps: int
     num_stages: int
+    # programmatic dependent launch (sm90+; ignored by the interpreter): the kernel may start while the
+    # previous one finishes, loads its first weight tile, then waits for it (griddepcontrol.wait)
+    # before reading x; it lets the next PDL launch start early too. Off unless chosen (not yet measured).
+    pdl: bool = False
 
 
 def default_config(n: int, k: int, interpret: bool) -> GemvConfig:
@@ -39,32 +43,13 @@ def default_config(n: int, k: int, interpret: bool) -> GemvConfig:
     return GemvConfig(16, 512, 4, 3)
 
 
-_SHAPE_CONFIGS: dict[tuple[int, int], GemvConfig] = {}
-
-
-def use_for_shapes(configs: dict[tuple[int, int], GemvConfig]) -> None:
-    """Route one-row projections whose weight is [N, K] = a key of `configs` to this kernel with that
-    config (replacing any earlier table; {} turns it off). Set it before CUDA graphs are captured."""
-    _SHAPE_CONFIGS.clear()
-    _SHAPE_CONFIGS.update(configs)
-
-
-def config_for(x: torch.Tensor, weight: torch.Tensor) -> GemvConfig | None:
-    """The config to run `F.linear(x, weight)` with here, or None for the usual path: x one row on
-    CUDA, weight [N, K] of x's dtype with unit stride on K and a shape in the `use_for_shapes` table."""
-    if not _SHAPE_CONFIGS or x.dim() != 2 or x.shape[0] != 1 or not x.is_cuda:
-        return None
-    if weight.dtype != x.dtype or weight.dim() != 2 or weight.stride(1) != 1:
-        return None
-    return _SHAPE_CONFIGS.get((weight.shape[0], weight.shape[1]))
-
-
 @functools.cache
 def _kernels(interpret: bool) -> SimpleNamespace:
     del interpret  # only part of the cache key: @triton.jit decides interpret-or-compile when it decorates
     global triton, tl
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_* (PDL tiles)
 
     from radixserve.layers import triton_interpreter
 
@@ -72,22 +57,51 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
     @triton.jit
     def gemv_kernel(X, W, B, Y, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rows < N
         w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_first = 0
+        if PDL:
+            # the first tile's weights (never written by earlier kernels) stream in while the previous
+            # kernel finishes; x is its output, read only after the wait
+            cols = tl.arange(0, BLOCK_K)
+            mask_k = cols < K
+            if EVEN_K:
+                w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                            eviction_policy="evict_first")
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+            x = tl.load(X + cols, mask=mask_k, other=0.0).to(tl.float32)
+            if GATED:
+                up = tl.load(X + K + cols, mask=mask_k, other=0.0).to(tl.float32)
+                act = tl.div_rn(x, 1.0 + tl.exp(-x)).to(X.dtype.element_ty).to(tl.float32)
+                x = (act * up).to(X.dtype.element_ty).to(tl.float32)
+            acc += w.to(tl.float32) * x[None, :]
+            k_first = BLOCK_K
+        for k0 in range(k_first, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
-                x = tl.load(X + cols)
+                x = tl.load(X + cols).to(tl.float32)
+                if GATED:
+                    up = tl.load(X + K + cols).to(tl.float32)
                 w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
             else:
                 mask_k = cols < K
-                x = tl.load(X + cols, mask=mask_k, other=0.0)
+                x = tl.load(X + cols, mask=mask_k, other=0.0).to(tl.float32)
+                if GATED:
+                    up = tl.load(X + K + cols, mask=mask_k, other=0.0).to(tl.float32)
                 w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
                             eviction_policy="evict_first")  # weights stream through once: keep L2 for the rest
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            if GATED:
+                # X = [gate | up]: x = silu(gate) * up, rounded to X's dtype twice as the silu_and_mul
+                # kernel rounds, so the product sees the same x bit for bit
+                act = tl.div_rn(x, 1.0 + tl.exp(-x)).to(X.dtype.element_ty).to(tl.float32)
+                x = (act * up).to(X.dtype.element_ty).to(tl.float32)
+            acc += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(B + rows, mask=mask_n, other=0.0).to(tl.float32)
@@ -97,27 +111,34 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, gated: bool = False) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x of one row: x [1, K] (or [K]), weight [N, K] with unit
-    stride on K, bias [N] or None; returns [1, N] (or [N]) in x's dtype. Launch-only (no host sync),
-    so it can be captured in CUDA graphs. Raises ValueError for more than one row or mismatched shapes."""
+    stride on K, bias [N] or None; returns [1, N] (or [N]) in x's dtype. `gated`: x is [gate | up]
+    of 2K columns and the product is `F.linear(silu_and_mul(x), weight, bias)` (the activation in
+    the kernel's prologue: one launch, the [K] intermediate never written). Launch-only (no host
+    sync), so it can be captured in CUDA graphs. Raises ValueError for more than one row or
+    mismatched shapes."""
     squeeze = x.dim() == 1
     x2 = x.reshape(1, -1) if squeeze else x
     if x2.dim() != 2 or x2.shape[0] != 1:
         raise ValueError(f"gemv: x must be one row ([K] or [1, K]), got {tuple(x.shape)}")
     n, k = weight.shape
-    if x2.shape[1] != k or weight.stride(1) != 1:
-        raise ValueError(f"gemv: x {tuple(x.shape)} / weight {tuple(weight.shape)} (unit stride on K needed)")
+    if x2.shape[1] != (2 * k if gated else k) or weight.stride(1) != 1:
+        raise ValueError(f"gemv: x {tuple(x.shape)} / weight {tuple(weight.shape)} (unit stride on K needed"
+                         + ("; gated: x has 2K columns)" if gated else ")"))
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"gemv: bias shape {tuple(bias.shape)} != ({n},)")
     xc = x2.contiguous()
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    cfg = config or default_config(n, k, _interpreting())
+    interpret = _interpreting()
+    cfg = config or default_config(n, k, interpret)
     grid = (triton_cdiv(n, cfg.block_n),)
-    _kernels(_interpreting()).gemv[grid](
+    pdl = cfg.pdl and not interpret
+    _kernels(interpret).gemv[grid](
         xc, weight, bias if bias is not None else xc, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GATED=gated, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return y.view(n) if squeeze else y
 

@@ -930,10 +930,10 @@ class Scheduler:
             return None
         bitmask = self._new_bitmask(len(items))
         matchers = [(i, items[i].req.grammar) for i in rows]
+        backend = self.grammar.ready_backend
 
         def fill() -> None:
-            for i, matcher in matchers:
-                matcher.fill_bitmask(bitmask, i)
+            backend.fill_bitmasks(bitmask, matchers)
 
         if self._mask_pool is None:  # one thread: a matcher is only ever used by one thread at a time
             self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
@@ -956,9 +956,10 @@ class Scheduler:
                 raise RuntimeError("token_bitmask_ready() of a batch launched ahead must be called on the thread "
                                    "that called launch_batch, before launch_batch returns")
             prev_step.process()
-            for i, it in enumerate(items):
-                if it.req.grammar is not None and not it.req.finished:
-                    it.req.grammar.fill_bitmask(bitmask, i)
+            rows = [(i, it.req.grammar) for i, it in enumerate(items)
+                    if it.req.grammar is not None and not it.req.finished]
+            if rows:
+                self.grammar.ready_backend.fill_bitmasks(bitmask, rows)
 
         return bitmask, ready
 

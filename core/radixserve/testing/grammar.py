@@ -4,7 +4,8 @@
 compiles constraints, walks random valid outputs with the bitmask (a stop token as soon as one is
 allowed), checks that each output fullmatches its regex or parses and follows its schema, that a
 masked-out token is refused without changing the state, that `rollback` restores the state, that
-bad constraints raise GrammarError, and that `apply_bitmask_inplace` masks exactly the cleared bits.
+bad constraints raise GrammarError, that `fill_bitmasks` over many rows equals per-row fills, and that
+`apply_bitmask_inplace` masks exactly the cleared bits.
 """
 
 from __future__ import annotations
@@ -180,7 +181,42 @@ def check_grammar_backend(
         with ThreadPoolExecutor(4) as pool:  # compile is called from several threads at once
             results = list(pool.map(lambda _: backend.compile(kind, text), range(4)))
         assert all(r is not None for r in results), f"{name}: concurrent compiles failed"
+    _check_fill_bitmasks(backend, tokenizer, name)
     _check_apply(backend, vocab, name)
+
+
+def _check_fill_bitmasks(backend: GrammarBackend, tokenizer: Any, name: str) -> None:
+    """`fill_bitmasks` over many rows (matchers of different constraints at different points, rows out
+    of order, some rows left alone) writes what each matcher's `fill_bitmask` writes, and only there."""
+    rng = random.Random(7)
+    cases = [(kind, text) for kind, text, _ in CASES if kind in backend.supported_kinds]
+    if not cases:
+        return
+    pairs = []
+    for row in range(3, 43, 2):  # 20 rows (enough for a backend's parallel path), every other row skipped
+        kind, text = cases[row % len(cases)]
+        m = backend.new_matcher(backend.compile(kind, text))
+        scratch = backend.allocate_bitmask(1)
+        for _ in range(rng.randrange(6)):  # walk a few allowed tokens in
+            allowed = _allowed(_fill_row(m, scratch), 0, backend.vocab_size)
+            choice = [t for t in allowed if t < len(tokenizer) and t != tokenizer.eos_token_id]
+            if not choice or not m.accept_token(rng.choice(choice)):
+                break
+        pairs.append((row, m))
+    rng.shuffle(pairs)
+    got = backend.allocate_bitmask(44)
+    got[:] = 0x5A5A5A5A
+    backend.fill_bitmasks(got, pairs)
+    want = backend.allocate_bitmask(44)
+    want[:] = 0x5A5A5A5A
+    for row, m in pairs:
+        m.fill_bitmask(want, row)
+    assert torch.equal(got, want), f"{name}.fill_bitmasks differs from filling each row with its matcher's fill_bitmask"
+
+
+def _fill_row(matcher, bitmask: torch.Tensor) -> torch.Tensor:
+    matcher.fill_bitmask(bitmask, 0)
+    return bitmask
 
 
 def _check_apply(backend: GrammarBackend, vocab: int, name: str) -> None:

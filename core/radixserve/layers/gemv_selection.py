@@ -1,0 +1,87 @@
+"""Which plain-weight linear layers run batch-1 steps on the Triton GEMV (`runtime.batch1_gemv`).
+
+The model runner calls `attach_batch1_gemv` once after loading: it gives each eligible layer a
+`gemv_config` attribute (a `triton_gemv.GemvConfig`, or None for the usual cuBLAS / CPU path), and
+`UnquantizedMethod.apply` runs one-row activations of that layer on the GEMV with it. The choice is
+per layer and explicit: nothing is held in a process-wide table, so two runners in one process (a
+drafter beside its target, a test beside another) decide independently.
+
+Where the configs come from: benchmarks/h200/gemv_vs_cublas.py on the H200 (sm90, bf16, session 5,
+benchmarks/results/h200-2026-12-04-s5/decode/gemv_vs_cublas.json). The GEMV was faster than cuBLAS
+on all four Llama-3.1-8B projections; `SM90_MEASURED` holds each one's best tile. Unmeasured shapes
+get `SM90_UNMEASURED` = (8, 512, 4 warps, 3 stages), the one tile that beat cuBLAS on all four
+measured shapes (qkv 14.4 vs 15.7 us, o 10.7 vs 13.4, gate_up 55.8 vs 57.0, down 31.4 vs 32.1), but
+only inside the measured envelope (N >= 4096 and K >= 4096: at least 512 programs for 132 SMs and
+rows long enough to stream); smaller shapes (small models, TP shards) keep cuBLAS, which may split
+K to fill the GPU where this kernel cannot. Other GPUs were not measured, so `auto` leaves them on
+cuBLAS; `on` uses the sm90 choice on any CUDA GPU (to measure one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+
+from radixserve.layers.triton_gemv import GemvConfig
+
+MODES = ("auto", "on", "off")
+
+# (N, K) of the weight -> the fastest tile measured on the H200 (us: Triton vs cuBLAS, bf16)
+SM90_MEASURED: dict[tuple[int, int], GemvConfig] = {
+    (6144, 4096): GemvConfig(8, 512, 4, 3),  # Llama-3.1-8B qkv: 14.39 vs 15.72
+    (4096, 4096): GemvConfig(16, 1024, 8, 2),  # o_proj: 10.29 vs 13.40
+    (28672, 4096): GemvConfig(16, 256, 4, 4),  # gate_up: 55.39 vs 57.03
+    (4096, 14336): GemvConfig(16, 1024, 8, 2),  # down: 29.35 vs 32.13
+}
+SM90_UNMEASURED = GemvConfig(8, 512, 4, 3)
+MIN_N = MIN_K = 4096  # the measured envelope's lower corner
+MEASURED_CAPABILITIES = ((9, 0),)
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def gemv_config_for_shape(n: int, k: int) -> GemvConfig | None:
+    """The tile for a [n, k] weight on sm90: the measured one, else the all-round one inside the
+    measured envelope, else None (cuBLAS)."""
+    if (n, k) in SM90_MEASURED:
+        return SM90_MEASURED[(n, k)]
+    return SM90_UNMEASURED if n >= MIN_N and k >= MIN_K else None
+
+
+def batch1_gemv_enabled(mode: str, device: torch.device) -> bool:
+    """Whether `runtime.batch1_gemv = mode` routes anything on `device`: `off` never, `on` on any
+    CUDA device, `auto` on CUDA devices of a measured compute capability (sm90). Raises ValueError
+    for another mode."""
+    if mode not in MODES:
+        raise ValueError(f"runtime.batch1_gemv={mode!r}: expected one of {', '.join(MODES)}")
+    if mode == "off" or device.type != "cuda":
+        return False
+    return mode == "on" or torch.cuda.get_device_capability(device) in MEASURED_CAPABILITIES
+
+
+def attach_batch1_gemv(model: nn.Module, mode: str, device: torch.device, pdl: bool = False) -> int:
+    """Set `gemv_config` on every plain-weight linear layer of `model` (those whose quant method is
+    `UnquantizedMethod` or a subclass keeping its `apply`, with a 2-D bf16/fp16 weight of unit stride
+    on K): the chosen tile, or None.
+    Returns how many layers got a tile. Call it after the weights are loaded, before CUDA graphs
+    are captured. `pdl`: tiles with programmatic dependent launch on sm90+ GPUs (`GemvConfig.pdl`;
+    not a default until measured: benchmarks/h200/profile_decode.py's `+pdl` variant)."""
+    from radixserve.layers.quant_unquantized import UnquantizedMethod
+
+    enabled = batch1_gemv_enabled(mode, device)
+    pdl = pdl and enabled and torch.cuda.get_device_capability(device) >= (9, 0)
+    routed = 0
+    for layer in model.modules():
+        method = getattr(layer, "quant_method", None)
+        # plain weights only: a subclass with its own `apply` (a weight source such as GGUF) may keep
+        # another layout under `weight`, which the GEMV (and the MLP's fold into it) would misread
+        if not isinstance(method, UnquantizedMethod) or type(method).apply is not UnquantizedMethod.apply:
+            continue
+        w = getattr(layer, "weight", None)
+        ok = enabled and isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype in _DTYPES and w.stride(1) == 1
+        layer.gemv_config = gemv_config_for_shape(*w.shape) if ok else None
+        if pdl and layer.gemv_config is not None:
+            layer.gemv_config = dataclasses.replace(layer.gemv_config, pdl=True)
+        routed += layer.gemv_config is not None
+    return routed
