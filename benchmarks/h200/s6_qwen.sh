@@ -1,8 +1,9 @@
 # Qwen3-30B-A3B batch-1 decode on the H200 (session 6, issue 16). Carry: .whl .gpu2 (wheels, SmolLM2 tokenizer).
-#   PARTS="g b p" bash benchmarks/h200/s6_qwen.sh    (default "g b p": ~5 min; "c" adds the offline peer run, ~6 min more)
+#   PARTS="g b p" bash benchmarks/h200/s6_qwen.sh    (default "g b p": ~2.5 min; "s" ~30 s more; "c" ~6 min more)
 # Parts (progress lines on stdout, JSON under $OUT, a summary in $OUT/summary.jsonl):
 #   g   greedy parity with transformers on the GPU (bf16, triton attention, CUDA graphs): tiny Llama and Qwen3
-#       (q/k norms in the rotary + KV-store kernel) and the families (Qwen3-MoE: the one-launch router)
+#       (q/k norms in the rotary + KV-store kernel); FAMILIES=1 adds the families (Qwen2/3-MoE, Gemma 3, ...)
+#   s   qwen3_shapes.py: the attention projections on cuBLAS vs the Triton GEMV tiles, the router 2 vs 1 launch
 #   b   Engine batch-1 decode, 128 in / 512 out (dummy bf16, triton attention, CUDA graphs) and the HBM
 #       limit measured in the same call (moe_limit.py): the issue's >= 70% target
 #   p   qwen3moe_profile.py: graph replay time and its kernels, eager kernels, the scheduler loop's host
@@ -21,10 +22,12 @@ last_json() { python3 -c "import json,sys; print(json.loads(open(sys.argv[1]).re
 
 if has g; then
   log "g: GPU parity (tiny Llama / Qwen3, then the families incl. Qwen2/3-MoE)"
-  timeout 150 python3 benchmarks/gpu_parity.py 2>&1 | grep -v Warning | tail -6
+  timeout 100 python3 benchmarks/gpu_parity.py 2>&1 | grep -v Warning | tail -6
   echo "{\"part\": \"g-tiny\", \"exit\": $?}" | tee -a $OUT/summary.jsonl
-  timeout 150 python3 benchmarks/gpu_parity.py --families 2>&1 | grep -v Warning | tail -12
-  echo "{\"part\": \"g-families\", \"exit\": $?}" | tee -a $OUT/summary.jsonl
+  if [ "${FAMILIES:-0}" = 1 ]; then
+    timeout 150 python3 benchmarks/gpu_parity.py --families 2>&1 | grep -v Warning | tail -12
+    echo "{\"part\": \"g-families\", \"exit\": $?}" | tee -a $OUT/summary.jsonl
+  fi
 fi
 if has b; then
   log "b: Engine batch-1 decode, 128 in / 512 out"
@@ -54,6 +57,10 @@ row = json.load(open(p)) if os.path.exists(p) else {}
 print(json.dumps({"part": "p", **{k: row.get(k) for k in ("static_sync_step_ms", "graph_replay_ms",
                  "graph_kernels_ms_per_step", "eager_kernel_launches_per_step", "sched_overlap")}}))
 PY
+fi
+if has s; then
+  log "s: Qwen3 projection shapes, cuBLAS vs the Triton GEMV tiles; the router, two launches vs one"
+  timeout 90 python3 benchmarks/h200/qwen3_shapes.py --out $OUT 2>&1 | grep -v Warning | tail -8
 fi
 if has c; then
   log "c: offline 1000 x 1024/256 and the HF peer (s5_moe.sh)"

@@ -386,7 +386,7 @@ def fused_select_experts(router_logits: torch.Tensor, cfg: RoutingConfig,
 # The router's linear and its routing in one launch (`fused_gate_select_experts`); "0" keeps the
 # linear layer + `fused_select_experts` (two launches) for A/B runs on the GPU.
 FUSED_GATE = os.environ.get("RADIXSERVE_MOE_FUSED_GATE", "1") != "0"
-GATE_ROWS = 4  # experts per program of the router's linear: 32 programs for 128 experts
+GATE_ROWS = 2  # experts per program of the router's linear: 64 programs for 128 experts
 
 
 def fused_gate_applies(x: torch.Tensor, gate_weight: torch.Tensor, cfg: RoutingConfig,
@@ -429,5 +429,5 @@ def fused_gate_select_experts(x: torch.Tensor, gate_weight: torch.Tensor, cfg: R
         x, gate_weight, logits, bias, weights, ids, arrivals, e, hidden, x.stride(0), gate_weight.stride(0),
         float(cfg.routed_scaling_factor), TOP_K=cfg.top_k, SIGMOID=cfg.scoring == "sigmoid",
         RENORMALIZE=cfg.renormalize, HAS_BIAS=correction_bias is not None, ROWS=GATE_ROWS,
-        BLOCK_K=min(512, _pow2(hidden)), BLOCK_E=_pow2(e), BLOCK_TOPK=_pow2(cfg.top_k), num_warps=4)
+        BLOCK_K=min(2048, _pow2(hidden)), BLOCK_E=_pow2(e), BLOCK_TOPK=_pow2(cfg.top_k), num_warps=4)
     return weights, ids
