@@ -86,8 +86,10 @@ def test_down_projection_sums_the_rows_in_its_last_program(monkeypatch):
     partial rows itself (no `sum_rows` launch): the same bits as the separate launch, for several
     tokens and a split reduction, and the arrival counters are all zero again afterwards."""
     gen = torch.Generator().manual_seed(9)
-    e, h, i = 8, 40, 72  # 40: a partial last column block of 16; I = 72: three 32-wide splits
-    blocks = small_m.SmallMBlocks(gate_up_n=16, gate_up_k=32, down_n=16, down_k=32)
+    # 40: a partial last column block of 16; I = 96: three 32-wide splits; K steps that divide H and
+    # the splits (the kernels' unmasked EVEN_K loads; the other tests take the masked ones)
+    e, h, i = 8, 40, 96
+    blocks = small_m.SmallMBlocks(gate_up_n=16, gate_up_k=8, down_n=16, down_k=32)
     w13 = torch.randn(e, 2 * i, h, generator=gen) * 0.2
     w2 = torch.randn(e, h, i, generator=gen) * 0.2
     x = torch.randn(3, h, generator=gen)

@@ -121,7 +121,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
     @triton.jit
     def gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, N, K: tl.constexpr, top_k, stride_xm, stride_we, stride_wn,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         """act[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]), fp32; e = ids[pair]."""
         pair = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -137,11 +137,18 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
-            k_ok = kk < K
-            xv = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            mask = n_ok[:, None] & k_ok[None, :]
-            acc_gate += tl.load(w_gate + kk[None, :], mask=mask, other=0.0).to(tl.float32) * xv
-            acc_up += tl.load(w_up + kk[None, :], mask=mask, other=0.0).to(tl.float32) * xv
+            # expert weights stream through once: evict them first, keep L2 for the activations
+            if EVEN_K:  # no K mask: whole vectors per load
+                xv = tl.load(x_row + kk).to(tl.float32)[None, :]
+                mask = n_ok[:, None]
+            else:
+                k_ok = kk < K
+                xv = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+                mask = n_ok[:, None] & k_ok[None, :]
+            acc_gate += tl.load(w_gate + kk[None, :], mask=mask, other=0.0,
+                                eviction_policy="evict_first").to(tl.float32) * xv
+            acc_up += tl.load(w_up + kk[None, :], mask=mask, other=0.0,
+                              eviction_policy="evict_first").to(tl.float32) * xv
         gate = tl.sum(acc_gate, axis=1)
         up = tl.sum(acc_up, axis=1)
         act = gate / (1.0 + tl.exp(-gate)) * up
@@ -150,7 +157,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     @triton.jit
     def down_kernel(act_ptr, w_ptr, out_ptr, weight_ptr, ids_ptr, N, K: tl.constexpr, k_per_split: tl.constexpr, stride_we, stride_wn,
                     final_ptr, arrivals_ptr, top_k, ROWS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSED_SUM: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSED_SUM: tl.constexpr, EVEN_K: tl.constexpr):
         """out[pair * splits + s, n] = weight[pair] * sum over k in split s of act[pair, k] * w[e, n, k].
         FUSED_SUM: the last of a (token, column block)'s top_k * splits programs to finish also does
         `sum_rows` for that block (same rows, same order) into final; ROWS = top_k * splits."""
@@ -168,9 +175,15 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, k_per_split, BLOCK_K):
             kk = k_start + k0 + offs_k
-            k_ok = kk < K
-            av = tl.load(act_row + kk, mask=k_ok, other=0.0)[None, :]
-            acc += tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * av
+            if EVEN_K:  # every split is whole BLOCK_K steps inside K: no K mask
+                av = tl.load(act_row + kk)[None, :]
+                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+            else:
+                k_ok = kk < K
+                av = tl.load(act_row + kk, mask=k_ok, other=0.0)[None, :]
+                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                            eviction_policy="evict_first")
+            acc += w.to(tl.float32) * av
         out = tl.sum(acc, axis=1) * tl.load(weight_ptr + pair)
         tl.store(out_ptr + (pair * splits + split).to(tl.int64) * N + offs_n, out, mask=n_ok)
         if FUSED_SUM:
@@ -324,14 +337,15 @@ def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     act = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
     kernels.gate_up[(pairs, _cdiv(inter, b.gate_up_n))](
         x, w13, act, ids, inter, hidden, top_k, x.stride(0), w13.stride(0), w13.stride(1),
-        BLOCK_N=b.gate_up_n, BLOCK_K=b.gate_up_k, num_warps=b.num_warps)
+        BLOCK_N=b.gate_up_n, BLOCK_K=b.gate_up_k, EVEN_K=hidden % b.gate_up_k == 0, num_warps=b.num_warps)
     partial = torch.empty((pairs * splits, hidden), dtype=torch.float32, device=x.device)
     n_blocks = _cdiv(hidden, b.down_n)
     arrivals = _sum_arrivals(x.device, t * n_blocks) if FUSED_SUM else None
     kernels.down[(pairs, n_blocks, splits)](
         act, w2, partial, weights, ids, hidden, inter, k_per_split, w2.stride(0), w2.stride(1),
         out, arrivals if arrivals is not None else ids, top_k, ROWS=top_k * splits,
-        BLOCK_N=b.down_n, BLOCK_K=b.down_k, FUSED_SUM=arrivals is not None, num_warps=b.num_warps)
+        BLOCK_N=b.down_n, BLOCK_K=b.down_k, FUSED_SUM=arrivals is not None,
+        EVEN_K=k_per_split * splits == inter, num_warps=b.num_warps)
     if arrivals is None:
         kernels.sum_rows[(t, _cdiv(hidden, b.sum_n))](partial, out, top_k * splits, hidden, BLOCK_N=b.sum_n)
     return out
