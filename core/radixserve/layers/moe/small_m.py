@@ -443,5 +443,6 @@ def fused_gate_select_experts(x: torch.Tensor, gate_weight: torch.Tensor, cfg: R
         x, gate_weight, logits, bias, weights, ids, arrivals, e, hidden, x.stride(0), gate_weight.stride(0),
         float(cfg.routed_scaling_factor), TOP_K=cfg.top_k, SIGMOID=cfg.scoring == "sigmoid",
         RENORMALIZE=cfg.renormalize, HAS_BIAS=correction_bias is not None, ROWS=GATE_ROWS,
-        BLOCK_K=min(2048, _pow2(hidden)), BLOCK_E=_pow2(e), BLOCK_TOPK=_pow2(cfg.top_k), num_warps=4)
+        BLOCK_K=min(1024, _pow2(hidden)), BLOCK_E=_pow2(e), BLOCK_TOPK=_pow2(cfg.top_k),
+        num_warps=1 if e <= 256 else 4)  # as the router kernel: the last program's top-k stays in shuffles
     return weights, ids
