@@ -6,8 +6,9 @@
 #   s   qwen3_shapes.py: the attention projections on cuBLAS vs the Triton GEMV tiles, the router 2 vs 1 launch
 #   b   Engine batch-1 decode, 128 in / 512 out (dummy bf16, triton attention, CUDA graphs) and the HBM
 #       limit measured in the same call (moe_limit.py): the issue's >= 70% target
-#   p   qwen3moe_profile.py: graph replay time and its kernels, eager kernels, the scheduler loop's host
-#       time per step and graph use
+#   p   qwen3moe_profile.py --quick: the one-launch router / fused expert sum checked on the GPU, graph replay
+#       time and its kernels, the scheduler loop's host time per step and graph use (PROFILE_ARGS= for the
+#       full profile with eager kernels and the no-overlap run)
 #   AB=1 also runs b with the one-launch MoE router and the fused expert sum off (RADIXSERVE_MOE_FUSED_GATE=0 _SUM=0)
 #   c   offline 1000 x 1024/256 (ours) and the HF transformers peer (s5_moe.sh PARTS=c)
 set -o pipefail
@@ -49,13 +50,13 @@ if [ "${AB:-0}" = 1 ]; then  # the one-launch router off (linear layer + router 
 fi
 if has p; then
   log "p: per-kernel profile of the batch-1 step"
-  timeout 280 python3 benchmarks/h200/qwen3moe_profile.py --out $OUT 2>&1 | grep -v Warning
+  timeout 150 python3 benchmarks/h200/qwen3moe_profile.py --out $OUT ${PROFILE_ARGS---quick} 2>&1 | grep -v Warning
   python3 - <<'PY' | tee -a $OUT/summary.jsonl
 import json, os
 p = os.path.join(os.environ["OUT"], "qwen3moe_profile.json")
 row = json.load(open(p)) if os.path.exists(p) else {}
 print(json.dumps({"part": "p", **{k: row.get(k) for k in ("static_sync_step_ms", "graph_replay_ms",
-                 "graph_kernels_ms_per_step", "eager_kernel_launches_per_step", "sched_overlap")}}))
+                 "graph_kernels_ms_per_step", "sched_overlap", "fused_gate_check")}}))
 PY
 fi
 if has s; then
