@@ -425,6 +425,48 @@ def test_decode_rotary_fused_store_is_bitwise_the_unfused_path(heads, rotary_dim
     assert_pool_written(p)
 
 
+@pytest.mark.parametrize("heads, rotary_dim", [((4, 2, 32), 32), ((4, 1, 64), 32)], ids=["gqa", "mqa-partial"])
+def test_decode_rotary_store_applies_the_qk_norm_in_the_same_kernel(heads, rotary_dim):
+    """With a `QKNorm` (Qwen3's per-head q/k RMSNorm) the rotary + store kernel normalises each head
+    first: output and pool equal the layer's norms (the Triton RMSNorm, as on CUDA), then the fused
+    rotary + store, to the last bit here (fp32; on the GPU to rounding) -- the partial-rotary tail too."""
+    from radixserve.layers import triton_ops
+    from radixserve.layers.attention import QKNorm
+    from radixserve.layers.norm import RMSNorm
+
+    h, kvh, d = heads
+    seqs = [5, 40, 23]
+    kwargs = {} if ON_GPU else {"min_split_tokens": 8, "max_kv_splits": 4, "sm_count": 8}
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    p = make_problem([s - 1 for s in seqs], [1] * 3, h, kvh, d, dtype, ForwardMode.DECODE, seed=21, **kwargs)
+    norms = [RMSNorm(d, 1e-6).to(device=DEVICE, dtype=dtype) for _ in range(2)]
+    torch.manual_seed(5)
+    for m in norms:
+        m.weight.data.copy_(1 + 0.3 * torch.randn(d))
+    qk_norm = QKNorm(*norms, d)
+    assert qk_norm.fusable
+    rot = _rotary(d, rotary_dim)
+    qkv = torch.cat([p.q, p.k_new, p.v_new], dim=1) * 3  # not unit scale: the norm must matter
+    q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=1)
+    positions = p.batch.seq_lens - 1
+    p.backend.init_forward_metadata(p.batch)
+    got = p.backend.forward_decode_rotary(q, k, v, positions, rot, p.layer, p.batch, qk_norm=qk_norm)
+    pool_got = [t.clone() for t in p.batch.kv_pool.get_kv(p.layer.layer_id)]
+    k_buf, v_buf = p.batch.kv_pool.get_kv(p.layer.layer_id)
+    k_buf.copy_(p.pool_before[0]), v_buf.copy_(p.pool_before[1])
+    qn = triton_ops.rmsnorm(q.reshape(3, h, d), norms[0].weight, 1e-6).reshape(3, -1)
+    kn = triton_ops.rmsnorm(k.reshape(3, kvh, d), norms[1].weight, 1e-6).reshape(3, -1)
+    assert not torch.allclose(qn, q)
+    q_rot, k_rot = triton_ops.rotary(qn, kn, *rot.cos_sin_tables(positions), d, rotary_dim, positions=positions)
+    want = p.backend.forward_decode(q_rot, k_rot, v, p.layer, p.batch)
+    if ON_GPU:  # the statistic's sum may run in another order than the RMSNorm kernel's
+        assert_close(got, want, dtype)
+        assert_close(pool_got[0], k_buf, dtype)
+    else:
+        assert torch.equal(got, want) and torch.equal(pool_got[0], k_buf)
+    assert torch.equal(pool_got[1], v_buf)
+
+
 def test_decode_rotary_falls_back_when_the_pool_dtype_differs():
     """A pool in another dtype than q (the fused store does not cast) takes rotary + set_kv."""
     p = make_problem([9], [1], 2, 1, 32, torch.float32, ForwardMode.DECODE, seed=2)
@@ -479,8 +521,8 @@ def test_radix_attention_fuses_rotary_only_where_declared():
     class Spy:
         fuses_rotary_with_kv_store = True
 
-        def forward_decode_rotary(self, q, k, v, positions, rotary, layer, batch):
-            calls.append("fused")
+        def forward_decode_rotary(self, q, k, v, positions, rotary, layer, batch, qk_norm=None):
+            calls.append("fused" if qk_norm is None else "fused+norm")
             return q
 
         def forward(self, q, k, v, layer, batch):
@@ -501,6 +543,45 @@ def test_radix_attention_fuses_rotary_only_where_declared():
     batch.mode = ForwardMode.DECODE
     attn.forward_rotary(positions, q, k, k, stock, batch)
     assert calls == ["fused", "plain", "plain", "plain"]
+
+
+def test_radix_attention_hands_the_qk_norm_to_the_kernel_only_where_declared():
+    """A fusable `QKNorm` reaches `forward_decode_rotary` only when the backend declares
+    `fuses_qk_norm_with_rotary`; otherwise (or for a norm that is not the core RMSNorm, e.g. a
+    subclass computing another recipe) the layer normalises q and k itself before the call."""
+    from radixserve.layers.attention import QKNorm, RadixAttention
+    from radixserve.layers.norm import RMSNorm
+
+    class Shifted(RMSNorm):
+        def forward(self, x, residual=None):
+            return x + 1
+
+    seen = []
+
+    class Spy:
+        fuses_rotary_with_kv_store = True
+        fuses_qk_norm_with_rotary = True
+
+        def forward_decode_rotary(self, q, k, v, positions, rotary, layer, batch, qk_norm=None):
+            seen.append((qk_norm, q))
+            return q
+
+    attn = RadixAttention(0, 2, 1, 32, 32**-0.5)
+    stock = _rotary(32, 32)
+    q, k = torch.randn(1, 64), torch.randn(1, 32)
+    batch = SimpleNamespace(mode=ForwardMode.DECODE, attn_backend=Spy())
+    positions = torch.tensor([3])
+    plain = QKNorm(RMSNorm(32), RMSNorm(32), 32)
+    other = QKNorm(Shifted(32), Shifted(32), 32)
+    assert plain.fusable and not other.fusable
+    assert not QKNorm(RMSNorm(32, 1e-6), RMSNorm(32, 1e-5), 32).fusable  # one eps for both
+    attn.forward_rotary(positions, q, k, k, stock, batch, plain)
+    assert seen[-1][0] is plain and torch.equal(seen[-1][1], q)  # unnormalised: the kernel does it
+    attn.forward_rotary(positions, q, k, k, stock, batch, other)
+    assert seen[-1][0] is None and torch.equal(seen[-1][1], q + 1)  # the layer applied it
+    Spy.fuses_qk_norm_with_rotary = False
+    attn.forward_rotary(positions, q, k, k, stock, batch, plain)
+    assert seen[-1][0] is None and torch.allclose(seen[-1][1], plain(q, k)[0])
 
 
 def test_decoder_layers_take_the_fused_store_with_the_same_result(monkeypatch):
@@ -529,7 +610,15 @@ def test_decoder_layers_take_the_fused_store_with_the_same_result(monkeypatch):
     p.batch.input_ids = torch.tensor([5, 17, 99], device=DEVICE)
     launches = []
     fused = backend_module.rotary_and_store
-    monkeypatch.setattr(backend_module, "rotary_and_store", lambda *a: launches.append(1) or fused(*a))
+    monkeypatch.setattr(backend_module, "rotary_and_store", lambda *a, **kw: launches.append(kw) or fused(*a, **kw))
+    rmsnorm = triton_ops.rmsnorm
+    norm_calls = []
+
+    def counted(*a, **kw):
+        norm_calls[:] = [(norm_calls or [0])[0] + 1]
+        return rmsnorm(*a, **kw)
+
+    monkeypatch.setattr(triton_ops, "rmsnorm", counted)
     buffers = p.batch.kv_pool.k_buffers + p.batch.kv_pool.v_buffers
     before = [t.clone() for t in buffers]
     results = []
@@ -543,6 +632,11 @@ def test_decoder_layers_take_the_fused_store_with_the_same_result(monkeypatch):
         results.append((hidden, [t.clone() for t in buffers]))
         assert p.batch.kv_pool.k_buffers[0][p.batch.out_cache_loc].abs().sum() > 0  # layer 0's new K is stored
         assert len(launches) == (1 if on else 0)  # one per layer
+        if on:  # Qwen3's q/k norms ride in that launch
+            assert launches[0]["qk_norm"] is not None and norm_calls == [3]
+        else:
+            assert norm_calls == [5]  # input, q, k, post-attention and final norms
+        norm_calls.clear()
         launches.clear()
     (h_on, pool_on), (h_off, pool_off) = results
     assert torch.isfinite(h_on).all() and torch.equal(h_on, h_off)

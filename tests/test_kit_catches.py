@@ -162,3 +162,22 @@ def test_the_attention_kit_checks_the_fused_rotary_store():
 
         with pytest.raises(AssertionError, match="forward_decode_rotary"):
             check_attention_backend(ForgetsOne, **SMALL)
+
+
+def test_the_attention_kit_checks_the_fused_qk_norm():
+    """A backend declaring `fuses_qk_norm_with_rotary` (plugin API 1.6) gets a `QKNorm` with the
+    fused rotary calls: the base class's default (norms, rotary, forward_decode) passes, one that
+    drops the norm fails naming it."""
+
+    class Fusing(ReferenceAttentionBackend):
+        fuses_rotary_with_kv_store = True
+        fuses_qk_norm_with_rotary = True
+
+    check_attention_backend(Fusing, **SMALL)
+
+    class DropsTheNorm(Fusing):
+        def forward_decode_rotary(self, q, k, v, positions, rotary, layer, batch, qk_norm=None):
+            return super().forward_decode_rotary(q, k, v, positions, rotary, layer, batch)
+
+    with pytest.raises(AssertionError, match="qk_norm"):
+        check_attention_backend(DropsTheNorm, **SMALL)

@@ -81,6 +81,28 @@ def test_small_path_bf16_and_split_down_projection():
     torch.testing.assert_close(got, fused_experts_reference(x, w13, w2, weights, ids), atol=3e-2, rtol=3e-2)
 
 
+def test_down_projection_sums_the_rows_in_its_last_program(monkeypatch):
+    """With FUSED_SUM the last program of each (token, column block) sums the token's top_k * splits
+    partial rows itself (no `sum_rows` launch): the same bits as the separate launch, for several
+    tokens and a split reduction, and the arrival counters are all zero again afterwards."""
+    gen = torch.Generator().manual_seed(9)
+    # 40: a partial last column block of 16; I = 96: three 32-wide splits; K steps that divide H and
+    # the splits (the kernels' unmasked EVEN_K loads; the other tests take the masked ones)
+    e, h, i = 8, 40, 96
+    blocks = small_m.SmallMBlocks(gate_up_n=16, gate_up_k=8, down_n=16, down_k=32)
+    w13 = torch.randn(e, 2 * i, h, generator=gen) * 0.2
+    w2 = torch.randn(e, h, i, generator=gen) * 0.2
+    x = torch.randn(3, h, generator=gen)
+    weights, ids = select_experts(torch.randn(3, e, generator=gen), RoutingConfig(top_k=2))
+    outs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(small_m, "FUSED_SUM", fused)
+        outs[fused] = small_m.small_m_fused_experts(x, w13, w2, weights, ids, splits=3, blocks=blocks)
+    assert torch.equal(outs[True], outs[False])
+    torch.testing.assert_close(outs[True], fused_experts_reference(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+    assert not any(buf.any() for buf in small_m._ARRIVALS[x.device])
+
+
 def test_small_path_is_batch_invariant():
     """A token's output is bit-identical alone and among other tokens (no atomics, no split that
     depends on the batch)."""
@@ -102,6 +124,42 @@ def test_fused_router_with_correction_bias():
     got_w, got_ids = small_m.fused_select_experts(logits, cfg, bias)
     assert torch.equal(got_ids, ids)
     torch.testing.assert_close(got_w, weights, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["softmax-renorm", "sigmoid-raw-scaled"])
+def test_one_launch_router_computes_the_gate_and_routes(case, as_if_on_cuda):
+    """`FusedMoE.forward_with_gate`: the router's linear and its top-k in one kernel (the last program
+    of each token routes it) give the ids and weights of the linear layer + `select_experts`, the
+    layer output of `layer(x, gate(x))`, and leave the arrival counters at zero for the next launch;
+    1 and 3 tokens, 33 experts (the last program holds a partial block of rows), a correction bias."""
+    from radixserve.layers.linear import ReplicatedLinear
+
+    cfg = ROUTINGS[case]
+    e = 33
+    torch.manual_seed(11)
+    layer = FusedMoE(e, H, INTER, cfg, correction_bias=True)
+    layer.w13_weight.data.normal_(0, 0.2), layer.w2_weight.data.normal_(0, 0.2)
+    layer.e_score_correction_bias.data.normal_(0, 0.1)
+    gate = ReplicatedLinear(H, e)
+    gate.weight.data.normal_(0, 0.5)
+    for m in (1, 3):
+        x = torch.randn(m, H)
+        logits = gate(x)
+        weights, ids = select_experts(logits, cfg, layer.e_score_correction_bias)
+        assert small_m.fused_gate_applies(x, gate.weight, cfg, layer._gate_arrivals)
+        got_w, got_ids = small_m.fused_gate_select_experts(x, gate.weight, cfg, layer._gate_arrivals,
+                                                           layer.e_score_correction_bias)
+        assert torch.equal(got_ids, ids) and got_ids.dtype == torch.int32
+        torch.testing.assert_close(got_w, weights, atol=1e-5, rtol=1e-4)
+        assert not layer._gate_arrivals.any()
+        torch.testing.assert_close(layer.forward_with_gate(x, gate), layer(x, logits), atol=1e-5, rtol=1e-5)
+    assert as_if_on_cuda == ["small"] * 4
+    # a gate with a bias, or more pairs than the small path takes: the linear layer, then the router
+    assert not small_m.fused_gate_applies(torch.randn(17, H), gate.weight, cfg, layer._gate_arrivals)
+    biased = ReplicatedLinear(H, e, bias=True)
+    biased.weight.data.copy_(gate.weight), biased.bias.data.normal_(0, 1.0)
+    x = torch.randn(1, H)
+    torch.testing.assert_close(layer.forward_with_gate(x, biased), layer(x, biased(x)), atol=0, rtol=0)
 
 
 def test_layer_takes_the_small_path_only_for_few_pairs(as_if_on_cuda, monkeypatch):

@@ -34,5 +34,8 @@ __version__ = "0.1.0"
 #      rotary fused with the KV store: AttentionBackend.fuses_rotary_with_kv_store / forward_decode_rotary,
 #      RadixAttention.forward_rotary, RotaryEmbedding.cos_sin_tables, radixserve.layers.rotary.is_stock_rotary
 # 1.6: GrammarBackend.fill_bitmasks (every constrained row of a step in one call; xgrammar fills them in
-#      parallel threads)
+#      parallel threads); per-head q/k norms in the decode rotary + KV-store kernel:
+#      radixserve.layers.attention.QKNorm, RadixAttention.forward_rotary(..., qk_norm=),
+#      AttentionBackend.fuses_qk_norm_with_rotary; FusedMoE.forward_with_gate,
+#      radixserve.layers.moe.small_m.fused_gate_select_experts
 PLUGIN_API_VERSION = "1.6"

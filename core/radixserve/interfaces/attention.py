@@ -154,6 +154,10 @@ class AttentionBackend(abc.ABC):
     # stores k, v into the pool). False: the layer applies rotary itself and calls `forward`, so a
     # backend that leaves it False sees no change. Added in plugin API 1.5.
     fuses_rotary_with_kv_store: bool = False
+    # True when `forward_decode_rotary` also takes `qk_norm` (a radixserve.layers.attention.QKNorm,
+    # only a `fusable` one) and applies the per-head q/k norms before the rotation, in the same
+    # kernel. False: the layer applies them first. Added in plugin API 1.6.
+    fuses_qk_norm_with_rotary: bool = False
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -247,13 +251,16 @@ class AttentionBackend(abc.ABC):
 
     def forward_decode_rotary(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, rotary,
-        layer: AttentionLayerSpec, batch: ForwardBatch,
+        layer: AttentionLayerSpec, batch: ForwardBatch, qk_norm=None,
     ) -> torch.Tensor:
         """`forward_decode` of q and k before rotary: the result must equal
         `forward_decode(*rotary(positions, q, k), v, layer, batch)`, and the pool must end up holding
         the rotated k, as that call leaves it; a backend overrides it to do the rotation in the same
         kernel that stores k and v. Called (by `RadixAttention.forward_rotary`) only for DECODE
         batches, only when `fuses_rotary_with_kv_store` is True, and only with a stock rotary.
+        `qk_norm` (a `QKNorm`, passed only to a backend declaring `fuses_qk_norm_with_rotary`): q
+        and k are also not yet normalised; the result must equal the call above on `qk_norm(q, k)`
+        up to rounding (the norm's fp32 statistic may be summed in another order).
 
         :param q: / `k`, `v`: as `forward_decode`, q and k not yet rotated.
         :param positions: int64 `[num_tokens]`, each token's position (`batch.positions`).
@@ -264,8 +271,10 @@ class AttentionBackend(abc.ABC):
             as the torch code does); `rotary(positions, q, k)` is the unfused computation.
         :return: as `forward_decode`.
 
-        Default: exactly the unfused computation. Added in plugin API 1.5.
+        Default: exactly the unfused computation. Added in plugin API 1.5; `qk_norm` in 1.6.
         """
+        if qk_norm is not None:
+            q, k = qk_norm(q, k)
         q, k = rotary(positions, q, k)
         return self.forward_decode(q, k, v, layer, batch)
 

@@ -48,16 +48,65 @@ class RadixAttention(nn.Module):
         return batch.attn_backend.forward(q, k, v, self, batch)
 
     def forward_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       rotary: nn.Module, batch: ForwardBatch) -> torch.Tensor:
-        """`forward(*rotary(positions, q, k), v, batch)`, letting a backend that declares
+                       rotary: nn.Module, batch: ForwardBatch, qk_norm: QKNorm | None = None) -> torch.Tensor:
+        """`forward(*rotary(positions, *qk_norm(q, k)), v, batch)`, letting a backend that declares
         `fuses_rotary_with_kv_store` rotate q and k in its KV-store kernel (decode batches, stock
-        `RotaryEmbedding` only; anything else takes the unfused path). Added in plugin API 1.5."""
+        `RotaryEmbedding` only; anything else takes the unfused path), and one that also declares
+        `fuses_qk_norm_with_rotary` apply a fusable `qk_norm` there too. Added in plugin API 1.5;
+        `qk_norm` in 1.6."""
         backend = batch.attn_backend
         if (getattr(backend, "fuses_rotary_with_kv_store", False) and batch.mode is ForwardMode.DECODE
                 and is_stock_rotary(rotary)):
+            if qk_norm is not None and getattr(backend, "fuses_qk_norm_with_rotary", False) and qk_norm.fusable:
+                return backend.forward_decode_rotary(q, k, v, positions, rotary, self, batch, qk_norm=qk_norm)
+            if qk_norm is not None:
+                q, k = qk_norm(q, k)
             return backend.forward_decode_rotary(q, k, v, positions, rotary, self, batch)
+        if qk_norm is not None:
+            q, k = qk_norm(q, k)
         q, k = rotary(positions, q, k)
         return self.forward(q, k, v, batch)
+
+
+class QKNorm:
+    """The per-head norms of q and k applied before rotary (Qwen3, Gemma 3): `(q, k) -> (q_norm over
+    each head of q, k_norm over each head of k)`, q [n, heads * head_dim] and k [n, kv_heads *
+    head_dim] (strided slices of a fused qkv output are fine). What `RadixAttention.forward_rotary`
+    hands a backend declaring `fuses_qk_norm_with_rotary`, which applies it in its rotary + KV-store
+    kernel only when `fusable`.
+
+    :param q_norm: / `k_norm`: modules normalising the last dim (head_dim values).
+    :param head_dim: the head size.
+
+    `fusable`: both are the core `RMSNorm` (its `forward`, not a subclass's) with the same eps and
+    weights of one dtype; then `q_weight`, `k_weight` ([head_dim]) and `eps` describe them
+    (RMSNorm's recipe: fp32 statistics, the normalised value rounded to the input dtype, times the
+    weight, rounded to the output dtype). Added in plugin API 1.6."""
+
+    def __init__(self, q_norm: nn.Module, k_norm: nn.Module, head_dim: int) -> None:
+        from radixserve.layers.norm import RMSNorm
+
+        self.q_norm, self.k_norm, self.head_dim = q_norm, k_norm, head_dim
+        stock = all(isinstance(m, RMSNorm) and type(m).forward is RMSNorm.forward for m in (q_norm, k_norm))
+        self.fusable = stock and q_norm.eps == k_norm.eps and q_norm.weight.dtype == k_norm.weight.dtype
+
+    @property
+    def q_weight(self) -> torch.Tensor:
+        return self.q_norm.weight
+
+    @property
+    def k_weight(self) -> torch.Tensor:
+        return self.k_norm.weight
+
+    @property
+    def eps(self) -> float:
+        return float(self.q_norm.eps)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = q.shape[0]
+        q = self.q_norm(q.reshape(n, -1, self.head_dim)).reshape(n, -1)
+        k = self.k_norm(k.reshape(n, -1, self.head_dim)).reshape(n, -1)
+        return q, k
 
 
 def check_backend_supports_layers(model: nn.Module, backend, backend_name: str) -> None:

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from radixserve.interfaces.quantization import QuantMethod
-from radixserve.layers.attention import RadixAttention
+from radixserve.layers.attention import QKNorm, RadixAttention
 from radixserve.layers.distributed import TPGroup
 from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from radixserve.layers.rotary import get_rope
@@ -69,9 +69,11 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias,
                                         quant_method=quant_method, tp_group=tp)
         self.qk_norm = qk_norm is not None
+        self._qk_norm = None
         if qk_norm is not None:
             self.q_norm = qk_norm(self.head_dim)
             self.k_norm = qk_norm(self.head_dim)
+            self._qk_norm = QKNorm(self.q_norm, self.k_norm, self.head_dim)  # may run in the rotary kernel
         self.rotary_emb = rotary_emb if rotary_emb is not None else get_rope(config, self.head_dim)
         self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.head_dim**-0.5 if scaling is None else scaling,
@@ -79,12 +81,9 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:  # over each head, before rotary
-            n = q.shape[0]
-            q = self.q_norm(q.reshape(n, -1, self.head_dim)).reshape(n, -1)
-            k = self.k_norm(k.reshape(n, -1, self.head_dim)).reshape(n, -1)
-        # rotary, then attention; a backend may fuse the rotation into its KV store (decode)
-        return self.o_proj(self.attn.forward_rotary(positions, q, k, v, self.rotary_emb, batch))
+        # q/k norms over each head, rotary, then attention; a backend may fuse the norms and the
+        # rotation into its KV store (decode)
+        return self.o_proj(self.attn.forward_rotary(positions, q, k, v, self.rotary_emb, batch, self._qk_norm))
 
 
 class SwiGLUMLP(nn.Module):

@@ -17,7 +17,9 @@ For a backend with `fuses_rotary_with_kv_store = True` (plugin API 1.5) every DE
 through `forward_decode_rotary` with unrotated q, k and a stock `RotaryEmbedding` (partial rotary
 where the head size allows), the reference getting the layer's own `rotary(positions, q, k)`: the
 outputs must match as above and the pools too, the new slots up to the tolerance (a fused kernel may
-round the rotation differently from the CPU layer's), every other slot exactly."""
+round the rotation differently from the CPU layer's), every other slot exactly. With
+`fuses_qk_norm_with_rotary = True` too (plugin API 1.6) those calls also carry a `QKNorm` (per-head
+RMSNorm of q and k, random weights) and the reference gets `qk_norm(q, k)` before the rotation."""
 
 from __future__ import annotations
 
@@ -271,19 +273,26 @@ class _Scenario:
         if decode_rows:
             what += f", rows sharing requests {[i for i, n in picks for _ in range(n)]}"
         rotary = self._fused_rotary() if mode is ForwardMode.DECODE else None
+        qk_norm = None
         if rotary is not None:
             what += f", through forward_decode_rotary (rotary_dim {rotary.rotary_dim})"
+            if getattr(self.test.backend, "fuses_qk_norm_with_rotary", False):
+                qk_norm = self._qk_norm(inputs[0].dtype)
+                what += " with a per-head q/k RMSNorm (qk_norm)"
         outs = []
         for twin in (self.test, self.ref):
             batch = self._batch(mode, twin, rows, prefix_lens, extend_lens, new_slots, blocks)
             twin.backend.init_forward_metadata(batch)
             if twin is self.test:
                 self._assert_pools_equal(f"{what}: init_forward_metadata wrote to the KV pool")
+                norm_kw = {} if qk_norm is None else {"qk_norm": qk_norm}
                 out = (self._run_test(inputs, batch) if rotary is None else self.test.backend.forward_decode_rotary(
-                    *inputs, batch.positions, rotary, self.layer, batch))
+                    *inputs, batch.positions, rotary, self.layer, batch, **norm_kw))
             else:
                 if rotary is not None:
                     q, k, v = inputs
+                    if qk_norm is not None:
+                        q, k = qk_norm(q, k)
                     inputs = (*rotary(batch.positions, q, k), v)
                 out = self._run_reference(inputs, batch)
             outs.append(out)
@@ -342,6 +351,18 @@ class _Scenario:
         d = self.heads[2]
         rotary_dim = d // 2 if d % 4 == 0 else d  # partial rotary where the halves stay even
         return RotaryEmbedding(d, rotary_dim, self.context, {"rope_type": "default", "rope_theta": 10000.0})
+
+    def _qk_norm(self, dtype: torch.dtype):
+        """A fusable QKNorm with random weights of the given dtype (the scenario's head size)."""
+        from radixserve.layers.attention import QKNorm
+        from radixserve.layers.norm import RMSNorm
+
+        d = self.heads[2]
+        gen = torch.Generator().manual_seed(self.seed)
+        norms = [RMSNorm(d, 1e-6, params_dtype=dtype).to(self.device) for _ in range(2)]
+        for m in norms:
+            m.weight.data.copy_(1 + 0.3 * torch.randn(d, generator=gen))
+        return QKNorm(*norms, d)
 
     def _assert_pools_equal(self, message: str, loose_slots: Sequence[int] | None = None) -> None:
         """Both twins' pools equal: exactly, except `loose_slots`, compared up to the tolerance and then

@@ -71,6 +71,9 @@ class FusedMoE(nn.Module):
                                                         requires_grad=False)
         else:
             self.register_parameter("e_score_correction_bias", None)
+        # per-token arrival counters of the one-launch router (forward_with_gate), zeros between launches
+        self.register_buffer("_gate_arrivals", torch.zeros(small_m.SMALL_M_MAX_PAIRS, dtype=torch.int32),
+                             persistent=False)
 
     @staticmethod
     def map_checkpoint_name(name: str, gate: str = "gate_proj", up: str = "up_proj",
@@ -145,6 +148,21 @@ class FusedMoE(nn.Module):
         else:
             weights, ids = select_experts(router_logits, self.routing, self.e_score_correction_bias)
         return self.quant_method.apply_moe(self, x, weights, ids)
+
+    def forward_with_gate(self, x: torch.Tensor, gate: nn.Module) -> torch.Tensor:
+        """`forward(x, gate(x))` for a router `gate` (a linear layer): where the one-launch router
+        applies (CUDA, a small batch, an unquantized bias-free gate in x's dtype, no expert groups:
+        `small_m.fused_gate_applies`) the router's linear and its top-k run in one kernel
+        (`small_m.fused_gate_select_experts`), otherwise exactly `forward(x, gate(x))`.
+        Added in plugin API 1.6."""
+        w = getattr(gate, "weight", None)
+        if (isinstance(w, torch.Tensor) and getattr(gate, "bias", None) is None
+                and isinstance(getattr(gate, "quant_method", None), UnquantizedMethod)
+                and small_m.fused_gate_applies(x, w, self.routing, self._gate_arrivals)):
+            weights, ids = small_m.fused_gate_select_experts(x, w, self.routing, self._gate_arrivals,
+                                                             self.e_score_correction_bias)
+            return self.quant_method.apply_moe(self, x, weights, ids)
+        return self(x, gate(x))
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "

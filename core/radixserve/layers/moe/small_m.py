@@ -121,7 +121,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
     @triton.jit
     def gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, N, K: tl.constexpr, top_k, stride_xm, stride_we, stride_wn,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         """act[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]), fp32; e = ids[pair]."""
         pair = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -137,11 +137,18 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
-            k_ok = kk < K
-            xv = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            mask = n_ok[:, None] & k_ok[None, :]
-            acc_gate += tl.load(w_gate + kk[None, :], mask=mask, other=0.0).to(tl.float32) * xv
-            acc_up += tl.load(w_up + kk[None, :], mask=mask, other=0.0).to(tl.float32) * xv
+            # expert weights stream through once: evict them first, keep L2 for the activations
+            if EVEN_K:  # no K mask: whole vectors per load
+                xv = tl.load(x_row + kk).to(tl.float32)[None, :]
+                mask = n_ok[:, None]
+            else:
+                k_ok = kk < K
+                xv = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+                mask = n_ok[:, None] & k_ok[None, :]
+            acc_gate += tl.load(w_gate + kk[None, :], mask=mask, other=0.0,
+                                eviction_policy="evict_first").to(tl.float32) * xv
+            acc_up += tl.load(w_up + kk[None, :], mask=mask, other=0.0,
+                              eviction_policy="evict_first").to(tl.float32) * xv
         gate = tl.sum(acc_gate, axis=1)
         up = tl.sum(acc_up, axis=1)
         act = gate / (1.0 + tl.exp(-gate)) * up
@@ -149,8 +156,11 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
     @triton.jit
     def down_kernel(act_ptr, w_ptr, out_ptr, weight_ptr, ids_ptr, N, K: tl.constexpr, k_per_split: tl.constexpr, stride_we, stride_wn,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[pair * splits + s, n] = weight[pair] * sum over k in split s of act[pair, k] * w[e, n, k]."""
+                    final_ptr, arrivals_ptr, top_k, ROWS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSED_SUM: tl.constexpr, EVEN_K: tl.constexpr):
+        """out[pair * splits + s, n] = weight[pair] * sum over k in split s of act[pair, k] * w[e, n, k].
+        FUSED_SUM: the last of a (token, column block)'s top_k * splits programs to finish also does
+        `sum_rows` for that block (same rows, same order) into final; ROWS = top_k * splits."""
         pair = tl.program_id(0)
         pid_n = tl.program_id(1)
         split = tl.program_id(2)
@@ -165,11 +175,30 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, k_per_split, BLOCK_K):
             kk = k_start + k0 + offs_k
-            k_ok = kk < K
-            av = tl.load(act_row + kk, mask=k_ok, other=0.0)[None, :]
-            acc += tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * av
+            if EVEN_K:  # every split is whole BLOCK_K steps inside K: no K mask
+                av = tl.load(act_row + kk)[None, :]
+                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+            else:
+                k_ok = kk < K
+                av = tl.load(act_row + kk, mask=k_ok, other=0.0)[None, :]
+                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                            eviction_policy="evict_first")
+            acc += w.to(tl.float32) * av
         out = tl.sum(acc, axis=1) * tl.load(weight_ptr + pair)
         tl.store(out_ptr + (pair * splits + split).to(tl.int64) * N + offs_n, out, mask=n_ok)
+        if FUSED_SUM:
+            # publish the partial (stores before the barrier, release-acquire atomic); the block's last
+            # program reads the token's rows past L1 (.cg), sums them in index order, resets the counter
+            tl.debug_barrier()
+            token = pair // top_k
+            counter = arrivals_ptr + token * tl.num_programs(1) + pid_n
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == ROWS - 1:
+                tl.store(counter, 0)
+                base = out_ptr + (token * ROWS).to(tl.int64) * N + offs_n
+                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for r in range(0, ROWS):
+                    total += tl.load(base + r * N, mask=n_ok, other=0.0, cache_modifier=".cg")
+                tl.store(final_ptr + token.to(tl.int64) * N + offs_n, total.to(final_ptr.dtype.element_ty), mask=n_ok)
 
     @triton.jit
     def sum_rows_kernel(buf_ptr, out_ptr, R: tl.constexpr, N, BLOCK_N: tl.constexpr):
@@ -218,7 +247,66 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         tl.store(weights_ptr + t * TOP_K + slots, chosen_w, mask=keep)
         tl.store(ids_ptr + t * TOP_K + slots, chosen_ids, mask=keep)
 
-    return SimpleNamespace(gate_up=gate_up_kernel, down=down_kernel, sum_rows=sum_rows_kernel, router=router_kernel)
+    @triton.jit
+    def gate_router_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, weights_ptr, ids_ptr, arrivals_ptr, E,
+                           K: tl.constexpr, stride_xm, stride_we, scale,
+                           TOP_K: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr):
+        """The router's linear (ROWS experts' logits per program, rounded to x's dtype as the linear
+        layer's output is) and, in the program of the token that arrives last, its routing."""
+        t = tl.program_id(0)
+        pid = tl.program_id(1)
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        rows_ok = rows < E
+        offs_k = tl.arange(0, BLOCK_K)
+        x_row = x_ptr + t.to(tl.int64) * stride_xm
+        w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_we
+        acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            k_ok = kk < K
+            xv = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(w_rows + kk[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * xv
+        logit = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(logits_ptr + t.to(tl.int64) * E + rows, logit, mask=rows_ok)
+        # publish the logits: every thread's stores before the barrier, the release-acquire atomic hands
+        # them to the token's last program, which reads them past L1 (.cg) and resets the counter
+        tl.debug_barrier()
+        if tl.atomic_add(arrivals_ptr + t, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
+            tl.store(arrivals_ptr + t, 0)
+            offs = tl.arange(0, BLOCK_E)
+            ok = offs < E
+            logits = tl.load(logits_ptr + t.to(tl.int64) * E + offs, mask=ok, other=float("-inf"),
+                             cache_modifier=".cg")
+            if SIGMOID:
+                scores = 1.0 / (1.0 + tl.exp(-logits))
+            else:
+                p = tl.exp(logits - tl.max(logits, axis=0))
+                p = tl.where(ok, p, 0.0)
+                scores = p / tl.sum(p, axis=0)
+            choice = scores
+            if HAS_BIAS:
+                choice = scores + tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            choice = tl.where(ok, choice, float("-inf"))
+            slots = tl.arange(0, BLOCK_TOPK)
+            chosen_ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
+            chosen_w = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
+            for j in tl.static_range(TOP_K):
+                best = tl.minimum(tl.argmax(choice, axis=0), E - 1)
+                w = tl.sum(tl.where(offs == best, scores, 0.0), axis=0)
+                chosen_ids = tl.where(slots == j, best.to(tl.int32), chosen_ids)
+                chosen_w = tl.where(slots == j, w, chosen_w)
+                choice = tl.where(offs == best, float("-inf"), choice)
+            if RENORMALIZE:
+                chosen_w = chosen_w / tl.maximum(tl.sum(chosen_w, axis=0), 1e-20)
+            chosen_w = chosen_w * scale
+            keep = slots < TOP_K
+            tl.store(weights_ptr + t * TOP_K + slots, chosen_w, mask=keep)
+            tl.store(ids_ptr + t * TOP_K + slots, chosen_ids, mask=keep)
+
+    return SimpleNamespace(gate_up=gate_up_kernel, down=down_kernel, sum_rows=sum_rows_kernel, router=router_kernel,
+                           gate_router=gate_router_kernel)
 
 
 def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -249,13 +337,34 @@ def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     act = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
     kernels.gate_up[(pairs, _cdiv(inter, b.gate_up_n))](
         x, w13, act, ids, inter, hidden, top_k, x.stride(0), w13.stride(0), w13.stride(1),
-        BLOCK_N=b.gate_up_n, BLOCK_K=b.gate_up_k, num_warps=b.num_warps)
+        BLOCK_N=b.gate_up_n, BLOCK_K=b.gate_up_k, EVEN_K=hidden % b.gate_up_k == 0, num_warps=b.num_warps)
     partial = torch.empty((pairs * splits, hidden), dtype=torch.float32, device=x.device)
-    kernels.down[(pairs, _cdiv(hidden, b.down_n), splits)](
+    n_blocks = _cdiv(hidden, b.down_n)
+    arrivals = _sum_arrivals(x.device, t * n_blocks) if FUSED_SUM else None
+    kernels.down[(pairs, n_blocks, splits)](
         act, w2, partial, weights, ids, hidden, inter, k_per_split, w2.stride(0), w2.stride(1),
-        BLOCK_N=b.down_n, BLOCK_K=b.down_k, num_warps=b.num_warps)
-    kernels.sum_rows[(t, _cdiv(hidden, b.sum_n))](partial, out, top_k * splits, hidden, BLOCK_N=b.sum_n)
+        out, arrivals if arrivals is not None else ids, top_k, ROWS=top_k * splits,
+        BLOCK_N=b.down_n, BLOCK_K=b.down_k, FUSED_SUM=arrivals is not None,
+        EVEN_K=k_per_split * splits == inter, num_warps=b.num_warps)
+    if arrivals is None:
+        kernels.sum_rows[(t, _cdiv(hidden, b.sum_n))](partial, out, top_k * splits, hidden, BLOCK_N=b.sum_n)
     return out
+
+
+# The per-token sum of the down projection's rows done by the last program of each column block
+# (no `sum_rows` launch; the same sum in the same order). "0" keeps the separate launch (A/B runs).
+FUSED_SUM = os.environ.get("RADIXSERVE_MOE_FUSED_SUM", "1") != "0"
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _sum_arrivals(device: torch.device, n: int) -> torch.Tensor:
+    """An all-zero int32 buffer of at least n counters on `device`, left all zero by each launch. A
+    larger one replaces it for later calls, but every buffer stays alive: a captured CUDA graph keeps
+    the address it recorded."""
+    held = _ARRIVALS.setdefault(device, [])
+    if not held or held[-1].numel() < n:
+        held.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return held[-1]
 
 
 def fused_router_applies(router_logits: torch.Tensor, cfg: RoutingConfig) -> bool:
@@ -285,4 +394,55 @@ def fused_select_experts(router_logits: torch.Tensor, cfg: RoutingConfig,
         TOP_K=cfg.top_k, SIGMOID=cfg.scoring == "sigmoid", RENORMALIZE=cfg.renormalize,
         HAS_BIAS=correction_bias is not None, BLOCK_E=_pow2(e), BLOCK_TOPK=_pow2(cfg.top_k),
         num_warps=1 if e <= 256 else 4)  # one warp: the top-k's reductions stay in shuffles, no barriers
+    return weights, ids
+
+
+# The router's linear and its routing in one launch (`fused_gate_select_experts`); "0" keeps the
+# linear layer + `fused_select_experts` (two launches) for A/B runs on the GPU.
+FUSED_GATE = os.environ.get("RADIXSERVE_MOE_FUSED_GATE", "1") != "0"
+GATE_ROWS = 2  # experts per program of the router's linear: 64 programs for 128 experts
+
+
+def fused_gate_applies(x: torch.Tensor, gate_weight: torch.Tensor, cfg: RoutingConfig,
+                       arrivals: torch.Tensor) -> bool:
+    """True when `fused_gate_select_experts` serves this call: the fused router applies
+    (`fused_router_applies` on x's rows), the gate weight is a plain [E, H] matrix in x's dtype and
+    the arrival counters cover the tokens."""
+    if not FUSED_GATE or gate_weight.dim() != 2 or gate_weight.dtype != x.dtype or gate_weight.stride(1) != 1:
+        return False
+    if cfg.num_expert_group is not None and cfg.num_expert_group > 1:
+        return False
+    t = x.shape[0]
+    return (available(x) and t <= arrivals.numel() and x.shape[1] == gate_weight.shape[1]
+            and use_small_m(t * cfg.top_k, gate_weight.shape[0]))
+
+
+def fused_gate_select_experts(x: torch.Tensor, gate_weight: torch.Tensor, cfg: RoutingConfig,
+                              arrivals: torch.Tensor, correction_bias: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_experts(x @ gate_weight.T, cfg)` in one launch: programs of GATE_ROWS experts compute
+    the router logits (fp32 sums rounded to x's dtype, as the linear layer returns them); the last
+    program of each token to finish (an arrival counter) routes it as `fused_select_experts`.
+
+    :param x: [T, H]; gate_weight: [E, H] in x's dtype, unit stride on H.
+    :param arrivals: int32 [>= T] all zeros; left all zeros (reset by the last program).
+    :returns: (weights fp32 [T, top_k], expert ids int32 [T, top_k]).
+    Added in plugin API 1.6."""
+    t, hidden = x.shape
+    e = gate_weight.shape[0]
+    if arrivals.dtype != torch.int32 or arrivals.numel() < t:
+        raise ValueError(f"fused_gate_select_experts: arrivals must be int32 with >= {t} elements")
+    weights = torch.empty((t, cfg.top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((t, cfg.top_k), dtype=torch.int32, device=x.device)
+    if t == 0:
+        return weights, ids
+    x = x if x.stride(1) == 1 else x.contiguous()
+    logits = torch.empty((t, e), dtype=torch.float32, device=x.device)
+    bias = correction_bias if correction_bias is not None else weights
+    _kernels(_interpreting()).gate_router[(t, _cdiv(e, GATE_ROWS))](
+        x, gate_weight, logits, bias, weights, ids, arrivals, e, hidden, x.stride(0), gate_weight.stride(0),
+        float(cfg.routed_scaling_factor), TOP_K=cfg.top_k, SIGMOID=cfg.scoring == "sigmoid",
+        RENORMALIZE=cfg.renormalize, HAS_BIAS=correction_bias is not None, ROWS=GATE_ROWS,
+        BLOCK_K=min(1024, _pow2(hidden)), BLOCK_E=_pow2(e), BLOCK_TOPK=_pow2(cfg.top_k),
+        num_warps=1 if e <= 256 else 4)  # as the router kernel: the last program's top-k stays in shuffles
     return weights, ids

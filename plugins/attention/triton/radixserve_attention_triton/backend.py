@@ -87,6 +87,7 @@ class TritonAttentionBackend(AttentionBackend):
     # fp8 pools (plugin API 1.5): both kernels load float8_e4m3fn tiles and apply the layer's scales
     supports_fp8_kv_cache = True
     fuses_rotary_with_kv_store = True  # forward_decode_rotary (plugin API 1.5); off: fuse_rotary_store=False
+    fuses_qk_norm_with_rotary = True  # forward_decode_rotary(..., qk_norm=) (plugin API 1.6): in the same kernel
 
     def __init__(
         self,
@@ -253,18 +254,26 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward_decode_rotary(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, rotary: Any,
-        layer: AttentionLayerSpec, batch: ForwardBatch,
+        layer: AttentionLayerSpec, batch: ForwardBatch, qk_norm: Any = None,
     ) -> torch.Tensor:
-        """One kernel rotates q and k and stores k, v (`rotary_store_kernel`), then decode attention;
-        the unfused path (rotary, then `forward_decode`) when the switch is off or the pool's dtype
-        differs from q's (the fused store does not cast)."""
+        """One kernel (per-head q/k RMSNorm when `qk_norm` is given,) rotates q and k and stores k, v
+        (`rotary_store_kernel`), then decode attention; the unfused path (norms, rotary, then
+        `forward_decode`) when the switch is off or the pool's dtype differs from q's (the fused
+        store does not cast)."""
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        norm = None
+        if qk_norm is not None:
+            norm = (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps)
         if (not self.fuse_rotary_store or not q.dtype == k.dtype == v.dtype == k_buf.dtype == v_buf.dtype
-                or rotary.head_dim != layer.head_dim or k_buf.stride(-1) != 1 or v_buf.stride(-1) != 1):
+                or rotary.head_dim != layer.head_dim or k_buf.stride(-1) != 1 or v_buf.stride(-1) != 1
+                or (norm is not None and not norm[0].dtype == norm[1].dtype == q.dtype)):
+            if qk_norm is not None:
+                q, k = qk_norm(q, k)
             q, k = rotary(positions, q, k)
             return self.forward_decode(q, k, v, layer, batch)
         cos, sin = rotary.cos_sin_tables(positions)
-        q_rot = rotary_and_store(q, k, v, positions, cos, sin, rotary.rotary_dim, k_buf, v_buf, batch.out_cache_loc)
+        q_rot = rotary_and_store(q, k, v, positions, cos, sin, rotary.rotary_dim, k_buf, v_buf, batch.out_cache_loc,
+                                 qk_norm=norm)
         return self._decode_from_pool(q_rot.view(-1, layer.num_heads, layer.head_dim), layer, batch)
 
     def _decode_from_pool(self, q3: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:

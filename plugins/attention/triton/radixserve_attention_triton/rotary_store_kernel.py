@@ -1,4 +1,5 @@
-"""Rotary fused with the KV store: one launch rotates q, rotates k and writes k and v into their pool slots.
+"""Rotary fused with the KV store: one launch rotates q, rotates k and writes k and v into their pool slots
+(and, for Qwen3-style layers, applies the per-head q/k RMSNorm first).
 
 A decode step otherwise runs three kernels per layer for this (the rotary kernel, then one
 `index_put_` each for k and v); at batch 1 each is a few microseconds of mostly launch latency.
@@ -30,6 +31,9 @@ def _rotary_store_kernel(
     C,
     S,
     P,
+    QW,
+    KW,
+    eps,
     stride_q,
     stride_k,
     stride_v,
@@ -48,6 +52,7 @@ def _rotary_store_kernel(
     REST_BLOCK: tl.constexpr,
     D_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
     # grid: (token, head block); blocks [0, qb) rotate q heads, [qb, qb + kb) rotate k heads into the
     # pool, the rest copy v heads into the pool
@@ -69,17 +74,29 @@ def _rotary_store_kernel(
         mask_h = heads < NQ
         src = Q + row * stride_q + heads[:, None] * HEAD_DIM
         dst = QO + row * (NQ * HEAD_DIM) + heads[:, None] * HEAD_DIM
+        norm_w = QW
     else:
         heads = (hb - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_h = heads < NK
         src = K + row * stride_k + heads[:, None] * HEAD_DIM
         dst = K_buf + slot * stride_kbs + heads[:, None] * stride_kbh
+        norm_w = KW
     d = tl.arange(0, HALF_BLOCK)
     mask_d = d < HALF
     mask = mask_h[:, None] & mask_d[None, :]
     x1 = tl.load(src + d[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
     dt = QO.dtype.element_ty
+    if HAS_NORM:  # per-head RMSNorm before the rotation (Qwen3's q_norm / k_norm), triton_ops.rmsnorm's recipe
+        # the statistic over the whole head in one reduction, as the rmsnorm kernel takes it
+        dd = tl.arange(0, D_BLOCK)
+        xs = tl.load(src + dd[None, :], mask=mask_h[:, None] & (dd < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(xs * xs, axis=1) / HEAD_DIM + eps)[:, None]
+        w1 = tl.load(norm_w + d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(norm_w + HALF + d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+        # cast the normalised value to the dtype, multiply by the weight, round again (norm's output)
+        x1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        x2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
     # C/S: the whole fp32 cos/sin caches; gather row positions[token] and round it like `cos.to(q.dtype)`
     crow = tl.load(P + row).to(tl.int64)
     c1 = tl.load(C + crow * stride_c + d, mask=mask_d, other=0.0).to(dt).to(tl.float32)[None, :]
@@ -96,6 +113,9 @@ def _rotary_store_kernel(
         r = tl.arange(0, REST_BLOCK)
         rmask = mask_h[:, None] & (r < REST)[None, :]
         tail = tl.load(src + 2 * HALF + r[None, :], mask=rmask, other=0.0)
+        if HAS_NORM:
+            wt = tl.load(norm_w + 2 * HALF + r, mask=r < REST, other=0.0).to(tl.float32)[None, :]
+            tail = ((tail.to(tl.float32) * rstd).to(dt).to(tl.float32) * wt).to(dt)
         tl.store(dst + 2 * HALF + r[None, :], tail.to(ot), mask=rmask)
 
 
@@ -115,6 +135,7 @@ def rotary_and_store(
     k_buf: torch.Tensor,
     v_buf: torch.Tensor,
     loc: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Rotate q and k (neox layout, the first `rotary_dim` dims of each head) and store the rotated k
     and v at slots `loc` of `k_buf` / `v_buf`, in one kernel. Returns the rotated q, a new
@@ -122,7 +143,12 @@ def rotary_and_store(
 
     q: [n, H*D], k/v: [n, KVH*D] (rows may be strided slices of a fused qkv output); positions: [n];
     cos/sin: the whole fp32 caches [max_position, rotary_dim]; k_buf/v_buf: [slots, KVH, D] with
-    unit stride on D; loc: [n] slots. Nothing is read back to the host (CUDA-graph safe)."""
+    unit stride on D; loc: [n] slots. Nothing is read back to the host (CUDA-graph safe).
+
+    `qk_norm` = (q_weight [D], k_weight [D], eps): first RMSNorm each head of q and of k (Qwen3's
+    q_norm / k_norm, the recipe of `radixserve.layers.triton_ops.rmsnorm`: fp32 statistics, the
+    normalised value rounded to q's dtype, times the weight, rounded again); the weights must have
+    q's dtype."""
     n = q.shape[0]
     num_kv_heads, head_dim = k_buf.shape[1], k_buf.shape[2]
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
@@ -136,6 +162,15 @@ def rotary_and_store(
     c2, s2 = _rows(cos, rotary_dim), _rows(sin, rotary_dim)
     nq = q2.shape[1] // head_dim
     q_out = torch.empty((n, nq * head_dim), dtype=q.dtype, device=q.device)
+    if qk_norm is not None:
+        q_w, k_w, eps = qk_norm
+        if q_w.shape != (head_dim,) or k_w.shape != (head_dim,) or q_w.dtype != q.dtype or k_w.dtype != q.dtype:
+            raise ValueError(f"rotary_and_store: q/k norm weights {tuple(q_w.shape)} {q_w.dtype}, {tuple(k_w.shape)} "
+                             f"{k_w.dtype} must be [head_dim={head_dim}] in q's dtype {q.dtype}")
+        q_w, k_w = q_w.contiguous(), k_w.contiguous()
+    else:
+        q_w = k_w = c2  # dummy pointers, never read
+        eps = 0.0
     if n == 0:
         return q_out
     half, rest = rotary_dim // 2, head_dim - rotary_dim
@@ -144,7 +179,7 @@ def rotary_and_store(
     kv_blocks = (num_kv_heads + block_h - 1) // block_h
     grid = (n, (nq + block_h - 1) // block_h + 2 * kv_blocks)
     _rotary_store_kernel[grid](
-        q2, k2, v2, q_out, k_buf, v_buf, loc, c2, s2, positions,
+        q2, k2, v2, q_out, k_buf, v_buf, loc, c2, s2, positions, q_w, k_w, float(eps),
         q2.stride(0), k2.stride(0), v2.stride(0),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         c2.stride(0), s2.stride(0),
@@ -157,6 +192,7 @@ def rotary_and_store(
         REST_BLOCK=triton.next_power_of_2(rest) if rest else 1,
         D_BLOCK=triton.next_power_of_2(head_dim),
         BLOCK_H=block_h,
+        HAS_NORM=qk_norm is not None,
         num_warps=4,
         enable_fp_fusion=False,  # keep x*cos + rot*sin as rounded mul, mul, add: bit-equal to torch in fp32
     )

@@ -37,7 +37,7 @@ class QwenSparseMoeBlock(nn.Module):
             self.shared_expert = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
+        out = self.experts.forward_with_gate(x, self.gate)  # on CUDA at decode: the router in one launch
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
