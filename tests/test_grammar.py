@@ -323,6 +323,11 @@ def test_keywords_a_backend_cannot_enforce_are_refused_not_ignored(name, tok):
       "patternProperties": {"^[a-zA-Z]+$": {"type": "number"}}}, "both `properties` and `patternProperties`"),
     ({"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$", "maxLength": 3}}},
      "`pattern` together with `maxLength`"),
+    ({"type": "object", "required": ["shape"], "properties": {"shape": {"enum": ["square", "circle"]},
+                                                              "side": {"type": "number"}, "radius": {"type": "number"}},
+      "oneOf": [{"properties": {"shape": {"const": "square"}}, "required": ["side"]},
+                {"properties": {"shape": {"const": "circle"}}, "required": ["radius"]}]},
+     "'side' that is not declared in the same `properties`"),
 ])
 def test_xgrammar_refuses_constructs_it_compiles_but_does_not_enforce(schema, reason, tok):
     """Each of these made SmolLM2 write invalid JSON for a real corpus schema
@@ -331,7 +336,8 @@ def test_xgrammar_refuses_constructs_it_compiles_but_does_not_enforce(schema, re
     with pytest.raises(GrammarError, match=re.escape(reason)):
         backend.compile("json_schema", json.dumps(schema))
     fine = {"type": "object", "properties": {"kind": {"type": "string", "enum": ["a", "b"]}, "n": {"type": "integer",
-            "enum": [1, 2.0]}}, "required": ["kind"], "anyOf": [{"required": ["kind"], "properties": {"n": {}}}]}
+            "enum": [1, 2.0]}}, "required": ["kind"],
+            "anyOf": [{"required": ["kind"], "properties": {"kind": {"enum": ["a"]}, "n": {}}}]}
     assert backend.compile("json_schema", json.dumps(fine)) is not None
 
 
@@ -354,3 +360,20 @@ def test_xgrammar_never_writes_a_declared_property_through_additional_properties
     # a free-form map (no declared properties) keeps its additional properties
     free = json_schema_grammar(json.dumps({"type": "object", "additionalProperties": {"type": "integer"}}))
     assert accepts(free, '{"x": 1, "y": 2}')
+
+
+def test_xgrammar_rewrites_schemas_it_would_misread_into_ones_it_enforces():
+    """Two more corpus failures, fixed by an equivalent schema rather than refused: a parent `type`
+    that xgrammar ignores in `anyOf` branches without one (`{}` came out for a string), and an
+    `enum` whose string bounds made xgrammar drop the enum ("SrI" for ["Jr", "Sr", ...])."""
+    from radixserve_grammar_xgrammar.backend import json_schema_grammar
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    typed = {"type": "object", "properties": {"s": {"type": "string", "anyOf": [{"pattern": "^a+$"}, {"format": "uri"}]}},
+             "required": ["s"]}
+    g = json_schema_grammar(json.dumps(typed))
+    assert accepts(g, '{"s": "aaa"}') and not accepts(g, '{"s": {}}') and not accepts(g, '{"s": 1}')
+    suffix = {"type": "object", "properties": {"x": {"type": "string", "enum": ["Jr", "Sr", "Md", "Toolong"],
+                                                     "minLength": 1, "maxLength": 3}}}
+    g = json_schema_grammar(json.dumps(suffix))
+    assert accepts(g, '{"x": "Sr"}') and not accepts(g, '{"x": "SrI"}') and not accepts(g, '{"x": "Toolong"}')

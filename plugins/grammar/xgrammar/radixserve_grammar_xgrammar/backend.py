@@ -95,7 +95,7 @@ def unenforced_construct(schema: Any) -> str | None:
     for path, sub, branch in _subschemas(schema):
         for union in ("anyOf", "oneOf"):
             branches = sub.get(union)
-            if isinstance(branches, list) and any(isinstance(b, dict) and b and set(b) <= _ANNOTATIONS
+            if isinstance(branches, list) and any(isinstance(b, dict) and b and set(b) - {"type"} <= _ANNOTATIONS
                                                   and "required" in b for b in branches):
                 return f"{union} branches that only list `required` properties (at {path}/{union})"
         types = sub.get("type")
@@ -123,17 +123,72 @@ def unenforced_construct(schema: Any) -> str | None:
         if isinstance(pattern, str) and lengths:
             return (f"a string `pattern` together with `{lengths[0]}` (at {path}; xgrammar enforces the pattern and "
                     "ignores the length)")
-        # (a union branch may require what its parent declares)
-        if isinstance(props, dict) and isinstance(required, list) and not sub.get("patternProperties") and not branch:
-            missing = [name for name in required if isinstance(name, str) and name not in props]
+        if isinstance(required, list) and not sub.get("patternProperties") and (isinstance(props, dict) or branch):
+            declared = props if isinstance(props, dict) else {}
+            missing = [name for name in required if isinstance(name, str) and name not in declared]
             if missing:
-                return (f"required property {missing[0]!r} that is not declared in `properties` (at {path}; "
+                # a union branch too: xgrammar does not merge the parent's `properties` into a branch
+                return (f"required property {missing[0]!r} that is not declared in the same `properties` (at {path}; "
                         "undeclared properties are never generated)")
     return None
 
 
 def _clean(e: Exception) -> str:
     return _CPP_PREFIX.sub("", str(e).strip()).strip() or type(e).__name__
+
+
+def normalize_schema(schema: Any) -> Any:
+    """A copy of `schema` rewritten into an equivalent or narrower one that xgrammar enforces (every
+    output of the result is valid for `schema`): see narrow_additional_properties,
+    _type_into_branches and _enum_without_string_bounds."""
+    schema = narrow_additional_properties(schema)
+    for _, sub, _ in _subschemas(schema):
+        _type_into_branches(sub)
+        _enum_without_string_bounds(sub)
+    return schema
+
+
+def _type_into_branches(sub: dict) -> None:
+    """`{"type": "string", "anyOf": [{"pattern": ...}, {"format": ...}]}`: xgrammar reads the branches
+    alone (a branch without `type` is any JSON value, so `{}` came out); the parent's `type` holds
+    for every branch anyway, so it is copied into the branches that have none."""
+    if "type" not in sub:
+        return
+    for union in ("anyOf", "oneOf"):
+        branches = sub.get(union)
+        if isinstance(branches, list):
+            for b in branches:
+                if isinstance(b, dict) and "type" not in b and "$ref" not in b:
+                    b["type"] = sub["type"]
+
+
+_STRING_BOUNDS = ("minLength", "maxLength", "pattern", "format")
+
+
+def _enum_without_string_bounds(sub: dict) -> None:
+    """An `enum` with `minLength`/`maxLength`/`pattern`: xgrammar follows the bounds and drops the
+    enum ("SrI" for ["Jr", "Sr", ...] with maxLength 10). The enum values that meet the bounds are
+    kept and the bounds removed (the same set of valid strings; `format` is dropped as well)."""
+    values = sub.get("enum")
+    if not isinstance(values, list) or not any(key in sub for key in _STRING_BOUNDS):
+        return
+    lo, hi, pattern = sub.get("minLength", 0), sub.get("maxLength"), sub.get("pattern")
+
+    def meets(v: Any) -> bool:
+        if not isinstance(v, str):
+            return True
+        if len(v) < lo or (hi is not None and len(v) > hi):
+            return False
+        try:
+            return pattern is None or re.search(pattern, v) is not None
+        except re.error:
+            return True
+
+    kept = [v for v in values if meets(v)]
+    if kept:
+        sub["enum"] = kept
+        for key in _STRING_BOUNDS:
+            sub.pop(key, None)
 
 
 def narrow_additional_properties(schema: Any) -> Any:
@@ -158,9 +213,9 @@ def narrow_additional_properties(schema: Any) -> Any:
 
 def json_schema_grammar(schema: str) -> xgr.Grammar:
     """xgrammar's grammar for `schema` (compact JSON, undeclared fields not generated, not even where
-    `additionalProperties` allows them: see narrow_additional_properties) with raw control characters
+    `additionalProperties` allows them: see normalize_schema) with raw control characters
     kept out of strings (xgrammar lets them into length-limited and `pattern` strings)."""
-    schema = json.dumps(narrow_additional_properties(json.loads(schema)))
+    schema = json.dumps(normalize_schema(json.loads(schema)))
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
     return xgr.Grammar.from_ebnf(exclude_control_characters(str(grammar)))
 
@@ -232,13 +287,14 @@ class XGrammarBackend(GrammarBackend):
     def compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
         try:
             if kind == "json_schema":
-                where = unenforced_keyword(json.loads(text))
+                schema = normalize_schema(json.loads(text))  # what is checked is what gets compiled
+                where = unenforced_keyword(schema)
                 if where:
                     raise GrammarError(
                         f"{where.rsplit('/', 1)[1]} (at {where}) is not supported by the xgrammar backend: it cannot "
                         "be enforced while generating"
                     )
-                why = unenforced_construct(json.loads(text))
+                why = unenforced_construct(schema)
                 if why:
                     raise GrammarError(f"the schema has {why}: the xgrammar backend cannot enforce it while generating")
                 return self._compiler.compile_grammar(json_schema_grammar(text))
