@@ -79,16 +79,18 @@ def test_plain_linear_layers_route_one_row_by_their_gemv_config(monkeypatch):
 
 
 def test_gemv_tiles_per_shape_measured_then_envelope():
-    """Measured H200 shapes get their own best tile; unmeasured shapes a tile keeping >= 512 programs
-    and >= 4 K steps (wide: 8 rows each, narrow N: 4 rows each); smaller shapes stay on cuBLAS."""
+    """Measured H200 shapes get their own best tile; unmeasured shapes the rule's (wide N: the tile
+    that won on every wide shape; narrow N: the one that won on the narrow shape); smaller shapes stay
+    on cuBLAS."""
     from radixserve.layers import gemv_selection as sel
 
     assert sel.gemv_config_for_shape(4096, 4096) == GemvConfig(16, 1024, 8, 2)
     assert sel.gemv_config_for_shape(6144, 4096) == GemvConfig(8, 512, 4, 3)
     assert sel.gemv_config_for_shape(4096, 14336) == GemvConfig(16, 1024, 8, 2)
     assert sel.gemv_config_for_shape(8192, 8192) == sel.SM90_UNMEASURED
-    assert sel.gemv_config_for_shape(5120, 2048) == sel.SM90_UNMEASURED  # Qwen3-30B-A3B qkv
-    assert sel.gemv_config_for_shape(2048, 4096) == sel.SM90_NARROW  # its o_proj: N / 4 = 512 programs
+    assert sel.gemv_config_for_shape(2048, 4096) == GemvConfig(2, 2048, 4, 1)  # Qwen3-30B-A3B o_proj
+    assert sel.gemv_config_for_shape(5120, 3072) == sel.SM90_UNMEASURED
+    assert sel.gemv_config_for_shape(3072, 8192) == sel.SM90_NARROW
     assert sel.gemv_config_for_shape(1024, 4096) is None  # e.g. Qwen3-0.6B / TP-sharded shapes
     assert sel.gemv_config_for_shape(4096, 1024) is None  # 2 K steps of 512
     assert sel.gemv_config_for_shape(2048, 2048) is None

@@ -124,7 +124,8 @@ def chain_pdl_ab(layers: int = 8) -> dict:
     from radixserve.layers.gemv_selection import gemv_config_for_shape
 
     shapes = [SHAPES[s] for s in ("qkv", "o", "gate_up", "down")]
-    sets = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in shapes] for _ in range(layers)]
+    # weights of scale K^-1/2 keep the activations O(1) through the chain (0.02 overflowed to NaN by layer 8)
+    sets = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for n, k in shapes] for _ in range(layers)]
     x0 = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
 
     def run(pdl: bool):

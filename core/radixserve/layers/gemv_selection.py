@@ -6,22 +6,21 @@ The model runner calls `attach_batch1_gemv` once after loading: it gives each el
 per layer and explicit: nothing is held in a process-wide table, so two runners in one process (a
 drafter beside its target, a test beside another) decide independently.
 
-Where the configs come from: benchmarks/h200/gemv_vs_cublas.py on the H200 (sm90, bf16, session 5,
-benchmarks/results/h200-2026-12-04-s5/decode/gemv_vs_cublas.json). The GEMV was faster than cuBLAS
-on all four Llama-3.1-8B projections; `SM90_MEASURED` holds each one's best tile. Unmeasured shapes
-get a tile that keeps at least 512 programs (about 4 per SM on 132 SMs, as the measured shapes ran)
-and at least 4 K steps per program, or cuBLAS outside that range:
+Where the configs come from: benchmarks/h200/gemv_vs_cublas.py on the H200 (sm90, bf16; session 5,
+benchmarks/results/h200-2026-12-04-s5/decode/gemv_vs_cublas.json, and session 6's `--selected` run,
+benchmarks/results/h200-2026-12-04-s6/gemv-b/gemv_selected.txt). `SM90_MEASURED` holds the
+fastest tile measured per shape (the Llama-3.1-8B, Qwen3-8B and Qwen3-30B-A3B projections; all faster
+than cuBLAS). Unmeasured shapes:
 - N >= 4096, K >= 2048: `SM90_UNMEASURED` = (8 rows, 512-wide K steps, 4 warps, 3 stages), the one
-  tile that beat cuBLAS on all four measured shapes (qkv 14.4 vs 15.7 us, o 10.7 vs 13.4, gate_up
-  55.8 vs 57.0, down 31.4 vs 32.1); e.g. Qwen3-30B-A3B's qkv (5120 x 2048), where cuBLAS ran at
-  ~2.8 TB/s;
-- 2048 <= N < 4096, K >= 4096: `SM90_NARROW` = (4 rows, 1024-wide K steps, 4 warps, 3 stages), so
-  that N / 4 >= 512 programs; e.g. Qwen3-30B-A3B's o_proj (2048 x 4096), where cuBLAS split K and
-  ran at ~1.9 TB/s with its reduce;
+  tile that beat cuBLAS on every wide shape measured (8B qkv 14.4 vs 15.7 us, o 10.7 vs 13.4, gate_up
+  55.8 vs 57.0, down 31.4 vs 32.1; Qwen3-8B gate_up 49.7 vs 50.1, down 27.3 vs 29.9; Qwen3-30B-A3B qkv
+  5120 x 2048: 7.1 vs 8.1, the best of four tiles);
+- 2048 <= N < 4096, K >= 4096: `SM90_NARROW` = (2 rows, 2048-wide K steps, 4 warps, 1 stage): on the
+  one narrow shape measured (Qwen3-30B-A3B o_proj, 2048 x 4096) 6.3 us against cuBLAS's 9.3 (split K
+  + reduce), where 4 and 8 rows per program took 7.3-9.3 us (fewer programs than the GPU has room for);
 - smaller shapes (small models, TP shards) keep cuBLAS, which may split K to fill the GPU where
   this kernel cannot.
-benchmarks/h200/gemv_vs_cublas.py --selected times every rule's choice against cuBLAS. Other GPUs
-were not measured, so `auto` leaves them on cuBLAS; `on` uses the sm90 choice on any CUDA GPU.
+Other GPUs were not measured, so `auto` leaves them on cuBLAS; `on` uses the sm90 choice on any CUDA GPU.
 """
 
 from __future__ import annotations
@@ -41,9 +40,13 @@ SM90_MEASURED: dict[tuple[int, int], GemvConfig] = {
     (4096, 4096): GemvConfig(16, 1024, 8, 2),  # o_proj: 10.29 vs 13.40
     (28672, 4096): GemvConfig(16, 256, 4, 4),  # gate_up: 55.39 vs 57.03
     (4096, 14336): GemvConfig(16, 1024, 8, 2),  # down: 29.35 vs 32.13
+    (24576, 4096): GemvConfig(8, 512, 4, 3),  # Qwen3-8B gate_up: 49.67 vs 50.13 (session 6)
+    (4096, 12288): GemvConfig(8, 512, 4, 3),  # Qwen3-8B down: 27.28 vs 29.91
+    (5120, 2048): GemvConfig(8, 512, 4, 3),  # Qwen3-30B-A3B qkv: 7.08 vs 8.09 (16 rows 7.43, 8x1024 7.75)
+    (2048, 4096): GemvConfig(2, 2048, 4, 1),  # Qwen3-30B-A3B o_proj: 6.34 vs 9.29 (4x512 7.34, 4x1024 9.32)
 }
 SM90_UNMEASURED = GemvConfig(8, 512, 4, 3)
-SM90_NARROW = GemvConfig(4, 1024, 4, 3)
+SM90_NARROW = GemvConfig(2, 2048, 4, 1)
 MEASURED_CAPABILITIES = ((9, 0),)
 _DTYPES = (torch.bfloat16, torch.float16)
 

@@ -34,7 +34,8 @@ class GemvConfig:
     # programmatic dependent launch (sm90+; ignored by the interpreter): the kernel may start while the
     # previous one finishes, loads its first weight tile, then waits for it (griddepcontrol.wait)
     # before reading x; it lets the next PDL launch start early too. Opt-in (attach_batch1_gemv(pdl=True)):
-    # measured -0.04 ms per 8B step, but a chain of GEMVs with it was not bit-equal to one without.
+    # measured -0.04 ms per 8B step (gemv-a) and -4 us per layer over a chain of the 8B layer's four
+    # GEMVs (gemv-b); one call is bit-equal with and without it. Not yet run as the default.
     pdl: bool = False
 
 
@@ -120,8 +121,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     stride on K, bias [N] or None; returns [1, N] (or [N]) in x's dtype. `gated`: x is [gate | up]
     of 2K columns and the product is `F.linear(silu_and_mul(x), weight, bias)` (the activation in
     the kernel's prologue: one launch, the [K] intermediate never written; not used by the models:
-    on the H200 it took 37.3 us for the 8B down projection against 33.6 us for silu_and_mul + GEMV,
-    benchmarks/results/h200-2026-12-04-s6/gemv-a). Launch-only (no host
+    on the H200 it took 37.4 us for the 8B down projection against 30.8 us for silu_and_mul + GEMV,
+    benchmarks/results/h200-2026-12-04-s6/gemv-b/gemv_selected.txt). Launch-only (no host
     sync), so it can be captured in CUDA graphs. Raises ValueError for more than one row or
     mismatched shapes."""
     squeeze = x.dim() == 1
