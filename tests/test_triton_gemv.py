@@ -79,16 +79,19 @@ def test_plain_linear_layers_route_one_row_by_their_gemv_config(monkeypatch):
 
 
 def test_gemv_tiles_per_shape_measured_then_envelope():
-    """Measured H200 shapes get their own best tile; unmeasured shapes inside the measured envelope
-    (N, K >= 4096) the all-round tile; smaller shapes (small models, TP shards) stay on cuBLAS."""
+    """Measured H200 shapes get their own best tile; unmeasured shapes a tile keeping >= 512 programs
+    and >= 4 K steps (wide: 8 rows each, narrow N: 4 rows each); smaller shapes stay on cuBLAS."""
     from radixserve.layers import gemv_selection as sel
 
     assert sel.gemv_config_for_shape(4096, 4096) == GemvConfig(16, 1024, 8, 2)
     assert sel.gemv_config_for_shape(6144, 4096) == GemvConfig(8, 512, 4, 3)
     assert sel.gemv_config_for_shape(4096, 14336) == GemvConfig(16, 1024, 8, 2)
     assert sel.gemv_config_for_shape(8192, 8192) == sel.SM90_UNMEASURED
+    assert sel.gemv_config_for_shape(5120, 2048) == sel.SM90_UNMEASURED  # Qwen3-30B-A3B qkv
+    assert sel.gemv_config_for_shape(2048, 4096) == sel.SM90_NARROW  # its o_proj: N / 4 = 512 programs
     assert sel.gemv_config_for_shape(1024, 4096) is None  # e.g. Qwen3-0.6B / TP-sharded shapes
-    assert sel.gemv_config_for_shape(4096, 2048) is None
+    assert sel.gemv_config_for_shape(4096, 1024) is None  # 2 K steps of 512
+    assert sel.gemv_config_for_shape(2048, 2048) is None
 
 
 @pytest.mark.parametrize("mode, capability, routed", [
@@ -145,7 +148,7 @@ def test_config_key_defaults_to_auto_and_rejects_other_values():
         Config.build({"runtime": {"batch1_gemv": "fast"}})
 
 
-def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tmp_path, monkeypatch):
+def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tiny_llama_dir, monkeypatch):
     """The model runner passes runtime.batch1_gemv down and attaches the tiles after loading: with
     every tiny-model projection routed (the shape rule, dtype and device checks widened to fp32 and
     the CPU interpreter), batch-1 decode runs through the GEMV and generates the same greedy tokens as
@@ -155,7 +158,6 @@ def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tmp_path, monkeypa
     from radixserve.layers import triton_gemv
     from radixserve.model_runner import ModelRunner
     from radixserve.static_batch import run_static_batch
-    from radixserve.testing import tiny_checkpoint
 
     monkeypatch.setattr(sel, "batch1_gemv_enabled", lambda mode, device: mode == "on")
     monkeypatch.setattr(sel, "gemv_config_for_shape", lambda n, k: GemvConfig(64, 64, 1, 1))  # few programs: interpreter time
@@ -163,7 +165,7 @@ def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tmp_path, monkeypa
     calls = []
     real = triton_gemv.gemv
     monkeypatch.setattr(triton_gemv, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    cfg = Config.build({"model": {"path": tiny_checkpoint("llama", str(tmp_path))}, "runtime": {"device": DEVICE, "dtype": "float32", "batch1_gemv": "on", "cuda_graph": False},
+    cfg = Config.build({"model": {"path": tiny_llama_dir("llama")}, "runtime": {"device": DEVICE, "dtype": "float32", "batch1_gemv": "on", "cuda_graph": False},
                         "stack": {"attention": "torch_native"}})
     runner = ModelRunner(cfg, show_progress=False)
     layers = [m for m in runner.model.modules() if getattr(m, "gemv_config", None) is not None]
@@ -196,27 +198,6 @@ def test_gated_gemv_is_silu_and_mul_then_gemv(k):
     torch.testing.assert_close(got, F.linear(F.silu(gate) * up, w, b), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="2K columns"):
         gemv(gate_up[:, :k], w, gated=True)
-
-
-def test_swiglu_mlp_folds_the_activation_into_down_at_batch_1(monkeypatch):
-    """A SwiGLU MLP whose down projection has a tile runs one row as gate_up, then one gated GEMV
-    (no silu_and_mul launch): the same output as the unrouted MLP. Two rows keep the usual path."""
-    from radixserve.layers import triton_gemv
-    from radixserve.layers.decoder_blocks import SwiGLUMLP
-
-    calls = []
-    real = triton_gemv.gemv
-    monkeypatch.setattr(triton_gemv, "gemv", lambda *a, **kw: calls.append(kw.get("gated")) or real(*a, **kw))
-    mlp = SwiGLUMLP(32, 48).to(DEVICE)
-    for p in mlp.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    x1, x2 = torch.randn(1, 32, device=DEVICE), torch.randn(2, 32, device=DEVICE)
-    want1, want2 = mlp(x1), mlp(x2)
-    mlp.down_proj.gemv_config = GemvConfig(16, 16, 1, 1)
-    torch.testing.assert_close(mlp(x1), want1, rtol=1e-5, atol=1e-5)
-    assert calls == [True]
-    torch.testing.assert_close(mlp(x2), want2, rtol=1e-5, atol=1e-5)
-    assert calls == [True]
 
 
 @pytest.mark.parametrize("capability, pdl", [((9, 0), True), ((8, 0), False)])

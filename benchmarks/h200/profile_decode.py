@@ -9,10 +9,11 @@ host work between (the GPU's own time per step), (3) the top CUDA kernels of an 
 time. (1) - (2) is host overhead that overlap scheduling can hide; (2) against the HBM floor is kernel
 efficiency. Variants (comma-separated, measured in this order on the same weights, graphs recaptured
 for each): `off` (rotary + two index_put_ KV stores, two-launch decode attention), `on` (rotary fused
-into the KV store, one-launch decode attention: the defaults), `rotary` / `onekernel` (one of the two);
-`on+gemv` / `off+gemv`: with runtime.batch1_gemv=auto's per-layer Triton GEMV tiles
+into the KV store, one-launch decode attention), `rotary` / `onekernel` (one of the two);
+`rotary` is the backend's default since session 5 (the one-launch attention was slower).
+`<variant>+gemv`: with runtime.batch1_gemv=auto's per-layer Triton GEMV tiles
 (radixserve.layers.gemv_selection); the variants without `+gemv` run with it off (cuBLAS);
-`on+gemv+pdl`: those tiles with programmatic dependent launch (GemvConfig.pdl).
+`<variant>+gemv+pdl`: those tiles with programmatic dependent launch (GemvConfig.pdl).
 Writes profile_decode.json: {variant: row}."""
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from radixserve.model_runner import ModelRunner
 from radixserve.static_batch import run_static_batch
 
 VARIANTS = {"off": (False, False), "on": (True, True), "rotary": (True, False), "onekernel": (False, True),
-            "on+gemv": (True, True), "off+gemv": (False, False), "on+gemv+pdl": (True, True)}
+            "on+gemv": (True, True), "off+gemv": (False, False), "on+gemv+pdl": (True, True),
+            # the backend's defaults since session 5 (rotary+store fused, two-launch decode attention)
+            "rotary+gemv": (True, False), "rotary+gemv+pdl": (True, False)}
 
 
 def route_gemv(runner: ModelRunner, enable: bool, pdl: bool) -> None:

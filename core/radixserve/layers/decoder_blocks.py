@@ -104,9 +104,6 @@ class SwiGLUMLP(nn.Module):
                                            tp_group=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and getattr(self.down_proj, "gemv_config", None) is not None:
-            # batch 1 on the Triton GEMV (runtime.batch1_gemv): the activation in down's prologue
-            return self.down_proj.forward_silu_and_mul_input(self.gate_up_proj(x))
         return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
 
 

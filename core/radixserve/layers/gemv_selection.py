@@ -9,12 +9,19 @@ drafter beside its target, a test beside another) decide independently.
 Where the configs come from: benchmarks/h200/gemv_vs_cublas.py on the H200 (sm90, bf16, session 5,
 benchmarks/results/h200-2026-12-04-s5/decode/gemv_vs_cublas.json). The GEMV was faster than cuBLAS
 on all four Llama-3.1-8B projections; `SM90_MEASURED` holds each one's best tile. Unmeasured shapes
-get `SM90_UNMEASURED` = (8, 512, 4 warps, 3 stages), the one tile that beat cuBLAS on all four
-measured shapes (qkv 14.4 vs 15.7 us, o 10.7 vs 13.4, gate_up 55.8 vs 57.0, down 31.4 vs 32.1), but
-only inside the measured envelope (N >= 4096 and K >= 4096: at least 512 programs for 132 SMs and
-rows long enough to stream); smaller shapes (small models, TP shards) keep cuBLAS, which may split
-K to fill the GPU where this kernel cannot. Other GPUs were not measured, so `auto` leaves them on
-cuBLAS; `on` uses the sm90 choice on any CUDA GPU (to measure one).
+get a tile that keeps at least 512 programs (about 4 per SM on 132 SMs, as the measured shapes ran)
+and at least 4 K steps per program, or cuBLAS outside that range:
+- N >= 4096, K >= 2048: `SM90_UNMEASURED` = (8 rows, 512-wide K steps, 4 warps, 3 stages), the one
+  tile that beat cuBLAS on all four measured shapes (qkv 14.4 vs 15.7 us, o 10.7 vs 13.4, gate_up
+  55.8 vs 57.0, down 31.4 vs 32.1); e.g. Qwen3-30B-A3B's qkv (5120 x 2048), where cuBLAS ran at
+  ~2.8 TB/s;
+- 2048 <= N < 4096, K >= 4096: `SM90_NARROW` = (4 rows, 1024-wide K steps, 4 warps, 3 stages), so
+  that N / 4 >= 512 programs; e.g. Qwen3-30B-A3B's o_proj (2048 x 4096), where cuBLAS split K and
+  ran at ~1.9 TB/s with its reduce;
+- smaller shapes (small models, TP shards) keep cuBLAS, which may split K to fill the GPU where
+  this kernel cannot.
+benchmarks/h200/gemv_vs_cublas.py --selected times every rule's choice against cuBLAS. Other GPUs
+were not measured, so `auto` leaves them on cuBLAS; `on` uses the sm90 choice on any CUDA GPU.
 """
 
 from __future__ import annotations
@@ -36,17 +43,21 @@ SM90_MEASURED: dict[tuple[int, int], GemvConfig] = {
     (4096, 14336): GemvConfig(16, 1024, 8, 2),  # down: 29.35 vs 32.13
 }
 SM90_UNMEASURED = GemvConfig(8, 512, 4, 3)
-MIN_N = MIN_K = 4096  # the measured envelope's lower corner
+SM90_NARROW = GemvConfig(4, 1024, 4, 3)
 MEASURED_CAPABILITIES = ((9, 0),)
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
 def gemv_config_for_shape(n: int, k: int) -> GemvConfig | None:
-    """The tile for a [n, k] weight on sm90: the measured one, else the all-round one inside the
-    measured envelope, else None (cuBLAS)."""
+    """The tile for a [n, k] weight on sm90: the measured one, else the rule's (module docstring),
+    else None (cuBLAS)."""
     if (n, k) in SM90_MEASURED:
         return SM90_MEASURED[(n, k)]
-    return SM90_UNMEASURED if n >= MIN_N and k >= MIN_K else None
+    if n >= 4096 and k >= 2048:
+        return SM90_UNMEASURED
+    if n >= 2048 and k >= 4096:
+        return SM90_NARROW
+    return None
 
 
 def batch1_gemv_enabled(mode: str, device: torch.device) -> bool:

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from radixserve.interfaces.quantization import QuantMethod
-from radixserve.layers import cpu_gemm, triton_gemv
+from radixserve.layers import cpu_gemm
 from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.distributed import TPGroup, divide, group_for
 from radixserve.layers.quant_unquantized import UnquantizedMethod
@@ -224,17 +224,4 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
         y = self.quant_method.apply(self, x, bias)
-        return self.tp_group.all_reduce(y) if self.reduce_results else y
-
-    def forward_silu_and_mul_input(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """`self(SiluAndMul()(gate_up))`: one batch-1 GEMV launch with the activation in its
-        prologue when the runner gave this layer a tile (`gemv_config`, runtime.batch1_gemv) and
-        gate_up is one row; else the activation, then `forward`. gate_up: [tokens, 2 * input_size]
-        ([gate | up] of this rank's shard, as MergedColumnParallelLinear produces it).
-
-        Added in plugin API 1.6."""
-        config = getattr(self, "gemv_config", None)
-        if config is None or gate_up.dim() != 2 or gate_up.shape[0] != 1:
-            return self.forward(_SILU_AND_MUL(gate_up))
-        y = triton_gemv.gemv(gate_up, self.weight, self.bias if self.tp_rank == 0 else None, config, gated=True)
         return self.tp_group.all_reduce(y) if self.reduce_results else y

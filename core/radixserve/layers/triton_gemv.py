@@ -22,6 +22,7 @@ import torch
 from radixserve.layers.triton_support import interpreting as _interpreting
 
 triton = tl = None  # imported by `_kernels` on first use
+silu_mul = None  # a @triton.jit helper, defined by `_kernels` (module-level so kernels can call it)
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,8 @@ class GemvConfig:
     num_stages: int
     # programmatic dependent launch (sm90+; ignored by the interpreter): the kernel may start while the
     # previous one finishes, loads its first weight tile, then waits for it (griddepcontrol.wait)
-    # before reading x; it lets the next PDL launch start early too. Off unless chosen (not yet measured).
+    # before reading x; it lets the next PDL launch start early too. Opt-in (attach_batch1_gemv(pdl=True)):
+    # measured -0.04 ms per 8B step, but a chain of GEMVs with it was not bit-equal to one without.
     pdl: bool = False
 
 
@@ -46,7 +48,7 @@ def default_config(n: int, k: int, interpret: bool) -> GemvConfig:
 @functools.cache
 def _kernels(interpret: bool) -> SimpleNamespace:
     del interpret  # only part of the cache key: @triton.jit decides interpret-or-compile when it decorates
-    global triton, tl
+    global triton, tl, silu_mul
     import triton
     import triton.language as tl
     import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_* (PDL tiles)
@@ -56,52 +58,54 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     triton_interpreter.apply()  # the K loop's bound is a run-time scalar
 
     @triton.jit
+    def silu_mul(gate, up):
+        """silu(gate) * up in fp32, rounded to gate's dtype twice as the silu_and_mul kernel rounds
+        (so a gated GEMV sees the same x bit for bit)."""
+        g = gate.to(tl.float32)
+        act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype).to(tl.float32)
+        return (act * up.to(tl.float32)).to(gate.dtype)
+
+    @triton.jit
     def gemv_kernel(X, W, B, Y, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+        # GATED / PDL off, this is the session-5 body as measured (benchmarks/results/h200-session5.md):
+        # keep the loads ahead of every cast (a cast of x between its load and w's stalled each step
+        # on x's latency: ~8% slower on the H200)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rows < N
         w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        k_first = 0
         if PDL:
             # the first tile's weights (never written by earlier kernels) stream in while the previous
             # kernel finishes; x is its output, read only after the wait
             cols = tl.arange(0, BLOCK_K)
             mask_k = cols < K
-            if EVEN_K:
-                w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
-            else:
-                w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                            eviction_policy="evict_first")
+            w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                        eviction_policy="evict_first")
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-            x = tl.load(X + cols, mask=mask_k, other=0.0).to(tl.float32)
+            x = tl.load(X + cols, mask=mask_k, other=0.0)
             if GATED:
-                up = tl.load(X + K + cols, mask=mask_k, other=0.0).to(tl.float32)
-                act = tl.div_rn(x, 1.0 + tl.exp(-x)).to(X.dtype.element_ty).to(tl.float32)
-                x = (act * up).to(X.dtype.element_ty).to(tl.float32)
-            acc += w.to(tl.float32) * x[None, :]
-            k_first = BLOCK_K
-        for k0 in range(k_first, K, BLOCK_K):
+                up = tl.load(X + K + cols, mask=mask_k, other=0.0)
+                x = silu_mul(x, up)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        for k0 in range(BLOCK_K if PDL else 0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
-                x = tl.load(X + cols).to(tl.float32)
+                x = tl.load(X + cols)
                 if GATED:
-                    up = tl.load(X + K + cols).to(tl.float32)
+                    up = tl.load(X + K + cols)
                 w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
             else:
                 mask_k = cols < K
-                x = tl.load(X + cols, mask=mask_k, other=0.0).to(tl.float32)
+                x = tl.load(X + cols, mask=mask_k, other=0.0)
                 if GATED:
-                    up = tl.load(X + K + cols, mask=mask_k, other=0.0).to(tl.float32)
+                    up = tl.load(X + K + cols, mask=mask_k, other=0.0)
                 w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
                             eviction_policy="evict_first")  # weights stream through once: keep L2 for the rest
             if GATED:
-                # X = [gate | up]: x = silu(gate) * up, rounded to X's dtype twice as the silu_and_mul
-                # kernel rounds, so the product sees the same x bit for bit
-                act = tl.div_rn(x, 1.0 + tl.exp(-x)).to(X.dtype.element_ty).to(tl.float32)
-                x = (act * up).to(X.dtype.element_ty).to(tl.float32)
-            acc += w.to(tl.float32) * x[None, :]
+                x = silu_mul(x, up)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(B + rows, mask=mask_n, other=0.0).to(tl.float32)
@@ -115,7 +119,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """`F.linear(x, weight, bias)` for x of one row: x [1, K] (or [K]), weight [N, K] with unit
     stride on K, bias [N] or None; returns [1, N] (or [N]) in x's dtype. `gated`: x is [gate | up]
     of 2K columns and the product is `F.linear(silu_and_mul(x), weight, bias)` (the activation in
-    the kernel's prologue: one launch, the [K] intermediate never written). Launch-only (no host
+    the kernel's prologue: one launch, the [K] intermediate never written; not used by the models:
+    on the H200 it took 37.3 us for the 8B down projection against 33.6 us for silu_and_mul + GEMV,
+    benchmarks/results/h200-2026-12-04-s6/gemv-a). Launch-only (no host
     sync), so it can be captured in CUDA graphs. Raises ValueError for more than one row or
     mismatched shapes."""
     squeeze = x.dim() == 1

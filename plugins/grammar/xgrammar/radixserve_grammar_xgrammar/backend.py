@@ -118,6 +118,11 @@ def unenforced_construct(schema: Any) -> str | None:
                 if overlap is not None:
                     return (f"property {overlap!r} matched by both `properties` and `patternProperties` pattern "
                             f"{pattern!r} (at {path}; its value must satisfy both)")
+        pattern = sub.get("pattern")
+        lengths = [key for key in ("minLength", "maxLength") if key in sub]
+        if isinstance(pattern, str) and lengths:
+            return (f"a string `pattern` together with `{lengths[0]}` (at {path}; xgrammar enforces the pattern and "
+                    "ignores the length)")
         # (a union branch may require what its parent declares)
         if isinstance(props, dict) and isinstance(required, list) and not sub.get("patternProperties") and not branch:
             missing = [name for name in required if isinstance(name, str) and name not in props]
@@ -131,10 +136,31 @@ def _clean(e: Exception) -> str:
     return _CPP_PREFIX.sub("", str(e).strip()).strip() or type(e).__name__
 
 
+def narrow_additional_properties(schema: Any) -> Any:
+    """A copy of `schema` where each object schema that declares `properties` generates no other
+    property (`additionalProperties: false`), unless `minProperties` needs more than it declares.
+
+    xgrammar generates an `additionalProperties` (true or a subschema) property under ANY name,
+    declared names included, with the additional value's schema: `{"status": 200}` for a declared
+    `"status": {"enum": ["a", "b"]}` (seen on real schemas). Every output of the narrowed schema is
+    valid for the original one, so narrowing loses no correctness, only the freedom to add fields."""
+    schema = json.loads(json.dumps(schema))
+    for _, sub, _ in _subschemas(schema):
+        props = sub.get("properties")
+        if not isinstance(props, dict) or sub.get("additionalProperties", False) is False:
+            continue
+        min_props = sub.get("minProperties")
+        if isinstance(min_props, int) and min_props > len(props):
+            continue
+        sub["additionalProperties"] = False
+    return schema
+
+
 def json_schema_grammar(schema: str) -> xgr.Grammar:
-    """xgrammar's grammar for `schema` (compact JSON, undeclared fields not generated) with raw
-    control characters kept out of strings (xgrammar lets them into length-limited and `pattern`
-    strings)."""
+    """xgrammar's grammar for `schema` (compact JSON, undeclared fields not generated, not even where
+    `additionalProperties` allows them: see narrow_additional_properties) with raw control characters
+    kept out of strings (xgrammar lets them into length-limited and `pattern` strings)."""
+    schema = json.dumps(narrow_additional_properties(json.loads(schema)))
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
     return xgr.Grammar.from_ebnf(exclude_control_characters(str(grammar)))
 
