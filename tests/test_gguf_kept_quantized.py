@@ -73,6 +73,22 @@ def test_linear_matches_fp32_within_int8_activation_rounding(qtype):
     assert y16.dtype == torch.bfloat16 and y16.shape == (7, 100)
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+def test_batched_panels_same_bits_as_one_row(qtype):
+    """Several rows share weight groups decoded into panels (16 and 8 output rows, a tail of 4),
+    in row chunks that stay in L2 (over 900 rows at K = 288): every row of a large batch is the
+    bits of that row alone, and within the int8 rounding of x of the exact product."""
+    blocks, w = build(qtype, 28, 288, seed=3)
+    blocks = torch.from_numpy(blocks)
+    x = torch.randn(1030, 288, generator=torch.Generator().manual_seed(1))
+    y = kernels.linear(x, blocks, qtype)
+    exact = _int8_activations(x).double() @ torch.from_numpy(w).double().T
+    assert torch.allclose(y.double(), exact, rtol=1e-4, atol=1e-4 * exact.abs().max().item())
+    for i in (0, 5, 911, 1029):
+        assert torch.equal(kernels.linear(x[i : i + 1], blocks, qtype)[0], y[i])
+    assert torch.equal(kernels.linear(x[3:9], blocks, qtype), y[3:9])
+
+
 def test_bad_shapes_are_clear_errors():
     blocks, _ = build("Q4_1", 8, 64)
     with pytest.raises(RuntimeError, match="hold 40 bytes, type 3 with K = 32 needs 20"):
