@@ -114,6 +114,50 @@ def test_option_validation(smollm2_gguf_path, tmp_path):
         open_source(str(tmp_path), "auto", reg, {"dequantize": True})
 
 
+def _same_as_transformers(ours) -> None:
+    from radixserve_quant_gguf.hf_config import ABSENT
+
+    theirs = ours.to_transformers()
+    for name, value in vars(ours).items():
+        if not name.startswith("_"):
+            assert getattr(theirs, name) == value, name
+    for name in ABSENT - vars(ours).keys():
+        assert not hasattr(theirs, name) and not hasattr(ours, name), name
+    assert ours.to_dict() == theirs.to_dict()
+
+
+def test_gguf_config_is_transformers_config_without_transformers(smollm2_gguf_path):
+    """The plain config of a GGUF file holds transformers' values (llama from the file; qwen2 /
+    qwen3 from the same metadata fields), and serving the file imports no transformers."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from radixserve_quant_gguf.hf_config import GGUFModelConfig, build_hf_config
+    from radixserve_quant_gguf.reader import open_gguf
+
+    llama = build_hf_config(open_gguf(smollm2_gguf_path))
+    _same_as_transformers(llama)
+    assert llama.rope_scaling == llama.rope_parameters and llama.vocab_size == 49152
+    for model_type, arch in (("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM")):
+        _same_as_transformers(GGUFModelConfig(model_type, {
+            **{k: v for k, v in llama._kwargs.items() if k != "architectures"}, "architectures": [arch]}))
+    code = textwrap.dedent(f"""
+        import sys
+        from radixserve.config import Config
+        from radixserve.model_runner import ModelRunner
+        from radixserve.static_batch import run_static_batch
+        cfg = Config.build({{"model": {{"path": {smollm2_gguf_path!r}, "weight_source_options": {{"dequantize": False}}}},
+                            "runtime": {{"device": "cpu"}}, "scheduler": {{"max_total_tokens": 256}}}})
+        runner = ModelRunner(cfg, show_progress=False)
+        run_static_batch(runner, [[1, 2, 3], [4, 5]], max_new_tokens=2)
+        print(sorted(m for m in sys.modules if m.split(".")[0] == "transformers")[:3])
+        """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 NEW_TOKENS = 24
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors.",
              "What is 12 times 7?"]
