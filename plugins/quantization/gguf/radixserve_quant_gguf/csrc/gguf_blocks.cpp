@@ -107,7 +107,11 @@ void quantize_rows(const float* x, int64_t lda, int64_t M, int64_t K, QuantizedR
   out.q.resize(M * K);
   out.d.resize(M * nb);
   out.s.resize(M * nb);
-  at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
+  // Decode-sized batches quantize on the calling thread: a parallel region of its own would add a
+  // second barrier to every linear, and on a loaded machine a barrier waits for a descheduled
+  // thread (Engine offline runs on 2 shared cores measured that, not the kernel, as the cost).
+  const int64_t grain = M * K <= (int64_t{1} << 18) ? M * nb : 64;
+  at::parallel_for(0, M * nb, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / nb, b = i % nb;
       const float* src = x + r * lda + b * QK;
