@@ -73,6 +73,22 @@ def test_linear_matches_fp32_within_int8_activation_rounding(qtype):
     assert y16.dtype == torch.bfloat16 and y16.shape == (7, 100)
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+def test_batched_panels_same_bits_as_one_row(qtype):
+    """Several rows share weight groups decoded into panels (16 and 8 output rows, a tail of 4),
+    in row chunks that stay in L2 (over 900 rows at K = 288): every row of a large batch is the
+    bits of that row alone, and within the int8 rounding of x of the exact product."""
+    blocks, w = build(qtype, 28, 288, seed=3)
+    blocks = torch.from_numpy(blocks)
+    x = torch.randn(1030, 288, generator=torch.Generator().manual_seed(1))
+    y = kernels.linear(x, blocks, qtype)
+    exact = _int8_activations(x).double() @ torch.from_numpy(w).double().T
+    assert torch.allclose(y.double(), exact, rtol=1e-4, atol=1e-4 * exact.abs().max().item())
+    for i in (0, 5, 911, 1029):
+        assert torch.equal(kernels.linear(x[i : i + 1], blocks, qtype)[0], y[i])
+    assert torch.equal(kernels.linear(x[3:9], blocks, qtype), y[3:9])
+
+
 def test_bad_shapes_are_clear_errors():
     blocks, _ = build("Q4_1", 8, 64)
     with pytest.raises(RuntimeError, match="hold 40 bytes, type 3 with K = 32 needs 20"):
@@ -96,6 +112,50 @@ def test_option_validation(smollm2_gguf_path, tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="weight_source_options"):
         open_source(str(tmp_path), "auto", reg, {"dequantize": True})
+
+
+def _same_as_transformers(ours) -> None:
+    from radixserve_quant_gguf.hf_config import ABSENT
+
+    theirs = ours.to_transformers()
+    for name, value in vars(ours).items():
+        if not name.startswith("_"):
+            assert getattr(theirs, name) == value, name
+    for name in ABSENT - vars(ours).keys():
+        assert not hasattr(theirs, name) and not hasattr(ours, name), name
+    assert ours.to_dict() == theirs.to_dict()
+
+
+def test_gguf_config_is_transformers_config_without_transformers(smollm2_gguf_path):
+    """The plain config of a GGUF file holds transformers' values (llama from the file; qwen2 /
+    qwen3 from the same metadata fields), and serving the file imports no transformers."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from radixserve_quant_gguf.hf_config import GGUFModelConfig, build_hf_config
+    from radixserve_quant_gguf.reader import open_gguf
+
+    llama = build_hf_config(open_gguf(smollm2_gguf_path))
+    _same_as_transformers(llama)
+    assert llama.rope_scaling == llama.rope_parameters and llama.vocab_size == 49152
+    for model_type, arch in (("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM")):
+        _same_as_transformers(GGUFModelConfig(model_type, {
+            **{k: v for k, v in llama._kwargs.items() if k != "architectures"}, "architectures": [arch]}))
+    code = textwrap.dedent(f"""
+        import sys
+        from radixserve.config import Config
+        from radixserve.model_runner import ModelRunner
+        from radixserve.static_batch import run_static_batch
+        cfg = Config.build({{"model": {{"path": {smollm2_gguf_path!r}, "weight_source_options": {{"dequantize": False}}}},
+                            "runtime": {{"device": "cpu"}}, "scheduler": {{"max_total_tokens": 256}}}})
+        runner = ModelRunner(cfg, show_progress=False)
+        run_static_batch(runner, [[1, 2, 3], [4, 5]], max_new_tokens=2)
+        print(sorted(m for m in sys.modules if m.split(".")[0] == "transformers")[:3])
+        """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 NEW_TOKENS = 24

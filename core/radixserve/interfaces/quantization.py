@@ -139,7 +139,9 @@ class WeightSource(abc.ABC):
     ending in a declared suffix, the core instantiates that component (no arguments) and calls:
 
     - `hf_config(path)` -> a `transformers.PretrainedConfig` (architectures, sizes, vocab, rope...);
-      the model class is picked from its `architectures[0]`.
+      the model class is picked from its `architectures[0]`. Or a plain object with the same
+      attributes and a `to_transformers()` method returning the PretrainedConfig (for model code
+      that needs the real class): keeps transformers out of the serving process (GGUF does this).
     - `num_tensors(path)` -> the number of tensors `iter_weights` yields (for progress), or None.
     - `iter_weights(path, hf_config)` -> `(name, tensor)` pairs with Hugging Face parameter names
       (`model.layers.0.self_attn.q_proj.weight`, ...), fed to the model's `load_weights`.

@@ -39,6 +39,8 @@ class TransformersForCausalLM(Model):
     attention interface with every layer of one shape (see docs/transformers-fallback.md)."""
 
     def __init__(self, config, quant_method: QuantMethod | None = None, prefix: str = "") -> None:
+        if hasattr(config, "to_transformers"):  # a weight source's plain config (GGUF): the real one
+            config = config.to_transformers()
         super().__init__(config, quant_method, prefix)
         _check_unquantized(config, quant_method)
         attention.register()

@@ -1,7 +1,10 @@
 """Build the HF config of a GGUF checkpoint from its metadata (llama, qwen2, qwen3 architectures).
 
 Equivalent to `AutoConfig.from_pretrained(dir, gguf_file=...)` for these architectures, but it reuses
-the already-parsed reader instead of parsing the file a second time."""
+the already-parsed reader instead of parsing the file a second time, and it is a plain object
+(`GGUFModelConfig`), not a transformers config: importing transformers' config machinery costs the
+serving process ~157 MB of resident memory and about a second of start-up, for a few dozen
+numbers. `GGUFModelConfig.to_transformers()` gives the transformers config where one is needed."""
 
 from __future__ import annotations
 
@@ -37,10 +40,64 @@ def _rope_parameters(reader, arch: str, theta: float) -> dict[str, Any]:
     return params
 
 
-def build_hf_config(reader):
-    """A transformers PretrainedConfig for the GGUF's model."""
-    from transformers import AutoConfig
+# Attributes the runtime reads that transformers' config class for the architecture sets by
+# default (the GGUF metadata does not carry them): the same values, so that no read falls back to
+# building the transformers config. tests/test_gguf_kept_quantized.py compares them.
+def _architecture_defaults(model_type: str, num_layers: int) -> dict[str, Any]:
+    extra: dict[str, Any] = {"hidden_act": "silu"}
+    if model_type in ("llama", "qwen3"):
+        extra["attention_bias"] = False
+    if model_type == "llama":
+        extra["mlp_bias"] = False
+    if model_type in ("qwen2", "qwen3"):
+        extra.update(sliding_window=None, use_sliding_window=False, layer_types=["full_attention"] * num_layers)
+    return extra
 
+
+# Attributes the runtime probes with getattr(config, name, default) that transformers' config class
+# for the architecture does not have (unless _architecture_defaults sets them): absent here too,
+# without building the transformers config to find that out.
+ABSENT = frozenset({"sliding_window", "layer_types", "use_sliding_window", "quantization_config",
+                    "partial_rotary_factor", "final_logit_softcapping", "text_config", "num_experts",
+                    "kv_lora_rank", "num_nextn_predict_layers", "logits_scaling"})
+
+
+class GGUFModelConfig:
+    """The model config of a GGUF file as plain attributes (`model_type`, `architectures`, the
+    sizes, `rope_parameters`, token ids, ...), equal to those of transformers' config for the same
+    file. Reading an attribute it does not hold builds the transformers config once (importing
+    transformers) and reads it there, so any other attribute still has transformers' value."""
+
+    def __init__(self, model_type: str, kwargs: dict[str, Any]) -> None:
+        self.__dict__["_kwargs"] = dict(kwargs)
+        self.__dict__["_transformers"] = None
+        self.model_type = model_type
+        self.__dict__.update(kwargs)
+        self.__dict__.update(_architecture_defaults(model_type, int(kwargs["num_hidden_layers"])))
+        self.rope_scaling = self.rope_parameters  # transformers 5 aliases the two
+
+    def to_transformers(self):
+        """The transformers `PretrainedConfig` of the same file (imports transformers)."""
+        if self.__dict__["_transformers"] is None:
+            from transformers import AutoConfig
+
+            self.__dict__["_transformers"] = AutoConfig.for_model(self.model_type, **self._kwargs)
+        return self.__dict__["_transformers"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.to_transformers().to_dict()
+
+    def __getattr__(self, name: str) -> Any:  # only for attributes not set above
+        if name.startswith("_") or name in ABSENT:
+            raise AttributeError(name)
+        return getattr(self.to_transformers(), name)
+
+    def __repr__(self) -> str:
+        return f"GGUFModelConfig({self.model_type}, {self._kwargs})"
+
+
+def build_hf_config(reader) -> GGUFModelConfig:
+    """The config of the GGUF's model (attributes as transformers' config has them)."""
     arch = gguf_architecture(reader)
     heads = int(field(reader, f"{arch}.attention.head_count"))
     hidden = int(field(reader, f"{arch}.embedding_length"))
@@ -64,4 +121,4 @@ def build_hf_config(reader):
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": field(reader, "tokenizer.ggml.padding_token_id"),
     }
-    return AutoConfig.for_model(_MODEL_TYPES[arch], **kwargs)
+    return GGUFModelConfig(_MODEL_TYPES[arch], kwargs)

@@ -34,11 +34,11 @@ logger = logging.getLogger(__name__)
 
 class GGUFMethod(UnquantizedMethod, WeightSource):
     """Options (`model.weight_source_options`): `dequantize` — True (default): dequantize to fp32 at
-    load (parity with transformers, the faster path from a few rows per step up); False: keep the
-    file's blocks (CPU, every decoder linear Q4_0/Q4_1/Q8_0, native kernels built, tp_size 1: ~4x
-    less model memory, faster batch-1 decode, slower batches; benchmarks/results/cpu-gguf-quantized.md)
-    and refuse to start, naming why, where that is not possible. Kept blocks are opt-in because
-    their int8 activations drift from the fp32 path at near-ties and batches run slower."""
+    load (parity with transformers); False: keep the file's blocks (CPU, every decoder linear
+    Q4_0/Q4_1/Q8_0, native kernels built, tp_size 1: ~4x less model memory, about 2x faster batch-1
+    decode, batches and prefill a little faster; benchmarks/results/cpu-gguf-quantized.md) and
+    refuse to start, naming why, where that is not possible. Kept blocks are opt-in because their
+    int8 activations drift from the fp32 path at near-ties (top-5 rule, not equality)."""
 
     def __init__(self, dequantize: bool = True) -> None:
         if not isinstance(dequantize, bool):

@@ -12,7 +12,9 @@
 // 4-7x fewer bytes, and int8 dots do 32 multiply-adds per instruction.
 // The int8 dot is AVX-512 VNNI (vpdpbusd) where the compiler targets it (-march=native), else
 // AVX2 (vpmaddubsw + vpmaddwd), else scalar. Work is split over groups of 8 output rows
-// (at::parallel_for); one activation row (decode) reads each group straight from the file layout.
+// (at::parallel_for); one activation row (decode) reads each group straight from the file layout,
+// several rows (batched decode, prefill) share each group decoded once into an interleaved panel
+// (panel_rows: the int8 products land in their output lane, no horizontal sums).
 // Only the headers used (not torch/extension.h), as in core/radixserve/csrc/gemm.cpp.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -37,6 +39,14 @@
 #define RS_HAVE_VNNI 0
 #endif
 
+// The M > 1 tile: activation rows per call and groups of 8 weight rows per decoded panel (4 x 2
+// measured best of 1-6 x 1-4 on the AVX2 CI machine; macros for such A/B builds).
+#ifndef RS_PANEL_ROWS
+#define RS_PANEL_ROWS 4
+#endif
+#ifndef RS_PANEL_GROUPS
+#define RS_PANEL_GROUPS 2
+#endif
 namespace {
 
 constexpr int64_t QK = 32;  // inputs per block
@@ -86,12 +96,22 @@ struct QuantizedRows {
   std::vector<float> d, s;
 };
 
+// A run of quantized rows: codes [rows, K], scales and sums [rows, K / 32].
+struct Rows {
+  const int8_t* q;
+  const float *d, *s;
+};
+
 void quantize_rows(const float* x, int64_t lda, int64_t M, int64_t K, QuantizedRows& out) {
   const int64_t nb = K / QK;
   out.q.resize(M * K);
   out.d.resize(M * nb);
   out.s.resize(M * nb);
-  at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
+  // Decode-sized batches quantize on the calling thread: a parallel region of its own would add a
+  // second barrier to every linear, and on a loaded machine a barrier waits for a descheduled
+  // thread (Engine offline runs on 2 shared cores measured that, not the kernel, as the cost).
+  const int64_t grain = M * K <= (int64_t{1} << 18) ? M * nb : 64;
+  at::parallel_for(0, M * nb, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / nb, b = i % nb;
       const float* src = x + r * lda + b * QK;
@@ -145,7 +165,7 @@ inline __m256i block_codes(const uint8_t* blk) {
 // out[r] = dot(weight row, activation row r) for R rows at once: each weight block is decoded
 // once and used from registers by every row. Per block the int32 dot is summed exactly, then
 // acc = fma(dot, dw * dx, acc); acc = fma(coef, sx, acc): the same fp32 operations, in the same
-// order, as each lane of group8_dot, so a row's result does not depend on the batch around it.
+// order, as each lane of group8_direct and panel_rows, so a row's result does not depend on the batch around it.
 inline int hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -191,63 +211,126 @@ inline __m256i reduce8(const __m256i* p) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-// Eight weight rows at once (for several activation rows): the rows' codes are decoded once into
-// `codes` [nb][8][32] with their scales `d8` and offset coefficients `c8` [nb][8]; then for each
-// activation row the eight block dots are reduced into one vector, so the scale and offset
-// arithmetic runs eight weight rows per instruction. out[r * ldo + j] for j < 8.
-struct Group8 {
-  std::vector<uint8_t> codes;
-  std::vector<float> d8, c8;
-  explicit Group8(int64_t nb) : codes(nb * 8 * QK), d8(nb * 8), c8(nb * 8) {}
+// Several activation rows (M > 1): weight rows are decoded G * 8 at a time into `Panel`, a
+// per-thread scratch in a "4 inputs x 8 rows" interleave: for block b, group g and step s, one
+// 32-byte vector holds, for each of the group's 8 weight rows j, its codes of inputs 4s..4s+3.
+// An activation row then needs, per step, one broadcast of its 4 codes and one vpmaddubsw per
+// group: the int8 products land in the lane of their output column, so no horizontal sums (the
+// cost that made the 8-row dot slower than the fp32 GEMM at batch sizes). The decoded panel is
+// reused by every activation row of the call (a chunk of them stays in L2 while it is used).
+// Q4: the 16-bit lanes sum 16 products of at most 15 * 127 over a block (30480, no saturation);
+// Q8_0 stores |w| and w (its sign is moved onto x) and widens to 32 bits every step.
+// Per output lane the fp32 arithmetic is group8_direct's and rows_dot's (one exact int32 dot per
+// block, then fma(dot, dw * dx, acc), fma(coef, sx, acc)): the same bits for a row alone or in
+// any batch, by any path.
+struct Panel {
+  std::vector<uint8_t> codes, abs_codes;  // [nb][G][8 steps][32]; abs_codes: Q8_0 only
+  std::vector<float> d8, c8;              // [nb][G][8]
+  Panel(int64_t nb, int64_t groups, bool q8)
+      : codes(nb * groups * 8 * 32), abs_codes(q8 ? nb * groups * 8 * 32 : 0), d8(nb * groups * 8),
+        c8(nb * groups * 8) {}
 };
 
+// 8 x 8 transpose of 32-bit elements: in[j] holds row j's 8 dwords; out[s] holds dword s of rows 0..7.
+inline void transpose8x8_epi32(const __m256i* in, __m256i* out) {
+  const __m256i t0 = _mm256_unpacklo_epi32(in[0], in[1]), t1 = _mm256_unpackhi_epi32(in[0], in[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(in[2], in[3]), t3 = _mm256_unpackhi_epi32(in[2], in[3]);
+  const __m256i t4 = _mm256_unpacklo_epi32(in[4], in[5]), t5 = _mm256_unpackhi_epi32(in[4], in[5]);
+  const __m256i t6 = _mm256_unpacklo_epi32(in[6], in[7]), t7 = _mm256_unpackhi_epi32(in[6], in[7]);
+  const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+  const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+  const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+  const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+  out[0] = _mm256_permute2x128_si256(u0, u4, 0x20);
+  out[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
+  out[2] = _mm256_permute2x128_si256(u2, u6, 0x20);
+  out[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
+  out[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
+  out[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
+  out[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
+  out[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+// Decode weight rows [n0, n0 + 8 * groups) into the panel.
 template <int QT>
-inline void decode8(const uint8_t* wrow0, int64_t row_bytes, int64_t nb, Group8& g) {
+inline void decode_panel(const uint8_t* wp, int64_t row_bytes, int64_t n0, int64_t groups, int64_t nb, Panel& p) {
   constexpr int64_t BB = QT == Q8_0 ? 34 : QT == Q4_1 ? 20 : 18;
-  for (int j = 0; j < 8; ++j) {
-    const uint8_t* wrow = wrow0 + j * row_bytes;
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = wrow + b * BB;
-      const float dw = f16_to_f32(blk);
-      g.d8[b * 8 + j] = dw;
-      g.c8[b * 8 + j] = QT == Q4_0 ? -8.f * dw : QT == Q4_1 ? f16_to_f32(blk + 2) : 0.f;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.codes.data() + (b * 8 + j) * QK), block_codes<QT>(blk));
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* blk0 = wp + (n0 + 8 * g) * row_bytes + b * BB;
+      __m256i rows[8], steps[8];
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t* blk = blk0 + j * row_bytes;
+        const float dw = f16_to_f32(blk);
+        p.d8[(b * groups + g) * 8 + j] = dw;
+        p.c8[(b * groups + g) * 8 + j] = QT == Q4_0 ? -8.f * dw : QT == Q4_1 ? f16_to_f32(blk + 2) : 0.f;
+        rows[j] = block_codes<QT>(blk);
+      }
+      transpose8x8_epi32(rows, steps);
+      __m256i* out = reinterpret_cast<__m256i*>(p.codes.data() + (b * groups + g) * 8 * 32);
+      for (int s = 0; s < 8; ++s) _mm256_storeu_si256(out + s, steps[s]);
+      if constexpr (QT == Q8_0) {
+        __m256i* abs_out = reinterpret_cast<__m256i*>(p.abs_codes.data() + (b * groups + g) * 8 * 32);
+        for (int s = 0; s < 8; ++s) _mm256_storeu_si256(abs_out + s, _mm256_sign_epi8(steps[s], steps[s]));
+      }
     }
   }
 }
 
-template <int QT, int R>
-inline void group8_dot(const Group8& g, int64_t nb, const int8_t* xq, int64_t K, const float* xd, const float* xs,
+// out[r * ldo + 8 * g + j] for R activation rows, G groups of 8 weight rows, from the panel.
+template <int QT, int R, int G>
+inline void panel_rows(const Panel& p, int64_t nb, const int8_t* xq, int64_t K, const float* xd, const float* xs,
                        float* out, int64_t ldo) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
-    const __m256i* w = reinterpret_cast<const __m256i*>(g.codes.data() + b * 8 * QK);
-    const __m256 d8 = _mm256_loadu_ps(g.d8.data() + b * 8);
-    __m256 c8;
-    if constexpr (QT != Q8_0) c8 = _mm256_loadu_ps(g.c8.data() + b * 8);
+    const __m256i* w = reinterpret_cast<const __m256i*>(p.codes.data() + b * G * 8 * 32);
+    const __m256i* wabs = reinterpret_cast<const __m256i*>(p.abs_codes.data() + (QT == Q8_0 ? b * G * 8 * 32 : 0));
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * QK));
-      __m256i p[8];
+      const int8_t* xb = xq + r * K + b * QK;
+      __m256i sum[G];
+      for (int g = 0; g < G; ++g) sum[g] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        const __m256i wv = _mm256_loadu_si256(w + j);
-        if constexpr (QT == Q8_0)
-          p[j] = dot_u8s8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-        else
-          p[j] = dot_u8s8(wv, xv);
+      for (int s = 0; s < 8; ++s) {
+        int32_t four;
+        std::memcpy(&four, xb + 4 * s, 4);
+        const __m256i xv = _mm256_set1_epi32(four);
+#pragma GCC unroll 2
+        for (int g = 0; g < G; ++g) {
+#if RS_HAVE_VNNI  // 32-bit sums straight from vpdpbusd
+          if constexpr (QT == Q8_0)
+            sum[g] = _mm256_dpbusd_epi32(sum[g], _mm256_loadu_si256(wabs + g * 8 + s),
+                                         _mm256_sign_epi8(xv, _mm256_loadu_si256(w + g * 8 + s)));
+          else
+            sum[g] = _mm256_dpbusd_epi32(sum[g], _mm256_loadu_si256(w + g * 8 + s), xv);
+#else
+          if constexpr (QT == Q8_0) {
+            const __m256i prod = _mm256_maddubs_epi16(_mm256_loadu_si256(wabs + g * 8 + s),
+                                                      _mm256_sign_epi8(xv, _mm256_loadu_si256(w + g * 8 + s)));
+            sum[g] = _mm256_add_epi32(sum[g], _mm256_madd_epi16(prod, ones));
+          } else {
+            sum[g] = _mm256_add_epi16(sum[g], _mm256_maddubs_epi16(_mm256_loadu_si256(w + g * 8 + s), xv));
+          }
+#endif
+        }
       }
-      const __m256 dots = _mm256_cvtepi32_ps(reduce8(p));
-      acc[r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(d8, _mm256_set1_ps(xd[r * nb + b])), acc[r]);
-      if constexpr (QT != Q8_0) acc[r] = _mm256_fmadd_ps(c8, _mm256_set1_ps(xs[r * nb + b]), acc[r]);
+      const __m256 dx = _mm256_set1_ps(xd[r * nb + b]);
+      const __m256 sx = _mm256_set1_ps(xs[r * nb + b]);
+#pragma GCC unroll 2
+      for (int g = 0; g < G; ++g) {
+        const __m256i dot = QT == Q8_0 || RS_HAVE_VNNI ? sum[g] : _mm256_madd_epi16(sum[g], ones);
+        const __m256 d8 = _mm256_loadu_ps(p.d8.data() + (b * G + g) * 8);
+        acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d8, dx), acc[r][g]);
+        if constexpr (QT != Q8_0)
+          acc[r][g] = _mm256_fmadd_ps(_mm256_loadu_ps(p.c8.data() + (b * G + g) * 8), sx, acc[r][g]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float tmp[8];
-    _mm256_store_ps(tmp, acc[r]);
-    for (int j = 0; j < 8; ++j) out[r * ldo + j] = tmp[j];
-  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) _mm256_storeu_ps(out + r * ldo + 8 * g, acc[r][g]);
 }
 #endif
 
@@ -268,7 +351,7 @@ inline __m256 gather8_f16(const uint8_t* p, int64_t stride) {
 
 // One activation row against 8 weight rows read straight from the file layout (batch-1 decode):
 // per block the 8 rows' dots are reduced into one vector and scaled with the rows' scales and
-// offsets 8 lanes at a time, the same fp32 operations per lane as group8_dot and rows_dot (so a
+// offsets 8 lanes at a time, the same fp32 operations per lane as panel_rows and rows_dot (so a
 // row's result does not depend on the path or the batch) at about half rows_dot's instructions
 // (no per-block horizontal sum, no scalar fp16 conversions). out[j] for j < 8.
 template <int QT>
@@ -325,24 +408,41 @@ inline float row_dot_scalar(const uint8_t* wrow, int64_t qtype, int64_t nb, cons
   return acc + offset;
 }
 
-// y[:, n] for the output rows [begin, end), all M activation rows, 4 at a time.
+#if RS_HAVE_AVX2
+// All M activation rows against one decoded panel, RS_PANEL_ROWS rows at a time.
+template <int QT, int G>
+inline void panel_all_rows(const Panel& p, int64_t nb, const Rows& x, int64_t M, int64_t K, float* yp,
+                           int64_t N) {
+  int64_t r = 0;
+  for (; r + RS_PANEL_ROWS <= M; r += RS_PANEL_ROWS)
+    panel_rows<QT, RS_PANEL_ROWS, G>(p, nb, x.q + r * K, K, x.d + r * nb, x.s + r * nb, yp + r * N, N);
+  for (; r < M; ++r)
+    panel_rows<QT, 1, G>(p, nb, x.q + r * K, K, x.d + r * nb, x.s + r * nb, yp + r * N, N);
+}
+#endif
+
+// y[:, n] for the output rows [begin, end), all M activation rows: one row reads the file layout
+// directly (group8_direct); several rows share decoded panels; rows_dot takes the last < 8 rows.
 template <int QT>
-void linear_rows(const uint8_t* wp, int64_t row_bytes, int64_t begin, int64_t end, const QuantizedRows& x, int64_t M,
+void linear_rows(const uint8_t* wp, int64_t row_bytes, int64_t begin, int64_t end, const Rows& x, int64_t M,
                  int64_t K, float* yp, int64_t N) {
   const int64_t nb = K / QK;
   int64_t n = begin;
 #if RS_HAVE_AVX2
   if (M == 1) {
-    for (; n + 8 <= end; n += 8) group8_direct<QT>(wp + n * row_bytes, row_bytes, nb, x.q.data(), x.d.data(), x.s.data(), yp + n);
+    for (; n + 8 <= end; n += 8) group8_direct<QT>(wp + n * row_bytes, row_bytes, nb, x.q, x.d, x.s, yp + n);
   } else {
-    Group8 g(nb);
-    for (; n + 8 <= end; n += 8) {
-      decode8<QT>(wp + n * row_bytes, row_bytes, nb, g);
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4)
-        group8_dot<QT, 4>(g, nb, x.q.data() + r * K, K, x.d.data() + r * nb, x.s.data() + r * nb, yp + r * N + n, N);
-      for (; r < M; ++r)
-        group8_dot<QT, 1>(g, nb, x.q.data() + r * K, K, x.d.data() + r * nb, x.s.data() + r * nb, yp + r * N + n, N);
+    constexpr int64_t G = RS_PANEL_GROUPS;
+    Panel panel(nb, G, QT == Q8_0);
+    for (; n + 8 * G <= end; n += 8 * G) {
+      decode_panel<QT>(wp, row_bytes, n, G, nb, panel);
+      panel_all_rows<QT, G>(panel, nb, x, M, K, yp + n, N);
+    }
+    if (n + 8 <= end) {
+      Panel one(nb, 1, QT == Q8_0);
+      decode_panel<QT>(wp, row_bytes, n, 1, nb, one);
+      panel_all_rows<QT, 1>(one, nb, x, M, K, yp + n, N);
+      n += 8;
     }
   }
 #endif
@@ -351,12 +451,12 @@ void linear_rows(const uint8_t* wp, int64_t row_bytes, int64_t begin, int64_t en
     int64_t r = 0;
 #if RS_HAVE_AVX2
     for (; r + 4 <= M; r += 4)
-      rows_dot<QT, 4>(wrow, nb, x.q.data() + r * K, K, x.d.data() + r * nb, x.s.data() + r * nb, yp + r * N + n, N);
+      rows_dot<QT, 4>(wrow, nb, x.q + r * K, K, x.d + r * nb, x.s + r * nb, yp + r * N + n, N);
     for (; r < M; ++r)
-      rows_dot<QT, 1>(wrow, nb, x.q.data() + r * K, K, x.d.data() + r * nb, x.s.data() + r * nb, yp + r * N + n, N);
+      rows_dot<QT, 1>(wrow, nb, x.q + r * K, K, x.d + r * nb, x.s + r * nb, yp + r * N + n, N);
 #else
     for (; r < M; ++r)
-      yp[r * N + n] = row_dot_scalar(wrow, QT, nb, x.q.data() + r * K, x.d.data() + r * nb, x.s.data() + r * nb);
+      yp[r * N + n] = row_dot_scalar(wrow, QT, nb, x.q + r * K, x.d + r * nb, x.s + r * nb);
 #endif
   }
 }
@@ -412,16 +512,24 @@ at::Tensor linear(at::Tensor x_in, at::Tensor w, int64_t qtype) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t row_bytes = w.size(1);
   float* yp = y.data_ptr<float>();
-  // tasks over groups of 8 output rows (the kernels' unit; only the last group is partial),
-  // at least 2 groups per task so that a thread streams a contiguous run of the weight
-  at::parallel_for(0, (N + 7) / 8, 2, [&](int64_t group_begin, int64_t group_end) {
-    const int64_t begin = group_begin * 8, end = std::min(group_end * 8, N);
-    switch (qtype) {
-      case Q4_0: linear_rows<Q4_0>(wp, row_bytes, begin, end, xq, M, K, yp, N); break;
-      case Q4_1: linear_rows<Q4_1>(wp, row_bytes, begin, end, xq, M, K, yp, N); break;
-      default: linear_rows<Q8_0>(wp, row_bytes, begin, end, xq, M, K, yp, N); break;
-    }
-  });
+  // Row chunks whose int8 codes stay in L2 while every weight panel passes them (a decode batch
+  // is one chunk); within a chunk, tasks over groups of 8 output rows (the kernels' unit; only
+  // the last group is partial), at least 2 groups per task so that a thread streams a contiguous
+  // run of the weight (each panel is decoded once per chunk).
+  const int64_t nb = K / QK, chunk = std::max<int64_t>(4, (256 * 1024 / K) / 4 * 4);
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, M - m0);
+    const Rows xr{xq.q.data() + m0 * K, xq.d.data() + m0 * nb, xq.s.data() + m0 * nb};
+    float* yc = yp + m0 * N;
+    at::parallel_for(0, (N + 7) / 8, 2, [&](int64_t group_begin, int64_t group_end) {
+      const int64_t begin = group_begin * 8, end = std::min(group_end * 8, N);
+      switch (qtype) {
+        case Q4_0: linear_rows<Q4_0>(wp, row_bytes, begin, end, xr, rows, K, yc, N); break;
+        case Q4_1: linear_rows<Q4_1>(wp, row_bytes, begin, end, xr, rows, K, yc, N); break;
+        default: linear_rows<Q8_0>(wp, row_bytes, begin, end, xr, rows, K, yc, N); break;
+      }
+    });
+  }
   return y;
 }
 
