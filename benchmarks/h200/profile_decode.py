@@ -8,8 +8,7 @@ Reports, per variant of the triton backend's decode fusions, for one runner: (1)
 host work between (the GPU's own time per step), (3) the top CUDA kernels of an eager step by device
 time. (1) - (2) is host overhead that overlap scheduling can hide; (2) against the HBM floor is kernel
 efficiency. Variants (comma-separated, measured in this order on the same weights, graphs recaptured
-for each): `off` (rotary + two index_put_ KV stores, two-launch decode attention), `on` (rotary fused
-into the KV store, one-launch decode attention: the defaults), `rotary` / `onekernel` (one of the two);
+for each): `off` (rotary + two index_put_ KV stores), `on` (rotary fused into the KV store: the default);
 `on+gemv`: `on` with the batch-1 projections whose shape `--gemv-json` (benchmarks/h200/gemv_vs_cublas.py's
 output) found faster on the Triton GEMV routed to it (`radixserve.layers.triton_gemv.use_for_shapes`).
 Writes profile_decode.json: {variant: row}."""
@@ -27,8 +26,7 @@ from radixserve.config import Config
 from radixserve.model_runner import ModelRunner
 from radixserve.static_batch import run_static_batch
 
-VARIANTS = {"off": (False, False), "on": (True, True), "rotary": (True, False), "onekernel": (False, True),
-            "on+gemv": (True, True)}
+VARIANTS = {"off": False, "on": True, "on+gemv": True}  # variant -> rotary fused with the KV store
 
 
 def route_gemv(gemv_json: str | None, enable: bool) -> None:
@@ -121,13 +119,13 @@ def main() -> None:
     runner = runner_for(args.model)
     rows: dict = {}
     for name in variants:
-        rotary_store, one_kernel = VARIANTS[name]
+        rotary_store = VARIANTS[name]
         if runner.graph_runner is not None:  # release the old graphs and their padding row
             runner.req_to_token_pool.free(runner.graph_runner.dummy_row)
         runner.graph_runner = None
         gc.collect()
         torch.cuda.empty_cache()
-        runner.attn_backend.set_decode_fusions(rotary_store=rotary_store, one_kernel=one_kernel)
+        runner.attn_backend.set_decode_fusions(rotary_store=rotary_store)
         route_gemv(args.gemv_json, name.endswith("+gemv"))
         runner._init_cuda_graphs()  # recapture with this variant's kernels
         rows[name] = measure(runner, prompt)

@@ -2,9 +2,9 @@
 
 A decode step otherwise runs three kernels per layer for this (the rotary kernel, then one
 `index_put_` each for k and v); at batch 1 each is a few microseconds of mostly launch latency.
-The math is the one of `radixserve.layers.triton_ops.rotary` (neox / rotate-half layout, the same
-roundings to the tensor dtype at the same points, fp-fusion off), so the rotated q and the stored
-k are bit-equal to `rotary(...)` followed by `KVPool.set_kv` when the pool has q's dtype, the only
+The math is the one of `radixserve.layers.triton_ops.rotary` (the same `@triton.jit` helper,
+`radixserve.layers.triton_rotary.rotate_heads`, fp-fusion off), so the rotated q and the stored k
+are bit-equal to `rotary(...)` followed by `KVPool.set_kv` when the pool has q's dtype, the only
 case the backend sends here.
 """
 
@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 from radixserve.layers import triton_interpreter as _interpreter_compat
+from radixserve.layers.triton_rotary import rotate_heads
 
 _interpreter_compat.apply()
 
@@ -74,29 +75,10 @@ def _rotary_store_kernel(
         mask_h = heads < NK
         src = K + row * stride_k + heads[:, None] * HEAD_DIM
         dst = K_buf + slot * stride_kbs + heads[:, None] * stride_kbh
-    d = tl.arange(0, HALF_BLOCK)
-    mask_d = d < HALF
-    mask = mask_h[:, None] & mask_d[None, :]
-    x1 = tl.load(src + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    dt = QO.dtype.element_ty
-    # C/S: the whole fp32 cos/sin caches; gather row positions[token] and round it like `cos.to(q.dtype)`
+    # C/S: the whole fp32 cos/sin caches, gathered at the token's position
     crow = tl.load(P + row).to(tl.int64)
-    c1 = tl.load(C + crow * stride_c + d, mask=mask_d, other=0.0).to(dt).to(tl.float32)[None, :]
-    c2 = tl.load(C + crow * stride_c + HALF + d, mask=mask_d, other=0.0).to(dt).to(tl.float32)[None, :]
-    s1 = tl.load(S + crow * stride_s + d, mask=mask_d, other=0.0).to(dt).to(tl.float32)[None, :]
-    s2 = tl.load(S + crow * stride_s + HALF + d, mask=mask_d, other=0.0).to(dt).to(tl.float32)[None, :]
-    # rot*cos, rotate_half(rot)*sin and their sum, each rounded to the dtype, as torch computes them
-    o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
-    ot = dst.dtype.element_ty
-    tl.store(dst + d[None, :], o1.to(ot), mask=mask)
-    tl.store(dst + HALF + d[None, :], o2.to(ot), mask=mask)
-    if REST > 0:  # partial rotary: the tail of each head passes through unchanged
-        r = tl.arange(0, REST_BLOCK)
-        rmask = mask_h[:, None] & (r < REST)[None, :]
-        tail = tl.load(src + 2 * HALF + r[None, :], mask=rmask, other=0.0)
-        tl.store(dst + 2 * HALF + r[None, :], tail.to(ot), mask=rmask)
+    rotate_heads(src, dst, mask_h, C, S, crow, stride_c, stride_s, QO.dtype.element_ty, HALF, HALF_BLOCK, REST,
+                 REST_BLOCK)
 
 
 def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
