@@ -65,13 +65,13 @@ def compare(name: str, path: str, prompts: list[list[int]], new_tokens: int, arg
         if runner.graph_runner is not None:
             runner.req_to_token_pool.free(runner.graph_runner.dummy_row)
             runner.graph_runner = None
-        runner.attn_backend.set_decode_fusions(rotary_store=False, one_kernel=False)
+        runner.attn_backend.set_decode_fusions(rotary_store=False)
         if not args.disable_cuda_graph:
             runner._init_cuda_graphs()
         unfused = greedy_generate(runner, prompts, new_tokens)
         same = [o.tokens for o in ours] == [o.tokens for o in unfused]
         print(f"SUMMARY {name} decode fusions: greedy tokens {'identical' if same else 'DIFFER'} with them off "
-              f"(rotary+KV store fused, one-launch decode attention)")
+              f"(rotary+KV store fused)")
         fusions_ok = same
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(hf_path or path, dtype=dtype, **(hf_kwargs or {})).to(args.device).eval()

@@ -378,7 +378,7 @@ def test_registered_as_cuda_default_with_metadata():
     assert not TritonAttentionBackend.supports("cuda", "bfloat16", 512)
 
 
-# ---- decode fusions (plugin API 1.5): rotary + KV store in one kernel, one-launch decode ----------------
+# ---- decode fusion (plugin API 1.5): rotary + KV store in one kernel ----------------
 
 
 def _rotary(head_dim: int, rotary_dim: int):
@@ -480,31 +480,6 @@ def test_decode_rotary_falls_back_when_the_pool_dtype_differs():
     assert got.dtype == torch.float16 and torch.equal(k_buf[p.batch.out_cache_loc], k_rot.float().view(1, 1, 32))
 
 
-@pytest.mark.parametrize("seqs, split", [([1, 20, 70], True), ([129], True), ([3, 8], False)],
-                         ids=["mixed-splits", "many-splits", "one-split"])
-def test_one_launch_decode_is_bitwise_the_two_stage_decode(seqs, split):
-    """With `decode_one_kernel` the last split of each request merges the partials (or a single split
-    writes the output directly): the same bits as the two-launch decode, and the arrival counters are
-    all zero again afterwards, so the next layer's launch starts clean."""
-    heads = (4, 2, 32)
-    dtype = torch.bfloat16 if ON_GPU else torch.float32
-    kwargs = {"min_split_tokens": 8, "max_kv_splits": 4, "sm_count": 8}
-    outs = []
-    for one in (True, False):
-        p = make_problem([s - 1 for s in seqs], [1] * len(seqs), *heads, dtype=dtype, mode=ForwardMode.DECODE,
-                         seed=4, decode_one_kernel=one, **kwargs)
-        outs.append(run(p))
-        assert_close(outs[-1], reference(p), dtype)
-        assert p.backend.decode_one_kernel == one
-        if one:
-            splits = p.batch.attn_metadata.num_kv_splits.tolist()
-            assert not p.backend._arrivals.any()
-            run(p)  # a second launch on the same counters
-            assert not p.backend._arrivals.any()
-    assert (max(splits) > 1) == split
-    assert torch.equal(outs[0], outs[1])
-
-
 def test_radix_attention_fuses_rotary_only_where_declared():
     """`RadixAttention.forward_rotary` hands q, k unrotated to `forward_decode_rotary` only for a
     DECODE batch, a backend declaring `fuses_rotary_with_kv_store` and a stock RotaryEmbedding; a
@@ -586,7 +561,7 @@ def test_radix_attention_hands_the_qk_norm_to_the_kernel_only_where_declared():
 
 def test_decoder_layers_take_the_fused_store_with_the_same_result(monkeypatch):
     """A tiny Qwen3 (per-head q/k norm before rotary, q/k/v sliced from the fused qkv) decode step
-    through the model's `DecoderAttention` on this backend: with the fusions each layer makes one
+    through the model's `DecoderAttention` on this backend: with the fusion each layer makes one
     rotary+store launch, and the hidden states and the whole pool equal the unfused step's (both on
     the layers' Triton kernels, as on CUDA)."""
     arch = "Qwen3ForCausalLM"
@@ -625,7 +600,7 @@ def test_decoder_layers_take_the_fused_store_with_the_same_result(monkeypatch):
     for on in (True, False):
         for t, saved in zip(buffers, before):
             t.copy_(saved)
-        p.backend.set_decode_fusions(rotary_store=on, one_kernel=on)
+        p.backend.set_decode_fusions(rotary_store=on)
         p.backend.init_forward_metadata(p.batch)
         with torch.no_grad():
             hidden = model(p.batch.input_ids, p.batch.positions, p.batch)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from family_cases import DENSE_CASES
 from hf_reference import hf_greedy
+from meta_decode import meta_decode_logits
 from radixserve.config import Config, ConfigError
 from radixserve.model_runner import ModelRunner
 from radixserve.plugins.model_select import select_model
@@ -127,23 +128,9 @@ def test_unsupported_features_are_named_before_any_weight_loads(model_type, over
     assert err.value.feature == feature
 
 
-class _ShapeOnlyBackend:
-    """Stands in for an attention backend on the meta device: checks the packed layout only."""
-
-    def __init__(self, heads: int, kv_heads: int, head_dim: int) -> None:
-        self.dims = (heads, kv_heads, head_dim)
-
-    def forward(self, q, k, v, layer, batch):
-        heads, kv_heads, d = self.dims
-        assert q.shape == (batch.input_ids.shape[0], heads * d) and k.shape[1] == v.shape[1] == kv_heads * d
-        return torch.empty_like(q)
-
-
 def test_forward_has_no_host_sync_so_it_can_be_graph_captured():
     """Every tensor lives on the meta device, so any `.item()`, `.tolist()` or branch on a tensor's
     value in the HF model or the attention function raises: the decode forward is capturable."""
-    from radixserve.state import ForwardBatch, ForwardMode
-
     cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
                                rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -153,14 +140,7 @@ def test_forward_has_no_host_sync_so_it_can_be_graph_captured():
     with torch.device("meta"):
         model = TransformersForCausalLM(cfg)
     assert model.attention_dims() == (2, 4, 2, 16)
-    meta = lambda n: torch.empty(n, dtype=torch.int64, device="meta")  # noqa: E731
-    batch = ForwardBatch(mode=ForwardMode.DECODE, batch_size=3, input_ids=meta(3), positions=meta(3),
-                         req_pool_indices=meta(3), seq_lens=meta(3), prefix_lens=meta(3), extend_lens=meta(3),
-                         out_cache_loc=meta(3), req_to_token_pool=None, kv_pool=None,
-                         attn_backend=_ShapeOnlyBackend(4, 2, 16), seq_lens_cpu=[4, 5, 6], prefix_lens_cpu=[3, 4, 5],
-                         extend_lens_cpu=[1, 1, 1])
-    with torch.inference_mode():
-        logits = model.compute_logits(model(batch.input_ids, batch.positions, batch))
+    logits = meta_decode_logits(model, heads=4, kv_heads=2, head_dim=16)
     assert logits.shape == (3, 256) and logits.device.type == "meta"
 
 

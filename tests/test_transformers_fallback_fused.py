@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from meta_decode import meta_decode_logits
 from radixserve.testing import check_model_parity, tiny_checkpoint
 from radixserve_models_transformers import fused
 from radixserve_models_transformers.fused import FusedGatedMLP, FusedQKVAttention, FusedRMSNorm, rotate
@@ -16,6 +17,7 @@ from radixserve_models_transformers.model import TransformersForCausalLM
 from radixserve_models_transformers.weights import load_hf_weights
 from transformers import AutoConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from triton_interpret import round_bf16_like_gpu
 
 
 def _config(path: str):
@@ -70,23 +72,9 @@ def test_variant_norms_keep_their_module_and_still_match_transformers(tmp_path, 
 @pytest.fixture
 def bf16_rounding_like_gpu():
     """Triton's CPU interpreter truncates fp32 -> bf16; a GPU rounds to nearest even (as torch)."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    original = builder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        import triton.language as tl
-
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            data = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-            return interpreter.TensorHandle(data.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-        return original(self, src, dst_type)
-
-    builder.cast_impl = cast_impl
+    undo = round_bf16_like_gpu()
     yield
-    builder.cast_impl = original
+    undo()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -127,18 +115,8 @@ def test_fused_parameters_load_from_unfused_tensors_and_only_when_complete(tiny_
 def test_fused_forward_has_no_host_sync_so_it_can_be_graph_captured(tiny_llama_dir):
     """The fused model moved to the meta device after construction: any `.item()` or branch on a
     tensor's value in the fused modules would raise (the graph-safety check the unfused path has)."""
-    from radixserve.state import ForwardBatch, ForwardMode
-    from test_transformers_fallback import _ShapeOnlyBackend
-
     model = TransformersForCausalLM(_config(tiny_llama_dir("llama")))
     assert isinstance(model.hf.model.layers[0].self_attn, FusedQKVAttention)
     model.to("meta")
-    meta = lambda n: torch.empty(n, dtype=torch.int64, device="meta")  # noqa: E731
-    batch = ForwardBatch(mode=ForwardMode.DECODE, batch_size=3, input_ids=meta(3), positions=meta(3),
-                         req_pool_indices=meta(3), seq_lens=meta(3), prefix_lens=meta(3), extend_lens=meta(3),
-                         out_cache_loc=meta(3), req_to_token_pool=None, kv_pool=None,
-                         attn_backend=_ShapeOnlyBackend(4, 2, 16), seq_lens_cpu=[4, 5, 6], prefix_lens_cpu=[3, 4, 5],
-                         extend_lens_cpu=[1, 1, 1])
-    with torch.inference_mode():
-        logits = model.compute_logits(model(batch.input_ids, batch.positions, batch))
+    logits = meta_decode_logits(model, heads=4, kv_heads=2, head_dim=16)
     assert logits.shape == (3, 512) and logits.device.type == "meta"

@@ -5,7 +5,7 @@ one, the same tests run on CUDA. The references are the layers' own torch paths 
 `F.silu(gate) * up`, `RotaryEmbedding._rotate`), which the CPU layers keep using.
 
 The interpreter casts float32 -> bfloat16 by truncation, where a GPU (and torch) rounds to nearest
-even; `_round_bf16_like_gpu` makes the interpreter round as the GPU does, so bf16 results can be
+even; `triton_interpret.round_bf16_like_gpu` makes the interpreter round as the GPU does, so bf16 results can be
 compared as strictly here as they would be on a GPU.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import sys
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +21,7 @@ from radixserve.layers import triton_ops
 from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.rotary import RotaryEmbedding
+from triton_interpret import round_bf16_like_gpu
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -41,25 +41,6 @@ if not ON_GPU:
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _round_bf16_like_gpu():
-    """Patch the interpreter's fp32 -> bf16 cast to round to nearest even; returns an undo function."""
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    original = builder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        import triton.language as tl
-
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            data = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-            return interpreter.TensorHandle(data.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-        return original(self, src, dst_type)
-
-    builder.cast_impl = cast_impl
-    return lambda: setattr(builder, "cast_impl", original)
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter():
     """On CPU: keep the interpreter on for this module's tests only (later tests may spawn
@@ -68,7 +49,7 @@ def _interpreter():
         yield
         return
     os.environ["TRITON_INTERPRET"] = "1"
-    undo = _round_bf16_like_gpu()
+    undo = round_bf16_like_gpu()
     try:
         yield
     finally:

@@ -8,11 +8,9 @@ Reports, per variant of the triton backend's decode fusions, for one runner: (1)
 host work between (the GPU's own time per step), (3) the top CUDA kernels of an eager step by device
 time. (1) - (2) is host overhead that overlap scheduling can hide; (2) against the HBM floor is kernel
 efficiency. Variants (comma-separated, measured in this order on the same weights, graphs recaptured
-for each): `off` (rotary + two index_put_ KV stores, two-launch decode attention), `on` (rotary fused
-into the KV store, one-launch decode attention), `rotary` / `onekernel` (one of the two);
-`rotary` is the backend's default since session 5 (the one-launch attention was slower).
-`<variant>+gemv`: with runtime.batch1_gemv=auto's per-layer Triton GEMV tiles
-(radixserve.layers.gemv_selection); the variants without `+gemv` run with it off (cuBLAS);
+for each): `off` (rotary + two index_put_ KV stores), `on` (rotary fused into the KV store: the
+default; `rotary` is the same); `<variant>+gemv`: with runtime.batch1_gemv=auto's per-layer Triton GEMV
+tiles (radixserve.layers.gemv_selection); the variants without `+gemv` run with it off (cuBLAS);
 `<variant>+gemv+pdl`: those tiles with programmatic dependent launch (GemvConfig.pdl).
 Writes profile_decode.json: {variant: row}."""
 
@@ -29,10 +27,8 @@ from radixserve.config import Config
 from radixserve.model_runner import ModelRunner
 from radixserve.static_batch import run_static_batch
 
-VARIANTS = {"off": (False, False), "on": (True, True), "rotary": (True, False), "onekernel": (False, True),
-            "on+gemv": (True, True), "off+gemv": (False, False), "on+gemv+pdl": (True, True),
-            # the backend's defaults since session 5 (rotary+store fused, two-launch decode attention)
-            "rotary+gemv": (True, False), "rotary+gemv+pdl": (True, False)}
+VARIANTS = {"off": False, "on": True, "rotary": True, "off+gemv": False, "on+gemv": True, "rotary+gemv": True,
+            "on+gemv+pdl": True, "rotary+gemv+pdl": True}  # variant -> rotary fused with the KV store
 
 
 def route_gemv(runner: ModelRunner, enable: bool, pdl: bool) -> None:
@@ -116,13 +112,13 @@ def main() -> None:
     runner = runner_for(args.model)
     rows: dict = {}
     for name in variants:
-        rotary_store, one_kernel = VARIANTS[name]
+        rotary_store = VARIANTS[name]
         if runner.graph_runner is not None:  # release the old graphs and their padding row
             runner.req_to_token_pool.free(runner.graph_runner.dummy_row)
         runner.graph_runner = None
         gc.collect()
         torch.cuda.empty_cache()
-        runner.attn_backend.set_decode_fusions(rotary_store=rotary_store, one_kernel=one_kernel)
+        runner.attn_backend.set_decode_fusions(rotary_store=rotary_store)
         try:
             route_gemv(runner, "+gemv" in name, name.endswith("+pdl"))
             runner._init_cuda_graphs()  # recapture with this variant's kernels

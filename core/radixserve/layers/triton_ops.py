@@ -23,7 +23,7 @@ import torch
 from radixserve.layers.triton_support import available  # noqa: F401 (callers ask this module)
 from radixserve.layers.triton_support import interpreting as _interpreting
 
-triton = tl = None  # imported by `_kernels` on first use
+triton = tl = _rotate_heads = None  # imported by `_kernels` on first use
 
 # One program holds a whole row in registers; beyond this a row would spill (no model is that wide).
 MAX_NORM_HIDDEN = 65536
@@ -41,9 +41,11 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     decides between compiling and interpreting when it decorates, not when it launches."""
     del interpret  # only part of the cache key
     # module globals, not locals: Triton's interpreter looks for `tl` in the kernel's globals
-    global triton, tl
+    global triton, tl, _rotate_heads
     import triton
     import triton.language as tl
+
+    from radixserve.layers.triton_rotary import rotate_heads as _rotate_heads
 
     @triton.jit
     def rmsnorm_kernel(
@@ -127,32 +129,10 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             head0 = (hb - q_blocks) * BLOCK_H
             n_heads = NK
         heads = head0 + tl.arange(0, BLOCK_H)
-        d = tl.arange(0, HALF_BLOCK)
-        mask_d = d < HALF
-        mask_h = heads < n_heads
-        mask = mask_h[:, None] & mask_d[None, :]
-        src = src + heads[:, None] * HEAD_DIM
-        dst = dst + heads[:, None] * HEAD_DIM
-        x1 = tl.load(src + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        dt = QO.dtype.element_ty
-        # GATHER: C/S are the whole fp32 cos/sin caches and P the positions; cast like `cos.to(q.dtype)`
+        # GATHER: C/S are the whole fp32 cos/sin caches and P the positions
         crow = tl.load(P + row).to(tl.int64) if GATHER else row
-        c1 = tl.load(C + crow * stride_c + d, mask=mask_d, other=0.0).to(dt).to(tl.float32)[None, :]
-        c2 = tl.load(C + crow * stride_c + HALF + d, mask=mask_d, other=0.0).to(dt).to(tl.float32)[None, :]
-        s1 = tl.load(S + crow * stride_s + d, mask=mask_d, other=0.0).to(dt).to(tl.float32)[None, :]
-        s2 = tl.load(S + crow * stride_s + HALF + d, mask=mask_d, other=0.0).to(dt).to(tl.float32)[None, :]
-        # torch computes rot*cos, rotate_half(rot)*sin and their sum as three ops, each rounded to
-        # the dtype; round at the same points (the launch also turns off mul+add -> fma fusion)
-        o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-        o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
-        tl.store(dst + d[None, :], o1, mask=mask)
-        tl.store(dst + HALF + d[None, :], o2, mask=mask)
-        if REST > 0:  # partial rotary: the tail of each head passes through unchanged
-            r = tl.arange(0, REST_BLOCK)
-            rmask = mask_h[:, None] & (r < REST)[None, :]
-            tail = tl.load(src + 2 * HALF + r[None, :], mask=rmask, other=0.0)
-            tl.store(dst + 2 * HALF + r[None, :], tail, mask=rmask)
+        _rotate_heads(src + heads[:, None] * HEAD_DIM, dst + heads[:, None] * HEAD_DIM, heads < n_heads, C, S, crow,
+                      stride_c, stride_s, QO.dtype.element_ty, HALF, HALF_BLOCK, REST, REST_BLOCK)
 
     return SimpleNamespace(rmsnorm=rmsnorm_kernel, silu_and_mul=silu_and_mul_kernel, rotary=rotary_kernel)
 

@@ -97,11 +97,12 @@ class _PrevStep:
     """The in-flight step during the launch of the decode that follows it: `process()` (once)
     waits for its tokens and processes them. A constrained batch launched ahead calls it from its
     `token_bitmask_ready` (its mask needs those tokens); otherwise the scheduler calls it after the
-    launch."""
+    launch. `finish(items, result)` is the scheduler's handling of a finished step's tokens."""
 
-    def __init__(self, scheduler: Scheduler, step: tuple[list[_Item], LaunchedBatch]) -> None:
-        self._scheduler = scheduler
+    def __init__(self, step: tuple[list[_Item], LaunchedBatch],
+                 finish: Callable[[list[_Item], BatchResult], None]) -> None:
         self._step = step
+        self._finish = finish
         self.done = False
 
     def process(self) -> None:
@@ -112,8 +113,7 @@ class _PrevStep:
         result = launched.result()
         # called inside the runner's launch (inference mode): tensors made here live on, as usual
         with torch.inference_mode(False):
-            self._scheduler._passed(items)
-            self._scheduler._process(items, result)
+            self._finish(items, result)
 
 
 class Scheduler:
@@ -388,7 +388,7 @@ class Scheduler:
         prev, self._in_flight = self._in_flight, None
         if prev is not None:
             ahead = None
-            prev_step = _PrevStep(self, prev)
+            prev_step = _PrevStep(prev, self._finish_step)
             try:
                 ahead = self._lookahead_decode(prev)
                 if ahead is not None:
@@ -444,6 +444,11 @@ class Scheduler:
             else:
                 self._suspects.add(req.rid)
                 self._retract(req)
+
+    def _finish_step(self, items: list[_Item], result: BatchResult) -> None:
+        """A launched step's tokens: clear a suspect that ran alone, then process them."""
+        self._passed(items)
+        self._process(items, result)
 
     def _passed(self, items: list[_Item]) -> None:
         """A suspect whose prompt ran through alone is cleared."""

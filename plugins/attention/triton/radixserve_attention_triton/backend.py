@@ -69,11 +69,7 @@ class TritonAttentionBackend(AttentionBackend):
     measured ~2x this plugin's extend kernel there: benchmarks/results/h200-attention-kernels.md);
     every other extend batch runs the Triton kernel. Decode (batch-1 latency, each saving launches
     per layer): `fuse_rotary_store` (default True) applies rotary to q and k in the kernel that
-    stores k, v into the pool (`forward_decode_rotary`, when the pool has q's dtype);
-    `decode_one_kernel` (default False) runs decode attention as one launch, the last split of each
-    request merging the partials instead of a second reduction kernel: off by default because on the
-    H200 (8B shape, batch 1, 1k context) its stage-1 kernel took 0.36 ms per step against 0.26 ms for
-    the two launches together (benchmarks/results/h200-session5.md).
+    stores k, v into the pool (`forward_decode_rotary`, when the pool has q's dtype).
     """
     supports_tensor_parallel = True  # reads per-rank head counts only
 
@@ -102,7 +98,6 @@ class TritonAttentionBackend(AttentionBackend):
         prefill_sdpa: bool = True,
         sdpa_max_requests: int = 64,
         fuse_rotary_store: bool = True,
-        decode_one_kernel: bool = False,
     ) -> None:
         self.device = torch.device(runner_info.device)
         dtype = runner_info.dtype
@@ -132,17 +127,12 @@ class TritonAttentionBackend(AttentionBackend):
         self.sdpa_max_requests = sdpa_max_requests  # one SDPA call per request: bounded host work per layer
         self._graph: DecodeMetadata | None = None
         self.fuse_rotary_store = fuse_rotary_store
-        self.decode_one_kernel = decode_one_kernel
-        # the one-launch decode's per-(request, KV head) arrival counters, zeros between launches;
-        # never replaced once a CUDA graph may have recorded its address (init_graph_state sizes it)
-        self._arrivals = torch.zeros(self.max_bs * self.num_kv_heads, dtype=torch.int32, device=self.device)
 
-    def set_decode_fusions(self, *, rotary_store: bool, one_kernel: bool) -> None:
-        """Turn the two decode fusions on or off (the constructor's `fuse_rotary_store` and
-        `decode_one_kernel`); CUDA graphs captured before keep what they recorded. For A/B
+    def set_decode_fusions(self, *, rotary_store: bool) -> None:
+        """Turn the decode fusion of rotary with the KV store on or off (the constructor's
+        `fuse_rotary_store`); CUDA graphs captured before keep what they recorded. For A/B
         measurements (benchmarks/h200/profile_decode.py)."""
         self.fuse_rotary_store = rotary_store
-        self.decode_one_kernel = one_kernel
 
     @classmethod
     def supports(cls, device: str, dtype: str, head_dim: int) -> bool:
@@ -282,10 +272,6 @@ class TritonAttentionBackend(AttentionBackend):
         k_buf, v_buf = pool.get_kv(layer.layer_id)
         k_scale, v_scale = pool.kv_scales(layer.layer_id)
         out = torch.empty_like(q3)
-        arrivals = self._arrivals if self.decode_one_kernel else None
-        if arrivals is not None and arrivals.numel() < q3.shape[0] * self.num_kv_heads:
-            # an eager batch past the static size (graphs never are): counters of its own
-            arrivals = torch.zeros(q3.shape[0] * self.num_kv_heads, dtype=torch.int32, device=self.device)
         decode_attention(
             q3 if pool.is_fp8 else q3.to(k_buf.dtype),
             out,
@@ -304,7 +290,6 @@ class TritonAttentionBackend(AttentionBackend):
             logit_cap=getattr(layer, "logit_cap", None),
             k_scale=k_scale,
             v_scale=v_scale,
-            arrivals=arrivals,
         )
         return out.view(q3.shape[0], -1)
 
@@ -327,8 +312,6 @@ class TritonAttentionBackend(AttentionBackend):
     def init_graph_state(self, max_bs: int) -> None:
         self._graph = DecodeMetadata.allocate(max_bs, self.num_heads, self.max_kv_splits, self.head_dim, self.device,
                                               zeroed=True)
-        if self._arrivals.numel() < max_bs * self.num_kv_heads:  # before any capture
-            self._arrivals = torch.zeros(max_bs * self.num_kv_heads, dtype=torch.int32, device=self.device)
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         if self._graph is None:

@@ -41,8 +41,6 @@ def _decode_stage1_kernel(
     num_splits_ptr,
     MidO,
     MidLse,
-    Out,
-    Arrivals,
     sm_scale,
     v_scale,
     logit_cap,
@@ -59,8 +57,6 @@ def _decode_stage1_kernel(
     stride_mos,
     stride_mlb,
     stride_mlh,
-    stride_ob,
-    stride_oh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -70,7 +66,6 @@ def _decode_stage1_kernel(
     HAS_CAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     KV_FP8: tl.constexpr,
-    ONE_KERNEL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -122,45 +117,19 @@ def _decode_stage1_kernel(
     if KV_FP8:
         acc = acc * v_scale
 
-    if ONE_KERNEL:
-        if n_splits == 1:
-            # one split covers the context: its normalised output is the answer (what stage 2 computes
-            # from a single partial, bit for bit), written without the partial's round trip
-            out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-            tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                     out.to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
-        else:
-            store_split_partial(MidO, MidLse, b, heads, split, offs_d, mask_h, mask_d, m_i, l_i, acc,
-                                stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
-            # The last of the request's splits to finish merges them all (no stage-2 launch). Every
-            # thread's partial stores come before the barrier, the release-acquire atomic publishes
-            # them to the program that counts last, which reads them past L1 (.cg). It resets the
-            # counter, so the buffer is all zeros again for the next layer's launch.
-            tl.debug_barrier()
-            arrivals = Arrivals + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-                tl.store(arrivals, 0)
-                for g in tl.static_range(GROUP):
-                    _merge_splits(MidO, MidLse, Out, b, kvh * GROUP + g, n_splits, stride_mob, stride_moh,
-                                  stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, HEAD_DIM, BLOCK_D,
-                                  BLOCK_S, ".cg")
-    else:
-        store_split_partial(MidO, MidLse, b, heads, split, offs_d, mask_h, mask_d, m_i, l_i, acc,
-                            stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
+    store_split_partial(MidO, MidLse, b, heads, split, offs_d, mask_h, mask_d, m_i, l_i, acc,
+                        stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
 
 
 @triton.jit
 def _merge_splits(MidO, MidLse, Out, b, h, n_splits, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-                  stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                  CACHE: tl.constexpr):
-    """Out[b, h] = the split partials of (b, h) weighted by their sum-exps (stage 2's math, shared by
-    both paths so one kernel and two give the same bits)."""
+                  stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Out[b, h] = the split partials of (b, h) weighted by their sum-exps."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < n_splits
     mask_d = offs_d < HEAD_DIM
-    lse = tl.load(MidLse + b * stride_mlb + h * stride_mlh + offs_s, mask=mask_s, other=float("-inf"),
-                  cache_modifier=CACHE)
+    lse = tl.load(MidLse + b * stride_mlb + h * stride_mlh + offs_s, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # a zero-length (padding) request: all weights 0
     w = tl.exp2(lse - m)
@@ -168,7 +137,6 @@ def _merge_splits(MidO, MidLse, Out, b, h, n_splits, stride_mob, stride_moh, str
         MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
         mask=mask_s[:, None] & mask_d[None, :],
         other=0.0,
-        cache_modifier=CACHE,
     )
     total = tl.sum(w, 0)
     out = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0.0, total, 1.0)
@@ -196,7 +164,7 @@ def _decode_stage2_kernel(
     h = tl.program_id(1)
     n_splits = tl.load(num_splits_ptr + b).to(tl.int32)
     _merge_splits(MidO, MidLse, Out, b, h, n_splits, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-                  stride_ob, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S, "")
+                  stride_ob, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S)
 
 
 @dataclass(frozen=True)
@@ -238,18 +206,11 @@ def decode_attention(
     logit_cap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    arrivals: torch.Tensor | None = None,
 ) -> None:
     """Write decode attention into `out` (tiles from `config`, else `decode_config`).
 
     An fp8 pool (k_buf/v_buf float8_e4m3fn): the real keys and values are `stored * k_scale` and
     `stored * v_scale` (the layer's `KVPool.kv_scales`); q stays in the model dtype.
-
-    `arrivals`: None runs the two stages as two launches. An int32 buffer of at least bs * KVH
-    zeros makes it one launch: a request whose split count is 1 writes `out` from stage 1 directly,
-    and with more splits the last split program of each (request, KV head) to finish merges the
-    partials (stage 2's math on the same data, so the same bits). The buffer is all zeros again
-    when the launch ends; launches sharing it must be ordered (one stream).
 
     `sliding_window` W: each request attends its last W keys only; `logit_cap` c: scores are
     soft-capped to c * tanh(score / c) (None: off, for both).
@@ -268,9 +229,6 @@ def decode_attention(
         raise ValueError(f"k/v scales need float8_e4m3fn K and V buffers (got {k_buf.dtype}, {v_buf.dtype}, "
                          f"scales {k_scale}, {v_scale})")
     max_splits = mid_o.shape[2]
-    if arrivals is not None and (arrivals.dtype != torch.int32 or arrivals.numel() < bs * num_kv_heads):
-        raise ValueError(f"decode_attention: arrivals must be int32 with >= {bs * num_kv_heads} elements, "
-                         f"got {arrivals.dtype} [{arrivals.numel()}]")
     cfg = config or decode_config(head_dim, interpret)
     block_d = triton.next_power_of_2(head_dim)
     _decode_stage1_kernel[(bs, num_kv_heads, max_splits)](
@@ -283,8 +241,6 @@ def decode_attention(
         num_kv_splits,
         mid_o,
         mid_lse,
-        out,
-        arrivals if arrivals is not None else num_kv_splits,  # unread without ONE_KERNEL
         sm_scale * k_scale,
         float(v_scale),
         float(logit_cap or 1.0),
@@ -301,8 +257,6 @@ def decode_attention(
         mid_o.stride(2),
         mid_lse.stride(0),
         mid_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
@@ -312,12 +266,9 @@ def decode_attention(
         HAS_CAP=bool(logit_cap),
         HAS_WINDOW=bool(sliding_window),
         KV_FP8=kv_fp8,
-        ONE_KERNEL=arrivals is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if arrivals is not None:
-        return
     _decode_stage2_kernel[(bs, num_heads)](
         mid_o,
         mid_lse,
