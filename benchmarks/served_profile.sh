@@ -23,8 +23,10 @@ for _ in $(seq 2400); do
 done
 echo "== ready after $((SECONDS - t0)) s, load $(cut -d' ' -f1-3 /proc/loadavg)"
 
-cpu() {  # label: pid comm threads utime+stime seconds, for the server's process group
-  for p in $(pgrep -g "$SP"); do
+NAME=$(curl -s "http://127.0.0.1:$PORT/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
+
+cpu() {  # label: pid threads cpu seconds (utime+stime) of the server and its children (own sessions)
+  for p in "$SP" $(pgrep -P "$SP"); do
     [ -r "/proc/$p/stat" ] || continue
     awk -v l="$1" -v t="$TICK" -v th="$(ls "/proc/$p/task" | wc -l)" -v a="$(tr '\0' ' ' < "/proc/$p/cmdline" | cut -c1-70)" \
       '{sub(/^.*\) /, ""); printf "%s %s threads=%d cpu_s=%.2f  %s\n", l, '"$p"', th, ($12 + $13) / t, a}' "/proc/$p/stat"
@@ -36,7 +38,7 @@ client() {  # seed, num_prompts
   "$VLLM" -c 'import sys; from vllm.benchmarks.serve import add_cli_args, main
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))' --backend openai \
-    --base-url "http://127.0.0.1:$PORT" --endpoint /v1/completions --model "$MODEL" --tokenizer "$MODEL" \
+    --base-url "http://127.0.0.1:$PORT" --endpoint /v1/completions --model "$NAME" --tokenizer "$MODEL" \
     --dataset-name random --random-input-len "$IN" --random-output-len "$OUTLEN" --ignore-eos \
     --num-prompts "$2" --max-concurrency "$CONC" --seed "$1" 2>&1 | grep -E "throughput|TTFT|TPOT|ITL|Duration|Successful"
 }
@@ -64,7 +66,7 @@ b, a = (json.load(open(f"{tmp}/{k}.json"))["stats"] for k in ("before", "after")
 d = {k: a[k] - b[k] for k in a if isinstance(a[k], (int, float)) and not isinstance(a[k], bool) and k in b}
 steps, busy, fwd = d.get("steps", 0), d.get("step_seconds", 0.0), d.get("forward_seconds", 0.0)
 print(f"wall {wall:.1f} s; scheduler busy {busy:.1f} s ({busy / wall:.0%}) in {steps} steps "
-      f"({1000 * busy / max(steps, 1):.1f} ms/step): forward {fwd:.1f} s, host {busy - fwd:.1f} s; idle {wall - busy:.1f} s")
+      f"({1000 * busy / max(steps, 1):.1f} ms/step): forward {fwd:.1f} s, host {busy - fwd:.1f} s; idle {wall - busy:.1f} s (includes the client's start-up, ~15 s CPU)")
 print("batches: prefill {prefill_batches} decode {decode_batches} mixed {mixed_batches}; prefill tokens {prefill_tokens_computed}, "
       "generated {generated_tokens}".format(**{k: d.get(k, 0) for k in
       ("prefill_batches", "decode_batches", "mixed_batches", "prefill_tokens_computed", "generated_tokens")}))
