@@ -545,3 +545,32 @@ def test_isolation_with_chunked_prefill(make_scheduler, chunk):
     assert results["poison"]["outs"][-1].error_status == 500
     for rid, prompt, max_new in reqs:
         assert results[rid]["ids"] == reference(prompt, max_new), rid
+
+
+def test_stats_split_busy_step_time_into_forward_and_host(make_scheduler):
+    """stats() tells where a busy scheduler's time goes (the served-throughput profile reads it):
+    every step that ran a batch is counted with its seconds; an idle step is not; without overlap
+    the forward's share is measured and is part of the step time."""
+    import time
+
+    sched = make_scheduler()
+    launch = sched.runner.launch_batch
+
+    def slow_launch(sb):
+        time.sleep(0.005)  # a forward that takes measurable time
+        return launch(sb)
+
+    sched.runner.launch_batch = slow_launch
+    sched.step()  # nothing to do: not a step of work
+    assert sched.stats()["steps"] == 0 and sched.stats()["step_seconds"] == 0
+    sched.add_request(request("a", list(range(10, 30)), 4))
+    run_to_completion(sched)
+    stats = sched.stats()
+    batches = len(sched.runner.batches)
+    assert stats["steps"] >= batches > 0
+    assert stats["step_seconds"] >= 0.005 * batches
+    if sched.overlap:
+        assert stats["forward_seconds"] == 0  # a launched-ahead forward runs under host work
+    else:
+        assert stats["steps"] == batches
+        assert 0.005 * batches <= stats["forward_seconds"] <= stats["step_seconds"]

@@ -28,6 +28,11 @@ class SchedulerMetrics:
     spec_verifies: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # where a busy scheduler's time goes: whole steps, and the part of them spent waiting on forwards
+    # (launch to result; the non-overlapped path only: an overlapped step's forward runs under host work)
+    steps: int = 0
+    step_seconds: float = 0.0
+    forward_seconds: float = 0.0
     # (time, generated_tokens) samples for a sliding-window throughput
     _window: deque = field(default_factory=lambda: deque(maxlen=64))
 

@@ -364,23 +364,32 @@ class Scheduler:
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[ReqTokenOut]:
+        start = time.perf_counter()
         if self._grammar_pending:
             self._poll_grammars()
+        ran = self.has_work()
         if self.overlap:
             self._step_overlapped()
         else:
             items = self._schedule()
+            ran = bool(items)
             if not items:
                 self._wait_for_grammars()
             if items:
                 try:
-                    result = self.runner.launch_batch(self._to_scheduled_batch(items)).result()
+                    sb = self._to_scheduled_batch(items)
+                    forward_start = time.perf_counter()
+                    result = self.runner.launch_batch(sb).result()
+                    self.metrics.forward_seconds += time.perf_counter() - forward_start
                 except Exception:
                     self._isolate_failure([items])
                 else:
                     self._passed(items)
                     self._process(items, result)
         self.metrics.record_step()
+        if ran:  # an idle step (nothing scheduled) is waiting, not work
+            self.metrics.steps += 1
+            self.metrics.step_seconds += time.perf_counter() - start
         outs, self._outbox = self._outbox, []
         return outs
 
@@ -1126,6 +1135,9 @@ class Scheduler:
             "decode_batches": m.decode_batches,
             "mixed_batches": m.mixed_batches,
             "overlapped_batches": m.overlapped_batches,
+            "steps": m.steps,
+            "step_seconds": m.step_seconds,
+            "forward_seconds": m.forward_seconds,
             "new_token_ratio": self.new_token_ratio,
             "speculative": self.drafter is not None,
             "spec_verify_batches": m.spec_verify_batches,
