@@ -10,7 +10,9 @@ import torch
 import xgrammar as xgr
 from radixserve.interfaces.grammar import GrammarBackend, GrammarError, GrammarMatcher
 
+from radixserve_grammar_xgrammar.enum_trie import factor_literal_choices
 from radixserve_grammar_xgrammar.json_strings import exclude_control_characters
+from radixserve_grammar_xgrammar.schema_rewrites import prepare_schema
 
 MAX_ROLLBACK_TOKENS = 16  # what we promise (xgrammar keeps the whole history): any draft the core allows (<= 16)
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:line: "; users need only the rest
@@ -133,9 +135,13 @@ def _clean(e: Exception) -> str:
 def json_schema_grammar(schema: str) -> xgr.Grammar:
     """xgrammar's grammar for `schema` (compact JSON, undeclared fields not generated) with raw
     control characters kept out of strings (xgrammar lets them into length-limited and `pattern`
-    strings)."""
+    strings), after the rewrites of schema_rewrites.py (sibling keywords of a union copied into its
+    branches; no extra keys next to declared properties) and with enum alternations factored into a
+    prefix tree (enum_trie.py: xgrammar 0.1.27 over-merges them). Raises ValueError for a union that
+    cannot be rewritten."""
+    schema = json.dumps(prepare_schema(json.loads(schema)))
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
-    return xgr.Grammar.from_ebnf(exclude_control_characters(str(grammar)))
+    return xgr.Grammar.from_ebnf(factor_literal_choices(exclude_control_characters(str(grammar))))
 
 
 class XGrammarMatcher(GrammarMatcher):
