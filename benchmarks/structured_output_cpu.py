@@ -52,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--serve-args", default="", help="extra arguments for the launched server (one string)")
     p.add_argument("--corpus", type=Path, default=CORPUS, help="JSONL of {id, prompt, schema, features}")
     p.add_argument("--limit", type=int, default=0, help="only the first N schemas of the corpus (0: all)")
+    p.add_argument("--schemas", default="", help="validity run: only these corpus ids (comma list), or @FILE of a "
+                   "results JSON: its `not_valid` ids that were invalid or timed out (server_error)")
     p.add_argument("--concurrency", type=int, default=8, help="validity run: requests in flight")
     p.add_argument("--max-tokens", type=int, default=1024, help="validity run: token budget per output")
     p.add_argument("--validity-params", type=json.loads, default={},
@@ -62,6 +64,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="overhead run: rounds of each kind, alternating")
     p.add_argument("--trials", type=int, default=5, help="TTFT run: requests of each kind")
     p.add_argument("--skip", default="", help="comma list of parts to skip: validity,overhead,ttft")
+    p.add_argument("--timeout", type=float, default=TIMEOUT, help="client read timeout per request, seconds")
     p.add_argument("--out", default=None)
     return p.parse_args()
 
@@ -118,8 +121,18 @@ def one_schema(client: httpx.Client, model: str, entry: dict, max_tokens: int, p
     return {**rec, "outcome": "valid"}
 
 
+def selected_ids(spec: str) -> set[str]:
+    if spec.startswith("@"):
+        previous = json.loads(Path(spec[1:]).read_text())["validity"]["not_valid"]
+        return {r["id"] for r in previous if r["outcome"] in ("invalid", "server_error")}
+    return {s.strip() for s in spec.split(",") if s.strip()}
+
+
 def validity(client: httpx.Client, model: str, args: argparse.Namespace) -> dict:
     entries = [json.loads(line) for line in args.corpus.read_text().splitlines() if line.strip()]
+    if args.schemas:
+        wanted = selected_ids(args.schemas)
+        entries = [e for e in entries if e["id"] in wanted]
     if args.limit:
         entries = entries[: args.limit]
     t0 = time.perf_counter()
@@ -221,7 +234,9 @@ def ttft(client: httpx.Client, model: str, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
+    global TIMEOUT
     args = parse_args()
+    TIMEOUT = args.timeout
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     proc = launch(args.base_url, args.serve_args) if args.launch else None
     try:

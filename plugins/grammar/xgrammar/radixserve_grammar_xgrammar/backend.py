@@ -11,7 +11,9 @@ import torch
 import xgrammar as xgr
 from radixserve.interfaces.grammar import GrammarBackend, GrammarError, GrammarMatcher
 
+from radixserve_grammar_xgrammar.enum_trie import factor_literal_choices
 from radixserve_grammar_xgrammar.json_strings import exclude_control_characters
+from radixserve_grammar_xgrammar.schema_rewrites import prepare_schema
 
 MAX_ROLLBACK_TOKENS = 16  # what we promise (xgrammar keeps the whole history): any draft the core allows (<= 16)
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:line: "; users need only the rest
@@ -139,36 +141,22 @@ def _clean(e: Exception) -> str:
 
 def normalize_schema(schema: Any) -> Any:
     """A copy of `schema` rewritten into an equivalent or narrower one that xgrammar enforces (every
-    output of the result is valid for `schema`): see narrow_additional_properties,
-    _type_into_branches and _enum_without_string_bounds."""
-    schema = narrow_additional_properties(schema)
+    output of the result is valid for `schema`): schema_rewrites.prepare_schema (union siblings into
+    the branches, no extra keys next to declared properties; ValueError naming the place for a union
+    it cannot merge), then _enum_without_string_bounds on every subschema."""
+    schema = prepare_schema(schema)
     for _, sub, _ in _subschemas(schema):
-        _type_into_branches(sub)
         _enum_without_string_bounds(sub)
     return schema
-
-
-def _type_into_branches(sub: dict) -> None:
-    """`{"type": "string", "anyOf": [{"pattern": ...}, {"format": ...}]}`: xgrammar reads the branches
-    alone (a branch without `type` is any JSON value, so `{}` came out); the parent's `type` holds
-    for every branch anyway, so it is copied into the branches that have none."""
-    if "type" not in sub:
-        return
-    for union in ("anyOf", "oneOf"):
-        branches = sub.get(union)
-        if isinstance(branches, list):
-            for b in branches:
-                if isinstance(b, dict) and "type" not in b and "$ref" not in b:
-                    b["type"] = sub["type"]
 
 
 _STRING_BOUNDS = ("minLength", "maxLength", "pattern", "format")
 
 
 def _enum_without_string_bounds(sub: dict) -> None:
-    """An `enum` with `minLength`/`maxLength`/`pattern`: xgrammar follows the bounds and drops the
-    enum ("SrI" for ["Jr", "Sr", ...] with maxLength 10). The enum values that meet the bounds are
-    kept and the bounds removed (the same set of valid strings; `format` is dropped as well)."""
+    """An `enum` with `minLength`/`maxLength`/`pattern`: xgrammar enforces only one side of the two.
+    The enum values that meet the bounds are kept and the bounds removed (the same set of valid
+    strings; `format` is dropped as well)."""
     values = sub.get("enum")
     if not isinstance(values, list) or not any(key in sub for key in _STRING_BOUNDS):
         return
@@ -191,33 +179,15 @@ def _enum_without_string_bounds(sub: dict) -> None:
             sub.pop(key, None)
 
 
-def narrow_additional_properties(schema: Any) -> Any:
-    """A copy of `schema` where each object schema that declares `properties` generates no other
-    property (`additionalProperties: false`), unless `minProperties` needs more than it declares.
-
-    xgrammar generates an `additionalProperties` (true or a subschema) property under ANY name,
-    declared names included, with the additional value's schema: `{"status": 200}` for a declared
-    `"status": {"enum": ["a", "b"]}` (seen on real schemas). Every output of the narrowed schema is
-    valid for the original one, so narrowing loses no correctness, only the freedom to add fields."""
-    schema = json.loads(json.dumps(schema))
-    for _, sub, _ in _subschemas(schema):
-        props = sub.get("properties")
-        if not isinstance(props, dict) or sub.get("additionalProperties", False) is False:
-            continue
-        min_props = sub.get("minProperties")
-        if isinstance(min_props, int) and min_props > len(props):
-            continue
-        sub["additionalProperties"] = False
-    return schema
-
-
 def json_schema_grammar(schema: str) -> xgr.Grammar:
-    """xgrammar's grammar for `schema` (compact JSON, undeclared fields not generated, not even where
-    `additionalProperties` allows them: see normalize_schema) with raw control characters
-    kept out of strings (xgrammar lets them into length-limited and `pattern` strings)."""
+    """xgrammar's grammar for `schema` (compact JSON, undeclared fields not generated) with raw
+    control characters kept out of strings (xgrammar lets them into length-limited and `pattern`
+    strings), after normalize_schema's rewrites and with enum alternations factored into a prefix
+    tree (enum_trie.py: xgrammar 0.1.27 over-merges them). Raises ValueError for a union that
+    cannot be rewritten."""
     schema = json.dumps(normalize_schema(json.loads(schema)))
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
-    return xgr.Grammar.from_ebnf(exclude_control_characters(str(grammar)))
+    return xgr.Grammar.from_ebnf(factor_literal_choices(exclude_control_characters(str(grammar))))
 
 
 # fewer constrained rows than this are filled one by one (a thread hand-off costs more than it saves)

@@ -1,0 +1,112 @@
+"""Rewrite a JSON schema, before xgrammar 0.1.27 converts it, into an equivalent (or stricter)
+one whose every assertion its converter enforces. Each rewrite fixes an invalid output SmolLM2
+wrote for a real corpus schema (benchmarks/results/cpu-structured-output.md):
+
+- `anyOf`/`oneOf` next to other assertions (`{"type": "string", "anyOf": [{"pattern": ...},
+  {"format": ...}]}`, or an object's `properties`/`required` next to branches): xgrammar converts
+  only the branches and drops the siblings, so `{}` passed for that string. The siblings are
+  copied into every branch (A and (B1 or B2) == (A and B1) or (A and B2)).
+- `additionalProperties` true or a schema on an object that declares `properties`: xgrammar lets
+  the extra keys repeat a declared name with any value (`"status": 200` for a string enum). Our
+  backend generates only declared properties (strict mode), so the extra keys are dropped:
+  every output is still valid for the original schema.
+
+`prepare_schema` raises ValueError naming the place when a union cannot be merged that way."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+# keywords that carry no assertion: they stay on the parent of a union
+_ANNOTATIONS = {"title", "description", "$comment", "examples", "default", "$schema", "$id", "id", "$defs",
+                "definitions", "deprecated", "readOnly", "writeOnly"}
+_UNIONS = ("anyOf", "oneOf")
+
+
+def prepare_schema(schema: Any) -> Any:
+    """A rewritten copy of `schema` (see the module docstring); `schema` itself is not changed."""
+    schema = copy.deepcopy(schema)
+    _walk(schema, "")
+    return schema
+
+
+def _walk(node: Any, path: str) -> None:
+    if isinstance(node, list):
+        for i, sub in enumerate(node):
+            _walk(sub, f"{path}/{i}")
+        return
+    if not isinstance(node, dict):
+        return
+    _distribute_union(node, path)
+    if isinstance(node.get("properties"), dict) and node["properties"] and node.get("additionalProperties", False) is not False:
+        node["additionalProperties"] = False
+    for key, value in node.items():
+        if key in ("enum", "const", "default", "examples", "required"):
+            continue
+        if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
+            for name, sub in value.items():
+                _walk(sub, f"{path}/{key}/{name}")
+        else:
+            _walk(value, f"{path}/{key}")
+
+
+def _distribute_union(node: dict, path: str) -> None:
+    unions = [k for k in _UNIONS if isinstance(node.get(k), list)]
+    siblings = {k: v for k, v in node.items() if k not in _ANNOTATIONS and k not in _UNIONS}
+    if not unions or not siblings:
+        return
+    if len(unions) > 1 or "$ref" in siblings or "allOf" in siblings:
+        raise ValueError(f"{unions[0]} together with {', '.join(unions[1:] + sorted(siblings))} (at {path}) "
+                         "cannot be enforced by the xgrammar backend")
+    key = unions[0]
+    node[key] = [_merge(siblings, branch, f"{path}/{key}/{i}") for i, branch in enumerate(node[key])]
+    for k in siblings:
+        del node[k]
+
+
+def _merge(parent: dict, branch: Any, path: str) -> Any:
+    if branch is True or branch == {}:
+        return dict(parent)
+    if parent is True or parent == {}:
+        return branch
+    if not isinstance(parent, dict) or not isinstance(branch, dict) or "$ref" in branch or any(k in branch for k in _UNIONS + ("allOf",)):
+        raise ValueError(f"a union branch (at {path}) that is a reference or a union itself, next to sibling "
+                         "keywords, cannot be enforced by the xgrammar backend")
+    merged = dict(branch)
+    for k, v in parent.items():
+        if k in _ANNOTATIONS and k in merged:
+            continue
+        if k not in merged or merged[k] == v:
+            merged[k] = v
+        elif k == "required":
+            merged[k] = list(dict.fromkeys(list(v) + list(merged[k])))
+        elif k == "properties" and isinstance(v, dict) and isinstance(merged[k], dict):
+            props = dict(v)
+            for name, sub in merged[k].items():
+                props[name] = _merge(props[name], sub, f"{path}/properties/{name}") if name in props else sub
+            merged[k] = props
+        elif k == "type":
+            types = _types(v) & _types(merged[k])
+            if not types:
+                raise ValueError(f"a union branch (at {path}) whose type excludes its parent's")
+            merged[k] = sorted(types) if len(types) > 1 else types.pop()
+        else:
+            raise ValueError(f"{k} given both by a union branch (at {path}) and its parent: the xgrammar backend "
+                             "cannot enforce both")
+    if "const" in merged and "enum" in merged:  # xgrammar follows one of the two: keep the narrower
+        if merged["const"] not in merged["enum"]:
+            raise ValueError(f"a union branch (at {path}) whose const is not in its parent's enum")
+        del merged["enum"]
+    return merged
+
+
+def _types(t: Any) -> set[str]:
+    types = {t} if isinstance(t, str) else set(t)
+    if "number" in types:
+        types.add("integer")
+    return types
+
+
+def _only_annotations(sub: Any) -> bool:
+    return isinstance(sub, dict) and set(sub) <= _ANNOTATIONS
