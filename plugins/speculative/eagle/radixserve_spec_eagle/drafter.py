@@ -87,6 +87,7 @@ class EagleDrafter(PooledDrafter):
         self.version = ckpt.version
         self.target = ts
         self.head = EagleHead(ckpt, ts.vocab_size).to(device=info.device, dtype=ts.dtype).eval()
+        self.head.fuse_projections()
         self.pool = DraftKVPool(len(self.head.layers), cfg.num_key_value_heads, cfg.head_dim, ts.dtype, info.device)
         self.topk = max(1, info.topk) if info.supports_tree else 1
         self.num_steps = max(1, info.num_steps)
