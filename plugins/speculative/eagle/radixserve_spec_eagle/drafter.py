@@ -235,7 +235,8 @@ class EagleDrafter(PooledDrafter):
                 return self._attention_padded(q, inp.keys[layer], inp.values[layer], mask)
 
             out = self.head.step(self._embed(tok), inp.root_pos + depth, out, attend)
-            tok = self.head.to_target_ids(self.head.log_probs(out, self.target.logits).argmax(-1))
+            # argmax of the raw logits: the log-softmax over the draft vocabulary changes no ranking
+            tok = self.head.to_target_ids(self.head.logits(out, self.target.logits).argmax(-1))
             drafted.append(tok)
         return torch.stack(drafted, dim=1)
 

@@ -169,12 +169,15 @@ class EagleHead(nn.Module):
     def log_probs(self, out: torch.Tensor, target_logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """fp32 log-probabilities [n, draft vocab]: EAGLE-2 through the target's LM head, EAGLE-3
         through its own norm and head (the target's when the checkpoint has none)."""
+        return torch.log_softmax(self.logits(out, target_logits).float(), dim=-1)
+
+    def logits(self, out: torch.Tensor, target_logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Raw draft logits [n, draft vocab] (model dtype): enough for a greedy chain's argmax, which
+        needs no log-softmax over the vocabulary."""
         if self.version == 2:
-            logits = target_logits(out)
-        else:
-            h = self.norm(out)
-            logits = self.lm_head(h).float() if self.lm_head is not None else target_logits(h)
-        return torch.log_softmax(logits.float(), dim=-1)
+            return target_logits(out)
+        h = self.norm(out)
+        return self.lm_head(h) if self.lm_head is not None else target_logits(h)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]
