@@ -87,6 +87,7 @@ class EagleDrafter(PooledDrafter):
         self.version = ckpt.version
         self.target = ts
         self.head = EagleHead(ckpt, ts.vocab_size).to(device=info.device, dtype=ts.dtype).eval()
+        self.head.fuse_projections()
         self.pool = DraftKVPool(len(self.head.layers), cfg.num_key_value_heads, cfg.head_dim, ts.dtype, info.device)
         self.topk = max(1, info.topk) if info.supports_tree else 1
         self.num_steps = max(1, info.num_steps)
@@ -234,7 +235,8 @@ class EagleDrafter(PooledDrafter):
                 return self._attention_padded(q, inp.keys[layer], inp.values[layer], mask)
 
             out = self.head.step(self._embed(tok), inp.root_pos + depth, out, attend)
-            tok = self.head.to_target_ids(self.head.log_probs(out, self.target.logits).argmax(-1))
+            # argmax of the raw logits: the log-softmax over the draft vocabulary changes no ranking
+            tok = self.head.to_target_ids(self.head.logits(out, self.target.logits).argmax(-1))
             drafted.append(tok)
         return torch.stack(drafted, dim=1)
 

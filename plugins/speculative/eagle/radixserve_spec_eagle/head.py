@@ -41,6 +41,9 @@ class DraftLayer(nn.Module):
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps) if eagle3 else None
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.rotary_emb = get_rope(cfg, hd)
+        # set by fuse_projections(); None: the separate projections run
+        for name in ("qkv_weight", "qkv_bias", "gate_up_weight"):
+            self.register_buffer(name, None, persistent=False)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, embeds: torch.Tensor | None, attend: Attend):
         """x: the incoming stream [n, H]; returns the outgoing stream (attention and MLP added)."""
@@ -50,14 +53,44 @@ class DraftLayer(nn.Module):
         else:
             h = self.input_layernorm(x) if self.input_layernorm is not None else x
         n = h.shape[0]
-        q, k = self.rotary_emb(positions, self.q_proj(h), self.k_proj(h))
-        v = self.v_proj(h)
+        if self.qkv_weight is not None:  # one matmul over the shared (2H-wide for EAGLE-3) input
+            q, k, v = F.linear(h, self.qkv_weight, self.qkv_bias).split(self._qkv_split, dim=-1)
+            q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
+            v = v.contiguous()
+        else:
+            q, k = self.rotary_emb(positions, self.q_proj(h), self.k_proj(h))
+            v = self.v_proj(h)
         out = attend(
             self.index, q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
             v.view(n, self.num_kv_heads, self.head_dim),
         )
         h, residual = self.post_attention_layernorm(self.o_proj(out.reshape(n, -1)), residual)
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up) + residual
         return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)) + residual
+
+    def fuse_projections(self) -> None:
+        """Concatenate q/k/v and gate/up into one weight each (fewer, larger GEMVs at batch 1: the
+        small k/v and the two MLP matmuls run far from HBM speed alone). The separate parameters
+        become views of the fused tensors (no extra memory). Call after the final `.to(...)`: a
+        later move keeps the results right but copies the views apart."""
+        with torch.no_grad():
+            qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+            self._qkv_split = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
+            bias = None
+            if self.q_proj.bias is not None:
+                bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+            gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+            self.qkv_weight, self.qkv_bias, self.gate_up_weight = qkv, bias, gate_up
+            a, b, _ = self._qkv_split
+            self.q_proj.weight.data = qkv[:a]
+            self.k_proj.weight.data = qkv[a:a + b]
+            self.v_proj.weight.data = qkv[a + b:]
+            if bias is not None:
+                self.q_proj.bias.data, self.k_proj.bias.data, self.v_proj.bias.data = bias[:a], bias[a:a + b], bias[a + b:]
+            i = self.gate_proj.out_features
+            self.gate_proj.weight.data, self.up_proj.weight.data = gate_up[:i], gate_up[i:]
 
 
 class EagleHead(nn.Module):
@@ -111,6 +144,11 @@ class EagleHead(nn.Module):
             if bool(bad.any()):
                 raise ValueError(f"{KEY}: d2t maps draft ids outside the target's vocabulary of {target_vocab}")
 
+    def fuse_projections(self) -> None:
+        """Fuse every draft layer's q/k/v and gate/up matmuls (see DraftLayer.fuse_projections)."""
+        for layer in self.layers:
+            layer.fuse_projections()
+
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """EAGLE-3: the three target layers [n, 3H'] -> the draft's hidden size; a draft output (H
         wide already) passes unchanged."""
@@ -131,12 +169,15 @@ class EagleHead(nn.Module):
     def log_probs(self, out: torch.Tensor, target_logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """fp32 log-probabilities [n, draft vocab]: EAGLE-2 through the target's LM head, EAGLE-3
         through its own norm and head (the target's when the checkpoint has none)."""
+        return torch.log_softmax(self.logits(out, target_logits).float(), dim=-1)
+
+    def logits(self, out: torch.Tensor, target_logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Raw draft logits [n, draft vocab] (model dtype): enough for a greedy chain's argmax, which
+        needs no log-softmax over the vocabulary."""
         if self.version == 2:
-            logits = target_logits(out)
-        else:
-            h = self.norm(out)
-            logits = self.lm_head(h).float() if self.lm_head is not None else target_logits(h)
-        return torch.log_softmax(logits.float(), dim=-1)
+            return target_logits(out)
+        h = self.norm(out)
+        return self.lm_head(h) if self.lm_head is not None else target_logits(h)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]

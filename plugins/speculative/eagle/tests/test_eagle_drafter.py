@@ -161,6 +161,36 @@ def test_bad_draft_paths_are_start_up_errors(target, drafts, tmp_path):
 
 
 # ---- proposals and losslessness ------------------------------------------------------------------
+def test_fused_projections_match_separate(target, drafts):
+    """The drafter's fused q/k/v and gate/up matmuls give the separate projections' outputs."""
+    from radixserve_spec_eagle.head import EagleHead
+
+    _, runner = target
+    vocab = target_config(target[0])["vocab_size"]
+
+    def attend(layer, q, k, v):  # causal attention over the rows themselves (GQA expanded)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+        return o.transpose(0, 1)
+
+    for name in ("eagle2", "eagle3"):
+        ckpt = load_checkpoint(drafts[name])
+        plain, fused = EagleHead(ckpt, vocab).eval(), EagleHead(ckpt, vocab).eval()
+        fused.fuse_projections()
+        assert fused.layers[0].qkv_weight is not None and plain.layers[0].qkv_weight is None
+        g = torch.Generator().manual_seed(0)
+        h = plain.hidden_size
+        feats = torch.randn(5, plain.fc.in_features if name == "eagle3" else h, generator=g)
+        embeds, pos = torch.randn(5, h, generator=g), torch.arange(5)
+        with torch.no_grad():
+            a, b = plain.step(embeds, pos, feats, attend), fused.step(embeds, pos, feats, attend)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    d = EagleDrafter(drafter_info(_config(drafts["eagle3"]), runner))
+    assert d.head.layers[0].qkv_weight is not None  # the drafter runs the fused form
+
+
 def test_best_nodes_keeps_parents():
     # node 2's parent (1) scores low: 2 can only come with it
     assert best_nodes([-0.1, -3.0, -0.2, -0.5], [-1, -1, 1, 0], 2) == [0, 3]
