@@ -113,6 +113,11 @@ def main():
                 best = {"us": us, "cfg": list(cfg.__dict__.values()), "rel_err": err}
         best.update(bytes=n * k, TBps=n * k / best["us"] / 1e6)
         row["fp8_gemv"] = best
+        try:  # the fp8 plugin's current small-M path (tiled Triton GEMM, bf16 activations)
+            from radixserve_quant_fp8 import kernels as fk
+            row["fp8_block_gemm_now"] = {"us": time_graph(lambda w: fk.block_fp8_gemm(x, w, sr[:, None], (1, k)), wf)}
+        except Exception as e:
+            print("fp8 block_fp8_gemm failed:", repr(e)[:200], flush=True)
         del wf
         res[name] = row
         print(name, json.dumps({k2: round(v["us"], 1) for k2, v in row.items()}), f"t={time.time() - t0:.0f}s",
