@@ -57,3 +57,24 @@ def test_bad_shapes_are_refused_with_the_values():
         lg.int4_gemv(torch.zeros(5, 64), w)
     with pytest.raises(ValueError, match="scales"):
         lg.fp8_gemv(torch.zeros(1, 32), torch.zeros(8, 32).to(torch.float8_e4m3fn), torch.ones(7))
+
+
+def test_int4_linear_routes_small_batches_to_the_row_gemv_with_act_order(monkeypatch):
+    from radixserve.layers import int4_triton
+    from radixserve.layers.quant_int4 import int4_linear
+
+    k, n = 128, 16
+    g_idx = (torch.arange(k) // 32)[torch.randperm(k, generator=torch.Generator().manual_seed(5))]
+    w = _int4(k, n, g_idx)
+    ref = torch.empty(k, n)
+    ref[w.perm] = w.dequantize(torch.float32)
+    x = torch.randn(1, 1, k, generator=torch.Generator().manual_seed(6))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(7))
+    monkeypatch.setattr(int4_triton, "available", lambda t: True)  # the CUDA branch, run by the interpreter
+    w.rows = lg.repack_int4(w)  # what make_int4_weight does on CUDA with RADIXSERVE_LOWBIT_GEMV=1
+    calls = []
+    real = lg.int4_gemv
+    monkeypatch.setattr(lg, "int4_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    y = int4_linear(x, w, bias)
+    assert calls == [1]
+    torch.testing.assert_close(y, x @ ref + bias, rtol=1e-4, atol=1e-4)

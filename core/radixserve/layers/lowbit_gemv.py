@@ -19,6 +19,7 @@ Triton is imported on first use.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -29,6 +30,11 @@ from radixserve.layers.triton_support import interpreting as _interpreting
 triton = tl = None  # imported by `_kernels` on first use
 
 MAX_ROWS = 4  # above this the existing tiled kernels (tensor cores) are used
+
+# Off until the H200 numbers (benchmarks/h200/lowbit_gemv.py) show it beats the split-K kernels:
+# RADIXSERVE_LOWBIT_GEMV=1 routes M <= MAX_ROWS CUDA activations of int4 (AWQ/GPTQ) and per-row fp8
+# linears here. int4 then keeps a second, row-major copy of the codes (+1x the int4 weight bytes).
+ENABLED = os.environ.get("RADIXSERVE_LOWBIT_GEMV", "0") == "1"
 
 
 @dataclass
