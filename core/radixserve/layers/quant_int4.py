@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.layers import int4_triton
+from radixserve.layers import int4_triton, lowbit_gemv
 
 PACK = 8  # 4-bit codes per int32
 _SHIFTS = tuple(range(0, 32, 4))
@@ -62,6 +62,7 @@ class Int4Weight:
     g_idx: torch.Tensor  # int32 [K]
     perm: torch.Tensor | None = None  # long [K]
     uniform_group_size: int | None = None  # g when g_idx[k] == k // g for every row (kernel fast path)
+    rows: lowbit_gemv.RowInt4 | None = None  # row-major copy for the batch-1 GEMV (when enabled)
 
     @property
     def in_features(self) -> int:
@@ -96,8 +97,11 @@ def make_int4_weight(codes_or_qweight: torch.Tensor, scales: torch.Tensor, zeros
     g = -(-k // groups)
     rows = torch.arange(k, device=g_idx.device, dtype=torch.int32)
     uniform = g if torch.equal(g_idx, rows // g) else None
-    return Int4Weight(qweight.contiguous(), scales.to(dtype).contiguous(), zeros.to(dtype).contiguous(), g_idx, perm,
-                      uniform)
+    w = Int4Weight(qweight.contiguous(), scales.to(dtype).contiguous(), zeros.to(dtype).contiguous(), g_idx, perm,
+                   uniform)
+    if lowbit_gemv.ENABLED and w.qweight.is_cuda:
+        w.rows = lowbit_gemv.repack_int4(w)
+    return w
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -107,7 +111,9 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> to
     if w.perm is not None:
         x2 = x2[:, w.perm]
     if int4_triton.available(x2) and x2.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        if x2.shape[0] <= FUSED_MAX_ROWS:
+        if w.rows is not None and x2.shape[0] <= lowbit_gemv.MAX_ROWS:
+            y = lowbit_gemv.int4_gemv(x2, w.rows)
+        elif x2.shape[0] <= FUSED_MAX_ROWS:
             y = int4_triton.fused_gemm(x2, w)
         else:
             y = x2 @ int4_triton.dequantize(w, x2.dtype)

@@ -13,6 +13,7 @@ import os
 from types import SimpleNamespace
 
 import torch
+from radixserve.layers import lowbit_gemv
 from radixserve.layers.split_k import cdiv, plan_split_k
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ TRITON_MAX_ROWS = 16
 
 def rowwise_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_rows: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] @ (weight [N, K] fp8 * scale_rows [N]).T -> [M, N] in x's dtype, or None."""
+    if lowbit_gemv.ENABLED and x.shape[0] <= lowbit_gemv.MAX_ROWS and "triton" not in _disabled and _triton_importable():
+        return lowbit_gemv.fp8_gemv(x, weight, weight_scale_rows)  # whole rows per program, no split-K
     if x.shape[0] <= TRITON_MAX_ROWS and "triton" not in _disabled and _triton_importable():
         return block_fp8_gemm(x, weight, weight_scale_rows[:, None], (1, x.shape[1]))
     return scaled_mm_linear(x, weight, weight_scale_rows)
