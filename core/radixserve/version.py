@@ -37,5 +37,7 @@ __version__ = "0.1.0"
 #      parallel threads); per-head q/k norms in the decode rotary + KV-store kernel:
 #      radixserve.layers.attention.QKNorm, RadixAttention.forward_rotary(..., qk_norm=),
 #      AttentionBackend.fuses_qk_norm_with_rotary; FusedMoE.forward_with_gate,
-#      radixserve.layers.moe.small_m.fused_gate_select_experts
+#      radixserve.layers.moe.small_m.fused_gate_select_experts; WeightSource.hf_config may return a plain
+#      config object with to_transformers() (GGUF: no transformers import when serving); linear layers
+#      may carry a `gemv_config` tile set by the runner (runtime.batch1_gemv, layers/gemv_selection.py)
 PLUGIN_API_VERSION = "1.6"
