@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.layers import cpu_ops
+from radixserve.sampling import cpu_race
 from radixserve.sampling.batch import SamplingBatch
 
 
@@ -61,6 +62,25 @@ class Sampler:
 
     # ---- random draws ---------------------------------------------------------------------
     def _sample_rows(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        if not (sb.need_top_k or sb.need_top_p or sb.need_min_p) and cpu_race.available(logits):
+            return self._race_rows(logits, sb)
+        return self._torch_rows(logits, sb)
+
+    def _race_rows(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        """The fused CPU draw (cpu_race): unseeded rows are keyed by one draw each from this
+        sampler's stream, a seeded row by its step seed (its draws depend on nothing else)."""
+        keys = torch.randint(0, (1 << cpu_race.KEY_BITS) - 1, (logits.shape[0],), dtype=torch.int64,
+                             generator=self._generator(logits.device))
+        for i, s in enumerate(sb.step_seeds or ()):
+            if s is not None:
+                keys[i] = s & ((1 << cpu_race.KEY_BITS) - 1)
+        ids = cpu_race.sample_rows(logits, sb.temperatures, sb.greedy, keys)
+        bad = ids < 0  # a NaN or +inf logit, or a row of -inf: the torch path's answer for it
+        if bool(bad.any()):
+            ids = torch.where(bad, self._torch_rows(logits, sb), ids)
+        return ids
+
+    def _torch_rows(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         probs = torch.softmax(logits / sb.temperatures[:, None], dim=-1)
         if sb.need_top_k or sb.need_top_p or sb.need_min_p:
             probs = truncate(probs, sb)
