@@ -1,15 +1,13 @@
-// One draw per row from softmax(logits / temperature) by the exponential race, in one kernel.
+// One draw per row from softmax(logits / temperature), in one kernel.
 //
 // Why: the torch sampler builds the [rows, vocab] probabilities, then an Exp(1) noise tensor
 // (torch's CPU exponential_ costs ~40 ns a value, one thread: ~30 ms for 16 x 49k logits, a fifth of
 // a batch-16 SmolLM2 decode step), then divides and takes the argmax: five passes and three
-// [rows, vocab] tensors. Here each row is two passes over its logits (max, then race) with the noise
-// made on the fly by a counter-based generator: value v of a row keyed k is a hash of (k, v), so a
-// row's draws depend only on its key (a seeded request draws the same numbers alone or batched).
-//
-// The race: argmax_v p_v / E_v with E_v ~ Exp(1) i.i.d. is a draw from p (the minimum of the
-// E_v / p_v is attained at v with probability p_v); p_v = exp((l_v - max l) / T) unnormalised (the
-// argmax does not see the normalisation). E = -log U, U uniform in (0, 1) from 24 hash bits.
+// [rows, vocab] tensors. Here a row is two passes over its logits (the maximum, then the
+// unnormalised probabilities with their sums per block of columns) and an inverse-CDF search: one
+// uniform per row, made from the row's key by splitmix64, so a row's draw depends only on its key
+// (a seeded request draws the same alone or batched). Sums are fp32 within a block of 256 columns
+// and fp64 across blocks.
 // Only the headers these kernels use (see cpu_ops.cpp).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -23,15 +21,6 @@
 #include <vector>
 
 namespace {
-
-inline uint32_t mix32(uint32_t x) {  // a full-avalanche 32-bit integer hash (two multiply rounds)
-  x ^= x >> 16;
-  x *= 0x7feb352du;
-  x ^= x >> 15;
-  x *= 0x846ca68bu;
-  x ^= x >> 16;
-  return x;
-}
 
 inline bool is_nan_bits(uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; }  // -ffast-math hides isnan
 inline bool is_finite_bits(uint32_t u) { return (u & 0x7f800000u) != 0x7f800000u; }
@@ -52,33 +41,65 @@ int64_t row_argmax(const float* r, int64_t n) {
     best = std::max(best, r[j]);
     nans |= static_cast<uint32_t>(is_nan_bits(u[j]));
   }
+  // bit compares, bounded: -ffast-math may assume no infinities (a row of -inf)
   int64_t idx = 0;
   if (nans) {
-    while (!is_nan_bits(u[idx])) ++idx;
+    while (idx + 1 < n && !is_nan_bits(u[idx])) ++idx;
   } else {
-    while (r[idx] != best) ++idx;
+    const uint32_t b = bits_of(best);
+    while (idx + 1 < n && u[idx] != b) ++idx;
   }
   return idx;
 }
 
-// The race for one row whose maximum `top` is finite; `score` is scratch of n floats.
-int64_t row_race(const float* r, int64_t n, float inv_t, float top, uint64_t key, float* score) {
-  const uint32_t k0 = mix32(static_cast<uint32_t>(key) ^ 0x9e3779b9u);
-  const uint32_t k1 = mix32(static_cast<uint32_t>(key >> 32) + k0);
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const uint32_t h = mix32(mix32(static_cast<uint32_t>(j) * 0x9e3779b9u + k0) ^ k1);
-    const float u = (static_cast<float>(h >> 8) + 0.5f) * (1.f / 16777216.f);  // in (0, 1), never 0 or 1
-    // p / E; p = exp(<= 0) in [0, 1], E = -log u > 0. Logits of -inf give p = 0 (never drawn
-    // unless every p is 0, impossible: the maximum has p = 1).
-    score[j] = std::exp(std::max((r[j] - top) * inv_t, -104.f)) / -std::log(u);
+inline uint64_t splitmix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+constexpr int64_t kBlock = 256;
+// exp(-80) = 2e-35: a token this far below the maximum is never drawn in practice (its share is
+// under 1e-30 even over a 10^5-token vocabulary); treating it as 0 changes no draw that matters
+constexpr float kMinExponent = -80.f;  // columns per partial sum of the inverse-CDF search
+
+// One draw for a row whose maximum `top` is finite: p_j = exp((l_j - top) / T) (unnormalised,
+// the maximum has p = 1), then the first j whose running sum exceeds u * sum p for one uniform u
+// made from the row's key. `p` is scratch of n floats, `partial` of ceil(n / kBlock) doubles.
+int64_t row_draw(const float* r, int64_t n, float inv_t, float top, uint64_t key, float* p, double* partial) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  double total = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = b * kBlock, hi = std::min(n, lo + kBlock);
+    float s = 0.f;
+    // exp(<= 0) in [0, 1]. Below kMinExponent p is 0: that keeps -inf logits (banned tokens) at
+    // exactly 0, and every lane of the vector exp in its fast range (its underflow path is scalar)
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = lo; j < hi; ++j) {
+      const float x = (r[j] - top) * inv_t;
+      const float e = std::exp(std::max(x, kMinExponent));
+      p[j] = x > kMinExponent ? e : 0.f;
+      s += p[j];
+    }
+    partial[b] = s;
+    total += s;
   }
-  float best = score[0];
-#pragma omp simd reduction(max : best)
-  for (int64_t j = 0; j < n; ++j) best = std::max(best, score[j]);
-  int64_t idx = 0;
-  while (score[idx] != best) ++idx;
-  return idx;
+  const double u = static_cast<double>(splitmix64(key) >> 11) * (1.0 / 9007199254740992.0);  // [0, 1)
+  double rest = u * total;
+  int64_t b = 0;
+  while (b + 1 < blocks && rest >= partial[b]) rest -= partial[b++];
+  // within the block: the first column whose running sum passes `rest` (a column of p = 0 never
+  // does); if rounding leaves `rest` at or past the block's sum, its last column with p > 0
+  const int64_t lo = b * kBlock, hi = std::min(n, lo + kBlock);
+  double acc = 0.0;
+  int64_t last = -1;
+  for (int64_t j = lo; j < hi; ++j) {
+    if (p[j] > 0.f) last = j;
+    acc += p[j];
+    if (acc > rest && p[j] > 0.f) return j;
+  }
+  return last >= 0 ? last : row_argmax(r, n);
 }
 
 }  // namespace
@@ -104,7 +125,8 @@ at::Tensor sample_rows(at::Tensor logits, at::Tensor inv_temperatures, at::Tenso
   const int64_t* kp = keys.data_ptr<int64_t>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> score(static_cast<size_t>(n));
+    std::vector<float> p(static_cast<size_t>(n));
+    std::vector<double> partial(static_cast<size_t>((n + kBlock - 1) / kBlock));
     for (int64_t i = b; i < e; ++i) {
       const float* r = lp + i * ld;
       const int64_t top_idx = row_argmax(r, n);
@@ -114,7 +136,7 @@ at::Tensor sample_rows(at::Tensor logits, at::Tensor inv_temperatures, at::Tenso
       } else if (!is_finite_bits(top)) {  // NaN, +inf, or a row of -inf
         op[i] = -1;
       } else {
-        op[i] = row_race(r, n, tp[i], r[top_idx], static_cast<uint64_t>(kp[i]), score.data());
+        op[i] = row_draw(r, n, tp[i], r[top_idx], static_cast<uint64_t>(kp[i]), p.data(), partial.data());
       }
     }
   });

@@ -1,8 +1,8 @@
-"""The CPU sampler's fused draw (csrc/sample_race.cpp): one exponential-race draw per row of fp32
-logits, with the noise made in the kernel by a counter-based generator keyed per row.
+"""The CPU sampler's fused draw (csrc/sample_rows.cpp): one draw per row of fp32 logits from
+softmax(logits / temperature) by an inverse-CDF search, its one uniform made from the row's key.
 
 Why: torch's exponential_ noise for a [16, 49152] batch costs ~30 ms of one core per decode step on
-the AVX2 CI machine, more than the rest of the sampling; the kernel's whole draw is a few ms.
+the AVX2 CI machine, more than the rest of the sampling; the kernel's whole draw is ~3 ms.
 `Sampler` uses it for rows without top-k/top-p/min-p on CPU fp32 logits; anything else keeps the
 torch path. Compiled on first use by `radixserve.native` (None without a compiler or with
 RADIXSERVE_NATIVE=0)."""
@@ -15,12 +15,12 @@ import torch
 
 from radixserve import native
 
-_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "sample_race.cpp"
+_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "sample_rows.cpp"
 KEY_BITS = 63  # row keys are non-negative int64
 
 
 def _kernels():
-    return native.load_extension("radixserve_sample_race", _SOURCE)
+    return native.load_extension("radixserve_sample_rows", _SOURCE)
 
 
 def available(logits: torch.Tensor) -> bool:
