@@ -124,12 +124,15 @@ def nominal_peak_gflops() -> tuple[float, str]:
 
 
 def bench(fn, reps: int) -> float:
+    """Median seconds of fn: CPU time of this thread with one torch thread (immune to other
+    processes taking turns on the cores), else wall time."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     fn()
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
