@@ -28,8 +28,8 @@ def test_row_layout_round_trip_and_plane_order():
 
 
 @pytest.mark.parametrize("k, n, g, m, symmetric, block_k", [
-    (256, 40, 32, 1, False, 256),   # two chunks per step, two planes per group
-    (192, 37, 64, 3, True, 128),    # K padded to 256 (masked activations), GPTQ-style symmetric zeros, M=3
+    (256, 12, 32, 1, False, 256),   # two chunks per step, two planes per group
+    (192, 11, 64, 3, True, 128),    # K padded to 256 (masked activations), GPTQ-style symmetric zeros, M=3
     (256, 9, 128, 2, False, 128),   # one group per chunk, M=2
     (512, 8, 256, 4, False, 256),   # a group spans two chunks, M=4
 ])
