@@ -135,88 +135,135 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     triton_interpreter.apply()  # the K loop's bound is a run-time scalar
 
     @triton.jit
-    def int4_rows_kernel(X, C, S, Z, GI, Y, M, N, K, KW, G, stride_xm,
+    def int4_rows_kernel(X, C, S, Z, GI, Y, M, N, K, KW, G, stride_xm, MG8, MG12, MG16,
                          BLOCK_N: tl.constexpr, CH: tl.constexpr, PG: tl.constexpr, GS: tl.constexpr,
                          ROWS_M: tl.constexpr, PLANE_: tl.constexpr):
+        # tiles are [CH chunks, BLOCK_N rows, PLANE int32]: chunks first so that a warp's threads
+        # spread over the chunks of a row (wide contiguous loads) and each thread keeps several rows
+        # (the activations it converts are shared by those rows)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rows < N
         rows64 = rows.to(tl.int64)
         ch = tl.arange(0, CH)
         w = tl.arange(0, PLANE_)
         CK = PLANE_ * 8  # columns per chunk
-        acc0 = tl.zeros([BLOCK_N, CH, PLANE_], dtype=tl.float32)
+        acc0 = tl.zeros([CH, BLOCK_N, PLANE_], dtype=tl.float32)
         if ROWS_M > 1:
-            acc1 = tl.zeros([BLOCK_N, CH, PLANE_], dtype=tl.float32)
+            acc1 = tl.zeros([CH, BLOCK_N, PLANE_], dtype=tl.float32)
         if ROWS_M > 2:
-            acc2 = tl.zeros([BLOCK_N, CH, PLANE_], dtype=tl.float32)
-            acc3 = tl.zeros([BLOCK_N, CH, PLANE_], dtype=tl.float32)
+            acc2 = tl.zeros([CH, BLOCK_N, PLANE_], dtype=tl.float32)
+            acc3 = tl.zeros([CH, BLOCK_N, PLANE_], dtype=tl.float32)
         for k0 in range(0, KW * 8, CK * CH):
             kc = k0 + ch * CK  # [CH] first column of each chunk
             c_ok = kc < KW * 8
-            p = tl.load(C + rows64[:, None, None] * KW + (kc // 8)[None, :, None] + w[None, None, :],
-                        mask=n_ok[:, None, None] & c_ok[None, :, None], other=0, eviction_policy="evict_first")
-            p_hi = p >> 20  # nibbles 5..7 to bits 0..11 (the mask drops the sign extension)
+            p = tl.load(C + rows64[None, :, None] * KW + (kc // 8)[:, None, None] + w[None, None, :],
+                        mask=c_ok[:, None, None] & n_ok[None, :, None], other=0, eviction_policy="evict_first")
+            # every nibble is brought to bits 8..11, 12..15 or 16..19 (two shifts per int32), then OR-ing it
+            # into the mantissa of 2^15, 2^11 or 2^7 (whose unit there is 1) gives the float
+            # 2^15 + code, 2^11 + code or 2^7 + code exactly: one LOP3 per weight, no int->float
+            # conversion. The small offsets (2^11, 2^7) are accumulated in fp32 and subtracted once per
+            # group (relative error ~1e-5); 2^15 would cost ~3e-4, so those two planes subtract it at once
+            p_l12 = p << 12  # nibbles 0, 1 at bits 12.., 16..
+            p_r12 = p >> 12  # nibbles 5, 6, 7 at bits 8.., 12.., 16.. (the masks drop the sign extension)
             for j in tl.static_range(8):
-                SH = 4 * (j % 5)
-                if j < 5:
-                    q = p & (0xF << SH)
+                if j == 0:
+                    f = ((p_l12 & 0xF000) | MG12).to(tl.float32, bitcast=True)
+                    OFFSET = 2048.0
+                elif j == 1:
+                    f = ((p_l12 & 0xF0000) | MG16).to(tl.float32, bitcast=True)
+                    OFFSET = 128.0
+                elif j == 2:
+                    f = ((p & 0xF00) | MG8).to(tl.float32, bitcast=True) - 32768.0  # 2^15: subtract now
+                    OFFSET = 0.0
+                elif j == 3:
+                    f = ((p & 0xF000) | MG12).to(tl.float32, bitcast=True)
+                    OFFSET = 2048.0
+                elif j == 4:
+                    f = ((p & 0xF0000) | MG16).to(tl.float32, bitcast=True)
+                    OFFSET = 128.0
+                elif j == 5:
+                    f = ((p_r12 & 0xF00) | MG8).to(tl.float32, bitcast=True) - 32768.0  # 2^15: subtract now
+                    OFFSET = 0.0
+                elif j == 6:
+                    f = ((p_r12 & 0xF000) | MG12).to(tl.float32, bitcast=True)
+                    OFFSET = 2048.0
                 else:
-                    q = p_hi & (0xF << SH)
-                f = (q | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + code * 2^SH, exact
+                    f = ((p_r12 & 0xF0000) | MG16).to(tl.float32, bitcast=True)
+                    OFFSET = 128.0
                 cols = (kc + j * PLANE_)[:, None] + w[None, :]  # [CH, PLANE]: this plane's activations
                 x_ok = cols < K
-                inv = 1.0 / (1 << SH)  # exact: the activations carry the nibble's 16^-shift
-                x0 = tl.load(X + cols, mask=x_ok, other=0.0).to(tl.float32) * inv
+                x0 = tl.load(X + cols, mask=x_ok, other=0.0).to(tl.float32)
                 if ROWS_M > 1:
-                    x1 = tl.load(X + stride_xm + cols, mask=x_ok & (M > 1), other=0.0).to(tl.float32) * inv
+                    x1 = tl.load(X + stride_xm + cols, mask=x_ok & (M > 1), other=0.0).to(tl.float32)
                 if ROWS_M > 2:
-                    x2 = tl.load(X + 2 * stride_xm + cols, mask=x_ok & (M > 2), other=0.0).to(tl.float32) * inv
-                    x3 = tl.load(X + 3 * stride_xm + cols, mask=x_ok & (M > 3), other=0.0).to(tl.float32) * inv
+                    x2 = tl.load(X + 2 * stride_xm + cols, mask=x_ok & (M > 2), other=0.0).to(tl.float32)
+                    x3 = tl.load(X + 3 * stride_xm + cols, mask=x_ok & (M > 3), other=0.0).to(tl.float32)
                 if PG > 0:
-                    if j % PG == 0:  # a group starts: its scale/zero per (row, chunk), fresh partials
+                    if j % PG == 0:  # a group starts: fresh partials (sum f*x, and per column sum x, sum offset*x)
+                        part0 = f * x0[:, None, :]
+                        xs0 = x0
+                        xo0 = x0 * OFFSET
+                        if ROWS_M > 1:
+                            part1 = f * x1[:, None, :]
+                            xs1 = x1
+                            xo1 = x1 * OFFSET
+                        if ROWS_M > 2:
+                            part2 = f * x2[:, None, :]
+                            xs2 = x2
+                            xo2 = x2 * OFFSET
+                            part3 = f * x3[:, None, :]
+                            xs3 = x3
+                            xo3 = x3 * OFFSET
+                    else:
+                        part0 += f * x0[:, None, :]
+                        xs0 += x0
+                        if OFFSET > 0.0:
+                            xo0 += x0 * OFFSET
+                        if ROWS_M > 1:
+                            part1 += f * x1[:, None, :]
+                            xs1 += x1
+                            if OFFSET > 0.0:
+                                xo1 += x1 * OFFSET
+                        if ROWS_M > 2:
+                            part2 += f * x2[:, None, :]
+                            xs2 += x2
+                            part3 += f * x3[:, None, :]
+                            xs3 += x3
+                            if OFFSET > 0.0:
+                                xo2 += x2 * OFFSET
+                                xo3 += x3 * OFFSET
+                    if j % PG == PG - 1:  # the group ends: sum (code - zero) * x = part - sum offset*x - zero * sum x
                         grp = (kc + j * PLANE_) // GS
-                        g_ok = n_ok[:, None] & (c_ok & (grp < G))[None, :]
-                        s = tl.load(S + rows64[:, None] * G + grp[None, :], mask=g_ok, other=0.0).to(tl.float32)
-                        z = tl.load(Z + rows64[:, None] * G + grp[None, :], mask=g_ok, other=0.0).to(tl.float32)
-                        part0 = tl.zeros([BLOCK_N, CH, PLANE_], dtype=tl.float32)
+                        g_ok = (c_ok & (grp < G))[:, None] & n_ok[None, :]
+                        s = tl.load(S + rows64[None, :] * G + grp[:, None], mask=g_ok, other=0.0).to(tl.float32)
+                        z = tl.load(Z + rows64[None, :] * G + grp[:, None], mask=g_ok, other=0.0).to(tl.float32)
+                        s3 = s[:, :, None]
+                        z3 = z[:, :, None]
+                        acc0 += (part0 - xo0[:, None, :] - z3 * xs0[:, None, :]) * s3
                         if ROWS_M > 1:
-                            part1 = tl.zeros([BLOCK_N, CH, PLANE_], dtype=tl.float32)
+                            acc1 += (part1 - xo1[:, None, :] - z3 * xs1[:, None, :]) * s3
                         if ROWS_M > 2:
-                            part2 = tl.zeros([BLOCK_N, CH, PLANE_], dtype=tl.float32)
-                            part3 = tl.zeros([BLOCK_N, CH, PLANE_], dtype=tl.float32)
-                    d = f - (8388608.0 + z * (1 << SH))[:, :, None]  # (code - zero) * 2^SH, exact
-                    part0 += d * x0[None, :, :]
-                    if ROWS_M > 1:
-                        part1 += d * x1[None, :, :]
-                    if ROWS_M > 2:
-                        part2 += d * x2[None, :, :]
-                        part3 += d * x3[None, :, :]
-                    if j % PG == PG - 1:
-                        acc0 += part0 * s[:, :, None]
-                        if ROWS_M > 1:
-                            acc1 += part1 * s[:, :, None]
-                        if ROWS_M > 2:
-                            acc2 += part2 * s[:, :, None]
-                            acc3 += part3 * s[:, :, None]
+                            acc2 += (part2 - xo2[:, None, :] - z3 * xs2[:, None, :]) * s3
+                            acc3 += (part3 - xo3[:, None, :] - z3 * xs3[:, None, :]) * s3
                 else:  # per-column groups from g_idx
                     gi = tl.load(GI + cols, mask=c_ok[:, None], other=0)
-                    g_ok = n_ok[:, None, None] & c_ok[None, :, None]
-                    off = rows64[:, None, None] * G + gi[None, :, :]
+                    off = rows64[None, :, None] * G + gi[:, None, :]
+                    g_ok = c_ok[:, None, None] & n_ok[None, :, None]
                     s = tl.load(S + off, mask=g_ok, other=0.0).to(tl.float32)
                     z = tl.load(Z + off, mask=g_ok, other=0.0).to(tl.float32)
-                    d = (f - (8388608.0 + z * (1 << SH))) * s
-                    acc0 += d * x0[None, :, :]
+                    d = (f - (OFFSET + z)) * s  # (code - zero) * scale, the subtraction exact
+                    acc0 += d * x0[:, None, :]
                     if ROWS_M > 1:
-                        acc1 += d * x1[None, :, :]
+                        acc1 += d * x1[:, None, :]
                     if ROWS_M > 2:
-                        acc2 += d * x2[None, :, :]
-                        acc3 += d * x3[None, :, :]
-        tl.store(Y + rows, tl.sum(tl.sum(acc0, axis=2), axis=1).to(Y.dtype.element_ty), mask=n_ok)
+                        acc2 += d * x2[:, None, :]
+                        acc3 += d * x3[:, None, :]
+        tl.store(Y + rows, tl.sum(tl.sum(acc0, axis=2), axis=0).to(Y.dtype.element_ty), mask=n_ok)
         if ROWS_M > 1:
-            tl.store(Y + N + rows, tl.sum(tl.sum(acc1, axis=2), axis=1).to(Y.dtype.element_ty), mask=n_ok & (M > 1))
+            tl.store(Y + N + rows, tl.sum(tl.sum(acc1, axis=2), axis=0).to(Y.dtype.element_ty), mask=n_ok & (M > 1))
         if ROWS_M > 2:
-            tl.store(Y + 2 * N + rows, tl.sum(tl.sum(acc2, axis=2), axis=1).to(Y.dtype.element_ty), mask=n_ok & (M > 2))
-            tl.store(Y + 3 * N + rows, tl.sum(tl.sum(acc3, axis=2), axis=1).to(Y.dtype.element_ty), mask=n_ok & (M > 3))
+            tl.store(Y + 2 * N + rows, tl.sum(tl.sum(acc2, axis=2), axis=0).to(Y.dtype.element_ty), mask=n_ok & (M > 2))
+            tl.store(Y + 3 * N + rows, tl.sum(tl.sum(acc3, axis=2), axis=0).to(Y.dtype.element_ty), mask=n_ok & (M > 3))
 
     @triton.jit
     def fp8_fma_kernel(X, W, S, Y, M, N, K, stride_xm, stride_wn,
@@ -295,6 +342,11 @@ def _check_x(x: torch.Tensor, k: int, what: str) -> None:
         raise ValueError(f"{what}: x must be [M<={MAX_ROWS}, {k}], got {tuple(x.shape)}")
 
 
+# the float exponent bits of 2^15, 2^11 and 2^7 (mantissa unit 1 at bit 8, 12, 16) as int32 arguments:
+# with both the nibble mask and them immediates the compiler emits two LOP3s per nibble instead of one
+_MAGICS = ((127 + 15) << 23, (127 + 11) << 23, (127 + 7) << 23)
+
+
 def _rows_m(m: int) -> int:
     return 1 if m == 1 else (2 if m == 2 else 4)
 
@@ -314,6 +366,7 @@ def int4_gemv(x: torch.Tensor, r: RowInt4, config: LowbitConfig | None = None) -
     grid = (-(-N // cfg.block_n),)
     _kernels(_interpreting()).int4[grid](
         xc, r.codes, r.scales, r.zeros, r.g_idx, y, x.shape[0], N, K, kp // 8, r.scales.shape[1], xc.stride(0),
+        *_MAGICS,
         BLOCK_N=cfg.block_n, CH=ch, PG=min(g, CHUNK) // PLANE if g else 0, GS=max(g, 1), ROWS_M=_rows_m(x.shape[0]),
         PLANE_=PLANE, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
