@@ -2,7 +2,7 @@
 """Batch-1 low-bit GEMVs (radixserve.layers.lowbit_gemv) on the Llama-3.1-8B projection shapes vs bf16
 (cuBLAS and our Triton GEMV, the Engine's batch-1 bf16 path) and the split-K int4 fused_gemm: per-shape
 us, bytes moved, TB/s, max error vs the dequantized reference; a sweep of launch configs per kernel
-(the best is reported) and M=2/4 rows on the best config. ~2 min on an H200 (most of it compiles).
+(the best is reported) and M=2/4 rows on the best config. ~3 min on an H200 (most of it compiles).
 
     python benchmarks/h200/lowbit_gemv.py [--out DIR]     (writes lowbit_gemv.json)
 
@@ -22,11 +22,13 @@ from radixserve.layers import lowbit_gemv as lg
 from radixserve.layers.quant_int4 import make_int4_weight
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
-# (block_n, block_k, num_warps, num_stages): the int4 tile is [block_n, block_k/128 chunks, 16 int32]
-INT4_CFGS = [lg.LowbitConfig(*c) for c in [(16, 1024, 4, 3), (8, 1024, 4, 3), (32, 1024, 4, 3), (16, 1024, 8, 3),
-                                            (32, 1024, 8, 2), (16, 2048, 4, 2), (8, 512, 2, 3)]]
-FP8_CFGS = [lg.LowbitConfig(*c) for c in [(16, 512, 4, 3), (8, 1024, 4, 3), (16, 1024, 8, 3), (4, 2048, 4, 3)]] + \
-           [lg.LowbitConfig(*c, variant="dot") for c in [(64, 256, 4, 3), (32, 512, 4, 3), (128, 128, 4, 4), (16, 512, 4, 3)]]
+# (block_n, block_k, num_warps, num_stages): the int4 tile is [block_k/128 chunks, block_n rows, 16 int32], a
+# thread keeps block_n/num_warps rows (its activations shared by them); no dot, so num_stages is moot
+INT4_CFGS = [lg.LowbitConfig(*c) for c in [(16, 1024, 4, 1), (32, 1024, 4, 1), (8, 1024, 2, 1), (16, 1024, 2, 1),
+                                            (64, 1024, 8, 1), (32, 1024, 8, 1), (8, 1024, 1, 1)]]
+FP8_CFGS = [lg.LowbitConfig(16, 512, 4, 1, "fma")] + \
+           [lg.LowbitConfig(*c, variant="fma_prefetch") for c in [(16, 512, 4, 1), (8, 1024, 4, 1), (32, 512, 8, 1)]] + \
+           [lg.LowbitConfig(*c, variant="dot") for c in [(64, 256, 4, 3), (32, 512, 4, 3), (128, 128, 4, 4), (64, 512, 4, 3)]]
 T0 = time.time()
 
 
@@ -155,6 +157,9 @@ def main():
                 v.pop("config", None)
         res[name] = row
         log(f"{name} " + json.dumps({k2: round(v["us"], 1) for k2, v in row.items() if isinstance(v, dict)}))
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "lowbit_gemv.json"), "w") as f:  # partial results survive a timeout
+            json.dump(res, f, indent=1)
     keys = ("bf16_cublas", "bf16_triton_gemv", "int4_gemv", "fp8_gemv", "int4_splitk_fused")
     tot = {key: sum(res[s][key]["us"] for s in shapes) for key in keys}
     res["per_layer_sum_us"] = tot

@@ -22,8 +22,10 @@ size is a multiple of 16 dividing 128 or a multiple of 128; any other grouping (
 act-order groups) reads each column's group from g_idx (slower, exact).
 
 fp8: weight float8_e4m3fn [N, K] with per-row fp32 scales [N], activations kept in bf16/fp16
-(weight-only arithmetic). Two variants: "fma" (upcast to fp32, FMA) and "dot" (upcast to fp16 and
-a tensor-core dot against the activations padded to 16 rows, fp32 accumulate).
+(weight-only arithmetic). Variants: "fma" (upcast to fp32, FMA), "fma_prefetch" (the same with the
+next weight tile loaded into registers while this one computes) and "dot" (upcast to fp16 and a
+tensor-core dot against the activations padded to 16 rows, fp32 accumulate; Triton pipelines its
+weight loads through shared memory).
 """
 
 from __future__ import annotations
@@ -153,11 +155,18 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         if ROWS_M > 2:
             acc2 = tl.zeros([CH, BLOCK_N, PLANE_], dtype=tl.float32)
             acc3 = tl.zeros([CH, BLOCK_N, PLANE_], dtype=tl.float32)
+        c_ptr = C + rows64[None, :, None] * KW + (ch * (CK // 8))[:, None, None] + w[None, None, :]
+        nxt = tl.load(c_ptr, mask=(ch * CK < KW * 8)[:, None, None] & n_ok[None, :, None], other=0,
+                      eviction_policy="evict_first")
         for k0 in range(0, KW * 8, CK * CH):
             kc = k0 + ch * CK  # [CH] first column of each chunk
             c_ok = kc < KW * 8
-            p = tl.load(C + rows64[None, :, None] * KW + (kc // 8)[:, None, None] + w[None, None, :],
-                        mask=c_ok[:, None, None] & n_ok[None, :, None], other=0, eviction_policy="evict_first")
+            # register double buffer: the next step's codes are in flight while this step computes
+            # (Triton only pipelines loads that feed a dot)
+            p = nxt
+            kn = kc + CK * CH
+            nxt = tl.load(c_ptr + (k0 + CK * CH) // 8, mask=(kn < KW * 8)[:, None, None] & n_ok[None, :, None],
+                          other=0, eviction_policy="evict_first")
             # every nibble is brought to bits 8..11, 12..15 or 16..19 (two shifts per int32), then OR-ing it
             # into the mantissa of 2^15, 2^11 or 2^7 (whose unit there is 1) gives the float
             # 2^15 + code, 2^11 + code or 2^7 + code exactly: one LOP3 per weight, no int->float
@@ -267,7 +276,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
     @triton.jit
     def fp8_fma_kernel(X, W, S, Y, M, N, K, stride_xm, stride_wn,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_M: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_M: tl.constexpr, PREFETCH: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rows < N
         w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
@@ -277,11 +286,21 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         if ROWS_M > 2:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        kk = tl.arange(0, BLOCK_K)
+        if PREFETCH:
+            nxt = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :], other=0.0,
+                          eviction_policy="evict_first")
         for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
+            cols = k0 + kk
             k_ok = cols < K
-            wt = tl.load(w_rows + cols[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
-                         eviction_policy="evict_first").to(tl.float32)
+            if PREFETCH:  # register double buffer: the next tile is in flight while this one computes
+                wt = nxt.to(tl.float32)
+                nxt = tl.load(w_rows + (cols + BLOCK_K)[None, :],
+                              mask=n_ok[:, None] & (cols + BLOCK_K < K)[None, :], other=0.0,
+                              eviction_policy="evict_first")
+            else:
+                wt = tl.load(w_rows + cols[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                             eviction_policy="evict_first").to(tl.float32)
             acc0 += wt * tl.load(X + cols, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             if ROWS_M > 1:
                 acc1 += wt * tl.load(X + stride_xm + cols, mask=k_ok & (M > 1), other=0.0).to(tl.float32)[None, :]
@@ -323,7 +342,8 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 @dataclass(frozen=True)
 class LowbitConfig:
     """One launch configuration: `block_n` output rows per program, `block_k` columns per loop step
-    (int4: a multiple of CHUNK), warps, pipeline stages, and the fp8 variant ("fma" or "dot")."""
+    (int4: a multiple of CHUNK), warps, pipeline stages, and the fp8 variant ("fma", "fma_prefetch"
+    or "dot")."""
     block_n: int
     block_k: int
     num_warps: int
@@ -334,7 +354,8 @@ class LowbitConfig:
 def _default(interpret: bool, fp8: bool) -> LowbitConfig:
     if interpret:
         return LowbitConfig(8, 32 if fp8 else CHUNK, 1, 1)
-    return LowbitConfig(16, 512, 4, 3) if fp8 else LowbitConfig(16, 1024, 4, 3)
+    # starting points; benchmarks/h200/lowbit_gemv.py sweeps the alternatives per shape
+    return LowbitConfig(16, 512, 4, 1, "fma_prefetch") if fp8 else LowbitConfig(16, 1024, 4, 1)
 
 
 def _check_x(x: torch.Tensor, k: int, what: str) -> None:
@@ -390,10 +411,11 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
         kern.fp8_dot[grid](xc, weight, scale_rows, y, x.shape[0], N, K, xc.stride(0), weight.stride(0),
                            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
                            num_stages=cfg.num_stages)
-    elif cfg.variant == "fma":
+    elif cfg.variant in ("fma", "fma_prefetch"):
         kern.fp8_fma[grid](xc, weight, scale_rows, y, x.shape[0], N, K, xc.stride(0), weight.stride(0),
                            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_M=_rows_m(x.shape[0]),
+                           PREFETCH=cfg.variant == "fma_prefetch",
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
-        raise ValueError(f"fp8_gemv: unknown variant {cfg.variant!r} (expected 'fma' or 'dot')")
+        raise ValueError(f"fp8_gemv: unknown variant {cfg.variant!r} (expected 'fma', 'fma_prefetch' or 'dot')")
     return y
