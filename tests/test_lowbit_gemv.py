@@ -61,7 +61,8 @@ def test_int4_gemv_act_order_and_uneven_groups():
     torch.testing.assert_close(lg.int4_gemv(x[:, w.perm], r), x @ codes, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("m, cfg", [(1, None), (3, None), (2, lg.LowbitConfig(16, 32, 1, 1, "dot"))])
+@pytest.mark.parametrize("m, cfg", [(1, None), (3, lg.LowbitConfig(8, 32, 1, 1, "fma_prefetch")),
+                                    (2, lg.LowbitConfig(16, 32, 1, 1, "dot"))])
 def test_fp8_gemv_matches_dequantized_with_tails(m, cfg):
     n, k = 37, 96  # N and K not multiples of the tile
     gen = torch.Generator().manual_seed(4)
@@ -79,7 +80,7 @@ def test_bad_shapes_are_refused_with_the_values():
         lg.int4_gemv(torch.zeros(5, 64), w)
     with pytest.raises(ValueError, match="scales"):
         lg.fp8_gemv(torch.zeros(1, 32), torch.zeros(8, 32).to(torch.float8_e4m3fn), torch.ones(7))
-    with pytest.raises(ValueError, match="'mma'"):
+    with pytest.raises(ValueError, match="unknown variant 'mma'"):
         lg.fp8_gemv(torch.zeros(1, 32), torch.zeros(8, 32).to(torch.float8_e4m3fn), torch.ones(8),
                     lg.LowbitConfig(8, 32, 1, 1, "mma"))
     with pytest.raises(ValueError, match="multiple of 128, got 96"):
