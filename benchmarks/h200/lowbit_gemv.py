@@ -2,7 +2,7 @@
 """Batch-1 low-bit GEMVs (radixserve.layers.lowbit_gemv) on the Llama-3.1-8B projection shapes vs bf16
 (cuBLAS and our Triton GEMV, the Engine's batch-1 bf16 path) and the split-K int4 fused_gemm: per-shape
 us, bytes moved, TB/s, max error vs the dequantized reference; a sweep of launch configs per kernel
-(the best is reported) and M=2/4 rows on the best config. ~3 min on an H200 (most of it compiles).
+(the best is reported) and M=2/4 rows on the best config. ~2 min on an H200 (most of it compiles).
 
     python benchmarks/h200/lowbit_gemv.py [--out DIR]     (writes lowbit_gemv.json)
 
@@ -24,11 +24,10 @@ from radixserve.layers.quant_int4 import make_int4_weight
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 # (block_n, block_k, num_warps, num_stages): the int4 tile is [block_k/128 chunks, block_n rows, 16 int32], a
 # thread keeps block_n/num_warps rows (its activations shared by them); no dot, so num_stages is moot
-INT4_CFGS = [lg.LowbitConfig(*c) for c in [(16, 1024, 4, 1), (32, 1024, 4, 1), (8, 1024, 2, 1), (16, 1024, 2, 1),
-                                            (64, 1024, 8, 1), (32, 1024, 8, 1), (8, 1024, 1, 1)]]
-FP8_CFGS = [lg.LowbitConfig(16, 512, 4, 1, "fma")] + \
-           [lg.LowbitConfig(*c, variant="fma_prefetch") for c in [(16, 512, 4, 1), (8, 1024, 4, 1), (32, 512, 8, 1)]] + \
-           [lg.LowbitConfig(*c, variant="dot") for c in [(64, 256, 4, 3), (32, 512, 4, 3), (128, 128, 4, 4), (64, 512, 4, 3)]]
+INT4_CFGS = [lg.LowbitConfig(*c) for c in [(16, 1024, 4, 1), (32, 1024, 4, 1), (32, 1024, 8, 1), (64, 1024, 8, 1),
+                                            (16, 1024, 2, 1)]]
+FP8_CFGS = [lg.LowbitConfig(8, 1024, 4, 1, "fma"), lg.LowbitConfig(8, 1024, 4, 1, "fma_prefetch")] + \
+           [lg.LowbitConfig(*c, variant="dot") for c in [(64, 256, 4, 3), (128, 128, 4, 4), (64, 512, 4, 3)]]
 T0 = time.time()
 
 

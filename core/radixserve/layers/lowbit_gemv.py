@@ -9,17 +9,20 @@ values: CUDA-graph safe. Triton is imported on first use.
 int4 layout (`RowInt4`, made once at load by `repack_int4`): codes int32 [N, Kp/8], Kp = K rounded
 up to CHUNK (=128) columns, zero-padded. Each row is a run of 128-column chunks of PLANE (=16)
 int32s; nibble j (bits 4j..4j+3) of int32 w in chunk c holds the code of column c*128 + 16*j + w.
-So "nibble plane" j of a chunk covers 16 contiguous columns: the kernel extracts it from the whole
-loaded tile with one static mask (no variable shifts, no reshapes: the old [N, K/8] sequential
-packing needed a per-nibble shift and reshapes that Triton lowers through shared memory, the main
-reason it streamed at 0.36 TB/s), and the matching 16 activations are one contiguous load.
-Unpacking avoids int->float conversions (a quarter-rate instruction): OR-ing the masked nibble into
-the mantissa of 2^23 gives the float 2^23 + code * 16^s exactly (s = shift of the nibble), one
-float subtract of 2^23 + zero * 16^s leaves (code - zero) * 16^s, and the activation was
-pre-multiplied by 16^-s (exact: powers of two). Per weight element that is LOP3 + FADD + FFMA; the
-group scale multiplies a per-group partial once. Planes never straddle a group when the group
-size is a multiple of 16 dividing 128 or a multiple of 128; any other grouping (uneven sorted
-act-order groups) reads each column's group from g_idx (slower, exact).
+So "nibble plane" j of a chunk covers 16 contiguous columns: the kernel takes it from the whole
+loaded tile with static masks (the old [N, K/8] sequential packing needed per-nibble variable shifts
+and reshapes that Triton lowers through shared memory: 0.36 TB/s on the H200), and the matching 16
+activations are one contiguous load. Tiles are [chunks, rows, 16 int32] so each thread keeps several
+rows and converts each activation once for all of them; the next tile is loaded into registers while
+this one computes. Unpacking (benchmarks/lowbit_sass.py prints the loop's instruction mix): two shifts
+per int32 bring every nibble to bits 8..11, 12..15 or 16..19; one LOP3 masks it and ORs in the
+exponent of 2^15, 2^11 or 2^7, giving the float 2^15/2^11/2^7 + code exactly (no int->float
+conversion, a quarter-rate instruction); the 2^15 planes subtract their offset at once, the others
+accumulate f*x in fp32 and subtract sum(offset*x) + zero*sum(x) once per group before the scale
+multiplies (relative error ~1e-5 of the output scale). Per weight: LOP3 + FFMA, plus ~2 instructions
+per 8 weights. Planes never straddle a group when the group size is a multiple of 16 dividing 128 or
+a multiple of 128; any other grouping (uneven sorted act-order groups) reads each column's group
+from g_idx (slower, exact).
 
 fp8: weight float8_e4m3fn [N, K] with per-row fp32 scales [N], activations kept in bf16/fp16
 (weight-only arithmetic). Variants: "fma" (upcast to fp32, FMA), "fma_prefetch" (the same with the
