@@ -73,6 +73,9 @@ def main():
                          "cuda_graph": res.used_cuda_graph, "load_s": round(load_s, 1),
                          "gpu_mem_gb": round(torch.cuda.memory_allocated() / 2**30, 2)})
             log(f"{key}: {step_ms:.3f} ms/step ({1e3 / step_ms:.1f} tok/s, graph={res.used_cuda_graph})")
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "lowbit_engine.json"), "w") as f:  # partial rows survive a timeout
+                json.dump({"rows": rows}, f, indent=1)
             runner = None
             hq.free()
     base = next((r["decode_ms_per_step_p50"] for r in rows if r.get("method") == "bf16"), None)
