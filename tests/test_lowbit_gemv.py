@@ -106,3 +106,19 @@ def test_int4_linear_routes_small_batches_to_the_row_gemv_with_act_order(monkeyp
     y = int4_linear(x, w, bias)
     assert calls == [1]
     torch.testing.assert_close(y, x @ ref + bias, rtol=1e-4, atol=1e-4)
+
+
+def test_runtime_key_turns_the_gemvs_on_and_bad_values_are_named(monkeypatch):
+    from radixserve.config import Config, ConfigError
+
+    monkeypatch.delenv("RADIXSERVE_LOWBIT_GEMV", raising=False)
+    monkeypatch.setattr(lg, "ENABLED", False)  # restored after the test
+    assert Config.build({}).runtime.lowbit_gemv == "off"
+    assert lg.configure(Config.build({"runtime": {"lowbit_gemv": "on"}}).runtime.lowbit_gemv) and lg.ENABLED
+    assert not lg.configure("off") and not lg.ENABLED
+    monkeypatch.setenv("RADIXSERVE_LOWBIT_GEMV", "1")  # the environment switch still forces it on
+    assert lg.configure("off")
+    with pytest.raises(ConfigError, match="lowbit_gemv"):
+        Config.build({"runtime": {"lowbit_gemv": "fast"}})
+    with pytest.raises(ValueError, match="lowbit_gemv='fast'"):
+        lg.configure("fast")

@@ -6,8 +6,9 @@ Also the greedy tokens of the low-bit runs with the GEMVs on vs off (same dummy 
 
     python benchmarks/h200/lowbit_engine.py [--out DIR]    (writes lowbit_engine.json)
 
-The switch is flipped in-process before each load (`lowbit_gemv.ENABLED`, what RADIXSERVE_LOWBIT_GEMV=1
-sets at import): int4 repacks at load when it is on, fp8 reads it when the graphs are captured."""
+The switch is flipped in-process before each load (RADIXSERVE_LOWBIT_GEMV, which the runner's
+`lowbit_gemv.configure(runtime.lowbit_gemv)` reads): int4 repacks at load when it is on, fp8 reads it
+when the graphs are captured."""
 
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ def main():
     with tempfile.TemporaryDirectory() as root:
         for spec in args.runs.split(","):
             method, on = spec.split(":")
-            lowbit_gemv.ENABLED = on == "1"
-            key = f"{method} lowbit={'on' if lowbit_gemv.ENABLED else 'off'}"
+            os.environ["RADIXSERVE_LOWBIT_GEMV"] = on  # read by lowbit_gemv.configure when the runner loads
+            lowbit_gemv.configure("off")
+            key = f"{method} lowbit={'on' if on == '1' else 'off'}"
             log(f"loading {key}")
             try:
                 torch.manual_seed(0)
@@ -68,7 +70,7 @@ def main():
                 continue
             step_ms = statistics.median(res.decode_step_s) * 1e3
             tokens[key] = res.output_ids[0]
-            rows.append({"run": key, "method": method, "lowbit_gemv": lowbit_gemv.ENABLED,
+            rows.append({"run": key, "method": method, "lowbit_gemv_enabled_by_runner": lowbit_gemv.ENABLED,
                          "decode_ms_per_step_p50": round(step_ms, 3), "tok_s": round(1e3 / step_ms, 1),
                          "cuda_graph": res.used_cuda_graph, "load_s": round(load_s, 1),
                          "gpu_mem_gb": round(torch.cuda.memory_allocated() / 2**30, 2)})
