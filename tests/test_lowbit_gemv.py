@@ -122,3 +122,20 @@ def test_runtime_key_turns_the_gemvs_on_and_bad_values_are_named(monkeypatch):
         Config.build({"runtime": {"lowbit_gemv": "fast"}})
     with pytest.raises(ValueError, match="lowbit_gemv='fast'"):
         lg.configure("fast")
+
+
+def test_fp8_linear_routes_at_most_two_rows_to_the_row_gemv(monkeypatch):
+    from radixserve_quant_fp8 import kernels as fk
+
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(16, 64, generator=gen).to(torch.float8_e4m3fn)
+    s = torch.rand(16, generator=gen) + 0.5
+    monkeypatch.setattr(lg, "ENABLED", True)
+    calls = []
+    real = lg.fp8_gemv
+    monkeypatch.setattr(lg, "fp8_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    for m in (1, 2, 3):  # 3 rows: the tiled kernel (the row GEMV measured slower there)
+        x = torch.randn(m, 64, generator=gen)
+        torch.testing.assert_close(fk.rowwise_fp8_linear(x, w, s), x @ (w.float() * s[:, None]).t(), rtol=1e-4,
+                                   atol=1e-4)
+    assert calls == [1, 2]

@@ -45,6 +45,9 @@ from radixserve.layers.triton_support import interpreting as _interpreting
 triton = tl = None  # imported by `_kernels` on first use
 
 MAX_ROWS = 4  # above this the existing tiled kernels (tensor cores) are used
+# fp8 at 4 rows took 329 us per 8B layer on the H200 against ~281 us for the tiled kernel at 1 row (the
+# four fp32 accumulators spill); at 2 rows 124 us: fp8 layers route at most this many rows here
+FP8_MAX_ROWS = 2
 CHUNK = 128  # columns per packed chunk of the int4 row layout
 PLANE = CHUNK // 8  # int32s per chunk (= columns per nibble plane)
 
@@ -368,8 +371,9 @@ class LowbitConfig:
 def _default(interpret: bool, fp8: bool) -> LowbitConfig:
     if interpret:
         return LowbitConfig(8, 32 if fp8 else CHUNK, 1, 1)
-    # starting points; benchmarks/h200/lowbit_gemv.py sweeps the alternatives per shape
-    return LowbitConfig(16, 512, 4, 1, "fma_prefetch") if fp8 else LowbitConfig(16, 1024, 4, 1)
+    # the H200 winners on every Llama-3.1-8B shape (benchmarks/h200/lowbit_gemv.py, session 7 call 5:
+    # int4 72.6 us, fp8 73.4 us per layer vs 116.5 us bf16 Triton GEMV)
+    return LowbitConfig(8, 1024, 4, 1, "fma") if fp8 else LowbitConfig(32, 1024, 8, 1)
 
 
 def _check_x(x: torch.Tensor, k: int, what: str) -> None:
