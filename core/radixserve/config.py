@@ -101,6 +101,9 @@ class RuntimeSection(_Section):
     # batch-1 projections of plain-weight layers on the Triton GEMV (layers/gemv_selection.py): auto
     # (CUDA GPUs where it was measured faster than cuBLAS: sm90), on (any CUDA GPU), off
     batch1_gemv: Literal["auto", "on", "off"] = "auto"
+    # int4 (AWQ/GPTQ) and per-row FP8 linears of <= 4 rows on the whole-row low-bit GEMVs
+    # (layers/lowbit_gemv.py); RADIXSERVE_LOWBIT_GEMV=1 turns them on too
+    lowbit_gemv: Literal["on", "off"] = "off"
     seed: int = 0
     num_threads: int | None = Field(default=None, ge=1)  # CPU torch threads; None: all cores
     # data parallelism: this many full engine replicas behind a router (the `router` section)
