@@ -44,25 +44,33 @@ def best_nodes(scores: list[float], parents: list[int], limit: int) -> list[int]
     return sorted(kept)
 
 
-def _repeat_heads(x: torch.Tensor, rep: int, dim: int) -> torch.Tensor:
-    """`x.repeat_interleave(rep, dim)` by expand + reshape: never reads a size back to the host,
-    so it may run inside a CUDA graph capture."""
-    if rep == 1:
-        return x
-    shape = list(x.shape)
-    expanded = x.unsqueeze(dim + 1).expand(*shape[: dim + 1], rep, *shape[dim + 1 :])
-    return expanded.reshape(*shape[:dim], shape[dim] * rep, *shape[dim + 1 :])
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention without repeating keys: q [r, H, d], keys / values [T, KV, d]
+    (any strides), mask [r, T] (True: may attend) -> [r, H * d]. The H / KV query heads sharing
+    a KV head become one block of r * H / KV query rows against that head's keys, so no [T, H, d]
+    copy of the keys is made (those copies were most of the propose's copy kernels). Pure device
+    ops (CUDA graph capture safe)."""
+    r, h, d = q.shape
+    kv = keys.shape[1]
+    rep = h // kv
+    qg = q.view(r, kv, rep, d).permute(1, 0, 2, 3).reshape(1, kv, r * rep, d)
+    m = mask[:, None, :].expand(r, rep, mask.shape[1]).reshape(r * rep, mask.shape[1])
+    out = F.scaled_dot_product_attention(qg, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
+                                         attn_mask=m)
+    return out[0].view(kv, r, rep, d).permute(1, 0, 2, 3).reshape(r, h * d)
 
 
 class EagleDrafter(PooledDrafter):
     """Component "eagle" of kind "drafter" (radixserve-spec-eagle). The draft checkpoint is
     `speculative.draft_model_path`, the tree shape `speculative.topk`, `num_steps` and
     `num_draft_tokens`. Option `cuda_graph` (default: on when the device is CUDA): replay the draft
-    steps from CUDA graphs (True on a CPU device runs the same bookkeeping without graphs)."""
+    steps from CUDA graphs (True on a CPU device runs the same bookkeeping without graphs). Option
+    `batch1_gemv` ("auto" / "on" / "off"; default: the target's `runtime.batch1_gemv`): the draft's
+    one-row matmuls on the batch-1 Triton GEMV (see head.py)."""
 
     graph_factory = None  # tests: a stand-in for torch.cuda.CUDAGraph (see DraftGraphs)
 
-    def __init__(self, info: DrafterInfo, cuda_graph: bool | None = None) -> None:
+    def __init__(self, info: DrafterInfo, cuda_graph: bool | None = None, batch1_gemv: str | None = None) -> None:
         super().__init__(info)
         ts = info.target_states
         if ts is None:
@@ -88,6 +96,10 @@ class EagleDrafter(PooledDrafter):
         self.target = ts
         self.head = EagleHead(ckpt, ts.vocab_size).to(device=info.device, dtype=ts.dtype).eval()
         self.head.fuse_projections()
+        mode = batch1_gemv if batch1_gemv is not None else info.extra.get("batch1_gemv", "auto")
+        n_gemv = self.head.attach_batch1_gemv(mode, info.device)  # before any graph capture
+        if n_gemv:
+            logger.info("EAGLE draft: batch-1 Triton GEMV on %d weights (batch1_gemv=%s)", n_gemv, mode)
         self.pool = DraftKVPool(len(self.head.layers), cfg.num_key_value_heads, cfg.head_dim, ts.dtype, info.device)
         self.topk = max(1, info.topk) if info.supports_tree else 1
         self.num_steps = max(1, info.num_steps)
@@ -125,11 +137,7 @@ class EagleDrafter(PooledDrafter):
 
     def _attention(self, q, keys, values, mask) -> torch.Tensor:
         """q [r, H, d], keys/values [T, KV, d], mask [r, T] (True: may attend) -> [r, H * d]."""
-        rep = q.shape[1] // keys.shape[1]
-        k = _repeat_heads(keys, rep, 1).transpose(0, 1).unsqueeze(0)
-        v = _repeat_heads(values, rep, 1).transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask)
-        return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+        return grouped_attention(q, keys, values, mask)
 
     def _run_pending(self, st: DraftRequestState) -> None:
         """Run the newly verified rows into the draft's KV (kept) and remember the last one's output."""
@@ -137,7 +145,8 @@ class EagleDrafter(PooledDrafter):
         new = self.pool.alloc(len(st.pending_pos))
         got = None
         if self.graphs is not None:
-            got = self.graphs.pending(self.pool.k, self.pool.v, st.slots, new, st.pending_tok, st.pending_pos, feats)
+            got = self.graphs.pending(self.pool.k, self.pool.v, st.slots, new, st.pending_tok, st.pending_pos, feats,
+                                      owner=st)
         if got is None:
             self._run_pending_eager(st, feats, new)
             return
@@ -201,7 +210,7 @@ class EagleDrafter(PooledDrafter):
         tok = self.head.to_target_ids(torch.stack([st.root[2] for st in sts]).argmax(-1))
         if self.graphs is not None and steps > 1:
             got = self.graphs.chain(self.pool.k, self.pool.v, [st.slots for st in sts], [st.root[0] for st in sts],
-                                    root_out, tok, steps)
+                                    root_out, tok, steps, owners=sts)
             if got is not None:
                 return got.tolist()
         lens = torch.tensor([len(st.slots) for st in sts], dtype=torch.int64, device=dev)
@@ -241,12 +250,13 @@ class EagleDrafter(PooledDrafter):
         return torch.stack(drafted, dim=1)
 
     def _attention_padded(self, q, keys, values, mask) -> torch.Tensor:
-        """One query row per request: q [b, H, d], keys/values [b, T, KV, d], mask [b, 1, 1, T]."""
-        rep = q.shape[1] // keys.shape[2]
-        k = _repeat_heads(keys, rep, 2).transpose(1, 2)
-        v = _repeat_heads(values, rep, 2).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask)
-        return out.reshape(q.shape[0], -1)
+        """One query row per request: q [b, H, d], keys/values [b, T, KV, d], mask [b, 1, 1, T].
+        Each KV head's H / KV query heads are that head's query rows (no repeated keys)."""
+        b, h, d = q.shape
+        kv = keys.shape[2]
+        out = F.scaled_dot_product_attention(q.view(b, kv, h // kv, d), keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=mask)
+        return out.reshape(b, h * d)
 
     def _tree(self, st: DraftRequestState, limit: int) -> tuple[list[int], list[int]]:
         """EAGLE-2's dynamic tree (see the module docstring): through the tree graph when there is
@@ -254,7 +264,7 @@ class EagleDrafter(PooledDrafter):
         of cumulative scores, which the device's top-k may order differently)."""
         if self.graphs is not None:
             got = self.graphs.tree(self.pool.k, self.pool.v, st.slots, st.root[0], st.root[1], st.root[2],
-                                   self.topk, self.num_steps)
+                                   self.topk, self.num_steps, owner=st)
             if got is not None:
                 tokens, scores, parents = got
                 keep = best_nodes(scores, parents, limit)

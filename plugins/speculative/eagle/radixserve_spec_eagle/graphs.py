@@ -22,15 +22,20 @@ columns beyond a request's length reach a real row. Shapes past the largest buck
 most MAX_GRAPHS graphs are kept (least recently used dropped).
 
 The graphs read the pool only through the static buffers (filled before each replay), so the pool
-may grow (new tensors) without invalidating them.
+may grow (new tensors) without invalidating them. Filling is incremental: each static buffer row
+remembers whose cached rows it holds (the caller's `owner`, e.g. the request's draft state, held
+weakly) and how many, so a request drafting step after step copies only its newly verified rows
+instead of its whole draft KV each propose (a request's cached rows never change while it lives;
+a new owner or none reloads everything).
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from radixserve.cuda_graph_runner import CudaGraph, EagerGraph
@@ -85,6 +90,7 @@ class ChainInputs:
     root_pos: torch.Tensor  # [B]
     root_out: torch.Tensor  # [B, H]
     tok: torch.Tensor  # [B] first draft token (target ids)
+    loaded: list = field(default_factory=list)  # per request row: reusable_rows' record
 
 
 @dataclass
@@ -96,6 +102,20 @@ class PendingInputs:
     ids: torch.Tensor  # [R] tokens (target ids)
     pos: torch.Tensor  # [R]
     feats: torch.Tensor  # [R, F]
+    loaded: list = field(default_factory=lambda: [None])
+
+
+def reusable_rows(loaded: tuple | None, owner: object | None, n: int) -> int:
+    """How many leading rows of a static buffer row already hold `owner`'s first `n` cached rows
+    (`loaded`: that row's (weak owner, count) record, or None)."""
+    if owner is None or loaded is None:
+        return 0
+    ref, count = loaded
+    return count if ref() is owner and count <= n else 0
+
+
+def loaded_record(owner: object | None, n: int) -> tuple | None:
+    return None if owner is None else (weakref.ref(owner), n)
 
 
 def tree_key(cached: int, topk: int, steps: int, vocab: int) -> tuple[int, int, int, int] | None:
@@ -115,6 +135,7 @@ class TreeInputs:
     root_pos: torch.Tensor  # [1]
     root_out: torch.Tensor  # [1, H]
     root_lp: torch.Tensor  # [V] fp32
+    loaded: list = field(default_factory=lambda: [None])
 
 
 class DraftGraphs:
@@ -169,10 +190,12 @@ class DraftGraphs:
 
     # ---- chains ---------------------------------------------------------------------------------
     def chain(self, pool_k: list[torch.Tensor], pool_v: list[torch.Tensor], slots: list[torch.Tensor],
-              root_pos: list[int], root_out: torch.Tensor, tok: torch.Tensor, steps: int) -> torch.Tensor | None:
+              root_pos: list[int], root_out: torch.Tensor, tok: torch.Tensor, steps: int,
+              owners: list | None = None) -> torch.Tensor | None:
         """Draft tokens [b, steps] for b requests (their cached `slots`, root positions, root
         outputs [b, H] and first tokens [b]) through the graph of their bucket; None when the
-        shape has no graph (the caller runs eagerly)."""
+        shape has no graph (the caller runs eagerly). `owners`: one object per request whose
+        cached rows stay put while it lives (module docstring); None copies every row."""
         b = len(slots)
         key = chain_key([len(s) for s in slots], steps)
         if key is None:
@@ -181,10 +204,18 @@ class DraftGraphs:
         if got is None:
             return None
         graph, inp = got
-        for layer in range(self.num_layers):
-            for i, s in enumerate(slots):
-                inp.keys[layer][i, : len(s)] = pool_k[layer][s]
-                inp.values[layer][i, : len(s)] = pool_v[layer][s]
+        if not inp.loaded:
+            inp.loaded.extend([None] * inp.lens.shape[0])
+        for i, s in enumerate(slots):
+            owner, n = owners[i] if owners else None, len(s)
+            start = reusable_rows(inp.loaded[i], owner, n)
+            if start < n:
+                idx = s[start:]
+                for layer in range(self.num_layers):
+                    inp.keys[layer][i, start:n] = pool_k[layer][idx]
+                    inp.values[layer][i, start:n] = pool_v[layer][idx]
+            inp.loaded[i] = loaded_record(owner, n)
+        inp.loaded[b:] = [None] * (len(inp.loaded) - b)  # padded rows get the chain's scratch rows
         for t in (inp.lens, inp.root_pos, inp.root_out, inp.tok):  # padded requests: harmless zeros
             t[b:].zero_()
         inp.lens[:b].copy_(torch.tensor([len(s) for s in slots], dtype=torch.int64), non_blocking=True)
@@ -208,11 +239,11 @@ class DraftGraphs:
 
     # ---- verified rows --------------------------------------------------------------------------
     def pending(self, pool_k: list[torch.Tensor], pool_v: list[torch.Tensor], cached: torch.Tensor,
-                new: torch.Tensor, ids: list[int], pos: list[int], feats: torch.Tensor):
+                new: torch.Tensor, ids: list[int], pos: list[int], feats: torch.Tensor, owner: object | None = None):
         """Run one request's `len(ids)` new rows (features `feats` [r, F]) after its `cached`
         slots; writes their keys / values into the pool at slots `new` and returns (the last
         row's output [1, H], its draft log-probs [V]) as fresh tensors; None when the shape has
-        no graph."""
+        no graph. `owner`: as `chain`'s."""
         n, r = len(cached), len(ids)
         key = pending_key(n, r)
         if key is None:
@@ -222,7 +253,7 @@ class DraftGraphs:
         if got is None:
             return None
         graph, inp = got
-        self._load_cached(inp, pool_k, pool_v, cached)
+        self._load_cached(inp, pool_k, pool_v, cached, owner)
         inp.last.fill_(r - 1)
         for t in (inp.ids, inp.pos, inp.feats):  # padded rows: harmless zeros
             t[r:].zero_()
@@ -234,15 +265,21 @@ class DraftGraphs:
         for layer in range(self.num_layers):
             pool_k[layer][new] = inp.keys[layer][n : n + r]
             pool_v[layer][new] = inp.values[layer][n : n + r]
+        inp.loaded[0] = loaded_record(owner, n + r)  # the new rows are the buffer's rows n .. n + r - 1
         return out.clone(), lp.clone()
 
-    def _load_cached(self, inp, pool_k: list[torch.Tensor], pool_v: list[torch.Tensor], cached: torch.Tensor) -> None:
+    def _load_cached(self, inp, pool_k: list[torch.Tensor], pool_v: list[torch.Tensor], cached: torch.Tensor,
+                     owner: object | None = None) -> None:
         """Copy a request's cached draft KV rows (pool slots `cached`) into a graph's static key /
-        value buffers and set its cached-row count."""
+        value buffers (only those not there yet for `owner`) and set its cached-row count."""
         n = len(cached)
-        for layer in range(self.num_layers):
-            inp.keys[layer][:n] = pool_k[layer][cached]
-            inp.values[layer][:n] = pool_v[layer][cached]
+        start = reusable_rows(inp.loaded[0], owner, n)
+        if start < n:
+            idx = cached[start:]
+            for layer in range(self.num_layers):
+                inp.keys[layer][start:n] = pool_k[layer][idx]
+                inp.values[layer][start:n] = pool_v[layer][idx]
+        inp.loaded[0] = loaded_record(owner, n)
         inp.cached.fill_(n)
 
     def _capture_pending(self, rows: int, width: int, feat_width: int):
@@ -260,10 +297,10 @@ class DraftGraphs:
 
     # ---- trees ----------------------------------------------------------------------------------
     def tree(self, pool_k: list[torch.Tensor], pool_v: list[torch.Tensor], cached: torch.Tensor, root_pos: int,
-             root_out: torch.Tensor, root_lp: torch.Tensor, topk: int, steps: int):
+             root_out: torch.Tensor, root_lp: torch.Tensor, topk: int, steps: int, owner: object | None = None):
         """One request's tree from its root (position, output [1, H], log-probs [V]): (tokens,
         cumulative scores, parents) of every node as lists, nodes numbered level by level (the
-        root's children first); None when the shape has no graph."""
+        root's children first); None when the shape has no graph. `owner`: as `chain`'s."""
         n = len(cached)
         key = tree_key(n, topk, steps, root_lp.shape[0])
         if key is None or self.tree_fn is None:
@@ -272,7 +309,7 @@ class DraftGraphs:
         if got is None:
             return None
         graph, inp = got
-        self._load_cached(inp, pool_k, pool_v, cached)
+        self._load_cached(inp, pool_k, pool_v, cached, owner)
         inp.root_pos.fill_(root_pos)
         inp.root_out.copy_(root_out)
         inp.root_lp.copy_(root_lp)

@@ -185,13 +185,66 @@ def test_graph_cache_drops_the_least_recently_used(monkeypatch):
     assert list(dg.chains) == [(1,), (4,)] and list(dg.pendings) == [(9,)]
 
 
-def test_repeat_heads_is_repeat_interleave():
-    from radixserve_spec_eagle.drafter import _repeat_heads
+def test_grouped_attention_is_attention_over_repeated_keys():
+    """The draft's GQA without repeated keys (query heads grouped per KV head) equals attention
+    over keys repeated to every query head: the tree / pending form (rows with their own masks)
+    and the chain's one row per request."""
+    import torch.nn.functional as F
+    from radixserve_spec_eagle.drafter import grouped_attention
 
-    x = torch.randn(3, 2, 5, 4)
-    for dim in (1, 2):
-        for rep in (1, 3):
-            assert torch.equal(_repeat_heads(x, rep, dim), x.repeat_interleave(rep, dim=dim))
+    g = torch.Generator().manual_seed(0)
+    r, h, kv, d, t = 3, 6, 2, 4, 7
+    q, keys, values = torch.randn(r, h, d, generator=g), torch.randn(t, kv, d, generator=g), torch.randn(t, kv, d, generator=g)
+    mask = torch.rand(r, t, generator=g) > 0.4
+    mask[:, 0] = True
+    rep = lambda x, dim: x.repeat_interleave(h // kv, dim)  # noqa: E731
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), rep(keys, 1).transpose(0, 1), rep(values, 1).transpose(0, 1),
+                                         attn_mask=mask).transpose(0, 1).reshape(r, -1)
+    torch.testing.assert_close(grouped_attention(q, keys, values, mask), ref)
+    qb, kb, vb = torch.randn(2, h, d, generator=g), torch.randn(2, t, kv, d, generator=g), torch.randn(2, t, kv, d, generator=g)
+    mb = (torch.arange(t)[None, :] <= torch.tensor([2, 5])[:, None])[:, None, None, :]
+    ref = F.scaled_dot_product_attention(qb.unsqueeze(2), rep(kb, 2).transpose(1, 2), rep(vb, 2).transpose(1, 2),
+                                         attn_mask=mb).reshape(2, -1)
+    torch.testing.assert_close(EagleDrafter._attention_padded(None, qb, kb, vb, mb), ref)
+
+
+def test_static_keys_copy_only_a_requests_new_rows():
+    """A request drafting again copies only its new rows into a graph's static keys; another
+    request (or no owner) on the same buffer row reloads all of them, and a padded row (where
+    the chain writes scratch rows) is reloaded when a request comes back to it."""
+    class Owner:  # stands for a request's draft state
+        pass
+
+    pool_k = [torch.arange(16 * 2, dtype=torch.float32).view(16, 1, 2)]
+    pool_v = [-pool_k[0]]
+    dg = graphs.DraftGraphs(1, (1, 2), 4, torch.float32, torch.device("cpu"),
+                            lambda inp, steps: torch.zeros(inp.lens.shape[0], steps, dtype=torch.int64), None, EagerGraph)
+    a, b = Owner(), Owner()
+
+    def chain(slots, owners):
+        n = len(slots)
+        dg.chain(pool_k, pool_v, [torch.tensor(s) for s in slots], [0] * n, torch.zeros(n, 4),
+                 torch.zeros(n, dtype=torch.int64), 2, owners)
+        return dg.chains[graphs.chain_key([len(s) for s in slots], 2)][1]
+
+    inp = chain([[0, 1, 2]], [a])
+    assert torch.equal(inp.keys[0][0, :3], pool_k[0][:3]) and torch.equal(inp.values[0][0, :3], pool_v[0][:3])
+    before = inp.keys[0][0, :3].clone()
+    pool_k[0] += 100  # (a live request's rows never change: this shows which rows were copied)
+    inp = chain([[0, 1, 2, 5]], [a])
+    assert torch.equal(inp.keys[0][0, :3], before) and torch.equal(inp.keys[0][0, 3], pool_k[0][5])
+    inp = chain([[0, 1, 2, 5]], [b])
+    assert torch.equal(inp.keys[0][0, :4], pool_k[0][[0, 1, 2, 5]])
+    pool_k[0] += 100
+    inp = chain([[0, 1, 2, 5]], None)
+    assert torch.equal(inp.keys[0][0, :4], pool_k[0][[0, 1, 2, 5]])
+    c, e = Owner(), Owner()
+    inp = chain([[0, 1], [3, 4], [6, 7], [8, 9]], [a, b, c, e])  # bucket 4
+    inp = chain([[0, 1], [3, 4], [6, 7]], [a, b, c])  # bucket 4 again: row 3 padded
+    assert inp.loaded[3] is None
+    inp.keys[0][3, :2] = -1  # the chain's scratch rows of a padded request
+    inp = chain([[0, 1], [3, 4], [6, 7], [8, 9]], [a, b, c, e])
+    assert torch.equal(inp.keys[0][3, :2], pool_k[0][[8, 9]])
 
 
 def test_a_failed_capture_falls_back_to_eager():
