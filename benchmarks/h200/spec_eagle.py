@@ -105,9 +105,10 @@ def main() -> None:
     ap.add_argument("--draft-cuda-graph", choices=("on", "off"), default="on")
     ap.add_argument("--rows", default=None, help="layout:topk:num_steps:num_draft_tokens,... (overrides the above)")
     args = ap.parse_args()
-    rows = [(args.layout, args.topk, args.num_steps, args.num_draft_tokens, args.draft_cuda_graph == "on")]
-    if args.rows:  # a fifth field "eager" runs that row's draft without its CUDA graphs
-        rows = [(f[0], int(f[1]), int(f[2]), int(f[3]), f[4:] != ["eager"]) for f in
+    rows = [(args.layout, args.topk, args.num_steps, args.num_draft_tokens, args.draft_cuda_graph == "on", True)]
+    if args.rows:  # further fields: "eager" (the draft without its CUDA graphs), "nogemv" (its one-row
+        # matmuls on cuBLAS: speculative.options.batch1_gemv=off, the A/B of the draft's batch-1 GEMV)
+        rows = [(f[0], int(f[1]), int(f[2]), int(f[3]), "eager" not in f[4:], "nogemv" not in f[4:]) for f in
                 (r.split(":") for r in args.rows.split(","))]
 
     from radixserve.config import Config
@@ -132,10 +133,11 @@ def main() -> None:
         "runtime": {"device": args.device, "dtype": "bfloat16" if cuda else "float32", "cuda_graph_max_bs": 16},
     }
 
-    def spec_config(layout: str, topk: int, num_steps: int, num_draft_tokens: int, draft_graphs: bool) -> Config:
+    def spec_config(layout: str, topk: int, num_steps: int, num_draft_tokens: int, draft_graphs: bool,
+                    draft_gemv: bool = True) -> Config:
         spec = {"num_draft_tokens": num_draft_tokens, "topk": topk, "num_steps": num_steps,
                 "draft_model_path": heads[layout], "adaptive_batch_size": 0,
-                "options": {"cuda_graph": draft_graphs and cuda}}
+                "options": {"cuda_graph": draft_graphs and cuda, "batch1_gemv": "auto" if draft_gemv else "off"}}
         return Config.build({**base, "stack": {**base["stack"], "speculative": "eagle"}, "speculative": spec})
 
     cfg = spec_config(*rows[0])
@@ -189,9 +191,9 @@ def main() -> None:
     timed_run(scheduler(False))  # untimed
     plain_steps, _ = timed_run(scheduler(False))  # no drafter yet: nothing recorded
     print(f"plain decode: {statistics.median(plain_steps):.2f} ms/step", flush=True)
-    for layout, topk, num_steps, num_draft_tokens, draft_graphs in rows:
+    for layout, topk, num_steps, num_draft_tokens, draft_graphs, draft_gemv in rows:
         stop_recording(runner)
-        cfg = spec_config(layout, topk, num_steps, num_draft_tokens, draft_graphs)
+        cfg = spec_config(layout, topk, num_steps, num_draft_tokens, draft_graphs, draft_gemv)
         t0 = time.perf_counter()
         timed_run(scheduler(True))  # untimed pass: compiles, captures the draft graphs, warms the draft pool
         sched = scheduler(True)
@@ -229,6 +231,8 @@ def report(args, layout, topk, num_steps, num_draft_tokens, draft_graphs, runner
         "target_graph_records": list(runner.graph_runner.recording) if runner.graph_runner is not None else None,
     }
     dg = getattr(sched.drafter, "graphs", None)
+    head = getattr(sched.drafter, "head", None)
+    res["draft_gemv_weights"] = sum(t is not None for m in (head, *head.layers) for t in m.tiles.values()) if head else 0
     res["draft_graph_replays"] = dg.replays if dg is not None else 0
     res["draft_graphs"] = sorted(str(k) for k in [*dg.chains, *dg.pendings, *dg.trees]) if dg is not None else []
     res["propose_over_verify"] = res["propose_ms"] / res["verify_step_ms"]
