@@ -206,8 +206,11 @@ class EagleDrafter(PooledDrafter):
         request's cached keys padded into one batch, the new rows written after them, tokens kept
         on the device until one host copy at the end."""
         dev, b = self.pool.device, len(sts)
-        root_out = torch.cat([st.root[1] for st in sts])
-        tok = self.head.to_target_ids(torch.stack([st.root[2] for st in sts]).argmax(-1))
+        if b == 1:  # batch 1: the root's tensors as they are (a cat / stack of one would copy them)
+            root_out, root_lp = sts[0].root[1], sts[0].root[2][None]
+        else:
+            root_out, root_lp = torch.cat([st.root[1] for st in sts]), torch.stack([st.root[2] for st in sts])
+        tok = self.head.to_target_ids(root_lp.argmax(-1))
         if self.graphs is not None and steps > 1:
             got = self.graphs.chain(self.pool.k, self.pool.v, [st.slots for st in sts], [st.root[0] for st in sts],
                                     root_out, tok, steps, owners=sts)
