@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from radixserve.interfaces.drafter import DrafterInfo, DraftProposal
 from radixserve.interfaces.target_states import HiddenRows
+from radixserve.layers.gemv_selection import MODES as GEMV_MODES
 from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.scheduler.speculative.draft_state import DraftRequestState, PooledDrafter
 
@@ -97,6 +98,8 @@ class EagleDrafter(PooledDrafter):
         self.head = EagleHead(ckpt, ts.vocab_size).to(device=info.device, dtype=ts.dtype).eval()
         self.head.fuse_projections()
         mode = batch1_gemv if batch1_gemv is not None else info.extra.get("batch1_gemv", "auto")
+        if mode not in GEMV_MODES:
+            raise ValueError(f"speculative.options.batch1_gemv={mode!r}: expected one of {', '.join(GEMV_MODES)}")
         n_gemv = self.head.attach_batch1_gemv(mode, info.device)  # before any graph capture
         if n_gemv:
             logger.info("EAGLE draft: batch-1 Triton GEMV on %d weights (batch1_gemv=%s)", n_gemv, mode)

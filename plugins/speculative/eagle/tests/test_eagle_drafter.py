@@ -210,6 +210,8 @@ def test_one_row_draft_matmuls_take_the_batch1_gemv(target, drafts, monkeypatch)
     assert head.attach_batch1_gemv("auto", cpu) == 0 and head.attach_batch1_gemv("on", cpu) == 0
     with pytest.raises(ValueError, match="'fast'"):
         head.attach_batch1_gemv("fast", cpu)
+    with pytest.raises(ValueError, match="speculative.options.batch1_gemv='fast'"):
+        EagleDrafter(drafter_info(_config(drafts["eagle3"]), target[1]), batch1_gemv="fast")
     g = torch.Generator().manual_seed(0)
     feats, embeds = torch.randn(1, head.fc.in_features, generator=g), torch.randn(1, head.hidden_size, generator=g)
 
