@@ -26,7 +26,7 @@ from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.scheduler.speculative.draft_state import DraftRequestState, PooledDrafter
 
 from radixserve_spec_eagle.checkpoint import KEY, default_aux_layers, load_checkpoint
-from radixserve_spec_eagle.graphs import ChainInputs, DraftGraphs, PendingInputs, TreeInputs
+from radixserve_spec_eagle.graphs import ChainInputs, DraftGraphs, PendingInputs, TreeInputs, per_query_head
 from radixserve_spec_eagle.head import EagleHead
 from radixserve_spec_eagle.kv_pool import DraftKVPool
 
@@ -112,7 +112,8 @@ class EagleDrafter(PooledDrafter):
             # the captured rotary must not read positions back to the host: size its cache now
             reserve_rotary_caches(self.head, int(getattr(cfg, "max_position_embeddings", 8192)), info.device)
             self.graphs = DraftGraphs(len(self.head.layers), self.pool.shape, cfg.hidden_size, ts.dtype, info.device,
-                                      self._chain_steps, self._pending_rows, self.graph_factory, self._tree_steps)
+                                      self._chain_steps, self._pending_rows, self.graph_factory, self._tree_steps,
+                                      num_heads=cfg.num_attention_heads)
 
     # ---- the Drafter contract (on_accepted, on_finished: PooledDrafter's) ------------------------
     @torch.inference_mode()
@@ -245,8 +246,9 @@ class EagleDrafter(PooledDrafter):
             mask = (cols[None, :] <= at[:, None])[:, None, None, :]
 
             def attend(layer, q, kk, vv, at=at, mask=mask):
-                inp.keys[layer][rows, at] = kk
-                inp.values[layer][rows, at] = vv
+                heads = inp.keys[layer].shape[2]  # the query heads' count where stored repeated
+                inp.keys[layer][rows, at] = per_query_head(kk, heads)
+                inp.values[layer][rows, at] = per_query_head(vv, heads)
                 return self._attention_padded(q, inp.keys[layer], inp.values[layer], mask)
 
             out = self.head.step(self._embed(tok), inp.root_pos + depth, out, attend)
@@ -256,10 +258,15 @@ class EagleDrafter(PooledDrafter):
         return torch.stack(drafted, dim=1)
 
     def _attention_padded(self, q, keys, values, mask) -> torch.Tensor:
-        """One query row per request: q [b, H, d], keys/values [b, T, KV, d], mask [b, 1, 1, T].
-        Each KV head's H / KV query heads are that head's query rows (no repeated keys)."""
+        """One query row per request: q [b, H, d], keys/values [b, T, KV, d] (or [b, T, H, d], already
+        repeated per query head), mask [b, 1, 1, T]. With KV heads each KV head's H / KV query heads
+        are that head's query rows (no repeated keys)."""
         b, h, d = q.shape
         kv = keys.shape[2]
+        if kv == h:
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                                                 attn_mask=mask)
+            return out.reshape(b, h * d)
         out = F.scaled_dot_product_attention(q.view(b, kv, h // kv, d), keys.transpose(1, 2), values.transpose(1, 2),
                                              attn_mask=mask)
         return out.reshape(b, h * d)

@@ -78,6 +78,10 @@ def _config(draft: str, topk: int) -> Config:
     })
 
 
+def _requests(ps):  # the first request outlives the others: its last steps draft alone (batch-1 chain graphs)
+    return [_greedy(f"r{i}", p, 10 if i else 13) for i, p in enumerate(ps)]
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     path = tiny_checkpoint("llama", str(tmp_path_factory.mktemp("target")), seed=3, num_hidden_layers=3)
@@ -85,7 +89,7 @@ def setup(tmp_path_factory):
     drafts = {"eagle2": write_eagle2(tmp_path_factory.mktemp("e2"), cfg, seed=1),
               "eagle3": write_eagle3(tmp_path_factory.mktemp("e3"), cfg, seed=2)}
     ps = shared_prefix_prompts(3, VOCAB, seed=5)
-    plain = _run(speculative_scheduler(_runner(path, None), None, None), [_greedy(f"r{i}", p, 10) for i, p in enumerate(ps)])
+    plain = _run(speculative_scheduler(_runner(path, None), None, None), _requests(ps))
     return path, drafts, ps, plain
 
 
@@ -111,7 +115,7 @@ def test_graph_path_drafts_as_the_eager_path(setup, draft, topk):
                 return inner(fb)
 
             gr.run = run
-        out = _run(sched, [_greedy(f"r{i}", p, 10) for i, p in enumerate(ps)])
+        out = _run(sched, _requests(ps))
         assert out == plain, name
         d = sched.drafter
         results[name] = [p.tokens for _, _, p in d.proposals]
@@ -120,6 +124,9 @@ def test_graph_path_drafts_as_the_eager_path(setup, draft, topk):
             assert bool(d.graphs.chains) == (topk == 1) and bool(d.graphs.trees) == (topk > 1)
             if topk == 1:
                 assert any(k[0] == 4 for k in d.graphs.chains), "3 requests were not padded to the bucket of 4"
+                alone = [inp for k, (_, inp) in d.graphs.chains.items() if k[0] == 1]
+                heads = d.head.layers[0].num_heads
+                assert alone and all(inp.keys[0].shape[2] == heads for inp in alone), "batch 1: keys per query head"
                 # chain verifies (1 + 3 drafts per request) replayed the recording decode graphs
                 assert max(verify_rows) > len(ps)
             else:
@@ -206,6 +213,9 @@ def test_grouped_attention_is_attention_over_repeated_keys():
     ref = F.scaled_dot_product_attention(qb.unsqueeze(2), rep(kb, 2).transpose(1, 2), rep(vb, 2).transpose(1, 2),
                                          attn_mask=mb).reshape(2, -1)
     torch.testing.assert_close(EagleDrafter._attention_padded(None, qb, kb, vb, mb), ref)
+    # keys already repeated per query head (batch-1 chain graphs)
+    torch.testing.assert_close(EagleDrafter._attention_padded(None, qb, rep(kb, 2), rep(vb, 2), mb), ref)
+    assert torch.equal(graphs.per_query_head(kb, h), rep(kb, 2)) and graphs.per_query_head(kb, kv) is kb
 
 
 def test_static_keys_copy_only_a_requests_new_rows():
@@ -245,6 +255,16 @@ def test_static_keys_copy_only_a_requests_new_rows():
     inp.keys[0][3, :2] = -1  # the chain's scratch rows of a padded request
     inp = chain([[0, 1], [3, 4], [6, 7], [8, 9]], [a, b, c, e])
     assert torch.equal(inp.keys[0][3, :2], pool_k[0][[8, 9]])
+    # batch-1 chain graphs store the rows repeated to every query head (2 here), filled the same way
+    dg.num_heads = 2
+    dg.chains.clear()
+    inp = chain([[0, 1, 2]], [a])
+    assert inp.keys[0].shape == (1, 256, 2, 2)
+    assert torch.equal(inp.keys[0][0, :3], pool_k[0][:3].repeat_interleave(2, 1))
+    pool_k[0] += 100
+    inp = chain([[0, 1, 2, 5]], [a])
+    assert torch.equal(inp.keys[0][0, 3], pool_k[0][5].repeat_interleave(2, 0))
+    assert torch.equal(inp.values[0][0, :4], pool_v[0][[0, 1, 2, 5]].repeat_interleave(2, 1))
 
 
 def test_a_failed_capture_falls_back_to_eager():
