@@ -47,12 +47,17 @@ def best_nodes(scores: list[float], parents: list[int], limit: int) -> list[int]
 
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Grouped-query attention without repeating keys: q [r, H, d], keys / values [T, KV, d]
-    (any strides), mask [r, T] (True: may attend) -> [r, H * d]. The H / KV query heads sharing
+    (any strides; or [T, H, d], already repeated per query head), mask [r, T] (True: may attend)
+    -> [r, H * d]. The H / KV query heads sharing
     a KV head become one block of r * H / KV query rows against that head's keys, so no [T, H, d]
     copy of the keys is made (those copies were most of the propose's copy kernels). Pure device
     ops (CUDA graph capture safe)."""
     r, h, d = q.shape
     kv = keys.shape[1]
+    if kv == h:  # keys already repeated per query head (a batch-1 graph's static keys)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                                             values.transpose(0, 1).unsqueeze(0), attn_mask=mask)
+        return out[0].transpose(0, 1).reshape(r, h * d)
     rep = h // kv
     qg = q.view(r, kv, rep, d).permute(1, 0, 2, 3).reshape(1, kv, r * rep, d)
     m = mask[:, None, :].expand(r, rep, mask.shape[1]).reshape(r * rep, mask.shape[1])
@@ -168,8 +173,9 @@ class EagleDrafter(PooledDrafter):
         mask = torch.arange(width, device=dev)[None, :] <= at[:, None]
 
         def attend(layer, q, k, v):
-            inp.keys[layer][at] = k
-            inp.values[layer][at] = v
+            heads = inp.keys[layer].shape[1]  # the query heads' count where stored repeated
+            inp.keys[layer][at] = per_query_head(k, heads)
+            inp.values[layer][at] = per_query_head(v, heads)
             return self._attention(q, inp.keys[layer], inp.values[layer], mask)
 
         out = self.head.step(self._embed(inp.ids), inp.pos, inp.feats, attend)

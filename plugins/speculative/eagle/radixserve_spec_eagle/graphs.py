@@ -28,8 +28,8 @@ weakly) and how many, so a request drafting step after step copies only its newl
 instead of its whole draft KV each propose (a request's cached rows never change while it lives;
 a new owner or none reloads everything).
 
-Batch-1 chain graphs keep their static keys / values repeated to every query head ([1, W, H, d]
-when `num_heads` is given): the chain's attention is then one query row per head over its own
+Batch-1 chain graphs and one-row pending graphs keep their static keys / values repeated to every
+query head ([1, W, H, d] / [W, H, d] when `num_heads` is given): the chain's attention is then one query row per head over its own
 keys, the SDPA form measured fastest on the H200 (~10 us a step at W = 1280, against ~29 us for
 the query heads grouped per KV head, which leaves H / KV times fewer thread blocks), and the
 repeat is paid once per cached row (incremental fill) instead of once per step.
@@ -101,7 +101,7 @@ class ChainInputs:
 
 @dataclass
 class PendingInputs:
-    keys: list[torch.Tensor]  # per layer [W, KV, d]: the request's cached rows, then the new ones
+    keys: list[torch.Tensor]  # per layer [W, KV, d] ([W, H, d] per query head at R = 1): cached rows, then new
     values: list[torch.Tensor]
     cached: torch.Tensor  # [1] the request's cached rows
     last: torch.Tensor  # [1] index of the last real new row
@@ -128,6 +128,13 @@ def per_query_head(x: torch.Tensor, heads: int) -> torch.Tensor:
         return x
     lead, d = x.shape[:-2], x.shape[-1]
     return x.unsqueeze(-2).expand(*lead, kv, heads // kv, d).reshape(*lead, heads, d)
+
+
+def per_kv_head(x: torch.Tensor, kv: int) -> torch.Tensor:
+    """The inverse of `per_query_head`: rows [..., H, d] repeated per query head -> [..., KV, d]
+    (a view: each group's first head)."""
+    heads = x.shape[-2]
+    return x if heads == kv else x[..., :: heads // kv, :]
 
 
 def loaded_record(owner: object | None, n: int) -> tuple | None:
@@ -282,9 +289,10 @@ class DraftGraphs:
         inp.feats[:r].copy_(feats)
         self.replays += 1
         out, lp = graph.replay()
+        kv = self.kv_shape[0]
         for layer in range(self.num_layers):
-            pool_k[layer][new] = inp.keys[layer][n : n + r]
-            pool_v[layer][new] = inp.values[layer][n : n + r]
+            pool_k[layer][new] = per_kv_head(inp.keys[layer][n : n + r], kv)
+            pool_v[layer][new] = per_kv_head(inp.values[layer][n : n + r], kv)
         inp.loaded[0] = loaded_record(owner, n + r)  # the new rows are the buffer's rows n .. n + r - 1
         return out.clone(), lp.clone()
 
@@ -297,15 +305,17 @@ class DraftGraphs:
         if start < n:
             idx = cached[start:]
             for layer in range(self.num_layers):
-                inp.keys[layer][start:n] = pool_k[layer][idx]
-                inp.values[layer][start:n] = pool_v[layer][idx]
+                heads = inp.keys[layer].shape[1]
+                inp.keys[layer][start:n] = per_query_head(pool_k[layer][idx], heads)
+                inp.values[layer][start:n] = per_query_head(pool_v[layer][idx], heads)
         inp.loaded[0] = loaded_record(owner, n)
         inp.cached.fill_(n)
 
     def _capture_pending(self, rows: int, width: int, feat_width: int):
         z = torch.zeros
+        heads = self.num_heads if rows == 1 else None
         inp = PendingInputs(
-            self._kv(width), self._kv(width),
+            self._kv(width, heads=heads), self._kv(width, heads=heads),
             z(1, dtype=torch.int64, device=self.device), z(1, dtype=torch.int64, device=self.device),
             z(rows, dtype=torch.int64, device=self.device), z(rows, dtype=torch.int64, device=self.device),
             z(rows, feat_width, dtype=self.dtype, device=self.device),

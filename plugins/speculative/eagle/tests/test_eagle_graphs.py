@@ -174,6 +174,9 @@ def test_graph_pending_rows_match_eager(setup):
             torch.testing.assert_close(g.pool.k[layer][sg.slots], e.pool.k[layer][se.slots], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(g.pool.v[layer][sg.slots], e.pool.v[layer][se.slots], rtol=1e-5, atol=1e-5)
     assert sorted(g.graphs.pendings) == [(1, 256, feat_w), (4, 256, feat_w)]
+    heads = g.head.layers[0].num_heads  # the one-row graph keeps its keys per query head
+    assert [inp.keys[0].shape[1] for _, inp in (g.graphs.pendings[k] for k in sorted(g.graphs.pendings))] == [
+        heads, g.pool.shape[0]]
 
 
 def test_graph_cache_drops_the_least_recently_used(monkeypatch):
@@ -208,6 +211,7 @@ def test_grouped_attention_is_attention_over_repeated_keys():
     ref = F.scaled_dot_product_attention(q.transpose(0, 1), rep(keys, 1).transpose(0, 1), rep(values, 1).transpose(0, 1),
                                          attn_mask=mask).transpose(0, 1).reshape(r, -1)
     torch.testing.assert_close(grouped_attention(q, keys, values, mask), ref)
+    torch.testing.assert_close(grouped_attention(q, rep(keys, 1), rep(values, 1), mask), ref)  # keys per query head
     qb, kb, vb = torch.randn(2, h, d, generator=g), torch.randn(2, t, kv, d, generator=g), torch.randn(2, t, kv, d, generator=g)
     mb = (torch.arange(t)[None, :] <= torch.tensor([2, 5])[:, None])[:, None, None, :]
     ref = F.scaled_dot_product_attention(qb.unsqueeze(2), rep(kb, 2).transpose(1, 2), rep(vb, 2).transpose(1, 2),
