@@ -26,7 +26,7 @@ from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.scheduler.speculative.draft_state import DraftRequestState, PooledDrafter
 
 from radixserve_spec_eagle.checkpoint import KEY, default_aux_layers, load_checkpoint
-from radixserve_spec_eagle.graphs import ChainInputs, DraftGraphs, PendingInputs, TreeInputs, per_query_head
+from radixserve_spec_eagle.graphs import ChainInputs, DraftGraphs, PendingInputs, TreeInputs, grouped_view
 from radixserve_spec_eagle.head import EagleHead
 from radixserve_spec_eagle.kv_pool import DraftKVPool
 
@@ -173,9 +173,9 @@ class EagleDrafter(PooledDrafter):
         mask = torch.arange(width, device=dev)[None, :] <= at[:, None]
 
         def attend(layer, q, k, v):
-            heads = inp.keys[layer].shape[1]  # the query heads' count where stored repeated
-            inp.keys[layer][at] = per_query_head(k, heads)
-            inp.values[layer][at] = per_query_head(v, heads)
+            kv = k.shape[1]  # (a one-row graph's buffer holds every query head: broadcast per group)
+            grouped_view(inp.keys[layer], kv)[at] = k.unsqueeze(-2)
+            grouped_view(inp.values[layer], kv)[at] = v.unsqueeze(-2)
             return self._attention(q, inp.keys[layer], inp.values[layer], mask)
 
         out = self.head.step(self._embed(inp.ids), inp.pos, inp.feats, attend)
@@ -252,9 +252,9 @@ class EagleDrafter(PooledDrafter):
             mask = (cols[None, :] <= at[:, None])[:, None, None, :]
 
             def attend(layer, q, kk, vv, at=at, mask=mask):
-                heads = inp.keys[layer].shape[2]  # the query heads' count where stored repeated
-                inp.keys[layer][rows, at] = per_query_head(kk, heads)
-                inp.values[layer][rows, at] = per_query_head(vv, heads)
+                kv = kk.shape[1]  # (a batch-1 graph's buffer holds every query head: broadcast per group)
+                grouped_view(inp.keys[layer], kv)[rows, at] = kk.unsqueeze(-2)
+                grouped_view(inp.values[layer], kv)[rows, at] = vv.unsqueeze(-2)
                 return self._attention_padded(q, inp.keys[layer], inp.values[layer], mask)
 
             out = self.head.step(self._embed(tok), inp.root_pos + depth, out, attend)

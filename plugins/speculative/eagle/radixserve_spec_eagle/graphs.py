@@ -120,18 +120,17 @@ def reusable_rows(loaded: tuple | None, owner: object | None, n: int) -> int:
     return count if ref() is owner and count <= n else 0
 
 
-def per_query_head(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """KV rows [..., KV, d] repeated to `heads` query heads (head h reads KV head h // (heads / KV))
-    by expand + reshape (no host read: capture safe); unchanged when `heads` is KV."""
-    kv = x.shape[-2]
-    if heads == kv:
-        return x
-    lead, d = x.shape[:-2], x.shape[-1]
-    return x.unsqueeze(-2).expand(*lead, kv, heads // kv, d).reshape(*lead, heads, d)
+def grouped_view(buf: torch.Tensor, kv: int) -> torch.Tensor:
+    """A static key / value buffer [..., H, d] viewed as [..., KV, H / KV, d] (query head h is KV
+    head h // (H / KV)); [..., KV, 1, d] when it holds KV heads. KV rows `x` [..., KV, d] are
+    stored with `grouped_view(buf, KV)[...] = x.unsqueeze(-2)`: one broadcasting write, no
+    repeated copy (capture safe)."""
+    *lead, heads, d = buf.shape
+    return buf.view(*lead, kv, heads // kv, d)
 
 
 def per_kv_head(x: torch.Tensor, kv: int) -> torch.Tensor:
-    """The inverse of `per_query_head`: rows [..., H, d] repeated per query head -> [..., KV, d]
+    """Rows [..., H, d] stored per query head (see `grouped_view`) -> [..., KV, d]
     (a view: each group's first head)."""
     heads = x.shape[-2]
     return x if heads == kv else x[..., :: heads // kv, :]
@@ -236,10 +235,10 @@ class DraftGraphs:
             start = reusable_rows(inp.loaded[i], owner, n)
             if start < n:
                 idx = s[start:]
+                kv = self.kv_shape[0]
                 for layer in range(self.num_layers):
-                    heads = inp.keys[layer].shape[2]
-                    inp.keys[layer][i, start:n] = per_query_head(pool_k[layer][idx], heads)
-                    inp.values[layer][i, start:n] = per_query_head(pool_v[layer][idx], heads)
+                    grouped_view(inp.keys[layer], kv)[i, start:n] = pool_k[layer][idx].unsqueeze(-2)
+                    grouped_view(inp.values[layer], kv)[i, start:n] = pool_v[layer][idx].unsqueeze(-2)
             inp.loaded[i] = loaded_record(owner, n)
         inp.loaded[b:] = [None] * (len(inp.loaded) - b)  # padded rows get the chain's scratch rows
         for t in (inp.lens, inp.root_pos, inp.root_out, inp.tok):  # padded requests: harmless zeros
@@ -304,10 +303,10 @@ class DraftGraphs:
         start = reusable_rows(inp.loaded[0], owner, n)
         if start < n:
             idx = cached[start:]
+            kv = self.kv_shape[0]
             for layer in range(self.num_layers):
-                heads = inp.keys[layer].shape[1]
-                inp.keys[layer][start:n] = per_query_head(pool_k[layer][idx], heads)
-                inp.values[layer][start:n] = per_query_head(pool_v[layer][idx], heads)
+                grouped_view(inp.keys[layer], kv)[start:n] = pool_k[layer][idx].unsqueeze(-2)
+                grouped_view(inp.values[layer], kv)[start:n] = pool_v[layer][idx].unsqueeze(-2)
         inp.loaded[0] = loaded_record(owner, n)
         inp.cached.fill_(n)
 

@@ -219,7 +219,9 @@ def test_grouped_attention_is_attention_over_repeated_keys():
     torch.testing.assert_close(EagleDrafter._attention_padded(None, qb, kb, vb, mb), ref)
     # keys already repeated per query head (batch-1 chain graphs)
     torch.testing.assert_close(EagleDrafter._attention_padded(None, qb, rep(kb, 2), rep(vb, 2), mb), ref)
-    assert torch.equal(graphs.per_query_head(kb, h), rep(kb, 2)) and graphs.per_query_head(kb, kv) is kb
+    buf = torch.zeros(2, t, h, d)
+    graphs.grouped_view(buf, kv)[:] = kb.unsqueeze(-2)  # KV rows stored per query head
+    assert torch.equal(buf, rep(kb, 2)) and torch.equal(graphs.per_kv_head(buf, kv), kb)
 
 
 def test_static_keys_copy_only_a_requests_new_rows():
