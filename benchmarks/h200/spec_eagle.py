@@ -13,7 +13,12 @@ the drafter asks), so chain verifies (decode rows on triton) and plain decode st
 the draft's verified-row step, its chain steps and its tree levels replay the drafter's own graphs
 (`--draft-cuda-graph off` runs the draft eagerly, for comparison). Reported per layout: propose
 ms, verify step ms (the step without its propose), the plain decode step ms (no drafter), the
-ratio, the share of verify steps that replayed a target graph and the draft graph replays.
+ratio, the share of verify steps that replayed a target graph and the draft graph replays. Also
+`collect_ms` (the drafter's `on_accepted`: collecting the verified rows' hidden states, draft work
+done after the verify), `draft_ms` = propose + collect, `verify_net_ms` = the step less both,
+`draft_over_verify` (the issue's ratio with all draft work counted; `target_met` uses it), and
+end-to-end decode tokens/s with and without speculation (`decode_tok_s`, `plain_decode_tok_s`).
+`--runtime KEY=VALUE` overrides a runtime config key for the run (A/B of a target-side switch).
 
     python benchmarks/h200/spec_eagle.py --out $OUT [--layout eagle3] [--topk 1] [--num-steps 4]
     python benchmarks/h200/spec_eagle.py --out $OUT --rows eagle3:1:4:4,eagle3:4:4:16,eagle2:1:4:4
@@ -104,10 +109,13 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--draft-cuda-graph", choices=("on", "off"), default="on")
     ap.add_argument("--rows", default=None, help="layout:topk:num_steps:num_draft_tokens,... (overrides the above)")
+    ap.add_argument("--runtime", action="append", default=[], metavar="KEY=VALUE",
+                    help="a runtime config override for the whole run (e.g. batch1_gemv_fuse_norm=false)")
     args = ap.parse_args()
-    rows = [(args.layout, args.topk, args.num_steps, args.num_draft_tokens, args.draft_cuda_graph == "on")]
-    if args.rows:  # a fifth field "eager" runs that row's draft without its CUDA graphs
-        rows = [(f[0], int(f[1]), int(f[2]), int(f[3]), f[4:] != ["eager"]) for f in
+    rows = [(args.layout, args.topk, args.num_steps, args.num_draft_tokens, args.draft_cuda_graph == "on", True)]
+    if args.rows:  # further fields: "eager" (the draft without its CUDA graphs), "nogemv" (its one-row
+        # matmuls on cuBLAS: speculative.options.batch1_gemv=off, the A/B of the draft's batch-1 GEMV)
+        rows = [(f[0], int(f[1]), int(f[2]), int(f[3]), "eager" not in f[4:], "nogemv" not in f[4:]) for f in
                 (r.split(":") for r in args.rows.split(","))]
 
     from radixserve.config import Config
@@ -129,13 +137,15 @@ def main() -> None:
         "model": {"path": args.model, "load_format": "dummy", "context_length": 4096},
         "stack": {"attention": args.attention, "prefix_cache": "radix"},
         # batch 1: graphs up to 16 rows cover the plain step and a chain verify (1 + drafts rows)
-        "runtime": {"device": args.device, "dtype": "bfloat16" if cuda else "float32", "cuda_graph_max_bs": 16},
+        "runtime": {"device": args.device, "dtype": "bfloat16" if cuda else "float32", "cuda_graph_max_bs": 16,
+                    **dict(_override(kv) for kv in args.runtime)},
     }
 
-    def spec_config(layout: str, topk: int, num_steps: int, num_draft_tokens: int, draft_graphs: bool) -> Config:
+    def spec_config(layout: str, topk: int, num_steps: int, num_draft_tokens: int, draft_graphs: bool,
+                    draft_gemv: bool = True) -> Config:
         spec = {"num_draft_tokens": num_draft_tokens, "topk": topk, "num_steps": num_steps,
                 "draft_model_path": heads[layout], "adaptive_batch_size": 0,
-                "options": {"cuda_graph": draft_graphs and cuda}}
+                "options": {"cuda_graph": draft_graphs and cuda, "batch1_gemv": "auto" if draft_gemv else "off"}}
         return Config.build({**base, "stack": {**base["stack"], "speculative": "eagle"}, "speculative": spec})
 
     cfg = spec_config(*rows[0])
@@ -148,13 +158,30 @@ def main() -> None:
 
     graph_steps: list[bool] = []  # per step of the last run: its (last) forward replayed a target graph
 
+    collects: list[float] = []  # per step of the last run: ms in the drafter's on_accepted
+
     def timed_run(sched) -> tuple[list[float], list[float]]:
-        """(step ms, propose ms within it, or 0 for steps without a propose) for one request."""
+        """(step ms, propose ms within it, or 0 for steps without a propose) for one request;
+        `collects` gets each step's time in the drafter's `on_accepted` (draft work after the verify:
+        collecting the verified rows' hidden states)."""
         graph_steps.clear()
+        collects.clear()
         proposes: list[float] = []
+        accepted: list[float] = []
         drafter = sched.drafter
         if drafter is not None:
             inner = drafter.propose
+            inner_acc = drafter.on_accepted
+
+            def on_accepted(req, acc):
+                sync()
+                t0 = time.perf_counter()
+                out = inner_acc(req, acc)
+                sync()
+                accepted.append((time.perf_counter() - t0) * 1e3)
+                return out
+
+            drafter.on_accepted = on_accepted
 
             def propose(reqs, k):
                 sync()
@@ -169,7 +196,7 @@ def main() -> None:
             max_new_tokens=args.output_len, temperature=0, ignore_eos=True)))
         steps, props = [], []
         while sched.has_work():
-            n_before = len(proposes)
+            n_before, a_before = len(proposes), len(accepted)
             sync()
             t0 = time.perf_counter()
             sched.step()
@@ -177,7 +204,9 @@ def main() -> None:
             steps.append((time.perf_counter() - t0) * 1e3)
             graph_steps.append(bool(runner.last_run_used_cuda_graph))
             props.append(proposes[-1] if len(proposes) > n_before else 0.0)
+            collects.append(sum(accepted[a_before:]))
         sched.flush_cache()
+        del collects[0]
         return steps[1:], props[1:]  # the prefill step is not a decode / verify step
 
     def scheduler(with_drafter: bool):
@@ -189,16 +218,24 @@ def main() -> None:
     timed_run(scheduler(False))  # untimed
     plain_steps, _ = timed_run(scheduler(False))  # no drafter yet: nothing recorded
     print(f"plain decode: {statistics.median(plain_steps):.2f} ms/step", flush=True)
-    for layout, topk, num_steps, num_draft_tokens, draft_graphs in rows:
+    for layout, topk, num_steps, num_draft_tokens, draft_graphs, draft_gemv in rows:
         stop_recording(runner)
-        cfg = spec_config(layout, topk, num_steps, num_draft_tokens, draft_graphs)
+        cfg = spec_config(layout, topk, num_steps, num_draft_tokens, draft_graphs, draft_gemv)
         t0 = time.perf_counter()
         timed_run(scheduler(True))  # untimed pass: compiles, captures the draft graphs, warms the draft pool
         sched = scheduler(True)
         steps, props = timed_run(sched)
         print(f"{layout} topk {topk}: two passes in {time.perf_counter() - t0:.1f} s", flush=True)
         report(args, layout, topk, num_steps, num_draft_tokens, draft_graphs, runner, sched, plain_steps, steps,
-               props, graph_steps, cuda)
+               props, graph_steps, cuda, list(collects))
+
+
+def _override(kv: str) -> tuple[str, object]:
+    key, _, value = kv.partition("=")
+    low = value.lower()
+    if low in ("true", "false"):
+        return key, low == "true"
+    return key, int(value) if value.lstrip("-").isdigit() else value
 
 
 def stop_recording(runner) -> None:
@@ -215,9 +252,15 @@ def stop_recording(runner) -> None:
 
 
 def report(args, layout, topk, num_steps, num_draft_tokens, draft_graphs, runner, sched, plain_steps, steps, props,
-           graph_steps, cuda) -> None:
+           graph_steps, cuda, collects) -> None:
     graphed = [g for g, p in zip(graph_steps[1:], props, strict=True) if p > 0]
     verify = [s - p for s, p in zip(steps, props, strict=True) if p > 0]
+    # all draft work of a step: its propose and its on_accepted (collecting the verified rows)
+    draft = [p + c for p, c in zip(props, collects, strict=True) if p > 0]
+    verify_net = [s - p - c for s, p, c in zip(steps, props, collects, strict=True) if p > 0]
+    coll = [c for p, c in zip(props, collects, strict=True) if p > 0]
+    decode_s = sum(steps) / 1e3  # the decode / verify steps after the prefill: output_len - 1 tokens
+    spec_steps = [s for s, p in zip(steps, props, strict=True) if p > 0]  # whole steps with a propose
     props = [p for p in props if p > 0]
     res = {
         "layout": layout, "topk": topk, "num_steps": num_steps,
@@ -229,10 +272,19 @@ def report(args, layout, topk, num_steps, num_draft_tokens, draft_graphs, runner
         "target_graph_records": list(runner.graph_runner.recording) if runner.graph_runner is not None else None,
     }
     dg = getattr(sched.drafter, "graphs", None)
+    head = getattr(sched.drafter, "head", None)
+    res["draft_gemv_weights"] = sum(t is not None for m in (head, *head.layers) for t in m.tiles.values()) if head else 0
     res["draft_graph_replays"] = dg.replays if dg is not None else 0
     res["draft_graphs"] = sorted(str(k) for k in [*dg.chains, *dg.pendings, *dg.trees]) if dg is not None else []
     res["propose_over_verify"] = res["propose_ms"] / res["verify_step_ms"]
-    res["target_met"] = res["propose_over_verify"] <= 0.25
+    res["collect_ms"] = statistics.median(coll)  # the drafter's on_accepted (synchronized: adds its syncs)
+    res["draft_ms"] = statistics.median(draft)
+    res["verify_net_ms"] = statistics.median(verify_net)  # the step less all draft work
+    res["draft_over_verify"] = res["draft_ms"] / res["verify_net_ms"]
+    res["step_ms"] = statistics.median(spec_steps)
+    res["decode_tok_s"] = (args.output_len - 1) / decode_s
+    res["plain_decode_tok_s"] = (args.output_len - 1) / (sum(plain_steps) / 1e3)
+    res["target_met"] = res["draft_over_verify"] <= 0.25
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "spec_eagle.jsonl", "a") as f:

@@ -25,6 +25,8 @@ def drafter_info(config: Config, runner: Any) -> DrafterInfo:
         eos_token_ids=frozenset(getattr(runner, "eos_token_ids", ()) or ()),
         hf_config=getattr(runner, "hf_config", None),
         target_states=getattr(runner, "target_states", None),
+        # a drafter running its own layers may route its one-row matmuls as the target's (EAGLE)
+        extra={"batch1_gemv": config.runtime.batch1_gemv},
     )
 
 

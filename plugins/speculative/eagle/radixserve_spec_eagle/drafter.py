@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from radixserve.interfaces.drafter import DrafterInfo, DraftProposal
 from radixserve.interfaces.target_states import HiddenRows
+from radixserve.layers.gemv_selection import MODES as GEMV_MODES
 from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.scheduler.speculative.draft_state import DraftRequestState, PooledDrafter
 
 from radixserve_spec_eagle.checkpoint import KEY, default_aux_layers, load_checkpoint
-from radixserve_spec_eagle.graphs import ChainInputs, DraftGraphs, PendingInputs, TreeInputs
+from radixserve_spec_eagle.graphs import ChainInputs, DraftGraphs, PendingInputs, TreeInputs, grouped_view
 from radixserve_spec_eagle.head import EagleHead
 from radixserve_spec_eagle.kv_pool import DraftKVPool
 
@@ -44,25 +45,38 @@ def best_nodes(scores: list[float], parents: list[int], limit: int) -> list[int]
     return sorted(kept)
 
 
-def _repeat_heads(x: torch.Tensor, rep: int, dim: int) -> torch.Tensor:
-    """`x.repeat_interleave(rep, dim)` by expand + reshape: never reads a size back to the host,
-    so it may run inside a CUDA graph capture."""
-    if rep == 1:
-        return x
-    shape = list(x.shape)
-    expanded = x.unsqueeze(dim + 1).expand(*shape[: dim + 1], rep, *shape[dim + 1 :])
-    return expanded.reshape(*shape[:dim], shape[dim] * rep, *shape[dim + 1 :])
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention without repeating keys: q [r, H, d], keys / values [T, KV, d]
+    (any strides; or [T, H, d], already repeated per query head), mask [r, T] (True: may attend)
+    -> [r, H * d]. The H / KV query heads sharing
+    a KV head become one block of r * H / KV query rows against that head's keys, so no [T, H, d]
+    copy of the keys is made (those copies were most of the propose's copy kernels). Pure device
+    ops (CUDA graph capture safe)."""
+    r, h, d = q.shape
+    kv = keys.shape[1]
+    if kv == h:  # keys already repeated per query head (a batch-1 graph's static keys)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                                             values.transpose(0, 1).unsqueeze(0), attn_mask=mask)
+        return out[0].transpose(0, 1).reshape(r, h * d)
+    rep = h // kv
+    qg = q.view(r, kv, rep, d).permute(1, 0, 2, 3).reshape(1, kv, r * rep, d)
+    m = mask[:, None, :].expand(r, rep, mask.shape[1]).reshape(r * rep, mask.shape[1])
+    out = F.scaled_dot_product_attention(qg, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
+                                         attn_mask=m)
+    return out[0].view(kv, r, rep, d).permute(1, 0, 2, 3).reshape(r, h * d)
 
 
 class EagleDrafter(PooledDrafter):
     """Component "eagle" of kind "drafter" (radixserve-spec-eagle). The draft checkpoint is
     `speculative.draft_model_path`, the tree shape `speculative.topk`, `num_steps` and
     `num_draft_tokens`. Option `cuda_graph` (default: on when the device is CUDA): replay the draft
-    steps from CUDA graphs (True on a CPU device runs the same bookkeeping without graphs)."""
+    steps from CUDA graphs (True on a CPU device runs the same bookkeeping without graphs). Option
+    `batch1_gemv` ("auto" / "on" / "off"; default: the target's `runtime.batch1_gemv`): the draft's
+    one-row matmuls on the batch-1 Triton GEMV (see head.py)."""
 
     graph_factory = None  # tests: a stand-in for torch.cuda.CUDAGraph (see DraftGraphs)
 
-    def __init__(self, info: DrafterInfo, cuda_graph: bool | None = None) -> None:
+    def __init__(self, info: DrafterInfo, cuda_graph: bool | None = None, batch1_gemv: str | None = None) -> None:
         super().__init__(info)
         ts = info.target_states
         if ts is None:
@@ -88,6 +102,12 @@ class EagleDrafter(PooledDrafter):
         self.target = ts
         self.head = EagleHead(ckpt, ts.vocab_size).to(device=info.device, dtype=ts.dtype).eval()
         self.head.fuse_projections()
+        mode = batch1_gemv if batch1_gemv is not None else info.extra.get("batch1_gemv", "auto")
+        if mode not in GEMV_MODES:
+            raise ValueError(f"speculative.options.batch1_gemv={mode!r}: expected one of {', '.join(GEMV_MODES)}")
+        n_gemv = self.head.attach_batch1_gemv(mode, info.device)  # before any graph capture
+        if n_gemv:
+            logger.info("EAGLE draft: batch-1 Triton GEMV on %d weights (batch1_gemv=%s)", n_gemv, mode)
         self.pool = DraftKVPool(len(self.head.layers), cfg.num_key_value_heads, cfg.head_dim, ts.dtype, info.device)
         self.topk = max(1, info.topk) if info.supports_tree else 1
         self.num_steps = max(1, info.num_steps)
@@ -97,7 +117,8 @@ class EagleDrafter(PooledDrafter):
             # the captured rotary must not read positions back to the host: size its cache now
             reserve_rotary_caches(self.head, int(getattr(cfg, "max_position_embeddings", 8192)), info.device)
             self.graphs = DraftGraphs(len(self.head.layers), self.pool.shape, cfg.hidden_size, ts.dtype, info.device,
-                                      self._chain_steps, self._pending_rows, self.graph_factory, self._tree_steps)
+                                      self._chain_steps, self._pending_rows, self.graph_factory, self._tree_steps,
+                                      num_heads=cfg.num_attention_heads)
 
     # ---- the Drafter contract (on_accepted, on_finished: PooledDrafter's) ------------------------
     @torch.inference_mode()
@@ -125,11 +146,7 @@ class EagleDrafter(PooledDrafter):
 
     def _attention(self, q, keys, values, mask) -> torch.Tensor:
         """q [r, H, d], keys/values [T, KV, d], mask [r, T] (True: may attend) -> [r, H * d]."""
-        rep = q.shape[1] // keys.shape[1]
-        k = _repeat_heads(keys, rep, 1).transpose(0, 1).unsqueeze(0)
-        v = _repeat_heads(values, rep, 1).transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask)
-        return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+        return grouped_attention(q, keys, values, mask)
 
     def _run_pending(self, st: DraftRequestState) -> None:
         """Run the newly verified rows into the draft's KV (kept) and remember the last one's output."""
@@ -137,7 +154,8 @@ class EagleDrafter(PooledDrafter):
         new = self.pool.alloc(len(st.pending_pos))
         got = None
         if self.graphs is not None:
-            got = self.graphs.pending(self.pool.k, self.pool.v, st.slots, new, st.pending_tok, st.pending_pos, feats)
+            got = self.graphs.pending(self.pool.k, self.pool.v, st.slots, new, st.pending_tok, st.pending_pos, feats,
+                                      owner=st)
         if got is None:
             self._run_pending_eager(st, feats, new)
             return
@@ -155,8 +173,9 @@ class EagleDrafter(PooledDrafter):
         mask = torch.arange(width, device=dev)[None, :] <= at[:, None]
 
         def attend(layer, q, k, v):
-            inp.keys[layer][at] = k
-            inp.values[layer][at] = v
+            kv = k.shape[1]  # (a one-row graph's buffer holds every query head: broadcast per group)
+            grouped_view(inp.keys[layer], kv)[at] = k.unsqueeze(-2)
+            grouped_view(inp.values[layer], kv)[at] = v.unsqueeze(-2)
             return self._attention(q, inp.keys[layer], inp.values[layer], mask)
 
         out = self.head.step(self._embed(inp.ids), inp.pos, inp.feats, attend)
@@ -197,11 +216,14 @@ class EagleDrafter(PooledDrafter):
         request's cached keys padded into one batch, the new rows written after them, tokens kept
         on the device until one host copy at the end."""
         dev, b = self.pool.device, len(sts)
-        root_out = torch.cat([st.root[1] for st in sts])
-        tok = self.head.to_target_ids(torch.stack([st.root[2] for st in sts]).argmax(-1))
+        if b == 1:  # batch 1: the root's tensors as they are (a cat / stack of one would copy them)
+            root_out, root_lp = sts[0].root[1], sts[0].root[2][None]
+        else:
+            root_out, root_lp = torch.cat([st.root[1] for st in sts]), torch.stack([st.root[2] for st in sts])
+        tok = self.head.to_target_ids(root_lp.argmax(-1))
         if self.graphs is not None and steps > 1:
             got = self.graphs.chain(self.pool.k, self.pool.v, [st.slots for st in sts], [st.root[0] for st in sts],
-                                    root_out, tok, steps)
+                                    root_out, tok, steps, owners=sts)
             if got is not None:
                 return got.tolist()
         lens = torch.tensor([len(st.slots) for st in sts], dtype=torch.int64, device=dev)
@@ -230,8 +252,9 @@ class EagleDrafter(PooledDrafter):
             mask = (cols[None, :] <= at[:, None])[:, None, None, :]
 
             def attend(layer, q, kk, vv, at=at, mask=mask):
-                inp.keys[layer][rows, at] = kk
-                inp.values[layer][rows, at] = vv
+                kv = kk.shape[1]  # (a batch-1 graph's buffer holds every query head: broadcast per group)
+                grouped_view(inp.keys[layer], kv)[rows, at] = kk.unsqueeze(-2)
+                grouped_view(inp.values[layer], kv)[rows, at] = vv.unsqueeze(-2)
                 return self._attention_padded(q, inp.keys[layer], inp.values[layer], mask)
 
             out = self.head.step(self._embed(tok), inp.root_pos + depth, out, attend)
@@ -241,12 +264,18 @@ class EagleDrafter(PooledDrafter):
         return torch.stack(drafted, dim=1)
 
     def _attention_padded(self, q, keys, values, mask) -> torch.Tensor:
-        """One query row per request: q [b, H, d], keys/values [b, T, KV, d], mask [b, 1, 1, T]."""
-        rep = q.shape[1] // keys.shape[2]
-        k = _repeat_heads(keys, rep, 2).transpose(1, 2)
-        v = _repeat_heads(values, rep, 2).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask)
-        return out.reshape(q.shape[0], -1)
+        """One query row per request: q [b, H, d], keys/values [b, T, KV, d] (or [b, T, H, d], already
+        repeated per query head), mask [b, 1, 1, T]. With KV heads each KV head's H / KV query heads
+        are that head's query rows (no repeated keys)."""
+        b, h, d = q.shape
+        kv = keys.shape[2]
+        if kv == h:
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                                                 attn_mask=mask)
+            return out.reshape(b, h * d)
+        out = F.scaled_dot_product_attention(q.view(b, kv, h // kv, d), keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=mask)
+        return out.reshape(b, h * d)
 
     def _tree(self, st: DraftRequestState, limit: int) -> tuple[list[int], list[int]]:
         """EAGLE-2's dynamic tree (see the module docstring): through the tree graph when there is
@@ -254,7 +283,7 @@ class EagleDrafter(PooledDrafter):
         of cumulative scores, which the device's top-k may order differently)."""
         if self.graphs is not None:
             got = self.graphs.tree(self.pool.k, self.pool.v, st.slots, st.root[0], st.root[1], st.root[2],
-                                   self.topk, self.num_steps)
+                                   self.topk, self.num_steps, owner=st)
             if got is not None:
                 tokens, scores, parents = got
                 keep = best_nodes(scores, parents, limit)

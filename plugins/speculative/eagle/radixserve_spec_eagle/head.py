@@ -2,7 +2,11 @@
 head that turns the draft's output into draft log-probabilities over target token ids.
 
 Attention is delegated to an `attend(layer, q, k, v)` callable so the draft KV lives wherever the
-drafter keeps it (its own pool, see kv_pool.py)."""
+drafter keeps it (its own pool, see kv_pool.py).
+
+One-row matmuls (a batch-1 chain step, a single verified row) run on the target's batch-1 Triton
+GEMV when `attach_batch1_gemv` gave their weight a tile (radixserve.layers.gemv_selection: the same
+per-shape choice as the target's layers), so a chain propose pays no cuBLAS split-K reductions."""
 
 from __future__ import annotations
 
@@ -11,12 +15,30 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from radixserve.layers import triton_gemv
+from radixserve.layers.gemv_selection import batch1_gemv_enabled, gemv_config_for_shape
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.rotary import get_rope
 
 from radixserve_spec_eagle.checkpoint import KEY, EagleCheckpoint
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+_GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def draft_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 tile: triton_gemv.GemvConfig | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; a one-row `x` runs on the Triton GEMV when `tile` is set."""
+    if tile is not None and x.dim() == 2 and x.shape[0] == 1:
+        return triton_gemv.gemv(x, weight, bias, tile)
+    return F.linear(x, weight, bias)
+
+
+def gemv_tile(weight: torch.Tensor | None, enabled: bool) -> triton_gemv.GemvConfig | None:
+    """The batch-1 GEMV tile of a draft weight (the target's per-shape choice), or None (cuBLAS)."""
+    if not enabled or weight is None or weight.dim() != 2 or weight.dtype not in _GEMV_DTYPES or weight.stride(1) != 1:
+        return None
+    return gemv_config_for_shape(*weight.shape)
 
 
 class DraftLayer(nn.Module):
@@ -44,6 +66,7 @@ class DraftLayer(nn.Module):
         # set by fuse_projections(); None: the separate projections run
         for name in ("qkv_weight", "qkv_bias", "gate_up_weight"):
             self.register_buffer(name, None, persistent=False)
+        self.tiles: dict[str, triton_gemv.GemvConfig | None] = {}  # set by EagleHead.attach_batch1_gemv
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, embeds: torch.Tensor | None, attend: Attend):
         """x: the incoming stream [n, H]; returns the outgoing stream (attention and MLP added)."""
@@ -54,7 +77,8 @@ class DraftLayer(nn.Module):
             h = self.input_layernorm(x) if self.input_layernorm is not None else x
         n = h.shape[0]
         if self.qkv_weight is not None:  # one matmul over the shared (2H-wide for EAGLE-3) input
-            q, k, v = F.linear(h, self.qkv_weight, self.qkv_bias).split(self._qkv_split, dim=-1)
+            qkv = draft_linear(h, self.qkv_weight, self.qkv_bias, self.tiles.get("qkv"))
+            q, k, v = qkv.split(self._qkv_split, dim=-1)
             q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
             v = v.contiguous()
         else:
@@ -64,10 +88,11 @@ class DraftLayer(nn.Module):
             self.index, q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
             v.view(n, self.num_kv_heads, self.head_dim),
         )
-        h, residual = self.post_attention_layernorm(self.o_proj(out.reshape(n, -1)), residual)
+        o = draft_linear(out.reshape(n, -1), self.o_proj.weight, None, self.tiles.get("o"))
+        h, residual = self.post_attention_layernorm(o, residual)
         if self.gate_up_weight is not None:
-            gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up) + residual
+            gate, up = draft_linear(h, self.gate_up_weight, None, self.tiles.get("gate_up")).chunk(2, dim=-1)
+            return draft_linear(F.silu(gate) * up, self.down_proj.weight, None, self.tiles.get("down")) + residual
         return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)) + residual
 
     def fuse_projections(self) -> None:
@@ -91,6 +116,14 @@ class DraftLayer(nn.Module):
                 self.q_proj.bias.data, self.k_proj.bias.data, self.v_proj.bias.data = bias[:a], bias[a:a + b], bias[a + b:]
             i = self.gate_proj.out_features
             self.gate_proj.weight.data, self.up_proj.weight.data = gate_up[:i], gate_up[i:]
+
+    def attach_batch1_gemv(self, enabled: bool) -> int:
+        """Pick the GEMV tiles of this layer's o / down and (when fused) qkv / gate_up weights;
+        returns how many got one."""
+        self.tiles = {"qkv": gemv_tile(self.qkv_weight, enabled), "o": gemv_tile(self.o_proj.weight, enabled),
+                      "gate_up": gemv_tile(self.gate_up_weight, enabled),
+                      "down": gemv_tile(self.down_proj.weight, enabled)}
+        return sum(t is not None for t in self.tiles.values())
 
 
 class EagleHead(nn.Module):
@@ -117,6 +150,7 @@ class EagleHead(nn.Module):
         self.embed_tokens = nn.Embedding(*t["embed_tokens.weight"].shape) if "embed_tokens.weight" in t else None
         # draft id -> target id (EAGLE-3 reduced vocabularies); None: the draft's ids are target ids
         self.register_buffer("draft_to_target", None)
+        self.tiles: dict[str, triton_gemv.GemvConfig | None] = {}  # set by attach_batch1_gemv
         if eagle3 and "d2t" in t:
             d2t = t["d2t"].to(torch.int64)
             self.draft_to_target = d2t + torch.arange(d2t.shape[0])
@@ -149,18 +183,30 @@ class EagleHead(nn.Module):
         for layer in self.layers:
             layer.fuse_projections()
 
+    def attach_batch1_gemv(self, mode: str, device: torch.device) -> int:
+        """Route the one-row matmuls of fc, every layer's projections and the draft LM head
+        through the batch-1 Triton GEMV where `runtime.batch1_gemv = mode` would route the
+        target's (radixserve.layers.gemv_selection); returns how many weights got a tile. Call
+        after the final `.to(...)` and `fuse_projections()`, before capturing CUDA graphs. Raises
+        ValueError for an unknown mode."""
+        enabled = batch1_gemv_enabled(mode, torch.device(device))
+        self.tiles = {"fc": gemv_tile(self.fc.weight, enabled),
+                      "lm_head": gemv_tile(self.lm_head.weight if self.lm_head is not None else None, enabled)}
+        return sum(t is not None for t in self.tiles.values()) + sum(
+            layer.attach_batch1_gemv(enabled) for layer in self.layers)
+
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """EAGLE-3: the three target layers [n, 3H'] -> the draft's hidden size; a draft output (H
         wide already) passes unchanged."""
         if self.version == 3 and features.shape[-1] != self.hidden_size:
-            return self.fc(features)
+            return draft_linear(features, self.fc.weight, self.fc.bias, self.tiles.get("fc"))
         return features
 
     def step(self, embeds: torch.Tensor, positions: torch.Tensor, features: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Rows of (token embedding, feature) at `positions` -> the draft's output stream [n, H], which
         is both the next step's feature and what `log_probs` reads."""
         if self.version == 2:
-            x = self.fc(torch.cat([embeds, features], dim=-1))
+            x = draft_linear(torch.cat([embeds, features], dim=-1), self.fc.weight, self.fc.bias, self.tiles.get("fc"))
             for layer in self.layers:
                 x = layer(positions, x, None, attend)
             return x
@@ -177,7 +223,9 @@ class EagleHead(nn.Module):
         if self.version == 2:
             return target_logits(out)
         h = self.norm(out)
-        return self.lm_head(h) if self.lm_head is not None else target_logits(h)
+        if self.lm_head is not None:
+            return draft_linear(h, self.lm_head.weight, None, self.tiles.get("lm_head"))
+        return target_logits(h)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]

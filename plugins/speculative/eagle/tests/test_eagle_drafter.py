@@ -6,6 +6,7 @@ target being accepted (the hidden-state and draft-KV plumbing lines up)."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -27,6 +28,8 @@ from radixserve_spec_eagle.checkpoint import default_aux_layers, load_checkpoint
 from radixserve_spec_eagle.drafter import EagleDrafter, best_nodes
 
 VOCAB = 512
+if not torch.cuda.is_available():  # as tests/conftest.py: the draft's GEMV in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (set before a fixture first imports triton)
 
 
 def _runner(path: str) -> ModelRunner:
@@ -189,6 +192,47 @@ def test_fused_projections_match_separate(target, drafts):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     d = EagleDrafter(drafter_info(_config(drafts["eagle3"]), runner))
     assert d.head.layers[0].qkv_weight is not None  # the drafter runs the fused form
+
+
+def test_one_row_draft_matmuls_take_the_batch1_gemv(target, drafts, monkeypatch):
+    """With GEMV tiles (forced here: the Triton kernel interpreted) a one-row EAGLE-3 step runs
+    all six matmuls (fc, qkv, o, gate_up, down, draft LM head) on the GEMV and matches the plain
+    path; on a CPU device nothing is routed; the Llama-3.1-8B head's six weight shapes all get the
+    tile the target's layers of that shape would (the H200 choice)."""
+    from radixserve.layers import triton_gemv
+    from radixserve.layers.gemv_selection import gemv_config_for_shape
+    from radixserve_spec_eagle.drafter import grouped_attention
+    from radixserve_spec_eagle.head import EagleHead, gemv_tile
+
+    cpu = torch.device("cpu")
+    head = EagleHead(load_checkpoint(drafts["eagle3"]), target_config(target[0])["vocab_size"]).eval()
+    head.fuse_projections()
+    assert head.attach_batch1_gemv("auto", cpu) == 0 and head.attach_batch1_gemv("on", cpu) == 0
+    with pytest.raises(ValueError, match="'fast'"):
+        head.attach_batch1_gemv("fast", cpu)
+    with pytest.raises(ValueError, match="speculative.options.batch1_gemv='fast'"):
+        EagleDrafter(drafter_info(_config(drafts["eagle3"]), target[1]), batch1_gemv="fast")
+    g = torch.Generator().manual_seed(0)
+    feats, embeds = torch.randn(1, head.fc.in_features, generator=g), torch.randn(1, head.hidden_size, generator=g)
+
+    def attend(layer, q, k, v):
+        return grouped_attention(q, k, v, torch.ones(1, 1, dtype=torch.bool))
+
+    with torch.no_grad():
+        ref = head.logits(head.step(embeds, torch.tensor([3]), feats, attend), None)
+        calls = []
+        real = triton_gemv.gemv
+        monkeypatch.setattr(triton_gemv, "gemv", lambda x, w, b, c: calls.append(tuple(w.shape)) or real(x, w, b, c))
+        tile = triton_gemv.GemvConfig(64, 64, 1, 1)  # few programs: a quick interpreter
+        head.tiles = dict.fromkeys(("fc", "lm_head"), tile)
+        head.layers[0].tiles = dict.fromkeys(("qkv", "o", "gate_up", "down"), tile)
+        got = head.logits(head.step(embeds, torch.tensor([3]), feats, attend), None)
+    assert len(calls) == 6
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    for n, k in ((4096, 12288), (6144, 8192), (4096, 4096), (28672, 4096), (4096, 14336), (32000, 4096)):
+        w = torch.empty(n, k, dtype=torch.bfloat16, device="meta")
+        assert gemv_tile(w, True) is not None and gemv_tile(w, True) == gemv_config_for_shape(n, k)
+        assert gemv_tile(w, False) is None
 
 
 def test_best_nodes_keeps_parents():

@@ -78,6 +78,10 @@ def _config(draft: str, topk: int) -> Config:
     })
 
 
+def _requests(ps):  # the first request outlives the others: its last steps draft alone (batch-1 chain graphs)
+    return [_greedy(f"r{i}", p, 10 if i else 13) for i, p in enumerate(ps)]
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     path = tiny_checkpoint("llama", str(tmp_path_factory.mktemp("target")), seed=3, num_hidden_layers=3)
@@ -85,7 +89,7 @@ def setup(tmp_path_factory):
     drafts = {"eagle2": write_eagle2(tmp_path_factory.mktemp("e2"), cfg, seed=1),
               "eagle3": write_eagle3(tmp_path_factory.mktemp("e3"), cfg, seed=2)}
     ps = shared_prefix_prompts(3, VOCAB, seed=5)
-    plain = _run(speculative_scheduler(_runner(path, None), None, None), [_greedy(f"r{i}", p, 10) for i, p in enumerate(ps)])
+    plain = _run(speculative_scheduler(_runner(path, None), None, None), _requests(ps))
     return path, drafts, ps, plain
 
 
@@ -111,7 +115,7 @@ def test_graph_path_drafts_as_the_eager_path(setup, draft, topk):
                 return inner(fb)
 
             gr.run = run
-        out = _run(sched, [_greedy(f"r{i}", p, 10) for i, p in enumerate(ps)])
+        out = _run(sched, _requests(ps))
         assert out == plain, name
         d = sched.drafter
         results[name] = [p.tokens for _, _, p in d.proposals]
@@ -120,6 +124,9 @@ def test_graph_path_drafts_as_the_eager_path(setup, draft, topk):
             assert bool(d.graphs.chains) == (topk == 1) and bool(d.graphs.trees) == (topk > 1)
             if topk == 1:
                 assert any(k[0] == 4 for k in d.graphs.chains), "3 requests were not padded to the bucket of 4"
+                alone = [inp for k, (_, inp) in d.graphs.chains.items() if k[0] == 1]
+                heads = d.head.layers[0].num_heads
+                assert alone and all(inp.keys[0].shape[2] == heads for inp in alone), "batch 1: keys per query head"
                 # chain verifies (1 + 3 drafts per request) replayed the recording decode graphs
                 assert max(verify_rows) > len(ps)
             else:
@@ -167,6 +174,9 @@ def test_graph_pending_rows_match_eager(setup):
             torch.testing.assert_close(g.pool.k[layer][sg.slots], e.pool.k[layer][se.slots], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(g.pool.v[layer][sg.slots], e.pool.v[layer][se.slots], rtol=1e-5, atol=1e-5)
     assert sorted(g.graphs.pendings) == [(1, 256, feat_w), (4, 256, feat_w)]
+    heads = g.head.layers[0].num_heads  # the one-row graph keeps its keys per query head
+    assert [inp.keys[0].shape[1] for _, inp in (g.graphs.pendings[k] for k in sorted(g.graphs.pendings))] == [
+        heads, g.pool.shape[0]]
 
 
 def test_graph_cache_drops_the_least_recently_used(monkeypatch):
@@ -185,13 +195,82 @@ def test_graph_cache_drops_the_least_recently_used(monkeypatch):
     assert list(dg.chains) == [(1,), (4,)] and list(dg.pendings) == [(9,)]
 
 
-def test_repeat_heads_is_repeat_interleave():
-    from radixserve_spec_eagle.drafter import _repeat_heads
+def test_grouped_attention_is_attention_over_repeated_keys():
+    """The draft's GQA without repeated keys (query heads grouped per KV head) equals attention
+    over keys repeated to every query head: the tree / pending form (rows with their own masks)
+    and the chain's one row per request."""
+    import torch.nn.functional as F
+    from radixserve_spec_eagle.drafter import grouped_attention
 
-    x = torch.randn(3, 2, 5, 4)
-    for dim in (1, 2):
-        for rep in (1, 3):
-            assert torch.equal(_repeat_heads(x, rep, dim), x.repeat_interleave(rep, dim=dim))
+    g = torch.Generator().manual_seed(0)
+    r, h, kv, d, t = 3, 6, 2, 4, 7
+    q, keys, values = torch.randn(r, h, d, generator=g), torch.randn(t, kv, d, generator=g), torch.randn(t, kv, d, generator=g)
+    mask = torch.rand(r, t, generator=g) > 0.4
+    mask[:, 0] = True
+    rep = lambda x, dim: x.repeat_interleave(h // kv, dim)  # noqa: E731
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), rep(keys, 1).transpose(0, 1), rep(values, 1).transpose(0, 1),
+                                         attn_mask=mask).transpose(0, 1).reshape(r, -1)
+    torch.testing.assert_close(grouped_attention(q, keys, values, mask), ref)
+    torch.testing.assert_close(grouped_attention(q, rep(keys, 1), rep(values, 1), mask), ref)  # keys per query head
+    qb, kb, vb = torch.randn(2, h, d, generator=g), torch.randn(2, t, kv, d, generator=g), torch.randn(2, t, kv, d, generator=g)
+    mb = (torch.arange(t)[None, :] <= torch.tensor([2, 5])[:, None])[:, None, None, :]
+    ref = F.scaled_dot_product_attention(qb.unsqueeze(2), rep(kb, 2).transpose(1, 2), rep(vb, 2).transpose(1, 2),
+                                         attn_mask=mb).reshape(2, -1)
+    torch.testing.assert_close(EagleDrafter._attention_padded(None, qb, kb, vb, mb), ref)
+    # keys already repeated per query head (batch-1 chain graphs)
+    torch.testing.assert_close(EagleDrafter._attention_padded(None, qb, rep(kb, 2), rep(vb, 2), mb), ref)
+    buf = torch.zeros(2, t, h, d)
+    graphs.grouped_view(buf, kv)[:] = kb.unsqueeze(-2)  # KV rows stored per query head
+    assert torch.equal(buf, rep(kb, 2)) and torch.equal(graphs.per_kv_head(buf, kv), kb)
+
+
+def test_static_keys_copy_only_a_requests_new_rows():
+    """A request drafting again copies only its new rows into a graph's static keys; another
+    request (or no owner) on the same buffer row reloads all of them, and a padded row (where
+    the chain writes scratch rows) is reloaded when a request comes back to it."""
+    class Owner:  # stands for a request's draft state
+        pass
+
+    pool_k = [torch.arange(16 * 2, dtype=torch.float32).view(16, 1, 2)]
+    pool_v = [-pool_k[0]]
+    dg = graphs.DraftGraphs(1, (1, 2), 4, torch.float32, torch.device("cpu"),
+                            lambda inp, steps: torch.zeros(inp.lens.shape[0], steps, dtype=torch.int64), None, EagerGraph)
+    a, b = Owner(), Owner()
+
+    def chain(slots, owners):
+        n = len(slots)
+        dg.chain(pool_k, pool_v, [torch.tensor(s) for s in slots], [0] * n, torch.zeros(n, 4),
+                 torch.zeros(n, dtype=torch.int64), 2, owners)
+        return dg.chains[graphs.chain_key([len(s) for s in slots], 2)][1]
+
+    inp = chain([[0, 1, 2]], [a])
+    assert torch.equal(inp.keys[0][0, :3], pool_k[0][:3]) and torch.equal(inp.values[0][0, :3], pool_v[0][:3])
+    before = inp.keys[0][0, :3].clone()
+    pool_k[0] += 100  # (a live request's rows never change: this shows which rows were copied)
+    inp = chain([[0, 1, 2, 5]], [a])
+    assert torch.equal(inp.keys[0][0, :3], before) and torch.equal(inp.keys[0][0, 3], pool_k[0][5])
+    inp = chain([[0, 1, 2, 5]], [b])
+    assert torch.equal(inp.keys[0][0, :4], pool_k[0][[0, 1, 2, 5]])
+    pool_k[0] += 100
+    inp = chain([[0, 1, 2, 5]], None)
+    assert torch.equal(inp.keys[0][0, :4], pool_k[0][[0, 1, 2, 5]])
+    c, e = Owner(), Owner()
+    inp = chain([[0, 1], [3, 4], [6, 7], [8, 9]], [a, b, c, e])  # bucket 4
+    inp = chain([[0, 1], [3, 4], [6, 7]], [a, b, c])  # bucket 4 again: row 3 padded
+    assert inp.loaded[3] is None
+    inp.keys[0][3, :2] = -1  # the chain's scratch rows of a padded request
+    inp = chain([[0, 1], [3, 4], [6, 7], [8, 9]], [a, b, c, e])
+    assert torch.equal(inp.keys[0][3, :2], pool_k[0][[8, 9]])
+    # batch-1 chain graphs store the rows repeated to every query head (2 here), filled the same way
+    dg.num_heads = 2
+    dg.chains.clear()
+    inp = chain([[0, 1, 2]], [a])
+    assert inp.keys[0].shape == (1, 256, 2, 2)
+    assert torch.equal(inp.keys[0][0, :3], pool_k[0][:3].repeat_interleave(2, 1))
+    pool_k[0] += 100
+    inp = chain([[0, 1, 2, 5]], [a])
+    assert torch.equal(inp.keys[0][0, 3], pool_k[0][5].repeat_interleave(2, 0))
+    assert torch.equal(inp.values[0][0, :4], pool_v[0][[0, 1, 2, 5]].repeat_interleave(2, 1))
 
 
 def test_a_failed_capture_falls_back_to_eager():
