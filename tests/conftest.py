@@ -79,3 +79,25 @@ def smollm2_gguf_path() -> str:
     assert os.path.isfile(path), path
     return path
 
+
+@pytest.fixture(scope="session")
+def shared_smollm2_server(tmp_path_factory):
+    """One `radixserve serve` on the default model (SmolLM2) for the modules that only send it
+    requests (structured output, tool calling): each start costs 12-17 s on CI. Settings:
+    scheduler.cpu_kv_cache_gb=1.0 and server.generic_tool_prompt=true (it only changes requests
+    that carry tools). Its own session, so teardown ends it with every process it started. A test
+    that stops, kills or reconfigures its server starts its own instead. `.model`: the served id."""
+    import signal
+
+    import httpx
+    from server_process import ServerProcess
+
+    srv = ServerProcess(["scheduler.cpu_kv_cache_gb=1.0", "server.generic_tool_prompt=true"],
+                        tmp_path_factory.mktemp("shared-serve") / "server.log", 300, new_session=True)
+    srv.model = httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    yield srv
+    srv.stop()
+    try:  # whatever is left of the group the server started
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

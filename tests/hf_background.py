@@ -39,22 +39,38 @@ class BackgroundReference:
         self._log.close()
 
 
+def _memoize_gguf_parsing() -> None:
+    """Speed only, same weights: transformers parses the file twice (config, then tensors) and
+    rebuilds gguf's tensor-name table once per submodule (~400 times); both are pure functions of
+    their arguments, so keep the first result (half of the load time)."""
+    import functools
+
+    import gguf
+
+    gguf.get_tensor_name_map = functools.cache(gguf.get_tensor_name_map)
+    open_reader = gguf.GGUFReader
+    gguf.GGUFReader = functools.cache(lambda path, mode="r": open_reader(path, mode))
+
+
 def _main(gguf_path: str, questions_json: str, new_tokens: str, out_json: str) -> None:
     import torch
-    from hf_reference import hf_greedy
+    from hf_reference import hf_greedy_batch
     from radixserve.tokenizer import apply_chat_template, load_tokenizer
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)  # the test process uses the other core
+    _memoize_gguf_parsing()
     # the prompts as the test renders them (its tokenizer test compares them with transformers')
     tok = load_tokenizer(gguf_path)
     d, f = os.path.split(gguf_path)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-    results = []
-    for q in json.loads(Path(questions_json).read_text()):
-        prompt = apply_chat_template(tok, [{"role": "user", "content": q}])
-        tokens, logits = hf_greedy(model, prompt, int(new_tokens))
-        results.append({"prompt": prompt, "tokens": tokens, "top5": [row.topk(5).indices.tolist() for row in logits]})
+    prompts = [apply_chat_template(tok, [{"role": "user", "content": q}]) for q in json.loads(Path(questions_json).read_text())]
+    # all prompts in one left-padded batch: a fifth of the time of one at a time, same greedy tokens
+    # (logits within 1e-4 of the unpadded ones on these prompts)
+    results = [
+        {"prompt": prompt, "tokens": tokens, "top5": [row.topk(5).indices.tolist() for row in logits]}
+        for prompt, (tokens, logits) in zip(prompts, hf_greedy_batch(model, prompts, int(new_tokens)), strict=True)
+    ]
     Path(out_json).write_text(json.dumps(results))
 
 

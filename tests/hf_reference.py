@@ -21,6 +21,31 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int],
     return tokens, logits
 
 
+@torch.inference_mode()
+def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int = 0) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """`hf_greedy` for several prompts decoded together (left-padded, masked, positions from the
+    mask): one forward per step for all of them instead of one per prompt and step."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    results: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in prompts]
+    for step in range(max_new_tokens):
+        rows = out.logits[:, -1].float()
+        toks = rows.argmax(-1)
+        for r, (tokens, logits) in enumerate(results):
+            tokens.append(int(toks[r]))
+            logits.append(rows[r])
+        if step + 1 == max_new_tokens:
+            break
+        mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=-1)
+        positions = positions[:, -1:] + 1
+        out = model(input_ids=toks[:, None], attention_mask=mask, position_ids=positions,
+                    past_key_values=out.past_key_values, use_cache=True)
+    return results
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         if x != y:

