@@ -101,6 +101,9 @@ class RuntimeSection(_Section):
     # batch-1 projections of plain-weight layers on the Triton GEMV (layers/gemv_selection.py): auto
     # (CUDA GPUs where it was measured faster than cuBLAS: sm90), on (any CUDA GPU), off
     batch1_gemv: Literal["auto", "on", "off"] = "auto"
+    # where batch1_gemv routes the projection after an RMSNorm (qkv, gate_up), run the norm (and the
+    # residual add) inside that GEMV: one launch instead of two (layers/norm_gemv.py)
+    batch1_gemv_fuse_norm: bool = True
     seed: int = 0
     num_threads: int | None = Field(default=None, ge=1)  # CPU torch threads; None: all cores
     # data parallelism: this many full engine replicas behind a router (the `router` section)

@@ -14,9 +14,11 @@ import torch
 import torch.nn as nn
 
 from radixserve.interfaces.quantization import QuantMethod
+from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.attention import QKNorm, RadixAttention
 from radixserve.layers.distributed import TPGroup
 from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from radixserve.layers.norm_gemv import norm_linear, norm_linear_fusable
 from radixserve.layers.rotary import get_rope
 from radixserve.state import ForwardBatch
 
@@ -80,7 +82,11 @@ class DecoderAttention(nn.Module):
                                    sliding_window=sliding_window, logit_cap=logit_cap)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.forward_qkv(positions, self.qkv_proj(h), batch)
+
+    def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """`forward` from the output of `qkv_proj` (a caller that fused the norm into it)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # q/k norms over each head, rotary, then attention; a backend may fuse the norms and the
         # rotation into its KV store (decode)
         return self.o_proj(self.attn.forward_rotary(positions, q, k, v, self.rotary_emb, batch, self._qk_norm))
@@ -105,6 +111,13 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
+
+    def forward_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`forward` from the output of `gate_up_proj` (a caller that fused the norm into it)."""
+        return self.down_proj(_SILU_AND_MUL(gate_up))
+
+
+_SILU_AND_MUL = SiluAndMul()
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -132,11 +145,25 @@ class PreNormDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = h
-            h = self.input_layernorm(h)
+        attn, mlp = self.self_attn, getattr(self, self.mlp_name)
+        # batch-1 GEMV tiles with runtime.batch1_gemv_fuse_norm: each norm runs inside the projection after it
+        if _plain(attn, DecoderAttention) and norm_linear_fusable(self.input_layernorm, attn.qkv_proj, h):
+            qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, h, residual)
+            h = attn.forward_qkv(positions, qkv, batch)
         else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(positions, h, batch)
+            if residual is None:
+                residual = h
+                h = self.input_layernorm(h)
+            else:
+                h, residual = self.input_layernorm(h, residual)
+            h = attn(positions, h, batch)
+        if _plain(mlp, SwiGLUMLP) and norm_linear_fusable(self.post_attention_layernorm, mlp.gate_up_proj, h):
+            gate_up, residual = norm_linear(self.post_attention_layernorm, mlp.gate_up_proj, h, residual)
+            return mlp.forward_gate_up(gate_up), residual
         h, residual = self.post_attention_layernorm(h, residual)
-        return getattr(self, self.mlp_name)(h), residual
+        return mlp(h), residual
+
+
+def _plain(module: nn.Module, cls: type) -> bool:
+    """`module` is a `cls` whose `forward` is cls's own (a subclass overriding it computes something else)."""
+    return isinstance(module, cls) and type(module).forward is cls.forward

@@ -74,13 +74,16 @@ def batch1_gemv_enabled(mode: str, device: torch.device) -> bool:
     return mode == "on" or torch.cuda.get_device_capability(device) in MEASURED_CAPABILITIES
 
 
-def attach_batch1_gemv(model: nn.Module, mode: str, device: torch.device, pdl: bool = False) -> int:
+def attach_batch1_gemv(model: nn.Module, mode: str, device: torch.device, pdl: bool = False,
+                       fuse_norm: bool = False) -> int:
     """Set `gemv_config` on every plain-weight linear layer of `model` (those whose quant method is
     `UnquantizedMethod` or a subclass keeping its `apply`, with a 2-D bf16/fp16 weight of unit stride
     on K): the chosen tile, or None.
     Returns how many layers got a tile. Call it after the weights are loaded, before CUDA graphs
     are captured. `pdl`: tiles with programmatic dependent launch on sm90+ GPUs (`GemvConfig.pdl`;
-    not a default until measured: benchmarks/h200/profile_decode.py's `+pdl` variant)."""
+    not a default until measured: benchmarks/h200/profile_decode.py's `+pdl` variant). `fuse_norm`
+    (`runtime.batch1_gemv_fuse_norm`): sets `gemv_fuse_norm` on the layers given a tile, so that a
+    decoder layer runs the RMSNorm before them inside their GEMV (radixserve.layers.norm_gemv)."""
     from radixserve.layers.quant_unquantized import UnquantizedMethod
 
     enabled = batch1_gemv_enabled(mode, device)
@@ -97,5 +100,6 @@ def attach_batch1_gemv(model: nn.Module, mode: str, device: torch.device, pdl: b
         layer.gemv_config = gemv_config_for_shape(*w.shape) if ok else None
         if pdl and layer.gemv_config is not None:
             layer.gemv_config = dataclasses.replace(layer.gemv_config, pdl=True)
+        layer.gemv_fuse_norm = fuse_norm and layer.gemv_config is not None
         routed += layer.gemv_config is not None
     return routed
