@@ -131,6 +131,11 @@ class PreNormDecoderLayer(nn.Module):
     :param input_layernorm: / `post_attention_layernorm`: norms taking `(x)` and `(x, residual)`
         as `radixserve.layers.norm.RMSNorm` does.
 
+    One-row inputs whose next projection has a batch-1 GEMV tile (`runtime.batch1_gemv`, with
+    `runtime.batch1_gemv_fuse_norm`) run a plain `RMSNorm` inside that GEMV instead
+    (radixserve.layers.norm_gemv): `DecoderAttention.forward_qkv` / `SwiGLUMLP.forward_gate_up`
+    then take the projection's output; other attention / MLP modules always get the two calls.
+
     Added in plugin API 1.4.
     """
 
