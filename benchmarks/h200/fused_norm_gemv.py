@@ -10,6 +10,7 @@ Parts (each prints progress lines; results in $OUT/fused_norm_gemv.json):
   GEMV (today's path, auto's tile) vs the fused kernel with auto's tile and a few alternates; and
   closeness: fused vs the two-kernel output (bit-equal fraction, relative error) and vs an fp32
   reference, the residual stream bit-equal.
+  Then the down projection: silu_and_mul + GEMV against the gated GEMV over a few tiles (~15 s).
 - engine: Engine batch-1 decode (1024 in / 512 out, dummy weights, triton attention, CUDA graphs)
   with runtime.batch1_gemv_fuse_norm=false then true (benchmarks/offline_throughput.py as in
   s6_gemv2.sh); needs the tokenizer in .gpu2/tok-smollm2 (carry .gpu2).
@@ -142,6 +143,36 @@ def shapes_part() -> dict:
     return rows
 
 
+def gated_down_part() -> dict:
+    """The 8B down projection (4096 x 14336) after silu_and_mul: two launches (auto's tile) against the
+    gated GEMV (silu_and_mul in its prologue) over a few tiles. Session 6 measured the gated GEMV on
+    auto's 16x1024 / 8-warp tile slower (37.4 vs 30.8 us); offline ptxas for sm90 gives that tile 161
+    registers gated vs 128 plain (1 program of 8 warps per SM instead of 2), the smaller tiles here
+    79-93."""
+    from radixserve.layers import triton_ops
+    from radixserve.layers.gemv_selection import gemv_config_for_shape
+    from radixserve.layers.triton_gemv import GemvConfig, gemv
+
+    n, k = 4096, 14336
+    tile = gemv_config_for_shape(n, k)
+    copies = max(2, -(-256 * 2**20 // (n * k * 2)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
+    gu = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
+    row = {"tile": tile.__dict__, "silu_and_mul_then_gemv_us": round(
+        time_graph(lambda w: gemv(triton_ops.silu_and_mul(gu), w, config=tile), weights), 2), "gated_us": {}}
+    log(f"down: silu_and_mul + GEMV {tile.__dict__}: {row['silu_and_mul_then_gemv_us']} us")
+    for cfg in [tile, GemvConfig(16, 512, 8, 2), GemvConfig(8, 1024, 8, 2), GemvConfig(8, 512, 4, 3),
+                GemvConfig(4, 1024, 4, 3)]:
+        same = torch.equal(gemv(gu, weights[0], config=cfg, gated=True),
+                           gemv(triton_ops.silu_and_mul(gu), weights[0], config=cfg))
+        us = round(time_graph(lambda w, c=cfg: gemv(gu, w, config=c, gated=True), weights), 2)
+        row["gated_us"][str(cfg.__dict__)] = {"us": us, "bit_equal_to_two_launches": same}
+        log(f"    gated GEMV {cfg.__dict__}: {us} us (bit-equal to silu_and_mul + same tile: {same})")
+    del weights
+    torch.cuda.empty_cache()
+    return row
+
+
 def engine_part(out: str) -> dict:
     rows = {}
     base = ["runtime.device=cuda", "runtime.dtype=bfloat16", "stack.attention=triton", "runtime.cuda_graph_max_bs=8",
@@ -197,6 +228,7 @@ def main() -> None:
     path = os.path.join(args.out, "fused_norm_gemv.json")
     if "shapes" in parts:
         result["shapes"] = shapes_part()
+        result["gated_down"] = gated_down_part()
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
     if "engine" in parts:
