@@ -134,3 +134,40 @@ def test_attach_marks_routed_layers_for_the_norm_fusion(monkeypatch, fuse_norm):
     assert Config.build({"runtime": {"batch1_gemv_fuse_norm": False}}).runtime.batch1_gemv_fuse_norm is False
     with pytest.raises(ConfigError, match="batch1_gemv_fuse_norm"):
         Config.build({"runtime": {"batch1_gemv_fuse_norm": "sometimes"}})
+
+
+def test_swiglu_mlp_runs_silu_and_mul_in_the_down_gemv_when_given_a_gated_tile(monkeypatch):
+    """runtime.batch1_gemv_fuse_silu: attach gives routed layers a gated tile (big tiles: K step
+    halved); a SwiGLU MLP whose down projection has one runs one row through the gated GEMV, from
+    `forward` and from `forward_gate_up`, with the result of the unfused MLP; several rows keep the
+    usual path."""
+    from radixserve.layers import gemv_selection as sel
+    from radixserve.layers import triton_gemv
+    from radixserve.layers.decoder_blocks import SwiGLUMLP
+
+    assert sel.gated_config_for(GemvConfig(16, 1024, 8, 2)) == GemvConfig(16, 512, 8, 2)
+    assert sel.gated_config_for(GemvConfig(8, 512, 4, 3)) == GemvConfig(8, 512, 4, 3)
+    gated = []
+    real = triton_gemv.gemv
+    monkeypatch.setattr(triton_gemv, "gemv", lambda *a, **kw: gated.append(kw.get("gated")) or real(*a, **kw))
+    torch.manual_seed(0)
+    mlp = SwiGLUMLP(16, 24).to(DEVICE)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x1, x3 = torch.randn(1, 16, device=DEVICE), torch.randn(3, 16, device=DEVICE)
+    want1, want3 = mlp(x1), mlp(x3)
+    want_gu = mlp.forward_gate_up(mlp.gate_up_proj(x1))
+    assert gated == []
+    monkeypatch.setattr(sel, "batch1_gemv_enabled", lambda mode, device: True)
+    monkeypatch.setattr(sel, "gemv_config_for_shape", lambda n, k: TILE)
+    monkeypatch.setattr(sel, "_DTYPES", (torch.float32,))
+    assert sel.attach_batch1_gemv(mlp, "on", torch.device(DEVICE), fuse_silu=True) == 2
+    assert mlp.down_proj.gemv_gated_config == TILE
+    torch.testing.assert_close(mlp(x1), want1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mlp.forward_gate_up(mlp.gate_up_proj(x1)), want_gu, rtol=1e-5, atol=1e-5)
+    assert gated.count(True) == 2
+    n = len(gated)
+    torch.testing.assert_close(mlp(x3), want3, rtol=1e-5, atol=1e-5)
+    assert len(gated) == n  # three rows: cuBLAS / CPU path
+    sel.attach_batch1_gemv(mlp, "on", torch.device(DEVICE), fuse_silu=False)
+    assert mlp.down_proj.gemv_gated_config is None

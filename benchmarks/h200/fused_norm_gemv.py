@@ -12,8 +12,9 @@ Parts (each prints progress lines; results in $OUT/fused_norm_gemv.json):
   reference, the residual stream bit-equal.
   Then the down projection: silu_and_mul + GEMV against the gated GEMV over a few tiles (~15 s).
 - engine: Engine batch-1 decode (1024 in / 512 out, dummy weights, triton attention, CUDA graphs)
-  with runtime.batch1_gemv_fuse_norm=false then true (benchmarks/offline_throughput.py as in
-  s6_gemv2.sh); needs the tokenizer in .gpu2/tok-smollm2 (carry .gpu2).
+  with runtime.batch1_gemv_fuse_norm=false, true, then true with runtime.batch1_gemv_fuse_silu=true
+  (benchmarks/offline_throughput.py as in s6_gemv2.sh); needs the tokenizer in .gpu2/tok-smollm2
+  (carry .gpu2).
 - profile: benchmarks/h200/profile_decode.py --variants rotary+gemv,rotary+gemv+norm (graph replay ms
   per step with the fusion off / on, top kernels; ~2 min, not in the default parts).
 """
@@ -177,16 +178,18 @@ def engine_part(out: str) -> dict:
     rows = {}
     base = ["runtime.device=cuda", "runtime.dtype=bfloat16", "stack.attention=triton", "runtime.cuda_graph_max_bs=8",
             "scheduler.max_running_requests=8"]
-    for fuse in ("false", "true"):
-        log(f"engine batch-1, runtime.batch1_gemv_fuse_norm={fuse}")
-        path = os.path.join(out, f"batch1_engine_fuse_norm_{fuse}.jsonl")
+    variants = {"off": ["runtime.batch1_gemv_fuse_norm=false"], "norm": ["runtime.batch1_gemv_fuse_norm=true"],
+                "norm+silu": ["runtime.batch1_gemv_fuse_norm=true", "runtime.batch1_gemv_fuse_silu=true"]}
+    for fuse, flags in variants.items():
+        log(f"engine batch-1, {' '.join(flags)}")
+        path = os.path.join(out, f"batch1_engine_{fuse}.jsonl")
         cmd = [sys.executable, "benchmarks/offline_throughput.py", "--model", "benchmarks/model-configs/llama-3.1-8b",
                "--load-format", "dummy", "--tokenizer", ".gpu2/tok-smollm2", "--num-prompts", "1", "--input-len", "1024",
-               "--output-len", "512", "--result-file", path, *base, f"runtime.batch1_gemv_fuse_norm={fuse}"]
+               "--output-len", "512", "--result-file", path, *base, *flags]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=85)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=80)
         except subprocess.TimeoutExpired:
-            log("    timed out (85 s)")
+            log("    timed out (80 s)")
             rows[fuse] = {"error": "timeout"}
             continue
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("{")), None)

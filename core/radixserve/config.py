@@ -104,6 +104,9 @@ class RuntimeSection(_Section):
     # where batch1_gemv routes the projection after an RMSNorm (qkv, gate_up), run the norm (and the
     # residual add) inside that GEMV: one launch instead of two (layers/norm_gemv.py)
     batch1_gemv_fuse_norm: bool = True
+    # where batch1_gemv routes a SwiGLU MLP's down projection, compute silu_and_mul in that GEMV's
+    # prologue (one launch instead of two; off until measured faster: benchmarks/h200/fused_norm_gemv.py)
+    batch1_gemv_fuse_silu: bool = False
     seed: int = 0
     num_threads: int | None = Field(default=None, ge=1)  # CPU torch threads; None: all cores
     # data parallelism: this many full engine replicas behind a router (the `router` section)

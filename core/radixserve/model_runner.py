@@ -111,10 +111,10 @@ class ModelRunner:
             tp_group=tp, kv_scales=self._kv_scales,
         )
         n_gemv = attach_batch1_gemv(self.model, rt.batch1_gemv, self.device,  # per-layer choice, before graphs
-                                    fuse_norm=rt.batch1_gemv_fuse_norm)
+                                    fuse_norm=rt.batch1_gemv_fuse_norm, fuse_silu=rt.batch1_gemv_fuse_silu)
         if n_gemv:
-            logger.info("batch-1 Triton GEMV on %d linear layers (runtime.batch1_gemv=%s, fuse_norm=%s)", n_gemv,
-                        rt.batch1_gemv, rt.batch1_gemv_fuse_norm)
+            logger.info("batch-1 Triton GEMV on %d linear layers (runtime.batch1_gemv=%s, fuse_norm=%s, fuse_silu=%s)",
+                        n_gemv, rt.batch1_gemv, rt.batch1_gemv_fuse_norm, rt.batch1_gemv_fuse_silu)
         self.latent_dims = self._latent_dims() if self.attention_type == "latent" else None
         self.vocab_size = int(self.hf_config.vocab_size)
         self.context_len = self._context_len()

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from radixserve.interfaces.quantization import QuantMethod
+from radixserve.layers import triton_gemv
 from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.attention import QKNorm, RadixAttention
 from radixserve.layers.distributed import TPGroup
@@ -110,11 +111,21 @@ class SwiGLUMLP(nn.Module):
                                            tp_group=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gated_down(x):
+            return self.forward_gate_up(self.gate_up_proj(x))
         return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
 
     def forward_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`forward` from the output of `gate_up_proj` (a caller that fused the norm into it)."""
-        return self.down_proj(_SILU_AND_MUL(gate_up))
+        down = self.down_proj
+        if self._gated_down(gate_up):  # runtime.batch1_gemv_fuse_silu: silu_and_mul in the GEMV's prologue
+            y = triton_gemv.gemv(gate_up, down.weight, down.bias if down.tp_rank == 0 else None,
+                                 down.gemv_gated_config, gated=True)
+            return down.tp_group.all_reduce(y) if down.reduce_results else y
+        return down(_SILU_AND_MUL(gate_up))
+
+    def _gated_down(self, x: torch.Tensor) -> bool:
+        return getattr(self.down_proj, "gemv_gated_config", None) is not None and x.dim() == 2 and x.shape[0] == 1
 
 
 _SILU_AND_MUL = SiluAndMul()
