@@ -154,8 +154,8 @@ def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tiny_llama_dir, mo
     """The model runner passes runtime.batch1_gemv down and attaches the tiles after loading: with
     every tiny-model projection routed (the shape rule, dtype and device checks widened to fp32 and
     the CPU interpreter), batch-1 decode runs through the GEMV and generates the same greedy tokens as
-    the same runner with the tiles removed. runtime.batch1_gemv_fuse_norm (default on): the decoder
-    layers run both RMSNorms of each decode step inside the qkv / gate_up GEMV (layers/norm_gemv.py)."""
+    the same runner with the tiles removed. With runtime.batch1_gemv_fuse_norm on, the decoder layers
+    run both RMSNorms of each decode step inside the qkv / gate_up GEMV (layers/norm_gemv.py)."""
     from radixserve.config import Config
     from radixserve.layers import gemv_selection as sel
     from radixserve.layers import norm_gemv, triton_gemv
@@ -170,7 +170,8 @@ def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tiny_llama_dir, mo
     monkeypatch.setattr(triton_gemv, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     fused, real_fused = [], norm_gemv.rmsnorm_gemv
     monkeypatch.setattr(norm_gemv, "rmsnorm_gemv", lambda *a: fused.append(1) or real_fused(*a))
-    cfg = Config.build({"model": {"path": tiny_llama_dir("llama")}, "runtime": {"device": DEVICE, "dtype": "float32", "batch1_gemv": "on", "cuda_graph": False},
+    cfg = Config.build({"model": {"path": tiny_llama_dir("llama")}, "runtime": {"device": DEVICE, "dtype": "float32", "batch1_gemv": "on", "cuda_graph": False,
+                                                                         "batch1_gemv_fuse_norm": True},
                         "stack": {"attention": "torch_native"}})
     runner = ModelRunner(cfg, show_progress=False)
     layers = [m for m in runner.model.modules() if getattr(m, "gemv_config", None) is not None]

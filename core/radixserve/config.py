@@ -102,8 +102,9 @@ class RuntimeSection(_Section):
     # (CUDA GPUs where it was measured faster than cuBLAS: sm90), on (any CUDA GPU), off
     batch1_gemv: Literal["auto", "on", "off"] = "auto"
     # where batch1_gemv routes the projection after an RMSNorm (qkv, gate_up), run the norm (and the
-    # residual add) inside that GEMV: one launch instead of two (layers/norm_gemv.py)
-    batch1_gemv_fuse_norm: bool = True
+    # residual add) inside that GEMV: one launch instead of two (layers/norm_gemv.py); an A/B switch,
+    # off until measured faster in the Engine (session 7's first build: no gain)
+    batch1_gemv_fuse_norm: bool = False
     # where batch1_gemv routes a SwiGLU MLP's down projection, compute silu_and_mul in that GEMV's
     # prologue (one launch instead of two; off until measured faster: benchmarks/h200/fused_norm_gemv.py)
     batch1_gemv_fuse_silu: bool = False

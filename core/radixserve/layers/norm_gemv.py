@@ -13,7 +13,7 @@ accumulates in the same loop as the dot products. Rounding differs from `RMSNorm
 the normalised row is never rounded to bf16 (HF rounds x * rstd, then its product with g), so
 results agree to bf16 precision, not bit for bit (tests/test_norm_gemv.py checks the bound).
 
-`runtime.batch1_gemv_fuse_norm` (default true) switches it; it applies only where
+`runtime.batch1_gemv_fuse_norm` (default false: an A/B switch until it measures faster) switches it; it applies only where
 `runtime.batch1_gemv` gave the following projection a tile (`gemv_config`). Decoder layers call
 `norm_linear_fusable` / `norm_linear` (radixserve.layers.decoder_blocks.PreNormDecoderLayer).
 
