@@ -102,11 +102,12 @@ class RuntimeSection(_Section):
     # (CUDA GPUs where it was measured faster than cuBLAS: sm90), on (any CUDA GPU), off
     batch1_gemv: Literal["auto", "on", "off"] = "auto"
     # where batch1_gemv routes the projection after an RMSNorm (qkv, gate_up), run the norm (and the
-    # residual add) inside that GEMV: one launch instead of two (layers/norm_gemv.py); an A/B switch,
-    # off until measured faster in the Engine (session 7's first build: no gain)
-    batch1_gemv_fuse_norm: bool = False
+    # residual add) inside that GEMV: one launch instead of two (layers/norm_gemv.py; H200 Llama-3.1-8B
+    # batch 1: 233.9 vs 228.3 tok/s, session 7); false for an A/B
+    batch1_gemv_fuse_norm: bool = True
     # where batch1_gemv routes a SwiGLU MLP's down projection, compute silu_and_mul in that GEMV's
-    # prologue (one launch instead of two; off until measured faster: benchmarks/h200/fused_norm_gemv.py)
+    # prologue (one launch instead of two); off: measured slower on the H200 (8B down: best gated tile
+    # 31.5 us vs 30.3 for silu_and_mul + GEMV; Engine 228.5 vs 233.9 tok/s, session 7)
     batch1_gemv_fuse_silu: bool = False
     seed: int = 0
     num_threads: int | None = Field(default=None, ge=1)  # CPU torch threads; None: all cores

@@ -78,7 +78,9 @@ def gated_config_for(tile: GemvConfig) -> GemvConfig:
     """The tile of a gated GEMV (silu_and_mul in the prologue: two activation vectors per K step)
     from the plain one: K steps halved above 8192 weights per step. Offline ptxas for sm90 gives the
     8B down projection's 16x1024 / 8-warp tile 161 registers gated against 128 plain, one program
-    per SM instead of two (session 6 measured it slower: 37.4 vs 30.8 us); 16x512 takes 79."""
+    per SM instead of two (session 6 measured it slower: 37.4 vs 30.8 us); 16x512 takes 79. Still
+    slower on the H200 (session 7: 33.7 us; the best gated tile, 8x512, 31.5 vs 30.3 for two launches),
+    hence runtime.batch1_gemv_fuse_silu stays off."""
     if tile.block_n * tile.block_k > 8192:
         return dataclasses.replace(tile, block_k=tile.block_k // 2)
     return tile

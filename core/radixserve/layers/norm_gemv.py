@@ -13,7 +13,8 @@ accumulates in the same loop as the dot products. Rounding differs from `RMSNorm
 the normalised row is never rounded to bf16 (HF rounds x * rstd, then its product with g), so
 results agree to bf16 precision, not bit for bit (tests/test_norm_gemv.py checks the bound).
 
-`runtime.batch1_gemv_fuse_norm` (default false: an A/B switch until it measures faster) switches it; it applies only where
+`runtime.batch1_gemv_fuse_norm` (default true; H200, Llama-3.1-8B batch 1: qkv 14.4 us fused vs
+16.0 norm + GEMV, Engine 233.9 vs 228.3 tok/s, session 7) switches it; it applies only where
 `runtime.batch1_gemv` gave the following projection a tile (`gemv_config`). Decoder layers call
 `norm_linear_fusable` / `norm_linear` (radixserve.layers.decoder_blocks.PreNormDecoderLayer).
 
