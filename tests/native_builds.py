@@ -51,6 +51,13 @@ def _cpu_attention() -> None:
     backend.load_kernels()
 
 
+def _sample_rows() -> None:
+    import torch
+    from radixserve.sampling import cpu_draw
+
+    cpu_draw.available(torch.zeros(1, 1))
+
+
 # extension name -> its loader
 def _gguf_blocks() -> None:
     from radixserve_quant_gguf import kernels
@@ -63,6 +70,7 @@ KERNELS: dict[str, Callable[[], None]] = {
     "radixserve_cpu_gemm": _cpu_gemm,
     "radixserve_cpu_greedy_head": _cpu_greedy_head,
     "radixserve_cpu_attention": _cpu_attention,
+    "radixserve_sample_rows": _sample_rows,  # the CPU sampler's fused draw (tests/test_sampler.py)
     "radixserve_gguf_blocks": _gguf_blocks,  # tests of GGUF kept blocks (dequantize: false)
 }
 if _cpu_has_avx512():  # tests/test_native_cpu_kernels.py also runs the AVX2 GEMM of AVX2-only CPUs

@@ -231,3 +231,24 @@ def test_padded_vocab_columns_are_never_sampled():
     sb = SamplingBatch.from_reqs([req(temperature=0.0), req(temperature=1.0)], 10, "cpu")
     for _ in range(20):
         assert (Sampler().sample(logits, sb).next_token_ids < 10).all()
+
+
+def test_draws_at_vocabulary_width_follow_softmax_and_odd_rows_fall_back():
+    # SmolLM2's vocabulary width (49152), the mass on 8 tokens spread over it, the rest -inf or far
+    # below: on CPU this is the fused draw (sampling/cpu_draw.py), whose noise is a hash of the
+    # column index; a NaN or all -inf row gets the torch path's answer, never an id out of range
+    width, n = 49152, 3000
+    row = torch.full((width,), float("-inf"))
+    row[1::2] = -40.0
+    cols = torch.tensor([3, 4100, 9001, 17000, 25002, 33333, 41000, 49151])
+    row[cols] = LOGITS
+    ids = sample([req(temperature=1.0) for _ in range(n)], row.expand(n, -1), Sampler(seed=5)).next_token_ids
+    assert torch.isin(ids, cols).all()
+    freq = torch.stack([(ids == c).double().mean() for c in cols])
+    assert_distribution(freq, PROBS, n)
+    odd = torch.zeros(3, width)
+    odd[0, 7] = float("nan")
+    odd[1] = float("-inf")
+    odd[2, 11] = 50.0
+    out = sample([req(temperature=1.0)] * 3, odd, Sampler(seed=5)).next_token_ids
+    assert all(0 <= t < width for t in out.tolist()) and out.tolist()[2] == 11

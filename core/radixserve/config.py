@@ -109,6 +109,9 @@ class RuntimeSection(_Section):
     # prologue (one launch instead of two); off: measured slower on the H200 (8B down: best gated tile
     # 31.5 us vs 30.3 for silu_and_mul + GEMV; Engine 228.5 vs 233.9 tok/s, session 7)
     batch1_gemv_fuse_silu: bool = False
+    # int4 (AWQ/GPTQ) and per-row FP8 linears of <= 4 rows on the whole-row low-bit GEMVs
+    # (layers/lowbit_gemv.py); RADIXSERVE_LOWBIT_GEMV=1 turns them on too
+    lowbit_gemv: Literal["on", "off"] = "off"
     seed: int = 0
     num_threads: int | None = Field(default=None, ge=1)  # CPU torch threads; None: all cores
     # data parallelism: this many full engine replicas behind a router (the `router` section)

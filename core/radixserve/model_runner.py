@@ -11,6 +11,7 @@ from radixserve import native
 from radixserve.config import Config
 from radixserve.interfaces import AttentionRunnerInfo, LatentAttentionDims
 from radixserve.interfaces.target_states import HiddenRows, TargetStates
+from radixserve.layers import lowbit_gemv
 from radixserve.layers.attention import check_backend_supports_layers
 from radixserve.layers.distributed import TPGroup
 from radixserve.layers.gemv_selection import attach_batch1_gemv
@@ -106,6 +107,7 @@ class ModelRunner:
         if tp is not None:
             check_model_tensor_parallel(arch, model_cls, quant, self.hf_config, tp.size)
         torch.manual_seed(rt.seed)
+        lowbit_gemv.configure(rt.lowbit_gemv)  # before loading: the int4 methods repack for it at load
         self.model = load_model(
             source, self.hf_config, model_cls, self.device, self.dtype, quant, seed=rt.seed, show_progress=show_progress,
             tp_group=tp, kv_scales=self._kv_scales,

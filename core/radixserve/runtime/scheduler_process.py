@@ -123,10 +123,12 @@ def _build_cpu_kernels_in_background() -> None:
 
     from radixserve import native
     from radixserve.layers import cpu_gemm, cpu_greedy_head, cpu_ops
+    from radixserve.sampling import cpu_draw
 
     probe = torch.zeros(1, 1)
     native.build_in_background(
-        [lambda: cpu_ops.available(probe), lambda: cpu_gemm.pack(probe), lambda: cpu_greedy_head.pack(probe)]
+        [lambda: cpu_ops.available(probe), lambda: cpu_gemm.pack(probe), lambda: cpu_greedy_head.pack(probe),
+         lambda: cpu_draw.available(probe)]
     )
 
 

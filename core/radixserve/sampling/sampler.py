@@ -15,7 +15,10 @@ Order of operations for each row (a documented contract the tests hold us to):
 
 A draw is the exponential race argmax(p / E) with E ~ Exp(1) i.i.d., which samples exactly from p.
 A row with a seed draws E from its own generator seeded by (seed, tokens generated so far), so its
-tokens do not depend on the other rows of the batch.
+tokens do not depend on the other rows of the batch. On CPU fp32 logits without top-k/top-p/min-p
+the draw is one fused kernel instead (sampling/cpu_draw.py: an inverse-CDF draw from the same p,
+one uniform per row from the row's key: the seeded row's step seed, else a draw from this
+sampler's stream).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.layers import cpu_ops
+from radixserve.sampling import cpu_draw
 from radixserve.sampling.batch import SamplingBatch
 
 
@@ -61,6 +65,25 @@ class Sampler:
 
     # ---- random draws ---------------------------------------------------------------------
     def _sample_rows(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        if not (sb.need_top_k or sb.need_top_p or sb.need_min_p) and cpu_draw.available(logits):
+            return self._fused_rows(logits, sb)
+        return self._torch_rows(logits, sb)
+
+    def _fused_rows(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        """The fused CPU draw (cpu_draw): unseeded rows are keyed by one draw each from this
+        sampler's stream, a seeded row by its step seed (its draw depends on nothing else)."""
+        keys = torch.randint(0, (1 << cpu_draw.KEY_BITS) - 1, (logits.shape[0],), dtype=torch.int64,
+                             generator=self._generator(logits.device))
+        for i, s in enumerate(sb.step_seeds or ()):
+            if s is not None:
+                keys[i] = s & ((1 << cpu_draw.KEY_BITS) - 1)
+        ids = cpu_draw.sample_rows(logits, sb.temperatures, sb.greedy, keys)
+        bad = ids < 0  # a NaN or +inf logit, or a row of -inf: the torch path's answer for it
+        if bool(bad.any()):
+            ids = torch.where(bad, self._torch_rows(logits, sb), ids)
+        return ids
+
+    def _torch_rows(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         probs = torch.softmax(logits / sb.temperatures[:, None], dim=-1)
         if sb.need_top_k or sb.need_top_p or sb.need_min_p:
             probs = truncate(probs, sb)
