@@ -154,10 +154,11 @@ def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tiny_llama_dir, mo
     """The model runner passes runtime.batch1_gemv down and attaches the tiles after loading: with
     every tiny-model projection routed (the shape rule, dtype and device checks widened to fp32 and
     the CPU interpreter), batch-1 decode runs through the GEMV and generates the same greedy tokens as
-    the same runner with the tiles removed."""
+    the same runner with the tiles removed. With runtime.batch1_gemv_fuse_norm on, the decoder layers
+    run both RMSNorms of each decode step inside the qkv / gate_up GEMV (layers/norm_gemv.py)."""
     from radixserve.config import Config
     from radixserve.layers import gemv_selection as sel
-    from radixserve.layers import triton_gemv
+    from radixserve.layers import norm_gemv, triton_gemv
     from radixserve.model_runner import ModelRunner
     from radixserve.static_batch import run_static_batch
 
@@ -167,7 +168,10 @@ def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tiny_llama_dir, mo
     calls = []
     real = triton_gemv.gemv
     monkeypatch.setattr(triton_gemv, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    cfg = Config.build({"model": {"path": tiny_llama_dir("llama")}, "runtime": {"device": DEVICE, "dtype": "float32", "batch1_gemv": "on", "cuda_graph": False},
+    fused, real_fused = [], norm_gemv.rmsnorm_gemv
+    monkeypatch.setattr(norm_gemv, "rmsnorm_gemv", lambda *a: fused.append(1) or real_fused(*a))
+    cfg = Config.build({"model": {"path": tiny_llama_dir("llama")}, "runtime": {"device": DEVICE, "dtype": "float32", "batch1_gemv": "on", "cuda_graph": False,
+                                                                         "batch1_gemv_fuse_norm": True},
                         "stack": {"attention": "torch_native"}})
     runner = ModelRunner(cfg, show_progress=False)
     layers = [m for m in runner.model.modules() if getattr(m, "gemv_config", None) is not None]
@@ -175,11 +179,13 @@ def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tiny_llama_dir, mo
     prompt = [[5, 17, 42, 9, 33, 21]]
     routed = run_static_batch(runner, prompt, max_new_tokens=4).output_ids
     assert calls  # the decode steps' projections ran on the GEMV
+    n_layers = runner.hf_config.num_hidden_layers
+    assert fused and len(fused) % (2 * n_layers) == 0  # both norms of every layer, decode steps only
     for layer in layers:
         layer.gemv_config = None
-    n_calls = len(calls)
+    n_calls, n_fused = len(calls), len(fused)
     assert run_static_batch(runner, prompt, max_new_tokens=4).output_ids == routed
-    assert len(calls) == n_calls
+    assert len(calls) == n_calls and len(fused) == n_fused
 
 
 @pytest.mark.parametrize("k", [64, 40], ids=["even", "ragged"])

@@ -11,7 +11,9 @@ efficiency. Variants (comma-separated, measured in this order on the same weight
 for each): `off` (rotary + two index_put_ KV stores), `on` (rotary fused into the KV store: the
 default; `rotary` is the same); `<variant>+gemv`: with runtime.batch1_gemv=auto's per-layer Triton GEMV
 tiles (radixserve.layers.gemv_selection); the variants without `+gemv` run with it off (cuBLAS);
-`<variant>+gemv+pdl`: those tiles with programmatic dependent launch (GemvConfig.pdl).
+`<variant>+gemv+pdl`: those tiles with programmatic dependent launch (GemvConfig.pdl);
+`<variant>+gemv+norm`: the tiles with the RMSNorm fused into the qkv / gate_up GEMV
+(runtime.batch1_gemv_fuse_norm, radixserve.layers.norm_gemv).
 Writes profile_decode.json: {variant: row}."""
 
 from __future__ import annotations
@@ -28,15 +30,16 @@ from radixserve.model_runner import ModelRunner
 from radixserve.static_batch import run_static_batch
 
 VARIANTS = {"off": False, "on": True, "rotary": True, "off+gemv": False, "on+gemv": True, "rotary+gemv": True,
-            "on+gemv+pdl": True, "rotary+gemv+pdl": True}  # variant -> rotary fused with the KV store
+            "on+gemv+pdl": True, "rotary+gemv+pdl": True, "on+gemv+norm": True,
+            "rotary+gemv+norm": True}  # variant -> rotary fused with the KV store
 
 
-def route_gemv(runner: ModelRunner, enable: bool, pdl: bool) -> None:
+def route_gemv(runner: ModelRunner, enable: bool, pdl: bool, fuse_norm: bool = False) -> None:
     """runtime.batch1_gemv on this runner's layers: `auto` (the default) or `off`; `pdl`: its tiles
-    with programmatic dependent launch."""
+    with programmatic dependent launch; `fuse_norm`: the norms in the qkv / gate_up GEMVs."""
     from radixserve.layers.gemv_selection import attach_batch1_gemv
 
-    n = attach_batch1_gemv(runner.model, "auto" if enable else "off", runner.device, pdl=pdl)
+    n = attach_batch1_gemv(runner.model, "auto" if enable else "off", runner.device, pdl=pdl, fuse_norm=fuse_norm)
     print(f"    batch-1 Triton GEMV on {n} linear layers", flush=True)
 
 
@@ -120,7 +123,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         runner.attn_backend.set_decode_fusions(rotary_store=rotary_store)
         try:
-            route_gemv(runner, "+gemv" in name, name.endswith("+pdl"))
+            route_gemv(runner, "+gemv" in name, name.endswith("+pdl"), name.endswith("+norm"))
             runner._init_cuda_graphs()  # recapture with this variant's kernels
             rows[name] = measure(runner, prompt)
         except Exception as e:  # e.g. an opt-in variant's capture failing: keep the others' rows

@@ -101,6 +101,14 @@ class RuntimeSection(_Section):
     # batch-1 projections of plain-weight layers on the Triton GEMV (layers/gemv_selection.py): auto
     # (CUDA GPUs where it was measured faster than cuBLAS: sm90), on (any CUDA GPU), off
     batch1_gemv: Literal["auto", "on", "off"] = "auto"
+    # where batch1_gemv routes the projection after an RMSNorm (qkv, gate_up), run the norm (and the
+    # residual add) inside that GEMV: one launch instead of two (layers/norm_gemv.py; H200 Llama-3.1-8B
+    # batch 1: 233.9 vs 228.3 tok/s, session 7); false for an A/B
+    batch1_gemv_fuse_norm: bool = True
+    # where batch1_gemv routes a SwiGLU MLP's down projection, compute silu_and_mul in that GEMV's
+    # prologue (one launch instead of two); off: measured slower on the H200 (8B down: best gated tile
+    # 31.5 us vs 30.3 for silu_and_mul + GEMV; Engine 228.5 vs 233.9 tok/s, session 7)
+    batch1_gemv_fuse_silu: bool = False
     # int4 (AWQ/GPTQ) and per-row FP8 linears of <= 4 rows on the whole-row low-bit GEMVs
     # (layers/lowbit_gemv.py); RADIXSERVE_LOWBIT_GEMV=1 turns them on too
     lowbit_gemv: Literal["on", "off"] = "off"

@@ -112,9 +112,11 @@ class ModelRunner:
             source, self.hf_config, model_cls, self.device, self.dtype, quant, seed=rt.seed, show_progress=show_progress,
             tp_group=tp, kv_scales=self._kv_scales,
         )
-        n_gemv = attach_batch1_gemv(self.model, rt.batch1_gemv, self.device)  # per-layer choice, before graphs
+        n_gemv = attach_batch1_gemv(self.model, rt.batch1_gemv, self.device,  # per-layer choice, before graphs
+                                    fuse_norm=rt.batch1_gemv_fuse_norm, fuse_silu=rt.batch1_gemv_fuse_silu)
         if n_gemv:
-            logger.info("batch-1 Triton GEMV on %d linear layers (runtime.batch1_gemv=%s)", n_gemv, rt.batch1_gemv)
+            logger.info("batch-1 Triton GEMV on %d linear layers (runtime.batch1_gemv=%s, fuse_norm=%s, fuse_silu=%s)",
+                        n_gemv, rt.batch1_gemv, rt.batch1_gemv_fuse_norm, rt.batch1_gemv_fuse_silu)
         self.latent_dims = self._latent_dims() if self.attention_type == "latent" else None
         self.vocab_size = int(self.hf_config.vocab_size)
         self.context_len = self._context_len()

@@ -14,9 +14,12 @@ import torch
 import torch.nn as nn
 
 from radixserve.interfaces.quantization import QuantMethod
+from radixserve.layers import triton_gemv
+from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.attention import QKNorm, RadixAttention
 from radixserve.layers.distributed import TPGroup
 from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from radixserve.layers.norm_gemv import norm_linear, norm_linear_fusable
 from radixserve.layers.rotary import get_rope
 from radixserve.state import ForwardBatch
 
@@ -80,7 +83,11 @@ class DecoderAttention(nn.Module):
                                    sliding_window=sliding_window, logit_cap=logit_cap)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.forward_qkv(positions, self.qkv_proj(h), batch)
+
+    def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """`forward` from the output of `qkv_proj` (a caller that fused the norm into it)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # q/k norms over each head, rotary, then attention; a backend may fuse the norms and the
         # rotation into its KV store (decode)
         return self.o_proj(self.attn.forward_rotary(positions, q, k, v, self.rotary_emb, batch, self._qk_norm))
@@ -104,7 +111,24 @@ class SwiGLUMLP(nn.Module):
                                            tp_group=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gated_down(x):
+            return self.forward_gate_up(self.gate_up_proj(x))
         return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
+
+    def forward_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`forward` from the output of `gate_up_proj` (a caller that fused the norm into it)."""
+        down = self.down_proj
+        if self._gated_down(gate_up):  # runtime.batch1_gemv_fuse_silu: silu_and_mul in the GEMV's prologue
+            y = triton_gemv.gemv(gate_up, down.weight, down.bias if down.tp_rank == 0 else None,
+                                 down.gemv_gated_config, gated=True)
+            return down.tp_group.all_reduce(y) if down.reduce_results else y
+        return down(_SILU_AND_MUL(gate_up))
+
+    def _gated_down(self, x: torch.Tensor) -> bool:
+        return getattr(self.down_proj, "gemv_gated_config", None) is not None and x.dim() == 2 and x.shape[0] == 1
+
+
+_SILU_AND_MUL = SiluAndMul()
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -117,6 +141,11 @@ class PreNormDecoderLayer(nn.Module):
         e.g. Mixtral's "block_sparse_moe").
     :param input_layernorm: / `post_attention_layernorm`: norms taking `(x)` and `(x, residual)`
         as `radixserve.layers.norm.RMSNorm` does.
+
+    One-row inputs whose next projection has a batch-1 GEMV tile (`runtime.batch1_gemv`, with
+    `runtime.batch1_gemv_fuse_norm`) run a plain `RMSNorm` inside that GEMV instead
+    (radixserve.layers.norm_gemv): `DecoderAttention.forward_qkv` / `SwiGLUMLP.forward_gate_up`
+    then take the projection's output; other attention / MLP modules always get the two calls.
 
     Added in plugin API 1.4.
     """
@@ -132,11 +161,25 @@ class PreNormDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = h
-            h = self.input_layernorm(h)
+        attn, mlp = self.self_attn, getattr(self, self.mlp_name)
+        # batch-1 GEMV tiles with runtime.batch1_gemv_fuse_norm: each norm runs inside the projection after it
+        if _plain(attn, DecoderAttention) and norm_linear_fusable(self.input_layernorm, attn.qkv_proj, h):
+            qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, h, residual)
+            h = attn.forward_qkv(positions, qkv, batch)
         else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(positions, h, batch)
+            if residual is None:
+                residual = h
+                h = self.input_layernorm(h)
+            else:
+                h, residual = self.input_layernorm(h, residual)
+            h = attn(positions, h, batch)
+        if _plain(mlp, SwiGLUMLP) and norm_linear_fusable(self.post_attention_layernorm, mlp.gate_up_proj, h):
+            gate_up, residual = norm_linear(self.post_attention_layernorm, mlp.gate_up_proj, h, residual)
+            return mlp.forward_gate_up(gate_up), residual
         h, residual = self.post_attention_layernorm(h, residual)
-        return getattr(self, self.mlp_name)(h), residual
+        return mlp(h), residual
+
+
+def _plain(module: nn.Module, cls: type) -> bool:
+    """`module` is a `cls` whose `forward` is cls's own (a subclass overriding it computes something else)."""
+    return isinstance(module, cls) and type(module).forward is cls.forward

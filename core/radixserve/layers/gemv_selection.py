@@ -74,13 +74,30 @@ def batch1_gemv_enabled(mode: str, device: torch.device) -> bool:
     return mode == "on" or torch.cuda.get_device_capability(device) in MEASURED_CAPABILITIES
 
 
-def attach_batch1_gemv(model: nn.Module, mode: str, device: torch.device, pdl: bool = False) -> int:
+def gated_config_for(tile: GemvConfig) -> GemvConfig:
+    """The tile of a gated GEMV (silu_and_mul in the prologue: two activation vectors per K step)
+    from the plain one: K steps halved above 8192 weights per step. Offline ptxas for sm90 gives the
+    8B down projection's 16x1024 / 8-warp tile 161 registers gated against 128 plain, one program
+    per SM instead of two (session 6 measured it slower: 37.4 vs 30.8 us); 16x512 takes 79. Still
+    slower on the H200 (session 7: 33.7 us; the best gated tile, 8x512, 31.5 vs 30.3 for two launches),
+    hence runtime.batch1_gemv_fuse_silu stays off."""
+    if tile.block_n * tile.block_k > 8192:
+        return dataclasses.replace(tile, block_k=tile.block_k // 2)
+    return tile
+
+
+def attach_batch1_gemv(model: nn.Module, mode: str, device: torch.device, pdl: bool = False,
+                       fuse_norm: bool = False, fuse_silu: bool = False) -> int:
     """Set `gemv_config` on every plain-weight linear layer of `model` (those whose quant method is
     `UnquantizedMethod` or a subclass keeping its `apply`, with a 2-D bf16/fp16 weight of unit stride
     on K): the chosen tile, or None.
     Returns how many layers got a tile. Call it after the weights are loaded, before CUDA graphs
     are captured. `pdl`: tiles with programmatic dependent launch on sm90+ GPUs (`GemvConfig.pdl`;
-    not a default until measured: benchmarks/h200/profile_decode.py's `+pdl` variant)."""
+    not a default until measured: benchmarks/h200/profile_decode.py's `+pdl` variant). `fuse_norm`
+    (`runtime.batch1_gemv_fuse_norm`): sets `gemv_fuse_norm` on the layers given a tile, so that a
+    decoder layer runs the RMSNorm before them inside their GEMV (radixserve.layers.norm_gemv).
+    `fuse_silu` (`runtime.batch1_gemv_fuse_silu`): sets `gemv_gated_config` (`gated_config_for` the
+    tile, else None) for a SwiGLU MLP to run silu_and_mul inside its down projection's GEMV."""
     from radixserve.layers.quant_unquantized import UnquantizedMethod
 
     enabled = batch1_gemv_enabled(mode, device)
@@ -97,5 +114,7 @@ def attach_batch1_gemv(model: nn.Module, mode: str, device: torch.device, pdl: b
         layer.gemv_config = gemv_config_for_shape(*w.shape) if ok else None
         if pdl and layer.gemv_config is not None:
             layer.gemv_config = dataclasses.replace(layer.gemv_config, pdl=True)
+        layer.gemv_fuse_norm = fuse_norm and layer.gemv_config is not None
+        layer.gemv_gated_config = gated_config_for(layer.gemv_config) if fuse_silu and layer.gemv_config else None
         routed += layer.gemv_config is not None
     return routed
