@@ -100,13 +100,15 @@ def gemv_all_batch1(runner, prompts: list[list[int]], new_tokens: int, args) -> 
     for layer in runner.model.modules():
         if hasattr(layer, "gemv_config"):  # the layers attach_batch1_gemv considered (plain weights)
             layer.gemv_config = gemv_selection.SM90_UNMEASURED
+            layer.gemv_fuse_norm = runner.config.runtime.batch1_gemv_fuse_norm  # the norms fused as served
             routed += 1
     if runner.graph_runner is not None:
         runner.req_to_token_pool.free(runner.graph_runner.dummy_row)
         runner.graph_runner = None
     if not args.disable_cuda_graph:
         runner._init_cuda_graphs()
-    print(f"batch-1 GEMV forced on {routed} linear layers; prompts generated one at a time")
+    print(f"batch-1 GEMV forced on {routed} linear layers (fused norm: {runner.config.runtime.batch1_gemv_fuse_norm});"
+          " prompts generated one at a time")
     return [greedy_generate(runner, [p], new_tokens, keep_logits=True)[0] for p in prompts]
 
 

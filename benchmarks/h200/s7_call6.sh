@@ -5,7 +5,7 @@ source benchmarks/h200/setup.sh || exit 1
 ROOT=$OUT
 log() { echo "[s7_call6 $(date +%H:%M:%S)] $*"; }
 log "gpu parity (tiny Llama / Qwen3, bf16, triton, graphs; runtime defaults incl. batch1_gemv_fuse_norm=true)"
-timeout 75 python3 benchmarks/gpu_parity.py 2>&1 | grep -v Warning | tail -6
+timeout 75 python3 benchmarks/gpu_parity.py --batch1-gemv-all 2>&1 | grep -v Warning | tail -6
 mkdir -p $ROOT/eagle $ROOT/eagle/nofuse
 log "eagle (fused norm on: the default)"
 timeout 95 python3 benchmarks/h200/spec_eagle.py --out $ROOT/eagle --rows eagle3:1:4:4 2>&1 | grep -v Warning | tail -3
