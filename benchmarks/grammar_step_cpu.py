@@ -13,6 +13,8 @@ over the decode steps at full batch:
 - accept: `GrammarMatcher.accept_token` + `is_terminated` of every row;
 - fill: `GrammarBackend.fill_bitmasks` (xgrammar's threads);
 - bitmask: the step's bitmask buffer (allocation, reset);
+- lookahead, batch: `_lookahead_decode` and `_to_scheduled_batch` (building the next batch);
+- ready: `token_bitmask_ready()` as the runner calls it (processing the previous step + the fill);
 - apply (cpu): the mask applied to fp32 logits [batch, vocab] on the CPU (on CUDA it is a kernel).
 
 Workloads: `long` (the H200 benchmark's schema: an array of >= 400 small objects, never ends within
@@ -111,7 +113,10 @@ class BenchRunner(ToyRunner):
     def launch_batch(self, sb):
         bs = len(sb.reqs)
         if sb.token_bitmask_ready is not None:
+            t0 = time.perf_counter()
             sb.token_bitmask_ready()  # processes the previous step and fills this one's mask
+            if self.timers.on:
+                self.timers.total["ready"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         if sb.token_bitmask is not None:
             mask = sb.token_bitmask
@@ -207,6 +212,8 @@ def run(tok, workload: str, batch: int, steps: int, constrained: bool, apply_cpu
 
     timers.wrap(sched_mod.Scheduler, "_process", "process")
     timers.wrap(sched_mod.Scheduler, "_new_bitmask", "bitmask")
+    timers.wrap(sched_mod.Scheduler, "_to_scheduled_batch", "batch")
+    timers.wrap(sched_mod.Scheduler, "_lookahead_decode", "lookahead")
     if "b" in backend_box:
         timers.wrap(backend_box["b"], "fill_bitmasks", "fill")
     timers.wrap(xgb.XGrammarMatcher, "accept_token", "accept")
@@ -284,7 +291,8 @@ def main() -> None:
         args.out.write_text(json.dumps({"tokenizer": args.tokenizer, "results": results}, indent=1))
 
 
-PIECES = ["step (scheduler host work)", "step median", "process", "accept", "fill", "bitmask", "apply (cpu)"]
+PIECES = ["step (scheduler host work)", "step median", "lookahead", "batch", "ready", "process", "accept", "fill",
+          "bitmask", "apply (cpu)"]
 
 if __name__ == "__main__":
     main()
