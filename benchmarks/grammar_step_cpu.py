@@ -172,7 +172,8 @@ def corpus_schemas(backend, n: int, max_chars: int) -> list[str]:
     return out
 
 
-def run(tok, workload: str, batch: int, steps: int, constrained: bool, apply_cpu: bool, corpus: list[str]) -> dict:
+def run(tok, workload: str, batch: int, steps: int, constrained: bool, apply_cpu: bool, corpus: list[str],
+        fill_beside: str = "auto") -> dict:
     vocab = len(tok)
     eos = tok.eos_token_id
     timers = Timers()
@@ -190,6 +191,8 @@ def run(tok, workload: str, batch: int, steps: int, constrained: bool, apply_cpu
     cache = reg.load("prefix_cache", "radix")(runner.req_to_token_pool, runner.token_allocator)
     config = Config.build({"runtime": {"overlap": True}, "scheduler": {"max_running_requests": batch * 2}})
     s = Scheduler(config, runner, cache, reg.load("policy", "fcfs")(), tok, grammar=service)
+    if fill_beside != "auto" and hasattr(s, "fill_beside_processing"):
+        s.fill_beside_processing = fill_beside == "on"
     rng = random.Random(0)
     made = [0]
 
@@ -244,7 +247,8 @@ def run(tok, workload: str, batch: int, steps: int, constrained: bool, apply_cpu
     ms["step (scheduler host work)"] = round(1000 * statistics.mean(per_step), 3)
     ms["step median"] = round(1000 * statistics.median(per_step), 3)
     service.shutdown()
-    return {"workload": workload, "constrained": constrained, "batch": batch, "steps": n,
+    return {"workload": workload, "constrained": constrained, "fill_beside_processing": getattr(s, "fill_beside_processing", None),
+            "batch": batch, "steps": n,
             "mean_rows": round(rows_steps / n, 1), "ms_per_step": ms,
             "overlapped_batches": s.metrics.overlapped_batches, "finished": s.metrics.finished_requests}
 
@@ -258,6 +262,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="runs of each kind (the median per piece is kept)")
     ap.add_argument("--no-apply", action="store_true", help="skip the CPU mask application")
     ap.add_argument("--max-schema-chars", type=int, default=4000)
+    ap.add_argument("--fill-beside", default="auto", help="constrained runs: comma list of auto,on,off (the "
+                    "scheduler's fill_beside_processing; auto: on with 4+ cores)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -270,8 +276,9 @@ def main() -> None:
         print(f"corpus: {len(corpus)} schemas", flush=True)
     results = []
     for workload in args.workload.split(","):
-        for constrained in (False, True):
-            runs = [run(tok, workload, args.batch, args.steps, constrained, not args.no_apply, corpus)
+        kinds = [(False, "auto")] + [(True, mode) for mode in args.fill_beside.split(",")]
+        for constrained, mode in kinds:
+            runs = [run(tok, workload, args.batch, args.steps, constrained, not args.no_apply, corpus, mode)
                     for _ in range(args.repeats)]
             best = runs[0]
             if len(runs) > 1:
@@ -280,11 +287,12 @@ def main() -> None:
             results.append(best)
             print(json.dumps(best), flush=True)
     print()
-    print("| workload | rows | kind | " + " | ".join(PIECES) + " |")
-    print("|---|---|---|" + "---|" * len(PIECES))
+    print("| workload | rows | kind | fill beside | " + " | ".join(PIECES) + " |")
+    print("|---|---|---|---|" + "---|" * len(PIECES))
     for r in results:
         ms = r["ms_per_step"]
         print(f"| {r['workload']} | {r['mean_rows']} | {'constrained' if r['constrained'] else 'plain'} | "
+              f"{r.get('fill_beside_processing')} | "
               + " | ".join(str(ms.get(p, "-")) for p in PIECES) + " |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

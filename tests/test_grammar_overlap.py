@@ -90,6 +90,7 @@ def test_constrained_decodes_are_launched_ahead_with_the_outputs_of_overlap_off(
                         lambda self, ms, ts: batched.append(len(ms)) or accept_tokens(self, ms, ts))
     monkeypatch.setattr(XGrammarMatcher, "accept_token", lambda self, t: single.append(t) or accept_token(self, t))
     s = make_scheduler(tok, True)
+    s.fill_beside_processing = True  # the masks filled in the mask thread while the previous step is processed
     add_mixed_batch(s, tok)
     got = run(s)
     assert got == want  # ids and finish reasons
@@ -109,6 +110,7 @@ def test_a_request_finishing_while_the_next_step_is_in_flight_loses_that_token(t
     `stopped` hits a stop string, while the long request keeps the batch decoding ahead."""
     def build(overlap: bool) -> Scheduler:
         s = make_scheduler(tok, overlap)
+        s.fill_beside_processing = True  # `stopped`'s row is filled while its stop string is found
         add(s, "short", [3, 4, 6], max_new=60, regex=r"ab")
         add(s, "cut", [3, 4, 7], max_new=3, regex=r"[a-c]{9}")
         add(s, "stopped", [3, 4, 8], max_new=60, regex=r"(yes|no)! [a-c]{3}", stop=["!"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -222,6 +223,9 @@ class Scheduler:
         self._mask_pool: ThreadPoolExecutor | None = None  # fills token bitmasks while forwards run
         self._pin_bitmasks = str(getattr(runner, "device", "cpu")).startswith("cuda")
         self._bitmask_bufs: list[torch.Tensor | None] = [None, None]  # see _new_bitmask
+        # overlap: fill a launched-ahead batch's mask in the mask thread beside the rest of the previous
+        # step's processing; with few cores the thread hand-offs cost more than the overlap saves
+        self.fill_beside_processing = len(os.sched_getaffinity(0)) >= 4 if hasattr(os, "sched_getaffinity") else False
         self._bitmask_turn = 0
 
     @classmethod
@@ -983,14 +987,15 @@ class Scheduler:
                     filling.append((rows, self._mask_pool_executor().submit(backend.fill_bitmasks, bitmask, rows)))
 
             try:
-                prev_step.process(start_fill)
+                prev_step.process(start_fill if self.fill_beside_processing else None)
             finally:  # never leave a fill running on matchers the scheduler goes on using
                 for _, fut in filling:
                     wait_futures([fut])
             filled = {i for rows, fut in filling for i, _ in rows}
             for _, fut in filling:
                 fut.result()  # re-raises a fill error (the batch then fails like a failed forward)
-            late = [(i, it.req.grammar) for i, it in enumerate(items)  # a grammar that started in prev
+            # every row when not filled beside the processing; else a grammar that started in prev
+            late = [(i, it.req.grammar) for i, it in enumerate(items)
                     if it.req.grammar is not None and not it.req.finished and i not in filled]
             if late:
                 backend.fill_bitmasks(bitmask, late)
