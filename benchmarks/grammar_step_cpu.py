@@ -15,6 +15,8 @@ over the decode steps at full batch:
 - bitmask: the step's bitmask buffer (allocation, reset);
 - lookahead, batch: `_lookahead_decode` and `_to_scheduled_batch` (building the next batch);
 - ready: `token_bitmask_ready()` as the runner calls it (processing the previous step + the fill);
+- "... cpu": the same as CPU time of the whole process (all its threads; on a shared machine wall
+  times wait for a core, CPU times do not);
 - apply (cpu): the mask applied to fp32 logits [batch, vocab] on the CPU (on CUDA it is a kernel).
 
 Workloads: `long` (the H200 benchmark's schema: an array of >= 400 small objects, never ends within
@@ -80,12 +82,13 @@ class Timers:
         self._saved.append((owner, name, owner.__dict__[name] if name in owner.__dict__ else fn))
 
         def timed(*a, **k):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 return fn(*a, **k)
             finally:
                 if self.on:
                     self.total[key] += time.perf_counter() - t0
+                    self.total[key + " cpu"] += time.process_time() - c0
 
         setattr(owner, name, timed)
 
@@ -113,11 +116,12 @@ class BenchRunner(ToyRunner):
     def launch_batch(self, sb):
         bs = len(sb.reqs)
         if sb.token_bitmask_ready is not None:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             sb.token_bitmask_ready()  # processes the previous step and fills this one's mask
             if self.timers.on:
                 self.timers.total["ready"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
+                self.timers.total["ready cpu"] += time.process_time() - c0
+        t0, c0 = time.perf_counter(), time.process_time()
         if sb.token_bitmask is not None:
             mask = sb.token_bitmask
             if self.apply_cpu:
@@ -134,6 +138,7 @@ class BenchRunner(ToyRunner):
         ids = [int(t) if s else None for t, s in zip(tokens.tolist(), sample, strict=True)]
         if self.timers.on:
             self.timers.total["fake runner"] += time.perf_counter() - t0
+            self.timers.total["fake runner cpu"] += time.process_time() - c0
         return LaunchedBatch(tokens, lambda: BatchResult(next_token_ids=ids))
 
 
@@ -221,17 +226,19 @@ def run(tok, workload: str, batch: int, steps: int, constrained: bool, apply_cpu
         timers.wrap(backend_box["b"], "fill_bitmasks", "fill")
     timers.wrap(xgb.XGrammarMatcher, "accept_token", "accept")
     timers.wrap(xgb.XGrammarMatcher, "is_terminated", "accept")
-    per_step = []
+    per_step, per_step_cpu = [], []
     rows_steps = 0
     try:
         timers.on = True
         for _ in range(steps):
             before = dict(timers.total)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             outs = s.step()
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             runner_dt = timers.total["fake runner"] - before.get("fake runner", 0.0)
+            runner_dc = timers.total["fake runner cpu"] - before.get("fake runner cpu", 0.0)
             per_step.append(dt - runner_dt)
+            per_step_cpu.append(dc - runner_dc)
             rows_steps += len(s.running)
             for o in outs:  # corpus: a finished document makes room for a new request, same schema
                 if o.finished_reason is not None:
@@ -246,6 +253,8 @@ def run(tok, workload: str, batch: int, steps: int, constrained: bool, apply_cpu
     ms = {k: round(1000 * v / n, 3) for k, v in sorted(timers.total.items())}
     ms["step (scheduler host work)"] = round(1000 * statistics.mean(per_step), 3)
     ms["step median"] = round(1000 * statistics.median(per_step), 3)
+    ms["step cpu"] = round(1000 * statistics.mean(per_step_cpu), 3)
+    ms["step cpu median"] = round(1000 * statistics.median(per_step_cpu), 3)
     service.shutdown()
     return {"workload": workload, "constrained": constrained, "fill_beside_processing": getattr(s, "fill_beside_processing", None),
             "batch": batch, "steps": n,
@@ -299,8 +308,8 @@ def main() -> None:
         args.out.write_text(json.dumps({"tokenizer": args.tokenizer, "results": results}, indent=1))
 
 
-PIECES = ["step (scheduler host work)", "step median", "lookahead", "batch", "ready", "process", "accept", "fill",
-          "bitmask", "apply (cpu)"]
+PIECES = ["step (scheduler host work)", "step median", "step cpu median", "lookahead", "batch", "ready", "process",
+          "accept", "fill", "bitmask", "ready cpu", "process cpu", "accept cpu", "fill cpu", "bitmask cpu"]
 
 if __name__ == "__main__":
     main()
