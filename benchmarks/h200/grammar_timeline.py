@@ -149,9 +149,7 @@ def run_kind(s, batch: int, constrained: bool, steps: int, profile_steps: int, o
               flush=True)
         for f in r["slowest_stack"][:5]:
             print(f"      {f}", flush=True)
-    while s.has_work():  # finish the kind's requests (length) before the next kind
-        for rid in [r.rid for r in s.running]:
-            s.abort(rid)
+    while s.has_work():  # the kind's requests run to their max_new_tokens before the next kind
         s.step()
     return row
 
