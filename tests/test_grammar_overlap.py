@@ -18,7 +18,7 @@ from radixserve.scheduler import Scheduler
 from radixserve.scheduler.grammar import GrammarService
 from radixserve.state import SamplingParams
 from radixserve.testing import tiny_tokenizer, toy_reference
-from radixserve_grammar_xgrammar.backend import XGrammarBackend
+from radixserve_grammar_xgrammar.backend import XGrammarBackend, XGrammarMatcher
 from test_grammar import EOS, SCHEMA, add, run, text
 from test_grammar_after_reasoning import PROMPT, REGEX, VOCAB, free_marker, make_scheduler
 
@@ -79,14 +79,24 @@ def check_valid(tok, got: dict) -> None:
         assert got[rid]["ids"] == toy_reference(prompt, 25, VOCAB, frozenset({EOS}))
 
 
-def test_constrained_decodes_are_launched_ahead_with_the_outputs_of_overlap_off(tok):
+def test_constrained_decodes_are_launched_ahead_with_the_outputs_of_overlap_off(tok, monkeypatch):
     sync = make_scheduler(tok, False)
     add_mixed_batch(sync, tok)
     want = run(sync)
+    # each step's constrained tokens reach their matchers in one accept_tokens call, none one by one
+    batched, single = [], []
+    accept_tokens, accept_token = XGrammarBackend.accept_tokens, XGrammarMatcher.accept_token
+    monkeypatch.setattr(XGrammarBackend, "accept_tokens",
+                        lambda self, ms, ts: batched.append(len(ms)) or accept_tokens(self, ms, ts))
+    monkeypatch.setattr(XGrammarMatcher, "accept_token", lambda self, t: single.append(t) or accept_token(self, t))
     s = make_scheduler(tok, True)
+    s.fill_beside_processing = True  # the masks filled in the mask thread while the previous step is processed
     add_mixed_batch(s, tok)
     got = run(s)
     assert got == want  # ids and finish reasons
+    _, k = free_marker(tok)  # `after`'s first k tokens are unconstrained
+    assert sum(batched) == sum(len(got[rid]["ids"]) for rid in [*SCHEMAS, *REGEXES, "after"]) - k
+    assert max(batched) >= len(SCHEMAS) + len(REGEXES) and not single
     check_valid(tok, got)
     assert all(got[rid]["finish"]["type"] == "stop" for rid in [*SCHEMAS, *REGEXES, "after"])
     ahead = launched_ahead_with_mask(s)
@@ -100,6 +110,7 @@ def test_a_request_finishing_while_the_next_step_is_in_flight_loses_that_token(t
     `stopped` hits a stop string, while the long request keeps the batch decoding ahead."""
     def build(overlap: bool) -> Scheduler:
         s = make_scheduler(tok, overlap)
+        s.fill_beside_processing = True  # `stopped`'s row is filled while its stop string is found
         add(s, "short", [3, 4, 6], max_new=60, regex=r"ab")
         add(s, "cut", [3, 4, 7], max_new=3, regex=r"[a-c]{9}")
         add(s, "stopped", [3, 4, 8], max_new=60, regex=r"(yes|no)! [a-c]{3}", stop=["!"])

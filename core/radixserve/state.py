@@ -263,6 +263,8 @@ class ScheduledBatch:
     # (it waits, and re-raises a fill error) before reading `token_bitmask`, after queueing the forward,
     # on the thread that called `launch_batch` and before it returns: for a batch launched ahead
     # (`future_inputs`) it runs the scheduler's processing of the previous batch (its `result()`).
+    # The buffer is reused two masked batches later: copy it (to the device) before this batch's
+    # tokens are read, never keep it.
     token_bitmask: torch.Tensor | None = None
     apply_bitmask: Callable[[torch.Tensor, torch.Tensor], None] | None = None
     token_bitmask_ready: Callable[[], Any] | None = None

@@ -40,4 +40,5 @@ __version__ = "0.1.0"
 #      radixserve.layers.moe.small_m.fused_gate_select_experts; WeightSource.hf_config may return a plain
 #      config object with to_transformers() (GGUF: no transformers import when serving); linear layers
 #      may carry a `gemv_config` tile set by the runner (runtime.batch1_gemv, layers/gemv_selection.py)
-PLUGIN_API_VERSION = "1.6"
+# 1.7: GrammarBackend.accept_tokens (every constrained row's token of a step in one call)
+PLUGIN_API_VERSION = "1.7"

@@ -174,6 +174,20 @@ class GrammarBackend(abc.ABC):
         for row, matcher in rows:
             matcher.fill_bitmask(bitmask, row)
 
+    def accept_tokens(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool]:
+        """Advance several matchers by one token each: `matchers[k].accept_token(tokens[k])`.
+
+        :param matchers: distinct matchers of this backend.
+        :param tokens: one sampled token per matcher.
+        :return: one flag per matcher, as `accept_token` returns it (a refused token leaves its
+            matcher unchanged).
+        The default accepts them one after another; a backend may override it with one call into
+        its library (the core calls it once per step with every constrained row). Restrictions: as
+        `accept_token`.
+        Added in plugin API 1.7.
+        """
+        return [m.accept_token(t) for m, t in zip(matchers, tokens, strict=True)]
+
     def apply_bitmask_inplace(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """Set `logits[i, t]` to -inf wherever bit t of `bitmask[i]` is clear.
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -100,12 +101,14 @@ class _PrevStep:
     launch. `finish(items, result)` is the scheduler's handling of a finished step's tokens."""
 
     def __init__(self, step: tuple[list[_Item], LaunchedBatch],
-                 finish: Callable[[list[_Item], BatchResult], None]) -> None:
+                 finish: Callable[..., None]) -> None:
         self._step = step
         self._finish = finish
         self.done = False
 
-    def process(self) -> None:
+    def process(self, on_accepted: Callable[[set[int]], None] | None = None) -> None:
+        """`on_accepted`: passed to the scheduler's `_process` (called once the matchers accepted
+        the step's tokens, before the rest of the per-request work)."""
         if self.done:
             return
         self.done = True
@@ -113,7 +116,7 @@ class _PrevStep:
         result = launched.result()
         # called inside the runner's launch (inference mode): tensors made here live on, as usual
         with torch.inference_mode(False):
-            self._finish(items, result)
+            self._finish(items, result, on_accepted)
 
 
 class Scheduler:
@@ -219,6 +222,11 @@ class Scheduler:
         self._grammar_pending: dict[str, Future] = {}  # rid -> compiled-grammar future (request waits)
         self._mask_pool: ThreadPoolExecutor | None = None  # fills token bitmasks while forwards run
         self._pin_bitmasks = str(getattr(runner, "device", "cpu")).startswith("cuda")
+        self._bitmask_bufs: list[torch.Tensor | None] = [None, None]  # see _new_bitmask
+        # overlap: fill a launched-ahead batch's mask in the mask thread beside the rest of the previous
+        # step's processing; with few cores the thread hand-offs cost more than the overlap saves
+        self.fill_beside_processing = len(os.sched_getaffinity(0)) >= 4 if hasattr(os, "sched_getaffinity") else False
+        self._bitmask_turn = 0
 
     @classmethod
     def from_config(cls, config: Config, runner: Any, registry: Any, tokenizer: Any = None) -> Scheduler:
@@ -452,10 +460,10 @@ class Scheduler:
                 self._suspects.add(req.rid)
                 self._retract(req)
 
-    def _finish_step(self, items: list[_Item], result: BatchResult) -> None:
+    def _finish_step(self, items: list[_Item], result: BatchResult, on_accepted=None) -> None:
         """A launched step's tokens: clear a suspect that ran alone, then process them."""
         self._passed(items)
-        self._process(items, result)
+        self._process(items, result, on_accepted)
 
     def _passed(self, items: list[_Item]) -> None:
         """A suspect whose prompt ran through alone is cleared."""
@@ -947,9 +955,7 @@ class Scheduler:
         def fill() -> None:
             backend.fill_bitmasks(bitmask, matchers)
 
-        if self._mask_pool is None:  # one thread: a matcher is only ever used by one thread at a time
-            self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
-        return bitmask, self._mask_pool.submit(fill).result
+        return bitmask, self._mask_pool_executor().submit(fill).result
 
     def _bitmask_after(self, items: list[_Item], prev_step: _PrevStep) -> tuple[torch.Tensor, Callable] | None:
         """The bitmask of a decode launched ahead of the in-flight step `prev_step`, whose tokens
@@ -967,23 +973,83 @@ class Scheduler:
             if threading.get_ident() != launching:  # it processes prev: the scheduler's state, one thread
                 raise RuntimeError("token_bitmask_ready() of a batch launched ahead must be called on the thread "
                                    "that called launch_batch, before launch_batch returns")
-            prev_step.process()
-            rows = [(i, it.req.grammar) for i, it in enumerate(items)
-                    if it.req.grammar is not None and not it.req.finished]
-            if rows:
-                self.grammar.ready_backend.fill_bitmasks(bitmask, rows)
+            backend = self.grammar.ready_backend
+            filling: list = []  # (rows, future) of the fill started once prev's tokens are accepted
+
+            def start_fill(ended: set[int]) -> None:
+                # requests whose matcher refused or ended with prev's token are left out; rows of
+                # requests that end otherwise in prev (a stop string, EOS) are filled and reset below
+                rows = [(i, it.req.grammar) for i, it in enumerate(items)
+                        if it.req.grammar is not None and not it.req.finished and id(it.req) not in ended]
+                if rows:  # xgrammar releases the GIL: the rest of prev's processing runs meanwhile
+                    filling.append((rows, self._mask_pool_executor().submit(backend.fill_bitmasks, bitmask, rows)))
+
+            try:
+                prev_step.process(start_fill if self.fill_beside_processing else None)
+            finally:  # never leave a fill running on matchers the scheduler goes on using
+                for _, fut in filling:
+                    wait_futures([fut])
+            filled = {i for rows, fut in filling for i, _ in rows}
+            for _, fut in filling:
+                fut.result()  # re-raises a fill error (the batch then fails like a failed forward)
+            # every row when not filled beside the processing; else a grammar that started in prev
+            late = [(i, it.req.grammar) for i, it in enumerate(items)
+                    if it.req.grammar is not None and not it.req.finished and i not in filled]
+            if late:
+                backend.fill_bitmasks(bitmask, late)
+            for i in filled:
+                if items[i].req.finished:  # its token is dropped: every token allowed, as unfilled rows
+                    bitmask[i] = -1
 
         return bitmask, ready
 
+    def _mask_pool_executor(self) -> ThreadPoolExecutor:
+        if self._mask_pool is None:  # one thread: a matcher is only ever used by one thread at a time
+            self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        return self._mask_pool
+
     def _new_bitmask(self, batch_size: int) -> torch.Tensor:
-        bitmask = self.grammar.ready_backend.allocate_bitmask(batch_size)
-        if self._pin_bitmasks:  # a pinned buffer: the runner's copy to the device does not block the host
-            bitmask = bitmask.pin_memory()
+        """The step's bitmask, every token allowed: the first rows of one of two buffers used in
+        turn (pinned on CUDA: the runner's copy to the device does not block the host). Reuse is
+        safe: at most one batch is in flight, so the buffer's previous batch (two masked batches
+        ago) has had its tokens read, which comes after its mask was copied to the device."""
+        self._bitmask_turn ^= 1
+        buf = self._bitmask_bufs[self._bitmask_turn]
+        if buf is None or buf.shape[0] < batch_size:
+            fresh = self.grammar.ready_backend.allocate_bitmask(max(batch_size, 2 * (0 if buf is None else buf.shape[0])))
+            buf = fresh.pin_memory() if self._pin_bitmasks else fresh
+            self._bitmask_bufs[self._bitmask_turn] = buf
+        bitmask = buf[:batch_size]
+        bitmask.fill_(-1)
         return bitmask
 
-    def _process(self, items: list[_Item], result: BatchResult) -> None:
+    def _accept_grammar_tokens(self, items: list[_Item], result: BatchResult) -> dict[int, tuple[bool, bool]]:
+        """The step's tokens into their matchers, every constrained row in one backend call:
+        {row: (accepted, terminated)} for the rows `_append_token` would advance a matcher for."""
+        rows = []
+        for i, it in enumerate(items):
+            req = it.req
+            if (req.grammar is None or req.grammar_start is not None or req.finished or not it.completes_prompt
+                    or it.draft is not None or req.sampling_params.max_new_tokens == 0
+                    or result.next_token_ids[i] is None):
+                continue
+            rows.append(i)
+        if not rows:
+            return {}
+        matchers = [items[i].req.grammar for i in rows]
+        ok = self.grammar.ready_backend.accept_tokens(matchers, [int(result.next_token_ids[i]) for i in rows])
+        return {i: (bool(a), bool(a) and m.is_terminated()) for i, m, a in zip(rows, matchers, ok, strict=True)}
+
+    def _process(self, items: list[_Item], result: BatchResult,
+                 on_accepted: Callable[[set[int]], None] | None = None) -> None:
+        """`on_accepted(ended)`, if given, is called once the constrained rows' matchers accepted
+        their tokens, before the per-request work; `ended`: id() of the requests whose matcher
+        refused its token or terminated (they end in this step)."""
         now_running: list[Req] = []
         self._step_acceptance = []
+        accepted = self._accept_grammar_tokens(items, result) if self.grammar is not None else {}
+        if on_accepted is not None:
+            on_accepted({id(items[i].req) for i, (ok, term) in accepted.items() if term or not ok})
         for i, it in enumerate(items):
             req = it.req
             if req.finished:  # overlap: aborted, or stopped a step earlier, while this batch ran
@@ -1004,7 +1070,7 @@ class Scheduler:
             else:
                 lp = result.token_logprobs[i] if result.token_logprobs is not None else None
                 top = result.top_logprobs[i] if result.top_logprobs is not None else None
-                self._append_token(req, int(result.next_token_ids[i]), lp, top)
+                self._append_token(req, int(result.next_token_ids[i]), lp, top, accepted.get(i))
             self._notify_drafter(req, n_before)
             if req.finished:
                 self._release(req)
@@ -1019,7 +1085,9 @@ class Scheduler:
         if self._step_acceptance:  # the safeguard's average moves once per verify step
             self.draft_control.record(self._step_acceptance)
 
-    def _append_token(self, req: Req, token: int, lp: float | None, top: list | None) -> None:
+    def _append_token(self, req: Req, token: int, lp: float | None, top: list | None,
+                      accepted: tuple[bool, bool] | None = None) -> None:
+        """`accepted`: (accepted, terminated) when the request's matcher already took `token`."""
         req.output_ids.append(token)
         self.metrics.generated_tokens += 1
         if req.sampling_params.logprobs:
@@ -1029,7 +1097,7 @@ class Scheduler:
             if req.grammar_start.reached(token):  # the constraint applies from the next token on
                 req.grammar = self.grammar.ready_backend.new_matcher(req.grammar_start.compiled)
                 req.grammar_start = None
-        elif req.grammar is not None and not self._grammar_accepts(req, token):
+        elif req.grammar is not None and not self._grammar_accepts(req, token, accepted):
             return
         meta = self.meta.get(req.rid)
         if meta is not None and meta.stop_matcher is not None:
@@ -1044,14 +1112,17 @@ class Scheduler:
         elif n >= sp.max_new_tokens or len(req.origin_input_ids) + n >= self.context_len:
             req.finished_reason = {"type": "length"}
 
-    def _grammar_accepts(self, req: Req, token: int) -> bool:
-        """Advance the request's matcher; False when that ended the request (its grammar is
-        complete, or it refused a token its own mask allowed)."""
-        if not req.grammar.accept_token(token):
+    def _grammar_accepts(self, req: Req, token: int, accepted: tuple[bool, bool] | None = None) -> bool:
+        """Advance the request's matcher (unless `accepted` says it already took the token); False
+        when that ended the request (its grammar is complete, or it refused a token its own mask allowed)."""
+        if accepted is None:
+            ok = req.grammar.accept_token(token)
+            accepted = (ok, ok and req.grammar.is_terminated())
+        if not accepted[0]:
             logger.error("request %s: the grammar refused token %d that its mask allowed", req.rid, token)
             req.finished_reason = {"type": "abort", "message": "the grammar backend refused a token it allowed"}
             return False
-        if req.grammar.is_terminated():
+        if accepted[1]:
             req.finished_reason = {"type": "stop", "matched": token}
             return False
         return True

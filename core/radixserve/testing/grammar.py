@@ -4,7 +4,8 @@
 compiles constraints, walks random valid outputs with the bitmask (a stop token as soon as one is
 allowed), checks that each output fullmatches its regex or parses and follows its schema, that a
 masked-out token is refused without changing the state, that `rollback` restores the state, that
-bad constraints raise GrammarError, that `fill_bitmasks` over many rows equals per-row fills, and that
+bad constraints raise GrammarError, that `fill_bitmasks` over many rows equals per-row fills (and
+`accept_tokens` per-row accepts), and that
 `apply_bitmask_inplace` masks exactly the cleared bits.
 """
 
@@ -212,6 +213,37 @@ def _check_fill_bitmasks(backend: GrammarBackend, tokenizer: Any, name: str) -> 
     for row, m in pairs:
         m.fill_bitmask(want, row)
     assert torch.equal(got, want), f"{name}.fill_bitmasks differs from filling each row with its matcher's fill_bitmask"
+    _check_accept_tokens(backend, pairs, want, rng, name)
+
+
+def _check_accept_tokens(backend: GrammarBackend, pairs: list, masks: torch.Tensor, rng: random.Random, name: str) -> None:
+    """`accept_tokens` over many matchers gives each the flag `accept_token` gives (allowed tokens
+    accepted, masked-out ones refused) and leaves each where `accept_token` leaves it."""
+    matchers, tokens, want = [], [], []
+    for k, (row, m) in enumerate(pairs):
+        every = set(_allowed(masks, row, backend.vocab_size))
+        allowed = every - set(backend.stop_token_ids)  # a matcher stays live (it is filled below)
+        refused = [t for t in range(backend.vocab_size) if t not in every]
+        if not allowed or (k % 3 == 0 and refused):
+            tokens.append(rng.choice(refused))
+            want.append(False)
+        else:
+            tokens.append(rng.choice(sorted(allowed)))
+            want.append(True)
+        matchers.append(m)
+    got = [bool(x) for x in backend.accept_tokens(matchers, tokens)]
+    assert got == want, f"{name}.accept_tokens returned {got}, accept_token would return {want}"
+    if not any(want) or any(m.max_rollback_tokens < 1 for m in matchers):
+        return
+    after = backend.allocate_bitmask(len(matchers))
+    again = backend.allocate_bitmask(len(matchers))
+    for k, m in enumerate(matchers):
+        m.fill_bitmask(after, k)
+        if want[k]:  # the same token through accept_token: the same state
+            m.rollback(1)
+            assert m.accept_token(tokens[k]), f"{name}: accept_token refused a token accept_tokens accepted"
+        m.fill_bitmask(again, k)
+    assert torch.equal(after, again), f"{name}.accept_tokens left a matcher elsewhere than accept_token does"
 
 
 def _fill_row(matcher, bitmask: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,8 @@ class ToyRunner:
             sb = dataclasses.replace(sb, input_ids=f.tokens[f.rows].tolist(), future_inputs=None)
         if sb.token_bitmask_ready is not None:
             sb.token_bitmask_ready()
+        if sb.token_bitmask is not None:  # the scheduler reuses the buffer: keep the mask this batch used
+            self.batches[n] = dataclasses.replace(self.batches[n], token_bitmask=sb.token_bitmask.clone())
         result = self._compute(sb)
         tokens = torch.tensor([t if t is not None else -1 for t in result.next_token_ids], dtype=torch.int64)
 
