@@ -40,5 +40,9 @@ __version__ = "0.1.0"
 #      radixserve.layers.moe.small_m.fused_gate_select_experts; WeightSource.hf_config may return a plain
 #      config object with to_transformers() (GGUF: no transformers import when serving); linear layers
 #      may carry a `gemv_config` tile set by the runner (runtime.batch1_gemv, layers/gemv_selection.py)
-# 1.7: GrammarBackend.accept_tokens (every constrained row's token of a step in one call)
+# 1.7: GrammarBackend.accept_tokens (every constrained row's token of a step in one call);
+#      decoder blocks for model authors: DecoderAttention.forward_qkv, SwiGLUMLP.forward_gate_up and
+#      radixserve.layers.norm_gemv (norm_linear / norm_linear_fusable: a plain RMSNorm inside the batch-1
+#      GEMV of the projection after it, runtime.batch1_gemv_fuse_norm / _fuse_silu); linear layers may
+#      carry `gemv_fuse_norm`; runtime.lowbit_gemv (int4 / FP8 whole-row GEMVs, layers/lowbit_gemv.py)
 PLUGIN_API_VERSION = "1.7"
