@@ -182,3 +182,24 @@ def test_path_argument_is_checked():
     with pytest.raises(ValueError, match="'fast'"):
         triton_kernel.triton_fused_experts(torch.zeros(1, 4), w13, w2, torch.ones(1, 1),
                                            torch.zeros(1, 1, dtype=torch.int32), path="fast")
+
+
+def test_one_launch_experts_equal_the_two_launches():
+    """`SmallMBlocks(one_launch=True)`: gate_up and down tiles in one grid, ordered by tickets, give
+    the two-launch result bit for bit (same tiles, same sums): 2 tokens with unmasked K steps and a
+    split down projection, then 1 token with masked K steps (H = 36, I = 48 in two splits, the
+    second partial); the counters are all zero after each call (the second call reuses them)."""
+    gen = torch.Generator().manual_seed(13)
+    e, top_k = 8, 2
+    for m, h, i, splits, gu_k in ((2, 32, 64, 2, 16), (1, 36, 48, 2, 32)):
+        two = small_m.SmallMBlocks(gate_up_n=32, gate_up_k=gu_k, down_n=16, down_k=32)
+        one = small_m.SmallMBlocks(**{**two.__dict__, "one_launch": True})
+        w13 = torch.randn(e, 2 * i, h, generator=gen) * 0.2
+        w2 = torch.randn(e, h, i, generator=gen) * 0.2
+        x = torch.randn(m, h, generator=gen)
+        weights, ids = select_experts(torch.randn(m, e, generator=gen), RoutingConfig(top_k=top_k))
+        want = small_m.small_m_fused_experts(x, w13, w2, weights, ids, splits=splits, blocks=two)
+        got = small_m.small_m_fused_experts(x, w13, w2, weights, ids, splits=splits, blocks=one)
+        assert torch.equal(got, want)
+        assert not any(buf.any() for buf in small_m._ARRIVALS[x.device])
+        torch.testing.assert_close(got, fused_experts_reference(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)

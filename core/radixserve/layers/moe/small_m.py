@@ -58,9 +58,12 @@ class SmallMBlocks:
     down_k: int = 256
     num_warps: int = 4
     sum_n: int = 256
+    # both phases in one launch (`one_launch`: ticket-ordered tiles; same bits as the two launches)
+    one_launch: bool = False
 
 
-DEFAULT_BLOCKS = SmallMBlocks()
+# RADIXSERVE_MOE_ONE_LAUNCH=1: the default blocks run the experts in one launch (A/B runs on the GPU)
+DEFAULT_BLOCKS = SmallMBlocks(one_launch=os.environ.get("RADIXSERVE_MOE_ONE_LAUNCH", "0") == "1")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -320,6 +323,11 @@ def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     :param splits: parts of the down projection's reduction (default `down_splits`).
     :param blocks: tile sizes (default `DEFAULT_BLOCKS`).
     Meant for few pairs (`use_small_m`); correct at any size."""
+    b = blocks or DEFAULT_BLOCKS
+    if b.one_launch:
+        from radixserve.layers.moe.one_launch import one_launch_fused_experts
+
+        return one_launch_fused_experts(x, w13, w2, topk_weights, topk_ids, splits, b)
     t, hidden, num_experts, inter, top_k, pairs = expert_shapes(x, w13, w2, topk_ids)
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("expert weights must be contiguous in their last dim")
@@ -329,7 +337,6 @@ def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     x = x.contiguous()
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
-    b = blocks or DEFAULT_BLOCKS
     splits = splits or down_splits(top_k, hidden, inter, _processors(x), b)
     k_per_split = _cdiv(_cdiv(inter, splits), b.down_k) * b.down_k
     splits = _cdiv(inter, k_per_split)  # no empty split
