@@ -203,3 +203,14 @@ def test_one_launch_experts_equal_the_two_launches():
         assert torch.equal(got, want)
         assert not any(buf.any() for buf in small_m._ARRIVALS[x.device])
         torch.testing.assert_close(got, fused_experts_reference(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_blocks_from_the_environment_string():
+    base = small_m.SmallMBlocks()
+    got = small_m.blocks_from_env("gate_up_n=8, gate_up_k=512,one_launch=1", base)
+    assert (got.gate_up_n, got.gate_up_k, got.one_launch, got.down_n) == (8, 512, True, base.down_n)
+    assert small_m.blocks_from_env("", base) == base
+    with pytest.raises(ValueError, match="'gate_n'"):
+        small_m.blocks_from_env("gate_n=8", base)
+    with pytest.raises(ValueError, match="down_k='big'"):
+        small_m.blocks_from_env("down_k=big", base)

@@ -184,5 +184,6 @@ def one_launch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
         w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1), pairs, gu_blocks, dn_blocks, splits,
         ROWS=top_k * splits, GU_N=b.gate_up_n, GU_K=b.gate_up_k, DN_N=b.down_n, DN_K=b.down_k,
         EVEN_GU_K=hidden % b.gate_up_k == 0, EVEN_DN_K=k_per_split * splits == inter,
-        BLOCK_P=small_m._pow2(pairs), num_warps=b.num_warps)
+        BLOCK_P=max(64, small_m._pow2(pairs)),  # one compiled kernel for every batch of the small path
+        num_warps=b.num_warps)
     return out

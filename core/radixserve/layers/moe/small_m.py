@@ -62,8 +62,27 @@ class SmallMBlocks:
     one_launch: bool = False
 
 
-# RADIXSERVE_MOE_ONE_LAUNCH=1: the default blocks run the experts in one launch (A/B runs on the GPU)
-DEFAULT_BLOCKS = SmallMBlocks(one_launch=os.environ.get("RADIXSERVE_MOE_ONE_LAUNCH", "0") == "1")
+def blocks_from_env(spec: str, base: SmallMBlocks) -> SmallMBlocks:
+    """`base` with the fields of `spec` ("gate_up_n=8,gate_up_k=512,one_launch=1") replaced, for A/B
+    runs on the GPU (RADIXSERVE_MOE_SMALL_M_BLOCKS). ValueError naming a bad field or value."""
+    fields = {f: type(v) for f, v in base.__dict__.items()}
+    changes = {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in fields:
+            raise ValueError(f"RADIXSERVE_MOE_SMALL_M_BLOCKS: unknown field {name!r} (fields: {', '.join(fields)})")
+        try:
+            changes[name] = bool(int(value)) if fields[name] is bool else int(value)
+        except ValueError:
+            raise ValueError(f"RADIXSERVE_MOE_SMALL_M_BLOCKS: {name}={value!r} is not an integer") from None
+    return SmallMBlocks(**{**base.__dict__, **changes})
+
+
+# RADIXSERVE_MOE_ONE_LAUNCH=1: the default blocks run the experts in one launch; and
+# RADIXSERVE_MOE_SMALL_M_BLOCKS="field=value,..." replaces any field (A/B runs on the GPU)
+DEFAULT_BLOCKS = blocks_from_env(os.environ.get("RADIXSERVE_MOE_SMALL_M_BLOCKS", ""),
+                                 SmallMBlocks(one_launch=os.environ.get("RADIXSERVE_MOE_ONE_LAUNCH", "0") == "1"))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -321,7 +340,8 @@ def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
         their last dim; fp32, bf16 or fp16 (x and the weights may differ: both are read into fp32).
     :param topk_weights: [T, top_k] (any float dtype); topk_ids: [T, top_k] integer expert ids.
     :param splits: parts of the down projection's reduction (default `down_splits`).
-    :param blocks: tile sizes (default `DEFAULT_BLOCKS`).
+    :param blocks: tile sizes (default `DEFAULT_BLOCKS`); `blocks.one_launch` runs both phases in one
+        launch (`one_launch.one_launch_fused_experts`, the same result bit for bit).
     Meant for few pairs (`use_small_m`); correct at any size."""
     b = blocks or DEFAULT_BLOCKS
     if b.one_launch:
