@@ -8,6 +8,8 @@ Shape: 128 experts, top 8, H 2048, I 768, bf16, softmax + renormalise. For 1, 2,
 - time per call in CUDA-graph replay (8 calls per graph, weights rotated over 4 copies so L2 does
   not serve them): experts only, two launches vs one; the layer (one-launch router + experts);
 - the experts' HBM floor (distinct active experts' bytes / the copy bandwidth measured here);
+- the residual add + RMSNorm in the router's launch (`fused_norm_gate_select_experts`) against
+  `triton_ops.rmsnorm` + `fused_gate_select_experts`: residual bit-equal, same ids, close weights; times;
 - at 1 token, a few tile variants of both paths.
 The first one-launch call runs alone with a watchdog: a hang (it must not happen: the waits are
 ticket-ordered) is reported and the script exits 2 instead of blocking the device.
@@ -142,6 +144,35 @@ def main() -> int:
                                   "one": round(floor_us / us["experts_one"], 3)},
             "one_vs_two_speedup": round(us["experts_two"] / us["experts_one"], 3), "ok": good,
         })
+
+    # the post-attention residual add + RMSNorm inside the router's launch vs its own launch
+    from radixserve.layers import triton_ops
+    norm_w = (1 + 0.1 * torch.randn(H, device="cuda", generator=gen)).to(torch.bfloat16)
+    for m in (1, 4):
+        hs = torch.randn(m, H, device="cuda", generator=gen, dtype=torch.bfloat16)
+        res_in = torch.randn(m, H, device="cuda", generator=gen, dtype=torch.bfloat16)
+        want_x, want_res = triton_ops.rmsnorm(hs, norm_w, 1e-6, res_in)
+        want_w, want_ids = fused_gate_select_experts(want_x, gate_w, cfg, arrivals)
+        x, res, wts, ids = small_m.fused_norm_gate_select_experts(hs, res_in, norm_w, 1e-6, gate_w, cfg, arrivals)
+        torch.cuda.synchronize()
+
+        def unfused(j):
+            nx, _ = triton_ops.rmsnorm(hs, norm_w, 1e-6, res_in)  # noqa: B023
+            return fused_gate_select_experts(nx, gate_w, cfg, arrivals)
+
+        def fused(j):
+            return small_m.fused_norm_gate_select_experts(hs, res_in, norm_w, 1e-6, gate_w, cfg, arrivals)  # noqa: B023
+
+        good = (bool(torch.equal(res, want_res)) and bool(torch.equal(ids, want_ids))
+                and bool(torch.allclose(wts, want_w, atol=1e-2, rtol=1e-2))
+                and (x.float() - want_x.float()).abs().max().item() <= 2e-2 * want_x.float().abs().max().item())
+        ok &= good
+        emit(rows_path, {"norm_router_tokens": m, "residual_bit_equal": bool(torch.equal(res, want_res)),
+                         "x_bit_equal_fraction": round((x == want_x).float().mean().item(), 4),
+                         "ids_equal": bool(torch.equal(ids, want_ids)),
+                         "max_weight_diff": round((wts - want_w).abs().max().item(), 5),
+                         "graph_us": {"norm_then_router": round(graph_us(unfused), 2),
+                                      "norm_in_router": round(graph_us(fused), 2)}, "ok": good})
 
     # tile variants at 1 token, both paths
     variants = [{}, {"gate_up_n": 8, "gate_up_k": 512}, {"gate_up_n": 32, "gate_up_k": 128},

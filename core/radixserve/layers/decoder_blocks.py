@@ -114,7 +114,9 @@ class PreNormDecoderLayer(nn.Module):
 
     :param self_attn: called as `self_attn(positions, h, batch)`.
     :param mlp: called as `mlp(h)`; registered under `mlp_name` (the checkpoint's name for it,
-        e.g. Mixtral's "block_sparse_moe").
+        e.g. Mixtral's "block_sparse_moe"). An mlp with `forward_norm_fused(h, residual, norm)`
+        is asked first to run the post-attention norm itself: it returns `(mlp(x), res)` for
+        `x, res = norm(h, residual)`, or None to decline (plugin API 1.7).
     :param input_layernorm: / `post_attention_layernorm`: norms taking `(x)` and `(x, residual)`
         as `radixserve.layers.norm.RMSNorm` does.
 
@@ -138,5 +140,10 @@ class PreNormDecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(h, residual)
         h = self.self_attn(positions, h, batch)
+        mlp = getattr(self, self.mlp_name)
+        fused = getattr(mlp, "forward_norm_fused", None)  # an MLP that runs the norm in its own first kernel
+        out = fused(h, residual, self.post_attention_layernorm) if fused is not None else None
+        if out is not None:
+            return out
         h, residual = self.post_attention_layernorm(h, residual)
-        return getattr(self, self.mlp_name)(h), residual
+        return mlp(h), residual
