@@ -1,6 +1,8 @@
 # Qwen3-30B-A3B batch-1 experts on the H200: one launch vs two (session 7, issue 16). Carry: .whl .gpu2.
-#   bash benchmarks/h200/qwen_b1.sh            (PARTS="k b" default, ~3.5 min; "p" adds the quick profile, ~1 min)
+#   bash benchmarks/h200/qwen_b1.sh            (PARTS="g k b" default, ~4 min; "p" adds the quick profile, ~1 min)
 # Parts (progress lines on stdout, JSON under $OUT, a summary in $OUT/summary.jsonl):
+#   g   qwen_b1_parity.py: GPU greedy parity of tiny Qwen2-MoE / Qwen3-MoE with transformers, prompts alone
+#       (batch-1 decode: the small MoE path with the post-attention norm inside the router's launch)
 #   k   qwen_b1_kernels.py: the experts at 1/2/4/8 tokens, two launches vs one (bit-equality, fp32 error,
 #       graph replay = eager, determinism), per-call graph-replay times, the HBM floor, tile variants at
 #       1 token; picks the fastest correct choice at 1 token ($OUT/qwen_b1_choice.json)
@@ -9,7 +11,7 @@
 #   p   qwen3moe_profile.py --quick with the same choice (graph replay ms and its kernels)
 set -o pipefail
 source benchmarks/h200/setup.sh || exit 1
-PARTS=" ${PARTS:-k b} "
+PARTS=" ${PARTS:-g k b} "
 has() { case "$PARTS" in *" $1 "*) return 0;; esac; return 1; }
 log() { echo "[qwen_b1 $(date +%H:%M:%S)] $*"; }
 QWEN=benchmarks/model-configs/qwen3-30b-a3b
@@ -17,6 +19,11 @@ T=.gpu2/tok-smollm2
 B1="runtime.device=cuda runtime.dtype=bfloat16 stack.attention=triton runtime.cuda_graph_max_bs=8 scheduler.max_running_requests=8"
 last_json() { python3 -c "import json,sys; print(json.loads(open(sys.argv[1]).readlines()[-1])[sys.argv[2]])" "$1" "$2"; }
 
+if has g; then
+  log "g: GPU parity, tiny Qwen2-MoE / Qwen3-MoE, batch-1 decode"
+  timeout 100 python3 benchmarks/h200/qwen_b1_parity.py 2>&1 | grep -v Warning | grep "SUMMARY\|parity\|Error\|error" | tail -8
+  echo "{\"part\": \"g\", \"exit\": $?}" | tee -a $OUT/summary.jsonl
+fi
 if has k; then
   log "k: expert kernels, two launches vs one"
   timeout 150 python3 benchmarks/h200/qwen_b1_kernels.py --out $OUT 2>&1 | grep -v Warning | tail -40
