@@ -188,7 +188,8 @@ def test_one_launch_experts_equal_the_two_launches():
     """`SmallMBlocks(one_launch=True)`: gate_up and down tiles in one grid, ordered by tickets, give
     the two-launch result bit for bit (same tiles, same sums): 2 tokens with unmasked K steps and a
     split down projection, then 1 token with masked K steps (H = 36, I = 48 in two splits, the
-    second partial); the counters are all zero after each call (the second call reuses them)."""
+    second partial); the counters are all zero after each call (the second call reuses them); the
+    gate_up phase with the next K step prefetched gives the same bits."""
     gen = torch.Generator().manual_seed(13)
     e, top_k = 8, 2
     for m, h, i, splits, gu_k in ((2, 32, 64, 2, 16), (1, 36, 48, 2, 32)):
@@ -202,6 +203,9 @@ def test_one_launch_experts_equal_the_two_launches():
         got = small_m.small_m_fused_experts(x, w13, w2, weights, ids, splits=splits, blocks=one)
         assert torch.equal(got, want)
         assert not any(buf.any() for buf in small_m._ARRIVALS[x.device])
+        prefetched = small_m.SmallMBlocks(**{**one.__dict__, "prefetch": True})  # the next K step loaded early
+        assert torch.equal(small_m.small_m_fused_experts(x, w13, w2, weights, ids, splits=splits, blocks=prefetched),
+                           want)
         torch.testing.assert_close(got, fused_experts_reference(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
 
 

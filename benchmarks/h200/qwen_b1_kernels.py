@@ -176,11 +176,12 @@ def main() -> int:
 
     # tile variants at 1 token, both paths
     variants = [{}, {"gate_up_n": 8, "gate_up_k": 512}, {"gate_up_n": 32, "gate_up_k": 128},
-                {"down_n": 16}, {"num_warps": 8}, {"gate_up_n": 8, "gate_up_k": 512, "down_n": 16}]
+                {"down_n": 16}, {"num_warps": 8}, {"gate_up_n": 8, "gate_up_k": 512, "down_n": 16},
+                {"prefetch": True}, {"prefetch": True, "gate_up_k": 128}, {"prefetch": True, "down_n": 16}]
     want = reference(x1, w13[0], w2[0], w1, i1)
     results = []
     for change in variants:
-        for launch in (False, True):
+        for launch in ((True,) if change.get("prefetch") else (False, True)):  # prefetch: one launch only
             b = dataclasses.replace(DEFAULT_BLOCKS, one_launch=launch, **change)
             got = small_m_fused_experts(x1, w13[0], w2[0], w1, i1, blocks=b)
             rel = ((got.float() - want).abs().max() / want.abs().max()).item()

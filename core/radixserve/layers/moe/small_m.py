@@ -60,6 +60,8 @@ class SmallMBlocks:
     sum_n: int = 256
     # both phases in one launch (`one_launch`: ticket-ordered tiles; same bits as the two launches)
     one_launch: bool = False
+    # one_launch only: the gate_up phase loads the next K step before multiplying this one
+    prefetch: bool = False
 
 
 def blocks_from_env(spec: str, base: SmallMBlocks) -> SmallMBlocks:
