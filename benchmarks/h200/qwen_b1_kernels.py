@@ -175,8 +175,7 @@ def main() -> int:
                                       "norm_in_router": round(graph_us(fused), 2)}, "ok": good})
 
     # tile variants at 1 token, both paths
-    variants = [{}, {"gate_up_n": 8, "gate_up_k": 512}, {"gate_up_n": 32, "gate_up_k": 128},
-                {"down_n": 16}, {"num_warps": 8}, {"gate_up_n": 8, "gate_up_k": 512, "down_n": 16},
+    variants = [{}, {"gate_up_n": 8, "gate_up_k": 512}, {"down_n": 16}, {"gate_up_n": 8, "gate_up_k": 512, "down_n": 16},
                 {"prefetch": True}, {"prefetch": True, "gate_up_k": 128}, {"prefetch": True, "down_n": 16}]
     want = reference(x1, w13[0], w2[0], w1, i1)
     results = []
