@@ -170,13 +170,15 @@ class FusedMoE(nn.Module):
         """The post-attention `x, res = norm(h, residual)` fused into the one-launch router of
         `forward_with_gate` (one launch fewer per layer): returns (experts' output, x, res), or None
         where the fusion does not apply (then call `norm` and `forward_with_gate` as usual). It
-        applies where `forward_with_gate` fuses the router and `norm` is a
-        `radixserve.layers.norm.RMSNorm` (not a subclass changing its forward) whose weight has h's dtype, with a residual of h's shape and dtype.
+        applies where `forward_with_gate` fuses the router, `norm` is a `radixserve.layers.norm.RMSNorm`
+        (not a subclass changing its forward) whose weight has h's dtype, and the residual has h's
+        shape and dtype (RADIXSERVE_MOE_FUSED_NORM=0 turns it off).
         Added in plugin API 1.7."""
         w = getattr(gate, "weight", None)
         norm_w, eps = getattr(norm, "weight", None), getattr(norm, "eps", None)
         plain_rmsnorm = isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward  # not a variant
-        if not (small_m.FUSED_NORM and plain_rmsnorm and isinstance(w, torch.Tensor) and getattr(gate, "bias", None) is None
+        if not (small_m.FUSED_NORM and plain_rmsnorm
+                and isinstance(w, torch.Tensor) and getattr(gate, "bias", None) is None
                 and isinstance(getattr(gate, "quant_method", None), UnquantizedMethod)
                 and isinstance(norm_w, torch.Tensor) and isinstance(eps, float) and norm_w.dtype == h.dtype
                 and norm_w.shape == (h.shape[-1],) and residual is not None and residual.shape == h.shape
