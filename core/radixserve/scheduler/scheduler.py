@@ -384,8 +384,7 @@ class Scheduler:
                 except Exception:
                     self._isolate_failure([items])
                 else:
-                    self._passed(items)
-                    self._process(items, result)
+                    self._finish_step(items, result)
         self.metrics.record_step()
         if ran:  # an idle step (nothing scheduled) is waiting, not work
             self.metrics.steps += 1
@@ -410,8 +409,7 @@ class Scheduler:
                 self._isolate_failure([prev[0]] + ([ahead[0]] if ahead is not None else []))
                 return
             if result is not None:
-                self._passed(prev[0])
-                self._process(prev[0], result)  # the device is busy with the next batch meanwhile
+                self._finish_step(prev[0], result)  # the device is busy with the next batch meanwhile
             if ahead is not None:
                 return
         items = self._schedule()
