@@ -1,14 +1,14 @@
 # Qwen3-30B-A3B batch-1 experts on the H200: one launch vs two (session 7, issue 16). Carry: .whl .gpu2.
-#   bash benchmarks/h200/qwen_b1.sh            (PARTS="g k b" default, ~4 min; "p" adds the quick profile, ~1 min)
+#   bash benchmarks/h200/qwen_b1.sh            (PARTS="g k b" default, ~4 min; PARTS=p: the quick profile alone, < 2 min)
 # Parts (progress lines on stdout, JSON under $OUT, a summary in $OUT/summary.jsonl):
 #   g   qwen_b1_parity.py: GPU greedy parity of tiny Qwen2-MoE / Qwen3-MoE with transformers, prompts alone
 #       (batch-1 decode: the small MoE path with the post-attention norm inside the router's launch)
 #   k   qwen_b1_kernels.py: the experts at 1/2/4/8 tokens, two launches vs one (bit-equality, fp32 error,
 #       graph replay = eager, determinism), per-call graph-replay times, the HBM floor, tile variants at
-#       1 token; picks the fastest correct choice at 1 token ($OUT/qwen_b1_choice.json)
-#   b   Engine batch-1 decode, 128 in / 512 out (dummy bf16, triton attention, CUDA graphs) with that choice
-#       (RADIXSERVE_MOE_SMALL_M_BLOCKS) and the HBM limit measured in the same call (moe_limit.py)
-#   p   qwen3moe_profile.py --quick with the same choice (graph replay ms and its kernels)
+#       1 token ($OUT/qwen_b1_choice.json: the fastest; the defaults are session 7's: one launch at <= 2 tokens)
+#   b   Engine batch-1 decode, 128 in / 512 out (dummy bf16, triton attention, CUDA graphs), the defaults, and
+#       the HBM limit measured in the same call (moe_limit.py)
+#   p   qwen3moe_profile.py --quick (graph replay ms and its kernels per step)
 set -o pipefail
 source benchmarks/h200/setup.sh || exit 1
 PARTS=" ${PARTS:-g k b} "
@@ -29,27 +29,21 @@ if has k; then
   timeout 150 python3 benchmarks/h200/qwen_b1_kernels.py --out $OUT 2>&1 | grep -v Warning | tail -40
   echo "{\"part\": \"k\", \"exit\": $?}" | tee -a $OUT/summary.jsonl
 fi
-CHOICE=""
-if [ -s $OUT/qwen_b1_choice.json ]; then
-  CHOICE=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['blocks'])" $OUT/qwen_b1_choice.json)
-fi
-log "choice for b/p: RADIXSERVE_MOE_SMALL_M_BLOCKS='$CHOICE' (empty: the defaults)"
 if has b; then
   log "b: Engine batch-1 decode, 128 in / 512 out"
-  RADIXSERVE_MOE_SMALL_M_BLOCKS="$CHOICE" timeout 200 python3 benchmarks/offline_throughput.py --model $QWEN \
+  timeout 200 python3 benchmarks/offline_throughput.py --model $QWEN \
     --load-format dummy --tokenizer $T --num-prompts 1 --input-len 128 --output-len 512 --vocab-high 30000 \
     --result-file $OUT/qwen3_batch1.jsonl $B1 2>&1 | grep -v "it/s\]" | tail -3 | cut -c1-300
   if [ -s $OUT/qwen3_batch1.jsonl ]; then
     python3 benchmarks/h200/moe_limit.py $QWEN --measured-tok-s "$(last_json $OUT/qwen3_batch1.jsonl output_tok_s)" \
       | tee $OUT/qwen3_limit.jsonl | tee -a $OUT/summary.jsonl
-    echo "{\"part\": \"b\", \"blocks\": \"$CHOICE\"}" | tee -a $OUT/summary.jsonl
   else
     log "b: no batch-1 result"
   fi
 fi
 if has p; then
   log "p: quick profile of the batch-1 step"
-  RADIXSERVE_MOE_SMALL_M_BLOCKS="$CHOICE" timeout 150 python3 benchmarks/h200/qwen3moe_profile.py --out $OUT --quick \
+  timeout 150 python3 benchmarks/h200/qwen3moe_profile.py --out $OUT --quick \
     2>&1 | grep -v Warning | tail -30
 fi
 log "done"

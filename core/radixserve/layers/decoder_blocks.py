@@ -107,6 +107,19 @@ class SwiGLUMLP(nn.Module):
         return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
 
 
+class FusesPostAttentionNorm:
+    """Declares that an MLP block can run the decoder layer's post-attention norm inside its own
+    first kernel: `PreNormDecoderLayer` calls `forward_norm_fused` instead of the norm + `forward`
+    for an mlp that is an instance of this class (e.g. Qwen-MoE's block: the norm inside the
+    router's launch). Added in plugin API 1.7."""
+
+    def forward_norm_fused(self, h: torch.Tensor, residual: torch.Tensor,
+                           norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(self(x), res)` for `x, res = norm(h, residual)`, or None where the block cannot fuse
+        this norm or these tensors (the layer then runs `norm` and the block as usual)."""
+        raise NotImplementedError
+
+
 class PreNormDecoderLayer(nn.Module):
     """The Llama-style decoder layer: `h = attn(input_norm(stream))`, `stream += h`,
     `h = mlp(post_attention_norm(stream))`, with the residual add fused into the norms
@@ -114,9 +127,8 @@ class PreNormDecoderLayer(nn.Module):
 
     :param self_attn: called as `self_attn(positions, h, batch)`.
     :param mlp: called as `mlp(h)`; registered under `mlp_name` (the checkpoint's name for it,
-        e.g. Mixtral's "block_sparse_moe"). An mlp with `forward_norm_fused(h, residual, norm)`
-        is asked first to run the post-attention norm itself: it returns `(mlp(x), res)` for
-        `x, res = norm(h, residual)`, or None to decline (plugin API 1.7).
+        e.g. Mixtral's "block_sparse_moe"). A `FusesPostAttentionNorm` mlp is asked first to run
+        the post-attention norm itself (plugin API 1.7).
     :param input_layernorm: / `post_attention_layernorm`: norms taking `(x)` and `(x, residual)`
         as `radixserve.layers.norm.RMSNorm` does.
 
@@ -141,9 +153,9 @@ class PreNormDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(h, residual)
         h = self.self_attn(positions, h, batch)
         mlp = getattr(self, self.mlp_name)
-        fused = getattr(mlp, "forward_norm_fused", None)  # an MLP that runs the norm in its own first kernel
-        out = fused(h, residual, self.post_attention_layernorm) if fused is not None else None
-        if out is not None:
-            return out
+        if isinstance(mlp, FusesPostAttentionNorm):  # the MLP may run the norm in its own first kernel
+            out = mlp.forward_norm_fused(h, residual, self.post_attention_layernorm)
+            if out is not None:
+                return out
         h, residual = self.post_attention_layernorm(h, residual)
         return mlp(h), residual

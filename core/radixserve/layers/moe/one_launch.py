@@ -24,7 +24,9 @@ every size: all are known from the tensors' shapes).
 The sums have the order of the two-launch path (the same tiles, the same reductions), so the result
 is bit-identical to it with the same blocks, and deterministic.
 
-Switched on by `SmallMBlocks.one_launch` (RADIXSERVE_MOE_ONE_LAUNCH=1 for the default blocks).
+`small_m_fused_experts` takes it for at most `small_m.ONE_LAUNCH_MAX_TOKENS` tokens (or as
+`SmallMBlocks.one_launch` says). On the H200 (Qwen3-30B-A3B experts, CUDA-graph replay) it took 25.4
+against 26.2 us at 1 token and 43.3 against 46.3 us at 2, but lost at 4 (0.98x) and 8 tokens (0.92x).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                        stride_13e, stride_13n, stride_2e, stride_2n, PAIRS, GU_BLOCKS, DN_BLOCKS, SPLITS,
                        ROWS: tl.constexpr, GU_N: tl.constexpr, GU_K: tl.constexpr, DN_N: tl.constexpr,
                        DN_K: tl.constexpr, EVEN_GU_K: tl.constexpr, EVEN_DN_K: tl.constexpr,
-                       BLOCK_P: tl.constexpr, PREFETCH: tl.constexpr):
+                       BLOCK_P: tl.constexpr):
         """sync (int32, zero on entry and exit): [0] ticket, [1] exits, [2, 2 + PAIRS) gate_up tiles
         done per pair, then the per-(token, down column block) arrivals of the row sum."""
         tile = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
@@ -71,43 +73,21 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             g_x_row = x_ptr + (g_pair // top_k).to(tl.int64) * stride_xm
             g_acc_gate = tl.zeros((GU_N, GU_K), dtype=tl.float32)
             g_acc_up = tl.zeros((GU_N, GU_K), dtype=tl.float32)
-            if PREFETCH:
-                # the next K step's loads issued before this step's multiply-adds wait on theirs: two
-                # steps of weights in flight per program (loads past H are masked off: no traffic)
-                g_k_ok = g_offs_k < H
-                g_xv = tl.load(g_x_row + g_offs_k, mask=g_k_ok, other=0.0)
-                g_mask = g_n_ok[:, None] & g_k_ok[None, :]
-                g_wg = tl.load(g_w_gate + g_offs_k[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
-                g_wu = tl.load(g_w_up + g_offs_k[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
-                for k0 in range(0, H, GU_K):
-                    g_kk = k0 + GU_K + g_offs_k
+            for k0 in range(0, H, GU_K):
+                g_kk = k0 + g_offs_k
+                # every load of the step before any cast (a cast between them waits on x's latency)
+                if EVEN_GU_K:
+                    g_xv = tl.load(g_x_row + g_kk)
+                    g_mask = g_n_ok[:, None]
+                else:
                     g_k_ok = g_kk < H
+                    g_xv = tl.load(g_x_row + g_kk, mask=g_k_ok, other=0.0)
                     g_mask = g_n_ok[:, None] & g_k_ok[None, :]
-                    g_xv_next = tl.load(g_x_row + g_kk, mask=g_k_ok, other=0.0)
-                    g_wg_next = tl.load(g_w_gate + g_kk[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
-                    g_wu_next = tl.load(g_w_up + g_kk[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
-                    g_xf = g_xv.to(tl.float32)[None, :]
-                    g_acc_gate += g_wg.to(tl.float32) * g_xf
-                    g_acc_up += g_wu.to(tl.float32) * g_xf
-                    g_xv = g_xv_next
-                    g_wg = g_wg_next
-                    g_wu = g_wu_next
-            else:
-                for k0 in range(0, H, GU_K):
-                    g_kk = k0 + g_offs_k
-                    # every load of the step before any cast (a cast between them waits on x's latency)
-                    if EVEN_GU_K:
-                        g_xv = tl.load(g_x_row + g_kk)
-                        g_mask = g_n_ok[:, None]
-                    else:
-                        g_k_ok = g_kk < H
-                        g_xv = tl.load(g_x_row + g_kk, mask=g_k_ok, other=0.0)
-                        g_mask = g_n_ok[:, None] & g_k_ok[None, :]
-                    g_wg = tl.load(g_w_gate + g_kk[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
-                    g_wu = tl.load(g_w_up + g_kk[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
-                    g_xf = g_xv.to(tl.float32)[None, :]
-                    g_acc_gate += g_wg.to(tl.float32) * g_xf
-                    g_acc_up += g_wu.to(tl.float32) * g_xf
+                g_wg = tl.load(g_w_gate + g_kk[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
+                g_wu = tl.load(g_w_up + g_kk[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
+                g_xf = g_xv.to(tl.float32)[None, :]
+                g_acc_gate += g_wg.to(tl.float32) * g_xf
+                g_acc_up += g_wu.to(tl.float32) * g_xf
             g_gate = tl.sum(g_acc_gate, axis=1)
             g_up = tl.sum(g_acc_up, axis=1)
             tl.store(act_ptr + g_pair * INTER + g_offs_n, g_gate / (1.0 + tl.exp(-g_gate)) * g_up, mask=g_n_ok)
@@ -205,7 +185,7 @@ def one_launch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
         x, w13, w2, act, partial, out, weights, ids, sync, inter, hidden, k_per_split, top_k, x.stride(0),
         w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1), pairs, gu_blocks, dn_blocks, splits,
         ROWS=top_k * splits, GU_N=b.gate_up_n, GU_K=b.gate_up_k, DN_N=b.down_n, DN_K=b.down_k,
-        EVEN_GU_K=hidden % b.gate_up_k == 0, EVEN_DN_K=k_per_split * splits == inter, PREFETCH=b.prefetch,
+        EVEN_GU_K=hidden % b.gate_up_k == 0, EVEN_DN_K=k_per_split * splits == inter,
         BLOCK_P=max(64, small_m._pow2(pairs)),  # one compiled kernel for every batch of the small path
         num_warps=b.num_warps)
     return out

@@ -58,33 +58,16 @@ class SmallMBlocks:
     down_k: int = 256
     num_warps: int = 4
     sum_n: int = 256
-    # both phases in one launch (`one_launch`: ticket-ordered tiles; same bits as the two launches)
-    one_launch: bool = False
-    # one_launch only: the gate_up phase loads the next K step before multiplying this one
-    prefetch: bool = False
+    # both phases in one launch (`one_launch`: ticket-ordered tiles; same bits as the two launches).
+    # None: one launch for at most ONE_LAUNCH_MAX_TOKENS tokens, where the H200 measured it faster
+    one_launch: bool | None = None
 
 
-def blocks_from_env(spec: str, base: SmallMBlocks) -> SmallMBlocks:
-    """`base` with the fields of `spec` ("gate_up_n=8,gate_up_k=512,one_launch=1") replaced, for A/B
-    runs on the GPU (RADIXSERVE_MOE_SMALL_M_BLOCKS). ValueError naming a bad field or value."""
-    fields = {f: type(v) for f, v in base.__dict__.items()}
-    changes = {}
-    for item in filter(None, (p.strip() for p in spec.split(","))):
-        name, _, value = item.partition("=")
-        name = name.strip()
-        if name not in fields:
-            raise ValueError(f"RADIXSERVE_MOE_SMALL_M_BLOCKS: unknown field {name!r} (fields: {', '.join(fields)})")
-        try:
-            changes[name] = bool(int(value)) if fields[name] is bool else int(value)
-        except ValueError:
-            raise ValueError(f"RADIXSERVE_MOE_SMALL_M_BLOCKS: {name}={value!r} is not an integer") from None
-    return SmallMBlocks(**{**base.__dict__, **changes})
-
-
-# RADIXSERVE_MOE_ONE_LAUNCH=1: the default blocks run the experts in one launch; and
-# RADIXSERVE_MOE_SMALL_M_BLOCKS="field=value,..." replaces any field (A/B runs on the GPU)
-DEFAULT_BLOCKS = blocks_from_env(os.environ.get("RADIXSERVE_MOE_SMALL_M_BLOCKS", ""),
-                                 SmallMBlocks(one_launch=os.environ.get("RADIXSERVE_MOE_ONE_LAUNCH", "0") == "1"))
+# Qwen3-30B-A3B's experts on the H200 (benchmarks/results/h200-moe.md, session 7): one launch vs two
+# took 25.4 vs 26.2 us at 1 token (1.03x), 43.3 vs 46.3 at 2 (1.07x), but 0.98x at 4 and 0.92x at 8
+# tokens (its down tiles wait for whole pairs while the split grids overlap better at more pairs)
+ONE_LAUNCH_MAX_TOKENS = 2
+DEFAULT_BLOCKS = SmallMBlocks()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -376,10 +359,11 @@ def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     :param topk_weights: [T, top_k] (any float dtype); topk_ids: [T, top_k] integer expert ids.
     :param splits: parts of the down projection's reduction (default `down_splits`).
     :param blocks: tile sizes (default `DEFAULT_BLOCKS`); `blocks.one_launch` runs both phases in one
-        launch (`one_launch.one_launch_fused_experts`, the same result bit for bit).
+        launch (`one_launch.one_launch_fused_experts`, the same result bit for bit; None: for at most
+        ONE_LAUNCH_MAX_TOKENS tokens).
     Meant for few pairs (`use_small_m`); correct at any size."""
     b = blocks or DEFAULT_BLOCKS
-    if b.one_launch:
+    if b.one_launch or (b.one_launch is None and x.shape[0] <= ONE_LAUNCH_MAX_TOKENS):
         from radixserve.layers.moe.one_launch import one_launch_fused_experts
 
         return one_launch_fused_experts(x, w13, w2, topk_weights, topk_ids, splits, b)
@@ -462,9 +446,6 @@ def fused_select_experts(router_logits: torch.Tensor, cfg: RoutingConfig,
 # The router's linear and its routing in one launch (`fused_gate_select_experts`); "0" keeps the
 # linear layer + `fused_select_experts` (two launches) for A/B runs on the GPU.
 FUSED_GATE = os.environ.get("RADIXSERVE_MOE_FUSED_GATE", "1") != "0"
-# The post-attention residual add + RMSNorm inside that launch (`fused_norm_gate_select_experts`, used by
-# `FusedMoE.forward_with_norm_gate`); "0" keeps the norm's own launch (A/B runs on the GPU).
-FUSED_NORM = os.environ.get("RADIXSERVE_MOE_FUSED_NORM", "1") != "0"
 GATE_ROWS = 2  # experts per program of the router's linear: 64 programs for 128 experts
 
 

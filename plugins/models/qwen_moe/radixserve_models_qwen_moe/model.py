@@ -12,14 +12,20 @@ import torch
 import torch.nn as nn
 from radixserve.interfaces.quantization import QuantMethod
 from radixserve.layers.causal_lm import DecoderOnlyCausalLM
-from radixserve.layers.decoder_blocks import DecoderAttention, PreNormDecoderLayer, SwiGLUMLP, check_silu
+from radixserve.layers.decoder_blocks import (
+    DecoderAttention,
+    FusesPostAttentionNorm,
+    PreNormDecoderLayer,
+    SwiGLUMLP,
+    check_silu,
+)
 from radixserve.layers.distributed import TPGroup
 from radixserve.layers.linear import ReplicatedLinear
 from radixserve.layers.moe import FusedMoE, RoutingConfig
 from radixserve.layers.norm import RMSNorm
 
 
-class QwenSparseMoeBlock(nn.Module):
+class QwenSparseMoeBlock(nn.Module, FusesPostAttentionNorm):
     """Router `gate`, routed `experts`, and (Qwen2-MoE) `shared_expert` scaled by sigmoid(`shared_expert_gate`)."""
 
     def __init__(self, config, quant_method: QuantMethod | None, prefix: str) -> None:
