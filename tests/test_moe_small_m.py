@@ -182,3 +182,87 @@ def test_path_argument_is_checked():
     with pytest.raises(ValueError, match="'fast'"):
         triton_kernel.triton_fused_experts(torch.zeros(1, 4), w13, w2, torch.ones(1, 1),
                                            torch.zeros(1, 1, dtype=torch.int32), path="fast")
+
+
+def test_one_launch_experts_equal_the_two_launches():
+    """`SmallMBlocks(one_launch=True)`: gate_up and down tiles in one grid, ordered by tickets, give
+    the two-launch result bit for bit (same tiles, same sums): 2 tokens with unmasked K steps and a
+    split down projection, then 1 token with masked K steps (H = 36, I = 48 in two splits, the
+    second partial); the counters are all zero after each call (the second call reuses them)."""
+    gen = torch.Generator().manual_seed(13)
+    e, top_k = 8, 2
+    for m, h, i, splits, gu_k in ((2, 32, 64, 2, 16), (1, 36, 48, 2, 32)):
+        two = small_m.SmallMBlocks(gate_up_n=32, gate_up_k=gu_k, down_n=16, down_k=32, one_launch=False)
+        one = small_m.SmallMBlocks(**{**two.__dict__, "one_launch": True})
+        w13 = torch.randn(e, 2 * i, h, generator=gen) * 0.2
+        w2 = torch.randn(e, h, i, generator=gen) * 0.2
+        x = torch.randn(m, h, generator=gen)
+        weights, ids = select_experts(torch.randn(m, e, generator=gen), RoutingConfig(top_k=top_k))
+        want = small_m.small_m_fused_experts(x, w13, w2, weights, ids, splits=splits, blocks=two)
+        got = small_m.small_m_fused_experts(x, w13, w2, weights, ids, splits=splits, blocks=one)
+        assert torch.equal(got, want)
+        assert not any(buf.any() for buf in small_m._ARRIVALS[x.device])
+        torch.testing.assert_close(got, fused_experts_reference(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_one_launch_is_taken_for_at_most_two_tokens(monkeypatch):
+    """The default blocks (`one_launch=None`) run the experts in one launch for 1-2 tokens (measured
+    faster on the H200) and in two past that (measured slower in one)."""
+    from radixserve.layers.moe import one_launch
+
+    taken = []
+    monkeypatch.setattr(one_launch, "one_launch_fused_experts", lambda x, *a: taken.append(x.shape[0]) or x)
+    e, h, i = 4, 8, 8
+    w13, w2 = torch.zeros(e, 2 * i, h), torch.zeros(e, h, i)
+    for m in (1, 2, 3):
+        ids = torch.zeros(m, 1, dtype=torch.int32)
+        small_m.small_m_fused_experts(torch.zeros(m, h), w13, w2, torch.ones(m, 1), ids)
+    assert taken == [1, 2] and small_m.ONE_LAUNCH_MAX_TOKENS == 2
+
+
+def test_post_attention_norm_runs_in_the_router_launch(as_if_on_cuda, monkeypatch):
+    """`QwenSparseMoeBlock.forward_norm_fused` (through `FusedMoE.forward_with_norm_gate`): the
+    residual add + RMSNorm inside the one-launch router gives the norm's (x, h + residual) and the
+    router's ids on x; H = 40 with 32-wide K steps (a masked tail in both passes), 2 tokens. The
+    decoder layer takes it (the output of the norm + `forward`), and falls back to those where it
+    does not apply. fp32: the interpreter does not round bf16 as the GPU does
+    (benchmarks/h200/qwen_b1_kernels.py checks bf16 on the GPU)."""
+    from types import SimpleNamespace
+
+    from radixserve.layers.decoder_blocks import PreNormDecoderLayer
+    from radixserve.layers.norm import RMSNorm
+    from radixserve_models_qwen_moe.model import QwenSparseMoeBlock
+
+    h_size = 40
+    config = SimpleNamespace(hidden_size=h_size, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=16,
+                             norm_topk_prob=True)
+    torch.manual_seed(21)
+    block = QwenSparseMoeBlock(config, None, "model.layers.0.mlp")
+    for p in block.parameters():
+        p.data.normal_(0, 0.3)
+    norm = RMSNorm(h_size, 1e-6)
+    norm.weight.data.normal_(1, 0.1)
+    h, residual = torch.randn(2, h_size), torch.randn(2, h_size)
+    want_x, want_res = RMSNorm.forward(norm, h, residual)
+    x, res, _, ids = small_m.fused_norm_gate_select_experts(h, residual, norm.weight, norm.eps, block.gate.weight,
+                                                            block.experts.routing, block.experts._gate_arrivals)
+    assert torch.equal(res, want_res)
+    torch.testing.assert_close(x, want_x, atol=1e-6, rtol=1e-6)
+    assert torch.equal(ids, select_experts(block.gate(want_x), block.experts.routing)[1])
+    assert not block.experts._gate_arrivals.any()
+    fused_calls = []
+    real = small_m.fused_norm_gate_select_experts
+    monkeypatch.setattr(small_m, "fused_norm_gate_select_experts", lambda *a: fused_calls.append(1) or real(*a))
+
+    class Attn(torch.nn.Module):
+        def forward(self, positions, x, batch):
+            return x * 2
+
+    layer = PreNormDecoderLayer(Attn(), block, RMSNorm(h_size), norm)
+    fused_out, fused_res = layer(None, h, residual, None)
+    assert fused_calls == [1]  # the layer took the block's fused norm
+    monkeypatch.setattr(small_m, "FUSED_GATE", False)  # the fusion does not apply: the norm, then the block
+    assert block.forward_norm_fused(h, residual, norm) is None
+    plain_out, plain_res = layer(None, h, residual, None)
+    assert fused_calls == [1] and torch.equal(fused_res, plain_res)
+    torch.testing.assert_close(fused_out, plain_out, atol=1e-5, rtol=1e-5)

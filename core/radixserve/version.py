@@ -44,5 +44,8 @@ __version__ = "0.1.0"
 #      decoder blocks for model authors: DecoderAttention.forward_qkv, SwiGLUMLP.forward_gate_up and
 #      radixserve.layers.norm_gemv (norm_linear / norm_linear_fusable: a plain RMSNorm inside the batch-1
 #      GEMV of the projection after it, runtime.batch1_gemv_fuse_norm / _fuse_silu); linear layers may
-#      carry `gemv_fuse_norm`; runtime.lowbit_gemv (int4 / FP8 whole-row GEMVs, layers/lowbit_gemv.py)
+#      carry `gemv_fuse_norm`; runtime.lowbit_gemv (int4 / FP8 whole-row GEMVs, layers/lowbit_gemv.py);
+#      decoder_blocks.FusesPostAttentionNorm (an MLP block that runs the post-attention norm in its own
+#      first kernel: Qwen-MoE, FusedMoE.forward_with_norm_gate); the small-M MoE experts in one launch
+#      at <= 2 tokens (layers/moe/one_launch.py)
 PLUGIN_API_VERSION = "1.7"

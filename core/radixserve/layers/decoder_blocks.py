@@ -131,6 +131,19 @@ class SwiGLUMLP(nn.Module):
 _SILU_AND_MUL = SiluAndMul()
 
 
+class FusesPostAttentionNorm:
+    """Declares that an MLP block can run the decoder layer's post-attention norm inside its own
+    first kernel: `PreNormDecoderLayer` calls `forward_norm_fused` instead of the norm + `forward`
+    for an mlp that is an instance of this class (e.g. Qwen-MoE's block: the norm inside the
+    router's launch). Added in plugin API 1.7."""
+
+    def forward_norm_fused(self, h: torch.Tensor, residual: torch.Tensor,
+                           norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(self(x), res)` for `x, res = norm(h, residual)`, or None where the block cannot fuse
+        this norm or these tensors (the layer then runs `norm` and the block as usual)."""
+        raise NotImplementedError
+
+
 class PreNormDecoderLayer(nn.Module):
     """The Llama-style decoder layer: `h = attn(input_norm(stream))`, `stream += h`,
     `h = mlp(post_attention_norm(stream))`, with the residual add fused into the norms
@@ -138,7 +151,8 @@ class PreNormDecoderLayer(nn.Module):
 
     :param self_attn: called as `self_attn(positions, h, batch)`.
     :param mlp: called as `mlp(h)`; registered under `mlp_name` (the checkpoint's name for it,
-        e.g. Mixtral's "block_sparse_moe").
+        e.g. Mixtral's "block_sparse_moe"). A `FusesPostAttentionNorm` mlp is asked first to run
+        the post-attention norm itself (plugin API 1.7).
     :param input_layernorm: / `post_attention_layernorm`: norms taking `(x)` and `(x, residual)`
         as `radixserve.layers.norm.RMSNorm` does.
 
@@ -176,6 +190,10 @@ class PreNormDecoderLayer(nn.Module):
         if _plain(mlp, SwiGLUMLP) and norm_linear_fusable(self.post_attention_layernorm, mlp.gate_up_proj, h):
             gate_up, residual = norm_linear(self.post_attention_layernorm, mlp.gate_up_proj, h, residual)
             return mlp.forward_gate_up(gate_up), residual
+        if isinstance(mlp, FusesPostAttentionNorm):  # the MLP may run the norm in its own first kernel
+            out = mlp.forward_norm_fused(h, residual, self.post_attention_layernorm)
+            if out is not None:
+                return out
         h, residual = self.post_attention_layernorm(h, residual)
         return mlp(h), residual
 

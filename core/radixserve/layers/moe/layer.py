@@ -22,6 +22,7 @@ import torch.nn as nn
 from radixserve.interfaces.quantization import QuantMethod
 from radixserve.layers.moe import small_m
 from radixserve.layers.moe.routing import RoutingConfig, select_experts
+from radixserve.layers.norm import RMSNorm
 from radixserve.layers.quant_unquantized import UnquantizedMethod
 
 _PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.")
@@ -163,6 +164,31 @@ class FusedMoE(nn.Module):
                                                              self.e_score_correction_bias)
             return self.quant_method.apply_moe(self, x, weights, ids)
         return self(x, gate(x))
+
+    def forward_with_norm_gate(self, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
+                               gate: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The post-attention `x, res = norm(h, residual)` fused into the one-launch router of
+        `forward_with_gate` (one launch fewer per layer): returns (experts' output, x, res), or None
+        where the fusion does not apply (then call `norm` and `forward_with_gate` as usual). It
+        applies where `forward_with_gate` fuses the router, `norm` is a `radixserve.layers.norm.RMSNorm`
+        (not a subclass changing its forward) whose weight has h's dtype, and the residual has h's
+        shape and dtype. On the H200 the router with the norm took 5.4 us against 6.1 us for the
+        norm's launch + the router's (Qwen3-30B-A3B, 1 token).
+        Added in plugin API 1.7."""
+        w = getattr(gate, "weight", None)
+        norm_w, eps = getattr(norm, "weight", None), getattr(norm, "eps", None)
+        plain_rmsnorm = isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward  # not a variant
+        if not (plain_rmsnorm
+                and isinstance(w, torch.Tensor) and getattr(gate, "bias", None) is None
+                and isinstance(getattr(gate, "quant_method", None), UnquantizedMethod)
+                and isinstance(norm_w, torch.Tensor) and isinstance(eps, float) and norm_w.dtype == h.dtype
+                and norm_w.shape == (h.shape[-1],) and residual is not None and residual.shape == h.shape
+                and residual.dtype == h.dtype and h.dim() == 2
+                and small_m.fused_gate_applies(h, w, self.routing, self._gate_arrivals)):
+            return None
+        x, res, weights, ids = small_m.fused_norm_gate_select_experts(
+            h, residual, norm_w, eps, w, self.routing, self._gate_arrivals, self.e_score_correction_bias)
+        return self.quant_method.apply_moe(self, x, weights, ids), x, res
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "

@@ -58,8 +58,15 @@ class SmallMBlocks:
     down_k: int = 256
     num_warps: int = 4
     sum_n: int = 256
+    # both phases in one launch (`one_launch`: ticket-ordered tiles; same bits as the two launches).
+    # None: one launch for at most ONE_LAUNCH_MAX_TOKENS tokens, where the H200 measured it faster
+    one_launch: bool | None = None
 
 
+# Qwen3-30B-A3B's experts on the H200 (benchmarks/results/h200-moe.md, session 7): one launch vs two
+# took 25.4 vs 26.2 us at 1 token (1.03x), 43.3 vs 46.3 at 2 (1.07x), but 0.98x at 4 and 0.92x at 8
+# tokens (its down tiles wait for whole pairs while the split grids overlap better at more pairs)
+ONE_LAUNCH_MAX_TOKENS = 2
 DEFAULT_BLOCKS = SmallMBlocks()
 
 
@@ -252,9 +259,13 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                            K: tl.constexpr, stride_xm, stride_we, scale,
                            TOP_K: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
                            HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                           BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr):
+                           BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+                           res_ptr, norm_w_ptr, xn_ptr, res_out_ptr, stride_rm, eps, NORM: tl.constexpr):
         """The router's linear (ROWS experts' logits per program, rounded to x's dtype as the linear
-        layer's output is) and, in the program of the token that arrives last, its routing."""
+        layer's output is) and, in the program of the token that arrives last, its routing.
+        NORM: the router's input is RMSNorm(x + res) with weight norm_w, computed by every program
+        with the recipe of `triton_ops.rmsnorm` (a first pass for the statistics); the first program
+        of each token also writes it to xn and x + res to res_out."""
         t = tl.program_id(0)
         pid = tl.program_id(1)
         rows = pid * ROWS + tl.arange(0, ROWS)
@@ -262,13 +273,42 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         offs_k = tl.arange(0, BLOCK_K)
         x_row = x_ptr + t.to(tl.int64) * stride_xm
         w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_we
+        if NORM:
+            res_row = res_ptr + t.to(tl.int64) * stride_rm
+            ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + offs_k
+                k_ok = kk < K
+                hv = tl.load(x_row + kk, mask=k_ok, other=0.0)
+                rv = tl.load(res_row + kk, mask=k_ok, other=0.0)
+                # torch's x + residual: the sum rounded to x's dtype before the norm sees it
+                s = (hv.to(tl.float32) + rv.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                ss += s.to(tl.float32) * s.to(tl.float32)
+                if pid == 0:
+                    tl.store(res_out_ptr + t.to(tl.int64) * K + kk, s, mask=k_ok)
+            rstd = tl.math.rsqrt(tl.sum(ss, axis=0) / K + eps)
         acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             k_ok = kk < K
-            xv = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            acc += tl.load(w_rows + kk[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * xv
-        logit = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
+            if NORM:
+                w = tl.load(w_rows + kk[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+                hv = tl.load(x_row + kk, mask=k_ok, other=0.0)
+                rv = tl.load(res_row + kk, mask=k_ok, other=0.0)
+                nw = tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0)
+                s = (hv.to(tl.float32) + rv.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                # HF recipe: the normalised row rounded to x's dtype, times the weight, rounded again
+                xn = ((s.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+                      * nw.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                if pid == 0:
+                    tl.store(xn_ptr + t.to(tl.int64) * K + kk, xn, mask=k_ok)
+                acc += w.to(tl.float32) * xn.to(tl.float32)[None, :]
+            else:
+                xv = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+                acc += tl.load(w_rows + kk[None, :], mask=rows_ok[:, None] & k_ok[None, :],
+                               other=0.0).to(tl.float32) * xv
+        logit = tl.sum(acc, axis=1)
+        logit = logit.to(x_ptr.dtype.element_ty).to(tl.float32)
         tl.store(logits_ptr + t.to(tl.int64) * E + rows, logit, mask=rows_ok)
         # publish the logits: every thread's stores before the barrier, the release-acquire atomic hands
         # them to the token's last program, which reads them past L1 (.cg) and resets the counter
@@ -318,8 +358,15 @@ def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
         their last dim; fp32, bf16 or fp16 (x and the weights may differ: both are read into fp32).
     :param topk_weights: [T, top_k] (any float dtype); topk_ids: [T, top_k] integer expert ids.
     :param splits: parts of the down projection's reduction (default `down_splits`).
-    :param blocks: tile sizes (default `DEFAULT_BLOCKS`).
+    :param blocks: tile sizes (default `DEFAULT_BLOCKS`); `blocks.one_launch` runs both phases in one
+        launch (`one_launch.one_launch_fused_experts`, the same result bit for bit; None: for at most
+        ONE_LAUNCH_MAX_TOKENS tokens).
     Meant for few pairs (`use_small_m`); correct at any size."""
+    b = blocks or DEFAULT_BLOCKS
+    if b.one_launch or (b.one_launch is None and x.shape[0] <= ONE_LAUNCH_MAX_TOKENS):
+        from radixserve.layers.moe.one_launch import one_launch_fused_experts
+
+        return one_launch_fused_experts(x, w13, w2, topk_weights, topk_ids, splits, b)
     t, hidden, num_experts, inter, top_k, pairs = expert_shapes(x, w13, w2, topk_ids)
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("expert weights must be contiguous in their last dim")
@@ -329,7 +376,6 @@ def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     x = x.contiguous()
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
-    b = blocks or DEFAULT_BLOCKS
     splits = splits or down_splits(top_k, hidden, inter, _processors(x), b)
     k_per_split = _cdiv(_cdiv(inter, splits), b.down_k) * b.down_k
     splits = _cdiv(inter, k_per_split)  # no empty split
@@ -428,6 +474,33 @@ def fused_gate_select_experts(x: torch.Tensor, gate_weight: torch.Tensor, cfg: R
     :param arrivals: int32 [>= T] all zeros; left all zeros (reset by the last program).
     :returns: (weights fp32 [T, top_k], expert ids int32 [T, top_k]).
     Added in plugin API 1.6."""
+    return _gate_router(x, gate_weight, cfg, arrivals, correction_bias, None)[:2]
+
+
+def fused_norm_gate_select_experts(h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                   gate_weight: torch.Tensor, cfg: RoutingConfig, arrivals: torch.Tensor,
+                                   correction_bias: torch.Tensor | None = None
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The residual add and RMSNorm before an MoE block, its router's linear and top-k in one launch:
+    `x, res = RMSNorm(norm_weight, eps)(h, residual)` then `fused_gate_select_experts(x, ...)`.
+
+    :param h, residual: [T, H] of one dtype, unit stride on H; norm_weight: [H] in that dtype.
+    :returns: (x [T, H] the normalised input of the experts, res [T, H] = h + residual, weights fp32
+        [T, top_k], expert ids int32 [T, top_k]). x and res follow `triton_ops.rmsnorm`'s rounding
+        (the sum of squares in another order: x may differ from it in the last bit).
+    Added in plugin API 1.7."""
+    if residual.shape != h.shape or residual.dtype != h.dtype or norm_weight.shape != (h.shape[1],):
+        raise ValueError(f"fused_norm_gate_select_experts: residual {tuple(residual.shape)} {residual.dtype} and "
+                         f"norm weight {tuple(norm_weight.shape)} must match h {tuple(h.shape)} {h.dtype}")
+    xn = torch.empty_like(h, memory_format=torch.contiguous_format)
+    res = torch.empty_like(h, memory_format=torch.contiguous_format)
+    norm = (residual if residual.stride(1) == 1 else residual.contiguous(), norm_weight.contiguous(), xn,
+            res, float(eps))
+    weights, ids = _gate_router(h, gate_weight, cfg, arrivals, correction_bias, norm)
+    return xn, res, weights, ids
+
+
+def _gate_router(x, gate_weight, cfg, arrivals, correction_bias, norm):
     t, hidden = x.shape
     e = gate_weight.shape[0]
     if arrivals.dtype != torch.int32 or arrivals.numel() < t:
@@ -439,10 +512,13 @@ def fused_gate_select_experts(x: torch.Tensor, gate_weight: torch.Tensor, cfg: R
     x = x if x.stride(1) == 1 else x.contiguous()
     logits = torch.empty((t, e), dtype=torch.float32, device=x.device)
     bias = correction_bias if correction_bias is not None else weights
+    res, norm_w, xn, res_out, eps = norm if norm is not None else (x, x, x, x, 0.0)
     _kernels(_interpreting()).gate_router[(t, _cdiv(e, GATE_ROWS))](
         x, gate_weight, logits, bias, weights, ids, arrivals, e, hidden, x.stride(0), gate_weight.stride(0),
         float(cfg.routed_scaling_factor), TOP_K=cfg.top_k, SIGMOID=cfg.scoring == "sigmoid",
         RENORMALIZE=cfg.renormalize, HAS_BIAS=correction_bias is not None, ROWS=GATE_ROWS,
         BLOCK_K=min(1024, _pow2(hidden)), BLOCK_E=_pow2(e), BLOCK_TOPK=_pow2(cfg.top_k),
+        res_ptr=res, norm_w_ptr=norm_w, xn_ptr=xn, res_out_ptr=res_out, stride_rm=res.stride(0), eps=eps,
+        NORM=norm is not None,
         num_warps=1 if e <= 256 else 4)  # as the router kernel: the last program's top-k stays in shuffles
     return weights, ids

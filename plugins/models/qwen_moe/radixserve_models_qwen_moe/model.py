@@ -12,14 +12,20 @@ import torch
 import torch.nn as nn
 from radixserve.interfaces.quantization import QuantMethod
 from radixserve.layers.causal_lm import DecoderOnlyCausalLM
-from radixserve.layers.decoder_blocks import DecoderAttention, PreNormDecoderLayer, SwiGLUMLP, check_silu
+from radixserve.layers.decoder_blocks import (
+    DecoderAttention,
+    FusesPostAttentionNorm,
+    PreNormDecoderLayer,
+    SwiGLUMLP,
+    check_silu,
+)
 from radixserve.layers.distributed import TPGroup
 from radixserve.layers.linear import ReplicatedLinear
 from radixserve.layers.moe import FusedMoE, RoutingConfig
 from radixserve.layers.norm import RMSNorm
 
 
-class QwenSparseMoeBlock(nn.Module):
+class QwenSparseMoeBlock(nn.Module, FusesPostAttentionNorm):
     """Router `gate`, routed `experts`, and (Qwen2-MoE) `shared_expert` scaled by sigmoid(`shared_expert_gate`)."""
 
     def __init__(self, config, quant_method: QuantMethod | None, prefix: str) -> None:
@@ -38,6 +44,20 @@ class QwenSparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts.forward_with_gate(x, self.gate)  # on CUDA at decode: the router in one launch
+        return self._add_shared(x, out)
+
+    def forward_norm_fused(self, h: torch.Tensor, residual: torch.Tensor,
+                           norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(forward(x), res)` for `x, res = norm(h, residual)` with the norm inside the router's
+        launch (`FusedMoE.forward_with_norm_gate`: CUDA decode batches), or None where that does not
+        apply (the decoder layer then runs the norm and `forward`)."""
+        fused = self.experts.forward_with_norm_gate(h, residual, norm, self.gate)
+        if fused is None:
+            return None
+        out, x, res = fused
+        return self._add_shared(x, out), res
+
+    def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
