@@ -163,19 +163,13 @@ def one_launch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     """`small_m.small_m_fused_experts` (same arguments, same result bit for bit with the same blocks and
     splits) in one kernel launch. Meant for few pairs; correct at any size (the counters grow
     with the pairs)."""
-    t, hidden, _, inter, top_k, pairs = small_m.expert_shapes(x, w13, w2, topk_ids)
-    if w13.stride(2) != 1 or w2.stride(2) != 1:
-        raise ValueError("expert weights must be contiguous in their last dim")
-    out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
-    if pairs == 0:
-        return out
-    x = x.contiguous()
-    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
-    weights = topk_weights.reshape(-1).float().contiguous()
     b = blocks or small_m.DEFAULT_BLOCKS
-    splits = splits or small_m.down_splits(top_k, hidden, inter, small_m._processors(x), b)
-    k_per_split = small_m._cdiv(small_m._cdiv(inter, splits), b.down_k) * b.down_k
-    splits = small_m._cdiv(inter, k_per_split)  # no empty split
+    call = small_m.prepare_expert_call(x, w13, w2, topk_weights, topk_ids, splits, b)
+    out = call.out
+    if call.pairs == 0:
+        return out
+    t, hidden, inter, top_k, pairs = call.tokens, call.hidden, call.inter, call.top_k, call.pairs
+    x, ids, weights, splits, k_per_split = call.x, call.ids, call.weights, call.splits, call.k_per_split
     gu_blocks, dn_blocks = small_m._cdiv(inter, b.gate_up_n), small_m._cdiv(hidden, b.down_n)
     sync = small_m._sum_arrivals(x.device, 2 + pairs + t * dn_blocks)
     act = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)

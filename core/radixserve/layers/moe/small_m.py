@@ -88,6 +88,39 @@ def use_small_m(pairs: int, num_experts: int) -> bool:
     return 0 < pairs <= min(SMALL_M_MAX_PAIRS, num_experts // 2)
 
 
+@dataclass(frozen=True)
+class ExpertCall:
+    """The checked operands of one small-M fused-experts call, shared by the two-launch path
+    (`small_m_fused_experts`) and the one-launch path (`one_launch.one_launch_fused_experts`)."""
+
+    tokens: int
+    hidden: int
+    inter: int
+    top_k: int
+    pairs: int
+    out: torch.Tensor  # [tokens, hidden], the result (empty: every row is written by the kernels)
+    x: torch.Tensor  # contiguous
+    ids: torch.Tensor  # int32 [pairs]
+    weights: torch.Tensor  # fp32 [pairs]
+    splits: int  # parts of the down projection's reduction, none empty
+    k_per_split: int
+
+
+def prepare_expert_call(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, splits: int | None, b: SmallMBlocks) -> ExpertCall:
+    """Check the operands and pick the down projection's splits (ValueError on bad shapes or strides)."""
+    t, hidden, _, inter, top_k, pairs = expert_shapes(x, w13, w2, topk_ids)
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("expert weights must be contiguous in their last dim")
+    out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
+    splits = splits or down_splits(top_k, hidden, inter, _processors(x), b)
+    k_per_split = _cdiv(_cdiv(inter, splits), b.down_k) * b.down_k
+    return ExpertCall(t, hidden, inter, top_k, pairs, out, x.contiguous(),
+                      topk_ids.reshape(-1).to(torch.int32).contiguous(),
+                      topk_weights.reshape(-1).float().contiguous(),
+                      _cdiv(inter, k_per_split), k_per_split)  # no empty split
+
+
 def expert_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_ids: torch.Tensor) -> tuple[int, int, int, int, int, int]:
     """(tokens, hidden, experts, intermediate, top_k, pairs) of a fused-experts call; ValueError when
@@ -367,18 +400,12 @@ def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
         from radixserve.layers.moe.one_launch import one_launch_fused_experts
 
         return one_launch_fused_experts(x, w13, w2, topk_weights, topk_ids, splits, b)
-    t, hidden, num_experts, inter, top_k, pairs = expert_shapes(x, w13, w2, topk_ids)
-    if w13.stride(2) != 1 or w2.stride(2) != 1:
-        raise ValueError("expert weights must be contiguous in their last dim")
-    out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
-    if pairs == 0:
+    call = prepare_expert_call(x, w13, w2, topk_weights, topk_ids, splits, b)
+    out = call.out
+    if call.pairs == 0:
         return out
-    x = x.contiguous()
-    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
-    weights = topk_weights.reshape(-1).float().contiguous()
-    splits = splits or down_splits(top_k, hidden, inter, _processors(x), b)
-    k_per_split = _cdiv(_cdiv(inter, splits), b.down_k) * b.down_k
-    splits = _cdiv(inter, k_per_split)  # no empty split
+    t, hidden, inter, top_k, pairs = call.tokens, call.hidden, call.inter, call.top_k, call.pairs
+    x, ids, weights, splits, k_per_split = call.x, call.ids, call.weights, call.splits, call.k_per_split
     kernels = _kernels(_interpreting())
     act = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
     kernels.gate_up[(pairs, _cdiv(inter, b.gate_up_n))](
