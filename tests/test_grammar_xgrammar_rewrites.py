@@ -37,6 +37,9 @@ SHAPE = {"type": "object", "required": ["shape"],
                         "radius": {"type": "number"}},
          "oneOf": [{"properties": {"shape": {"const": "square"}}, "required": ["side"]},
                    {"properties": {"shape": {"const": "circle"}}, "required": ["radius"]}]}
+AREA = {"type": "object", "properties": {"radius": {"type": "integer"}, "width": {"type": "integer"},
+        "height": {"type": "integer"}},
+        "oneOf": [{"required": ["radius"]}, {"required": ["width", "height"]}]}  # exactly one shape's fields
 IGLU = {"type": "object", "properties": {"schema": {"type": "string", "anyOf": [{"pattern": "^iglu:[a-z]+$"},
         {"format": "uri"}]}}, "required": ["schema"], "additionalProperties": False}
 
@@ -47,6 +50,8 @@ IGLU = {"type": "object", "properties": {"schema": {"type": "string", "anyOf": [
     (STATUS, '{"_id": "a", "status": 200}', '{"_id": "a", "status": "draft"}'),
     (SHAPE, '{"shape": "circle"}', '{"shape": "circle", "radius": 2}'),  # the parent's keywords were dropped
     (IGLU, '{"schema": {}}', '{"schema": "iglu:abc"}'),
+    (AREA, '{"radius": 1, "width": 2, "height": 3}', '{"width": 2, "height": 3}'),  # oneOf read as anyOf
+    (AREA, '{"radius": 1, "width": 2}', '{"radius": 1}'),
 ])
 def test_outputs_that_violated_their_schema_are_now_outside_the_grammar(backend, schema, bad, good):
     assert not accepts(backend, schema, bad)
@@ -57,6 +62,13 @@ def test_a_union_that_cannot_be_merged_with_its_siblings_is_refused_naming_it(ba
     schema = {"type": "object", "properties": {"a": {"type": "string"}},
               "anyOf": [{"properties": {"a": {"type": "integer"}}}]}
     with pytest.raises(GrammarError, match="type excludes its parent's"):
+        backend.compile("json_schema", json.dumps(schema))
+
+
+def test_one_of_required_sets_that_contain_one_another_are_refused(backend):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "oneOf": [{"required": ["a"]}, {"required": ["a", "b"]}]}
+    with pytest.raises(GrammarError, match="contain one another"):
         backend.compile("json_schema", json.dumps(schema))
 
 

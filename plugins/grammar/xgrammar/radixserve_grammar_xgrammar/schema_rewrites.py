@@ -10,6 +10,12 @@ wrote for a real corpus schema (benchmarks/results/cpu-structured-output.md):
   the extra keys repeat a declared name with any value (`"status": 200` for a string enum). Our
   backend generates only declared properties (strict mode), so the extra keys are dropped:
   every output is still valid for the original schema.
+- `oneOf` whose branches only list `required` properties next to the object's `properties`
+  (`{"properties": {...}, "oneOf": [{"required": ["radius"]}, {"required": ["width", "height"]}]}`):
+  xgrammar treats `oneOf` as `anyOf`, and SmolLM2 wrote every property, which matches several
+  branches. Each merged branch drops the properties that only the other branches require, so it
+  cannot match them (undeclared properties are never generated); branches whose required sets
+  contain one another cannot be told apart that way and are refused.
 
 `prepare_schema` raises ValueError naming the place when a union cannot be merged that way."""
 
@@ -60,9 +66,30 @@ def _distribute_union(node: dict, path: str) -> None:
         raise ValueError(f"{unions[0]} together with {', '.join(unions[1:] + sorted(siblings))} (at {path}) "
                          "cannot be enforced by the xgrammar backend")
     key = unions[0]
+    required_only = key == "oneOf" and all(_only_required(b) for b in node[key])
     node[key] = [_merge(siblings, branch, f"{path}/{key}/{i}") for i, branch in enumerate(node[key])]
     for k in siblings:
         del node[k]
+    if required_only:
+        _exclusive_required_branches(node[key], f"{path}/{key}")
+
+
+def _only_required(branch: Any) -> bool:
+    return isinstance(branch, dict) and "required" in branch and set(branch) <= _ANNOTATIONS | {"required"}
+
+
+def _exclusive_required_branches(branches: list[dict], path: str) -> None:
+    """Make `oneOf` branches that differ only by their required sets match one branch at most: each
+    branch loses the properties that only other branches require (see the module docstring)."""
+    required = [set(b.get("required", ())) for b in branches]
+    for i, branch in enumerate(branches):
+        for j, other in enumerate(required):
+            if j != i and other <= required[i]:
+                raise ValueError(f"oneOf branches {j} and {i} (at {path}) whose required properties contain one "
+                                 "another cannot be told apart by the xgrammar backend")
+        others = set().union(*(r for j, r in enumerate(required) if j != i)) - required[i]
+        if others and isinstance(branch.get("properties"), dict):
+            branch["properties"] = {k: v for k, v in branch["properties"].items() if k not in others}
 
 
 def _merge(parent: dict, branch: Any, path: str) -> Any:
