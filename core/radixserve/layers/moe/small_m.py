@@ -62,6 +62,9 @@ class SmallMBlocks:
     # both phases in one launch (`one_launch`: ticket-ordered tiles; same bits as the two launches).
     # None: one launch for at most ONE_LAUNCH_MAX_TOKENS tokens, where the H200 measured it faster
     one_launch: bool | None = None
+    # the two-launch path's per-token sum of the down rows in the down kernel's last program of each
+    # (token, column block) (no `sum_rows` launch; the same sum in the same order); False: the launch
+    fused_sum: bool = True
 
 
 # Qwen3-30B-A3B's experts on the H200 (benchmarks/results/h200-moe.md, session 7): one launch vs two
@@ -361,7 +364,7 @@ def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
         BLOCK_N=b.gate_up_n, BLOCK_K=b.gate_up_k, EVEN_K=hidden % b.gate_up_k == 0, num_warps=b.num_warps)
     partial = torch.empty((pairs * splits, hidden), dtype=torch.float32, device=x.device)
     n_blocks = _cdiv(hidden, b.down_n)
-    arrivals = _sum_arrivals(x.device, t * n_blocks) if FUSED_SUM else None
+    arrivals = _sum_arrivals(x.device, t * n_blocks) if b.fused_sum else None
     kernels.down[(pairs, n_blocks, splits)](
         act, w2, partial, weights, ids, hidden, inter, k_per_split, w2.stride(0), w2.stride(1),
         out, arrivals if arrivals is not None else ids, top_k, ROWS=top_k * splits,
@@ -372,9 +375,6 @@ def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     return out
 
 
-# The per-token sum of the down projection's rows done by the last program of each column block
-# (no `sum_rows` launch; the same sum in the same order). "0" keeps the separate launch (A/B runs).
-FUSED_SUM = os.environ.get("RADIXSERVE_MOE_FUSED_SUM", "1") != "0"
 _ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
 
 
@@ -418,9 +418,6 @@ def fused_select_experts(router_logits: torch.Tensor, cfg: RoutingConfig,
     return weights, ids
 
 
-# The router's linear and its routing in one launch (`fused_gate_select_experts`); "0" keeps the
-# linear layer + `fused_select_experts` (two launches) for A/B runs on the GPU.
-FUSED_GATE = os.environ.get("RADIXSERVE_MOE_FUSED_GATE", "1") != "0"
 GATE_ROWS = 2  # experts per program of the router's linear: 64 programs for 128 experts
 
 
@@ -429,7 +426,7 @@ def fused_gate_applies(x: torch.Tensor, gate_weight: torch.Tensor, cfg: RoutingC
     """True when `fused_gate_select_experts` serves this call: the fused router applies
     (`fused_router_applies` on x's rows), the gate weight is a plain [E, H] matrix in x's dtype and
     the arrival counters cover the tokens."""
-    if not FUSED_GATE or gate_weight.dim() != 2 or gate_weight.dtype != x.dtype or gate_weight.stride(1) != 1:
+    if gate_weight.dim() != 2 or gate_weight.dtype != x.dtype or gate_weight.stride(1) != 1:
         return False
     if cfg.num_expert_group is not None and cfg.num_expert_group > 1:
         return False
