@@ -40,7 +40,7 @@ from radixserve.layers.moe import small_m
 from radixserve.layers.triton_support import interpreting as _interpreting
 
 triton = tl = None  # imported by `_kernels` on first use (CPU machines may lack Triton)
-sum_rows_if_last = None  # small_m_steps' @triton.jit steps, also set by `_kernels`: kernels resolve names in module globals
+sum_rows_if_last = None  # small_m_steps' @triton.jit steps, set by `_kernels` (kernels see module globals)
 
 
 @functools.cache

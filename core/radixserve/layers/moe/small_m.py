@@ -34,7 +34,7 @@ from radixserve.layers.triton_support import available
 from radixserve.layers.triton_support import interpreting as _interpreting
 
 triton = tl = None  # imported by `_kernels` on first use (CPU machines may lack Triton)
-route_token = sum_rows_if_last = None  # small_m_steps' @triton.jit steps, also set by `_kernels`: kernels resolve names in module globals
+route_token = sum_rows_if_last = None  # small_m_steps' @triton.jit steps, set by `_kernels` (kernels see module globals)
 
 # The small path runs while tokens * top_k is at most this (and at most one pair per two experts, see
 # `use_small_m`). Each pair reads its expert's weights on its own (programs of the same weight tile
