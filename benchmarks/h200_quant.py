@@ -153,14 +153,15 @@ def model_dir(method: str, root: str) -> str:
     return path
 
 
-def make_runner(method: str, root: str, max_bs: int, tokens: int, context: int):
+def make_runner(method: str, root: str, max_bs: int, tokens: int, context: int, runtime: dict | None = None):
+    """A ModelRunner on the dummy checkpoint of `method`; `runtime`: more runtime config keys."""
     from radixserve.config import Config
     from radixserve.model_runner import ModelRunner
 
     cuda = ARGS.device == "cuda"
     cfg = {
         "model": {"path": model_dir(method, root), "load_format": "dummy", "context_length": context},
-        "runtime": {"device": ARGS.device, "dtype": "bfloat16" if cuda else "float32"},
+        "runtime": {"device": ARGS.device, "dtype": "bfloat16" if cuda else "float32", **(runtime or {})},
         "scheduler": {"max_running_requests": max_bs, "max_total_tokens": tokens},
         "stack": {"attention": "triton" if cuda else "torch_native",
                   **({"quantization": "fp8"} if method == "fp8" else {})},

@@ -99,7 +99,7 @@ def test_int4_linear_routes_small_batches_to_the_row_gemv_with_act_order(monkeyp
     x = torch.randn(1, 1, k, generator=torch.Generator().manual_seed(6))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(7))
     monkeypatch.setattr(int4_triton, "available", lambda t: True)  # the CUDA branch, run by the interpreter
-    w.rows = lg.repack_int4(w)  # what make_int4_weight does on CUDA with RADIXSERVE_LOWBIT_GEMV=1
+    w.rows = lg.repack_int4(w)  # what make_int4_weight does on CUDA with runtime.lowbit_gemv on
     calls = []
     real = lg.int4_gemv
     monkeypatch.setattr(lg, "int4_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -111,13 +111,11 @@ def test_int4_linear_routes_small_batches_to_the_row_gemv_with_act_order(monkeyp
 def test_runtime_key_turns_the_gemvs_on_and_bad_values_are_named(monkeypatch):
     from radixserve.config import Config, ConfigError
 
-    monkeypatch.delenv("RADIXSERVE_LOWBIT_GEMV", raising=False)
     monkeypatch.setattr(lg, "ENABLED", False)  # restored after the test
     assert Config.build({}).runtime.lowbit_gemv == "off"
     assert lg.configure(Config.build({"runtime": {"lowbit_gemv": "on"}}).runtime.lowbit_gemv) and lg.ENABLED
+    monkeypatch.setenv("RADIXSERVE_LOWBIT_GEMV", "1")  # the old environment switch is gone: the key decides
     assert not lg.configure("off") and not lg.ENABLED
-    monkeypatch.setenv("RADIXSERVE_LOWBIT_GEMV", "1")  # the environment switch still forces it on
-    assert lg.configure("off")
     with pytest.raises(ConfigError, match="lowbit_gemv"):
         Config.build({"runtime": {"lowbit_gemv": "fast"}})
     with pytest.raises(ValueError, match="lowbit_gemv='fast'"):

@@ -4,6 +4,8 @@ invariance, and the layer choosing the small path only for few (token, expert) p
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from radixserve.layers.moe import FusedMoE, RoutingConfig, select_experts, small_m, triton_kernel
@@ -81,8 +83,8 @@ def test_small_path_bf16_and_split_down_projection():
     torch.testing.assert_close(got, fused_experts_reference(x, w13, w2, weights, ids), atol=3e-2, rtol=3e-2)
 
 
-def test_down_projection_sums_the_rows_in_its_last_program(monkeypatch):
-    """With FUSED_SUM the last program of each (token, column block) sums the token's top_k * splits
+def test_down_projection_sums_the_rows_in_its_last_program():
+    """With `SmallMBlocks.fused_sum` (the default) the last program of each (token, column block) sums the token's top_k * splits
     partial rows itself (no `sum_rows` launch): the same bits as the separate launch, for several
     tokens and a split reduction, and the arrival counters are all zero again afterwards."""
     gen = torch.Generator().manual_seed(9)
@@ -96,8 +98,8 @@ def test_down_projection_sums_the_rows_in_its_last_program(monkeypatch):
     weights, ids = select_experts(torch.randn(3, e, generator=gen), RoutingConfig(top_k=2))
     outs = {}
     for fused in (True, False):
-        monkeypatch.setattr(small_m, "FUSED_SUM", fused)
-        outs[fused] = small_m.small_m_fused_experts(x, w13, w2, weights, ids, splits=3, blocks=blocks)
+        outs[fused] = small_m.small_m_fused_experts(x, w13, w2, weights, ids, splits=3,
+                                                    blocks=dataclasses.replace(blocks, fused_sum=fused))
     assert torch.equal(outs[True], outs[False])
     torch.testing.assert_close(outs[True], fused_experts_reference(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
     assert not any(buf.any() for buf in small_m._ARRIVALS[x.device])
@@ -261,7 +263,7 @@ def test_post_attention_norm_runs_in_the_router_launch(as_if_on_cuda, monkeypatc
     layer = PreNormDecoderLayer(Attn(), block, RMSNorm(h_size), norm)
     fused_out, fused_res = layer(None, h, residual, None)
     assert fused_calls == [1]  # the layer took the block's fused norm
-    monkeypatch.setattr(small_m, "FUSED_GATE", False)  # the fusion does not apply: the norm, then the block
+    monkeypatch.setattr(small_m, "fused_gate_applies", lambda *a: False)  # not fused: the norm, then the block
     assert block.forward_norm_fused(h, residual, norm) is None
     plain_out, plain_res = layer(None, h, residual, None)
     assert fused_calls == [1] and torch.equal(fused_res, plain_res)

@@ -6,9 +6,8 @@ Also the greedy tokens of the low-bit runs with the GEMVs on vs off (same dummy 
 
     python benchmarks/h200/lowbit_engine.py [--out DIR]    (writes lowbit_engine.json)
 
-The switch is flipped in-process before each load (RADIXSERVE_LOWBIT_GEMV, which the runner's
-`lowbit_gemv.configure(runtime.lowbit_gemv)` reads): int4 repacks at load when it is on, fp8 reads it
-when the graphs are captured."""
+Each load sets the config key runtime.lowbit_gemv (the runner's `lowbit_gemv.configure` applies it before
+loading): int4 repacks at load when it is on, fp8 reads it when the graphs are captured."""
 
 from __future__ import annotations
 
@@ -48,15 +47,14 @@ def main():
     with tempfile.TemporaryDirectory() as root:
         for spec in args.runs.split(","):
             method, on = spec.split(":")
-            os.environ["RADIXSERVE_LOWBIT_GEMV"] = on  # read by lowbit_gemv.configure when the runner loads
-            lowbit_gemv.configure("off")
             key = f"{method} lowbit={'on' if on == '1' else 'off'}"
             log(f"loading {key}")
             try:
                 torch.manual_seed(0)
                 t = time.time()
                 runner = hq.make_runner(method, root, 1, args.input_len + args.output_len + 64,
-                                        args.input_len + args.output_len + 16)
+                                        args.input_len + args.output_len + 16,
+                                        runtime={"lowbit_gemv": "on" if on == "1" else "off"})
                 load_s = time.time() - t
                 gen = torch.Generator().manual_seed(0)
                 prompt = torch.randint(10, 30000, (args.input_len,), generator=gen).tolist()

@@ -17,6 +17,7 @@ Progress lines on stdout; everything in qwen3moe_profile.json under --out."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -229,14 +230,13 @@ def fused_gate_check(runner: ModelRunner, row: dict, reps: int = 200) -> None:
             err = (experts.forward_with_gate(x, gate).float() - experts(x, gate(x)).float()).abs().max().item()
             # the expert sum in the down kernel's last program: the same bits as the sum_rows launch, and
             # close to fp32 torch
-            fused_sum = small_m.FUSED_SUM
+            blocks = small_m.DEFAULT_BLOCKS  # the layer's blocks: its fused_sum off for the second run
             try:
-                small_m.FUSED_SUM = True
                 a = experts(x, gate(x))
-                small_m.FUSED_SUM = False
+                small_m.DEFAULT_BLOCKS = dataclasses.replace(blocks, fused_sum=False)
                 b = experts(x, gate(x))
             finally:
-                small_m.FUSED_SUM = fused_sum
+                small_m.DEFAULT_BLOCKS = blocks
             from radixserve.layers.moe.reference import fused_experts_reference
 
             ref = fused_experts_reference(x.float(), w13f, w2f, want_w, want_ids)

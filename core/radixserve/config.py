@@ -110,7 +110,7 @@ class RuntimeSection(_Section):
     # 31.5 us vs 30.3 for silu_and_mul + GEMV; Engine 228.5 vs 233.9 tok/s, session 7)
     batch1_gemv_fuse_silu: bool = False
     # int4 (AWQ/GPTQ) and per-row FP8 linears of <= 4 rows on the whole-row low-bit GEMVs
-    # (layers/lowbit_gemv.py); RADIXSERVE_LOWBIT_GEMV=1 turns them on too
+    # (layers/lowbit_gemv.py)
     lowbit_gemv: Literal["on", "off"] = "off"
     seed: int = 0
     num_threads: int | None = Field(default=None, ge=1)  # CPU torch threads; None: all cores

@@ -34,7 +34,6 @@ weight loads through shared memory).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -52,19 +51,18 @@ CHUNK = 128  # columns per packed chunk of the int4 row layout
 PLANE = CHUNK // 8  # int32s per chunk (= columns per nibble plane)
 
 # Off until the H200 numbers (benchmarks/h200/lowbit_gemv.py, lowbit_engine.py) show it faster:
-# `runtime.lowbit_gemv: on` (or RADIXSERVE_LOWBIT_GEMV=1) routes M <= MAX_ROWS CUDA activations of int4
+# `runtime.lowbit_gemv: on` routes M <= MAX_ROWS CUDA activations of int4
 # (AWQ/GPTQ) and per-row fp8 linears here. int4 then keeps a second copy of the codes in the row layout
 # (+1x the int4 weight bytes). Process-wide: the model runner sets it from its config before loading.
-ENABLED = os.environ.get("RADIXSERVE_LOWBIT_GEMV", "0") == "1"
+ENABLED = False
 
 
 def configure(mode: str) -> bool:
-    """Set `ENABLED` from `runtime.lowbit_gemv` ("on" / "off"; RADIXSERVE_LOWBIT_GEMV=1 forces on) and
-    return it. Call before loading a model: int4 weights are repacked for the GEMV at load."""
+    """Set `ENABLED` from `runtime.lowbit_gemv` ("on" / "off") and return it. Call before loading a model: int4 weights are repacked for the GEMV at load."""
     global ENABLED
     if mode not in ("on", "off"):
         raise ValueError(f"runtime.lowbit_gemv={mode!r}: expected 'on' or 'off'")
-    ENABLED = mode == "on" or os.environ.get("RADIXSERVE_LOWBIT_GEMV", "0") == "1"
+    ENABLED = mode == "on"
     return ENABLED
 
 

@@ -40,14 +40,17 @@ from radixserve.layers.moe import small_m
 from radixserve.layers.triton_support import interpreting as _interpreting
 
 triton = tl = None  # imported by `_kernels` on first use (CPU machines may lack Triton)
+sum_rows_if_last = None  # small_m_steps' @triton.jit steps, set by `_kernels` (kernels see module globals)
 
 
 @functools.cache
 def _kernels(interpret: bool) -> SimpleNamespace:
     del interpret  # cache key only: @triton.jit picks interpreter mode when it decorates
-    global triton, tl
+    global triton, tl, sum_rows_if_last
     import triton
     import triton.language as tl
+
+    from radixserve.layers.moe.small_m_steps import sum_rows_if_last
 
     @triton.jit
     def experts_kernel(x_ptr, w13_ptr, w2_ptr, act_ptr, partial_ptr, final_ptr, weight_ptr, ids_ptr, sync_ptr,
@@ -135,17 +138,9 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             d_out = tl.sum(d_acc, axis=1) * tl.load(weight_ptr + d_pair)
             tl.store(partial_ptr + (d_pair * SPLITS + d_split).to(tl.int64) * H + d_offs_n, d_out, mask=d_n_ok)
             # the token's last row of this column block sums the token's rows in index order
-            tl.debug_barrier()
             d_token = d_pair // top_k
-            d_counter = ready_ptr + PAIRS + d_token * DN_BLOCKS + d_pid_n
-            if tl.atomic_add(d_counter, 1, sem="acq_rel", scope="gpu") == ROWS - 1:
-                tl.store(d_counter, 0)
-                d_base = partial_ptr + (d_token * ROWS).to(tl.int64) * H + d_offs_n
-                d_total = tl.zeros((DN_N,), dtype=tl.float32)
-                for d_r in range(0, ROWS):
-                    d_total += tl.load(d_base + d_r * H, mask=d_n_ok, other=0.0, cache_modifier=".cg")
-                tl.store(final_ptr + d_token.to(tl.int64) * H + d_offs_n, d_total.to(final_ptr.dtype.element_ty),
-                         mask=d_n_ok)
+            sum_rows_if_last(ready_ptr + PAIRS + d_token * DN_BLOCKS + d_pid_n, partial_ptr, final_ptr, d_token,
+                             d_offs_n, d_n_ok, H, ROWS, DN_N)
         # the launch's last program to exit zeroes the ticket and the ready counters (everyone else
         # has taken its ticket and passed its wait by then)
         if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == gu_tiles + PAIRS * DN_BLOCKS * SPLITS - 1:

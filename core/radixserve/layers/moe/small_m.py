@@ -34,6 +34,7 @@ from radixserve.layers.triton_support import available
 from radixserve.layers.triton_support import interpreting as _interpreting
 
 triton = tl = None  # imported by `_kernels` on first use (CPU machines may lack Triton)
+route_token = sum_rows_if_last = None  # small_m_steps' @triton.jit steps, set by `_kernels` (kernels see module globals)
 
 # The small path runs while tokens * top_k is at most this (and at most one pair per two experts, see
 # `use_small_m`). Each pair reads its expert's weights on its own (programs of the same weight tile
@@ -61,6 +62,9 @@ class SmallMBlocks:
     # both phases in one launch (`one_launch`: ticket-ordered tiles; same bits as the two launches).
     # None: one launch for at most ONE_LAUNCH_MAX_TOKENS tokens, where the H200 measured it faster
     one_launch: bool | None = None
+    # the two-launch path's per-token sum of the down rows in the down kernel's last program of each
+    # (token, column block) (no `sum_rows` launch; the same sum in the same order); False: the launch
+    fused_sum: bool = True
 
 
 # Qwen3-30B-A3B's experts on the H200 (benchmarks/results/h200-moe.md, session 7): one launch vs two
@@ -155,9 +159,11 @@ def down_splits(top_k: int, hidden: int, inter: int, processors: int, blocks: Sm
 @functools.cache
 def _kernels(interpret: bool) -> SimpleNamespace:
     del interpret  # cache key only: @triton.jit picks interpreter mode when it decorates
-    global triton, tl
+    global triton, tl, route_token, sum_rows_if_last
     import triton
     import triton.language as tl
+
+    from radixserve.layers.moe.small_m_steps import route_token, sum_rows_if_last
 
     @triton.jit
     def gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, N, K: tl.constexpr, top_k, stride_xm, stride_we, stride_wn,
@@ -226,19 +232,10 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             acc += w.to(tl.float32) * av
         out = tl.sum(acc, axis=1) * tl.load(weight_ptr + pair)
         tl.store(out_ptr + (pair * splits + split).to(tl.int64) * N + offs_n, out, mask=n_ok)
-        if FUSED_SUM:
-            # publish the partial (stores before the barrier, release-acquire atomic); the block's last
-            # program reads the token's rows past L1 (.cg), sums them in index order, resets the counter
-            tl.debug_barrier()
+        if FUSED_SUM:  # the block's last program sums the token's rows
             token = pair // top_k
-            counter = arrivals_ptr + token * tl.num_programs(1) + pid_n
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == ROWS - 1:
-                tl.store(counter, 0)
-                base = out_ptr + (token * ROWS).to(tl.int64) * N + offs_n
-                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                for r in range(0, ROWS):
-                    total += tl.load(base + r * N, mask=n_ok, other=0.0, cache_modifier=".cg")
-                tl.store(final_ptr + token.to(tl.int64) * N + offs_n, total.to(final_ptr.dtype.element_ty), mask=n_ok)
+            sum_rows_if_last(arrivals_ptr + token * tl.num_programs(1) + pid_n, out_ptr, final_ptr, token, offs_n,
+                             n_ok, N, ROWS, BLOCK_N)
 
     @triton.jit
     def sum_rows_kernel(buf_ptr, out_ptr, R: tl.constexpr, N, BLOCK_N: tl.constexpr):
@@ -261,31 +258,8 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         offs = tl.arange(0, BLOCK_E)
         ok = offs < E
         logits = tl.load(logits_ptr + t.to(tl.int64) * stride_lm + offs, mask=ok, other=float("-inf")).to(tl.float32)
-        if SIGMOID:
-            scores = 1.0 / (1.0 + tl.exp(-logits))
-        else:
-            p = tl.exp(logits - tl.max(logits, axis=0))
-            p = tl.where(ok, p, 0.0)
-            scores = p / tl.sum(p, axis=0)
-        choice = scores
-        if HAS_BIAS:
-            choice = scores + tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        choice = tl.where(ok, choice, float("-inf"))
-        slots = tl.arange(0, BLOCK_TOPK)
-        chosen_ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
-        chosen_w = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            best = tl.minimum(tl.argmax(choice, axis=0), E - 1)  # NaN logits (a padding row) stay in range
-            w = tl.sum(tl.where(offs == best, scores, 0.0), axis=0)
-            chosen_ids = tl.where(slots == j, best.to(tl.int32), chosen_ids)
-            chosen_w = tl.where(slots == j, w, chosen_w)
-            choice = tl.where(offs == best, float("-inf"), choice)
-        if RENORMALIZE:
-            chosen_w = chosen_w / tl.maximum(tl.sum(chosen_w, axis=0), 1e-20)
-        chosen_w = chosen_w * scale
-        keep = slots < TOP_K
-        tl.store(weights_ptr + t * TOP_K + slots, chosen_w, mask=keep)
-        tl.store(ids_ptr + t * TOP_K + slots, chosen_ids, mask=keep)
+        route_token(logits, offs, ok, t, bias_ptr, weights_ptr, ids_ptr, E, scale, TOP_K, SIGMOID, RENORMALIZE,
+                    HAS_BIAS, BLOCK_TOPK)
 
     @triton.jit
     def gate_router_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, weights_ptr, ids_ptr, arrivals_ptr, E,
@@ -352,31 +326,8 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             ok = offs < E
             logits = tl.load(logits_ptr + t.to(tl.int64) * E + offs, mask=ok, other=float("-inf"),
                              cache_modifier=".cg")
-            if SIGMOID:
-                scores = 1.0 / (1.0 + tl.exp(-logits))
-            else:
-                p = tl.exp(logits - tl.max(logits, axis=0))
-                p = tl.where(ok, p, 0.0)
-                scores = p / tl.sum(p, axis=0)
-            choice = scores
-            if HAS_BIAS:
-                choice = scores + tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-            choice = tl.where(ok, choice, float("-inf"))
-            slots = tl.arange(0, BLOCK_TOPK)
-            chosen_ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
-            chosen_w = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
-            for j in tl.static_range(TOP_K):
-                best = tl.minimum(tl.argmax(choice, axis=0), E - 1)
-                w = tl.sum(tl.where(offs == best, scores, 0.0), axis=0)
-                chosen_ids = tl.where(slots == j, best.to(tl.int32), chosen_ids)
-                chosen_w = tl.where(slots == j, w, chosen_w)
-                choice = tl.where(offs == best, float("-inf"), choice)
-            if RENORMALIZE:
-                chosen_w = chosen_w / tl.maximum(tl.sum(chosen_w, axis=0), 1e-20)
-            chosen_w = chosen_w * scale
-            keep = slots < TOP_K
-            tl.store(weights_ptr + t * TOP_K + slots, chosen_w, mask=keep)
-            tl.store(ids_ptr + t * TOP_K + slots, chosen_ids, mask=keep)
+            route_token(logits, offs, ok, t, bias_ptr, weights_ptr, ids_ptr, E, scale, TOP_K, SIGMOID,
+                        RENORMALIZE, HAS_BIAS, BLOCK_TOPK)
 
     return SimpleNamespace(gate_up=gate_up_kernel, down=down_kernel, sum_rows=sum_rows_kernel, router=router_kernel,
                            gate_router=gate_router_kernel)
@@ -413,7 +364,7 @@ def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
         BLOCK_N=b.gate_up_n, BLOCK_K=b.gate_up_k, EVEN_K=hidden % b.gate_up_k == 0, num_warps=b.num_warps)
     partial = torch.empty((pairs * splits, hidden), dtype=torch.float32, device=x.device)
     n_blocks = _cdiv(hidden, b.down_n)
-    arrivals = _sum_arrivals(x.device, t * n_blocks) if FUSED_SUM else None
+    arrivals = _sum_arrivals(x.device, t * n_blocks) if b.fused_sum else None
     kernels.down[(pairs, n_blocks, splits)](
         act, w2, partial, weights, ids, hidden, inter, k_per_split, w2.stride(0), w2.stride(1),
         out, arrivals if arrivals is not None else ids, top_k, ROWS=top_k * splits,
@@ -424,9 +375,6 @@ def small_m_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     return out
 
 
-# The per-token sum of the down projection's rows done by the last program of each column block
-# (no `sum_rows` launch; the same sum in the same order). "0" keeps the separate launch (A/B runs).
-FUSED_SUM = os.environ.get("RADIXSERVE_MOE_FUSED_SUM", "1") != "0"
 _ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
 
 
@@ -470,9 +418,6 @@ def fused_select_experts(router_logits: torch.Tensor, cfg: RoutingConfig,
     return weights, ids
 
 
-# The router's linear and its routing in one launch (`fused_gate_select_experts`); "0" keeps the
-# linear layer + `fused_select_experts` (two launches) for A/B runs on the GPU.
-FUSED_GATE = os.environ.get("RADIXSERVE_MOE_FUSED_GATE", "1") != "0"
 GATE_ROWS = 2  # experts per program of the router's linear: 64 programs for 128 experts
 
 
@@ -481,7 +426,7 @@ def fused_gate_applies(x: torch.Tensor, gate_weight: torch.Tensor, cfg: RoutingC
     """True when `fused_gate_select_experts` serves this call: the fused router applies
     (`fused_router_applies` on x's rows), the gate weight is a plain [E, H] matrix in x's dtype and
     the arrival counters cover the tokens."""
-    if not FUSED_GATE or gate_weight.dim() != 2 or gate_weight.dtype != x.dtype or gate_weight.stride(1) != 1:
+    if gate_weight.dim() != 2 or gate_weight.dtype != x.dtype or gate_weight.stride(1) != 1:
         return False
     if cfg.num_expert_group is not None and cfg.num_expert_group > 1:
         return False

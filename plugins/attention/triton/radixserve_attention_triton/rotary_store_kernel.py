@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 from radixserve.layers import triton_interpreter as _interpreter_compat
+from radixserve.layers.triton_rotary import rotate_halves
 
 _interpreter_compat.apply()
 
@@ -99,16 +100,8 @@ def _rotary_store_kernel(
         x2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
     # C/S: the whole fp32 cos/sin caches; gather row positions[token] and round it like `cos.to(q.dtype)`
     crow = tl.load(P + row).to(tl.int64)
-    c1 = tl.load(C + crow * stride_c + d, mask=mask_d, other=0.0).to(dt).to(tl.float32)[None, :]
-    c2 = tl.load(C + crow * stride_c + HALF + d, mask=mask_d, other=0.0).to(dt).to(tl.float32)[None, :]
-    s1 = tl.load(S + crow * stride_s + d, mask=mask_d, other=0.0).to(dt).to(tl.float32)[None, :]
-    s2 = tl.load(S + crow * stride_s + HALF + d, mask=mask_d, other=0.0).to(dt).to(tl.float32)[None, :]
-    # rot*cos, rotate_half(rot)*sin and their sum, each rounded to the dtype, as torch computes them
-    o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    rotate_halves(x1, x2, dst, d, mask, mask_d, C, S, crow, stride_c, stride_s, dt, HALF)
     ot = dst.dtype.element_ty
-    tl.store(dst + d[None, :], o1.to(ot), mask=mask)
-    tl.store(dst + HALF + d[None, :], o2.to(ot), mask=mask)
     if REST > 0:  # partial rotary: the tail of each head passes through unchanged
         r = tl.arange(0, REST_BLOCK)
         rmask = mask_h[:, None] & (r < REST)[None, :]
