@@ -94,6 +94,17 @@ class _Item:
         )
 
 
+def _appends_sampled_token(it: _Item) -> bool:
+    """Whether `_process` appends the row's one sampled token with `_append_token` (which advances
+    the request's matcher, if it has one): the request is live, the row completes its prompt (an
+    intermediate prefill chunk samples nothing), it is no verify row (`_apply_verify` appends
+    those) and the request may produce tokens (max_new_tokens 0 ends without one). One predicate
+    for `_process` and `_accept_grammar_tokens`, which advances the matchers ahead of it."""
+    req = it.req
+    return (not req.finished and it.completes_prompt and it.draft is None
+            and req.sampling_params.max_new_tokens != 0)
+
+
 class _PrevStep:
     """The in-flight step during the launch of the decode that follows it: `process()` (once)
     waits for its tokens and processes them. A constrained batch launched ahead calls it from its
@@ -1026,14 +1037,8 @@ class Scheduler:
     def _accept_grammar_tokens(self, items: list[_Item], result: BatchResult) -> dict[int, tuple[bool, bool]]:
         """The step's tokens into their matchers, every constrained row in one backend call:
         {row: (accepted, terminated)} for the rows `_append_token` would advance a matcher for."""
-        rows = []
-        for i, it in enumerate(items):
-            req = it.req
-            if (req.grammar is None or req.grammar_start is not None or req.finished or not it.completes_prompt
-                    or it.draft is not None or req.sampling_params.max_new_tokens == 0
-                    or result.next_token_ids[i] is None):
-                continue
-            rows.append(i)
+        rows = [i for i, it in enumerate(items)
+                if it.req.grammar is not None and it.req.grammar_start is None and _appends_sampled_token(it)]
         if not rows:
             return {}
         matchers = [items[i].req.grammar for i in rows]
@@ -1063,14 +1068,14 @@ class Scheduler:
                 if req is self.chunked_req:
                     self.chunked_req = None
             n_before = len(req.output_ids)
-            if it.draft is not None:
-                self._apply_verify(it, result, i)
-            elif req.sampling_params.max_new_tokens == 0:
-                req.finished_reason = {"type": "length"}
-            else:
+            if _appends_sampled_token(it):
                 lp = result.token_logprobs[i] if result.token_logprobs is not None else None
                 top = result.top_logprobs[i] if result.top_logprobs is not None else None
                 self._append_token(req, int(result.next_token_ids[i]), lp, top, accepted.get(i))
+            elif it.draft is not None:
+                self._apply_verify(it, result, i)
+            else:  # max_new_tokens 0: the request ends without a token
+                req.finished_reason = {"type": "length"}
             self._notify_drafter(req, n_before)
             if req.finished:
                 self._release(req)
