@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import threading
 
 import pytest
+import torch
 from radixserve.config import Config
+from radixserve.interfaces.grammar import bitmask_width
 from radixserve.model_runner import ModelRunner
 from radixserve.plugins.registry import Registry
 from radixserve.runtime.messages import GenerateRequest
@@ -80,20 +84,38 @@ def check_valid(tok, got: dict) -> None:
 
 
 def test_constrained_decodes_are_launched_ahead_with_the_outputs_of_overlap_off(tok, monkeypatch):
+    # bitmask buffers start with every token forbidden: the scheduler must write every row it
+    # hands to the runner (a plain row left as it was would sample nothing the reference samples)
+    monkeypatch.setattr(XGrammarBackend, "allocate_bitmask",
+                        lambda self, n: torch.zeros((n, bitmask_width(self.vocab_size)), dtype=torch.int32))
     sync = make_scheduler(tok, False)
     add_mixed_batch(sync, tok)
     want = run(sync)
     # each step's constrained tokens reach their matchers in one accept_tokens call, none one by one
-    batched, single = [], []
+    batched, single, events = [], [], []
     accept_tokens, accept_token = XGrammarBackend.accept_tokens, XGrammarMatcher.accept_token
+    fill_bitmasks, append_token = XGrammarBackend.fill_bitmasks, Scheduler._append_token
     monkeypatch.setattr(XGrammarBackend, "accept_tokens",
-                        lambda self, ms, ts: batched.append(len(ms)) or accept_tokens(self, ms, ts))
+                        lambda self, ms, ts: batched.append(len(ms)) or events.append("accept") or accept_tokens(self, ms, ts))
     monkeypatch.setattr(XGrammarMatcher, "accept_token", lambda self, t: single.append(t) or accept_token(self, t))
+    on_main = threading.main_thread
+    monkeypatch.setattr(XGrammarBackend, "fill_bitmasks", lambda self, bm, rows: events.append(
+        "fill" if threading.current_thread() is not on_main() else "fill on main") or fill_bitmasks(self, bm, rows))
+    monkeypatch.setattr(Scheduler, "_append_token", lambda self, *a: events.append("append") or append_token(self, *a))
     s = make_scheduler(tok, True)
     s.fill_beside_processing = True  # the masks filled in the mask thread while the previous step is processed
     add_mixed_batch(s, tok)
-    got = run(s)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)  # threads switch only when one blocks: the fill must not wait for the GIL
+    try:
+        got = run(s)
+    finally:
+        sys.setswitchinterval(switch)
     assert got == want  # ids and finish reasons
+    # a launched-ahead step's fill starts in the mask thread right after the accept, before the
+    # step's tokens are appended (the rest of the processing runs beside it), not after them
+    beside = [i for i, e in enumerate(events) if e == "fill" and events[i - 1] == "accept"]
+    assert len(beside) >= 10 and events[beside[0] + 1] == "append", events[:40]
     _, k = free_marker(tok)  # `after`'s first k tokens are unconstrained
     assert sum(batched) == sum(len(got[rid]["ids"]) for rid in [*SCHEMAS, *REGEXES, "after"]) - k
     assert max(batched) >= len(SCHEMAS) + len(REGEXES) and not single

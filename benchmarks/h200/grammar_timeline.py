@@ -10,7 +10,14 @@ max host ms, and the Python stack of the slowest ones; (2) the device's idle tim
 step (the GPU waiting for the host) and the largest gaps. If the constrained step's extra time is
 device idle time behind a blocking call, the stack names it.
 
+(3) From the exported chrome trace (Python frames recorded): per step host ms of the scheduler's
+phases on its thread (lookahead, launch, ready, the wait for the mask fill, ...), how long a mask
+fill waited between its submission and its start in the mask thread, and the innermost Python
+frames of the scheduler's thread at the start of the largest device gaps and around the slowest
+blocking calls (torch's FunctionEvent stacks came back empty for runtime calls in session 8).
+
     python benchmarks/h200/grammar_timeline.py --out $OUT          # ~2-3 min; writes grammar_timeline.json
+    python benchmarks/h200/grammar_timeline.py --analyze grammar_timeline_c.json --profile-steps 6   # a trace again
 """
 
 from __future__ import annotations
@@ -110,6 +117,91 @@ def blocking_calls(prof) -> list[dict]:
     return out
 
 
+# (label, file, function) of the scheduler-thread phases reported per step (the fill: any thread)
+PHASES = (
+    ("step", "scheduler.py", "step"),
+    ("lookahead_decode", "scheduler.py", "_lookahead_decode"),
+    ("to_scheduled_batch", "scheduler.py", "_to_scheduled_batch"),
+    ("launch_batch", "model_runner.py", "launch_batch"),
+    ("sampling_batch", "batch.py", "from_reqs"),
+    ("prepare", "model_runner.py", "prepare"),
+    ("graph_run", "cuda_graph_runner.py", "run"),
+    ("bitmask_ready", "scheduler.py", "ready"),
+    ("process_prev", "scheduler.py", "_process"),
+    ("accept_tokens", "scheduler.py", "_accept_grammar_tokens"),
+    ("wait_for_fill", "_base.py", "wait"),
+    ("fill_bitmasks (mask thread)", "backend.py", "fill_bitmasks"),
+    ("apply_bitmask", "backend.py", "apply_bitmask_inplace"),
+    ("sample", "sampler.py", "sample"),
+    ("copy_to_host", "model_runner.py", "_copy_to_host"),
+)
+
+
+def _frame(name: str) -> tuple[str, str]:
+    """('scheduler.py', 'ready') of a trace frame name like '.../scheduler.py(972): ready'."""
+    where, _, func = name.rpartition(": ")
+    return where.split("(")[0].rsplit("/", 1)[-1], func
+
+
+def trace_context(trace: Path, steps: int, gaps: int = 8) -> dict:
+    """Host phases per step, mask-fill start delays and the scheduler thread's Python frames at the
+    largest device gaps and the slowest blocking calls, read from an exported chrome trace."""
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    py = [e for e in events if e.get("cat") == "python_function"]
+    steps_ev = [e for e in py if _frame(e["name"]) == ("scheduler.py", "step")]
+    if not steps_ev:
+        return {"error": "no Scheduler.step frames in the trace (was it recorded with_stack=True?)"}
+    main = steps_ev[0]["tid"]
+    main_py = sorted((e for e in py if e["tid"] == main), key=lambda e: e["ts"])
+
+    def frames_at(ts: float, depth: int = 4) -> list[str]:
+        cover = [e for e in main_py if e["ts"] <= ts < e["ts"] + e["dur"]]
+        return [e["name"].rsplit("/", 1)[-1][:70] for e in cover][-depth:]
+
+    phases = {}
+    for label, file, func in PHASES:
+        ds = [e["dur"] for e in py if _frame(e["name"]) == (file, func) and (e["tid"] == main or "fill" in label)]
+        if ds:
+            phases[label] = round(sum(ds) / 1000 / steps, 3)
+    # a fill is submitted from scheduler._started (before it: from start_fill / _token_bitmask)
+    submits = [e["ts"] for e in main_py if _frame(e["name"]) == ("scheduler.py", "_started")] or [
+        e["ts"] for e in main_py if _frame(e["name"]) == ("scheduler.py", "start_fill")]
+    starts = sorted(e["ts"] for e in py if e["tid"] != main and _frame(e["name"])[1] == "fill_bitmasks")
+    delays = []
+    for t in sorted(set(submits)):
+        later = [x for x in starts if x >= t]
+        if later:
+            delays.append(round((later[0] - t) / 1000, 3))
+    dev = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    found, end = [], dev[0][1] if dev else 0
+    for a, b in dev[1:]:
+        if a > end:
+            found.append((a - end, end))
+        end = max(end, b)
+    at_gaps = [{"gap_ms": round(g / 1000, 3), "host_at_start": frames_at(t + 1)}
+               for g, t in sorted(found, reverse=True)[:gaps]]
+    slow = {}
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and any(e["name"].startswith(b) for b in BLOCKING):
+            if e["dur"] > slow.get(e["name"], {"dur": -1})["dur"]:
+                slow[e["name"]] = e
+    slowest = [{"call": n, "ms": round(e["dur"] / 1000, 3), "host_frames": frames_at(e["ts"])}
+               for n, e in sorted(slow.items(), key=lambda kv: -kv[1]["dur"])]
+    return {"host_ms_per_step": phases, "fill_start_delay_ms": delays, "largest_device_gaps": at_gaps,
+            "slowest_blocking_calls": slowest}
+
+
+def print_context(ctx: dict) -> None:
+    print("  host ms per step: " + ", ".join(f"{k} {v}" for k, v in ctx.get("host_ms_per_step", {}).items()),
+          flush=True)
+    if ctx.get("fill_start_delay_ms"):
+        print(f"  mask fill start after its submission (ms): {ctx['fill_start_delay_ms']}", flush=True)
+    for g in ctx.get("largest_device_gaps", [])[:6]:
+        print(f"  device gap {g['gap_ms']} ms; scheduler thread in: {' > '.join(g['host_at_start'])}", flush=True)
+    for c in ctx.get("slowest_blocking_calls", [])[:4]:
+        print(f"  slowest {c['call']} {c['ms']} ms in: {' > '.join(c['host_frames'])}", flush=True)
+
+
 def run_kind(s, batch: int, constrained: bool, steps: int, profile_steps: int, out: Path, input_len: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -140,15 +232,18 @@ def run_kind(s, batch: int, constrained: bool, steps: int, profile_steps: int, o
         for _ in range(profile_steps):
             s.step()
         sync()
-    prof.export_chrome_trace(str(out / f"grammar_timeline_{tag}.json"))
+    trace = out / f"grammar_timeline_{tag}.json"
+    prof.export_chrome_trace(str(trace))
     row = {"constrained": constrained, "ms_per_step": round(ms, 3), "launched_ahead": ahead, "steps": steps,
            "gaps": gaps_per_step(prof, profile_steps), "blocking_calls": blocking_calls(prof)}
     print(json.dumps({k: row[k] for k in ("ms_per_step", "gaps")}), flush=True)
     for r in row["blocking_calls"][:6]:
-        print(f"  {r['call']}: {r['count']} calls, {r['total_ms']} ms total, max {r['max_ms']} ms; slowest from:",
-              flush=True)
-        for f in r["slowest_stack"][:5]:
-            print(f"      {f}", flush=True)
+        print(f"  {r['call']}: {r['count']} calls, {r['total_ms']} ms total, max {r['max_ms']} ms", flush=True)
+    try:
+        row["trace_context"] = trace_context(trace, profile_steps)
+        print_context(row["trace_context"])
+    except Exception as e:  # the analysis must not cost the measurement
+        print(f"  trace analysis failed: {e!r}", flush=True)
     while s.has_work():  # the kind's requests run to their max_new_tokens before the next kind
         s.step()
     return row
@@ -165,7 +260,13 @@ def main() -> None:
     ap.add_argument("--kinds", default="plain,constrained")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (with a tiny --model)")
     ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--analyze", type=Path, help="only read this exported trace (steps: --profile-steps) and exit")
     args = ap.parse_args()
+    if args.analyze:
+        ctx = trace_context(args.analyze, args.profile_steps)
+        print_context(ctx)
+        print(json.dumps(ctx, indent=1))
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     if not (args.tokenizer_dir / "tokenizer.json").exists():
         make_tokenizer(args.tokenizer_dir, VOCAB)

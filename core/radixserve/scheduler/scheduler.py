@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -92,6 +93,40 @@ class _Item:
         return self.decode or self.prefix_len + self.extend_len == len(self.req.origin_input_ids) + len(
             self.req.output_ids
         )
+
+
+def _appends_sampled_token(it: _Item) -> bool:
+    """Whether `_process` appends the row's one sampled token with `_append_token` (which advances
+    the request's matcher, if it has one): the request is live, the row completes its prompt (an
+    intermediate prefill chunk samples nothing), it is no verify row (`_apply_verify` appends
+    those) and the request may produce tokens (max_new_tokens 0 ends without one). One predicate
+    for `_process` and `_accept_grammar_tokens`, which advances the matchers ahead of it."""
+    req = it.req
+    return (not req.finished and it.completes_prompt and it.draft is None
+            and req.sampling_params.max_new_tokens != 0)
+
+
+def _allow_all(bitmask: torch.Tensor, rows: set[int]) -> None:
+    """Every token allowed in these rows of a step's bitmask (rows no matcher fills)."""
+    if rows:
+        bitmask[sorted(rows)] = -1
+
+
+def _started(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future:
+    """`pool.submit(fn, *args)`, returning once the pool's thread runs it. A woken thread needs the
+    GIL, which this thread keeps while it runs Python until it blocks or CPython's switch interval
+    (5 ms) ends: a mask fill submitted before the previous step's processing would only start
+    after it (the H200 timeline showed exactly that). Once inside `fn` (xgrammar's fill releases
+    the GIL) the two run side by side. Never waits longer than one switch interval."""
+    started = threading.Event()
+
+    def run() -> Any:
+        started.set()
+        return fn(*args)
+
+    fut = pool.submit(run)
+    started.wait(sys.getswitchinterval())
+    return fut
 
 
 class _PrevStep:
@@ -949,13 +984,10 @@ class Scheduler:
         if not rows:
             return None
         bitmask = self._new_bitmask(len(items))
+        _allow_all(bitmask, set(range(len(items))) - set(rows))
         matchers = [(i, items[i].req.grammar) for i in rows]
-        backend = self.grammar.ready_backend
-
-        def fill() -> None:
-            backend.fill_bitmasks(bitmask, matchers)
-
-        return bitmask, self._mask_pool_executor().submit(fill).result
+        return bitmask, _started(self._mask_pool_executor(), self.grammar.ready_backend.fill_bitmasks,
+                                 bitmask, matchers).result
 
     def _bitmask_after(self, items: list[_Item], prev_step: _PrevStep) -> tuple[torch.Tensor, Callable] | None:
         """The bitmask of a decode launched ahead of the in-flight step `prev_step`, whose tokens
@@ -982,7 +1014,7 @@ class Scheduler:
                 rows = [(i, it.req.grammar) for i, it in enumerate(items)
                         if it.req.grammar is not None and not it.req.finished and id(it.req) not in ended]
                 if rows:  # xgrammar releases the GIL: the rest of prev's processing runs meanwhile
-                    filling.append((rows, self._mask_pool_executor().submit(backend.fill_bitmasks, bitmask, rows)))
+                    filling.append((rows, _started(self._mask_pool_executor(), backend.fill_bitmasks, bitmask, rows)))
 
             try:
                 prev_step.process(start_fill if self.fill_beside_processing else None)
@@ -997,9 +1029,9 @@ class Scheduler:
                     if it.req.grammar is not None and not it.req.finished and i not in filled]
             if late:
                 backend.fill_bitmasks(bitmask, late)
-            for i in filled:
-                if items[i].req.finished:  # its token is dropped: every token allowed, as unfilled rows
-                    bitmask[i] = -1
+            filled.update(i for i, _ in late)
+            # unfilled rows, and rows whose request finished in prev (its token is dropped): every token allowed
+            _allow_all(bitmask, {i for i in range(len(items)) if i not in filled or items[i].req.finished})
 
         return bitmask, ready
 
@@ -1009,31 +1041,25 @@ class Scheduler:
         return self._mask_pool
 
     def _new_bitmask(self, batch_size: int) -> torch.Tensor:
-        """The step's bitmask, every token allowed: the first rows of one of two buffers used in
-        turn (pinned on CUDA: the runner's copy to the device does not block the host). Reuse is
-        safe: at most one batch is in flight, so the buffer's previous batch (two masked batches
-        ago) has had its tokens read, which comes after its mask was copied to the device."""
+        """The step's bitmask, rows not written yet: the first rows of one of two buffers used in
+        turn (pinned on CUDA: the runner's copy to the device does not block the host). Every row
+        must then be filled (a backend writes every word of a row it fills) or set by `_allow_all`;
+        not clearing the whole buffer saves a 1 MB memset per step at 64 rows. Reuse is safe: at
+        most one batch is in flight, so the buffer's previous batch (two masked batches ago) has
+        had its tokens read, which comes after its mask was copied to the device."""
         self._bitmask_turn ^= 1
         buf = self._bitmask_bufs[self._bitmask_turn]
         if buf is None or buf.shape[0] < batch_size:
             fresh = self.grammar.ready_backend.allocate_bitmask(max(batch_size, 2 * (0 if buf is None else buf.shape[0])))
             buf = fresh.pin_memory() if self._pin_bitmasks else fresh
             self._bitmask_bufs[self._bitmask_turn] = buf
-        bitmask = buf[:batch_size]
-        bitmask.fill_(-1)
-        return bitmask
+        return buf[:batch_size]
 
     def _accept_grammar_tokens(self, items: list[_Item], result: BatchResult) -> dict[int, tuple[bool, bool]]:
         """The step's tokens into their matchers, every constrained row in one backend call:
         {row: (accepted, terminated)} for the rows `_append_token` would advance a matcher for."""
-        rows = []
-        for i, it in enumerate(items):
-            req = it.req
-            if (req.grammar is None or req.grammar_start is not None or req.finished or not it.completes_prompt
-                    or it.draft is not None or req.sampling_params.max_new_tokens == 0
-                    or result.next_token_ids[i] is None):
-                continue
-            rows.append(i)
+        rows = [i for i, it in enumerate(items)
+                if it.req.grammar is not None and it.req.grammar_start is None and _appends_sampled_token(it)]
         if not rows:
             return {}
         matchers = [items[i].req.grammar for i in rows]
@@ -1063,14 +1089,14 @@ class Scheduler:
                 if req is self.chunked_req:
                     self.chunked_req = None
             n_before = len(req.output_ids)
-            if it.draft is not None:
-                self._apply_verify(it, result, i)
-            elif req.sampling_params.max_new_tokens == 0:
-                req.finished_reason = {"type": "length"}
-            else:
+            if _appends_sampled_token(it):
                 lp = result.token_logprobs[i] if result.token_logprobs is not None else None
                 top = result.top_logprobs[i] if result.top_logprobs is not None else None
                 self._append_token(req, int(result.next_token_ids[i]), lp, top, accepted.get(i))
+            elif it.draft is not None:
+                self._apply_verify(it, result, i)
+            else:  # max_new_tokens 0: the request ends without a token
+                req.finished_reason = {"type": "length"}
             self._notify_drafter(req, n_before)
             if req.finished:
                 self._release(req)

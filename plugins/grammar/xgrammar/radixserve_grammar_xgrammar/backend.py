@@ -185,8 +185,12 @@ def json_schema_grammar(schema: str) -> xgr.Grammar:
     strings), after normalize_schema's rewrites and with enum alternations factored into a prefix
     tree (enum_trie.py: xgrammar 0.1.27 over-merges them). Raises ValueError for a union that
     cannot be rewritten."""
-    schema = json.dumps(normalize_schema(json.loads(schema)))
-    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+    return _normalized_schema_grammar(normalize_schema(json.loads(schema)))
+
+
+def _normalized_schema_grammar(schema: Any) -> xgr.Grammar:
+    """json_schema_grammar of a schema normalize_schema already rewrote."""
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
     return xgr.Grammar.from_ebnf(factor_literal_choices(exclude_control_characters(str(grammar))))
 
 
@@ -275,7 +279,7 @@ class XGrammarBackend(GrammarBackend):
                 why = unenforced_construct(schema)
                 if why:
                     raise GrammarError(f"the schema has {why}: the xgrammar backend cannot enforce it while generating")
-                return self._compiler.compile_grammar(json_schema_grammar(text))
+                return self._compiler.compile_grammar(_normalized_schema_grammar(schema))
             if kind == "regex":
                 return self._compiler.compile_regex(text)
             if kind == "ebnf":
