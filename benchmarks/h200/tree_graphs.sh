@@ -15,7 +15,7 @@ set -o pipefail
 source benchmarks/h200/setup.sh || exit 1
 {
 echo "== [1/2] tree verify: decode rows in graphs vs eager tree-mask extend (8B shape, batch 1)"
-timeout 120 python3 benchmarks/h200/spec_eagle.py --out $OUT --output-len 64 \
+timeout 150 python3 benchmarks/h200/spec_eagle.py --out $OUT --output-len 64 \
   --rows eagle3:2:4:8,eagle3:2:4:8:treeeager,eagle3:4:4:8,eagle3:4:4:8:treeeager
 echo "== [2/2] losslessness of tree verifies on CUDA (tiny checkpoints, graphs on both sides)"
 timeout 100 python3 benchmarks/h200/spec_lossless.py --out $OUT --only tree --new-tokens 20
