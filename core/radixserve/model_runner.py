@@ -238,15 +238,15 @@ class ModelRunner:
     def _tree_scratch_rows(self) -> int:
         """Pool rows to reserve so tree verifies replay the decode graphs (tree_decode_rows.py):
         with CUDA graphs and a drafter that may propose trees (speculative.topk > 1), one per graph
-        row a node off its request's first chain can take: at most the largest graph batch less
-        one (each request's root reads its own row), and at most the running requests' drafts."""
+        row a node off its request's first chain can take: the largest graph batch less one (each
+        request's root reads its own row)."""
         cfg, rt = self.config, self.config.runtime
         if not (self.device.type == "cuda" and rt.cuda_graph and cfg.stack.speculative and cfg.speculative.topk > 1):
             return 0
         from radixserve.cuda_graph_runner import default_capture_sizes
 
         max_bs = default_capture_sizes(min(rt.cuda_graph_max_bs, cfg.scheduler.max_running_requests))[-1]
-        return max(0, min(max_bs - 1, cfg.scheduler.max_running_requests * cfg.speculative.num_draft_tokens))
+        return max_bs - 1
 
     def _init_attention(self) -> None:
         name = self.stack.attention.name
