@@ -18,7 +18,7 @@ echo "== [1/2] tree verify: decode rows in graphs vs eager tree-mask extend (8B 
 timeout 150 python3 benchmarks/h200/spec_eagle.py --out $OUT --output-len 64 \
   --rows eagle3:2:4:8,eagle3:2:4:8:treeeager,eagle3:4:4:8,eagle3:4:4:8:treeeager
 echo "== [2/2] losslessness of tree verifies on CUDA (tiny checkpoints, graphs on both sides)"
-timeout 100 python3 benchmarks/h200/spec_lossless.py --out $OUT --only tree --new-tokens 20
+timeout 120 python3 benchmarks/h200/spec_lossless.py --out $OUT --only tree --new-tokens 20
 } 2>&1 | grep -v 'it/s\]' | tee $OUT/tree_graphs.txt
 status=$?
 python3 - <<'PY' | tee -a $OUT/tree_graphs.txt
