@@ -163,3 +163,20 @@ def test_recording_graphs_hand_the_drafter_the_eager_rows(tiny_llama_dir):
         for g, e in zip(rows, rows_e[rid], strict=True):
             torch.testing.assert_close(g.final, e.final, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(g.aux, e.aux, rtol=1e-5, atol=1e-5)
+
+
+def test_tree_scratch_rows_are_reserved_only_for_tree_drafts_in_graphs():
+    """Scratch rows (tree verifies as decode rows) cost ReqToTokenPool rows of the context length:
+    reserved only on CUDA with graphs on and a drafter that may propose trees, at most the largest
+    graph batch less one (each request's root reads its own row; graphs are capped by the running requests)."""
+    from types import SimpleNamespace
+
+    def scratch(device="cuda", graphs=True, drafter="eagle", topk=4, max_bs=160, running=256):
+        cfg = Config.build({"stack": {"speculative": drafter}, "speculative": {"topk": topk},
+                            "runtime": {"cuda_graph": graphs, "cuda_graph_max_bs": max_bs},
+                            "scheduler": {"max_running_requests": running}})
+        return ModelRunner._tree_scratch_rows(SimpleNamespace(config=cfg, device=torch.device(device)))
+
+    assert scratch() == 159  # graphs of up to 160 rows
+    assert scratch(max_bs=16) == 15 and scratch(running=12) == 7  # graphs of 1, 2, 4, 8 rows for 12 requests
+    assert scratch(device="cpu") == scratch(graphs=False) == scratch(drafter=None) == scratch(topk=1) == 0

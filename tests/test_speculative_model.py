@@ -242,23 +242,40 @@ def test_unseeded_sampling_matches_the_target_distribution(runners, tree):
     ("torch_native", [-1, 0, 0, 1, 1, 3, 2], False),  # a tree of 6 draft tokens under the root: tree mask
     ("torch_native", [-1, 0, 1, 2, 3, 4, 5], False),  # a chain: verified as decode rows sharing a request
     ("torch_native", [-1, 0, 1, 2, 3, 4, 5], True),  # ... replayed through the decode graph bookkeeping
+    ("torch_native", [-1, 0, 0, 1, 1, 3, 2], True),  # a tree as decode rows (scratch rows) in the graphs
     ("cpu_batched", [-1, 0, 1, 2, 3, 4, 5], False),  # a chain as an EXTEND batch
-], ids=["tree", "chain-decode-rows", "chain-decode-rows-graph", "chain-extend"])
+], ids=["tree", "chain-decode-rows", "chain-decode-rows-graph", "tree-decode-rows-graph", "chain-extend"])
 def test_verify_forward_equals_per_path_causal_forwards(runners, attention, parents, graph):
     runner = runners(attention)
     if graph:  # the CPU stand-in for CUDA graphs (EagerGraph re-runs over the static buffers)
-        from radixserve.cuda_graph_runner import DecodeGraphRunner, EagerGraph
-
-        dummy = runner.req_to_token_pool.alloc()
-        runner.graph_runner = DecodeGraphRunner(runner.model, runner.attn_backend, runner.req_to_token_pool,
-                                                runner.kv_pool, runner.device, [4, 16], dummy, EagerGraph)
+        dummy, scratch = _install_graphs(runner, [4, 16], 15)
     try:
         _check_verify_forward(runner, attention, parents)
         assert runner.last_run_used_cuda_graph is False  # the per-path references are extends
     finally:
         if graph:
-            runner.graph_runner = None
-            runner.req_to_token_pool.free(dummy)
+            _remove_graphs(runner, dummy, scratch)
+
+
+def _install_graphs(runner, sizes, num_scratch):
+    """What a CUDA runner sets up at start-up, on the CPU: decode graphs (EagerGraph) and the
+    scratch rows tree verifies use as decode rows. Returns the pool rows taken (dummy, scratch)."""
+    from radixserve.cuda_graph_runner import DecodeGraphRunner, EagerGraph
+    from radixserve.tree_decode_rows import TreeDecodeRows
+
+    pool = runner.req_to_token_pool
+    dummy = pool.alloc()
+    runner.graph_runner = DecodeGraphRunner(runner.model, runner.attn_backend, pool, runner.kv_pool, runner.device,
+                                            sizes, dummy, EagerGraph)
+    scratch = [pool.alloc() for _ in range(num_scratch)]
+    runner.tree_rows = TreeDecodeRows(scratch)
+    return dummy, scratch
+
+
+def _remove_graphs(runner, dummy, scratch):
+    runner.graph_runner, runner.tree_rows = None, None
+    for row in [dummy, *scratch]:
+        runner.req_to_token_pool.free(row)
 
 
 def _check_verify_forward(runner, attention, parents):
@@ -275,7 +292,8 @@ def _check_verify_forward(runner, attention, parents):
         runner.forward_logits(pre)
         verify = ScheduledBatch(ForwardMode.EXTEND, [req], tokens, [row], [prefix], [len(tokens)], slots[prefix:],
                                 [True], spec=SpecVerify([parents]))
-        assert runner._verify_as_decode_rows(verify) == (attention == "torch_native" and not verify.spec.has_tree)
+        as_rows = attention == "torch_native" and (not verify.spec.has_tree or runner.graph_runner is not None)
+        assert runner._verify_as_decode_rows(verify) == as_rows
         with torch.inference_mode():
             tree_logits = runner._forward(verify, greedy_ids=False)[0]
         assert runner.last_run_used_cuda_graph == (runner.graph_runner is not None)
@@ -296,3 +314,67 @@ def _check_verify_forward(runner, attention, parents):
     finally:
         runner.token_allocator.free(slots)
         runner.req_to_token_pool.free(row)
+
+
+def test_tree_verify_as_decode_rows_equals_the_tree_mask_extend(runners):
+    """A batched verify of three requests with different prefixes (trees branching at several
+    depths, and a chain) replayed as decode rows through the graph bookkeeping gives the logits of
+    the eager tree-mask extend. Each node off its request's first chain reads a scratch row of its
+    own (none shared, none a request's, none taken from or given back to the pool); a batch that
+    does not fit the scratch rows or the graphs falls back to the eager extend, same logits. (The
+    attention conformance kit checks the same for every backend with decode_rows_share_requests.)"""
+    import types
+
+    runner = runners("torch_native")
+    pool, alloc = runner.req_to_token_pool, runner.token_allocator
+    prompts_ = [[7, 100, 33, 250, 9, 41, 5, 77, 3], [12, 500, 8, 4], [61, 2, 90, 14, 400, 3, 3, 18, 27, 301, 6, 8, 1]]
+    trees = [[-1, 0, 0, 1, 1, 2, 4, 4, 6],  # branching at depths 0, 1 and 2; node 2's path leaves the chain at once
+             [-1, 0, 1, 2],  # a chain in the same batch: every node on its request's own row
+             [-1, 0, 0, 2, 2, 1, 3]]
+    rng = random.Random(4)
+    tokens = [[p[-1]] + [rng.randrange(VOCAB) for _ in t[1:]] for p, t in zip(prompts_, trees, strict=True)]
+    prefix = [len(p) - 1 for p in prompts_]
+    req = Req(rid="t", origin_input_ids=[1], sampling_params=SamplingParams(temperature=0))
+    rows = [pool.alloc() for _ in prompts_]
+    slots = [alloc.alloc(p + len(t)) for p, t in zip(prefix, trees, strict=True)]
+    for row, s in zip(rows, slots, strict=True):
+        pool.write(row, 0, s)
+    pre = ScheduledBatch(ForwardMode.EXTEND, [req] * 3, [x for p in prompts_ for x in p[:-1]], rows, [0] * 3, prefix,
+                         torch.cat([s[:p] for s, p in zip(slots, prefix, strict=True)]), [True] * 3)
+    verify = ScheduledBatch(ForwardMode.EXTEND, [req] * 3, [x for t in tokens for x in t], rows, prefix,
+                            [len(t) for t in trees], torch.cat([s[p:] for s, p in zip(slots, prefix, strict=True)]),
+                            [True] * 3, spec=SpecVerify(trees))
+    dummy = scratch = None
+    try:
+        runner.forward_logits(pre)
+        with torch.inference_mode():
+            assert not runner._verify_as_decode_rows(verify)  # no graphs: the tree-mask extend
+            want = runner._forward(verify, greedy_ids=False)[0]
+            dummy, scratch = _install_graphs(runner, [8, 32], 13)
+            needed = runner.tree_rows.scratch_needed(trees)
+            assert needed == 7 + 5  # every node whose depth is not its index
+            free_before = pool.available_size()
+            assert runner._verify_as_decode_rows(verify)
+            got = runner._forward(verify, greedy_ids=False)[0]
+            assert runner.last_run_used_cuda_graph
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            plan = runner.tree_rows.plan(rows, prefix, trees)
+            used = [r for r in plan.rows if r in scratch]
+            assert len(used) == needed and len(set(used)) == needed  # one scratch row per node, none shared
+            assert not set(plan.rows) - set(scratch) - set(rows)  # the others read their request's row
+            assert pool.available_size() == free_before and not set(scratch) & set(pool._free_rows)
+            # too few scratch rows, or more rows than the largest graph: the eager extend, same logits
+            runner.tree_rows.scratch_rows = scratch[: needed - 1]
+            assert not runner._verify_as_decode_rows(verify)
+            torch.testing.assert_close(runner._forward(verify, greedy_ids=False)[0], want, atol=1e-5, rtol=1e-5)
+            assert not runner.last_run_used_cuda_graph
+            runner.tree_rows.scratch_rows = scratch
+            gr, runner.graph_runner = runner.graph_runner, types.SimpleNamespace(max_bs=sum(map(len, trees)) - 1)
+            assert not runner._verify_as_decode_rows(verify)
+            runner.graph_runner = gr
+    finally:
+        if scratch is not None:
+            _remove_graphs(runner, dummy, scratch)
+        for row, s in zip(rows, slots, strict=True):
+            pool.free(row)
+            alloc.free(s)

@@ -113,10 +113,15 @@ def main() -> None:
                     help="a runtime config override for the whole run (e.g. batch1_gemv_fuse_norm=false)")
     args = ap.parse_args()
     rows = [(args.layout, args.topk, args.num_steps, args.num_draft_tokens, args.draft_cuda_graph == "on", True)]
+    tree_eager = [False]  # per row: tree verifies kept off the decode graphs (the eager tree-mask extend)
     if args.rows:  # further fields: "eager" (the draft without its CUDA graphs), "nogemv" (its one-row
         # matmuls on cuBLAS: speculative.options.batch1_gemv=off, the A/B of the draft's batch-1 GEMV)
         rows = [(f[0], int(f[1]), int(f[2]), int(f[3]), "eager" not in f[4:], "nogemv" not in f[4:]) for f in
                 (r.split(":") for r in args.rows.split(","))]
+        # "treeeager": the target verifies trees eagerly (tree-mask EXTEND) instead of as decode rows
+        # replaying its graphs (the A/B of issue 13's tree graphs; the scratch rows are reserved at load
+        # when the first row is a tree)
+        tree_eager = ["treeeager" in r.split(":")[4:] for r in args.rows.split(",")]
 
     from radixserve.config import Config
     from radixserve.model_runner import ModelRunner
@@ -157,6 +162,19 @@ def main() -> None:
     prompt = [int(x) for x in torch.randint(0, min(30000, target["vocab_size"]), (args.input_len,), generator=torch.Generator().manual_seed(1))]
 
     graph_steps: list[bool] = []  # per step of the last run: its (last) forward replayed a target graph
+    tree_verifies = [0, 0]  # in the last run: tree verifies, and those that replayed a target decode graph
+    inner_forward = runner._forward
+
+    def counted_forward(sb, greedy_ids):
+        out = inner_forward(sb, greedy_ids)
+        if sb.spec is not None and sb.spec.has_tree:
+            tree_verifies[0] += 1
+            tree_verifies[1] += bool(runner.last_run_used_cuda_graph)
+        return out
+
+    runner._forward = counted_forward
+    tree_rows = runner.tree_rows
+    print(f"tree scratch rows reserved: {len(tree_rows.scratch_rows) if tree_rows else 0}", flush=True)
 
     collects: list[float] = []  # per step of the last run: ms in the drafter's on_accepted
 
@@ -166,6 +184,7 @@ def main() -> None:
         collecting the verified rows' hidden states)."""
         graph_steps.clear()
         collects.clear()
+        tree_verifies[:] = [0, 0]
         proposes: list[float] = []
         accepted: list[float] = []
         drafter = sched.drafter
@@ -218,7 +237,9 @@ def main() -> None:
     timed_run(scheduler(False))  # untimed
     plain_steps, _ = timed_run(scheduler(False))  # no drafter yet: nothing recorded
     print(f"plain decode: {statistics.median(plain_steps):.2f} ms/step", flush=True)
-    for layout, topk, num_steps, num_draft_tokens, draft_graphs, draft_gemv in rows:
+    for (layout, topk, num_steps, num_draft_tokens, draft_graphs, draft_gemv), eager_trees in zip(rows, tree_eager,
+                                                                                                 strict=True):
+        runner.tree_rows = None if eager_trees else tree_rows
         stop_recording(runner)
         cfg = spec_config(layout, topk, num_steps, num_draft_tokens, draft_graphs, draft_gemv)
         t0 = time.perf_counter()
@@ -227,7 +248,9 @@ def main() -> None:
         steps, props = timed_run(sched)
         print(f"{layout} topk {topk}: two passes in {time.perf_counter() - t0:.1f} s", flush=True)
         report(args, layout, topk, num_steps, num_draft_tokens, draft_graphs, runner, sched, plain_steps, steps,
-               props, graph_steps, cuda, list(collects))
+               props, graph_steps, cuda, list(collects),
+               {"tree_verify": "eager" if eager_trees else "decode rows", "tree_verifies": tree_verifies[0],
+                "tree_verifies_graph_replayed": tree_verifies[1]})
 
 
 def _override(kv: str) -> tuple[str, object]:
@@ -252,7 +275,7 @@ def stop_recording(runner) -> None:
 
 
 def report(args, layout, topk, num_steps, num_draft_tokens, draft_graphs, runner, sched, plain_steps, steps, props,
-           graph_steps, cuda, collects) -> None:
+           graph_steps, cuda, collects, extra=None) -> None:
     graphed = [g for g, p in zip(graph_steps[1:], props, strict=True) if p > 0]
     verify = [s - p for s, p in zip(steps, props, strict=True) if p > 0]
     # all draft work of a step: its propose and its on_accepted (collecting the verified rows)
@@ -285,6 +308,7 @@ def report(args, layout, topk, num_steps, num_draft_tokens, draft_graphs, runner
     res["decode_tok_s"] = (args.output_len - 1) / decode_s
     res["plain_decode_tok_s"] = (args.output_len - 1) / (sum(plain_steps) / 1e3)
     res["target_met"] = res["draft_over_verify"] <= 0.25
+    res.update(extra or {})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "spec_eagle.jsonl", "a") as f:

@@ -4,6 +4,11 @@ bf16), for the n-gram drafter (chain and tree) and EAGLE-2 / EAGLE-3 random head
 tree), 32 requests batched and one alone, radix cache on; and seeded sampling identical on and off.
 
     python benchmarks/h200/spec_lossless.py --out $OUT     # writes $OUT/spec_lossless.json
+    python benchmarks/h200/spec_lossless.py --out $OUT --only tree   # the tree rows only
+
+Tree verifies replay the target's decode CUDA graphs as decode rows where they fit (the runner is
+configured with a tree drafter so it reserves the scratch rows); each row reports, per run, how
+many tree verifies there were and how many replayed a graph.
 
 The checkpoints come from the same builders the CPU tests use (radixserve.testing.tiny_checkpoint
 and plugins/speculative/eagle/tests/eagle_checkpoints.py). A row fails when any request's ids
@@ -60,10 +65,28 @@ def run(runner, registry, stack: dict, spec: dict, reqs: list[tuple[list[int], S
                 raise RuntimeError(o.error)
             res.setdefault(o.rid, []).extend(o.new_ids)
     stats = sched.stats()
+    stats["tree_verifies"], stats["tree_verifies_graph_replayed"] = runner.tree_verify_counts
+    runner.tree_verify_counts = [0, 0]
     graphs = getattr(sched.drafter, "graphs", None)  # the EAGLE draft's own CUDA graphs
     stats["draft_graph_replays"] = graphs.replays if graphs is not None else None
     assert sched.flush_cache() and sched.allocator.available_size() == sched.allocator.size, "KV slots leaked"
     return res, stats
+
+
+def count_tree_verifies(runner) -> None:
+    """Count the runner's tree verifies and those that replayed a decode graph (benchmark-only
+    wrapper): `runner.tree_verify_counts` = [tree verifies, graph replays], reset by `run`."""
+    inner = runner._forward
+    runner.tree_verify_counts = [0, 0]
+
+    def forward(sb, greedy_ids):
+        out = inner(sb, greedy_ids)
+        if sb.spec is not None and sb.spec.has_tree:
+            runner.tree_verify_counts[0] += 1
+            runner.tree_verify_counts[1] += bool(runner.last_run_used_cuda_graph)
+        return out
+
+    runner._forward = forward
 
 
 def main() -> int:
@@ -71,6 +94,7 @@ def main() -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--device", default="cuda", help="cpu: a local smoke run with torch_native attention")
+    ap.add_argument("--only", default="", help="run only the drafter rows whose name contains this (e.g. tree)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     targets = {
@@ -102,10 +126,14 @@ def main() -> int:
         for tname, target in targets.items():
             runner = ModelRunner(Config.build({
                 "model": {"path": target},
-                "stack": {"attention": "triton" if args.device == "cuda" else "torch_native"},
                 "runtime": {"device": args.device, "dtype": dtype},
                 "scheduler": {"max_total_tokens": 16000, "max_running_requests": 64},
+                # a drafter that may propose trees: the runner reserves the scratch rows tree verifies
+                # replay the decode graphs with (drafters are built per row below)
+                "stack": {"attention": "triton" if args.device == "cuda" else "torch_native", "speculative": "ngram"},
+                "speculative": {"topk": 3, "num_draft_tokens": 8},
             }), show_progress=False)
+            count_tree_verifies(runner)
             ps = prompts(32, seed=7)
             greedy = SamplingParams(max_new_tokens=args.new_tokens, temperature=0, ignore_eos=True)
             plain, _ = run(runner, registry, {}, {}, [(p, greedy) for p in ps])
@@ -113,10 +141,10 @@ def main() -> int:
             sampled = [(p, SamplingParams(max_new_tokens=args.new_tokens, temperature=0.8, top_p=0.9, seed=100 + i,
                                           ignore_eos=True)) for i, p in enumerate(ps[:8])]
             plain_sampled, _ = run(runner, registry, {}, {}, sampled)
-            for name, stack, spec in drafters[tname]:
+            for name, stack, spec in (d for d in drafters[tname] if args.only in d[0]):
                 batched, stats = run(runner, registry, stack, spec, [(p, greedy) for p in ps])
-                alone, _ = run(runner, registry, stack, spec, [(ps[0], greedy)])
-                samp, _ = run(runner, registry, stack, spec, sampled)
+                alone, stats_alone = run(runner, registry, stack, spec, [(ps[0], greedy)])
+                samp, stats_samp = run(runner, registry, stack, spec, sampled)
                 row = {
                     "dtype": dtype, "target": tname, "drafter": name,
                     "batched_equal": batched == plain,
@@ -127,6 +155,11 @@ def main() -> int:
                     "cuda_graph_decode": runner.graph_runner is not None,
                     "target_graph_records": list(runner.graph_runner.recording) if runner.graph_runner else None,
                     "draft_graph_replays": stats.get("draft_graph_replays"),
+                    # per run (batched, alone, sampled): [tree verifies, those that replayed the target's
+                    # decode graphs as decode rows]; 32 requests x 7-9 nodes exceed the largest graph (64
+                    # rows): those verify eagerly (tree-mask extend), as do batches past the scratch rows
+                    "tree_verifies": {k: [st["tree_verifies"], st["tree_verifies_graph_replayed"]] for k, st in
+                                      (("batched", stats), ("alone", stats_alone), ("sampled", stats_samp))},
                 }
                 # fp32 must be exact; bf16 verify (multi-row) and decode (one row) kernels may round
                 # a near-tie differently, so bf16 rows are reported, not required

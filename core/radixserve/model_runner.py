@@ -43,6 +43,7 @@ from radixserve.state import (
     tree_block,
 )
 from radixserve.tokenizer import eos_token_ids, load_tokenizer
+from radixserve.tree_decode_rows import TreeDecodeRows
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class ModelRunner:
         self._init_attention()
         self.sampler = Sampler()
         self.graph_runner = None
+        self.tree_rows: TreeDecodeRows | None = None  # scratch rows: tree verifies as decode rows (graphs)
         self.last_run_used_cuda_graph = False
         self.target_states = self._target_states()
         if self.device.type == "cuda" and rt.cuda_graph:
@@ -212,8 +214,9 @@ class ModelRunner:
 
             pool_cls = JournaledReqToTokenPool  # its writes are replayed on the other ranks
         self.max_running_requests = self.config.scheduler.max_running_requests
+        self._tree_scratch = self._tree_scratch_rows()
         self.req_to_token_pool = pool_cls(
-            self.max_running_requests + REQ_POOL_EXTRA_ROWS, self.context_len, self.device
+            self.max_running_requests + REQ_POOL_EXTRA_ROWS + self._tree_scratch, self.context_len, self.device
         )
         self.token_allocator = TokenAllocator(self.max_total_tokens)
         if self.latent_dims is not None:
@@ -231,6 +234,19 @@ class ModelRunner:
                                   **scales)
         logger.info("KV pool: %s attention, %d token slots, %d bytes per token, %.2f GiB", self.attention_type,
                     self.max_total_tokens, self.kv_bytes_per_token(), self.kv_pool.nbytes() / 2**30)
+
+    def _tree_scratch_rows(self) -> int:
+        """Pool rows to reserve so tree verifies replay the decode graphs (tree_decode_rows.py):
+        with CUDA graphs and a drafter that may propose trees (speculative.topk > 1), one per graph
+        row a node off its request's first chain can take: the largest graph batch less one (each
+        request's root reads its own row)."""
+        cfg, rt = self.config, self.config.runtime
+        if not (self.device.type == "cuda" and rt.cuda_graph and cfg.stack.speculative and cfg.speculative.topk > 1):
+            return 0
+        from radixserve.cuda_graph_runner import default_capture_sizes
+
+        max_bs = default_capture_sizes(min(rt.cuda_graph_max_bs, cfg.scheduler.max_running_requests))[-1]
+        return max_bs - 1
 
     def _init_attention(self) -> None:
         name = self.stack.attention.name
@@ -261,6 +277,10 @@ class ModelRunner:
         # a row no request ever gets: padded graph rows read it (all zeros -> the pool's dummy slot 0)
         dummy_row = self.req_to_token_pool.alloc()
         sizes = default_capture_sizes(min(self.config.runtime.cuda_graph_max_bs, self.max_running_requests))
+        if self._tree_scratch:  # rows _init_memory added to the pool for them
+            self.tree_rows = TreeDecodeRows([self.req_to_token_pool.alloc() for _ in range(self._tree_scratch)])
+            logger.info("tree verifies as decode rows: %d scratch rows of the ReqToTokenPool (%.1f MiB)",
+                        self._tree_scratch, self._tree_scratch * self.context_len * 8 / 2**20)
         logger.info("capturing decode CUDA graphs for batch sizes %s", sizes)
         try:
             self.graph_runner = DecodeGraphRunner(
@@ -400,25 +420,38 @@ class ModelRunner:
         )
 
     def _verify_as_decode_rows(self, sb: ScheduledBatch) -> bool:
-        """Chain drafts on a backend whose decode rows may share a request: verify them as a DECODE
-        batch of one row per token (CUDA graphs apply), while that batch fits the captured graphs."""
-        return (
-            sb.spec is not None
-            and not sb.spec.has_tree
-            and bool(getattr(self.attn_backend, "decode_rows_share_requests", False))
-            and (self.graph_runner is None or sum(sb.extend_lens) <= self.graph_runner.max_bs)
-        )
+        """Whether a verify runs as a DECODE batch of one row per new token (CUDA graphs apply):
+        on a backend whose decode rows may share a request, chain drafts while the rows fit the
+        captured graphs (or always without graphs), tree drafts only while they fit the graphs and
+        the reserved scratch rows (`tree_rows`, see tree_decode_rows.py); otherwise the verify is
+        an EXTEND batch (trees: with the tree mask), eager, with the same logits."""
+        if sb.spec is None or not getattr(self.attn_backend, "decode_rows_share_requests", False):
+            return False
+        gr = self.graph_runner
+        fits_graphs = gr is None or sum(sb.extend_lens) <= gr.max_bs
+        if not sb.spec.has_tree:
+            return fits_graphs
+        return gr is not None and fits_graphs and self.tree_rows is not None and self.tree_rows.fits(sb.spec.parents)
 
     def _prepare_decode_rows(self, sb: ScheduledBatch) -> ForwardBatch:
-        """A chain verify as a DECODE batch: token j of a request with prefix p is a row of its
+        """A verify as a DECODE batch. Chain: token j of a request with prefix p is a row of its
         request at position p + j that sees its first p + j + 1 slots (the row holds the tokens'
-        slots in order, and the backend stores every row's KV before any row attends)."""
-        rows, seq, prefix = [], [], []
-        for idx, p, e in zip(sb.req_pool_indices, sb.prefix_lens, sb.extend_lens, strict=True):
-            rows += [idx] * e
-            prefix += range(p, p + e)
-            seq += range(p + 1, p + e + 1)
+        slots in order, and the backend stores every row's KV before any row attends). Tree: node j
+        at depth d is a row at position p + d that sees p + d + 1 slots of its request's row (nodes
+        on the first chain) or of a scratch row holding the prefix and the node's path, written here
+        on the device before the forward (tree_decode_rows.py)."""
         dev = self.device
+        out_cache_loc = sb.out_cache_loc.to(dev, torch.int64, non_blocking=True)
+        if sb.spec.has_tree:
+            plan = self.tree_rows.plan(list(sb.req_pool_indices), list(sb.prefix_lens), sb.spec.parents)
+            rows, prefix, seq = plan.rows, plan.positions, plan.seq_lens
+            self.tree_rows.write(plan, self.req_to_token_pool.req_to_token, out_cache_loc)
+        else:
+            rows, seq, prefix = [], [], []
+            for idx, p, e in zip(sb.req_pool_indices, sb.prefix_lens, sb.extend_lens, strict=True):
+                rows += [idx] * e
+                prefix += range(p, p + e)
+                seq += range(p + 1, p + e + 1)
 
         def to_dev(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True)
@@ -432,7 +465,7 @@ class ModelRunner:
             seq_lens=to_dev(seq),
             prefix_lens=to_dev(prefix),
             extend_lens=to_dev([1] * len(rows)),
-            out_cache_loc=sb.out_cache_loc.to(dev, torch.int64, non_blocking=True),
+            out_cache_loc=out_cache_loc,
             req_to_token_pool=self.req_to_token_pool,
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
@@ -457,7 +490,7 @@ class ModelRunner:
         fb = self.prepare(sb)
         if tp.size > 1 and sb.future_inputs is not None:  # overlap: ids still on rank 0's device
             tp.broadcast_tensor(fb.input_ids)
-        # a chain verify prepared as decode rows is a DECODE batch and may replay a decode graph;
+        # a verify prepared as decode rows (chain or tree) is a DECODE batch and may replay a decode graph;
         # the graphs record the hidden rows a drafter reads (recaptured when it asked, see
         # _record_in_graphs); graphs recording something else are not used
         ts = self.target_states

@@ -128,6 +128,9 @@ class AttentionBackend(abc.ABC):
     # request (same req_pool_index, each row's seq_len one more than the previous row's). The
     # runner then verifies chain drafts as such a decode batch, which runs in the decode CUDA
     # graphs; False: chain drafts are verified as an EXTEND batch (eager). Added in plugin API 1.1.
+    # With CUDA graphs the runner also verifies tree drafts as decode rows: a node off its request's
+    # first chain reads a scratch row of the ReqToTokenPool (the prefix, then its path's slots),
+    # so rows of one request may have different req_pool_indices (radixserve/tree_decode_rows.py).
     decode_rows_share_requests: bool = False
     # True when forward_extend and forward_decode honour `layer.sliding_window` and `layer.logit_cap`
     # (see AttentionLayerSpec), tree masks included. The runner refuses to run a model that has a

@@ -234,7 +234,7 @@ class _Scenario:
 
     def step(self, mode: ForwardMode, picks: Sequence[tuple[int, int]],
              trees: Sequence[list[int]] | None = None, same_as_causal: bool = False,
-             decode_rows: bool = False) -> None:
+             decode_rows: bool = False, same_as_tree_rows: bool = False) -> None:
         """One forward: request `i` adds `n` tokens for each (i, n) in `picks` (batch order).
 
         `trees`: a speculative verify; for each pick, the parent of each new token within the
@@ -242,7 +242,9 @@ class _Scenario:
         `same_as_causal` (chains only) the backend's result must also equal its own result for
         the same batch without the mask. `decode_rows` (DECODE only): a chain verify as decode
         rows, the n tokens of a pick are n rows of the same request (the runner's
-        `decode_rows_share_requests` batches)."""
+        `decode_rows_share_requests` batches). With `same_as_tree_rows` (trees only) the backend's
+        result must also equal the same verify as a DECODE batch of one row per node over scratch
+        rows of the table (the runner's tree verifies in CUDA graphs, radixserve.tree_decode_rows)."""
         prefix_lens, extend_lens, rows, new_slots, pick_prefix = [], [], [], [], []
         for i, n in picks:
             req = self.reqs[i]
@@ -320,6 +322,37 @@ class _Scenario:
             err = _rel_err(got, causal)
             assert err < self.tol, (f"{what}: a chain passed as a tree mask differs from the backend's own causal "
                                     f"extend: relative error {err:.2e} >= {self.tol:.0e}")
+        if same_as_tree_rows:
+            self._check_tree_rows(what, got, inputs, rows, prefix_lens, list(trees), new_slots)
+
+    def _check_tree_rows(self, what, got, inputs, rows, prefix_lens, trees, new_slots) -> None:
+        """The branching trees of the verify just run (those fitting 6 scratch rows, batch order),
+        again as decode rows: every node a row of its request's row (first chain) or of a scratch
+        row (the table's unused rows, garbage past the copied part) holding the prefix and its path;
+        their K/V stored again (idempotent) before any row attends. Same RNG draws as without it."""
+        from radixserve.tree_decode_rows import TreeDecodeRows
+
+        picked, need, at = [], 0, 0  # (pick index, its first new token in the batch)
+        for k, parents in enumerate(trees):
+            off_chain = TreeDecodeRows.scratch_needed([parents])
+            if off_chain and need + off_chain <= min(6, len(self.free_rows)):
+                picked.append((k, at))
+                need += off_chain
+            at += len(parents)
+        if not picked:
+            return
+        tokens = [a + j for k, a in picked for j in range(len(trees[k]))]
+        tree_rows = TreeDecodeRows(list(self.free_rows))
+        plan = tree_rows.plan([rows[k] for k, _ in picked], [prefix_lens[k] for k, _ in picked],
+                              [trees[k] for k, _ in picked])
+        slots = [new_slots[t] for t in tokens]
+        tree_rows.write(plan, self.test.table.req_to_token, torch.tensor(slots, dtype=torch.int64, device=self.device))
+        batch = self._batch(ForwardMode.DECODE, self.test, plan.rows, plan.positions, [1] * len(plan.rows), slots)
+        self.test.backend.init_forward_metadata(batch)
+        index = torch.tensor(tokens, dtype=torch.int64, device=got.device)
+        err = _rel_err(self._run_test(tuple(x[index] for x in inputs), batch), got[index])
+        assert err < self.tol, (f"{what}: the tree as decode rows over scratch rows {sorted(set(plan.copy_to))} "
+                                f"differs from the backend's tree-mask extend: relative error {err:.2e} >= {self.tol:.0e}")
 
     def _batch(self, mode, twin: _Twin, rows, prefix_lens, extend_lens, out_slots, blocks=None) -> ForwardBatch:
         dev = self.device
@@ -403,10 +436,12 @@ class _Scenario:
         """Speculative verify forwards after `run`: random draft trees (and single tokens) for
         random subsets of the requests, then chains as trees checked against causal extend."""
         rng = self.rng
-        for _ in range(steps):
+        as_rows = bool(getattr(self.test.backend, "decode_rows_share_requests", False))
+        for n in range(steps):
             chosen = rng.sample(range(len(self.reqs)), rng.randint(1, len(self.reqs)))
             trees = [_random_tree(rng, rng.choice([1, rng.randint(2, 6), rng.randint(7, 20)])) for _ in chosen]
-            self.step(ForwardMode.EXTEND, [(i, len(t)) for i, t in zip(chosen, trees)], trees=trees)
+            self.step(ForwardMode.EXTEND, [(i, len(t)) for i, t in zip(chosen, trees)], trees=trees,
+                      same_as_tree_rows=as_rows and n == 0)
         chosen = rng.sample(range(len(self.reqs)), rng.randint(1, len(self.reqs)))
         chains = [list(range(-1, rng.randint(1, 9) - 1)) for _ in chosen]
         self.step(ForwardMode.EXTEND, [(i, len(c)) for i, c in zip(chosen, chains)], trees=chains, same_as_causal=True)

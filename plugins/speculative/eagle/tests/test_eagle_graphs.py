@@ -19,6 +19,7 @@ from radixserve.testing import tiny_checkpoint
 from radixserve.testing.speculative import RecordingDrafter, shared_prefix_prompts, speculative_scheduler
 from radixserve.testing.speculative import assert_drafter_released as _assert_released
 from radixserve.testing.speculative import greedy_request as _greedy
+from radixserve.tree_decode_rows import TreeDecodeRows
 from radixserve_spec_eagle import graphs
 from radixserve_spec_eagle.drafter import EagleDrafter
 
@@ -66,6 +67,8 @@ def _runner(path: str, graph_sizes: list[int] | None) -> ModelRunner:
             runner.model, runner.attn_backend, runner.req_to_token_pool, runner.kv_pool, runner.device,
             graph_sizes, runner.req_to_token_pool.alloc(), graph_factory=EagerGraph,
         )
+        # and the scratch rows tree verifies take as decode rows (start-up reserves max size - 1)
+        runner.tree_rows = TreeDecodeRows([runner.req_to_token_pool.alloc() for _ in range(max(graph_sizes) - 1)])
     return runner
 
 
@@ -104,6 +107,8 @@ def test_graph_path_drafts_as_the_eager_path(setup, draft, topk):
         sched = speculative_scheduler(runner, _config(drafts[draft], topk), lambda info, cfg, cls=cls: cls(info))
         gr = runner.graph_runner
         verify_rows = []
+        pool = runner.req_to_token_pool
+        free_rows = pool.available_size()
         if gr is not None:
             # the drafter asked for hidden states: the graphs were recaptured to record them
             ts = runner.target_states
@@ -115,8 +120,11 @@ def test_graph_path_drafts_as_the_eager_path(setup, draft, topk):
                 return inner(fb)
 
             gr.run = run
+            plan, tree_plans = runner.tree_rows.plan, []
+            runner.tree_rows.plan = lambda *a, plan=plan, tree_plans=tree_plans: tree_plans.append(a) or plan(*a)
         out = _run(sched, _requests(ps))
         assert out == plain, name
+        assert pool.available_size() == free_rows  # no request row leaked, no scratch row handed out
         d = sched.drafter
         results[name] = [p.tokens for _, _, p in d.proposals]
         if name == "graph":
@@ -131,6 +139,10 @@ def test_graph_path_drafts_as_the_eager_path(setup, draft, topk):
                 assert max(verify_rows) > len(ps)
             else:
                 assert all(k[1:3] == (topk, 3) for k in d.graphs.trees)
+                # tree verifies (1 + 6 nodes per request) replayed the graphs as decode rows; 3 requests'
+                # 21 rows do not fit the largest graph (16): those verified eagerly, same outputs
+                assert tree_plans and max(verify_rows) > len(ps)
+                assert not set(runner.tree_rows.scratch_rows) & set(pool._free_rows)
         else:
             assert d.graphs is None
         _assert_released(d)
