@@ -6,7 +6,7 @@ No prefill is run: the rows' KV slots are taken and filled with random K/V (the 
 does not depend on the values), then decode steps run as the scheduler runs them.
 
     python benchmarks/cpu_step_profile.py [--batch 16] [--context 260] [--steps 8] [--rounds 3]
-        [--threads 2] [--ab-sampler] [--skip-gemms] [--json FILE]
+        [--threads 2] [--ab-sampler] [--ab-attention OLD.cpp] [--skip-gemms] [--json FILE]
 
 Two parts, both in this process and back to back (the machine may be shared: compare ratios, and
 the rounds say how much the numbers move):
@@ -14,7 +14,8 @@ the rounds say how much the numbers move):
    lm_head GEMMs; rotary, attention, norms, sampling; the rest is Python, embedding, batch set-up),
    wall time and the calling thread's CPU time (with --threads 1 the CPU time is the op's own cost
    even while other processes share the cores); --ab-sampler alternates the fused CPU draw and
-   torch's sampling path round by round;
+   torch's sampling path round by round, --ab-attention the cpu_batched attention kernel built from
+   an older attention.cpp (`git show REV:plugins/attention/cpu_batched/.../attention.cpp > OLD.cpp`);
 2. each GEMM shape alone at M = batch: the native kernel on the model's own packed weights, torch's
    F.linear (MKL), oneDNN's packed linear, and the native kernel on a weight small enough to stay
    in L2 (its compute-bound rate); with the nominal FLOP peak of this CPU (AVX-512: 32 fp32
@@ -243,6 +244,8 @@ def main() -> None:
     ap.add_argument("--skip-gemms", action="store_true")
     ap.add_argument("--ab-sampler", action="store_true",
                     help="odd rounds sample through torch's path instead of the fused CPU draw (A/B in one process)")
+    ap.add_argument("--ab-attention", default=None, metavar="OLD_CPP",
+                    help="odd rounds run the cpu_batched attention kernel built from this older attention.cpp")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -286,9 +289,17 @@ def main() -> None:
     from radixserve.sampling import cpu_draw
 
     fused_available = cpu_draw.available
+    kernels = {"current": getattr(runner.attn_backend, "_kernels", None)}
+    if args.ab_attention:
+        from radixserve import native
+
+        kernels["old"] = native.load_extension("radixserve_cpu_attention_ab", args.ab_attention)
     for rnd in range(args.rounds):
         torch_sampler = args.ab_sampler and rnd % 2 == 1
         cpu_draw.available = (lambda logits: False) if torch_sampler else fused_available
+        attention = "old" if args.ab_attention and rnd % 2 == 1 else "current"
+        if kernels["current"] is not None:
+            runner.attn_backend._kernels = kernels[attention]
         reqs = decode_state(runner, args.batch, args.context, params, rng)
         decode_step(runner, reqs)  # untimed: allocations settle
         _acc.clear()
@@ -315,7 +326,7 @@ def main() -> None:
                   "share": round(ms / step_ms, 3), "calls": len(_acc.get(label, ())) // n,
                   "gflops_wall": round(fl / (ms / 1e3) / 1e9, 1) if fl and ms > 0 else None,
                   "gflops_cpu": round(fl / (cpu_ms / 1e3) / 1e9, 1) if fl and cpu_ms > 0 else None})
-        emit({"round": rnd, "op": "STEP", "sampler": "torch" if torch_sampler else "default",
+        emit({"round": rnd, "op": "STEP", "sampler": "torch" if torch_sampler else "default", "attention": attention,
               "ms": round(step_ms, 2), "cpu_ms": round(step_cpu_ms, 2),
               "median_step_ms": round(statistics.median(walls) * 1e3, 2), "min_step_ms": round(min(walls) * 1e3, 2),
               "context": args.context, "load_avg": os.getloadavg()[0]})

@@ -248,6 +248,39 @@ def test_native_attention_row_is_the_same_bits_in_decode_and_extend():
             assert torch.equal(one[0], ext[i]), f"seq_len {seq_len}, extend {extend}: query {i} differs"
 
 
+def test_native_decode_row_alone_is_the_same_bits_as_in_a_batch():
+    """A request's decode output does not depend on the other rows of its batch (bit for bit), and
+    matches an fp64 softmax where scores span far more than fp32's exp range (row 2: keys more than
+    87 below the max weigh exactly 0 in the kernel's vectorized exp)."""
+    from radixserve_attention_cpu_batched.backend import load_kernels
+
+    kernels, gen = load_kernels(), torch.Generator().manual_seed(1)
+    hq, hkv, d, lens = 9, 3, 64, [1, 9, 45, 33]
+    slots = sum(lens) + 1
+    k_buf, v_buf = torch.randn(slots, hkv, d, generator=gen), torch.randn(slots, hkv, d, generator=gen)
+    table = torch.zeros(len(lens), max(lens), dtype=torch.int64)
+    order, start = torch.randperm(slots - 1, generator=gen) + 1, 0  # scattered slots; 0 is the pad slot
+    for b, n in enumerate(lens):
+        table[b, :n] = order[start : start + n]
+        start += n
+    q = torch.randn(len(lens), hq * d, generator=gen)
+    q[2] *= 40.0  # scores spread over hundreds: most exps underflow
+    loc = torch.tensor([table[b, n - 1].item() for b, n in enumerate(lens)])
+    k_new, v_new = k_buf[loc].reshape(len(lens), -1).clone(), v_buf[loc].reshape(len(lens), -1).clone()
+    rows, seq = torch.arange(len(lens)), torch.tensor(lens)
+    batch = kernels.decode_attention(q, k_new, v_new, loc, k_buf, v_buf, table, rows, seq, d**-0.5, 0, 0.0)
+    for b, n in enumerate(lens):
+        one = kernels.decode_attention(q[b : b + 1].clone(), k_new[b : b + 1].clone(), v_new[b : b + 1].clone(),
+                                       loc[b : b + 1].clone(), k_buf, v_buf, table[b : b + 1].clone(),
+                                       torch.zeros(1, dtype=torch.int64), seq[b : b + 1].clone(), d**-0.5, 0, 0.0)
+        assert torch.equal(one[0], batch[b]), f"row {b} differs alone"
+        keys = k_buf[table[b, :n]].double().repeat_interleave(hq // hkv, dim=1)  # [n, hq, d]
+        values = v_buf[table[b, :n]].double().repeat_interleave(hq // hkv, dim=1)
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[b].double().view(hq, d), keys) * d**-0.5, dim=-1)
+        ref = torch.einsum("hn,nhd->hd", weights, values).reshape(-1)
+        torch.testing.assert_close(batch[b].double(), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_native_kernel_is_skipped_where_it_does_not_apply():
     backend, *_ = _decode_batch(lambda info: CPUBatchedBackend(info), [3], 4, 2, 16, seed=0)
     assert not backend.uses_native_kernel  # head_dim 16 is not compiled
