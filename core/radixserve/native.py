@@ -167,8 +167,8 @@ def load_extension(name: str, source: str | os.PathLike, defines: tuple[str, ...
     Compiles on the first call for this torch build on this machine (logged, about a minute on 2
     cores); later calls, in this or any process, load the cached library. Headers the source
     includes with quotes from its own directory (`#include "x.h"`) are hashed into the cache key,
-    so editing one rebuilds. Safe to call from several
-    processes at once (they serialise on `build_lock`)."""
+    so editing one rebuilds. Safe to call from several processes at once (they serialise on
+    `build_lock`)."""
     if name in _loaded:  # the per-call path of the layers: a dict read, no lock
         return _loaded[name]
     with _lock:  # one lock per kernel: different kernels may build side by side
