@@ -21,24 +21,23 @@ def _prebuild_kernels_in_parallel() -> None:
     time as there are cores: a process compiles one kernel at a time (about a minute each)."""
     import subprocess
     import sys
+    from concurrent.futures import ThreadPoolExecutor
 
-    from native_builds import KERNELS
+    from native_builds import sources
     from radixserve import native
 
     if not native.enabled():
         return
-    root = native.cache_root()
-    missing = [name for name in KERNELS if not any(root.glob(f"{name}-*/*.so"))]
+    # this source's build, not any build of the name: a cache shared with older checkouts holds
+    # stale builds, and a kernel missed here compiles later, alone, in this process
+    missing = [name for name, (source, defines) in sources().items() if not native.is_cached(name, source, defines)]
     if len(missing) < 2:
         return  # nothing to overlap: the in-process loads build it
     script = os.path.join(os.path.dirname(__file__), "native_builds.py")
-    running: list[subprocess.Popen] = []
-    for name in missing:
-        if len(running) >= (os.cpu_count() or 1):
-            running.pop(0).wait()
-        running.append(subprocess.Popen([sys.executable, script, name]))
-    for proc in running:
-        proc.wait()
+    # a pool, not waves: the next build starts as soon as any one ends, so no core waits on the
+    # slowest build of a wave
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(lambda name: subprocess.run([sys.executable, script, name]), missing))
 
 
 def pytest_sessionstart(session) -> None:

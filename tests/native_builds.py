@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 
 def _cpu_has_avx512() -> bool:
@@ -63,6 +64,26 @@ def _gguf_blocks() -> None:
     from radixserve_quant_gguf import kernels
 
     kernels.load()
+
+
+def sources() -> dict[str, tuple[Path, tuple[str, ...]]]:
+    """Extension name -> (source, defines) as its loader passes them to native.load_extension: what
+    conftest checks against the cache (native.is_cached) before building."""
+    from radixserve.layers import cpu_gemm, cpu_greedy_head, cpu_ops
+    from radixserve.sampling import cpu_draw
+    from radixserve_attention_cpu_batched import backend
+    from radixserve_quant_gguf import kernels
+
+    found = {
+        "radixserve_cpu_ops": (cpu_ops._SOURCE, ()),
+        "radixserve_cpu_gemm": (cpu_gemm._SOURCE, ()),
+        "radixserve_cpu_greedy_head": (cpu_greedy_head._SOURCE, ()),
+        "radixserve_cpu_attention": (backend._SOURCE, ()),
+        "radixserve_sample_rows": (cpu_draw._SOURCE, ()),
+        "radixserve_gguf_blocks": (kernels._SOURCE, ()),
+        "radixserve_cpu_gemm_avx2": (cpu_gemm._SOURCE, ("RS_NO_AVX512",)),
+    }
+    return {name: found[name] for name in KERNELS}
 
 
 KERNELS: dict[str, Callable[[], None]] = {

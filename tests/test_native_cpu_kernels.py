@@ -26,6 +26,13 @@ def test_kernels_build_here():
     assert cpu_ops.available(torch.zeros(1, 4)), "the fused CPU kernels did not build (see the log)"
     assert not cpu_ops.available(torch.zeros(1, 4, dtype=torch.bfloat16))  # fp32 only
     assert not cpu_ops.available(torch.zeros(4, 2).t())  # rows must be contiguous
+    # conftest's up-front parallel build asks native.is_cached with these (source, defines): they
+    # must be what the loaders use, or every CI run compiles the kernels one by one in-process
+    from native_builds import KERNELS, sources
+
+    for name, (source, defines) in sources().items():
+        KERNELS[name]()  # a cache hit after the session start
+        assert native.is_cached(name, source, defines), name
 
 
 def _cpu_has_avx512() -> bool:
@@ -111,6 +118,9 @@ def test_argmax_rows_matches_torch_argmax():
     x[3, 7] = float("inf")
     x[4] = 1.0  # ties: the first index
     x[5, 4999] = 50.0  # the last column
+    x[6] = float("-inf")  # a row of -inf: index 0 (the scan is bounded under -ffast-math)
+    x[7] = -1.0
+    x[7, 30], x[7, 600] = -0.0, 0.0  # -0 ties with +0: the first of them
     for m in (x, x[:, :777]):  # and strided rows
         assert torch.equal(cpu_ops.argmax_rows(m), torch.argmax(m, dim=-1))
 

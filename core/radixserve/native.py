@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import sys
 import sysconfig
 import threading
@@ -81,6 +82,36 @@ def build_key(source_text: bytes, cflags: tuple[str, ...]) -> str:
     return key.hexdigest()[:16]
 
 
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def local_headers(source: Path) -> dict[str, bytes]:
+    """The headers `source` includes with quotes (`#include "x.h"`), directly or through each
+    other, that lie in its directory or below: relative path -> content. They are part of the
+    cache key (a header edit rebuilds) and are copied next to the source's copy in the build
+    directory. A quoted include found nowhere there is left to the compiler's search path."""
+    root = source.parent.resolve()
+    found: dict[str, bytes] = {}
+    pending = [source.resolve()]
+    while pending:
+        current = pending.pop()
+        for match in _LOCAL_INCLUDE.finditer(current.read_bytes()):
+            header = (current.parent / match.group(1).decode()).resolve()
+            if not header.is_file() or not header.is_relative_to(root):
+                continue
+            rel = header.relative_to(root).as_posix()
+            if rel not in found:
+                found[rel] = header.read_bytes()
+                pending.append(header)
+    return dict(sorted(found.items()))
+
+
+def _key_text(source_text: bytes, headers: dict[str, bytes]) -> bytes:
+    """What the cache key hashes for a source: its text, then each local header's name and text
+    (a source without local headers keeps the key it had before headers were hashed)."""
+    return source_text + b"".join(b"\0" + rel.encode() + b"\0" + text for rel, text in headers.items())
+
+
 def _build_dir(name: str, source_text: bytes, cflags: tuple[str, ...]) -> Path:
     return cache_root() / f"{name}-{build_key(source_text, cflags)}"
 
@@ -134,8 +165,10 @@ def load_extension(name: str, source: str | os.PathLike, defines: tuple[str, ...
     `defines`: preprocessor macros for this build (e.g. a test forcing a fallback code path); a
     different set needs a different `name`, since a process holds one module per name.
     Compiles on the first call for this torch build on this machine (logged, about a minute on 2
-    cores); later calls, in this or any process, load the cached library. Safe to call from several
-    processes at once (they serialise on `build_lock`)."""
+    cores); later calls, in this or any process, load the cached library. Headers the source
+    includes with quotes from its own directory (`#include "x.h"`) are hashed into the cache key,
+    so editing one rebuilds. Safe to call from several processes at once (they serialise on
+    `build_lock`)."""
     if name in _loaded:  # the per-call path of the layers: a dict read, no lock
         return _loaded[name]
     with _lock:  # one lock per kernel: different kernels may build side by side
@@ -144,6 +177,15 @@ def load_extension(name: str, source: str | os.PathLike, defines: tuple[str, ...
         if name not in _loaded:
             _loaded[name] = _load(name, Path(source), CFLAGS + tuple(f"-D{d}" for d in defines))
         return _loaded[name]
+
+
+def is_cached(name: str, source: str | os.PathLike, defines: tuple[str, ...] = ()) -> bool:
+    """Whether `load_extension` with these arguments would load a built library instead of
+    compiling: a build of this source (and its local headers) with these flags, for this torch
+    build and CPU. Builds of other versions of the source, left in the cache, do not count."""
+    source = Path(source)
+    text = _key_text(source.read_bytes(), local_headers(source))
+    return any(_build_dir(name, text, CFLAGS + tuple(f"-D{d}" for d in defines)).glob("*.so"))
 
 
 def build_in_background(loaders: Iterable[Callable[[], object]]) -> list[threading.Thread]:
@@ -171,7 +213,8 @@ def _load(name: str, source: Path, cflags: tuple[str, ...]) -> ModuleType | None
     from torch.utils import cpp_extension
 
     source_text = source.read_bytes()
-    build_dir = _build_dir(name, source_text, cflags)
+    headers = local_headers(source)
+    build_dir = _build_dir(name, _key_text(source_text, headers), cflags)
     build_dir.mkdir(parents=True, exist_ok=True)
     # the venv's own ninja (the `ninja` requirement) when the venv is not activated
     venv_bin, path = os.path.dirname(sys.executable), os.environ.get("PATH", "")
@@ -181,8 +224,11 @@ def _load(name: str, source: Path, cflags: tuple[str, ...]) -> ModuleType | None
         # built from a copy inside the build directory: the build files then name no checkout's
         # path, and a second checkout with the same source reuses the library instead of rebuilding
         local_source = build_dir / source.name
-        if not local_source.exists() or local_source.read_bytes() != source_text:
-            local_source.write_bytes(source_text)
+        for rel, text in ((source.name, source_text), *headers.items()):
+            local = build_dir / rel
+            if not local.exists() or local.read_bytes() != text:
+                local.parent.mkdir(parents=True, exist_ok=True)
+                local.write_bytes(text)
         fresh = not any(build_dir.glob("*.so"))
         if fresh:
             logger.warning("compiling the native CPU kernel %s (first use with this torch, about a minute) ...", name)

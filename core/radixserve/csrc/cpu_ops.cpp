@@ -20,6 +20,8 @@
 #include <cmath>
 #include <tuple>
 
+#include "row_argmax.h"
+
 namespace {
 
 // silu(g) = g / (1 + exp(-g)); the exponent is capped below fp32 overflow because -ffast-math
@@ -154,15 +156,6 @@ std::tuple<at::Tensor, at::Tensor> rotary(at::Tensor q, at::Tensor k, at::Tensor
   return {q_out, k_out};
 }
 
-namespace {
-
-using bits32 = uint32_t __attribute__((__may_alias__));  // a float's bits, read in place
-
-// NaN tests on the bits: -ffast-math lets the compiler assume x == x.
-inline bool is_nan_bits(uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; }
-
-}  // namespace
-
 // Row-wise argmax of x [rows, cols] as torch.argmax(x, dim=-1): the first index of the largest
 // value, a NaN counting as the largest.
 at::Tensor argmax_rows(at::Tensor x) {
@@ -173,24 +166,7 @@ at::Tensor argmax_rows(at::Tensor x) {
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const float* r = xp + i * sx;
-      const bits32* u = reinterpret_cast<const bits32*>(r);
-      float best = r[0];
-      uint32_t nans = 0;
-#pragma omp simd reduction(max : best) reduction(| : nans)
-      for (int64_t j = 0; j < cols; ++j) {
-        best = std::max(best, r[j]);
-        nans |= static_cast<uint32_t>(is_nan_bits(u[j]));
-      }
-      int64_t idx = 0;
-      if (nans) {
-        while (!is_nan_bits(u[idx])) ++idx;  // torch: the first NaN wins
-      } else {
-        while (r[idx] != best) ++idx;
-      }
-      op[i] = idx;
-    }
+    for (int64_t i = b; i < e; ++i) op[i] = rs::row_argmax(xp + i * sx, cols);
   });
   return out;
 }

@@ -20,10 +20,11 @@
 #include <cstring>
 #include <vector>
 
+#include "row_argmax.h"
+
 namespace {
 
-inline bool is_nan_bits(uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; }  // -ffast-math hides isnan
-inline bool is_finite_bits(uint32_t u) { return (u & 0x7f800000u) != 0x7f800000u; }
+inline bool is_finite_bits(uint32_t u) { return (u & 0x7f800000u) != 0x7f800000u; }  // -ffast-math hides isinf
 
 inline uint32_t bits_of(float f) {
   uint32_t u;
@@ -31,26 +32,7 @@ inline uint32_t bits_of(float f) {
   return u;
 }
 
-// torch.argmax of one row: the first index of the largest value, the first NaN winning.
-int64_t row_argmax(const float* r, int64_t n) {
-  float best = r[0];
-  uint32_t nans = 0;
-  const uint32_t* u = reinterpret_cast<const uint32_t*>(r);
-#pragma omp simd reduction(max : best) reduction(| : nans)
-  for (int64_t j = 0; j < n; ++j) {
-    best = std::max(best, r[j]);
-    nans |= static_cast<uint32_t>(is_nan_bits(u[j]));
-  }
-  // bit compares, bounded: -ffast-math may assume no infinities (a row of -inf)
-  int64_t idx = 0;
-  if (nans) {
-    while (idx + 1 < n && !is_nan_bits(u[idx])) ++idx;
-  } else {
-    const uint32_t b = bits_of(best);
-    while (idx + 1 < n && u[idx] != b) ++idx;
-  }
-  return idx;
-}
+using rs::row_argmax;
 
 inline uint64_t splitmix64(uint64_t z) {
   z += 0x9e3779b97f4a7c15ull;
