@@ -32,7 +32,11 @@ def test_gemv_matches_linear(n, k, with_bias):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gemv(x[0], w, b), want[0], rtol=1e-5, atol=1e-5)
     # another tile shape (several programs, several K steps) gives the same answer
-    torch.testing.assert_close(gemv(x, w, b, GemvConfig(4, 16, 1, 1)), want, rtol=1e-5, atol=1e-5)
+    tile = GemvConfig(4, 16, 1, 1)
+    torch.testing.assert_close(gemv(x, w, b, tile), want, rtol=1e-5, atol=1e-5)
+    # the PDL body (first weight tile loaded ahead of x; the interpreter runs it without the
+    # griddepcontrol wait) sums in the same order: bit-equal
+    assert torch.equal(gemv(x, w, b, GemvConfig(4, 16, 1, 1, pdl=True)), gemv(x, w, b, tile))
 
 
 def test_gemv_refuses_what_it_cannot_compute():
@@ -148,6 +152,10 @@ def test_config_key_defaults_to_auto_and_rejects_other_values():
     assert Config.build({"runtime": {"batch1_gemv": "off"}}).runtime.batch1_gemv == "off"
     with pytest.raises(ConfigError, match="batch1_gemv"):
         Config.build({"runtime": {"batch1_gemv": "fast"}})
+    assert Config.build({}).runtime.batch1_gemv_pdl == "auto"
+    assert Config.build({"runtime": {"batch1_gemv_pdl": "off"}}).runtime.batch1_gemv_pdl == "off"
+    with pytest.raises(ConfigError, match="batch1_gemv_pdl"):
+        Config.build({"runtime": {"batch1_gemv_pdl": "yes"}})
 
 
 def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tiny_llama_dir, monkeypatch):
@@ -202,10 +210,37 @@ def test_gated_gemv_is_silu_and_mul_then_gemv(k):
     tile = GemvConfig(8, 32, 1, 1)
     got = gemv(gate_up, w, b, tile, gated=True)
     assert torch.equal(got, gemv(triton_ops.silu_and_mul(gate_up), w, b, tile))
+    assert torch.equal(got, gemv(gate_up, w, b, GemvConfig(8, 32, 1, 1, pdl=True), gated=True))
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(got, F.linear(F.silu(gate) * up, w, b), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="2K columns"):
         gemv(gate_up[:, :k], w, gated=True)
+
+
+@pytest.mark.parametrize("mode, capability, has_pdl, want", [
+    ("auto", (9, 0), True, True), ("auto", (9, 0), False, False), ("auto", (8, 0), True, False),
+    ("auto", (10, 0), True, False), ("on", (10, 0), True, True), ("off", (9, 0), True, False),
+    ("on", (8, 6), True, "sm86"), ("on", (9, 0), False, "no programmatic"), ("yes", (9, 0), True, "'yes'")])
+def test_pdl_mode_resolves_per_gpu_and_triton(monkeypatch, mode, capability, has_pdl, want):
+    """`runtime.batch1_gemv_pdl`: auto = on for sm90 (where measured) with a Triton that has PDL; on
+    = any sm90+ GPU, and a clear start-up error (naming the GPU or the missing Triton feature) where
+    it cannot run; off never; never on CPU; another value is named in the error. On a GPU the kernel
+    launches get the PDL body, the griddepcontrol instructions and `launch_pdl`; the interpreter gets
+    the body alone (no inline assembly there)."""
+    from radixserve.layers import gemv_selection as sel
+    from radixserve.layers.triton_gemv import pdl_launch_args
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(sel, "triton_has_pdl", lambda: has_pdl)
+    if isinstance(want, str):
+        with pytest.raises(ValueError, match=want):
+            sel.batch1_gemv_pdl_enabled(mode, torch.device("cuda"))
+        return
+    assert sel.batch1_gemv_pdl_enabled(mode, torch.device("cuda")) is want
+    assert sel.batch1_gemv_pdl_enabled(mode, torch.device("cpu")) is False
+    assert pdl_launch_args(True, interpret=False) == {"PDL": True, "GDC": True, "launch_pdl": True}
+    assert pdl_launch_args(True, interpret=True) == {"PDL": True, "GDC": False}
+    assert pdl_launch_args(False, interpret=False) == {"PDL": False, "GDC": False}
 
 
 @pytest.mark.parametrize("capability, pdl", [((9, 0), True), ((8, 0), False)])

@@ -109,6 +109,10 @@ class RuntimeSection(_Section):
     # prologue (one launch instead of two); off: measured slower on the H200 (8B down: best gated tile
     # 31.5 us vs 30.3 for silu_and_mul + GEMV; Engine 228.5 vs 233.9 tok/s, session 7)
     batch1_gemv_fuse_silu: bool = False
+    # programmatic dependent launch for the batch-1 GEMVs (and their norm-fused form): each starts
+    # while the kernel before it drains, loading its first weight tile before waiting for its input
+    # (layers/gemv_selection.py); auto: on for sm90 GPUs whose Triton has it, on: an error elsewhere
+    batch1_gemv_pdl: Literal["auto", "on", "off"] = "auto"
     # int4 (AWQ/GPTQ) and per-row FP8 linears of <= 4 rows on the whole-row low-bit GEMVs
     # (layers/lowbit_gemv.py); RADIXSERVE_LOWBIT_GEMV=1 turns them on too
     lowbit_gemv: Literal["on", "off"] = "off"

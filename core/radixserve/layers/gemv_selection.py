@@ -74,6 +74,41 @@ def batch1_gemv_enabled(mode: str, device: torch.device) -> bool:
     return mode == "on" or torch.cuda.get_device_capability(device) in MEASURED_CAPABILITIES
 
 
+def triton_has_pdl() -> bool:
+    """Whether the installed Triton launches kernels with programmatic dependent launch: the
+    griddepcontrol intrinsics (`triton.language.extra.cuda.gdc_wait` / `gdc_launch_dependents`,
+    Triton >= 3.4) and the `launch_pdl` launch option of the NVIDIA backend."""
+    try:
+        import triton.language.extra.cuda as tl_cuda
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except Exception:  # no Triton, or one without the NVIDIA backend
+        return False
+    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
+    return hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents") and "launch_pdl" in fields
+
+
+def batch1_gemv_pdl_enabled(mode: str, device: torch.device) -> bool:
+    """Whether `runtime.batch1_gemv_pdl = mode` gives the batch-1 GEMV tiles programmatic dependent
+    launch (`GemvConfig.pdl`) on `device`: `off` never; `auto` on sm90 GPUs (where it was measured)
+    when `triton_has_pdl()`; `on` on any sm90+ GPU. Never on CPU (no tiles there).
+    Raises ValueError for another mode, or `on` on a CUDA GPU before sm90 (no griddepcontrol) or
+    with a Triton without PDL."""
+    if mode not in MODES:
+        raise ValueError(f"runtime.batch1_gemv_pdl={mode!r}: expected one of {', '.join(MODES)}")
+    if mode == "off" or device.type != "cuda":
+        return False
+    capability = torch.cuda.get_device_capability(device)
+    if mode == "auto":
+        return capability in MEASURED_CAPABILITIES and triton_has_pdl()
+    if capability < (9, 0):
+        raise ValueError(f"runtime.batch1_gemv_pdl=on needs an sm90+ GPU (programmatic dependent launch); "
+                         f"this one is sm{capability[0]}{capability[1]}: use auto or off")
+    if not triton_has_pdl():
+        raise ValueError("runtime.batch1_gemv_pdl=on: the installed Triton has no programmatic dependent launch "
+                         "(tl.extra.cuda.gdc_wait and the launch_pdl option, Triton >= 3.4): use auto or off")
+    return True
+
+
 def gated_config_for(tile: GemvConfig) -> GemvConfig:
     """The tile of a gated GEMV (silu_and_mul in the prologue: two activation vectors per K step)
     from the plain one: K steps halved above 8192 weights per step. Offline ptxas for sm90 gives the
@@ -92,8 +127,8 @@ def attach_batch1_gemv(model: nn.Module, mode: str, device: torch.device, pdl: b
     `UnquantizedMethod` or a subclass keeping its `apply`, with a 2-D bf16/fp16 weight of unit stride
     on K): the chosen tile, or None.
     Returns how many layers got a tile. Call it after the weights are loaded, before CUDA graphs
-    are captured. `pdl`: tiles with programmatic dependent launch on sm90+ GPUs (`GemvConfig.pdl`;
-    not a default until measured: benchmarks/h200/profile_decode.py's `+pdl` variant). `fuse_norm`
+    are captured. `pdl`: tiles with programmatic dependent launch on sm90+ GPUs (`GemvConfig.pdl`,
+    the plain and the norm-fused GEMV; the runner passes `batch1_gemv_pdl_enabled`). `fuse_norm`
     (`runtime.batch1_gemv_fuse_norm`): sets `gemv_fuse_norm` on the layers given a tile, so that a
     decoder layer runs the RMSNorm before them inside their GEMV (radixserve.layers.norm_gemv).
     `fuse_silu` (`runtime.batch1_gemv_fuse_silu`): sets `gemv_gated_config` (`gated_config_for` the
