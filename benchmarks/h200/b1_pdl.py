@@ -10,7 +10,8 @@ Parts (progress lines on stdout; results in $OUT/b1_pdl.json):
   bit-equal: qkv and gate_up on the norm-fused GEMV (residual add + RMSNorm + GEMV), o and down on
   the plain GEMV. Then one 8B layer's chain (fused qkv -> o -> fused gate_up -> silu_and_mul -> down,
   8 layers of distinct weights in one graph): us per layer off / on, final outputs bit-equal.
-  Then the greedy argmax of one [1, 128256] fp32 row: torch.argmax vs argmax_rows (us, same index).
+  Then the greedy argmax of one [1, 128256] fp32 row: torch.argmax vs argmax_rows (us, same index), and
+  the 8B LM head on cuBLAS vs the Triton GEMV (us: could a GEMV with a fused argmax keep its speed).
 - runner: the 8B runner (dummy weights, triton attention, CUDA graphs, fuse_norm on as served):
   graph replay ms per batch-1 decode step and the synchronous step with PDL off / on, and the greedy
   tokens of 48 steps (1024-token prompt) identical off / on (the kernels are bit-equal).
@@ -107,7 +108,26 @@ def kernels_part() -> dict:
     rows["layer_chain"] = layer_chain()
     torch.cuda.empty_cache()
     rows["argmax"] = argmax_timing(argmax_rows)
+    torch.cuda.empty_cache()
+    rows["lm_head"] = lm_head_timing()
     return rows
+
+
+def lm_head_timing() -> dict:
+    """The 8B LM head [128256, 4096] at batch 1: cuBLAS (F.linear, as served) vs the Triton GEMV on a
+    few tiles (us, 2 weight copies = 2.1 GB cycled): whether a GEMV with the argmax in its epilogue
+    could keep the head's speed (it would save the logits' argmax, not the head's own time)."""
+    import torch.nn.functional as F
+    from radixserve.layers.triton_gemv import GemvConfig, gemv
+
+    n, k = 128256, 4096
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(2)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    row = {"cublas_us": round(graph_us(lambda: [F.linear(x, w) for w in ws], 2), 2)}
+    for tile in (GemvConfig(8, 512, 4, 3), GemvConfig(16, 256, 4, 4), GemvConfig(16, 512, 8, 3)):
+        row[str(tile.__dict__)] = round(graph_us(lambda t=tile: [gemv(x, w, config=t) for w in ws], 2), 2)
+    log(f"LM head [128256 x 4096] batch 1: {row} (us; bytes / 4.26 TB/s = {n * k * 2 / 4.26e6:.1f} us)")
+    return row
 
 
 def layer_chain(layers: int = 8) -> dict:
