@@ -229,6 +229,7 @@ def test_pdl_mode_resolves_per_gpu_and_triton(monkeypatch, mode, capability, has
     the body alone (no inline assembly there)."""
     from radixserve.layers import gemv_selection as sel
     from radixserve.layers.triton_gemv import pdl_launch_args
+    from radixserve.layers.triton_support import trigger_dependents
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(sel, "triton_has_pdl", lambda: has_pdl)
@@ -241,6 +242,7 @@ def test_pdl_mode_resolves_per_gpu_and_triton(monkeypatch, mode, capability, has
     assert pdl_launch_args(True, interpret=False) == {"PDL": True, "GDC": True, "launch_pdl": True}
     assert pdl_launch_args(True, interpret=True) == {"PDL": True, "GDC": False}
     assert pdl_launch_args(False, interpret=False) == {"PDL": False, "GDC": False}
+    assert trigger_dependents(torch.zeros(2)) is False  # the early trigger of silu_and_mul etc.: GPUs only
 
 
 @pytest.mark.parametrize("capability, pdl", [((9, 0), True), ((8, 0), False)])

@@ -1,6 +1,7 @@
 """Issue 18 (Llama-3.1-8B batch-1 decode): programmatic dependent launch (PDL) for the batch-1 GEMVs
-(`runtime.batch1_gemv_pdl`, GemvConfig.pdl: the plain and the norm-fused GEMV) and the greedy
-sampler's two-launch Triton argmax (radixserve.layers.triton_argmax).
+(`runtime.batch1_gemv_pdl`, GemvConfig.pdl: the plain and the norm-fused GEMV; silu_and_mul and the
+triton decode attention's merge kernel signal `launch_dependents` at their start on sm90) and the
+greedy sampler's two-launch Triton argmax (radixserve.layers.triton_argmax).
 
     python3 benchmarks/h200/b1_pdl.py --out $OUT [--parts kernels,runner]
 

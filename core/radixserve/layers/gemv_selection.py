@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from radixserve.layers.triton_gemv import GemvConfig
+from radixserve.layers.triton_support import triton_has_pdl
 
 MODES = ("auto", "on", "off")
 
@@ -72,19 +73,6 @@ def batch1_gemv_enabled(mode: str, device: torch.device) -> bool:
     if mode == "off" or device.type != "cuda":
         return False
     return mode == "on" or torch.cuda.get_device_capability(device) in MEASURED_CAPABILITIES
-
-
-def triton_has_pdl() -> bool:
-    """Whether the installed Triton launches kernels with programmatic dependent launch: the
-    griddepcontrol intrinsics (`triton.language.extra.cuda.gdc_wait` / `gdc_launch_dependents`,
-    Triton >= 3.4) and the `launch_pdl` launch option of the NVIDIA backend."""
-    try:
-        import triton.language.extra.cuda as tl_cuda
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except Exception:  # no Triton, or one without the NVIDIA backend
-        return False
-    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
-    return hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents") and "launch_pdl" in fields
 
 
 def batch1_gemv_pdl_enabled(mode: str, device: torch.device) -> bool:
