@@ -146,16 +146,20 @@ def test_attach_never_routes_on_cpu_and_names_a_bad_mode():
 
 
 def test_config_key_defaults_to_auto_and_rejects_other_values():
-    from radixserve.config import Config, ConfigError
+    from radixserve.config import Config, ConfigError, parse_dotted_overrides
 
     assert Config.build({}).runtime.batch1_gemv == "auto"
     assert Config.build({"runtime": {"batch1_gemv": "off"}}).runtime.batch1_gemv == "off"
     with pytest.raises(ConfigError, match="batch1_gemv"):
         Config.build({"runtime": {"batch1_gemv": "fast"}})
     assert Config.build({}).runtime.batch1_gemv_pdl == "auto"
-    assert Config.build({"runtime": {"batch1_gemv_pdl": "off"}}).runtime.batch1_gemv_pdl == "off"
     with pytest.raises(ConfigError, match="batch1_gemv_pdl"):
         Config.build({"runtime": {"batch1_gemv_pdl": "yes"}})
+    # on / off typed bare in a YAML file or a `section.key=value` override arrive as booleans
+    for key in ("batch1_gemv", "batch1_gemv_pdl", "lowbit_gemv"):
+        for word in ("on", "off"):
+            rt = Config.build(parse_dotted_overrides([f"runtime.{key}={word}"])).runtime
+            assert getattr(rt, key) == word
 
 
 def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tiny_llama_dir, monkeypatch):

@@ -121,6 +121,12 @@ class RuntimeSection(_Section):
     # data parallelism: this many full engine replicas behind a router (the `router` section)
     dp_size: int = Field(default=1, ge=1)
 
+    @field_validator("batch1_gemv", "batch1_gemv_pdl", "lowbit_gemv", mode="before")
+    @classmethod
+    def _yaml_bool_is_on_off(cls, v: Any) -> Any:
+        # YAML (files and `runtime.key=off` overrides) reads a bare on/off as a boolean
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
     @model_validator(mode="after")
     def _check_parallel_layout(self) -> RuntimeSection:
         if self.tp_size % self.nnodes:
