@@ -39,6 +39,21 @@ def test_gemv_matches_linear(n, k, with_bias):
         assert torch.equal(gemv(x, w, b, GemvConfig(4, 16, 1, 1, pdl=True)), gemv(x, w, b, tile))
 
 
+def test_lm_head_runs_one_row_on_its_gemv_config():
+    """The LM head with a tile (attach_batch1_gemv): a one-row hidden state's logits come from the
+    GEMV (equal to F.linear up to summation order, fp32 out); several rows keep the usual path."""
+    from radixserve.layers.embedding import ParallelLMHead
+
+    head = ParallelLMHead(40, 32, params_dtype=torch.float32).to(DEVICE)
+    torch.nn.init.normal_(head.weight)
+    head.gemv_config = GemvConfig(8, 16, 1, 1)
+    h = torch.randn(3, 32, device=DEVICE)
+    got = head.compute_logits(h[:1])
+    assert got.dtype == torch.float32 and got.shape == (1, 40)
+    torch.testing.assert_close(got, F.linear(h[:1], head.weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(head.compute_logits(h), F.linear(h, head.weight), rtol=1e-5, atol=1e-5)
+
+
 def test_gemv_refuses_what_it_cannot_compute():
     w = torch.zeros(8, 16, device=DEVICE)
     with pytest.raises(ValueError, match="one row"):
@@ -109,6 +124,7 @@ def test_attach_decides_per_layer_from_mode_and_device(monkeypatch, mode, capabi
     Weights on the meta device: the choice needs only shapes, dtypes and strides."""
     from radixserve.interfaces.quantization import QuantMethod
     from radixserve.layers import gemv_selection as sel
+    from radixserve.layers.embedding import ParallelLMHead
     from radixserve.layers.quant_unquantized import UnquantizedMethod
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -124,12 +140,18 @@ def test_attach_decides_per_layer_from_mode_and_device(monkeypatch, mode, capabi
     model["own_apply"].quant_method = type("KeptBlocks", (UnquantizedMethod,), {"apply": lambda *a: None})()
     model["quantized"].quant_method = type("Int4Method", (QuantMethod,), {"create_weights": None, "apply": None})()
     model["quantized"].weight = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
+    with torch.device("meta"):  # the Llama-3 LM head (a subclass with its own compute_logits is left alone)
+        model["lm_head"] = ParallelLMHead(128256, 4096, params_dtype=torch.bfloat16)
+        model["block_head"] = type("BlockHead", (ParallelLMHead,), {"compute_logits": lambda self, h: h})(
+            128256, 4096, params_dtype=torch.bfloat16)
     n = sel.attach_batch1_gemv(model, mode, torch.device("cuda"))
     got = {name: getattr(layer, "gemv_config", "unset") for name, layer in model.items()}
+    assert got["block_head"] is None
     if routed:
-        assert n == 2 and got["o"] == GemvConfig(16, 1024, 8, 2) and got["big"] == sel.SM90_UNMEASURED
+        assert n == 3 and got["o"] == GemvConfig(16, 1024, 8, 2) and got["big"] == sel.SM90_UNMEASURED
+        assert got["lm_head"] == GemvConfig(16, 256, 4, 4)
     else:
-        assert n == 0 and got["o"] is None and got["big"] is None
+        assert n == 0 and got["o"] is None and got["big"] is None and got["lm_head"] is None
     assert got["small"] is None and got["fp32"] is None
     assert got["quantized"] == "unset" and got["own_apply"] == "unset"  # other weight layouts: untouched
 

@@ -1,6 +1,6 @@
 # Issue 18: Engine batch-1 Llama-3.1-8B (dummy weights) 1024 in / 512 out, runtime.batch1_gemv_pdl off then on, both
 # figures. Needs branch b1's code (PDL, the Triton greedy argmax, offline_throughput's decode figure, on/off config
-# booleans). Carry: .whl .gpu2 (tokenizer .gpu2/tok-smollm2).   ~2 min
+# booleans, the LM head on the batch-1 GEMV). Carry: .whl .gpu2 (tokenizer .gpu2/tok-smollm2).   ~2.5 min
 #   bash benchmarks/h200/b1_engine.sh
 # output_tok_s: the figure of sessions 5-7 (233.9): 512 tokens / wall time of Engine.generate, which includes the
 #   1024-token prefill and the first token. decode_tok_s: a second, streamed pass on a fresh prompt:
@@ -25,4 +25,6 @@ print(f'PDL {sys.argv[2]}: DECODE-ONLY decode_tok_s {d.get(\"decode_tok_s\")} ({
       f'streamed pass old-definition {d.get(\"stream_output_tok_s\")} tok/s)')
 " $OUT/batch1_engine_pdl_$pdl.jsonl $pdl || tail -5 $OUT/engine_pdl_$pdl.log
 done
+log "greedy parity vs transformers, every projection and the LM head on the GEMV (PDL as served)"
+timeout 60 python3 benchmarks/gpu_parity.py --batch1-gemv-all 2>&1 | grep "SUMMARY\|BROKEN\|Error\|GEMV" | tee $OUT/parity.txt
 log done
