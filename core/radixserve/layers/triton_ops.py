@@ -66,7 +66,10 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         eps,
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
+        TRIGGER: tl.constexpr,
     ):
+        if TRIGGER:  # a PDL-launched GEMV after it (the batch-1 LM head after the final norm) may start early
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)  # int64: rows * stride can pass 2**31 in long prefills
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -185,6 +188,7 @@ def rmsnorm(
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
+            TRIGGER=trigger_dependents(x2),
             num_warps=min(max(block // 256, 1), 16),  # ~8 elements per thread: 16-byte bf16 loads
         )
     return out if res_out is None else (out, res_out)
