@@ -94,22 +94,37 @@ def gemv_all_batch1(runner, prompts: list[list[int]], new_tokens: int, args) -> 
     """Every plain-weight projection on the Triton GEMV (the tiny shapes are below the envelope that
     runtime.batch1_gemv=auto routes, so the tile is forced here), graphs recaptured, and each prompt
     generated alone so that its decode steps are batch 1 and run through the GEMV."""
+    import dataclasses
+
     from radixserve.layers import gemv_selection
 
-    routed = 0
-    for layer in runner.model.modules():
-        if hasattr(layer, "gemv_config"):  # the layers attach_batch1_gemv considered (plain weights)
-            layer.gemv_config = gemv_selection.SM90_UNMEASURED
-            layer.gemv_fuse_norm = runner.config.runtime.batch1_gemv_fuse_norm  # the norms fused as served
-            routed += 1
-    if runner.graph_runner is not None:
-        runner.req_to_token_pool.free(runner.graph_runner.dummy_row)
-        runner.graph_runner = None
-    if not args.disable_cuda_graph:
-        runner._init_cuda_graphs()
-    print(f"batch-1 GEMV forced on {routed} linear layers (fused norm: {runner.config.runtime.batch1_gemv_fuse_norm});"
+    rt = runner.config.runtime
+    pdl = gemv_selection.batch1_gemv_pdl_enabled(rt.batch1_gemv_pdl, runner.device)  # as served
+
+    def force(with_pdl: bool) -> int:
+        routed = 0
+        for layer in runner.model.modules():
+            if hasattr(layer, "gemv_config"):  # the layers attach_batch1_gemv considered (plain weights)
+                layer.gemv_config = dataclasses.replace(gemv_selection.SM90_UNMEASURED, pdl=with_pdl)
+                layer.gemv_fuse_norm = rt.batch1_gemv_fuse_norm  # the norms fused as served
+                routed += 1
+        if runner.graph_runner is not None:
+            runner.req_to_token_pool.free(runner.graph_runner.dummy_row)
+            runner.graph_runner = None
+        if not args.disable_cuda_graph:
+            runner._init_cuda_graphs()
+        return routed
+
+    routed = force(pdl)
+    print(f"batch-1 GEMV forced on {routed} linear layers (fused norm: {rt.batch1_gemv_fuse_norm}, PDL: {pdl});"
           " prompts generated one at a time")
-    return [greedy_generate(runner, [p], new_tokens, keep_logits=True)[0] for p in prompts]
+    outs = [greedy_generate(runner, [p], new_tokens, keep_logits=True)[0] for p in prompts]
+    if pdl:  # PDL changes no bit: the same greedy tokens with it off
+        force(False)
+        plain = [greedy_generate(runner, [p], new_tokens)[0] for p in prompts]
+        same = [o.tokens for o in outs] == [o.tokens for o in plain]
+        print(f"SUMMARY batch-1 GEMV PDL: greedy tokens {'identical' if same else 'DIFFER'} with it off")
+    return outs
 
 
 def scheduled_outputs(path: str, prompts: list[list[int]], new_tokens: int, args, overlap: bool):

@@ -4,6 +4,8 @@ decoder layer takes the fused path (the runner-level greedy check is in test_tri
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,6 +55,11 @@ def test_fused_matches_norm_then_linear(n, k, dtype, gpu_rounding):
         got, stream = rmsnorm_gemv(x, norm.weight, norm.eps, w, bias, residual, TILE)
         assert got.shape == (1, n) and got.dtype == dtype
         assert torch.equal(stream, want_stream)
+        if k % TILE.block_k and dtype == torch.bfloat16:  # the PDL body (weight and norm-weight tiles loaded ahead of x, masked; no
+            # griddepcontrol in the interpreter) computes in the same order: bit-equal output and stream
+            got_pdl, stream_pdl = rmsnorm_gemv(x, norm.weight, norm.eps, w, bias, residual,
+                                               dataclasses.replace(TILE, pdl=True))
+            assert torch.equal(got_pdl, got) and torch.equal(stream_pdl, stream)
         if dtype == torch.float32:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         else:  # within two bf16 steps of the largest output

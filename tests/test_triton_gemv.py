@@ -32,7 +32,26 @@ def test_gemv_matches_linear(n, k, with_bias):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gemv(x[0], w, b), want[0], rtol=1e-5, atol=1e-5)
     # another tile shape (several programs, several K steps) gives the same answer
-    torch.testing.assert_close(gemv(x, w, b, GemvConfig(4, 16, 1, 1)), want, rtol=1e-5, atol=1e-5)
+    tile = GemvConfig(4, 16, 1, 1)
+    torch.testing.assert_close(gemv(x, w, b, tile), want, rtol=1e-5, atol=1e-5)
+    if k % 16 and with_bias:  # the PDL body (first weight tile loaded ahead of x, masked; the interpreter runs it
+        # without the griddepcontrol wait) sums in the same order: bit-equal
+        assert torch.equal(gemv(x, w, b, GemvConfig(4, 16, 1, 1, pdl=True)), gemv(x, w, b, tile))
+
+
+def test_lm_head_runs_one_row_on_its_gemv_config():
+    """The LM head with a tile (attach_batch1_gemv): a one-row hidden state's logits come from the
+    GEMV (equal to F.linear up to summation order, fp32 out); several rows keep the usual path."""
+    from radixserve.layers.embedding import ParallelLMHead
+
+    head = ParallelLMHead(40, 32, params_dtype=torch.float32).to(DEVICE)
+    torch.nn.init.normal_(head.weight)
+    head.gemv_config = GemvConfig(8, 16, 1, 1)
+    h = torch.randn(3, 32, device=DEVICE)
+    got = head.compute_logits(h[:1])
+    assert got.dtype == torch.float32 and got.shape == (1, 40)
+    torch.testing.assert_close(got, F.linear(h[:1], head.weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(head.compute_logits(h), F.linear(h, head.weight), rtol=1e-5, atol=1e-5)
 
 
 def test_gemv_refuses_what_it_cannot_compute():
@@ -105,6 +124,7 @@ def test_attach_decides_per_layer_from_mode_and_device(monkeypatch, mode, capabi
     Weights on the meta device: the choice needs only shapes, dtypes and strides."""
     from radixserve.interfaces.quantization import QuantMethod
     from radixserve.layers import gemv_selection as sel
+    from radixserve.layers.embedding import ParallelLMHead
     from radixserve.layers.quant_unquantized import UnquantizedMethod
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -120,12 +140,18 @@ def test_attach_decides_per_layer_from_mode_and_device(monkeypatch, mode, capabi
     model["own_apply"].quant_method = type("KeptBlocks", (UnquantizedMethod,), {"apply": lambda *a: None})()
     model["quantized"].quant_method = type("Int4Method", (QuantMethod,), {"create_weights": None, "apply": None})()
     model["quantized"].weight = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
+    with torch.device("meta"):  # the Llama-3 LM head (a subclass with its own compute_logits is left alone)
+        model["lm_head"] = ParallelLMHead(128256, 4096, params_dtype=torch.bfloat16)
+        model["block_head"] = type("BlockHead", (ParallelLMHead,), {"compute_logits": lambda self, h: h})(
+            128256, 4096, params_dtype=torch.bfloat16)
     n = sel.attach_batch1_gemv(model, mode, torch.device("cuda"))
     got = {name: getattr(layer, "gemv_config", "unset") for name, layer in model.items()}
+    assert got["block_head"] is None
     if routed:
-        assert n == 2 and got["o"] == GemvConfig(16, 1024, 8, 2) and got["big"] == sel.SM90_UNMEASURED
+        assert n == 3 and got["o"] == GemvConfig(16, 1024, 8, 2) and got["big"] == sel.SM90_UNMEASURED
+        assert got["lm_head"] == GemvConfig(16, 256, 4, 4)
     else:
-        assert n == 0 and got["o"] is None and got["big"] is None
+        assert n == 0 and got["o"] is None and got["big"] is None and got["lm_head"] is None
     assert got["small"] is None and got["fp32"] is None
     assert got["quantized"] == "unset" and got["own_apply"] == "unset"  # other weight layouts: untouched
 
@@ -142,12 +168,20 @@ def test_attach_never_routes_on_cpu_and_names_a_bad_mode():
 
 
 def test_config_key_defaults_to_auto_and_rejects_other_values():
-    from radixserve.config import Config, ConfigError
+    from radixserve.config import Config, ConfigError, parse_dotted_overrides
 
     assert Config.build({}).runtime.batch1_gemv == "auto"
     assert Config.build({"runtime": {"batch1_gemv": "off"}}).runtime.batch1_gemv == "off"
     with pytest.raises(ConfigError, match="batch1_gemv"):
         Config.build({"runtime": {"batch1_gemv": "fast"}})
+    assert Config.build({}).runtime.batch1_gemv_pdl == "auto"
+    with pytest.raises(ConfigError, match="batch1_gemv_pdl"):
+        Config.build({"runtime": {"batch1_gemv_pdl": "yes"}})
+    # on / off typed bare in a YAML file or a `section.key=value` override arrive as booleans
+    for key in ("batch1_gemv", "batch1_gemv_pdl", "lowbit_gemv"):
+        for word in ("on", "off"):
+            rt = Config.build(parse_dotted_overrides([f"runtime.{key}={word}"])).runtime
+            assert getattr(rt, key) == word
 
 
 def test_runner_attaches_tiles_and_greedy_decode_is_unchanged(tiny_llama_dir, monkeypatch):
@@ -202,10 +236,39 @@ def test_gated_gemv_is_silu_and_mul_then_gemv(k):
     tile = GemvConfig(8, 32, 1, 1)
     got = gemv(gate_up, w, b, tile, gated=True)
     assert torch.equal(got, gemv(triton_ops.silu_and_mul(gate_up), w, b, tile))
+    assert torch.equal(got, gemv(gate_up, w, b, GemvConfig(8, 32, 1, 1, pdl=True), gated=True))
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(got, F.linear(F.silu(gate) * up, w, b), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="2K columns"):
         gemv(gate_up[:, :k], w, gated=True)
+
+
+@pytest.mark.parametrize("mode, capability, has_pdl, want", [
+    ("auto", (9, 0), True, True), ("auto", (9, 0), False, False), ("auto", (8, 0), True, False),
+    ("auto", (10, 0), True, False), ("on", (10, 0), True, True), ("off", (9, 0), True, False),
+    ("on", (8, 6), True, "sm86"), ("on", (9, 0), False, "no programmatic"), ("yes", (9, 0), True, "'yes'")])
+def test_pdl_mode_resolves_per_gpu_and_triton(monkeypatch, mode, capability, has_pdl, want):
+    """`runtime.batch1_gemv_pdl`: auto = on for sm90 (where measured) with a Triton that has PDL; on
+    = any sm90+ GPU, and a clear start-up error (naming the GPU or the missing Triton feature) where
+    it cannot run; off never; never on CPU; another value is named in the error. On a GPU the kernel
+    launches get the PDL body, the griddepcontrol instructions and `launch_pdl`; the interpreter gets
+    the body alone (no inline assembly there)."""
+    from radixserve.layers import gemv_selection as sel
+    from radixserve.layers.triton_gemv import pdl_launch_args
+    from radixserve.layers.triton_support import trigger_dependents
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(sel, "triton_has_pdl", lambda: has_pdl)
+    if isinstance(want, str):
+        with pytest.raises(ValueError, match=want):
+            sel.batch1_gemv_pdl_enabled(mode, torch.device("cuda"))
+        return
+    assert sel.batch1_gemv_pdl_enabled(mode, torch.device("cuda")) is want
+    assert sel.batch1_gemv_pdl_enabled(mode, torch.device("cpu")) is False
+    assert pdl_launch_args(True, interpret=False) == {"PDL": True, "GDC": True, "launch_pdl": True}
+    assert pdl_launch_args(True, interpret=True) == {"PDL": True, "GDC": False}
+    assert pdl_launch_args(False, interpret=False) == {"PDL": False, "GDC": False}
+    assert trigger_dependents(torch.zeros(2)) is False  # the early trigger of silu_and_mul etc.: GPUs only
 
 
 @pytest.mark.parametrize("capability, pdl", [((9, 0), True), ((8, 0), False)])

@@ -109,6 +109,10 @@ class RuntimeSection(_Section):
     # prologue (one launch instead of two); off: measured slower on the H200 (8B down: best gated tile
     # 31.5 us vs 30.3 for silu_and_mul + GEMV; Engine 228.5 vs 233.9 tok/s, session 7)
     batch1_gemv_fuse_silu: bool = False
+    # programmatic dependent launch for the batch-1 GEMVs (and their norm-fused form): each starts
+    # while the kernel before it drains, loading its first weight tile before waiting for its input
+    # (layers/gemv_selection.py); auto: on for sm90 GPUs whose Triton has it, on: an error elsewhere
+    batch1_gemv_pdl: Literal["auto", "on", "off"] = "auto"
     # int4 (AWQ/GPTQ) and per-row FP8 linears of <= 4 rows on the whole-row low-bit GEMVs
     # (layers/lowbit_gemv.py)
     lowbit_gemv: Literal["on", "off"] = "off"
@@ -116,6 +120,12 @@ class RuntimeSection(_Section):
     num_threads: int | None = Field(default=None, ge=1)  # CPU torch threads; None: all cores
     # data parallelism: this many full engine replicas behind a router (the `router` section)
     dp_size: int = Field(default=1, ge=1)
+
+    @field_validator("batch1_gemv", "batch1_gemv_pdl", "lowbit_gemv", mode="before")
+    @classmethod
+    def _yaml_bool_is_on_off(cls, v: Any) -> Any:
+        # YAML (files and `runtime.key=off` overrides) reads a bare on/off as a boolean
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _check_parallel_layout(self) -> RuntimeSection:

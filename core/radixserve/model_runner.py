@@ -14,7 +14,7 @@ from radixserve.interfaces.target_states import HiddenRows, TargetStates
 from radixserve.layers import lowbit_gemv
 from radixserve.layers.attention import check_backend_supports_layers
 from radixserve.layers.distributed import TPGroup
-from radixserve.layers.gemv_selection import attach_batch1_gemv
+from radixserve.layers.gemv_selection import attach_batch1_gemv, batch1_gemv_pdl_enabled
 from radixserve.layers.logits import select_logit_rows
 from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.memory import (
@@ -108,16 +108,18 @@ class ModelRunner:
         if tp is not None:
             check_model_tensor_parallel(arch, model_cls, quant, self.hf_config, tp.size)
         torch.manual_seed(rt.seed)
+        gemv_pdl = batch1_gemv_pdl_enabled(rt.batch1_gemv_pdl, self.device)  # an unusable `on` fails before loading
         lowbit_gemv.configure(rt.lowbit_gemv)  # before loading: the int4 methods repack for it at load
         self.model = load_model(
             source, self.hf_config, model_cls, self.device, self.dtype, quant, seed=rt.seed, show_progress=show_progress,
             tp_group=tp, kv_scales=self._kv_scales,
         )
         n_gemv = attach_batch1_gemv(self.model, rt.batch1_gemv, self.device,  # per-layer choice, before graphs
+                                    pdl=gemv_pdl,
                                     fuse_norm=rt.batch1_gemv_fuse_norm, fuse_silu=rt.batch1_gemv_fuse_silu)
         if n_gemv:
-            logger.info("batch-1 Triton GEMV on %d linear layers (runtime.batch1_gemv=%s, fuse_norm=%s, fuse_silu=%s)",
-                        n_gemv, rt.batch1_gemv, rt.batch1_gemv_fuse_norm, rt.batch1_gemv_fuse_silu)
+            logger.info("batch-1 Triton GEMV on %d linear layers (runtime.batch1_gemv=%s, fuse_norm=%s, fuse_silu=%s, "
+                        "pdl=%s)", n_gemv, rt.batch1_gemv, rt.batch1_gemv_fuse_norm, rt.batch1_gemv_fuse_silu, gemv_pdl)
         self.latent_dims = self._latent_dims() if self.attention_type == "latent" else None
         self.vocab_size = int(self.hf_config.vocab_size)
         self.context_len = self._context_len()

@@ -55,6 +55,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     packed_weight: cpu_gemm.PackedWeight | None = None  # CPU fp32 packed copy (see pack_for_cpu)
     greedy_head: cpu_greedy_head.GreedyHead | None = None  # CPU bf16 screening copy (see pack_for_cpu)
+    gemv_config: Any = None  # a triton_gemv.GemvConfig for batch-1 rows (gemv_selection.attach_batch1_gemv)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
@@ -67,7 +68,15 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [rows, vocab]."""
-        logits = cpu_gemm.linear(hidden, self.weight, self.packed_weight)
+        if (self.gemv_config is not None and hidden.dim() == 2 and hidden.shape[0] == 1
+                and hidden.dtype == self.weight.dtype):
+            # a tile set by the runner (runtime.batch1_gemv, gemv_selection.attach_batch1_gemv): the
+            # batch-1 Triton GEMV, as the linear layers (Llama-3 head on the H200: 230.5 vs 240.3 us)
+            from radixserve.layers import triton_gemv
+
+            logits = triton_gemv.gemv(hidden, self.weight, config=self.gemv_config)
+        else:
+            logits = cpu_gemm.linear(hidden, self.weight, self.packed_weight)
         logits = self.tp_group.all_gather_last_dim(logits)[..., : self.num_embeddings]
         return logits.float()
 

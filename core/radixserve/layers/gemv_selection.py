@@ -21,6 +21,8 @@ than cuBLAS). Unmeasured shapes:
 - smaller shapes (small models, TP shards) keep cuBLAS, which may split K to fill the GPU where
   this kernel cannot.
 Other GPUs were not measured, so `auto` leaves them on cuBLAS; `on` uses the sm90 choice on any CUDA GPU.
+The LM head (`ParallelLMHead`, one TP rank) gets a tile by the same rule: its batch-1 logits run on the
+GEMV too (Llama-3 8B head on the H200: 230.5 us against cuBLAS's 240.3, session 8).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from radixserve.layers.triton_gemv import GemvConfig
+from radixserve.layers.triton_support import triton_has_pdl
 
 MODES = ("auto", "on", "off")
 
@@ -44,6 +47,7 @@ SM90_MEASURED: dict[tuple[int, int], GemvConfig] = {
     (4096, 12288): GemvConfig(8, 512, 4, 3),  # Qwen3-8B down: 27.28 vs 29.91
     (5120, 2048): GemvConfig(8, 512, 4, 3),  # Qwen3-30B-A3B qkv: 7.08 vs 8.09 (16 rows 7.43, 8x1024 7.75)
     (2048, 4096): GemvConfig(2, 2048, 4, 1),  # Qwen3-30B-A3B o_proj: 6.34 vs 9.29 (4x512 7.34, 4x1024 9.32)
+    (128256, 4096): GemvConfig(16, 256, 4, 4),  # Llama-3 8B LM head: 230.5 vs 240.3 (8x512 233.6; session 8)
 }
 SM90_UNMEASURED = GemvConfig(8, 512, 4, 3)
 SM90_NARROW = GemvConfig(2, 2048, 4, 1)
@@ -74,6 +78,28 @@ def batch1_gemv_enabled(mode: str, device: torch.device) -> bool:
     return mode == "on" or torch.cuda.get_device_capability(device) in MEASURED_CAPABILITIES
 
 
+def batch1_gemv_pdl_enabled(mode: str, device: torch.device) -> bool:
+    """Whether `runtime.batch1_gemv_pdl = mode` gives the batch-1 GEMV tiles programmatic dependent
+    launch (`GemvConfig.pdl`) on `device`: `off` never; `auto` on sm90 GPUs (where it was measured)
+    when `triton_has_pdl()`; `on` on any sm90+ GPU. Never on CPU (no tiles there).
+    Raises ValueError for another mode, or `on` on a CUDA GPU before sm90 (no griddepcontrol) or
+    with a Triton without PDL."""
+    if mode not in MODES:
+        raise ValueError(f"runtime.batch1_gemv_pdl={mode!r}: expected one of {', '.join(MODES)}")
+    if mode == "off" or device.type != "cuda":
+        return False
+    capability = torch.cuda.get_device_capability(device)
+    if mode == "auto":
+        return capability in MEASURED_CAPABILITIES and triton_has_pdl()
+    if capability < (9, 0):
+        raise ValueError(f"runtime.batch1_gemv_pdl=on needs an sm90+ GPU (programmatic dependent launch); "
+                         f"this one is sm{capability[0]}{capability[1]}: use auto or off")
+    if not triton_has_pdl():
+        raise ValueError("runtime.batch1_gemv_pdl=on: the installed Triton has no programmatic dependent launch "
+                         "(tl.extra.cuda.gdc_wait and the launch_pdl option, Triton >= 3.4): use auto or off")
+    return True
+
+
 def gated_config_for(tile: GemvConfig) -> GemvConfig:
     """The tile of a gated GEMV (silu_and_mul in the prologue: two activation vectors per K step)
     from the plain one: K steps halved above 8192 weights per step. Offline ptxas for sm90 gives the
@@ -91,9 +117,10 @@ def attach_batch1_gemv(model: nn.Module, mode: str, device: torch.device, pdl: b
     """Set `gemv_config` on every plain-weight linear layer of `model` (those whose quant method is
     `UnquantizedMethod` or a subclass keeping its `apply`, with a 2-D bf16/fp16 weight of unit stride
     on K): the chosen tile, or None.
-    Returns how many layers got a tile. Call it after the weights are loaded, before CUDA graphs
-    are captured. `pdl`: tiles with programmatic dependent launch on sm90+ GPUs (`GemvConfig.pdl`;
-    not a default until measured: benchmarks/h200/profile_decode.py's `+pdl` variant). `fuse_norm`
+    The model's `ParallelLMHead` gets `gemv_config` the same way (`_attach_lm_head`).
+    Returns how many layers got a tile (the head included). Call it after the weights are loaded, before CUDA graphs
+    are captured. `pdl`: tiles with programmatic dependent launch on sm90+ GPUs (`GemvConfig.pdl`,
+    the plain and the norm-fused GEMV; the runner passes `batch1_gemv_pdl_enabled`). `fuse_norm`
     (`runtime.batch1_gemv_fuse_norm`): sets `gemv_fuse_norm` on the layers given a tile, so that a
     decoder layer runs the RMSNorm before them inside their GEMV (radixserve.layers.norm_gemv).
     `fuse_silu` (`runtime.batch1_gemv_fuse_silu`): sets `gemv_gated_config` (`gated_config_for` the
@@ -117,4 +144,22 @@ def attach_batch1_gemv(model: nn.Module, mode: str, device: torch.device, pdl: b
         layer.gemv_fuse_norm = fuse_norm and layer.gemv_config is not None
         layer.gemv_gated_config = gated_config_for(layer.gemv_config) if fuse_silu and layer.gemv_config else None
         routed += layer.gemv_config is not None
-    return routed
+    return routed + _attach_lm_head(model, enabled, pdl)
+
+
+def _attach_lm_head(model: nn.Module, enabled: bool, pdl: bool) -> int:
+    """The LM head's batch-1 logits on the GEMV too (`ParallelLMHead.gemv_config`): a whole-vocabulary
+    head (one TP rank) that keeps the base class's `compute_logits` (not a subclass computing
+    something else), bf16/fp16 weight of unit stride on K. Returns 1 if the head got a tile."""
+    from radixserve.layers.embedding import ParallelLMHead
+
+    for head in model.modules():
+        if not isinstance(head, ParallelLMHead) or type(head).compute_logits is not ParallelLMHead.compute_logits:
+            continue
+        w = head.weight
+        ok = (enabled and head.tp_size == 1 and isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype in _DTYPES
+              and w.stride(1) == 1)
+        tile = gemv_config_for_shape(*w.shape) if ok else None
+        head.gemv_config = dataclasses.replace(tile, pdl=True) if tile is not None and pdl else tile
+        return int(head.gemv_config is not None)
+    return 0

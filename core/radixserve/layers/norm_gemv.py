@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from radixserve.layers.norm import RMSNorm
-from radixserve.layers.triton_gemv import GemvConfig, default_config, triton_cdiv
+from radixserve.layers.triton_gemv import GemvConfig, default_config, pdl_launch_args, triton_cdiv
 from radixserve.layers.triton_support import interpreting as _interpreting
 
 
@@ -39,6 +39,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     del interpret  # only part of the cache key (see triton_gemv._kernels)
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_* (PDL tiles)
 
     from radixserve.layers import triton_interpreter
 
@@ -47,7 +48,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     @triton.jit
     def rmsnorm_gemv_kernel(X, R, G, W, B, Y, ResOut, N, K, stride_wn, eps, HAS_RESIDUAL: tl.constexpr,
                             HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            EVEN_K: tl.constexpr, RES_BLOCK: tl.constexpr):
+                            EVEN_K: tl.constexpr, RES_BLOCK: tl.constexpr, PDL: tl.constexpr, GDC: tl.constexpr):
         pid = tl.program_id(0)
         if HAS_RESIDUAL:
             # program 0 writes the new stream x + residual and nothing else (the first dispatched, so
@@ -56,6 +57,9 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             # the 8B qkv tile on sm90: 5 programs per SM instead of 6, two waves instead of one
             # (17.7 vs 14.4 us on the H200)
             if pid == 0:
+                if GDC:  # x and the residual are earlier kernels' outputs (PDL: GemvConfig.pdl)
+                    tl.extra.cuda.gdc_wait()
+                    tl.extra.cuda.gdc_launch_dependents()
                 for k0 in range(0, K, RES_BLOCK):
                     cols = k0 + tl.arange(0, RES_BLOCK)
                     mask_k = cols < K
@@ -69,7 +73,26 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         sumsq = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        if PDL:
+            # the first K step with its weight and norm-weight tiles (never written by earlier kernels)
+            # loaded before the wait for the previous kernel, x / residual (its outputs) after it; the
+            # same arithmetic in the same order as the loop's first step (bit-equal to PDL off)
+            cols = tl.arange(0, BLOCK_K)
+            mask_k = cols < K
+            w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            g = tl.load(G + cols, mask=mask_k, other=0.0)
+            if GDC:  # off only in the interpreter (no inline assembly there): the same body, no wait
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
+            x = tl.load(X + cols, mask=mask_k, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(R + cols, mask=mask_k, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+            x32 = x.to(tl.float32)
+            sumsq += x32 * x32
+            acc += w.to(tl.float32) * (x32 * g.to(tl.float32))[None, :]
+        for k0 in range(BLOCK_K if PDL else 0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             mask_k = cols < K
             # every load before any arithmetic (triton_gemv: a cast between them stalls on x's latency)
@@ -110,7 +133,8 @@ def rmsnorm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight:
     :param norm_weight: the RMSNorm weight [K], in x's dtype; `eps` its epsilon.
     :param weight: [N, K] with unit stride on K, in x's dtype; `bias` [N] or None.
     :param residual: [1, K] in x's dtype, or None (no add: the stream is x itself).
-    :param config: the GEMV tile (the layer's `gemv_config`; None: `triton_gemv.default_config`).
+    :param config: the GEMV tile (the layer's `gemv_config`; None: `triton_gemv.default_config`);
+        its `pdl` launches the kernel with programmatic dependent launch (bit-equal either way).
     :return: (y [1, N] in x's dtype, the new residual stream [1, K]: a new tensor, or x when
         `residual` is None). Launch-only (no host sync): capturable in CUDA graphs. Agrees with the
         two-kernel path to bf16 rounding (module docstring), not bit for bit.
@@ -140,7 +164,7 @@ def rmsnorm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight:
         res_out if residual is not None else xc, n, k, weight.stride(0), eps,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, RES_BLOCK=min(_next_pow2(k), 4096),  # the stream in 1-2 steps (8B: one)
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_args(cfg.pdl, interpret),
     )
     return y, res_out
 

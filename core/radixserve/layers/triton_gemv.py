@@ -31,11 +31,12 @@ class GemvConfig:
     block_k: int  # K elements per loop step
     num_warps: int
     num_stages: int
-    # programmatic dependent launch (sm90+; ignored by the interpreter): the kernel may start while the
+    # programmatic dependent launch (sm90+, `runtime.batch1_gemv_pdl`): the kernel may start while the
     # previous one finishes, loads its first weight tile, then waits for it (griddepcontrol.wait)
-    # before reading x; it lets the next PDL launch start early too. Opt-in (attach_batch1_gemv(pdl=True)):
-    # measured -0.04 ms per 8B step (gemv-a) and -4 us per layer over a chain of the 8B layer's four
-    # GEMVs (gemv-b); one call is bit-equal with and without it. Not yet run as the default.
+    # before reading x; it lets the next PDL launch start early too. Session 8 (H200, Llama-3.1-8B,
+    # with the norm-fused GEMV): 1-1.5 us less per GEMV, graph replay 4.050 -> 3.904 ms per batch-1
+    # step; bit-equal with and without it (same summation order), greedy tokens identical. The
+    # interpreter runs the same body without the griddepcontrol instructions (no inline assembly).
     pdl: bool = False
 
 
@@ -68,7 +69,8 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
     @triton.jit
     def gemv_kernel(X, W, B, Y, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
+                    GDC: tl.constexpr):
         # GATED / PDL off, this is the session-5 body as measured (benchmarks/results/h200-session5.md):
         # keep the loads ahead of every cast (a cast of x between its load and w's stalled each step
         # on x's latency: ~8% slower on the H200)
@@ -83,8 +85,9 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             mask_k = cols < K
             w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
                         eviction_policy="evict_first")
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if GDC:  # off only in the interpreter (no inline assembly there): the same body, no wait
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
             x = tl.load(X + cols, mask=mask_k, other=0.0)
             if GATED:
                 up = tl.load(X + K + cols, mask=mask_k, other=0.0)
@@ -140,14 +143,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     interpret = _interpreting()
     cfg = config or default_config(n, k, interpret)
     grid = (triton_cdiv(n, cfg.block_n),)
-    pdl = cfg.pdl and not interpret
     _kernels(interpret).gemv[grid](
         xc, weight, bias if bias is not None else xc, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        GATED=gated, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"launch_pdl": True} if pdl else {}),
+        GATED=gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_args(cfg.pdl, interpret),
     )
     return y.view(n) if squeeze else y
+
+
+def pdl_launch_args(pdl: bool, interpret: bool) -> dict:
+    """The launch keywords of a kernel with `PDL` / `GDC` constexprs (this module's and
+    norm_gemv's): with `pdl`, the PDL body (first weight tile loaded before the wait) and, on a GPU,
+    the griddepcontrol instructions and Triton's `launch_pdl` launch attribute; the interpreter runs
+    the body alone."""
+    gdc = pdl and not interpret
+    return {"PDL": pdl, "GDC": gdc, **({"launch_pdl": True} if gdc else {})}
 
 
 def triton_cdiv(a: int, b: int) -> int:

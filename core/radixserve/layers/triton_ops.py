@@ -20,7 +20,10 @@ from types import SimpleNamespace
 
 import torch
 
-from radixserve.layers.triton_support import available  # noqa: F401 (callers ask this module)
+from radixserve.layers.triton_support import (
+    available,  # noqa: F401 (callers ask this module)
+    trigger_dependents,
+)
 from radixserve.layers.triton_support import interpreting as _interpreting
 
 triton = tl = _rotate_heads = None  # imported by `_kernels` on first use
@@ -44,6 +47,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     global triton, tl, _rotate_heads
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_launch_dependents
 
     from radixserve.layers.triton_rotary import rotate_heads as _rotate_heads
 
@@ -62,7 +66,10 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         eps,
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
+        TRIGGER: tl.constexpr,
     ):
+        if TRIGGER:  # a PDL-launched GEMV after it (the batch-1 LM head after the final norm) may start early
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)  # int64: rows * stride can pass 2**31 in long prefills
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -81,7 +88,9 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         tl.store(Out + row * stride_o + cols, (y * w).to(Out.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def silu_and_mul_kernel(X, Out, stride_x, stride_o, d, BLOCK: tl.constexpr):
+    def silu_and_mul_kernel(X, Out, stride_x, stride_o, d, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
+        if TRIGGER:  # a PDL-launched GEMV after it (the down projection) may start loading its weights
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < d
@@ -179,6 +188,7 @@ def rmsnorm(
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
+            TRIGGER=trigger_dependents(x2),
             num_warps=min(max(block // 256, 1), 16),  # ~8 elements per thread: 16-byte bf16 loads
         )
     return out if res_out is None else (out, res_out)
@@ -197,7 +207,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         block = min(1024, _next_pow2(d))
         grid = (n_rows, (d + block - 1) // block)
         _kernels(_interpreting()).silu_and_mul[grid](
-            x2, out.view(-1, d), x2.stride(0), d, d, BLOCK=block, num_warps=min(max(block // 256, 1), 4)
+            x2, out.view(-1, d), x2.stride(0), d, d, BLOCK=block, num_warps=min(max(block // 256, 1), 4),
+            TRIGGER=trigger_dependents(x2),
         )
     return out
 

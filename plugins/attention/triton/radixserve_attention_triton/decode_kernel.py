@@ -23,9 +23,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_launch_dependents
 from radixserve.layers import triton_interpreter as _interpreter_compat
 from radixserve.layers.kv_splits import compute_num_kv_splits  # noqa: F401 - re-exported (its old home)
 from radixserve.layers.triton_softmax import NEG_BIG, online_softmax_step, scores_log2, store_split_partial
+from radixserve.layers.triton_support import trigger_dependents
 
 _interpreter_compat.apply()
 
@@ -159,7 +161,10 @@ def _decode_stage2_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
+    if TRIGGER:  # a PDL-launched GEMV after it (o_proj, runtime.batch1_gemv_pdl) may start loading its weights
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     n_splits = tl.load(num_splits_ptr + b).to(tl.int32)
@@ -284,5 +289,6 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_S=triton.next_power_of_2(max_splits),
+        TRIGGER=not interpret and trigger_dependents(out),
         num_warps=4 if not interpret else 1,
     )
