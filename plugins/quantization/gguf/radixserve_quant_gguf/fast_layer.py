@@ -74,7 +74,7 @@ class FlatLayerForward:
             residual, x = h, ops.rms_norm(h, w_in, eps_in)
         else:
             x, residual = ops.add_rms_norm(h, residual, w_in, eps_in)
-        q, k, v = gemm.linear(x, w_qkv, t_qkv).split(qkv_sizes, dim=-1)
+        q, k, v = gemm.linear(x, w_qkv, t_qkv).split_with_sizes(qkv_sizes, dim=-1)
         h = gemm.linear(radix.forward_rotary(positions, q, k, v, rotary, batch, None), w_o, t_o)
         x, residual = ops.add_rms_norm(h, residual, w_post, eps_post)
         return gemm.linear(ops.silu_and_mul(gemm.linear(x, w_gu, t_gu)), w_down, t_down), residual
