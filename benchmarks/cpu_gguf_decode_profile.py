@@ -68,6 +68,24 @@ def step_times(runner, ids, steps: int) -> tuple[float, float]:
     return statistics.median(wall[1:]) * 1e3, statistics.median(cpu[1:]) * 1e3  # [0] is the prefill
 
 
+def flat_ab(runner, ids, steps: int, rounds: int) -> None:
+    """Step times with the layers' flat forward and with their modules, interleaved."""
+    layers = [m for m in runner.model.modules() if "forward" in m.__dict__]
+    flat = [m.__dict__["forward"] for m in layers]
+    for r in range(rounds):
+        for on in (True, False):
+            for layer, forward in zip(layers, flat, strict=True):
+                if on:
+                    layer.forward = forward
+                else:
+                    del layer.forward  # back to the class's forward: the module calls
+            wall, cpu = step_times(runner, ids, steps)
+            print(f"  round {r}: {'flat layers' if on else 'layer modules'}: step {wall:.2f} ms wall, "
+                  f"{cpu:.2f} ms CPU", flush=True)
+    for layer, forward in zip(layers, flat, strict=True):
+        layer.forward = forward
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
@@ -76,6 +94,9 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--dequantize", action="store_true", help="profile the fp32 path instead")
+    ap.add_argument("--flat-ab", type=int, default=0, metavar="ROUNDS",
+                    help="also time the step with the flat layer forward (fast_layer.py) and with the layer "
+                         "modules, interleaved, ROUNDS times (kept blocks only)")
     args = ap.parse_args()
     from radixserve.config import Config
     from radixserve.model_runner import ModelRunner
@@ -100,6 +121,8 @@ def main() -> None:
             line += (f"; its {n} quantized GEMVs alone {gemv_ms:.2f} ms wall, {gemv_cpu:.2f} ms CPU "
                      f"({gemv_cpu / step_cpu:.0%} of the step's CPU time)")
         print(line, flush=True)
+        if args.flat_ab and not args.dequantize:
+            flat_ab(runner, ids, args.steps, args.flat_ab)
         profiler = cProfile.Profile(time.process_time)  # CPU time: the machine is shared
         profiler.enable()
         run_static_batch(runner, [ids], max_new_tokens=args.profile_steps)
