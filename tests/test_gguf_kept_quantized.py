@@ -19,7 +19,7 @@ from radixserve.scheduler import Scheduler
 from radixserve.scheduler.speculative.setup import drafter_info
 from radixserve.state import SamplingParams
 from radixserve.tokenizer import apply_chat_template
-from radixserve_quant_gguf import kernels
+from radixserve_quant_gguf import fast_layer, kernels
 from radixserve_quant_gguf.method import GGUFMethod
 from runner_driver import greedy_generate
 from test_speculative_model import TableDrafter
@@ -188,6 +188,9 @@ def test_smollm2_kept_on_request_dequantized_by_default(smollm2_pair):
     assert m.lm_head.weight is m.model.embed_tokens.weight  # tied: the head reads the Q8_0 table
     assert m.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.uint8
     assert deq.model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float32
+    # every kept Llama layer runs as one flat function; the fp32 path keeps the module calls
+    assert all(isinstance(layer.forward, fast_layer.FlatLayerForward) for layer in m.model.layers)
+    assert not any(isinstance(layer.forward, fast_layer.FlatLayerForward) for layer in deq.model.model.layers)
     # the file's ~98 MB of blocks, against ~540 MB of fp32 (plus its packed copies on the fp32 path)
     assert _param_bytes(m) < 100e6 and _param_bytes(deq.model) > 5 * _param_bytes(m)
 
@@ -250,3 +253,20 @@ def test_smollm2_kept_logits_same_bits_in_decode_and_in_an_extend(smollm2_pair):
     for k in (1, 4, 7):  # decode step k vs the last row of a prefill of the prompt and k generated tokens
         extended = greedy_generate(kept, [prompt + decoded.tokens[:k]], 1, keep_logits=True)[0]
         assert torch.equal(extended.logits[0], decoded.logits[k]), f"step {k}"
+
+
+def test_smollm2_kept_flat_layers_same_bits_as_the_module_calls(smollm2_pair):
+    """The flat layer forward (fast_layer.py) is the same kernels in the same order as the layer
+    modules: a prefill and decode steps give the same logits, bit for bit, with either."""
+    kept, _ = smollm2_pair
+    prompt = apply_chat_template(kept.tokenizer, [{"role": "user", "content": QUESTIONS[2]}])
+    flat = greedy_generate(kept, [prompt], 4, keep_logits=True)[0]
+    layers = list(kept.model.model.layers)
+    saved = [layer.__dict__.pop("forward") for layer in layers]  # back to PreNormDecoderLayer.forward
+    try:
+        modules = greedy_generate(kept, [prompt], 4, keep_logits=True)[0]
+    finally:
+        for layer, forward in zip(layers, saved, strict=True):
+            layer.forward = forward
+    assert flat.tokens == modules.tokens
+    assert all(torch.equal(a, b) for a, b in zip(flat.logits, modules.logits, strict=True))

@@ -106,3 +106,33 @@ def test_req_to_token_host_mirror_serves_reads_without_the_device():
     assert pool.read(row, 4, start=2).tolist() == [7, 9]
     cpu = ReqToTokenPool(2, 8)
     assert cpu.host is cpu.req_to_token  # on CPU the table is its own mirror
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_cpu_kv_pool_memory_becomes_resident_only_as_slots_are_written():
+    """A CPU pool sized for the worst case costs resident memory for the slots used, not its size;
+    every slot still reads as zero until written (slot 0, the padding slot, included)."""
+    before = _rss_mb()
+    pool = KVPool(num_slots=65536, num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    assert pool.nbytes() > 250 * 2**20
+    assert _rss_mb() - before < 16, "allocating the pool must not make its pages resident"
+    slots = torch.arange(1, 2049)  # 2048 slots x 512 B per buffer: 1 MB per buffer written
+    for layer in range(4):
+        pool.set_kv(layer, slots, torch.ones(2048, 2, 64), torch.ones(2048, 2, 64))
+    grown = _rss_mb() - before
+    assert 7 < grown < 24, f"8 MB written should add about 8 MB, added {grown:.1f} MB"
+    k, v = pool.get_kv(3)
+    assert k[0].abs().sum() == 0 and v[2049:].abs().sum() == 0 and k[1:2049].sum() == 2048 * 128
+
+
+def test_allocator_reuses_freed_slots_before_untouched_ones():
+    a = TokenAllocator(100, debug_checks=True)
+    first = a.alloc(10)
+    assert first.tolist() == list(range(1, 11)), "untouched slots go lowest first"
+    a.free(first[:4])
+    again = a.alloc(6)
+    assert sorted(again[:4].tolist()) == [1, 2, 3, 4] and again[4:].tolist() == [11, 12]

@@ -9,8 +9,10 @@ class TokenAllocator:
     """Hands out KV slots 1..size (slot 0 is the pool's reserved padding slot, never handed out).
 
     Contract: `alloc(n)` returns an int64 CPU tensor of n distinct free slots, or None (and
-    changes nothing) when fewer than n are free. `free(slots)` returns slots; freeing a slot that is
-    not allocated is an error. After everything is freed, `available_size() == size`."""
+    changes nothing) when fewer than n are free. Freed slots are handed out again before slots
+    never used, and those go lowest first: on the CPU a pool's pages become resident only when
+    written, so a lightly used server keeps its KV memory small. `free(slots)` returns slots;
+    freeing a slot that is not allocated is an error. After everything is freed, `available_size() == size`."""
 
     def __init__(self, size: int, debug_checks: bool = False) -> None:
         if size <= 0:
@@ -28,8 +30,8 @@ class TokenAllocator:
         return self._num_free
 
     def _merge(self) -> None:
-        if self._pending:
-            self._free = torch.cat([self._free, *self._pending])
+        if self._pending:  # most recently freed first: their pages are already resident
+            self._free = torch.cat([*reversed(self._pending), self._free])
             self._pending = []
 
     def alloc(self, n: int) -> torch.Tensor | None:
@@ -37,8 +39,7 @@ class TokenAllocator:
             raise ValueError(f"alloc({n}): n must be >= 0")
         if n > self._num_free:
             return None
-        if n > self._free.numel():
-            self._merge()
+        self._merge()
         out, self._free = self._free[:n].clone(), self._free[n:]
         self._num_free -= n
         return out

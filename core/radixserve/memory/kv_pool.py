@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from radixserve.memory.fp8_kv import FP8_KV_DTYPE, dequantize_fp8, quantize_fp8
+from radixserve.memory.host_zeros import zeros_on_demand
 
 
 class KVPool:
@@ -41,8 +42,9 @@ class KVPool:
         if dtype != FP8_KV_DTYPE and (set(self.k_scales) | set(self.v_scales)) != {1.0}:
             raise ValueError(f"KV scales apply to float8_e4m3fn pools only; this pool is {dtype}")
         shape = (num_slots + 1, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        # on the CPU, pages become resident as slots are written (the pool is sized for the worst case)
+        self.k_buffers = [zeros_on_demand(shape, dtype, self.device) for _ in range(num_layers)]
+        self.v_buffers = [zeros_on_demand(shape, dtype, self.device) for _ in range(num_layers)]
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v ([n, num_kv_heads, head_dim] or [n, num_kv_heads*head_dim]) into slots `loc`."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.memory.host_zeros import zeros_on_demand
+
 
 class LatentKVPool:
     """One buffer per layer of shape `[num_slots + 1, kv_lora_rank + rope_dim]`: row s holds the
@@ -29,7 +31,7 @@ class LatentKVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_slots + 1, kv_lora_rank + rope_dim)
-        self.latent_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.latent_buffers = [zeros_on_demand(shape, dtype, self.device) for _ in range(num_layers)]
 
     def set_latent(self, layer_id: int, loc: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Write c_kv `[n, kv_lora_rank]` and k_pe `[n, rope_dim]` (or `[n, 1, rope_dim]`) into slots `loc`."""

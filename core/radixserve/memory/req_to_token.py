@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.memory.host_zeros import zeros_on_demand
+
 
 class ReqToTokenPool:
     """A `[size, max_context_len]` int64 table on `device`.
@@ -22,7 +24,7 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.device = torch.device(device)
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=self.device)
+        self.req_to_token = zeros_on_demand((size, max_context_len), torch.int64, self.device)  # CPU: rows resident once used
         on_host = self.device.type == "cpu"
         self.host = self.req_to_token if on_host else torch.zeros((size, max_context_len), dtype=torch.int64)
         # pop() from the end: lowest indices are handed out first

@@ -111,6 +111,9 @@ class GGUFMethod(UnquantizedMethod, WeightSource):
         for name, new in swaps.items():
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, new)
+        from radixserve_quant_gguf import fast_layer
+
+        fast_layer.install(model)  # batch-1 decode: the layers' Python overhead was half a step
         return model
 
     # ---- QuantMethod ----------------------------------------------------------------------
