@@ -208,6 +208,42 @@ def test_a_one_off_failure_of_a_constrained_step_launched_ahead_changes_no_outpu
     assert s.stats()["failed_requests"] == 0 and s.flush_cache()
 
 
+def test_an_early_mask_fill_keeps_the_outputs_of_overlap_off_also_when_that_launch_fails(tok, monkeypatch):
+    """Tokens already on the host when the next decode is launched (the host is the slower side):
+    the mask thread accepts them and fills the next mask while the launch is prepared. Outputs as
+    overlap off; when that launch fails, the tokens the matchers took are appended first (outputs
+    and matchers agree when the requests run again)."""
+    from radixserve.state import LaunchedBatch
+    from radixserve.testing import ToyRunner
+    from test_scheduler import _with_runner
+
+    sync = make_scheduler(tok, False)
+    add_mixed_batch(sync, tok)
+    want = run(sync)
+    monkeypatch.setattr(LaunchedBatch, "done", lambda self: True)  # the toy computes at launch
+    early, failed = [], []
+    accept_and_fill = Scheduler._accept_and_fill_early
+    monkeypatch.setattr(Scheduler, "_accept_and_fill_early", lambda self, *a: early.append(1) or accept_and_fill(self, *a))
+
+    class LaunchFails(ToyRunner):
+        def launch_batch(self, sb):  # once: the decode after the one making j1's 4th token
+            if sb.future_inputs is not None and not failed and any(r.rid == "j1" and len(r.output_ids) == 3
+                                                                   for r in sb.reqs):
+                failed.append(1)
+                raise RuntimeError("injected: the launch failed")
+            return super().launch_batch(sb)
+
+    s = make_scheduler(tok, True)
+    s.fill_beside_processing = True
+    _with_runner(s, LaunchFails(vocab_size=VOCAB, eos_token_ids=(EOS,)))
+    add_mixed_batch(s, tok)
+    got = run(s)
+    assert failed and len(early) >= 10
+    assert got == want
+    check_valid(tok, got)
+    assert s.stats()["failed_requests"] == 0 and s.flush_cache()
+
+
 # ---- the real ModelRunner (tiny random Llama, CPU) ----------------------------------------------
 
 TINY_VOCAB = 512
