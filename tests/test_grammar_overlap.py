@@ -10,6 +10,7 @@ import json
 import re
 import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from radixserve.model_runner import ModelRunner
 from radixserve.plugins.registry import Registry
 from radixserve.runtime.messages import GenerateRequest
 from radixserve.scheduler import Scheduler
+from radixserve.scheduler import scheduler as scheduler_module
 from radixserve.scheduler.grammar import GrammarService
 from radixserve.state import SamplingParams
 from radixserve.testing import tiny_tokenizer, toy_reference
@@ -286,8 +288,15 @@ def test_the_model_runner_gives_the_same_constrained_outputs_with_overlap_on_and
         return launch(sb)
 
     monkeypatch.setattr(runner, "launch_batch", recording_launch)
+    # the steps still alive before each step: a processed step must not be kept by the next one
+    # (the runner's result closure keeps its batch, whose mask's ready() keeps the step before it)
+    steps, alive = weakref.WeakSet(), []
+    init, step = scheduler_module._PrevStep.__init__, Scheduler.step
+    monkeypatch.setattr(scheduler_module._PrevStep, "__init__", lambda self, *a: init(self, *a) or steps.add(self))
+    monkeypatch.setattr(Scheduler, "step", lambda self: alive.append(len(steps)) or step(self))
     got, s = serve(runner, tok, overlap=True)
     assert sum(masked_ahead) >= 5  # constrained decodes were launched ahead
+    assert max(alive) <= 2, alive
     assert got == want
     for rid in ("j1", "j2", "j3"):
         assert got[rid]["finish"]["type"] == "stop", got[rid]

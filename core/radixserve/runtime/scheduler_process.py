@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -196,4 +197,8 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int, d
     }
     server.to_manager.send(server.enc.encode(ReadyMessage(process="scheduler", info=info)))
     logger.info("ready in %.1f s since the process started", time.monotonic() - _process_start_s())
+    # start-up's objects (modules, the model's Python objects, the tokenizer) live as long as the
+    # process: frozen, a full GC pass (which runs inside some step) scans only what serving made
+    gc.collect()
+    gc.freeze()
     server.serve_forever()

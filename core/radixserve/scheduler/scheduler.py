@@ -171,10 +171,18 @@ class _PrevStep:
         if self.done:
             return
         self.done = True
-        result = self.result()
+        items, result = self.items, self.result()
+        self.drop()
         # called inside the runner's launch (inference mode): tensors made here live on, as usual
         with torch.inference_mode(False):
-            self._finish(self.items, result, on_accepted, accepted)
+            self._finish(items, result, on_accepted, accepted)
+
+    def drop(self) -> None:
+        """Forget the step once processed. The next batch (its mask's ready()) keeps this object
+        and the runner's result closure keeps that batch: holding the step here would chain every
+        batch launched ahead to the one before it, keeping all their tensors and pinned result
+        buffers alive (a new pinned allocation per step, ever more objects for the GC to scan)."""
+        self._step, self._result = None, None
 
 
 class Scheduler:
@@ -480,6 +488,7 @@ class Scheduler:
                 self._settle_early(prev_step)
                 self._isolate_failure([prev[0]] + ([ahead[0]] if ahead is not None else []))
                 return
+            prev_step.drop()
             if result is not None:  # the device is busy with the next batch meanwhile
                 self._finish_step(prev[0], result, accepted=accepted)
             if ahead is not None:
