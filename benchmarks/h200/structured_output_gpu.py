@@ -85,8 +85,12 @@ def one_round(client, prompts: list[list[int]], constrained: bool, max_new: int)
     # decode batches launched ahead (overlap scheduling) out of all decode batches of the round
     decodes = after.get("decode_batches", 0) - before.get("decode_batches", 0)
     ahead = after.get("overlapped_batches", 0) - before.get("overlapped_batches", 0)
+    # the scheduler's own time per step over the round (its step() calls; prefill steps included)
+    steps = after.get("steps", 0) - before.get("steps", 0)
+    step_ms = 1000 * (after.get("step_seconds", 0) - before.get("step_seconds", 0)) / max(steps, 1)
     return {"tok_s": round(tokens / dt, 1), "tokens": tokens, "s": round(dt, 3), "decode_batches": decodes,
-            "launched_ahead": ahead}
+            "launched_ahead": ahead, "steps": steps, "step_ms": round(step_ms, 3),
+            "prefill_batches": after.get("prefill_batches", 0) - before.get("prefill_batches", 0)}
 
 
 def throughput(client, args) -> dict:
@@ -100,7 +104,8 @@ def throughput(client, args) -> dict:
             (constrained if kind else plain).append(one_round(client, prompts, kind, args.max_new))
         print(f"round {i + 1}/{args.rounds}: unconstrained {plain[-1]['tok_s']} tok/s, constrained "
               f"{constrained[-1]['tok_s']} tok/s ({constrained[-1]['launched_ahead']}/{constrained[-1]['decode_batches']} "
-              "constrained decode batches launched ahead)", flush=True)
+              f"constrained decode batches launched ahead); scheduler ms/step {plain[-1]['step_ms']} vs "
+              f"{constrained[-1]['step_ms']} over {plain[-1]['steps']} vs {constrained[-1]['steps']} steps", flush=True)
     p, c = statistics.median(r["tok_s"] for r in plain), statistics.median(r["tok_s"] for r in constrained)
     return {"batch": args.batch, "max_new_tokens": args.max_new, "rounds": args.rounds,
             "unconstrained": plain, "constrained": constrained, "median_unconstrained_tok_s": p,
