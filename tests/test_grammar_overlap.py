@@ -219,9 +219,16 @@ def test_an_early_mask_fill_keeps_the_outputs_of_overlap_off_also_when_that_laun
     from radixserve.testing import ToyRunner
     from test_scheduler import _with_runner
 
-    sync = make_scheduler(tok, False)
-    add_mixed_batch(sync, tok)
-    want = run(sync)
+    marker, k = free_marker(tok)
+
+    def add_requests(s: Scheduler) -> Scheduler:
+        for i, rid in enumerate(("j1", "j3")):
+            add(s, rid, [3, 4, 6 + i], max_new=60, json_schema=json.dumps(SCHEMAS[rid]))
+        add(s, "after", PROMPT, max_new=60, regex=REGEX, grammar_after=marker)  # its rows filled late
+        add(s, "p0", PLAIN["p0"], max_new=25)
+        return s
+
+    want = run(add_requests(make_scheduler(tok, False)))
     monkeypatch.setattr(LaunchedBatch, "done", lambda self: True)  # the toy computes at launch
     early, failed = [], []
     accept_and_fill = Scheduler._accept_and_fill_early
@@ -238,11 +245,12 @@ def test_an_early_mask_fill_keeps_the_outputs_of_overlap_off_also_when_that_laun
     s = make_scheduler(tok, True)
     s.fill_beside_processing = True
     _with_runner(s, LaunchFails(vocab_size=VOCAB, eos_token_ids=(EOS,)))
-    add_mixed_batch(s, tok)
-    got = run(s)
+    got = run(add_requests(s))
     assert failed and len(early) >= 10
     assert got == want
-    check_valid(tok, got)
+    assert set(json.loads(text(tok, got["j1"]["ids"]))) == {"name", "ok"}
+    assert re.fullmatch(REGEX, text(tok, got["after"]["ids"][k:]))
+    assert got["p0"]["ids"] == toy_reference(PLAIN["p0"], 25, VOCAB, frozenset({EOS}))
     assert s.stats()["failed_requests"] == 0 and s.flush_cache()
 
 
