@@ -111,6 +111,7 @@ def test_argmax_rows_matches_torch_argmax():
     x[3, 7] = float("inf")
     x[4] = 1.0  # ties: the first index
     x[5, 4999] = 50.0  # the last column
+    x[6] = float("-inf")  # a row with every token masked (an empty grammar mask): index 0, as torch
     for m in (x, x[:, :777]):  # and strided rows
         assert torch.equal(cpu_ops.argmax_rows(m), torch.argmax(m, dim=-1))
 

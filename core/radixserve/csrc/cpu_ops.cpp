@@ -187,7 +187,10 @@ at::Tensor argmax_rows(at::Tensor x) {
       if (nans) {
         while (!is_nan_bits(u[idx])) ++idx;  // torch: the first NaN wins
       } else {
-        while (r[idx] != best) ++idx;
+        // a row of -inf only (every token masked) may reduce to the max's identity (-FLT_MAX), which
+        // no element equals: torch answers 0 there, and the search must not leave the row
+        while (idx < cols && r[idx] != best) ++idx;
+        if (idx == cols) idx = 0;
       }
       op[i] = idx;
     }
