@@ -1039,8 +1039,11 @@ class Scheduler:
         bitmask = self._new_bitmask(len(items))
         _allow_all(bitmask, set(range(len(items))) - set(rows))
         matchers = [(i, items[i].req.grammar) for i in rows]
-        return bitmask, _started(self._mask_pool_executor(), self.grammar.ready_backend.fill_bitmasks,
-                                 bitmask, matchers).result
+        pool, fill = self._mask_pool_executor(), self.grammar.ready_backend.fill_bitmasks
+        # on CUDA the launch that follows is Python holding the GIL: hand it over first (_started);
+        # a CPU forward's torch calls release it, and the hand-off would only add a wake-up per step
+        fut = _started(pool, fill, bitmask, matchers) if self._pin_bitmasks else pool.submit(fill, bitmask, matchers)
+        return bitmask, fut.result
 
     def _bitmask_after(self, items: list[_Item], prev_step: _PrevStep) -> tuple[torch.Tensor, Callable] | None:
         """The bitmask of a decode launched ahead of the in-flight step `prev_step`, whose tokens
