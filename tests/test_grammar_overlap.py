@@ -10,6 +10,7 @@ import json
 import re
 import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from radixserve.model_runner import ModelRunner
 from radixserve.plugins.registry import Registry
 from radixserve.runtime.messages import GenerateRequest
 from radixserve.scheduler import Scheduler
+from radixserve.scheduler import scheduler as scheduler_module
 from radixserve.scheduler.grammar import GrammarService
 from radixserve.state import SamplingParams
 from radixserve.testing import tiny_tokenizer, toy_reference
@@ -208,6 +210,50 @@ def test_a_one_off_failure_of_a_constrained_step_launched_ahead_changes_no_outpu
     assert s.stats()["failed_requests"] == 0 and s.flush_cache()
 
 
+def test_an_early_mask_fill_keeps_the_outputs_of_overlap_off_also_when_that_launch_fails(tok, monkeypatch):
+    """Tokens already on the host when the next decode is launched (the host is the slower side):
+    the mask thread accepts them and fills the next mask while the launch is prepared. Outputs as
+    overlap off; when that launch fails, the tokens the matchers took are appended first (outputs
+    and matchers agree when the requests run again)."""
+    from radixserve.state import LaunchedBatch
+    from radixserve.testing import ToyRunner
+    from test_scheduler import _with_runner
+
+    marker, k = free_marker(tok)
+
+    def add_requests(s: Scheduler) -> Scheduler:
+        for i, rid in enumerate(("j1", "j3")):
+            add(s, rid, [3, 4, 6 + i], max_new=60, json_schema=json.dumps(SCHEMAS[rid]))
+        add(s, "after", PROMPT, max_new=60, regex=REGEX, grammar_after=marker)  # its rows filled late
+        add(s, "p0", PLAIN["p0"], max_new=25)
+        return s
+
+    want = run(add_requests(make_scheduler(tok, False)))
+    monkeypatch.setattr(LaunchedBatch, "done", lambda self: True)  # the toy computes at launch
+    early, failed = [], []
+    accept_and_fill = Scheduler._accept_and_fill_early
+    monkeypatch.setattr(Scheduler, "_accept_and_fill_early", lambda self, *a: early.append(1) or accept_and_fill(self, *a))
+
+    class LaunchFails(ToyRunner):
+        def launch_batch(self, sb):  # once: the decode after the one making j1's 4th token
+            if sb.future_inputs is not None and not failed and any(r.rid == "j1" and len(r.output_ids) == 3
+                                                                   for r in sb.reqs):
+                failed.append(1)
+                raise RuntimeError("injected: the launch failed")
+            return super().launch_batch(sb)
+
+    s = make_scheduler(tok, True)
+    s.fill_beside_processing = True
+    _with_runner(s, LaunchFails(vocab_size=VOCAB, eos_token_ids=(EOS,)))
+    got = run(add_requests(s))
+    assert failed and len(early) >= 10
+    assert got == want
+    assert set(json.loads(text(tok, got["j1"]["ids"]))) == {"name", "ok"}
+    assert re.fullmatch(REGEX, text(tok, got["after"]["ids"][k:]))
+    assert got["p0"]["ids"] == toy_reference(PLAIN["p0"], 25, VOCAB, frozenset({EOS}))
+    assert s.stats()["failed_requests"] == 0 and s.flush_cache()
+
+
 # ---- the real ModelRunner (tiny random Llama, CPU) ----------------------------------------------
 
 TINY_VOCAB = 512
@@ -250,8 +296,15 @@ def test_the_model_runner_gives_the_same_constrained_outputs_with_overlap_on_and
         return launch(sb)
 
     monkeypatch.setattr(runner, "launch_batch", recording_launch)
+    # the steps still alive before each step: a processed step must not be kept by the next one
+    # (the runner's result closure keeps its batch, whose mask's ready() keeps the step before it)
+    steps, alive = weakref.WeakSet(), []
+    init, step = scheduler_module._PrevStep.__init__, Scheduler.step
+    monkeypatch.setattr(scheduler_module._PrevStep, "__init__", lambda self, *a: init(self, *a) or steps.add(self))
+    monkeypatch.setattr(Scheduler, "step", lambda self: alive.append(len(steps)) or step(self))
     got, s = serve(runner, tok, overlap=True)
     assert sum(masked_ahead) >= 5  # constrained decodes were launched ahead
+    assert max(alive) <= 2, alive
     assert got == want
     for rid in ("j1", "j2", "j3"):
         assert got[rid]["finish"]["type"] == "stop", got[rid]

@@ -131,6 +131,7 @@ PHASES = (
     ("accept_tokens", "scheduler.py", "_accept_grammar_tokens"),
     ("wait_for_fill", "_base.py", "wait"),
     ("fill_bitmasks (mask thread)", "backend.py", "fill_bitmasks"),
+    ("early accept+fill (mask thread)", "scheduler.py", "accept_and_fill"),
     ("apply_bitmask", "backend.py", "apply_bitmask_inplace"),
     ("sample", "sampler.py", "sample"),
     ("copy_to_host", "model_runner.py", "_copy_to_host"),
@@ -202,10 +203,15 @@ def print_context(ctx: dict) -> None:
         print(f"  slowest {c['call']} {c['ms']} ms in: {' > '.join(c['host_frames'])}", flush=True)
 
 
-def run_kind(s, batch: int, constrained: bool, steps: int, profile_steps: int, out: Path, input_len: int) -> dict:
+def run_kind(s, batch: int, kind: str, steps: int, profile_steps: int, out: Path, input_len: int) -> dict:
+    """kind: plain, constrained, or constrained-late (Scheduler.fill_before_launch off: the mask is
+    always filled inside the batch's token_bitmask_ready, as before session 8)."""
     from torch.profiler import ProfilerActivity, profile
 
-    tag = "c" if constrained else "p"
+    constrained = kind.startswith("constrained")
+    if hasattr(s, "fill_before_launch"):
+        s.fill_before_launch = kind != "constrained-late"
+    tag = {"plain": "p", "constrained": "c", "constrained-late": "cl"}[kind]
     add_batch(s, batch, constrained, steps + profile_steps + 40, tag, input_len)
     for _ in range(10000):
         if not (s._grammar_pending or s.waiting or len(s.running) < batch):
@@ -225,7 +231,7 @@ def run_kind(s, batch: int, constrained: bool, steps: int, profile_steps: int, o
     sync()
     ms = 1000 * (time.perf_counter() - t0) / steps
     ahead = s.metrics.overlapped_batches - m0
-    print(f"{'constrained' if constrained else 'plain'}: {ms:.3f} ms per decode step at {len(s.running)} rows "
+    print(f"{kind}: {ms:.3f} ms per decode step at {len(s.running)} rows "
           f"({ahead}/{steps} launched ahead)", flush=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts, with_stack=True) as prof:
@@ -234,7 +240,7 @@ def run_kind(s, batch: int, constrained: bool, steps: int, profile_steps: int, o
         sync()
     trace = out / f"grammar_timeline_{tag}.json"
     prof.export_chrome_trace(str(trace))
-    row = {"constrained": constrained, "ms_per_step": round(ms, 3), "launched_ahead": ahead, "steps": steps,
+    row = {"kind": kind, "constrained": constrained, "ms_per_step": round(ms, 3), "launched_ahead": ahead, "steps": steps,
            "gaps": gaps_per_step(prof, profile_steps), "blocking_calls": blocking_calls(prof)}
     print(json.dumps({k: row[k] for k in ("ms_per_step", "gaps")}), flush=True)
     for r in row["blocking_calls"][:6]:
@@ -257,7 +263,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--profile-steps", type=int, default=6)
-    ap.add_argument("--kinds", default="plain,constrained")
+    ap.add_argument("--kinds", default="plain,constrained,constrained-late")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (with a tiny --model)")
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--analyze", type=Path, help="only read this exported trace (steps: --profile-steps) and exit")
@@ -273,11 +279,13 @@ def main() -> None:
     t0 = time.perf_counter()
     s = build(args.model, args.tokenizer_dir, args.batch, args.device)
     print(f"runner + scheduler built in {time.perf_counter() - t0:.0f} s", flush=True)
-    rows = [run_kind(s, args.batch, kind == "constrained", args.steps, args.profile_steps, args.out, args.input_len)
+    rows = [run_kind(s, args.batch, kind, args.steps, args.profile_steps, args.out, args.input_len)
             for kind in args.kinds.split(",")]
     (args.out / "grammar_timeline.json").write_text(json.dumps(rows, indent=1))
-    if len(rows) == 2:
-        print(f"plain / constrained step time: {rows[0]['ms_per_step'] / rows[1]['ms_per_step']:.4f}")
+    plain = next((r for r in rows if r["kind"] == "plain"), None)
+    for r in rows:
+        if plain is not None and r is not plain:
+            print(f"plain / {r['kind']} step time: {plain['ms_per_step'] / r['ms_per_step']:.4f}")
 
 
 if __name__ == "__main__":

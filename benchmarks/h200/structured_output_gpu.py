@@ -85,8 +85,12 @@ def one_round(client, prompts: list[list[int]], constrained: bool, max_new: int)
     # decode batches launched ahead (overlap scheduling) out of all decode batches of the round
     decodes = after.get("decode_batches", 0) - before.get("decode_batches", 0)
     ahead = after.get("overlapped_batches", 0) - before.get("overlapped_batches", 0)
+    # the scheduler's own time per step over the round (its step() calls; prefill steps included)
+    steps = after.get("steps", 0) - before.get("steps", 0)
+    step_ms = 1000 * (after.get("step_seconds", 0) - before.get("step_seconds", 0)) / max(steps, 1)
     return {"tok_s": round(tokens / dt, 1), "tokens": tokens, "s": round(dt, 3), "decode_batches": decodes,
-            "launched_ahead": ahead}
+            "launched_ahead": ahead, "steps": steps, "step_ms": round(step_ms, 3),
+            "prefill_batches": after.get("prefill_batches", 0) - before.get("prefill_batches", 0)}
 
 
 def throughput(client, args) -> dict:
@@ -100,7 +104,8 @@ def throughput(client, args) -> dict:
             (constrained if kind else plain).append(one_round(client, prompts, kind, args.max_new))
         print(f"round {i + 1}/{args.rounds}: unconstrained {plain[-1]['tok_s']} tok/s, constrained "
               f"{constrained[-1]['tok_s']} tok/s ({constrained[-1]['launched_ahead']}/{constrained[-1]['decode_batches']} "
-              "constrained decode batches launched ahead)", flush=True)
+              f"constrained decode batches launched ahead); scheduler ms/step {plain[-1]['step_ms']} vs "
+              f"{constrained[-1]['step_ms']} over {plain[-1]['steps']} vs {constrained[-1]['steps']} steps", flush=True)
     p, c = statistics.median(r["tok_s"] for r in plain), statistics.median(r["tok_s"] for r in constrained)
     return {"batch": args.batch, "max_new_tokens": args.max_new, "rounds": args.rounds,
             "unconstrained": plain, "constrained": constrained, "median_unconstrained_tok_s": p,
@@ -172,6 +177,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--trials", type=int, default=5, help="TTFT: requests of each kind")
     ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: throughput,ttft,validity")
     args = ap.parse_args()
     if args.make_tokenizer:
         make_tokenizer(args.make_tokenizer, VOCAB)
@@ -182,23 +188,34 @@ def main() -> None:
         info = client.get("/server_info", timeout=60).json()
         overlap = info.get("config", {}).get("runtime", {}).get("overlap")
         print(f"server up; runtime.overlap={overlap} (None: on for CUDA)", flush=True)
-        summary = {"overlap": overlap, "throughput": throughput(client, args)}
-        summary["ttft"] = first_token(client, args)
-        print("ttft done", flush=True)
-        summary["validity"] = validity(client, args)
+        skip = set(filter(None, args.skip.split(",")))
+        summary = {"overlap": overlap}
+        if "throughput" not in skip:
+            summary["throughput"] = throughput(client, args)
+        if "ttft" not in skip:
+            summary["ttft"] = first_token(client, args)
+            print("ttft done", flush=True)
+        if "validity" not in skip:
+            summary["validity"] = validity(client, args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "structured_output_gpu.json").write_text(json.dumps(summary, indent=1))
-    t, v, f = summary["throughput"], summary["validity"], summary["ttft"]
-    ahead = sum(r["launched_ahead"] for r in t["constrained"])
-    decodes = sum(r["decode_batches"] for r in t["constrained"])
-    print(f"batch {t['batch']} decode: unconstrained {t['median_unconstrained_tok_s']} tok/s, constrained "
-          f"{t['median_constrained_tok_s']} tok/s, ratio {t['constrained_over_unconstrained']} (target >= 0.95); "
-          f"constrained decode batches launched ahead: {ahead}/{decodes}")
-    print(f"TTFT (1-token /generate, {args.input_len}-token prompt): unconstrained {f['median_unconstrained_ms']} ms, "
-          f"uncached grammar {f['median_uncached_grammar_ms']} ms, difference {f['median_difference_ms']} ms (target <= 50)")
-    print(f"validity: {v['valid']}/{v['requests']} valid ({v['checked_with']})")
-    if v["failures"]:
-        print(json.dumps(v["failures"], indent=1))
+    if "throughput" in summary:
+        t = summary["throughput"]
+        ahead = sum(r["launched_ahead"] for r in t["constrained"])
+        decodes = sum(r["decode_batches"] for r in t["constrained"])
+        print(f"batch {t['batch']} decode: unconstrained {t['median_unconstrained_tok_s']} tok/s, constrained "
+              f"{t['median_constrained_tok_s']} tok/s, ratio {t['constrained_over_unconstrained']} (target >= 0.95); "
+              f"constrained decode batches launched ahead: {ahead}/{decodes}")
+    if "ttft" in summary:
+        f = summary["ttft"]
+        print(f"TTFT (1-token /generate, {args.input_len}-token prompt): unconstrained {f['median_unconstrained_ms']} ms, "
+              f"uncached grammar {f['median_uncached_grammar_ms']} ms, difference {f['median_difference_ms']} ms "
+              f"(target <= 50); trials {f['unconstrained_ms']} / {f['uncached_grammar_ms']}")
+    if "validity" in summary:
+        v = summary["validity"]
+        print(f"validity: {v['valid']}/{v['requests']} valid ({v['checked_with']})")
+        if v["failures"]:
+            print(json.dumps(v["failures"], indent=1))
 
 
 if __name__ == "__main__":

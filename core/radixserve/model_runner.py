@@ -594,7 +594,7 @@ class ModelRunner:
                     result.top_logprobs[j] = alts
             return result
 
-        return LaunchedBatch(token_ids, resolve)
+        return LaunchedBatch(token_ids, resolve, ready.query if ready is not None else None)
 
     def _launch_verify(self, sb: ScheduledBatch) -> LaunchedBatch:
         """A speculative verify: one token per new token, each sampled as plain decoding would

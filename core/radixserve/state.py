@@ -303,14 +303,20 @@ class FutureTokens:
 class LaunchedBatch:
     """A batch whose forward and sampling are queued on the device but maybe not done
     (`ModelRunner.launch_batch`). `token_ids` can feed the next batch's `FutureTokens` at once;
-    `result()` waits for the device and returns the host-side BatchResult (call it once)."""
+    `result()` waits for the device and returns the host-side BatchResult (call it once).
+    `done()`: True when `result()` would not wait (False when the runner cannot tell)."""
 
-    def __init__(self, token_ids: torch.Tensor, resolve: Callable[[], BatchResult]) -> None:
+    def __init__(self, token_ids: torch.Tensor, resolve: Callable[[], BatchResult],
+                 done: Callable[[], bool] | None = None) -> None:
         self.token_ids = token_ids  # [bs] int64 on the device; entries of unsampled rows are meaningless
         self._resolve = resolve
+        self._done = done
 
     def result(self) -> BatchResult:
         return self._resolve()
+
+    def done(self) -> bool:
+        return self._done is not None and bool(self._done())
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -132,6 +133,21 @@ def _build_cpu_kernels_in_background() -> None:
     )
 
 
+def _log_slow_collections(threshold_s: float = 0.005) -> None:
+    """Log each garbage collection that holds the scheduler longer than `threshold_s` (it stalls
+    the step it runs in, and with it every running request)."""
+    started: list[float] = []
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started and time.perf_counter() - started[0] > threshold_s:
+            logger.info("a generation-%d garbage collection held the scheduler %.1f ms (%d collected)",
+                        info.get("generation", -1), 1000 * (time.perf_counter() - started[0]), info.get("collected", 0))
+
+    gc.callbacks.append(callback)
+
+
 def _process_start_s() -> float:
     """This process's start on the time.monotonic() clock (Linux; else now): start-up timings
     then include the interpreter's start and imports."""
@@ -196,4 +212,9 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int, d
     }
     server.to_manager.send(server.enc.encode(ReadyMessage(process="scheduler", info=info)))
     logger.info("ready in %.1f s since the process started", time.monotonic() - _process_start_s())
+    # start-up's objects (modules, the model's Python objects, the tokenizer) live as long as the
+    # process: frozen, a full GC pass (which runs inside some step) scans only what serving made
+    gc.collect()
+    gc.freeze()
+    _log_slow_collections()
     server.serve_forever()

@@ -133,25 +133,56 @@ class _PrevStep:
     """The in-flight step during the launch of the decode that follows it: `process()` (once)
     waits for its tokens and processes them. A constrained batch launched ahead calls it from its
     `token_bitmask_ready` (its mask needs those tokens); otherwise the scheduler calls it after the
-    launch. `finish(items, result)` is the scheduler's handling of a finished step's tokens."""
+    launch. `finish(items, result)` is the scheduler's handling of a finished step's tokens.
+    `early`: the mask thread's accept of this step's tokens and fill of the next mask, started
+    before the next batch's launch when these tokens were already on the host (`_bitmask_after`)."""
 
     def __init__(self, step: tuple[list[_Item], LaunchedBatch],
                  finish: Callable[..., None]) -> None:
         self._step = step
         self._finish = finish
         self.done = False
+        self._result: BatchResult | None = None
+        self.early: Future | None = None  # -> (accepted, filled rows, fill error or None)
 
-    def process(self, on_accepted: Callable[[set[int]], None] | None = None) -> None:
-        """`on_accepted`: passed to the scheduler's `_process` (called once the matchers accepted
-        the step's tokens, before the rest of the per-request work)."""
+    @property
+    def items(self) -> list[_Item]:
+        return self._step[0]
+
+    def tokens_on_host(self) -> bool:
+        """Whether `result()` returns without waiting for the device."""
+        return self._result is not None or self._step[1].done()
+
+    def result(self) -> BatchResult:
+        """The step's tokens (the first call waits for the device)."""
+        if self._result is None:
+            self._result = self._step[1].result()
+        return self._result
+
+    def early_accepted(self) -> dict[int, tuple[bool, bool]] | None:
+        """What the early accept returned (waits for it), or None when there was none."""
+        return None if self.early is None else self.early.result()[0]
+
+    def process(self, on_accepted: Callable[[set[int]], None] | None = None,
+                accepted: dict[int, tuple[bool, bool]] | None = None) -> None:
+        """`on_accepted`, `accepted`: passed to the scheduler's `_process` (`on_accepted` is called
+        once the matchers accepted the step's tokens, before the rest of the per-request work;
+        `accepted`: they already did, in the early accept)."""
         if self.done:
             return
         self.done = True
-        items, launched = self._step
-        result = launched.result()
+        items, result = self.items, self.result()
+        self.drop()
         # called inside the runner's launch (inference mode): tensors made here live on, as usual
         with torch.inference_mode(False):
-            self._finish(items, result, on_accepted)
+            self._finish(items, result, on_accepted, accepted)
+
+    def drop(self) -> None:
+        """Forget the step once processed. The next batch (its mask's ready()) keeps this object
+        and the runner's result closure keeps that batch: holding the step here would chain every
+        batch launched ahead to the one before it, keeping all their tensors and pinned result
+        buffers alive (a new pinned allocation per step, ever more objects for the GC to scan)."""
+        self._step, self._result = None, None
 
 
 class Scheduler:
@@ -262,6 +293,10 @@ class Scheduler:
         # step's processing; with few cores the thread hand-offs cost more than the overlap saves
         self.fill_beside_processing = len(os.sched_getaffinity(0)) >= 4 if hasattr(os, "sched_getaffinity") else False
         self._bitmask_turn = 0
+        # with fill_beside_processing: when the previous step's tokens are already on the host as the
+        # next decode is launched (the host is the slower side), the mask thread accepts them and
+        # fills the next mask while this thread prepares and launches that decode (_bitmask_after)
+        self.fill_before_launch = True
 
     @classmethod
     def from_config(cls, config: Config, runner: Any, registry: Any, tokenizer: Any = None) -> Scheduler:
@@ -447,12 +482,15 @@ class Scheduler:
                     sb = self._to_scheduled_batch(items, future, prev_step)
                     self._in_flight = (items, self.runner.launch_batch(sb))
                 # a constrained ahead batch already processed prev, before its sampling
-                result = None if prev_step.done else prev[1].result()
+                result = None if prev_step.done else prev_step.result()
+                accepted = None if prev_step.done else prev_step.early_accepted()
             except Exception:  # the ahead batch reads prev's tokens: both are untrusted
+                self._settle_early(prev_step)
                 self._isolate_failure([prev[0]] + ([ahead[0]] if ahead is not None else []))
                 return
-            if result is not None:
-                self._finish_step(prev[0], result)  # the device is busy with the next batch meanwhile
+            prev_step.drop()
+            if result is not None:  # the device is busy with the next batch meanwhile
+                self._finish_step(prev[0], result, accepted=accepted)
             if ahead is not None:
                 return
         items = self._schedule()
@@ -495,10 +533,25 @@ class Scheduler:
                 self._suspects.add(req.rid)
                 self._retract(req)
 
-    def _finish_step(self, items: list[_Item], result: BatchResult, on_accepted=None) -> None:
+    def _finish_step(self, items: list[_Item], result: BatchResult, on_accepted=None, accepted=None) -> None:
         """A launched step's tokens: clear a suspect that ran alone, then process them."""
         self._passed(items)
-        self._process(items, result, on_accepted)
+        self._process(items, result, on_accepted, accepted)
+
+    def _settle_early(self, prev_step: _PrevStep) -> None:
+        """A launch failed after the early accept took `prev_step`'s tokens into the matchers: append
+        those tokens as well (as when the failure comes after its mask's ready() processed them),
+        so that outputs and matchers agree before the batches are isolated."""
+        early = prev_step.early
+        if early is None or prev_step.done:
+            return
+        wait_futures([early])
+        if early.exception() is not None:
+            return
+        try:
+            prev_step.process(accepted=early.result()[0])
+        except Exception:
+            logger.exception("processing the step before a failed launch failed")
 
     def _passed(self, items: list[_Item]) -> None:
         """A suspect whose prompt ran through alone is cleared."""
@@ -986,8 +1039,11 @@ class Scheduler:
         bitmask = self._new_bitmask(len(items))
         _allow_all(bitmask, set(range(len(items))) - set(rows))
         matchers = [(i, items[i].req.grammar) for i in rows]
-        return bitmask, _started(self._mask_pool_executor(), self.grammar.ready_backend.fill_bitmasks,
-                                 bitmask, matchers).result
+        pool, fill = self._mask_pool_executor(), self.grammar.ready_backend.fill_bitmasks
+        # on CUDA the launch that follows is Python holding the GIL: hand it over first (_started);
+        # a CPU forward's torch calls release it, and the hand-off would only add a wake-up per step
+        fut = _started(pool, fill, bitmask, matchers) if self._pin_bitmasks else pool.submit(fill, bitmask, matchers)
+        return bitmask, fut.result
 
     def _bitmask_after(self, items: list[_Item], prev_step: _PrevStep) -> tuple[torch.Tensor, Callable] | None:
         """The bitmask of a decode launched ahead of the in-flight step `prev_step`, whose tokens
@@ -1000,12 +1056,21 @@ class Scheduler:
             return None
         bitmask = self._new_bitmask(len(items))
         launching = threading.get_ident()
+        if self.fill_beside_processing and self.fill_before_launch and prev_step.tokens_on_host():
+            prev_step.early = self._accept_and_fill_early(items, prev_step, bitmask)
 
         def ready() -> None:
             if threading.get_ident() != launching:  # it processes prev: the scheduler's state, one thread
                 raise RuntimeError("token_bitmask_ready() of a batch launched ahead must be called on the thread "
                                    "that called launch_batch, before launch_batch returns")
             backend = self.grammar.ready_backend
+            if prev_step.early is not None:  # prev's tokens accepted and the rows filled meanwhile
+                accepted, filled, error = prev_step.early.result()
+                prev_step.process(accepted=accepted)
+                if error is not None:
+                    raise error
+                self._finish_bitmask(items, bitmask, filled)
+                return
             filling: list = []  # (rows, future) of the fill started once prev's tokens are accepted
 
             def start_fill(ended: set[int]) -> None:
@@ -1024,16 +1089,41 @@ class Scheduler:
             filled = {i for rows, fut in filling for i, _ in rows}
             for _, fut in filling:
                 fut.result()  # re-raises a fill error (the batch then fails like a failed forward)
-            # every row when not filled beside the processing; else a grammar that started in prev
-            late = [(i, it.req.grammar) for i, it in enumerate(items)
-                    if it.req.grammar is not None and not it.req.finished and i not in filled]
-            if late:
-                backend.fill_bitmasks(bitmask, late)
-            filled.update(i for i, _ in late)
-            # unfilled rows, and rows whose request finished in prev (its token is dropped): every token allowed
-            _allow_all(bitmask, {i for i in range(len(items)) if i not in filled or items[i].req.finished})
+            self._finish_bitmask(items, bitmask, filled)
 
         return bitmask, ready
+
+    def _accept_and_fill_early(self, items: list[_Item], prev_step: _PrevStep, bitmask: torch.Tensor) -> Future:
+        """In the mask thread, now (before the launch of `items`, whose forward does not read the
+        matchers): prev's tokens into the matchers, then the rows of `items` still constrained
+        filled. The future gives (the accept's result, filled rows, a fill error or None)."""
+        prev_items, result = prev_step.items, prev_step.result()
+        backend = self.grammar.ready_backend
+
+        def accept_and_fill() -> tuple[dict[int, tuple[bool, bool]], set[int], Exception | None]:
+            accepted = self._accept_grammar_tokens(prev_items, result)
+            ended = {id(prev_items[i].req) for i, (ok, term) in accepted.items() if term or not ok}
+            rows = [(i, it.req.grammar) for i, it in enumerate(items)
+                    if it.req.grammar is not None and not it.req.finished and id(it.req) not in ended]
+            try:
+                if rows:
+                    backend.fill_bitmasks(bitmask, rows)
+            except Exception as e:  # prev's tokens were accepted: ready() still processes them
+                return accepted, set(), e
+            return accepted, {i for i, _ in rows}, None
+
+        return _started(self._mask_pool_executor(), accept_and_fill)
+
+    def _finish_bitmask(self, items: list[_Item], bitmask: torch.Tensor, filled: set[int]) -> None:
+        """After prev's processing: fill the rows whose grammar started in prev (every constrained
+        row when none was filled beside), then allow every token in the rows not filled and in
+        rows whose request finished in prev (its token is dropped)."""
+        late = [(i, it.req.grammar) for i, it in enumerate(items)
+                if it.req.grammar is not None and not it.req.finished and i not in filled]
+        if late:
+            self.grammar.ready_backend.fill_bitmasks(bitmask, late)
+        filled = filled | {i for i, _ in late}
+        _allow_all(bitmask, {i for i in range(len(items)) if i not in filled or items[i].req.finished})
 
     def _mask_pool_executor(self) -> ThreadPoolExecutor:
         if self._mask_pool is None:  # one thread: a matcher is only ever used by one thread at a time
@@ -1067,13 +1157,16 @@ class Scheduler:
         return {i: (bool(a), bool(a) and m.is_terminated()) for i, m, a in zip(rows, matchers, ok, strict=True)}
 
     def _process(self, items: list[_Item], result: BatchResult,
-                 on_accepted: Callable[[set[int]], None] | None = None) -> None:
+                 on_accepted: Callable[[set[int]], None] | None = None,
+                 accepted: dict[int, tuple[bool, bool]] | None = None) -> None:
         """`on_accepted(ended)`, if given, is called once the constrained rows' matchers accepted
         their tokens, before the per-request work; `ended`: id() of the requests whose matcher
-        refused its token or terminated (they end in this step)."""
+        refused its token or terminated (they end in this step). `accepted`: what
+        `_accept_grammar_tokens` returned when it already ran for this step (the early accept)."""
         now_running: list[Req] = []
         self._step_acceptance = []
-        accepted = self._accept_grammar_tokens(items, result) if self.grammar is not None else {}
+        if accepted is None:
+            accepted = self._accept_grammar_tokens(items, result) if self.grammar is not None else {}
         if on_accepted is not None:
             on_accepted({id(items[i].req) for i, (ok, term) in accepted.items() if term or not ok})
         for i, it in enumerate(items):
