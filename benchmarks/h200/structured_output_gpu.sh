@@ -6,6 +6,7 @@
 # 64 bounded constrained outputs. ~4 min. Carry: .whl
 #     bash benchmarks/h200/structured_output_gpu.sh        # results: $OUT/structured_output_gpu.{json,txt}
 #     SO_ARGS=--skip=throughput,validity bash benchmarks/h200/structured_output_gpu.sh   # the TTFT part only (~1 min)
+#     SERVER_ARGS="runtime.batch1_gemv=off" ...   # extra config overrides for the server (an A/B)
 set -o pipefail
 [ -n "$RS_H200_SETUP_DONE" ] || { source benchmarks/h200/setup.sh || exit 1; }  # set by a wrapper that already ran it
 M=benchmarks/model-configs/llama-3.1-8b
@@ -13,7 +14,7 @@ T=/tmp/tok128k
 PORT=30200
 python3 benchmarks/h200/structured_output_gpu.py --make-tokenizer $T || exit 1
 (setsid radixserve serve --model $M --tokenizer $T --port $PORT --config stacks/h200-llama.yaml model.load_format=dummy \
-  model.context_length=2048 > $OUT/so-server.log 2>&1 &)
+  model.context_length=2048 $SERVER_ARGS > $OUT/so-server.log 2>&1 &)
 for i in $(seq 1 240); do curl -sf localhost:$PORT/health > /dev/null && break; sleep 1; done
 curl -sf localhost:$PORT/health > /dev/null || { echo "the server did not come up"; tail -40 $OUT/so-server.log; exit 1; }
 timeout 420 python3 benchmarks/h200/structured_output_gpu.py --base-url http://127.0.0.1:$PORT --out $OUT $SO_ARGS 2>&1 \
