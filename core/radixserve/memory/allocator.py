@@ -39,8 +39,21 @@ class TokenAllocator:
             raise ValueError(f"alloc({n}): n must be >= 0")
         if n > self._num_free:
             return None
-        self._merge()
-        out, self._free = self._free[:n].clone(), self._free[n:]
+        # freed chunks first, most recent first, without concatenating the (large) never-used list:
+        # a per-step copy of the whole free list would cost ~1 ms on a GPU-sized pool
+        taken: list[torch.Tensor] = []
+        need = n
+        while need and self._pending:
+            chunk = self._pending.pop()
+            if chunk.numel() > need:
+                self._pending.append(chunk[need:])
+                chunk = chunk[:need]
+            taken.append(chunk)
+            need -= chunk.numel()
+        if need:
+            taken.append(self._free[:need])
+            self._free = self._free[need:]
+        out = torch.cat(taken) if len(taken) > 1 else (taken[0].clone() if taken else torch.empty(0, dtype=torch.int64))
         self._num_free -= n
         return out
 
