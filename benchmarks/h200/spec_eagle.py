@@ -299,6 +299,8 @@ def report(args, layout, topk, num_steps, num_draft_tokens, draft_graphs, runner
     res["draft_gemv_weights"] = sum(t is not None for m in (head, *head.layers) for t in m.tiles.values()) if head else 0
     res["draft_graph_replays"] = dg.replays if dg is not None else 0
     res["draft_graphs"] = sorted(str(k) for k in [*dg.chains, *dg.pendings, *dg.trees]) if dg is not None else []
+    # a failed capture turns the draft eager for the rest of the run (EagleGraphs._get logs why)
+    res["draft_graph_capture_failed"] = bool(dg.failed) if dg is not None else False
     res["propose_over_verify"] = res["propose_ms"] / res["verify_step_ms"]
     res["collect_ms"] = statistics.median(coll)  # the drafter's on_accepted (synchronized: adds its syncs)
     res["draft_ms"] = statistics.median(draft)
