@@ -43,7 +43,7 @@ from radixserve.state import (
     tree_block,
 )
 from radixserve.tokenizer import eos_token_ids, load_tokenizer
-from radixserve.tree_decode_rows import TreeDecodeRows
+from radixserve.tree_decode_rows import TreeDecodeRows, node_depths
 
 logger = logging.getLogger(__name__)
 
@@ -341,7 +341,7 @@ class ModelRunner:
         at = 0
         for i, (req, p, n) in enumerate(zip(sb.reqs, sb.prefix_lens, sb.extend_lens, strict=True)):
             parents = sb.spec.parents[i] if sb.spec is not None else None
-            positions = [p + d for d in _depths(parents)] if parents is not None else list(range(p, p + n))
+            positions = [p + d for d in node_depths(parents)] if parents is not None else list(range(p, p + n))
             tokens = list(sb.input_ids[at : at + n]) if sb.future_inputs is None else []
             ts.record(req.rid, HiddenRows(
                 positions, tokens, list(parents) if parents is not None else None,
@@ -379,7 +379,7 @@ class ModelRunner:
             return self._prepare_decode_rows(sb)
         tree_blocks = None
         if sb.spec is not None:  # a draft token sits at prefix + its depth in the draft tree
-            depths = [_depths(ps) for ps in sb.spec.parents]
+            depths = [node_depths(ps) for ps in sb.spec.parents]
             positions = torch.tensor([p + d for p, ds in zip(prefix, depths, strict=True) for d in ds], dtype=torch.int64)
             if sb.spec.has_tree:
                 tree_blocks = [tree_block(ps) for ps in sb.spec.parents]
@@ -669,10 +669,3 @@ def check_model_tensor_parallel(arch: str, model_cls: type, quant, hf_config, tp
     if heads % tp_size or (kv % tp_size if kv >= tp_size else tp_size % kv):
         raise ValueError(f"runtime.tp_size={tp_size} does not divide the model's attention heads ({heads} query, {kv} "
                          "key/value): choose a tp_size that divides both (or that the KV head count divides)")
-
-
-def _depths(parents: list[int]) -> list[int]:
-    d = [0] * len(parents)
-    for j in range(1, len(parents)):
-        d[j] = d[parents[j]] + 1
-    return d
