@@ -112,8 +112,16 @@ def _key_text(source_text: bytes, headers: dict[str, bytes]) -> bytes:
     return source_text + b"".join(b"\0" + rel.encode() + b"\0" + text for rel, text in headers.items())
 
 
-def _build_dir(name: str, source_text: bytes, cflags: tuple[str, ...]) -> Path:
-    return cache_root() / f"{name}-{build_key(source_text, cflags)}"
+def _cflags(defines: tuple[str, ...]) -> tuple[str, ...]:
+    return CFLAGS + tuple(f"-D{d}" for d in defines)
+
+
+def _build_inputs(name: str, source: Path, cflags: tuple[str, ...]) -> tuple[bytes, dict[str, bytes], Path]:
+    """(the source's text, its local headers, its build directory): what one build of `source`
+    with `cflags` is keyed on, for this torch build and CPU."""
+    source_text = source.read_bytes()
+    headers = local_headers(source)
+    return source_text, headers, cache_root() / f"{name}-{build_key(_key_text(source_text, headers), cflags)}"
 
 
 def lock_timeout_s() -> float:
@@ -175,7 +183,7 @@ def load_extension(name: str, source: str | os.PathLike, defines: tuple[str, ...
         name_lock = _name_locks.setdefault(name, threading.Lock())
     with name_lock:
         if name not in _loaded:
-            _loaded[name] = _load(name, Path(source), CFLAGS + tuple(f"-D{d}" for d in defines))
+            _loaded[name] = _load(name, Path(source), _cflags(defines))
         return _loaded[name]
 
 
@@ -183,9 +191,7 @@ def is_cached(name: str, source: str | os.PathLike, defines: tuple[str, ...] = (
     """Whether `load_extension` with these arguments would load a built library instead of
     compiling: a build of this source (and its local headers) with these flags, for this torch
     build and CPU. Builds of other versions of the source, left in the cache, do not count."""
-    source = Path(source)
-    text = _key_text(source.read_bytes(), local_headers(source))
-    return any(_build_dir(name, text, CFLAGS + tuple(f"-D{d}" for d in defines)).glob("*.so"))
+    return any(_build_inputs(name, Path(source), _cflags(defines))[2].glob("*.so"))
 
 
 def build_in_background(loaders: Iterable[Callable[[], object]]) -> list[threading.Thread]:
@@ -212,9 +218,7 @@ def _load(name: str, source: Path, cflags: tuple[str, ...]) -> ModuleType | None
         return None
     from torch.utils import cpp_extension
 
-    source_text = source.read_bytes()
-    headers = local_headers(source)
-    build_dir = _build_dir(name, _key_text(source_text, headers), cflags)
+    source_text, headers, build_dir = _build_inputs(name, source, cflags)
     build_dir.mkdir(parents=True, exist_ok=True)
     # the venv's own ninja (the `ninja` requirement) when the venv is not activated
     venv_bin, path = os.path.dirname(sys.executable), os.environ.get("PATH", "")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from radixserve.tree_decode_rows import node_depths
+
 logger = logging.getLogger(__name__)
 
 
@@ -24,10 +26,7 @@ class Draft:
         return all(p == j - 1 for j, p in enumerate(self.parents))
 
     def depths(self) -> list[int]:
-        d = [0] * len(self.parents)
-        for j in range(1, len(self.parents)):
-            d[j] = d[self.parents[j]] + 1
-        return d
+        return node_depths(self.parents)
 
 
 def chain_parents(n: int) -> list[int]:
