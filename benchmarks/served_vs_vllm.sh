@@ -5,12 +5,16 @@
 #     python benchmarks/smollm2_hf.py                                 # .models/smollm2-135m-instruct
 #     benchmarks/vllm_cpu_venv.sh benchmarks/.peers/vllm-venv         # the peer (3.5 GB)
 #     benchmarks/served_vs_vllm.sh [RESULTS_MD]                        # ~15 minutes on 2 cores
+# OURS_ARGS="scheduler.chunked_prefill_size=512 ..." adds config overrides to our server; PEER=0 runs our
+# side only (a sweep of our settings: the table is printed, and appended to RESULTS_MD only when given).
 # Warm-up: each server first serves 16 requests of other random prompts (another seed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_MD=${1:-benchmarks/results/cpu-served-vs-vllm.md}
 MODEL=.models/smollm2-135m-instruct
 VLLM=benchmarks/.peers/vllm-venv/bin/python
+PEER=${PEER:-1}
+[ "$PEER" = 0 ] && [ $# -eq 0 ] && OUT_MD=""
 N=${N:-64}; IN=${IN:-200}; OUTLEN=${OUTLEN:-128}; CONC=${CONC:-16}
 PORT_OURS=18611; PORT_VLLM=18612
 TMP=$(mktemp -d)
@@ -50,15 +54,16 @@ run_server() {  # label, port, command...
   kill -INT -- -"$pid"; wait "$pid"
 }
 
-run_server radixserve "$PORT_OURS" .venv/bin/radixserve serve --model "$MODEL" --port "$PORT_OURS"
-run_server vllm "$PORT_VLLM" "$VLLM" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype float32 \
+# shellcheck disable=SC2086  # OURS_ARGS: space-separated key=value overrides
+run_server radixserve "$PORT_OURS" .venv/bin/radixserve serve --model "$MODEL" --port "$PORT_OURS" ${OURS_ARGS:-}
+[ "$PEER" = 0 ] || run_server vllm "$PORT_VLLM" "$VLLM" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype float32 \
   --port "$PORT_VLLM"
 
-python3 - "$TMP" "$OUT_MD" "$N" "$IN" "$OUTLEN" "$CONC" <<'PY'
+python3 - "$TMP" "$OUT_MD" "$N" "$IN" "$OUTLEN" "$CONC" "$PEER" "${OURS_ARGS:-}" <<'PY'
 import json, os, platform, subprocess, sys, time
-tmp, out_md, n, inp, outlen, conc = sys.argv[1:]
+tmp, out_md, n, inp, outlen, conc, peer, ours_args = sys.argv[1:]
 rows = {}
-for label in ("radixserve", "vllm"):
+for label in ("radixserve", "vllm") if peer != "0" else ("radixserve",):
     try:
         rows[label] = json.load(open(os.path.join(tmp, f"{label}.json")))
     except OSError:
@@ -69,18 +74,22 @@ cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.start
 lines = [f"\n## {time.strftime('%Y-%m-%d %H:%M')} — {n} requests x {inp} in / {outlen} out, concurrency {conc}\n",
          f"- machine: {cpu}, {os.cpu_count()} cores; load average at the end {open('/proc/loadavg').read().split()[:3]}",
          f"- commit: {commit}{'+dirty' if dirty else ''}",
-         "- command: `benchmarks/served_vs_vllm.sh` (client: vLLM's `bench serve`, random token ids, streamed /v1/completions)",
+         "- command: `" + (f"OURS_ARGS='{ours_args}' " if ours_args else "") + (f"PEER={peer} " if peer == "0" else "")
+         + "benchmarks/served_vs_vllm.sh` (client: vLLM's `bench serve`, random token ids, streamed /v1/completions)",
          "", "| server | completed | duration s | output tok/s | TTFT p50 / p99 ms | TPOT p50 ms | ITL p50 ms |", "|---|---|---|---|---|---|---|"]
 for label, r in rows.items():
     if r is None:
         lines.append(f"| {label} | failed | | | | | |"); continue
     lines.append(f"| {label} | {r['completed']} | {r['duration']:.1f} | {r['output_throughput']:.1f} | "
                  f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} | {r['median_itl_ms']:.1f} |")
-if all(rows.values()):
+if len(rows) == 2 and all(rows.values()):
     a, b = rows["radixserve"], rows["vllm"]
     lines.append(f"\nradixserve / vLLM: output tok/s {a['output_throughput'] / b['output_throughput']:.2f}x, "
                  f"TTFT p50 {a['median_ttft_ms'] / b['median_ttft_ms']:.2f}x (lower is better)")
 text = "\n".join(lines) + "\n"
+if not out_md:
+    print(text)
+    sys.exit(0)
 if not os.path.exists(out_md):
     text = "# CPU serving: RadixServe vs the vLLM-CPU server (issue 12 target)\n" + text
 open(out_md, "a").write(text)
