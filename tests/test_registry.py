@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import types
 
@@ -191,6 +192,23 @@ def test_weight_source_is_found_by_file_suffix_not_by_name(tmp_path, monkeypatch
     other.write_bytes(b"x")
     with pytest.raises(ValueError, match=r"no installed weight source reads this file type.*\.myw"):
         open_source(str(other), "auto", reg)
+
+
+def test_plugins_command_shows_which_file_suffix_each_weight_source_reads(tmp_path, monkeypatch, capsys):
+    """An outsider's weight source appeared in `radixserve plugins` as one more quantization row,
+    with no sign of the file type it claims."""
+    import argparse
+
+    from radixserve import cli
+
+    reg = _register_weight_source(tmp_path, monkeypatch)
+    monkeypatch.setattr(cli.Registry, "discover", classmethod(lambda cls, **kw: reg))
+    cli.cmd_plugins(argparse.Namespace(p=None, json=False))
+    text = capsys.readouterr().out
+    assert re.search(r"checkpoint files.*\n(.*\n)*  \.myw +myformat +radixserve-myformat", text), text
+    cli.cmd_plugins(argparse.Namespace(p=None, json=True))
+    rows = json.loads(capsys.readouterr().out)["components"]
+    assert [r["weight_file_suffixes"] for r in rows if r["name"] == "myformat"] == [[".myw"]]
 
 
 def test_weight_source_must_implement_the_role(tmp_path, monkeypatch):

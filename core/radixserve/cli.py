@@ -46,6 +46,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             "devices": list(s.devices),
             "priority": s.priority,
             "description": s.description,
+            "weight_file_suffixes": list(s.weight_file_suffixes),
         }
         for s in reg.components()
     ]
@@ -67,6 +68,12 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(f"  {c['architecture'].ljust(width)}  {c['path'].ljust(8)}  {c['distribution']}")
     if not any(c["path"] == "fallback" for c in claims):
         print(f"  (other architectures: none; pip install {FALLBACK_DISTRIBUTION} runs any AutoModelForCausalLM)")
+    sources = sorted((suffix, r["name"], r["distribution"]) for r in rows for suffix in r["weight_file_suffixes"])
+    print("\ncheckpoint files (a model.path ending so is read by that weight source; directories: safetensors):")
+    for suffix, name, dist in sources:
+        print(f"  {suffix.ljust(12)}  {name.ljust(12)}  {dist}")
+    if not sources:
+        print("  (none installed)")
     return 0
 
 
