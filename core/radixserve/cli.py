@@ -117,7 +117,25 @@ def cmd_config_show(args: argparse.Namespace) -> int:
             print(f"  policy_options: {resolved.policy_options}")
         if kind == "drafter" and resolved.drafter_options:
             print(f"  drafter_options: {resolved.drafter_options}  # speculative.options")
+    _show_output_parsers(config, reg)
     return 0
+
+
+def _show_output_parsers(config: Config, reg: Registry) -> None:
+    """The HTTP layer's parsers (server.*): named ones are checked as `serve` checks them."""
+    from radixserve.server.parser_selection import OFF, check_parser_names
+
+    check_parser_names(config, reg)
+    print("output_parsers:  # kind: component (chosen by server.<key>; used by `serve` only)")
+    for kind, key in (("tool_parser", "tool_call_parser"), ("reasoning_parser", "reasoning_parser")):
+        wanted = getattr(config.server, key)
+        if wanted is None:
+            print(f"  {kind}: null  # server.{key}: detected from the model's chat template")
+        elif wanted == OFF:
+            print(f"  {kind}: {OFF}  # server.{key}")
+        else:
+            spec = reg.get(kind, wanted)
+            print(f"  {kind}: {wanted}  # server.{key}; {spec.distribution} {spec.version}")
 
 
 # ---- commands implemented in their own modules -------------------------------------------------
