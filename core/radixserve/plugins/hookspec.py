@@ -60,7 +60,7 @@ def radixserve_stats(stats: dict[str, Any]) -> None:
     and once when the scheduler goes idle; never while it is idle. The keys are those of
     `Scheduler.stats()` (what `/metrics` and `get_stats` report: `running`, `waiting`,
     `token_usage`, `cache_hit_rate`, `generated_tokens`, `throughput`, ...). An exception is logged
-    and serving goes on. (Cores up to plugin API 1.7 before this note declared the hook without calling it.)
+    and serving goes on. (Earlier cores, also at plugin API 1.7, declared this hook but never called it.)
 
     :param stats: a fresh dict per call; read it, do not keep it.
     :return: nothing.
