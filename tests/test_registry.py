@@ -78,6 +78,17 @@ def test_incompatible_api_version_is_refused_clearly():
     assert "radixserve-old-plugin" in msg and ">=2,<3" in msg and PLUGIN_API_VERSION in msg
 
 
+def test_api_mismatch_advice_depends_on_which_side_is_behind():
+    """An outsider's plugin asking for a newer core (>=1.8 on a 1.7 core) was told to upgrade the plugin."""
+    major, minor = (int(x) for x in PLUGIN_API_VERSION.split(".")[:2])
+    cases = {f">={major}.{minor + 1},<{major + 1}": "upgrade radixserve", f">={major + 1}": "upgrade radixserve",
+             f">=0.1,<{major}.0": "upgrade the plugin", f"=={major}.{minor - 1}" if minor else "<0": "upgrade the plugin"}
+    for api, advice in cases.items():
+        with pytest.raises(PluginError) as e:
+            Registry().add_plugin_module(_module("p", api), name="p", distribution="p-dist")
+        assert advice in str(e.value) and "RADIXSERVE_DISABLE_PLUGINS=p" in str(e.value), (api, str(e.value))
+
+
 def test_missing_api_declaration_is_refused():
     with pytest.raises(PluginError, match="PLUGIN_API"):
         Registry().add_plugin_module(_module("noapi", None), name="noapi", distribution="noapi-dist")
