@@ -64,6 +64,18 @@ def test_config_show_cpu_stack():
     assert "resolved_stack:" in r.stdout and "policy: fcfs" in r.stdout and "device: cpu" in r.stdout
 
 
+def test_config_show_shows_and_checks_the_output_parsers():
+    """An outsider selecting a plugin tool parser could not see it in `config show`, and a typo
+    passed there (only `serve` refused it)."""
+    r = run_cli(["config", "show", "server.tool_call_parser=hermes", "server.reasoning_parser=none"])
+    assert r.returncode == 0, r.stderr
+    assert "tool_parser: hermes  # server.tool_call_parser; radixserve " in r.stdout
+    assert "reasoning_parser: none  # server.reasoning_parser" in r.stdout
+    r = run_cli(["config", "show", "server.tool_call_parser=hermez"])
+    assert r.returncode == 2 and "server.tool_call_parser='hermez'" in r.stderr and "hermes" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_config_show_names_bad_component_without_traceback(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text("stack:\n  prefix_cache: radixx\n")

@@ -1,6 +1,6 @@
 """The docs cannot drift from the code: docs/configuration.md documents exactly the keys of the
 `Config` model (one table row per key, walked generically so new sections and keys are caught),
-and README.md and docs/ point only to files that are in the repository."""
+and README.md and docs/ point only to files that are in the repository, and to sections that exist."""
 
 from __future__ import annotations
 
@@ -100,3 +100,42 @@ def test_readme_and_docs_point_only_to_files_in_the_repo():
         if "://" not in line[max(0, m.start() - 40) : m.start()] and not exists(m.group(1))
     ]
     assert not dangling, "references to files that are not in the repository:\n" + "\n".join(dangling)
+
+
+# a Markdown link to a section: [text](file.md#anchor) or [text](#anchor)
+_SECTION_LINK = re.compile(r"\]\(([^)\s#]*\.md)?#([^)\s]+)\)")
+
+
+def _github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but `-` and `_` dropped, spaces to `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(doc: Path) -> set[str]:
+    anchors, in_code = set(), False
+    for line in doc.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and line.startswith("#"):
+            anchors.add(_github_anchor(line.lstrip("#")))
+    return anchors
+
+
+def test_github_anchor_matches_githubs_rule():
+    assert _github_anchor(" 8. Conformance kits (`radixserve.testing`)") == "8-conformance-kits-radixservetesting"
+    assert _github_anchor("FP8 KV cache") == "fp8-kv-cache"
+
+
+def test_links_to_doc_sections_name_existing_headings():
+    # a renumbered or renamed section leaves links that open the page at its top (an outsider
+    # following plugin-authoring.md to "the conformance kits" landed on contracts.md's first line)
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    broken = [
+        f"{doc.relative_to(ROOT)}:{i}: {m.group(0)}"
+        for doc in docs
+        for i, line in enumerate(doc.read_text().splitlines(), 1)
+        for m in _SECTION_LINK.finditer(line)
+        if (target := doc.parent / m.group(1) if m.group(1) else doc).is_file()
+        and m.group(2) not in _anchors(target)
+    ]
+    assert not broken, "links to sections that do not exist:\n" + "\n".join(broken)

@@ -208,3 +208,16 @@ def test_zz_a_dead_scheduler_fails_requests_fast(engine):
     assert not engine.is_healthy()
     with pytest.raises(EngineDeadError):
         engine.generate("hello", {"max_new_tokens": 2})
+
+
+def test_the_model_argument_may_be_the_whole_model_section(tmp_path):
+    """`Engine(model=...)` takes the name `model`, so a `model=` section (tokenizer, impl, ...) could
+    not be given: an outsider serving a plugin's file format needs model.tokenizer."""
+    from radixserve.engine import engine_config
+
+    cfg = engine_config({"path": "w.rsw", "tokenizer": str(tmp_path), "impl": "native"}, None, None,
+                        {"stack": {"policy": "lpm"}})
+    assert (cfg.model.path, cfg.model.tokenizer, cfg.model.impl) == ("w.rsw", str(tmp_path), "native")
+    assert cfg.stack.policy == "lpm"
+    plain = engine_config("some/dir", None, 2, {})
+    assert plain.model.path == "some/dir" and plain.model.tokenizer is None and plain.runtime.tp_size == 2

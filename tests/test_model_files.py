@@ -127,3 +127,20 @@ def test_cli_names_the_missing_hub_id_without_a_traceback(hf_cache):
     assert done.returncode != 0
     assert "testorg/not-downloaded" in done.stderr and hf_cache in done.stderr and "HF_HUB_OFFLINE" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_model_file_that_is_not_gguf_asks_for_model_tokenizer(tmp_path):
+    """A plugin weight source reads its own file format (say `model.rsw`), but the tokenizer comes
+    from model.tokenizer: without it the error must say so (transformers said only "not a valid
+    JSON file" about the weights)."""
+    from radixserve.testing import tiny_tokenizer
+    from radixserve.tokenizer import load_tokenizer
+
+    tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    weights = tmp_path / "model.rsw"
+    weights.write_bytes(b"\xc8\x00 binary weights")
+    with pytest.raises(ValueError, match=r"model.path .*model\.rsw.* is a file.*set model.tokenizer \(serve --tokenizer\)"):
+        load_tokenizer(str(weights))
+    with pytest.raises(ValueError, match=r"model.tokenizer .* is a file"):
+        load_tokenizer(str(tmp_path / "tok"), str(weights))
+    assert load_tokenizer(str(weights), str(tmp_path / "tok")).encode("hello")

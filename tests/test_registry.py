@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import types
 
@@ -75,6 +76,17 @@ def test_incompatible_api_version_is_refused_clearly():
         reg.add_plugin_module(_module("old", ">=2,<3"), name="old", distribution="radixserve-old-plugin", version="0.3")
     msg = str(e.value)
     assert "radixserve-old-plugin" in msg and ">=2,<3" in msg and PLUGIN_API_VERSION in msg
+
+
+def test_api_mismatch_advice_depends_on_which_side_is_behind():
+    """An outsider's plugin asking for a newer core (>=1.8 on a 1.7 core) was told to upgrade the plugin."""
+    major, minor = (int(x) for x in PLUGIN_API_VERSION.split(".")[:2])
+    cases = {f">={major}.{minor + 1},<{major + 1}": "upgrade radixserve", f">={major + 1}": "upgrade radixserve",
+             f">=0.1,<{major}.0": "upgrade the plugin", f"=={major}.{minor - 1}" if minor else "<0": "upgrade the plugin"}
+    for api, advice in cases.items():
+        with pytest.raises(PluginError) as e:
+            Registry().add_plugin_module(_module("p", api), name="p", distribution="p-dist")
+        assert advice in str(e.value) and "RADIXSERVE_DISABLE_PLUGINS=p" in str(e.value), (api, str(e.value))
 
 
 def test_missing_api_declaration_is_refused():
@@ -191,6 +203,23 @@ def test_weight_source_is_found_by_file_suffix_not_by_name(tmp_path, monkeypatch
     other.write_bytes(b"x")
     with pytest.raises(ValueError, match=r"no installed weight source reads this file type.*\.myw"):
         open_source(str(other), "auto", reg)
+
+
+def test_plugins_command_shows_which_file_suffix_each_weight_source_reads(tmp_path, monkeypatch, capsys):
+    """An outsider's weight source appeared in `radixserve plugins` as one more quantization row,
+    with no sign of the file type it claims."""
+    import argparse
+
+    from radixserve import cli
+
+    reg = _register_weight_source(tmp_path, monkeypatch)
+    monkeypatch.setattr(cli.Registry, "discover", classmethod(lambda cls, **kw: reg))
+    cli.cmd_plugins(argparse.Namespace(p=None, json=False))
+    text = capsys.readouterr().out
+    assert re.search(r"checkpoint files.*\n(.*\n)*  \.myw +myformat +radixserve-myformat", text), text
+    cli.cmd_plugins(argparse.Namespace(p=None, json=True))
+    rows = json.loads(capsys.readouterr().out)["components"]
+    assert [r["weight_file_suffixes"] for r in rows if r["name"] == "myformat"] == [[".myw"]]
 
 
 def test_weight_source_must_implement_the_role(tmp_path, monkeypatch):

@@ -46,6 +46,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             "devices": list(s.devices),
             "priority": s.priority,
             "description": s.description,
+            "weight_file_suffixes": list(s.weight_file_suffixes),
         }
         for s in reg.components()
     ]
@@ -67,6 +68,12 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(f"  {c['architecture'].ljust(width)}  {c['path'].ljust(8)}  {c['distribution']}")
     if not any(c["path"] == "fallback" for c in claims):
         print(f"  (other architectures: none; pip install {FALLBACK_DISTRIBUTION} runs any AutoModelForCausalLM)")
+    sources = sorted((suffix, r["name"], r["distribution"]) for r in rows for suffix in r["weight_file_suffixes"])
+    print("\ncheckpoint files (a model.path ending so is read by that weight source; directories: safetensors):")
+    for suffix, name, dist in sources:
+        print(f"  {suffix.ljust(12)}  {name.ljust(12)}  {dist}")
+    if not sources:
+        print("  (none installed)")
     return 0
 
 
@@ -110,7 +117,25 @@ def cmd_config_show(args: argparse.Namespace) -> int:
             print(f"  policy_options: {resolved.policy_options}")
         if kind == "drafter" and resolved.drafter_options:
             print(f"  drafter_options: {resolved.drafter_options}  # speculative.options")
+    _show_output_parsers(config, reg)
     return 0
+
+
+def _show_output_parsers(config: Config, reg: Registry) -> None:
+    """The HTTP layer's parsers (server.*): named ones are checked as `serve` checks them."""
+    from radixserve.server.parser_selection import OFF, check_parser_names
+
+    check_parser_names(config, reg)
+    print("output_parsers:  # kind: component (chosen by server.<key>; used by `serve` only)")
+    for kind, key in (("tool_parser", "tool_call_parser"), ("reasoning_parser", "reasoning_parser")):
+        wanted = getattr(config.server, key)
+        if wanted is None:
+            print(f"  {kind}: null  # server.{key}: detected from the model's chat template")
+        elif wanted == OFF:
+            print(f"  {kind}: {OFF}  # server.{key}")
+        else:
+            spec = reg.get(kind, wanted)
+            print(f"  {kind}: {wanted}  # server.{key}; {spec.distribution} {spec.version}")
 
 
 # ---- commands implemented in their own modules -------------------------------------------------

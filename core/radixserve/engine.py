@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +23,28 @@ from radixserve.runtime.tokenizer_manager import GenerateInput, TokenizerManager
 from radixserve.state import SamplingParams
 
 
+def engine_config(model: str | Path | Mapping[str, Any] | None, config: str | Path | Config | None,
+                  tp_size: int | None, sections: Mapping[str, Any]) -> Config:
+    """The Config an `Engine(model, config, tp_size=, **sections)` runs (see Engine)."""
+    base = config if isinstance(config, Config) else Config.load(config)
+    overrides: dict[str, Any] = {k: dict(v) for k, v in sections.items()}
+    if tp_size is not None:  # shorthand for runtime={"tp_size": N}: spawns N ranks (docs/parallelism.md)
+        overrides.setdefault("runtime", {})["tp_size"] = tp_size
+    if isinstance(model, Mapping):  # the model section itself: path, tokenizer, impl, ...
+        overrides["model"] = dict(model)
+    elif model is not None:
+        overrides["model"] = {"path": str(model)}
+    return base.with_overrides(overrides) if overrides else base
+
+
 class Engine:
     """`Engine(model=None, config=None, **sections)`.
 
-    - `model`: HF directory or .gguf file (None: `config`'s model.path, else the embedded SmolLM2).
+    - `model`: HF directory or .gguf file (None: `config`'s model.path, else the embedded SmolLM2),
+      or the whole `model` section as a dict, e.g. `{"path": "model.rsw", "tokenizer": "tok_dir"}`.
     - `tp_size`: tensor-parallel ranks (runtime.tp_size; one process each, on this machine).
     - `config`: a YAML stack path or a `Config`; `sections` are overrides named like the YAML
-      sections (stack=..., scheduler=..., runtime=..., model=...), applied on top.
+      sections (stack=..., scheduler=..., runtime=..., plugins=...), applied on top.
     - `generate(prompt | input_ids, sampling_params)`: one request (str / list[int]) -> dict, or a batch
       (list[str] / list[list[int]]) -> list of dicts; each dict has "text", "output_ids", "meta_info"
       (see TokenizerManager). `sampling_params` is a dict of SamplingParams fields, or one per prompt;
@@ -40,15 +55,9 @@ class Engine:
     Raises `radixserve.runtime.errors.RequestError` for invalid requests.
     """
 
-    def __init__(self, model: str | None = None, config: str | Path | Config | None = None, *,
-                 tp_size: int | None = None, **sections: Any) -> None:
-        base = config if isinstance(config, Config) else Config.load(config)
-        overrides: dict[str, Any] = {k: dict(v) for k, v in sections.items()}
-        if tp_size is not None:  # shorthand for runtime={"tp_size": N}: spawns N ranks (docs/parallelism.md)
-            overrides.setdefault("runtime", {})["tp_size"] = tp_size
-        if model is not None:
-            overrides.setdefault("model", {})["path"] = str(model)
-        self.config = base.with_overrides(overrides) if overrides else base
+    def __init__(self, model: str | Path | Mapping[str, Any] | None = None, config: str | Path | Config | None = None,
+                 *, tp_size: int | None = None, **sections: Any) -> None:
+        self.config = engine_config(model, config, tp_size, sections)
         # this process's registry, from the config's plugins section; the stack is checked (in the
         # TokenizerManager) before any thread, process or file is touched
         self.registry = Registry.from_config(self.config)

@@ -19,6 +19,13 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
     path = tokenizer_path or model_path
     if os.path.isfile(path) and path.endswith(".gguf"):
         return _gguf_tokenizer(os.path.abspath(path))
+    if os.path.isfile(path):  # e.g. a plugin weight source's file: transformers would only say "not valid JSON"
+        key = "model.tokenizer" if tokenizer_path else "model.path"
+        raise ValueError(
+            f"{key} {path!r} is a file, and RadixServe reads a tokenizer only from a directory (tokenizer.json "
+            "or tokenizer_config.json) or a .gguf file: set model.tokenizer (serve --tokenizer) to the directory "
+            "of this model's tokenizer"
+        )
     return AutoTokenizer.from_pretrained(path)
 
 

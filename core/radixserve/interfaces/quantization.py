@@ -154,6 +154,11 @@ class WeightSource(abc.ABC):
     Options: `model.weight_source_options` are passed to the constructor as keyword arguments
     (unknown names are a start-up error listing the constructor's). Added in plugin API 1.4.
 
+    The tokenizer is not the weight source's: the core reads it from `model.tokenizer` (serve
+    `--tokenizer`), a directory with `tokenizer.json` / `tokenizer_config.json`; only `.gguf` files
+    have one built in. Users of another file format set `model.tokenizer` (without it the start-up
+    error says so).
+
     The core never calls a weight source by its name; two installed components declaring the same
     suffix resolve like any other conflict (the first by priority, then name).
 

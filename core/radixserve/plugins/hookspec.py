@@ -55,6 +55,13 @@ def radixserve_add_routes(app: Any, context: Any) -> None:
 def radixserve_stats(stats: dict[str, Any]) -> None:
     """Receive the scheduler's periodic stats (running/waiting counts, token usage, hit rate).
 
+    Called in the scheduler process (rank 0) after a step, at most every
+    `radixserve.runtime.scheduler_process.STATS_HOOK_INTERVAL_S` seconds (5) while requests run,
+    and once when the scheduler goes idle; never while it is idle. The keys are those of
+    `Scheduler.stats()` (what `/metrics` and `get_stats` report: `running`, `waiting`,
+    `token_usage`, `cache_hit_rate`, `generated_tokens`, `throughput`, ...). An exception is logged
+    and serving goes on. (Earlier cores, also at plugin API 1.7, declared this hook but never called it.)
+
     :param stats: a fresh dict per call; read it, do not keep it.
     :return: nothing.
     Restrictions: runs in the scheduler process between steps; must return within a millisecond

@@ -125,11 +125,23 @@ def _check_api(plugin: PluginInfo) -> None:
     except InvalidSpecifier as e:
         raise PluginError(f"plugin {plugin.name!r} ({plugin.distribution}) has an invalid PLUGIN_API {plugin.api!r}: {e}") from None
     if Version(PLUGIN_API_VERSION) not in spec:
+        # which side is behind decides the advice: a plugin asking for a newer core cannot be fixed
+        # by upgrading the plugin
+        fix = ("upgrade radixserve (this plugin needs a newer core), or install a release of the plugin built for "
+               f"plugin API {PLUGIN_API_VERSION}") if _admits_newer_api(spec) else "upgrade the plugin"
         raise PluginError(
             f"plugin {plugin.name!r} from {plugin.distribution} {plugin.version} was built for RadixServe plugin API "
             f"{plugin.api}, but this core (radixserve) offers plugin API {PLUGIN_API_VERSION}; "
-            f"upgrade the plugin or disable it with {DENY_ENV}={plugin.name}"
+            f"{fix}, or disable it with {DENY_ENV}={plugin.name}"
         )
+
+
+def _admits_newer_api(spec: SpecifierSet) -> bool:
+    """Whether `spec` accepts some plugin-API version above the core's (probing the next minors and majors)."""
+    major, minor = (int(x) for x in PLUGIN_API_VERSION.split(".")[:2])
+    later = [f"{major}.{m}" for m in range(minor + 1, minor + 100)]
+    later += [f"{M}.{m}" for M in range(major + 1, major + 5) for m in range(100)]
+    return any(Version(v) in spec for v in later)
 
 
 def _split_env(name: str) -> set[str]:

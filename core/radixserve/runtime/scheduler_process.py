@@ -27,6 +27,35 @@ from radixserve.runtime.messages import (
 
 logger = logging.getLogger(__name__)
 
+STATS_HOOK_INTERVAL_S = 5.0  # how often plugins' radixserve_stats hooks get Scheduler.stats() while busy
+
+
+class StatsHookReporter:
+    """Hands `Scheduler.stats()` to the plugins' `radixserve_stats` hooks between steps: at most once
+    per `interval_s` while the scheduler works, and once more when it goes idle (so the last
+    counters arrive). `hook` is `registry.hook.radixserve_stats`, or None when no plugin implements
+    it (then nothing is computed). A hook that raises is logged; serving goes on."""
+
+    def __init__(self, hook: Any, interval_s: float = STATS_HOOK_INTERVAL_S, clock=time.monotonic) -> None:
+        self.hook, self.interval_s, self.clock = hook, interval_s, clock
+        self.next_due = clock()
+
+    @classmethod
+    def for_registry(cls, registry: Any, **kwargs: Any) -> StatsHookReporter:
+        hook = registry.hook.radixserve_stats
+        return cls(hook if hook.get_hookimpls() else None, **kwargs)
+
+    def after_step(self, scheduler: Any) -> None:
+        if self.hook is None:
+            return
+        now = self.clock()
+        if now >= self.next_due or not scheduler.has_work():
+            self.next_due = now + self.interval_s
+            try:
+                self.hook(stats=scheduler.stats())
+            except Exception:
+                logger.exception("a plugin's radixserve_stats hook failed (serving goes on)")
+
 
 class SchedulerServer:
     """Owns the sockets; `serve_forever` alternates draining messages and `Scheduler.step()`.
@@ -34,10 +63,11 @@ class SchedulerServer:
     Idle means blocked in `recv` (no spinning); busy means polling the socket without waiting
     between forwards so new requests join the next batch."""
 
-    def __init__(self, scheduler: Any, ports: PortArgs) -> None:
+    def __init__(self, scheduler: Any, ports: PortArgs, stats_reporter: StatsHookReporter | None = None) -> None:
         import zmq
 
         self.scheduler = scheduler
+        self.stats_reporter = stats_reporter or StatsHookReporter(None)
         self.zmq = zmq
         self.ctx = zmq.Context(1)
         self.recv = self.ctx.socket(zmq.PULL)
@@ -105,6 +135,7 @@ class SchedulerServer:
             outs = self.scheduler.step()
             if outs:
                 self.to_detok.send(self.enc.encode(BatchTokenOut(outs)))
+            self.stats_reporter.after_step(self.scheduler)
         self.close()
 
     def close(self) -> None:
@@ -193,7 +224,7 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int, d
         runner.warmup()  # before "ready": the first requests must not pay for kernel compilation
         logger.info("warm-up done in %.1f s", time.perf_counter() - warmup_start)
         scheduler = Scheduler.from_config(config, runner, registry)
-        server = SchedulerServer(scheduler, ports)
+        server = SchedulerServer(scheduler, ports, StatsHookReporter.for_registry(registry))
     except Exception as e:
         ctx = zmq.Context(1)
         sock = ctx.socket(zmq.PUSH)
