@@ -96,3 +96,13 @@ def test_overlap_defaults_on_for_cuda_off_for_cpu_and_can_be_forced():
     assert rt.resolved_overlap("cuda") and rt.resolved_overlap("cuda:0") and not rt.resolved_overlap("cpu")
     assert Config.build({"runtime": {"overlap": True}}).runtime.resolved_overlap("cpu")
     assert not Config.build({"runtime": {"overlap": False}}).runtime.resolved_overlap("cuda")
+
+
+def test_prefill_chunking_and_mixed_batches_default_per_device_and_can_be_forced():
+    sc = Config.build({}).scheduler
+    assert sc.resolved_chunked_prefill_size("cpu") == 512 and sc.resolved_chunked_prefill_size("cuda:0") == 2048
+    assert sc.resolved_enable_mixed_chunk("cpu") and not sc.resolved_enable_mixed_chunk("cuda")
+    forced = Config.build({"scheduler": {"chunked_prefill_size": 2048, "enable_mixed_chunk": False}}).scheduler
+    assert forced.resolved_chunked_prefill_size("cpu") == 2048 and not forced.resolved_enable_mixed_chunk("cpu")
+    off = Config.build({"scheduler": {"chunked_prefill_size": -1, "enable_mixed_chunk": True}}).scheduler
+    assert off.resolved_chunked_prefill_size("cuda") is None and off.resolved_enable_mixed_chunk("cuda")

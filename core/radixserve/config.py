@@ -69,20 +69,44 @@ class SpeculativeSection(_Section):
     min_accepted_drafts: float = Field(default=0.5, ge=0)  # mean accepted drafts per verify
 
 
+CPU_CHUNKED_PREFILL_SIZE = 512  # scheduler.chunked_prefill_size's default on the CPU
+
+
 class SchedulerSection(_Section):
-    chunked_prefill_size: int = Field(default=2048, ge=-1)  # -1 or 0: off
+    # prompt tokens per prefill chunk; -1 or 0: off; None: CPU_CHUNKED_PREFILL_SIZE on the CPU, else 2048
+    chunked_prefill_size: int | None = Field(default=None, ge=-1)
     max_prefill_tokens: int = Field(default=16384, gt=0)  # new-token budget of one prefill batch
     max_running_requests: int = Field(default=256, gt=0)
     max_total_tokens: int | None = Field(default=None, gt=0)  # KV pool size in tokens; None: from memory
     mem_fraction: float = Field(default=0.85, gt=0, le=1)  # GPU: fraction of memory for weights + KV
     cpu_kv_cache_gb: float = Field(default=2.0, gt=0)  # CPU: KV pool byte budget
-    enable_mixed_chunk: bool = False  # run decodes inside prefill batches
+    # run decodes inside prefill batches; None: on for the CPU, off for CUDA (see resolved_enable_mixed_chunk)
+    enable_mixed_chunk: bool | None = None
     # hold back a waiting request for one step when it shares at least this many not-yet-cached
     # prompt tokens with a request admitted in the same batch: next step it reads them from the
     # prefix cache instead of computing them again (0: off)
     in_batch_prefix_threshold: int = Field(default=16, ge=0)
     schedule_conservativeness: float = Field(default=1.0, gt=0)
     stream_interval: int = Field(default=1, ge=1)  # send streamed tokens every N steps
+
+    def resolved_chunked_prefill_size(self, device: str) -> int | None:
+        """Prompt tokens per prefill chunk on `device`, None when chunking is off. The CPU default is
+        smaller: a CPU prefill is compute-bound at a few thousand tokens a second, so a 2048-token
+        chunk holds every request that arrives meanwhile for seconds before its own prefill starts
+        (benchmarks/results/cpu-served-vs-vllm.md, session 9)."""
+        size = self.chunked_prefill_size
+        if size is None:
+            size = CPU_CHUNKED_PREFILL_SIZE if device.startswith("cpu") else 2048
+        return size if size > 0 else None
+
+    def resolved_enable_mixed_chunk(self, device: str) -> bool:
+        """Whether decode rows ride in prefill batches on `device`. On the CPU they cost about one
+        prompt token each inside a prefill step and so keep decoding while prompts are prefilled; on
+        CUDA the mixed batch's decode rows go through the extend kernel, which reads the KV far less
+        efficiently than the decode kernel (session 4: offline 25.2k vs 29.4k tok/s), so it is off."""
+        if self.enable_mixed_chunk is not None:
+            return self.enable_mixed_chunk
+        return device.startswith("cpu")
 
 
 class RuntimeSection(_Section):

@@ -250,10 +250,11 @@ class Scheduler:
         self.context_len = int(runner.context_len)
         self.eos_token_ids = frozenset(getattr(runner, "eos_token_ids", ()) or ())
         self.limits = ModelLimits(vocab_size=int(getattr(runner, "vocab_size", 0) or 0), context_len=self.context_len)
-        self.chunk_size = sc.chunked_prefill_size if sc.chunked_prefill_size > 0 else None
+        device = str(getattr(runner, "device", "cpu"))
+        self.chunk_size = sc.resolved_chunked_prefill_size(device)
         self.max_prefill_tokens = sc.max_prefill_tokens
         self.max_running = min(sc.max_running_requests, self.req_to_token_pool.size)
-        self.enable_mixed = sc.enable_mixed_chunk
+        self.enable_mixed = sc.resolved_enable_mixed_chunk(device)
         self.in_batch_prefix = sc.in_batch_prefix_threshold if cache.shares_prefixes else 0
         self.stream_interval = sc.stream_interval
         cons = sc.schedule_conservativeness
@@ -271,7 +272,7 @@ class Scheduler:
         self._outbox: list[ReqTokenOut] = []
         self._arrivals = 0
         self._evicted = False  # set by _alloc_slots when it evicted from the cache
-        self.overlap = config.runtime.resolved_overlap(str(getattr(runner, "device", "cpu")))
+        self.overlap = config.runtime.resolved_overlap(device)
         # speculative decoding (docs/speculative.md): a verify step replaces the plain decode step
         self.drafter = drafter
         spec = config.speculative
