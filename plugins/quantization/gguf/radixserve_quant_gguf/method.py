@@ -15,6 +15,7 @@ Reading the file is the WeightSource contract: `hf_config(path)`, `num_tensors(p
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -144,7 +145,7 @@ class GGUFMethod(UnquantizedMethod, WeightSource):
     def _decide(self, tp_size: int) -> bool:
         """Whether the layers keep the blocks; logs the path taken (one line). Raises ValueError
         naming why when `dequantize=False` asked for blocks that cannot stay."""
-        name = self.path.rsplit("/", 1)[-1]
+        name = os.path.basename(self.path) if self.path else "(no file read)"
         if self.dequantize:
             logger.info("GGUF %s: dequantized to fp32 at load (weight_source_options dequantize: true)", name)
             return False
@@ -168,6 +169,8 @@ class GGUFMethod(UnquantizedMethod, WeightSource):
             return f"the block kernels run on the CPU (device is {device.type})", None
         if tp_size > 1:
             return f"tensor parallelism (tp_size {tp_size}) needs float weights", None
+        if self.path is None:  # built as a plain QuantMethod (no hf_config call): no blocks to keep
+            return "no GGUF file was read", None
         linears = [t for t in open_gguf(self.path).tensors if t.name.endswith(LINEAR_SUFFIXES)]
         if not linears:
             return "the file has no decoder linear tensors the kernels know", None
