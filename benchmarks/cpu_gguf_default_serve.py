@@ -7,7 +7,7 @@ interleaved round by round in one run (the machine is shared: compare within a r
   the whole tree, 2 s after health;
 - batch-1 greedy generation: /generate of each prompt alone (after one warm-up request),
   `--new-tokens` tokens (EOS ignored), end-to-end tokens / wall second (prefill included), and
-  the tree's CPU seconds over those requests.
+  the CPU seconds over those requests of the tree and of the scheduler process alone.
 
     python benchmarks/cpu_gguf_default_serve.py [--rounds 2] [--new-tokens 32] [serve overrides...]
 
@@ -106,13 +106,14 @@ def one_server(side: str, args, overrides: list[str]) -> dict:
         httpx.post(f"{url}/generate", json={"text": "Hello", "sampling_params": {**params, "max_new_tokens": 4}},
                    timeout=600).raise_for_status()
         pids = tree(proc.pid)
-        c0, w0, n, texts = cpu_s(pids), time.perf_counter(), 0, []
+        sched = max(pids, key=lambda p: sum(rss_mb([p])))  # the scheduler process: it holds the model
+        c0, s0, w0, n, texts = cpu_s(pids), cpu_s([sched]), time.perf_counter(), 0, []
         for prompt in PROMPTS:
             r = httpx.post(f"{url}/generate", json={"text": prompt, "sampling_params": params}, timeout=600)
             r.raise_for_status()
             n += r.json()["meta_info"]["completion_tokens"]
             texts.append(r.json()["text"])
-        gen_wall, gen_cpu = time.perf_counter() - w0, cpu_s(pids) - c0
+        gen_wall, gen_cpu, gen_sched_cpu = time.perf_counter() - w0, cpu_s(pids) - c0, cpu_s([sched]) - s0
         with open(log.name) as f:
             path_line = next((line.strip() for line in f if "GGUF " in line and ".gguf:" in line), "")
     finally:
@@ -128,6 +129,7 @@ def one_server(side: str, args, overrides: list[str]) -> dict:
     return {"side": side, "startup_wall_s": round(startup_wall, 2), "startup_cpu_s": round(startup_cpu, 2),
             "idle_rss_scheduler_mb": round(max(idle)), "idle_rss_tree_mb": round(sum(idle)),
             "gen_tokens": n, "gen_wall_s": round(gen_wall, 2), "gen_cpu_s": round(gen_cpu, 2),
+            "gen_cpu_scheduler_s": round(gen_sched_cpu, 2),
             "gen_tok_s": round(n / gen_wall, 1), "load_avg_1m": round(os.getloadavg()[0], 1),
             "path_log": path_line[path_line.find("GGUF "):], "texts": texts}
 
@@ -147,7 +149,7 @@ def main() -> int:
         mine = [r for r in rows if r["side"] == side]
         summary[side] = {k: statistics.median(r[k] for r in mine) for k in
                          ("startup_wall_s", "startup_cpu_s", "idle_rss_scheduler_mb", "idle_rss_tree_mb",
-                          "gen_tok_s", "gen_cpu_s")}
+                          "gen_tok_s", "gen_cpu_s", "gen_cpu_scheduler_s")}
     first = {side: next(r["texts"] for r in rows if r["side"] == side) for side in SIDES}
     summary["same_texts"] = sum(a == b for a, b in zip(*first.values(), strict=True))
     print(json.dumps({"summary": summary}), flush=True)
