@@ -3,8 +3,8 @@ path (kept blocks) vs `model.weight_source_options={dequantize: true}` (fp32 at 
 interleaved round by round in one run (the machine is shared: compare within a run only):
 - start-up: wall seconds from the process start to GET /health 200, and the CPU seconds the
   server's processes used by then (user + system of the live process tree);
-- idle memory: VmRSS of the scheduler process (the largest of the tree: it holds the model) and of
-  the whole tree, 2 s after health;
+- idle memory: VmRSS of the scheduler process (it holds the model: the process that uses the
+  most CPU over the generation) and of the whole tree, 2 s after health;
 - batch-1 greedy generation: /generate of each prompt alone (after one warm-up request),
   `--new-tokens` tokens (EOS ignored), end-to-end tokens / wall second (prefill included), and
   the CPU seconds over those requests of the tree and of the scheduler process alone.
@@ -70,12 +70,12 @@ def cpu_s(pids: list[int]) -> float:
     return total / TICK
 
 
-def rss_mb(pids: list[int]) -> list[float]:
-    out = []
+def rss_mb(pids: list[int]) -> dict[int, float]:
+    out = {}
     for p in pids:
         try:
             with open(f"/proc/{p}/status") as f:
-                out.append(next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024)
+                out[p] = next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
         except (OSError, StopIteration):
             continue
     return out
@@ -106,14 +106,17 @@ def one_server(side: str, args, overrides: list[str]) -> dict:
         httpx.post(f"{url}/generate", json={"text": "Hello", "sampling_params": {**params, "max_new_tokens": 4}},
                    timeout=600).raise_for_status()
         pids = tree(proc.pid)
-        sched = max(pids, key=lambda p: sum(rss_mb([p])))  # the scheduler process: it holds the model
-        c0, s0, w0, n, texts = cpu_s(pids), cpu_s([sched]), time.perf_counter(), 0, []
+        per_pid = {p: cpu_s([p]) for p in pids}
+        c0, w0, n, texts = cpu_s(pids), time.perf_counter(), 0, []
         for prompt in PROMPTS:
             r = httpx.post(f"{url}/generate", json={"text": prompt, "sampling_params": params}, timeout=600)
             r.raise_for_status()
             n += r.json()["meta_info"]["completion_tokens"]
             texts.append(r.json()["text"])
-        gen_wall, gen_cpu, gen_sched_cpu = time.perf_counter() - w0, cpu_s(pids) - c0, cpu_s([sched]) - s0
+        gen_wall, gen_cpu = time.perf_counter() - w0, cpu_s(pids) - c0
+        # the scheduler process runs the model: the one that used the most CPU over the generation
+        sched = max(pids, key=lambda p: cpu_s([p]) - per_pid[p])
+        gen_sched_cpu = cpu_s([sched]) - per_pid[sched]
         with open(log.name) as f:
             path_line = next((line.strip() for line in f if "GGUF " in line and ".gguf:" in line), "")
     finally:
@@ -127,7 +130,8 @@ def one_server(side: str, args, overrides: list[str]) -> dict:
         log.close()
     os.unlink(log.name)
     return {"side": side, "startup_wall_s": round(startup_wall, 2), "startup_cpu_s": round(startup_cpu, 2),
-            "idle_rss_scheduler_mb": round(max(idle)), "idle_rss_tree_mb": round(sum(idle)),
+            "idle_rss_scheduler_mb": round(idle.get(sched, 0)), "idle_rss_tree_mb": round(sum(idle.values())),
+            "idle_rss_each_mb": sorted((round(v) for v in idle.values()), reverse=True),
             "gen_tokens": n, "gen_wall_s": round(gen_wall, 2), "gen_cpu_s": round(gen_cpu, 2),
             "gen_cpu_scheduler_s": round(gen_sched_cpu, 2),
             "gen_tok_s": round(n / gen_wall, 1), "load_avg_1m": round(os.getloadavg()[0], 1),
