@@ -227,6 +227,15 @@ def test_default_dequantizes_under_tensor_parallelism_and_says_why(smollm2_gguf_
     assert "dequantized to fp32 at load: tensor parallelism (tp_size 2)" in caplog.text
 
 
+def test_default_dequantizes_without_the_native_kernels(smollm2_gguf_path, caplog, monkeypatch):
+    monkeypatch.setattr(kernels, "load", lambda: None)  # no compiler, or RADIXSERVE_NATIVE=0
+    method = GGUFMethod()
+    method.hf_config(smollm2_gguf_path)
+    with caplog.at_level(logging.INFO, logger="radixserve_quant_gguf.method"):
+        assert method._decide(tp_size=1) is False
+    assert "dequantized to fp32 at load: the native block kernels could not be built here" in caplog.text
+
+
 def _tiny_gguf_model(tiny_llama_dir, tmp_path, qtypes, options, caplog):
     """The model a runner loads from a tiny Llama GGUF whose 2-D tensors (but the F16 embedding)
     are `qtypes` in turn, and the plugin's log of the path it took."""
