@@ -29,7 +29,9 @@ def bench_radixserve(path: str, prompts: list[str], new_tokens: int) -> dict:
     from radixserve.tokenizer import apply_chat_template
 
     t0 = time.perf_counter()
-    cfg = Config.build({"model": {"path": path}, "runtime": {"device": "cpu", "dtype": "float32"},
+    # dequantized at load: the fp32 model transformers builds from the file (kept blocks: cpu_gguf_quantized.py)
+    cfg = Config.build({"model": {"path": path, "weight_source_options": {"dequantize": True}},
+                        "runtime": {"device": "cpu", "dtype": "float32"},
                         "scheduler": {"max_total_tokens": 4096, "max_running_requests": 4}})
     runner = ModelRunner(cfg, show_progress=False)
     t_model = time.perf_counter() - t0

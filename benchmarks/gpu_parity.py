@@ -43,8 +43,9 @@ def build_tiny(arch: str, out: str, **extra) -> str:
 def compare(name: str, path: str, prompts: list[list[int]], new_tokens: int, args, hf_path=None, hf_kwargs=None) -> bool:
     from transformers import AutoModelForCausalLM
 
+    options = {"dequantize": True} if path.endswith(".gguf") else {}  # the fp32 weights transformers reads
     cfg = Config.build({
-        "model": {"path": path},
+        "model": {"path": path, "weight_source_options": options},
         "runtime": {"device": args.device, "dtype": args.dtype, "cuda_graph": not args.disable_cuda_graph},
         "stack": {"attention": args.attention},
         "scheduler": {"max_total_tokens": 8192, "max_running_requests": 16},

@@ -92,7 +92,7 @@ KERNELS: dict[str, Callable[[], None]] = {
     "radixserve_cpu_greedy_head": _cpu_greedy_head,
     "radixserve_cpu_attention": _cpu_attention,
     "radixserve_sample_rows": _sample_rows,  # the CPU sampler's fused draw (tests/test_sampler.py)
-    "radixserve_gguf_blocks": _gguf_blocks,  # tests of GGUF kept blocks (dequantize: false)
+    "radixserve_gguf_blocks": _gguf_blocks,  # GGUF kept blocks (the CPU default for Q4_0/Q4_1/Q8_0 files)
 }
 if _cpu_has_avx512():  # tests/test_native_cpu_kernels.py also runs the AVX2 GEMM of AVX2-only CPUs
     KERNELS["radixserve_cpu_gemm_avx2"] = _cpu_gemm_avx2

@@ -3,6 +3,7 @@ kits third-party plugins run. Component-specific behaviour stays in each compone
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -147,4 +148,5 @@ def test_gguf_method(registry, qtype):
         reference = torch.from_numpy(gguf.quants.dequantize(raw, kind)).reshape(w.shape)
         return {"weight": read}, reference
 
-    check_quant_method(registry.load("quantization", "gguf"), quantize, unit=16)
+    # the dequantized path (the layers hold floats; kept blocks: tests/test_gguf_kept_quantized.py)
+    check_quant_method(functools.partial(registry.load("quantization", "gguf"), dequantize=True), quantize, unit=16)

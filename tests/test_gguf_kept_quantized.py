@@ -1,8 +1,12 @@
 """GGUF blocks kept quantized on the CPU (radixserve-quant-gguf's kernels.py / csrc/gguf_blocks.cpp):
 the block formats against the `gguf` package's dequantize, the int8 kernels against fp32 math,
-the option that picks the path, and SmolLM2 served kept-quantized vs dequantized at load."""
+the option that picks the path (kept by default on the CPU, dequantized with the reason logged where
+blocks cannot stay), and SmolLM2 served kept-quantized vs dequantized at load."""
 
 from __future__ import annotations
+
+import logging
+import re
 
 import numpy as np
 import pytest
@@ -22,6 +26,7 @@ from radixserve.tokenizer import apply_chat_template
 from radixserve_quant_gguf import fast_layer, kernels
 from radixserve_quant_gguf.method import GGUFMethod
 from runner_driver import greedy_generate
+from test_model_parity import _write_tiny_gguf
 from test_speculative_model import TableDrafter
 
 TYPES = ("Q4_0", "Q4_1", "Q8_0")
@@ -100,7 +105,7 @@ def test_bad_shapes_are_clear_errors():
 
 
 def test_option_validation(smollm2_gguf_path, tmp_path):
-    with pytest.raises(ValueError, match="dequantize must be true or false, got 'yes'"):
+    with pytest.raises(ValueError, match="dequantize must be true, false or unset, got 'yes'"):
         GGUFMethod(dequantize="yes")
     from radixserve.model_loader.sources import open_source
     from radixserve.plugins import Registry
@@ -147,7 +152,7 @@ def test_gguf_config_is_transformers_config_without_transformers(smollm2_gguf_pa
         from radixserve.config import Config
         from radixserve.model_runner import ModelRunner
         from radixserve.static_batch import run_static_batch
-        cfg = Config.build({{"model": {{"path": {smollm2_gguf_path!r}, "weight_source_options": {{"dequantize": False}}}},
+        cfg = Config.build({{"model": {{"path": {smollm2_gguf_path!r}}},
                             "runtime": {{"device": "cpu"}}, "scheduler": {{"max_total_tokens": 256}}}})
         runner = ModelRunner(cfg, show_progress=False)
         run_static_batch(runner, [[1, 2, 3], [4, 5]], max_new_tokens=2)
@@ -178,11 +183,11 @@ def _param_bytes(model) -> int:
 
 @pytest.fixture(scope="module")
 def smollm2_pair(smollm2_gguf_path):
-    return _runner(smollm2_gguf_path, False), _runner(smollm2_gguf_path, None)
+    return _runner(smollm2_gguf_path, None), _runner(smollm2_gguf_path, True)
 
 
-def test_smollm2_kept_on_request_dequantized_by_default(smollm2_pair):
-    kept, deq = smollm2_pair  # dequantize=false, and the default (no option)
+def test_smollm2_kept_by_default_dequantized_on_request(smollm2_pair):
+    kept, deq = smollm2_pair  # the default (no option), and dequantize=true
     m = kept.model
     assert type(m.model.embed_tokens).__name__ == "BlockEmbedding" and m.model.embed_tokens.weight.dtype == torch.uint8
     assert m.lm_head.weight is m.model.embed_tokens.weight  # tied: the head reads the Q8_0 table
@@ -212,6 +217,58 @@ def test_dequantize_false_refused_where_blocks_cannot_stay(smollm2_gguf_path, mo
     method.hf_config(smollm2_gguf_path)
     with pytest.raises(ValueError, match="dequantize=false: cannot keep .* tensor parallelism"):
         method._decide(tp_size=2)
+
+
+def test_default_dequantizes_under_tensor_parallelism_and_says_why(smollm2_gguf_path, caplog):
+    method = GGUFMethod()
+    method.hf_config(smollm2_gguf_path)
+    with caplog.at_level(logging.INFO, logger="radixserve_quant_gguf.method"):
+        assert method._decide(tp_size=2) is False
+    assert "dequantized to fp32 at load: tensor parallelism (tp_size 2)" in caplog.text
+
+
+def test_default_dequantizes_without_the_native_kernels(smollm2_gguf_path, caplog, monkeypatch):
+    monkeypatch.setattr(kernels, "load", lambda: None)  # no compiler, or RADIXSERVE_NATIVE=0
+    method = GGUFMethod()
+    method.hf_config(smollm2_gguf_path)
+    with caplog.at_level(logging.INFO, logger="radixserve_quant_gguf.method"):
+        assert method._decide(tp_size=1) is False
+    assert "dequantized to fp32 at load: the native block kernels could not be built here" in caplog.text
+
+
+def _tiny_gguf_model(tiny_llama_dir, tmp_path, qtypes, options, caplog):
+    """The model a runner loads from a tiny Llama GGUF whose 2-D tensors (but the F16 embedding)
+    are `qtypes` in turn, and the plugin's log of the path it took."""
+    path = str(tmp_path / f"tiny-{'-'.join(qtypes)}.gguf")
+    _write_tiny_gguf(tiny_llama_dir("llama", tie_word_embeddings=False), path, qtypes)
+    with caplog.at_level(logging.INFO, logger="radixserve_quant_gguf.method"):
+        model = _runner(path, options).model
+    return model, [r.getMessage() for r in caplog.records if r.name == "radixserve_quant_gguf.method"]
+
+
+@pytest.mark.parametrize(("qtypes", "why"), [
+    (("Q4_1",), None),
+    (("Q8_0", "Q4_1", "Q4_0"), r"the linears mix block types \(blk\.\d\.\w+\.weight is Q4_0, .* is Q4_1, .* is Q8_0\)"),
+    (("F16",), r"blk\.0\.ffn_down\.weight is F16; the kernels keep files whose linears are all one of Q4_0, Q4_1, Q8_0"),
+], ids=["Q4_1", "mixed", "F16"])
+def test_default_keeps_one_kept_type_else_dequantizes_naming_why(tiny_llama_dir, tmp_path, caplog, qtypes, why):
+    model, log = _tiny_gguf_model(tiny_llama_dir, tmp_path, qtypes, None, caplog)
+    weight = model.model.layers[0].mlp.gate_up_proj.weight
+    assert len(log) == 1, log  # one line says which path
+    if why is None:
+        assert weight.dtype == torch.uint8 and model.lm_head.weight.dtype == torch.uint8  # the file's own head
+        assert "Q4_1 weights kept quantized" in log[0] and "dequantize: true" in log[0]
+    else:
+        assert weight.dtype == torch.float32
+        assert re.search("dequantized to fp32 at load: " + why, log[0]), log[0]
+        with pytest.raises(ValueError, match="dequantize=false: cannot keep .*" + why):
+            _runner(str(tmp_path / f"tiny-{'-'.join(qtypes)}.gguf"), False)
+
+
+def test_dequantize_true_gives_fp32_on_a_file_kept_by_default(tiny_llama_dir, tmp_path, caplog):
+    model, log = _tiny_gguf_model(tiny_llama_dir, tmp_path, ("Q4_1",), True, caplog)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert log == ["GGUF tiny-Q4_1.gguf: dequantized to fp32 at load (weight_source_options dequantize: true)"]
 
 
 def _scheduled(runner, prompts, n_new, table=None):

@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM
 NEW_TOKENS = 32
 PROMPT_LENS = (5, 13, 2, 21)
 
-def make_runner(path: str, **scheduler) -> ModelRunner:
+def make_runner(path: str, weight_source_options: dict | None = None, **scheduler) -> ModelRunner:
     cfg = Config.build({
-        "model": {"path": path},
+        "model": {"path": path, "weight_source_options": weight_source_options or {}},
         "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},  # no OpenMP oversubscription
         "scheduler": {"max_total_tokens": 2048, "max_running_requests": 8, **scheduler},
     })
@@ -68,9 +68,10 @@ def test_dummy_weights_build_at_real_shape(tiny_llama_dir):
     assert len(out[0].tokens) == 4 and all(0 <= t < runner.vocab_size for t in out[0].tokens)
 
 
-def _write_tiny_gguf(hf_dir: str, out: str) -> None:
+def _write_tiny_gguf(hf_dir: str, out: str, qtypes: tuple[str, ...] = ("Q8_0", "Q4_1", "Q4_0")) -> None:
     """Convert a tiny HF Llama checkpoint to GGUF the way llama.cpp does (q/k rows permuted,
-    mixed quantization types), so the GGUF path can be checked without a big file."""
+    the 2-D tensors but the F16 embedding in `qtypes` in turn: mixed by default), so the GGUF path
+    can be checked without a big file."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -99,7 +100,7 @@ def _write_tiny_gguf(hf_dir: str, out: str) -> None:
              "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
              "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
              "mlp.down_proj.weight": "ffn_down.weight"}
-    qtypes = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_0]
+    qtypes = [gguf.GGMLQuantizationType[q] for q in qtypes]
     for i, (name, t) in enumerate(sorted(load_file(f"{hf_dir}/model.safetensors").items())):
         x = t.float().numpy()
         if name in names:
@@ -132,7 +133,7 @@ def test_gguf_matches_transformers(tiny_llama_dir, tmp_path):
     """A llama.cpp-layout GGUF (F16/F32/Q8_0/Q4_0/Q4_1) loads to the same model transformers builds from it."""
     path = str(tmp_path / "tiny.gguf")
     _write_tiny_gguf(tiny_llama_dir("llama", tie_word_embeddings=False), path)
-    runner = make_runner(path)
+    runner = make_runner(path, {"dequantize": True})  # the fp32 path transformers computes
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32).eval()
     for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size",
                 "tie_word_embeddings"):

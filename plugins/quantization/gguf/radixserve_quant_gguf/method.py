@@ -1,12 +1,13 @@
 """The "gguf" quantization component: a weight source (declared for ".gguf" files) that either
 keeps the file's blocks or dequantizes them at load.
 
-Kept quantized (opt-in, `dequantize=False`; CPU, every decoder linear of the file Q4_0, Q4_1 or
-Q8_0): each linear holds its tensor's blocks unchanged (uint8 [out, in / 32 * block bytes]) and
-computes with the native int8 kernels (kernels.py); a Q4_0/Q4_1/Q8_0 token embedding stays in
-blocks too (rows dequantized on lookup), and the LM head, tied or the file's own `output.weight`,
-computes with the same kernel. Dequantized (the default): plain fp32 weights, as transformers
-loads the file.
+Kept quantized (the CPU default, as in llama.cpp; CPU, every decoder linear of the file one of
+Q4_0, Q4_1, Q8_0, tp_size 1, native kernels built): each linear holds its tensor's blocks
+unchanged (uint8 [out, in / 32 * block bytes]) and computes with the native int8 kernels
+(kernels.py); a Q4_0/Q4_1/Q8_0 token embedding stays in blocks too (rows dequantized on lookup),
+and the LM head, tied or the file's own `output.weight`, computes with the same kernel.
+Dequantized (everywhere else, or asked for with `dequantize=True`): plain fp32 weights, as
+transformers loads the file.
 
 Reading the file is the WeightSource contract: `hf_config(path)`, `num_tensors(path)`,
 `iter_weights(path, hf_config)`, `prepare_model(model)`."""
@@ -14,6 +15,7 @@ Reading the file is the WeightSource contract: `hf_config(path)`, `num_tensors(p
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -33,16 +35,17 @@ logger = logging.getLogger(__name__)
 
 
 class GGUFMethod(UnquantizedMethod, WeightSource):
-    """Options (`model.weight_source_options`): `dequantize` — True (default): dequantize to fp32 at
-    load (parity with transformers); False: keep the file's blocks (CPU, every decoder linear
-    Q4_0/Q4_1/Q8_0, native kernels built, tp_size 1: ~4x less model memory, about 2x faster batch-1
-    decode, batches and prefill a little faster; benchmarks/results/cpu-gguf-quantized.md) and
-    refuse to start, naming why, where that is not possible. Kept blocks are opt-in because their
-    int8 activations drift from the fp32 path at near-ties (top-5 rule, not equality)."""
+    """Options (`model.weight_source_options`): `dequantize` — unset (default): keep the file's
+    blocks where that is possible (CPU, every decoder linear Q4_0/Q4_1/Q8_0 of one type, native
+    kernels built, tp_size 1: ~4x less model memory, 3.6x faster batch-1 decode, batches and
+    prefill a little faster; benchmarks/results/cpu-gguf-quantized.md), else dequantize, logging
+    why; True: always dequantize to fp32 at load (parity with transformers: kept blocks' int8
+    activations drift from the fp32 path at near-ties, top-5 rule, not equality); False: keep the
+    blocks and refuse to start, naming why, where that is not possible."""
 
-    def __init__(self, dequantize: bool = True) -> None:
-        if not isinstance(dequantize, bool):
-            raise ValueError(f"GGUF option dequantize must be true or false, got {dequantize!r}")
+    def __init__(self, dequantize: bool | None = None) -> None:
+        if dequantize is not None and not isinstance(dequantize, bool):
+            raise ValueError(f"GGUF option dequantize must be true, false or unset, got {dequantize!r}")
         self.dequantize = dequantize
         self.path: str | None = None
         self.keep: bool | None = None  # decided at the first linear (the device is known then)
@@ -140,29 +143,48 @@ class GGUFMethod(UnquantizedMethod, WeightSource):
 
     # ---- the choice -----------------------------------------------------------------------
     def _decide(self, tp_size: int) -> bool:
-        """Whether the layers keep the blocks (only when asked: dequantize=False); raises ValueError naming
-        why when they cannot."""
+        """Whether the layers keep the blocks; logs the path taken (one line). Raises ValueError
+        naming why when `dequantize=False` asked for blocks that cannot stay."""
+        name = os.path.basename(self.path) if self.path else "(no file read)"
         if self.dequantize:
+            logger.info("GGUF %s: dequantized to fp32 at load (weight_source_options dequantize: true)", name)
             return False
-        reader = open_gguf(self.path)
-        linear_types = sorted({t.tensor_type.name for t in reader.tensors if t.name.endswith(LINEAR_SUFFIXES)})
-        why = None
-        device = torch.get_default_device()
-        if device.type != "cpu":
-            why = f"the block kernels run on the CPU (device is {device.type})"
-        elif tp_size > 1:
-            why = f"tensor parallelism (tp_size {tp_size}) needs float weights"
-        elif len(linear_types) != 1 or linear_types[0] not in kernels.KEPT_TYPES:
-            why = (f"the file's linear tensors are {'/'.join(linear_types)}; the kernels keep files whose linears "
-                   f"are all one of {', '.join(kernels.KEPT_TYPES)}")
-        elif kernels.load() is None:
-            why = "the native block kernels could not be built here (see the log)"
-        if why is not None:
+        why, linear_type = self._why_not_kept(tp_size)
+        if why is None:
+            self.linear_type = linear_type
+            logger.info("GGUF %s: %s weights kept quantized (int8 %s kernels)%s", name, linear_type, kernels.isa(),
+                        "" if self.dequantize is False else "; weight_source_options dequantize: true for the fp32 "
+                        "path (parity with transformers)")
+            return True
+        if self.dequantize is False:
             raise ValueError(f"model.weight_source_options dequantize=false: cannot keep {self.path!r} quantized: "
                              f"{why}; drop the option to dequantize at load")
-        self.linear_type = linear_types[0]
-        logger.info("GGUF %s weights kept quantized (int8 %s kernels)", self.linear_type, kernels.isa())
-        return True
+        logger.info("GGUF %s: dequantized to fp32 at load: %s", name, why)
+        return False
+
+    def _why_not_kept(self, tp_size: int) -> tuple[str | None, str | None]:
+        """(why the blocks cannot stay, or None; the one block type of the file's linears)."""
+        device = torch.get_default_device()
+        if device.type != "cpu":
+            return f"the block kernels run on the CPU (device is {device.type})", None
+        if tp_size > 1:
+            return f"tensor parallelism (tp_size {tp_size}) needs float weights", None
+        if self.path is None:  # built as a plain QuantMethod (no hf_config call): no blocks to keep
+            return "no GGUF file was read", None
+        linears = [t for t in open_gguf(self.path).tensors if t.name.endswith(LINEAR_SUFFIXES)]
+        if not linears:
+            return "the file has no decoder linear tensors the kernels know", None
+        other = next((t for t in linears if t.tensor_type.name not in kernels.KEPT_TYPES), None)
+        if other is not None:
+            return (f"{other.name} is {other.tensor_type.name}; the kernels keep files whose linears are all one "
+                    f"of {', '.join(kernels.KEPT_TYPES)}"), None
+        types = {t.tensor_type.name: t.name for t in linears}  # one tensor of each type, to name it
+        if len(types) != 1:
+            named = ", ".join(f"{tensor} is {qtype}" for qtype, tensor in sorted(types.items()))
+            return f"the linears mix block types ({named}); the kernels keep files of one type", None
+        if kernels.load() is None:
+            return "the native block kernels could not be built here (see the log)", None
+        return None, next(iter(types))
 
     @staticmethod
     def _kept_table_names(reader) -> dict[str, str]:
