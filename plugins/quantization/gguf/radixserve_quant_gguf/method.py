@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 import torch.nn as nn
+from radixserve import native
 from radixserve.interfaces.quantization import WeightSource
 from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from radixserve.layers.quant_unquantized import UnquantizedMethod
@@ -54,6 +55,10 @@ class GGUFMethod(UnquantizedMethod, WeightSource):
     # ---- WeightSource ---------------------------------------------------------------------
     def hf_config(self, path: str):
         self.path = path
+        if self.dequantize is not True and not torch.cuda.is_available():
+            # a first start compiles the block kernels (about a minute on 2 cores): begin now, beside
+            # the core's kernels and the model set-up, instead of when the first linear decides
+            native.build_in_background([kernels.load])
         return build_hf_config(open_gguf(path))
 
     @staticmethod
