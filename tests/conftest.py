@@ -83,15 +83,16 @@ def smollm2_gguf_path() -> str:
 def shared_smollm2_server(tmp_path_factory):
     """One `radixserve serve` on the default model (SmolLM2) for the modules that only send it
     requests (structured output, tool calling): each start costs 12-17 s on CI. Settings:
-    scheduler.cpu_kv_cache_gb=1.0 and server.generic_tool_prompt=true (it only changes requests
-    that carry tools). Its own session, so teardown ends it with every process it started. A test
+    scheduler.cpu_kv_cache_gb=1.0, server.generic_tool_prompt=true (it only changes requests
+    that carry tools) and runtime.num_threads=1 (two OpenMP threads beside the test's client and
+    the server's other processes on 2 cores made each step several times slower). Its own session, so teardown ends it with every process it started. A test
     that stops, kills or reconfigures its server starts its own instead. `.model`: the served id."""
     import signal
 
     import httpx
     from server_process import ServerProcess
 
-    srv = ServerProcess(["scheduler.cpu_kv_cache_gb=1.0", "server.generic_tool_prompt=true"],
+    srv = ServerProcess(["scheduler.cpu_kv_cache_gb=1.0", "server.generic_tool_prompt=true", "runtime.num_threads=1"],
                         tmp_path_factory.mktemp("shared-serve") / "server.log", 300, new_session=True)
     srv.model = httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"][0]["id"]
     yield srv

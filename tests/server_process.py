@@ -14,6 +14,16 @@ from pathlib import Path
 import httpx
 
 
+def with_tiny_tokenizer(model_dir: str) -> str:
+    """`model_dir` (a tiny random checkpoint) with the tiny test tokenizer saved beside it, which a
+    server or Engine needs: ~300 tokens, which the tiny models' 512 ids cover."""
+    from radixserve.testing.grammar import tiny_tokenizer
+
+    if not os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+        tiny_tokenizer().save_pretrained(model_dir)
+    return model_dir
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:

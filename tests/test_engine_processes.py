@@ -90,7 +90,11 @@ def test_the_readme_engine_example_runs_as_a_plain_script(tmp_path, smollm2_gguf
     assert "__main__" not in example
     script = tmp_path / "example.py"
     script.write_text(example.replace('"path/to/model"', repr(smollm2_gguf_path)))
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    # one OpenMP thread (the example leaves runtime.num_threads unset): two beside the test process
+    # and the engine's other processes on 2 cores only contend
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                         env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "'finish_reason'" in run.stdout and "completion_tokens': 16" in run.stdout, run.stdout
     assert "Traceback" not in run.stderr, run.stderr[-4000:]

@@ -1,6 +1,8 @@
 """End to end: `radixserve serve` as a subprocess on the real SmolLM2-135M GGUF, driven by the
 real `openai` client. One server for the module (startup is the expensive part); the last test
-kills its scheduler process and checks the server fails fast and leaves no process behind."""
+stops it with SIGTERM, then kills the scheduler process of a second server (a tiny random
+checkpoint: what it checks does not depend on the model; ~12 s to healthy instead of ~19 s here)
+and checks that server fails fast and leaves no process behind."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess, descendant_pids, is_alive
+from server_process import ServerProcess, descendant_pids, is_alive, with_tiny_tokenizer
 
 KEY = "e2e-secret-key"
 START_TIMEOUT_S = 300
@@ -35,8 +37,12 @@ def _lingering(pids: list[int], grace_s: float = 5.0) -> list[int]:
 
 
 class Server(ServerProcess):
-    def __init__(self, log_path: Path) -> None:
-        super().__init__(["--api-key", KEY, "scheduler.cpu_kv_cache_gb=1.0"], log_path, START_TIMEOUT_S)
+    # one torch thread: two OpenMP threads beside the client and the server's other processes on 2
+    # cores made each step several times slower (200 streams: 41 s -> 15 s on a loaded machine)
+    def __init__(self, log_path: Path, model: str | None = None) -> None:
+        # the default model (SmolLM2) with a 1 GiB KV cache, or a tiny checkpoint
+        args = ["scheduler.cpu_kv_cache_gb=1.0"] if model is None else ["--model", model, "scheduler.max_total_tokens=2048"]
+        super().__init__(["--api-key", KEY, *args, "runtime.num_threads=1"], log_path, START_TIMEOUT_S)
         self.children = set(descendant_pids(self.proc.pid))
         self.headers = {"Authorization": f"Bearer {KEY}"}
         self.model = httpx.get(f"{self.url}/v1/models", headers=self.headers).json()["data"][0]["id"]
@@ -276,13 +282,13 @@ def test_no_kv_slot_is_leaked_once_idle(server):
         assert stats["running"] == 0 and stats["waiting"] == 0
 
 
-def test_sigterm_exits_cleanly_and_kill_scheduler_fails_fast(server, tmp_path):
+def test_sigterm_exits_cleanly_and_kill_scheduler_fails_fast(server, tmp_path, tiny_llama_dir):
     # (1) graceful: SIGTERM -> exit 0, every child gone
     code = server.stop()
     assert code == 0, server.logs()
     assert not _lingering(server.children), server.logs()
     # (2) a second server whose scheduler process is killed
-    srv = Server(tmp_path / "server2.log")
+    srv = Server(tmp_path / "server2.log", model=with_tiny_tokenizer(tiny_llama_dir("llama")))
     try:
         argv = {p: Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0") for p in srv.children}
         [scheduler] = [p for p, args in argv.items() if b"radixserve.runtime.child" in args and b"scheduler" in args]

@@ -18,7 +18,7 @@ from radixserve.model_runner import ModelRunner, check_model_tensor_parallel
 from radixserve.plugins.registry import PluginError, Registry
 from radixserve.plugins.stack import resolve_stack
 from runner_driver import greedy_generate
-from server_process import child_pids, free_port, is_alive, spawn_server, wait_until_healthy
+from server_process import child_pids, free_port, is_alive, spawn_server, wait_until_healthy, with_tiny_tokenizer
 
 # shared 12-token prefix: the later requests hit the radix cache; chunk 5 splits every prompt
 PREFIX = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
@@ -58,18 +58,10 @@ def _tp_generate(path: str, tp: int, prompts: list[list[int]], new_tokens: int, 
     }
 
 
-def _with_tokenizer(path: str) -> str:
-    from radixserve.testing.grammar import tiny_tokenizer
-
-    if not os.path.exists(os.path.join(path, "tokenizer.json")):
-        tiny_tokenizer().save_pretrained(path)  # ~300 tokens: the tiny models' 512 ids cover it
-    return path
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_tp2_greedy_equals_tp1_with_cache_hits_and_chunked_prefill(tiny_llama_dir, arch):
     # qwen3 with one KV head: each rank holds a replica of it
-    path = _with_tokenizer(tiny_llama_dir(arch) if arch == "llama" else tiny_llama_dir(arch, num_key_value_heads=1))
+    path = with_tiny_tokenizer(tiny_llama_dir(arch) if arch == "llama" else tiny_llama_dir(arch, num_key_value_heads=1))
     expected = _reference(path, PROMPTS, NEW_TOKENS)
     # overlap on for llama: the followers then receive decode inputs by a tensor broadcast
     sections = {"scheduler": {"chunked_prefill_size": 5, "max_total_tokens": 2048}}
@@ -153,7 +145,7 @@ def test_runner_refuses_tp_size_without_a_group(tiny_llama_dir):
 
 # ---- two "nodes" on one machine ---------------------------------------------------------------
 def test_two_node_launch_serves_and_shuts_down_cleanly(tiny_llama_dir, tmp_path):
-    path = _with_tokenizer(tiny_llama_dir("llama"))
+    path = with_tiny_tokenizer(tiny_llama_dir("llama"))
     rendezvous, port = f"127.0.0.1:{free_port()}", free_port()
     # 4 ranks, 2 per node: node 0 runs rank 0 (the scheduler) and rank 1, node 1 ranks 2 and 3;
     # 4 query heads and 2 KV heads: one query head per rank, each KV head on two ranks
