@@ -102,6 +102,7 @@ def test_prefill_chunking_and_mixed_batches_default_per_device_and_can_be_forced
     sc = Config.build({}).scheduler
     assert sc.resolved_chunked_prefill_size("cpu") == 512 and sc.resolved_chunked_prefill_size("cuda:0") == 2048
     assert sc.resolved_enable_mixed_chunk("cpu") and not sc.resolved_enable_mixed_chunk("cuda")
+    assert not sc.resolved_enable_mixed_chunk("cpu", speculative=True)
     forced = Config.build({"scheduler": {"chunked_prefill_size": 2048, "enable_mixed_chunk": False}}).scheduler
     assert forced.resolved_chunked_prefill_size("cpu") == 2048 and not forced.resolved_enable_mixed_chunk("cpu")
     off = Config.build({"scheduler": {"chunked_prefill_size": -1, "enable_mixed_chunk": True}}).scheduler

@@ -99,14 +99,16 @@ class SchedulerSection(_Section):
             size = CPU_CHUNKED_PREFILL_SIZE if device.startswith("cpu") else 2048
         return size if size > 0 else None
 
-    def resolved_enable_mixed_chunk(self, device: str) -> bool:
+    def resolved_enable_mixed_chunk(self, device: str, speculative: bool = False) -> bool:
         """Whether decode rows ride in prefill batches on `device`. On the CPU they cost about one
         prompt token each inside a prefill step and so keep decoding while prompts are prefilled; on
         CUDA the mixed batch's decode rows go through the extend kernel, which reads the KV far less
-        efficiently than the decode kernel (session 4: offline 25.2k vs 29.4k tok/s), so it is off."""
+        efficiently than the decode kernel (session 4: offline 25.2k vs 29.4k tok/s), so it is off.
+        Off by default with a drafter too (`speculative`): a row in a mixed batch gains one token
+        where its verify step would gain up to num_draft_tokens + 1."""
         if self.enable_mixed_chunk is not None:
             return self.enable_mixed_chunk
-        return device.startswith("cpu")
+        return device.startswith("cpu") and not speculative
 
 
 class RuntimeSection(_Section):

@@ -254,7 +254,7 @@ class Scheduler:
         self.chunk_size = sc.resolved_chunked_prefill_size(device)
         self.max_prefill_tokens = sc.max_prefill_tokens
         self.max_running = min(sc.max_running_requests, self.req_to_token_pool.size)
-        self.enable_mixed = sc.resolved_enable_mixed_chunk(device)
+        self.enable_mixed = sc.resolved_enable_mixed_chunk(device, speculative=drafter is not None)
         self.in_batch_prefix = sc.in_batch_prefix_threshold if cache.shares_prefixes else 0
         self.stream_interval = sc.stream_interval
         cons = sc.schedule_conservativeness
