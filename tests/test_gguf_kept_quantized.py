@@ -16,6 +16,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf_fixtures import build
 from hf_reference import first_divergence, top5_rule_holds
 from radixserve.config import Config
+from radixserve.layers.flat_decoder import FlatDecoderLayer
 from radixserve.model_runner import ModelRunner
 from radixserve.plugins.registry import Registry
 from radixserve.runtime.messages import GenerateRequest
@@ -23,7 +24,7 @@ from radixserve.scheduler import Scheduler
 from radixserve.scheduler.speculative.setup import drafter_info
 from radixserve.state import SamplingParams
 from radixserve.tokenizer import apply_chat_template
-from radixserve_quant_gguf import fast_layer, kernels
+from radixserve_quant_gguf import kernels
 from radixserve_quant_gguf.method import GGUFMethod
 from runner_driver import greedy_generate
 from test_model_parity import _write_tiny_gguf
@@ -193,9 +194,9 @@ def test_smollm2_kept_by_default_dequantized_on_request(smollm2_pair):
     assert m.lm_head.weight is m.model.embed_tokens.weight  # tied: the head reads the Q8_0 table
     assert m.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.uint8
     assert deq.model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float32
-    # every kept Llama layer runs as one flat function; the fp32 path keeps the module calls
-    assert all(isinstance(layer.forward, fast_layer.FlatLayerForward) for layer in m.model.layers)
-    assert not any(isinstance(layer.forward, fast_layer.FlatLayerForward) for layer in deq.model.model.layers)
+    # every Llama layer runs as one flat function over the method's linears, kept or dequantized
+    assert all(isinstance(layer.forward, FlatDecoderLayer) for layer in m.model.layers)
+    assert all(isinstance(layer.forward, FlatDecoderLayer) for layer in deq.model.model.layers)
     # the file's ~98 MB of blocks, against ~540 MB of fp32 (plus its packed copies on the fp32 path)
     assert _param_bytes(m) < 100e6 and _param_bytes(deq.model) > 5 * _param_bytes(m)
 
@@ -313,7 +314,7 @@ def test_smollm2_kept_logits_same_bits_in_decode_and_in_an_extend(smollm2_pair):
 
 
 def test_smollm2_kept_flat_layers_same_bits_as_the_module_calls(smollm2_pair):
-    """The flat layer forward (fast_layer.py) is the same kernels in the same order as the layer
+    """The flat layer forward (flat_decoder.py over fast_layer.py's linears) is the same kernels in the same order as the layer
     modules: a prefill and decode steps give the same logits, bit for bit, with either."""
     kept, _ = smollm2_pair
     prompt = apply_chat_template(kept.tokenizer, [{"role": "user", "content": QUESTIONS[2]}])

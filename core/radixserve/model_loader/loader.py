@@ -8,6 +8,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from radixserve.layers import flat_decoder
 from radixserve.layers.embedding import ParallelLMHead
 from radixserve.layers.linear import LinearBase
 from radixserve.layers.moe import FusedMoE
@@ -104,6 +105,8 @@ def load_model(
             qm.process_weights_after_loading(module)
         if isinstance(module, ParallelLMHead):
             module.pack_for_cpu()
+    if device.type == "cpu":  # plain Llama layers over packed fp32 weights: one flat function each (issue 12)
+        flat_decoder.install_fp32(model)
     model.eval()
     logger.info("weights prepared for %s in %.1f s", device.type, time.perf_counter() - loaded_at)
     return model

@@ -95,7 +95,11 @@ class GGUFMethod(UnquantizedMethod, WeightSource):
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Kept quantized: put BlockEmbedding / BlockLMHead in place of the float embedding and
-        head whose file tensors are Q4_0/Q4_1/Q8_0 (before loading, so no float table is filled)."""
+        head whose file tensors are Q4_0/Q4_1/Q8_0 (before loading, so no float table is filled).
+        Either way the plain Llama layers get the core's flat forward over this method's linears."""
+        from radixserve_quant_gguf import fast_layer
+
+        fast_layer.install(model)  # batch-1 decode: the layers' Python overhead was half a step
         if not self.keep:
             return model
         from radixserve_quant_gguf.kept import BlockEmbedding, BlockLMHead
@@ -119,9 +123,6 @@ class GGUFMethod(UnquantizedMethod, WeightSource):
         for name, new in swaps.items():
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, new)
-        from radixserve_quant_gguf import fast_layer
-
-        fast_layer.install(model)  # batch-1 decode: the layers' Python overhead was half a step
         return model
 
     # ---- QuantMethod ----------------------------------------------------------------------
