@@ -133,6 +133,40 @@ def test_moe_kit_catches_a_wrong_expert_layout():
         check_quant_method_moe(SwappedHalves, lambda w: ({"weight": w}, w))
 
 
+def _per_row_int8(w: torch.Tensor) -> torch.Tensor:
+    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / 127
+    return (w / scale).round().clamp(-127, 127) * scale
+
+
+def test_quant_kit_tp_sizes_for_a_mode_right_only_unsplit():
+    """An online mode that scales each row by what its rank holds is right unsplit and wrong split
+    over ranks (the row-parallel shard's scale is not the whole row's): `tp_sizes=(1,)` checks it
+    where it is meant to run, and is refused for a method that declares tensor parallelism."""
+    from radixserve.layers.quant_unquantized import UnquantizedMethod
+
+    class OnlinePerRowInt8(UnquantizedMethod):
+        supports_tensor_parallel = False  # the base class's True: its shards are exact
+
+        def process_weights_after_loading(self, layer):
+            layer.weight.data = _per_row_int8(layer.weight.data)  # before the CPU packing sees it
+            super().process_weights_after_loading(layer)
+
+    def quantize(w):
+        return {"weight": w}, _per_row_int8(w)
+
+    with pytest.raises(AssertionError, match="RowParallelLinear tp 2"):
+        check_quant_method(OnlinePerRowInt8, quantize)
+    check_quant_method(OnlinePerRowInt8, quantize, tp_sizes=(1,))
+
+    class ClaimsTensorParallel(OnlinePerRowInt8):
+        supports_tensor_parallel = True
+
+    with pytest.raises(AssertionError, match="supports_tensor_parallel"):
+        check_quant_method(ClaimsTensorParallel, quantize, tp_sizes=(1,))
+    with pytest.raises(ValueError, match="tp_sizes"):
+        check_quant_method(OnlinePerRowInt8, quantize, tp_sizes=(3,))
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
 def test_gguf_method(registry, qtype):
     """GGUF blocks read by the plugin load into layers that compute with gguf's own dequantization."""

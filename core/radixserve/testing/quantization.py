@@ -108,6 +108,7 @@ def check_quant_method(
     unit: int = 16,
     tolerance: float | None = None,
     seed: int = 0,
+    tp_sizes: tuple[int, ...] = (1, 2),
 ) -> None:
     """Run a QuantMethod against its dequantized reference; raise AssertionError naming the layer.
 
@@ -121,7 +122,16 @@ def check_quant_method(
         features multiples of unit. Raise it to your block size if you quantize in blocks.
     :param tolerance: largest relative error of the output (default by dtype: 1e-3 fp32,
         5e-3 fp16, 2e-2 bf16), on top of what quantize's dequantized weight already loses.
+    :param tp_sizes: the tensor-parallel splits each parallel layer is checked at, out of (1, 2).
+        Keep 2 where you can: it is what catches a parameter without `input_dim` / `output_dim`.
+        `(1,)` is for a mode that is right only unsplit (an online mode whose per-row scale a rank
+        would compute from its own columns); such a method must leave `supports_tensor_parallel`
+        False, which the kit then checks. Added in plugin API 1.7.
     """
+    if not tp_sizes or any(tp not in (1, 2) for tp in tp_sizes):
+        raise ValueError(f"tp_sizes={tp_sizes!r}: a non-empty choice out of (1, 2)")
+    if 2 not in tp_sizes and getattr(method(), "supports_tensor_parallel", False):
+        raise AssertionError("tp_sizes leaves out the 2-rank split, but the method declares supports_tensor_parallel")
     tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[dtype]
     gen = torch.Generator().manual_seed(seed)
     name = getattr(method, "__name__", type(method()).__name__)
@@ -140,7 +150,7 @@ def check_quant_method(
     # replicated, and column-parallel over 1 and 2 ranks
     shards = _shards(quantize, [None], [d_out], d_in, gen)
     w, b = _local(shards, 0, 1)
-    for tp in (1, 2):
+    for tp in tp_sizes:
         outs = []
         for rank in range(tp):
             where = f"{name}: ColumnParallelLinear tp rank {rank} of {tp}"
@@ -157,7 +167,7 @@ def check_quant_method(
     _assert_close(layer(x), x64 @ w.double().T + b.double(), x, tol, f"{name}: ReplicatedLinear, processed twice")
 
     # row-parallel over 1 and 2 ranks: each rank sees its slice of the input features
-    for tp in (1, 2):
+    for tp in tp_sizes:
         total = 0
         for rank in range(tp):
             where = f"{name}: RowParallelLinear tp rank {rank} of {tp}"
@@ -171,7 +181,7 @@ def check_quant_method(
     # fused layers, loaded shard by shard
     gate_up = _shards(quantize, [0, 1], [inter, inter], d_in, gen)
     qkv = _shards(quantize, ["q", "k", "v"], [4 * head, 2 * head, 2 * head], d_in, gen)
-    for tp in (1, 2):
+    for tp in tp_sizes:
         for kind, shards_, make in (
             ("MergedColumnParallelLinear (gate_up)", gate_up,
              lambda qm, rank, tp: MergedColumnParallelLinear(d_in, [inter, inter], True, qm, rank, tp, params_dtype=dtype)),
