@@ -82,6 +82,22 @@ def test_a_broken_drafter_fails(bug, message):
         check_drafter(Broken, topk=(1,), seeds=(0,))
 
 
+def test_a_drafter_keeping_state_on_its_class_fails():
+    """State in a class-level dict outlives every drafter instance (the kit once looked only at the
+    instance's own fields)."""
+
+    class ClassState(CopyDrafter):
+        seen: dict[str, int] = {}
+
+        def propose(self, reqs, num_draft_tokens):
+            for r in reqs:
+                ClassState.seen[r.rid] = len(r.output_ids)
+            return super().propose(reqs, num_draft_tokens)
+
+    with pytest.raises(AssertionError, match=r"finished request's rid at ClassState\.seen"):
+        check_drafter(ClassState, topk=(1,), seeds=(0,))
+
+
 def test_the_attention_kit_checks_tree_masks():
     check_attention_backend(ReferenceAttentionBackend, **SMALL)
 

@@ -159,9 +159,15 @@ _ATOM_TYPES = {int, float, bool, bytes, type(None), torch.dtype, torch.device}
 
 
 def _find_rid(root: Any, rids: set[str], limit: int = 200_000) -> str | None:
-    """Where in `root`'s object graph one of the strings `rids` appears (None: nowhere)."""
+    """Where in `root`'s object graph one of the strings `rids` appears (None: nowhere). The
+    mutable containers of root's own classes count too: state kept on the class (a class-level
+    dict) outlives every instance."""
     seen: set[int] = set()
     stack: list[tuple[Any, str]] = [(root, "drafter")]
+    for cls in type(root).__mro__:
+        if cls.__module__ != "builtins":
+            stack += [(value, f"{cls.__name__}.{name}") for name, value in vars(cls).items()
+                      if isinstance(value, (dict, list, set))]
     atoms = tuple(_ATOM_TYPES)
     while stack and len(seen) < limit:
         obj, path = stack.pop()
