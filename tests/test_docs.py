@@ -91,7 +91,7 @@ def test_readme_and_docs_point_only_to_files_in_the_repo():
         ref = ref.removeprefix("./")
         return any(fnmatch.fnmatch(f, ref) or fnmatch.fnmatch(f, "*/" + ref) for f in tracked)
 
-    docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    docs = _user_docs()
     dangling = [
         f"{doc.relative_to(ROOT)}:{i}: {m.group(1)}"
         for doc in docs
@@ -100,6 +100,10 @@ def test_readme_and_docs_point_only_to_files_in_the_repo():
         if "://" not in line[max(0, m.start() - 40) : m.start()] and not exists(m.group(1))
     ]
     assert not dangling, "references to files that are not in the repository:\n" + "\n".join(dangling)
+
+
+def _user_docs() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 # a Markdown link to a section: [text](file.md#anchor) or [text](#anchor)
@@ -129,7 +133,7 @@ def test_github_anchor_matches_githubs_rule():
 def test_links_to_doc_sections_name_existing_headings():
     # a renumbered or renamed section leaves links that open the page at its top (an outsider
     # following plugin-authoring.md to "the conformance kits" landed on contracts.md's first line)
-    docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    docs = _user_docs()
     broken = [
         f"{doc.relative_to(ROOT)}:{i}: {m.group(0)}"
         for doc in docs
