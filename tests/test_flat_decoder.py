@@ -85,9 +85,9 @@ def test_flat_layer_hands_other_inputs_to_the_class_forward(tiny_llama_dir, monk
     assert len(calls) == 1 and calls[0][0] is layer and calls[0][1][1] is h
 
 
-@pytest.mark.parametrize("dequantize", [True, None], ids=["dequantized", "kept"])
+@pytest.mark.parametrize("dequantize", [True, "auto"], ids=["dequantized", "kept"])
 def test_smollm2_gguf_flat_layers_same_bits_as_module_calls(smollm2_gguf_path, dequantize):
-    runner = _runner(smollm2_gguf_path, None if dequantize is None else {"dequantize": dequantize})
+    runner = _runner(smollm2_gguf_path, {"dequantize": dequantize})
     assert all(isinstance(layer.forward, FlatDecoderLayer) for layer in _layers(runner))
     _assert_same_bits(runner, seed=5, new_tokens=3)
     assert all(layer.forward.bound not in (None, False) for layer in _layers(runner))

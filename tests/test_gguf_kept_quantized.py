@@ -1,7 +1,7 @@
 """GGUF blocks kept quantized on the CPU (radixserve-quant-gguf's kernels.py / csrc/gguf_blocks.cpp):
 the block formats against the `gguf` package's dequantize, the int8 kernels against fp32 math,
-the option that picks the path (kept by default on the CPU, dequantized with the reason logged where
-blocks cannot stay), and SmolLM2 served kept-quantized vs dequantized at load."""
+the option that picks the path (dequantized by default; `auto` keeps the blocks on the CPU, dequantized
+with the reason logged where they cannot stay), and SmolLM2 served kept-quantized vs dequantized at load."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def test_bad_shapes_are_clear_errors():
 
 
 def test_option_validation(smollm2_gguf_path, tmp_path):
-    with pytest.raises(ValueError, match="dequantize must be true, false or unset, got 'yes'"):
+    with pytest.raises(ValueError, match="dequantize must be true, false or auto, got 'yes'"):
         GGUFMethod(dequantize="yes")
     from radixserve.model_loader.sources import open_source
     from radixserve.plugins import Registry
@@ -169,7 +169,7 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "
              "What is 12 times 7?"]
 
 
-def _runner(path: str, dequantize: bool | None) -> ModelRunner:
+def _runner(path: str, dequantize: bool | str | None) -> ModelRunner:
     options = {} if dequantize is None else {"dequantize": dequantize}
     return ModelRunner(Config.build({
         "model": {"path": path, "weight_source_options": options},
@@ -184,11 +184,11 @@ def _param_bytes(model) -> int:
 
 @pytest.fixture(scope="module")
 def smollm2_pair(smollm2_gguf_path):
-    return _runner(smollm2_gguf_path, None), _runner(smollm2_gguf_path, True)
+    return _runner(smollm2_gguf_path, "auto"), _runner(smollm2_gguf_path, None)  # auto, and the default
 
 
-def test_smollm2_kept_by_default_dequantized_on_request(smollm2_pair):
-    kept, deq = smollm2_pair  # the default (no option), and dequantize=true
+def test_smollm2_dequantized_by_default_kept_with_auto(smollm2_pair):
+    kept, deq = smollm2_pair  # dequantize: auto, and the default (no option: dequantize true)
     m = kept.model
     assert type(m.model.embed_tokens).__name__ == "BlockEmbedding" and m.model.embed_tokens.weight.dtype == torch.uint8
     assert m.lm_head.weight is m.model.embed_tokens.weight  # tied: the head reads the Q8_0 table
@@ -220,17 +220,17 @@ def test_dequantize_false_refused_where_blocks_cannot_stay(smollm2_gguf_path, mo
         method._decide(tp_size=2)
 
 
-def test_default_dequantizes_under_tensor_parallelism_and_says_why(smollm2_gguf_path, caplog):
-    method = GGUFMethod()
+def test_auto_dequantizes_under_tensor_parallelism_and_says_why(smollm2_gguf_path, caplog):
+    method = GGUFMethod(dequantize="auto")
     method.hf_config(smollm2_gguf_path)
     with caplog.at_level(logging.INFO, logger="radixserve_quant_gguf.method"):
         assert method._decide(tp_size=2) is False
     assert "dequantized to fp32 at load: tensor parallelism (tp_size 2)" in caplog.text
 
 
-def test_default_dequantizes_without_the_native_kernels(smollm2_gguf_path, caplog, monkeypatch):
+def test_auto_dequantizes_without_the_native_kernels(smollm2_gguf_path, caplog, monkeypatch):
     monkeypatch.setattr(kernels, "load", lambda: None)  # no compiler, or RADIXSERVE_NATIVE=0
-    method = GGUFMethod()
+    method = GGUFMethod(dequantize="auto")
     method.hf_config(smollm2_gguf_path)
     with caplog.at_level(logging.INFO, logger="radixserve_quant_gguf.method"):
         assert method._decide(tp_size=1) is False
@@ -252,8 +252,8 @@ def _tiny_gguf_model(tiny_llama_dir, tmp_path, qtypes, options, caplog):
     (("Q8_0", "Q4_1", "Q4_0"), r"the linears mix block types \(blk\.\d\.\w+\.weight is Q4_0, .* is Q4_1, .* is Q8_0\)"),
     (("F16",), r"blk\.0\.ffn_down\.weight is F16; the kernels keep files whose linears are all one of Q4_0, Q4_1, Q8_0"),
 ], ids=["Q4_1", "mixed", "F16"])
-def test_default_keeps_one_kept_type_else_dequantizes_naming_why(tiny_llama_dir, tmp_path, caplog, qtypes, why):
-    model, log = _tiny_gguf_model(tiny_llama_dir, tmp_path, qtypes, None, caplog)
+def test_auto_keeps_one_kept_type_else_dequantizes_naming_why(tiny_llama_dir, tmp_path, caplog, qtypes, why):
+    model, log = _tiny_gguf_model(tiny_llama_dir, tmp_path, qtypes, "auto", caplog)
     weight = model.model.layers[0].mlp.gate_up_proj.weight
     assert len(log) == 1, log  # one line says which path
     if why is None:
@@ -266,8 +266,9 @@ def test_default_keeps_one_kept_type_else_dequantizes_naming_why(tiny_llama_dir,
             _runner(str(tmp_path / f"tiny-{'-'.join(qtypes)}.gguf"), False)
 
 
-def test_dequantize_true_gives_fp32_on_a_file_kept_by_default(tiny_llama_dir, tmp_path, caplog):
-    model, log = _tiny_gguf_model(tiny_llama_dir, tmp_path, ("Q4_1",), True, caplog)
+@pytest.mark.parametrize("option", [None, True], ids=["default", "true"])
+def test_dequantize_true_is_the_default_and_gives_fp32_on_a_keepable_file(tiny_llama_dir, tmp_path, caplog, option):
+    model, log = _tiny_gguf_model(tiny_llama_dir, tmp_path, ("Q4_1",), option, caplog)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert log == ["GGUF tiny-Q4_1.gguf: dequantized to fp32 at load (weight_source_options dequantize: true)"]
 

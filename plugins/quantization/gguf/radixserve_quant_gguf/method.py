@@ -1,13 +1,13 @@
 """The "gguf" quantization component: a weight source (declared for ".gguf" files) that either
 keeps the file's blocks or dequantizes them at load.
 
-Kept quantized (the CPU default, as in llama.cpp; CPU, every decoder linear of the file one of
-Q4_0, Q4_1, Q8_0, tp_size 1, native kernels built): each linear holds its tensor's blocks
+Kept quantized (`dequantize: auto` or `false`, as llama.cpp computes; CPU, every decoder linear of
+the file one of Q4_0, Q4_1, Q8_0, tp_size 1, native kernels built): each linear holds its tensor's blocks
 unchanged (uint8 [out, in / 32 * block bytes]) and computes with the native int8 kernels
 (kernels.py); a Q4_0/Q4_1/Q8_0 token embedding stays in blocks too (rows dequantized on lookup),
 and the LM head, tied or the file's own `output.weight`, computes with the same kernel.
-Dequantized (everywhere else, or asked for with `dequantize=True`): plain fp32 weights, as
-transformers loads the file.
+Dequantized (the default, `dequantize: true`, and wherever blocks cannot stay): plain fp32
+weights, as transformers loads the file.
 
 Reading the file is the WeightSource contract: `hf_config(path)`, `num_tensors(path)`,
 `iter_weights(path, hf_config)`, `prepare_model(model)`."""
@@ -36,18 +36,21 @@ logger = logging.getLogger(__name__)
 
 
 class GGUFMethod(UnquantizedMethod, WeightSource):
-    """Options (`model.weight_source_options`): `dequantize` — unset (default): keep the file's
-    blocks where that is possible (CPU, every decoder linear Q4_0/Q4_1/Q8_0 of one type, native
-    kernels built, tp_size 1: ~4x less model memory, 3.6x faster batch-1 decode, batches and
-    prefill a little faster; benchmarks/results/cpu-gguf-quantized.md), else dequantize, logging
-    why; True: always dequantize to fp32 at load (parity with transformers: kept blocks' int8
-    activations drift from the fp32 path at near-ties, top-5 rule, not equality); False: keep the
-    blocks and refuse to start, naming why, where that is not possible."""
+    """Options (`model.weight_source_options`): `dequantize` — True (default): dequantize to fp32
+    at load (the weights transformers computes with: greedy outputs token for token);
+    "auto": keep the file's blocks where that is possible (CPU, every decoder linear
+    Q4_0/Q4_1/Q8_0 of one type, native kernels built, tp_size 1: ~4x less model memory, ~2-3.6x
+    faster batch-1 decode; benchmarks/results/cpu-gguf-quantized.md), else dequantize, logging why;
+    False: keep the blocks and refuse to start, naming why, where that is not possible. Kept blocks
+    quantize the activations to int8 per 32-input block (as llama.cpp does), so their greedy
+    outputs follow the top-5 rule against fp32 rather than matching it, and can part at the first
+    token (SmolLM2: "What is the capital of France?" -> "L'Étoile, ..." kept, "The capital of
+    France is Paris." fp32): that is why they are not the default."""
 
-    def __init__(self, dequantize: bool | None = None) -> None:
-        if dequantize is not None and not isinstance(dequantize, bool):
-            raise ValueError(f"GGUF option dequantize must be true, false or unset, got {dequantize!r}")
-        self.dequantize = dequantize
+    def __init__(self, dequantize: bool | str = True) -> None:
+        if dequantize not in (True, False, "auto"):
+            raise ValueError(f"GGUF option dequantize must be true, false or auto, got {dequantize!r}")
+        self.dequantize: bool | None = None if dequantize == "auto" else bool(dequantize)  # None: auto
         self.path: str | None = None
         self.keep: bool | None = None  # decided at the first linear (the device is known then)
         self.linear_type: str | None = None
@@ -164,7 +167,7 @@ class GGUFMethod(UnquantizedMethod, WeightSource):
             return True
         if self.dequantize is False:
             raise ValueError(f"model.weight_source_options dequantize=false: cannot keep {self.path!r} quantized: "
-                             f"{why}; drop the option to dequantize at load")
+                             f"{why}; drop the option (or use auto) to dequantize at load")
         logger.info("GGUF %s: dequantized to fp32 at load: %s", name, why)
         return False
 
