@@ -108,6 +108,8 @@ def test_bad_shapes_are_clear_errors():
 def test_option_validation(smollm2_gguf_path, tmp_path):
     with pytest.raises(ValueError, match="dequantize must be true, false or auto, got 'yes'"):
         GGUFMethod(dequantize="yes")
+    with pytest.raises(ValueError, match="dequantize must be true, false or auto, got 1"):
+        GGUFMethod(dequantize=1)
     from radixserve.model_loader.sources import open_source
     from radixserve.plugins import Registry
 

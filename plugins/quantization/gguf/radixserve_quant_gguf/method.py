@@ -48,9 +48,9 @@ class GGUFMethod(UnquantizedMethod, WeightSource):
     France is Paris." fp32): that is why they are not the default."""
 
     def __init__(self, dequantize: bool | str = True) -> None:
-        if dequantize not in (True, False, "auto"):
+        if not (isinstance(dequantize, bool) or dequantize == "auto"):  # not `in (True, False, ...)`: 1 == True
             raise ValueError(f"GGUF option dequantize must be true, false or auto, got {dequantize!r}")
-        self.dequantize: bool | None = None if dequantize == "auto" else bool(dequantize)  # None: auto
+        self.dequantize: bool | None = None if dequantize == "auto" else dequantize  # None: auto
         self.path: str | None = None
         self.keep: bool | None = None  # decided at the first linear (the device is known then)
         self.linear_type: str | None = None
@@ -99,10 +99,13 @@ class GGUFMethod(UnquantizedMethod, WeightSource):
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Kept quantized: put BlockEmbedding / BlockLMHead in place of the float embedding and
         head whose file tensors are Q4_0/Q4_1/Q8_0 (before loading, so no float table is filled).
-        Either way the plain Llama layers get the core's flat forward over this method's linears."""
+        Either way, on the CPU, the plain Llama layers get the core's flat forward over this method's
+        linears (on a GPU nothing: it would compile the CPU kernels for a wrapper that never runs)."""
         from radixserve_quant_gguf import fast_layer
 
-        fast_layer.install(model)  # batch-1 decode: the layers' Python overhead was half a step
+        param = next(model.parameters(), None)
+        if param is not None and param.is_cpu:  # the flat forward runs the native CPU kernels only
+            fast_layer.install(model)  # batch-1 decode: the layers' Python overhead was half a step
         if not self.keep:
             return model
         from radixserve_quant_gguf.kept import BlockEmbedding, BlockLMHead
