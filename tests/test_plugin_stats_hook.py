@@ -79,6 +79,20 @@ def test_the_stats_hook_gets_stats_every_interval_while_busy_and_once_when_idle(
     assert received[-1]["running"] == 0, "the last report shows the idle scheduler"
 
 
+def test_steps_while_idle_report_nothing():
+    """Control messages wake an idle scheduler for a step with nothing to run: no report (the hook's
+    contract: never while idle)."""
+    received: list[dict] = []
+    clock = _Clock()
+    reporter = StatsHookReporter.for_registry(_registry_with_stats_plugin(received), interval_s=5.0, clock=clock)
+    idle = _Scheduler(steps=0)
+    for _ in range(3):
+        had_work = idle.has_work()
+        clock.now += 10.0
+        reporter.after_step(idle, had_work)
+    assert received == []
+
+
 def test_a_failing_stats_hook_is_logged_and_serving_goes_on(caplog):
     clock = _Clock()
     reporter = StatsHookReporter.for_registry(_registry_with_stats_plugin([], fail=True), clock=clock)

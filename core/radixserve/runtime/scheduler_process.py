@@ -45,11 +45,13 @@ class StatsHookReporter:
         hook = registry.hook.radixserve_stats
         return cls(hook if hook.get_hookimpls() else None, **kwargs)
 
-    def after_step(self, scheduler: Any) -> None:
-        if self.hook is None:
+    def after_step(self, scheduler: Any, had_work: bool) -> None:
+        """After one `step()`; `had_work`: whether the scheduler had work when the step began (a
+        step while idle, e.g. after a control message, reports nothing)."""
+        if self.hook is None or not had_work:
             return
         now = self.clock()
-        if now >= self.next_due or not scheduler.has_work():
+        if now >= self.next_due or not scheduler.has_work():  # due, or this step left it idle
             self.next_due = now + self.interval_s
             try:
                 self.hook(stats=scheduler.stats())
@@ -132,10 +134,11 @@ class SchedulerServer:
             self._drain(block=not self.scheduler.has_work())
             if not self.running:
                 break
+            had_work = self.scheduler.has_work()
             outs = self.scheduler.step()
             if outs:
                 self.to_detok.send(self.enc.encode(BatchTokenOut(outs)))
-            self.stats_reporter.after_step(self.scheduler)
+            self.stats_reporter.after_step(self.scheduler, had_work)
         self.close()
 
     def close(self) -> None:
