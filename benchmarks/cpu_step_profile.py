@@ -234,6 +234,15 @@ def release(runner, reqs: list) -> None:
         runner.req_to_token_pool.free(req.req_pool_idx)
 
 
+def use_flat_layers(flat_forwards: dict, on: bool) -> None:
+    """Give the layers their flat forwards back (on), or drop them so the module calls run."""
+    for layer, forward in flat_forwards.items():
+        if on:
+            layer.forward = forward
+        else:
+            layer.__dict__.pop("forward", None)
+
+
 def count_calls(runner, args, params, rng) -> dict:
     """Python function calls and C calls (sys.setprofile events) in one decode step."""
     reqs = decode_state(runner, args.batch, args.context, params, rng)
@@ -325,11 +334,7 @@ def main() -> None:
         if kernels["current"] is not None:
             runner.attn_backend._kernels = kernels[attention]
         module_calls = args.ab_flat and rnd % 2 == 1
-        for layer, forward in flat_forwards.items():
-            if module_calls:
-                layer.__dict__.pop("forward", None)
-            else:
-                layer.forward = forward
+        use_flat_layers(flat_forwards, not module_calls)
         reqs = decode_state(runner, args.batch, args.context, params, rng)
         decode_step(runner, reqs)  # untimed: allocations settle
         _acc.clear()
@@ -368,11 +373,7 @@ def main() -> None:
           "layers": [r[3] for r in per_round]})
     if args.ab_flat:
         for arm in ("flat", "modules"):
-            for layer, forward in flat_forwards.items():
-                if arm == "modules":
-                    layer.__dict__.pop("forward", None)
-                else:
-                    layer.forward = forward
+            use_flat_layers(flat_forwards, arm == "flat")
             emit({"what": f"calls in one step, {arm} layers", **count_calls(runner, args, params, rng)})
             rows = [r for r in per_round if r[3] == arm]
             emit({"what": f"median step ms, {arm} layers", "rounds": len(rows),
