@@ -14,7 +14,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <numeric>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -27,6 +29,31 @@
 namespace {
 
 constexpr int64_t kPrefetchAhead = 8;  // slots: far enough to hide a DRAM miss, near enough to stay cached
+
+// body(order[j]) for j = 0..n-1, the threads taking the next index as they finish one. Why: tasks
+// differ in cost (rows of different lengths, causal query blocks), and a static split waits at the
+// region's end for the thread with the costlier half, or for one the OS gave to another process
+// (a served step shares two cores with the HTTP front end and the clients). `order` lists the
+// costliest first so the last tasks taken are short. Each thread owns one default-made Scratch.
+template <class Scratch, class Body>
+void for_each_dynamic(const std::vector<int64_t>& order, const Body& body) {
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(order.size());
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (int64_t j = next.fetch_add(1, std::memory_order_relaxed); j < n; j = next.fetch_add(1, std::memory_order_relaxed))
+      body(order[j], scratch);
+  });
+}
+
+// 0..n-1 ordered by cost(i), largest first.
+template <class Cost>
+std::vector<int64_t> costliest_first(int64_t n, const Cost& cost) {
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  return order;
+}
 
 inline void prefetch_row(const float* row, int64_t floats) {
   for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i, 0, 1);
@@ -232,15 +259,13 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
   const int64_t* lp = seq_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const int64_t table_stride = table.stride(0);
-  at::parallel_for(0, bs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t b = begin; b < end; ++b) {
-      // the new token's K/V first: its slot is this request's own (never a shared prefix slot)
-      std::copy(knp + b * skn, knp + b * skn + row, kp + locp[b] * row);
-      std::copy(vnp + b * svn, vnp + b * svn + row, vp + locp[b] * row);
-      attend_queries<D>(qp + b * hq * D, hq * D, 1, hq, hkv, kp, vp, tp + rp[b] * table_stride, lp[b],
-                        static_cast<float>(scale), op + b * hq * D, hq * D, scores, TreeMask(), opt);
-    }
+  const auto order = costliest_first(bs, [&](int64_t b) { return lp[b]; });
+  for_each_dynamic<std::vector<float>>(order, [&](int64_t b, std::vector<float>& scores) {
+    // the new token's K/V first: its slot is this request's own (never a shared prefix slot)
+    std::copy(knp + b * skn, knp + b * skn + row, kp + locp[b] * row);
+    std::copy(vnp + b * svn, vnp + b * svn + row, vp + locp[b] * row);
+    attend_queries<D>(qp + b * hq * D, hq * D, 1, hq, hkv, kp, vp, tp + rp[b] * table_stride, lp[b],
+                      static_cast<float>(scale), op + b * hq * D, hq * D, scores, TreeMask(), opt);
   });
 }
 
@@ -287,25 +312,27 @@ void run_extend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& 
   const int64_t* dp = depths.numel() ? depths.data_ptr<int64_t>() : nullptr;  // packed like the queries
   std::vector<int64_t> req_start(static_cast<size_t>(bs), 0);  // first packed row of each request
   for (int64_t r = 1; r < bs; ++r) req_start[r] = req_start[r - 1] + ep[r - 1];
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t j = begin; j < end; ++j) {
-      const Task& task = tasks[j];
-      const int64_t prefix = lp[task.req] - ep[task.req];
-      TreeMask tree;
-      if (mp != nullptr) {  // request task.req's [ext, ext] block, from this block's first query row
-        tree.stride = ep[task.req];
-        tree.rows = mp + mop[task.req] + task.first_query * tree.stride;
-        tree.new_start = prefix;
-        if (dp != nullptr) {
-          tree.depth = dp + req_start[task.req];
-          tree.first_query = task.first_query;
-        }
+  // a block's cost: its queries times the keys they see
+  const auto order = costliest_first(static_cast<int64_t>(tasks.size()), [&](int64_t j) {
+    const Task& t = tasks[j];
+    return t.count * (lp[t.req] - ep[t.req] + t.first_query + t.count);
+  });
+  for_each_dynamic<std::vector<float>>(order, [&](int64_t j, std::vector<float>& scores) {
+    const Task& task = tasks[j];
+    const int64_t prefix = lp[task.req] - ep[task.req];
+    TreeMask tree;
+    if (mp != nullptr) {  // request task.req's [ext, ext] block, from this block's first query row
+      tree.stride = ep[task.req];
+      tree.rows = mp + mop[task.req] + task.first_query * tree.stride;
+      tree.new_start = prefix;
+      if (dp != nullptr) {
+        tree.depth = dp + req_start[task.req];
+        tree.first_query = task.first_query;
       }
-      attend_queries<D>(qp + task.q_row * width, width, task.count, hq, hkv, kp, vp, tp + rp[task.req] * table_stride,
-                        prefix + task.first_query + 1, static_cast<float>(scale), op + task.q_row * width, width, scores,
-                        tree, opt);
     }
+    attend_queries<D>(qp + task.q_row * width, width, task.count, hq, hkv, kp, vp, tp + rp[task.req] * table_stride,
+                      prefix + task.first_query + 1, static_cast<float>(scale), op + task.q_row * width, width, scores,
+                      tree, opt);
   });
 }
 
