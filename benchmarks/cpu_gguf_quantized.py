@@ -7,7 +7,10 @@
   the model) after the run.
 
     python benchmarks/cpu_gguf_quantized.py [--rounds 2] [--new-tokens 64] [--llamacpp-python PY]
-        [--offline-prompts 64 --offline-input 64 --offline-output 128 | --no-offline]
+        [--activations int8,int16] [--offline-prompts 64 --offline-input 64 --offline-output 128 | --no-offline]
+
+Kept sides are named by their activation width (`kept-int8`, `kept-int16`: the `activations`
+weight-source option); each width in --activations is one kept side.
 
 PY: a Python with llama-cpp-python (benchmarks/.peers/llamacpp/bin/python); skipped when absent.
 Prints one JSON line per measurement (with the 1-minute load average: the machine is shared) and a
@@ -38,14 +41,21 @@ def vm_rss_mb() -> float:
     return kb / 1024
 
 
-def radixserve_side(path: str, dequantize: bool, new_tokens: int, threads: int) -> dict:
+def source_options(side: str) -> dict:
+    """The weight-source options of a side: "dequantized", or "kept-<activations>"."""
+    if side.endswith("dequantized"):
+        return {"dequantize": True}
+    return {"dequantize": False, "activations": side.rsplit("-", 1)[1]}
+
+
+def radixserve_side(path: str, side: str, new_tokens: int, threads: int) -> dict:
     from radixserve.cli_generate import generate_ids
     from radixserve.config import Config
     from radixserve.model_runner import ModelRunner
     from radixserve.state import SamplingParams
     from radixserve.tokenizer import apply_chat_template
 
-    cfg = Config.build({"model": {"path": path, "weight_source_options": {"dequantize": dequantize}},
+    cfg = Config.build({"model": {"path": path, "weight_source_options": source_options(side)},
                         "runtime": {"device": "cpu", "dtype": "float32", "num_threads": threads},
                         "scheduler": {"max_total_tokens": 4096, "max_running_requests": 4}})
     rss_before = vm_rss_mb()  # torch, transformers and the runtime imported; no model yet
@@ -84,14 +94,14 @@ def children_rss_mb() -> dict[int, float]:
     return out
 
 
-def offline_side(path: str, dequantize: bool, args) -> dict:
+def offline_side(path: str, side: str, args) -> dict:
     """Engine throughput on random prompts (the offline_throughput.py set-up) and the server RSS."""
     import random
 
     from radixserve.config import Config
     from radixserve.engine import Engine
 
-    cfg = Config.build({"model": {"path": path, "weight_source_options": {"dequantize": dequantize},
+    cfg = Config.build({"model": {"path": path, "weight_source_options": source_options(side),
                                   "context_length": args.offline_input + args.offline_output + 16},
                         "runtime": {"device": "cpu", "num_threads": args.threads},
                         **({"scheduler": {"max_total_tokens": args.server_max_total_tokens}}
@@ -166,19 +176,21 @@ def main() -> int:
     ap.add_argument("--server-max-total-tokens", type=int, default=0,
                     help="the Engine's KV pool in tokens for both modes (0: the server's default, a pool of about "
                          "2 GB here that dominates both processes' RSS)")
-    ap.add_argument("--child", choices=["kept", "dequantized", "llama.cpp", "offline-kept", "offline-dequantized"])
+    ap.add_argument("--activations", default="int8,int16", help="the kept sides' activation widths")
+    ap.add_argument("--child", help="one side, in its own process (internal)")
     args = ap.parse_args()
     args.model = args.model or smollm2_path()
     if args.child:
         if args.child == "llama.cpp":
             row = llamacpp_side(args.model, args.new_tokens, args.threads)
         elif args.child.startswith("offline-"):
-            row = offline_side(args.model, args.child == "offline-dequantized", args)
+            row = offline_side(args.model, args.child.removeprefix("offline-"), args)
         else:
-            row = radixserve_side(args.model, args.child == "dequantized", args.new_tokens, args.threads)
+            row = radixserve_side(args.model, args.child, args.new_tokens, args.threads)
         print(json.dumps(row))
         return 0
-    sides = [("kept", sys.executable), ("dequantized", sys.executable)]
+    kept_sides = [f"kept-{a}" for a in args.activations.split(",")]
+    sides = [(side, sys.executable) for side in kept_sides] + [("dequantized", sys.executable)]
     peer = subprocess.run([args.llamacpp_python, "-c", "import llama_cpp"], capture_output=True) \
         if os.path.exists(args.llamacpp_python) else None
     if peer is not None and peer.returncode == 0:
@@ -193,16 +205,19 @@ def main() -> int:
         mine = [r for r in rows if r["side"] == side]
         print(f"{side}: decode tok/s {[round(r['decode_tok_s'], 1) for r in mine]}, "
               f"VmRSS after decode MB {[round(r['rss_after_decode_mb']) for r in mine]}")
-    summary = {"decode_kept_over_fp32": best("kept", "decode_tok_s") / best("dequantized", "decode_tok_s"),
-               "runner_rss_fp32_over_kept": min(r["rss_after_decode_mb"] for r in rows if r["side"] == "dequantized")
-               / min(r["rss_after_decode_mb"] for r in rows if r["side"] == "kept")}
-    if any(r["side"] == "llama.cpp" for r in rows):
-        summary["decode_kept_over_llamacpp"] = best("kept", "decode_tok_s") / best("llama.cpp", "decode_tok_s")
+    summary = {}
+    fp32_rss = min(r["rss_after_decode_mb"] for r in rows if r["side"] == "dequantized")
+    for kept in kept_sides:
+        summary[f"decode_{kept}_over_fp32"] = best(kept, "decode_tok_s") / best("dequantized", "decode_tok_s")
+        summary[f"runner_rss_fp32_over_{kept}"] = fp32_rss / min(r["rss_after_decode_mb"] for r in rows if r["side"] == kept)
+        if any(r["side"] == "llama.cpp" for r in rows):
+            summary[f"decode_{kept}_over_llamacpp"] = best(kept, "decode_tok_s") / best("llama.cpp", "decode_tok_s")
     if not args.no_offline:
-        offline = [run_child(sys.executable, side, args) for side in ("offline-kept", "offline-dequantized")]
-        kept, fp32 = offline
-        summary["offline_kept_over_fp32"] = kept["output_tok_s"] / fp32["output_tok_s"]
-        summary["server_rss_fp32_over_kept"] = fp32["server_rss_after_mb"] / kept["server_rss_after_mb"]
+        offline = {side: run_child(sys.executable, f"offline-{side}", args) for side in kept_sides + ["dequantized"]}
+        fp32 = offline["dequantized"]
+        for kept in kept_sides:
+            summary[f"offline_{kept}_over_fp32"] = offline[kept]["output_tok_s"] / fp32["output_tok_s"]
+            summary[f"server_rss_fp32_over_{kept}"] = fp32["server_rss_after_mb"] / offline[kept]["server_rss_after_mb"]
     print(json.dumps({"summary": {k: round(v, 2) for k, v in summary.items()}}), flush=True)
     return 0
 

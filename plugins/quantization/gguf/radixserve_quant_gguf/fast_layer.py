@@ -20,8 +20,8 @@ from radixserve_quant_gguf import kernels
 logger = logging.getLogger(__name__)
 
 
-def _blocks_silu_and_mul(x: torch.Tensor, gemm, ops, blocks: torch.Tensor, type_id: int) -> torch.Tensor:
-    return ops.silu_and_mul(gemm.linear(x, blocks, type_id))
+def _blocks_silu_and_mul(x: torch.Tensor, gemm, ops, blocks: torch.Tensor, type_id: int, act_bits: int) -> torch.Tensor:
+    return ops.silu_and_mul(gemm.linear(x, blocks, type_id, act_bits))
 
 
 def gguf_linear(linear: nn.Module, silu_gated: bool) -> flat_decoder.LinearCall | None:
@@ -31,8 +31,8 @@ def gguf_linear(linear: nn.Module, silu_gated: bool) -> flat_decoder.LinearCall 
         return flat_decoder.fp32_linear(linear, silu_gated)
     gemm, type_id = kernels._built or kernels._module(), kernels.KEPT_TYPES[linear.gguf_qtype][0]
     if silu_gated:
-        return _blocks_silu_and_mul, (gemm, cpu_ops._kernels(), linear.weight, type_id)
-    return gemm.linear, (linear.weight, type_id)
+        return _blocks_silu_and_mul, (gemm, cpu_ops._kernels(), linear.weight, type_id, linear.gguf_act_bits)
+    return gemm.linear, (linear.weight, type_id, linear.gguf_act_bits)
 
 
 def install(model: nn.Module) -> int:

@@ -2,8 +2,8 @@
 
 Swapped in for the model's float VocabParallelEmbedding / ParallelLMHead by
 `GGUFMethod.prepare_model` before the weights load, so the float table is never filled: lookups
-dequantize the requested rows, and the head computes logits with the same int8 kernel as the
-linears (a tied head shares the embedding's blocks)."""
+dequantize the requested rows, and the head computes logits with the same kernel (and activation
+width) as the linears (a tied head shares the embedding's blocks)."""
 
 from __future__ import annotations
 
@@ -54,8 +54,9 @@ class BlockEmbedding(VocabParallelEmbedding):
 class BlockLMHead(ParallelLMHead):
     """LM head over GGUF blocks; `tie_to` a BlockEmbedding shares its blocks."""
 
-    def __init__(self, old: ParallelLMHead, qtype: str) -> None:
+    def __init__(self, old: ParallelLMHead, qtype: str, act_bits: int = 8) -> None:
         _init_from(self, old, qtype)
+        self.act_bits = act_bits
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
         _load_blocks(self, param, loaded, shard_id)
@@ -68,7 +69,7 @@ class BlockLMHead(ParallelLMHead):
         """Nothing to pack: the kernel reads the blocks."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(hidden.float(), self.weight, self.qtype)[..., : self.num_embeddings]
+        return kernels.linear(hidden.float(), self.weight, self.qtype, self.act_bits)[..., : self.num_embeddings]
 
     def greedy_token_ids(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         return None  # the runner takes the argmax of compute_logits

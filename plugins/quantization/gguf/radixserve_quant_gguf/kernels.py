@@ -1,8 +1,8 @@
 """The native kernels over GGUF blocks kept as they are in the file (csrc/gguf_blocks.cpp).
 
 A block weight is a uint8 tensor [rows, K / 32 * block bytes]: each row the file's bytes for that
-row, unchanged. `linear` computes x @ W^T with the activation quantized to int8 per 32-block
-(AVX-512 VNNI or AVX2 int8 dot products, chosen when the kernel is compiled for this CPU);
+row, unchanged. `linear` computes x @ W^T with the activation quantized to int8 or int16 per
+32-block (AVX-512 VNNI or AVX2 integer dot products, chosen when the kernel is compiled for this CPU);
 `embedding` and `dequantize` expand rows to fp32 exactly as `gguf.quants.dequantize` does.
 Compiled on first use through `radixserve.native` (None when no compiler: callers dequantize)."""
 
@@ -49,14 +49,18 @@ def row_bytes(qtype: str, in_features: int) -> int:
     return in_features // BLOCK * KEPT_TYPES[qtype][1]
 
 
-def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+ACTIVATION_BITS = {"int8": 8, "int16": 16}  # `activations` option -> the kernel's act_bits
+
+
+def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str, act_bits: int = 8) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype, W the [N, K] weight held as `blocks` (uint8
-    [N, K / 32 * block bytes]). Accumulates in fp32 over int8-quantized activations: within the
-    int8 rounding of x (about 0.4% of each block's largest value) of the fp32 product."""
+    [N, K / 32 * block bytes]). Accumulates in fp32 over activations quantized per 32-block to
+    `act_bits` (8 or 16): within that rounding of x (int8: about 0.4% of each block's largest
+    value; int16: about 0.002%) of the fp32 product."""
     module = _built or _module()
     if x.dtype == torch.float32:  # the CPU serving path: no conversions (the kernel reshapes)
-        return module.linear(x, blocks, KEPT_TYPES[qtype][0])
-    return module.linear(x.to(torch.float32), blocks, KEPT_TYPES[qtype][0]).to(x.dtype)
+        return module.linear(x, blocks, KEPT_TYPES[qtype][0], act_bits)
+    return module.linear(x.to(torch.float32), blocks, KEPT_TYPES[qtype][0], act_bits).to(x.dtype)
 
 
 def dequantize(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
@@ -72,5 +76,5 @@ def embedding(ids: torch.Tensor, blocks: torch.Tensor, qtype: str, in_features: 
 
 
 def isa() -> str:
-    """The int8 dot product of this build: "avx512_vnni", "avx2" or "scalar"."""
+    """The integer dot products of this build: "avx512_vnni", "avx2" or "scalar"."""
     return _module().isa()

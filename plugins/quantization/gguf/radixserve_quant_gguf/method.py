@@ -1,11 +1,12 @@
 """The "gguf" quantization component: a weight source (declared for ".gguf" files) that either
 keeps the file's blocks or dequantizes them at load.
 
-Kept quantized (`dequantize: auto` or `false`, as llama.cpp computes; CPU, every decoder linear of
-the file one of Q4_0, Q4_1, Q8_0, tp_size 1, native kernels built): each linear holds its tensor's blocks
-unchanged (uint8 [out, in / 32 * block bytes]) and computes with the native int8 kernels
-(kernels.py); a Q4_0/Q4_1/Q8_0 token embedding stays in blocks too (rows dequantized on lookup),
-and the LM head, tied or the file's own `output.weight`, computes with the same kernel.
+Kept quantized (`dequantize: auto` or `false`; CPU, every decoder linear of the file one of Q4_0,
+Q4_1, Q8_0, tp_size 1, native kernels built): each linear holds its tensor's blocks unchanged
+(uint8 [out, in / 32 * block bytes]) and computes with the native integer kernels over int16 (or,
+with `activations: int8`, llama.cpp's int8) activations (kernels.py); a Q4_0/Q4_1/Q8_0 token
+embedding stays in blocks too (rows dequantized on lookup), and the LM head, tied or the file's own
+`output.weight`, computes with the same kernel.
 Dequantized (the default, `dequantize: true`, and wherever blocks cannot stay): plain fp32
 weights, as transformers loads the file.
 
@@ -39,18 +40,25 @@ class GGUFMethod(UnquantizedMethod, WeightSource):
     """Options (`model.weight_source_options`): `dequantize` — True (default): dequantize to fp32
     at load (the weights transformers computes with: greedy outputs token for token);
     "auto": keep the file's blocks where that is possible (CPU, every decoder linear
-    Q4_0/Q4_1/Q8_0 of one type, native kernels built, tp_size 1: ~4x less model memory, ~2-3.6x
+    Q4_0/Q4_1/Q8_0 of one type, native kernels built, tp_size 1: ~4x less model memory, ~3x
     faster batch-1 decode; benchmarks/results/cpu-gguf-quantized.md), else dequantize, logging why;
-    False: keep the blocks and refuse to start, naming why, where that is not possible. Kept blocks
-    quantize the activations to int8 per 32-input block (as llama.cpp does), so their greedy
-    outputs follow the top-5 rule against fp32 rather than matching it, and can part at the first
-    token (SmolLM2: "What is the capital of France?" -> "L'Étoile, ..." kept, "The capital of
-    France is Paris." fp32): that is why they are not the default."""
+    False: keep the blocks and refuse to start, naming why, where that is not possible.
+    `activations` — what kept blocks quantize the activations to, per 32-input block: "int16"
+    (default: ~0.002% of a block's largest value; SmolLM2's greedy answers equal the fp32 path's on
+    the prompts checked) or "int8" (llama.cpp's arithmetic, a few % faster at batch 1, 0.4%: enough
+    to move greedy choices: "What is the capital of France?" -> "L'Étoile, ..." instead of "The
+    capital of France is Paris."). Either way kept outputs follow the top-5 rule against fp32
+    rather than matching it by construction, which is why dequantizing stays the default."""
 
-    def __init__(self, dequantize: bool | str = True) -> None:
+    def __init__(self, dequantize: bool | str = True, activations: str = "int16") -> None:
         if not (isinstance(dequantize, bool) or dequantize == "auto"):  # not `in (True, False, ...)`: 1 == True
             raise ValueError(f"GGUF option dequantize must be true, false or auto, got {dequantize!r}")
+        if activations not in kernels.ACTIVATION_BITS:
+            raise ValueError(f"GGUF option activations must be one of {', '.join(kernels.ACTIVATION_BITS)}, "
+                             f"got {activations!r}")
         self.dequantize: bool | None = None if dequantize == "auto" else dequantize  # None: auto
+        self.activations = activations
+        self.act_bits = kernels.ACTIVATION_BITS[activations]
         self.path: str | None = None
         self.keep: bool | None = None  # decided at the first linear (the device is known then)
         self.linear_type: str | None = None
@@ -121,11 +129,11 @@ class GGUFMethod(UnquantizedMethod, WeightSource):
             if type(module) is not ParallelLMHead:
                 continue
             if new_embed is not None and module.weight is embed_weight:  # tied
-                head = BlockLMHead(module, new_embed.qtype)
+                head = BlockLMHead(module, new_embed.qtype, self.act_bits)
                 head.tie_to(new_embed)
                 swaps[name] = head
             elif "output.weight" in types:
-                swaps[name] = BlockLMHead(module, types["output.weight"])
+                swaps[name] = BlockLMHead(module, types["output.weight"], self.act_bits)
         for name, new in swaps.items():
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, new)
@@ -142,6 +150,7 @@ class GGUFMethod(UnquantizedMethod, WeightSource):
         set_weight_attrs(weight, {"output_dim": 0, "weight_loader": layer.weight_loader})
         layer.register_parameter("weight", weight)
         layer.gguf_qtype = self.linear_type
+        layer.gguf_act_bits = self.act_bits
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not self.keep:
@@ -150,7 +159,7 @@ class GGUFMethod(UnquantizedMethod, WeightSource):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not self.keep:
             return super().apply(layer, x, bias)
-        y = kernels.linear(x, layer.weight, layer.gguf_qtype)
+        y = kernels.linear(x, layer.weight, layer.gguf_qtype, layer.gguf_act_bits)
         return y if bias is None else y + bias
 
     # ---- the choice -----------------------------------------------------------------------
@@ -164,7 +173,8 @@ class GGUFMethod(UnquantizedMethod, WeightSource):
         why, linear_type = self._why_not_kept(tp_size)
         if why is None:
             self.linear_type = linear_type
-            logger.info("GGUF %s: %s weights kept quantized (int8 %s kernels)%s", name, linear_type, kernels.isa(),
+            logger.info("GGUF %s: %s weights kept quantized (%s activations, %s kernels)%s", name, linear_type,
+                        self.activations, kernels.isa(),
                         "" if self.dequantize is False else "; weight_source_options dequantize: true for the fp32 "
                         "path (parity with transformers)")
             return True

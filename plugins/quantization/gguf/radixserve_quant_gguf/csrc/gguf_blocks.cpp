@@ -8,6 +8,11 @@
 // The activation row is quantized per 32-block to int8 with one fp32 scale dx and the block sum
 // sx = dx * sum(q) (llama.cpp's q8_1), so each weight block costs one 32-wide int8 dot product:
 //   Q4_0: dw * dx * dot(q, qx) - 8 * dw * sx      Q4_1: dw * dx * dot(q, qx) + m * sx
+// or, with act_bits = 16, to int16 the same way (scale amax / 32767), the dots then int16 x weight
+// codes widened to int16 (vpdpwssd / vpmaddwd): half the int8 rate, but the activation rounding
+// (0.4% of a block's largest value at int8) becomes ~0.002%, below what moves a greedy choice on
+// SmolLM2 where int8 does (docs/quantization.md). Integer dots are exact in any order, so every
+// path below gives the same bits for a row whatever the batch, at either width.
 // Why: decode streams every weight once per step; 4.5-8.5 bits per weight instead of 32 means
 // 4-7x fewer bytes, and int8 dots do 32 multiply-adds per instruction.
 // The int8 dot is AVX-512 VNNI (vpdpbusd) where the compiler targets it (-march=native), else
@@ -90,19 +95,23 @@ inline float f16_to_f32(const uint8_t* p) {
 #endif
 }
 
-// Activation rows quantized per block: codes int8 [M, K], dx and sx fp32 [M, K / 32].
+// Activation rows quantized per block: codes XT (int8 or int16) [M, K], dx and sx fp32 [M, K / 32].
+template <typename XT>
 struct QuantizedRows {
-  std::vector<int8_t> q;
+  std::vector<XT> q;
   std::vector<float> d, s;
 };
 
 // A run of quantized rows: codes [rows, K], scales and sums [rows, K / 32].
+template <typename XT>
 struct Rows {
-  const int8_t* q;
+  const XT* q;
   const float *d, *s;
 };
 
-void quantize_rows(const float* x, int64_t lda, int64_t M, int64_t K, QuantizedRows& out) {
+template <typename XT>
+void quantize_rows(const float* x, int64_t lda, int64_t M, int64_t K, QuantizedRows<XT>& out) {
+  constexpr float kMax = sizeof(XT) == 1 ? 127.f : 32767.f;
   const int64_t nb = K / QK;
   out.q.resize(M * K);
   out.d.resize(M * nb);
@@ -117,12 +126,12 @@ void quantize_rows(const float* x, int64_t lda, int64_t M, int64_t K, QuantizedR
       const float* src = x + r * lda + b * QK;
       float amax = 0.f;
       for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(src[j]));
-      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* q = out.q.data() + r * K + b * QK;
+      const float d = amax / kMax, inv = amax > 0.f ? kMax / amax : 0.f;
+      XT* q = out.q.data() + r * K + b * QK;
       int sum = 0;
       for (int j = 0; j < QK; ++j) {
         const int v = static_cast<int>(std::nearbyint(src[j] * inv));
-        q[j] = static_cast<int8_t>(v);
+        q[j] = static_cast<XT>(v);
         sum += v;
       }
       out.d[i] = d;
@@ -162,6 +171,55 @@ inline __m256i block_codes(const uint8_t* blk) {
   }
 }
 
+// 8 int32 partial sums of the int16 products w[i] * x[i] over 16 lanes, added to acc (exact:
+// |w| <= 127 and |x| <= 32767 keep each pair's sum within int32).
+inline __m256i dot_i16(__m256i acc, __m256i w, __m256i x) {
+#if RS_HAVE_VNNI
+  return _mm256_dpwssd_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+}
+
+// One weight block's codes decoded once, for dots with activation codes of type XT: the 8 int32
+// partial sums of the block's 32 products (any two of them sum to the same exact block dot).
+template <int QT, typename XT>
+struct BlockCodes;
+
+template <int QT>
+struct BlockCodes<QT, int8_t> {
+  __m256i w, wabs;  // wabs: |w|, Q8_0 only (vpdpbusd takes one unsigned operand: w's sign moves onto x)
+  explicit BlockCodes(const uint8_t* blk) : w(block_codes<QT>(blk)) {
+    if constexpr (QT == Q8_0) wabs = _mm256_sign_epi8(w, w);
+  }
+  __m256i dot(const int8_t* x) const {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    if constexpr (QT == Q8_0) return dot_u8s8(wabs, _mm256_sign_epi8(xv, w));
+    return dot_u8s8(w, xv);
+  }
+};
+
+template <int QT>
+struct BlockCodes<QT, int16_t> {
+  __m256i lo, hi;  // the codes of inputs 0-15 and 16-31 as int16
+  explicit BlockCodes(const uint8_t* blk) {
+    const __m256i w = block_codes<QT>(blk);
+    const __m128i w0 = _mm256_castsi256_si128(w), w1 = _mm256_extracti128_si256(w, 1);
+    if constexpr (QT == Q8_0) {
+      lo = _mm256_cvtepi8_epi16(w0);
+      hi = _mm256_cvtepi8_epi16(w1);
+    } else {
+      lo = _mm256_cvtepu8_epi16(w0);
+      hi = _mm256_cvtepu8_epi16(w1);
+    }
+  }
+  __m256i dot(const int16_t* x) const {
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+    return dot_i16(dot_i16(_mm256_setzero_si256(), lo, x0), hi, x1);
+  }
+};
+
 // out[r] = dot(weight row, activation row r) for R rows at once: each weight block is decoded
 // once and used from registers by every row. Per block the int32 dot is summed exactly, then
 // acc = fma(dot, dw * dx, acc); acc = fma(coef, sx, acc): the same fp32 operations, in the same
@@ -173,8 +231,8 @@ inline int hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-template <int QT, int R>
-inline void rows_dot(const uint8_t* wrow, int64_t nb, const int8_t* xq, int64_t K, const float* xd, const float* xs,
+template <int QT, typename XT, int R>
+inline void rows_dot(const uint8_t* wrow, int64_t nb, const XT* xq, int64_t K, const float* xd, const float* xs,
                      float* out, int64_t ldo) {
   constexpr int64_t BB = QT == Q8_0 ? 34 : QT == Q4_1 ? 20 : 18;
   float acc[R];
@@ -182,18 +240,11 @@ inline void rows_dot(const uint8_t* wrow, int64_t nb, const int8_t* xq, int64_t 
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = wrow + b * BB;
     const float dw = f16_to_f32(blk);
-    const __m256i wv = block_codes<QT>(blk);
-    __m256i wabs;
-    if constexpr (QT == Q8_0) wabs = _mm256_sign_epi8(wv, wv);
+    const BlockCodes<QT, XT> codes(blk);
     const float coef = QT == Q4_0 ? -8.f * dw : QT == Q4_1 ? f16_to_f32(blk + 2) : 0.f;
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * QK));
-      __m256i dot;
-      if constexpr (QT == Q8_0)  // signed x signed: move w's sign onto x
-        dot = dot_u8s8(wabs, _mm256_sign_epi8(xv, wv));
-      else
-        dot = dot_u8s8(wv, xv);
+      const __m256i dot = codes.dot(xq + r * K + b * QK);
       acc[r] = std::fma(static_cast<float>(hsum_i32(dot)), dw * xd[r * nb + b], acc[r]);
       if constexpr (QT != Q8_0) acc[r] = std::fma(coef, xs[r * nb + b], acc[r]);
     }
@@ -220,15 +271,19 @@ inline __m256i reduce8(const __m256i* p) {
 // reused by every activation row of the call (a chunk of them stays in L2 while it is used).
 // Q4: the 16-bit lanes sum 16 products of at most 15 * 127 over a block (30480, no saturation);
 // Q8_0 stores |w| and w (its sign is moved onto x) and widens to 32 bits every step.
+// int16 activations: a vector holds 2 inputs x 8 rows of int16 codes (16 steps per block), an
+// activation row broadcasts its 2 codes per step, and vpdpwssd / vpmaddwd sums into 32 bits.
 // Per output lane the fp32 arithmetic is group8_direct's and rows_dot's (one exact int32 dot per
 // block, then fma(dot, dw * dx, acc), fma(coef, sx, acc)): the same bits for a row alone or in
 // any batch, by any path.
+template <typename XT>
 struct Panel {
-  std::vector<uint8_t> codes, abs_codes;  // [nb][G][8 steps][32]; abs_codes: Q8_0 only
+  static constexpr int kSteps = sizeof(XT) == 1 ? 8 : 16;  // 32-byte vectors per block and group
+  std::vector<uint8_t> codes, abs_codes;  // [nb][G][kSteps][32]; abs_codes: Q8_0 with int8 only
   std::vector<float> d8, c8;              // [nb][G][8]
   Panel(int64_t nb, int64_t groups, bool q8)
-      : codes(nb * groups * 8 * 32), abs_codes(q8 ? nb * groups * 8 * 32 : 0), d8(nb * groups * 8),
-        c8(nb * groups * 8) {}
+      : codes(nb * groups * kSteps * 32), abs_codes(q8 && sizeof(XT) == 1 ? nb * groups * 8 * 32 : 0),
+        d8(nb * groups * 8), c8(nb * groups * 8) {}
 };
 
 // 8 x 8 transpose of 32-bit elements: in[j] holds row j's 8 dwords; out[s] holds dword s of rows 0..7.
@@ -252,24 +307,32 @@ inline void transpose8x8_epi32(const __m256i* in, __m256i* out) {
 }
 
 // Decode weight rows [n0, n0 + 8 * groups) into the panel.
-template <int QT>
-inline void decode_panel(const uint8_t* wp, int64_t row_bytes, int64_t n0, int64_t groups, int64_t nb, Panel& p) {
+template <int QT, typename XT>
+inline void decode_panel(const uint8_t* wp, int64_t row_bytes, int64_t n0, int64_t groups, int64_t nb, Panel<XT>& p) {
   constexpr int64_t BB = QT == Q8_0 ? 34 : QT == Q4_1 ? 20 : 18;
+  constexpr int S = Panel<XT>::kSteps;
   for (int64_t b = 0; b < nb; ++b) {
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* blk0 = wp + (n0 + 8 * g) * row_bytes + b * BB;
-      __m256i rows[8], steps[8];
+      __m256i rows[8], rows_hi[8], steps[16];
       for (int j = 0; j < 8; ++j) {
         const uint8_t* blk = blk0 + j * row_bytes;
         const float dw = f16_to_f32(blk);
         p.d8[(b * groups + g) * 8 + j] = dw;
         p.c8[(b * groups + g) * 8 + j] = QT == Q4_0 ? -8.f * dw : QT == Q4_1 ? f16_to_f32(blk + 2) : 0.f;
-        rows[j] = block_codes<QT>(blk);
+        if constexpr (sizeof(XT) == 1) {
+          rows[j] = block_codes<QT>(blk);
+        } else {
+          const BlockCodes<QT, int16_t> codes(blk);
+          rows[j] = codes.lo;
+          rows_hi[j] = codes.hi;
+        }
       }
       transpose8x8_epi32(rows, steps);
-      __m256i* out = reinterpret_cast<__m256i*>(p.codes.data() + (b * groups + g) * 8 * 32);
-      for (int s = 0; s < 8; ++s) _mm256_storeu_si256(out + s, steps[s]);
-      if constexpr (QT == Q8_0) {
+      if constexpr (sizeof(XT) == 2) transpose8x8_epi32(rows_hi, steps + 8);
+      __m256i* out = reinterpret_cast<__m256i*>(p.codes.data() + (b * groups + g) * S * 32);
+      for (int s = 0; s < S; ++s) _mm256_storeu_si256(out + s, steps[s]);
+      if constexpr (QT == Q8_0 && sizeof(XT) == 1) {
         __m256i* abs_out = reinterpret_cast<__m256i*>(p.abs_codes.data() + (b * groups + g) * 8 * 32);
         for (int s = 0; s < 8; ++s) _mm256_storeu_si256(abs_out + s, _mm256_sign_epi8(steps[s], steps[s]));
       }
@@ -278,50 +341,64 @@ inline void decode_panel(const uint8_t* wp, int64_t row_bytes, int64_t n0, int64
 }
 
 // out[r * ldo + 8 * g + j] for R activation rows, G groups of 8 weight rows, from the panel.
-template <int QT, int R, int G>
-inline void panel_rows(const Panel& p, int64_t nb, const int8_t* xq, int64_t K, const float* xd, const float* xs,
+template <int QT, typename XT, int R, int G>
+inline void panel_rows(const Panel<XT>& p, int64_t nb, const XT* xq, int64_t K, const float* xd, const float* xs,
                        float* out, int64_t ldo) {
+  constexpr int S = Panel<XT>::kSteps;
+  constexpr bool kWide = sizeof(XT) == 2;
   __m256 acc[R][G];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
-    const __m256i* w = reinterpret_cast<const __m256i*>(p.codes.data() + b * G * 8 * 32);
-    const __m256i* wabs = reinterpret_cast<const __m256i*>(p.abs_codes.data() + (QT == Q8_0 ? b * G * 8 * 32 : 0));
+    const __m256i* w = reinterpret_cast<const __m256i*>(p.codes.data() + b * G * S * 32);
+    const __m256i* wabs =
+        reinterpret_cast<const __m256i*>(p.abs_codes.data() + (QT == Q8_0 && !kWide ? b * G * 8 * 32 : 0));
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const int8_t* xb = xq + r * K + b * QK;
+      const XT* xb = xq + r * K + b * QK;
       __m256i sum[G];
       for (int g = 0; g < G; ++g) sum[g] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int s = 0; s < 8; ++s) {
-        int32_t four;
-        std::memcpy(&four, xb + 4 * s, 4);
-        const __m256i xv = _mm256_set1_epi32(four);
+      if constexpr (kWide) {
+#pragma GCC unroll 16
+        for (int s = 0; s < S; ++s) {  // inputs 2s, 2s + 1 of the block
+          int32_t two;
+          std::memcpy(&two, xb + 2 * s, 4);
+          const __m256i xv = _mm256_set1_epi32(two);
 #pragma GCC unroll 2
-        for (int g = 0; g < G; ++g) {
+          for (int g = 0; g < G; ++g) sum[g] = dot_i16(sum[g], _mm256_loadu_si256(w + g * S + s), xv);
+        }
+      } else {
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; ++s) {
+          int32_t four;
+          std::memcpy(&four, xb + 4 * s, 4);
+          const __m256i xv = _mm256_set1_epi32(four);
+#pragma GCC unroll 2
+          for (int g = 0; g < G; ++g) {
 #if RS_HAVE_VNNI  // 32-bit sums straight from vpdpbusd
-          if constexpr (QT == Q8_0)
-            sum[g] = _mm256_dpbusd_epi32(sum[g], _mm256_loadu_si256(wabs + g * 8 + s),
-                                         _mm256_sign_epi8(xv, _mm256_loadu_si256(w + g * 8 + s)));
-          else
-            sum[g] = _mm256_dpbusd_epi32(sum[g], _mm256_loadu_si256(w + g * 8 + s), xv);
+            if constexpr (QT == Q8_0)
+              sum[g] = _mm256_dpbusd_epi32(sum[g], _mm256_loadu_si256(wabs + g * 8 + s),
+                                           _mm256_sign_epi8(xv, _mm256_loadu_si256(w + g * 8 + s)));
+            else
+              sum[g] = _mm256_dpbusd_epi32(sum[g], _mm256_loadu_si256(w + g * 8 + s), xv);
 #else
-          if constexpr (QT == Q8_0) {
-            const __m256i prod = _mm256_maddubs_epi16(_mm256_loadu_si256(wabs + g * 8 + s),
-                                                      _mm256_sign_epi8(xv, _mm256_loadu_si256(w + g * 8 + s)));
-            sum[g] = _mm256_add_epi32(sum[g], _mm256_madd_epi16(prod, ones));
-          } else {
-            sum[g] = _mm256_add_epi16(sum[g], _mm256_maddubs_epi16(_mm256_loadu_si256(w + g * 8 + s), xv));
-          }
+            if constexpr (QT == Q8_0) {
+              const __m256i prod = _mm256_maddubs_epi16(_mm256_loadu_si256(wabs + g * 8 + s),
+                                                        _mm256_sign_epi8(xv, _mm256_loadu_si256(w + g * 8 + s)));
+              sum[g] = _mm256_add_epi32(sum[g], _mm256_madd_epi16(prod, ones));
+            } else {
+              sum[g] = _mm256_add_epi16(sum[g], _mm256_maddubs_epi16(_mm256_loadu_si256(w + g * 8 + s), xv));
+            }
 #endif
+          }
         }
       }
       const __m256 dx = _mm256_set1_ps(xd[r * nb + b]);
       const __m256 sx = _mm256_set1_ps(xs[r * nb + b]);
 #pragma GCC unroll 2
       for (int g = 0; g < G; ++g) {
-        const __m256i dot = QT == Q8_0 || RS_HAVE_VNNI ? sum[g] : _mm256_madd_epi16(sum[g], ones);
+        const __m256i dot = kWide || QT == Q8_0 || RS_HAVE_VNNI ? sum[g] : _mm256_madd_epi16(sum[g], ones);
         const __m256 d8 = _mm256_loadu_ps(p.d8.data() + (b * G + g) * 8);
         acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d8, dx), acc[r][g]);
         if constexpr (QT != Q8_0)
@@ -354,24 +431,19 @@ inline __m256 gather8_f16(const uint8_t* p, int64_t stride) {
 // offsets 8 lanes at a time, the same fp32 operations per lane as panel_rows and rows_dot (so a
 // row's result does not depend on the path or the batch) at about half rows_dot's instructions
 // (no per-block horizontal sum, no scalar fp16 conversions). out[j] for j < 8.
-template <int QT>
-inline void group8_direct(const uint8_t* wrow0, int64_t row_bytes, int64_t nb, const int8_t* xq, const float* xd,
+template <int QT, typename XT>
+inline void group8_direct(const uint8_t* wrow0, int64_t row_bytes, int64_t nb, const XT* xq, const float* xd,
                           const float* xs, float* out) {
   constexpr int64_t BB = QT == Q8_0 ? 34 : QT == Q4_1 ? 20 : 18;
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk0 = wrow0 + b * BB;
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * QK));
     __m256i p[8];
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       // the next group's rows, a group ahead: 8 rows in lockstep are 8 streams for the prefetcher
       _mm_prefetch(reinterpret_cast<const char*>(blk0 + (j + 8) * row_bytes), _MM_HINT_T0);
-      const __m256i wv = block_codes<QT>(blk0 + j * row_bytes);
-      if constexpr (QT == Q8_0)
-        p[j] = dot_u8s8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-      else
-        p[j] = dot_u8s8(wv, xv);
+      p[j] = BlockCodes<QT, XT>(blk0 + j * row_bytes).dot(xq + b * QK);
     }
     const __m256 d8 = gather8_f16(blk0, row_bytes);
     const __m256 dots = _mm256_cvtepi32_ps(reduce8(p));
@@ -384,7 +456,8 @@ inline void group8_direct(const uint8_t* wrow0, int64_t row_bytes, int64_t nb, c
 #endif
 
 // Scalar reference of rows_dot, one activation row (no AVX2).
-inline float row_dot_scalar(const uint8_t* wrow, int64_t qtype, int64_t nb, const int8_t* xq, const float* xd,
+template <typename XT>
+inline float row_dot_scalar(const uint8_t* wrow, int64_t qtype, int64_t nb, const XT* xq, const float* xd,
                             const float* xs) {
   const int64_t bb = block_bytes(qtype);
   float acc = 0.f, offset = 0.f;
@@ -410,38 +483,38 @@ inline float row_dot_scalar(const uint8_t* wrow, int64_t qtype, int64_t nb, cons
 
 #if RS_HAVE_AVX2
 // All M activation rows against one decoded panel, RS_PANEL_ROWS rows at a time.
-template <int QT, int G>
-inline void panel_all_rows(const Panel& p, int64_t nb, const Rows& x, int64_t M, int64_t K, float* yp,
+template <int QT, typename XT, int G>
+inline void panel_all_rows(const Panel<XT>& p, int64_t nb, const Rows<XT>& x, int64_t M, int64_t K, float* yp,
                            int64_t N) {
   int64_t r = 0;
   for (; r + RS_PANEL_ROWS <= M; r += RS_PANEL_ROWS)
-    panel_rows<QT, RS_PANEL_ROWS, G>(p, nb, x.q + r * K, K, x.d + r * nb, x.s + r * nb, yp + r * N, N);
+    panel_rows<QT, XT, RS_PANEL_ROWS, G>(p, nb, x.q + r * K, K, x.d + r * nb, x.s + r * nb, yp + r * N, N);
   for (; r < M; ++r)
-    panel_rows<QT, 1, G>(p, nb, x.q + r * K, K, x.d + r * nb, x.s + r * nb, yp + r * N, N);
+    panel_rows<QT, XT, 1, G>(p, nb, x.q + r * K, K, x.d + r * nb, x.s + r * nb, yp + r * N, N);
 }
 #endif
 
 // y[:, n] for the output rows [begin, end), all M activation rows: one row reads the file layout
 // directly (group8_direct); several rows share decoded panels; rows_dot takes the last < 8 rows.
-template <int QT>
-void linear_rows(const uint8_t* wp, int64_t row_bytes, int64_t begin, int64_t end, const Rows& x, int64_t M,
+template <int QT, typename XT>
+void linear_rows(const uint8_t* wp, int64_t row_bytes, int64_t begin, int64_t end, const Rows<XT>& x, int64_t M,
                  int64_t K, float* yp, int64_t N) {
   const int64_t nb = K / QK;
   int64_t n = begin;
 #if RS_HAVE_AVX2
   if (M == 1) {
-    for (; n + 8 <= end; n += 8) group8_direct<QT>(wp + n * row_bytes, row_bytes, nb, x.q, x.d, x.s, yp + n);
+    for (; n + 8 <= end; n += 8) group8_direct<QT, XT>(wp + n * row_bytes, row_bytes, nb, x.q, x.d, x.s, yp + n);
   } else {
     constexpr int64_t G = RS_PANEL_GROUPS;
-    Panel panel(nb, G, QT == Q8_0);
+    Panel<XT> panel(nb, G, QT == Q8_0);
     for (; n + 8 * G <= end; n += 8 * G) {
-      decode_panel<QT>(wp, row_bytes, n, G, nb, panel);
-      panel_all_rows<QT, G>(panel, nb, x, M, K, yp + n, N);
+      decode_panel<QT, XT>(wp, row_bytes, n, G, nb, panel);
+      panel_all_rows<QT, XT, G>(panel, nb, x, M, K, yp + n, N);
     }
     if (n + 8 <= end) {
-      Panel one(nb, 1, QT == Q8_0);
-      decode_panel<QT>(wp, row_bytes, n, 1, nb, one);
-      panel_all_rows<QT, 1>(one, nb, x, M, K, yp + n, N);
+      Panel<XT> one(nb, 1, QT == Q8_0);
+      decode_panel<QT, XT>(wp, row_bytes, n, 1, nb, one);
+      panel_all_rows<QT, XT, 1>(one, nb, x, M, K, yp + n, N);
       n += 8;
     }
   }
@@ -451,9 +524,9 @@ void linear_rows(const uint8_t* wp, int64_t row_bytes, int64_t begin, int64_t en
     int64_t r = 0;
 #if RS_HAVE_AVX2
     for (; r + 4 <= M; r += 4)
-      rows_dot<QT, 4>(wrow, nb, x.q + r * K, K, x.d + r * nb, x.s + r * nb, yp + r * N + n, N);
+      rows_dot<QT, XT, 4>(wrow, nb, x.q + r * K, K, x.d + r * nb, x.s + r * nb, yp + r * N + n, N);
     for (; r < M; ++r)
-      rows_dot<QT, 1>(wrow, nb, x.q + r * K, K, x.d + r * nb, x.s + r * nb, yp + r * N + n, N);
+      rows_dot<QT, XT, 1>(wrow, nb, x.q + r * K, K, x.d + r * nb, x.s + r * nb, yp + r * N + n, N);
 #else
     for (; r < M; ++r)
       yp[r * N + n] = row_dot_scalar(wrow, QT, nb, x.q + r * K, x.d + r * nb, x.s + r * nb);
@@ -493,43 +566,54 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_row(const uint8_t* 
   }
 }
 
-}  // namespace
-
-// x fp32 [..., K] (a [M, K] matrix with contiguous rows, or any contiguous tensor), w blocks
-// [N, K/32 * block bytes] of `qtype`. Returns fp32 [..., N]. (The reshape is here, not in Python:
-// at batch 1 the wrapper's tensor calls cost a visible share of a decode step.)
-at::Tensor linear(at::Tensor x_in, at::Tensor w, int64_t qtype) {
-  TORCH_CHECK(x_in.dim() >= 1 && x_in.scalar_type() == at::kFloat, "gguf_blocks.linear: x fp32 [..., K]");
-  const bool matrix = x_in.dim() == 2 && x_in.stride(1) == 1;
-  const at::Tensor x = matrix ? x_in : x_in.contiguous().view({-1, x_in.size(-1)});
+// y [M, N] = x [M, K] @ W^T over activation codes of type XT (the body of `linear`).
+template <typename XT>
+void linear_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  check_weight(w, qtype, K);
-  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
-  out_shape.back() = N;
-  auto y = at::empty(out_shape, x.options());
-  QuantizedRows xq;
+  QuantizedRows<XT> xq;
   quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, xq);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t row_bytes = w.size(1);
   float* yp = y.data_ptr<float>();
-  // Row chunks whose int8 codes stay in L2 while every weight panel passes them (a decode batch
-  // is one chunk); within a chunk, tasks over groups of 8 output rows (the kernels' unit; only
+  // Row chunks whose activation codes stay in L2 while every weight panel passes them (a decode
+  // batch is one chunk); within a chunk, tasks over groups of 8 output rows (the kernels' unit; only
   // the last group is partial), at least 2 groups per task so that a thread streams a contiguous
   // run of the weight (each panel is decoded once per chunk).
-  const int64_t nb = K / QK, chunk = std::max<int64_t>(4, (256 * 1024 / K) / 4 * 4);
+  const int64_t nb = K / QK, chunk = std::max<int64_t>(4, (256 * 1024 / (K * sizeof(XT))) / 4 * 4);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
-    const Rows xr{xq.q.data() + m0 * K, xq.d.data() + m0 * nb, xq.s.data() + m0 * nb};
+    const Rows<XT> xr{xq.q.data() + m0 * K, xq.d.data() + m0 * nb, xq.s.data() + m0 * nb};
     float* yc = yp + m0 * N;
     at::parallel_for(0, (N + 7) / 8, 2, [&](int64_t group_begin, int64_t group_end) {
       const int64_t begin = group_begin * 8, end = std::min(group_end * 8, N);
       switch (qtype) {
-        case Q4_0: linear_rows<Q4_0>(wp, row_bytes, begin, end, xr, rows, K, yc, N); break;
-        case Q4_1: linear_rows<Q4_1>(wp, row_bytes, begin, end, xr, rows, K, yc, N); break;
-        default: linear_rows<Q8_0>(wp, row_bytes, begin, end, xr, rows, K, yc, N); break;
+        case Q4_0: linear_rows<Q4_0, XT>(wp, row_bytes, begin, end, xr, rows, K, yc, N); break;
+        case Q4_1: linear_rows<Q4_1, XT>(wp, row_bytes, begin, end, xr, rows, K, yc, N); break;
+        default: linear_rows<Q8_0, XT>(wp, row_bytes, begin, end, xr, rows, K, yc, N); break;
       }
     });
   }
+}
+
+}  // namespace
+
+// x fp32 [..., K] (a [M, K] matrix with contiguous rows, or any contiguous tensor), w blocks
+// [N, K/32 * block bytes] of `qtype`; the activations quantized per 32-block to `act_bits` (8 or
+// 16) bits. Returns fp32 [..., N]. (The reshape is here, not in Python: at batch 1 the wrapper's
+// tensor calls cost a visible share of a decode step.)
+at::Tensor linear(at::Tensor x_in, at::Tensor w, int64_t qtype, int64_t act_bits) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.scalar_type() == at::kFloat, "gguf_blocks.linear: x fp32 [..., K]");
+  TORCH_CHECK(act_bits == 8 || act_bits == 16, "gguf_blocks.linear: act_bits must be 8 or 16, got ", act_bits);
+  const bool matrix = x_in.dim() == 2 && x_in.stride(1) == 1;
+  const at::Tensor x = matrix ? x_in : x_in.contiguous().view({-1, x_in.size(-1)});
+  check_weight(w, qtype, x.size(1));
+  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
+  out_shape.back() = w.size(0);
+  auto y = at::empty(out_shape, x.options());
+  if (act_bits == 8)
+    linear_into<int8_t>(x, w, qtype, y);
+  else
+    linear_into<int16_t>(x, w, qtype, y);
   return y;
 }
 
@@ -565,9 +649,9 @@ at::Tensor embedding(at::Tensor ids, at::Tensor w, int64_t qtype, int64_t K) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", [] { return std::string(RS_HAVE_VNNI ? "avx512_vnni" : RS_HAVE_AVX2 ? "avx2" : "scalar"); },
-        "the int8 dot product this build uses");
+        "the integer dot products this build uses");
   m.def("block_bytes", &block_bytes, "bytes per 32-input block of a GGML type id");
-  m.def("linear", &linear, "x @ W^T with W kept in GGUF blocks (int8 activations per 32-block)");
+  m.def("linear", &linear, "x @ W^T with W kept in GGUF blocks (int8 or int16 activations per 32-block)");
   m.def("dequantize", &dequantize, "all rows of a block weight as fp32");
   m.def("embedding", &embedding, "the given rows of a block weight as fp32");
 }
