@@ -68,7 +68,7 @@ WITHIN = {8: (1e-4, 0.02), 16: (5e-5, 2e-4)}
 @pytest.mark.parametrize("act_bits", [8, 16])
 @pytest.mark.parametrize("qtype", TYPES)
 def test_linear_matches_fp32_within_activation_rounding(qtype, act_bits):
-    # N = 100: groups of 8 rows plus a tail; M = 7: tiles of 4 plus single rows
+    # N = 100: groups of 8 rows plus a tail; M = 7: a tile of rows (AVX2: 4) plus single rows
     blocks, w = build(qtype, 100, 288, seed=2)
     blocks = torch.from_numpy(blocks)
     x = torch.randn(7, 288, generator=torch.Generator().manual_seed(0))
