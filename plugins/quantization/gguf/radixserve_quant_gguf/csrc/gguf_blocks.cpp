@@ -44,19 +44,11 @@
 #define RS_HAVE_VNNI 0
 #endif
 
-// The M > 1 tile: activation rows per call and groups of 8 weight rows per decoded panel (int8: 4 x 2
-// measured best of 1-6 x 1-4 on the AVX2 CI machine, 8 x 2 of 4-8 x 2 where AVX-512 VL gives 32
-// vector registers (Zen 4: 0.95 vs 1.37 ms CPU at 64 x 576 -> 3072); int16: 4 x 2 of 2-6 x 1-4 on
-// Zen 4; macros for such A/B builds).
+// The M > 1 tile: activation rows per call and groups of 8 weight rows per decoded panel: 4 x 2,
+// measured best of 2-8 x 1-4 on Zen 4 (AVX-512 VL) for both activation widths with the rows-inner
+// step of panel_rows (AVX2-only machines: not measured since that loop order; macros for A/B builds).
 #ifndef RS_PANEL_ROWS
-#if defined(__AVX512VL__)
-#define RS_PANEL_ROWS 8
-#else
 #define RS_PANEL_ROWS 4
-#endif
-#endif
-#ifndef RS_PANEL_ROWS_WIDE
-#define RS_PANEL_ROWS_WIDE 4
 #endif
 #ifndef RS_PANEL_GROUPS
 #define RS_PANEL_GROUPS 2
@@ -350,98 +342,75 @@ inline void decode_panel(const uint8_t* wp, int64_t row_bytes, int64_t n0, int64
 }
 
 // out[r * ldo + 8 * g + j] for R activation rows, G groups of 8 weight rows, from the panel.
-template <int QT, int R, int G>
-inline void panel_rows(const Panel<int8_t>& p, int64_t nb, const int8_t* xq, int64_t K, const float* xd, const float* xs,
-                       float* out, int64_t ldo) {
-  __m256 acc[R][G];
-  for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
-  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i* w = reinterpret_cast<const __m256i*>(p.codes.data() + b * G * 8 * 32);
-    const __m256i* wabs = reinterpret_cast<const __m256i*>(p.abs_codes.data() + (QT == Q8_0 ? b * G * 8 * 32 : 0));
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xb = xq + r * K + b * QK;
-      __m256i sum[G];
-      for (int g = 0; g < G; ++g) sum[g] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int s = 0; s < 8; ++s) {
-        int32_t four;
-        std::memcpy(&four, xb + 4 * s, 4);
-        const __m256i xv = _mm256_set1_epi32(four);
-#pragma GCC unroll 2
-        for (int g = 0; g < G; ++g) {
+// One step of a panel block for one activation row and one group: sum += the products of the
+// row's codes at this step (broadcast in xv) with the group's panel vector w (|w| in wabs: Q8_0 with
+// int8 codes). int8 Q4 without VNNI sums in 16 bits (exact, see Panel) until `step_total`.
+template <int QT, typename XT>
+inline __m256i panel_step(__m256i sum, __m256i w, [[maybe_unused]] __m256i wabs, __m256i xv) {
+  if constexpr (sizeof(XT) == 2) {
+    return dot_i16(sum, w, xv);
+  } else {
 #if RS_HAVE_VNNI  // 32-bit sums straight from vpdpbusd
-          if constexpr (QT == Q8_0)
-            sum[g] = _mm256_dpbusd_epi32(sum[g], _mm256_loadu_si256(wabs + g * 8 + s),
-                                         _mm256_sign_epi8(xv, _mm256_loadu_si256(w + g * 8 + s)));
-          else
-            sum[g] = _mm256_dpbusd_epi32(sum[g], _mm256_loadu_si256(w + g * 8 + s), xv);
+    if constexpr (QT == Q8_0) return _mm256_dpbusd_epi32(sum, wabs, _mm256_sign_epi8(xv, w));
+    return _mm256_dpbusd_epi32(sum, w, xv);
 #else
-          if constexpr (QT == Q8_0) {
-            const __m256i prod = _mm256_maddubs_epi16(_mm256_loadu_si256(wabs + g * 8 + s),
-                                                      _mm256_sign_epi8(xv, _mm256_loadu_si256(w + g * 8 + s)));
-            sum[g] = _mm256_add_epi32(sum[g], _mm256_madd_epi16(prod, ones));
-          } else {
-            sum[g] = _mm256_add_epi16(sum[g], _mm256_maddubs_epi16(_mm256_loadu_si256(w + g * 8 + s), xv));
-          }
+    if constexpr (QT == Q8_0)
+      return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, w)),
+                                                     _mm256_set1_epi16(1)));
+    return _mm256_add_epi16(sum, _mm256_maddubs_epi16(w, xv));
 #endif
-        }
-      }
-      const __m256 dx = _mm256_set1_ps(xd[r * nb + b]);
-      const __m256 sx = _mm256_set1_ps(xs[r * nb + b]);
-#pragma GCC unroll 2
-      for (int g = 0; g < G; ++g) {
-        const __m256i dot = QT == Q8_0 || RS_HAVE_VNNI ? sum[g] : _mm256_madd_epi16(sum[g], ones);
-        const __m256 d8 = _mm256_loadu_ps(p.d8.data() + (b * G + g) * 8);
-        acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d8, dx), acc[r][g]);
-        if constexpr (QT != Q8_0)
-          acc[r][g] = _mm256_fmadd_ps(_mm256_loadu_ps(p.c8.data() + (b * G + g) * 8), sx, acc[r][g]);
-      }
-    }
   }
-  for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) _mm256_storeu_ps(out + r * ldo + 8 * g, acc[r][g]);
 }
 
-// The int16 form of panel_rows: per step the G panel vectors are loaded once and used by all R
-// rows (each broadcasting its 2 codes), so a step costs G loads + R broadcasts + R * G
-// multiply-adds; rows-outer (as the int8 form) would reload the panel for every row, and with
-// twice int8's steps per block that reload bound the kernel. The R * G integer sums and as many
-// fp32 accumulators need 32 vector registers (AVX-512 VL); AVX2's 16 spill some, still faster.
-// The fp32 epilogue per block is panel_rows': the same bits per output lane.
-template <int QT, int R, int G>
-inline void panel_rows(const Panel<int16_t>& p, int64_t nb, const int16_t* xq, int64_t K, const float* xd,
-                       const float* xs, float* out, int64_t ldo) {
-  constexpr int S = Panel<int16_t>::kSteps;
+// A block's 8 int32 dots (one per weight row of the group) from panel_step's sums.
+template <int QT, typename XT>
+inline __m256i step_total(__m256i sum) {
+  if constexpr (sizeof(XT) == 1 && QT != Q8_0 && !RS_HAVE_VNNI) return _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
+  return sum;
+}
+
+// out[r * ldo + 8 * g + j] for R activation rows, G groups of 8 weight rows, from the panel. Per
+// step the G panel vectors are loaded once and used by all R rows (each broadcasting its codes of
+// the step: 4 int8 or 2 int16), so a step costs G loads + R broadcasts + R * G multiply-adds (rows
+// outer, the panel was reloaded for every row, and those loads bound the kernel). The R * G integer
+// sums and as many fp32 accumulators want AVX-512 VL's 32 vector registers; AVX2's 16 spill some.
+template <int QT, typename XT, int R, int G>
+inline void panel_rows(const Panel<XT>& p, int64_t nb, const XT* xq, int64_t K, const float* xd, const float* xs,
+                       float* out, int64_t ldo) {
+  constexpr int S = Panel<XT>::kSteps, kPerStep = 4 / sizeof(XT);
+  constexpr bool kAbs = QT == Q8_0 && sizeof(XT) == 1;
   __m256 acc[R][G];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const __m256i* w = reinterpret_cast<const __m256i*>(p.codes.data() + b * G * S * 32);
+    const __m256i* wabs = reinterpret_cast<const __m256i*>(p.abs_codes.data() + (kAbs ? b * G * S * 32 : 0));
     __m256i sum[R][G];
     for (int r = 0; r < R; ++r)
       for (int g = 0; g < G; ++g) sum[r][g] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-    for (int s = 0; s < S; ++s) {  // inputs 2s, 2s + 1 of the block
-      __m256i wv[G];
-      for (int g = 0; g < G; ++g) wv[g] = _mm256_loadu_si256(w + g * S + s);
+    for (int s = 0; s < S; ++s) {
+      __m256i wv[G], wa[G];
+      for (int g = 0; g < G; ++g) {
+        wv[g] = _mm256_loadu_si256(w + g * S + s);
+        wa[g] = kAbs ? _mm256_loadu_si256(wabs + g * S + s) : wv[g];
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        int32_t two;
-        std::memcpy(&two, xq + r * K + b * QK + 2 * s, 4);
-        const __m256i xv = _mm256_set1_epi32(two);
+        int32_t codes;
+        std::memcpy(&codes, xq + r * K + b * QK + kPerStep * s, 4);
+        const __m256i xv = _mm256_set1_epi32(codes);
 #pragma GCC unroll 4
-        for (int g = 0; g < G; ++g) sum[r][g] = dot_i16(sum[r][g], wv[g], xv);
+        for (int g = 0; g < G; ++g) sum[r][g] = panel_step<QT, XT>(sum[r][g], wv[g], wa[g], xv);
       }
     }
     for (int r = 0; r < R; ++r) {
       const __m256 dx = _mm256_set1_ps(xd[r * nb + b]);
       const __m256 sx = _mm256_set1_ps(xs[r * nb + b]);
       for (int g = 0; g < G; ++g) {
+        const __m256i dot = step_total<QT, XT>(sum[r][g]);
         const __m256 d8 = _mm256_loadu_ps(p.d8.data() + (b * G + g) * 8);
-        acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][g]), _mm256_mul_ps(d8, dx), acc[r][g]);
+        acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d8, dx), acc[r][g]);
         if constexpr (QT != Q8_0)
           acc[r][g] = _mm256_fmadd_ps(_mm256_loadu_ps(p.c8.data() + (b * G + g) * 8), sx, acc[r][g]);
       }
@@ -523,17 +492,15 @@ inline float row_dot_scalar(const uint8_t* wrow, int64_t qtype, int64_t nb, cons
 }
 
 #if RS_HAVE_AVX2
-// All M activation rows against one decoded panel, RS_PANEL_ROWS (int8) or RS_PANEL_ROWS_WIDE
-// (int16) rows at a time.
+// All M activation rows against one decoded panel, RS_PANEL_ROWS rows at a time.
 template <int QT, typename XT, int G>
 inline void panel_all_rows(const Panel<XT>& p, int64_t nb, const Rows<XT>& x, int64_t M, int64_t K, float* yp,
                            int64_t N) {
-  constexpr int R = sizeof(XT) == 1 ? RS_PANEL_ROWS : RS_PANEL_ROWS_WIDE;
   int64_t r = 0;
-  for (; r + R <= M; r += R)
-    panel_rows<QT, R, G>(p, nb, x.q + r * K, K, x.d + r * nb, x.s + r * nb, yp + r * N, N);
+  for (; r + RS_PANEL_ROWS <= M; r += RS_PANEL_ROWS)
+    panel_rows<QT, XT, RS_PANEL_ROWS, G>(p, nb, x.q + r * K, K, x.d + r * nb, x.s + r * nb, yp + r * N, N);
   for (; r < M; ++r)
-    panel_rows<QT, 1, G>(p, nb, x.q + r * K, K, x.d + r * nb, x.s + r * nb, yp + r * N, N);
+    panel_rows<QT, XT, 1, G>(p, nb, x.q + r * K, K, x.d + r * nb, x.s + r * nb, yp + r * N, N);
 }
 #endif
 
