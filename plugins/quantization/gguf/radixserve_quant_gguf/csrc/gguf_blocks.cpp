@@ -204,14 +204,14 @@ template <int QT>
 struct BlockCodes<QT, int16_t> {
   __m256i lo, hi;  // the codes of inputs 0-15 and 16-31 as int16
   explicit BlockCodes(const uint8_t* blk) {
-    const __m256i w = block_codes<QT>(blk);
-    const __m128i w0 = _mm256_castsi256_si128(w), w1 = _mm256_extracti128_si256(w, 1);
     if constexpr (QT == Q8_0) {
-      lo = _mm256_cvtepi8_epi16(w0);
-      hi = _mm256_cvtepi8_epi16(w1);
-    } else {
-      lo = _mm256_cvtepu8_epi16(w0);
-      hi = _mm256_cvtepu8_epi16(w1);
+      lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
+      hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
+    } else {  // each nibble byte widened to 16 bits: its low nibble is input j, its high one input j + 16
+      const auto* nibbles = reinterpret_cast<const __m128i*>(blk + (QT == Q4_1 ? 4 : 2));
+      const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(nibbles));
+      lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0f));
+      hi = _mm256_srli_epi16(bytes, 4);
     }
   }
   __m256i dot(const int16_t* x) const {
