@@ -341,7 +341,6 @@ inline void decode_panel(const uint8_t* wp, int64_t row_bytes, int64_t n0, int64
   }
 }
 
-// out[r * ldo + 8 * g + j] for R activation rows, G groups of 8 weight rows, from the panel.
 // One step of a panel block for one activation row and one group: sum += the products of the
 // row's codes at this step (broadcast in xv) with the group's panel vector w (|w| in wabs: Q8_0 with
 // int8 codes). int8 Q4 without VNNI sums in 16 bits (exact, see Panel) until `step_total`.
