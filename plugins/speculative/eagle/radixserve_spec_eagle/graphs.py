@@ -62,9 +62,14 @@ def bucket(n: int, sizes: tuple[int, ...]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
+def padded_width(n: int, step: int = WIDTH_STEP) -> int:
+    """`n` KV columns rounded up to a multiple of `step` (at least one step)."""
+    return max(step, -(-n // step) * step)
+
+
 def width_bucket(n: int, step: int = WIDTH_STEP, limit: int = MAX_WIDTH) -> int | None:
     """`n` KV columns rounded up to a multiple of `step`, or None above `limit`."""
-    w = max(step, -(-n // step) * step)
+    w = padded_width(n, step)
     return w if w <= limit else None
 
 
