@@ -10,6 +10,7 @@ import pytest
 import torch
 from radixserve.config import Config
 from radixserve.cuda_graph_runner import (
+    CudaGraph,
     DecodeGraphRunner,
     EagerGraph,
     default_capture_sizes,
@@ -127,6 +128,38 @@ def test_record_buffers_layout():
         write_recorded_rows(None, aux, hidden, None)
     with pytest.raises(RuntimeError, match="3 wide, the record buffer 6"):
         write_recorded_rows(None, aux, hidden, [a0])
+
+
+def test_a_failed_capture_leaves_the_caller_on_its_stream(monkeypatch):
+    """torch.cuda.graph ends the capture, then restores the caller's stream; when ending raises (an
+    invalidated capture) it skips the restore. CudaGraph.capture restores it, so a drafter that
+    falls back to eager after a failed capture queues its work where it did before. The CUDA calls
+    are stand-ins here (no GPU): `graph` has torch.cuda.graph's enter / exit order."""
+    current = ["caller"]
+
+    class FailingGraph:
+        def __init__(self, graph, pool=None):
+            self.graph = graph
+
+        def __enter__(self):
+            current[0] = "capture"
+
+        def __exit__(self, *exc):
+            self.graph.capture_end()  # raises: the restore below never runs (as in torch)
+            current[0] = "caller"
+
+    class InvalidatedCapture:
+        def capture_end(self):
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", InvalidatedCapture)
+    monkeypatch.setattr(torch.cuda, "graph", FailingGraph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: current[0])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: current.__setitem__(0, s))
+    with pytest.raises(RuntimeError, match="previous error during capture"):
+        CudaGraph().capture(lambda: torch.zeros(1))
+    assert current[0] == "caller"
 
 
 def test_recording_graphs_hand_the_drafter_the_eager_rows(tiny_llama_dir):

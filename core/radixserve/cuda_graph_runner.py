@@ -74,8 +74,16 @@ class CudaGraph:
         for _ in range(2):  # warm-up outside the graph (lazy inits, autotuning)
             fn()
         torch.cuda.synchronize()
-        with torch.cuda.graph(self.graph, pool=self.pool):
-            self.output = fn()
+        caller = torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(self.graph, pool=self.pool):
+                self.output = fn()
+        except BaseException:
+            # torch.cuda.graph's __exit__ ends the capture before it restores the caller's stream:
+            # when ending raises (an invalidated capture) this thread would stay on torch's side
+            # capture stream, and whoever falls back to eager would queue everything there
+            torch.cuda.set_stream(caller)
+            raise
         return self.output
 
     def replay(self) -> torch.Tensor:
