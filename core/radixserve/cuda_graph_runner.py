@@ -24,6 +24,7 @@ Bookkeeping rules:
 from __future__ import annotations
 
 import bisect
+import gc
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -75,6 +76,11 @@ class CudaGraph:
             fn()
         torch.cuda.synchronize()
         caller = torch.cuda.current_stream()
+        # no cyclic GC inside the capture: a dropped graph still held in a reference cycle (a drafter
+        # and its graphs form one) would be destroyed there, which the driver refuses while a stream
+        # is capturing, invalidating this capture (torch >= 2.9 no longer collects before capturing)
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             with torch.cuda.graph(self.graph, pool=self.pool):
                 self.output = fn()
@@ -84,6 +90,9 @@ class CudaGraph:
             # capture stream, and whoever falls back to eager would queue everything there
             torch.cuda.set_stream(caller)
             raise
+        finally:
+            if collecting:
+                gc.enable()
         return self.output
 
     def replay(self) -> torch.Tensor:
