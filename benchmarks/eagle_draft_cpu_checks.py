@@ -8,13 +8,18 @@ tiny target + draft with Triton's interpreter standing in for the GPU:
 - `syncs`: the functions the draft graphs capture (chain, verified rows, tree) run under a dispatch /
   function mode that counts host synchronisations and host-made tensors (`item`, `tolist`,
   `nonzero`, `torch.tensor(...)`, ...), none of which a CUDA graph capture allows.
+- `cycle`: spec_eagle.py's flow (a drafter per pass, each dropped before the next is built), three
+  drafters with graphs: when each one's captured graphs are destroyed (by refcounts when its
+  scheduler is dropped, or only by a later cyclic GC pass).
 
     TRITON_INTERPRET=1 python benchmarks/eagle_draft_cpu_checks.py keys  [--graphs] [--tokens 20] [--topk 1]
     TRITON_INTERPRET=1 python benchmarks/eagle_draft_cpu_checks.py syncs [--tokens 16] [--topk 1]
+    python benchmarks/eagle_draft_cpu_checks.py cycle
 
 Session 10's figures (18 proposes each): keys, eager chains, graph chains (--graphs) and eager trees
 (--topk 3): rmsnorm 2 keys (HAS_RESIDUAL both ways), rotary 1, gemv 1, all from the first propose;
-syncs: 0 in 38 captures / replays (chains) and 0 in 37 (trees, --topk 3).
+syncs: 0 in 38 captures / replays (chains) and 0 in 37 (trees, --topk 3); cycle (--tokens 40): no
+drafter's graphs died with its scheduler; A's were destroyed by the GC during pass B, B's during C.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports a kern
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins/speculative/eagle/tests"))
 
 
-DRAFTING = {"on": False, "propose": 0}
+DRAFTING = {"on": False, "propose": 0, "capturing": False}
 
 
 def record_kernel_keys() -> dict:
@@ -107,9 +112,40 @@ def guarded_graph_class(hits: collections.Counter):
     return GuardedGraph
 
 
+def dropped_graphs(make_scheduler, run) -> None:
+    """Three passes, each with a new scheduler + drafter dropped at its end; prints when each
+    drafter's captured graphs were destroyed."""
+    import gc
+    import weakref
+
+    phase = ["set-up"]
+    events: list[tuple[str, str]] = []  # (drafter, phase in which one of its graphs was destroyed)
+
+    def one(name: str) -> None:
+        sched = make_scheduler()
+        phase[0] = f"pass {name}"
+        run(sched)
+        for graph, _ in [*sched.drafter.graphs.chains.values(), *sched.drafter.graphs.pendings.values()]:
+            weakref.finalize(graph, lambda: events.append(
+                (name, phase[0] + (", inside a capture" if DRAFTING["capturing"] else ""))))
+        phase[0] = f"dropping pass {name}'s scheduler (refcounts)"
+        del sched
+        phase[0] = f"after pass {name}"
+
+    for name in "ABC":
+        one(name)
+    phase[0] = "an explicit gc.collect() after the passes"
+    gc.collect()
+    first: dict[str, str] = {}
+    for name, at in events:
+        first.setdefault(name, at)
+    for name in "ABC":
+        print(f"drafter {name}'s graphs destroyed: {first.get(name, 'never')}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("check", choices=("keys", "syncs"))
+    ap.add_argument("check", choices=("keys", "syncs", "cycle"))
     ap.add_argument("--graphs", action="store_true", help="keys: the graph path (EagerGraph) instead of eager")
     ap.add_argument("--tokens", type=int, default=20)
     ap.add_argument("--topk", type=int, default=1)
@@ -128,6 +164,16 @@ def main() -> None:
     keys = record_kernel_keys()
     hits: collections.Counter = collections.Counter()
     graph_cls = guarded_graph_class(hits) if args.check == "syncs" else EagerGraph
+    if args.check == "cycle":
+        class MarkedGraph(EagerGraph):
+            def capture(self, fn):
+                DRAFTING["capturing"] = True
+                try:
+                    return super().capture(fn)
+                finally:
+                    DRAFTING["capturing"] = False
+
+        graph_cls = MarkedGraph
     real_available = triton_ops.available
     triton_ops.available = lambda t: DRAFTING["on"] or real_available(t)  # the draft's layers on Triton
 
@@ -148,7 +194,7 @@ def main() -> None:
         graph_factory = graph_cls
 
         def __init__(self, info):
-            super().__init__(info, cuda_graph=args.graphs or args.check == "syncs")
+            super().__init__(info, cuda_graph=args.graphs or args.check != "keys")
             head = self.head  # the GEMV tiles the H200 would give (none on a CPU device)
             head.tiles = {"fc": default_config(*head.fc.weight.shape, True),
                           "lm_head": default_config(*head.lm_head.weight.shape, True)}
@@ -164,6 +210,10 @@ def main() -> None:
             finally:
                 DRAFTING["on"] = False
 
+    if args.check == "cycle":
+        dropped_graphs(lambda: speculative_scheduler(runner, cfg, lambda info, c: Drafter(info)),
+                       lambda sched: run_to_completion(sched, [greedy_request("r", list(range(3, 40)), args.tokens)]))
+        return
     sched = speculative_scheduler(runner, cfg, lambda info, c: Drafter(info))
     run_to_completion(sched, [greedy_request("r", list(range(3, 40)), args.tokens)])
     g = sched.drafter.graphs
