@@ -10,6 +10,7 @@ import pytest
 import torch
 from radixserve.config import Config
 from radixserve.cuda_graph_runner import (
+    CudaGraph,
     DecodeGraphRunner,
     EagerGraph,
     default_capture_sizes,
@@ -127,6 +128,81 @@ def test_record_buffers_layout():
         write_recorded_rows(None, aux, hidden, None)
     with pytest.raises(RuntimeError, match="3 wide, the record buffer 6"):
         write_recorded_rows(None, aux, hidden, [a0])
+
+
+@pytest.fixture
+def fake_capture(monkeypatch):
+    """torch.cuda's capture calls replaced by stand-ins (no GPU here): `graph` enters / exits in
+    torch.cuda.graph's order (exit: end the capture, then restore the caller's stream). The dict
+    says which stream is current, whether a capture is underway, and whether ending it fails."""
+    state = {"stream": "caller", "capturing": False, "invalidated": False}
+
+    class Graph:
+        def capture_end(self):
+            state["capturing"] = False
+            if state["invalidated"]:
+                raise RuntimeError("operation failed due to a previous error during capture")
+
+    class GraphContext:
+        def __init__(self, graph, pool=None):
+            self.graph = graph
+
+        def __enter__(self):
+            state["stream"], state["capturing"] = "capture", True
+
+        def __exit__(self, *exc):
+            self.graph.capture_end()  # when this raises, the restore below never runs (as in torch)
+            state["stream"] = "caller"
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", GraphContext)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: state["stream"])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: state.__setitem__("stream", s))
+    return state
+
+
+def test_a_failed_capture_leaves_the_caller_on_its_stream(fake_capture):
+    """torch.cuda.graph skips restoring the caller's stream when ending the capture raises (an
+    invalidated capture); CudaGraph.capture restores it, so a drafter that falls back to eager
+    after a failed capture queues its work where it did before."""
+    fake_capture["invalidated"] = True
+    with pytest.raises(RuntimeError, match="previous error during capture"):
+        CudaGraph().capture(lambda: torch.zeros(1))
+    assert fake_capture["stream"] == "caller"
+
+
+def test_no_garbage_is_collected_during_a_capture(fake_capture):
+    """Python's cyclic GC stays off while a graph is captured: a dropped CUDA graph held in a
+    reference cycle (a drafter and its graphs form one) destroyed during another graph's capture
+    invalidates that capture ("operation not permitted when stream is capturing", torch's
+    CUDAGraph reset; PyTorch stopped collecting before captures in 2.9). The garbage is
+    collected later, outside the capture, and GC is back on after it, failed or not."""
+    import gc
+
+    finalized_while_capturing = []
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            finalized_while_capturing.append(fake_capture["capturing"])
+
+    def make_garbage_then_allocate():
+        Cycle()  # young cyclic garbage: the next automatic (generation 0) collection finalizes it
+        return [[i] for i in range(20 * gc.get_threshold()[0])]  # enough allocations to trigger one
+
+    gc.collect()
+    assert gc.isenabled()
+    CudaGraph().capture(make_garbage_then_allocate)  # warm-ups (outside the capture) and the capture
+    gc.collect()
+    assert finalized_while_capturing and not any(finalized_while_capturing)
+    assert gc.isenabled()
+    fake_capture["invalidated"] = True
+    with pytest.raises(RuntimeError):
+        CudaGraph().capture(lambda: torch.zeros(1))
+    assert gc.isenabled()
 
 
 def test_recording_graphs_hand_the_drafter_the_eager_rows(tiny_llama_dir):

@@ -301,6 +301,7 @@ def report(args, layout, topk, num_steps, num_draft_tokens, draft_graphs, runner
     res["draft_graphs"] = sorted(str(k) for k in [*dg.chains, *dg.pendings, *dg.trees]) if dg is not None else []
     # a failed capture turns the draft eager for the rest of the run (EagleGraphs._get logs why)
     res["draft_graph_capture_failed"] = bool(dg.failed) if dg is not None else False
+    res["draft_graph_capture_error"] = getattr(dg, "failure", None)  # "(key): error", or None
     res["propose_over_verify"] = res["propose_ms"] / res["verify_step_ms"]
     res["collect_ms"] = statistics.median(coll)  # the drafter's on_accepted (synchronized: adds its syncs)
     res["draft_ms"] = statistics.median(draft)

@@ -24,6 +24,7 @@ Bookkeeping rules:
 from __future__ import annotations
 
 import bisect
+import gc
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -74,8 +75,24 @@ class CudaGraph:
         for _ in range(2):  # warm-up outside the graph (lazy inits, autotuning)
             fn()
         torch.cuda.synchronize()
-        with torch.cuda.graph(self.graph, pool=self.pool):
-            self.output = fn()
+        caller = torch.cuda.current_stream()
+        # no cyclic GC inside the capture: a dropped graph still held in a reference cycle (a drafter
+        # and its graphs form one) would be destroyed there, which the driver refuses while a stream
+        # is capturing, invalidating this capture (torch >= 2.9 no longer collects before capturing)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph, pool=self.pool):
+                self.output = fn()
+        except BaseException:
+            # torch.cuda.graph's __exit__ ends the capture before it restores the caller's stream:
+            # when ending raises (an invalidated capture) this thread would stay on torch's side
+            # capture stream, and whoever falls back to eager would queue everything there
+            torch.cuda.set_stream(caller)
+            raise
+        finally:
+            if collecting:
+                gc.enable()
         return self.output
 
     def replay(self) -> torch.Tensor:

@@ -26,7 +26,14 @@ from radixserve.layers.rotary import reserve_rotary_caches
 from radixserve.scheduler.speculative.draft_state import DraftRequestState, PooledDrafter
 
 from radixserve_spec_eagle.checkpoint import KEY, default_aux_layers, load_checkpoint
-from radixserve_spec_eagle.graphs import ChainInputs, DraftGraphs, PendingInputs, TreeInputs, grouped_view
+from radixserve_spec_eagle.graphs import (
+    ChainInputs,
+    DraftGraphs,
+    PendingInputs,
+    TreeInputs,
+    grouped_view,
+    padded_width,
+)
 from radixserve_spec_eagle.head import EagleHead
 from radixserve_spec_eagle.kv_pool import DraftKVPool
 
@@ -43,6 +50,15 @@ def best_nodes(scores: list[float], parents: list[int], limit: int) -> list[int]
             break
         kept.add(max(open_, key=lambda i: (scores[i], -i)))
     return sorted(kept)
+
+
+def gather_padded(rows: torch.Tensor, slots: torch.Tensor, width: int) -> torch.Tensor:
+    """`rows[slots]` (slots: at least one) padded to `width` rows with copies of the first slot's
+    row, in one gather; the caller masks the padding out."""
+    n = slots.shape[0]
+    if width > n:
+        slots = torch.cat([slots, slots[:1].expand(width - n)])
+    return rows[slots]
 
 
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -183,17 +199,23 @@ class EagleDrafter(PooledDrafter):
         return last, self.head.log_probs(last, self.target.logits)[0]
 
     def _run_pending_eager(self, st: DraftRequestState, feats: torch.Tensor, new: torch.Tensor) -> None:
-        pos = torch.tensor(st.pending_pos, dtype=torch.int64, device=self.pool.device)
-        ids = torch.tensor(st.pending_tok, dtype=torch.int64, device=self.pool.device)
-        r = len(st.pending_pos)
+        dev = self.pool.device
+        pos = torch.tensor(st.pending_pos, dtype=torch.int64, device=dev)
+        ids = torch.tensor(st.pending_tok, dtype=torch.int64, device=dev)
+        r, cached = len(st.pending_pos), len(st.slots)
         slots = torch.cat([st.slots, new])
-        mask = torch.ones(r, len(slots), dtype=torch.bool, device=self.pool.device)
-        mask[:, len(st.slots):] = torch.tril(mask[:, len(st.slots):])
+        # KV columns padded to a multiple of WIDTH_STEP (masked): a bounded set of attention shapes
+        # as the request grows (cuDNN's SDPA builds a plan per new shape; see padded_width's use in _chains)
+        width = padded_width(len(slots))
+        mask = torch.zeros(r, width, dtype=torch.bool, device=dev)
+        mask[:, :cached] = True
+        mask[:, cached : cached + r] = torch.tril(torch.ones(r, r, dtype=torch.bool, device=dev))
 
         def attend(layer, q, k, v):
             self.pool.k[layer][new] = k
             self.pool.v[layer][new] = v
-            return self._attention(q, self.pool.k[layer][slots], self.pool.v[layer][slots], mask)
+            keys, values = gather_padded(self.pool.k[layer], slots, width), gather_padded(self.pool.v[layer], slots, width)
+            return self._attention(q, keys, values, mask)
 
         out = self.head.step(self._embed(ids), pos, feats, attend)
         st.slots = slots
@@ -227,7 +249,11 @@ class EagleDrafter(PooledDrafter):
             if got is not None:
                 return got.tolist()
         lens = torch.tensor([len(st.slots) for st in sts], dtype=torch.int64, device=dev)
-        width = max(len(st.slots) for st in sts) + steps
+        # eager (no graph for this shape, or none at all): the width padded as a graph bucket's, so
+        # that the attention sees a new shape once per WIDTH_STEP tokens, not every propose (on the
+        # H200 the draft's SDPA runs in cuDNN, which builds an execution plan per new shape: tens
+        # of ms; most likely why an eager propose took 92.9 ms in session 8)
+        width = padded_width(max(len(st.slots) for st in sts) + steps)
         keys, values = [], []
         for layer in range(len(self.head.layers)):
             k = torch.zeros(b, width, *self.pool.shape, dtype=self.pool.dtype, device=dev)
@@ -349,17 +375,20 @@ class EagleDrafter(PooledDrafter):
         spec_k = [torch.empty(0, *self.pool.shape, dtype=self.pool.dtype, device=dev) for _ in range(layers)]
         spec_v = [torch.empty(0, *self.pool.shape, dtype=self.pool.dtype, device=dev) for _ in range(layers)]
         spec_nodes: list[int] = []  # the node of each scratch row
-        prefix_k = [self.pool.k[i][st.slots] for i in range(layers)]
-        prefix_v = [self.pool.v[i][st.slots] for i in range(layers)]
+        # the request's cached rows padded to a multiple of WIDTH_STEP (masked), as in _chains
+        cached, width = len(st.slots), padded_width(len(st.slots))
+        prefix_k = [gather_padded(self.pool.k[i], st.slots, width) for i in range(layers)]
+        prefix_v = [gather_padded(self.pool.v[i], st.slots, width) for i in range(layers)]
         for _ in range(1, steps):
             r = len(frontier)
             ancestors = [self._ancestors(n, parents) for n in frontier]
-            mask = torch.ones(r, len(st.slots) + len(spec_nodes) + r, dtype=torch.bool)
+            mask = torch.ones(r, width + len(spec_nodes) + r, dtype=torch.bool)
+            mask[:, cached:width] = False
             for a, anc in enumerate(ancestors):
                 for s, node in enumerate(spec_nodes):
-                    mask[a, len(st.slots) + s] = node in anc
-                mask[a, len(st.slots) + len(spec_nodes):] = False
-                mask[a, len(st.slots) + len(spec_nodes) + a] = True
+                    mask[a, width + s] = node in anc
+                mask[a, width + len(spec_nodes):] = False
+                mask[a, width + len(spec_nodes) + a] = True
             mask = mask.to(dev)
             pos = torch.tensor([root_pos + depth[n] for n in frontier], dtype=torch.int64, device=dev)
             ids = torch.tensor([tokens[n] for n in frontier], dtype=torch.int64, device=dev)

@@ -62,9 +62,14 @@ def bucket(n: int, sizes: tuple[int, ...]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
+def padded_width(n: int, step: int = WIDTH_STEP) -> int:
+    """`n` KV columns rounded up to a multiple of `step` (at least one step)."""
+    return max(step, -(-n // step) * step)
+
+
 def width_bucket(n: int, step: int = WIDTH_STEP, limit: int = MAX_WIDTH) -> int | None:
     """`n` KV columns rounded up to a multiple of `step`, or None above `limit`."""
-    w = max(step, -(-n // step) * step)
+    w = padded_width(n, step)
     return w if w <= limit else None
 
 
@@ -184,6 +189,7 @@ class DraftGraphs:
         self.pendings: dict[tuple, tuple[EagerGraph | CudaGraph, PendingInputs]] = {}
         self.replays = 0  # graph replays so far (tests, benchmarks)
         self.failed = False  # a capture failed: everything runs eagerly from then on
+        self.failure: str | None = None  # that capture's key and error (benchmarks report it)
 
     def _get(self, graphs: dict, key: tuple, capture: Callable):
         """The graph of `key` (captured now when missing), most recently used last; at MAX_GRAPHS
@@ -199,9 +205,10 @@ class DraftGraphs:
             victims.pop(next(iter(victims)))
         try:
             graphs[key] = capture(*key)
-        except Exception as e:  # keep drafting, eagerly, but loudly
-            logger.error("capturing an EAGLE draft CUDA graph %s failed (%r); the draft runs eagerly", key, e)
+        except Exception as e:  # keep drafting, eagerly, but loudly (with the traceback: where it failed)
+            logger.exception("capturing an EAGLE draft CUDA graph %s failed; the draft runs eagerly", key)
             self.failed = True
+            self.failure = f"{key}: {e!r}"
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             return None

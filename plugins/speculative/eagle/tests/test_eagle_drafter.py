@@ -235,6 +235,47 @@ def test_one_row_draft_matmuls_take_the_batch1_gemv(target, drafts, monkeypatch)
         assert gemv_tile(w, False) is None
 
 
+@pytest.mark.parametrize("topk", [1, 3])
+def test_eager_draft_attention_shapes_stay_bounded(target, drafts, topk, monkeypatch):
+    """The eager draft (no CUDA graphs: a CPU device, shapes past the graphs' buckets, or a failed
+    capture) gives its attention a bounded set of shapes however long a request runs: KV widths
+    are padded to graphs.WIDTH_STEP columns (masked). On the H200 the draft's SDPA runs in cuDNN,
+    which builds an execution plan (tens of ms) for each new (shape, stride) key; exact widths grow
+    every propose, so an eager propose paid one or two builds (session 8 call 5: 92.9 ms a propose)."""
+    import torch.nn.functional as F
+
+    _, runner = target
+    seen: dict[tuple, int] = {}  # SDPA call signature -> first propose that used it
+    proposes = [0]
+    real = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, **kw):
+        if proposes[0]:  # the draft's calls only (the target's attention may use SDPA too)
+            key = tuple((tuple(t.shape), t.stride()) for t in (q, k, v, attn_mask) if t is not None)
+            seen.setdefault(key, proposes[0])
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    class Counting(RecordingEagle):
+        def propose(self, reqs, k):
+            proposes[0] = self.calls = getattr(self, "calls", 0) + 1
+            try:
+                return super().propose(reqs, k)
+            finally:
+                proposes[0] = 0
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    cfg = _config(drafts["eagle3"], topk=topk, num_draft_tokens=6 if topk > 1 else 4,
+                  num_steps=3 if topk > 1 else None)
+    sched = _scheduler(runner, cfg, Counting)
+    _run(sched, [_greedy("r0", _prompts(1, seed=7)[0], 48)])
+    calls = sched.drafter.calls
+    assert calls >= 20
+    # every shape shows up within the first proposes (prefill rows, the first chains / tree levels)
+    # and none is new later, although the request's KV grows by one or more columns per propose
+    late = [first for first in seen.values() if first > 6]
+    assert not late, f"{len(late)} new attention shapes after propose 6 (of {calls}): {sorted(late)}"
+
+
 def test_best_nodes_keeps_parents():
     # node 2's parent (1) scores low: 2 can only come with it
     assert best_nodes([-0.1, -3.0, -0.2, -0.5], [-1, -1, 1, 0], 2) == [0, 3]

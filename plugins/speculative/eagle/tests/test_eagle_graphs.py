@@ -291,5 +291,8 @@ def test_a_failed_capture_falls_back_to_eager():
     def broken(*key):
         raise RuntimeError("operation not permitted when stream is capturing")
 
+    assert dg.failure is None
     assert dg._get(dg.chains, (1, 256, 4), broken) is None and dg.failed
     assert dg._get(dg.chains, (1, 256, 4), lambda *k: k) is None  # no more attempts
+    # what failed is kept for reports (session 8's log lost it)
+    assert dg.failure == "(1, 256, 4): RuntimeError('operation not permitted when stream is capturing')"
