@@ -218,9 +218,22 @@ def _version() -> str:
     return __version__
 
 
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parser.parse_args`, except that `section.key=value` overrides may also follow flags that
+    follow a positional (`generate "prompt" --max-tokens 16 stack.policy=lpm`): argparse fills a
+    `nargs="*"` positional only once, and would reject the overrides after the flags."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        strays = [a for a in extra if a.startswith("-") or "=" not in a]
+        if strays or not hasattr(args, "overrides"):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*(args.overrides or []), *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     if args.command is None:
         parser.print_help()
         return 2
