@@ -12,5 +12,6 @@ def radixserve_register(registry) -> None:
         "gguf",
         "radixserve_quant_gguf.method:GGUFMethod",
         weight_file_suffixes=(".gguf",),
-        description="GGUF files (llama.cpp): dequantized at load; dequantize: auto keeps Q4_0/Q4_1/Q8_0 blocks on the CPU (int8 kernels)",
+        description="GGUF files (llama.cpp): dequantized at load; dequantize: auto keeps Q4_0/Q4_1/Q8_0 blocks on "
+        "the CPU (integer kernels over int16 or int8 activations)",
     )
