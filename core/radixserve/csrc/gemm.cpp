@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -200,6 +201,26 @@ void check_operands(const at::Tensor& x, const at::Tensor& panels, int64_t num_p
                   panels.size(0) == num_panels, "gemm: panels do not match x and the output width");
 }
 
+// body(begin, end) over [0, n) in runs of `chunk` units, each thread taking the next run as it
+// finishes one. Why not at::parallel_for's one contiguous share per thread: a served step shares
+// the cores with the HTTP front end, the detokenizer and clients, and when the OS gives one
+// thread's core away mid-GEMM the static split waits for it at the region's end; here the other
+// thread takes over its remaining runs. Runs of several panels keep the weight streaming in
+// memory order (each run prefetches its next panel).
+template <class Body>
+void for_runs(int64_t n, int64_t chunk, const Body& body) {
+  const int64_t runs = (n + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(runs, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t r = next.fetch_add(1, std::memory_order_relaxed); r < runs; r = next.fetch_add(1, std::memory_order_relaxed))
+      body(r * chunk, std::min(n, (r + 1) * chunk));
+  });
+}
+
+// Units per run: about four runs per thread, so a thread that lost its core leaves at most a
+// quarter of its share for the other to take over.
+int64_t run_length(int64_t n) { return std::max<int64_t>(1, n / (4 * at::get_num_threads())); }
+
 // Rows per chunk: a chunk's x rows stay in L2 while a thread streams its panels past them (all of
 // a decode batch is one chunk).
 int64_t rows_per_chunk(int64_t K) { return std::max<int64_t>(MR, (kL2Budget / (K * 4)) / MR * MR); }
@@ -237,7 +258,7 @@ at::Tensor linear(at::Tensor x, at::Tensor panels, int64_t n) {
   const int64_t mc = rows_per_chunk(K);
   for (int64_t m_begin = 0; m_begin < M; m_begin += mc) {
     const int64_t rows = std::min(M, m_begin + mc) - m_begin;
-    at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
+    for_runs(np, run_length(np), [&](int64_t b, int64_t e) {
       for (int64_t p = b; p < e; ++p) {
         const float* panel = pp + p * K * NR;
         panel_product(xp + m_begin * lda, lda, rows, panel, p + 1 < e ? panel + K * NR : nullptr, K,
@@ -273,8 +294,9 @@ at::Tensor linear_silu_mul(at::Tensor x, at::Tensor panels, int64_t i) {
   const int64_t mc = rows_per_chunk(K);
   for (int64_t m_begin = 0; m_begin < M; m_begin += mc) {
     const int64_t m_end = std::min(M, m_begin + mc), rows = m_end - m_begin;
-    at::parallel_for(0, pairs, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> scratch(static_cast<size_t>(2 * rows * NR));  // [gate | up] tiles, ld = 2 * NR
+    for_runs(pairs, run_length(pairs), [&](int64_t b, int64_t e) {
+      thread_local std::vector<float> scratch;  // [gate | up] tiles, ld = 2 * NR (one per thread, kept)
+      scratch.resize(static_cast<size_t>(2 * rows * NR));
       for (int64_t q = b; q < e; ++q) {
         for (int64_t p = 2 * q; p < 2 * q + 2; ++p) {  // gate, then up, into their halves of the scratch
           const float* panel = pp + p * K * NR;
