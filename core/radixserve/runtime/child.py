@@ -42,7 +42,7 @@ class ChildSpec:
     config: dict[str, Any]  # Config.model_dump(mode="json")
     ports: PortArgs
     parent_pid: int
-    tokenizer_path: str
+    tokenizer_path: str  # the detokenizer's: the prepared serving-tokenizer directory (see serving_tokenizer.py)
     sys_path: list[str]  # the parent's import path: plugins on it resolve the same in the child
     tp_rank: int = 0  # tensor parallelism: this process's rank ("tp_worker": > 0; "scheduler": 0)
     dist_init_addr: str = ""  # host:port of the TP rendezvous (rank 0 serves it); "" when tp_size == 1
