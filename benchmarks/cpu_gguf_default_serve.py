@@ -5,7 +5,8 @@ interleaved round by round in one run (the machine is shared: compare within a r
 - start-up: wall seconds from the process start to GET /health 200, and the CPU seconds the
   server's processes used by then (user + system of the live process tree);
 - idle memory: VmRSS of the scheduler process (it holds the model: the process that uses the
-  most CPU over the generation) and of the whole tree, 2 s after health;
+  most CPU over the generation), of the front end (the server process itself) and of the whole
+  tree, 2 s after health; the tree and the front end again after the generation;
 - batch-1 greedy generation: /generate of each prompt alone (after one warm-up request),
   `--new-tokens` tokens (EOS ignored), end-to-end tokens / wall second (prefill included), and
   the CPU seconds over those requests of the tree and of the scheduler process alone.
@@ -115,6 +116,7 @@ def one_server(side: str, args, overrides: list[str]) -> dict:
             n += r.json()["meta_info"]["completion_tokens"]
             texts.append(r.json()["text"])
         gen_wall, gen_cpu = time.perf_counter() - w0, cpu_s(pids) - c0
+        served = rss_mb(pids)
         # the scheduler process runs the model: the one that used the most CPU over the generation
         sched = max(pids, key=lambda p: cpu_s([p]) - per_pid[p])
         gen_sched_cpu = cpu_s([sched]) - per_pid[sched]
@@ -133,6 +135,8 @@ def one_server(side: str, args, overrides: list[str]) -> dict:
     return {"side": side, "startup_wall_s": round(startup_wall, 2), "startup_cpu_s": round(startup_cpu, 2),
             "idle_rss_scheduler_mb": round(idle.get(sched, 0)), "idle_rss_tree_mb": round(sum(idle.values())),
             "idle_rss_each_mb": sorted((round(v) for v in idle.values()), reverse=True),
+            "idle_rss_front_end_mb": round(idle.get(proc.pid, 0)),
+            "served_rss_tree_mb": round(sum(served.values())), "served_rss_front_end_mb": round(served.get(proc.pid, 0)),
             "gen_tokens": n, "gen_wall_s": round(gen_wall, 2), "gen_cpu_s": round(gen_cpu, 2),
             "gen_cpu_scheduler_s": round(gen_sched_cpu, 2),
             "gen_tok_s": round(n / gen_wall, 1), "load_avg_1m": round(os.getloadavg()[0], 1),
@@ -153,8 +157,8 @@ def main() -> int:
     for side in SIDES:
         mine = [r for r in rows if r["side"] == side]
         summary[side] = {k: statistics.median(r[k] for r in mine) for k in
-                         ("startup_wall_s", "startup_cpu_s", "idle_rss_scheduler_mb", "idle_rss_tree_mb",
-                          "gen_tok_s", "gen_cpu_s", "gen_cpu_scheduler_s")}
+                         ("startup_wall_s", "startup_cpu_s", "idle_rss_scheduler_mb", "idle_rss_front_end_mb",
+                          "idle_rss_tree_mb", "served_rss_tree_mb", "gen_tok_s", "gen_cpu_s", "gen_cpu_scheduler_s")}
     first = {side: next(r["texts"] for r in rows if r["side"] == side) for side in SIDES}
     summary["same_texts"] = sum(a == b for a, b in zip(*first.values(), strict=True))
     print(json.dumps({"summary": summary}), flush=True)

@@ -185,3 +185,34 @@ def test_a_directory_without_a_tokenizer_names_it(cache, tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(RuntimeError, match=f"cannot load the tokenizer of '{tmp_path}'"):
         load_serving_tokenizer(str(tmp_path))
+
+
+def test_a_hub_id_as_model_tokenizer_is_prepared_on_every_start(cache, templated_dir, tmp_path, monkeypatch):
+    """model.tokenizer may be a Hub id, which transformers resolves (it may point at new files):
+    unlike a local source, it is prepared again on every load, in the preparing process."""
+    import shutil
+    import subprocess
+
+    from radixserve import serving_tokenizer
+
+    calls = []
+
+    def prepare(cmd, **kwargs):  # stands in for the Hub: prepares the local copy under the id's key
+        calls.append(cmd)
+        from radixserve.tokenizer import prepare_serving_tokenizer
+
+        local = prepare_serving_tokenizer(templated_dir)
+        target = serving_tokenizer_dir(cmd[3], cmd[4])
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(local, target)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(serving_tokenizer.subprocess, "run", prepare)
+    weights = str(tmp_path / "model.rsw")
+    for _ in range(2):
+        assert load_serving_tokenizer(weights, "org/tok").chat_template == TEMPLATE
+    assert [c[-3:] for c in calls] == [[weights, "org/tok", "--again"]] * 2
+    assert os.path.basename(serving_tokenizer_dir(weights, "org/tok")).startswith("name-")
+    load_serving_tokenizer(templated_dir)
+    load_serving_tokenizer(templated_dir)
+    assert len(calls) == 2  # a local directory: prepared once (by the stand-in above), then read

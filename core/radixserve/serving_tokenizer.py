@@ -23,6 +23,7 @@ from typing import Any
 from radixserve.tokenizer import (
     SERVING_META_FILE,
     SERVING_TOKENIZER_FILE,
+    is_local_source,
     is_prepared,
     serving_tokenizer_dir,
 )
@@ -148,9 +149,12 @@ def load_serving_tokenizer(model_path: str, tokenizer_path: str | None = None) -
     directory is prepared by `python -m radixserve.tokenizer` (transformers and torch are imported
     in that process, which exits, not in this one)."""
     directory = serving_tokenizer_dir(model_path, tokenizer_path)
-    if not is_prepared(directory):
-        cmd = [sys.executable, "-m", "radixserve.tokenizer", model_path, tokenizer_path or ""]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=PREPARE_TIMEOUT_S)
+    local = is_local_source(model_path, tokenizer_path)
+    if not local or not is_prepared(directory):
+        cmd = [sys.executable, "-m", "radixserve.tokenizer", model_path, tokenizer_path or ""] + ([] if local else ["--again"])
+        # this process's import path, as the runtime's children get it (an Engine's script may extend it)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=PREPARE_TIMEOUT_S, env=env)
         if out.returncode != 0 or not is_prepared(directory):
             lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
             raise RuntimeError(f"cannot load the tokenizer of {tokenizer_path or model_path!r}: "

@@ -81,13 +81,22 @@ def _directory_key(path: str) -> str:
 
 def serving_tokenizer_dir(model_path: str, tokenizer_path: str | None = None) -> str:
     """The prepared directory of this tokenizer (it may not exist yet): keyed by the .gguf file's
-    path, size and mtime, or by the directory's tokenizer files. Torch-free."""
+    path, size and mtime, or by the directory's tokenizer files; for a source that is not local
+    (a Hub id given as model.tokenizer), by its name (see `is_local_source`). Torch-free."""
     path = tokenizer_source(model_path, tokenizer_path)
     if os.path.isfile(path):
         key = "gguf-" + _gguf_key(os.path.abspath(path))
-    else:
+    elif os.path.isdir(path):
         key = "dir-" + _directory_key(path)
+    else:
+        key = "name-" + hashlib.sha1(path.encode()).hexdigest()[:16]
     return os.path.join(_cache_root(), "serving-tokenizers", key)
+
+
+def is_local_source(model_path: str, tokenizer_path: str | None = None) -> bool:
+    """Whether the tokenizer is read from a local file or directory (else transformers resolves the
+    name, e.g. a Hub id: its prepared directory is rewritten on every start, as it may have changed)."""
+    return os.path.exists(tokenizer_source(model_path, tokenizer_path))
 
 
 def is_prepared(directory: str) -> bool:
@@ -98,13 +107,13 @@ def is_prepared(directory: str) -> bool:
         return False
 
 
-def prepare_serving_tokenizer(model_path: str, tokenizer_path: str | None = None) -> str:
+def prepare_serving_tokenizer(model_path: str, tokenizer_path: str | None = None, again: bool = False) -> str:
     """Load the tokenizer with transformers (`load_tokenizer`: the class AutoTokenizer picks) and
     write what the serving tokenizer reads: its backend pipeline (tokenizer.json) and
     radixserve-tokenizer.json (special tokens, chat templates, decode clean-up, special ids).
-    Returns the directory; an existing one is kept."""
+    Returns the directory; an existing one is kept unless `again`."""
     directory = serving_tokenizer_dir(model_path, tokenizer_path)
-    if is_prepared(directory):
+    if is_prepared(directory) and not again:
         return directory
     tok = load_tokenizer(model_path, tokenizer_path)
     backend = getattr(tok, "backend_tokenizer", None)
@@ -112,8 +121,9 @@ def prepare_serving_tokenizer(model_path: str, tokenizer_path: str | None = None
         raise ValueError(f"the tokenizer of {tokenizer_path or model_path!r} ({type(tok).__name__}) has no "
                          "`tokenizers` backend, which the serving processes need")
     clean_up = bool(tok.clean_up_tokenization_spaces)
-    if clean_up and type(backend.model).__name__ == "BPE":  # transformers skips it for BPE (it would corrupt text)
-        clean_up = bool(getattr(tok, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
+    force = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+    if clean_up and type(backend.model).__name__ == "BPE" and hasattr(tok, force):
+        clean_up = bool(getattr(tok, force))  # transformers 5 skips it for BPE (it would corrupt the text)
     meta = {
         "format": SERVING_META_FORMAT,
         "source": os.path.abspath(tokenizer_source(model_path, tokenizer_path)),
@@ -206,4 +216,5 @@ def eos_token_ids(hf_config, model_path: str | None = None, tokenizer=None) -> f
 if __name__ == "__main__":  # the serving processes prepare their tokenizer here: transformers and torch stay out of them
     import sys
 
-    print(prepare_serving_tokenizer(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] else None))
+    model, tokenizer = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] else None
+    print(prepare_serving_tokenizer(model, tokenizer, again="--again" in sys.argv[3:]))

@@ -16,7 +16,6 @@ exit in time). A child whose parent died exits by itself (the parent watchdog)."
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
@@ -27,9 +26,12 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixserve.runtime.ipc import PortArgs
+
+if TYPE_CHECKING:  # asyncio (and ssl with it, ~9 MB resident) is the parent's: the detokenizer has no event loop
+    import asyncio
 
 MODULE = "radixserve.runtime.child"
 
