@@ -11,7 +11,11 @@ interleaved round by round in one run (the machine is shared: compare within a r
   `--new-tokens` tokens (EOS ignored), end-to-end tokens / wall second (prefill included), and
   the CPU seconds over those requests of the tree and of the scheduler process alone.
 
-    python benchmarks/cpu_gguf_default_serve.py [--rounds 2] [--new-tokens 32] [serve overrides...]
+    python benchmarks/cpu_gguf_default_serve.py [--rounds 2] [--new-tokens 32] [--compare-core DIR] [serve overrides...]
+
+`--compare-core DIR`: each round also runs both sides with DIR (another checkout's `core/`, e.g.
+`git archive <commit> core | tar -x -C /tmp/base`, then /tmp/base/core) first on PYTHONPATH, so the
+server and its children import that core (plugins stay the installed ones); rows say `code`.
 
 Prints one JSON line per server and a summary (medians per side)."""
 
@@ -83,13 +87,14 @@ def rss_mb(pids: list[int]) -> dict[int, float]:
     return out
 
 
-def one_server(side: str, args, overrides: list[str]) -> dict:
+def one_server(side: str, args, overrides: list[str], core: str | None = None) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), *SIDES[side], *overrides]
     log = tempfile.NamedTemporaryFile("w+", prefix=f"serve-{side}-", suffix=".log", delete=False)
+    env = {**os.environ, "PYTHONPATH": core} if core else None
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         while True:
             if proc.poll() is not None:
@@ -147,18 +152,25 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--compare-core", default=None, help="another checkout's core/ directory to run too")
     args, overrides = ap.parse_known_args()
+    codes = {"this": None, **({"compare": args.compare_core} if args.compare_core else {})}
     rows = []
     for _ in range(args.rounds):
-        for side in SIDES:
-            rows.append(one_server(side, args, overrides))
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "texts"}), flush=True)
+        for code, core in codes.items():
+            for side in SIDES:
+                rows.append({**one_server(side, args, overrides, core), "code": code})
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "texts"}), flush=True)
     summary = {}
     for side in SIDES:
-        mine = [r for r in rows if r["side"] == side]
+        mine = [r for r in rows if r["side"] == side and r["code"] == "this"]
         summary[side] = {k: statistics.median(r[k] for r in mine) for k in
                          ("startup_wall_s", "startup_cpu_s", "idle_rss_scheduler_mb", "idle_rss_front_end_mb",
                           "idle_rss_tree_mb", "served_rss_tree_mb", "gen_tok_s", "gen_cpu_s", "gen_cpu_scheduler_s")}
+    if args.compare_core:
+        summary["compare"] = {side: {k: statistics.median(r[k] for r in rows if r["side"] == side and r["code"] == "compare")
+                                     for k in ("startup_wall_s", "startup_cpu_s", "idle_rss_front_end_mb", "idle_rss_tree_mb")}
+                              for side in SIDES}
     first = {side: next(r["texts"] for r in rows if r["side"] == side) for side in SIDES}
     summary["same_texts"] = sum(a == b for a, b in zip(*first.values(), strict=True))
     print(json.dumps({"summary": summary}), flush=True)
