@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("runtime", ("radixserve.runtime",)),
     ("scheduler", ("radixserve.scheduler",)),
     ("executor", ("radixserve.model_runner", "radixserve.cuda_graph_runner", "radixserve.tree_decode_rows", "radixserve.static_batch", "radixserve.tensor_parallel",
-                  "radixserve.sampling", "radixserve.model_loader", "radixserve.tokenizer")),
+                  "radixserve.sampling", "radixserve.model_loader", "radixserve.tokenizer", "radixserve.serving_tokenizer")),
     ("layers", ("radixserve.layers", "radixserve.native")),
     ("memory", ("radixserve.memory",)),
     ("contracts", ("radixserve.interfaces", "radixserve.state", "radixserve.config", "radixserve.messages",

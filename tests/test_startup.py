@@ -1,5 +1,6 @@
-"""Start-up work the runtime avoids: the detokenizer process decodes with the `tokenizers` library
-(no transformers/torch import next to the scheduler loading the model), exactly as transformers does."""
+"""Start-up work the runtime avoids: the detokenizer process decodes with the serving tokenizer
+(the `tokenizers` library: no transformers/torch import next to the scheduler loading the model),
+exactly as transformers does."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import sys
 import textwrap
 
 from radixserve.model_loader.model_files import load_tokenizer
-from radixserve.runtime.detokenizer import TokenizersDecoder, load_decoder
+from radixserve.serving_tokenizer import ServingTokenizer, load_serving_tokenizer
 
 
 def test_the_detokenizer_decodes_like_transformers(smollm2_gguf_path):
-    hf = load_tokenizer(smollm2_gguf_path)  # also fills the GGUF tokenizer cache the decoder reads
-    decoder = load_decoder(smollm2_gguf_path)
-    assert isinstance(decoder, TokenizersDecoder)
+    hf = load_tokenizer(smollm2_gguf_path)
+    decoder = load_serving_tokenizer(smollm2_gguf_path)
+    assert isinstance(decoder, ServingTokenizer)
     rng = random.Random(0)
     special = list(hf.all_special_ids)
     for _ in range(2000):
@@ -27,12 +28,13 @@ def test_the_detokenizer_decodes_like_transformers(smollm2_gguf_path):
 
 
 def test_the_detokenizer_process_entry_imports_neither_transformers_nor_torch(smollm2_gguf_path):
-    load_tokenizer(smollm2_gguf_path)
+    directory = load_serving_tokenizer(smollm2_gguf_path).directory
     code = textwrap.dedent(
         f"""
         import sys
         from radixserve.runtime import child, detokenizer
-        detokenizer.load_decoder({smollm2_gguf_path!r})
+        from radixserve.serving_tokenizer import ServingTokenizer
+        detokenizer.DetokenizerManager(ServingTokenizer({directory!r}))
         print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
         """
     )

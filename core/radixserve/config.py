@@ -6,6 +6,11 @@ Configs are frozen: derive a changed copy with `Config.with_overrides`, never mu
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
+import os
+import re
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -171,8 +176,12 @@ class RuntimeSection(_Section):
         return device.startswith("cuda")
 
     def resolved_device(self) -> str:
+        """`device`, or for "auto" "cuda" when torch sees a GPU, else "cpu". Torch is imported only
+        when the answer can be "cuda" (see `torch_cannot_use_cuda`): the HTTP front end stays torch-free on a CPU machine."""
         if self.device != "auto":
             return self.device
+        if "torch" not in sys.modules and torch_cannot_use_cuda():
+            return "cpu"
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -324,3 +333,27 @@ def _valid_keys(section: tuple) -> list[str]:
         model = field.annotation
     return list(model.model_fields)
 
+
+
+def torch_cannot_use_cuda() -> bool:
+    """True when `torch.cuda.is_available()` is certainly False, found without importing torch: no
+    torch, a torch built without CUDA or ROCm (its version.py says so), or a CUDA build without the
+    CUDA driver library to load. False means "ask torch"."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return True
+    try:
+        with open(os.path.join(spec.submodule_search_locations[0], "version.py")) as f:
+            version = f.read()
+    except OSError:
+        return False
+    builds = dict(re.findall(r"^(cuda|hip)\s*(?::[^=]*)?=\s*(.+?)\s*$", version, re.MULTILINE))
+    if builds.get("hip", "None") != "None":
+        return False  # ROCm: torch.cuda drives AMD GPUs through its own runtime
+    if builds.get("cuda") == "None":
+        return True
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return True
+    return False

@@ -63,6 +63,7 @@ class Engine:
         self.registry = Registry.from_config(self.config)
         self.tokenizer_manager = TokenizerManager(self.config, self.registry)
         self._closed = False
+        self._hf_tokenizer: Any = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-engine", daemon=True)
         self._thread.start()
@@ -89,7 +90,14 @@ class Engine:
 
     @property
     def tokenizer(self) -> Any:
-        return self.tokenizer_manager.tokenizer
+        """The model's transformers tokenizer, loaded on first use (the runtime itself encodes and
+        decodes with `tokenizer_manager.tokenizer`, which gives the same ids and text without transformers)."""
+        if self._hf_tokenizer is None:
+            from radixserve.tokenizer import load_tokenizer
+
+            tm = self.tokenizer_manager
+            self._hf_tokenizer = load_tokenizer(tm.model_path, self.config.model.tokenizer)
+        return self._hf_tokenizer
 
     # ---- requests ---------------------------------------------------------------------------
     @staticmethod

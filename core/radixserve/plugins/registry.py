@@ -264,7 +264,7 @@ class Registry:
 
     def load(self, kind: str, name: str) -> Any:
         """Import and return the component class (checked against its kind's base class)."""
-        from radixserve.interfaces import BASE_CLASS_OF_KIND
+        from radixserve.interfaces import base_class_of_kind
 
         spec = self.get(kind, name)
         module_name, _, attr = spec.ref.partition(":")
@@ -272,7 +272,7 @@ class Registry:
             obj = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as e:
             raise PluginError(f"{kind} {name!r} from {spec.distribution}: cannot import {spec.ref}: {e}") from e
-        base = BASE_CLASS_OF_KIND[kind]
+        base = base_class_of_kind(kind)
         if not (isinstance(obj, type) and issubclass(obj, base)):
             raise PluginError(f"{kind} {name!r} ({spec.ref}) is not a subclass of {base.__module__}.{base.__name__}")
         if spec.is_weight_source:

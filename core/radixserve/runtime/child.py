@@ -16,7 +16,6 @@ exit in time). A child whose parent died exits by itself (the parent watchdog)."
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
@@ -27,9 +26,12 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixserve.runtime.ipc import PortArgs
+
+if TYPE_CHECKING:  # asyncio (and ssl with it, ~9 MB resident) is the parent's: the detokenizer has no event loop
+    import asyncio
 
 MODULE = "radixserve.runtime.child"
 
@@ -42,7 +44,7 @@ class ChildSpec:
     config: dict[str, Any]  # Config.model_dump(mode="json")
     ports: PortArgs
     parent_pid: int
-    tokenizer_path: str
+    tokenizer_path: str  # the detokenizer's: the prepared serving-tokenizer directory (see serving_tokenizer.py)
     sys_path: list[str]  # the parent's import path: plugins on it resolve the same in the child
     tp_rank: int = 0  # tensor parallelism: this process's rank ("tp_worker": > 0; "scheduler": 0)
     dist_init_addr: str = ""  # host:port of the TP rendezvous (rank 0 serves it); "" when tp_size == 1

@@ -144,34 +144,10 @@ class DetokenizerManager:
         return BatchTextOut(outs)
 
 
-class TokenizersDecoder:
-    """`decode` straight from a tokenizer.json with the `tokenizers` library: all the detokenizer
-    needs, without importing transformers and torch (several CPU-seconds of start-up on a small
-    machine, taken from the scheduler loading the model next to it). For a fast tokenizer,
-    transformers' decode with clean_up_tokenization_spaces=False is this same call."""
-
-    def __init__(self, path: str) -> None:
-        from tokenizers import Tokenizer
-
-        self._tokenizer = Tokenizer.from_file(path)
-
-    def decode(
-        self, ids: list[int], skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False
-    ) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-
-def load_decoder(model_path: str, tokenizer_path: str | None = None) -> Any:
-    """What the detokenizer decodes with: a TokenizersDecoder when a tokenizer.json exists,
-    else the transformers tokenizer."""
-    from radixserve.tokenizer import load_tokenizer, tokenizer_json
-
-    path = tokenizer_json(model_path, tokenizer_path)
-    return TokenizersDecoder(path) if path is not None else load_tokenizer(model_path, tokenizer_path)
-
-
 def run_detokenizer_process(config_dict: dict, ports: Any, tokenizer_path: str, parent_pid: int) -> None:
-    """Entry point of the detokenizer process (spawned by the TokenizerManager)."""
+    """Entry point of the detokenizer process (spawned by the TokenizerManager). `tokenizer_path`:
+    the prepared serving-tokenizer directory (the TokenizerManager's `tokenizer.directory`), read
+    with the `tokenizers` library: no transformers or torch import next to the scheduler loading the model."""
     import zmq
 
     from radixserve.runtime.ipc import install_parent_watchdog
@@ -183,6 +159,7 @@ def run_detokenizer_process(config_dict: dict, ports: Any, tokenizer_path: str, 
         detokenizer_decoder,
         make_encoder,
     )
+    from radixserve.serving_tokenizer import ServingTokenizer
 
     install_parent_watchdog(parent_pid)
     ctx = zmq.Context(1)
@@ -192,7 +169,7 @@ def run_detokenizer_process(config_dict: dict, ports: Any, tokenizer_path: str, 
     send.connect(ports.manager_input)
     enc, dec = make_encoder(), detokenizer_decoder()
     try:
-        manager = DetokenizerManager(load_decoder(tokenizer_path))
+        manager = DetokenizerManager(ServingTokenizer(tokenizer_path))
     except Exception as e:
         send.send(enc.encode(ChildFailed(process="detokenizer", error=repr(e))))
         raise

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config import Config, ConfigError
-from radixserve.model_loader.model_files import load_tokenizer, resolve_model_path, served_name
+from radixserve.model_loader.model_files import resolve_model_path, served_name
 from radixserve.plugins.registry import Registry
 from radixserve.plugins.stack import check_quantization_fits, resolve_stack
 from radixserve.runtime.child import ChildSpec, watch_exit
@@ -36,6 +36,7 @@ from radixserve.runtime.messages import (
     make_encoder,
     manager_decoder,
 )
+from radixserve.serving_tokenizer import load_serving_tokenizer
 from radixserve.state import SamplingParams
 from radixserve.validation import InvalidRequest, ModelLimits, validate_request
 
@@ -80,7 +81,9 @@ class TokenizerManager:
     - `TokenizerManager(config, registry=None)` checks the stack; `await tm.start()` starts the
       scheduler and detokenizer processes (fresh interpreters, see runtime/child.py) and returns
       once the model is loaded; raises RuntimeError if a child fails.
-    - `tm.tokenizer` (a transformers tokenizer), `tm.model_name` (served name), `tm.context_len`.
+    - `tm.tokenizer` (a `ServingTokenizer`: encode, decode, apply_chat_template, chat_template, ... as
+      transformers' tokenizer of the model does them, without importing transformers or torch),
+      `tm.model_name` (served name), `tm.context_len`.
     - `tm.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs) -> list[int]`
       (template_kwargs: `tools=[...]`, `enable_thinking=False`, ... passed to the template).
     - `async for out in tm.generate(GenerateInput(...))`: yields dicts
@@ -153,33 +156,43 @@ class TokenizerManager:
         self._ready = {name: loop.create_future() for name in CHILDREN}
         self._recv_task = loop.create_task(self._recv_loop())
 
-        # the children start first: their imports and the model load overlap this process's
-        # tokenizer load (each loads the tokenizer itself; GGUF conversions are cached on disk)
+        # the scheduler (and TP ranks) start first: their imports and the model load overlap this
+        # process's tokenizer load; the detokenizer then reads the same prepared tokenizer directory
+        # (prepared once per tokenizer, in a short-lived process: see serving_tokenizer.py)
         config = self.config.with_overrides({"model": {"path": self.model_path}})
         self._started = True
-        for name, process, rank, addr in self._child_layout():
-            spec = ChildSpec(
-                process=process,
-                config=config.model_dump(mode="json"),
-                ports=self._ports,
-                parent_pid=os.getpid(),
-                tokenizer_path=self.config.model.tokenizer or self.model_path,
-                sys_path=list(sys.path),
-                tp_rank=rank,
-                dist_init_addr=addr,
-            )
-            self._procs[name] = proc = spawn_child(spec)
-            self._unwatch[name] = watch_exit(loop, proc, functools.partial(self._on_child_exit, name))
+        layout = self._child_layout()
         try:
+            for child in layout:
+                if child[1] != "detokenizer":
+                    self._spawn(loop, config, *child, tokenizer_path="")
             self.tokenizer = await loop.run_in_executor(
-                None, load_tokenizer, self.model_path, self.config.model.tokenizer
+                None, load_serving_tokenizer, self.model_path, self.config.model.tokenizer
             )
+            for child in layout:
+                if child[1] == "detokenizer":
+                    self._spawn(loop, config, *child, tokenizer_path=self.tokenizer.directory)
             infos = await asyncio.gather(*self._ready.values())
         except BaseException:
             await self.shutdown()
             raise
         self.server_info = dict(infos[0])
         self.context_len = int(self.server_info.get("context_len") or 0)
+
+    def _spawn(self, loop: asyncio.AbstractEventLoop, config: Config, name: str, process: str, rank: int, addr: str,
+               tokenizer_path: str) -> None:
+        spec = ChildSpec(
+            process=process,
+            config=config.model_dump(mode="json"),
+            ports=self._ports,
+            parent_pid=os.getpid(),
+            tokenizer_path=tokenizer_path,
+            sys_path=list(sys.path),
+            tp_rank=rank,
+            dist_init_addr=addr,
+        )
+        self._procs[name] = proc = spawn_child(spec)
+        self._unwatch[name] = watch_exit(loop, proc, functools.partial(self._on_child_exit, name))
 
     def _child_layout(self) -> list[tuple[str, str, int, str]]:
         """(name, process kind, TP rank, rendezvous address) of each child: the scheduler (TP rank
