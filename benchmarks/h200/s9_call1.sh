@@ -14,8 +14,8 @@ log() { echo "[s9_call1 $(date +%H:%M:%S)] $*"; }
 mkdir -p $ROOT/probes
 log "probe: a cyclic graph collected during a capture (torch.cuda.graph vs CudaGraph.capture)"
 timeout 60 python3 benchmarks/h200/capture_gc_probe.py --out $ROOT/probes 2>&1 | grep -v Warning | tail -4 | cut -c1-700
-log "probe: eager draft SDPA, new widths vs padded vs cuDNN excluded"
-timeout 60 python3 benchmarks/h200/draft_sdpa_shapes.py --out $ROOT/probes 2>&1 | grep -v Warning | tail -2 | cut -c1-1500
+log "probe: eager draft SDPA, new widths vs padded vs cuDNN excluded; fresh-prompt prefill SDPA at new lengths (issue 18 TTFT)"
+timeout 60 python3 benchmarks/h200/draft_sdpa_shapes.py --out $ROOT/probes 2>&1 | grep -v Warning | tail -2 | cut -c1-3000
 run_row() {  # NAME [spec_eagle args]
   local name=$1; shift
   mkdir -p $ROOT/$name
