@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("executor", ("radixserve.model_runner", "radixserve.cuda_graph_runner", "radixserve.tree_decode_rows", "radixserve.static_batch", "radixserve.tensor_parallel",
                   "radixserve.sampling", "radixserve.model_loader", "radixserve.tokenizer", "radixserve.serving_tokenizer")),
     ("layers", ("radixserve.layers", "radixserve.native")),
-    ("memory", ("radixserve.memory",)),
+    ("memory", ("radixserve.memory", "radixserve.heap")),
     ("contracts", ("radixserve.interfaces", "radixserve.state", "radixserve.config", "radixserve.messages",
                    "radixserve.errors", "radixserve.validation", "radixserve.plugins", "radixserve.version", "radixserve.builtin_components")),
 ]

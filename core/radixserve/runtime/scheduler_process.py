@@ -9,6 +9,7 @@ import time
 import traceback
 from typing import Any
 
+from radixserve.heap import release_free_heap
 from radixserve.runtime.ipc import PortArgs, install_parent_watchdog
 from radixserve.runtime.messages import (
     AbortRequest,
@@ -228,6 +229,7 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int, d
         logger.info("warm-up done in %.1f s", time.perf_counter() - warmup_start)
         scheduler = Scheduler.from_config(config, runner, registry)
         server = SchedulerServer(scheduler, ports, StatsHookReporter.for_registry(registry))
+        release_free_heap()  # what loading the weights freed stays resident otherwise
     except Exception as e:
         ctx = zmq.Context(1)
         sock = ctx.socket(zmq.PUSH)
