@@ -335,6 +335,12 @@ def _valid_keys(section: tuple) -> list[str]:
 
 
 
+def cache_dir() -> str:
+    """The root of RadixServe's on-disk caches (built native kernels, GGUF tokenizer conversions,
+    prepared serving tokenizers): $RADIXSERVE_CACHE_DIR, else ~/.cache/radixserve."""
+    return os.environ.get("RADIXSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "radixserve")
+
+
 def torch_cannot_use_cuda() -> bool:
     """True when `torch.cuda.is_available()` is certainly False, found without importing torch: no
     torch, a torch built without CUDA or ROCm (its version.py says so), or a CUDA build without the

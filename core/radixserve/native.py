@@ -28,6 +28,8 @@ from types import ModuleType
 
 import torch
 
+from radixserve.config import cache_dir
+
 logger = logging.getLogger(__name__)
 
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")  # -fopenmp: at::parallel_for uses torch's OpenMP
@@ -45,8 +47,7 @@ def enabled() -> bool:
 
 
 def cache_root() -> Path:
-    base = os.environ.get("RADIXSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "radixserve")
-    return Path(base) / "native"
+    return Path(cache_dir()) / "native"
 
 
 def _cpu_flags() -> bytes:

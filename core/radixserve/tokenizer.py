@@ -11,8 +11,7 @@ import shutil
 import tempfile
 from typing import Any
 
-CACHE_ENV = "RADIXSERVE_CACHE_DIR"  # default ~/.cache/radixserve
-
+from radixserve.config import cache_dir
 
 SERVING_TOKENIZER_FILE = "tokenizer.json"  # the backend pipeline, as transformers' class configured it
 SERVING_META_FILE = "radixserve-tokenizer.json"  # what the serving tokenizer needs besides (written last)
@@ -45,17 +44,13 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
     return AutoTokenizer.from_pretrained(path)
 
 
-def _cache_root() -> str:
-    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "radixserve")
-
-
 def _gguf_key(path: str) -> str:
     st = os.stat(path)
     return hashlib.sha1(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
 def _gguf_cache_dir(path: str) -> str:
-    return os.path.join(_cache_root(), "gguf-tokenizers", _gguf_key(path))
+    return os.path.join(cache_dir(), "gguf-tokenizers", _gguf_key(path))
 
 
 def _directory_key(path: str) -> str:
@@ -90,7 +85,7 @@ def serving_tokenizer_dir(model_path: str, tokenizer_path: str | None = None) ->
         key = "dir-" + _directory_key(path)
     else:
         key = "name-" + hashlib.sha1(path.encode()).hexdigest()[:16]
-    return os.path.join(_cache_root(), "serving-tokenizers", key)
+    return os.path.join(cache_dir(), "serving-tokenizers", key)
 
 
 def is_local_source(model_path: str, tokenizer_path: str | None = None) -> bool:
