@@ -199,7 +199,7 @@ def decode_section(args, root: str) -> dict:
             tokens = max(tokens, args.offline_batch * (args.offline_input + args.offline_output) + 64)
             context = max(context, args.offline_input + args.offline_output + 16)
         try:
-            runner = make_runner(method, root, bs_cap, tokens, context)
+            runner = make_runner(method, root, bs_cap, tokens, context, runtime=args.runtime)
         except Exception as e:  # noqa: BLE001 - recorded, the next method still runs
             rows.append({"method": method, "error": f"{type(e).__name__}: {e}"})
             log(f"decode: {method} failed to load: {e}")
@@ -249,6 +249,8 @@ def engine_offline_section(args) -> dict:
                           "context_length": n_in + n_out + 16}}
         if method == "fp8":
             over["stack"] = {"quantization": "fp8"}
+        if args.runtime:
+            over["runtime"] = dict(args.runtime)
         log(f"offline (engine): starting {method}")
         try:
             with Engine(config=Config.load(args.offline_config, over)) as engine:
@@ -313,7 +315,7 @@ def offline_section(args, root: str) -> dict:
             try:
                 runner = make_runner(method, root, args.offline_batch,
                                      args.offline_batch * (args.offline_input + args.offline_output) + 64,
-                                     args.offline_input + args.offline_output + 16)
+                                     args.offline_input + args.offline_output + 16, runtime=args.runtime)
                 rows.append(static_offline(runner, method, args))
             except Exception as e:  # noqa: BLE001
                 rows.append({"method": method, "error": f"{type(e).__name__}: {e}"})
@@ -393,7 +395,14 @@ def main() -> int:
                                         "(the issue's figure: --offline-prompts 1000) instead of static batches")
     ap.add_argument("--offline-config", default=os.path.join(HERE, "..", "stacks", "h200-llama.yaml"),
                     help="YAML stack of the Engine offline runs")
+    ap.add_argument("--runtime", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="runtime config keys for every model run, e.g. lowbit_gemv=on")
     args = ap.parse_args()
+    try:
+        args.runtime = dict(item.split("=", 1) for item in args.runtime)
+    except ValueError:
+        ap.error(f"--runtime takes KEY=VALUE items, got {args.runtime}")
+    results["runtime_overrides"] = args.runtime
     global ARGS
     ARGS = args
     os.makedirs(args.out, exist_ok=True)

@@ -214,6 +214,25 @@ def test_extend_matches_reference_and_writes_kv(dtype, heads, lens, prefill_sdpa
     assert_pool_written(p)
 
 
+def test_fresh_prompt_sdpa_never_builds_cudnn_plans(monkeypatch):
+    # cuDNN's SDPA builds a plan per new prompt length (~40 ms each on the H200): the online TTFT tail.
+    # The fresh-prompt path must call SDPA with cuDNN disabled, whatever the global switches say.
+    seen = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the process default: what the path must override
+    p = make_problem([0, 0], [5, 9], 4, 2, 16, dtype=torch.float32, mode=ForwardMode.EXTEND, prefill_sdpa=True)
+    out = run(p)
+    assert seen == [False, False]  # one call per fresh prompt, each with cuDNN off
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored afterwards
+    assert_close(out, reference(p), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda t: "h{}kv{}d{}".format(*t))
 @pytest.mark.parametrize("seq_lens", DECODE_SEQS, ids=_ids(DECODE_SEQS))

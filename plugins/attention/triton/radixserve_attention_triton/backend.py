@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from radixserve.interfaces.attention import AttentionBackend
 from radixserve.layers.extend_layout import extend_starts, tree_mask_starts
 from radixserve.layers.kv_splits import SplitKVDecodeMetadata, split_planning_defaults
@@ -23,6 +24,12 @@ from radixserve.state import ForwardMode
 from radixserve_attention_triton.decode_kernel import DecodeConfig, compute_num_kv_splits, decode_attention
 from radixserve_attention_triton.extend_kernel import ExtendConfig, extend_attention
 from radixserve_attention_triton.rotary_store_kernel import rotary_and_store
+
+# The fresh-prompt SDPA may use every backend but cuDNN's: torch builds one cuDNN plan per new
+# (shape, stride) key, ~40 ms each on the H200 (benchmarks/h200/draft_sdpa_shapes.py, session 11: a
+# prompt of a length not seen before took 40.1 ms median in cuDNN, 0.098 ms in the flash kernel), and
+# served prompts have new lengths all the time: that plan build was the online TTFT tail.
+FRESH_PROMPT_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 if TYPE_CHECKING:
     from radixserve.interfaces.attention import AttentionLayerSpec
@@ -224,15 +231,16 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q3)
         gqa = layer.num_heads != layer.num_kv_heads
         start = 0
-        for n in lens:
-            rows = slice(start, start + n)
-            # [1, heads, n, head_dim] views: the head dim stays contiguous, as the flash kernel needs
-            o = F.scaled_dot_product_attention(
-                q3[rows].transpose(0, 1)[None], k3[rows].transpose(0, 1)[None], v3[rows].transpose(0, 1)[None],
-                is_causal=True, scale=layer.scaling, enable_gqa=gqa,
-            )
-            out[rows] = o[0].transpose(0, 1)
-            start += n
+        with sdpa_kernel(FRESH_PROMPT_SDPA_BACKENDS):
+            for n in lens:
+                rows = slice(start, start + n)
+                # [1, heads, n, head_dim] views: the head dim stays contiguous, as the flash kernel needs
+                o = F.scaled_dot_product_attention(
+                    q3[rows].transpose(0, 1)[None], k3[rows].transpose(0, 1)[None], v3[rows].transpose(0, 1)[None],
+                    is_causal=True, scale=layer.scaling, enable_gqa=gqa,
+                )
+                out[rows] = o[0].transpose(0, 1)
+                start += n
         return out
 
     def forward_decode(

@@ -1,0 +1,30 @@
+# Session 11, device call 2 (~9.5 min, carry .whl .gpu2). On main with the fresh-prompt SDPA kept off cuDNN
+# (call 1: a new prompt length cost a 40 ms cuDNN plan build).
+#  1. issue 18 online: 300 requests at 8 req/s, Llama-3.1-8B shape, stacks/h200-llama.yaml, a tokenizer covering
+#     the 128,256-id vocabulary (.gpu2/tok128k, benchmarks/h200/full_vocab_tokenizer.py) and prompt ids over it;
+#  2. issue 14 decode rows with runtime.lowbit_gemv=on (bf16 / AWQ / GPTQ / FP8, batch 1 and 32);
+#  3. issue 14 FP8 vs bf16 offline 1000 x 1024/256 through the Engine (issue 18's offline figure is the bf16 row).
+set -o pipefail
+source benchmarks/h200/setup.sh || exit 1
+ROOT=$OUT
+log() { echo "[s11_call2 $(date +%H:%M:%S)] $*"; }
+mkdir -p $ROOT/online $ROOT/quant_lowbit $ROOT/offline
+M=benchmarks/model-configs/llama-3.1-8b
+log "online: server start"
+(setsid radixserve serve --model $M --tokenizer .gpu2/tok128k --port 30100 --config stacks/h200-llama.yaml \
+  model.load_format=dummy model.context_length=1296 > $ROOT/online/server.log 2>&1 &)
+for i in $(seq 1 120); do curl -sf localhost:30100/health > /dev/null && break; sleep 1; done
+log "online: ready after ${i}s; 300 requests at 8 req/s"
+timeout 110 radixserve bench serve --base-url http://127.0.0.1:30100 --num-prompts 300 --request-rate 8 --input-len 1024 \
+  --output-len 256 --vocab-high 128000 --result-file $ROOT/online/online.jsonl 2>&1 \
+  | grep -A3 '"ttft_ms"\|"tpot_ms"\|"itl_ms"\|itl_samples\|"completed"\|"failed"'
+pkill -f "port 30100"; sleep 3
+grep -i "error\|traceback" $ROOT/online/server.log | head -5
+log "quant: decode batch 1 / 32, runtime.lowbit_gemv=on"
+timeout 100 python3 benchmarks/h200_quant.py --out $ROOT/quant_lowbit --skip kernels,offline --runtime lowbit_gemv=on \
+  2>&1 | grep -v Warning | tail -11
+log "offline: bf16 vs FP8, 1000 x 1024/256 through the Engine"
+timeout 270 python3 benchmarks/h200_quant.py --out $ROOT/offline --skip kernels,decode --methods bf16 fp8 \
+  --tokenizer .gpu2/tok-smollm2 --offline-prompts 1000 --offline-budget-s 90 2>&1 | grep -v Warning | tail -8
+find $ROOT -name "*.gz" -delete
+log done
