@@ -3,7 +3,8 @@
 #  1. issue 18 online: 300 requests at 8 req/s, Llama-3.1-8B shape, stacks/h200-llama.yaml, a tokenizer covering
 #     the 128,256-id vocabulary (.gpu2/tok128k, benchmarks/h200/full_vocab_tokenizer.py) and prompt ids over it;
 #  2. issue 14 decode rows with runtime.lowbit_gemv=on (bf16 / AWQ / GPTQ / FP8, batch 1 and 32);
-#  3. issue 14 FP8 vs bf16 offline 1000 x 1024/256 through the Engine (issue 18's offline figure is the bf16 row).
+#  3. issue 14 FP8 vs bf16 offline 1000 x 1024/256 through the Engine (issue 18's offline figure is the bf16 row);
+#  4. the HF transformers offline peer of the 8B shape (batch 128).
 set -o pipefail
 source benchmarks/h200/setup.sh || exit 1
 ROOT=$OUT
@@ -15,7 +16,7 @@ log "online: server start"
   model.load_format=dummy model.context_length=1296 > $ROOT/online/server.log 2>&1 &)
 for i in $(seq 1 120); do curl -sf localhost:30100/health > /dev/null && break; sleep 1; done
 log "online: ready after ${i}s; 300 requests at 8 req/s"
-timeout 110 radixserve bench serve --base-url http://127.0.0.1:30100 --num-prompts 300 --request-rate 8 --input-len 1024 \
+timeout 100 radixserve bench serve --base-url http://127.0.0.1:30100 --num-prompts 300 --request-rate 8 --input-len 1024 \
   --output-len 256 --vocab-high 128000 --result-file $ROOT/online/online.jsonl 2>&1 \
   | grep -A3 '"ttft_ms"\|"tpot_ms"\|"itl_ms"\|itl_samples\|"completed"\|"failed"'
 pkill -f "port 30100"; sleep 3
@@ -26,5 +27,8 @@ timeout 100 python3 benchmarks/h200_quant.py --out $ROOT/quant_lowbit --skip ker
 log "offline: bf16 vs FP8, 1000 x 1024/256 through the Engine"
 timeout 270 python3 benchmarks/h200_quant.py --out $ROOT/offline --skip kernels,decode --methods bf16 fp8 \
   --tokenizer .gpu2/tok-smollm2 --offline-prompts 1000 --offline-budget-s 90 2>&1 | grep -v Warning | tail -8
+log "HF transformers peer, batch 128 x 1024/256 (issue 18's offline peer, same call)"
+timeout 130 python3 benchmarks/hf_peer.py --config-dir $M --batch-size 128 --input-len 1024 --output-len 256 \
+  --result-file $ROOT/offline/hf_peer.jsonl 2>&1 | tail -3 | cut -c1-400
 find $ROOT -name "*.gz" -delete
 log done
