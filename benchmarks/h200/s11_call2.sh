@@ -3,32 +3,36 @@
 #  1. issue 18 online: 300 requests at 8 req/s, Llama-3.1-8B shape, stacks/h200-llama.yaml, a tokenizer covering
 #     the 128,256-id vocabulary (.gpu2/tok128k, benchmarks/h200/full_vocab_tokenizer.py) and prompt ids over it;
 #  2. issue 14 decode rows with runtime.lowbit_gemv=on (bf16 / AWQ / GPTQ / FP8, batch 1 and 32);
-#  3. issue 14 FP8 vs bf16 offline 1000 x 1024/256 through the Engine (issue 18's offline figure is the bf16 row);
-#  4. the HF transformers offline peer of the 8B shape (batch 128).
+#  3. issue 14 FP8 vs bf16 offline 1000 x 1024/256 through the Engine (issue 18's offline figure is the bf16 row).
+#  the online run is repeated with 512-token prefill chunks (a decode step then waits for at most one chunk).
 set -o pipefail
 source benchmarks/h200/setup.sh || exit 1
 ROOT=$OUT
 log() { echo "[s11_call2 $(date +%H:%M:%S)] $*"; }
 mkdir -p $ROOT/online $ROOT/quant_lowbit $ROOT/offline
 M=benchmarks/model-configs/llama-3.1-8b
-log "online: server start"
-(setsid radixserve serve --model $M --tokenizer .gpu2/tok128k --port 30100 --config stacks/h200-llama.yaml \
-  model.load_format=dummy model.context_length=1296 > $ROOT/online/server.log 2>&1 &)
-for i in $(seq 1 120); do curl -sf localhost:30100/health > /dev/null && break; sleep 1; done
-log "online: ready after ${i}s; 300 requests at 8 req/s"
-timeout 100 radixserve bench serve --base-url http://127.0.0.1:30100 --num-prompts 300 --request-rate 8 --input-len 1024 \
-  --output-len 256 --vocab-high 128000 --result-file $ROOT/online/online.jsonl 2>&1 \
-  | grep -A3 '"ttft_ms"\|"tpot_ms"\|"itl_ms"\|itl_samples\|"completed"\|"failed"'
-pkill -f "port 30100"; sleep 3
-grep -i "error\|traceback" $ROOT/online/server.log | head -5
+online() {  # NAME [config overrides]: a fresh server, 300 requests at 8 req/s, the server stopped
+  local name=$1; shift
+  mkdir -p $ROOT/$name
+  log "$name: server start ($*)"
+  (setsid radixserve serve --model $M --tokenizer .gpu2/tok128k --port 30100 --config stacks/h200-llama.yaml \
+    model.load_format=dummy model.context_length=1296 "$@" > $ROOT/$name/server.log 2>&1 &)
+  for i in $(seq 1 120); do curl -sf localhost:30100/health > /dev/null && break; sleep 1; done
+  log "$name: ready after ${i}s; 300 requests at 8 req/s"
+  timeout 100 radixserve bench serve --base-url http://127.0.0.1:30100 --num-prompts 300 --request-rate 8 --input-len 1024 \
+    --output-len 256 --vocab-high 128000 --result-file $ROOT/$name/online.jsonl 2>&1 \
+    | grep -A3 '"ttft_ms"\|"itl_ms"\|"completed"\|"failed"'
+  pkill -f "port 30100"; sleep 3
+  grep -i "error\|traceback" $ROOT/$name/server.log | head -5
+}
+online online
 log "quant: decode batch 1 / 32, runtime.lowbit_gemv=on"
 timeout 100 python3 benchmarks/h200_quant.py --out $ROOT/quant_lowbit --skip kernels,offline --runtime lowbit_gemv=on \
   2>&1 | grep -v Warning | tail -11
 log "offline: bf16 vs FP8, 1000 x 1024/256 through the Engine"
 timeout 270 python3 benchmarks/h200_quant.py --out $ROOT/offline --skip kernels,decode --methods bf16 fp8 \
   --tokenizer .gpu2/tok-smollm2 --offline-prompts 1000 --offline-budget-s 90 2>&1 | grep -v Warning | tail -8
-log "HF transformers peer, batch 128 x 1024/256 (issue 18's offline peer, same call)"
-timeout 130 python3 benchmarks/hf_peer.py --config-dir $M --batch-size 128 --input-len 1024 --output-len 256 \
-  --result-file $ROOT/offline/hf_peer.jsonl 2>&1 | tail -3 | cut -c1-400
+# a 1024-token prompt as two 512-token chunks: a decode step waits for at most one chunk (ITL p99)
+online online_chunk512 scheduler.chunked_prefill_size=512
 find $ROOT -name "*.gz" -delete
 log done
