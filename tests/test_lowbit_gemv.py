@@ -99,7 +99,7 @@ def test_int4_linear_routes_small_batches_to_the_row_gemv_with_act_order(monkeyp
     x = torch.randn(1, 1, k, generator=torch.Generator().manual_seed(6))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(7))
     monkeypatch.setattr(int4_triton, "available", lambda t: True)  # the CUDA branch, run by the interpreter
-    w.rows = lg.repack_int4(w)  # what make_int4_weight does on CUDA with runtime.lowbit_gemv on
+    w.rows = lg.repack_int4(w)  # what add_row_layout does to a CUDA weight (runtime.lowbit_gemv on)
     calls = []
     real = lg.int4_gemv
     monkeypatch.setattr(lg, "int4_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -108,18 +108,19 @@ def test_int4_linear_routes_small_batches_to_the_row_gemv_with_act_order(monkeyp
     torch.testing.assert_close(y, x @ ref + bias, rtol=1e-4, atol=1e-4)
 
 
-def test_runtime_key_turns_the_gemvs_on_and_bad_values_are_named(monkeypatch):
+def test_runtime_key_resolves_per_device_and_bad_values_are_named():
     from radixserve.config import Config, ConfigError
 
-    monkeypatch.setattr(lg, "ENABLED", False)  # restored after the test
-    assert Config.build({}).runtime.lowbit_gemv == "off"
-    assert lg.configure(Config.build({"runtime": {"lowbit_gemv": "on"}}).runtime.lowbit_gemv) and lg.ENABLED
-    monkeypatch.setenv("RADIXSERVE_LOWBIT_GEMV", "1")  # the old environment switch is gone: the key decides
-    assert not lg.configure("off") and not lg.ENABLED
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert Config.build({}).runtime.lowbit_gemv == "auto"
+    assert lg.resolve("auto", cuda) and not lg.resolve("auto", cpu)  # the default: on for CUDA models only
+    assert lg.resolve("on", cuda) and not lg.resolve("off", cuda)
+    with pytest.raises(ValueError, match="lowbit_gemv=on: .* on 'cpu'"):
+        lg.resolve("on", cpu)
     with pytest.raises(ConfigError, match="lowbit_gemv"):
         Config.build({"runtime": {"lowbit_gemv": "fast"}})
     with pytest.raises(ValueError, match="lowbit_gemv='fast'"):
-        lg.configure("fast")
+        lg.resolve("fast", cuda)
 
 
 def test_fp8_linear_routes_at_most_two_rows_to_the_row_gemv(monkeypatch):
@@ -128,12 +129,13 @@ def test_fp8_linear_routes_at_most_two_rows_to_the_row_gemv(monkeypatch):
     gen = torch.Generator().manual_seed(8)
     w = torch.randn(16, 64, generator=gen).to(torch.float8_e4m3fn)
     s = torch.rand(16, generator=gen) + 0.5
-    monkeypatch.setattr(lg, "ENABLED", True)
     calls = []
     real = lg.fp8_gemv
     monkeypatch.setattr(lg, "fp8_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     for m in (1, 2, 3):  # 3 rows: the tiled kernel (the row GEMV measured slower there)
         x = torch.randn(m, 64, generator=gen)
-        torch.testing.assert_close(fk.rowwise_fp8_linear(x, w, s), x @ (w.float() * s[:, None]).t(), rtol=1e-4,
-                                   atol=1e-4)
+        torch.testing.assert_close(fk.rowwise_fp8_linear(x, w, s, row_gemv=True), x @ (w.float() * s[:, None]).t(),
+                                   rtol=1e-4, atol=1e-4)
+    assert calls == [1, 2]
+    fk.rowwise_fp8_linear(torch.randn(1, 64, generator=gen), w, s)  # a layer without the flag: the tiled kernel
     assert calls == [1, 2]

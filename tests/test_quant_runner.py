@@ -114,3 +114,31 @@ def test_gpu_below_the_minimum_capability_is_named(monkeypatch):
     with pytest.raises(ValueError, match=r"FP8Method needs a CUDA device of compute capability >= 8\.0; this one is 7\.0"):
         FP8Method().check_device(torch.device("cuda"), torch.bfloat16)
     FP8Method().check_device(torch.device("cpu"), torch.float32)  # the CPU fallback always runs
+
+
+def test_lowbit_gemv_is_a_per_model_choice_made_through_the_method(tiny_llama, tmp_path, monkeypatch):
+    # runtime.lowbit_gemv resolves per model (no process-wide switch): the loader asks each quantized
+    # linear's method to prepare for the GEMVs only for a model whose key resolves on, and a second
+    # model loaded with it off in the same process is untouched. On the CPU "auto" resolves off, so
+    # the CUDA answer is stood in for; the int4 method then answers False for a CPU weight.
+    from radixserve.layers import lowbit_gemv
+    from radixserve_quant_awq.method import AWQMethod
+
+    quant, ref = str(tmp_path / "quant"), str(tmp_path / "ref")
+    qf.write_quantized_checkpoint(tiny_llama, quant, ref, "awq", 64)
+    asked = []
+    real = AWQMethod.enable_lowbit_gemv
+    monkeypatch.setattr(AWQMethod, "enable_lowbit_gemv", lambda self, layer: asked.append(layer) or real(self, layer))
+    monkeypatch.setattr(lowbit_gemv, "resolve", lambda mode, device: mode != "off")
+    on = _runner(quant)
+    layers = on.hf_config.num_hidden_layers
+    assert len(asked) == 4 * layers  # qkv, o, gate_up, down of every layer
+    assert all(layer.int4_weight.rows is None for layer in asked)  # CPU weights: no row-layout copy
+    asked.clear()
+    cfg = Config.build({"model": {"path": quant}, "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1,
+                                                              "lowbit_gemv": "off"},
+                        "scheduler": {"max_total_tokens": 1024, "max_running_requests": 4}})
+    off = ModelRunner(cfg, show_progress=False)
+    assert asked == []
+    prompts = _prompts(on.vocab_size)
+    assert [g.tokens for g in greedy_generate(on, prompts, 4)] == [g.tokens for g in greedy_generate(off, prompts, 4)]

@@ -145,8 +145,8 @@ class RuntimeSection(_Section):
     # (layers/gemv_selection.py); auto: on for sm90 GPUs whose Triton has it, on: an error elsewhere
     batch1_gemv_pdl: Literal["auto", "on", "off"] = "auto"
     # int4 (AWQ/GPTQ) and per-row FP8 linears of <= 4 rows on the whole-row low-bit GEMVs
-    # (layers/lowbit_gemv.py)
-    lowbit_gemv: Literal["on", "off"] = "off"
+    # (layers/lowbit_gemv.py); auto: on for CUDA models, on: an error elsewhere
+    lowbit_gemv: Literal["auto", "on", "off"] = "auto"
     seed: int = 0
     num_threads: int | None = Field(default=None, ge=1)  # CPU torch threads; None: all cores
     # data parallelism: this many full engine replicas behind a router (the `router` section)

@@ -109,10 +109,9 @@ class ModelRunner:
             check_model_tensor_parallel(arch, model_cls, quant, self.hf_config, tp.size)
         torch.manual_seed(rt.seed)
         gemv_pdl = batch1_gemv_pdl_enabled(rt.batch1_gemv_pdl, self.device)  # an unusable `on` fails before loading
-        lowbit_gemv.configure(rt.lowbit_gemv)  # before loading: the int4 methods repack for it at load
         self.model = load_model(
             source, self.hf_config, model_cls, self.device, self.dtype, quant, seed=rt.seed, show_progress=show_progress,
-            tp_group=tp, kv_scales=self._kv_scales,
+            tp_group=tp, kv_scales=self._kv_scales, lowbit_gemv=lowbit_gemv.resolve(rt.lowbit_gemv, self.device),
         )
         n_gemv = attach_batch1_gemv(self.model, rt.batch1_gemv, self.device,  # per-layer choice, before graphs
                                     pdl=gemv_pdl,

@@ -68,8 +68,11 @@ class QuantMethod(abc.ABC):
       x's dtype: sum over k of topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with
       e = topk_ids[t, k] (topk_weights fp32 [T, K], topk_ids int32 [T, K]).
 
+    Optional, per linear layer: `enable_lowbit_gemv(layer)` (below), for methods with weights the
+    core's small-batch low-bit GEMVs read.
+
     Added in plugin API 1.0; `from_config`, `check_device`, `min_capability` and the packed
-    parameter attributes in 1.1; the MoE hooks in 1.3.
+    parameter attributes in 1.1; the MoE hooks in 1.3; `enable_lowbit_gemv` in 1.7.
     """
 
     supports_tensor_parallel: bool = False
@@ -107,6 +110,16 @@ class QuantMethod(abc.ABC):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         return None
+
+    def enable_lowbit_gemv(self, layer: nn.Module) -> bool:
+        """Prepare `layer` so that `apply` runs batches of a few rows on the core's whole-row low-bit
+        GEMVs (`radixserve.layers.lowbit_gemv`: `int4_gemv` over a `repack_int4` copy, `fp8_gemv` over
+        an fp8 weight with per-row scales). The loader calls it once per linear layer, after
+        `process_weights_after_loading`, only for a model whose `runtime.lowbit_gemv` resolves on (the
+        default on CUDA). Return True when the layer will use them, False when it will not (then it must
+        be left as it was). Must not change `apply`'s result beyond the kernels' rounding. Default:
+        False. Added in plugin API 1.7 (replacing a process-wide switch)."""
+        return False
 
     @abc.abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...

@@ -50,20 +50,17 @@ FP8_MAX_ROWS = 2
 CHUNK = 128  # columns per packed chunk of the int4 row layout
 PLANE = CHUNK // 8  # int32s per chunk (= columns per nibble plane)
 
-# Off until the H200 numbers (benchmarks/h200/lowbit_gemv.py, lowbit_engine.py) show it faster:
-# `runtime.lowbit_gemv: on` routes M <= MAX_ROWS CUDA activations of int4
-# (AWQ/GPTQ) and per-row fp8 linears here. int4 then keeps a second copy of the codes in the row layout
-# (+1x the int4 weight bytes). Process-wide: the model runner sets it from its config before loading.
-ENABLED = False
-
-
-def configure(mode: str) -> bool:
-    """Set `ENABLED` from `runtime.lowbit_gemv` ("on" / "off") and return it. Call before loading a model: int4 weights are repacked for the GEMV at load."""
-    global ENABLED
-    if mode not in ("on", "off"):
-        raise ValueError(f"runtime.lowbit_gemv={mode!r}: expected 'on' or 'off'")
-    ENABLED = mode == "on"
-    return ENABLED
+def resolve(mode: str, device: torch.device) -> bool:
+    """Whether a model on `device` uses these GEMVs, from `runtime.lowbit_gemv`: "auto" (the default)
+    on CUDA, "on" too but a ValueError elsewhere, "off" never. Per model: the loader then asks each
+    linear's QuantMethod to prepare for them (`QuantMethod.enable_lowbit_gemv`: int4 keeps a second
+    copy of its codes in the row layout, +1x the int4 weight bytes; per-row fp8 layers flag themselves)."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"runtime.lowbit_gemv={mode!r}: expected 'auto', 'on' or 'off'")
+    if mode == "on" and device.type != "cuda":
+        raise ValueError(f"runtime.lowbit_gemv=on: the low-bit GEMVs run on CUDA, this model is on {device.type!r} "
+                         "(use 'auto' or 'off')")
+    return mode != "off" and device.type == "cuda"
 
 
 @dataclass

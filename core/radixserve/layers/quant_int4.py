@@ -62,7 +62,7 @@ class Int4Weight:
     g_idx: torch.Tensor  # int32 [K]
     perm: torch.Tensor | None = None  # long [K]
     uniform_group_size: int | None = None  # g when g_idx[k] == k // g for every row (kernel fast path)
-    rows: lowbit_gemv.RowInt4 | None = None  # row-major copy for the batch-1 GEMV (when enabled)
+    rows: lowbit_gemv.RowInt4 | None = None  # row-layout copy for the batch-1 GEMV (`add_row_layout`)
 
     @property
     def in_features(self) -> int:
@@ -99,9 +99,18 @@ def make_int4_weight(codes_or_qweight: torch.Tensor, scales: torch.Tensor, zeros
     uniform = g if torch.equal(g_idx, rows // g) else None
     w = Int4Weight(qweight.contiguous(), scales.to(dtype).contiguous(), zeros.to(dtype).contiguous(), g_idx, perm,
                    uniform)
-    if lowbit_gemv.ENABLED and w.qweight.is_cuda:
-        w.rows = lowbit_gemv.repack_int4(w)
     return w
+
+
+def add_row_layout(w: Int4Weight) -> bool:
+    """Give a CUDA int4 weight the row-layout copy that routes its batches of at most
+    `lowbit_gemv.MAX_ROWS` rows to the whole-row GEMV (what the int4 methods' `enable_lowbit_gemv`
+    does); False, and nothing changed, for a CPU weight."""
+    if not w.qweight.is_cuda:
+        return False
+    if w.rows is None:
+        w.rows = lowbit_gemv.repack_int4(w)
+    return True
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:

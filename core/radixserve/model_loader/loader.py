@@ -62,6 +62,7 @@ def load_model(
     show_progress: bool = True,
     tp_group=None,
     kv_scales=None,
+    lowbit_gemv: bool = False,
 ) -> torch.nn.Module:
     """Instantiate `model_cls(hf_config, quant_method)` on `device` in `dtype` and load its weights.
     `tp_group` (tensor parallelism, a TPGroup of size > 1) is passed on as `tp_group=`: the model
@@ -69,6 +70,8 @@ def load_model(
 
     The checkpoint's KV-cache scales (`self_attn.k_scale` / `v_scale`, see radixserve.memory.fp8_kv)
     are not model parameters: they go to `kv_scales` (a KVScaleCollector) when given, else are dropped.
+    `lowbit_gemv` (runtime.lowbit_gemv resolved for this device): each quantized linear's method is
+    asked to prepare the layer for the small-batch low-bit GEMVs (`QuantMethod.enable_lowbit_gemv`).
 
     Raises ValueError naming the parameters no checkpoint tensor reached (never silent)."""
     start = time.perf_counter()
@@ -96,6 +99,7 @@ def load_model(
     loaded_at = time.perf_counter()
     logger.info("weights of %s (%s) loaded in %.1f s", type(model).__name__, source.format, loaded_at - start)
     # packing for the device; may compile native kernels on first use (native.py logs those apart)
+    lowbit_layers = 0
     for module in model.modules():
         qm = getattr(module, "quant_method", None)
         # quantized linears may have no `weight` (qweight, ...); other modules need one, as before
@@ -103,10 +107,14 @@ def load_model(
             qm.process_moe_weights_after_loading(module)
         elif qm is not None and (isinstance(module, LinearBase) or hasattr(module, "weight")):
             qm.process_weights_after_loading(module)
+            if lowbit_gemv and isinstance(module, LinearBase):
+                lowbit_layers += bool(qm.enable_lowbit_gemv(module))
         if isinstance(module, ParallelLMHead):
             module.pack_for_cpu()
     if device.type == "cpu":  # plain Llama layers over packed fp32 weights: one flat function each (issue 12)
         flat_decoder.install_fp32(model)
     model.eval()
+    if lowbit_layers:
+        logger.info("runtime.lowbit_gemv: %d linear layer(s) run batches of <= 4 rows on the low-bit GEMVs", lowbit_layers)
     logger.info("weights prepared for %s in %.1f s", device.type, time.perf_counter() - loaded_at)
     return model

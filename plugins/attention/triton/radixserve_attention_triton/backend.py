@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from radixserve.interfaces.attention import AttentionBackend
 from radixserve.layers.extend_layout import extend_starts, tree_mask_starts
 from radixserve.layers.kv_splits import SplitKVDecodeMetadata, split_planning_defaults
 from radixserve.layers.triton_interpreter import interpreter_enabled
 from radixserve.memory.fp8_kv import dequantize_fp8
 from radixserve.state import ForwardMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from radixserve_attention_triton.decode_kernel import DecodeConfig, compute_num_kv_splits, decode_attention
 from radixserve_attention_triton.extend_kernel import ExtendConfig, extend_attention

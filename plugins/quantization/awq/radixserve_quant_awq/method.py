@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from radixserve.interfaces.quantization import QuantMethod
-from radixserve.layers.quant_int4 import PACK, int4_linear, make_int4_weight, unpack_int4
+from radixserve.layers.quant_int4 import PACK, add_row_layout, int4_linear, make_int4_weight, unpack_int4
 from radixserve.layers.weight_utils import set_weight_attrs
 
 # column 8c + AWQ_ORDER[i] is stored in nibble i of element c (AutoAWQ's packer)
@@ -84,6 +84,9 @@ class AWQMethod(QuantMethod):
                                              layer.scales.dtype, packed=False)
         for name in _CHECKPOINT_PARAMS:  # the kernel layout replaces them: free the checkpoint copy
             delattr(layer, name)
+
+    def enable_lowbit_gemv(self, layer: nn.Module) -> bool:
+        return add_row_layout(layer.int4_weight)  # batches of <= 4 rows: the whole-row int4 GEMV
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return int4_linear(x, layer.int4_weight, bias)

@@ -71,9 +71,11 @@ def _next_pow2(n: int) -> int:
 TRITON_MAX_ROWS = 16
 
 
-def rowwise_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_rows: torch.Tensor) -> torch.Tensor | None:
-    """x [M, K] @ (weight [N, K] fp8 * scale_rows [N]).T -> [M, N] in x's dtype, or None."""
-    if lowbit_gemv.ENABLED and x.shape[0] <= lowbit_gemv.FP8_MAX_ROWS and "triton" not in _disabled and _triton_importable():
+def rowwise_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_rows: torch.Tensor,
+                       row_gemv: bool = False) -> torch.Tensor | None:
+    """x [M, K] @ (weight [N, K] fp8 * scale_rows [N]).T -> [M, N] in x's dtype, or None. `row_gemv`:
+    batches of at most `lowbit_gemv.FP8_MAX_ROWS` rows run the whole-row fp8 GEMV."""
+    if row_gemv and x.shape[0] <= lowbit_gemv.FP8_MAX_ROWS and "triton" not in _disabled and _triton_importable():
         return lowbit_gemv.fp8_gemv(x, weight, weight_scale_rows)  # whole rows per program, no split-K
     if x.shape[0] <= TRITON_MAX_ROWS and "triton" not in _disabled and _triton_importable():
         return block_fp8_gemm(x, weight, weight_scale_rows[:, None], (1, x.shape[1]))

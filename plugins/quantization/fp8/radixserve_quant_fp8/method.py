@@ -110,6 +110,13 @@ class FP8Method(QuantMethod):
             layer.weight_scale_rows = rows.to(torch.float32).contiguous()
         layer.fp8_prepared = True
 
+    def enable_lowbit_gemv(self, layer: nn.Module) -> bool:
+        """Per-row scaled weights on CUDA: batches of <= 2 rows on the whole-row fp8 GEMV (`apply`)."""
+        if self.block_size is not None or not layer.weight.is_cuda:
+            return False
+        layer.fp8_row_gemv = True
+        return True
+
     # ---- routed experts (FusedMoE), block-FP8 checkpoints only -----------------------------------
     def create_moe_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,
                            dtype: torch.dtype) -> None:
@@ -137,7 +144,8 @@ class FP8Method(QuantMethod):
             if self.block_size is not None:
                 y = kernels.block_fp8_linear(x2, layer.weight, layer.weight_scale_inv, self.block_size)
             else:
-                y = kernels.rowwise_fp8_linear(x2, layer.weight, layer.weight_scale_rows)
+                y = kernels.rowwise_fp8_linear(x2, layer.weight, layer.weight_scale_rows,
+                                               row_gemv=getattr(layer, "fp8_row_gemv", False))
         if y is None:  # CPU, or a GPU without fp8 GEMMs: dequantize
             y = (x2.float() @ self.dequantized_weight(layer).T).to(x.dtype)
         if bias is not None:

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 from radixserve.interfaces.quantization import QuantMethod
 from radixserve.layers.linear import RowParallelLinear
-from radixserve.layers.quant_int4 import PACK, int4_linear, make_int4_weight, unpack_int4
+from radixserve.layers.quant_int4 import PACK, add_row_layout, int4_linear, make_int4_weight, unpack_int4
 from radixserve.layers.weight_utils import set_weight_attrs
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
@@ -105,6 +105,9 @@ class GPTQMethod(QuantMethod):
                                              layer.scales.dtype, packed=True)
         for name in _CHECKPOINT_PARAMS:
             delattr(layer, name)
+
+    def enable_lowbit_gemv(self, layer: nn.Module) -> bool:
+        return add_row_layout(layer.int4_weight)  # batches of <= 4 rows: the whole-row int4 GEMV
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return int4_linear(x, layer.int4_weight, bias)
