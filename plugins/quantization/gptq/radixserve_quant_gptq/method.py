@@ -123,10 +123,11 @@ def _g_idx_loader(layer: nn.Module):
             return
         if tuple(loaded.shape) != tuple(param.shape):
             raise ValueError(f"g_idx: expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
-        if getattr(param, "loaded_once", False) and not torch.equal(param.data, loaded.to(param.dtype)):
+        loaded = loaded.to(param.device, param.dtype)  # the checkpoint's tensor is on the CPU, the layer may not be
+        if getattr(param, "loaded_once", False) and not torch.equal(param.data, loaded):
             raise ValueError(f"g_idx of fused shard {shard_id!r} differs from the other shards' (act-order "
                              "permutations must match across q/k/v and gate/up)")
-        param.data.copy_(loaded.to(param.dtype))
+        param.data.copy_(loaded)
         param.loaded_once = True
 
     return load
