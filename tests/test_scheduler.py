@@ -318,6 +318,34 @@ def test_decodes_keep_running_while_a_long_prompt_is_chunked(make_scheduler, mix
         assert sched.metrics.mixed_batches > 0
 
 
+@pytest.mark.parametrize("interleave", [False, True])
+def test_interleave_decode_runs_a_decode_step_between_prefill_batches(make_scheduler, interleave):
+    # six 16-token prompts arrive while "running" decodes; each prefill batch holds one prompt
+    # (16-token chunks). Prefill-first scheduling admits them back to back while "running" waits;
+    # scheduler.interleave_decode gives it a decode step after every prefill batch (online ITL).
+    sched = make_scheduler(chunked_prefill_size=16, enable_mixed_chunk=False, interleave_decode=interleave)
+    sched.add_request(request("running", list(range(10, 20)), 40))
+    sched.step()
+    prompts = {f"p{i}": list(range(100 + 20 * i, 116 + 20 * i)) for i in range(6)}
+    for rid, prompt in prompts.items():
+        sched.add_request(request(rid, prompt, 3))
+    decoded_while_waiting, ids = 0, {rid: [] for rid in prompts}
+    while sched.has_work():
+        waiting = any(r.rid in prompts for r in sched.waiting)
+        before = next((len(r.output_ids) for r in sched.running if r.rid == "running"), None)
+        for out in sched.step():
+            ids.setdefault(out.rid, []).extend(out.new_ids)
+        after = next((len(r.output_ids) for r in sched.running if r.rid == "running"), None)
+        if waiting and before is not None and after is not None:
+            decoded_while_waiting += after - before
+    if interleave:
+        assert decoded_while_waiting >= 5  # a decode between each two of the six prefill batches
+    else:
+        assert decoded_while_waiting <= 1  # (overlap may run one decode launched ahead)
+    for rid, prompt in prompts.items():  # the order of batches changes no request's tokens
+        assert ids[rid] == reference(prompt, 3)
+
+
 def test_a_policy_match_made_stale_by_eviction_is_not_used(make_scheduler):
     # lpm matches every waiting request up front; admitting the first one evicts the cached prefix the
     # second one matched. Reusing that stale match would read freed KV slots (and give wrong tokens).

@@ -87,6 +87,9 @@ class SchedulerSection(_Section):
     cpu_kv_cache_gb: float = Field(default=2.0, gt=0)  # CPU: KV pool byte budget
     # run decodes inside prefill batches; None: on for the CPU, off for CUDA (see resolved_enable_mixed_chunk)
     enable_mixed_chunk: bool | None = None
+    # after every prefill batch, one decode step of the running requests before the next prefill batch
+    # (not only after a chunk of an unfinished prompt): a decode waits for at most one prefill batch
+    interleave_decode: bool = False
     # hold back a waiting request for one step when it shares at least this many not-yet-cached
     # prompt tokens with a request admitted in the same batch: next step it reads them from the
     # prefix cache instead of computing them again (0: off)

@@ -255,6 +255,7 @@ class Scheduler:
         self.max_prefill_tokens = sc.max_prefill_tokens
         self.max_running = min(sc.max_running_requests, self.req_to_token_pool.size)
         self.enable_mixed = sc.resolved_enable_mixed_chunk(device, speculative=drafter is not None)
+        self.interleave_decode = sc.interleave_decode  # a decode step between any two prefill batches
         self.in_batch_prefix = sc.in_batch_prefix_threshold if cache.shares_prefixes else 0
         self.stream_interval = sc.stream_interval
         cons = sc.schedule_conservativeness
@@ -625,7 +626,7 @@ class Scheduler:
             items = self._prefill_items()
         self._decode_turn = False
         if items:
-            if self.chunked_req is not None:
+            if self.chunked_req is not None or self.interleave_decode:
                 self._decode_turn = not self.enable_mixed
             if self.enable_mixed and self.running:
                 items += self._decode_items(allow_retract=False)
