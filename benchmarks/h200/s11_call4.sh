@@ -1,4 +1,4 @@
-# Session 11, device call 4 (~4 min, carry .whl .gpu2): issue 14's fidelity on the GPU again after the GPTQ g_idx
+# Session 11, device call 4 (~3 min, carry .whl .gpu2): issue 14's fidelity on the GPU again after the GPTQ g_idx
 # loader fix (call 2b: loading a GPTQ act-order checkpoint on CUDA failed in torch.equal, CPU vs CUDA tensor), then
 # issue 18's online run with a decode step between any two prefill batches (scheduler.interleave_decode; call 2b:
 # ITL p99 56.8 ms, about two back-to-back 1024-token prefills plus a decode step).
@@ -23,9 +23,8 @@ online() {  # NAME [config overrides]: a fresh server, 300 requests at 8 req/s, 
     | grep -A3 '"ttft_ms"\|"tpot_ms"\|"itl_ms"\|"completed"\|"failed"'
   pkill -f "port 30100"; sleep 2
 }
-# a decode step after every prefill batch (scheduler.interleave_decode), prefill batches of one 1024-token prompt
-online online_interleave_1024 scheduler.interleave_decode=true scheduler.chunked_prefill_size=1024
-# the same with 512-token chunks: a decode waits for at most ~half a prompt's prefill
+# a decode step after every prefill batch (scheduler.interleave_decode) of at most 512 tokens: a decode waits for
+# at most ~half a prompt's prefill
 online online_interleave_512 scheduler.interleave_decode=true scheduler.chunked_prefill_size=512
 find $ROOT -name "*.gz" -delete
 log done
