@@ -15,20 +15,7 @@ log "fidelity: tiny quantized checkpoints vs their dequantized weights, CUDA bf1
 timeout 100 python3 benchmarks/h200/quant_fidelity.py --out $ROOT/quant 2>&1 | grep '^{\|SUMMARY\|rror' | cut -c1-300
 log "quant: decode batch 1 / 32, all methods, defaults (runtime.lowbit_gemv=auto)"
 timeout 90 python3 benchmarks/h200_quant.py --out $ROOT/quant --skip kernels,offline 2>&1 | grep -v Warning | tail -11
-online() {  # NAME [config overrides]: a fresh server, 300 requests at 8 req/s, the server stopped
-  local name=$1; shift
-  mkdir -p $ROOT/$name
-  log "$name: server start ($*)"
-  (setsid radixserve serve --model $M --tokenizer .gpu2/tok128k --port 30100 --config stacks/h200-llama.yaml \
-    model.load_format=dummy model.context_length=1296 "$@" > $ROOT/$name/server.log 2>&1 &)
-  for i in $(seq 1 120); do curl -sf localhost:30100/health > /dev/null && break; sleep 1; done
-  log "$name: ready after ${i}s; 300 requests at 8 req/s"
-  timeout 100 radixserve bench serve --base-url http://127.0.0.1:30100 --num-prompts 300 --request-rate 8 --input-len 1024 \
-    --output-len 256 --vocab-high 128000 --result-file $ROOT/$name/online.jsonl 2>&1 \
-    | grep -A3 '"ttft_ms"\|"itl_ms"\|"completed"\|"failed"'
-  pkill -f "port 30100"; sleep 3
-  grep -i "error\|traceback" $ROOT/$name/server.log | head -5
-}
+source benchmarks/h200/online_8b.sh
 online online
 log "offline: bf16 vs FP8, 1000 x 1024/256 through the Engine"
 timeout 250 python3 benchmarks/h200_quant.py --out $ROOT/offline --skip kernels,decode --methods bf16 fp8 \
