@@ -206,7 +206,13 @@ def test_warmup_leaves_the_pools_free_and_outputs_unchanged(tiny_llama_dir):
     runner = make_runner(path)
     prompts = prompts_for(runner.vocab_size, seed=5)
     before = [g.tokens for g in greedy_generate(runner, prompts, 8)]
+    extends = []  # (prefix lens) of every extend batch the warm-up runs
+    real_prepare = runner.prepare
+    runner.prepare = lambda sb: extends.append(list(sb.prefix_lens)) or real_prepare(sb)
     runner.warmup()
+    del runner.prepare
+    # a fresh prefill and a chunked one whose second chunk extends a cached prefix: the kernels both paths compile
+    assert [0] in extends and [32, 32] in extends
     assert runner.token_allocator.available_size() == runner.token_allocator.size
     assert runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size
     assert [g.tokens for g in greedy_generate(runner, prompts, 8)] == before

@@ -350,12 +350,16 @@ class ModelRunner:
             at += n
 
     def warmup(self) -> None:
-        """One tiny prefill + decode before serving: JIT-compiled kernels (Triton's extend kernel,
-        the fused layers) compile here instead of inside the first requests' time to first token.
-        Leaves the pools as it found them."""
+        """Tiny prefills + decodes before serving: JIT-compiled kernels (the fused layers, Triton's
+        extend kernel) compile here instead of inside the first requests' time to first token. The
+        prompt of 4 tokens is a fresh prefill (triton: its SDPA path); the two of 48 and 45 tokens are
+        prefilled in 32-token chunks, so their second chunks extend a cached prefix (the extend kernel
+        every chunked or prefix-cached prompt runs: on the H200 its first compile cost the first served
+        requests ~1.8 s of TTFT, session 11). Leaves the pools as it found them."""
         from radixserve.static_batch import run_static_batch
 
         run_static_batch(self, [[1, 2, 3, 4]], max_new_tokens=2)
+        run_static_batch(self, [list(range(1, 49)), list(range(1, 46))], max_new_tokens=2, prefill_chunk=32)
 
     @property
     def supports_tree_mask(self) -> bool:
