@@ -216,3 +216,15 @@ def test_warmup_leaves_the_pools_free_and_outputs_unchanged(tiny_llama_dir):
     assert runner.token_allocator.available_size() == runner.token_allocator.size
     assert runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size
     assert [g.tokens for g in greedy_generate(runner, prompts, 8)] == before
+
+
+def test_warmup_fits_a_small_context_and_pool(tiny_llama_dir):
+    # the chunked warm-up prompts (48 and 45 tokens) do not fit a 24-token context: a server started
+    # with a small model.context_length must still become ready (the fresh prefill alone warms up)
+    path = tiny_llama_dir("llama", tie_word_embeddings=False)
+    cfg = Config.build({"model": {"path": path, "context_length": 24},
+                        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
+                        "scheduler": {"max_total_tokens": 64, "max_running_requests": 4}})
+    runner = ModelRunner(cfg, show_progress=False)
+    runner.warmup()
+    assert runner.token_allocator.available_size() == runner.token_allocator.size
