@@ -337,7 +337,6 @@ def _valid_keys(section: tuple) -> list[str]:
     return list(model.model_fields)
 
 
-
 def cache_dir() -> str:
     """The root of RadixServe's on-disk caches (built native kernels, GGUF tokenizer conversions,
     prepared serving tokenizers): $RADIXSERVE_CACHE_DIR, else ~/.cache/radixserve."""

@@ -14,6 +14,7 @@ import asyncio
 import atexit
 import threading
 from collections.abc import AsyncIterator, Mapping
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,6 @@ class Engine:
         self.registry = Registry.from_config(self.config)
         self.tokenizer_manager = TokenizerManager(self.config, self.registry)
         self._closed = False
-        self._hf_tokenizer: Any = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-engine", daemon=True)
         self._thread.start()
@@ -88,16 +88,13 @@ class Engine:
         if not self._thread.is_alive():
             self._loop.close()
 
-    @property
+    @cached_property
     def tokenizer(self) -> Any:
         """The model's transformers tokenizer, loaded on first use (the runtime itself encodes and
         decodes with `tokenizer_manager.tokenizer`, which gives the same ids and text without transformers)."""
-        if self._hf_tokenizer is None:
-            from radixserve.tokenizer import load_tokenizer
+        from radixserve.tokenizer import load_tokenizer
 
-            tm = self.tokenizer_manager
-            self._hf_tokenizer = load_tokenizer(tm.model_path, self.config.model.tokenizer)
-        return self._hf_tokenizer
+        return load_tokenizer(self.tokenizer_manager.model_path, self.config.model.tokenizer)
 
     # ---- requests ---------------------------------------------------------------------------
     @staticmethod

@@ -188,8 +188,12 @@ class DraftGraphs:
         self.chains: dict[tuple, tuple[EagerGraph | CudaGraph, ChainInputs]] = {}
         self.pendings: dict[tuple, tuple[EagerGraph | CudaGraph, PendingInputs]] = {}
         self.replays = 0  # graph replays so far (tests, benchmarks)
-        self.failed = False  # a capture failed: everything runs eagerly from then on
-        self.failure: str | None = None  # that capture's key and error (benchmarks report it)
+        self.failure: str | None = None  # the failed capture's key and error (benchmarks report it)
+
+    @property
+    def failed(self) -> bool:
+        """A capture failed: everything runs eagerly from then on."""
+        return self.failure is not None
 
     def _get(self, graphs: dict, key: tuple, capture: Callable):
         """The graph of `key` (captured now when missing), most recently used last; at MAX_GRAPHS
@@ -207,7 +211,6 @@ class DraftGraphs:
             graphs[key] = capture(*key)
         except Exception as e:  # keep drafting, eagerly, but loudly (with the traceback: where it failed)
             logger.exception("capturing an EAGLE draft CUDA graph %s failed; the draft runs eagerly", key)
-            self.failed = True
             self.failure = f"{key}: {e!r}"
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
