@@ -18,11 +18,11 @@ from runner_driver import greedy_generate
 from tests import quant_fixtures as qf
 
 
-def _runner(path: str, **stack) -> ModelRunner:
+def _runner(path: str, runtime: dict | None = None, **stack) -> ModelRunner:
     cfg = Config.build({
         "model": {"path": path},
         "stack": stack,
-        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
+        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1, **(runtime or {})},
         "scheduler": {"max_total_tokens": 1024, "max_running_requests": 4},
     })
     return ModelRunner(cfg, show_progress=False)
@@ -135,10 +135,7 @@ def test_lowbit_gemv_is_a_per_model_choice_made_through_the_method(tiny_llama, t
     assert len(asked) == 4 * layers  # qkv, o, gate_up, down of every layer
     assert all(layer.int4_weight.rows is None for layer in asked)  # CPU weights: no row-layout copy
     asked.clear()
-    cfg = Config.build({"model": {"path": quant}, "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1,
-                                                              "lowbit_gemv": "off"},
-                        "scheduler": {"max_total_tokens": 1024, "max_running_requests": 4}})
-    off = ModelRunner(cfg, show_progress=False)
+    off = _runner(quant, runtime={"lowbit_gemv": "off"})
     assert asked == []
     prompts = _prompts(on.vocab_size)
     assert [g.tokens for g in greedy_generate(on, prompts, 4)] == [g.tokens for g in greedy_generate(off, prompts, 4)]
