@@ -36,7 +36,7 @@ def runner(path: str, lowbit: str, device: str) -> ModelRunner:
         "model": {"path": path},
         "runtime": {"device": device, "dtype": "bfloat16" if cuda else "float32", "lowbit_gemv": lowbit},
         "stack": {"attention": "triton" if cuda else "torch_native"},
-        "scheduler": {"max_total_tokens": 2048, "max_running_requests": 8},
+        "scheduler": {"max_total_tokens": 4096, "max_running_requests": 16},
     }), show_progress=False)
 
 
@@ -45,6 +45,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script")
     ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts run together (lengths 6, 11, 29, 64 over and "
+                    "over): more than 4 decode through the int4 tensor-core GEMM instead of the GEMV")
     args = ap.parse_args()
     rows, ok_all = [], True
     with tempfile.TemporaryDirectory() as tmp:
@@ -55,7 +57,8 @@ def main() -> int:
             qf.write_quantized_checkpoint(src, quant, ref, fmt, group, **opts)
             want_runner = runner(ref, "off", args.device)
             gen = torch.Generator().manual_seed(3)
-            prompts = [torch.randint(0, want_runner.vocab_size, (n,), generator=gen).tolist() for n in (6, 11, 29, 64)]
+            prompts = [torch.randint(0, want_runner.vocab_size, (n,), generator=gen).tolist()
+                       for n in [(6, 11, 29, 64)[i % 4] for i in range(args.prompts)]]
             want = greedy_generate(want_runner, prompts, args.new_tokens, keep_logits=True)
             del want_runner
             for lowbit in ("off", "on") if args.device == "cuda" else ("off",):

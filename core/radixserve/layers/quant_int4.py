@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.layers import int4_triton, lowbit_gemv
+from radixserve.layers import int4_rows_gemm, int4_triton, lowbit_gemv
 
 PACK = 8  # 4-bit codes per int32
 _SHIFTS = tuple(range(0, 32, 4))
@@ -62,7 +62,7 @@ class Int4Weight:
     g_idx: torch.Tensor  # int32 [K]
     perm: torch.Tensor | None = None  # long [K]
     uniform_group_size: int | None = None  # g when g_idx[k] == k // g for every row (kernel fast path)
-    rows: lowbit_gemv.RowInt4 | None = None  # row-layout copy for the batch-1 GEMV (`add_row_layout`)
+    rows: lowbit_gemv.RowInt4 | None = None  # row-layout copy for the small-batch kernels (`add_row_layout`)
 
     @property
     def in_features(self) -> int:
@@ -104,8 +104,9 @@ def make_int4_weight(codes_or_qweight: torch.Tensor, scales: torch.Tensor, zeros
 
 def add_row_layout(w: Int4Weight) -> bool:
     """Give a CUDA int4 weight the row-layout copy that routes its batches of at most
-    `lowbit_gemv.MAX_ROWS` rows to the whole-row GEMV (what the int4 methods' `enable_lowbit_gemv`
-    does); False, and nothing changed, for a CPU weight."""
+    `lowbit_gemv.MAX_ROWS` rows to the whole-row GEMV, and (uniform groups) those of at most
+    `int4_rows_gemm.MAX_ROWS` rows to the tensor-core GEMM over the same copy (what the int4 methods'
+    `enable_lowbit_gemv` does); False, and nothing changed, for a CPU weight."""
     if not w.qweight.is_cuda:
         return False
     if w.rows is None:
@@ -122,6 +123,8 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> to
     if int4_triton.available(x2) and x2.dtype in (torch.float16, torch.bfloat16, torch.float32):
         if w.rows is not None and x2.shape[0] <= lowbit_gemv.MAX_ROWS:
             y = lowbit_gemv.int4_gemv(x2, w.rows)
+        elif w.rows is not None and x2.shape[0] <= int4_rows_gemm.MAX_ROWS and int4_rows_gemm.supports(w.rows):
+            y = int4_rows_gemm.int4_rows_gemm(x2, w.rows)
         elif x2.shape[0] <= FUSED_MAX_ROWS:
             y = int4_triton.fused_gemm(x2, w)
         else:

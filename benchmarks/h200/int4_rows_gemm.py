@@ -1,0 +1,104 @@
+# ruff: noqa: B023  (each lambda is timed before the loop variables change)
+"""Batched-decode int4 GEMM (radixserve.layers.int4_rows_gemm, tensor cores over the row layout) on the
+Llama-3.1-8B projection shapes at 8-64 rows, against bf16 cuBLAS (what a bf16 model runs there) and the
+split-K dequantizing kernel it replaces (int4_triton.fused_gemm): per shape and batch the us, TB/s of
+the int4 bytes, relative error vs the dequantized bf16 reference, and a sweep of launch configs
+(the best per point, and the one config that is best summed over the shapes at each batch).
+~2-3 min on an H200 (most of it compiles).
+
+    python benchmarks/h200/int4_rows_gemm.py [--out DIR] [--rows 8 16 32 64]   (writes int4_rows_gemm.json)
+
+Timing: CUDA-graph replay over enough weight copies (> 256 MB) that each call streams from HBM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from radixserve.layers import int4_triton
+from radixserve.layers import lowbit_gemv as lg
+from radixserve.layers.int4_rows_gemm import RowsGemmConfig, int4_rows_gemm
+from radixserve.layers.quant_int4 import make_int4_weight
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lowbit_gemv import SHAPES, log, rel, time_graph  # noqa: E402  (this folder's GEMV benchmark)
+
+CFGS = [RowsGemmConfig(bn, w, st, pf, None, wv)
+        for bn in (32, 64, 128) for w in (4, 8) for pf in (True, False) for st in ((1,) if pf else (1, 3))
+        for wv in (2, 4, 8)] + [RowsGemmConfig(16, 4, 1, True, None, wv) for wv in (4, 8)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    dev, res = "cuda", {"configs": [c.__dict__ for c in CFGS], "points": {}}
+    g = 128
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        copies = max(2, -(-256 * 2**20 // (n * k * 2)))
+        wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        xs = {m: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for m in args.rows}
+        bf16 = {m: time_graph(lambda w: F.linear(xs[m], w), wb) for m in args.rows}
+        del wb
+        copies = max(2, -(-256 * 2**20 // (n * k // 2)))
+        ws = []
+        for _ in range(copies):
+            codes = torch.randint(0, 16, (k, n), device=dev)
+            sc = torch.rand(k // g, n, device=dev) * 0.01
+            z = torch.randint(0, 16, (k // g, n), device=dev).float()
+            ws.append(make_int4_weight(codes, sc, z, torch.arange(k, device=dev) // g, torch.bfloat16, packed=False))
+        rs = [lg.repack_int4(w) for w in ws]
+        nbytes = rs[0].nbytes
+        deq = ws[0].dequantize(torch.float32).to(torch.bfloat16).float()  # the reference: weights stored in bf16
+        for m in args.rows:
+            x = xs[m]
+            ref = x.float() @ deq
+            pt = {"bf16_cublas_us": bf16[m], "int4_bytes": nbytes}
+            pt["fused_gemm_us"] = time_graph(lambda w: int4_triton.fused_gemm(x, w), ws)
+            pt["fused_gemm_rel_err"] = rel(int4_triton.fused_gemm(x, ws[0]), ref)
+            pt["rows_gemm"] = {}
+            for i, cfg in enumerate(CFGS):
+                try:
+                    err = rel(int4_rows_gemm(x, rs[0], cfg), ref)
+                    us = time_graph(lambda r: int4_rows_gemm(x, r, cfg), rs)
+                except Exception as e:  # a config that does not compile is reported, not fatal
+                    log(f"{name} M{m} {cfg} failed: {repr(e)[:300]}")
+                    continue
+                pt["rows_gemm"][i] = {"us": us, "rel_err": err}
+            best_i = min(pt["rows_gemm"], key=lambda i: pt["rows_gemm"][i]["us"])
+            best = pt["rows_gemm"][best_i]
+            default = RowsGemmConfig()
+            pt["default_us"] = time_graph(lambda r: int4_rows_gemm(x, r), rs)
+            log(f"{name} M{m}: bf16 {bf16[m]:.1f} us | fused {pt['fused_gemm_us']:.1f} us | rows default "
+                f"{pt['default_us']:.1f} us | best {best['us']:.1f} us ({nbytes / best['us'] / 1e6:.2f} TB/s, "
+                f"err {best['rel_err']:.1e}) {CFGS[best_i]} | default {default}")
+            res["points"][f"{name}/M{m}"] = pt
+        del ws, rs
+        torch.cuda.empty_cache()
+    # the one config best summed over the shapes, per batch
+    res["best_overall"] = {}
+    for m in args.rows:
+        pts = [res["points"][f"{s}/M{m}"] for s in args.shapes.split(",")]
+        totals = {i: sum(p["rows_gemm"].get(i, {"us": 1e9})["us"] for p in pts) for i in range(len(CFGS))}
+        i = min(totals, key=totals.get)
+        summary = {"config": CFGS[i].__dict__, "sum_us": totals[i], "sum_default_us": sum(p["default_us"] for p in pts),
+                   "sum_fused_us": sum(p["fused_gemm_us"] for p in pts),
+                   "sum_bf16_us": sum(p["bf16_cublas_us"] for p in pts)}
+        res["best_overall"][m] = summary
+        log(f"M{m} summed over shapes: best {summary['sum_us']:.1f} us {CFGS[i]} | default {summary['sum_default_us']:.1f}"
+            f" | fused {summary['sum_fused_us']:.1f} | bf16 {summary['sum_bf16_us']:.1f}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "int4_rows_gemm.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

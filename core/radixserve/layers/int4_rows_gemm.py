@@ -1,0 +1,169 @@
+"""Small-batch int4 GEMM on tensor cores over the row layout of `lowbit_gemv` (`RowInt4`).
+
+For 5..64 activation rows (batched decode) the batch-1 GEMV would read each weight once per row
+group of 4, and the split-K dequantizing kernel of `int4_triton` unpacks the sequential [K/8, N]
+packing with per-row reloads (0.40x bf16 at batch 32 on the H200). Here each program owns
+`block_n` output rows and a range of 128-column chunks of the row layout: it loads a chunk's codes
+[block_n, 16 int32] once (the next chunk is loaded while this one computes), and for each of the 8
+nibble planes (16 contiguous columns) it
+
+1. moves the nibble to bits 16..19 (one shift) and ORs in the exponent of 2^7 (one LOP3 with the
+   mask), which reads as the float 128 + code exactly (no int->float conversion);
+2. dequantizes with one FMA, (128 + code) * scale + bias with bias = -(128 + zero) * scale per
+   (row, group) -- the same value as (code - zero) * scale up to fp32 rounding of the bias
+   (~1e-5 of the scale), so the bf16 weight equals the dequantized reference's almost always;
+3. multiplies the [block_n, 16] weights by the [16, block_m] activations on tensor cores
+   (fp32 accumulation).
+
+Only uniform groups that never straddle a plane (the `RowInt4.group_size` fast path: multiples of
+16 dividing 128, or multiples of 128) run here; anything else keeps `int4_triton.fused_gemm`.
+K is split across programs when the output alone has too few tiles to fill the GPU (fp32
+partials summed afterwards). Launch-only: CUDA-graph safe. Triton is imported on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from radixserve.layers.lowbit_gemv import PLANE, RowInt4
+from radixserve.layers.split_k import cdiv
+from radixserve.layers.triton_support import interpreting as _interpreting
+
+triton = tl = None  # imported by `_kernels` on first use
+
+MAX_ROWS = 64  # above this `quant_int4` dequantizes once into a bf16 GEMM (compute-bound)
+_MAGIC_2_7 = (127 + 7) << 23  # float exponent of 2^7: a code at bits 16..19 reads as 128 + code
+
+
+@dataclass(frozen=True)
+class RowsGemmConfig:
+    """One launch configuration: `block_n` output rows per program, warps, pipeline stages,
+    whether the next chunk's codes are loaded into registers ahead (`prefetch`), and the K split
+    (`split_k`: None plans it from the SM count, `waves` programs per SM at most)."""
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 1
+    prefetch: bool = True
+    split_k: int | None = None
+    waves: int = 4
+
+
+@functools.cache
+def _kernels(interpret: bool) -> SimpleNamespace:
+    del interpret  # cache key only
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    from radixserve.layers import triton_interpreter
+
+    triton_interpreter.apply()  # the chunk loop's bound is a run-time scalar
+
+    @triton.jit
+    def rows_dot_kernel(X, C, S, Z, Y, M, N, K, KW, G, stride_xm, MG, CHUNKS_PER_SPLIT,
+                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PG: tl.constexpr, GS: tl.constexpr,
+                        PLANE_: tl.constexpr, PREFETCH: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        pid_k = tl.program_id(1)
+        n_ok = rows < N
+        rows64 = rows.to(tl.int64)
+        ms = tl.arange(0, BLOCK_M)
+        m_ok = ms < M
+        w = tl.arange(0, PLANE_)
+        CK = PLANE_ * 8  # columns per chunk
+        n_chunks = KW // PLANE_
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        c_first = pid_k * CHUNKS_PER_SPLIT
+        c_ptr = C + rows64[:, None] * KW + w[None, :]  # [BLOCK_N, PLANE] int32s of chunk 0
+        if PREFETCH:
+            nxt = tl.load(c_ptr + c_first * PLANE_, mask=n_ok[:, None] & (c_first < n_chunks), other=0,
+                          eviction_policy="evict_first")
+        for i in range(0, CHUNKS_PER_SPLIT):
+            c = c_first + i
+            c_ok = c < n_chunks  # the last split may be short: its codes and activations are masked
+            if PREFETCH:  # register double buffer: the next chunk is in flight while this one computes
+                p = nxt
+                nxt = tl.load(c_ptr + (c + 1) * PLANE_, mask=n_ok[:, None] & (c + 1 < n_chunks)
+                              & (i + 1 < CHUNKS_PER_SPLIT), other=0, eviction_policy="evict_first")
+            else:
+                p = tl.load(c_ptr + c * PLANE_, mask=n_ok[:, None] & c_ok, other=0, eviction_policy="evict_first")
+            for j in tl.static_range(8):
+                if j % PG == 0:  # a group starts: its scale and the bias that folds zero and the 128 offset
+                    grp = (c * CK + j * PLANE_) // GS
+                    g_ok = n_ok & c_ok & (grp < G)
+                    s = tl.load(S + rows64 * G + grp, mask=g_ok, other=0.0).to(tl.float32)[:, None]
+                    b = -(tl.load(Z + rows64 * G + grp, mask=g_ok, other=0.0).to(tl.float32)[:, None] + 128.0) * s
+                if j < 4:
+                    q = p << (16 - 4 * j)
+                elif j == 4:
+                    q = p
+                else:
+                    q = p >> (4 * j - 16)  # sign-extension bits land above bit 19: masked off
+                f = ((q & 0xF0000) | MG).to(tl.float32, bitcast=True)  # 128 + code
+                wt = (f * s + b).to(X.dtype.element_ty)
+                cols = c * CK + j * PLANE_ + w  # this plane's 16 activation columns
+                xt = tl.load(X + ms[None, :] * stride_xm + cols[:, None],
+                             mask=(cols < K)[:, None] & m_ok[None, :], other=0.0)
+                acc = tl.dot(wt, xt, acc)
+        out = Y + pid_k * M * N + ms[None, :] * N + rows[:, None]
+        tl.store(out, acc.to(Y.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+    return SimpleNamespace(rows_dot=rows_dot_kernel)
+
+
+def supports(r: RowInt4) -> bool:
+    """Whether `r`'s grouping runs here (uniform groups aligned to the nibble planes)."""
+    return r.group_size > 0
+
+
+def _block_m(m: int) -> int:
+    return 16 if m <= 16 else (32 if m <= 32 else 64)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def plan_split(n_tiles: int, n_chunks: int, cfg: RowsGemmConfig, device: torch.device) -> int:
+    """K splits: enough programs for `cfg.waves` per SM, each keeping >= 2 chunks (256 columns).
+    Off CUDA (interpreter tests) 4 SMs are assumed."""
+    if cfg.split_k is not None:
+        return max(1, min(cfg.split_k, n_chunks))
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+    return max(1, min(n_chunks // 2, (cfg.waves * sms) // max(n_tiles, 1)))
+
+
+def _default(interpret: bool) -> RowsGemmConfig:
+    return RowsGemmConfig(block_n=16, num_warps=1) if interpret else RowsGemmConfig()
+
+
+def int4_rows_gemm(x: torch.Tensor, r: RowInt4, config: RowsGemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS, columns already permuted for act-order) @ W -> [M, N] in x's dtype."""
+    K, N = r.in_features, r.out_features
+    if x.dim() != 2 or x.shape[1] != K or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"int4_rows_gemm: x must be [M<={MAX_ROWS}, {K}], got {tuple(x.shape)}")
+    if not supports(r):
+        raise ValueError("int4_rows_gemm: the weight's groups are not uniform (act-order with uneven groups); "
+                         "use int4_triton.fused_gemm")
+    cfg = config or _default(_interpreting())
+    M = x.shape[0]
+    n_chunks = r.codes.shape[1] // PLANE
+    n_tiles = cdiv(N, cfg.block_n)
+    split = plan_split(n_tiles, n_chunks, cfg, x.device)
+    per_split = cdiv(n_chunks, split)
+    split = cdiv(n_chunks, per_split)
+    g = r.group_size
+    xc = x.contiguous()
+    # one split stores the result in x's dtype directly; several store fp32 partials to add up
+    out = torch.empty((split, M, N), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
+    _kernels(_interpreting()).rows_dot[(n_tiles, split)](
+        xc, r.codes, r.scales, r.zeros, out, M, N, K, r.codes.shape[1], r.scales.shape[1], xc.stride(0),
+        _MAGIC_2_7, per_split,
+        BLOCK_N=cfg.block_n, BLOCK_M=_block_m(M), PG=min(g, 8 * PLANE) // PLANE, GS=g, PLANE_=PLANE,
+        PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out[0] if split == 1 else out.sum(0).to(x.dtype)
