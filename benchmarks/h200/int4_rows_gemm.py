@@ -1,12 +1,13 @@
 # ruff: noqa: B023  (each lambda is timed before the loop variables change)
 """Batched-decode int4 GEMM (radixserve.layers.int4_rows_gemm, tensor cores over the row layout) on the
-Llama-3.1-8B projection shapes at 8-64 rows, against bf16 cuBLAS (what a bf16 model runs there) and the
-split-K dequantizing kernel it replaces (int4_triton.fused_gemm): per shape and batch the us, TB/s of
+Llama-3.1-8B projection shapes at 1-64 rows, against bf16 cuBLAS (what a bf16 model runs there), the
+split-K dequantizing kernel it replaces (int4_triton.fused_gemm) and, at <= 4 rows, the whole-row GEMV
+(lowbit_gemv.int4_gemv, the batch-1 path): per shape and batch the us, TB/s of
 the int4 bytes, relative error vs the dequantized bf16 reference, and a sweep of launch configs
 (the best per point, and the one config that is best summed over the shapes at each batch).
 ~2-3 min on an H200 (most of it compiles).
 
-    python benchmarks/h200/int4_rows_gemm.py [--out DIR] [--rows 8 16 32 64]   (writes int4_rows_gemm.json)
+    python benchmarks/h200/int4_rows_gemm.py [--out DIR] [--rows 1 4 8 16 32 64]   (writes int4_rows_gemm.json)
 
 Timing: CUDA-graph replay over enough weight copies (> 256 MB) that each call streams from HBM."""
 
@@ -27,15 +28,16 @@ from radixserve.layers.quant_int4 import make_int4_weight
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lowbit_gemv import SHAPES, log, rel, time_graph  # noqa: E402  (this folder's GEMV benchmark)
 
+# (prefetch into registers, 1 stage) or (no prefetch, 3 stages: Triton's own pipelining, if it takes the loads)
 CFGS = [RowsGemmConfig(bn, w, st, pf, None, wv)
-        for bn in (32, 64, 128) for w in (4, 8) for pf in (True, False) for st in ((1,) if pf else (1, 3))
-        for wv in (2, 4, 8)] + [RowsGemmConfig(16, 4, 1, True, None, wv) for wv in (4, 8)]
+        for bn in (32, 64, 128) for w in (4, 8) for pf, st in ((True, 1), (False, 3)) for wv in (2, 4, 8)] + \
+       [RowsGemmConfig(16, 4, 1, True, None, wv) for wv in (4, 8)]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -64,6 +66,9 @@ def main():
             pt = {"bf16_cublas_us": bf16[m], "int4_bytes": nbytes}
             pt["fused_gemm_us"] = time_graph(lambda w: int4_triton.fused_gemm(x, w), ws)
             pt["fused_gemm_rel_err"] = rel(int4_triton.fused_gemm(x, ws[0]), ref)
+            if m <= lg.MAX_ROWS:
+                pt["gemv_us"] = time_graph(lambda r: lg.int4_gemv(x, r), rs)
+                pt["gemv_rel_err"] = rel(lg.int4_gemv(x, rs[0]), ref)
             pt["rows_gemm"] = {}
             for i, cfg in enumerate(CFGS):
                 try:
@@ -77,7 +82,8 @@ def main():
             best = pt["rows_gemm"][best_i]
             default = RowsGemmConfig()
             pt["default_us"] = time_graph(lambda r: int4_rows_gemm(x, r), rs)
-            log(f"{name} M{m}: bf16 {bf16[m]:.1f} us | fused {pt['fused_gemm_us']:.1f} us | rows default "
+            gemv = f"gemv {pt['gemv_us']:.1f} us | " if "gemv_us" in pt else ""
+            log(f"{name} M{m}: bf16 {bf16[m]:.1f} us | fused {pt['fused_gemm_us']:.1f} us | {gemv}rows default "
                 f"{pt['default_us']:.1f} us | best {best['us']:.1f} us ({nbytes / best['us'] / 1e6:.2f} TB/s, "
                 f"err {best['rel_err']:.1e}) {CFGS[best_i]} | default {default}")
             res["points"][f"{name}/M{m}"] = pt
@@ -91,10 +97,11 @@ def main():
         i = min(totals, key=totals.get)
         summary = {"config": CFGS[i].__dict__, "sum_us": totals[i], "sum_default_us": sum(p["default_us"] for p in pts),
                    "sum_fused_us": sum(p["fused_gemm_us"] for p in pts),
-                   "sum_bf16_us": sum(p["bf16_cublas_us"] for p in pts)}
+                   "sum_bf16_us": sum(p["bf16_cublas_us"] for p in pts),
+                   "sum_gemv_us": sum(p.get("gemv_us", float("nan")) for p in pts)}
         res["best_overall"][m] = summary
         log(f"M{m} summed over shapes: best {summary['sum_us']:.1f} us {CFGS[i]} | default {summary['sum_default_us']:.1f}"
-            f" | fused {summary['sum_fused_us']:.1f} | bf16 {summary['sum_bf16_us']:.1f}")
+            f" | fused {summary['sum_fused_us']:.1f} | gemv {summary['sum_gemv_us']:.1f} | bf16 {summary['sum_bf16_us']:.1f}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "int4_rows_gemm.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)

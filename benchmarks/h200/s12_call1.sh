@@ -1,6 +1,6 @@
 # Session 12, device call 1 (~8 min, carry .whl .gpu2): issue 14's batched int4 decode on the new tensor-core GEMM
 # over the row layout (radixserve.layers.int4_rows_gemm, 5-64 rows; batch 32 was 0.40x bf16 on the split-K kernel):
-#  1. the kernel on the Llama-3.1-8B shapes at 8/16/32/64 rows vs bf16 cuBLAS and the split-K kernel, a config sweep;
+#  1. the kernel on the Llama-3.1-8B shapes at 1-64 rows vs bf16 cuBLAS, the split-K kernel and (<= 4 rows) the GEMV, a config sweep;
 #  2. fidelity on the GPU with 12 prompts decoding together (the new kernel's path) and 4 (the GEMV's);
 #  3. decode at batch 1 / 16 / 32 for bf16, AWQ and GPTQ with the defaults.
 set -o pipefail
