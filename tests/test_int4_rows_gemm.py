@@ -25,6 +25,10 @@ def _int4(k, n, g_idx, seed=0, symmetric=False, dtype=torch.float32):
     (512, 16, 256, 3, rg.RowsGemmConfig(16, 1, 1, True, 3)),     # a group spans two chunks; 3 asked, 2 splits of 2
     (384, 40, 128, 40, rg.RowsGemmConfig(32, 1, 1, True, 2)),    # 64-row activation tile, uneven split (2 + 1 chunks)
     (128, 16, 128, 64, rg.RowsGemmConfig(16, 1, 1, True, 1)),    # the largest batch, one split stores x's dtype
+    (256, 20, 32, 5, rg.RowsGemmConfig(16, 1, 1, True, None, variant="chunk")),  # one dot per chunk, 4 groups in it
+    (192, 33, 64, 17, rg.RowsGemmConfig(16, 1, 1, False, 2, variant="chunk")),   # padded K, split, no prefetch
+    (512, 16, 256, 40, rg.RowsGemmConfig(16, 1, 1, True, None, variant="chunk_xfirst")),  # activations first
+    (384, 40, 128, 3, rg.RowsGemmConfig(32, 1, 1, True, 2, variant="chunk_xfirst")),      # 3 rows padded to 64
 ])
 def test_rows_gemm_matches_dequantized(k, n, g, m, cfg):
     w = _int4(k, n, torch.arange(k) // g, symmetric=m % 2 == 1)
@@ -35,12 +39,13 @@ def test_rows_gemm_matches_dequantized(k, n, g, m, cfg):
     torch.testing.assert_close(rg.int4_rows_gemm(x, r, cfg), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-def test_rows_gemm_rounds_weights_to_the_activation_dtype_like_the_reference():
+@pytest.mark.parametrize("variant", rg.VARIANTS)
+def test_rows_gemm_rounds_weights_to_the_activation_dtype_like_the_reference(variant):
     k, n, m = 256, 32, 8
     w = _int4(k, n, torch.arange(k) // 64, dtype=torch.float16)
     r = lg.repack_int4(w)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).half()
-    y = rg.int4_rows_gemm(x, r)
+    y = rg.int4_rows_gemm(x, r, rg.RowsGemmConfig(16, 1, variant=variant))
     assert y.dtype == torch.float16 and y.shape == (m, n)
     # the reference: weights dequantized and stored in fp16, an fp32-accumulated product
     want = x.float() @ w.dequantize(torch.float32).half().float()
@@ -66,6 +71,8 @@ def test_bad_inputs_are_refused_with_the_values():
     assert not rg.supports(uneven)
     with pytest.raises(ValueError, match="not uniform"):
         rg.int4_rows_gemm(torch.zeros(8, 128), uneven)
+    with pytest.raises(ValueError, match="variant='mma'"):
+        rg.RowsGemmConfig(variant="mma")
 
 
 @pytest.mark.parametrize("m, uneven, expected", [(3, False, "gemv"), (8, False, "rows_gemm"), (64, False, "rows_gemm"),

@@ -7,7 +7,7 @@ the int4 bytes, relative error vs the dequantized bf16 reference, and a sweep of
 (the best per point, and the one config that is best summed over the shapes at each batch).
 ~2-3 min on an H200 (most of it compiles).
 
-    python benchmarks/h200/int4_rows_gemm.py [--out DIR] [--rows 1 4 8 16 32 64]   (writes int4_rows_gemm.json)
+    python benchmarks/h200/int4_rows_gemm.py [--out DIR] [--rows 1 2 4 8 16 32 64]   (writes int4_rows_gemm.json)
 
 Timing: CUDA-graph replay over enough weight copies (> 256 MB) that each call streams from HBM."""
 
@@ -28,16 +28,20 @@ from radixserve.layers.quant_int4 import make_int4_weight
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lowbit_gemv import SHAPES, log, rel, time_graph  # noqa: E402  (this folder's GEMV benchmark)
 
-# (prefetch into registers, 1 stage) or (no prefetch, 3 stages: Triton's own pipelining, if it takes the loads)
-CFGS = [RowsGemmConfig(bn, w, st, pf, None, wv)
-        for bn in (32, 64, 128) for w in (4, 8) for pf, st in ((True, 1), (False, 3)) for wv in (2, 4, 8)] + \
-       [RowsGemmConfig(16, 4, 1, True, None, wv) for wv in (4, 8)]
+# (prefetch into registers, 1 stage) or (no prefetch, 3 stages: Triton's own pipelining); session 12 call 1 swept
+# "planes" widely (its best four are kept), call 2 the one-dot-per-chunk variants
+CFGS = [RowsGemmConfig(128, 4, 3, False, None, 4), RowsGemmConfig(128, 4, 1, True, None, 4),
+        RowsGemmConfig(128, 8, 3, False, None, 2), RowsGemmConfig(64, 4, 3, False, None, 4)] + \
+       [RowsGemmConfig(bn, w, st, pf, None, wv, "chunk")
+        for bn in (32, 64, 128) for w in (4, 8) for pf, st in ((True, 1), (False, 3)) for wv in (2, 4)] + \
+       [RowsGemmConfig(bn, w, st, pf, None, wv, "chunk_xfirst")
+        for bn in (64, 128) for w in (4, 8) for pf, st in ((True, 1), (False, 3)) for wv in (2, 4)]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
     torch.manual_seed(0)

@@ -39,17 +39,29 @@ MAX_ROWS = 64  # above this `quant_int4` dequantizes once into a bf16 GEMM (comp
 _MAGIC_2_7 = (127 + 7) << 23  # float exponent of 2^7: a code at bits 16..19 reads as 128 + code
 
 
+# how a chunk reaches the tensor cores: "planes" (8 dots of 16 columns, one per nibble plane), "chunk" (the
+# chunk's 128 columns unpacked by broadcasting, one dot), "chunk_xfirst" (the same with the activations as the
+# first operand, padded to 64 rows: on Hopper a warpgroup MMA that reads the weights from shared memory)
+VARIANTS = ("planes", "chunk", "chunk_xfirst")
+
+
 @dataclass(frozen=True)
 class RowsGemmConfig:
     """One launch configuration: `block_n` output rows per program, warps, pipeline stages,
-    whether the next chunk's codes are loaded into registers ahead (`prefetch`), and the K split
-    (`split_k`: None plans it from the SM count, `waves` programs per SM at most)."""
+    whether the next chunk's codes are loaded into registers ahead (`prefetch`), the K split
+    (`split_k`: None plans it from the SM count, `waves` programs per SM at most), and how a chunk
+    reaches the tensor cores (`variant`, one of VARIANTS)."""
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 1
     prefetch: bool = True
     split_k: int | None = None
     waves: int = 4
+    variant: str = "planes"
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"RowsGemmConfig.variant={self.variant!r}: expected one of {', '.join(VARIANTS)}")
 
 
 @functools.cache
@@ -66,7 +78,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     @triton.jit
     def rows_dot_kernel(X, C, S, Z, Y, M, N, K, KW, G, stride_xm, MG, CHUNKS_PER_SPLIT,
                         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PG: tl.constexpr, GS: tl.constexpr,
-                        PLANE_: tl.constexpr, PREFETCH: tl.constexpr):
+                        PLANE_: tl.constexpr, CK: tl.constexpr, PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, X_FIRST: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         pid_k = tl.program_id(1)
         n_ok = rows < N
@@ -74,9 +86,11 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         ms = tl.arange(0, BLOCK_M)
         m_ok = ms < M
         w = tl.arange(0, PLANE_)
-        CK = PLANE_ * 8  # columns per chunk
         n_chunks = KW // PLANE_
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        if X_FIRST:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         c_first = pid_k * CHUNKS_PER_SPLIT
         c_ptr = C + rows64[:, None] * KW + w[None, :]  # [BLOCK_N, PLANE] int32s of chunk 0
         if PREFETCH:
@@ -91,26 +105,50 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                               & (i + 1 < CHUNKS_PER_SPLIT), other=0, eviction_policy="evict_first")
             else:
                 p = tl.load(c_ptr + c * PLANE_, mask=n_ok[:, None] & c_ok, other=0, eviction_policy="evict_first")
-            for j in tl.static_range(8):
-                if j % PG == 0:  # a group starts: its scale and the bias that folds zero and the 128 offset
-                    grp = (c * CK + j * PLANE_) // GS
-                    g_ok = n_ok & c_ok & (grp < G)
-                    s = tl.load(S + rows64 * G + grp, mask=g_ok, other=0.0).to(tl.float32)[:, None]
-                    b = -(tl.load(Z + rows64 * G + grp, mask=g_ok, other=0.0).to(tl.float32)[:, None] + 128.0) * s
-                if j < 4:
-                    q = p << (16 - 4 * j)
-                elif j == 4:
-                    q = p
+            if ONE_DOT:
+                # the whole chunk at once: [rows, 8 planes, 16] codes in column order (plane j = columns 16j..),
+                # code | 2^23's exponent reads as 2^23 + code, one exact subtraction; scales per plane's group
+                codes = (p[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+                f = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                grp = (c * CK + tl.arange(0, 8) * PLANE_) // GS
+                g_ok = n_ok[:, None] & c_ok & (grp < G)[None, :]
+                s = tl.load(S + rows64[:, None] * G + grp[None, :], mask=g_ok, other=0.0).to(tl.float32)
+                zs = tl.load(Z + rows64[:, None] * G + grp[None, :], mask=g_ok, other=0.0).to(tl.float32) * s
+                wt = tl.reshape((f * s[:, :, None] - zs[:, :, None]).to(X.dtype.element_ty), (BLOCK_N, CK))
+                cols = c * CK + tl.arange(0, CK)
+                if X_FIRST:  # [BLOCK_M >= 64, CK] x [CK, BLOCK_N]: Hopper's warpgroup MMA reads W from shared memory
+                    xt = tl.load(X + ms[:, None] * stride_xm + cols[None, :],
+                                 mask=m_ok[:, None] & (cols < K)[None, :], other=0.0)
+                    acc = tl.dot(xt, tl.trans(wt), acc)
                 else:
-                    q = p >> (4 * j - 16)  # sign-extension bits land above bit 19: masked off
-                f = ((q & 0xF0000) | MG).to(tl.float32, bitcast=True)  # 128 + code
-                wt = (f * s + b).to(X.dtype.element_ty)
-                cols = c * CK + j * PLANE_ + w  # this plane's 16 activation columns
-                xt = tl.load(X + ms[None, :] * stride_xm + cols[:, None],
-                             mask=(cols < K)[:, None] & m_ok[None, :], other=0.0)
-                acc = tl.dot(wt, xt, acc)
-        out = Y + pid_k * M * N + ms[None, :] * N + rows[:, None]
-        tl.store(out, acc.to(Y.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+                    xt = tl.load(X + ms[None, :] * stride_xm + cols[:, None],
+                                 mask=(cols < K)[:, None] & m_ok[None, :], other=0.0)
+                    acc = tl.dot(wt, xt, acc)
+            else:
+                for j in tl.static_range(8):
+                    if j % PG == 0:  # a group starts: its scale and the bias that folds zero and the 128 offset
+                        grp = (c * CK + j * PLANE_) // GS
+                        g_ok = n_ok & c_ok & (grp < G)
+                        s = tl.load(S + rows64 * G + grp, mask=g_ok, other=0.0).to(tl.float32)[:, None]
+                        b = -(tl.load(Z + rows64 * G + grp, mask=g_ok, other=0.0).to(tl.float32)[:, None] + 128.0) * s
+                    if j < 4:
+                        q = p << (16 - 4 * j)
+                    elif j == 4:
+                        q = p
+                    else:
+                        q = p >> (4 * j - 16)  # sign-extension bits land above bit 19: masked off
+                    f = ((q & 0xF0000) | MG).to(tl.float32, bitcast=True)  # 128 + code
+                    wt = (f * s + b).to(X.dtype.element_ty)
+                    cols = c * CK + j * PLANE_ + w  # this plane's 16 activation columns
+                    xt = tl.load(X + ms[None, :] * stride_xm + cols[:, None],
+                                 mask=(cols < K)[:, None] & m_ok[None, :], other=0.0)
+                    acc = tl.dot(wt, xt, acc)
+        if X_FIRST:
+            out = Y + pid_k * M * N + ms[:, None] * N + rows[None, :]
+            tl.store(out, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        else:
+            out = Y + pid_k * M * N + ms[None, :] * N + rows[:, None]
+            tl.store(out, acc.to(Y.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
     return SimpleNamespace(rows_dot=rows_dot_kernel)
 
@@ -139,7 +177,11 @@ def plan_split(n_tiles: int, n_chunks: int, cfg: RowsGemmConfig, device: torch.d
 
 
 def _default(interpret: bool) -> RowsGemmConfig:
-    return RowsGemmConfig(block_n=16, num_warps=1) if interpret else RowsGemmConfig()
+    if interpret:
+        return RowsGemmConfig(block_n=16, num_warps=1)
+    # the H200's best summed over the Llama-3.1-8B shapes at 4-32 rows (benchmarks/h200/int4_rows_gemm.py,
+    # session 12 call 1): no register prefetch, Triton pipelines the code loads in 3 stages
+    return RowsGemmConfig(block_n=128, num_warps=4, num_stages=3, prefetch=False, waves=4)
 
 
 def int4_rows_gemm(x: torch.Tensor, r: RowInt4, config: RowsGemmConfig | None = None) -> torch.Tensor:
@@ -164,6 +206,7 @@ def int4_rows_gemm(x: torch.Tensor, r: RowInt4, config: RowsGemmConfig | None = 
     _kernels(_interpreting()).rows_dot[(n_tiles, split)](
         xc, r.codes, r.scales, r.zeros, out, M, N, K, r.codes.shape[1], r.scales.shape[1], xc.stride(0),
         _MAGIC_2_7, per_split,
-        BLOCK_N=cfg.block_n, BLOCK_M=_block_m(M), PG=min(g, 8 * PLANE) // PLANE, GS=g, PLANE_=PLANE,
-        PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_N=cfg.block_n, BLOCK_M=max(_block_m(M), 64 if cfg.variant == "chunk_xfirst" else 16),
+        PG=min(g, 8 * PLANE) // PLANE, GS=g, PLANE_=PLANE, CK=8 * PLANE, PREFETCH=cfg.prefetch, ONE_DOT=cfg.variant != "planes",
+        X_FIRST=cfg.variant == "chunk_xfirst", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out[0] if split == 1 else out.sum(0).to(x.dtype)
