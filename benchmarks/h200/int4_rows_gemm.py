@@ -33,9 +33,9 @@ from lowbit_gemv import SHAPES, log, rel, time_graph  # noqa: E402  (this folder
 CFGS = [RowsGemmConfig(128, 4, 3, False, None, 4), RowsGemmConfig(128, 4, 1, True, None, 4),
         RowsGemmConfig(128, 8, 3, False, None, 2), RowsGemmConfig(64, 4, 3, False, None, 4)] + \
        [RowsGemmConfig(bn, w, st, pf, None, wv, "chunk")
-        for bn in (32, 64, 128) for w in (4, 8) for pf, st in ((True, 1), (False, 3)) for wv in (2, 4)] + \
+        for bn in (32, 64, 128) for w in (4, 8) for pf, st in ((True, 1), (False, 3)) for wv in (4,)] + \
        [RowsGemmConfig(bn, w, st, pf, None, wv, "chunk_xfirst")
-        for bn in (64, 128) for w in (4, 8) for pf, st in ((True, 1), (False, 3)) for wv in (2, 4)]
+        for bn in (64, 128) for w in (4, 8) for pf, st in ((True, 1), (False, 3)) for wv in (4,)]
 
 
 def main():

@@ -17,8 +17,11 @@ nibble planes (16 contiguous columns) it
 
 Only uniform groups that never straddle a plane (the `RowInt4.group_size` fast path: multiples of
 16 dividing 128, or multiples of 128) run here; anything else keeps `int4_triton.fused_gemm`.
-K is split across programs when the output alone has too few tiles to fill the GPU (fp32
-partials summed afterwards). Launch-only: CUDA-graph safe. Triton is imported on first use.
+K is split across programs when the output alone has too few tiles to fill the GPU: each split
+writes an fp32 partial, and the last split of a tile to finish (a per-tile counter in
+`RowInt4.tile_counters`, reset by that split) adds them up and stores the result, so a call is one
+launch. A weight's GEMM therefore runs one call at a time (a model's forward pass is sequential).
+Launch-only: CUDA-graph safe. Triton is imported on first use.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     triton_interpreter.apply()  # the chunk loop's bound is a run-time scalar
 
     @triton.jit
-    def rows_dot_kernel(X, C, S, Z, Y, M, N, K, KW, G, stride_xm, MG, CHUNKS_PER_SPLIT,
+    def rows_dot_kernel(X, C, S, Z, Y, WS, CNT, M, N, K, KW, G, stride_xm, MG, CHUNKS_PER_SPLIT, SPLITS,
                         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PG: tl.constexpr, GS: tl.constexpr,
                         PLANE_: tl.constexpr, CK: tl.constexpr, PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, X_FIRST: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,11 +147,25 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                                  mask=(cols < K)[:, None] & m_ok[None, :], other=0.0)
                     acc = tl.dot(wt, xt, acc)
         if X_FIRST:
-            out = Y + pid_k * M * N + ms[:, None] * N + rows[None, :]
-            tl.store(out, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+            offs = ms[:, None] * N + rows[None, :]
+            ok = m_ok[:, None] & n_ok[None, :]
         else:
-            out = Y + pid_k * M * N + ms[None, :] * N + rows[:, None]
-            tl.store(out, acc.to(Y.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+            offs = ms[None, :] * N + rows[:, None]
+            ok = n_ok[:, None] & m_ok[None, :]
+        if SPLITS == 1:
+            tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=ok)
+        else:
+            # fp32 partial to the workspace; the tile's last split to finish (counted in CNT) adds them all up,
+            # stores the result and resets the counter for the next call: one launch, no reduction kernel
+            tl.store(WS + pid_k * M * N + offs, acc, mask=ok)
+            tl.debug_barrier()  # every thread's partial is written before the count (release, GPU scope)
+            done = tl.atomic_add(CNT + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+            if done == SPLITS - 1:
+                total = tl.zeros(acc.shape, dtype=tl.float32)
+                for k in range(0, SPLITS):
+                    total += tl.load(WS + k * M * N + offs, mask=ok, other=0.0, cache_modifier=".cg")
+                tl.store(Y + offs, total.to(Y.dtype.element_ty), mask=ok)
+                tl.atomic_xchg(CNT + tl.program_id(0), 0, sem="relaxed", scope="gpu")
 
     return SimpleNamespace(rows_dot=rows_dot_kernel)
 
@@ -199,14 +216,17 @@ def int4_rows_gemm(x: torch.Tensor, r: RowInt4, config: RowsGemmConfig | None = 
     split = plan_split(n_tiles, n_chunks, cfg, x.device)
     per_split = cdiv(n_chunks, split)
     split = cdiv(n_chunks, per_split)
+    if r.tile_counters is None or r.tile_counters.numel() < n_tiles:
+        raise ValueError(f"int4_rows_gemm: the weight needs {n_tiles} tile counters (made by lowbit_gemv.repack_int4)")
     g = r.group_size
     xc = x.contiguous()
-    # one split stores the result in x's dtype directly; several store fp32 partials to add up
-    out = torch.empty((split, M, N), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    # several splits write fp32 partials here; the last of each tile adds them up (one launch in all)
+    ws = torch.empty((split, M, N) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     _kernels(_interpreting()).rows_dot[(n_tiles, split)](
-        xc, r.codes, r.scales, r.zeros, out, M, N, K, r.codes.shape[1], r.scales.shape[1], xc.stride(0),
-        _MAGIC_2_7, per_split,
+        xc, r.codes, r.scales, r.zeros, y, ws, r.tile_counters, M, N, K, r.codes.shape[1], r.scales.shape[1],
+        xc.stride(0), _MAGIC_2_7, per_split, split,
         BLOCK_N=cfg.block_n, BLOCK_M=max(_block_m(M), 64 if cfg.variant == "chunk_xfirst" else 16),
         PG=min(g, 8 * PLANE) // PLANE, GS=g, PLANE_=PLANE, CK=8 * PLANE, PREFETCH=cfg.prefetch, ONE_DOT=cfg.variant != "planes",
         X_FIRST=cfg.variant == "chunk_xfirst", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out[0] if split == 1 else out.sum(0).to(x.dtype)
+    return y

@@ -71,6 +71,9 @@ class RowInt4:
     g_idx: torch.Tensor  # int32 [Kp] (padding columns: group 0, their activations are masked to 0)
     group_size: int  # uniform group size, or 0 (read g_idx)
     in_features: int  # K before padding
+    # int32 [ceil(N / 16)], zero between calls: the split-K GEMM over this layout (`int4_rows_gemm`) counts
+    # finished K splits per output tile here, and the last one sums the partials and resets its counter
+    tile_counters: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
@@ -127,7 +130,8 @@ def repack_int4(w, slice_rows: int = 4096) -> RowInt4:
         codes[n0:n0 + slice_rows] = pack_rows(unpack_int4(w.qweight[:, n0:n0 + slice_rows], 0).t())
     g_idx = torch.nn.functional.pad(w.g_idx.to(torch.int32), (0, kp - k)).contiguous()
     return RowInt4(codes, w.scales.t().contiguous(), w.zeros.t().contiguous(), g_idx,
-                   _uniform_kernel_group(int(w.uniform_group_size or 0)), k)
+                   _uniform_kernel_group(int(w.uniform_group_size or 0)), k,
+                   torch.zeros(-(-n // 16), dtype=torch.int32, device=codes.device))
 
 
 def dequantize_rows(r: RowInt4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
