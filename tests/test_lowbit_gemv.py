@@ -44,6 +44,11 @@ def test_int4_gemv_uniform_groups_matches_dequantized(k, n, g, m, symmetric, blo
     # fp32 accumulation that subtracts the unpacking offsets per group: ~1e-5 of the output's scale
     torch.testing.assert_close(lg.int4_gemv(x, r, lg.LowbitConfig(8, block_k, 1, 1)), want, rtol=1e-4,
                                atol=1e-4 * want.abs().max().item())
+    # K cut into ranges (3 asked: as many as there are loop steps, at most), summed by each tile's last range
+    for split in (2, 3):
+        y = lg.int4_gemv(x, r, lg.LowbitConfig(8, block_k, 1, 1, split_k=split))
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        assert not r.tile_counters.any()  # reset for the next call
 
 
 def test_int4_gemv_act_order_and_uneven_groups():

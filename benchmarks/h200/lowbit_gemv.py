@@ -4,7 +4,7 @@
 us, bytes moved, TB/s, max error vs the dequantized reference; a sweep of launch configs per kernel
 (the best is reported) and M=2/4 rows on the best config. ~2 min on an H200 (most of it compiles).
 
-    python benchmarks/h200/lowbit_gemv.py [--out DIR]     (writes lowbit_gemv.json)
+    python benchmarks/h200/lowbit_gemv.py [--out DIR] [--skip-fp8]     (writes lowbit_gemv.json)
 
 Timing: CUDA-graph replay over enough weight copies (> 256 MB) that each call streams from HBM."""
 
@@ -25,7 +25,9 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 # (block_n, block_k, num_warps, num_stages): the int4 tile is [block_k/128 chunks, block_n rows, 16 int32], a
 # thread keeps block_n/num_warps rows (its activations shared by them); no dot, so num_stages is moot
 INT4_CFGS = [lg.LowbitConfig(*c) for c in [(16, 1024, 4, 1), (32, 1024, 4, 1), (32, 1024, 8, 1), (64, 1024, 8, 1),
-                                            (16, 1024, 2, 1)]]
+                                            (16, 1024, 2, 1)]] + \
+            [lg.LowbitConfig(bn, bk, w, 1, "fma", split) for bn, bk, w in ((32, 1024, 8), (16, 1024, 4), (32, 512, 8))
+             for split in (2, 4, 8)]  # K cut into ranges, summed in the same launch (session 12)
 FP8_CFGS = [lg.LowbitConfig(8, 1024, 4, 1, "fma"), lg.LowbitConfig(8, 1024, 4, 1, "fma_prefetch")] + \
            [lg.LowbitConfig(*c, variant="dot") for c in [(64, 256, 4, 3), (128, 128, 4, 4), (64, 512, 4, 3)]]
 T0 = time.time()
@@ -82,6 +84,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--skip-fp8", action="store_true", help="the int4 and bf16 rows only")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, res = "cuda", {}
@@ -127,6 +130,11 @@ def main():
                                           "rel_err": rel(lg.int4_gemv(xm, rs[0], cfg), refm)}
             row[f"int4_splitk_fused_M{m}"] = {"us": time_graph(lambda w: int4_triton.fused_gemm(xm, w), ws)}
         del ws, rs
+        if args.skip_fp8:
+            res[name] = {k2: {kk: vv for kk, vv in v.items() if kk != "config"} if isinstance(v, dict) else v
+                         for k2, v in row.items()}
+            log(f"{name} int4 best {row['int4_gemv']['us']:.1f} us {row['int4_gemv']['cfg']}")
+            continue
         # fp8 per-channel; |w| <= 448: float8_e4m3fn has no inf, and an out-of-range cast may give NaN
         copies = max(2, -(-256 * 2**20 // (n * k)))
         wf = [(torch.randn(n, k, device=dev) * 100).clamp(-448, 448).to(torch.float8_e4m3fn) for _ in range(copies)]
@@ -159,7 +167,7 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "lowbit_gemv.json"), "w") as f:  # partial results survive a timeout
             json.dump(res, f, indent=1)
-    keys = ("bf16_cublas", "bf16_triton_gemv", "int4_gemv", "fp8_gemv", "int4_splitk_fused")
+    keys = ("bf16_cublas", "bf16_triton_gemv", "int4_gemv", "int4_splitk_fused") + (() if args.skip_fp8 else ("fp8_gemv",))
     tot = {key: sum(res[s][key]["us"] for s in shapes) for key in keys}
     res["per_layer_sum_us"] = tot
     res["speedup_vs_bf16_cublas"] = {key: tot["bf16_cublas"] / v for key, v in tot.items()}

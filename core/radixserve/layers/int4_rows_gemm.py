@@ -33,10 +33,10 @@ from types import SimpleNamespace
 import torch
 
 from radixserve.layers.lowbit_gemv import PLANE, RowInt4
-from radixserve.layers.split_k import cdiv
+from radixserve.layers.split_k import cdiv, jit_sum_splits
 from radixserve.layers.triton_support import interpreting as _interpreting
 
-triton = tl = None  # imported by `_kernels` on first use
+triton = tl = sum_splits = None  # imported / made by `_kernels` on first use
 
 MAX_ROWS = 64  # above this `quant_int4` dequantizes once into a bf16 GEMM (compute-bound)
 _MAGIC_2_7 = (127 + 7) << 23  # float exponent of 2^7: a code at bits 16..19 reads as 128 + code
@@ -70,11 +70,13 @@ class RowsGemmConfig:
 @functools.cache
 def _kernels(interpret: bool) -> SimpleNamespace:
     del interpret  # cache key only
-    global triton, tl
+    global triton, tl, sum_splits
     import triton
     import triton.language as tl
 
     from radixserve.layers import triton_interpreter
+
+    sum_splits = jit_sum_splits()
 
     triton_interpreter.apply()  # the chunk loop's bound is a run-time scalar
 
@@ -154,18 +156,9 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             ok = n_ok[:, None] & m_ok[None, :]
         if SPLITS == 1:
             tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=ok)
-        else:
-            # fp32 partial to the workspace; the tile's last split to finish (counted in CNT) adds them all up,
-            # stores the result and resets the counter for the next call: one launch, no reduction kernel
+        else:  # fp32 partial to the workspace; the tile's last split adds them up (same launch)
             tl.store(WS + pid_k * M * N + offs, acc, mask=ok)
-            tl.debug_barrier()  # every thread's partial is written before the count (release, GPU scope)
-            done = tl.atomic_add(CNT + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-            if done == SPLITS - 1:
-                total = tl.zeros(acc.shape, dtype=tl.float32)
-                for k in range(0, SPLITS):
-                    total += tl.load(WS + k * M * N + offs, mask=ok, other=0.0, cache_modifier=".cg")
-                tl.store(Y + offs, total.to(Y.dtype.element_ty), mask=ok)
-                tl.atomic_xchg(CNT + tl.program_id(0), 0, sem="relaxed", scope="gpu")
+            sum_splits(Y, WS, CNT, tl.program_id(0), offs, ok, M * N, SPLITS)
 
     return SimpleNamespace(rows_dot=rows_dot_kernel)
 

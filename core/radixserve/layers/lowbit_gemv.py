@@ -2,7 +2,9 @@
 
 Same style as `triton_gemv`: each program owns `block_n` whole output rows, streams their weight
 rows once along K with wide loads, unpacks/upcasts in registers, accumulates in fp32 and writes the
-result: no split-K, no reduction pass. M <= MAX_ROWS activation rows share each loaded weight tile
+result (int4 may cut K into `split_k` ranges for more programs in flight: the last range of a tile to
+finish adds the fp32 partials in the same launch, counted in `RowInt4.tile_counters`).
+M <= MAX_ROWS activation rows share each loaded weight tile
 (one accumulator per row), so M=2..4 read the weight once. Launch-only, no host reads of device
 values: CUDA-graph safe. Triton is imported on first use.
 
@@ -39,9 +41,10 @@ from types import SimpleNamespace
 
 import torch
 
+from radixserve.layers.split_k import jit_sum_splits
 from radixserve.layers.triton_support import interpreting as _interpreting
 
-triton = tl = None  # imported by `_kernels` on first use
+triton = tl = sum_splits = None  # imported / made by `_kernels` on first use
 
 MAX_ROWS = 4  # above this the existing tiled kernels (tensor cores) are used
 # fp8 at 4 rows took 329 us per 8B layer on the H200 against ~281 us for the tiled kernel at 1 row (the
@@ -71,8 +74,9 @@ class RowInt4:
     g_idx: torch.Tensor  # int32 [Kp] (padding columns: group 0, their activations are masked to 0)
     group_size: int  # uniform group size, or 0 (read g_idx)
     in_features: int  # K before padding
-    # int32 [ceil(N / 16)], zero between calls: the split-K GEMM over this layout (`int4_rows_gemm`) counts
-    # finished K splits per output tile here, and the last one sums the partials and resets its counter
+    # int32 [ceil(N / 8)], zero between calls: the split-K kernels over this layout (`int4_gemv` with split_k > 1,
+    # `int4_rows_gemm`) count finished K splits per output tile (>= 8 rows) here; the last split of a tile
+    # sums the partials and resets its counter
     tile_counters: torch.Tensor | None = None
 
     @property
@@ -131,7 +135,7 @@ def repack_int4(w, slice_rows: int = 4096) -> RowInt4:
     g_idx = torch.nn.functional.pad(w.g_idx.to(torch.int32), (0, kp - k)).contiguous()
     return RowInt4(codes, w.scales.t().contiguous(), w.zeros.t().contiguous(), g_idx,
                    _uniform_kernel_group(int(w.uniform_group_size or 0)), k,
-                   torch.zeros(-(-n // 16), dtype=torch.int32, device=codes.device))
+                   torch.zeros(-(-n // 8), dtype=torch.int32, device=codes.device))
 
 
 def dequantize_rows(r: RowInt4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -144,16 +148,18 @@ def dequantize_rows(r: RowInt4, dtype: torch.dtype = torch.float32) -> torch.Ten
 @functools.cache
 def _kernels(interpret: bool) -> SimpleNamespace:
     del interpret  # cache key only
-    global triton, tl
+    global triton, tl, sum_splits
     import triton
     import triton.language as tl
 
     from radixserve.layers import triton_interpreter
 
+    sum_splits = jit_sum_splits()
+
     triton_interpreter.apply()  # the K loop's bound is a run-time scalar
 
     @triton.jit
-    def int4_rows_kernel(X, C, S, Z, GI, Y, M, N, K, KW, G, stride_xm, MG8, MG12, MG16,
+    def int4_rows_kernel(X, C, S, Z, GI, Y, WS, CNT, M, N, K, KW, G, stride_xm, MG8, MG12, MG16, COLS_PER_SPLIT, SPLITS,
                          BLOCK_N: tl.constexpr, CH: tl.constexpr, PG: tl.constexpr, GS: tl.constexpr,
                          ROWS_M: tl.constexpr, PLANE_: tl.constexpr):
         # tiles are [CH chunks, BLOCK_N rows, PLANE int32]: chunks first so that a warp's threads
@@ -172,16 +178,19 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             acc2 = tl.zeros([CH, BLOCK_N, PLANE_], dtype=tl.float32)
             acc3 = tl.zeros([CH, BLOCK_N, PLANE_], dtype=tl.float32)
         c_ptr = C + rows64[None, :, None] * KW + (ch * (CK // 8))[:, None, None] + w[None, None, :]
-        nxt = tl.load(c_ptr, mask=(ch * CK < KW * 8)[:, None, None] & n_ok[None, :, None], other=0,
-                      eviction_policy="evict_first")
-        for k0 in range(0, KW * 8, CK * CH):
+        # this program's columns: one K range of COLS_PER_SPLIT (a multiple of a loop step) per split
+        k_begin = tl.program_id(1) * COLS_PER_SPLIT
+        k_end = tl.minimum(k_begin + COLS_PER_SPLIT, KW * 8)
+        nxt = tl.load(c_ptr + k_begin // 8, mask=(k_begin + ch * CK < k_end)[:, None, None] & n_ok[None, :, None],
+                      other=0, eviction_policy="evict_first")
+        for k0 in range(k_begin, k_end, CK * CH):
             kc = k0 + ch * CK  # [CH] first column of each chunk
             c_ok = kc < KW * 8
             # register double buffer: the next step's codes are in flight while this step computes
             # (Triton only pipelines loads that feed a dot)
             p = nxt
             kn = kc + CK * CH
-            nxt = tl.load(c_ptr + (k0 + CK * CH) // 8, mask=(kn < KW * 8)[:, None, None] & n_ok[None, :, None],
+            nxt = tl.load(c_ptr + (k0 + CK * CH) // 8, mask=(kn < k_end)[:, None, None] & n_ok[None, :, None],
                           other=0, eviction_policy="evict_first")
             # every nibble is brought to bits 8..11, 12..15 or 16..19 (two shifts per int32), then OR-ing it
             # into the mantissa of 2^15, 2^11 or 2^7 (whose unit there is 1) gives the float
@@ -283,12 +292,20 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                     if ROWS_M > 2:
                         acc2 += d * x2[:, None, :]
                         acc3 += d * x3[:, None, :]
-        tl.store(Y + rows, tl.sum(tl.sum(acc0, axis=2), axis=0).to(Y.dtype.element_ty), mask=n_ok)
+        # one split stores the rows in Y's dtype; several store fp32 partials, the last split of the tile adds them
+        out = Y if SPLITS == 1 else WS + tl.program_id(1) * M * N
+        tl.store(out + rows, tl.sum(tl.sum(acc0, axis=2), axis=0).to(out.dtype.element_ty), mask=n_ok)
         if ROWS_M > 1:
-            tl.store(Y + N + rows, tl.sum(tl.sum(acc1, axis=2), axis=0).to(Y.dtype.element_ty), mask=n_ok & (M > 1))
+            tl.store(out + N + rows, tl.sum(tl.sum(acc1, axis=2), axis=0).to(out.dtype.element_ty), mask=n_ok & (M > 1))
         if ROWS_M > 2:
-            tl.store(Y + 2 * N + rows, tl.sum(tl.sum(acc2, axis=2), axis=0).to(Y.dtype.element_ty), mask=n_ok & (M > 2))
-            tl.store(Y + 3 * N + rows, tl.sum(tl.sum(acc3, axis=2), axis=0).to(Y.dtype.element_ty), mask=n_ok & (M > 3))
+            tl.store(out + 2 * N + rows, tl.sum(tl.sum(acc2, axis=2), axis=0).to(out.dtype.element_ty),
+                     mask=n_ok & (M > 2))
+            tl.store(out + 3 * N + rows, tl.sum(tl.sum(acc3, axis=2), axis=0).to(out.dtype.element_ty),
+                     mask=n_ok & (M > 3))
+        if SPLITS > 1:
+            ms = tl.arange(0, ROWS_M)
+            sum_splits(Y, WS, CNT, tl.program_id(0), ms[:, None] * N + rows[None, :],
+                       (ms < M)[:, None] & n_ok[None, :], M * N, SPLITS)
 
     @triton.jit
     def fp8_fma_kernel(X, W, S, Y, M, N, K, stride_xm, stride_wn,
@@ -358,13 +375,14 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 @dataclass(frozen=True)
 class LowbitConfig:
     """One launch configuration: `block_n` output rows per program, `block_k` columns per loop step
-    (int4: a multiple of CHUNK), warps, pipeline stages, and the fp8 variant ("fma", "fma_prefetch"
-    or "dot")."""
+    (int4: a multiple of CHUNK), warps, pipeline stages, the fp8 variant ("fma", "fma_prefetch"
+    or "dot"), and (int4) how many K ranges `split_k` the rows are cut into, summed in the same launch."""
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     variant: str = "fma"
+    split_k: int = 1
 
 
 def _default(interpret: bool, fp8: bool) -> LowbitConfig:
@@ -401,10 +419,18 @@ def int4_gemv(x: torch.Tensor, r: RowInt4, config: LowbitConfig | None = None) -
     g = r.group_size
     xc = x.contiguous()
     y = torch.empty((x.shape[0], N), dtype=x.dtype, device=x.device)
-    grid = (-(-N // cfg.block_n),)
-    _kernels(_interpreting()).int4[grid](
-        xc, r.codes, r.scales, r.zeros, r.g_idx, y, x.shape[0], N, K, kp // 8, r.scales.shape[1], xc.stride(0),
-        *_MAGICS,
+    tiles = -(-N // cfg.block_n)
+    step = ch * CHUNK  # columns per loop step
+    steps = -(-kp // step)
+    per_split = -(-steps // max(1, min(cfg.split_k, steps))) * step
+    splits = -(-kp // per_split)
+    if splits > 1 and (r.tile_counters is None or r.tile_counters.numel() < tiles):
+        raise ValueError(f"int4_gemv: split_k needs {tiles} tile counters (made by repack_int4)")
+    ws = torch.empty((splits, x.shape[0], N) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
+    _kernels(_interpreting()).int4[(tiles, splits)](
+        xc, r.codes, r.scales, r.zeros, r.g_idx, y, ws, r.tile_counters if splits > 1 else ws.view(torch.int32),
+        x.shape[0], N, K, kp // 8, r.scales.shape[1],
+        xc.stride(0), *_MAGICS, per_split, splits,
         BLOCK_N=cfg.block_n, CH=ch, PG=min(g, CHUNK) // PLANE if g else 0, GS=max(g, 1), ROWS_M=_rows_m(x.shape[0]),
         PLANE_=PLANE, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

@@ -37,3 +37,32 @@ def plan_split_k(m: int, n: int, k: int, block_m: int, block_n: int, block_k: in
     split_k = max(1, min(split_k, k_blocks))
     k_per_split = cdiv(k_blocks, split_k) * block_k
     return cdiv(k, k_per_split), k_per_split
+
+
+tl = None  # triton.language, imported by `jit_sum_splits` on first use (jitted helpers resolve it as a global)
+
+
+@functools.cache
+def jit_sum_splits():
+    """A `@triton.jit` helper for split-K kernels that reduce in the same launch:
+    `sum_splits(Y, WS, CNT, tile, offs, ok, MN, SPLITS)`. Call it after this program stored its fp32
+    partial at `WS + split * MN + offs` (mask `ok`): it counts the split as done in `CNT[tile]` (int32,
+    zero between calls), and the tile's last split to finish adds all partials, stores them in Y's
+    dtype at `Y + offs` and resets the counter. One call of the kernel per counter buffer at a time.
+    Kernels that call it must bind it to a module global (Triton resolves helpers by global name)."""
+    global tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def sum_splits(Y, WS, CNT, tile, offs, ok, MN, SPLITS):
+        tl.debug_barrier()  # every thread's partial is written before the count (release, GPU scope)
+        done = tl.atomic_add(CNT + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLITS - 1:
+            total = tl.load(WS + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            for k in range(1, SPLITS):
+                total += tl.load(WS + k * MN + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(Y + offs, total.to(Y.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(CNT + tile, 0, sem="relaxed", scope="gpu")
+
+    return sum_splits
