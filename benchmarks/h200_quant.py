@@ -375,6 +375,23 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
+def apply_kernel_config(path: str) -> dict:
+    """Replace the int4 kernels' default launch configs and the GEMV row limit in this process (a benchmark-only
+    override: the decode rows then time a sweep's pick; the code's defaults are set from the same file)."""
+    from radixserve.layers import int4_rows_gemm, lowbit_gemv, quant_int4
+
+    with open(path) as f:
+        picked = json.load(f)
+    gemv = lowbit_gemv.LowbitConfig(**picked["gemv"])
+    rows = int4_rows_gemm.RowsGemmConfig(**picked["rows_gemm"])
+    fp8_default = lowbit_gemv._default
+    lowbit_gemv._default = lambda interpret, fp8: fp8_default(interpret, fp8) if fp8 or interpret else gemv
+    int4_rows_gemm._default = lambda interpret: rows
+    quant_int4.GEMV_MAX_ROWS = int(picked["gemv_max_rows"])
+    log(f"kernel config from {path}: GEMV {gemv}, GEMM {rows}, GEMV up to {quant_int4.GEMV_MAX_ROWS} rows")
+    return picked
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -395,6 +412,9 @@ def main() -> int:
                                         "(the issue's figure: --offline-prompts 1000) instead of static batches")
     ap.add_argument("--offline-config", default=os.path.join(HERE, "..", "stacks", "h200-llama.yaml"),
                     help="YAML stack of the Engine offline runs")
+    ap.add_argument("--kernel-config", help="a kernel_config.json of benchmarks/h200/pick_int4_configs.py: the int4 "
+                    "GEMV / tensor-core GEMM launch configs and GEMV row limit for this run (benchmark-only override "
+                    "of the code's defaults, to time a sweep's pick in the same call)")
     ap.add_argument("--runtime", nargs="*", default=[], metavar="KEY=VALUE",
                     help="runtime config keys for every model run, e.g. lowbit_gemv=on")
     args = ap.parse_args()
@@ -403,6 +423,8 @@ def main() -> int:
     except ValueError:
         ap.error(f"--runtime takes KEY=VALUE items, got {args.runtime}")
     results["runtime_overrides"] = args.runtime
+    if args.kernel_config:
+        results["kernel_config"] = apply_kernel_config(args.kernel_config)
     global ARGS
     ARGS = args
     os.makedirs(args.out, exist_ok=True)

@@ -64,7 +64,7 @@ def rel(y, ref):
 
 
 def sweep(name, kind, cfgs, run, objs, ref, nbytes):
-    best = None
+    best, every = None, []
     for cfg in cfgs:
         try:
             err = rel(run(objs[0], cfg), ref)
@@ -73,10 +73,11 @@ def sweep(name, kind, cfgs, run, objs, ref, nbytes):
             log(f"{name} {kind} {cfg} failed: {repr(e)[:300]}")
             continue
         log(f"{name} {kind} {cfg} {us:.1f} us {nbytes / us / 1e6:.2f} TB/s rel_err {err:.2e}")
+        every.append({"cfg": cfg.__dict__, "us": us})
         if best is None or us < best["us"]:
             best = {"us": us, "cfg": list(cfg.__dict__.values()), "rel_err": err, "config": cfg}
     best = best or {"us": float("nan"), "cfg": None, "rel_err": None, "config": None}
-    best.update(bytes=nbytes, TBps=nbytes / best["us"] / 1e6)
+    best.update(bytes=nbytes, TBps=nbytes / best["us"] / 1e6, all=every)
     return best
 
 

@@ -45,9 +45,15 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script")
     ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--kernel-config", help="int4 kernel configs to use (benchmarks/h200_quant.py --kernel-config)")
     ap.add_argument("--prompts", type=int, default=4, help="prompts run together (lengths 6, 11, 29, 64 over and "
                     "over): more than 4 decode through the int4 tensor-core GEMM instead of the GEMV")
     args = ap.parse_args()
+    if args.kernel_config:
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+        from h200_quant import apply_kernel_config
+
+        apply_kernel_config(args.kernel_config)
     rows, ok_all = [], True
     with tempfile.TemporaryDirectory() as tmp:
         src = tiny_checkpoint("llama", os.path.join(tmp, "float"), tie_word_embeddings=False, **qf.TINY_QUANT_CONFIG)

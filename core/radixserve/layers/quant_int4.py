@@ -26,6 +26,9 @@ _SHIFTS = tuple(range(0, 32, 4))
 # below this many rows the GEMM is memory-bound: the fused kernel reads the 4-bit weight once;
 # above it, dequantizing once into a bf16/fp16 GEMM wins (tensor cores, compute-bound)
 FUSED_MAX_ROWS = 64
+# with the row-layout copy: batches of at most this many rows take the whole-row GEMV, larger ones (up to
+# int4_rows_gemm.MAX_ROWS) the tensor-core GEMM over the same copy
+GEMV_MAX_ROWS = lowbit_gemv.MAX_ROWS
 
 
 def _to_int32(v: torch.Tensor) -> torch.Tensor:
@@ -121,7 +124,7 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> to
     if w.perm is not None:
         x2 = x2[:, w.perm]
     if int4_triton.available(x2) and x2.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        if w.rows is not None and x2.shape[0] <= lowbit_gemv.MAX_ROWS:
+        if w.rows is not None and x2.shape[0] <= GEMV_MAX_ROWS:
             y = lowbit_gemv.int4_gemv(x2, w.rows)
         elif w.rows is not None and x2.shape[0] <= int4_rows_gemm.MAX_ROWS and int4_rows_gemm.supports(w.rows):
             y = int4_rows_gemm.int4_rows_gemm(x2, w.rows)
