@@ -23,10 +23,9 @@ import torch.nn.functional as F
 from radixserve.layers import int4_triton
 from radixserve.layers import lowbit_gemv as lg
 from radixserve.layers.int4_rows_gemm import RowsGemmConfig, int4_rows_gemm
-from radixserve.layers.quant_int4 import make_int4_weight
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lowbit_gemv import SHAPES, log, rel, time_graph  # noqa: E402  (this folder's GEMV benchmark)
+from lowbit_gemv import SHAPES, int4_copies, log, rel, time_graph  # noqa: E402  (this folder's GEMV benchmark)
 
 # (prefetch into registers, 1 stage) or (no prefetch, 3 stages: Triton's own pipelining); session 12 call 1 swept
 # "planes" widely (its best two are kept), call 2 the one-dot-per-chunk variants beside them
@@ -44,7 +43,6 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, res = "cuda", {"configs": [c.__dict__ for c in CFGS], "points": {}}
-    g = 128
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         copies = max(2, -(-256 * 2**20 // (n * k * 2)))
@@ -52,13 +50,7 @@ def main():
         xs = {m: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for m in args.rows}
         bf16 = {m: time_graph(lambda w: F.linear(xs[m], w), wb) for m in args.rows}
         del wb
-        copies = max(2, -(-256 * 2**20 // (n * k // 2)))
-        ws = []
-        for _ in range(copies):
-            codes = torch.randint(0, 16, (k, n), device=dev)
-            sc = torch.rand(k // g, n, device=dev) * 0.01
-            z = torch.randint(0, 16, (k // g, n), device=dev).float()
-            ws.append(make_int4_weight(codes, sc, z, torch.arange(k, device=dev) // g, torch.bfloat16, packed=False))
+        ws, _ = int4_copies(n, k, dev)
         rs = [lg.repack_int4(w) for w in ws]
         nbytes = rs[0].nbytes
         deq = ws[0].dequantize(torch.float32).to(torch.bfloat16).float()  # the reference: weights stored in bf16

@@ -59,6 +59,18 @@ def time_graph(fn, objs, reps=10):
     return a.elapsed_time(b) * 1e3 / reps / len(objs)
 
 
+def int4_copies(n, k, dev, g=128):
+    """Random int4 g128 weights (AWQ-style zero points) [K, N], as many copies as > 256 MB of int4 bytes take;
+    and the last copy's codes."""
+    ws = []
+    for _ in range(max(2, -(-256 * 2**20 // (n * k // 2)))):
+        codes = torch.randint(0, 16, (k, n), device=dev)
+        sc = torch.rand(k // g, n, device=dev) * 0.01
+        z = torch.randint(0, 16, (k // g, n), device=dev).float()
+        ws.append(make_int4_weight(codes, sc, z, torch.arange(k, device=dev) // g, torch.bfloat16, packed=False))
+    return ws, codes
+
+
 def rel(y, ref):
     return (y.float() - ref).abs().max().item() / ref.abs().max().item()
 
@@ -103,15 +115,7 @@ def main():
         row["bf16_triton_gemv"] = {"us": us, "bytes": n * k * 2, "TBps": n * k * 2 / us / 1e6}
         log(f"{name} bf16 cublas {row['bf16_cublas']['us']:.1f} us, triton gemv {us:.1f} us")
         del wb
-        # int4 g128 (AWQ-style zero points)
-        g = 128
-        copies = max(2, -(-256 * 2**20 // (n * k // 2)))
-        ws = []
-        for _ in range(copies):
-            codes = torch.randint(0, 16, (k, n), device=dev)
-            sc = torch.rand(k // g, n, device=dev) * 0.01
-            z = torch.randint(0, 16, (k // g, n), device=dev).float()
-            ws.append(make_int4_weight(codes, sc, z, torch.arange(k, device=dev) // g, torch.bfloat16, packed=False))
+        ws, codes = int4_copies(n, k, dev)
         t = time.time()
         rs = [lg.repack_int4(w) for w in ws]
         torch.cuda.synchronize()
