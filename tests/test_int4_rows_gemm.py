@@ -29,6 +29,8 @@ def _int4(k, n, g_idx, seed=0, symmetric=False, dtype=torch.float32):
     (192, 33, 64, 17, rg.RowsGemmConfig(16, 1, 1, False, 2, variant="chunk")),   # padded K, split, no prefetch
     (512, 16, 256, 40, rg.RowsGemmConfig(16, 1, 1, True, None, variant="chunk_xfirst")),  # activations first
     (384, 40, 128, 3, rg.RowsGemmConfig(32, 1, 1, True, 2, variant="chunk_xfirst")),      # 3 rows padded to 64
+    (256, 20, 32, 5, rg.RowsGemmConfig(16, 1, 1, True, 2, reduce="kernel")),  # the splits added by the last one
+    (384, 40, 128, 40, rg.RowsGemmConfig(32, 1, 1, True, 2, variant="chunk", reduce="kernel")),
 ])
 def test_rows_gemm_matches_dequantized(k, n, g, m, cfg):
     w = _int4(k, n, torch.arange(k) // g, symmetric=m % 2 == 1)
@@ -77,6 +79,8 @@ def test_bad_inputs_are_refused_with_the_values():
         rg.int4_rows_gemm(torch.zeros(8, 128), uneven)
     with pytest.raises(ValueError, match="variant='mma'"):
         rg.RowsGemmConfig(variant="mma")
+    with pytest.raises(ValueError, match="reduce='atomic'"):
+        rg.RowsGemmConfig(reduce="atomic")
 
 
 @pytest.mark.parametrize("m, uneven, expected", [(3, False, "gemv"), (8, False, "rows_gemm"), (64, False, "rows_gemm"),

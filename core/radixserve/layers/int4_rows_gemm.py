@@ -18,10 +18,12 @@ nibble planes (16 contiguous columns) it
 Only uniform groups that never straddle a plane (the `RowInt4.group_size` fast path: multiples of
 16 dividing 128, or multiples of 128) run here; anything else keeps `int4_triton.fused_gemm`.
 K is split across programs when the output alone has too few tiles to fill the GPU: each split
-writes an fp32 partial, and the last split of a tile to finish (a per-tile counter in
-`RowInt4.tile_counters`, reset by that split) adds them up and stores the result, so a call is one
-launch. A weight's GEMM therefore runs one call at a time (a model's forward pass is sequential).
-Launch-only: CUDA-graph safe. Triton is imported on first use.
+writes an fp32 partial, added up after the kernel by torch (the default, measured on the H200) or,
+with `reduce="kernel"`, by the last split of each tile to finish (a per-tile counter in
+`RowInt4.tile_counters`, reset by that split), which makes a call one launch and means a weight's
+GEMM runs one call at a time (a model's forward pass is sequential; that mode is tested under the
+Triton interpreter and not yet run on a GPU). Launch-only: CUDA-graph safe. Triton is imported on
+first use.
 """
 
 from __future__ import annotations
@@ -46,14 +48,19 @@ _MAGIC_2_7 = (127 + 7) << 23  # float exponent of 2^7: a code at bits 16..19 rea
 # chunk's 128 columns unpacked by broadcasting, one dot), "chunk_xfirst" (the same with the activations as the
 # first operand, padded to 64 rows: on Hopper a warpgroup MMA that reads the weights from shared memory)
 VARIANTS = ("planes", "chunk", "chunk_xfirst")
+# how K splits are added up: "torch" (a sum and a cast after the kernel: three launches, the path measured on the
+# H200) or "kernel" (each tile's last split adds the partials, counted in RowInt4.tile_counters: one launch;
+# tested under the Triton interpreter, not yet run on a GPU)
+REDUCES = ("torch", "kernel")
 
 
 @dataclass(frozen=True)
 class RowsGemmConfig:
     """One launch configuration: `block_n` output rows per program, warps, pipeline stages,
     whether the next chunk's codes are loaded into registers ahead (`prefetch`), the K split
-    (`split_k`: None plans it from the SM count, `waves` programs per SM at most), and how a chunk
-    reaches the tensor cores (`variant`, one of VARIANTS)."""
+    (`split_k`: None plans it from the SM count, `waves` programs per SM at most), how a chunk
+    reaches the tensor cores (`variant`, one of VARIANTS) and how the splits are added up (`reduce`,
+    one of REDUCES)."""
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 1
@@ -61,10 +68,13 @@ class RowsGemmConfig:
     split_k: int | None = None
     waves: int = 4
     variant: str = "planes"
+    reduce: str = "torch"
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise ValueError(f"RowsGemmConfig.variant={self.variant!r}: expected one of {', '.join(VARIANTS)}")
+        if self.reduce not in REDUCES:
+            raise ValueError(f"RowsGemmConfig.reduce={self.reduce!r}: expected one of {', '.join(REDUCES)}")
 
 
 @functools.cache
@@ -81,9 +91,10 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     triton_interpreter.apply()  # the chunk loop's bound is a run-time scalar
 
     @triton.jit
-    def rows_dot_kernel(X, C, S, Z, Y, WS, CNT, M, N, K, KW, G, stride_xm, MG, CHUNKS_PER_SPLIT, SPLITS,
-                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PG: tl.constexpr, GS: tl.constexpr,
-                        PLANE_: tl.constexpr, CK: tl.constexpr, PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, X_FIRST: tl.constexpr):
+    def rows_dot_kernel(X, C, S, Z, Y, WS, CNT, M, N, K, KW, G, stride_xm, MG, CHUNKS_PER_SPLIT,
+                        SPLITS: tl.constexpr, REDUCE_HERE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_M: tl.constexpr, PG: tl.constexpr, GS: tl.constexpr, PLANE_: tl.constexpr,
+                        CK: tl.constexpr, PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, X_FIRST: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         pid_k = tl.program_id(1)
         n_ok = rows < N
@@ -156,9 +167,10 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             ok = n_ok[:, None] & m_ok[None, :]
         if SPLITS == 1:
             tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=ok)
-        else:  # fp32 partial to the workspace; the tile's last split adds them up (same launch)
+        else:  # an fp32 partial to the workspace, added up by the tile's last split or by torch afterwards
             tl.store(WS + pid_k * M * N + offs, acc, mask=ok)
-            sum_splits(Y, WS, CNT, tl.program_id(0), offs, ok, M * N, SPLITS)
+            if REDUCE_HERE:
+                sum_splits(Y, WS, CNT, tl.program_id(0), offs, ok, M * N, SPLITS)
 
     return SimpleNamespace(rows_dot=rows_dot_kernel)
 
@@ -209,17 +221,18 @@ def int4_rows_gemm(x: torch.Tensor, r: RowInt4, config: RowsGemmConfig | None = 
     split = plan_split(n_tiles, n_chunks, cfg, x.device)
     per_split = cdiv(n_chunks, split)
     split = cdiv(n_chunks, per_split)
-    if r.tile_counters is None or r.tile_counters.numel() < n_tiles:
+    reduce_here = split > 1 and cfg.reduce == "kernel"
+    if reduce_here and (r.tile_counters is None or r.tile_counters.numel() < n_tiles):
         raise ValueError(f"int4_rows_gemm: the weight needs {n_tiles} tile counters (made by lowbit_gemv.repack_int4)")
     g = r.group_size
     xc = x.contiguous()
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    # several splits write fp32 partials here; the last of each tile adds them up (one launch in all)
+    # several splits write fp32 partials here
     ws = torch.empty((split, M, N) if split > 1 else (1,), dtype=torch.float32, device=x.device)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device) if split == 1 or reduce_here else ws
     _kernels(_interpreting()).rows_dot[(n_tiles, split)](
-        xc, r.codes, r.scales, r.zeros, y, ws, r.tile_counters, M, N, K, r.codes.shape[1], r.scales.shape[1],
-        xc.stride(0), _MAGIC_2_7, per_split, split,
+        xc, r.codes, r.scales, r.zeros, y, ws, r.tile_counters if reduce_here else ws, M, N, K, r.codes.shape[1],
+        r.scales.shape[1], xc.stride(0), _MAGIC_2_7, per_split, split, reduce_here,
         BLOCK_N=cfg.block_n, BLOCK_M=max(_block_m(M), 64 if cfg.variant == "chunk_xfirst" else 16),
         PG=min(g, 8 * PLANE) // PLANE, GS=g, PLANE_=PLANE, CK=8 * PLANE, PREFETCH=cfg.prefetch, ONE_DOT=cfg.variant != "planes",
         X_FIRST=cfg.variant == "chunk_xfirst", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return y
+    return ws.sum(0).to(x.dtype) if split > 1 and not reduce_here else y

@@ -159,9 +159,10 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     triton_interpreter.apply()  # the K loop's bound is a run-time scalar
 
     @triton.jit
-    def int4_rows_kernel(X, C, S, Z, GI, Y, WS, CNT, M, N, K, KW, G, stride_xm, MG8, MG12, MG16, COLS_PER_SPLIT, SPLITS,
-                         BLOCK_N: tl.constexpr, CH: tl.constexpr, PG: tl.constexpr, GS: tl.constexpr,
-                         ROWS_M: tl.constexpr, PLANE_: tl.constexpr):
+    def int4_rows_kernel(X, C, S, Z, GI, Y, WS, CNT, M, N, K, KW, G, stride_xm, MG8, MG12, MG16, COLS_PER_SPLIT,
+                         SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, PG: tl.constexpr,
+                         GS: tl.constexpr, ROWS_M: tl.constexpr, PLANE_: tl.constexpr):
+
         # tiles are [CH chunks, BLOCK_N rows, PLANE int32]: chunks first so that a warp's threads
         # spread over the chunks of a row (wide contiguous loads) and each thread keeps several rows
         # (the activations it converts are shared by those rows)
@@ -376,7 +377,8 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 class LowbitConfig:
     """One launch configuration: `block_n` output rows per program, `block_k` columns per loop step
     (int4: a multiple of CHUNK), warps, pipeline stages, the fp8 variant ("fma", "fma_prefetch"
-    or "dot"), and (int4) how many K ranges `split_k` the rows are cut into, summed in the same launch."""
+    or "dot"), and (int4) how many K ranges `split_k` the rows are cut into, summed in the same launch
+    (split_k > 1 is tested under the Triton interpreter, not yet run on a GPU)."""
     block_n: int
     block_k: int
     num_warps: int
