@@ -147,14 +147,13 @@ def dequantize_rows(r: RowInt4, dtype: torch.dtype = torch.float32) -> torch.Ten
 
 @functools.cache
 def _kernels(interpret: bool) -> SimpleNamespace:
-    del interpret  # cache key only
     global triton, tl, sum_splits
     import triton
     import triton.language as tl
 
     from radixserve.layers import triton_interpreter
 
-    sum_splits = jit_sum_splits()
+    sum_splits = jit_sum_splits(interpret)  # `interpret` is the cache key only: @triton.jit reads the env
 
     triton_interpreter.apply()  # the K loop's bound is a run-time scalar
 

@@ -43,13 +43,15 @@ tl = None  # triton.language, imported by `jit_sum_splits` on first use (jitted 
 
 
 @functools.cache
-def jit_sum_splits():
+def jit_sum_splits(interpret: bool):
     """A `@triton.jit` helper for split-K kernels that reduce in the same launch:
     `sum_splits(Y, WS, CNT, tile, offs, ok, MN, SPLITS)`. Call it after this program stored its fp32
     partial at `WS + split * MN + offs` (mask `ok`): it counts the split as done in `CNT[tile]` (int32,
     zero between calls), and the tile's last split to finish adds all partials, stores them in Y's
     dtype at `Y + offs` and resets the counter. One call of the kernel per counter buffer at a time.
-    Kernels that call it must bind it to a module global (Triton resolves helpers by global name)."""
+    Kernels that call it must bind it to a module global (Triton resolves helpers by global name).
+    `interpret` (whether TRITON_INTERPRET is on) is the cache key only: `@triton.jit` reads it itself."""
+    del interpret
     global tl
     import triton
     import triton.language as tl
