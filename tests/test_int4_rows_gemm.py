@@ -83,8 +83,9 @@ def test_bad_inputs_are_refused_with_the_values():
         rg.RowsGemmConfig(reduce="atomic")
 
 
-@pytest.mark.parametrize("m, uneven, expected", [(3, False, "gemv"), (8, False, "rows_gemm"), (64, False, "rows_gemm"),
-                                                 (8, True, "fused_gemm"), (65, False, "dequantize")])
+@pytest.mark.parametrize("m, uneven, expected", [(2, False, "gemv"), (3, False, "rows_gemm"), (64, False, "rows_gemm"),
+                                                 (3, True, "gemv"), (8, True, "fused_gemm"),
+                                                 (65, False, "dequantize")])
 def test_int4_linear_routes_each_batch_size_to_its_kernel(monkeypatch, m, uneven, expected):
     k, n = 256, 16
     sizes = (40, 88, 64, 64) if uneven else (64,) * 4

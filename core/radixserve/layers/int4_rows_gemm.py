@@ -1,8 +1,9 @@
 """Small-batch int4 GEMM on tensor cores over the row layout of `lowbit_gemv` (`RowInt4`).
 
-For 5..64 activation rows (batched decode) the batch-1 GEMV would read each weight once per row
-group of 4, and the split-K dequantizing kernel of `int4_triton` unpacks the sequential [K/8, N]
-packing with per-row reloads (0.40x bf16 at batch 32 on the H200). Here each program owns
+For 3..64 activation rows (batched decode; `quant_int4.GEMV_MAX_ROWS` routes fewer to the GEMV) the
+batch-1 GEMV would read each weight once per row group of 4 and slows down 3x from 1 to 4 rows, and the
+split-K dequantizing kernel of `int4_triton` unpacks the sequential [K/8, N] packing with per-row
+reloads (0.40x bf16 at batch 32 on the H200). Here each program owns
 `block_n` output rows and a range of 128-column chunks of the row layout: it loads a chunk's codes
 [block_n, 16 int32] once (the next chunk is loaded while this one computes), and for each of the 8
 nibble planes (16 contiguous columns) it

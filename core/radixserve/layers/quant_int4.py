@@ -27,8 +27,9 @@ _SHIFTS = tuple(range(0, 32, 4))
 # above it, dequantizing once into a bf16/fp16 GEMM wins (tensor cores, compute-bound)
 FUSED_MAX_ROWS = 64
 # with the row-layout copy: batches of at most this many rows take the whole-row GEMV, larger ones (up to
-# int4_rows_gemm.MAX_ROWS) the tensor-core GEMM over the same copy
-GEMV_MAX_ROWS = lowbit_gemv.MAX_ROWS
+# int4_rows_gemm.MAX_ROWS) the tensor-core GEMM over the same copy. H200, Llama-3.1-8B projections summed per
+# layer: GEMV 72.5 / 109 / 234 us at 1 / 2 / 4 rows (sessions 12 and 7), the GEMM 128-131 us at 1-4 rows
+GEMV_MAX_ROWS = 2
 
 
 def _to_int32(v: torch.Tensor) -> torch.Tensor:
@@ -106,10 +107,10 @@ def make_int4_weight(codes_or_qweight: torch.Tensor, scales: torch.Tensor, zeros
 
 
 def add_row_layout(w: Int4Weight) -> bool:
-    """Give a CUDA int4 weight the row-layout copy that routes its batches of at most
-    `lowbit_gemv.MAX_ROWS` rows to the whole-row GEMV, and (uniform groups) those of at most
-    `int4_rows_gemm.MAX_ROWS` rows to the tensor-core GEMM over the same copy (what the int4 methods'
-    `enable_lowbit_gemv` does); False, and nothing changed, for a CPU weight."""
+    """Give a CUDA int4 weight the row-layout copy that routes its small batches to the whole-row GEMV
+    and (uniform groups) those of at most `int4_rows_gemm.MAX_ROWS` rows to the tensor-core GEMM over the
+    same copy (`int4_linear` picks; what the int4 methods' `enable_lowbit_gemv` does); False, and nothing
+    changed, for a CPU weight."""
     if not w.qweight.is_cuda:
         return False
     if w.rows is None:
@@ -124,11 +125,14 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> to
     if w.perm is not None:
         x2 = x2[:, w.perm]
     if int4_triton.available(x2) and x2.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        if w.rows is not None and x2.shape[0] <= GEMV_MAX_ROWS:
+        m = x2.shape[0]
+        if w.rows is not None and m <= GEMV_MAX_ROWS:
             y = lowbit_gemv.int4_gemv(x2, w.rows)
-        elif w.rows is not None and x2.shape[0] <= int4_rows_gemm.MAX_ROWS and int4_rows_gemm.supports(w.rows):
+        elif w.rows is not None and m <= int4_rows_gemm.MAX_ROWS and int4_rows_gemm.supports(w.rows):
             y = int4_rows_gemm.int4_rows_gemm(x2, w.rows)
-        elif x2.shape[0] <= FUSED_MAX_ROWS:
+        elif w.rows is not None and m <= lowbit_gemv.MAX_ROWS:  # groups the GEMM cannot read: the GEMV can
+            y = lowbit_gemv.int4_gemv(x2, w.rows)
+        elif m <= FUSED_MAX_ROWS:
             y = int4_triton.fused_gemm(x2, w)
         else:
             y = x2 @ int4_triton.dequantize(w, x2.dtype)
