@@ -68,8 +68,8 @@ def int4_gemm(variant, block_n, block_m, warps, stages):
         ["X", "C", "S", "Z", "Y", "WS", "CNT", "M", "N", "K", "KW", "G", "stride_xm", "MG", "CHUNKS_PER_SPLIT"],
         ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*fp32", "*i32"] + ["i32"] * 8)}
     consts = {"SPLITS": 1, "REDUCE_HERE": False, "BLOCK_N": block_n, "BLOCK_M": block_m, "PG": 8, "GS": 128,
-              "PLANE_": lg.PLANE, "CK": lg.CHUNK, "PREFETCH": stages == 1, "ONE_DOT": variant != "planes",
-              "X_FIRST": variant == "chunk_xfirst"}
+              "PLANE_": lg.PLANE, "CK": lg.CHUNK, "PREFETCH": stages == 1, "ONE_DOT": variant in ("chunk", "chunk_xfirst"),
+              "X_FIRST": variant == "chunk_xfirst", "JOINED": variant == "joined"}
     mix = loop_mix(compile_kernel(rg._kernels(False).rows_dot, sig, consts, warps, stages).asm["cubin"])
     return mix, block_n * lg.CHUNK // (warps * 32)
 
@@ -107,7 +107,7 @@ def main():
     for cfg in [("fma", 16, 512, 1, 4), ("fma_prefetch", 16, 512, 1, 4), ("dot", 64, 256, 1, 4)]:
         show(f"fp8 {cfg}", *fp8(*cfg))
     for cfg in [("planes", 128, 32, 4, 3), ("planes", 128, 16, 4, 1), ("chunk", 128, 32, 4, 3), ("chunk", 64, 32, 4, 1),
-                ("chunk_xfirst", 128, 64, 4, 3)]:
+                ("chunk_xfirst", 128, 64, 4, 3), ("joined", 128, 32, 4, 1)]:
         show(f"int4 GEMM variant={cfg[0]} block_n={cfg[1]} block_m={cfg[2]} warps={cfg[3]} stages={cfg[4]}",
              *int4_gemm(*cfg))
 

@@ -34,7 +34,8 @@ out = {}
 for variant, splits, reduce_here, block_m, stages in json.loads(sys.argv[1]):
     out[f"gemm {variant} {splits} {reduce_here}"] = compile_(rg._kernels(False).rows_dot, dict(
         SPLITS=splits, REDUCE_HERE=reduce_here, BLOCK_N=128, BLOCK_M=block_m, PG=8, GS=128, PLANE_=lg.PLANE,
-        CK=lg.CHUNK, PREFETCH=stages == 1, ONE_DOT=variant != "planes", X_FIRST=variant == "chunk_xfirst"), 4, stages)
+        CK=lg.CHUNK, PREFETCH=stages == 1, ONE_DOT=variant in ("chunk", "chunk_xfirst"),
+        X_FIRST=variant == "chunk_xfirst", JOINED=variant == "joined"), 4, stages)
 for splits, rows_m in json.loads(sys.argv[2]):
     out[f"gemv {splits} {rows_m}"] = compile_(lg._kernels(False).int4, dict(
         SPLITS=splits, BLOCK_N=32, CH=8, PG=8, GS=128, ROWS_M=rows_m, PLANE_=lg.PLANE), 8, 1)
@@ -45,7 +46,8 @@ GEMMS = [("planes", 1, False, 32, 3),     # the default (no split at large N)
          ("planes", 4, False, 16, 3),     # K split, partials added by torch (the default reduction)
          ("planes", 4, True, 32, 1),      # K split added by each tile's last split
          ("chunk", 4, True, 32, 3),
-         ("chunk_xfirst", 2, False, 64, 3)]
+         ("chunk_xfirst", 2, False, 64, 3),
+         ("joined", 4, False, 32, 1)]
 GEMVS = [(1, 1), (4, 4)]
 
 

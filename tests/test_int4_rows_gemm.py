@@ -30,6 +30,8 @@ def _int4(k, n, g_idx, seed=0, symmetric=False, dtype=torch.float32):
     (512, 16, 256, 40, rg.RowsGemmConfig(16, 1, 1, True, None, variant="chunk_xfirst")),  # activations first
     (384, 40, 128, 3, rg.RowsGemmConfig(32, 1, 1, True, 2, variant="chunk_xfirst")),      # 3 rows padded to 64
     (256, 20, 32, 5, rg.RowsGemmConfig(16, 1, 1, True, 2, reduce="kernel")),  # the splits added by the last one
+    (256, 20, 32, 5, rg.RowsGemmConfig(16, 1, 1, True, None, variant="joined")),  # planes joined: 4 groups a chunk
+    (512, 16, 256, 17, rg.RowsGemmConfig(16, 1, 1, False, 2, variant="joined")),  # a group over 2 chunks, split
     (384, 40, 128, 40, rg.RowsGemmConfig(32, 1, 1, True, 2, variant="chunk", reduce="kernel")),
 ])
 def test_rows_gemm_matches_dequantized(k, n, g, m, cfg):

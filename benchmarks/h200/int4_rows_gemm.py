@@ -28,11 +28,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lowbit_gemv import SHAPES, int4_copies, log, rel, time_graph  # noqa: E402  (this folder's GEMV benchmark)
 
 # (prefetch into registers, 1 stage) or (no prefetch, 3 stages: Triton's own pipelining); session 12 call 1 swept
-# "planes" widely (its best two are kept), call 2 the one-dot-per-chunk variants beside them
+# "planes" widely (its best two are kept), then the one-dot-per-chunk variants beside them
 CFGS = [RowsGemmConfig(128, 4, 3, False, None, 4), RowsGemmConfig(128, 4, 1, True, None, 4)] + \
        [RowsGemmConfig(bn, w, st, pf, None, 4, "chunk")
         for bn in (64, 128) for w in (4, 8) for pf, st in ((True, 1), (False, 3))] + \
-       [RowsGemmConfig(128, w, st, pf, None, 4, "chunk_xfirst") for w in (4, 8) for pf, st in ((True, 1), (False, 3))]
+       [RowsGemmConfig(128, w, st, pf, None, 4, "chunk_xfirst") for w in (4, 8) for pf, st in ((True, 1), (False, 3))] + \
+       [RowsGemmConfig(bn, w, st, pf, None, 4, "joined") for bn, w, pf, st in
+        ((128, 4, True, 1), (128, 8, True, 1), (64, 4, True, 1), (128, 4, False, 3))]
 
 
 def main():

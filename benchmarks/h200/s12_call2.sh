@@ -4,7 +4,8 @@
 # bytes or MMAs). Now K splits are summed inside the kernels (the last split of a tile adds the partials: one launch
 # instead of three), so:
 #  1. the batch-1 int4 GEMV with K cut into 2/4/8 ranges (more programs in flight) beside its whole-row configs;
-#  2. int4_rows_gemm: "planes" beside the one-dot-per-chunk variants ("chunk", "chunk_xfirst") at 2-32 rows;
+#  2. int4_rows_gemm: "planes" beside the one-dot-per-chunk variants ("chunk", "chunk_xfirst", "joined") at 2-32
+#     rows;
 #  3. pick_int4_configs.py: the best GEMV config, the best GEMM config at 4-32 rows, and up to which batch the GEMV
 #     is faster; then the decode rows (bf16 / AWQ / GPTQ at batch 1, 4, 16, 32) and the fidelity runs with them.
 set -o pipefail

@@ -47,8 +47,11 @@ _MAGIC_2_7 = (127 + 7) << 23  # float exponent of 2^7: a code at bits 16..19 rea
 
 # how a chunk reaches the tensor cores: "planes" (8 dots of 16 columns, one per nibble plane), "chunk" (the
 # chunk's 128 columns unpacked by broadcasting, one dot), "chunk_xfirst" (the same with the activations as the
-# first operand, padded to 64 rows: on Hopper a warpgroup MMA that reads the weights from shared memory)
-VARIANTS = ("planes", "chunk", "chunk_xfirst")
+# first operand, padded to 64 rows: on Hopper a warpgroup MMA that reads the weights from shared memory),
+# "joined" (the planes unpacked as in "planes" and joined into one [rows, 128] tile: one dot; compiled for
+# sm_90 with register prefetch it has one warpgroup MMA group and 6 barriers a chunk where "planes" has 8 and
+# 20, at 5.0 instructions a weight: benchmarks/lowbit_sass.py; not yet timed on a GPU)
+VARIANTS = ("planes", "chunk", "chunk_xfirst", "joined")
 # how K splits are added up: "torch" (a sum and a cast after the kernel: three launches, the path measured on the
 # H200) or "kernel" (each tile's last split adds the partials, counted in RowInt4.tile_counters: one launch;
 # tested under the Triton interpreter, not yet run on a GPU)
@@ -94,7 +97,8 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     def rows_dot_kernel(X, C, S, Z, Y, WS, CNT, M, N, K, KW, G, stride_xm, MG, CHUNKS_PER_SPLIT,
                         SPLITS: tl.constexpr, REDUCE_HERE: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_M: tl.constexpr, PG: tl.constexpr, GS: tl.constexpr, PLANE_: tl.constexpr,
-                        CK: tl.constexpr, PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, X_FIRST: tl.constexpr):
+                        CK: tl.constexpr, PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, X_FIRST: tl.constexpr,
+                        JOINED: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         pid_k = tl.program_id(1)
         n_ok = rows < N
@@ -121,7 +125,45 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                               & (i + 1 < CHUNKS_PER_SPLIT), other=0, eviction_policy="evict_first")
             else:
                 p = tl.load(c_ptr + c * PLANE_, mask=n_ok[:, None] & c_ok, other=0, eviction_policy="evict_first")
-            if ONE_DOT:
+            if JOINED:
+                # the planes unpacked as in "planes", joined into the chunk's [rows, 128] tile: one dot a chunk
+                for j in tl.static_range(8):
+                    if j % PG == 0:
+                        grp = (c * CK + j * PLANE_) // GS
+                        g_ok = n_ok & c_ok & (grp < G)
+                        s = tl.load(S + rows64 * G + grp, mask=g_ok, other=0.0).to(tl.float32)[:, None]
+                        b = -(tl.load(Z + rows64 * G + grp, mask=g_ok, other=0.0).to(tl.float32)[:, None] + 128.0) * s
+                    if j < 4:
+                        q = p << (16 - 4 * j)
+                    elif j == 4:
+                        q = p
+                    else:
+                        q = p >> (4 * j - 16)
+                    f = (((q & 0xF0000) | MG).to(tl.float32, bitcast=True) * s + b).to(X.dtype.element_ty)
+                    if j == 0:
+                        w0 = f
+                    elif j == 1:
+                        w1 = f
+                    elif j == 2:
+                        w2 = f
+                    elif j == 3:
+                        w3 = f
+                    elif j == 4:
+                        w4 = f
+                    elif j == 5:
+                        w5 = f
+                    elif j == 6:
+                        w6 = f
+                    else:
+                        w7 = f
+                # join's new last axis: [rows, 16, b0, b1, b2] holds plane b0 + 2 b1 + 4 b2; planes first, then columns
+                joined = tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)), tl.join(tl.join(w4, w5), tl.join(w6, w7)))
+                wt = tl.reshape(tl.permute(joined, (0, 4, 3, 2, 1)), (BLOCK_N, CK))
+                cols = c * CK + tl.arange(0, CK)
+                xt = tl.load(X + ms[None, :] * stride_xm + cols[:, None],
+                             mask=(cols < K)[:, None] & m_ok[None, :], other=0.0)
+                acc = tl.dot(wt, xt, acc)
+            elif ONE_DOT:
                 # the whole chunk at once: [rows, 8 planes, 16] codes in column order (plane j = columns 16j..),
                 # code | 2^23's exponent reads as 2^23 + code, one exact subtraction; scales per plane's group
                 codes = (p[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
@@ -233,6 +275,7 @@ def int4_rows_gemm(x: torch.Tensor, r: RowInt4, config: RowsGemmConfig | None = 
         xc, r.codes, r.scales, r.zeros, y, ws, r.tile_counters if reduce_here else ws, M, N, K, r.codes.shape[1],
         r.scales.shape[1], xc.stride(0), _MAGIC_2_7, per_split, split, reduce_here,
         BLOCK_N=cfg.block_n, BLOCK_M=max(_block_m(M), 64 if cfg.variant == "chunk_xfirst" else 16),
-        PG=min(g, 8 * PLANE) // PLANE, GS=g, PLANE_=PLANE, CK=8 * PLANE, PREFETCH=cfg.prefetch, ONE_DOT=cfg.variant != "planes",
-        X_FIRST=cfg.variant == "chunk_xfirst", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PG=min(g, 8 * PLANE) // PLANE, GS=g, PLANE_=PLANE, CK=8 * PLANE, PREFETCH=cfg.prefetch,
+        ONE_DOT=cfg.variant in ("chunk", "chunk_xfirst"), X_FIRST=cfg.variant == "chunk_xfirst",
+        JOINED=cfg.variant == "joined", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return ws.sum(0).to(x.dtype) if split > 1 and not reduce_here else y
