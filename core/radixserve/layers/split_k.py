@@ -1,8 +1,9 @@
 """Split-K planning shared by the Triton GEMM/GEMV kernels (int4 in the core, FP8 in its plugin).
 
 At small M a GEMM has too few output tiles to occupy the GPU, so the K loop is split across
-programs that each write an fp32 partial, summed afterwards. Plugins may use this for their own
-kernels. Added in plugin API 1.2."""
+programs that each write an fp32 partial, summed afterwards (by torch, or inside the same launch
+through `jit_sum_splits`). Plugins may use this for their own kernels. Added in plugin API 1.2
+(`jit_sum_splits`: session 12, used by the core's int4 kernels, not yet timed on a GPU)."""
 
 from __future__ import annotations
 
