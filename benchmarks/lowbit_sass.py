@@ -65,9 +65,9 @@ def int4(block_n, chunks, rows, warps, splits=1):
 def int4_gemm(variant, block_n, block_m, warps, stages):
     """The tensor-core GEMM over the row layout (radixserve.layers.int4_rows_gemm), one chunk per loop step."""
     sig = {n: t for n, t in zip(
-        ["X", "C", "S", "Z", "Y", "WS", "CNT", "M", "N", "K", "KW", "G", "stride_xm", "MG", "CHUNKS_PER_SPLIT"],
-        ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*fp32", "*i32"] + ["i32"] * 8)}
-    consts = {"SPLITS": 1, "REDUCE_HERE": False, "BLOCK_N": block_n, "BLOCK_M": block_m, "PG": 8, "GS": 128,
+        ["X", "C", "S", "Z", "Y", "WS", "CNT", "M", "N", "K", "KW", "G", "stride_xm", "MG", "CHUNKS_PER_SPLIT", "SPLITS"],
+        ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*fp32", "*i32"] + ["i32"] * 9)}
+    consts = {"REDUCE_HERE": False, "BLOCK_N": block_n, "BLOCK_M": block_m, "PG": 8, "GS": 128,
               "PLANE_": lg.PLANE, "CK": lg.CHUNK, "PREFETCH": stages == 1, "ONE_DOT": variant in ("chunk", "chunk_xfirst"),
               "X_FIRST": variant == "chunk_xfirst", "JOINED": variant == "joined"}
     mix = loop_mix(compile_kernel(rg._kernels(False).rows_dot, sig, consts, warps, stages).asm["cubin"])

@@ -25,6 +25,8 @@ from radixserve.layers import int4_rows_gemm as rg, lowbit_gemv as lg
 PTRS = {n: "*bf16" for n in ("X", "S", "Z", "Y")} | {"C": "*i32", "GI": "*i32", "WS": "*fp32", "CNT": "*i32"}
 
 def compile_(fn, consts, num_warps, num_stages):
+    constexprs = {fn.arg_names[i] for i in fn.constexprs}
+    consts = {k: v for k, v in consts.items() if k in constexprs}  # SPLITS is a run-time value in the GEMM
     sig = {n: "constexpr" if n in consts else PTRS.get(n, "i32") for n in fn.arg_names}
     k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": num_warps, "num_stages": num_stages})

@@ -49,8 +49,8 @@ _MAGIC_2_7 = (127 + 7) << 23  # float exponent of 2^7: a code at bits 16..19 rea
 # chunk's 128 columns unpacked by broadcasting, one dot), "chunk_xfirst" (the same with the activations as the
 # first operand, padded to 64 rows: on Hopper a warpgroup MMA that reads the weights from shared memory),
 # "joined" (the planes unpacked as in "planes" and joined into one [rows, 128] tile: one dot; compiled for
-# sm_90 with register prefetch it has one warpgroup MMA group and 6 barriers a chunk where "planes" has 8 and
-# 20, at 5.0 instructions a weight: benchmarks/lowbit_sass.py; not yet timed on a GPU)
+# sm_90 with register prefetch its loop has 2 warpgroup fences/waits and 6 barriers a chunk where "planes" has
+# 16 and 20, at 5.0 instructions a weight against 5.6: benchmarks/lowbit_sass.py; not yet timed on a GPU)
 VARIANTS = ("planes", "chunk", "chunk_xfirst", "joined")
 # how K splits are added up: "torch" (a sum and a cast after the kernel: three launches, the path measured on the
 # H200) or "kernel" (each tile's last split adds the partials, counted in RowInt4.tile_counters: one launch;
@@ -95,7 +95,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
     @triton.jit
     def rows_dot_kernel(X, C, S, Z, Y, WS, CNT, M, N, K, KW, G, stride_xm, MG, CHUNKS_PER_SPLIT,
-                        SPLITS: tl.constexpr, REDUCE_HERE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        SPLITS, REDUCE_HERE: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_M: tl.constexpr, PG: tl.constexpr, GS: tl.constexpr, PLANE_: tl.constexpr,
                         CK: tl.constexpr, PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, X_FIRST: tl.constexpr,
                         JOINED: tl.constexpr):
@@ -207,6 +207,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         else:
             offs = ms[None, :] * N + rows[:, None]
             ok = n_ok[:, None] & m_ok[None, :]
+        # SPLITS is a run-time value (one compiled kernel for every split count): the two branches only store
         if SPLITS == 1:
             tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=ok)
         else:  # an fp32 partial to the workspace, added up by the tile's last split or by torch afterwards
