@@ -5,8 +5,8 @@ batch-1 GEMV would read each weight once per row group of 4 and slows down 3x fr
 split-K dequantizing kernel of `int4_triton` unpacks the sequential [K/8, N] packing with per-row
 reloads (0.40x bf16 at batch 32 on the H200). Here each program owns
 `block_n` output rows and a range of 128-column chunks of the row layout: it loads a chunk's codes
-[block_n, 16 int32] once (the next chunk is loaded while this one computes), and for each of the 8
-nibble planes (16 contiguous columns) it
+[block_n, 16 int32] once (ahead of use: Triton's software pipelining, or a register prefetch), and for
+each of the 8 nibble planes (16 contiguous columns) it
 
 1. moves the nibble to bits 16..19 (one shift) and ORs in the exponent of 2^7 (one LOP3 with the
    mask), which reads as the float 128 + code exactly (no int->float conversion);
@@ -17,7 +17,8 @@ nibble planes (16 contiguous columns) it
    (fp32 accumulation).
 
 Only uniform groups that never straddle a plane (the `RowInt4.group_size` fast path: multiples of
-16 dividing 128, or multiples of 128) run here; anything else keeps `int4_triton.fused_gemm`.
+16 dividing 128, or multiples of 128) run here; `quant_int4.int4_linear` sends anything else to the
+GEMV (up to 4 rows) or `int4_triton.fused_gemm`.
 K is split across programs when the output alone has too few tiles to fill the GPU: each split
 writes an fp32 partial, added up after the kernel by torch (the default, measured on the H200) or,
 with `reduce="kernel"`, by the last split of each tile to finish (a per-tile counter in
@@ -64,11 +65,12 @@ class RowsGemmConfig:
     whether the next chunk's codes are loaded into registers ahead (`prefetch`), the K split
     (`split_k`: None plans it from the SM count, `waves` programs per SM at most), how a chunk
     reaches the tensor cores (`variant`, one of VARIANTS) and how the splits are added up (`reduce`,
-    one of REDUCES)."""
-    block_n: int = 64
+    one of REDUCES). The defaults are the H200's best summed over the Llama-3.1-8B shapes at 4-32 rows
+    (benchmarks/h200/int4_rows_gemm.py, session 12 call 1)."""
+    block_n: int = 128
     num_warps: int = 4
-    num_stages: int = 1
-    prefetch: bool = True
+    num_stages: int = 3  # no register prefetch: Triton pipelines the code loads (they end in a dot)
+    prefetch: bool = False
     split_k: int | None = None
     waves: int = 4
     variant: str = "planes"
@@ -242,11 +244,7 @@ def plan_split(n_tiles: int, n_chunks: int, cfg: RowsGemmConfig, device: torch.d
 
 
 def _default(interpret: bool) -> RowsGemmConfig:
-    if interpret:
-        return RowsGemmConfig(block_n=16, num_warps=1)
-    # the H200's best summed over the Llama-3.1-8B shapes at 4-32 rows (benchmarks/h200/int4_rows_gemm.py,
-    # session 12 call 1): no register prefetch, Triton pipelines the code loads in 3 stages
-    return RowsGemmConfig(block_n=128, num_warps=4, num_stages=3, prefetch=False, waves=4)
+    return RowsGemmConfig(block_n=16, num_warps=1, num_stages=1) if interpret else RowsGemmConfig()
 
 
 def int4_rows_gemm(x: torch.Tensor, r: RowInt4, config: RowsGemmConfig | None = None) -> torch.Tensor:
