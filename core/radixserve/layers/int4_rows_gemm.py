@@ -127,45 +127,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                               & (i + 1 < CHUNKS_PER_SPLIT), other=0, eviction_policy="evict_first")
             else:
                 p = tl.load(c_ptr + c * PLANE_, mask=n_ok[:, None] & c_ok, other=0, eviction_policy="evict_first")
-            if JOINED:
-                # the planes unpacked as in "planes", joined into the chunk's [rows, 128] tile: one dot a chunk
-                for j in tl.static_range(8):
-                    if j % PG == 0:
-                        grp = (c * CK + j * PLANE_) // GS
-                        g_ok = n_ok & c_ok & (grp < G)
-                        s = tl.load(S + rows64 * G + grp, mask=g_ok, other=0.0).to(tl.float32)[:, None]
-                        b = -(tl.load(Z + rows64 * G + grp, mask=g_ok, other=0.0).to(tl.float32)[:, None] + 128.0) * s
-                    if j < 4:
-                        q = p << (16 - 4 * j)
-                    elif j == 4:
-                        q = p
-                    else:
-                        q = p >> (4 * j - 16)
-                    f = (((q & 0xF0000) | MG).to(tl.float32, bitcast=True) * s + b).to(X.dtype.element_ty)
-                    if j == 0:
-                        w0 = f
-                    elif j == 1:
-                        w1 = f
-                    elif j == 2:
-                        w2 = f
-                    elif j == 3:
-                        w3 = f
-                    elif j == 4:
-                        w4 = f
-                    elif j == 5:
-                        w5 = f
-                    elif j == 6:
-                        w6 = f
-                    else:
-                        w7 = f
-                # join's new last axis: [rows, 16, b0, b1, b2] holds plane b0 + 2 b1 + 4 b2; planes first, then columns
-                joined = tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)), tl.join(tl.join(w4, w5), tl.join(w6, w7)))
-                wt = tl.reshape(tl.permute(joined, (0, 4, 3, 2, 1)), (BLOCK_N, CK))
-                cols = c * CK + tl.arange(0, CK)
-                xt = tl.load(X + ms[None, :] * stride_xm + cols[:, None],
-                             mask=(cols < K)[:, None] & m_ok[None, :], other=0.0)
-                acc = tl.dot(wt, xt, acc)
-            elif ONE_DOT:
+            if ONE_DOT:
                 # the whole chunk at once: [rows, 8 planes, 16] codes in column order (plane j = columns 16j..),
                 # code | 2^23's exponent reads as 2^23 + code, one exact subtraction; scales per plane's group
                 codes = (p[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
@@ -184,7 +146,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                     xt = tl.load(X + ms[None, :] * stride_xm + cols[:, None],
                                  mask=(cols < K)[:, None] & m_ok[None, :], other=0.0)
                     acc = tl.dot(wt, xt, acc)
-            else:
+            else:  # "planes" (a dot per plane) or "joined" (the planes joined into one tile, one dot)
                 for j in tl.static_range(8):
                     if j % PG == 0:  # a group starts: its scale and the bias that folds zero and the 128 offset
                         grp = (c * CK + j * PLANE_) // GS
@@ -199,7 +161,33 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                         q = p >> (4 * j - 16)  # sign-extension bits land above bit 19: masked off
                     f = ((q & 0xF0000) | MG).to(tl.float32, bitcast=True)  # 128 + code
                     wt = (f * s + b).to(X.dtype.element_ty)
-                    cols = c * CK + j * PLANE_ + w  # this plane's 16 activation columns
+                    if not JOINED:
+                        cols = c * CK + j * PLANE_ + w  # this plane's 16 activation columns
+                        xt = tl.load(X + ms[None, :] * stride_xm + cols[:, None],
+                                     mask=(cols < K)[:, None] & m_ok[None, :], other=0.0)
+                        acc = tl.dot(wt, xt, acc)
+                    elif j == 0:  # Triton has no lists of tensors: one name per plane
+                        w0 = wt
+                    elif j == 1:
+                        w1 = wt
+                    elif j == 2:
+                        w2 = wt
+                    elif j == 3:
+                        w3 = wt
+                    elif j == 4:
+                        w4 = wt
+                    elif j == 5:
+                        w5 = wt
+                    elif j == 6:
+                        w6 = wt
+                    else:
+                        w7 = wt
+                if JOINED:
+                    # join's new last axis: [rows, 16, b0, b1, b2] holds plane b0 + 2 b1 + 4 b2; to [rows, plane, 16]
+                    joined = tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)),
+                                     tl.join(tl.join(w4, w5), tl.join(w6, w7)))
+                    wt = tl.reshape(tl.permute(joined, (0, 4, 3, 2, 1)), (BLOCK_N, CK))
+                    cols = c * CK + tl.arange(0, CK)
                     xt = tl.load(X + ms[None, :] * stride_xm + cols[:, None],
                                  mask=(cols < K)[:, None] & m_ok[None, :], other=0.0)
                     acc = tl.dot(wt, xt, acc)
