@@ -34,7 +34,9 @@ CFGS = [RowsGemmConfig(128, 4, 3, False, None, 4), RowsGemmConfig(128, 4, 1, Tru
         for bn in (64, 128) for w in (4, 8) for pf, st in ((True, 1), (False, 3))] + \
        [RowsGemmConfig(128, w, st, pf, None, 4, "chunk_xfirst") for w in (4, 8) for pf, st in ((True, 1), (False, 3))] + \
        [RowsGemmConfig(bn, w, st, pf, None, 4, "joined") for bn, w, pf, st in
-        ((128, 4, True, 1), (128, 8, True, 1), (64, 4, True, 1), (128, 4, False, 3))]
+        ((128, 4, True, 1), (128, 8, True, 1), (64, 4, True, 1), (128, 4, False, 3))] + \
+       [RowsGemmConfig(128, 4, st, pf, None, 4, v, "kernel")  # the splits added inside the launch
+        for v, pf, st in (("planes", False, 3), ("joined", True, 1), ("chunk", True, 1))]
 
 
 def main():

@@ -1,11 +1,11 @@
 # Session 12, device call 2 (~9 min, carry .whl .gpu2): issue 14's int4 kernels, second round, and the decode rows
 # with what this call's sweeps pick. Call 1 found the 8-dots-per-chunk tensor-core kernel ("planes") ~2.2-3x
 # faster than the split-K kernel at 8-64 rows but flat in the batch size (bound by unpacking and fixed costs, not by
-# bytes or MMAs). Now K splits are summed inside the kernels (the last split of a tile adds the partials: one launch
-# instead of three), so:
+# bytes or MMAs). The kernels can now add K splits inside the launch (the last split of a tile adds the partials:
+# one launch instead of three; opt-in, untimed), so:
 #  1. the batch-1 int4 GEMV with K cut into 2/4/8 ranges (more programs in flight) beside its whole-row configs;
-#  2. int4_rows_gemm: "planes" beside the one-dot-per-chunk variants ("chunk", "chunk_xfirst", "joined") at 2-32
-#     rows;
+#  2. int4_rows_gemm: "planes" beside the one-dot-per-chunk variants ("chunk", "chunk_xfirst", "joined"), splits
+#     added by torch or inside the kernel, at 2-32 rows;
 #  3. pick_int4_configs.py: the best GEMV config, the best GEMM config at 4-32 rows, and up to which batch the GEMV
 #     is faster; then the decode rows (bf16 / AWQ / GPTQ at batch 1, 4, 16, 32) and the fidelity runs with them.
 set -o pipefail
