@@ -85,7 +85,7 @@ def sweep(name, kind, cfgs, run, objs, ref, nbytes):
             log(f"{name} {kind} {cfg} failed: {repr(e)[:300]}")
             continue
         log(f"{name} {kind} {cfg} {us:.1f} us {nbytes / us / 1e6:.2f} TB/s rel_err {err:.2e}")
-        every.append({"cfg": cfg.__dict__, "us": us})
+        every.append({"cfg": cfg.__dict__, "us": us, "rel_err": err})
         if best is None or us < best["us"]:
             best = {"us": us, "cfg": list(cfg.__dict__.values()), "rel_err": err, "config": cfg}
     best = best or {"us": float("nan"), "cfg": None, "rel_err": None, "config": None}
