@@ -8,6 +8,7 @@ from radixserve.layers import int4_rows_gemm as rg
 from radixserve.layers import int4_triton
 from radixserve.layers import lowbit_gemv as lg
 from radixserve.layers.quant_int4 import int4_linear, make_int4_weight
+from radixserve.layers.split_k import plan_split_k
 
 
 def _int4(k, n, g_idx, seed=0, symmetric=False, dtype=torch.float32):
@@ -60,12 +61,17 @@ def test_rows_gemm_rounds_weights_to_the_activation_dtype_like_the_reference(var
     torch.testing.assert_close(y.float(), want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
 
 
+def _gemm_split(n_tiles, n_chunks, cfg):
+    """The K splits int4_rows_gemm asks the shared planner for (16 output rows a tile, 128-column chunks)."""
+    return plan_split_k(1, 16 * n_tiles, 128 * n_chunks, 1, 16, 128, torch.device("cpu"), cfg.split_k, cfg.waves)[0]
+
+
 def test_split_plan_fills_the_sms_and_keeps_two_chunks_per_program():
-    cpu = torch.device("cpu")  # 4 "SMs" off CUDA
-    assert rg.plan_split(1, 32, rg.RowsGemmConfig(waves=4), cpu) == 16  # 16 programs, 2 chunks each
-    assert rg.plan_split(64, 32, rg.RowsGemmConfig(waves=4), cpu) == 1  # the output tiles already fill it
-    assert rg.plan_split(1, 3, rg.RowsGemmConfig(waves=4), cpu) == 1
-    assert rg.plan_split(1, 3, rg.RowsGemmConfig(split_k=8), cpu) == 3  # clamped to the chunks
+    # 4 "SMs" off CUDA
+    assert _gemm_split(1, 32, rg.RowsGemmConfig(waves=4)) == 16  # 16 programs, 2 chunks each
+    assert _gemm_split(64, 32, rg.RowsGemmConfig(waves=4)) == 1  # the output tiles already fill it
+    assert _gemm_split(1, 3, rg.RowsGemmConfig(waves=4)) == 1
+    assert _gemm_split(1, 3, rg.RowsGemmConfig(split_k=8)) == 3  # clamped to the chunks
 
 
 def test_bad_inputs_are_refused_with_the_values():

@@ -36,8 +36,8 @@ from types import SimpleNamespace
 
 import torch
 
-from radixserve.layers.lowbit_gemv import PLANE, RowInt4
-from radixserve.layers.split_k import cdiv, jit_sum_splits
+from radixserve.layers.lowbit_gemv import CHUNK, PLANE, RowInt4
+from radixserve.layers.split_k import cdiv, jit_sum_splits, plan_split_k
 from radixserve.layers.triton_support import interpreting as _interpreting
 
 triton = tl = sum_splits = None  # imported / made by `_kernels` on first use
@@ -217,20 +217,6 @@ def _block_m(m: int) -> int:
     return 16 if m <= 16 else (32 if m <= 32 else 64)
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def plan_split(n_tiles: int, n_chunks: int, cfg: RowsGemmConfig, device: torch.device) -> int:
-    """K splits: enough programs for `cfg.waves` per SM, each keeping >= 2 chunks (256 columns).
-    Off CUDA (interpreter tests) 4 SMs are assumed."""
-    if cfg.split_k is not None:
-        return max(1, min(cfg.split_k, n_chunks))
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
-    return max(1, min(n_chunks // 2, (cfg.waves * sms) // max(n_tiles, 1)))
-
-
 def _default(interpret: bool) -> RowsGemmConfig:
     return RowsGemmConfig(block_n=16, num_warps=1, num_stages=1) if interpret else RowsGemmConfig()
 
@@ -245,24 +231,24 @@ def int4_rows_gemm(x: torch.Tensor, r: RowInt4, config: RowsGemmConfig | None = 
                          "use int4_triton.fused_gemm")
     cfg = config or _default(_interpreting())
     M = x.shape[0]
-    n_chunks = r.codes.shape[1] // PLANE
     n_tiles = cdiv(N, cfg.block_n)
-    split = plan_split(n_tiles, n_chunks, cfg, x.device)
-    per_split = cdiv(n_chunks, split)
-    split = cdiv(n_chunks, per_split)
+    # one output tile along M (BLOCK_M >= M); K blocks are the row layout's 128-column chunks
+    split, cols_per_split = plan_split_k(1, N, r.codes.shape[1] * 8, 1, cfg.block_n, CHUNK, x.device, cfg.split_k,
+                                         cfg.waves)
     reduce_here = split > 1 and cfg.reduce == "kernel"
     if reduce_here and (r.tile_counters is None or r.tile_counters.numel() < n_tiles):
         raise ValueError(f"int4_rows_gemm: the weight needs {n_tiles} tile counters (made by lowbit_gemv.repack_int4)")
     g = r.group_size
     xc = x.contiguous()
-    # several splits write fp32 partials here
-    ws = torch.empty((split, M, N) if split > 1 else (1,), dtype=torch.float32, device=x.device)
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device) if split == 1 or reduce_here else ws
+    # several splits write fp32 partials here (one split: no workspace, the kernel never touches WS or CNT)
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else None
+    y = ws if split > 1 and not reduce_here else torch.empty((M, N), dtype=x.dtype, device=x.device)
     _kernels(_interpreting()).rows_dot[(n_tiles, split)](
-        xc, r.codes, r.scales, r.zeros, y, ws, r.tile_counters if reduce_here else ws, M, N, K, r.codes.shape[1],
-        r.scales.shape[1], xc.stride(0), _MAGIC_2_7, per_split, split, reduce_here,
+        xc, r.codes, r.scales, r.zeros, y, y if ws is None else ws, r.tile_counters if reduce_here else r.codes,
+        M, N, K, r.codes.shape[1], r.scales.shape[1], xc.stride(0), _MAGIC_2_7, cols_per_split // CHUNK, split,
+        reduce_here,
         BLOCK_N=cfg.block_n, BLOCK_M=max(_block_m(M), 64 if cfg.variant == "chunk_xfirst" else 16),
-        PG=min(g, 8 * PLANE) // PLANE, GS=g, PLANE_=PLANE, CK=8 * PLANE, PREFETCH=cfg.prefetch,
+        PG=min(g, CHUNK) // PLANE, GS=g, PLANE_=PLANE, CK=CHUNK, PREFETCH=cfg.prefetch,
         ONE_DOT=cfg.variant in ("chunk", "chunk_xfirst"), X_FIRST=cfg.variant == "chunk_xfirst",
         JOINED=cfg.variant == "joined", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return ws.sum(0).to(x.dtype) if split > 1 and not reduce_here else y

@@ -41,7 +41,7 @@ from types import SimpleNamespace
 
 import torch
 
-from radixserve.layers.split_k import jit_sum_splits
+from radixserve.layers.split_k import jit_sum_splits, plan_split_k
 from radixserve.layers.triton_support import interpreting as _interpreting
 
 triton = tl = sum_splits = None  # imported / made by `_kernels` on first use
@@ -161,7 +161,6 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     def int4_rows_kernel(X, C, S, Z, GI, Y, WS, CNT, M, N, K, KW, G, stride_xm, MG8, MG12, MG16, COLS_PER_SPLIT,
                          SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, PG: tl.constexpr,
                          GS: tl.constexpr, ROWS_M: tl.constexpr, PLANE_: tl.constexpr):
-
         # tiles are [CH chunks, BLOCK_N rows, PLANE int32]: chunks first so that a warp's threads
         # spread over the chunks of a row (wide contiguous loads) and each thread keeps several rows
         # (the activations it converts are shared by those rows)
@@ -421,15 +420,14 @@ def int4_gemv(x: torch.Tensor, r: RowInt4, config: LowbitConfig | None = None) -
     xc = x.contiguous()
     y = torch.empty((x.shape[0], N), dtype=x.dtype, device=x.device)
     tiles = -(-N // cfg.block_n)
-    step = ch * CHUNK  # columns per loop step
-    steps = -(-kp // step)
-    per_split = -(-steps // max(1, min(cfg.split_k, steps))) * step
-    splits = -(-kp // per_split)
+    # K ranges of whole loop steps (ch chunks); one output tile along M
+    splits, per_split = plan_split_k(1, N, kp, 1, cfg.block_n, ch * CHUNK, x.device, cfg.split_k)
     if splits > 1 and (r.tile_counters is None or r.tile_counters.numel() < tiles):
         raise ValueError(f"int4_gemv: split_k needs {tiles} tile counters (made by repack_int4)")
-    ws = torch.empty((splits, x.shape[0], N) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
+    # one split (the default): no workspace, the kernel never touches WS or CNT
+    ws = torch.empty((splits, x.shape[0], N), dtype=torch.float32, device=x.device) if splits > 1 else y
     _kernels(_interpreting()).int4[(tiles, splits)](
-        xc, r.codes, r.scales, r.zeros, r.g_idx, y, ws, r.tile_counters if splits > 1 else ws.view(torch.int32),
+        xc, r.codes, r.scales, r.zeros, r.g_idx, y, ws, r.tile_counters if splits > 1 else r.codes,
         x.shape[0], N, K, kp // 8, r.scales.shape[1],
         xc.stride(0), *_MAGICS, per_split, splits,
         BLOCK_N=cfg.block_n, CH=ch, PG=min(g, CHUNK) // PLANE if g else 0, GS=max(g, 1), ROWS_M=_rows_m(x.shape[0]),
