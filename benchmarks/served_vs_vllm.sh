@@ -7,6 +7,7 @@
 #     benchmarks/served_vs_vllm.sh [RESULTS_MD]                        # ~15 minutes on 2 cores
 # OURS_ARGS="scheduler.chunked_prefill_size=512 ..." adds config overrides to our server; PEER=0 runs our
 # side only (a sweep of our settings: the table is printed, and appended to RESULTS_MD only when given).
+# VLLM_DTYPE (default float32) is the peer's --dtype: bfloat16 beside our runtime.cpu_matmul_precision=medium.
 # Warm-up: each server first serves 16 requests of other random prompts (another seed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,7 @@ OUT_MD=${1:-benchmarks/results/cpu-served-vs-vllm.md}
 MODEL=.models/smollm2-135m-instruct
 VLLM=benchmarks/.peers/vllm-venv/bin/python
 PEER=${PEER:-1}
+VLLM_DTYPE=${VLLM_DTYPE:-float32}
 [ "$PEER" = 0 ] && [ $# -eq 0 ] && OUT_MD=""
 N=${N:-64}; IN=${IN:-200}; OUTLEN=${OUTLEN:-128}; CONC=${CONC:-16}
 PORT_OURS=18611; PORT_VLLM=18612
@@ -56,12 +58,12 @@ run_server() {  # label, port, command...
 
 # shellcheck disable=SC2086  # OURS_ARGS: space-separated key=value overrides
 run_server radixserve "$PORT_OURS" .venv/bin/radixserve serve --model "$MODEL" --port "$PORT_OURS" ${OURS_ARGS:-}
-[ "$PEER" = 0 ] || run_server vllm "$PORT_VLLM" "$VLLM" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype float32 \
+[ "$PEER" = 0 ] || run_server vllm "$PORT_VLLM" "$VLLM" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype "$VLLM_DTYPE" \
   --port "$PORT_VLLM"
 
-python3 - "$TMP" "$OUT_MD" "$N" "$IN" "$OUTLEN" "$CONC" "$PEER" "${OURS_ARGS:-}" <<'PY'
+python3 - "$TMP" "$OUT_MD" "$N" "$IN" "$OUTLEN" "$CONC" "$PEER" "${OURS_ARGS:-}" "$VLLM_DTYPE" <<'PY'
 import json, os, platform, subprocess, sys, time
-tmp, out_md, n, inp, outlen, conc, peer, ours_args = sys.argv[1:]
+tmp, out_md, n, inp, outlen, conc, peer, ours_args, vllm_dtype = sys.argv[1:]
 rows = {}
 for label in ("radixserve", "vllm") if peer != "0" else ("radixserve",):
     try:
@@ -75,6 +77,7 @@ lines = [f"\n## {time.strftime('%Y-%m-%d %H:%M')} — {n} requests x {inp} in / 
          f"- machine: {cpu}, {os.cpu_count()} cores; load average at the end {open('/proc/loadavg').read().split()[:3]}",
          f"- commit: {commit}{'+dirty' if dirty else ''}",
          "- command: `" + (f"OURS_ARGS='{ours_args}' " if ours_args else "") + (f"PEER={peer} " if peer == "0" else "")
+         + (f"VLLM_DTYPE={vllm_dtype} " if vllm_dtype != "float32" else "")
          + "benchmarks/served_vs_vllm.sh` (client: vLLM's `bench serve`, random token ids, streamed /v1/completions)",
          "", "| server | completed | duration s | output tok/s | TTFT p50 / p99 ms | TPOT p50 ms | ITL p50 ms |", "|---|---|---|---|---|---|---|"]
 for label, r in rows.items():

@@ -109,3 +109,29 @@ def test_greedy_matches_transformers_gguf(prompts, batched, hf_reference):
         i = first_divergence(got.tokens, ref["tokens"])
         assert top5_rule_holds_ids(got.tokens, got.logits, ref["tokens"], ref["top5"]), f"top-5 rule broken at {i}"
         assert got.tokens == ref["tokens"], f"greedy diverges at step {i}"
+
+
+def test_bf16_matmuls_keep_the_top5_rule(smollm2_gguf_path, prompts, hf_reference):
+    """runtime.cpu_matmul_precision=medium (bf16 GEMM inputs, fp32 sums) on the real model: every
+    answer still follows transformers' fp32 one under the top-5 rule, and a request's tokens do
+    not depend on its batch."""
+    from radixserve.layers import cpu_gemm
+
+    if not cpu_gemm.bf16_available():
+        pytest.skip("this CPU has no AVX-512 BF16: medium precision stays fp32 here")
+    cfg = Config.build({
+        "model": {"path": smollm2_gguf_path, "weight_source_options": {"dequantize": True}},
+        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1, "cpu_matmul_precision": "medium"},
+        "scheduler": {"max_total_tokens": 4096, "max_running_requests": 8},
+    })
+    medium = ModelRunner(cfg, show_progress=False)
+    assert medium.model.model.layers[0].mlp.gate_up_proj.packed_weight.bf16
+    got = greedy_generate(medium, prompts, NEW_TOKENS, keep_logits=True)
+    same = 0
+    for prompt, g, ref in zip(prompts, got, hf_reference.result(), strict=True):
+        assert ref["prompt"] == prompt
+        i = first_divergence(g.tokens, ref["tokens"])
+        assert top5_rule_holds_ids(g.tokens, g.logits, ref["tokens"], ref["top5"]), f"top-5 rule broken at {i}"
+        same += g.tokens == ref["tokens"]
+    assert greedy_generate(medium, [prompts[3]], NEW_TOKENS)[0].tokens == got[3].tokens
+    print(f"medium precision: {same} of {len(prompts)} answers identical to transformers' fp32 ones")

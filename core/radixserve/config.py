@@ -150,6 +150,11 @@ class RuntimeSection(_Section):
     # int4 (AWQ/GPTQ) and per-row FP8 linears of <= 4 rows on the whole-row low-bit GEMVs
     # (layers/lowbit_gemv.py); auto: on for CUDA models, on: an error elsewhere
     lowbit_gemv: Literal["auto", "on", "off"] = "auto"
+    # CPU GEMMs of fp32 models (the native kernel's packed weights, layers/cpu_gemm.py): highest keeps
+    # them fp32; medium, on CPUs with AVX-512 BF16, rounds weights and inputs to bf16 and sums the
+    # products in fp32 (torch's "medium" float32 matmul precision): 1.6-1.8x the GEMM rate, half the
+    # weight bytes; elsewhere a warning and fp32
+    cpu_matmul_precision: Literal["highest", "medium"] = "highest"
     seed: int = 0
     num_threads: int | None = Field(default=None, ge=1)  # CPU torch threads; None: all cores
     # data parallelism: this many full engine replicas behind a router (the `router` section)

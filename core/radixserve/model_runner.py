@@ -112,6 +112,7 @@ class ModelRunner:
         self.model = load_model(
             source, self.hf_config, model_cls, self.device, self.dtype, quant, seed=rt.seed, show_progress=show_progress,
             tp_group=tp, kv_scales=self._kv_scales, lowbit_gemv=lowbit_gemv.resolve(rt.lowbit_gemv, self.device),
+            cpu_matmul_precision=rt.cpu_matmul_precision,
         )
         n_gemv = attach_batch1_gemv(self.model, rt.batch1_gemv, self.device,  # per-layer choice, before graphs
                                     pdl=gemv_pdl,

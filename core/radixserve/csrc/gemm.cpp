@@ -6,6 +6,9 @@
 // FMA units keep fed. Microkernel: 8 rows x 48 columns (24 AVX-512 accumulators) where the CPU has
 // AVX-512, else 4 rows x 24 columns (12 AVX2 accumulators); the panel width follows, so packed
 // weights belong to the build that packed them. RS_NO_AVX512 forces the AVX2 kernel (tests).
+// Where the CPU has AVX-512 BF16, panels converted to bf16 (`to_bf16_panels`, for
+// runtime.cpu_matmul_precision=medium) take the same paths: x rounded to bf16 once per call,
+// products summed in fp32 (bf16_panels.h).
 // Only the headers these kernels use: torch/extension.h (the whole C++ frontend) takes ~4x the
 // CPU time to parse, and a first start compiles every kernel (docs/architecture.md, start-up).
 #include <ATen/core/Tensor.h>
@@ -20,6 +23,8 @@
 #include <atomic>
 #include <cmath>
 #include <vector>
+
+#include "bf16_panels.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -193,14 +198,6 @@ inline void panel_product(const float* x, int64_t lda, int64_t rows, const float
 }
 #endif
 
-// x fp32 [M, K] with contiguous rows, and `num_panels` packed [K, NR] panels for it.
-void check_operands(const at::Tensor& x, const at::Tensor& panels, int64_t num_panels) {
-  TORCH_CHECK(RS_HAVE_AVX2, "gemm: built without AVX2/FMA");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "gemm: x fp32 [M, K]");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(1) == x.size(1) && panels.size(2) == NR && panels.is_contiguous() &&
-                  panels.size(0) == num_panels, "gemm: panels do not match x and the output width");
-}
-
 // body(begin, end) over [0, n) in runs of `chunk` units, each thread taking the next run as it
 // finishes one. Why not at::parallel_for's one contiguous share per thread: a served step shares
 // the cores with the HTTP front end, the detokenizer and clients, and when the OS gives one
@@ -225,9 +222,110 @@ int64_t run_length(int64_t n) { return std::max<int64_t>(1, n / (4 * at::get_num
 // a decode batch is one chunk).
 int64_t rows_per_chunk(int64_t K) { return std::max<int64_t>(MR, (kL2Budget / (K * 4)) / MR * MR); }
 
+bool is_bf16(const at::Tensor& panels) { return panels.scalar_type() == at::kShort; }
+
+// x fp32 [M, K] with contiguous rows, and `num_panels` packed panels for it: fp32 [K, NR] each, or
+// (AVX-512 BF16 builds) bf16 [ceil(K / 2), NR, 2] each.
+void check_operands(const at::Tensor& x, const at::Tensor& panels, int64_t num_panels) {
+  TORCH_CHECK(RS_HAVE_AVX2, "gemm: built without AVX2/FMA");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "gemm: x fp32 [M, K]");
+  TORCH_CHECK(panels.is_contiguous() && panels.size(0) == num_panels, "gemm: panels do not match the output width");
+  if (is_bf16(panels)) {
+    TORCH_CHECK(RS_HAVE_BF16_PANELS, "gemm: bf16 panels need a build with AVX-512 BF16");
+    TORCH_CHECK(panels.dim() == 4 && panels.size(1) == (x.size(1) + 1) / 2 && panels.size(2) == NR &&
+                    panels.size(3) == 2, "gemm: bf16 panels do not match x");
+  } else {
+    TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.size(1) == x.size(1) &&
+                    panels.size(2) == NR, "gemm: panels do not match x");
+  }
+}
+
+// One GEMM's operands in one precision: product(m, rows, p, next, c, ldc, cols) computes
+// c[rows x cols] = x[m : m + rows] @ panel p, prefetching panel p + 1 when `next`.
+#if RS_HAVE_AVX2
+struct Fp32Operands {
+  const float* x;
+  int64_t lda, K;
+  const float* panels;
+  Fp32Operands(const at::Tensor& xt, const at::Tensor& pt)
+      : x(xt.data_ptr<float>()), lda(xt.stride(0)), K(xt.size(1)), panels(pt.data_ptr<float>()) {}
+  void product(int64_t m, int64_t rows, int64_t p, bool next, float* c, int64_t ldc, int64_t cols) const {
+    const float* panel = panels + p * K * NR;
+    panel_product(x + m * lda, lda, rows, panel, next ? panel + K * NR : nullptr, K, c, ldc, cols);
+  }
+};
+#endif
+
+#if RS_HAVE_BF16_PANELS
+static_assert(NR == rs_bf16::NR && MR == rs_bf16::MR, "bf16 panels share the fp32 panel width");
+struct Bf16Operands {
+  at::Tensor pairs;  // x as bf16 pairs [M, K2], made once per call
+  const uint32_t* x;
+  int64_t K2;
+  const uint16_t* panels;
+  Bf16Operands(const at::Tensor& xt, const at::Tensor& pt) : K2((xt.size(1) + 1) / 2) {
+    const int64_t M = xt.size(0), K = xt.size(1), lda = xt.stride(0);
+    pairs = at::empty({M, K2}, xt.options().dtype(at::kInt));
+    auto* out = reinterpret_cast<uint32_t*>(pairs.data_ptr<int32_t>());
+    const float* xp = xt.data_ptr<float>();
+    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+      for (int64_t m = b; m < e; ++m) rs_bf16::row_to_pairs(xp + m * lda, K, out + m * K2);
+    });
+    x = out;
+    panels = reinterpret_cast<const uint16_t*>(pt.data_ptr<int16_t>());
+  }
+  void product(int64_t m, int64_t rows, int64_t p, bool next, float* c, int64_t ldc, int64_t cols) const {
+    const uint16_t* panel = panels + p * K2 * NR * 2;
+    rs_bf16::panel_product(x + m * K2, K2, rows, panel, next ? panel + K2 * NR * 2 : nullptr, K2, c, ldc, cols);
+  }
+};
+#endif
+
+// y [M, n] = x @ w^T; within a row chunk each thread takes runs of panels: its weights stream in
+// memory order.
+template <class Operands>
+void linear_into(const Operands& ops, int64_t M, int64_t K, int64_t n, int64_t np, float* y) {
+  const int64_t mc = rows_per_chunk(K);
+  for (int64_t m_begin = 0; m_begin < M; m_begin += mc) {
+    const int64_t rows = std::min(M, m_begin + mc) - m_begin;
+    for_runs(np, run_length(np), [&](int64_t b, int64_t e) {
+      for (int64_t p = b; p < e; ++p)
+        ops.product(m_begin, rows, p, p + 1 < e, y + m_begin * n + p * NR, n, std::min(NR, n - p * NR));
+    });
+  }
+}
+
+// y [M, i] = silu(x @ gate^T) * (x @ up^T) over `pairs` (gate, up) panel pairs. Each pair is
+// computed into a per-thread scratch and activated while it is in L1, so the [M, 2I]
+// pre-activation never goes to memory.
+template <class Operands>
+void silu_mul_into(const Operands& ops, int64_t M, int64_t K, int64_t i, int64_t pairs, float* y) {
+  const int64_t mc = rows_per_chunk(K);
+  for (int64_t m_begin = 0; m_begin < M; m_begin += mc) {
+    const int64_t rows = std::min(M, m_begin + mc) - m_begin;
+    for_runs(pairs, run_length(pairs), [&](int64_t b, int64_t e) {
+      thread_local std::vector<float> scratch;  // [gate | up] tiles, ld = 2 * NR (one per thread, kept)
+      scratch.resize(static_cast<size_t>(2 * rows * NR));
+      for (int64_t q = b; q < e; ++q) {
+        for (int64_t p = 2 * q; p < 2 * q + 2; ++p)  // gate, then up, into their halves of the scratch
+          ops.product(m_begin, rows, p, p + 1 < 2 * e, scratch.data() + (p - 2 * q) * NR, 2 * NR, NR);
+        const int64_t cols = std::min(NR, i - q * NR);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* g = scratch.data() + r * 2 * NR;
+          const float* u = g + NR;
+          float* o = y + (m_begin + r) * i + q * NR;
+#pragma omp simd
+          for (int64_t j = 0; j < cols; ++j) o[j] = g[j] / (1.f + std::exp(std::min(-g[j], kExpMax))) * u[j];
+        }
+      }
+    });
+  }
+}
+
 }  // namespace
 
 bool available() { return RS_HAVE_AVX2; }
+bool bf16_available() { return RS_HAVE_BF16_PANELS; }
 
 // w [N, K] -> panels [ceil(N / NR), K, NR] (zero-padded columns).
 at::Tensor pack(at::Tensor w) {
@@ -245,27 +343,40 @@ at::Tensor pack(at::Tensor w) {
   return out;
 }
 
-// x [M, K] (rows contiguous), panels from `pack`, n = the unpadded N. Returns [M, n].
+// fp32 panels [P, K, NR] (from `pack` or `pack_gated`) -> bf16 panels [P, ceil(K / 2), NR, 2] as int16
+// (bf16_panels.h), rounded to nearest even; same panel order, so a gated packing stays gated.
+at::Tensor to_bf16_panels(at::Tensor panels) {
+  TORCH_CHECK(RS_HAVE_BF16_PANELS, "to_bf16_panels: needs a build with AVX-512 BF16");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.size(2) == NR && panels.is_contiguous(),
+              "to_bf16_panels: fp32 panels [P, K, NR]");
+  const int64_t P = panels.size(0), K = panels.size(1), K2 = (K + 1) / 2;
+  auto out = at::zeros({P, K2, NR, 2}, panels.options().dtype(at::kShort));
+  const float* src = panels.data_ptr<float>();
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<int16_t>());
+  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p)
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < NR; ++j)
+          dst[((p * K2 + k / 2) * NR + j) * 2 + k % 2] = rs_bf16::to_bf16(src[(p * K + k) * NR + j]);
+  });
+  return out;
+}
+
+// x [M, K] (rows contiguous), panels from `pack` (or `to_bf16_panels` of it), n = the unpadded N.
+// Returns [M, n] fp32.
 at::Tensor linear(at::Tensor x, at::Tensor panels, int64_t n) {
-  check_operands(x, panels, (n + NR - 1) / NR);
-  const int64_t M = x.size(0), K = x.size(1), lda = x.stride(0), np = panels.size(0);
+  const int64_t np = (n + NR - 1) / NR;
+  check_operands(x, panels, np);
+  const int64_t M = x.size(0), K = x.size(1);
   auto y = at::empty({M, n}, x.options());
-#if RS_HAVE_AVX2
-  const float* xp = x.data_ptr<float>();
-  const float* pp = panels.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // within a row chunk each thread takes a contiguous run of panels: its weights stream in memory order
-  const int64_t mc = rows_per_chunk(K);
-  for (int64_t m_begin = 0; m_begin < M; m_begin += mc) {
-    const int64_t rows = std::min(M, m_begin + mc) - m_begin;
-    for_runs(np, run_length(np), [&](int64_t b, int64_t e) {
-      for (int64_t p = b; p < e; ++p) {
-        const float* panel = pp + p * K * NR;
-        panel_product(xp + m_begin * lda, lda, rows, panel, p + 1 < e ? panel + K * NR : nullptr, K,
-                      yp + m_begin * n + p * NR, n, std::min(NR, n - p * NR));
-      }
-    });
+#if RS_HAVE_BF16_PANELS
+  if (is_bf16(panels)) {
+    linear_into(Bf16Operands(x, panels), M, K, n, np, y.data_ptr<float>());
+    return y;
   }
+#endif
+#if RS_HAVE_AVX2
+  linear_into(Fp32Operands(x, panels), M, K, n, np, y.data_ptr<float>());
 #endif
   return y;
 }
@@ -279,41 +390,21 @@ at::Tensor pack_gated(at::Tensor w) {
   return at::stack({gate, up}, 1).reshape({-1, w.size(1), NR});
 }
 
-// silu(x @ gate^T) * (x @ up^T) from `pack_gated` panels; i = the unpadded I. Returns [M, i].
-// Each NR-column pair is computed into a per-thread scratch and activated while it is in L1, so
-// the [M, 2I] pre-activation never goes to memory.
+// silu(x @ gate^T) * (x @ up^T) from `pack_gated` panels (or `to_bf16_panels` of them); i = the
+// unpadded I. Returns [M, i] fp32.
 at::Tensor linear_silu_mul(at::Tensor x, at::Tensor panels, int64_t i) {
   const int64_t pairs = (i + NR - 1) / NR;
   check_operands(x, panels, 2 * pairs);
-  const int64_t M = x.size(0), K = x.size(1), lda = x.stride(0);
+  const int64_t M = x.size(0), K = x.size(1);
   auto y = at::empty({M, i}, x.options());
-#if RS_HAVE_AVX2
-  const float* xp = x.data_ptr<float>();
-  const float* pp = panels.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t mc = rows_per_chunk(K);
-  for (int64_t m_begin = 0; m_begin < M; m_begin += mc) {
-    const int64_t m_end = std::min(M, m_begin + mc), rows = m_end - m_begin;
-    for_runs(pairs, run_length(pairs), [&](int64_t b, int64_t e) {
-      thread_local std::vector<float> scratch;  // [gate | up] tiles, ld = 2 * NR (one per thread, kept)
-      scratch.resize(static_cast<size_t>(2 * rows * NR));
-      for (int64_t q = b; q < e; ++q) {
-        for (int64_t p = 2 * q; p < 2 * q + 2; ++p) {  // gate, then up, into their halves of the scratch
-          const float* panel = pp + p * K * NR;
-          panel_product(xp + m_begin * lda, lda, rows, panel, p + 1 < 2 * e ? panel + K * NR : nullptr, K,
-                        scratch.data() + (p - 2 * q) * NR, 2 * NR, NR);
-        }
-        const int64_t cols = std::min(NR, i - q * NR);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* g = scratch.data() + r * 2 * NR;
-          const float* u = g + NR;
-          float* o = yp + (m_begin + r) * i + q * NR;
-#pragma omp simd
-          for (int64_t j = 0; j < cols; ++j) o[j] = g[j] / (1.f + std::exp(std::min(-g[j], kExpMax))) * u[j];
-        }
-      }
-    });
+#if RS_HAVE_BF16_PANELS
+  if (is_bf16(panels)) {
+    silu_mul_into(Bf16Operands(x, panels), M, K, i, pairs, y.data_ptr<float>());
+    return y;
   }
+#endif
+#if RS_HAVE_AVX2
+  silu_mul_into(Fp32Operands(x, panels), M, K, i, pairs, y.data_ptr<float>());
 #endif
   return y;
 }
@@ -321,7 +412,9 @@ at::Tensor linear_silu_mul(at::Tensor x, at::Tensor panels, int64_t i) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "built with AVX2 + FMA");
   m.def("panel_width", [] { return NR; }, "columns per packed panel (48 with AVX-512, else 24)");
+  m.def("bf16_available", &bf16_available, "built with AVX-512 BF16: bf16 panels can be used");
   m.def("pack", &pack, "pack a [N, K] weight into NR-column panels");
+  m.def("to_bf16_panels", &to_bf16_panels, "fp32 panels -> bf16 panels (runtime.cpu_matmul_precision=medium)");
   m.def("linear", &linear, "x @ w^T from packed panels");
   m.def("pack_gated", &pack_gated, "pack a [gate; up] weight into interleaved panel pairs");
   m.def("linear_silu_mul", &linear_silu_mul, "silu(x @ gate^T) * (x @ up^T) from pack_gated panels");

@@ -26,17 +26,14 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define RS_HAVE_BF16_SCREEN 1
-#else
-#define RS_HAVE_BF16_SCREEN 0
-#endif
+#include "bf16_panels.h"
+
+#define RS_HAVE_BF16_SCREEN RS_HAVE_BF16_PANELS
 
 namespace {
 
-constexpr int64_t NR = 48;  // vocabulary rows per panel (3 vectors of 16 fp32 results)
-constexpr int64_t MR = 8;   // hidden rows per microkernel call
+using rs_bf16::NR;  // vocabulary rows per panel
+using rs_bf16::to_bf16;
 constexpr double kUnitRoundoffBf16 = 1.0 / 256;
 constexpr double kUnitRoundoffFp32 = 1.0 / (1 << 24);
 constexpr float kAbsoluteSlack = 1e-30f;
@@ -50,11 +47,6 @@ inline uint32_t bits(float f) {
 }
 inline bool finite_bits(float f) { return (bits(f) & 0x7f800000u) != 0x7f800000u; }
 inline bool nan_bits(float f) { return (bits(f) & 0x7fffffffu) > 0x7f800000u; }
-
-inline uint16_t to_bf16(float f) {  // round to nearest even (the inputs here are finite)
-  const uint32_t u = bits(f);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 // The relative part of the bound for K-term dot products (see the top of the file), with 1% slack.
 double relative_bound(int64_t K) {
@@ -89,64 +81,6 @@ int64_t exact_argmax(const float* x, const float* w, int64_t n, int64_t K) {
   }
   return best_i;
 }
-
-#if RS_HAVE_BF16_SCREEN
-// c[rows x 48] = a[rows x K2 bf16 pairs] @ panel[K2 x 48 x 2 bf16]; rows <= 8; `next` (the
-// following panel) is prefetched into L2.
-template <int ROWS>
-__attribute__((always_inline)) inline void micro_bf16(const uint32_t* a, int64_t lda, const uint16_t* panel,
-                                                      int64_t K2, float* c, int64_t ldc, int64_t cols,
-                                                      const uint16_t* next) {
-  __m512 acc[ROWS][3];
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 3
-    for (int j = 0; j < 3; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K2; ++k) {
-    const uint16_t* p = panel + k * NR * 2;
-    if (next != nullptr) {  // a k row is 192 bytes: three lines
-      const char* q = reinterpret_cast<const char*>(next + k * NR * 2);
-      _mm_prefetch(q, _MM_HINT_T1);
-      _mm_prefetch(q + 64, _MM_HINT_T1);
-      _mm_prefetch(q + 128, _MM_HINT_T1);
-    }
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(p), b1 = (__m512bh)_mm512_loadu_si512(p + 32),
-                   b2 = (__m512bh)_mm512_loadu_si512(p + 64);
-#pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * lda + k]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], av, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], av, b1);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], av, b2);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r) {
-    alignas(64) float tmp[NR];
-    _mm512_store_ps(tmp, acc[r][0]);
-    _mm512_store_ps(tmp + 16, acc[r][1]);
-    _mm512_store_ps(tmp + 32, acc[r][2]);
-    std::copy(tmp, tmp + cols, c + r * ldc);
-  }
-}
-
-void panel_bf16(const uint32_t* a, int64_t lda, int64_t rows, const uint16_t* panel, const uint16_t* next, int64_t K2,
-                float* c, int64_t ldc, int64_t cols) {
-  int64_t m = 0;
-  for (; m + MR <= rows; m += MR) micro_bf16<MR>(a + m * lda, lda, panel, K2, c + m * ldc, ldc, cols, m == 0 ? next : nullptr);
-  const uint16_t* nx = m == 0 ? next : nullptr;
-  switch (rows - m) {
-    case 7: micro_bf16<7>(a + m * lda, lda, panel, K2, c + m * ldc, ldc, cols, nx); break;
-    case 6: micro_bf16<6>(a + m * lda, lda, panel, K2, c + m * ldc, ldc, cols, nx); break;
-    case 5: micro_bf16<5>(a + m * lda, lda, panel, K2, c + m * ldc, ldc, cols, nx); break;
-    case 4: micro_bf16<4>(a + m * lda, lda, panel, K2, c + m * ldc, ldc, cols, nx); break;
-    case 3: micro_bf16<3>(a + m * lda, lda, panel, K2, c + m * ldc, ldc, cols, nx); break;
-    case 2: micro_bf16<2>(a + m * lda, lda, panel, K2, c + m * ldc, ldc, cols, nx); break;
-    case 1: micro_bf16<1>(a + m * lda, lda, panel, K2, c + m * ldc, ldc, cols, nx); break;
-    default: break;
-  }
-}
-#endif
 
 }  // namespace
 
@@ -207,10 +141,7 @@ at::Tensor argmax(at::Tensor x, at::Tensor panels, at::Tensor norms, at::Tensor 
     for (int64_t k = 0; k < K; ++k) ok = ok && finite_bits(r[k]);
     finite[m] = ok;
     xn[m] = ok ? norm_up(r, K) : 0.f;
-    for (int64_t k2 = 0; k2 < K2; ++k2) {
-      const uint32_t lo = ok ? to_bf16(r[2 * k2]) : 0u, hi = ok && 2 * k2 + 1 < K ? to_bf16(r[2 * k2 + 1]) : 0u;
-      xb[m * K2 + k2] = lo | (hi << 16);
-    }
+    if (ok) rs_bf16::row_to_pairs(r, K, xb.data() + m * K2);
   }
   // approximate logits, panel by panel (each thread streams a contiguous run of panels)
   auto approx_t = at::empty({M, n}, x.options());
@@ -218,8 +149,8 @@ at::Tensor argmax(at::Tensor x, at::Tensor panels, at::Tensor norms, at::Tensor 
   at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p) {
       const uint16_t* panel = pp + p * K2 * NR * 2;
-      panel_bf16(xb.data(), K2, M, panel, p + 1 < e ? panel + K2 * NR * 2 : nullptr, K2, approx + p * NR, n,
-                 std::min(NR, n - p * NR));
+      rs_bf16::panel_product(xb.data(), K2, M, panel, p + 1 < e ? panel + K2 * NR * 2 : nullptr, K2, approx + p * NR,
+                             n, std::min(NR, n - p * NR));
     }
   });
   const float rel = static_cast<float>(relative_bound(K));

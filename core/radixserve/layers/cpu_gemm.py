@@ -6,17 +6,25 @@ into 24-column panels and streams them in memory order with prefetch; on the 2-c
 SmolLM2 shapes, 64 rows, it takes ~20% less time than oneDNN's packed GEMM, which in turn beats
 the default MKL path (~12% on the decoder linears, ~35% on the 49k-row LM head), and it is not
 slower for one row. Without the native kernel (no compiler or no AVX2) oneDNN's packed copy
-serves 16+ rows and MKL the rest. Either way a second copy of each weight is kept (the price)."""
+serves 16+ rows and MKL the rest. Either way a second copy of each weight is kept (the price).
+
+runtime.cpu_matmul_precision=medium (`lower_precision`): on CPUs with AVX-512 BF16 the panels are
+converted to bf16 once at load; each call rounds x to bf16 and sums the products in fp32
+(vdpbf16ps: twice the fp32 FMA rate, half the weight bytes), as torch's "medium" float32 matmul
+precision allows. Norms, attention, the KV cache and the logits stay fp32."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from radixserve import native
+
+logger = logging.getLogger(__name__)
 
 MIN_ONEDNN_ROWS = 16  # below this the plain MKL GEMM beats oneDNN's packed one
 _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "gemm.cpp"
@@ -29,9 +37,13 @@ class PackedWeight:
     is then I, the activation's width); plain `linear` does not read them."""
 
     out_features: int
-    panels: torch.Tensor | None = None
+    panels: torch.Tensor | None = None  # fp32 [P, K, NR], or bf16 pairs [P, ceil(K / 2), NR, 2] as int16
     onednn: torch.Tensor | None = None
     silu_gated: bool = False
+
+    @property
+    def bf16(self) -> bool:
+        return self.panels is not None and self.panels.dtype == torch.int16
 
 
 def _native_gemm():
@@ -89,3 +101,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, b
         if packed.onednn is not None and x.shape[0] >= MIN_ONEDNN_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def bf16_available() -> bool:
+    """Whether the native kernel here can run bf16 panels (built for a CPU with AVX-512 BF16)."""
+    gemm = _native_gemm_for_packing()
+    return gemm is not None and gemm.bf16_available()
+
+
+def to_bf16(packed: PackedWeight) -> PackedWeight:
+    """`packed` with its fp32 panels converted to bf16 (a gated packing stays gated); anything else
+    (oneDNN, already bf16) unchanged. Callers check `bf16_available` first."""
+    if packed.panels is None or packed.bf16:
+        return packed
+    return replace(packed, panels=_native_gemm().to_bf16_panels(packed.panels))
+
+
+def lower_precision(model: torch.nn.Module) -> int:
+    """runtime.cpu_matmul_precision=medium for a loaded CPU model: every native fp32 packing held by
+    its modules (`packed_weight`, and the routed experts' `packed_experts`) becomes bf16. Returns how
+    many weights were converted; 0, with a warning, where the CPU or the build has no AVX-512 BF16."""
+    if not bf16_available():
+        logger.warning("runtime.cpu_matmul_precision=medium: this CPU (or its native build) has no AVX-512 BF16; "
+                       "the GEMMs stay fp32")
+        return 0
+    converted = 0
+    for module in model.modules():
+        packed = getattr(module, "packed_weight", None)
+        if isinstance(packed, PackedWeight) and packed.panels is not None and not packed.bf16:
+            module.packed_weight = to_bf16(packed)
+            converted += 1
+        experts = getattr(module, "packed_experts", None)
+        if experts is not None:  # (gate_up packings, down packings), one per expert
+            module.packed_experts = tuple([to_bf16(p) for p in group] for group in experts)
+            converted += sum(len(group) for group in experts)
+    return converted

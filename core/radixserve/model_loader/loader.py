@@ -8,7 +8,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from radixserve.layers import flat_decoder
+from radixserve.layers import cpu_gemm, flat_decoder
 from radixserve.layers.embedding import ParallelLMHead
 from radixserve.layers.linear import LinearBase
 from radixserve.layers.moe import FusedMoE
@@ -63,6 +63,7 @@ def load_model(
     tp_group=None,
     kv_scales=None,
     lowbit_gemv: bool = False,
+    cpu_matmul_precision: str = "highest",
 ) -> torch.nn.Module:
     """Instantiate `model_cls(hf_config, quant_method)` on `device` in `dtype` and load its weights.
     `tp_group` (tensor parallelism, a TPGroup of size > 1) is passed on as `tp_group=`: the model
@@ -72,6 +73,8 @@ def load_model(
     are not model parameters: they go to `kv_scales` (a KVScaleCollector) when given, else are dropped.
     `lowbit_gemv` (runtime.lowbit_gemv resolved for this device): each quantized linear's method is
     asked to prepare the layer for the small-batch low-bit GEMVs (`QuantMethod.enable_lowbit_gemv`).
+    `cpu_matmul_precision` (runtime.cpu_matmul_precision): "medium" turns a CPU model's packed fp32
+    GEMM weights into bf16 ones (`cpu_gemm.lower_precision`).
 
     Raises ValueError naming the parameters no checkpoint tensor reached (never silent)."""
     start = time.perf_counter()
@@ -111,6 +114,10 @@ def load_model(
                 lowbit_layers += bool(qm.enable_lowbit_gemv(module))
         if isinstance(module, ParallelLMHead):
             module.pack_for_cpu()
+    if device.type == "cpu" and cpu_matmul_precision == "medium":
+        converted = cpu_gemm.lower_precision(model)
+        if converted:
+            logger.info("runtime.cpu_matmul_precision=medium: %d weight(s) run their CPU GEMMs in bf16", converted)
     if device.type == "cpu":  # plain Llama layers over packed fp32 weights: one flat function each (issue 12)
         flat_decoder.install_fp32(model)
     model.eval()

@@ -1,0 +1,120 @@
+"""runtime.cpu_matmul_precision=medium: the native GEMM over bf16 panels (AVX-512 BF16 CPUs).
+
+What a user relies on: the products are those of the bf16-rounded inputs summed in fp32 (so the
+results match torch on bf16-rounded operands, and really differ from the fp32 GEMM); NaN stays in
+its row; a model loaded with the option runs its linears on bf16 panels, keeps each request's
+tokens independent of its batch, and stays close to the fp32 model. The kernels are tested where
+the CPU has AVX-512 BF16 (skipped, and said so, elsewhere); the fallback warning everywhere."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from radixserve.layers import cpu_gemm
+from radixserve.layers.activation import SiluAndMul
+
+
+@pytest.fixture(scope="module")
+def gemm():
+    if not cpu_gemm.bf16_available():
+        pytest.skip("this CPU has no AVX-512 BF16: runtime.cpu_matmul_precision=medium stays fp32 here")
+    return cpu_gemm._native_gemm()
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.bfloat16().float()
+
+
+def _tolerance(in_features: int) -> dict:
+    return {"rtol": 1e-5, "atol": 1e-4 * max(1.0, in_features / 1000)}
+
+
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    [(r, n, k) for r in (1, 5, 8, 13, 300) for n, k in ((960, 576), (50, 1536), (24, 7))] + [(9, 100, 2500)],
+)
+def test_bf16_panels_compute_the_bf16_rounded_product(gemm, rows, out_features, in_features):
+    """Partial panels, odd K (a zero-padded last pair), every row remainder of the 8-row kernel, row
+    chunks (300 rows) and K blocks (2500 features: 1250 pairs, past the 1024-pair block)."""
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    weight, x = torch.randn(out_features, in_features, generator=gen), torch.randn(rows, in_features, generator=gen)
+    panels = gemm.to_bf16_panels(gemm.pack(weight))
+    assert panels.dtype == torch.int16 and panels.shape == (-(-out_features // 48), (in_features + 1) // 2, 48, 2)
+    got = gemm.linear(x, panels, out_features)
+    torch.testing.assert_close(got, F.linear(_bf16(x), _bf16(weight)), **_tolerance(in_features))
+    if in_features > 16:  # really rounded: the fp32 product is measurably elsewhere
+        assert (got - F.linear(x, weight)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(("rows", "inter"), [(1, 50), (9, 100), (64, 1536)])
+def test_bf16_silu_gated_panels(gemm, rows, inter):
+    gen = torch.Generator().manual_seed(rows + inter)
+    weight, x = torch.randn(2 * inter, 40, generator=gen), torch.randn(rows, 40, generator=gen)
+    panels = gemm.to_bf16_panels(gemm.pack_gated(weight))
+    want = SiluAndMul()(F.linear(_bf16(x), _bf16(weight)))
+    torch.testing.assert_close(gemm.linear_silu_mul(x, panels, inter), want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_nan_stays_in_its_row(gemm):
+    weight, x = torch.randn(100, 64), torch.randn(3, 64)
+    x[1, 5] = float("nan")
+    got = gemm.linear(x, gemm.to_bf16_panels(gemm.pack(weight)), 100)
+    assert got[1].isnan().all() and not got[0].isnan().any() and not got[2].isnan().any()
+
+
+def test_mismatched_bf16_panels_are_refused(gemm):
+    panels = gemm.to_bf16_panels(gemm.pack(torch.randn(48, 64)))
+    with pytest.raises(RuntimeError, match="bf16 panels do not match x"):
+        gemm.linear(torch.randn(2, 66), panels, 48)
+
+
+def test_packed_weight_converts_once_and_keeps_its_kind(gemm):
+    weight = torch.randn(2 * 96, 64)
+    gated = cpu_gemm.pack_silu_gated(weight)
+    low = cpu_gemm.to_bf16(gated)
+    assert low.bf16 and low.silu_gated and low.out_features == 96 and not gated.bf16
+    assert cpu_gemm.to_bf16(low) is low
+    x = torch.randn(4, 64)
+    want = SiluAndMul()(F.linear(_bf16(x), _bf16(weight)))
+    torch.testing.assert_close(cpu_gemm.silu_gated_linear(x, low), want, rtol=1e-5, atol=1e-4)
+
+
+def _runner(path: str, precision: str):
+    from radixserve.config import Config
+    from radixserve.model_runner import ModelRunner
+
+    cfg = Config.build({"model": {"path": path},
+                        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1,
+                                    "cpu_matmul_precision": precision},
+                        "scheduler": {"max_total_tokens": 2048, "max_running_requests": 8}})
+    return ModelRunner(cfg, show_progress=False)
+
+
+def test_a_model_with_medium_precision_runs_bf16_panels(gemm, tiny_llama_dir):
+    from runner_driver import greedy_generate
+
+    path = tiny_llama_dir("llama", head_dim=64, num_attention_heads=4, num_key_value_heads=2, hidden_size=128)
+    fp32, medium = _runner(path, "highest"), _runner(path, "medium")
+    layer = medium.model.model.layers[0]
+    assert all(lin.packed_weight.bf16 for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    assert medium.model.lm_head.packed_weight.bf16
+    assert not fp32.model.model.layers[0].mlp.gate_up_proj.packed_weight.bf16
+    prompts = [[5, 9, 2, 7, 11], [3] * 30, [8, 1]]
+    batched = greedy_generate(medium, prompts, 12, keep_logits=True)
+    alone = greedy_generate(medium, [prompts[1]], 12)[0]
+    assert alone.tokens == batched[1].tokens  # rows do not see each other
+    reference = greedy_generate(fp32, prompts, 12, keep_logits=True)
+    first_step = (batched[0].logits[0] - reference[0].logits[0]).abs().max().item()
+    assert 0 < first_step < 0.05, first_step  # bf16-rounded products: close to fp32, not equal
+
+
+def test_medium_without_bf16_hardware_warns_and_stays_fp32(monkeypatch, caplog):
+    model = torch.nn.Linear(4, 4)
+    monkeypatch.setattr(cpu_gemm, "bf16_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="radixserve.layers.cpu_gemm"):
+        assert cpu_gemm.lower_precision(model) == 0
+    assert "no AVX-512 BF16" in caplog.text and "stay fp32" in caplog.text
