@@ -274,6 +274,9 @@ def main() -> None:
                     help="odd rounds run the cpu_batched attention kernel built from this older attention.cpp")
     ap.add_argument("--ab-flat", action="store_true",
                     help="odd rounds run the decoder layers' module calls instead of the flat forward (no op timers)")
+    ap.add_argument("--precision", choices=("highest", "medium"), default="highest",
+                    help="runtime.cpu_matmul_precision (medium: bf16 GEMM inputs, fp32 sums)")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16"), default="auto", help="runtime.kv_cache_dtype")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -298,7 +301,9 @@ def main() -> None:
     if path.endswith(".gguf"):
         model_cfg["weight_source_options"] = {"dequantize": True}
     total = args.batch * (args.context + args.rounds * args.steps + 8)
-    cfg = Config.build({"model": model_cfg, "runtime": {"device": "cpu", "dtype": "float32", "num_threads": args.threads},
+    cfg = Config.build({"model": model_cfg, "runtime": {"device": "cpu", "dtype": "float32", "num_threads": args.threads,
+                                                                 "cpu_matmul_precision": args.precision,
+                                                                 "kv_cache_dtype": args.kv_cache_dtype},
                         "scheduler": {"max_total_tokens": total, "max_running_requests": args.batch}})
     print(f"== {machine()}; commit {commit()}", flush=True)
     t0 = time.perf_counter()

@@ -148,12 +148,13 @@ def test_rotary_matches_torch_on_fused_qkv_slices(rotary_dim):
         cpu_ops.rotary(q, k, torch.full((20,), 10**6), *rope._tables(positions), 64, rotary_dim)
 
 
-def _decode_batch(backend_factory, lens: list[int], hq: int, hkv: int, d: int, seed: int):
-    """A decode batch over a KV pool with random contents and scattered slots; returns
-    (backend, batch, q, k, v, layer spec)."""
+def _decode_batch(backend_factory, lens: list[int], hq: int, hkv: int, d: int, seed: int,
+                  kv_dtype: torch.dtype = torch.float32):
+    """A decode batch over a KV pool (fp32 model, pool in `kv_dtype`) with random contents and
+    scattered slots; returns (backend, batch, q, k, v, layer spec)."""
     gen = torch.Generator().manual_seed(seed)
     bs, slots = len(lens), sum(lens) + 8
-    pool = KVPool(slots, 1, hkv, d, torch.float32)
+    pool = KVPool(slots, 1, hkv, d, kv_dtype)
     pool.k_buffers[0].copy_(torch.randn(pool.k_buffers[0].shape, generator=gen))
     pool.v_buffers[0].copy_(torch.randn(pool.v_buffers[0].shape, generator=gen))
     table = ReqToTokenPool(bs + 1, max(lens) + 4)
@@ -180,20 +181,25 @@ def _decode_batch(backend_factory, lens: list[int], hq: int, hkv: int, d: int, s
     return backend, batch, q, k, v, layer
 
 
+KV_DTYPES = [torch.float32, torch.bfloat16]  # the pool: the model's fp32, or runtime.kv_cache_dtype=bfloat16
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
-def test_native_decode_attention_matches_the_sdpa_paths(hq, hkv, d):
+def test_native_decode_attention_matches_the_sdpa_paths(hq, hkv, d, kv_dtype):
     lens = [1, 5, 37, 130, 2]
     outs = {}
     for name, factory in {
         "native": lambda info: CPUBatchedBackend(info),
         "padded": lambda info: CPUBatchedBackend(info, use_native=False),
     }.items():
-        backend, batch, q, k, v, layer = _decode_batch(factory, lens, hq, hkv, d, seed=hq * d)
+        backend, batch, q, k, v, layer = _decode_batch(factory, lens, hq, hkv, d, seed=hq * d, kv_dtype=kv_dtype)
         assert backend.uses_native_kernel == (name == "native")
         backend.init_forward_metadata(batch)
         outs[name] = backend.forward_decode(q, k, v, layer, batch)
         stored_k, stored_v = (buf[0][batch.out_cache_loc] for buf in (batch.kv_pool.k_buffers, batch.kv_pool.v_buffers))
-        assert torch.equal(stored_k, k.view(-1, hkv, d)) and torch.equal(stored_v, v.view(-1, hkv, d))
+        # stored as KVPool.set_kv would (a bf16 pool: rounded to nearest even)
+        assert torch.equal(stored_k, k.view(-1, hkv, d).to(kv_dtype)) and torch.equal(stored_v, v.view(-1, hkv, d).to(kv_dtype))
         # the reference: the torch_native per-request loop on the same pool (k, v already stored)
         ref_backend = CPUBatchedBackend(None)
         super(CPUBatchedBackend, ref_backend).init_forward_metadata(batch)
@@ -202,8 +208,9 @@ def test_native_decode_attention_matches_the_sdpa_paths(hq, hkv, d):
     torch.testing.assert_close(outs["padded"], outs["reference"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
-def test_native_extend_attention_matches_the_reference(hq, hkv, d):
+def test_native_extend_attention_matches_the_reference(hq, hkv, d, kv_dtype):
     """Prefill with and without a cached prefix, extends longer than one 16-query block, and one
     past NATIVE_MAX_EXTEND (which must take the reference path), against torch_native's loop."""
     from radixserve_attention_cpu_batched.backend import NATIVE_MAX_EXTEND
@@ -211,7 +218,8 @@ def test_native_extend_attention_matches_the_reference(hq, hkv, d):
     gen = torch.Generator().manual_seed(hq + d)
     for prefix_lens, extend_lens in (([0, 7, 0, 40], [5, 1, 33, 17]), ([3], [NATIVE_MAX_EXTEND + 1])):
         lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-        backend, batch, *_ = _decode_batch(lambda info: CPUBatchedBackend(info), lens, hq, hkv, d, seed=hq * d)
+        backend, batch, *_ = _decode_batch(lambda info: CPUBatchedBackend(info), lens, hq, hkv, d, seed=hq * d,
+                                           kv_dtype=kv_dtype)
         assert backend.uses_native_kernel
         rows = batch.req_pool_indices.tolist()
         loc = torch.cat([batch.req_to_token_pool.read(r, n)[p:] for r, n, p in zip(rows, lens, prefix_lens, strict=True)])
@@ -227,13 +235,14 @@ def test_native_extend_attention_matches_the_reference(hq, hkv, d):
             max(extend_lens) <= NATIVE_MAX_EXTEND), "the native path applies exactly up to NATIVE_MAX_EXTEND"
         got = backend.forward_extend(q, k, v, layer, batch)
         stored_k, stored_v = (buf[0][loc] for buf in (batch.kv_pool.k_buffers, batch.kv_pool.v_buffers))
-        assert torch.equal(stored_k, k.view(-1, hkv, d)) and torch.equal(stored_v, v.view(-1, hkv, d))
+        assert torch.equal(stored_k, k.view(-1, hkv, d).to(kv_dtype)) and torch.equal(stored_v, v.view(-1, hkv, d).to(kv_dtype))
         ref_backend = CPUBatchedBackend(None)
         super(CPUBatchedBackend, ref_backend).init_forward_metadata(batch)
         torch.testing.assert_close(got, ref_backend._attend(q, k, v, layer, batch), rtol=1e-4, atol=1e-5)
 
 
-def test_native_attention_row_is_the_same_bits_in_decode_and_extend():
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_native_attention_row_is_the_same_bits_in_decode_and_extend(kv_dtype):
     """A query row's output does not depend on how many queries its call carries: the last row of an
     extend (a prefill, a speculative verify) equals a decode of that row bit for bit. Needed for
     speculative outputs to equal plain decoding where later layers amplify 1-ulp differences (int8
@@ -242,13 +251,13 @@ def test_native_attention_row_is_the_same_bits_in_decode_and_extend():
 
     kernels, gen = load_kernels(), torch.Generator().manual_seed(0)
     hq, hkv, d, slots = 9, 3, 64, 80
-    k_buf, v_buf = torch.randn(slots, hkv, d, generator=gen), torch.randn(slots, hkv, d, generator=gen)
+    k_buf, v_buf = (torch.randn(slots, hkv, d, generator=gen).to(kv_dtype) for _ in range(2))
     table = torch.randperm(slots - 1, generator=gen)[None, :] + 1  # scattered slots; 0 is the pad slot
     row, none_b, none_i = torch.zeros(1, dtype=torch.int64), torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=torch.int64)
     for seq_len, extend in ((5, 5), (23, 9), (40, 17), (61, 3)):  # ends inside and past a 16-query block
         q = torch.randn(extend, hq * d, generator=gen)
         loc = table[0, seq_len - extend : seq_len].contiguous()
-        k_new, v_new = k_buf[loc].reshape(extend, -1).clone(), v_buf[loc].reshape(extend, -1).clone()
+        k_new, v_new = k_buf[loc].reshape(extend, -1).float(), v_buf[loc].reshape(extend, -1).float()
         ext = kernels.extend_attention(q, k_new, v_new, loc, k_buf, v_buf, table, row, torch.tensor([seq_len]),
                                        torch.tensor([extend]), none_b, none_i, none_i, d**-0.5, 0, 0.0)
         for i in range(extend):  # query i of the extend is a decode at sequence length seq_len - extend + i + 1

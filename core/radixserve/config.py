@@ -124,7 +124,9 @@ class RuntimeSection(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
     # the KV pool's element type: auto (the model dtype) or fp8_e4m3 (half the bytes of bf16 per
     # token, per-layer scales; attention backends that declare supports_fp8_kv_cache; docs/quantization.md)
-    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
+    # bfloat16: half the bytes of an fp32 model's pool (the CPU; backends that declare
+    # supports_bf16_kv_cache: cpu_batched, torch_native)
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8_e4m3"] = "auto"
     tp_size: int = Field(default=1, ge=1)  # tensor-parallel ranks (docs/parallelism.md)
     nnodes: int = Field(default=1, ge=1)  # machines the TP ranks span (tp_size / nnodes ranks each)
     node_rank: int = Field(default=0, ge=0)  # this machine's index; node 0 serves HTTP and runs rank 0

@@ -25,7 +25,7 @@ from radixserve.memory import (
     kv_bytes_per_token,
     latent_bytes_per_token,
 )
-from radixserve.memory.fp8_kv import KV_CACHE_DTYPES, KVScaleCollector
+from radixserve.memory.fp8_kv import FP8_KV_DTYPE, KV_CACHE_DTYPES, KVScaleCollector
 from radixserve.model_loader import load_model, open_source
 from radixserve.model_loader.model_files import resolve_model_path
 from radixserve.plugins.model_select import select_model
@@ -227,7 +227,7 @@ class ModelRunner:
                                         self.dtype, self.device)
         else:
             scales = {}
-            if self.kv_dtype != self.dtype:  # fp8: per-layer scales from the checkpoint, else 1.0
+            if self.kv_dtype == FP8_KV_DTYPE:  # per-layer scales from the checkpoint, else 1.0
                 k_scales, v_scales = self._kv_scales.scales(layers)
                 scales = {"k_scales": k_scales, "v_scales": v_scales}
                 logger.info("KV cache %s: k/v scales %s", self.config.runtime.kv_cache_dtype,

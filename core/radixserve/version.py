@@ -48,4 +48,5 @@ __version__ = "0.1.0"
 #      decoder_blocks.FusesPostAttentionNorm (an MLP block that runs the post-attention norm in its own
 #      first kernel: Qwen-MoE, FusedMoE.forward_with_norm_gate); the small-M MoE experts in one launch
 #      at <= 2 tokens (layers/moe/one_launch.py)
-PLUGIN_API_VERSION = "1.7"
+# 1.8: bf16 KV pools of fp32 models (runtime.kv_cache_dtype: bfloat16): AttentionBackend.supports_bf16_kv_cache
+PLUGIN_API_VERSION = "1.8"

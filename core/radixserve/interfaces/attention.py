@@ -14,6 +14,9 @@ The memory a backend works on (see docs/contracts.md for the full picture):
 - FP8 pools (plugin API 1.5, `runtime.kv_cache_dtype: fp8_e4m3`): `kv_pool.dtype` is
   `torch.float8_e4m3fn` and each layer has a k and a v scale (`kv_pool.kv_scales(layer_id)`); only a
   backend with `supports_fp8_kv_cache = True` is given one (see that flag).
+- bf16 pools of fp32 models (plugin API 1.8, `runtime.kv_cache_dtype: bfloat16`): `kv_pool.dtype`
+  is `torch.bfloat16` while q, k, v are fp32; only a backend with `supports_bf16_kv_cache = True` is
+  given one.
 - `LatentKVPool` (`radixserve.memory.LatentKVPool`, plugin API 1.4) instead of `KVPool` for a model
   with `attention_type = "latent"` (MLA): per layer one row of `kv_lora_rank + qk_rope_head_dim`
   values per slot; see radixserve.interfaces.latent_attention and docs/mla.md.
@@ -153,6 +156,12 @@ class AttentionBackend(abc.ABC):
     # stack resolution refuses fp8_e4m3 with a backend that leaves it False, naming the ones that
     # declare it. Standard attention only: latent (MLA) pools stay in the model dtype.
     supports_fp8_kv_cache: bool = False
+    # bf16 KV cache of an fp32 (or fp16) model (plugin API 1.8, `runtime.kv_cache_dtype: bfloat16`):
+    # True when forward_extend / forward_decode work on a KVPool whose dtype is torch.bfloat16 while
+    # q, k, v come in the model dtype: they store k, v rounded to bf16 (`kv_pool.set_kv` does it) and
+    # compute with the stored values widened (`kv_pool.read_kv(layer_id, slots, q.dtype)`). The stack
+    # resolution refuses bfloat16 for a non-bf16 model with a backend that leaves it False.
+    supports_bf16_kv_cache: bool = False
     # True when the backend overrides `forward_decode_rotary` (rotary applied in the kernel that
     # stores k, v into the pool). False: the layer applies rotary itself and calls `forward`, so a
     # backend that leaves it False sees no change. Added in plugin API 1.5.

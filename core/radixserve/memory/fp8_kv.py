@@ -14,7 +14,7 @@ import torch
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
-KV_CACHE_DTYPES = {"fp8_e4m3": FP8_KV_DTYPE}
+KV_CACHE_DTYPES = {"fp8_e4m3": FP8_KV_DTYPE, "bfloat16": torch.bfloat16}  # runtime.kv_cache_dtype -> pool dtype
 """`runtime.kv_cache_dtype` values other than "auto" (the model dtype) and the pool dtype they select."""
 
 

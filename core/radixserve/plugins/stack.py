@@ -84,7 +84,7 @@ def resolve_stack(config: Config, registry: Registry, device: str, model_path: s
     quant = None
     if stack.quantization is not None:
         quant = _on_device(registry.get("quantization", stack.quantization), device)
-    kv_cache_dtype = config.runtime.kv_cache_dtype
+    kv_cache_dtype = effective_kv_cache_dtype(config, device)
     if attention_type is not None:
         check_attention_type(attention_type, model_name)
         check_latent_kv_cache_dtype(attention_type, kv_cache_dtype, model_name)
@@ -140,10 +140,25 @@ def backend_supports_attention_type(backend_cls: type, attention_type: str) -> b
     return bool(getattr(backend_cls, ATTENTION_TYPES[attention_type], default))
 
 
+# runtime.kv_cache_dtype values other than "auto" -> the AttentionBackend flag that declares support
+KV_CACHE_DTYPE_FLAGS = {"fp8_e4m3": "supports_fp8_kv_cache", "bfloat16": "supports_bf16_kv_cache"}
+
+
+def effective_kv_cache_dtype(config, device: str) -> str:
+    """runtime.kv_cache_dtype, with "auto" for a bf16 cache of a bf16 model (the pool is then in the
+    model dtype, which every backend takes)."""
+    kv = config.runtime.kv_cache_dtype
+    return "auto" if kv == "bfloat16" and config.runtime.resolved_dtype(device) == "bfloat16" else kv
+
+
+def supports_kv_cache_dtype(backend_cls: type, kv_cache_dtype: str) -> bool:
+    return kv_cache_dtype == "auto" or bool(getattr(backend_cls, KV_CACHE_DTYPE_FLAGS[kv_cache_dtype], False))
+
+
 def default_attention(registry: Registry, device: str, attention_type: str | None = None,
                       kv_cache_dtype: str = "auto") -> ComponentSpec | None:
     """The highest-priority attention component for `device` (whose class supports `attention_type`
-    when given, and an fp8 KV cache when `kv_cache_dtype` is not "auto"; classes are imported only
+    when given, and a KV cache in `kv_cache_dtype` when it is not "auto"; classes are imported only
     until one fits). None when there is none."""
     for spec in registry.components("attention"):
         if not spec.supports_device(device):
@@ -153,33 +168,36 @@ def default_attention(registry: Registry, device: str, attention_type: str | Non
         cls = registry.load("attention", spec.name)
         if attention_type is not None and not backend_supports_attention_type(cls, attention_type):
             continue
-        if kv_cache_dtype == "auto" or getattr(cls, "supports_fp8_kv_cache", False):
+        if supports_kv_cache_dtype(cls, kv_cache_dtype):
             return spec
     return None
 
 
 def check_latent_kv_cache_dtype(attention_type: str, kv_cache_dtype: str, model_name: str = "the model") -> None:
-    """PluginError for an fp8 KV cache on a latent-attention (MLA) model: its LatentKVPool stays in
-    the model dtype (plugin API 1.5)."""
+    """PluginError for a KV cache dtype other than the model's on a latent-attention (MLA) model: its
+    LatentKVPool stays in the model dtype (plugin API 1.5)."""
     if attention_type == "latent" and kv_cache_dtype != "auto":
         raise PluginError(
             f"runtime.kv_cache_dtype={kv_cache_dtype!r}: {model_name} uses latent attention (MLA), whose KV pool "
-            "is kept in the model dtype (an fp8 latent cache is not supported); set runtime.kv_cache_dtype=auto"
+            "is kept in the model dtype (a latent cache in another dtype is not supported); set "
+            "runtime.kv_cache_dtype=auto"
         )
 
 
 def check_backend_kv_cache_dtype(registry: Registry, backend_name: str, kv_cache_dtype: str, device: str) -> None:
-    """PluginError when `runtime.kv_cache_dtype` is not "auto" and the attention backend does not
-    declare `supports_fp8_kv_cache`, naming the installed backends for `device` that do."""
-    if kv_cache_dtype == "auto" or getattr(registry.load("attention", backend_name), "supports_fp8_kv_cache", False):
+    """PluginError when `kv_cache_dtype` (`effective_kv_cache_dtype`) is not "auto" and the attention
+    backend does not declare the flag for it (KV_CACHE_DTYPE_FLAGS), naming the installed backends
+    for `device` that do."""
+    if supports_kv_cache_dtype(registry.load("attention", backend_name), kv_cache_dtype):
         return
+    flag = KV_CACHE_DTYPE_FLAGS[kv_cache_dtype]
     able = [s.name for s in registry.components("attention") if s.supports_device(device)
-            and getattr(registry.load("attention", s.name), "supports_fp8_kv_cache", False)]
+            and supports_kv_cache_dtype(registry.load("attention", s.name), kv_cache_dtype)]
     hint = (f"backends that support it on {device}: {', '.join(able)}" if able
-            else f"no installed backend supports it on {device} (torch_native and triton do)")
+            else f"no installed backend supports it on {device}")
     raise PluginError(
-        f"runtime.kv_cache_dtype={kv_cache_dtype!r}: attention backend {backend_name!r} does not support an fp8 KV "
-        f"cache (supports_fp8_kv_cache is False); {hint}. Choose one with stack.attention, or set "
+        f"runtime.kv_cache_dtype={kv_cache_dtype!r}: attention backend {backend_name!r} does not support a "
+        f"{kv_cache_dtype} KV cache ({flag} is False); {hint}. Choose one with stack.attention, or set "
         "runtime.kv_cache_dtype=auto"
     )
 

@@ -77,6 +77,7 @@ class CPUBatchedBackend(TorchNativeBackend):
     supports_tree_mask = True
     supports_sliding_window = True  # native kernel, or the reference path (see the module docstring)
     supports_logit_cap = True
+    supports_bf16_kv_cache = True  # the native kernel reads a bf16 pool; the torch paths widen (.to(q.dtype))
 
     def __init__(self, runner_info=None, use_native: bool = True) -> None:
         super().__init__(runner_info)

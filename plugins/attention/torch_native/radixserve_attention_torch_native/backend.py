@@ -54,12 +54,14 @@ class TorchNativeBackend(AttentionBackend):
     supports_logit_cap = True
     supports_latent_attention = True  # MLA, decompressed (plugin API 1.4)
     supports_fp8_kv_cache = True  # fp8 pools: quantized by set_kv, dequantized on read (plugin API 1.5)
+    supports_bf16_kv_cache = True  # bf16 pools of fp32 models: rounded by set_kv, widened by read_kv (1.8)
 
     def __init_subclass__(cls, **kwargs) -> None:
         # a subclass replaces the kernels these promises are about: it must make them itself
         super().__init_subclass__(**kwargs)
         for flag in ("supports_tree_mask", "decode_rows_share_requests", "supports_sliding_window",
-                     "supports_logit_cap", "supports_latent_attention", "supports_fp8_kv_cache"):
+                     "supports_logit_cap", "supports_latent_attention", "supports_fp8_kv_cache",
+                     "supports_bf16_kv_cache"):
             if flag not in cls.__dict__:
                 setattr(cls, flag, False)
 

@@ -1,4 +1,5 @@
-// Decode and extend attention straight from the token-slot KV pool (fp32, CPU).
+// Decode and extend attention straight from the token-slot KV pool (CPU; fp32 queries, an fp32 or
+// bf16 pool: runtime.kv_cache_dtype=bfloat16 halves the bytes each step reads).
 //
 // Why: the torch path gathers every request's K and V into a padded tensor each layer and then runs
 // SDPA over it; at batch 64 that copy and SDPA's per-(request, head) set-up cost more than the math.
@@ -12,11 +13,14 @@
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -27,6 +31,15 @@
 #endif
 
 namespace {
+
+// A bf16 pool element: its bits. Stored rounded to nearest even; read exactly (widened to fp32).
+using bf16_bits = uint16_t;
+inline float widen(float x) { return x; }
+inline float widen(bf16_bits x) { return c10::detail::f32_from_bits(x); }
+inline void store_row(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
+inline void store_row(const float* src, int64_t n, bf16_bits* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::detail::round_to_nearest_even(src[i]);
+}
 
 constexpr int64_t kPrefetchAhead = 8;  // slots: far enough to hide a DRAM miss, near enough to stay cached
 
@@ -55,8 +68,10 @@ std::vector<int64_t> costliest_first(int64_t n, const Cost& cost) {
   return order;
 }
 
-inline void prefetch_row(const float* row, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i, 0, 1);
+template <class KV>
+inline void prefetch_row(const KV* row, int64_t elems) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t i = 0; i < elems * static_cast<int64_t>(sizeof(KV)); i += 64) __builtin_prefetch(bytes + i, 0, 1);
 }
 
 // The reductions of a query row (its score dot products, the softmax sum and the exponentials)
@@ -74,13 +89,13 @@ inline float lane_sum(const float* part) {
   return ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
 }
 
-template <int D>
-inline float dot_fixed(const float* a, const float* b) {
+template <int D, class KV>
+inline float dot_fixed(const float* a, const KV* b) {
   static_assert(D % kLanes == 0, "head_dim is a multiple of 8");
   float part[kLanes] = {};
   for (int j = 0; j < D; j += kLanes)
 #pragma GCC unroll 8
-    for (int l = 0; l < kLanes; ++l) part[l] += a[j + l] * b[j + l];
+    for (int l = 0; l < kLanes; ++l) part[l] += a[j + l] * widen(b[j + l]);
   return lane_sum(part);
 }
 
@@ -167,9 +182,9 @@ struct LayerOptions {
 // of a KV head's group share its keys; each key and value row is read once for all queries and
 // heads (whole rows, in slot order, prefetched ahead). Not inlined: decode and extend then run the
 // same machine code (-ffast-math lets each inlined copy be reassociated differently).
-template <int D>
-__attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, int64_t nq, int64_t hq, int64_t hkv, const float* k_buf,
-                    const float* v_buf, const int64_t* slots, int64_t first_len, float scale, float* out,
+template <int D, class KV>
+__attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, int64_t nq, int64_t hq, int64_t hkv, const KV* k_buf,
+                    const KV* v_buf, const int64_t* slots, int64_t first_len, float scale, float* out,
                     int64_t out_stride, std::vector<float>& scores, const TreeMask& tree = TreeMask(),
                     const LayerOptions& opt = LayerOptions()) {
   const int64_t group = hq / hkv, row = hkv * D, len = first_len + nq - 1;
@@ -185,10 +200,10 @@ __attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, 
   const int64_t lo = opt.window > 0 ? std::max<int64_t>(0, (tree.depth != nullptr ? tree.new_start : first_len - 1) - opt.window + 1) : 0;
   for (int64_t t = lo; t < len; ++t) {
     if (t + kPrefetchAhead < len) prefetch_row(k_buf + slots[t + kPrefetchAhead] * row, row);
-    const float* k_row = k_buf + slots[t] * row;
+    const KV* k_row = k_buf + slots[t] * row;
     for (int64_t i = first_query(t); i < nq; ++i) {
       const float* qi = q + i * q_stride;
-      const float* k = k_row;
+      const KV* k = k_row;
       for (int64_t g = 0; g < hkv; ++g, k += D) {
         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
           const float* qh = qi + h * D;
@@ -221,15 +236,15 @@ __attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, 
   }
   for (int64_t t = lo; t < len; ++t) {
     if (t + kPrefetchAhead < len) prefetch_row(v_buf + slots[t + kPrefetchAhead] * row, row);
-    const float* v_row = v_buf + slots[t] * row;
+    const KV* v_row = v_buf + slots[t] * row;
     for (int64_t i = first_query(t); i < nq; ++i) {
-      const float* v = v_row;
+      const KV* v = v_row;
       for (int64_t g = 0; g < hkv; ++g, v += D) {
         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
           const float p = s[(i * hq + h) * len + t];
           float* oh = out + i * out_stride + h * D;
 #pragma omp simd
-          for (int j = 0; j < D; ++j) oh[j] += p * v[j];
+          for (int j = 0; j < D; ++j) oh[j] += p * widen(v[j]);
         }
       }
     }
@@ -242,14 +257,14 @@ __attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, 
     }
 }
 
-template <int D>
+template <int D, class KV>
 void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& out_loc,
          at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& table, const at::Tensor& rows,
          const at::Tensor& seq_lens, double scale, const LayerOptions& opt, at::Tensor& out) {
   const int64_t bs = q.size(0), hkv = k_buf.size(1), hq = q.size(1) / D, row = hkv * D;
   const float* qp = q.data_ptr<float>();
-  float* kp = k_buf.data_ptr<float>();
-  float* vp = v_buf.data_ptr<float>();
+  KV* kp = static_cast<KV*>(k_buf.data_ptr());
+  KV* vp = static_cast<KV*>(v_buf.data_ptr());
   const float* knp = k_new.data_ptr<float>();
   const float* vnp = v_new.data_ptr<float>();
   const int64_t* locp = out_loc.data_ptr<int64_t>();
@@ -262,8 +277,8 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
   const auto order = costliest_first(bs, [&](int64_t b) { return lp[b]; });
   for_each_dynamic<std::vector<float>>(order, [&](int64_t b, std::vector<float>& scores) {
     // the new token's K/V first: its slot is this request's own (never a shared prefix slot)
-    std::copy(knp + b * skn, knp + b * skn + row, kp + locp[b] * row);
-    std::copy(vnp + b * svn, vnp + b * svn + row, vp + locp[b] * row);
+    store_row(knp + b * skn, row, kp + locp[b] * row);
+    store_row(vnp + b * svn, row, vp + locp[b] * row);
     attend_queries<D>(qp + b * hq * D, hq * D, 1, hq, hkv, kp, vp, tp + rp[b] * table_stride, lp[b],
                       static_cast<float>(scale), op + b * hq * D, hq * D, scores, TreeMask(), opt);
   });
@@ -273,7 +288,7 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
 // block of up to kQueryBlock queries of one request.
 constexpr int64_t kQueryBlock = 16;
 
-template <int D>
+template <int D, class KV>
 void run_extend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                 const at::Tensor& out_loc, at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& table,
                 const at::Tensor& rows, const at::Tensor& seq_lens, const at::Tensor& extend_lens,
@@ -281,16 +296,16 @@ void run_extend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& 
                 double scale, const LayerOptions& opt, at::Tensor& out) {
   const int64_t n = q.size(0), bs = rows.size(0), hkv = k_buf.size(1), hq = q.size(1) / D, row = hkv * D;
   const float* qp = q.data_ptr<float>();
-  float* kp = k_buf.data_ptr<float>();
-  float* vp = v_buf.data_ptr<float>();
+  KV* kp = static_cast<KV*>(k_buf.data_ptr());
+  KV* vp = static_cast<KV*>(v_buf.data_ptr());
   const float* knp = k_new.data_ptr<float>();
   const float* vnp = v_new.data_ptr<float>();
   const int64_t* locp = out_loc.data_ptr<int64_t>();
   const int64_t skn = k_new.stride(0), svn = v_new.stride(0);
   at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
-      std::copy(knp + i * skn, knp + i * skn + row, kp + locp[i] * row);
-      std::copy(vnp + i * svn, vnp + i * svn + row, vp + locp[i] * row);
+      store_row(knp + i * skn, row, kp + locp[i] * row);
+      store_row(vnp + i * svn, row, vp + locp[i] * row);
     }
   });
   struct Task { int64_t req, q_row, first_query, count; };
@@ -344,9 +359,10 @@ namespace {
 void check_inputs(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                   const at::Tensor& out_loc, const at::Tensor& k_buf, const at::Tensor& v_buf,
                   const at::Tensor& table, const at::Tensor& rows, const at::Tensor& seq_lens, int64_t bs) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_buf.scalar_type() == at::kFloat &&
-                  v_buf.scalar_type() == at::kFloat && k_new.scalar_type() == at::kFloat &&
-                  v_new.scalar_type() == at::kFloat, "attention: fp32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_new.scalar_type() == at::kFloat && v_new.scalar_type() == at::kFloat,
+              "attention: fp32 queries and new k/v only");
+  TORCH_CHECK((k_buf.scalar_type() == at::kFloat || k_buf.scalar_type() == at::kBFloat16) &&
+                  v_buf.scalar_type() == k_buf.scalar_type(), "attention: an fp32 or bf16 KV pool only");
   TORCH_CHECK(table.scalar_type() == at::kLong && rows.scalar_type() == at::kLong &&
                   seq_lens.scalar_type() == at::kLong && out_loc.scalar_type() == at::kLong,
               "attention: int64 indices");
@@ -363,11 +379,32 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor
   TORCH_CHECK(d == 64 || d == 128 || d == 256, "attention: head_dim ", d, " not compiled (64, 128, 256)");
 }
 
+template <class T>
+struct Type {
+  using type = T;
+};
+
+// body(head_dim constant, Type<pool element>) for the pool's head_dim (64, 128, 256) and dtype.
+template <class Body>
+void dispatch(const at::Tensor& k_buf, const Body& body) {
+  auto with_dim = [&](auto kv) {
+    switch (k_buf.size(2)) {
+      case 64: body(std::integral_constant<int, 64>(), kv); break;
+      case 128: body(std::integral_constant<int, 128>(), kv); break;
+      default: body(std::integral_constant<int, 256>(), kv); break;
+    }
+  };
+  if (k_buf.scalar_type() == at::kBFloat16)
+    with_dim(Type<bf16_bits>());
+  else
+    with_dim(Type<float>());
+}
+
 }  // namespace
 
 // Stores each request's new k, v ([bs, num_kv_heads * head_dim], rows may be strided) at its slot
-// out_loc[b], then attends. q: [bs, num_heads * head_dim] fp32; k_buf, v_buf: [slots, num_kv_heads,
-// head_dim] fp32 contiguous; table: [rows, max_context] int64 slot table; rows, seq_lens, out_loc: [bs]
+// out_loc[b] (rounded to nearest even in a bf16 pool), then attends. q: [bs, num_heads * head_dim]
+// fp32; k_buf, v_buf: [slots, num_kv_heads, head_dim] fp32 or bf16, contiguous; table: [rows, max_context] int64 slot table; rows, seq_lens, out_loc: [bs]
 // int64. window: sliding window (0: none); cap: score soft-cap (0: none). Returns [bs, num_heads * head_dim].
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at::Tensor out_loc,
                                at::Tensor k_buf, at::Tensor v_buf, at::Tensor table, at::Tensor rows,
@@ -377,11 +414,10 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at
   const LayerOptions opt{window, static_cast<float>(cap)};
   q = q.contiguous();
   auto out = at::empty_like(q);
-  switch (k_buf.size(2)) {
-    case 64: run<64>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, scale, opt, out); break;
-    case 128: run<128>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, scale, opt, out); break;
-    default: run<256>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, scale, opt, out); break;
-  }
+  dispatch(k_buf, [&](auto d, auto kv) {
+    run<decltype(d)::value, typename decltype(kv)::type>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens,
+                                                         scale, opt, out);
+  });
   return out;
 }
 
@@ -418,15 +454,15 @@ at::Tensor extend_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at
   }
   q = q.contiguous();
   auto out = at::empty_like(q);
-  switch (k_buf.size(2)) {
-    case 64: run_extend<64>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, tree_mask, mask_offsets, depths, scale, opt, out); break;
-    case 128: run_extend<128>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, tree_mask, mask_offsets, depths, scale, opt, out); break;
-    default: run_extend<256>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, tree_mask, mask_offsets, depths, scale, opt, out); break;
-  }
+  dispatch(k_buf, [&](auto d, auto kv) {
+    run_extend<decltype(d)::value, typename decltype(kv)::type>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows,
+                                                                seq_lens, extend_lens, tree_mask, mask_offsets, depths,
+                                                                scale, opt, out);
+  });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "store the new K/V, then fp32 decode attention over the KV pool");
-  m.def("extend_attention", &extend_attention, "store the new K/V, then fp32 causal (or tree-masked) extend attention over the KV pool");
+  m.def("decode_attention", &decode_attention, "store the new K/V, then decode attention over an fp32 or bf16 KV pool");
+  m.def("extend_attention", &extend_attention, "store the new K/V, then causal (or tree-masked) extend attention over an fp32 or bf16 KV pool");
 }
