@@ -39,6 +39,13 @@ def _cpu_gemm_avx2() -> None:
     native.load_extension("radixserve_cpu_gemm_avx2", cpu_gemm._SOURCE, defines=("RS_NO_AVX512",))
 
 
+def _cpu_attention_avx2() -> None:
+    from radixserve import native
+    from radixserve_attention_cpu_batched import backend
+
+    native.load_extension("radixserve_cpu_attention_avx2", backend._SOURCE, defines=("RS_NO_AVX512",))
+
+
 def _cpu_greedy_head() -> None:
     import torch
     from radixserve.layers import cpu_greedy_head
@@ -82,6 +89,7 @@ def sources() -> dict[str, tuple[Path, tuple[str, ...]]]:
         "radixserve_sample_rows": (cpu_draw._SOURCE, ()),
         "radixserve_gguf_blocks": (kernels._SOURCE, ()),
         "radixserve_cpu_gemm_avx2": (cpu_gemm._SOURCE, ("RS_NO_AVX512",)),
+        "radixserve_cpu_attention_avx2": (backend._SOURCE, ("RS_NO_AVX512",)),
     }
     return {name: found[name] for name in KERNELS}
 
@@ -96,6 +104,7 @@ KERNELS: dict[str, Callable[[], None]] = {
 }
 if _cpu_has_avx512():  # tests/test_native_cpu_kernels.py also runs the AVX2 GEMM of AVX2-only CPUs
     KERNELS["radixserve_cpu_gemm_avx2"] = _cpu_gemm_avx2
+    KERNELS["radixserve_cpu_attention_avx2"] = _cpu_attention_avx2  # and its attention loops
 
 
 if __name__ == "__main__":

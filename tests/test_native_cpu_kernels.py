@@ -241,15 +241,27 @@ def test_native_extend_attention_matches_the_reference(hq, hkv, d, kv_dtype):
         torch.testing.assert_close(got, ref_backend._attend(q, k, v, layer, batch), rtol=1e-4, atol=1e-5)
 
 
+# The attention builds this machine runs: the default one (AVX-512 score blocks and register value
+# sums where the CPU has AVX-512) and, on such a CPU, the AVX2 loops of AVX2-only CPUs.
+ATTENTION_BUILDS = ["default"] + (["avx2"] if _cpu_has_avx512() else [])
+
+
+def _attention_module(build: str):
+    from radixserve_attention_cpu_batched.backend import _SOURCE, load_kernels
+
+    if build == "default":
+        return load_kernels()
+    return native.load_extension("radixserve_cpu_attention_avx2", _SOURCE, defines=("RS_NO_AVX512",))
+
+
+@pytest.mark.parametrize("build", ATTENTION_BUILDS)
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_native_attention_row_is_the_same_bits_in_decode_and_extend(kv_dtype):
+def test_native_attention_row_is_the_same_bits_in_decode_and_extend(kv_dtype, build):
     """A query row's output does not depend on how many queries its call carries: the last row of an
     extend (a prefill, a speculative verify) equals a decode of that row bit for bit. Needed for
     speculative outputs to equal plain decoding where later layers amplify 1-ulp differences (int8
     activation rounding of GGUF blocks kept quantized)."""
-    from radixserve_attention_cpu_batched.backend import load_kernels
-
-    kernels, gen = load_kernels(), torch.Generator().manual_seed(0)
+    kernels, gen = _attention_module(build), torch.Generator().manual_seed(0)
     hq, hkv, d, slots = 9, 3, 64, 80
     k_buf, v_buf = (torch.randn(slots, hkv, d, generator=gen).to(kv_dtype) for _ in range(2))
     table = torch.randperm(slots - 1, generator=gen)[None, :] + 1  # scattered slots; 0 is the pad slot
@@ -267,14 +279,14 @@ def test_native_attention_row_is_the_same_bits_in_decode_and_extend(kv_dtype):
             assert torch.equal(one[0], ext[i]), f"seq_len {seq_len}, extend {extend}: query {i} differs"
 
 
-def test_native_decode_row_alone_is_the_same_bits_as_in_a_batch():
+@pytest.mark.parametrize("build", ATTENTION_BUILDS)
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (8, 2, 128), (2, 1, 256)])
+def test_native_decode_row_alone_is_the_same_bits_as_in_a_batch(build, hq, hkv, d):
     """A request's decode output does not depend on the other rows of its batch (bit for bit), and
     matches an fp64 softmax where scores span far more than fp32's exp range (row 2: keys more than
     87 below the max weigh exactly 0 in the kernel's vectorized exp)."""
-    from radixserve_attention_cpu_batched.backend import load_kernels
-
-    kernels, gen = load_kernels(), torch.Generator().manual_seed(1)
-    hq, hkv, d, lens = 9, 3, 64, [1, 9, 45, 33]
+    kernels, gen = _attention_module(build), torch.Generator().manual_seed(1)
+    lens = [1, 9, 45, 33]
     slots = sum(lens) + 1
     k_buf, v_buf = torch.randn(slots, hkv, d, generator=gen), torch.randn(slots, hkv, d, generator=gen)
     table = torch.zeros(len(lens), max(lens), dtype=torch.int64)

@@ -29,6 +29,12 @@
 #else
 #define RS_ATTN_AVX2 0
 #endif
+// AVX-512: scores 16 keys at a time and value sums in registers (RS_NO_AVX512: the AVX2 loops, tests)
+#if RS_ATTN_AVX2 && defined(__AVX512F__) && !defined(RS_NO_AVX512)
+#define RS_ATTN_AVX512 1
+#else
+#define RS_ATTN_AVX512 0
+#endif
 
 namespace {
 
@@ -159,6 +165,100 @@ inline float exp_and_sum(float* sh, int64_t lo, int64_t n, float m) {
   return lane_sum(part);
 }
 
+#if RS_ATTN_AVX512
+// 16 pool elements widened to fp32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16_bits* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// out[t] = sum of the 16 lanes of acc[t], t = 0..15. Every add combines partials of one key, in
+// the same tree for every t (so a key's score does not depend on its place in a block).
+inline __m512 reduce16(const __m512 (&acc)[16]) {
+  __m512 r[8], q[4];
+  for (int p = 0; p < 8; ++p)  // per 128-bit block: (a0+a2, b0+b2, a1+a3, b1+b3)
+    r[p] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * p], acc[2 * p + 1]), _mm512_unpackhi_ps(acc[2 * p], acc[2 * p + 1]));
+  for (int p = 0; p < 4; ++p)  // per 128-bit block: keys 4p..4p+3, one partial each
+    q[p] = _mm512_add_ps(_mm512_shuffle_ps(r[2 * p], r[2 * p + 1], 0x44), _mm512_shuffle_ps(r[2 * p], r[2 * p + 1], 0xee));
+  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], 0x44), _mm512_shuffle_f32x4(q[0], q[1], 0xee));
+  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(q[2], q[3], 0x44), _mm512_shuffle_f32x4(q[2], q[3], 0xee));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xdd));
+}
+
+// s[t] = scale * (qh . key t) for t in [t0, t1), t1 - t0 <= 16, key t's head-g row at
+// k_buf + slots[t] * row + g * D. Missing keys of a short block read a zero row.
+template <int D, class KV>
+inline void scores16(const float* qh, const KV* k_buf, const int64_t* slots, int64_t row, int64_t g, int64_t t0,
+                     int64_t t1, float scale, float* s) {
+  alignas(64) static const KV zeros[D] = {};
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) {
+    const KV* k = t0 + j < t1 ? k_buf + slots[t0 + j] * row + g * D : zeros;
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), load16(k));
+#pragma GCC unroll 16
+    for (int c = 16; c < D; c += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c), load16(k + c), a);
+    acc[j] = a;
+  }
+  const __m512 out = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
+  _mm512_mask_storeu_ps(s + t0, static_cast<__mmask16>((1u << (t1 - t0)) - 1), out);
+}
+
+// out[h] (+)= sum over t in [lo, n) of p[h][t] * value t's head-g row, for NH heads h0.. of group g
+// (p[h] = s + h * p_stride), then out[h] *= inv_sum[h]; accumulators stay in registers.
+template <int D, int NH, class KV>
+inline void values_nh(const float* s, int64_t p_stride, const KV* v_buf, const int64_t* slots, int64_t row, int64_t g,
+                      int64_t lo, int64_t n, const float* inv_sum, float* out, int64_t out_head_stride, bool prefetch) {
+  constexpr int C = D / 16;
+  __m512 acc[NH][C];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
+  for (int64_t t = lo; t < n; ++t) {
+    if (prefetch && t + kPrefetchAhead < n) prefetch_row(v_buf + slots[t + kPrefetchAhead] * row, row);
+    const KV* v = v_buf + slots[t] * row + g * D;
+    __m512 vc[C];
+    for (int c = 0; c < C; ++c) vc[c] = load16(v + 16 * c);
+    for (int h = 0; h < NH; ++h) {
+      const __m512 p = _mm512_set1_ps(s[h * p_stride + t]);
+      for (int c = 0; c < C; ++c) acc[h][c] = _mm512_fmadd_ps(p, vc[c], acc[h][c]);
+    }
+  }
+  for (int h = 0; h < NH; ++h) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[h]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + h * out_head_stride + 16 * c, _mm512_mul_ps(acc[h][c], inv));
+  }
+}
+
+// Heads per values_nh call: their accumulators (D / 16 vectors each) fill at most 16 registers.
+template <int D>
+constexpr int64_t kValueHeads = 256 / D;
+
+// values_nh for a head count nh <= kValueHeads<D>.
+template <int D, class KV>
+inline void values_heads(int64_t nh, const float* s, int64_t p_stride, const KV* v_buf, const int64_t* slots,
+                         int64_t row, int64_t g, int64_t lo, int64_t n, const float* inv_sum, float* out,
+                         int64_t out_head_stride, bool prefetch) {
+  auto run = [&](auto heads) {
+    values_nh<D, decltype(heads)::value>(s, p_stride, v_buf, slots, row, g, lo, n, inv_sum, out, out_head_stride,
+                                         prefetch);
+  };
+  if constexpr (D == 64) {
+    switch (nh) {
+      case 4: run(std::integral_constant<int, 4>()); break;
+      case 3: run(std::integral_constant<int, 3>()); break;
+      case 2: run(std::integral_constant<int, 2>()); break;
+      default: run(std::integral_constant<int, 1>()); break;
+    }
+  } else if constexpr (D == 128) {
+    if (nh == 2) run(std::integral_constant<int, 2>());
+    else run(std::integral_constant<int, 1>());
+  } else {
+    run(std::integral_constant<int, 1>());
+  }
+}
+#endif
+
 // A speculative verify's tree mask for one block of queries: query i may attend the new key
 // t >= new_start iff rows[i * stride + t - new_start] (keys before new_start, the prefix, always).
 struct TreeMask {
@@ -198,6 +298,22 @@ __attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, 
   // with a window, keys before the earliest query's window are never seen (queries sit at or after
   // new_start in a tree, at first_len - 1 onward otherwise)
   const int64_t lo = opt.window > 0 ? std::max<int64_t>(0, (tree.depth != nullptr ? tree.new_start : first_len - 1) - opt.window + 1) : 0;
+#if RS_ATTN_AVX512
+  // query i's scores, 16 keys at a time for every head (the block's rows stay in L1 meanwhile)
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t n = first_len + i;
+    for (int64_t t0 = lo; t0 < n; t0 += 16) {
+      if (i == 0)  // the first query brings each key row in: fetch the next block's
+        for (int64_t t = t0 + 16; t < std::min(n, t0 + 32); ++t) prefetch_row(k_buf + slots[t] * row, row);
+      for (int64_t h = 0; h < hq; ++h)
+        scores16<D>(q + i * q_stride + h * D, k_buf, slots, row, h / group, t0, std::min(n, t0 + 16), scale,
+                    s + (i * hq + h) * len);
+    }
+    if (opt.cap > 0.f)
+      for (int64_t h = 0; h < hq; ++h)
+        for (int64_t t = lo; t < n; ++t) s[(i * hq + h) * len + t] = opt.cap * std::tanh(s[(i * hq + h) * len + t] / opt.cap);
+  }
+#else
   for (int64_t t = lo; t < len; ++t) {
     if (t + kPrefetchAhead < len) prefetch_row(k_buf + slots[t + kPrefetchAhead] * row, row);
     const KV* k_row = k_buf + slots[t] * row;
@@ -214,6 +330,7 @@ __attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, 
       }
     }
   }
+#endif
   float* inv_sum = s + nq * hq * len;  // [nq * hq], in the caller's buffer: no allocation per call
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t n = first_len + i;
@@ -232,8 +349,18 @@ __attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, 
       for (int64_t t = lo; t < n; ++t) m = std::max(m, sh[t]);
       inv_sum[i * hq + h] = 1.f / exp_and_sum(sh, lo, n, m);
     }
-    std::fill(out + i * out_stride, out + i * out_stride + hq * D, 0.f);
   }
+#if RS_ATTN_AVX512
+  // each query's weighted value sum, kValueHeads<D> heads of a KV group at a time
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < hkv; ++g)
+      for (int64_t h = g * group; h < (g + 1) * group; h += kValueHeads<D>) {
+        const int64_t nh = std::min<int64_t>(kValueHeads<D>, (g + 1) * group - h);
+        values_heads<D>(nh, s + (i * hq + h) * len, len, v_buf, slots, row, g, lo, first_len + i,
+                        inv_sum + i * hq + h, out + i * out_stride + h * D, D, i == 0 && h == 0);
+      }
+#else
+  for (int64_t i = 0; i < nq; ++i) std::fill(out + i * out_stride, out + i * out_stride + hq * D, 0.f);
   for (int64_t t = lo; t < len; ++t) {
     if (t + kPrefetchAhead < len) prefetch_row(v_buf + slots[t + kPrefetchAhead] * row, row);
     const KV* v_row = v_buf + slots[t] * row;
@@ -255,6 +382,7 @@ __attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, 
       const float inv = inv_sum[i * hq + h];
       for (int j = 0; j < D; ++j) oh[j] *= inv;
     }
+#endif
 }
 
 template <int D, class KV>
