@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--layers", type=int, default=30, help="KV buffers cycled through (1: KV stays in cache)")
     ap.add_argument("--baseline", default=None, help="an older attention.cpp to A/B against")
+    ap.add_argument("--kv-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the pool's dtype (bfloat16: runtime.kv_cache_dtype=bfloat16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from radixserve import native
@@ -64,14 +66,15 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     table = layout(args.batch, args.context, min(args.prompt, args.context))
     slots = int(table.max()) + 1
-    k_bufs = [torch.randn(slots, HKV, D, generator=gen) for _ in range(args.layers)]
-    v_bufs = [torch.randn(slots, HKV, D, generator=gen) for _ in range(args.layers)]
+    kv_dtype = getattr(torch, args.kv_dtype)
+    k_bufs = [torch.randn(slots, HKV, D, generator=gen).to(kv_dtype) for _ in range(args.layers)]
+    v_bufs = [torch.randn(slots, HKV, D, generator=gen).to(kv_dtype) for _ in range(args.layers)]
     q = torch.randn(args.batch, HQ * D, generator=gen)
     rows = torch.arange(args.batch)
     seq_lens = torch.full((args.batch,), args.context)
     loc = table[:, -1].contiguous()
-    k_new = k_bufs[0][loc].reshape(args.batch, -1).clone()
-    v_new = v_bufs[0][loc].reshape(args.batch, -1).clone()
+    k_new = k_bufs[0][loc].reshape(args.batch, -1).float()
+    v_new = v_bufs[0][loc].reshape(args.batch, -1).float()
 
     def call(mod, layer: int) -> torch.Tensor:
         return mod.decode_attention(q, k_new, v_new, loc, k_bufs[layer], v_bufs[layer], table, rows, seq_lens,

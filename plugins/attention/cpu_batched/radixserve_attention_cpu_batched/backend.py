@@ -1,11 +1,13 @@
 """cpu_batched: attention for the whole batch in one call per layer.
 
 Why: the reference backend loops over requests in Python and repeats K/V for every query head
-(GQA); at batch 64 on a 2-core CPU that is a third of a decode step. For fp32 a native kernel
-(csrc/attention.cpp, compiled on first use by `radixserve.native`) stores the new tokens' K/V and
-reads each request's keys and values in place through its slot row, serving every query head of a
-KV group (and, in extend, a block of up to 16 of the request's new tokens) from one read of each
-row. Extend batches go through it when every request adds at most NATIVE_MAX_EXTEND tokens (the
+(GQA); at batch 64 on a 2-core CPU that is a third of a decode step. For fp32 models a native
+kernel (csrc/attention.cpp, compiled on first use by `radixserve.native`) stores the new tokens'
+K/V and reads each request's keys and values in place through its slot row, serving every query
+head of a KV group (and, in extend, a block of up to 16 of the request's new tokens) from one read
+of each row. The pool may be fp32 or bf16 (`runtime.kv_cache_dtype: bfloat16`, half the bytes a
+step streams: a decode step's attention is bound by them once the KV is out of cache). On AVX-512
+CPUs the scores are taken 16 keys at a time and the value sums kept in registers. Extend batches go through it when every request adds at most NATIVE_MAX_EXTEND tokens (the
 short prompts and suffixes after a prefix-cache hit of a serving load); longer ones take the
 reference path, whose SDPA does the quadratic work faster. Without a compiler (or for other
 dtypes) decode gathers each request's KV into one padded [bs, kv_heads, max_len, head_dim] tensor

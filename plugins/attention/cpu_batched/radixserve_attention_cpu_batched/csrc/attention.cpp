@@ -304,7 +304,10 @@ __attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, 
     const int64_t n = first_len + i;
     for (int64_t t0 = lo; t0 < n; t0 += 16) {
       if (i == 0)  // the first query brings each key row in: fetch the next block's
-        for (int64_t t = t0 + 16; t < std::min(n, t0 + 32); ++t) prefetch_row(k_buf + slots[t] * row, row);
+        for (int64_t t = t0 + 16; t < std::min(n, t0 + 32); ++t) {
+          prefetch_row(k_buf + slots[t] * row, row);
+          prefetch_row(v_buf + slots[t - 16] * row, row);  // the value pass follows: start its rows too
+        }
       for (int64_t h = 0; h < hq; ++h)
         scores16<D>(q + i * q_stride + h * D, k_buf, slots, row, h / group, t0, std::min(n, t0 + 16), scale,
                     s + (i * hq + h) * len);
