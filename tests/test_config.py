@@ -64,6 +64,13 @@ def test_config_show_cpu_stack():
     assert "resolved_stack:" in r.stdout and "policy: fcfs" in r.stdout and "device: cpu" in r.stdout
 
 
+def test_config_show_cpu_bf16_stack():
+    r = run_cli(["config", "show", "--config", str(REPO / "stacks" / "cpu-bf16.yaml")])
+    assert r.returncode == 0, r.stderr
+    assert "cpu_matmul_precision: medium" in r.stdout and "kv_cache_dtype: bfloat16" in r.stdout
+    assert "attention: cpu_batched" in r.stdout
+
+
 def test_config_show_shows_and_checks_the_output_parsers():
     """An outsider selecting a plugin tool parser could not see it in `config show`, and a typo
     passed there (only `serve` refused it)."""
