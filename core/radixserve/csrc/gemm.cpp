@@ -281,6 +281,17 @@ struct Bf16Operands {
 };
 #endif
 
+// body(operands of x and panels in the panels' precision); nothing without AVX2 (check_operands refused).
+template <class Body>
+void with_operands(const at::Tensor& x, const at::Tensor& panels, const Body& body) {
+#if RS_HAVE_BF16_PANELS
+  if (is_bf16(panels)) return body(Bf16Operands(x, panels));
+#endif
+#if RS_HAVE_AVX2
+  body(Fp32Operands(x, panels));
+#endif
+}
+
 // y [M, n] = x @ w^T; within a row chunk each thread takes runs of panels: its weights stream in
 // memory order.
 template <class Operands>
@@ -369,15 +380,7 @@ at::Tensor linear(at::Tensor x, at::Tensor panels, int64_t n) {
   check_operands(x, panels, np);
   const int64_t M = x.size(0), K = x.size(1);
   auto y = at::empty({M, n}, x.options());
-#if RS_HAVE_BF16_PANELS
-  if (is_bf16(panels)) {
-    linear_into(Bf16Operands(x, panels), M, K, n, np, y.data_ptr<float>());
-    return y;
-  }
-#endif
-#if RS_HAVE_AVX2
-  linear_into(Fp32Operands(x, panels), M, K, n, np, y.data_ptr<float>());
-#endif
+  with_operands(x, panels, [&](const auto& ops) { linear_into(ops, M, K, n, np, y.data_ptr<float>()); });
   return y;
 }
 
@@ -397,15 +400,7 @@ at::Tensor linear_silu_mul(at::Tensor x, at::Tensor panels, int64_t i) {
   check_operands(x, panels, 2 * pairs);
   const int64_t M = x.size(0), K = x.size(1);
   auto y = at::empty({M, i}, x.options());
-#if RS_HAVE_BF16_PANELS
-  if (is_bf16(panels)) {
-    silu_mul_into(Bf16Operands(x, panels), M, K, i, pairs, y.data_ptr<float>());
-    return y;
-  }
-#endif
-#if RS_HAVE_AVX2
-  silu_mul_into(Fp32Operands(x, panels), M, K, i, pairs, y.data_ptr<float>());
-#endif
+  with_operands(x, panels, [&](const auto& ops) { silu_mul_into(ops, M, K, i, pairs, y.data_ptr<float>()); });
   return y;
 }
 

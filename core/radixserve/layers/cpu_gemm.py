@@ -11,7 +11,8 @@ serves 16+ rows and MKL the rest. Either way a second copy of each weight is kep
 runtime.cpu_matmul_precision=medium (`lower_precision`): on CPUs with AVX-512 BF16 the panels are
 converted to bf16 once at load; each call rounds x to bf16 and sums the products in fp32
 (vdpbf16ps: twice the fp32 FMA rate, half the weight bytes), as torch's "medium" float32 matmul
-precision allows. Norms, attention, the KV cache and the logits stay fp32."""
+precision allows. The LM head's logits come from the same bf16 products (fp32 results); norms,
+attention, the KV cache, sampling and the greedy head's exact argmax stay fp32."""
 
 from __future__ import annotations
 

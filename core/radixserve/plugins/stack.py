@@ -188,7 +188,8 @@ def check_backend_kv_cache_dtype(registry: Registry, backend_name: str, kv_cache
     """PluginError when `kv_cache_dtype` (`effective_kv_cache_dtype`) is not "auto" and the attention
     backend does not declare the flag for it (KV_CACHE_DTYPE_FLAGS), naming the installed backends
     for `device` that do."""
-    if supports_kv_cache_dtype(registry.load("attention", backend_name), kv_cache_dtype):
+    # "auto" first: loading the class imports the backend (and torch), which the front end avoids
+    if kv_cache_dtype == "auto" or supports_kv_cache_dtype(registry.load("attention", backend_name), kv_cache_dtype):
         return
     flag = KV_CACHE_DTYPE_FLAGS[kv_cache_dtype]
     able = [s.name for s in registry.components("attention") if s.supports_device(device)
