@@ -54,7 +54,7 @@ inline void row_to_pairs(const float* x, int64_t K, uint32_t* out) {
 template <int ROWS>
 __attribute__((always_inline)) inline void micro(const uint32_t* a, int64_t lda, const uint16_t* panel, int64_t K2,
                                                  float* c, int64_t ldc, int64_t cols, const uint16_t* next,
-                                                 bool accumulate) {
+                                                 bool accumulate, int64_t pf_first = 0, int64_t pf_step = 1) {
   const bool load = accumulate && cols == NR;
   __m512 acc[ROWS][3];
 #pragma GCC unroll 8
@@ -63,7 +63,7 @@ __attribute__((always_inline)) inline void micro(const uint32_t* a, int64_t lda,
     for (int j = 0; j < 3; ++j) acc[r][j] = load ? _mm512_loadu_ps(c + r * ldc + 16 * j) : _mm512_setzero_ps();
   for (int64_t k = 0; k < K2; ++k) {
     const uint16_t* p = panel + k * NR * 2;
-    if (next != nullptr) {  // a k row is 192 bytes: three lines
+    if (next != nullptr && k % pf_step == pf_first) {  // a k row is 192 bytes: three lines
       const char* q = reinterpret_cast<const char*>(next + k * NR * 2);
       _mm_prefetch(q, _MM_HINT_T1);
       _mm_prefetch(q + 64, _MM_HINT_T1);
@@ -106,18 +106,23 @@ inline void panel_product(const uint32_t* a, int64_t lda, int64_t rows, const ui
     const uint16_t* next = k0 + KC2 < K2 ? slice + kc * NR * 2 : next_panel;
     const uint32_t* ak = a + k0;
     const bool acc = k0 > 0;
+    // the next slice's prefetch is spread over the first two row groups (a decode batch of 9-16 rows:
+    // each asks DRAM for half, so the requests are spread over both passes)
+    const int64_t pf_step = rows > MR && rows <= 2 * MR ? 2 : 1;
     int64_t m = 0;
     for (; m + MR <= rows; m += MR)
-      micro<MR>(ak + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, m == 0 ? next : nullptr, acc);
-    const uint16_t* nx = m == 0 ? next : nullptr;
+      micro<MR>(ak + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, m < pf_step * MR ? next : nullptr, acc, m / MR,
+                pf_step);
+    const uint16_t* nx = m < pf_step * MR ? next : nullptr;
+    const int64_t pf_first = m / MR;
     switch (rows - m) {  // the remainder rows, fewer than MR
-      case 7: micro<7>(ak + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, nx, acc); break;
-      case 6: micro<6>(ak + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, nx, acc); break;
-      case 5: micro<5>(ak + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, nx, acc); break;
-      case 4: micro<4>(ak + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, nx, acc); break;
-      case 3: micro<3>(ak + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, nx, acc); break;
-      case 2: micro<2>(ak + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, nx, acc); break;
-      case 1: micro<1>(ak + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, nx, acc); break;
+      case 7: micro<7>(ak + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, nx, acc, pf_first, pf_step); break;
+      case 6: micro<6>(ak + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, nx, acc, pf_first, pf_step); break;
+      case 5: micro<5>(ak + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, nx, acc, pf_first, pf_step); break;
+      case 4: micro<4>(ak + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, nx, acc, pf_first, pf_step); break;
+      case 3: micro<3>(ak + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, nx, acc, pf_first, pf_step); break;
+      case 2: micro<2>(ak + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, nx, acc, pf_first, pf_step); break;
+      case 1: micro<1>(ak + m * lda, lda, slice, kc, c + m * ldc, ldc, cols, nx, acc, pf_first, pf_step); break;
       default: break;
     }
   }
