@@ -256,11 +256,13 @@ def _attention_module(build: str):
 
 @pytest.mark.parametrize("build", ATTENTION_BUILDS)
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_native_attention_row_is_the_same_bits_in_decode_and_extend(kv_dtype, build):
+@pytest.mark.parametrize("window", [0, 7])
+def test_native_attention_row_is_the_same_bits_in_decode_and_extend(kv_dtype, build, window):
     """A query row's output does not depend on how many queries its call carries: the last row of an
-    extend (a prefill, a speculative verify) equals a decode of that row bit for bit. Needed for
-    speculative outputs to equal plain decoding where later layers amplify 1-ulp differences (int8
-    activation rounding of GGUF blocks kept quantized)."""
+    extend (a prefill, a speculative verify) equals a decode of that row bit for bit, with a sliding
+    window too (later queries of an extend hide more keys than the first). Needed for speculative
+    outputs to equal plain decoding where later layers amplify 1-ulp differences (int8 activation
+    rounding of GGUF blocks kept quantized, bf16 matmul inputs or KV)."""
     kernels, gen = _attention_module(build), torch.Generator().manual_seed(0)
     hq, hkv, d, slots = 9, 3, 64, 80
     k_buf, v_buf = (torch.randn(slots, hkv, d, generator=gen).to(kv_dtype) for _ in range(2))
@@ -271,12 +273,45 @@ def test_native_attention_row_is_the_same_bits_in_decode_and_extend(kv_dtype, bu
         loc = table[0, seq_len - extend : seq_len].contiguous()
         k_new, v_new = k_buf[loc].reshape(extend, -1).float(), v_buf[loc].reshape(extend, -1).float()
         ext = kernels.extend_attention(q, k_new, v_new, loc, k_buf, v_buf, table, row, torch.tensor([seq_len]),
-                                       torch.tensor([extend]), none_b, none_i, none_i, d**-0.5, 0, 0.0)
+                                       torch.tensor([extend]), none_b, none_i, none_i, d**-0.5, window, 0.0)
         for i in range(extend):  # query i of the extend is a decode at sequence length seq_len - extend + i + 1
             one = kernels.decode_attention(q[i : i + 1].clone(), k_new[i : i + 1].clone(), v_new[i : i + 1].clone(),
                                            loc[i : i + 1].clone(), k_buf, v_buf, table, row,
-                                           torch.tensor([seq_len - extend + i + 1]), d**-0.5, 0, 0.0)
+                                           torch.tensor([seq_len - extend + i + 1]), d**-0.5, window, 0.0)
             assert torch.equal(one[0], ext[i]), f"seq_len {seq_len}, extend {extend}: query {i} differs"
+
+
+@pytest.mark.parametrize("build", ATTENTION_BUILDS)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_a_draft_tree_row_is_the_same_bits_as_decoding_its_path(kv_dtype, build):
+    """A speculative verify of a draft tree: a node's row equals the decode of that node after its
+    ancestors were accepted (the same keys, packed in order), bit for bit, though the tree places
+    other branches' tokens between them."""
+    kernels, gen = _attention_module(build), torch.Generator().manual_seed(2)
+    hq, hkv, d, prefix, slots = 9, 3, 64, 21, 60
+    k_buf, v_buf = (torch.randn(slots, hkv, d, generator=gen).to(kv_dtype) for _ in range(2))
+    parents = [-1, 0, 0, 2, 1, 3, 3]  # node 5's path: 0, 2, 3, 5 (nodes 1 and 4 sit between them)
+    e = len(parents)
+    ancestors = []
+    for node, parent in enumerate(parents):
+        ancestors.append((ancestors[parent] if parent >= 0 else set()) | {node})
+    mask = torch.tensor([[c in ancestors[a] for c in range(e)] for a in range(e)])
+    order = torch.randperm(slots - 1, generator=gen) + 1
+    table = order[None, : prefix + e].clone()
+    loc = table[0, prefix:].contiguous()
+    q = torch.randn(e, hq * d, generator=gen)
+    k_new, v_new = k_buf[loc].reshape(e, -1).float(), v_buf[loc].reshape(e, -1).float()
+    row = torch.zeros(1, dtype=torch.int64)
+    ext = kernels.extend_attention(q, k_new, v_new, loc, k_buf, v_buf, table, row, torch.tensor([prefix + e]),
+                                   torch.tensor([e]), mask.flatten(), torch.zeros(1, dtype=torch.int64),
+                                   torch.empty(0, dtype=torch.int64), d**-0.5, 0, 0.0)
+    for node in range(e):
+        path = sorted(ancestors[node])  # ancestors come before their descendants
+        path_table = torch.cat([table[0, :prefix], loc[path]])[None, :]
+        one = kernels.decode_attention(q[node : node + 1].clone(), k_new[node : node + 1].clone(),
+                                       v_new[node : node + 1].clone(), loc[node : node + 1].clone(), k_buf, v_buf,
+                                       path_table, row, torch.tensor([prefix + len(path)]), d**-0.5, 0, 0.0)
+        assert torch.equal(one[0], ext[node]), f"node {node} (path {path}) differs from its decode"
 
 
 @pytest.mark.parametrize("build", ATTENTION_BUILDS)

@@ -36,17 +36,19 @@ def chat_prompts(tok, n=32):
 def runners(smollm2_gguf_path):
     built = {}
 
-    def get(attention):
-        if attention not in built:
+    def get(attention, bf16=False):
+        if (attention, bf16) not in built:
+            # bf16: stacks/cpu-bf16.yaml's settings (bf16 matmul inputs where the CPU has them, a bf16 KV pool)
+            fast = {"cpu_matmul_precision": "medium", "kv_cache_dtype": "bfloat16"} if bf16 else {}
             cfg = Config.build({
                 # dequantized at load (the default); kept blocks: tests/test_gguf_kept_quantized.py
                 "model": {"path": smollm2_gguf_path, "weight_source_options": {"dequantize": True}},
                 "stack": {"attention": attention},
-                "runtime": {"device": "cpu", "num_threads": 1},
+                "runtime": {"device": "cpu", "num_threads": 1, **fast},
                 "scheduler": {"max_total_tokens": 12000, "max_running_requests": 40},
             })
-            built[attention] = ModelRunner(cfg, show_progress=False)
-        return built[attention]
+            built[attention, bf16] = ModelRunner(cfg, show_progress=False)
+        return built[attention, bf16]
 
     return get
 
@@ -68,9 +70,10 @@ def _run(runner, prompts, n_new, drafter_kwargs=None):
     return res, sched.stats()
 
 
-@pytest.mark.parametrize("attention,tree", [("cpu_batched", False), ("torch_native", True)])
-def test_smollm2_greedy_identical_with_speculation(runners, attention, tree):
-    runner = runners(attention)
+@pytest.mark.parametrize("attention,tree,bf16", [("cpu_batched", False, False), ("torch_native", True, False),
+                                                ("cpu_batched", True, True), ("cpu_batched", False, True), ("cpu_batched", True, False)])
+def test_smollm2_greedy_identical_with_speculation(runners, attention, tree, bf16):
+    runner = runners(attention, bf16)
     prompts = chat_prompts(runner.tokenizer, n=16)  # a batch of mixed lengths and draft outcomes
     plain, _ = _run(runner, prompts, 20)
     table = {tuple(p): plain[f"r{i}"] for i, p in enumerate(prompts)}

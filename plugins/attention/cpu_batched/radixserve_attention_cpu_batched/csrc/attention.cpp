@@ -335,22 +335,39 @@ __attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, 
   }
 #endif
   float* inv_sum = s + nq * hq * len;  // [nq * hq], in the caller's buffer: no allocation per call
+  std::vector<int64_t> seen;  // a query's visible keys when some in [lo, n) are hidden
+  std::vector<float> packed;
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t n = first_len + i;
     const int64_t oldest = opt.window > 0 ? query_pos(i) - opt.window : -1;  // keys at or before it are hidden
+    // Hidden keys (not ancestors in a draft tree, or out of a window) weigh 0. The exponentials are
+    // then summed over the visible keys packed in order: the lanes of the sum (and so its bits) are
+    // those of the same token's decode step, whose visible keys are contiguous from lo. Summed in
+    // place, a hidden key would shift the later ones to other lanes, and rounding after attention
+    // (bf16 matmul inputs or KV, int8 GGUF activations) amplifies that last bit.
+    seen.clear();
+    bool hides = false;
+    for (int64_t t = lo; t < n; ++t) {
+      const bool hidden = (tree.rows != nullptr && t >= tree.new_start && !tree.rows[i * tree.stride + t - tree.new_start]) ||
+                          (opt.window > 0 && key_pos(t) <= oldest);
+      if (hidden) hides = true;
+      else seen.push_back(t);
+    }
     for (int64_t h = 0; h < hq; ++h) {
       float* sh = s + (i * hq + h) * len;
-      if (tree.rows != nullptr) {  // hidden draft tokens (not ancestors) weigh exp(-inf) = 0
-        const bool* row = tree.rows + i * tree.stride;
-        for (int64_t t = tree.new_start; t < n; ++t)
-          if (!row[t - tree.new_start]) sh[t] = -INFINITY;
+      if (!hides) {
+        float m = -INFINITY;
+        for (int64_t t = lo; t < n; ++t) m = std::max(m, sh[t]);
+        inv_sum[i * hq + h] = 1.f / exp_and_sum(sh, lo, n, m);
+        continue;
       }
-      if (opt.window > 0)
-        for (int64_t t = lo; t < n; ++t)
-          if (key_pos(t) <= oldest) sh[t] = -INFINITY;
+      const int64_t nv = static_cast<int64_t>(seen.size());
+      packed.resize(static_cast<size_t>(nv));
       float m = -INFINITY;
-      for (int64_t t = lo; t < n; ++t) m = std::max(m, sh[t]);
-      inv_sum[i * hq + h] = 1.f / exp_and_sum(sh, lo, n, m);
+      for (int64_t r = 0; r < nv; ++r) m = std::max(m, packed[r] = sh[seen[r]]);
+      inv_sum[i * hq + h] = 1.f / exp_and_sum(packed.data(), 0, nv, m);
+      for (int64_t t = lo; t < n; ++t) sh[t] = 0.f;  // the value pass weighs every key in [lo, n)
+      for (int64_t r = 0; r < nv; ++r) sh[seen[r]] = packed[r];
     }
   }
 #if RS_ATTN_AVX512
