@@ -118,6 +118,9 @@ def load_model(
         converted = cpu_gemm.lower_precision(model)
         if converted:
             logger.info("runtime.cpu_matmul_precision=medium: %d weight(s) run their CPU GEMMs in bf16", converted)
+        elif cpu_gemm.bf16_available():  # (without AVX-512 BF16 lower_precision has warned)
+            logger.info("runtime.cpu_matmul_precision=medium: the model has no packed fp32 GEMM weights (quantized "
+                        "or not fp32): nothing changed")
     if device.type == "cpu":  # plain Llama layers over packed fp32 weights: one flat function each (issue 12)
         flat_decoder.install_fp32(model)
     model.eval()
