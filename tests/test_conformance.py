@@ -35,6 +35,7 @@ def test_torch_native_attention(registry):
     cls = registry.load("attention", "torch_native")
     assert registry.get("attention", "torch_native").supports_device("cpu")
     check_attention_backend(cls)
+    check_attention_backend(cls, kv_dtype=torch.bfloat16, heads=((4, 2, 64),), seeds=(0,))  # supports_bf16_kv_cache
 
 
 # ---- prefix caches ------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from radixserve.interfaces.drafter import Drafter, DraftProposal
 from radixserve.testing import ReferenceAttentionBackend, check_attention_backend, check_drafter
 
@@ -197,3 +198,13 @@ def test_the_attention_kit_checks_the_fused_qk_norm():
 
     with pytest.raises(AssertionError, match="qk_norm"):
         check_attention_backend(DropsTheNorm, **SMALL)
+
+
+def test_the_attention_kit_checks_bf16_pools_only_where_declared():
+    check_attention_backend(ReferenceAttentionBackend, kv_dtype=torch.bfloat16, **SMALL)  # reads what is stored
+
+    class Undeclared(ReferenceAttentionBackend):
+        supports_bf16_kv_cache = False
+
+    with pytest.raises(ValueError, match="does not declare supports_bf16_kv_cache"):
+        check_attention_backend(Undeclared, kv_dtype=torch.bfloat16, **SMALL)

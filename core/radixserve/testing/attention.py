@@ -47,6 +47,7 @@ class ReferenceAttentionBackend(AttentionBackend):
     supports_tree_mask = True
     supports_sliding_window = True
     supports_logit_cap = True
+    supports_bf16_kv_cache = True  # it attends the stored values, widened to float64
 
     def __init__(self, runner_info: AttentionRunnerInfo | None = None) -> None:
         self.runner_info = runner_info
@@ -143,10 +144,12 @@ class _Scenario:
     kit (radixserve.testing.latent_attention) subclasses it, replacing the hooks marked below."""
 
     def __init__(self, factory, heads, dtype, device, seed: int, tol: float,
-                 sliding_window: int | None = None, logit_cap: float | None = None) -> None:
+                 sliding_window: int | None = None, logit_cap: float | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.heads, self.dtype, self.device, self.tol, self.seed = heads, dtype, device, tol, seed
+        self.kv_dtype = kv_dtype or dtype  # the pools' (both twins'); the reference reads what they store
         self.layer = self._make_layer(sliding_window, logit_cap)
         self.num_slots, rows, self.context = 1000, 12, 256
         slots = list(range(1, self.num_slots + 1))
@@ -174,7 +177,7 @@ class _Scenario:
 
     def _make_pool(self):
         _, hkv, d = self.heads
-        return KVPool(self.num_slots, _NUM_LAYERS, hkv, d, self.dtype, self.device)
+        return KVPool(self.num_slots, _NUM_LAYERS, hkv, d, self.kv_dtype, self.device)
 
     def _runner_info(self, table, kv, rows: int) -> AttentionRunnerInfo:
         hq, hkv, d = self.heads
@@ -472,6 +475,7 @@ def check_attention_backend(
     tree_steps: int = 3,
     tolerance: float | None = None,
     layer_options: Sequence[tuple[int, float]] = ((6, 1.5), (1, 0.7)),
+    kv_dtype: torch.dtype | None = None,
 ) -> None:
     """Run `backend` against exact attention; raise AssertionError naming the first difference.
 
@@ -490,8 +494,16 @@ def check_attention_backend(
         runs (trees included) with the layer windowed and soft-capped (each where supported). The
         windows are shorter than the scenarios' sequences, so a backend that ignores them fails.
         Added in plugin API 1.3.
+    :param kv_dtype: the KV pools' dtype when it is not `dtype`: `torch.bfloat16` under an fp32 model
+        (`runtime.kv_cache_dtype: bfloat16`) for a backend with `supports_bf16_kv_cache`. The reference
+        attends the values as stored (rounded), so the tolerance stays `dtype`'s. Added in plugin API 1.8.
     """
     tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[dtype]
+    if kv_dtype not in (None, dtype):
+        if kv_dtype != torch.bfloat16:
+            raise ValueError(f"kv_dtype={kv_dtype}: the kit checks bf16 pools (fp8 pools: tests of their own)")
+        if not getattr(backend, "supports_bf16_kv_cache", True):  # a class that does not declare it
+            raise ValueError(f"{backend!r} does not declare supports_bf16_kv_cache; the runner never gives it a bf16 pool")
     dtype_name = str(dtype).removeprefix("torch.")
     checked = 0
     for shape in heads:
@@ -501,13 +513,13 @@ def check_attention_backend(
         if isinstance(backend, type) and not backend.supports(torch.device(device).type, dtype_name, d):
             continue
         for seed in seeds:
-            scenario = _Scenario(backend, shape, dtype, device, seed, tol)
+            scenario = _Scenario(backend, shape, dtype, device, seed, tol, kv_dtype=kv_dtype)
             scenario.run(num_requests, decode_steps)
             if tree_steps and getattr(scenario.test.backend, "supports_tree_mask", False):
                 scenario.run_trees(tree_steps)
             checked += 1
         for i, (window, cap) in enumerate(layer_options):
-            scenario = _Scenario(backend, shape, dtype, device, seeds[0] + 100 + i, tol)
+            scenario = _Scenario(backend, shape, dtype, device, seeds[0] + 100 + i, tol, kv_dtype=kv_dtype)
             test = scenario.test.backend
             scenario.layer.sliding_window = window if getattr(test, "supports_sliding_window", False) else None
             scenario.layer.logit_cap = cap if getattr(test, "supports_logit_cap", False) else None

@@ -19,3 +19,10 @@ def test_conforms_with_the_native_kernel():
 
 def test_conforms_without_the_native_kernel():
     check_attention_backend(lambda info: CPUBatchedBackend(info, use_native=False))
+
+
+def test_conforms_on_a_bf16_pool():
+    """runtime.kv_cache_dtype: bfloat16 under an fp32 model: the native kernel and the fallback."""
+    check_attention_backend(CPUBatchedBackend, kv_dtype=torch.bfloat16)
+    check_attention_backend(lambda info: CPUBatchedBackend(info, use_native=False), kv_dtype=torch.bfloat16,
+                            heads=((4, 2, 64),), seeds=(0,))
