@@ -101,7 +101,11 @@ def test_a_model_with_medium_precision_runs_bf16_panels(gemm, tiny_llama_dir):
     layer = medium.model.model.layers[0]
     assert all(lin.packed_weight.bf16 for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj))
-    assert medium.model.lm_head.packed_weight.bf16
+    head = medium.model.lm_head
+    assert head.packed_weight.bf16
+    # the greedy screen's bf16 copy serves the logits too: one copy, the bits to_bf16_panels would give
+    assert head.greedy_head is not None and head.packed_weight.panels is head.greedy_head.panels
+    assert torch.equal(head.packed_weight.panels, gemm.to_bf16_panels(gemm.pack(head.weight.detach())))
     assert not fp32.model.model.layers[0].mlp.gate_up_proj.packed_weight.bf16
     prompts = [[5, 9, 2, 7, 11], [3] * 30, [8, 1]]
     batched = greedy_generate(medium, prompts, 12, keep_logits=True)

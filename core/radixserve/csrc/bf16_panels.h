@@ -35,6 +35,9 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// Where weight element (row 48 p + j, column k) sits in the panels of a K-column weight (K2 = ceil(K / 2)).
+inline int64_t panel_offset(int64_t p, int64_t K2, int64_t j, int64_t k) { return ((p * K2 + k / 2) * NR + j) * 2 + k % 2; }
+
 #if RS_HAVE_BF16_PANELS
 // x row [K] fp32 -> out [K2] bf16 pairs (K2 = ceil(K / 2)), round to nearest even.
 inline void row_to_pairs(const float* x, int64_t K, uint32_t* out) {

@@ -368,7 +368,7 @@ at::Tensor to_bf16_panels(at::Tensor panels) {
     for (int64_t p = b; p < e; ++p)
       for (int64_t k = 0; k < K; ++k)
         for (int64_t j = 0; j < NR; ++j)
-          dst[((p * K2 + k / 2) * NR + j) * 2 + k % 2] = rs_bf16::to_bf16(src[(p * K + k) * NR + j]);
+          dst[rs_bf16::panel_offset(p, K2, j, k)] = rs_bf16::to_bf16(src[(p * K + k) * NR + j]);
   });
   return out;
 }

@@ -103,7 +103,7 @@ std::tuple<at::Tensor, at::Tensor> pack(at::Tensor w) {
       for (int64_t j = 0; j < std::min(NR, N - p * NR); ++j) {
         const float* row = wp + (p * NR + j) * K;
         np_[p * NR + j] = norm_up(row, K);
-        for (int64_t k = 0; k < K; ++k) pp[((p * K2 + k / 2) * NR + j) * 2 + k % 2] = to_bf16(row[k]);
+        for (int64_t k = 0; k < K; ++k) pp[rs_bf16::panel_offset(p, K2, j, k)] = to_bf16(row[k]);
       }
   });
   return {panels, norms};

@@ -118,6 +118,17 @@ def to_bf16(packed: PackedWeight) -> PackedWeight:
     return replace(packed, panels=_native_gemm().to_bf16_panels(packed.panels))
 
 
+def _screen_panels(module: torch.nn.Module, packed: PackedWeight) -> PackedWeight | None:
+    """An LM head's bf16 panels, where its greedy screen (cpu_greedy_head) already holds them: the
+    same bits in the same layout (bf16_panels.h), so one copy serves both."""
+    screen = getattr(module, "greedy_head", None)
+    fp32 = packed.panels
+    if screen is None or packed.silu_gated or screen.panels.shape != (fp32.shape[0], (fp32.shape[1] + 1) // 2,
+                                                                         fp32.shape[2], 2):
+        return None
+    return replace(packed, panels=screen.panels)
+
+
 def lower_precision(model: torch.nn.Module) -> int:
     """runtime.cpu_matmul_precision=medium for a loaded CPU model: every native fp32 packing held by
     its modules (`packed_weight`, and the routed experts' `packed_experts`) becomes bf16. Returns how
@@ -130,7 +141,7 @@ def lower_precision(model: torch.nn.Module) -> int:
     for module in model.modules():
         packed = getattr(module, "packed_weight", None)
         if isinstance(packed, PackedWeight) and packed.panels is not None and not packed.bf16:
-            module.packed_weight = to_bf16(packed)
+            module.packed_weight = _screen_panels(module, packed) or to_bf16(packed)
             converted += 1
         experts = getattr(module, "packed_experts", None)
         if experts is not None:  # (gate_up packings, down packings), one per expert
