@@ -347,7 +347,8 @@ __attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, 
     // (bf16 matmul inputs or KV, int8 GGUF activations) amplifies that last bit.
     seen.clear();
     bool hides = false;
-    for (int64_t t = lo; t < n; ++t) {
+    // only trees and windows hide keys: a plain causal row (every decode and prefill) skips the scan
+    for (int64_t t = lo; (tree.rows != nullptr || opt.window > 0) && t < n; ++t) {
       const bool hidden = (tree.rows != nullptr && t >= tree.new_start && !tree.rows[i * tree.stride + t - tree.new_start]) ||
                           (opt.window > 0 && key_pos(t) <= oldest);
       if (hidden) hides = true;
