@@ -49,7 +49,9 @@ inline void store_row(const float* src, int64_t n, bf16_bits* dst) {
 
 constexpr int64_t kPrefetchAhead = 8;  // slots: far enough to hide a DRAM miss, near enough to stay cached
 
-// body(order[j]) for j = 0..n-1, the threads taking the next index as they finish one. Why: tasks
+// body(order[j], next, scratch) for j = 0..n-1, the threads taking the next index as they finish one;
+// a thread claims its next task before running the current one and hands it over as `next` (-1:
+// none), so the current task can start bringing the next one's rows in. Why: tasks
 // differ in cost (rows of different lengths, causal query blocks), and a static split waits at the
 // region's end for the thread with the costlier half, or for one the OS gave to another process
 // (a served step shares two cores with the HTTP front end and the clients). `order` lists the
@@ -60,8 +62,11 @@ void for_each_dynamic(const std::vector<int64_t>& order, const Body& body) {
   const int64_t n = static_cast<int64_t>(order.size());
   at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     Scratch scratch;
-    for (int64_t j = next.fetch_add(1, std::memory_order_relaxed); j < n; j = next.fetch_add(1, std::memory_order_relaxed))
-      body(order[j], scratch);
+    for (int64_t j = next.fetch_add(1, std::memory_order_relaxed); j < n;) {
+      const int64_t after = next.fetch_add(1, std::memory_order_relaxed);
+      body(order[j], after < n ? order[after] : -1, scratch);
+      j = after;
+    }
   });
 }
 
@@ -79,6 +84,20 @@ inline void prefetch_row(const KV* row, int64_t elems) {
   const char* bytes = reinterpret_cast<const char*>(row);
   for (int64_t i = 0; i < elems * static_cast<int64_t>(sizeof(KV)); i += 64) __builtin_prefetch(bytes + i, 0, 1);
 }
+
+// The key rows of the task a thread runs next, brought in one cache line per `step`. Why: a task's
+// score pass streams its keys (and values) from DRAM while its softmax and value pass read only
+// cached data; fetching the next task's first keys then keeps the memory busy through both.
+struct LookAhead {
+  const char* buf = nullptr;       // the K pool
+  const int64_t* slots = nullptr;  // the next task's slots, in key order
+  int64_t rows = 0, row_bytes = 0, row = 0, offset = 0;
+  inline void step() {
+    if (row >= rows) return;
+    __builtin_prefetch(buf + slots[row] * row_bytes + offset, 0, 1);
+    if ((offset += 64) >= row_bytes) offset = 0, ++row;
+  }
+};
 
 // The reductions of a query row (its score dot products, the softmax sum and the exponentials)
 // run in a fixed lane order: partial sum l holds the elements at offsets = l (mod 8) from the
@@ -209,13 +228,15 @@ inline void scores16(const float* qh, const KV* k_buf, const int64_t* slots, int
 // (p[h] = s + h * p_stride), then out[h] *= inv_sum[h]; accumulators stay in registers.
 template <int D, int NH, class KV>
 inline void values_nh(const float* s, int64_t p_stride, const KV* v_buf, const int64_t* slots, int64_t row, int64_t g,
-                      int64_t lo, int64_t n, const float* inv_sum, float* out, int64_t out_head_stride, bool prefetch) {
+                      int64_t lo, int64_t n, const float* inv_sum, float* out, int64_t out_head_stride, bool prefetch,
+                      LookAhead* ahead) {
   constexpr int C = D / 16;
   __m512 acc[NH][C];
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
   for (int64_t t = lo; t < n; ++t) {
     if (prefetch && t + kPrefetchAhead < n) prefetch_row(v_buf + slots[t + kPrefetchAhead] * row, row);
+    if (ahead != nullptr) ahead->step();
     const KV* v = v_buf + slots[t] * row + g * D;
     __m512 vc[C];
     for (int c = 0; c < C; ++c) vc[c] = load16(v + 16 * c);
@@ -238,10 +259,10 @@ constexpr int64_t kValueHeads = 256 / D;
 template <int D, class KV>
 inline void values_heads(int64_t nh, const float* s, int64_t p_stride, const KV* v_buf, const int64_t* slots,
                          int64_t row, int64_t g, int64_t lo, int64_t n, const float* inv_sum, float* out,
-                         int64_t out_head_stride, bool prefetch) {
+                         int64_t out_head_stride, bool prefetch, LookAhead* ahead) {
   auto run = [&](auto heads) {
     values_nh<D, decltype(heads)::value>(s, p_stride, v_buf, slots, row, g, lo, n, inv_sum, out, out_head_stride,
-                                         prefetch);
+                                         prefetch, ahead);
   };
   if constexpr (D == 64) {
     switch (nh) {
@@ -286,7 +307,7 @@ template <int D, class KV>
 __attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, int64_t nq, int64_t hq, int64_t hkv, const KV* k_buf,
                     const KV* v_buf, const int64_t* slots, int64_t first_len, float scale, float* out,
                     int64_t out_stride, std::vector<float>& scores, const TreeMask& tree = TreeMask(),
-                    const LayerOptions& opt = LayerOptions()) {
+                    const LayerOptions& opt = LayerOptions(), LookAhead* ahead = nullptr) {
   const int64_t group = hq / hkv, row = hkv * D, len = first_len + nq - 1;
   scores.resize(static_cast<size_t>(nq * hq * (len + 1)));
   float* s = scores.data();  // s[(i * hq + h) * len + t]
@@ -378,7 +399,7 @@ __attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, 
       for (int64_t h = g * group; h < (g + 1) * group; h += kValueHeads<D>) {
         const int64_t nh = std::min<int64_t>(kValueHeads<D>, (g + 1) * group - h);
         values_heads<D>(nh, s + (i * hq + h) * len, len, v_buf, slots, row, g, lo, first_len + i,
-                        inv_sum + i * hq + h, out + i * out_stride + h * D, D, i == 0 && h == 0);
+                        inv_sum + i * hq + h, out + i * out_stride + h * D, D, i == 0 && h == 0, ahead);
       }
 #else
   for (int64_t i = 0; i < nq; ++i) std::fill(out + i * out_stride, out + i * out_stride + hq * D, 0.f);
@@ -424,12 +445,15 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
   float* op = out.data_ptr<float>();
   const int64_t table_stride = table.stride(0);
   const auto order = costliest_first(bs, [&](int64_t b) { return lp[b]; });
-  for_each_dynamic<std::vector<float>>(order, [&](int64_t b, std::vector<float>& scores) {
+  for_each_dynamic<std::vector<float>>(order, [&](int64_t b, int64_t next, std::vector<float>& scores) {
+    LookAhead ahead;
+    if (next >= 0) ahead = {reinterpret_cast<const char*>(kp), tp + rp[next] * table_stride, lp[next] - 1,
+                            static_cast<int64_t>(row * sizeof(KV))};
     // the new token's K/V first: its slot is this request's own (never a shared prefix slot)
     store_row(knp + b * skn, row, kp + locp[b] * row);
     store_row(vnp + b * svn, row, vp + locp[b] * row);
     attend_queries<D>(qp + b * hq * D, hq * D, 1, hq, hkv, kp, vp, tp + rp[b] * table_stride, lp[b],
-                      static_cast<float>(scale), op + b * hq * D, hq * D, scores, TreeMask(), opt);
+                      static_cast<float>(scale), op + b * hq * D, hq * D, scores, TreeMask(), opt, &ahead);
   });
 }
 
@@ -481,7 +505,7 @@ void run_extend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& 
     const Task& t = tasks[j];
     return t.count * (lp[t.req] - ep[t.req] + t.first_query + t.count);
   });
-  for_each_dynamic<std::vector<float>>(order, [&](int64_t j, std::vector<float>& scores) {
+  for_each_dynamic<std::vector<float>>(order, [&](int64_t j, int64_t, std::vector<float>& scores) {
     const Task& task = tasks[j];
     const int64_t prefix = lp[task.req] - ep[task.req];
     TreeMask tree;
