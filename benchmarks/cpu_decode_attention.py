@@ -5,11 +5,12 @@ layer's K/V comes from DRAM, as in the model's step). Slots are laid out as the 
 out: each row's prompt in one run of slots, then one slot per row per decode step (interleaved).
 
     python benchmarks/cpu_decode_attention.py [--batch 16] [--context 260] [--prompt 200]
-        [--threads 1] [--steps 6] [--rounds 4] [--baseline OLD.cpp]
+        [--threads 1] [--steps 6] [--rounds 4] [--baseline OLD.cpp] [--kv-dtype bfloat16 [--bf16-products]]
 
 With --baseline, the kernel built from OLD.cpp (e.g. `git show REV:plugins/.../attention.cpp`) runs
 in the same process, round by round alternating with the current one, and the outputs of the two
-are compared. Reports the calling thread's CPU ms per layer (with --threads 1: the op's own cost
+are compared (--bf16-products applies to the current kernel only: the baseline runs the pool's
+own products, a kernel of before the option its only ones). Reports the calling thread's CPU ms per layer (with --threads 1: the op's own cost
 even on a shared machine) and wall ms; one JSON line per round."""
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="an older attention.cpp to A/B against")
     ap.add_argument("--kv-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="the pool's dtype (bfloat16: runtime.kv_cache_dtype=bfloat16)")
+    ap.add_argument("--bf16-products", action="store_true",
+                    help="bf16 pool: bf16-rounded query and weights in the products (cpu_matmul_precision=medium)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from radixserve import native
@@ -77,8 +80,10 @@ def main() -> None:
     v_new = v_bufs[0][loc].reshape(args.batch, -1).float()
 
     def call(mod, layer: int) -> torch.Tensor:
+        # a kernel built before the bf16 products option takes no flag
+        flag = (args.bf16_products and mod is kernels["current"],) if hasattr(mod, "bf16_products_available") else ()
         return mod.decode_attention(q, k_new, v_new, loc, k_bufs[layer], v_bufs[layer], table, rows, seq_lens,
-                                    D**-0.5, 0, 0.0)
+                                    D**-0.5, 0, 0.0, *flag)
 
     if len(kernels) == 2:
         a, b = (call(m, 0) for m in kernels.values())

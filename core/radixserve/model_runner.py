@@ -267,6 +267,7 @@ class ModelRunner:
                 num_heads=self._num_heads(), num_kv_heads=kv_heads, head_dim=head_dim,
                 req_to_token_pool=self.req_to_token_pool, kv_pool=self.kv_pool,
                 max_bs=self.req_to_token_pool.size, context_len=self.context_len, latent=self.latent_dims,
+                matmul_precision=self.config.runtime.cpu_matmul_precision if self.device.type == "cpu" else "highest",
             )
         )
 

@@ -49,4 +49,6 @@ __version__ = "0.1.0"
 #      first kernel: Qwen-MoE, FusedMoE.forward_with_norm_gate); the small-M MoE experts in one launch
 #      at <= 2 tokens (layers/moe/one_launch.py)
 # 1.8: bf16 KV pools of fp32 models (runtime.kv_cache_dtype: bfloat16): AttentionBackend.supports_bf16_kv_cache
-PLUGIN_API_VERSION = "1.8"
+# 1.9: AttentionRunnerInfo.matmul_precision (runtime.cpu_matmul_precision: "medium" allows a backend bf16
+#      products with fp32 sums); check_attention_backend(matmul_precision=...)
+PLUGIN_API_VERSION = "1.9"

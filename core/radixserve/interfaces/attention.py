@@ -65,6 +65,11 @@ class AttentionRunnerInfo:
     # "latent"; kv_pool is then a LatentKVPool, num_kv_heads is 1 and head_dim the latent row width.
     # None for standard attention.
     latent: LatentAttentionDims | None = None
+    # runtime.cpu_matmul_precision on a CPU runner, "highest" on any other device (plugin API 1.9):
+    # "medium" lets the backend compute its score and value products from bf16-rounded inputs with
+    # fp32 sums (as the model's linears then do); "highest" asks for the fp32 queries and weights and
+    # the pool's stored values, exactly as given. A backend may always ignore it.
+    matmul_precision: str = "highest"
 
 
 class AttentionLayerSpec(Protocol):

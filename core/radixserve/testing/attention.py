@@ -36,6 +36,8 @@ from radixserve.testing._threads import single_threaded
 
 DEFAULT_HEADS = ((4, 2, 64), (8, 1, 64), (3, 3, 32))  # (query heads, KV heads, head_dim): GQA, MQA, MHA
 DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+# matmul_precision="medium": queries and softmax weights may be rounded to bf16 (8 significant bits)
+MEDIUM_PRECISION_TOLERANCE = 1e-2
 _NUM_LAYERS, _LAYER_ID = 2, 1  # the backend must write the layer it is called for, and only it
 
 
@@ -145,8 +147,9 @@ class _Scenario:
 
     def __init__(self, factory, heads, dtype, device, seed: int, tol: float,
                  sliding_window: int | None = None, logit_cap: float | None = None,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, matmul_precision: str = "highest") -> None:
         self.rng = random.Random(seed)
+        self.matmul_precision = matmul_precision  # the runner info's (the test twin's products)
         self.gen = torch.Generator().manual_seed(seed)
         self.heads, self.dtype, self.device, self.tol, self.seed = heads, dtype, device, tol, seed
         self.kv_dtype = kv_dtype or dtype  # the pools' (both twins'); the reference reads what they store
@@ -184,6 +187,7 @@ class _Scenario:
         return AttentionRunnerInfo(
             device=torch.device(self.device), dtype=self.dtype, num_layers=_NUM_LAYERS, num_heads=hq,
             num_kv_heads=hkv, head_dim=d, req_to_token_pool=table, kv_pool=kv, max_bs=rows, context_len=self.context,
+            matmul_precision=self.matmul_precision,
         )
 
     def _fill_prefix(self, layer_id: int, loc: torch.Tensor) -> None:
@@ -476,6 +480,7 @@ def check_attention_backend(
     tolerance: float | None = None,
     layer_options: Sequence[tuple[int, float]] = ((6, 1.5), (1, 0.7)),
     kv_dtype: torch.dtype | None = None,
+    matmul_precision: str = "highest",
 ) -> None:
     """Run `backend` against exact attention; raise AssertionError naming the first difference.
 
@@ -497,8 +502,17 @@ def check_attention_backend(
     :param kv_dtype: the KV pools' dtype when it is not `dtype`: `torch.bfloat16` under an fp32 model
         (`runtime.kv_cache_dtype: bfloat16`) for a backend with `supports_bf16_kv_cache`. The reference
         attends the values as stored (rounded), so the tolerance stays `dtype`'s. Added in plugin API 1.8.
+    :param matmul_precision: the runner info's `matmul_precision` ("highest" or "medium": what the
+        runner gives under `runtime.cpu_matmul_precision`). With "medium" a backend may round its
+        product inputs to bf16, so the default tolerance is `MEDIUM_PRECISION_TOLERANCE`; everything
+        else (pools, chains equal to causal extends) is checked as with "highest". Added in plugin API 1.9.
     """
-    tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[dtype]
+    if matmul_precision not in ("highest", "medium"):
+        raise ValueError(f"matmul_precision={matmul_precision!r}: 'highest' or 'medium'")
+    default_tol = DEFAULT_TOLERANCE[dtype]
+    if matmul_precision == "medium":
+        default_tol = max(default_tol, MEDIUM_PRECISION_TOLERANCE)
+    tol = tolerance if tolerance is not None else default_tol
     if kv_dtype not in (None, dtype):
         if kv_dtype != torch.bfloat16:
             raise ValueError(f"kv_dtype={kv_dtype}: the kit checks bf16 pools (fp8 pools: tests of their own)")
@@ -513,13 +527,15 @@ def check_attention_backend(
         if isinstance(backend, type) and not backend.supports(torch.device(device).type, dtype_name, d):
             continue
         for seed in seeds:
-            scenario = _Scenario(backend, shape, dtype, device, seed, tol, kv_dtype=kv_dtype)
+            scenario = _Scenario(backend, shape, dtype, device, seed, tol, kv_dtype=kv_dtype,
+                                 matmul_precision=matmul_precision)
             scenario.run(num_requests, decode_steps)
             if tree_steps and getattr(scenario.test.backend, "supports_tree_mask", False):
                 scenario.run_trees(tree_steps)
             checked += 1
         for i, (window, cap) in enumerate(layer_options):
-            scenario = _Scenario(backend, shape, dtype, device, seeds[0] + 100 + i, tol, kv_dtype=kv_dtype)
+            scenario = _Scenario(backend, shape, dtype, device, seeds[0] + 100 + i, tol, kv_dtype=kv_dtype,
+                                 matmul_precision=matmul_precision)
             test = scenario.test.backend
             scenario.layer.sliding_window = window if getattr(test, "supports_sliding_window", False) else None
             scenario.layer.logit_cap = cap if getattr(test, "supports_logit_cap", False) else None

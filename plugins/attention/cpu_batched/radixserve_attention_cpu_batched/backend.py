@@ -7,7 +7,11 @@ K/V and reads each request's keys and values in place through its slot row, serv
 head of a KV group (and, in extend, a block of up to 16 of the request's new tokens) from one read
 of each row. The pool may be fp32 or bf16 (`runtime.kv_cache_dtype: bfloat16`, half the bytes a
 step streams: a decode step's attention is bound by them once the KV is out of cache). On AVX-512
-CPUs the scores are taken 16 keys at a time and the value sums kept in registers. Extend batches go through it when every request adds at most NATIVE_MAX_EXTEND tokens (the
+CPUs the scores are taken 16 keys at a time and the value sums kept in registers. Under
+`runtime.cpu_matmul_precision: medium` (`AttentionRunnerInfo.matmul_precision`, plugin API 1.9) a
+bf16 pool's products run on AVX-512 BF16 where the CPU has it: each query rounded to bf16 once, the
+softmax weights rounded to bf16 for the value sums, fp32 sums (as the model's linears then do); decode
+and extend still give a token the same bits (speculative decoding relies on it). Extend batches go through it when every request adds at most NATIVE_MAX_EXTEND tokens (the
 short prompts and suffixes after a prefix-cache hit of a serving load); longer ones take the
 reference path, whose SDPA does the quadratic work faster. Without a compiler (or for other
 dtypes) decode gathers each request's KV into one padded [bs, kv_heads, max_len, head_dim] tensor
@@ -84,8 +88,12 @@ class CPUBatchedBackend(TorchNativeBackend):
     def __init__(self, runner_info=None, use_native: bool = True) -> None:
         super().__init__(runner_info)
         self._kernels = None
+        self._bf16_products = False  # the kernels' bf16 products (see the module docstring)
         if use_native and self._native_applies(runner_info):
             self._kernels = load_kernels()
+            self._bf16_products = (self._kernels is not None and runner_info.matmul_precision == "medium"
+                                   and runner_info.kv_pool.dtype == torch.bfloat16
+                                   and getattr(self._kernels, "bf16_products_available", False))
 
     @classmethod
     def build_native_kernels(cls, device: str) -> None:
@@ -138,7 +146,7 @@ class CPUBatchedBackend(TorchNativeBackend):
         return self._kernels.extend_attention(
             q, k, v, batch.out_cache_loc, k_buf, v_buf, batch.req_to_token_pool.req_to_token,
             batch.req_pool_indices, batch.seq_lens, meta.extend_lens, meta.tree_mask, meta.mask_offsets, meta.depths,
-            layer.scaling, *_native_options(layer),
+            layer.scaling, *_native_options(layer), self._bf16_products,
         )
 
     @staticmethod
@@ -181,7 +189,7 @@ class CPUBatchedBackend(TorchNativeBackend):
             # the kernel stores the new k, v at out_cache_loc itself (what KVPool.set_kv would do)
             return self._kernels.decode_attention(
                 q, k, v, batch.out_cache_loc, k_buf, v_buf, batch.req_to_token_pool.req_to_token,
-                batch.req_pool_indices, batch.seq_lens, layer.scaling, *_native_options(layer),
+                batch.req_pool_indices, batch.seq_lens, layer.scaling, *_native_options(layer), self._bf16_products,
             )
         if _has_options(layer):
             return self._reference(q, k, v, layer, batch, None)

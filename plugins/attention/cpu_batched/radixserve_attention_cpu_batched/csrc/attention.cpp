@@ -35,6 +35,13 @@
 #else
 #define RS_ATTN_AVX512 0
 #endif
+// AVX-512 BF16: products of bf16-rounded inputs summed in fp32 (vdpbf16ps) for a bf16 pool when the
+// runner allows it (runtime.cpu_matmul_precision=medium)
+#if RS_ATTN_AVX512 && defined(__AVX512BF16__)
+#define RS_ATTN_BF16_PRODUCTS 1
+#else
+#define RS_ATTN_BF16_PRODUCTS 0
+#endif
 
 namespace {
 
@@ -280,6 +287,134 @@ inline void values_heads(int64_t nh, const float* s, int64_t p_stride, const KV*
 }
 #endif
 
+#if RS_ATTN_BF16_PRODUCTS
+// Attention's two products with bf16 inputs and fp32 sums (runtime.cpu_matmul_precision=medium over
+// a bf16 pool): a query is rounded to bf16 once, the keys are used as stored, the softmax weights
+// are rounded to bf16 for the value sum (its 1 / sum stays the fp32 sum's). vdpbf16ps adds two
+// products a lane, so the dot products take half the instructions and no widening of the pool.
+
+// qw = the D values at q rounded to nearest even bf16, two a word, in the pool's element order.
+template <int D>
+inline void round_query(const float* q, uint32_t* qw) {
+  for (int c = 0; c < D / 32; ++c)
+    _mm512_storeu_si512(reinterpret_cast<void*>(qw + 16 * c),
+                        reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * c + 16), _mm512_loadu_ps(q + 32 * c))));
+}
+
+inline __m512bh load32(const bf16_bits* p) {
+  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(reinterpret_cast<const void*>(p)));
+}
+
+// scores16 with bf16 products: s[t] = scale * (qb . key t), the same reduction tree across keys.
+template <int D>
+inline void scores16_bf16(const uint32_t* qw, const bf16_bits* k_buf, const int64_t* slots, int64_t row, int64_t g,
+                          int64_t t0, int64_t t1, float scale, float* s) {
+  alignas(64) static const bf16_bits zeros[D] = {};
+  __m512bh qb[D / 32];
+  for (int c = 0; c < D / 32; ++c) qb[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(reinterpret_cast<const void*>(qw + 16 * c)));
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) {
+    const bf16_bits* k = t0 + j < t1 ? k_buf + slots[t0 + j] * row + g * D : zeros;
+    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[0], load32(k));
+#pragma GCC unroll 8
+    for (int c = 1; c < D / 32; ++c) a = _mm512_dpbf16_ps(a, qb[c], load32(k + 32 * c));
+    acc[j] = a;
+  }
+  const __m512 out = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
+  _mm512_mask_storeu_ps(s + t0, static_cast<__mmask16>((1u << (t1 - t0)) - 1), out);
+}
+
+// pairs[r] = (p[lo + 2r], p[lo + 2r + 1]) rounded to bf16, one 32-bit word each, r < ceil((n - lo) / 2);
+// a missing last weight is 0.
+inline void weight_pairs(const float* p, int64_t lo, int64_t n, uint32_t* pairs) {
+  int64_t t = lo;
+  for (; t + 32 <= n; t += 32)
+    _mm512_storeu_si512(reinterpret_cast<void*>(pairs + (t - lo) / 2),
+                        reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + t + 16), _mm512_loadu_ps(p + t))));
+  if (t < n) {
+    const __mmask16 m0 = static_cast<__mmask16>(n - t >= 16 ? 0xffff : (1u << (n - t)) - 1);
+    const __mmask16 m1 = static_cast<__mmask16>(n - t >= 32 ? 0xffff : n - t > 16 ? (1u << (n - t - 16)) - 1 : 0);
+    const __m512i w = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, p + t + 16), _mm512_maskz_loadu_ps(m0, p + t)));
+    alignas(64) uint32_t tail[16];
+    _mm512_store_si512(reinterpret_cast<void*>(tail), w);
+    std::copy(tail, tail + (n - t + 1) / 2, pairs + (t - lo) / 2);
+  }
+}
+
+// values_nh with bf16 products: keys taken two at a time, their rows interleaved element by element
+// so each lane holds (value t, value t + 1) of one element; the NH heads' weight pairs at
+// pairs + h * pair_stride. Accumulator lane 4L + j of the low / high half of 32-element chunk c
+// holds element 32c + 8L + j / 32c + 8L + 4 + j (the 128-bit lanes of the unpacks).
+template <int D, int NH>
+inline void values_nh_bf16(const uint32_t* pairs, int64_t pair_stride, const bf16_bits* v_buf, const int64_t* slots,
+                           int64_t row, int64_t g, int64_t lo, int64_t n, const float* inv_sum, float* out,
+                           int64_t out_head_stride, bool prefetch, LookAhead* ahead) {
+  constexpr int C = D / 32;
+  alignas(64) static const bf16_bits zeros[D] = {};
+  __m512 acc[NH][C][2];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c][0] = acc[h][c][1] = _mm512_setzero_ps();
+  for (int64_t t = lo; t < n; t += 2) {
+    if (prefetch && t + kPrefetchAhead + 1 < n) {
+      prefetch_row(v_buf + slots[t + kPrefetchAhead] * row, row);
+      prefetch_row(v_buf + slots[t + kPrefetchAhead + 1] * row, row);
+    }
+    if (ahead != nullptr) ahead->step(), ahead->step();
+    const bf16_bits* a = v_buf + slots[t] * row + g * D;
+    const bf16_bits* b = t + 1 < n ? v_buf + slots[t + 1] * row + g * D : zeros;
+    __m512bh lo_pairs[C], hi_pairs[C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i va = _mm512_loadu_si512(reinterpret_cast<const void*>(a + 32 * c));
+      const __m512i vb = _mm512_loadu_si512(reinterpret_cast<const void*>(b + 32 * c));
+      lo_pairs[c] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(va, vb));
+      hi_pairs[c] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(va, vb));
+    }
+    for (int h = 0; h < NH; ++h) {
+      const __m512bh w = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pairs[h * pair_stride + (t - lo) / 2])));
+      for (int c = 0; c < C; ++c) {
+        acc[h][c][0] = _mm512_dpbf16_ps(acc[h][c][0], lo_pairs[c], w);
+        acc[h][c][1] = _mm512_dpbf16_ps(acc[h][c][1], hi_pairs[c], w);
+      }
+    }
+  }
+  for (int h = 0; h < NH; ++h) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[h]);
+    for (int c = 0; c < C; ++c) {
+      // 128-bit lanes [lo0 lo1 lo2 lo3], [hi0 ...] -> elements [lo0 hi0 lo1 hi1], [lo2 hi2 lo3 hi3]
+      const __m512 first = _mm512_shuffle_f32x4(acc[h][c][0], acc[h][c][1], 0x44);
+      const __m512 second = _mm512_shuffle_f32x4(acc[h][c][0], acc[h][c][1], 0xee);
+      float* o = out + h * out_head_stride + 32 * c;
+      _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_shuffle_f32x4(first, first, 0xd8), inv));
+      _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_shuffle_f32x4(second, second, 0xd8), inv));
+    }
+  }
+}
+
+// Heads per values_nh_bf16 call (twice the accumulators of values_nh a head).
+template <int D>
+constexpr int64_t kValueHeadsBf16 = D == 64 ? 3 : D == 128 ? 2 : 1;
+
+// values_nh_bf16 for a head count nh <= kValueHeadsBf16<D>.
+template <int D>
+inline void values_heads_bf16(int64_t nh, const uint32_t* pairs, int64_t pair_stride, const bf16_bits* v_buf,
+                              const int64_t* slots, int64_t row, int64_t g, int64_t lo, int64_t n,
+                              const float* inv_sum, float* out, int64_t out_head_stride, bool prefetch,
+                              LookAhead* ahead) {
+  auto run = [&](auto heads) {
+    values_nh_bf16<D, decltype(heads)::value>(pairs, pair_stride, v_buf, slots, row, g, lo, n, inv_sum, out,
+                                              out_head_stride, prefetch, ahead);
+  };
+  if constexpr (D == 64) {
+    if (nh == 3) return run(std::integral_constant<int, 3>());
+  }
+  if constexpr (D <= 128) {
+    if (nh == 2) return run(std::integral_constant<int, 2>());
+  }
+  run(std::integral_constant<int, 1>());
+}
+#endif
+
 // A speculative verify's tree mask for one block of queries: query i may attend the new key
 // t >= new_start iff rows[i * stride + t - new_start] (keys before new_start, the prefix, always).
 struct TreeMask {
@@ -303,14 +438,33 @@ struct LayerOptions {
 // of a KV head's group share its keys; each key and value row is read once for all queries and
 // heads (whole rows, in slot order, prefetched ahead). Not inlined: decode and extend then run the
 // same machine code (-ffast-math lets each inlined copy be reassociated differently).
-template <int D, class KV>
+// A thread's buffers for attend_queries, reused across its tasks.
+struct AttendScratch {
+  std::vector<float> scores;   // [nq * hq * len] scores, then weights; then [nq * hq] 1 / sums
+  std::vector<uint32_t> words;  // bf16 products: the bf16 queries, then a value pass's weight pairs
+  std::vector<int64_t> seen;    // a query's visible keys when some in [lo, n) are hidden
+  std::vector<float> packed;    // their exponentials
+  std::vector<int64_t> visible_slots;  // their slots, from index lo (AVX-512 value pass)
+};
+
+// Bf16: products of bf16-rounded inputs summed in fp32 (a bf16 pool, RS_ATTN_BF16_PRODUCTS builds).
+template <int D, class KV, bool Bf16 = false>
 __attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, int64_t nq, int64_t hq, int64_t hkv, const KV* k_buf,
                     const KV* v_buf, const int64_t* slots, int64_t first_len, float scale, float* out,
-                    int64_t out_stride, std::vector<float>& scores, const TreeMask& tree = TreeMask(),
+                    int64_t out_stride, AttendScratch& scratch, const TreeMask& tree = TreeMask(),
                     const LayerOptions& opt = LayerOptions(), LookAhead* ahead = nullptr) {
+  static_assert(!Bf16 || (RS_ATTN_BF16_PRODUCTS && std::is_same_v<KV, bf16_bits>), "bf16 products: a bf16 pool");
   const int64_t group = hq / hkv, row = hkv * D, len = first_len + nq - 1;
-  scores.resize(static_cast<size_t>(nq * hq * (len + 1)));
-  float* s = scores.data();  // s[(i * hq + h) * len + t]
+  scratch.scores.resize(static_cast<size_t>(nq * hq * (len + 1)));
+  float* s = scratch.scores.data();  // s[(i * hq + h) * len + t]
+  uint32_t* qw = nullptr;  // bf16 products: query i's heads, D / 2 words each
+  uint32_t* pairs = nullptr;  // bf16 products: a value pass's weight pairs, (len + 1) / 2 words a head
+  const int64_t pair_stride = (len + 1) / 2;
+  if constexpr (Bf16) {
+    scratch.words.resize(static_cast<size_t>(hq * D / 2 + 3 * pair_stride));
+    qw = scratch.words.data();
+    pairs = qw + hq * D / 2;
+  }
   // key t is seen by queries i >= t - first_len + 1
   auto first_query = [&](int64_t t) { return std::max<int64_t>(0, t - first_len + 1); };
   // absolute positions: a key's is its index, a draft token's is new_start + its depth
@@ -323,15 +477,27 @@ __attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, 
   // query i's scores, 16 keys at a time for every head (the block's rows stay in L1 meanwhile)
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t n = first_len + i;
+#if RS_ATTN_BF16_PRODUCTS
+    if constexpr (Bf16)
+      for (int64_t h = 0; h < hq; ++h) round_query<D>(q + i * q_stride + h * D, qw + h * D / 2);
+#endif
     for (int64_t t0 = lo; t0 < n; t0 += 16) {
       if (i == 0)  // the first query brings each key row in: fetch the next block's
         for (int64_t t = t0 + 16; t < std::min(n, t0 + 32); ++t) {
           prefetch_row(k_buf + slots[t] * row, row);
           prefetch_row(v_buf + slots[t - 16] * row, row);  // the value pass follows: start its rows too
         }
-      for (int64_t h = 0; h < hq; ++h)
+      for (int64_t h = 0; h < hq; ++h) {
+#if RS_ATTN_BF16_PRODUCTS
+        if constexpr (Bf16) {
+          scores16_bf16<D>(qw + h * D / 2, k_buf, slots, row, h / group, t0, std::min(n, t0 + 16), scale,
+                           s + (i * hq + h) * len);
+          continue;
+        }
+#endif
         scores16<D>(q + i * q_stride + h * D, k_buf, slots, row, h / group, t0, std::min(n, t0 + 16), scale,
                     s + (i * hq + h) * len);
+      }
     }
     if (opt.cap > 0.f)
       for (int64_t h = 0; h < hq; ++h)
@@ -356,8 +522,8 @@ __attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, 
   }
 #endif
   float* inv_sum = s + nq * hq * len;  // [nq * hq], in the caller's buffer: no allocation per call
-  std::vector<int64_t> seen;  // a query's visible keys when some in [lo, n) are hidden
-  std::vector<float> packed;
+  std::vector<int64_t>& seen = scratch.seen;
+  std::vector<float>& packed = scratch.packed;
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t n = first_len + i;
     const int64_t oldest = opt.window > 0 ? query_pos(i) - opt.window : -1;  // keys at or before it are hidden
@@ -388,20 +554,46 @@ __attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, 
       float m = -INFINITY;
       for (int64_t r = 0; r < nv; ++r) m = std::max(m, packed[r] = sh[seen[r]]);
       inv_sum[i * hq + h] = 1.f / exp_and_sum(packed.data(), 0, nv, m);
+#if RS_ATTN_AVX512
+      std::copy(packed.begin(), packed.end(), sh + lo);  // the value pass takes the visible keys packed from lo
+#else
       for (int64_t t = lo; t < n; ++t) sh[t] = 0.f;  // the value pass weighs every key in [lo, n)
       for (int64_t r = 0; r < nv; ++r) sh[seen[r]] = packed[r];
+#endif
     }
-  }
 #if RS_ATTN_AVX512
-  // each query's weighted value sum, kValueHeads<D> heads of a KV group at a time
-  for (int64_t i = 0; i < nq; ++i)
-    for (int64_t g = 0; g < hkv; ++g)
+    // the query's weighted value sums over its visible keys (all of [lo, n), or those packed above:
+    // pairs of keys in a bf16 product are then the same as in the same token's decode step),
+    // kValueHeads<D> heads of a KV group at a time
+    const int64_t* vslots = slots;
+    int64_t vn = n;
+    if (hides) {
+      scratch.visible_slots.resize(static_cast<size_t>(lo + seen.size()));
+      for (size_t r = 0; r < seen.size(); ++r) scratch.visible_slots[lo + r] = slots[seen[r]];
+      vslots = scratch.visible_slots.data();
+      vn = lo + static_cast<int64_t>(seen.size());
+    }
+    for (int64_t g = 0; g < hkv; ++g) {
+#if RS_ATTN_BF16_PRODUCTS
+      if constexpr (Bf16) {
+        for (int64_t h = g * group; h < (g + 1) * group; h += kValueHeadsBf16<D>) {
+          const int64_t nh = std::min<int64_t>(kValueHeadsBf16<D>, (g + 1) * group - h);
+          for (int64_t k = 0; k < nh; ++k) weight_pairs(s + (i * hq + h + k) * len, lo, vn, pairs + k * pair_stride);
+          values_heads_bf16<D>(nh, pairs, pair_stride, v_buf, vslots, row, g, lo, vn, inv_sum + i * hq + h,
+                               out + i * out_stride + h * D, D, i == 0 && h == 0, ahead);
+        }
+        continue;
+      }
+#endif
       for (int64_t h = g * group; h < (g + 1) * group; h += kValueHeads<D>) {
         const int64_t nh = std::min<int64_t>(kValueHeads<D>, (g + 1) * group - h);
-        values_heads<D>(nh, s + (i * hq + h) * len, len, v_buf, slots, row, g, lo, first_len + i,
-                        inv_sum + i * hq + h, out + i * out_stride + h * D, D, i == 0 && h == 0, ahead);
+        values_heads<D>(nh, s + (i * hq + h) * len, len, v_buf, vslots, row, g, lo, vn, inv_sum + i * hq + h,
+                        out + i * out_stride + h * D, D, i == 0 && h == 0, ahead);
       }
-#else
+    }
+#endif
+  }
+#if !RS_ATTN_AVX512
   for (int64_t i = 0; i < nq; ++i) std::fill(out + i * out_stride, out + i * out_stride + hq * D, 0.f);
   for (int64_t t = lo; t < len; ++t) {
     if (t + kPrefetchAhead < len) prefetch_row(v_buf + slots[t + kPrefetchAhead] * row, row);
@@ -427,7 +619,7 @@ __attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, 
 #endif
 }
 
-template <int D, class KV>
+template <int D, class KV, bool Bf16>
 void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& out_loc,
          at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& table, const at::Tensor& rows,
          const at::Tensor& seq_lens, double scale, const LayerOptions& opt, at::Tensor& out) {
@@ -445,15 +637,15 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
   float* op = out.data_ptr<float>();
   const int64_t table_stride = table.stride(0);
   const auto order = costliest_first(bs, [&](int64_t b) { return lp[b]; });
-  for_each_dynamic<std::vector<float>>(order, [&](int64_t b, int64_t next, std::vector<float>& scores) {
+  for_each_dynamic<AttendScratch>(order, [&](int64_t b, int64_t next, AttendScratch& scratch) {
     LookAhead ahead;
     if (next >= 0) ahead = {reinterpret_cast<const char*>(kp), tp + rp[next] * table_stride, lp[next] - 1,
                             static_cast<int64_t>(row * sizeof(KV))};
     // the new token's K/V first: its slot is this request's own (never a shared prefix slot)
     store_row(knp + b * skn, row, kp + locp[b] * row);
     store_row(vnp + b * svn, row, vp + locp[b] * row);
-    attend_queries<D>(qp + b * hq * D, hq * D, 1, hq, hkv, kp, vp, tp + rp[b] * table_stride, lp[b],
-                      static_cast<float>(scale), op + b * hq * D, hq * D, scores, TreeMask(), opt, &ahead);
+    attend_queries<D, KV, Bf16>(qp + b * hq * D, hq * D, 1, hq, hkv, kp, vp, tp + rp[b] * table_stride, lp[b],
+                                static_cast<float>(scale), op + b * hq * D, hq * D, scratch, TreeMask(), opt, &ahead);
   });
 }
 
@@ -461,7 +653,7 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
 // block of up to kQueryBlock queries of one request.
 constexpr int64_t kQueryBlock = 16;
 
-template <int D, class KV>
+template <int D, class KV, bool Bf16>
 void run_extend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                 const at::Tensor& out_loc, at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& table,
                 const at::Tensor& rows, const at::Tensor& seq_lens, const at::Tensor& extend_lens,
@@ -505,7 +697,7 @@ void run_extend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& 
     const Task& t = tasks[j];
     return t.count * (lp[t.req] - ep[t.req] + t.first_query + t.count);
   });
-  for_each_dynamic<std::vector<float>>(order, [&](int64_t j, int64_t, std::vector<float>& scores) {
+  for_each_dynamic<AttendScratch>(order, [&](int64_t j, int64_t, AttendScratch& scratch) {
     const Task& task = tasks[j];
     const int64_t prefix = lp[task.req] - ep[task.req];
     TreeMask tree;
@@ -518,9 +710,9 @@ void run_extend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& 
         tree.first_query = task.first_query;
       }
     }
-    attend_queries<D>(qp + task.q_row * width, width, task.count, hq, hkv, kp, vp, tp + rp[task.req] * table_stride,
-                      prefix + task.first_query + 1, static_cast<float>(scale), op + task.q_row * width, width, scores,
-                      tree, opt);
+    attend_queries<D, KV, Bf16>(qp + task.q_row * width, width, task.count, hq, hkv, kp, vp,
+                                tp + rp[task.req] * table_stride, prefix + task.first_query + 1,
+                                static_cast<float>(scale), op + task.q_row * width, width, scratch, tree, opt);
   });
 }
 
@@ -557,20 +749,27 @@ struct Type {
   using type = T;
 };
 
-// body(head_dim constant, Type<pool element>) for the pool's head_dim (64, 128, 256) and dtype.
+// body(head_dim constant, Type<pool element>, bf16 products constant) for the pool's head_dim (64,
+// 128, 256) and dtype; bf16 products only for a bf16 pool of a build that has them (checked).
 template <class Body>
-void dispatch(const at::Tensor& k_buf, const Body& body) {
-  auto with_dim = [&](auto kv) {
+void dispatch(const at::Tensor& k_buf, bool bf16_products, const Body& body) {
+  auto with_dim = [&](auto kv, auto bf16) {
     switch (k_buf.size(2)) {
-      case 64: body(std::integral_constant<int, 64>(), kv); break;
-      case 128: body(std::integral_constant<int, 128>(), kv); break;
-      default: body(std::integral_constant<int, 256>(), kv); break;
+      case 64: body(std::integral_constant<int, 64>(), kv, bf16); break;
+      case 128: body(std::integral_constant<int, 128>(), kv, bf16); break;
+      default: body(std::integral_constant<int, 256>(), kv, bf16); break;
     }
   };
-  if (k_buf.scalar_type() == at::kBFloat16)
-    with_dim(Type<bf16_bits>());
-  else
-    with_dim(Type<float>());
+  TORCH_CHECK(!bf16_products || (RS_ATTN_BF16_PRODUCTS && k_buf.scalar_type() == at::kBFloat16),
+              "attention: bf16 products need a bf16 pool and a build with AVX-512 BF16 (bf16_products_available)");
+  if (k_buf.scalar_type() == at::kBFloat16) {
+#if RS_ATTN_BF16_PRODUCTS
+    if (bf16_products) return with_dim(Type<bf16_bits>(), std::true_type());
+#endif
+    with_dim(Type<bf16_bits>(), std::false_type());
+  } else {
+    with_dim(Type<float>(), std::false_type());
+  }
 }
 
 }  // namespace
@@ -578,18 +777,20 @@ void dispatch(const at::Tensor& k_buf, const Body& body) {
 // Stores each request's new k, v ([bs, num_kv_heads * head_dim], rows may be strided) at its slot
 // out_loc[b] (rounded to nearest even in a bf16 pool), then attends. q: [bs, num_heads * head_dim]
 // fp32; k_buf, v_buf: [slots, num_kv_heads, head_dim] fp32 or bf16, contiguous; table: [rows, max_context] int64 slot table; rows, seq_lens, out_loc: [bs]
-// int64. window: sliding window (0: none); cap: score soft-cap (0: none). Returns [bs, num_heads * head_dim].
+// int64. window: sliding window (0: none); cap: score soft-cap (0: none); bf16_products (a bf16 pool,
+// bf16_products_available): the score and value products take bf16-rounded queries and weights and
+// sum in fp32 (runtime.cpu_matmul_precision=medium). Returns [bs, num_heads * head_dim].
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at::Tensor out_loc,
                                at::Tensor k_buf, at::Tensor v_buf, at::Tensor table, at::Tensor rows,
-                               at::Tensor seq_lens, double scale, int64_t window, double cap) {
+                               at::Tensor seq_lens, double scale, int64_t window, double cap, bool bf16_products) {
   check_inputs(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, q.size(0));
   TORCH_CHECK(window >= 0 && cap >= 0, "decode_attention: window and cap must be >= 0");
   const LayerOptions opt{window, static_cast<float>(cap)};
   q = q.contiguous();
   auto out = at::empty_like(q);
-  dispatch(k_buf, [&](auto d, auto kv) {
-    run<decltype(d)::value, typename decltype(kv)::type>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens,
-                                                         scale, opt, out);
+  dispatch(k_buf, bf16_products, [&](auto d, auto kv, auto bf16) {
+    run<decltype(d)::value, typename decltype(kv)::type, decltype(bf16)::value>(q, k_new, v_new, out_loc, k_buf, v_buf,
+                                                                               table, rows, seq_lens, scale, opt, out);
   });
   return out;
 }
@@ -600,13 +801,13 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at
 // speculative verify: flat bool, request b's row-major [e, e] block at mask_offsets[b]) new token a
 // sees new token c only where the block says so; the prefix stays fully visible. depths (int64 [n],
 // with a tree mask and a window only; else empty): each new token's depth in its draft tree, which
-// places it at position prefix + depth for the window. window, cap: as decode_attention.
+// places it at position prefix + depth for the window. window, cap, bf16_products: as decode_attention.
 // Returns [n, num_heads * head_dim].
 at::Tensor extend_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at::Tensor out_loc,
                                at::Tensor k_buf, at::Tensor v_buf, at::Tensor table, at::Tensor rows,
                                at::Tensor seq_lens, at::Tensor extend_lens, at::Tensor tree_mask,
                                at::Tensor mask_offsets, at::Tensor depths, double scale, int64_t window,
-                               double cap) {
+                               double cap, bool bf16_products) {
   check_inputs(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, rows.numel());
   TORCH_CHECK(window >= 0 && cap >= 0, "extend_attention: window and cap must be >= 0");
   TORCH_CHECK(depths.numel() == 0 || (depths.scalar_type() == at::kLong && depths.is_contiguous() &&
@@ -627,15 +828,17 @@ at::Tensor extend_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at
   }
   q = q.contiguous();
   auto out = at::empty_like(q);
-  dispatch(k_buf, [&](auto d, auto kv) {
-    run_extend<decltype(d)::value, typename decltype(kv)::type>(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows,
-                                                                seq_lens, extend_lens, tree_mask, mask_offsets, depths,
-                                                                scale, opt, out);
+  dispatch(k_buf, bf16_products, [&](auto d, auto kv, auto bf16) {
+    run_extend<decltype(d)::value, typename decltype(kv)::type, decltype(bf16)::value>(
+        q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, tree_mask, mask_offsets, depths,
+        scale, opt, out);
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // whether bf16_products=True is available (AVX-512 BF16 in this build)
+  m.attr("bf16_products_available") = static_cast<bool>(RS_ATTN_BF16_PRODUCTS);
   m.def("decode_attention", &decode_attention, "store the new K/V, then decode attention over an fp32 or bf16 KV pool");
   m.def("extend_attention", &extend_attention, "store the new K/V, then causal (or tree-masked) extend attention over an fp32 or bf16 KV pool");
 }
