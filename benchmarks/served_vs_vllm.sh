@@ -7,7 +7,10 @@
 #     benchmarks/served_vs_vllm.sh [RESULTS_MD]                        # ~15 minutes on 2 cores
 # OURS_ARGS="scheduler.chunked_prefill_size=512 ..." adds config overrides to our server; PEER=0 runs our
 # side only (a sweep of our settings: the table is printed, and appended to RESULTS_MD only when given).
-# VLLM_DTYPE (default float32) is the peer's --dtype: bfloat16 beside our runtime.cpu_matmul_precision=medium.
+# VLLM_DTYPE (default auto) is the peer's --dtype. auto is vLLM's own default, which downcasts an fp32 checkpoint to
+# the platform's first dtype: bf16 on x86 (vllm/config/model.py, _resolve_auto_dtype), the class of our
+# runtime.cpu_matmul_precision=medium with runtime.kv_cache_dtype=bfloat16 (stacks/cpu-bf16.yaml); float32 beside
+# our defaults. Rows of the results file before session 14 that name no VLLM_DTYPE ran float32.
 # Warm-up: each server first serves 16 requests of other random prompts (another seed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +18,7 @@ OUT_MD=${1:-benchmarks/results/cpu-served-vs-vllm.md}
 MODEL=.models/smollm2-135m-instruct
 VLLM=benchmarks/.peers/vllm-venv/bin/python
 PEER=${PEER:-1}
-VLLM_DTYPE=${VLLM_DTYPE:-float32}
+VLLM_DTYPE=${VLLM_DTYPE:-auto}
 [ "$PEER" = 0 ] && [ $# -eq 0 ] && OUT_MD=""
 N=${N:-64}; IN=${IN:-200}; OUTLEN=${OUTLEN:-128}; CONC=${CONC:-16}
 PORT_OURS=18611; PORT_VLLM=18612
@@ -77,7 +80,7 @@ lines = [f"\n## {time.strftime('%Y-%m-%d %H:%M')} — {n} requests x {inp} in / 
          f"- machine: {cpu}, {os.cpu_count()} cores; load average at the end {open('/proc/loadavg').read().split()[:3]}",
          f"- commit: {commit}{'+dirty' if dirty else ''}",
          "- command: `" + (f"OURS_ARGS='{ours_args}' " if ours_args else "") + (f"PEER={peer} " if peer == "0" else "")
-         + (f"VLLM_DTYPE={vllm_dtype} " if vllm_dtype != "float32" else "")
+         + f"VLLM_DTYPE={vllm_dtype} "
          + "benchmarks/served_vs_vllm.sh` (client: vLLM's `bench serve`, random token ids, streamed /v1/completions)",
          "", "| server | completed | duration s | output tok/s | TTFT p50 / p99 ms | TPOT p50 ms | ITL p50 ms |", "|---|---|---|---|---|---|---|"]
 for label, r in rows.items():
