@@ -9,8 +9,8 @@ out: each row's prompt in one run of slots, then one slot per row per decode ste
 
 With --baseline, the kernel built from OLD.cpp (e.g. `git show REV:plugins/.../attention.cpp`) runs
 in the same process, round by round alternating with the current one, and the outputs of the two
-are compared (--bf16-products applies to the current kernel only: the baseline runs the pool's
-own products, a kernel of before the option its only ones). Reports the calling thread's CPU ms per layer (with --threads 1: the op's own cost
+are compared (--bf16-products applies to each kernel that has the option; one from before it runs
+its exact products). Reports the calling thread's CPU ms per layer (with --threads 1: the op's own cost
 even on a shared machine) and wall ms; one JSON line per round."""
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def main() -> None:
 
     def call(mod, layer: int) -> torch.Tensor:
         # a kernel built before the bf16 products option takes no flag
-        flag = (args.bf16_products and mod is kernels["current"],) if hasattr(mod, "bf16_products_available") else ()
+        flag = (args.bf16_products,) if hasattr(mod, "bf16_products_available") else ()
         return mod.decode_attention(q, k_new, v_new, loc, k_bufs[layer], v_bufs[layer], table, rows, seq_lens,
                                     D**-0.5, 0, 0.0, *flag)
 
