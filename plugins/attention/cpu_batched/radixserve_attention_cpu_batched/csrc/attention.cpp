@@ -639,8 +639,11 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
   const auto order = costliest_first(bs, [&](int64_t b) { return lp[b]; });
   for_each_dynamic<AttendScratch>(order, [&](int64_t b, int64_t next, AttendScratch& scratch) {
     LookAhead ahead;
-    if (next >= 0) ahead = {reinterpret_cast<const char*>(kp), tp + rp[next] * table_stride, lp[next] - 1,
-                            static_cast<int64_t>(row * sizeof(KV))};
+    if (next >= 0) {  // its cached keys the decode will read: all, or the window's
+      const int64_t first = opt.window > 0 ? std::max<int64_t>(0, lp[next] - opt.window) : 0;
+      ahead = {reinterpret_cast<const char*>(kp), tp + rp[next] * table_stride + first, lp[next] - 1 - first,
+               static_cast<int64_t>(row * sizeof(KV))};
+    }
     // the new token's K/V first: its slot is this request's own (never a shared prefix slot)
     store_row(knp + b * skn, row, kp + locp[b] * row);
     store_row(vnp + b * svn, row, vp + locp[b] * row);
