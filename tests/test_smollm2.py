@@ -111,8 +111,10 @@ def test_greedy_matches_transformers_gguf(prompts, batched, hf_reference):
         assert got.tokens == ref["tokens"], f"greedy diverges at step {i}"
 
 
-def test_bf16_matmuls_keep_the_top5_rule(smollm2_gguf_path, prompts, hf_reference):
-    """runtime.cpu_matmul_precision=medium (bf16 GEMM inputs, fp32 sums) on the real model: every
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_bf16_matmuls_keep_the_top5_rule(smollm2_gguf_path, prompts, hf_reference, kv_cache_dtype):
+    """runtime.cpu_matmul_precision=medium (bf16 GEMM inputs, fp32 sums) on the real model, with the
+    fp32 pool or a bf16 one (then the attention's products are bf16 too: stacks/cpu-bf16.yaml): every
     answer still follows transformers' fp32 one under the top-5 rule, and a request's tokens do
     not depend on its batch."""
     from radixserve.layers import cpu_gemm
@@ -121,11 +123,13 @@ def test_bf16_matmuls_keep_the_top5_rule(smollm2_gguf_path, prompts, hf_referenc
         pytest.skip("this CPU has no AVX-512 BF16: medium precision stays fp32 here")
     cfg = Config.build({
         "model": {"path": smollm2_gguf_path, "weight_source_options": {"dequantize": True}},
-        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1, "cpu_matmul_precision": "medium"},
+        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1, "cpu_matmul_precision": "medium",
+                    "kv_cache_dtype": kv_cache_dtype},
         "scheduler": {"max_total_tokens": 4096, "max_running_requests": 8},
     })
     medium = ModelRunner(cfg, show_progress=False)
     assert medium.model.model.layers[0].mlp.gate_up_proj.packed_weight.bf16
+    assert medium.attn_backend._bf16_products == (kv_cache_dtype == "bfloat16")
     got = greedy_generate(medium, prompts, NEW_TOKENS, keep_logits=True)
     same = 0
     for prompt, g, ref in zip(prompts, got, hf_reference.result(), strict=True):
@@ -134,4 +138,4 @@ def test_bf16_matmuls_keep_the_top5_rule(smollm2_gguf_path, prompts, hf_referenc
         assert top5_rule_holds_ids(g.tokens, g.logits, ref["tokens"], ref["top5"]), f"top-5 rule broken at {i}"
         same += g.tokens == ref["tokens"]
     assert greedy_generate(medium, [prompts[3]], NEW_TOKENS)[0].tokens == got[3].tokens
-    print(f"medium precision: {same} of {len(prompts)} answers identical to transformers' fp32 ones")
+    print(f"medium precision, kv {kv_cache_dtype}: {same} of {len(prompts)} answers identical to transformers' fp32 ones")
