@@ -12,6 +12,8 @@
 # runtime.cpu_matmul_precision=medium with runtime.kv_cache_dtype=bfloat16 (stacks/cpu-bf16.yaml); float32 beside
 # our defaults. Rows of the results file before session 14 that name no VLLM_DTYPE ran float32.
 # Warm-up: each server first serves 16 requests of other random prompts (another seed).
+# PAIRS=N (default 1) runs N pairs, ours then the peer's each time, one table row per server and pair, and the
+# median of the pairs' ratios: identical runs of one side move by several percent minutes apart.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_MD=${1:-benchmarks/results/cpu-served-vs-vllm.md}
@@ -20,7 +22,7 @@ VLLM=benchmarks/.peers/vllm-venv/bin/python
 PEER=${PEER:-1}
 VLLM_DTYPE=${VLLM_DTYPE:-auto}
 [ "$PEER" = 0 ] && [ $# -eq 0 ] && OUT_MD=""
-N=${N:-64}; IN=${IN:-200}; OUTLEN=${OUTLEN:-128}; CONC=${CONC:-16}
+N=${N:-64}; IN=${IN:-200}; OUTLEN=${OUTLEN:-128}; CONC=${CONC:-16}; PAIRS=${PAIRS:-1}
 PORT_OURS=18611; PORT_VLLM=18612
 TMP=$(mktemp -d)
 export VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4
@@ -59,20 +61,24 @@ run_server() {  # label, port, command...
   kill -INT -- -"$pid"; wait "$pid"
 }
 
-# shellcheck disable=SC2086  # OURS_ARGS: space-separated key=value overrides
-run_server radixserve "$PORT_OURS" .venv/bin/radixserve serve --model "$MODEL" --port "$PORT_OURS" ${OURS_ARGS:-}
-[ "$PEER" = 0 ] || run_server vllm "$PORT_VLLM" "$VLLM" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype "$VLLM_DTYPE" \
-  --port "$PORT_VLLM"
+for pair in $(seq "$PAIRS"); do
+  # shellcheck disable=SC2086  # OURS_ARGS: space-separated key=value overrides
+  run_server "radixserve-$pair" "$PORT_OURS" .venv/bin/radixserve serve --model "$MODEL" --port "$PORT_OURS" ${OURS_ARGS:-}
+  [ "$PEER" = 0 ] || run_server "vllm-$pair" "$PORT_VLLM" "$VLLM" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+    --dtype "$VLLM_DTYPE" --port "$PORT_VLLM"
+done
 
-python3 - "$TMP" "$OUT_MD" "$N" "$IN" "$OUTLEN" "$CONC" "$PEER" "${OURS_ARGS:-}" "$VLLM_DTYPE" <<'PY'
-import json, os, platform, subprocess, sys, time
-tmp, out_md, n, inp, outlen, conc, peer, ours_args, vllm_dtype = sys.argv[1:]
-rows = {}
-for label in ("radixserve", "vllm") if peer != "0" else ("radixserve",):
-    try:
-        rows[label] = json.load(open(os.path.join(tmp, f"{label}.json")))
-    except OSError:
-        rows[label] = None
+python3 - "$TMP" "$OUT_MD" "$N" "$IN" "$OUTLEN" "$CONC" "$PEER" "${OURS_ARGS:-}" "$VLLM_DTYPE" "$PAIRS" <<'PY'
+import json, os, platform, statistics, subprocess, sys, time
+tmp, out_md, n, inp, outlen, conc, peer, ours_args, vllm_dtype, pairs = sys.argv[1:]
+rows = {}  # "radixserve" or "radixserve-2" (pair 2 of several) -> its client's result, None if it failed
+for pair in range(1, int(pairs) + 1):
+    for side in ("radixserve", "vllm") if peer != "0" else ("radixserve",):
+        try:
+            result = json.load(open(os.path.join(tmp, f"{side}-{pair}.json")))
+        except OSError:
+            result = None
+        rows[side if pairs == "1" else f"{side}-{pair}"] = result
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
@@ -80,7 +86,7 @@ lines = [f"\n## {time.strftime('%Y-%m-%d %H:%M')} — {n} requests x {inp} in / 
          f"- machine: {cpu}, {os.cpu_count()} cores; load average at the end {open('/proc/loadavg').read().split()[:3]}",
          f"- commit: {commit}{'+dirty' if dirty else ''}",
          "- command: `" + (f"OURS_ARGS='{ours_args}' " if ours_args else "") + (f"PEER={peer} " if peer == "0" else "")
-         + f"VLLM_DTYPE={vllm_dtype} "
+         + f"VLLM_DTYPE={vllm_dtype} " + (f"PAIRS={pairs} " if pairs != "1" else "")
          + "benchmarks/served_vs_vllm.sh` (client: vLLM's `bench serve`, random token ids, streamed /v1/completions)",
          "", "| server | completed | duration s | output tok/s | TTFT p50 / p99 ms | TPOT p50 ms | ITL p50 ms |", "|---|---|---|---|---|---|---|"]
 for label, r in rows.items():
@@ -88,10 +94,17 @@ for label, r in rows.items():
         lines.append(f"| {label} | failed | | | | | |"); continue
     lines.append(f"| {label} | {r['completed']} | {r['duration']:.1f} | {r['output_throughput']:.1f} | "
                  f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} | {r['median_itl_ms']:.1f} |")
-if len(rows) == 2 and all(rows.values()):
-    a, b = rows["radixserve"], rows["vllm"]
-    lines.append(f"\nradixserve / vLLM: output tok/s {a['output_throughput'] / b['output_throughput']:.2f}x, "
-                 f"TTFT p50 {a['median_ttft_ms'] / b['median_ttft_ms']:.2f}x (lower is better)")
+ratios, ttft = [], []
+for pair in range(1, int(pairs) + 1) if peer != "0" else ():
+    suffix = "" if pairs == "1" else f"-{pair}"
+    a, b = rows[f"radixserve{suffix}"], rows[f"vllm{suffix}"]
+    if a and b:
+        ratios.append(a["output_throughput"] / b["output_throughput"])
+        ttft.append(a["median_ttft_ms"] / b["median_ttft_ms"])
+if ratios:
+    each = f" (pairs: {', '.join(f'{r:.2f}x' for r in ratios)})" if len(ratios) > 1 else ""
+    lines.append(f"\nradixserve / vLLM: output tok/s {statistics.median(ratios):.2f}x{each}, "
+                 f"TTFT p50 {statistics.median(ttft):.2f}x (lower is better)" + (" — medians" if len(ratios) > 1 else ""))
 text = "\n".join(lines) + "\n"
 if not out_md:
     print(text)
