@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from radixserve.state import ForwardMode
 
@@ -69,7 +69,7 @@ class AttentionRunnerInfo:
     # "medium" lets the backend compute its score and value products from bf16-rounded inputs with
     # fp32 sums (as the model's linears then do); "highest" asks for the fp32 queries and weights and
     # the pool's stored values, exactly as given. A backend may always ignore it.
-    matmul_precision: str = "highest"
+    matmul_precision: Literal["highest", "medium"] = "highest"
 
 
 class AttentionLayerSpec(Protocol):

@@ -10,8 +10,10 @@ step streams: a decode step's attention is bound by them once the KV is out of c
 CPUs the scores are taken 16 keys at a time and the value sums kept in registers. Under
 `runtime.cpu_matmul_precision: medium` (`AttentionRunnerInfo.matmul_precision`, plugin API 1.9) a
 bf16 pool's products run on AVX-512 BF16 where the CPU has it: each query rounded to bf16 once, the
-softmax weights rounded to bf16 for the value sums, fp32 sums (as the model's linears then do); decode
-and extend still give a token the same bits (speculative decoding relies on it). Extend batches go through it when every request adds at most NATIVE_MAX_EXTEND tokens (the
+softmax weights rounded to bf16 for the value sums, fp32 sums (as the model's linears then do);
+decode and extend still give a token the same bits (speculative decoding relies on it).
+
+Extend batches go through the kernel when every request adds at most NATIVE_MAX_EXTEND tokens (the
 short prompts and suffixes after a prefix-cache hit of a serving load); longer ones take the
 reference path, whose SDPA does the quadratic work faster. Without a compiler (or for other
 dtypes) decode gathers each request's KV into one padded [bs, kv_heads, max_len, head_dim] tensor
