@@ -3,11 +3,12 @@ native kernel (head_dim 64, fp32) and without it (padded SDPA decode, reference 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from radixserve.interfaces import AttentionRunnerInfo
 from radixserve.memory import KVPool, ReqToTokenPool
 from radixserve.testing import check_attention_backend
-from radixserve_attention_cpu_batched.backend import CPUBatchedBackend
+from radixserve_attention_cpu_batched.backend import CPUBatchedBackend, load_kernels
 
 
 def test_conforms_with_the_native_kernel():
@@ -32,9 +33,6 @@ def test_conforms_with_bf16_products():
     """runtime.cpu_matmul_precision: medium over a bf16 pool: on AVX-512 BF16 CPUs the native kernel
     rounds queries and softmax weights to bf16 for its products (fp32 sums); the kit holds it to the
     medium tolerance, and chains passed as trees must still equal its own causal extends exactly."""
-    import pytest
-    from radixserve_attention_cpu_batched.backend import load_kernels
-
     if not getattr(load_kernels(), "bf16_products_available", False):
         pytest.skip("this CPU's native build has no AVX-512 BF16 (the backend then keeps exact products)")
     info = AttentionRunnerInfo(torch.device("cpu"), torch.float32, 1, 8, 2, 64, ReqToTokenPool(2, 8),

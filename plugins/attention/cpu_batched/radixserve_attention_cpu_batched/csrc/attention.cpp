@@ -391,10 +391,6 @@ inline void values_nh_bf16(const uint32_t* pairs, int64_t pair_stride, const bf1
   }
 }
 
-// Heads per values_nh_bf16 call (twice the accumulators of values_nh a head).
-template <int D>
-constexpr int64_t kValueHeadsBf16 = D == 64 ? 3 : D == 128 ? 2 : 1;
-
 // values_nh_bf16 for a head count nh <= kValueHeadsBf16<D>.
 template <int D>
 inline void values_heads_bf16(int64_t nh, const uint32_t* pairs, int64_t pair_stride, const bf16_bits* v_buf,
@@ -438,6 +434,11 @@ struct LayerOptions {
 // of a KV head's group share its keys; each key and value row is read once for all queries and
 // heads (whole rows, in slot order, prefetched ahead). Not inlined: decode and extend then run the
 // same machine code (-ffast-math lets each inlined copy be reassociated differently).
+// Heads per values_nh_bf16 call (twice the accumulators of values_nh a head); also sizes the weight
+// pairs in AttendScratch::words.
+template <int D>
+constexpr int64_t kValueHeadsBf16 = D == 64 ? 3 : D == 128 ? 2 : 1;
+
 // A thread's buffers for attend_queries, reused across its tasks.
 struct AttendScratch {
   std::vector<float> scores;   // [nq * hq * len] scores, then weights; then [nq * hq] 1 / sums
@@ -461,7 +462,7 @@ __attribute__((noinline)) void attend_queries(const float* q, int64_t q_stride, 
   uint32_t* pairs = nullptr;  // bf16 products: a value pass's weight pairs, (len + 1) / 2 words a head
   const int64_t pair_stride = (len + 1) / 2;
   if constexpr (Bf16) {
-    scratch.words.resize(static_cast<size_t>(hq * D / 2 + 3 * pair_stride));
+    scratch.words.resize(static_cast<size_t>(hq * D / 2 + kValueHeadsBf16<D> * pair_stride));
     qw = scratch.words.data();
     pairs = qw + hq * D / 2;
   }
