@@ -602,3 +602,34 @@ def test_stats_split_busy_step_time_into_forward_and_host(make_scheduler):
     else:
         assert stats["steps"] == batches
         assert 0.005 * batches <= stats["forward_seconds"] <= stats["step_seconds"]
+
+
+def test_step_trace_records_each_forward_by_kind(tmp_path, monkeypatch):
+    """RADIXSERVE_STEP_TRACE: one line per forward with its decode rows and prefill tokens (what
+    benchmarks/step_trace_summary.py splits a served run by); the prompt tokens and generated tokens
+    it records add up to the workload's, and the summary reads the file back."""
+    import importlib.util
+    from pathlib import Path
+
+    trace = tmp_path / "steps.trace"
+    monkeypatch.setenv("RADIXSERVE_STEP_TRACE", str(trace))
+    config = Config.build({"scheduler": {"chunked_prefill_size": 16, "enable_mixed_chunk": True},
+                           "runtime": {"overlap": False}})
+    sched = Scheduler.from_config(config, ToyRunner(vocab_size=VOCAB), Registry.discover())
+    prompts = {"a": [5] * 30, "b": [7, 8, 9]}
+    for rid, prompt in prompts.items():
+        sched.add_request(request(rid, prompt, 6))
+    out = run_to_completion(sched)
+    rows = [line.split() for line in trace.read_text().splitlines()]
+    assert rows and all(len(r) == 4 and float(r[3]) >= 0 for r in rows)
+    assert sum(int(r[2]) for r in rows) == sum(len(p) for p in prompts.values())  # no prefix hits here
+    # each request's first token comes from its last prefill chunk, the rest from decode rows
+    assert sum(int(r[1]) for r in rows) == sum(len(o["ids"]) - 1 for o in out.values())
+    assert any(int(r[1]) and int(r[2]) for r in rows), "no mixed step was recorded as mixed"
+    assert_nothing_left(sched)
+    spec = importlib.util.spec_from_file_location(
+        "step_trace_summary", Path(__file__).resolve().parents[1] / "benchmarks" / "step_trace_summary.py")
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    (run,) = summary.read_runs(str(trace))
+    assert len(run) == len(rows) and any("prefill/mixed" in line for line in summary.summarise(run))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -53,3 +54,23 @@ class SchedulerMetrics:
     def cache_hit_rate(self) -> float:
         total = self.prefill_tokens_computed + self.prefill_tokens_cached
         return self.prefill_tokens_cached / total if total else 0.0
+
+
+class StepTrace:
+    """One line per forward of a non-overlapped step (the CPU's path) appended to the file that
+    `RADIXSERVE_STEP_TRACE` names: its start (`time.perf_counter()`), decode rows, prefill tokens and
+    seconds, space-separated. Where a served run's time goes, by batch kind and size, beside an
+    offline one (`python benchmarks/step_trace_summary.py FILE`); off unless the variable is set."""
+
+    ENV = "RADIXSERVE_STEP_TRACE"
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", buffering=1)  # line-buffered: complete lines if the process is killed
+
+    @classmethod
+    def from_env(cls) -> StepTrace | None:
+        path = os.environ.get(cls.ENV)
+        return cls(path) if path else None
+
+    def record(self, start: float, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
+        self._file.write(f"{start:.6f} {decode_rows} {prefill_tokens} {seconds:.6f}\n")

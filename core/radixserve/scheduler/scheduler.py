@@ -36,7 +36,7 @@ from radixserve.scheduler.grammar import (
     constraint_of,
     tokenizer_fingerprint,
 )
-from radixserve.scheduler.metrics import SchedulerMetrics
+from radixserve.scheduler.metrics import SchedulerMetrics, StepTrace
 from radixserve.scheduler.speculative.adaptive import DraftLengthControl
 from radixserve.scheduler.speculative.drafts import Draft, accepted_path, checked_draft
 from radixserve.scheduler.stop_strings import StopStringMatcher
@@ -270,6 +270,7 @@ class Scheduler:
         self._decode_turn = False  # alternate chunk steps with decode steps so decodes keep running
         self.meta: dict[str, _Meta] = {}
         self.metrics = SchedulerMetrics()
+        self.step_trace = StepTrace.from_env()
         self._outbox: list[ReqTokenOut] = []
         self._arrivals = 0
         self._evicted = False  # set by _alloc_slots when it evicted from the cache
@@ -460,7 +461,11 @@ class Scheduler:
                     sb = self._to_scheduled_batch(items)
                     forward_start = time.perf_counter()
                     result = self.runner.launch_batch(sb).result()
-                    self.metrics.forward_seconds += time.perf_counter() - forward_start
+                    forward_seconds = time.perf_counter() - forward_start
+                    self.metrics.forward_seconds += forward_seconds
+                    if self.step_trace is not None:
+                        self.step_trace.record(forward_start, sum(it.decode for it in items),
+                                               sum(it.extend_len for it in items if not it.decode), forward_seconds)
                 except Exception:
                     self._isolate_failure([items])
                 else:
