@@ -58,14 +58,15 @@ class SchedulerMetrics:
 
 class StepTrace:
     """One line per forward of a non-overlapped step (the CPU's path) appended to the file that
-    `RADIXSERVE_STEP_TRACE` names: its start (`time.perf_counter()`), decode rows, prefill tokens and
-    seconds, space-separated. Where a served run's time goes, by batch kind and size, beside an
-    offline one (`python benchmarks/step_trace_summary.py FILE`); off unless the variable is set."""
+    `RADIXSERVE_STEP_TRACE` names: its start (`time.perf_counter()`), decode rows, the other new
+    tokens (prompt chunks; a speculative verify's tokens count here too) and seconds, space-separated.
+    Where a served run's time goes, by batch kind and size, beside an offline one
+    (`python benchmarks/step_trace_summary.py FILE`); off unless the variable is set."""
 
     ENV = "RADIXSERVE_STEP_TRACE"
 
     def __init__(self, path: str) -> None:
-        self._file = open(path, "a", buffering=1)  # line-buffered: complete lines if the process is killed
+        self.path = path
 
     @classmethod
     def from_env(cls) -> StepTrace | None:
@@ -73,4 +74,7 @@ class StepTrace:
         return cls(path) if path else None
 
     def record(self, start: float, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
-        self._file.write(f"{start:.6f} {decode_rows} {prefill_tokens} {seconds:.6f}\n")
+        # opened per line (tens of microseconds, a profiling run only): no handle outlives the
+        # scheduler, and a killed process leaves whole lines
+        with open(self.path, "a") as f:
+            f.write(f"{start:.6f} {decode_rows} {prefill_tokens} {seconds:.6f}\n")
