@@ -49,13 +49,15 @@ def test_bf16_panels_compute_the_bf16_rounded_product(gemm, rows, out_features, 
         assert (got - F.linear(x, weight)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize(("rows", "inter"), [(1, 50), (9, 100), (64, 1536)])
-def test_bf16_silu_gated_panels(gemm, rows, inter):
+@pytest.mark.parametrize(("rows", "inter", "in_features"), [(1, 50, 40), (9, 100, 40), (64, 1536, 40), (300, 100, 1536)])
+def test_bf16_silu_gated_panels(gemm, rows, inter, in_features):
+    """The last case spans several row chunks (300 rows of 1536 bf16 features)."""
     gen = torch.Generator().manual_seed(rows + inter)
-    weight, x = torch.randn(2 * inter, 40, generator=gen), torch.randn(rows, 40, generator=gen)
+    weight = torch.randn(2 * inter, in_features, generator=gen) / in_features**0.5  # unit-scale pre-activations
+    x = torch.randn(rows, in_features, generator=gen)
     panels = gemm.to_bf16_panels(gemm.pack_gated(weight))
     want = SiluAndMul()(F.linear(_bf16(x), _bf16(weight)))
-    torch.testing.assert_close(gemm.linear_silu_mul(x, panels, inter), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gemm.linear_silu_mul(x, panels, inter), want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_nan_stays_in_its_row(gemm):

@@ -218,9 +218,10 @@ void for_runs(int64_t n, int64_t chunk, const Body& body) {
 // quarter of its share for the other to take over.
 int64_t run_length(int64_t n) { return std::max<int64_t>(1, n / (4 * at::get_num_threads())); }
 
-// Rows per chunk: a chunk's x rows stay in L2 while a thread streams its panels past them (all of
-// a decode batch is one chunk).
-int64_t rows_per_chunk(int64_t K) { return std::max<int64_t>(MR, (kL2Budget / (K * 4)) / MR * MR); }
+// Rows per chunk: a chunk's x rows (K values of `bytes` each as the product reads them: fp32, or
+// bf16 pairs) stay in L2 while a thread streams its panels past them (all of a decode batch is one
+// chunk); each chunk streams every panel once more.
+int64_t rows_per_chunk(int64_t K, int64_t bytes) { return std::max<int64_t>(MR, (kL2Budget / (K * bytes)) / MR * MR); }
 
 bool is_bf16(const at::Tensor& panels) { return panels.scalar_type() == at::kShort; }
 
@@ -244,6 +245,7 @@ void check_operands(const at::Tensor& x, const at::Tensor& panels, int64_t num_p
 // c[rows x cols] = x[m : m + rows] @ panel p, prefetching panel p + 1 when `next`.
 #if RS_HAVE_AVX2
 struct Fp32Operands {
+  static constexpr int64_t kBytes = 4;  // an x value as the product reads it
   const float* x;
   int64_t lda, K;
   const float* panels;
@@ -259,6 +261,7 @@ struct Fp32Operands {
 #if RS_HAVE_BF16_PANELS
 static_assert(NR == rs_bf16::NR && MR == rs_bf16::MR, "bf16 panels share the fp32 panel width");
 struct Bf16Operands {
+  static constexpr int64_t kBytes = 2;  // an x value as the product reads it
   at::Tensor pairs;  // x as bf16 pairs [M, K2], made once per call
   const uint32_t* x;
   int64_t K2;
@@ -292,18 +295,28 @@ void with_operands(const at::Tensor& x, const at::Tensor& panels, const Body& bo
 #endif
 }
 
+// body(m_begin, rows, b, e) for every row chunk of M and every run [b, e) of its `units` panels (or
+// panel pairs), in one parallel region: the threads take (chunk, run) tasks in chunk order, so a
+// chunk's x rows stay in L2 while both threads stream its panels, and the region ends once, at the
+// last chunk (a region per chunk waited for the slower thread at every chunk's end: ~5% of a
+// 512-row prefill step's time in libgomp).
+template <class Body>
+void for_chunk_runs(int64_t M, int64_t mc, int64_t units, const Body& body) {
+  const int64_t run = run_length(units), runs = (units + run - 1) / run, chunks = (M + mc - 1) / mc;
+  for_runs(chunks * runs, 1, [&](int64_t t, int64_t) {
+    const int64_t m_begin = (t / runs) * mc, b = (t % runs) * run;
+    body(m_begin, std::min(M, m_begin + mc) - m_begin, b, std::min(units, b + run));
+  });
+}
+
 // y [M, n] = x @ w^T; within a row chunk each thread takes runs of panels: its weights stream in
 // memory order.
 template <class Operands>
 void linear_into(const Operands& ops, int64_t M, int64_t K, int64_t n, int64_t np, float* y) {
-  const int64_t mc = rows_per_chunk(K);
-  for (int64_t m_begin = 0; m_begin < M; m_begin += mc) {
-    const int64_t rows = std::min(M, m_begin + mc) - m_begin;
-    for_runs(np, run_length(np), [&](int64_t b, int64_t e) {
-      for (int64_t p = b; p < e; ++p)
-        ops.product(m_begin, rows, p, p + 1 < e, y + m_begin * n + p * NR, n, std::min(NR, n - p * NR));
-    });
-  }
+  for_chunk_runs(M, rows_per_chunk(K, Operands::kBytes), np, [&](int64_t m_begin, int64_t rows, int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p)
+      ops.product(m_begin, rows, p, p + 1 < e, y + m_begin * n + p * NR, n, std::min(NR, n - p * NR));
+  });
 }
 
 // y [M, i] = silu(x @ gate^T) * (x @ up^T) over `pairs` (gate, up) panel pairs. Each pair is
@@ -311,26 +324,22 @@ void linear_into(const Operands& ops, int64_t M, int64_t K, int64_t n, int64_t n
 // pre-activation never goes to memory.
 template <class Operands>
 void silu_mul_into(const Operands& ops, int64_t M, int64_t K, int64_t i, int64_t pairs, float* y) {
-  const int64_t mc = rows_per_chunk(K);
-  for (int64_t m_begin = 0; m_begin < M; m_begin += mc) {
-    const int64_t rows = std::min(M, m_begin + mc) - m_begin;
-    for_runs(pairs, run_length(pairs), [&](int64_t b, int64_t e) {
-      thread_local std::vector<float> scratch;  // [gate | up] tiles, ld = 2 * NR (one per thread, kept)
-      scratch.resize(static_cast<size_t>(2 * rows * NR));
-      for (int64_t q = b; q < e; ++q) {
-        for (int64_t p = 2 * q; p < 2 * q + 2; ++p)  // gate, then up, into their halves of the scratch
-          ops.product(m_begin, rows, p, p + 1 < 2 * e, scratch.data() + (p - 2 * q) * NR, 2 * NR, NR);
-        const int64_t cols = std::min(NR, i - q * NR);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* g = scratch.data() + r * 2 * NR;
-          const float* u = g + NR;
-          float* o = y + (m_begin + r) * i + q * NR;
+  for_chunk_runs(M, rows_per_chunk(K, Operands::kBytes), pairs, [&](int64_t m_begin, int64_t rows, int64_t b, int64_t e) {
+    thread_local std::vector<float> scratch;  // [gate | up] tiles, ld = 2 * NR (one per thread, kept)
+    scratch.resize(static_cast<size_t>(2 * rows * NR));
+    for (int64_t q = b; q < e; ++q) {
+      for (int64_t p = 2 * q; p < 2 * q + 2; ++p)  // gate, then up, into their halves of the scratch
+        ops.product(m_begin, rows, p, p + 1 < 2 * e, scratch.data() + (p - 2 * q) * NR, 2 * NR, NR);
+      const int64_t cols = std::min(NR, i - q * NR);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* g = scratch.data() + r * 2 * NR;
+        const float* u = g + NR;
+        float* o = y + (m_begin + r) * i + q * NR;
 #pragma omp simd
-          for (int64_t j = 0; j < cols; ++j) o[j] = g[j] / (1.f + std::exp(std::min(-g[j], kExpMax))) * u[j];
-        }
+        for (int64_t j = 0; j < cols; ++j) o[j] = g[j] / (1.f + std::exp(std::min(-g[j], kExpMax))) * u[j];
       }
-    });
-  }
+    }
+  });
 }
 
 }  // namespace
