@@ -1,0 +1,151 @@
+"""Where a mixed step's time goes (issue 18's ITL p99): one scheduler step that prefills a prompt while the
+running requests decode, split into its wall time, the device's kernel time and the top kernels.
+
+    python benchmarks/h200/profile_mixed.py [--model benchmarks/model-configs/llama-3.1-8b] [--out DIR]
+        [--decoding 24] [--prompts 512,1024] [--device cuda]
+
+Session 16's step traces (benchmarks/results/h100-session16.md) found a mixed step of the 8B shape takes ~33 ms
+with 512 prompt tokens and with 1024 alike, while a decode step takes ~9 ms: this separates the candidates (host
+time of the eager forward, the extend path's set-up, the decode rows inside the extend attention kernel). The
+scheduler runs in this process (no server), non-overlapped, with `scheduler.enable_mixed_chunk=true`: `--decoding`
+requests of 1024-token prompts are brought to decoding first, then for each prompt length one new prompt is
+added and the next step (the mixed one) is timed three times without the profiler and once under it; the same
+prompt lengths are then timed with nothing decoding (a plain prefill step), and decode-only steps as the
+reference. Prints one JSON line per case and writes profile_mixed.json under --out. `--device cpu` with a tiny
+checkpoint checks the script itself (no CUDA timings then)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import statistics
+import time
+
+import torch
+from radixserve.config import Config
+from radixserve.model_runner import ModelRunner
+from radixserve.plugins.registry import Registry
+from radixserve.runtime.messages import GenerateRequest
+from radixserve.scheduler import Scheduler
+from radixserve.state import SamplingParams
+
+_ids = itertools.count()
+
+
+def build(model: str, device: str, decoding: int) -> Scheduler:
+    cuda = device == "cuda"
+    cfg = Config.build({
+        "model": {"path": model, "load_format": "dummy", "context_length": 4096},
+        "runtime": {"device": device, "dtype": "bfloat16" if cuda else "float32", "overlap": False,
+                    **({"cuda_graph": True} if cuda else {})},
+        "stack": {"attention": "triton" if cuda else "torch_native"},
+        "scheduler": {"enable_mixed_chunk": True, "chunked_prefill_size": 4096,
+                      "max_running_requests": decoding + 8, "max_total_tokens": (decoding + 8) * 4096},
+    })
+    runner = ModelRunner(cfg, show_progress=False)
+    return Scheduler.from_config(cfg, runner, Registry.from_config(cfg))
+
+
+def prompt(n: int, vocab: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(100, vocab - 1) for _ in range(n)]  # fresh ids: no prefix-cache hit
+
+
+def add(s: Scheduler, ids: list[int], max_new: int) -> str:
+    rid = f"r{next(_ids)}"
+    s.add_request(GenerateRequest(rid=rid, input_ids=ids, stream=False,
+                                  sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)))
+    return rid
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_step(s: Scheduler, device: str) -> float:
+    sync(device)
+    t = time.perf_counter()
+    s.step()
+    sync(device)
+    return time.perf_counter() - t
+
+
+def settle(s: Scheduler) -> None:
+    """Step until nothing waits and no prompt is half prefilled: every running request decodes."""
+    for _ in range(10_000):
+        if not s.waiting and s.chunked_req is None:
+            return
+        s.step()
+    raise RuntimeError("the scheduler did not settle")
+
+
+def profiled_step(s: Scheduler, device: str) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        wall = timed_step(s, device)
+    events = prof.key_averages()
+    kernels = [(e.key, e.device_time_total / 1e3, e.count) for e in events
+               if e.device_time_total > 0 and not e.key.startswith(("aten::", "cu", "Memcpy", "Memset"))]
+    kernels.sort(key=lambda k: -k[1])
+    return {"profiled_wall_ms": round(wall * 1e3, 2),
+            "kernel_ms": round(sum(k[1] for k in kernels), 2),
+            "top_kernels": [{"name": k[:90], "ms": round(ms, 3), "calls": c} for k, ms, c in kernels[:15]]}
+
+
+def case(s: Scheduler, device: str, vocab: int, rng: random.Random, new_tokens: int, label: str) -> dict:
+    """One new prompt of `new_tokens` prefilled in the next step (with whatever decodes), three times
+    unprofiled and once profiled; each prompt is then stepped to decoding and aborted."""
+    walls = []
+    row: dict = {}
+    for rep in range(4):
+        rid = add(s, prompt(new_tokens, vocab, rng), 8)
+        if rep < 3:
+            walls.append(timed_step(s, device))
+        else:
+            row = profiled_step(s, device)
+        settle(s)
+        s.abort(rid)
+    return {"case": label, "prompt_tokens": new_tokens, "decoding": len(s.running),
+            "wall_ms": round(statistics.median(walls) * 1e3, 2), **row}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="benchmarks/model-configs/llama-3.1-8b")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--decoding", type=int, default=24, help="requests decoding while the prompt is prefilled")
+    ap.add_argument("--prompts", default="512,1024", help="comma-separated prompt lengths")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.prompts.split(",")]
+    s = build(args.model, args.device, args.decoding)
+    vocab = s.runner.vocab_size
+    rng = random.Random(0)
+    rows = []
+    for n in lengths:  # warm-up: every prompt length once, alone (compiles, graph capture done at load)
+        rows.append(case(s, args.device, vocab, rng, n, "warm-up, nothing decoding"))
+    rows.clear()
+    for n in lengths:
+        rows.append(case(s, args.device, vocab, rng, n, "prefill, nothing decoding"))
+    for _ in range(args.decoding):
+        add(s, prompt(1024, vocab, rng), 2000)  # 1024 + 2000 fit the 4096 context
+    settle(s)
+    decode = [timed_step(s, args.device) for _ in range(10)]
+    rows.append({"case": "decode only", "decoding": len(s.running), "wall_ms": round(statistics.median(decode) * 1e3, 2)})
+    for n in lengths:
+        rows.append(case(s, args.device, vocab, rng, n, "mixed: prefill + decode rows"))
+    for row in rows:
+        print(json.dumps({k: v for k, v in row.items() if k != "top_kernels"}), flush=True)
+        for k in row.get("top_kernels", [])[:8]:
+            print(f"    {k['ms']:8.3f} ms {k['calls']:4d}x  {k['name']}")
+    with open(os.path.join(args.out, "profile_mixed.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
