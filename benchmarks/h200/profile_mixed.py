@@ -11,7 +11,9 @@ scheduler runs in this process (no server), non-overlapped, with `scheduler.enab
 requests of 1024-token prompts are brought to decoding first, then for each prompt length one new prompt is
 added and the next step (the mixed one) is timed three times without the profiler and once under it; the same
 prompt lengths are then timed with nothing decoding (a plain prefill step), and decode-only steps as the
-reference. Prints one JSON line per case and writes profile_mixed.json under --out. `--device cpu` with a tiny
+reference. `launch_ms`: the host's time until `launch_batch` returned (it queues the forward without waiting for
+the device); close to `wall_ms` means the step is host-bound (mixed and prefill batches run eagerly: only decode
+batches replay a CUDA graph). Prints one JSON line per case and writes profile_mixed.json under --out. `--device cpu` with a tiny
 checkpoint checks the script itself (no CUDA timings then)."""
 
 from __future__ import annotations
@@ -65,6 +67,24 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+_launch_s: list[float] = []  # per forward: seconds until launch_batch returned (the host's share)
+
+
+def time_launches(s: Scheduler) -> None:
+    """Record how long each `launch_batch` takes to return: it queues the forward and the sampling on
+    the device and returns without waiting, so on CUDA this is the host's time for the step's forward;
+    if it is close to the step's wall time, the step is host-bound."""
+    launch = s.runner.launch_batch
+
+    def timed(sb):
+        t = time.perf_counter()
+        out = launch(sb)
+        _launch_s.append(time.perf_counter() - t)
+        return out
+
+    s.runner.launch_batch = timed
+
+
 def timed_step(s: Scheduler, device: str) -> float:
     sync(device)
     t = time.perf_counter()
@@ -100,18 +120,20 @@ def profiled_step(s: Scheduler, device: str) -> dict:
 def case(s: Scheduler, device: str, vocab: int, rng: random.Random, new_tokens: int, label: str) -> dict:
     """One new prompt of `new_tokens` prefilled in the next step (with whatever decodes), three times
     unprofiled and once profiled; each prompt is then stepped to decoding and aborted."""
-    walls = []
+    walls, hosts = [], []
     row: dict = {}
     for rep in range(4):
         rid = add(s, prompt(new_tokens, vocab, rng), 8)
         if rep < 3:
             walls.append(timed_step(s, device))
+            hosts.append(_launch_s[-1])
         else:
             row = profiled_step(s, device)
         settle(s)
         s.abort(rid)
     return {"case": label, "prompt_tokens": new_tokens, "decoding": len(s.running),
-            "wall_ms": round(statistics.median(walls) * 1e3, 2), **row}
+            "wall_ms": round(statistics.median(walls) * 1e3, 2),
+            "launch_ms": round(statistics.median(hosts) * 1e3, 2), **row}
 
 
 def main() -> None:
@@ -124,6 +146,7 @@ def main() -> None:
     args = ap.parse_args()
     lengths = [int(x) for x in args.prompts.split(",")]
     s = build(args.model, args.device, args.decoding)
+    time_launches(s)
     vocab = s.runner.vocab_size
     rng = random.Random(0)
     rows = []
@@ -136,7 +159,8 @@ def main() -> None:
         add(s, prompt(1024, vocab, rng), 2000)  # 1024 + 2000 fit the 4096 context
     settle(s)
     decode = [timed_step(s, args.device) for _ in range(10)]
-    rows.append({"case": "decode only", "decoding": len(s.running), "wall_ms": round(statistics.median(decode) * 1e3, 2)})
+    rows.append({"case": "decode only", "decoding": len(s.running), "wall_ms": round(statistics.median(decode) * 1e3, 2),
+                 "launch_ms": round(statistics.median(_launch_s[-10:]) * 1e3, 2)})
     for n in lengths:
         rows.append(case(s, args.device, vocab, rng, n, "mixed: prefill + decode rows"))
     for row in rows:
