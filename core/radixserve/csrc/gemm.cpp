@@ -198,19 +198,16 @@ inline void panel_product(const float* x, int64_t lda, int64_t rows, const float
 }
 #endif
 
-// body(begin, end) over [0, n) in runs of `chunk` units, each thread taking the next run as it
-// finishes one. Why not at::parallel_for's one contiguous share per thread: a served step shares
-// the cores with the HTTP front end, the detokenizer and clients, and when the OS gives one
-// thread's core away mid-GEMM the static split waits for it at the region's end; here the other
-// thread takes over its remaining runs. Runs of several panels keep the weight streaming in
-// memory order (each run prefetches its next panel).
+// body(t) for every task t in [0, n), each thread taking the next task as it finishes one. Why not
+// at::parallel_for's one contiguous share per thread: a served step shares the cores with the HTTP
+// front end, the detokenizer and clients, and when the OS gives one thread's core away mid-GEMM the
+// static split waits for it at the region's end; here the other thread takes over its remaining tasks.
 template <class Body>
-void for_runs(int64_t n, int64_t chunk, const Body& body) {
-  const int64_t runs = (n + chunk - 1) / chunk;
+void for_tasks(int64_t n, const Body& body) {
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(runs, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t r = next.fetch_add(1, std::memory_order_relaxed); r < runs; r = next.fetch_add(1, std::memory_order_relaxed))
-      body(r * chunk, std::min(n, (r + 1) * chunk));
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < n; t = next.fetch_add(1, std::memory_order_relaxed))
+      body(t);
   });
 }
 
@@ -296,14 +293,15 @@ void with_operands(const at::Tensor& x, const at::Tensor& panels, const Body& bo
 }
 
 // body(m_begin, rows, b, e) for every row chunk of M and every run [b, e) of its `units` panels (or
-// panel pairs), in one parallel region: the threads take (chunk, run) tasks in chunk order, so a
-// chunk's x rows stay in L2 while both threads stream its panels, and the region ends once, at the
-// last chunk (a region per chunk waited for the slower thread at every chunk's end: ~5% of a
-// 512-row prefill step's time in libgomp).
+// panel pairs; a run of several panels streams its weights in memory order, each prefetching the
+// next), in one parallel region: the threads take (chunk, run) tasks in chunk order, so a chunk's x
+// rows stay in L2 while both threads stream its panels, and the region ends once, at the last chunk
+// (a region per chunk waited for the slower thread at every chunk's end: ~5% of a 512-row prefill
+// step's time in libgomp).
 template <class Body>
 void for_chunk_runs(int64_t M, int64_t mc, int64_t units, const Body& body) {
   const int64_t run = run_length(units), runs = (units + run - 1) / run, chunks = (M + mc - 1) / mc;
-  for_runs(chunks * runs, 1, [&](int64_t t, int64_t) {
+  for_tasks(chunks * runs, [&](int64_t t) {
     const int64_t m_begin = (t / runs) * mc, b = (t % runs) * run;
     body(m_begin, std::min(M, m_begin + mc) - m_begin, b, std::min(units, b + run));
   });
