@@ -2,15 +2,15 @@
 running requests decode, split into its wall time, the device's kernel time and the top kernels.
 
     python benchmarks/h200/profile_mixed.py [--model benchmarks/model-configs/llama-3.1-8b] [--out DIR]
-        [--decoding 24] [--prompts 512,1024] [--device cuda]
+        [--decoding 24] [--prompts 512,1024] [--device cuda] [--extend-graph-tokens 0] [--tag ""]
 
 Session 16's step traces (benchmarks/results/h100-session16.md) found a mixed step of the 8B shape takes ~33 ms
 with 512 prompt tokens and with 1024 alike, while a decode step takes ~9 ms: this separates the candidates (host
 time of the eager forward, the extend path's set-up, the decode rows inside the extend attention kernel). The
 scheduler runs in this process (no server), non-overlapped, with `scheduler.enable_mixed_chunk=true`: `--decoding`
 requests of 1024-token prompts are brought to decoding first, then for each prompt length one new prompt is
-added and the next step (the mixed one) is timed three times without the profiler and once under it; the same
-prompt lengths are then timed with nothing decoding (a plain prefill step), and decode-only steps as the
+added and the next step (the mixed one) is timed three times without the profiler, once under torch's
+profiler and once under cProfile; the same prompt lengths are then timed with nothing decoding (a plain prefill step), and decode-only steps as the
 reference. `launch_ms`: the host's time until `launch_batch` returned (it queues the forward without waiting for
 the device); close to `wall_ms` means the step is host-bound (mixed and prefill batches run eagerly: only decode
 batches replay a CUDA graph). Prints one JSON line per case and writes profile_mixed.json under --out. `--device cpu` with a tiny
@@ -37,12 +37,12 @@ from radixserve.state import SamplingParams
 _ids = itertools.count()
 
 
-def build(model: str, device: str, decoding: int) -> Scheduler:
+def build(model: str, device: str, decoding: int, extend_graph_tokens: int) -> Scheduler:
     cuda = device == "cuda"
     cfg = Config.build({
         "model": {"path": model, "load_format": "dummy", "context_length": 4096},
         "runtime": {"device": device, "dtype": "bfloat16" if cuda else "float32", "overlap": False,
-                    **({"cuda_graph": True} if cuda else {})},
+                    **({"cuda_graph": True, "cuda_graph_extend_max_tokens": extend_graph_tokens} if cuda else {})},
         "stack": {"attention": "triton" if cuda else "torch_native"},
         "scheduler": {"enable_mixed_chunk": True, "chunked_prefill_size": 4096,
                       "max_running_requests": decoding + 8, "max_total_tokens": (decoding + 8) * 4096},
@@ -125,21 +125,47 @@ def profiled_step(s: Scheduler, device: str) -> dict:
                                  for k, c, ms in sorted(host, key=lambda h: -h[2])[:25]]}
 
 
+def python_profiled_step(s: Scheduler, device: str) -> dict:
+    """The step under cProfile: which Python functions hold the host's time (tottime: own code,
+    cumtime: with callees)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    sync(device)
+    prof.enable()
+    s.step()
+    sync(device)
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = [(f"{os.path.basename(fn)}:{line}:{name}", cc, tt * 1e3, ct * 1e3)
+            for (fn, line, name), (cc, nc, tt, ct, _) in st.stats.items()]
+    return {"py_total_ms": round(st.total_tt * 1e3, 2), "py_calls": sum(r[1] for r in rows),
+            "top_py_by_tottime": [{"fn": f, "calls": c, "tottime_ms": round(t, 3), "cumtime_ms": round(ct, 3)}
+                                  for f, c, t, ct in sorted(rows, key=lambda r: -r[2])[:30]],
+            "top_py_by_cumtime": [{"fn": f, "calls": c, "tottime_ms": round(t, 3), "cumtime_ms": round(ct, 3)}
+                                  for f, c, t, ct in sorted(rows, key=lambda r: -r[3])[:40]]}
+
+
 def case(s: Scheduler, device: str, vocab: int, rng: random.Random, new_tokens: int, label: str) -> dict:
     """One new prompt of `new_tokens` prefilled in the next step (with whatever decodes), three times
-    unprofiled and once profiled; each prompt is then stepped to decoding and aborted."""
+    unprofiled, once under torch's profiler and once under cProfile; each prompt is then stepped to decoding and aborted."""
     walls, hosts = [], []
     row: dict = {}
-    for rep in range(4):
+    graphed = False
+    for rep in range(5):
         rid = add(s, prompt(new_tokens, vocab, rng), 8)
         if rep < 3:
             walls.append(timed_step(s, device))
             hosts.append(_launch_s[-1])
-        else:
+            graphed = s.runner.last_run_used_cuda_graph
+        elif rep == 3:
             row = profiled_step(s, device)
+        else:
+            row.update(python_profiled_step(s, device))
         settle(s)
         s.abort(rid)
-    return {"case": label, "prompt_tokens": new_tokens, "decoding": len(s.running),
+    return {"case": label, "prompt_tokens": new_tokens, "decoding": len(s.running), "graph": graphed,
             "wall_ms": round(statistics.median(walls) * 1e3, 2),
             "launch_ms": round(statistics.median(hosts) * 1e3, 2), **row}
 
@@ -151,9 +177,12 @@ def main() -> None:
     ap.add_argument("--decoding", type=int, default=24, help="requests decoding while the prompt is prefilled")
     ap.add_argument("--prompts", default="512,1024", help="comma-separated prompt lengths")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--extend-graph-tokens", type=int, default=0,
+                    help="runtime.cuda_graph_extend_max_tokens (0: prefill and mixed steps run eagerly)")
+    ap.add_argument("--tag", default="", help="suffix of the result file's name")
     args = ap.parse_args()
     lengths = [int(x) for x in args.prompts.split(",")]
-    s = build(args.model, args.device, args.decoding)
+    s = build(args.model, args.device, args.decoding, args.extend_graph_tokens)
     time_launches(s)
     vocab = s.runner.vocab_size
     rng = random.Random(0)
@@ -177,7 +206,9 @@ def main() -> None:
             print(f"    {k['ms']:8.3f} ms {k['calls']:4d}x  {k['name']}")
         for k in row.get("top_host_by_time", [])[:12]:
             print(f"    host {k['self_ms']:8.3f} ms {k['calls']:5d}x  {k['name']}")
-    with open(os.path.join(args.out, "profile_mixed.json"), "w") as f:
+        for k in row.get("top_py_by_tottime", [])[:15]:
+            print(f"    py {k['tottime_ms']:8.3f} ms own {k['cumtime_ms']:8.3f} ms cum {k['calls']:6d}x  {k['fn']}")
+    with open(os.path.join(args.out, f"profile_mixed{args.tag}.json"), "w") as f:
         json.dump(rows, f, indent=1)
 
 

@@ -133,6 +133,12 @@ class RuntimeSection(_Section):
     dist_init_addr: str | None = None  # host:port of the TP rendezvous (rank 0's node); None: a free local port
     cuda_graph: bool = True
     cuda_graph_max_bs: int = Field(default=160, ge=1)
+    # EXTEND batches (prefill chunks, with decode rows mixed in) of up to this many new tokens replay
+    # CUDA graphs too (extend_graph_runner.py; backends with supports_extend_cuda_graph: triton);
+    # 0: off, they run eagerly (host-bound for short prompts on Hopper: h100-session16.md)
+    cuda_graph_extend_max_tokens: int = Field(default=0, ge=0)
+    # request slots of each extend graph (one is the padding request's); larger batches run eagerly
+    cuda_graph_extend_max_requests: int = Field(default=64, ge=2)
     overlap: bool | None = None  # overlap scheduling; None: on for CUDA, off for CPU (nothing to overlap)
     # batch-1 projections of plain-weight layers on the Triton GEMV (layers/gemv_selection.py): auto
     # (CUDA GPUs where it was measured faster than cuBLAS: sm90), on (any CUDA GPU), off

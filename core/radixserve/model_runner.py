@@ -130,6 +130,7 @@ class ModelRunner:
         self._init_attention()
         self.sampler = Sampler()
         self.graph_runner = None
+        self.extend_graph_runner = None  # ExtendGraphRunner when runtime.cuda_graph_extend_max_tokens > 0
         self.tree_rows: TreeDecodeRows | None = None  # scratch rows: tree verifies as decode rows (graphs)
         self.last_run_used_cuda_graph = False
         self.target_states = self._target_states()
@@ -292,6 +293,28 @@ class ModelRunner:
             self._record_in_graphs()  # a drafter that asked before the graphs existed
         except Exception as e:  # keep serving, but loudly: decode is then several times slower
             logger.error("CUDA graph capture failed (%r); decode runs eagerly. Disable with runtime.cuda_graph=false", e)
+            torch.cuda.synchronize(self.device)
+        if self.config.runtime.cuda_graph_extend_max_tokens:
+            self._init_extend_graphs(dummy_row)
+
+    def _init_extend_graphs(self, dummy_row: int) -> None:
+        from radixserve.extend_graph_runner import ExtendGraphRunner, default_extend_token_sizes
+
+        rt = self.config.runtime
+        if not self.attn_backend.supports_extend_cuda_graph():
+            logger.warning("runtime.cuda_graph_extend_max_tokens=%d: attention backend %r has no extend CUDA-graph "
+                           "support; prefill runs eagerly", rt.cuda_graph_extend_max_tokens, self.attn_backend_name)
+            return
+        sizes = default_extend_token_sizes(rt.cuda_graph_extend_max_tokens)
+        max_reqs = min(rt.cuda_graph_extend_max_requests, self.max_running_requests + 1)
+        logger.info("capturing extend CUDA graphs for %d token counts up to %d (%d request slots)", len(sizes),
+                    sizes[-1], max_reqs)
+        try:
+            self.extend_graph_runner = ExtendGraphRunner(self.model, self.attn_backend, self.req_to_token_pool,
+                                                         self.kv_pool, self.device, sizes, max(2, max_reqs), dummy_row)
+        except Exception as e:  # keep serving: prefill then runs eagerly, as without the option
+            logger.error("extend CUDA graph capture failed (%r); prefill runs eagerly. Disable with "
+                         "runtime.cuda_graph_extend_max_tokens=0", e)
             torch.cuda.synchronize(self.device)
 
     def _target_states(self) -> TargetStates:
@@ -513,6 +536,10 @@ class ModelRunner:
             if recording and sb.reqs:
                 self._record_hidden(sb, *gr.recorded_rows(fb.batch_size))
             return logits, False
+        er = self.extend_graph_runner  # prefill chunks (and mixed batches) of a bounded token count
+        if er is not None and not recording and sb.spec is None and er.can_run(fb):
+            self.last_run_used_cuda_graph = True
+            return er.run(fb)[:, : self.vocab_size], False
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
         if recording and sb.reqs:

@@ -51,4 +51,7 @@ __version__ = "0.1.0"
 # 1.8: bf16 KV pools of fp32 models (runtime.kv_cache_dtype: bfloat16): AttentionBackend.supports_bf16_kv_cache
 # 1.9: AttentionRunnerInfo.matmul_precision (runtime.cpu_matmul_precision: "medium" allows a backend bf16
 #      products with fp32 sums); check_attention_backend(matmul_precision=...)
-PLUGIN_API_VERSION = "1.9"
+# 1.10: CUDA graphs of EXTEND batches (runtime.cuda_graph_extend_max_tokens):
+#      AttentionBackend.supports_extend_cuda_graph / init_extend_graph_state / init_extend_metadata_capture /
+#      init_extend_metadata_replay, radixserve.extend_graph_runner.ExtendGraphRunner
+PLUGIN_API_VERSION = "1.10"

@@ -383,3 +383,46 @@ class AttentionBackend(abc.ABC):
         Added in plugin API 1.0.
         """
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    # ---- optional CUDA graphs of EXTEND batches (runtime.cuda_graph_extend_max_tokens) ----------
+    def supports_extend_cuda_graph(self) -> bool:
+        """True when the three extend-graph hooks below are implemented. Default False: prefill
+        and mixed prefill + decode batches then run eagerly (one host launch per kernel).
+
+        Added in plugin API 1.10.
+        """
+        return False
+
+    def init_extend_graph_state(self, max_tokens: int, max_reqs: int) -> None:
+        """Allocate static metadata for EXTEND batches of up to `max_tokens` new tokens in up to
+        `max_reqs` requests. Called once, before any extend capture.
+
+        Added in plugin API 1.10.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support extend CUDA graphs")
+
+    def init_extend_metadata_capture(self, batch: ForwardBatch) -> None:
+        """Like `init_forward_metadata` for an EXTEND batch, writing into the static metadata, from
+        the batch's host lists (`prefix_lens_cpu`, `extend_lens_cpu`, `seq_lens_cpu`, one entry per
+        request slot). Called before a graph for `batch.num_tokens` tokens is captured. The captured
+        `forward_extend` must launch the same kernels with the same grids for any lengths that fit
+        (no per-request launches, no host reads of device values): what it launches is recorded
+        once and replayed for every later batch of that token count.
+
+        The runner's padding (radixserve.extend_graph_runner): `batch.batch_size` is always the
+        static `max_reqs`; after the real requests comes one padding request owning the padding
+        tokens (prefix 0, its tokens' slots all slot 0, its row of `req_to_token` all zeros), then
+        empty requests (extend length 0, prefix 0). Nothing the padding computes reaches a real
+        request.
+
+        Added in plugin API 1.10.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support extend CUDA graphs")
+
+    def init_extend_metadata_replay(self, batch: ForwardBatch, real_bs: int) -> None:
+        """Refresh the static metadata in place from the batch's host lists before a replay; the
+        first `real_bs` requests are real, the rest padding as described above.
+
+        Added in plugin API 1.10.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support extend CUDA graphs")

@@ -22,7 +22,14 @@ from radixserve.state import ForwardMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from radixserve_attention_triton.decode_kernel import DecodeConfig, compute_num_kv_splits, decode_attention
-from radixserve_attention_triton.extend_kernel import ExtendConfig, extend_attention
+from radixserve_attention_triton.extend_kernel import (
+    ExtendConfig,
+    ExtendWork,
+    extend_attention,
+    extend_config,
+    planned_extend_work,
+    write_extend_plan,
+)
 from radixserve_attention_triton.rotary_store_kernel import rotary_and_store
 
 # The fresh-prompt SDPA may use every backend but cuDNN's: torch builds one cuDNN plan per new
@@ -41,7 +48,8 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 @dataclass
 class ExtendMetadata:
     extend_start: torch.Tensor  # int64 [bs]: offset of request i's first new token in the packed tokens
-    max_extend_len: int  # host int: sizes the grid's query-block axis
+    max_extend_len: int  # host int: the longest request's new tokens
+    work: ExtendWork | None = None  # the kernel's blocks (planned from host lengths; static in a graph)
     # speculative verify of draft trees: the flat mask as uint8 and where request i's block starts
     tree_mask: torch.Tensor | None = None
     mask_start: torch.Tensor | None = None  # int64 [bs]
@@ -77,6 +85,9 @@ class TritonAttentionBackend(AttentionBackend):
     every other extend batch runs the Triton kernel. Decode (batch-1 latency, each saving launches
     per layer): `fuse_rotary_store` (default True) applies rotary to q and k in the kernel that
     stores k, v into the pool (`forward_decode_rotary`, when the pool has q's dtype).
+    CUDA graphs: decode batches (`init_graph_state` ...) and extend batches (`init_extend_graph_state`
+    ...: a fixed-size work table of the extend kernel, refreshed from the host lengths before each
+    replay; such batches never take the SDPA path).
     """
     supports_tensor_parallel = True  # reads per-rank head counts only
 
@@ -133,6 +144,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.prefill_sdpa = prefill_sdpa
         self.sdpa_max_requests = sdpa_max_requests  # one SDPA call per request: bounded host work per layer
         self._graph: DecodeMetadata | None = None
+        self._extend_graph: ExtendMetadata | None = None  # static extend metadata (init_extend_graph_state)
         self.fuse_rotary_store = fuse_rotary_store
 
     def set_decode_fusions(self, *, rotary_store: bool) -> None:
@@ -156,7 +168,9 @@ class TritonAttentionBackend(AttentionBackend):
             batch.attn_metadata = None
             return
         extend_start, lens = extend_starts(batch)
-        meta = ExtendMetadata(extend_start=extend_start, max_extend_len=max(lens, default=0))
+        prefix = batch.prefix_lens_cpu or batch.prefix_lens.tolist()
+        meta = ExtendMetadata(extend_start=extend_start, max_extend_len=max(lens, default=0),
+                              work=planned_extend_work(prefix, lens, self._extend_block_m(), self.device))
         if (self.prefill_sdpa and batch.tree_mask is None and 0 < batch.batch_size <= self.sdpa_max_requests
                 and batch.prefix_lens_cpu and not any(batch.prefix_lens_cpu)):
             meta.fresh_prompt_lens = list(lens)
@@ -219,8 +233,13 @@ class TritonAttentionBackend(AttentionBackend):
             depths=meta.depths,
             k_scale=k_scale,
             v_scale=v_scale,
+            work=meta.work,
         )
         return out.view(q.shape[0], -1)
+
+    def _extend_block_m(self) -> int:
+        """The query block of the extend kernel this backend launches (what its work tables are planned for)."""
+        return (self.extend_config or extend_config(self.head_dim, self.dtype, self.interpret)).block_m
 
     @staticmethod
     def _fresh_prompts_sdpa(
@@ -330,3 +349,39 @@ class TritonAttentionBackend(AttentionBackend):
         # The padded batch has the captured size; its seq_lens are refreshed in place by the runner,
         # so recomputing the split counts into the same static slice is all a replay needs.
         self.init_forward_metadata_capture(batch)
+
+    # ---- CUDA graphs (extend) -----------------------------------------------------------------
+    def supports_extend_cuda_graph(self) -> bool:
+        return True
+
+    def init_extend_graph_state(self, max_tokens: int, max_reqs: int) -> None:
+        # a request adds at most one partial block to the full blocks of all the tokens
+        capacity = -(-max_tokens // self._extend_block_m()) + max_reqs
+        table = torch.full((2, capacity), -1, dtype=torch.int32, device=self.device)
+        self._extend_graph = ExtendMetadata(
+            extend_start=torch.zeros(max_reqs, dtype=torch.int64, device=self.device), max_extend_len=max_tokens,
+            work=ExtendWork(table[0], table[1], self._extend_block_m()))
+
+    def init_extend_metadata_capture(self, batch: ForwardBatch) -> None:
+        static = self._extend_graph
+        if static is None:
+            raise RuntimeError("init_extend_graph_state(max_tokens, max_reqs) must run before capturing an extend graph")
+        if batch.batch_size > static.extend_start.shape[0]:
+            raise ValueError(f"an extend graph batch of {batch.batch_size} requests exceeds the static "
+                             f"{static.extend_start.shape[0]}")
+        # no fresh-prompt SDPA here: its per-request launches depend on host lengths a graph cannot replay
+        batch.attn_metadata = ExtendMetadata(extend_start=static.extend_start[: batch.batch_size],
+                                             max_extend_len=static.max_extend_len, work=static.work)
+        self._write_extend_plan(batch)
+
+    def init_extend_metadata_replay(self, batch: ForwardBatch, real_bs: int) -> None:
+        self.init_extend_metadata_capture(batch)
+
+    def _write_extend_plan(self, batch: ForwardBatch) -> None:
+        meta: ExtendMetadata = batch.attn_metadata
+        lens = list(batch.extend_lens_cpu)
+        starts = [0] * len(lens)
+        for i in range(1, len(lens)):
+            starts[i] = starts[i - 1] + lens[i - 1]
+        meta.extend_start.copy_(torch.tensor(starts, dtype=torch.int64), non_blocking=True)
+        write_extend_plan(meta.work, list(batch.prefix_lens_cpu), lens)

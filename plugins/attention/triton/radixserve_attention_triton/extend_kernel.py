@@ -1,7 +1,11 @@
 """Extend (prefill) attention over the token-slot KV pool, variable lengths in one launch.
 
-Each program owns one request, one query head and a block of BLOCK_M new tokens. It attends in two
-stages with one running (online) softmax:
+Each program owns one query head and one work item: a request and a block of BLOCK_M of its new
+tokens, read from a work table (`ExtendWork`) planned on the host from the batch's lengths, costliest
+blocks first, so the grid holds only blocks that exist (a batch of one long prompt and many decode rows
+no longer launches a prompt's worth of empty blocks for every decode row). A table entry with request
+-1 is padding: CUDA graphs of extend batches launch a fixed-size table. It attends in two stages with
+one running (online) softmax:
   1. the request's cached prefix, whose K/V slots are read through `req_to_token` (page size 1);
   2. the new tokens' own K/V, read contiguously from the packed k/v inputs, with a causal mask;
      for a speculative verify of draft trees (HAS_TREE_MASK) also with the request's [e, e] tree
@@ -51,6 +55,8 @@ def _extend_kernel(
     prefix_lens_ptr,
     extend_lens_ptr,
     extend_start_ptr,
+    work_req_ptr,
+    work_m_ptr,
     TreeMask,
     mask_start_ptr,
     Depth,
@@ -71,6 +77,7 @@ def _extend_kernel(
     stride_vbs,
     stride_vbh,
     stride_r2t,
+    NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -82,12 +89,15 @@ def _extend_kernel(
     HAS_WINDOW: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    # Query blocks in reverse: the longest (latest, causal) blocks start first, which shortens the tail.
-    m_start = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
+    # one work item for each of its query heads in turn: a costly block starts on every head early
+    item = tl.program_id(0) // NUM_HEADS
+    h = tl.program_id(0) % NUM_HEADS
+    b = tl.load(work_req_ptr + item)
+    if b < 0:  # padding of a fixed-size table
+        return
+    m_start = tl.load(work_m_ptr + item)
     ext_len = tl.load(extend_lens_ptr + b).to(tl.int32)
-    if m_start >= ext_len:
+    if m_start >= ext_len:  # a dense table (planned without host lengths) holds blocks past the end
         return
     kvh = h // GROUP
     prefix_len = tl.load(prefix_lens_ptr + b).to(tl.int32)
@@ -224,6 +234,62 @@ def extend_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> ExtendC
     return cfg
 
 
+@dataclass(frozen=True)
+class ExtendWork:
+    """The extend kernel's work table: item i is request `req[i]`'s query block starting at new token
+    `m_start[i]` (int32 tensors on the kernel's device, same length); `req[i] == -1` marks padding.
+    Valid only for kernels with this `block_m`."""
+
+    req: torch.Tensor
+    m_start: torch.Tensor
+    block_m: int
+
+    @property
+    def size(self) -> int:
+        return int(self.req.shape[0])
+
+
+def plan_extend_blocks(prefix_lens: list[int], extend_lens: list[int], block_m: int) -> tuple[list[int], list[int]]:
+    """(request of each work item, its first new token) for every query block of every request, the
+    blocks that read the most keys (prefix + the tokens up to the block's end) first: they set the
+    kernel's tail. Host lists in, host lists out."""
+    items = []
+    for b, (prefix, ext) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
+        for m in range(0, ext, block_m):
+            items.append((prefix + min(m + block_m, ext), b, m))
+    items.sort(key=lambda item: -item[0])  # stable: ties keep request order
+    return [b for _, b, _ in items], [m for _, _, m in items]
+
+
+def write_extend_plan(work: ExtendWork, prefix_lens: list[int], extend_lens: list[int]) -> None:
+    """Plan the batch's blocks into an existing (static) table, padding the rest with -1; raises
+    ValueError when they do not fit. One host-to-device copy."""
+    reqs, starts = plan_extend_blocks(prefix_lens, extend_lens, work.block_m)
+    if len(reqs) > work.size:
+        raise ValueError(f"{len(reqs)} extend blocks do not fit a work table of {work.size}")
+    pad = work.size - len(reqs)
+    table = torch.tensor([reqs + [-1] * pad, starts + [0] * pad], dtype=torch.int32)
+    work.req.copy_(table[0], non_blocking=True)
+    work.m_start.copy_(table[1], non_blocking=True)
+
+
+def planned_extend_work(prefix_lens: list[int], extend_lens: list[int], block_m: int,
+                        device: torch.device | str) -> ExtendWork:
+    """A work table holding exactly the batch's blocks (host lengths in; one host-to-device copy)."""
+    reqs, starts = plan_extend_blocks(prefix_lens, extend_lens, block_m)
+    table = torch.tensor([reqs, starts], dtype=torch.int32).to(device, non_blocking=True)
+    return ExtendWork(table[0], table[1], block_m)
+
+
+def dense_extend_work(bs: int, max_extend_len: int, block_m: int, device: torch.device | str) -> ExtendWork:
+    """Every request x every block up to `max_extend_len`, made on the device without host lengths
+    (the kernel skips blocks past a request's end); the last blocks first."""
+    blocks = triton.cdiv(max_extend_len, block_m)
+    req = torch.arange(bs, dtype=torch.int32, device=device).repeat(blocks)
+    m_start = (blocks - 1 - torch.arange(blocks, dtype=torch.int32, device=device)).repeat_interleave(bs) * block_m
+    return ExtendWork(req, m_start, block_m)
+
+
 def extend_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -247,8 +313,14 @@ def extend_attention(
     depths: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    work: ExtendWork | None = None,
 ) -> None:
     """Write attention of the packed new tokens into `out` (tiles from `config`, else `extend_config`).
+
+    `work`: the blocks to compute (`planned_extend_work` from host lengths, or a static table of a
+    CUDA graph refreshed by `write_extend_plan`), planned for the config's `block_m`; None: every
+    request x `cdiv(max_extend_len, block_m)` blocks (`dense_extend_work`). The launch is
+    `work.size * num_heads` programs whatever the lengths, so a captured launch stays valid.
 
     `tree_mask` (uint8, flat; request i's row-major [e_i, e_i] block starts at `mask_start[i]`)
     restricts which new tokens each new token sees (speculative verify of draft trees); the
@@ -266,9 +338,15 @@ def extend_attention(
     bs = int(req_pool_indices.shape[0])
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_new.shape[1]
-    if bs == 0 or max_extend_len <= 0:
+    if work is None and (bs == 0 or max_extend_len <= 0):
         return
     cfg = config or extend_config(head_dim, q.dtype, interpret)
+    if work is None:
+        work = dense_extend_work(bs, max_extend_len, cfg.block_m, q.device)
+    elif work.block_m != cfg.block_m:
+        raise ValueError(f"the work table was planned for block_m {work.block_m}, the kernel uses {cfg.block_m}")
+    if work.size == 0:
+        return
     if cfg.block_m % cfg.block_n:
         raise ValueError(f"block_m must be a multiple of block_n, got {cfg}")
     kv_fp8 = k_buf.dtype == torch.float8_e4m3fn
@@ -279,7 +357,7 @@ def extend_attention(
                          f"scales {k_scale}, {v_scale})")
     if sliding_window and tree_mask is not None and depths is None:
         raise ValueError("a sliding window with a tree mask needs the draft tokens' depths")
-    grid = (bs, num_heads, triton.cdiv(max_extend_len, cfg.block_m))
+    grid = (work.size * num_heads,)
     _extend_kernel[grid](
         q,
         k_new,
@@ -292,6 +370,8 @@ def extend_attention(
         prefix_lens,
         extend_lens,
         extend_start,
+        work.req,
+        work.m_start,
         tree_mask if tree_mask is not None else extend_start,  # any pointer: unread without a mask
         mask_start if mask_start is not None else extend_start,
         depths if depths is not None else extend_start,
@@ -312,6 +392,7 @@ def extend_attention(
         v_buf.stride(0),
         v_buf.stride(1),
         req_to_token.stride(0),
+        NUM_HEADS=num_heads,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
