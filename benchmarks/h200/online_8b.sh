@@ -8,7 +8,7 @@ online() {
   log "$name: server start ($*)"
   (setsid radixserve serve --model benchmarks/model-configs/llama-3.1-8b --tokenizer .gpu2/tok128k --port 30100 \
     --config stacks/h200-llama.yaml model.load_format=dummy model.context_length=1296 "$@" > $ROOT/$name/server.log 2>&1 &)
-  for i in $(seq 1 90); do curl -sf localhost:30100/health > /dev/null && break; sleep 1; done
+  for i in $(seq 1 180); do curl -sf localhost:30100/health > /dev/null && break; sleep 1; done
   log "$name: ready after ${i}s; 300 requests at 8 req/s"
   timeout 90 radixserve bench serve --base-url http://127.0.0.1:30100 --num-prompts 300 --request-rate 8 --input-len 1024 \
     --output-len 256 --vocab-high 128000 --result-file $ROOT/$name/online.jsonl 2>&1 \
