@@ -39,13 +39,15 @@ def test_token_sizes_pad_by_little_and_end_at_the_maximum():
     assert default_extend_token_sizes(40) == [40]
 
 
+@pytest.mark.parametrize("pack", [True, False], ids=["packed-single-tokens", "blocks-only"])
 @pytest.mark.parametrize("prefix, ext", [([0], [1]), ([5, 0, 300], [1, 70, 1]), ([0, 0, 10], [16, 33, 0])])
-def test_plan_covers_every_block_once_costliest_first(prefix, ext):
-    reqs, starts = plan_extend_blocks(prefix, ext, 16)
+def test_plan_covers_every_block_once_costliest_first(prefix, ext, pack):
+    reqs, starts = plan_extend_blocks(prefix, ext, 16, pack_single_tokens=pack)
     blocks = sorted(zip(reqs, starts, strict=True))
-    expected = sorted((b, m) for b, e in enumerate(ext) for m in range(0, e, 16))
+    # a one-token request is one packed item (first token -1) unless packing is off (tree masks)
+    expected = sorted((b, -1) if (e == 1 and pack) else (b, m) for b, e in enumerate(ext) for m in range(0, e, 16))
     assert blocks == expected
-    cost = [prefix[b] + min(m + 16, ext[b]) for b, m in zip(reqs, starts, strict=True)]
+    cost = [prefix[b] + min(max(m, 0) + 16, ext[b]) for b, m in zip(reqs, starts, strict=True)]
     assert cost == sorted(cost, reverse=True)
 
 

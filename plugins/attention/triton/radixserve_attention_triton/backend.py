@@ -170,7 +170,8 @@ class TritonAttentionBackend(AttentionBackend):
         extend_start, lens = extend_starts(batch)
         prefix = batch.prefix_lens_cpu or batch.prefix_lens.tolist()
         meta = ExtendMetadata(extend_start=extend_start, max_extend_len=max(lens, default=0),
-                              work=planned_extend_work(prefix, lens, self._extend_block_m(), self.device))
+                              work=planned_extend_work(prefix, lens, self._extend_block_m(), self.device,
+                                                       pack_single_tokens=batch.tree_mask is None))
         if (self.prefill_sdpa and batch.tree_mask is None and 0 < batch.batch_size <= self.sdpa_max_requests
                 and batch.prefix_lens_cpu and not any(batch.prefix_lens_cpu)):
             meta.fresh_prompt_lens = list(lens)

@@ -43,6 +43,67 @@ def _load_rows(ptrs, mask_d, EVEN_D: tl.constexpr):
 
 
 @triton.jit
+def _single_token_heads(
+    Q, K_new, V_new, Out, K_buf, V_buf, r2t_row, h, prefix_len, tok, sm_scale, v_scale, logit_cap, window,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr, HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
+):
+    """A request with one new token (a decode row riding in an extend batch): the GROUP query heads
+    h .. h + GROUP - 1 that share KV head h // GROUP in one [BLOCK_G, D] tile, so each cached key is
+    read once per KV head instead of once per query head, and no 63 of 64 query rows are empty."""
+    kvh = h // GROUP
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(Q + tok * stride_qt + (h + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    m_i = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    prefix_lo = prefix_len * 0
+    if HAS_WINDOW:  # the token sits at position prefix_len
+        prefix_lo = tl.maximum(prefix_len - window + 1, 0)
+    for start in range(prefix_lo, prefix_len, BLOCK_N):
+        n = start + offs_n
+        mask_n = n < prefix_len
+        slot = tl.load(r2t_row + n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(K_buf + slot[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
+        qk = scores_log2(tl.dot(q, tl.trans(k)), sm_scale, logit_cap, HAS_CAP)
+        seen = mask_n[None, :]
+        if HAS_WINDOW:
+            seen = seen & (n[None, :] > prefix_len - window)
+        qk = tl.where(seen, qk, float("-inf"))
+        v = tl.load(V_buf + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
+    # the token itself: a block whose first key is the only one
+    mask_n = offs_n < 1
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(K_new + (tok + offs_n)[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    if KV_FP8:
+        k = k.to(q.dtype)
+    qk = scores_log2(tl.dot(q, tl.trans(k)), sm_scale, logit_cap, HAS_CAP)
+    qk = tl.where(mask_n[None, :], qk, float("-inf"))
+    v = tl.load(V_new + (tok + offs_n)[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    if KV_FP8:
+        v = v.to(q.dtype)
+    m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
+    if KV_FP8:
+        acc = acc * v_scale
+    out = acc / l_i[:, None]
+    tl.store(Out + tok * stride_ot + (h + offs_g)[:, None] * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+
+
+@triton.jit
 def _extend_kernel(
     Q,
     K_new,
@@ -83,6 +144,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     EVEN_D: tl.constexpr,
     HAS_TREE_MASK: tl.constexpr,
     HAS_CAP: tl.constexpr,
@@ -96,13 +158,21 @@ def _extend_kernel(
     if b < 0:  # padding of a fixed-size table
         return
     m_start = tl.load(work_m_ptr + item)
+    prefix_len = tl.load(prefix_lens_ptr + b).to(tl.int32)
+    ext_start = tl.load(extend_start_ptr + b).to(tl.int64)
+    req = tl.load(req_pool_idx_ptr + b).to(tl.int64)
+    if m_start < 0:  # a one-token request, planned with its query heads packed by KV head
+        if h % GROUP == 0:
+            _single_token_heads(
+                Q, K_new, V_new, Out, K_buf, V_buf, ReqToToken + req * stride_r2t, h, prefix_len, ext_start,
+                sm_scale, v_scale, logit_cap, window, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                stride_vh, stride_ot, stride_oh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+                GROUP, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_G, HAS_CAP, HAS_WINDOW, KV_FP8)
+        return
     ext_len = tl.load(extend_lens_ptr + b).to(tl.int32)
     if m_start >= ext_len:  # a dense table (planned without host lengths) holds blocks past the end
         return
     kvh = h // GROUP
-    prefix_len = tl.load(prefix_lens_ptr + b).to(tl.int32)
-    ext_start = tl.load(extend_start_ptr + b).to(tl.int64)
-    req = tl.load(req_pool_idx_ptr + b).to(tl.int64)
 
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -237,7 +307,8 @@ def extend_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> ExtendC
 @dataclass(frozen=True)
 class ExtendWork:
     """The extend kernel's work table: item i is request `req[i]`'s query block starting at new token
-    `m_start[i]` (int32 tensors on the kernel's device, same length); `req[i] == -1` marks padding.
+    `m_start[i]` (int32 tensors on the kernel's device, same length); `req[i] == -1` marks padding,
+    `m_start[i] == -1` a request of one new token computed with its query heads packed per KV head.
     Valid only for kernels with this `block_m`."""
 
     req: torch.Tensor
@@ -249,12 +320,18 @@ class ExtendWork:
         return int(self.req.shape[0])
 
 
-def plan_extend_blocks(prefix_lens: list[int], extend_lens: list[int], block_m: int) -> tuple[list[int], list[int]]:
+def plan_extend_blocks(prefix_lens: list[int], extend_lens: list[int], block_m: int,
+                       pack_single_tokens: bool = True) -> tuple[list[int], list[int]]:
     """(request of each work item, its first new token) for every query block of every request, the
     blocks that read the most keys (prefix + the tokens up to the block's end) first: they set the
-    kernel's tail. Host lists in, host lists out."""
+    kernel's tail. With `pack_single_tokens` (not for tree masks), a request of one new token is one
+    item with first token -1: its query heads are computed in tiles of one KV head's group. Host
+    lists in, host lists out."""
     items = []
     for b, (prefix, ext) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
+        if ext == 1 and pack_single_tokens:
+            items.append((prefix + 1, b, -1))
+            continue
         for m in range(0, ext, block_m):
             items.append((prefix + min(m + block_m, ext), b, m))
     items.sort(key=lambda item: -item[0])  # stable: ties keep request order
@@ -263,7 +340,7 @@ def plan_extend_blocks(prefix_lens: list[int], extend_lens: list[int], block_m: 
 
 def write_extend_plan(work: ExtendWork, prefix_lens: list[int], extend_lens: list[int]) -> None:
     """Plan the batch's blocks into an existing (static) table, padding the rest with -1; raises
-    ValueError when they do not fit. One host-to-device copy."""
+    ValueError when they do not fit. For batches without a tree mask (graphs of extend batches)."""
     reqs, starts = plan_extend_blocks(prefix_lens, extend_lens, work.block_m)
     if len(reqs) > work.size:
         raise ValueError(f"{len(reqs)} extend blocks do not fit a work table of {work.size}")
@@ -274,9 +351,9 @@ def write_extend_plan(work: ExtendWork, prefix_lens: list[int], extend_lens: lis
 
 
 def planned_extend_work(prefix_lens: list[int], extend_lens: list[int], block_m: int,
-                        device: torch.device | str) -> ExtendWork:
+                        device: torch.device | str, pack_single_tokens: bool = True) -> ExtendWork:
     """A work table holding exactly the batch's blocks (host lengths in; one host-to-device copy)."""
-    reqs, starts = plan_extend_blocks(prefix_lens, extend_lens, block_m)
+    reqs, starts = plan_extend_blocks(prefix_lens, extend_lens, block_m, pack_single_tokens)
     table = torch.tensor([reqs, starts], dtype=torch.int32).to(device, non_blocking=True)
     return ExtendWork(table[0], table[1], block_m)
 
@@ -398,6 +475,7 @@ def extend_attention(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
+        BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
         EVEN_D=triton.next_power_of_2(head_dim) == head_dim,
         HAS_TREE_MASK=tree_mask is not None,
         HAS_CAP=bool(logit_cap),
