@@ -335,6 +335,27 @@ def test_tree_mask_verify_matches_exact_attention():
                                 decode_steps=1, tree_steps=2, layer_options=((5, 1.5),))
 
 
+def test_the_kit_checks_the_extend_graph_hooks():
+    """check_attention_backend runs extend steps through init_extend_metadata_replay on padded batches
+    (plugin API 1.10): a backend whose replay keeps the captured batch's plan fails it."""
+    from radixserve.testing.attention import check_attention_backend
+    from radixserve_attention_triton.backend import ExtendMetadata
+
+    class KeepsTheCapturedPlan(TritonAttentionBackend):
+        def init_extend_metadata_replay(self, batch, real_bs):
+            static = self._extend_graph
+            batch.attn_metadata = ExtendMetadata(extend_start=static.extend_start[: batch.batch_size],
+                                                 max_extend_len=static.max_extend_len, work=static.work)
+
+    kit = {"heads": ((2, 1, 32),), "seeds": (0,), "num_requests": 3, "decode_steps": 1, "tree_steps": 0,
+           "layer_options": ()}
+    if ON_GPU:
+        kit.update(device="cuda", dtype=torch.bfloat16, tolerance=TOL[torch.bfloat16])
+    check_attention_backend(TritonAttentionBackend, **kit)
+    with pytest.raises(AssertionError, match="through the extend-graph hooks"):
+        check_attention_backend(KeepsTheCapturedPlan, **kit)
+
+
 @pytest.mark.parametrize("mode, prefix_lens, extend_lens", [
     # extends longer than a query block (16 in the interpreter): earlier blocks of the new tokens are skipped
     (ForwardMode.EXTEND, [17, 40, 0, 3], [33, 1, 40, 18]),

@@ -331,6 +331,45 @@ class _Scenario:
                                     f"extend: relative error {err:.2e} >= {self.tol:.0e}")
         if same_as_tree_rows:
             self._check_tree_rows(what, got, inputs, rows, prefix_lens, list(trees), new_slots)
+        if mode is ForwardMode.EXTEND and trees is None and self._declares_extend_graphs():
+            self._check_extend_graph_hooks(what, got, inputs, rows, prefix_lens, extend_lens, new_slots)
+
+    def _declares_extend_graphs(self) -> bool:
+        declares = getattr(self.test.backend, "supports_extend_cuda_graph", None)
+        return bool(declares and declares()) and bool(self.free_rows)
+
+    def _check_extend_graph_hooks(self, what, got, inputs, rows, prefix_lens, extend_lens, new_slots) -> None:
+        """The same step as the runner's extend graphs run it (plugin API 1.10): static metadata sized
+        once, filled at capture from another batch (every token in the padding request), refreshed
+        from this one padded (a padding request of 5 tokens on an all-zero row and slot 0, then two
+        empty requests) before the forward; the real rows must equal the plain step's."""
+        backend, twin, pad = self.test.backend, self.test, 5
+        n, bs = len(new_slots), len(rows)
+        max_reqs, tokens = bs + 3, n + pad
+        spare = self.free_rows[-1]
+        saved_row = twin.table.req_to_token[spare].clone()
+        twin.table.req_to_token[spare].zero_()
+        try:
+            backend.init_extend_graph_state(tokens, max_reqs)
+            capture = self._batch(ForwardMode.EXTEND, twin, [spare] * max_reqs, [0] * max_reqs,
+                                  [tokens] + [0] * (max_reqs - 1), [0] * tokens)
+            backend.init_extend_metadata_capture(capture)
+            padded = self._batch(ForwardMode.EXTEND, twin, list(rows) + [spare] * 3, list(prefix_lens) + [0] * 3,
+                                 list(extend_lens) + [pad, 0, 0], list(new_slots) + [0] * pad)
+            backend.init_extend_metadata_replay(padded, bs)
+            extra = self._inputs(pad)
+            out = backend.forward(*(torch.cat([x, e]) for x, e in zip(inputs, extra, strict=True)), self.layer, padded)
+        finally:
+            twin.table.req_to_token[spare].copy_(saved_row)
+            for a, b in zip(self._pool_tensors(self.test, _LAYER_ID), self._pool_tensors(self.ref, _LAYER_ID),
+                            strict=True):
+                a[0] = b[0]  # slot 0 took the padding tokens' KV
+        err = _rel_err(out[:n], got)
+        assert err < self.tol, (f"{what}: through the extend-graph hooks (init_extend_metadata_replay on the batch "
+                                f"padded with a padding request and empty requests) the step differs from the plain "
+                                f"step: relative error {err:.2e} >= {self.tol:.0e}")
+        self._assert_pools_equal(f"{what}: through the extend-graph hooks the KV pool changed beyond out_cache_loc "
+                                 f"and the padding tokens' slot 0")
 
     def _check_tree_rows(self, what, got, inputs, rows, prefix_lens, trees, new_slots) -> None:
         """The branching trees of the verify just run (those fitting 6 scratch rows, batch order),
@@ -506,6 +545,11 @@ def check_attention_backend(
         runner gives under `runtime.cpu_matmul_precision`). With "medium" a backend may round its
         product inputs to bf16, so the default tolerance is `MEDIUM_PRECISION_TOLERANCE`; everything
         else (pools, chains equal to causal extends) is checked as with "highest". Added in plugin API 1.9.
+
+    A backend whose `supports_extend_cuda_graph()` is True also runs every EXTEND step (trees aside)
+    through its extend-graph hooks on the batch the runner would give them (padded, see
+    `AttentionBackend.init_extend_metadata_capture`); the real rows must equal the plain step's and
+    only slot 0 may take the padding's KV. Added in plugin API 1.10.
     """
     if matmul_precision not in ("highest", "medium"):
         raise ValueError(f"matmul_precision={matmul_precision!r}: 'highest' or 'medium'")
