@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("server", ("radixserve.server",)),
     ("runtime", ("radixserve.runtime",)),
     ("scheduler", ("radixserve.scheduler",)),
-    ("executor", ("radixserve.model_runner", "radixserve.cuda_graph_runner", "radixserve.tree_decode_rows", "radixserve.static_batch", "radixserve.tensor_parallel",
+    ("executor", ("radixserve.model_runner", "radixserve.cuda_graph_runner", "radixserve.extend_graph_runner", "radixserve.tree_decode_rows", "radixserve.static_batch", "radixserve.tensor_parallel",
                   "radixserve.sampling", "radixserve.model_loader", "radixserve.tokenizer", "radixserve.serving_tokenizer")),
     ("layers", ("radixserve.layers", "radixserve.native")),
     ("memory", ("radixserve.memory", "radixserve.heap")),
