@@ -318,6 +318,31 @@ def test_decodes_keep_running_while_a_long_prompt_is_chunked(make_scheduler, mix
         assert sched.metrics.mixed_batches > 0
 
 
+def test_mixed_batches_count_their_decode_rows_against_the_chunk(make_scheduler):
+    # three requests decode while a 200-token prompt is chunked into mixed batches of 16 tokens: each
+    # batch carries 13 prompt tokens and the 3 decode rows, never more than the chunk in all
+    sched = make_scheduler(chunked_prefill_size=16, enable_mixed_chunk=True)
+    for i in range(3):
+        sched.add_request(request(f"short{i}", list(range(10 + i, 20 + i)), 60))
+    sched.step()
+    sizes = []
+    launch = sched.runner.launch_batch
+
+    def recording(sb):
+        sizes.append((sum(sb.extend_lens), sum(1 for e in sb.extend_lens if e == 1), len(sb.extend_lens)))
+        return launch(sb)
+
+    sched.runner.launch_batch = recording
+    sched.add_request(request("long", list(range(500, 700)), 3))
+    while any(r.rid == "long" for r in sched.waiting) or sched.chunked_req is not None:
+        sched.step()
+    mixed = [s for s in sizes if s[2] > 1 and s[0] > s[2]]
+    assert mixed, sizes
+    assert all(total <= 16 for total, _, _ in sizes), sizes
+    assert (16, 3, 4) in mixed  # 13 prompt tokens + 3 decode rows
+    run_to_completion(sched)
+
+
 @pytest.mark.parametrize("interleave", [False, True])
 def test_interleave_decode_runs_a_decode_step_between_prefill_batches(make_scheduler, interleave):
     # six 16-token prompts arrive while "running" decodes; each prefill batch holds one prompt

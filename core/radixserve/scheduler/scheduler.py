@@ -674,6 +674,11 @@ class Scheduler:
         items: list[_Item] = []
         token_budget = self.max_prefill_tokens
         chunk_budget = self.chunk_size if self.chunk_size is not None else math.inf
+        if self.enable_mixed and self.running and self.chunk_size is not None:
+            # the running requests' decode rows ride in this batch: they count against the chunk, so a
+            # mixed step stays at chunked_prefill_size tokens (its cost, and an extend graph's size);
+            # at least a quarter of the chunk stays for prompts, so they never starve behind decodes
+            chunk_budget = max(self.chunk_size - len(self.running), max(1, self.chunk_size // 4))
         reserved = sum(self._future_tokens(r) for r in self.running)
 
         if self.chunked_req is not None:
