@@ -128,18 +128,34 @@ class ReferencePagedPrefill(_Prefill):
     def __init__(self, workspace, kv_layout="NHD", **kwargs):
         _check_kw(kwargs, PREFILL_INIT_KW, "BatchPrefillWithPagedKVCacheWrapper()")
         super().__init__(workspace, kv_layout, **kwargs)
+        self.graph = kwargs.get("use_cuda_graph", False)
+        if self.graph:
+            self.bufs = tuple(kwargs[k] for k in ("qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_indices_buf",
+                                                  "paged_kv_last_page_len_buf"))
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
              num_kv_heads, head_dim_qk, page_size, **kw):
         assert qo_indptr.dtype == paged_kv_indptr.dtype == paged_kv_indices.dtype == torch.int32
         assert int(paged_kv_indptr[-1]) == paged_kv_indices.shape[0]
         self._plan_common(kw, head_dim_qk)
-        self.tables = (qo_indptr.tolist(), paged_kv_indptr.tolist(), paged_kv_indices.clone(),
-                       paged_kv_last_page_len.tolist())
+        if self.graph:  # as FlashInfer: the batch size is frozen, the tables live in the static buffers
+            qo_buf, kv_buf, indices_buf, last_buf = self.bufs
+            assert qo_buf.shape[0] == qo_indptr.shape[0] == kv_buf.shape[0], "a graph wrapper's batch size cannot change"
+            assert paged_kv_indices.shape[0] <= indices_buf.shape[0], "the page list exceeds the indices buffer"
+            qo_buf.copy_(qo_indptr)
+            kv_buf.copy_(paged_kv_indptr)
+            last_buf.copy_(paged_kv_last_page_len)
+            indices_buf[: paged_kv_indices.shape[0]].copy_(paged_kv_indices)
+        else:
+            self.tables = (qo_indptr.tolist(), paged_kv_indptr.tolist(), paged_kv_indices.clone(),
+                           paged_kv_last_page_len.tolist())
         self.page_size = page_size
 
     def run(self, q, paged_kv_cache, **kw):
         k_cache, v_cache = paged_kv_cache
+        if self.graph:  # read at run time from the static buffers, as a replayed graph does
+            qo_buf, kv_buf, indices_buf, last_buf = self.bufs
+            self.tables = (qo_buf.tolist(), kv_buf.tolist(), indices_buf, last_buf.tolist())
         qo, kv, indices, last = self.tables
         ks, vs = [], []
         for i in range(len(qo) - 1):

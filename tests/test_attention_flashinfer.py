@@ -216,6 +216,43 @@ def test_graph_runner_pads_and_replays_through_the_backend():
     torch.testing.assert_close(out, _exact(batch, layer, q))
 
 
+def test_extend_graph_runner_pads_and_replays_through_the_backend():
+    """The core ExtendGraphRunner (plugin API 1.10) through this backend: a mixed batch (a decode row,
+    a prompt chunk after a prefix, a fresh prompt) padded to the captured token count replays the
+    paged-prefill graph wrapper, planned into the static buffers, with the exact attention."""
+    from radixserve.cuda_graph_runner import EagerGraph
+    from radixserve.extend_graph_runner import ExtendGraphRunner
+
+    backend, batch, layer, (q, k, v) = _batch(ForwardMode.EXTEND, [10, 4, 0], [1, 3, 5], seed=9)  # rows of 13
+    n = batch.num_tokens
+    seen = {}
+
+    class Model:  # one attention layer; the "logits" of a request are its last token's attention output
+        def forward(self, input_ids, positions, fb):
+            t = input_ids.shape[0]
+            seen["tokens"], seen["reqs"] = t, fb.batch_size
+            return fb.attn_backend.forward(q_buf[:t], k_buf[:t], v_buf[:t], layer, fb)
+
+        def compute_logits(self, hidden):
+            return hidden
+
+    q_buf, k_buf, v_buf = (torch.zeros(16, x.shape[1]) for x in (q, k, v))
+    dummy = batch.req_to_token_pool.alloc()
+    runner = ExtendGraphRunner(Model(), backend, batch.req_to_token_pool, batch.kv_pool, torch.device("cpu"),
+                               [12, 13], 5, dummy, graph_factory=EagerGraph)
+    assert sorted(backend.extend_graph_wrappers) == [12, 13]
+    wrapper = backend.extend_graph_wrappers[12]
+    assert wrapper.options["use_cuda_graph"] and wrapper.bufs[0].data_ptr() == backend.extend_graph_buffers.qo_indptr.data_ptr()
+    q_buf[:n], k_buf[:n], v_buf[:n] = q, k, v
+    out = runner.run(batch)
+    assert seen == {"tokens": 12, "reqs": 5} and out.shape[0] == 3
+    exact = _exact(batch, layer, q)
+    last_rows = [0, 3, 8]  # each request's last new token
+    torch.testing.assert_close(out, exact[last_rows])
+    with pytest.raises(ValueError, match="5 request slots"):
+        backend.init_extend_metadata_capture(batch)  # not padded
+
+
 # ---- selection and errors ---------------------------------------------------------------------
 def test_registered_for_cuda_below_triton_and_listed_by_the_cli():
     from plugin_fixtures import run_cli

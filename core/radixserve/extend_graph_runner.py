@@ -61,6 +61,10 @@ class ExtendGraphRunner:
             raise ValueError(f"attention backend {type(attn_backend).__name__} has no extend CUDA-graph support")
         if max_reqs < 2:
             raise ValueError(f"extend graphs need at least 2 request slots (one is the padding request), got {max_reqs}")
+        width = int(req_to_token_pool.req_to_token.shape[1])
+        if max(token_sizes) > width:  # the padding request holds up to that many tokens in one row
+            raise ValueError(f"extend graphs of up to {max(token_sizes)} tokens need ReqToTokenPool rows that long; "
+                             f"they hold {width} (the context length)")
         self.model = model
         self.backend = attn_backend
         self.req_to_token_pool = req_to_token_pool

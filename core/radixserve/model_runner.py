@@ -305,7 +305,9 @@ class ModelRunner:
             logger.warning("runtime.cuda_graph_extend_max_tokens=%d: attention backend %r has no extend CUDA-graph "
                            "support; prefill runs eagerly", rt.cuda_graph_extend_max_tokens, self.attn_backend_name)
             return
-        sizes = default_extend_token_sizes(rt.cuda_graph_extend_max_tokens)
+        # the padding request holds up to that many tokens in one ReqToTokenPool row: the context length at most
+        sizes = default_extend_token_sizes(min(rt.cuda_graph_extend_max_tokens,
+                                               int(self.req_to_token_pool.req_to_token.shape[1])))
         max_reqs = min(rt.cuda_graph_extend_max_requests, self.max_running_requests + 1)
         logger.info("capturing extend CUDA graphs for %d token counts up to %d (%d request slots)", len(sizes),
                     sizes[-1], max_reqs)

@@ -34,6 +34,7 @@ from radixserve.state import ForwardMode
 from radixserve_attention_flashinfer.kernels import FlashInferKernels, load_kernels
 from radixserve_attention_flashinfer.planning import (
     DecodeGraphBuffers,
+    ExtendGraphBuffers,
     gather_token_slots,
     indptr_from_lens,
     last_page_lens,
@@ -123,6 +124,9 @@ class FlashInferAttentionBackend(AttentionBackend):
                              else k.paged_prefill(self.workspace, "NHD", backend="fa2"))
         self.graph_buffers: DecodeGraphBuffers | None = None
         self.graph_wrappers: dict[int, Any] = {}
+        self.prefill_backend = prefill_backend
+        self.extend_graph_buffers: ExtendGraphBuffers | None = None  # init_extend_graph_state (plugin API 1.10)
+        self.extend_graph_wrappers: dict[int, Any] = {}  # by captured token count
 
     @classmethod
     def supports(cls, device: str, dtype: str, head_dim: int) -> bool:
@@ -169,11 +173,13 @@ class FlashInferAttentionBackend(AttentionBackend):
                                  kv_data_type=self.kv_dtype)
         return FlashInferMetadata("ragged", self.ragged_wrapper, self.default_scale)
 
-    def _plan_paged(self, batch: ForwardBatch) -> FlashInferMetadata:
+    def _plan_paged(self, batch: ForwardBatch, wrapper: Any = None) -> FlashInferMetadata:
         seq_lens, prefix, extend = self._host_lens(batch)
+        if wrapper is not None:  # a CUDA-graph wrapper: its page list must fit the static buffer
+            self.extend_graph_buffers.kv.check_fits(sum(seq_lens))
         kv_indptr, indices = self._page_lists(batch, seq_lens)
         mask = None
-        wrapper = self.paged_wrapper
+        wrapper = wrapper if wrapper is not None else self.paged_wrapper
         if batch.tree_mask is not None:
             mask = tree_custom_mask(batch.tree_mask.to(self.device), prefix, extend)
             wrapper = self.tree_wrapper
@@ -269,3 +275,41 @@ class FlashInferAttentionBackend(AttentionBackend):
     def init_forward_metadata_replay(self, batch: ForwardBatch, real_bs: int) -> None:
         # the padded batch keeps its captured size; padding rows read slot 0 with seq_len 1
         self.init_forward_metadata_capture(batch)
+
+    # ---- CUDA graphs (extend, plugin API 1.10) -------------------------------------------------
+    def supports_extend_cuda_graph(self) -> bool:
+        return True
+
+    def init_extend_graph_state(self, max_tokens: int, max_reqs: int) -> None:
+        self.extend_graph_buffers = ExtendGraphBuffers.allocate(max_reqs, self.graph_kv_capacity(max_reqs), self.device)
+        self.extend_graph_wrappers = {}
+
+    def extend_graph_wrapper(self, tokens: int) -> Any:
+        """The CUDA-graph paged-prefill wrapper for EXTEND batches of `tokens` new tokens (built on
+        first use, then reused; all plan into `extend_graph_buffers`)."""
+        bufs = self.extend_graph_buffers
+        if bufs is None:
+            raise RuntimeError("init_extend_graph_state(max_tokens, max_reqs) must run before capturing an extend graph")
+        if tokens not in self.extend_graph_wrappers:
+            kv_indptr, indices, last_page_len = bufs.kv.for_batch(bufs.max_reqs)
+            self.extend_graph_wrappers[tokens] = self.kernels.paged_prefill(
+                self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=bufs.qo_indptr,
+                paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=indices,
+                paged_kv_last_page_len_buf=last_page_len, backend=self.prefill_backend,
+            )
+        return self.extend_graph_wrappers[tokens]
+
+    def init_extend_metadata_capture(self, batch: ForwardBatch) -> None:
+        # always the paged path (stores the new KV, then reads everything through the page list): the
+        # ragged path for fresh prompts is a host decision a graph cannot replay
+        if batch.mode is not ForwardMode.EXTEND or batch.tree_mask is not None:
+            raise ValueError(f"extend graphs take EXTEND batches without a tree mask, got {batch.mode}")
+        wrapper = self.extend_graph_wrapper(batch.num_tokens)
+        if batch.batch_size != self.extend_graph_buffers.max_reqs:
+            raise ValueError(f"an extend graph batch has {self.extend_graph_buffers.max_reqs} request slots "
+                             f"(padded), got {batch.batch_size}")
+        batch.attn_metadata = self._plan_paged(batch, wrapper)
+
+    def init_extend_metadata_replay(self, batch: ForwardBatch, real_bs: int) -> None:
+        # the padded batch keeps its captured token count and request slots; plan() rewrites the buffers
+        self.init_extend_metadata_capture(batch)

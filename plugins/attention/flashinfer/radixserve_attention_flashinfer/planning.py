@@ -128,3 +128,26 @@ class DecodeGraphBuffers:
                 f"decode batch reads {total} KV slots, more than the graph page-list buffer's "
                 f"{self.indices.shape[0]}; raise FlashInferAttentionBackend(max_graph_kv_slots=...)"
             )
+
+
+@dataclass
+class ExtendGraphBuffers:
+    """Static buffers the CUDA-graph paged-prefill wrappers of EXTEND batches plan into (one wrapper
+    per captured token count, all sharing these; plugin API 1.10). Every such batch has exactly
+    `max_reqs` requests (the runner pads it), so the wrappers' batch size never changes.
+
+    `qo_indptr`: int32 `[max_reqs + 1]`, where each request's new tokens start; `kv`: the page tables
+    (`indptr`, `indices`, `last_page_len`) as the decode graphs keep them.
+    """
+
+    qo_indptr: torch.Tensor
+    kv: DecodeGraphBuffers
+
+    @classmethod
+    def allocate(cls, max_reqs: int, capacity: int, device: torch.device) -> ExtendGraphBuffers:
+        return cls(qo_indptr=torch.zeros(max_reqs + 1, dtype=torch.int32, device=device),
+                   kv=DecodeGraphBuffers.allocate(max_reqs, capacity, device))
+
+    @property
+    def max_reqs(self) -> int:
+        return self.kv.max_bs
