@@ -60,16 +60,19 @@ def tiny_llama(tmp_path_factory) -> str:
     return tiny_checkpoint("llama", str(tmp_path_factory.mktemp("tiny-llama")), 0)
 
 
-@pytest.fixture(scope="module")
-def runner(tiny_llama):
-    """A CPU runner whose attention is the triton backend (the registry offers it for CUDA only)."""
-    cfg = Config.build({
-        "model": {"path": tiny_llama},
+def _torch_native_runner(path: str, max_total_tokens: int, max_running_requests: int) -> ModelRunner:
+    return ModelRunner(Config.build({
+        "model": {"path": path},
         "runtime": {"device": DEVICE, "dtype": "float32", "cuda_graph": False},
         "stack": {"attention": "torch_native"},
-        "scheduler": {"max_total_tokens": 1024, "max_running_requests": 8},
-    })
-    r = ModelRunner(cfg, show_progress=False)
+        "scheduler": {"max_total_tokens": max_total_tokens, "max_running_requests": max_running_requests},
+    }), show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama):
+    """A runner whose attention is the triton backend (the registry offers it for CUDA only)."""
+    r = _torch_native_runner(tiny_llama, 1024, 8)
     _, kv_heads, head_dim = r._kv_shape()
     r.attn_backend = TritonAttentionBackend(SimpleNamespace(
         device=r.device, dtype=r.dtype, num_heads=r._num_heads(), num_kv_heads=kv_heads, head_dim=head_dim,
@@ -197,12 +200,5 @@ def test_the_runner_replays_extend_batches_when_configured(runner):
 
 
 def test_a_backend_without_extend_graphs_is_refused(tiny_llama):
-    cfg = Config.build({
-        "model": {"path": tiny_llama},
-        "runtime": {"device": DEVICE, "dtype": "float32", "cuda_graph": False},
-        "stack": {"attention": "torch_native"},
-        "scheduler": {"max_total_tokens": 256, "max_running_requests": 2},
-    })
-    r = ModelRunner(cfg, show_progress=False)
     with pytest.raises(ValueError, match="no extend CUDA-graph support"):
-        _graphs(r)
+        _graphs(_torch_native_runner(tiny_llama, 256, 2))
