@@ -313,7 +313,7 @@ class ModelRunner:
                     sizes[-1], max_reqs)
         try:
             self.extend_graph_runner = ExtendGraphRunner(self.model, self.attn_backend, self.req_to_token_pool,
-                                                         self.kv_pool, self.device, sizes, max(2, max_reqs), dummy_row)
+                                                         self.kv_pool, self.device, sizes, max_reqs, dummy_row)
         except Exception as e:  # keep serving: prefill then runs eagerly, as without the option
             logger.error("extend CUDA graph capture failed (%r); prefill runs eagerly. Disable with "
                          "runtime.cuda_graph_extend_max_tokens=0", e)

@@ -8,6 +8,7 @@ metadata lives in static buffers sized for `max_bs` and is refreshed in place be
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -168,13 +169,14 @@ class TritonAttentionBackend(AttentionBackend):
             batch.attn_metadata = None
             return
         extend_start, lens = extend_starts(batch)
-        prefix = batch.prefix_lens_cpu or batch.prefix_lens.tolist()
-        meta = ExtendMetadata(extend_start=extend_start, max_extend_len=max(lens, default=0),
-                              work=planned_extend_work(prefix, lens, self._extend_block_m(), self.device,
-                                                       pack_single_tokens=batch.tree_mask is None))
+        meta = ExtendMetadata(extend_start=extend_start, max_extend_len=max(lens, default=0))
         if (self.prefill_sdpa and batch.tree_mask is None and 0 < batch.batch_size <= self.sdpa_max_requests
                 and batch.prefix_lens_cpu and not any(batch.prefix_lens_cpu)):
             meta.fresh_prompt_lens = list(lens)
+        else:  # the kernel's blocks; fresh prompts take SDPA (a windowed or capped layer: the dense table)
+            prefix = batch.prefix_lens_cpu or batch.prefix_lens.tolist()
+            meta.work = planned_extend_work(prefix, lens, self._extend_block_m(), self.device,
+                                            pack_single_tokens=batch.tree_mask is None)
         if batch.tree_mask is not None:
             meta.tree_mask, meta.mask_start = tree_mask_starts(batch, self.device)
             if batch.tree_mask_cpu is not None:  # host lists: no device sync (verify batches are small)
@@ -357,11 +359,11 @@ class TritonAttentionBackend(AttentionBackend):
 
     def init_extend_graph_state(self, max_tokens: int, max_reqs: int) -> None:
         # a request adds at most one partial block to the full blocks of all the tokens
-        capacity = -(-max_tokens // self._extend_block_m()) + max_reqs
-        table = torch.full((2, capacity), -1, dtype=torch.int32, device=self.device)
+        block_m = self._extend_block_m()
+        capacity = -(-max_tokens // block_m) + max_reqs
         self._extend_graph = ExtendMetadata(
             extend_start=torch.zeros(max_reqs, dtype=torch.int64, device=self.device), max_extend_len=max_tokens,
-            work=ExtendWork(table[0], table[1], self._extend_block_m()))
+            work=ExtendWork(torch.full((2, capacity), -1, dtype=torch.int32, device=self.device), block_m))
 
     def init_extend_metadata_capture(self, batch: ForwardBatch) -> None:
         static = self._extend_graph
@@ -381,8 +383,6 @@ class TritonAttentionBackend(AttentionBackend):
     def _write_extend_plan(self, batch: ForwardBatch) -> None:
         meta: ExtendMetadata = batch.attn_metadata
         lens = list(batch.extend_lens_cpu)
-        starts = [0] * len(lens)
-        for i in range(1, len(lens)):
-            starts[i] = starts[i - 1] + lens[i - 1]
+        starts = list(itertools.accumulate(lens[:-1], initial=0))
         meta.extend_start.copy_(torch.tensor(starts, dtype=torch.int64), non_blocking=True)
         write_extend_plan(meta.work, list(batch.prefix_lens_cpu), lens)

@@ -306,18 +306,25 @@ def extend_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> ExtendC
 
 @dataclass(frozen=True)
 class ExtendWork:
-    """The extend kernel's work table: item i is request `req[i]`'s query block starting at new token
-    `m_start[i]` (int32 tensors on the kernel's device, same length); `req[i] == -1` marks padding,
-    `m_start[i] == -1` a request of one new token computed with its query heads packed per KV head.
-    Valid only for kernels with this `block_m`."""
+    """The extend kernel's work table: int32 `[2, n]` on the kernel's device; item i is request
+    `req[i]`'s query block starting at new token `m_start[i]` (the table's two rows); `req[i] == -1`
+    marks padding, `m_start[i] == -1` a request of one new token computed with its query heads packed
+    per KV head. Valid only for kernels with this `block_m`."""
 
-    req: torch.Tensor
-    m_start: torch.Tensor
+    table: torch.Tensor
     block_m: int
 
     @property
+    def req(self) -> torch.Tensor:
+        return self.table[0]
+
+    @property
+    def m_start(self) -> torch.Tensor:
+        return self.table[1]
+
+    @property
     def size(self) -> int:
-        return int(self.req.shape[0])
+        return int(self.table.shape[1])
 
 
 def plan_extend_blocks(prefix_lens: list[int], extend_lens: list[int], block_m: int,
@@ -340,22 +347,20 @@ def plan_extend_blocks(prefix_lens: list[int], extend_lens: list[int], block_m: 
 
 def write_extend_plan(work: ExtendWork, prefix_lens: list[int], extend_lens: list[int]) -> None:
     """Plan the batch's blocks into an existing (static) table, padding the rest with -1; raises
-    ValueError when they do not fit. For batches without a tree mask (graphs of extend batches)."""
+    ValueError when they do not fit. One host-to-device copy. For batches without a tree mask (graphs of
+    extend batches)."""
     reqs, starts = plan_extend_blocks(prefix_lens, extend_lens, work.block_m)
     if len(reqs) > work.size:
         raise ValueError(f"{len(reqs)} extend blocks do not fit a work table of {work.size}")
     pad = work.size - len(reqs)
-    table = torch.tensor([reqs + [-1] * pad, starts + [0] * pad], dtype=torch.int32)
-    work.req.copy_(table[0], non_blocking=True)
-    work.m_start.copy_(table[1], non_blocking=True)
+    work.table.copy_(torch.tensor([reqs + [-1] * pad, starts + [0] * pad], dtype=torch.int32), non_blocking=True)
 
 
 def planned_extend_work(prefix_lens: list[int], extend_lens: list[int], block_m: int,
                         device: torch.device | str, pack_single_tokens: bool = True) -> ExtendWork:
     """A work table holding exactly the batch's blocks (host lengths in; one host-to-device copy)."""
     reqs, starts = plan_extend_blocks(prefix_lens, extend_lens, block_m, pack_single_tokens)
-    table = torch.tensor([reqs, starts], dtype=torch.int32).to(device, non_blocking=True)
-    return ExtendWork(table[0], table[1], block_m)
+    return ExtendWork(torch.tensor([reqs, starts], dtype=torch.int32).to(device, non_blocking=True), block_m)
 
 
 def dense_extend_work(bs: int, max_extend_len: int, block_m: int, device: torch.device | str) -> ExtendWork:
@@ -364,7 +369,7 @@ def dense_extend_work(bs: int, max_extend_len: int, block_m: int, device: torch.
     blocks = triton.cdiv(max_extend_len, block_m)
     req = torch.arange(bs, dtype=torch.int32, device=device).repeat(blocks)
     m_start = (blocks - 1 - torch.arange(blocks, dtype=torch.int32, device=device)).repeat_interleave(bs) * block_m
-    return ExtendWork(req, m_start, block_m)
+    return ExtendWork(torch.stack([req, m_start]), block_m)
 
 
 def extend_attention(
