@@ -60,25 +60,56 @@ def tiny_llama(tmp_path_factory) -> str:
     return tiny_checkpoint("llama", str(tmp_path_factory.mktemp("tiny-llama")), 0)
 
 
-def _torch_native_runner(path: str, max_total_tokens: int, max_running_requests: int) -> ModelRunner:
+def _checkpoint(kind: str, tmp_path_factory) -> str:
+    """The checkpoint a graph is checked on: a dense Llama, a sparse MoE (its experts' kernels under
+    the graph), and int4 / fp8 decoder linears (the quantized GEMMs at extend sizes)."""
+    import quant_fixtures as qf
+    from family_cases import MOE_CASES
+    from radixserve.testing import tiny_checkpoint
+
+    root = tmp_path_factory.mktemp(kind)
+    if kind == "qwen3-moe":
+        model_type, overrides = MOE_CASES["Qwen3MoeForCausalLM"]
+        return tiny_checkpoint(model_type, str(root / "ckpt"), 0, **overrides)
+    src = tiny_checkpoint("llama", str(root / "float"), 0, tie_word_embeddings=False, **qf.TINY_QUANT_CONFIG)
+    fmt, group = {"awq-g64": ("awq", 64), "fp8-block": ("fp8_block", 128)}[kind]
+    qf.write_quantized_checkpoint(src, str(root / "quant"), str(root / "ref"), fmt, group)
+    return str(root / "quant")
+
+
+def _torch_native_runner(path: str, max_total_tokens: int, max_running_requests: int,
+                         dtype: str = "float32") -> ModelRunner:
     return ModelRunner(Config.build({
         "model": {"path": path},
-        "runtime": {"device": DEVICE, "dtype": "float32", "cuda_graph": False},
+        "runtime": {"device": DEVICE, "dtype": dtype, "cuda_graph": False},
         "stack": {"attention": "torch_native"},
         "scheduler": {"max_total_tokens": max_total_tokens, "max_running_requests": max_running_requests},
     }), show_progress=False)
 
 
-@pytest.fixture(scope="module")
-def runner(tiny_llama):
+# the quantized GEMMs take bf16 activations on CUDA; graph and eager then differ by bf16 rounding
+# of the padded shapes' different GEMM tilings at most
+MODELS = {"llama": "float32", "qwen3-moe": "float32", "awq-g64": "bfloat16", "fp8-block": "bfloat16"}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def runner(request, tiny_llama, tmp_path_factory):
     """A runner whose attention is the triton backend (the registry offers it for CUDA only)."""
-    r = _torch_native_runner(tiny_llama, 1024, 8)
+    kind = request.param
+    path = tiny_llama if kind == "llama" else _checkpoint(kind, tmp_path_factory)
+    dtype = MODELS[kind] if ON_GPU else "float32"
+    r = _torch_native_runner(path, 1024, 8, dtype)
     _, kv_heads, head_dim = r._kv_shape()
     r.attn_backend = TritonAttentionBackend(SimpleNamespace(
         device=r.device, dtype=r.dtype, num_heads=r._num_heads(), num_kv_heads=kv_heads, head_dim=head_dim,
         req_to_token_pool=r.req_to_token_pool, kv_pool=r.kv_pool, max_bs=r.req_to_token_pool.size))
     r.attn_backend_name = "triton"
     return r
+
+
+@pytest.fixture
+def tol(runner) -> dict:
+    return {"rtol": 3e-2, "atol": 3e-2} if runner.dtype == torch.bfloat16 else TOL
 
 
 def _graphs(runner, sizes=(16, 48, 96), max_reqs=6) -> ExtendGraphRunner:
@@ -117,7 +148,7 @@ class _Requests:
         assert self.runner.token_allocator.available_size() == self.runner.token_allocator.size
 
 
-def test_mixed_batch_replays_with_the_eager_logits_and_writes_only_its_slots(runner):
+def test_mixed_batch_replays_with_the_eager_logits_and_writes_only_its_slots(runner, tol):
     graphs = _graphs(runner)
     reqs = _Requests(runner)
     try:
@@ -148,16 +179,16 @@ def test_mixed_batch_replays_with_the_eager_logits_and_writes_only_its_slots(run
         assert changed <= real | {0}, "padding tokens wrote to a real KV slot"
         assert real <= changed, "real tokens did not write their KV"
         slots = sorted(real)
-        torch.testing.assert_close(k_graph[slots], k_eager[slots], **TOL)
+        torch.testing.assert_close(k_graph[slots], k_eager[slots], **tol)
         assert logits_graph.shape[0] == 4
-        torch.testing.assert_close(logits_graph, logits_eager[:, : logits_graph.shape[1]], **TOL)
+        torch.testing.assert_close(logits_graph, logits_eager[:, : logits_graph.shape[1]], **tol)
 
         # the same graph replays a batch of other lengths (one 40-token prompt): new host plan, same capture
         lone = reqs.extend([list(range(100, 140))], [0])
         logits_lone_eager = runner.forward_logits(lone)
         logits_lone_graph = graphs.run(runner.prepare(lone))
         torch.testing.assert_close(logits_lone_graph, logits_lone_eager[:, : logits_lone_graph.shape[1]],
-                                   **TOL)
+                                   **tol)
     finally:
         reqs.free()
 
@@ -179,7 +210,7 @@ def test_batches_that_do_not_fit_run_eagerly(runner):
         reqs.free()
 
 
-def test_the_runner_replays_extend_batches_when_configured(runner):
+def test_the_runner_replays_extend_batches_when_configured(runner, tol):
     """ModelRunner._forward takes the extend graph for a batch that fits (and reports it), not for
     one that does not; greedy tokens are those of the eager path."""
     reqs = _Requests(runner)
@@ -190,7 +221,7 @@ def test_the_runner_replays_extend_batches_when_configured(runner):
         runner.extend_graph_runner = _graphs(runner, sizes=(16,), max_reqs=4)
         graphed = runner.forward_logits(sb)
         assert runner.last_run_used_cuda_graph
-        torch.testing.assert_close(graphed, eager, **TOL)
+        torch.testing.assert_close(graphed, eager, **tol)
         long = reqs.extend([list(range(1, 20))], [0])
         runner.forward_logits(long)
         assert not runner.last_run_used_cuda_graph  # 19 tokens > the one graph's 16
