@@ -294,6 +294,9 @@ def test_stats_report_usage_and_hits(make_scheduler):
     assert stats["running"] == 1 and stats["waiting"] == 0
     assert stats["prefill_tokens_cached"] == 59  # all but the last prompt token came from the cache
     assert 0 < stats["token_usage"] <= 1 and stats["cache_hit_rate"] > 0.4
+    assert stats["cuda_alloc_retries"] == 0  # a runner without a CUDA allocator reports none
+    sched.runner.allocator_retries = lambda: 3  # ModelRunner's count on CUDA (torch's num_alloc_retries)
+    assert sched.stats()["cuda_alloc_retries"] == 3
     run_to_completion(sched)
 
 

@@ -194,6 +194,14 @@ class ModelRunner:
         layers, kv_heads, head_dim = self._kv_shape()
         return kv_bytes_per_token(layers, kv_heads, head_dim, self.kv_dtype)
 
+    def allocator_retries(self) -> int:
+        """How often the CUDA caching allocator had to free its cached blocks and retry an allocation
+        since start (each retry synchronises the device: a step whose activations barely fit slows
+        down); 0 on the CPU."""
+        if self.device.type != "cuda":
+            return 0
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
+
     def _kv_tokens(self) -> int:
         sched = self.config.scheduler
         if sched.max_total_tokens:

@@ -1309,6 +1309,10 @@ class Scheduler:
             out.update(it.req for it in self._in_flight[0] if not it.req.finished)
         return out
 
+    def _allocator_retries(self) -> int:
+        retries = getattr(self.runner, "allocator_retries", None)  # runners other than ModelRunner: none
+        return retries() if callable(retries) else 0
+
     def stats(self) -> dict[str, Any]:
         size = self.allocator.size
         free = self.allocator.available_size()
@@ -1338,6 +1342,8 @@ class Scheduler:
             "steps": m.steps,
             "step_seconds": m.step_seconds,
             "forward_seconds": m.forward_seconds,
+            # why a CUDA run slows down between identical schedules (memory too tight for activations)
+            "cuda_alloc_retries": self._allocator_retries(),
             "new_token_ratio": self.new_token_ratio,
             "speculative": self.drafter is not None,
             "spec_verify_batches": m.spec_verify_batches,
