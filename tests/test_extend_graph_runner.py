@@ -233,3 +233,14 @@ def test_the_runner_replays_extend_batches_when_configured(runner, tol):
 def test_a_backend_without_extend_graphs_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="no extend CUDA-graph support"):
         _graphs(_torch_native_runner(tiny_llama, 256, 2))
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU's message: on CUDA the option captures graphs")
+def test_the_option_off_cuda_says_it_has_no_effect(tiny_llama, caplog):
+    with caplog.at_level("INFO", logger="radixserve.model_runner"):
+        r = ModelRunner(Config.build({
+            "model": {"path": tiny_llama}, "runtime": {"cuda_graph_extend_max_tokens": 256},
+            "scheduler": {"max_total_tokens": 256, "max_running_requests": 2},
+        }), show_progress=False)
+    assert r.extend_graph_runner is None
+    assert "cuda_graph_extend_max_tokens=256 has no effect" in caplog.text

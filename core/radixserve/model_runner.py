@@ -136,6 +136,10 @@ class ModelRunner:
         self.target_states = self._target_states()
         if self.device.type == "cuda" and rt.cuda_graph:
             self._init_cuda_graphs()
+        elif rt.cuda_graph_extend_max_tokens:  # set, but nothing will capture: say so rather than ignore it
+            logger.info("runtime.cuda_graph_extend_max_tokens=%d has no effect: CUDA graphs run on CUDA devices "
+                        "with runtime.cuda_graph on (device %s, cuda_graph %s)", rt.cuda_graph_extend_max_tokens,
+                        self.device.type, rt.cuda_graph)
 
     # ---- setup ----------------------------------------------------------------------------
     def _quant_method(self, source):
