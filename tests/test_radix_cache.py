@@ -226,3 +226,78 @@ def test_chunked_prefill_moves_lock_and_rewrites_row_to_cached_slots():
     assert cache.match_prefix(req.origin_input_ids).length == 8
     cache.reset()
     assert cache.allocator.available_size() == 32
+
+
+def _scan_order(cache: RadixCache) -> list[int]:
+    """The eviction order by definition: evictable leaves by (last access, id), a parent joining
+    once its last child is gone (what evict did with a full scan of the tree at each call)."""
+    import heapq
+
+    heap = [(n.last_access, n.id, n) for n in cache._nodes() if n.is_leaf and n.lock_ref == 0]
+    heapq.heapify(heap)
+    order, gone = [], set()
+    while heap:
+        _, _, leaf = heapq.heappop(heap)
+        order.append(leaf.id)
+        gone.add(leaf.id)
+        parent = leaf.parent
+        if not parent.is_root and parent.lock_ref == 0 and all(c.id in gone for c in parent.children.values()):
+            heapq.heappush(heap, (parent.last_access, parent.id, parent))
+    return order
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_evict_takes_leaves_in_lru_order_however_the_tree_changed(seed):
+    """Candidates are kept as the tree changes (not scanned for): after random inserts, matches
+    (splits, touches), locks and partial evictions, each evict frees the leaves a full scan of the
+    tree would pick, in the same order, and the sizes stay consistent."""
+    import random
+
+    rng = random.Random(seed)
+    cache = make_cache(4096)
+    alloc = cache.allocator
+    locked = []
+    for step in range(300):
+        op = rng.random()
+        key = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]  # small alphabet: shared prefixes, splits
+        if op < 0.45 and alloc.available_size() >= len(key):
+            put(cache, key)
+        elif op < 0.65:
+            m = cache.match_prefix(key)
+            if rng.random() < 0.5 and m.kv_indices.numel():
+                cache.inc_lock_ref(m.last_node)
+                locked.append(m.last_node)
+        elif op < 0.8 and locked:
+            cache.dec_lock_ref(locked.pop(rng.randrange(len(locked))))
+        else:
+            want = rng.randrange(1, 16)
+            order = _scan_order(cache)
+            before = {n.id for n in cache._nodes()}
+            freed = cache.evict(want)
+            evicted = [i for i in order if i in before - {n.id for n in cache._nodes()}]
+            assert evicted == order[: len(evicted)], f"step {step}: not the least recently used leaves first"
+            assert freed >= want or not _scan_order(cache), f"step {step}: stopped with evictable leaves left"
+        assert cache.evictable_size() + cache.protected_size() == sum(len(n) for n in cache._nodes())
+        assert len(cache._candidates) <= 4 * cache._num_nodes + 256 + 1
+    for node in locked:
+        cache.dec_lock_ref(node)
+    cache.evict(10**6)
+    assert cache.total_size() == 0 and not list(cache._nodes()) and alloc.available_size() == alloc.size
+
+
+def test_common_prefix_len_finds_the_first_difference_anywhere():
+    import random
+
+    from radixserve_cache_radix.tree import common_prefix_len
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        a = tuple(rng.randrange(3) for _ in range(rng.randrange(0, 300)))
+        start = rng.randrange(0, 5)
+        tail = [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
+        b = [rng.randrange(3) for _ in range(start)] + list(a[: rng.randrange(0, len(a) + 1)]) + tail
+        want = 0
+        while want < min(len(a), len(b) - start) and a[want] == b[start + want]:
+            want += 1
+        assert common_prefix_len(a, b, start) == want
+        assert common_prefix_len(a, tuple(b), start) == want

@@ -705,7 +705,10 @@ class Scheduler:
         if not candidates or chunk_budget <= 0 or token_budget <= 0:
             return items
         for req in candidates:
-            req.fill_ids = req.all_ids()
+            # fill_ids is always a prefix of all_ids: rebuild it only when short (a long queue waits
+            # for memory on every step, and copying each prompt each time was the biggest host cost)
+            if len(req.fill_ids) != len(req.origin_input_ids) + len(req.output_ids):
+                req.fill_ids = req.all_ids()
             req.prefix_indices, req.last_node = None, None
         ordered = self.policy.order(candidates, self.cache)
         self._evicted = False

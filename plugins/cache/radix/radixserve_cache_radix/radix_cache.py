@@ -40,6 +40,12 @@ class RadixCache(PrefixCache):
         self.root.lock_ref = 1  # the root holds no slots and is never evicted
         self._evictable = 0
         self._protected = 0
+        self._num_nodes = 0  # nodes other than the root
+        # eviction candidates, kept as they change instead of scanned for at each evict (a full
+        # server evicts every step): (last_access, id, node), pushed whenever a node is touched, is
+        # unlocked or loses its last child; an entry counts only if it still describes an unlocked,
+        # attached leaf with that last_access (`_evictable_entry`), so stale ones are skipped
+        self._candidates: list[tuple[int, int, TreeNode]] = []
 
     # ---- lookup and insertion ---------------------------------------------------------------
     def match_prefix(self, key: list[int]) -> MatchResult:
@@ -64,6 +70,7 @@ class RadixCache(PrefixCache):
             if child is None:
                 leaf = TreeNode(node, tuple(key[pos:]), value[pos:].clone())
                 node.children[key[pos]] = leaf
+                self._num_nodes += 1
                 self._touch(leaf)
                 self._evictable += len(leaf)
                 return pos
@@ -101,11 +108,25 @@ class RadixCache(PrefixCache):
         child.key, child.value, child.parent = child.key[n:], child.value[n:].clone(), upper
         upper.children[child.key[0]] = child
         parent.children[upper.key[0]] = upper
+        self._num_nodes += 1
         return upper
 
     def _touch(self, node: TreeNode) -> None:
         self._clock += 1
         node.last_access = self._clock
+        if not node.is_root:
+            self._push_candidate(node)
+
+    def _push_candidate(self, node: TreeNode) -> None:
+        heapq.heappush(self._candidates, (node.last_access, node.id, node))
+        if len(self._candidates) > 4 * self._num_nodes + 256:  # mostly stale: keep only live candidates
+            self._candidates = [(n.last_access, n.id, n) for n in self._nodes() if n.is_leaf and n.lock_ref == 0]
+            heapq.heapify(self._candidates)
+
+    @staticmethod
+    def _evictable_entry(entry: tuple[int, int, TreeNode]) -> bool:
+        last_access, _, node = entry
+        return node.parent is not None and node.is_leaf and node.lock_ref == 0 and node.last_access == last_access
 
     # ---- locking ----------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode | None) -> None:
@@ -124,6 +145,7 @@ class RadixCache(PrefixCache):
             if node.lock_ref == 0:
                 self._protected -= len(node)
                 self._evictable += len(node)
+                self._push_candidate(node)
             node = node.parent
 
     # ---- eviction and sizes -----------------------------------------------------------------
@@ -132,16 +154,19 @@ class RadixCache(PrefixCache):
         nothing evictable is left. A parent left childless and unlocked becomes a candidate."""
         if num_tokens <= 0:
             return 0
-        heap = [(n.last_access, n.id, n) for n in self._nodes() if n.is_leaf and n.lock_ref == 0]
-        heapq.heapify(heap)
+        heap = self._candidates
         freed = 0
         while freed < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
+            entry = heapq.heappop(heap)
+            if not self._evictable_entry(entry):
+                continue  # locked, grown a child, evicted, or touched since (a newer entry exists)
+            leaf = entry[2]
             parent = leaf.parent
             assert parent is not None
             self.allocator.free(leaf.value)
             freed += len(leaf)
             self._evictable -= len(leaf)
+            self._num_nodes -= 1
             del parent.children[leaf.key[0]]
             leaf.parent = None
             if not parent.is_root and parent.is_leaf and parent.lock_ref == 0:
