@@ -45,15 +45,15 @@ def common_prefix_len(a: tuple[int, ...], b: list[int] | tuple[int, ...], start:
     the range that holds the first difference: edges run to thousands of tokens, and a full match,
     the usual case, costs one comparison."""
     n = min(len(a), len(b) - start)
-    lo, hi = 0, n  # a[:lo] matches; the first difference, if any, lies in [lo, hi)
+    if a[:n] == tuple(b[start : start + n]):
+        return n
+    lo, hi = 0, n  # a[:lo] matches; the first difference lies in [lo, hi)
     while hi - lo > 16:
         mid = (lo + hi) // 2
         if a[lo:mid] == tuple(b[start + lo : start + mid]):
             lo = mid
         else:
             hi = mid
-    if hi == n and a[lo:n] == tuple(b[start + lo : start + n]):
-        return n
     while lo < hi and a[lo] == b[start + lo]:
         lo += 1
     return lo
