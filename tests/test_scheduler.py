@@ -661,3 +661,31 @@ def test_step_trace_records_each_forward_by_kind(tmp_path, monkeypatch):
     spec.loader.exec_module(summary)
     (run,) = summary.read_runs(str(trace))
     assert len(run) == len(rows) and any("prefill/mixed" in line for line in summary.summarise(run))
+
+
+def test_overlap_keeps_decoding_ahead_while_the_queue_waits_for_memory():
+    """Requests that wait because the KV pool is full (not for a running slot) do not stop the
+    lookahead: the decodes go ahead until enough memory is free for the next one, which is then
+    admitted as without overlap; outputs are those of the plain scheduler."""
+    reqs = [(f"r{i}", list(range(40 * i, 40 * i + 40)), 30) for i in range(5)]
+    def memory_bound(overlap: bool) -> Scheduler:  # room for two of the five requests at a time
+        config = Config.build({"runtime": {"overlap": overlap}})
+        return Scheduler.from_config(config, ToyRunner(vocab_size=VOCAB, max_total_tokens=160), Registry.discover())
+
+    plain, sched = memory_bound(False), memory_bound(True)
+    ahead_while_waiting = []
+    launch = sched.runner.launch_batch
+
+    def recording_launch(sb):
+        if sb.future_inputs is not None:
+            ahead_while_waiting.append(len(sched.waiting))
+        return launch(sb)
+
+    sched.runner.launch_batch = recording_launch
+    out_plain, out = run_workload(plain, reqs), run_workload(sched, reqs)
+    for rid, prompt, max_new in reqs:
+        assert out[rid]["ids"] == out_plain[rid]["ids"] == reference(prompt, max_new), rid
+    assert sum(1 for w in ahead_while_waiting if w > 0) >= 10  # went ahead with requests waiting for memory
+    assert sched.metrics.retractions == plain.metrics.retractions == 0
+    assert_nothing_left(plain)
+    assert_nothing_left(sched)

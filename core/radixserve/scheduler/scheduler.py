@@ -77,6 +77,19 @@ class _Meta:
     spec_accepted_drafts: int = 0  # draft tokens accepted over those steps
 
 
+@dataclass(frozen=True)
+class _AdmissionBlock:
+    """Where the last admission round stopped for lack of memory: `req` (the next request in the
+    policy's order) needed `extend` new tokens plus its reserve, and the counters that change the
+    queue were these. The lookahead decodes ahead while the same request still cannot fit."""
+
+    req: Req
+    extend: int
+    arrivals: int
+    retractions: int
+    grammar_pending: int
+
+
 @dataclass
 class _Item:
     """One request's share of a batch."""
@@ -285,6 +298,7 @@ class Scheduler:
             logger.info("speculative decoding is on: overlap scheduling is switched off (verify steps run one at a time)")
             self.overlap = False
         self._in_flight: tuple[list[_Item], LaunchedBatch] | None = None  # overlap: launched, not processed
+        self._admission_block: _AdmissionBlock | None = None  # set by _prefill_items, read by _lookahead_decode
         # requests of a batch whose forward raised: each runs alone until it passes (or fails alone)
         self._suspects: set[str] = set()
         self.grammar = grammar
@@ -593,11 +607,9 @@ class Scheduler:
         prev_items, launched = prev
         if self.chunked_req is not None or not all(it.decode for it in prev_items):
             return None
-        if self.waiting and len(self.running) < self.max_running:
-            return None  # a waiting request may be admitted now: schedule with prev's results
 
         reqs, rows = [], []
-        live = 0
+        live = ending_slots = 0
         for i, it in enumerate(prev_items):
             req = it.req
             if req.finished:  # aborted while in flight
@@ -605,13 +617,16 @@ class Scheduler:
             live += 1
             n_out = len(req.output_ids) + 1  # counting the in-flight token
             if n_out >= req.sampling_params.max_new_tokens or len(req.origin_input_ids) + n_out >= self.context_len:
-                continue  # its in-flight token is its last
+                ending_slots += req.kv_len + 1  # its in-flight token is its last: its slots turn evictable
+                continue
             if sampling_reads_history(req):
                 return None  # its next row needs the in-flight token on the host
             reqs.append(req)
             rows.append(i)
         if not reqs or live != len(self.running):
             return None
+        if self.waiting and len(self.running) < self.max_running and not self._admission_blocked(ending_slots):
+            return None  # a waiting request may be admitted now: schedule with prev's results
         slots = self._decode_slots(reqs)
         if slots is None:
             return None
@@ -620,6 +635,21 @@ class Scheduler:
         items = [_Item(req, req.kv_len, 1, True, slots[i : i + 1]) for i, req in enumerate(reqs)]
         self.metrics.overlapped_batches += 1
         return items, FutureTokens(tokens=launched.token_ids, rows=rows)
+
+    def _admission_blocked(self, ending_slots: int) -> bool:
+        """Whether admission would stop again where it last stopped for memory: nothing arrived, was
+        retracted or finished compiling its grammar since, and the room (free + evictable slots, plus
+        `ending_slots` of requests whose in-flight token is their last, minus the running requests'
+        reserve) is still short of that request's need. The room only grows as requests finish, so
+        admission is tried again as soon as it could succeed; until then a memory-bound queue does not
+        keep the next decode from being launched ahead."""
+        b = self._admission_block
+        if (b is None or b.req.finished or self._suspects or b.arrivals != self._arrivals
+                or b.retractions != self.metrics.retractions or b.grammar_pending != len(self._grammar_pending)):
+            return False
+        reserved = sum(self._future_tokens(r) for r in self.running)
+        room = self.allocator.available_size() + self.cache.evictable_size() + ending_slots - reserved
+        return room < b.extend + self._future_tokens(b.req)
 
     def _schedule(self) -> list[_Item]:
         if self._suspects and not (self._decode_turn and self.running):
@@ -671,6 +701,7 @@ class Scheduler:
         return math.ceil(max(left, 0) * self.new_token_ratio)
 
     def _prefill_items(self) -> list[_Item]:
+        self._admission_block = None
         items: list[_Item] = []
         token_budget = self.max_prefill_tokens
         chunk_budget = self.chunk_size if self.chunk_size is not None else math.inf
@@ -733,6 +764,8 @@ class Scheduler:
             rem = self.allocator.available_size() + self.cache.evictable_size() - reserved
             if extend + self._future_tokens(req) > rem and (items or admitted or self.running):
                 self.cache.dec_lock_ref(req.last_node)
+                self._admission_block = _AdmissionBlock(req, extend, self._arrivals, self.metrics.retractions,
+                                                        len(self._grammar_pending))
                 break
             take = extend if self.chunk_size is None else int(min(extend, chunk_budget, token_budget))
             slots = self._alloc_slots(take)
