@@ -2,8 +2,9 @@
 # `bash benchmarks/h200/old_tree.sh 13a9612`, carry .whl .gpu2 .old): issue 18's offline run, 1000 x 1024/256
 # (stacks/h200-llama.yaml's settings, triton), alternating on one machine:
 #   - the scheduler's host-time cut (88f492b: radix-cache eviction candidates kept in a heap, cheaper prefix
-#     compares, fill_ids not rebuilt; benchmarks/results/cpu-scheduler-host.md) against the tree before it (.old =
-#     13a9612's core and radix cache on PYTHONPATH);
+#     compares, fill_ids not rebuilt) and the lookahead while the queue waits for memory (9aa55c9; both in
+#     benchmarks/results/cpu-scheduler-host.md) against the tree before them (.old = 13a9612's core and radix
+#     cache on PYTHONPATH): overlapped_batches should go from 256 to ~666 of 806;
 #   - the extend graphs at 1024 tokens, with the new stats field cuda_alloc_retries (were session 18's slow runs
 #     the caching allocator freeing and retrying?).
 set -o pipefail
