@@ -668,6 +668,7 @@ def test_overlap_keeps_decoding_ahead_while_the_queue_waits_for_memory():
     lookahead: the decodes go ahead until enough memory is free for the next one, which is then
     admitted as without overlap; outputs are those of the plain scheduler."""
     reqs = [(f"r{i}", list(range(40 * i, 40 * i + 40)), 30) for i in range(5)]
+
     def memory_bound(overlap: bool) -> Scheduler:  # room for two of the five requests at a time
         config = Config.build({"runtime": {"overlap": overlap}})
         return Scheduler.from_config(config, ToyRunner(vocab_size=VOCAB, max_total_tokens=160), Registry.discover())
@@ -686,6 +687,7 @@ def test_overlap_keeps_decoding_ahead_while_the_queue_waits_for_memory():
     for rid, prompt, max_new in reqs:
         assert out[rid]["ids"] == out_plain[rid]["ids"] == reference(prompt, max_new), rid
     assert sum(1 for w in ahead_while_waiting if w > 0) >= 10  # went ahead with requests waiting for memory
+    assert len(sched.runner.batches) == len(plain.runner.batches)  # admitted at the same steps
     assert sched.metrics.retractions == plain.metrics.retractions == 0
     assert_nothing_left(plain)
     assert_nothing_left(sched)
