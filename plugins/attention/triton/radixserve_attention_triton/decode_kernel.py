@@ -26,8 +26,10 @@ import triton.language as tl
 import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_launch_dependents
 from radixserve.layers import triton_interpreter as _interpreter_compat
 from radixserve.layers.kv_splits import compute_num_kv_splits  # noqa: F401 - re-exported (its old home)
-from radixserve.layers.triton_softmax import NEG_BIG, online_softmax_step, scores_log2, store_split_partial
+from radixserve.layers.triton_softmax import NEG_BIG, store_split_partial
 from radixserve.layers.triton_support import trigger_dependents
+
+from radixserve_attention_triton.pool_keys import attend_pool_keys
 
 _interpreter_compat.apply()
 
@@ -102,20 +104,10 @@ def _decode_stage1_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     r2t_row = ReqToToken + req * stride_r2t
-    for start in range(lo, hi, BLOCK_N):
-        n = start + offs_n
-        mask_n = n < hi
-        slot = tl.load(r2t_row + n, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K_buf + slot[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            k = k.to(q.dtype)  # exact; the k scale is in sm_scale
-        qk = scores_log2(tl.dot(q, tl.trans(k)), sm_scale, logit_cap, HAS_CAP)
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        v = tl.load(V_buf + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            v = v.to(q.dtype)
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
+    # the window is already in `lo` (kv_start), so the pass runs without one
+    m_i, l_i, acc = attend_pool_keys(q, offs_h, m_i, l_i, acc, r2t_row, K_buf, V_buf, kvh, lo, hi, sm_scale, logit_cap,
+                                     window, stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_n, offs_d, mask_d,
+                                     BLOCK_N, HAS_CAP, False, KV_FP8)
     if KV_FP8:
         acc = acc * v_scale
 

@@ -29,6 +29,8 @@ import triton.language as tl
 from radixserve.layers import triton_interpreter as _interpreter_compat
 from radixserve.layers.triton_softmax import NEG_BIG, online_softmax_step, scores_log2
 
+from radixserve_attention_triton.pool_keys import attend_pool_keys
+
 _interpreter_compat.apply()
 
 
@@ -40,33 +42,6 @@ def _load_rows(ptrs, mask_d, EVEN_D: tl.constexpr):
     else:
         x = tl.load(ptrs, mask=mask_d[None, :], other=0.0)
     return x
-
-
-@triton.jit
-def _attend_prefix(q, q_rel, m_i, l_i, acc, r2t_row, K_buf, V_buf, kvh, prefix_lo, prefix_len, sm_scale, logit_cap,
-                   window, stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_n, offs_d, mask_d,
-                   BLOCK_N: tl.constexpr, HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr):
-    """Fold a request's cached prefix keys [prefix_lo, prefix_len), gathered slot by slot through its
-    req_to_token row, into the running softmax of the query tile `q` (rows at positions
-    prefix_len + q_rel: a window hides keys at or before position - window)."""
-    for start in range(prefix_lo, prefix_len, BLOCK_N):
-        n = start + offs_n
-        mask_n = n < prefix_len
-        slot = tl.load(r2t_row + n, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K_buf + slot[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            k = k.to(q.dtype)  # exact; the k scale is in sm_scale
-        qk = scores_log2(tl.dot(q, tl.trans(k)), sm_scale, logit_cap, HAS_CAP)
-        seen = mask_n[None, :]
-        if HAS_WINDOW:
-            seen = seen & (n[None, :] > prefix_len + q_rel[:, None] - window)
-        qk = tl.where(seen, qk, float("-inf"))
-        v = tl.load(V_buf + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            v = v.to(q.dtype)
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
-    return m_i, l_i, acc
 
 
 @triton.jit
@@ -94,7 +69,7 @@ def _single_token_heads(
     prefix_lo = prefix_len * 0
     if HAS_WINDOW:  # the token sits at position prefix_len
         prefix_lo = tl.maximum(prefix_len - window + 1, 0)
-    m_i, l_i, acc = _attend_prefix(q, tl.zeros([BLOCK_G], dtype=tl.int32), m_i, l_i, acc, r2t_row, K_buf, V_buf, kvh,
+    m_i, l_i, acc = attend_pool_keys(q, tl.zeros([BLOCK_G], dtype=tl.int32), m_i, l_i, acc, r2t_row, K_buf, V_buf, kvh,
                                    prefix_lo, prefix_len, sm_scale, logit_cap, window, stride_kbs, stride_kbh,
                                    stride_vbs, stride_vbh, offs_n, offs_d, mask_d, BLOCK_N, HAS_CAP, HAS_WINDOW,
                                    KV_FP8)
@@ -216,7 +191,7 @@ def _extend_kernel(
             new_lo = (tl.maximum(m_start - window + 1, 0) // BLOCK_N) * BLOCK_N
 
     # Stage 1: the cached prefix, gathered slot by slot through req_to_token.
-    m_i, l_i, acc = _attend_prefix(q, q_rel, m_i, l_i, acc, ReqToToken + req * stride_r2t, K_buf, V_buf, kvh,
+    m_i, l_i, acc = attend_pool_keys(q, q_rel, m_i, l_i, acc, ReqToToken + req * stride_r2t, K_buf, V_buf, kvh,
                                    prefix_lo, prefix_len, sm_scale, logit_cap, window, stride_kbs, stride_kbh,
                                    stride_vbs, stride_vbh, offs_n, offs_d, mask_d, BLOCK_N, HAS_CAP, HAS_WINDOW,
                                    KV_FP8)
