@@ -49,6 +49,22 @@ def test_serve_honours_plugins_disable_from_the_stack_file(tmp_path):
     assert "no prefix_cache component named 'chunk'" in r.stderr and "radixserve-cache-chunk" in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("command", [["generate", "hello"], ["bench", "one-batch"]])
+def test_deny_flag_works_on_generate_and_bench(tmp_path, command):
+    # `-p no:NAME` is documented for every command (plugin-authoring.md); generate used to swallow
+    # the prompt into "unrecognized arguments"
+    args = [*command, "-p", "no:chunk", "--model", MISSING_MODEL, "stack.prefix_cache=chunk"]
+    r = run_cli(args)
+    assert r.returncode == 2, r.stderr
+    assert "no prefix_cache component named 'chunk'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_generate_refuses_parallel_sizes_by_name():
+    r = run_cli(["generate", "hello", "--model", MISSING_MODEL, "runtime.tp_size=2"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "runtime.tp_size=2" in r.stderr and "serve --tp" in r.stderr and "TPGroup" not in r.stderr, r.stderr
+
+
 def test_unknown_drafter_is_a_clear_startup_error(tmp_path):
     r = run_cli(["config", "show", "stack.speculative=no-such-drafter"])
     assert r.returncode == 2 and "Traceback" not in r.stderr
@@ -174,3 +190,19 @@ def test_plugins_disable_reaches_the_scheduler_process(tmp_path, monkeypatch, sm
                 scheduler={"max_total_tokens": 1024}) as eng:
         out = eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2, "temperature": 0})
     assert out["meta_info"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("dp", [None, "2"])
+def test_serve_on_a_busy_port_fails_before_loading(dp):
+    # the port is bound first: a busy one is reported at once (it used to surface as uvicorn's
+    # "[Errno 98]" only after the model had loaded and the kernels compiled)
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = run_cli(["serve", "--model", MISSING_MODEL, "--port", str(port), *(["--dp", dp] if dp else [])])
+    assert r.returncode == 2, r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "--port" in r.stderr, r.stderr
+    assert "does not exist" not in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -24,6 +24,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="apply the model's chat template (default on when it has one)")
     parser.add_argument("--config", metavar="FILE", help="YAML component stack (see stacks/)")
     parser.add_argument("--stats", action="store_true", help="print load time and tokens/s to stderr")
+    parser.add_argument("-p", action="append", metavar="no:PLUGIN", help="do not load this plugin (repeatable)")
     from radixserve.cli_serve import add_model_impl_argument, add_speculative_arguments
 
     add_model_impl_argument(parser)
@@ -71,18 +72,23 @@ def generate_ids_speculative(runner, config, registry, prompt_ids: list[int], pa
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from radixserve.cli import load_config_from_args
     from radixserve.cli_serve import speculative_overrides
-    from radixserve.config import Config, deep_merge, parse_dotted_overrides
+    from radixserve.config import ConfigError
     from radixserve.model_runner import ModelRunner
     from radixserve.plugins.registry import Registry
     from radixserve.tokenizer import apply_chat_template
 
-    overrides = deep_merge(parse_dotted_overrides(args.overrides or []), speculative_overrides(args))
+    flags = speculative_overrides(args)
     if args.model:
-        overrides.setdefault("model", {})["path"] = args.model
+        flags.setdefault("model", {})["path"] = args.model
     if args.model_impl:
-        overrides.setdefault("model", {})["impl"] = args.model_impl
-    config = Config.load(args.config, overrides)
+        flags.setdefault("model", {})["impl"] = args.model_impl
+    config = load_config_from_args(args, flags)  # YAML < overrides < flags; -p no:NAME disables a plugin
+    if config.runtime.tp_size > 1 or config.runtime.dp_size > 1:
+        raise ConfigError(f"radixserve generate runs the model in this one process (runtime.tp_size="
+                          f"{config.runtime.tp_size}, runtime.dp_size={config.runtime.dp_size}): use "
+                          "`radixserve serve --tp N` / `--dp N`, or Engine(tp_size=N)")
     registry = Registry.from_config(config)
     start = time.perf_counter()
     runner = ModelRunner(config, registry)  # checks the whole stack before loading the model

@@ -16,7 +16,7 @@ import json
 import statistics
 import time
 
-from radixserve.config import Config, deep_merge, parse_dotted_overrides
+from radixserve.config import Config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,11 +34,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-file", help="append one JSON line per batch size")
     p.add_argument("--speculative", metavar="NAME", help="drafter (stack.speculative), e.g. oracle or ngram")
     p.add_argument("--speculative-num-draft-tokens", type=int, metavar="K", help="speculative.num_draft_tokens")
+    p.add_argument("-p", action="append", metavar="no:PLUGIN", help="do not load this plugin (repeatable)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
 
 
 def _config(args: argparse.Namespace) -> Config:
-    over: dict = parse_dotted_overrides(args.overrides or [])
+    from radixserve.cli import load_config_from_args
+
     cli: dict = {"model": {}, "runtime": {}, "scheduler": {}}
     if args.model:
         cli["model"]["path"] = args.model
@@ -59,7 +61,7 @@ def _config(args: argparse.Namespace) -> Config:
     max_bs = max(args.batch_size)
     need = max_bs * (args.input_len + args.output_len + 80) + 64  # + draft slots of a verify
     cli["scheduler"] = {"max_running_requests": max_bs, "max_total_tokens": need}
-    return Config.load(args.config, deep_merge(deep_merge(over, cli), {}))
+    return load_config_from_args(args, cli)  # YAML < overrides < these flags; -p no:NAME disables a plugin
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,7 +4,8 @@ Exit codes: 0 after SIGINT/SIGTERM (graceful, see shutdown.py: no new requests, 
 `server.shutdown_grace_s` seconds and then end with an error event, then the runtime's children
 are stopped); 1 when the runtime fails to start or a child process dies while
 serving (detected within about a second: /health turns 503 and the server exits); 2 when there is
-no model to serve; 130 when interrupted during startup."""
+no model to serve or the host:port cannot be listened on (checked before the model loads); 130
+when interrupted during startup."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -82,6 +84,25 @@ def graceful_server(app: Any, config: Config, target: Any, uds: str | None = Non
     return server, shutdown
 
 
+def listen_socket(config: Config) -> socket.socket | None:
+    """The server's TCP socket, bound to `config.server`'s host and port before anything slow starts
+    (a busy port is then an error in a second, not after loading a model and compiling kernels);
+    uvicorn listens on it later (`serve(sockets=[...])`). None, with the error logged, when the
+    address cannot be bound."""
+    host, port = config.server.host, config.server.port
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        logger.error("cannot listen on %s:%d: %s (another server on that port? pick one with --port)",
+                     host, port, e.strerror or e)
+        return None
+    return sock
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper()),
@@ -145,8 +166,15 @@ async def _start_runtime(config: Config, registry: Any) -> tuple[Any, int]:
 async def _serve(config: Config, registry: Any, uds: str | None = None) -> int:
     from radixserve.server.app import create_app
 
+    sock = None
+    if uds is None:
+        sock = listen_socket(config)
+        if sock is None:
+            return 2
     tm, code = await _start_runtime(config, registry)
     if tm is None:
+        if sock is not None:
+            sock.close()
         return code
     exit_code = 0
     try:
@@ -166,7 +194,7 @@ async def _serve(config: Config, registry: Any, uds: str | None = None) -> int:
             asyncio.create_task(_announce(server, tm, config, uds)),
         ]
         try:
-            await server.serve()
+            await server.serve(sockets=None if sock is None else [sock])
         finally:
             for t in tasks:
                 t.cancel()

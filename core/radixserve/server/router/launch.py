@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import socket
 import tempfile
 
 import uvicorn
 
 from radixserve.config import Config
 from radixserve.runtime.child import watch_exit
-from radixserve.server.launch import graceful_server, on_signals, setup_logging
+from radixserve.server.launch import graceful_server, listen_socket, on_signals, setup_logging
 from radixserve.server.router.app import create_router_app
 from radixserve.server.router.core import Router
 from radixserve.server.router.metrics import RouterMetrics
@@ -65,17 +66,21 @@ async def _start_replicas(config: Config, socket_dir: str) -> tuple[list[Replica
 
 
 async def _route(config: Config) -> int:
+    sock = listen_socket(config)  # a busy port fails before any replica starts
+    if sock is None:
+        return 2
     socket_dir = tempfile.mkdtemp(prefix="radixserve-dp-")  # 0700: only this user reaches the replicas
     try:
         replicas, code = await _start_replicas(config, socket_dir)
         if not replicas:
             return code
-        return await _serve(config, replicas)
+        return await _serve(config, replicas, sock)
     finally:
+        sock.close()
         shutil.rmtree(socket_dir, ignore_errors=True)
 
 
-async def _serve(config: Config, replicas: list[Replica]) -> int:
+async def _serve(config: Config, replicas: list[Replica], sock: socket.socket) -> int:
     metrics = RouterMetrics()
     router = Router(replicas, make_policy(config.router, len(replicas)), metrics)
     exit_code = 0
@@ -102,7 +107,7 @@ async def _serve(config: Config, replicas: list[Replica]) -> int:
             r.stop_watch = watch_exit(loop, r.proc, exited)
         announce = asyncio.create_task(_announce(server, config, len(replicas)))
         try:
-            await server.serve()
+            await server.serve(sockets=[sock])
         finally:
             announce.cancel()
     finally:
