@@ -163,8 +163,25 @@ def test_from_config_honours_the_stack_plugins_section():
 
     reg = Registry.from_config(Config.build({"plugins": {"disable": ["policies"]}}))
     assert "policies" not in reg.plugins and "fcfs" not in reg.names("policy")
-    with pytest.raises(PluginError, match="pip install radixserve-policies"):
+    # installed but disabled: the error says so instead of suggesting to pip install it
+    with pytest.raises(PluginError, match=r"named 'fcfs' is loaded;.*not loaded: policies \(plugins.disable\)") as e:
         reg.get("policy", "fcfs")
+    assert "pip install" not in str(e.value)
+
+
+def test_a_deny_entry_naming_no_plugin_is_reported(caplog):
+    # a typo, or the distribution's name instead of the plugin's, used to disable nothing silently
+    with caplog.at_level("WARNING", logger="radixserve.plugins.registry"):
+        Registry.discover(deny={"radixserve-policies", "no_such_plugin"})
+    text = caplog.text
+    assert "'radixserve-policies' is the distribution of plugin 'policies'" in text, text
+    assert "'no_such_plugin', which is no installed plugin" in text and "installed plugins: " in text, text
+
+
+def test_the_allow_list_names_what_it_left_out():
+    reg = Registry.discover(allow={"llama"})
+    with pytest.raises(PluginError, match=r"not loaded: .*radix.* \(not in the allow-list llama\)"):
+        reg.get("prefix_cache", "radix")
 
 
 # ---- the weight-source role: a file is read by the component that declared its suffix --------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import logging
 import os
 from dataclasses import dataclass
 from types import ModuleType
@@ -24,6 +25,8 @@ from radixserve.version import PLUGIN_API_VERSION
 ENTRY_POINT_GROUP = "radixserve.plugins"
 ALLOW_ENV = "RADIXSERVE_PLUGINS"  # comma-separated plugin (entry-point) names to load; others skipped
 DENY_ENV = "RADIXSERVE_DISABLE_PLUGINS"  # comma-separated plugin names never to load
+
+logger = logging.getLogger(__name__)
 
 
 class PluginError(RuntimeError):
@@ -144,6 +147,19 @@ def _admits_newer_api(spec: SpecifierSet) -> bool:
     return any(Version(v) in spec for v in later)
 
 
+def _warn_unknown_names(denied: dict[str, str], entry_points: list) -> None:
+    """A deny-list entry that names no installed plugin does nothing: say so (a typo, or the
+    distribution's name given instead of the plugin's entry-point name)."""
+    names = {ep.name for ep in entry_points}
+    by_distribution = {ep.dist.name: ep.name for ep in entry_points if ep.dist is not None}
+    for name, source in sorted(denied.items()):
+        if name in names:
+            continue
+        hint = (f"; {name!r} is the distribution of plugin {by_distribution[name]!r}" if name in by_distribution
+                else f"; installed plugins: {', '.join(sorted(names)) or 'none'}")
+        logger.warning("%s names %r, which is no installed plugin: nothing is disabled by it%s", source, name, hint)
+
+
 def _split_env(name: str) -> set[str]:
     return {p.strip() for p in os.environ.get(name, "").split(",") if p.strip()}
 
@@ -159,6 +175,8 @@ class Registry:
         self.plugins: dict[str, PluginInfo] = {}
         self._components: dict[tuple[str, str], ComponentSpec] = {}
         self._conflicts: dict[tuple[str, str], list[ComponentSpec]] = {}
+        # installed plugins not loaded: entry-point name -> (distribution, why); named in lookup errors
+        self.skipped: dict[str, tuple[str, str]] = {}
         self.pm = pluggy.PluginManager(hookspec.PROJECT)
         self.pm.add_hookspecs(hookspec)
 
@@ -181,13 +199,18 @@ class Registry:
         """Load every plugin in the entry-point group, honouring the allow/deny lists
         (arguments, else the RADIXSERVE_PLUGINS / RADIXSERVE_DISABLE_PLUGINS variables)."""
         reg = cls(prefer=prefer)
+        allow_source = "the allow-list" if allow is not None else ALLOW_ENV
         allow = allow if allow is not None else _split_env(ALLOW_ENV)
-        deny = (deny or set()) | _split_env(DENY_ENV)
+        denied = {name: "plugins.disable" for name in deny or ()}
+        denied.update({name: DENY_ENV for name in _split_env(DENY_ENV) - set(denied)})
         reg.add_builtin()
-        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-            if ep.name in deny or (allow and ep.name not in allow):
-                continue
+        entry_points = sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+        _warn_unknown_names(denied, entry_points)
+        for ep in entry_points:
             dist = ep.dist.name if ep.dist is not None else "?"
+            if ep.name in denied or (allow and ep.name not in allow):
+                reg.skipped[ep.name] = (dist, denied.get(ep.name) or f"not in {allow_source} {','.join(sorted(allow))}")
+                continue
             version = ep.dist.version if ep.dist is not None else ""
             try:
                 module = ep.load()
@@ -256,11 +279,23 @@ class Registry:
 
             installed = ", ".join(self.names(kind)) or "none"
             hint = install_hint(kind, name)
+            if hint in {dist for dist, _ in self.skipped.values()}:
+                hint = None  # installed, only not loaded: the skipped list below says why
+            where = "is loaded" if self.skipped else "is installed"
             raise PluginError(
-                f"no {kind} component named {name!r} is installed; installed {kind} components: {installed}"
-                + (f"; {name!r} is provided by {hint} (pip install {hint})" if hint else "")
+                f"no {kind} component named {name!r} {where}; {'loaded' if self.skipped else 'installed'} {kind} "
+                f"components: {installed}" + (f"; {name!r} is provided by {hint} (pip install {hint})" if hint else "")
+                + self._skipped_note()
             )
         return spec
+
+    def _skipped_note(self) -> str:
+        """'; installed plugins not loaded: ...' grouped by reason, or '' when every plugin loaded."""
+        by_reason: dict[str, list[str]] = {}
+        for plugin, (dist, why) in sorted(self.skipped.items()):  # the distribution where few are named
+            by_reason.setdefault(why, []).append(plugin if why.startswith("not in") else f"{plugin} of {dist}")
+        parts = [f"{', '.join(plugins)} ({why})" for why, plugins in by_reason.items()]
+        return f"; installed plugins not loaded: {'; '.join(parts)}" if parts else ""
 
     def load(self, kind: str, name: str) -> Any:
         """Import and return the component class (checked against its kind's base class)."""
