@@ -164,7 +164,7 @@ def test_from_config_honours_the_stack_plugins_section():
     reg = Registry.from_config(Config.build({"plugins": {"disable": ["policies"]}}))
     assert "policies" not in reg.plugins and "fcfs" not in reg.names("policy")
     # installed but disabled: the error says so instead of suggesting to pip install it
-    with pytest.raises(PluginError, match=r"named 'fcfs' is loaded;.*not loaded: policies \(plugins.disable\)") as e:
+    with pytest.raises(PluginError, match=r"named 'fcfs' is loaded;.*not loaded: policies of radixserve-policies \(plugins.disable\)") as e:
         reg.get("policy", "fcfs")
     assert "pip install" not in str(e.value)
 
