@@ -98,3 +98,27 @@ def test_the_readme_engine_example_runs_as_a_plain_script(tmp_path, smollm2_gguf
     assert run.returncode == 0, run.stderr[-4000:]
     assert "'finish_reason'" in run.stdout and "completion_tokens': 16" in run.stdout, run.stdout
     assert "Traceback" not in run.stderr, run.stderr[-4000:]
+
+
+def test_a_child_stopped_while_loading_takes_its_own_processes_along():
+    # a first start's kernel build runs compilers under the scheduler process; stopping the
+    # scheduler during start-up (Ctrl-C) used to leave them compiling for a minute, orphaned
+    from radixserve.runtime.child import kill_group
+
+    code = "import subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); print(p.pid, flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    grandchild = int(proc.stdout.readline())
+    kill_group(proc)
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{grandchild}/stat") as f:  # a zombie waiting for init to reap it is gone too
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"process {grandchild}, started by the stopped child, is still running")

@@ -103,6 +103,16 @@ def spawn(spec: ChildSpec) -> subprocess.Popen:
     return proc
 
 
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a child and every process it started: it leads its own session (`spawn`), so its
+    process group holds what it runs, e.g. the compilers of a first start's native kernel build,
+    which would otherwise go on compiling for a minute after the child is gone."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # already gone (and reaped), or not ours
+        proc.kill()
+
+
 def watch_exit(
     loop: asyncio.AbstractEventLoop, proc: subprocess.Popen, on_exit: Callable[[], None]
 ) -> Callable[[], None]:

@@ -18,7 +18,7 @@ from radixserve.config import Config, ConfigError
 from radixserve.model_loader.model_files import resolve_model_path, served_name
 from radixserve.plugins.registry import Registry
 from radixserve.plugins.stack import check_quantization_fits, resolve_stack
-from radixserve.runtime.child import ChildSpec, watch_exit
+from radixserve.runtime.child import ChildSpec, kill_group, watch_exit
 from radixserve.runtime.child import spawn as spawn_child
 from radixserve.runtime.errors import EngineDeadError, RequestError
 from radixserve.runtime.ipc import PortArgs
@@ -234,14 +234,14 @@ class TokenizerManager:
         # a TP follower rank exits when the scheduler (rank 0) stops it, so it shares its readiness
         ready = self._ready.get(name if name in CHILDREN else "scheduler")
         if ready is None or not ready.done() or ready.cancelled() or ready.exception() is not None:
-            proc.kill()  # still loading (it reads no messages yet) or failed: nothing to lose
+            kill_group(proc)  # still loading (it reads no messages yet) or failed: nothing to lose
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(None, proc.wait, CHILD_EXIT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             # children ignore SIGTERM (only the parent stops them), so a stuck one is killed
             logger.warning("the %s process did not exit within %.0f s; killing it", name, CHILD_EXIT_TIMEOUT_S)
-            proc.kill()
+            kill_group(proc)
             await loop.run_in_executor(None, proc.wait)
 
     def child_pids(self) -> dict[str, int]:
