@@ -95,7 +95,8 @@ def test_signal_with_streams_in_flight_exits_cleanly(tmp_path, how):
         refused = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=10)
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["message"]
-        assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["error"]["message"] == "the server is shutting down"
 
         code = proc.wait(GRACE_S + 30)
         took = time.monotonic() - signalled

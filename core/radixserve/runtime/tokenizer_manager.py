@@ -251,6 +251,10 @@ class TokenizerManager:
     def is_healthy(self) -> bool:
         return self._started and not self._closing and self.dead_reason is None and self._stopping is None
 
+    def unhealthy_reason(self) -> str | None:
+        """Why `is_healthy()` is false, where known: the dead child, or the shutdown in progress."""
+        return self.dead_reason or self._stopping
+
     def stop_admitting(self, reason: str) -> None:
         """Refuse new requests (RequestError 503 with `reason`); the in-flight ones keep running."""
         self._stopping = reason

@@ -83,17 +83,23 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
     async def generate(body: p.GenerateRequest, request: Request) -> Response:
         return await serving.generate(body, request)
 
+    def unhealthy() -> Response:
+        # why, where known: a load balancer's log then tells a shutdown from a crash
+        why = getattr(tm, "unhealthy_reason", None)
+        reason = (why() if why is not None else None) or "the runtime is not healthy"
+        return error_response(reason, 503, code="service_unavailable")
+
     @app.get("/health")
     async def health() -> Response:
         if not tm.is_healthy():
-            return error_response("the runtime is not healthy", 503, code="service_unavailable")
+            return unhealthy()
         return JSONResponse({"status": "ok"})
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
         """Healthy only if a one-token generation completes within the timeout."""
         if not tm.is_healthy():
-            return error_response("the runtime is not healthy", 503, code="service_unavailable")
+            return unhealthy()
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
         gen = GenerateInput(text="ping", sampling_params=params, rid=f"health-{id(params)}", stream=False)
 
