@@ -29,6 +29,7 @@ from radixserve.config import Config
 from radixserve.interfaces import Drafter, PrefixCache, SchedulePolicy
 from radixserve.messages import GenerateRequest, ReqTokenOut
 from radixserve.sampling.batch import sampling_reads_history
+from radixserve.scheduler.failure_log import RepeatedFailureLog
 from radixserve.scheduler.grammar import (
     DeferredGrammar,
     GrammarCompileError,
@@ -271,6 +272,7 @@ class Scheduler:
         self.interleave_decode = sc.interleave_decode  # a decode step between any two prefill batches
         self.in_batch_prefix = sc.in_batch_prefix_threshold if cache.shares_prefixes else 0
         self.stream_interval = sc.stream_interval
+        self._failures = RepeatedFailureLog(logger)  # plugin hooks that may fail on every step
         cons = sc.schedule_conservativeness
         self.init_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * cons)
         self.min_ratio = min(self.init_ratio, MIN_NEW_TOKEN_RATIO * cons)
@@ -881,7 +883,7 @@ class Scheduler:
                 parents = proposal.parents[j] if proposal.parents is not None else None
                 drafts[i] = checked_draft(proposal.tokens[j], parents, limits[i], self.limits.vocab_size, self.trees_ok)
         except Exception:
-            logger.exception("the drafter failed; this step decodes without drafts")
+            self._failures.exception("the drafter failed; steps decode without drafts")
             return None
         if not any(d.tokens for d in drafts):
             return None
@@ -971,7 +973,7 @@ class Scheduler:
         try:
             self.drafter.on_accepted(req, req.output_ids[n_before:])
         except Exception:
-            logger.exception("the drafter's on_accepted failed (ignored)")
+            self._failures.exception("the drafter's on_accepted failed (ignored)")
 
     def _drafter_forget(self, req: Req) -> None:
         if self.drafter is None:
@@ -979,7 +981,7 @@ class Scheduler:
         try:
             self.drafter.on_finished(req)
         except Exception:
-            logger.exception("the drafter's on_finished failed (ignored)")
+            self._failures.exception("the drafter's on_finished failed (ignored)")
 
     def _write_rows(self, reqs: list[Req], slots: torch.Tensor) -> None:
         """Store each request's next-token slot at position kv_len of its row."""
