@@ -104,6 +104,9 @@ class ModelRunner:
                                    attention_type=self.attention_type, model_name=model_name)
         self._model_name = model_name
         quant = self._quant_method(source)
+        logger.info("stack: %s; weights: %s", ", ".join(f"{kind} {spec.name}" for kind, spec in
+                                                       self.stack.by_kind().items() if spec is not None),
+                    "unquantized" if quant is None else f"{type(quant).__name__} ({type(quant).__module__})")
         tp = self.tp_group if self.tp_group.size > 1 else None
         if tp is not None:
             check_model_tensor_parallel(arch, model_cls, quant, self.hf_config, tp.size)
