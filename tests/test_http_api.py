@@ -338,7 +338,7 @@ def _chat(**kw):
         (_chat(max_tokens=10**9), 400, "max_tokens"),
         (_chat(max_tokens=60), 400, "max_tokens"),  # fits alone, not with the prompt
         (_chat(n=0), 400, "n"),
-        (_chat(top_logprobs=3), 400, None),  # without logprobs=true
+        (_chat(top_logprobs=3), 400, "top_logprobs"),  # without logprobs=true
         (_chat(tools=[{"type": "function"}]), 400, "tools.0.function"),  # a tool without its function
         (_chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages.0.role"),
         (_chat(model="gpt-4"), 404, "model"),

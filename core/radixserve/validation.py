@@ -67,6 +67,28 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
+def is_text(value: str) -> bool:
+    """Whether a str is valid Unicode text: JSON's `"\\ud800"` (a lone surrogate) parses to a Python
+    str that no tokenizer, stop matcher or message encoder accepts."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_text(value: str, field: str) -> None:
+    if not is_text(value):
+        raise InvalidRequest(f"{field} contains a lone UTF-16 surrogate, which is not valid text", field)
+
+
+def check_min_tokens(min_tokens: int, max_tokens: int | None, min_field: str, max_field: str) -> None:
+    """min_tokens must not exceed max_tokens (None: not given, the rest of the context); one rule
+    for /generate, the OpenAI routes and the Engine."""
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise InvalidRequest(f"{min_field} ({min_tokens}) must not exceed {max_field} ({max_tokens})", min_field)
+
+
 def check_token_ids(ids: Iterable[Any], limits: ModelLimits, field: str) -> None:
     """Every id an int in [0, vocab_size); the error names the position (`field[i]`)."""
     vocab = limits.vocab_size
@@ -130,11 +152,17 @@ def check_sampling(sp: SamplingParams, limits: ModelLimits, names: FieldNames = 
     stop = sp.stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"{names.of('stop')}: at most {MAX_STOP_STRINGS} non-empty strings", names.of("stop"))
+    for s in stop:
+        check_text(s, names.of("stop"))
+    for name in ("json_schema", "regex", "ebnf", "grammar_after"):
+        if isinstance(getattr(sp, name), str):
+            check_text(getattr(sp, name), names.of(name))
     if not isinstance(sp.stop_token_ids, list):
         raise InvalidRequest(f"{names.of('stop_token_ids')} must be a list of token ids", names.of("stop_token_ids"))
     check_token_ids(sp.stop_token_ids, limits, names.of("stop_token_ids"))
     if sp.logit_bias is not None:
         sp.logit_bias = parse_logit_bias(sp.logit_bias, limits, names.of("logit_bias"))
+    check_min_tokens(sp.min_new_tokens, sp.max_new_tokens, names.of("min_new_tokens"), names.max_new_tokens)
     try:
         sp.validate()
     except ValueError as e:
@@ -155,15 +183,26 @@ def sampling_from_dict(d: Any, limits: ModelLimits, names: FieldNames = NATIVE) 
         raise InvalidRequest(
             f"unknown sampling parameter(s) {unknown}; valid: {sorted(known)}", names.of(str(unknown[0]))
         )
+    d = {k: v for k, v in d.items() if v is not None}  # null: the default, as on the OpenAI routes
     if isinstance(d.get("stop"), str):
-        d["stop"] = [d["stop"]]
+        d["stop"] = [d["stop"]] if d["stop"] else []  # an empty stop is no stop (as OpenAI)
     if isinstance(d.get("json_schema"), dict | bool):  # a schema given as a JSON object, not as text
         d["json_schema"] = json.dumps(d["json_schema"])
-    for name in ("stop", "stop_token_ids"):
-        if d.get(name) is None and name in d:
-            d[name] = []
     sp = SamplingParams(**d)
     check_sampling(sp, limits, names)
+    # fields SamplingParams has but this one-choice route would silently ignore
+    if sp.n != 1:
+        raise InvalidRequest(
+            f"{names.of('n')}: this route makes one completion; for n > 1 use /v1/completions or "
+            "/v1/chat/completions with `n`",
+            names.of("n"),
+        )
+    if sp.top_logprobs and not sp.logprobs:
+        raise InvalidRequest(
+            f"{names.of('top_logprobs')} requires {names.of('logprobs')}=true (or use return_logprob with "
+            "top_logprobs_num)",
+            names.of("top_logprobs"),
+        )
     return sp
 
 
@@ -173,6 +212,8 @@ def max_new_tokens_for(
     """The request's max_new_tokens: `requested`, or all the context the prompt leaves when None.
     Raises InvalidRequest when the prompt plus the budget cannot fit the context."""
     ctx = limits.context_len
+    if prompt_len == 0:  # e.g. an empty text prompt: named as the client sent it, not as input_ids
+        raise InvalidRequest("the prompt is empty", names.prompt)
     if requested is not None and (not _is_int(requested) or requested < 0):
         raise InvalidRequest(f"{names.max_new_tokens} must be an integer >= 0, got {requested!r}", names.max_new_tokens)
     if not ctx:

@@ -38,7 +38,7 @@ from radixserve.runtime.messages import (
 )
 from radixserve.serving_tokenizer import load_serving_tokenizer
 from radixserve.state import SamplingParams
-from radixserve.validation import InvalidRequest, ModelLimits, validate_request
+from radixserve.validation import NATIVE, InvalidRequest, ModelLimits, check_text, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,15 @@ class _ReqState:
     token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     finished: bool = False
+
+
+def _runtime_rejection(message: str, status: int) -> RequestError:
+    """The scheduler's refusal of a request as the caller's error. A constraint that does not compile
+    is reported as "<field>: ..." (scheduler/grammar.py): a 400 naming that sampling field."""
+    kind = message.split(":", 1)[0]
+    if status == 400 and kind in ("json_schema", "regex", "ebnf"):
+        return InvalidRequest(message, NATIVE.of(kind))
+    return RequestError(message, status)
 
 
 class TokenizerManager:
@@ -364,6 +373,9 @@ class TokenizerManager:
                 raise InvalidRequest("input_ids must be a list of token ids", "input_ids")
             ids = list(inp.input_ids)
         else:
+            if not isinstance(inp.text, str):
+                raise InvalidRequest("text must be a string", "text")
+            check_text(inp.text, "text")  # the tokenizer would raise a TypeError on a lone surrogate
             ids = list(self.tokenizer.encode(inp.text))
         if not ids:
             raise InvalidRequest("the prompt is empty", "text" if inp.text is not None else "input_ids")
@@ -397,7 +409,7 @@ class TokenizerManager:
                     raise item
                 if item.error is not None:
                     st.finished = True
-                    raise RequestError(item.error, item.error_status)
+                    raise _runtime_rejection(item.error, item.error_status)
                 self._accumulate(st, item)
                 done = item.finished_reason is not None
                 if done or st.stream:

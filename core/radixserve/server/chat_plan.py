@@ -45,16 +45,20 @@ class ChatPlan:
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
     make_output: Callable[[], ChoiceOutput] | None = None  # None: the text is the content, as is
     tool_choice: str = "none"  # none | auto | required | named
+    response_format: bool = False  # response_format constrains the output
 
     def explain_refusal(self, param: str | None, message: str) -> APIError | None:
         """A validation error caused by this plan's constraint, in terms the client sent."""
-        if "json_schema" in self.sampling_overrides and "json_schema" in f"{param} {message.split(' ', 1)[0]}":
+        about_schema = "json_schema" in f"{param} {message.split(' ', 1)[0]}"
+        if "json_schema" in self.sampling_overrides and about_schema:
             what = "tool_choice=required" if self.tool_choice == "required" else "tool_choice naming a function"
             return APIError(
                 f"{what} needs a grammar backend to constrain the output, and this server cannot: {message}",
                 400,
                 "tool_choice",
             )
+        if self.response_format and about_schema:  # the runtime names it sampling_params.json_schema
+            return APIError(message, 400, "response_format")
         return None
 
 
@@ -199,7 +203,8 @@ def plan_chat(tm: Any, req: Any, parsers: OutputParsers) -> ChatPlan:
             )
     ids = _render_checked(tm, messages, req.add_generation_prompt, kwargs)
 
-    plan = ChatPlan(ids=ids, tool_choice=choice)
+    fmt = getattr(req, "response_format", None)  # structured output constrains the same output
+    plan = ChatPlan(ids=ids, tool_choice=choice, response_format=fmt is not None and fmt.schema_text() is not None)
     names = [t["function"]["name"] for t in tools]
     tool_parser: Callable[[], Any] | None = None
     max_calls = None if req.parallel_tool_calls is not False else 1
@@ -233,7 +238,6 @@ def plan_chat(tm: Any, req: Any, parsers: OutputParsers) -> ChatPlan:
         def tool_parser() -> Any:
             return NamedCallParser([named])
 
-    fmt = getattr(req, "response_format", None)  # structured output constrains the same output
     if "json_schema" in plan.sampling_overrides and fmt is not None and getattr(fmt, "type", "text") != "text":
         raise APIError("response_format cannot be combined with tool_choice required or a named function: both "
                        "constrain the output", 400, "response_format")

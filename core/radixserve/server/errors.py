@@ -46,12 +46,18 @@ class APIError(Exception):
         return self.message
 
 
+def _encodable(text: str) -> str:
+    """Text that JSON-encodes as UTF-8: a lone surrogate a client sent (valid JSON, `"\\ud800"`)
+    quoted back in a message would make the error response itself fail."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {
         "error": {
-            "message": message,
+            "message": _encodable(message),
             "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error"),
-            "param": param,
+            "param": None if param is None else _encodable(param),
             "code": code if code is not None else str(status),
         }
     }
@@ -61,18 +67,59 @@ def error_response(message: str, status: int, param: str | None = None, code: st
     return JSONResponse(error_body(message, status, param, code), status_code=status)
 
 
+_PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def _client_loc(loc: list[Any], body: Any, missing: bool) -> list[str]:
+    """The error's location as the client spelled it. Pydantic puts the union member it tried into
+    the location (`stop.str`, `messages.0.content.list[TextPart]`): a part that is not in the body
+    is such a tag, except the last one of a missing field."""
+    if body is None:
+        return [str(x) for x in loc]
+    out: list[str] = []
+    node = body
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif not (missing and i == len(loc) - 1):
+            continue
+        out.append(str(part))
+    return out
+
+
+def _join(messages: list[str]) -> str:
+    """Messages about one field (one per union member): "Input should be a valid string or a valid list"."""
+    head, *rest = messages
+    same = "Input should be "
+    return " or ".join([head] + [m.removeprefix(same) if head.startswith(same) else m for m in rest])
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable line naming the bad fields, and the first bad field as `param`."""
-    parts: list[str] = []
-    param: str | None = None
+    body = getattr(exc, "body", None)
+    by_field: dict[str, list[str]] = {}
     for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
             return f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
-        where = ".".join(loc) or "body"
-        param = param or (where if loc else None)
-        parts.append(f"{where}: {err.get('msg')}")
-    return "invalid request: " + "; ".join(parts), param
+        loc = list(err.get("loc", ()))
+        loc = loc[1:] if loc[:1] == ["body"] else loc
+        where = ".".join(_client_loc(loc, body, err.get("type") == "missing"))
+        ctx = err.get("ctx") or {}
+        if "param" in ctx:  # protocol.refuse: a check naming its field, relative to its model
+            where = f"{where}.{ctx['param']}" if where else str(ctx["param"])
+        msg = str(err.get("msg", ""))
+        for prefix in _PYDANTIC_PREFIXES:
+            msg = msg.removeprefix(prefix)
+        if msg not in by_field.setdefault(where, []):
+            by_field[where].append(msg)
+    parts = []
+    for where, messages in by_field.items():
+        text = _join(messages)
+        parts.append(text if where and text.startswith(where) else f"{where or 'request body'}: {text}")
+    param = next((w for w in by_field if w), None)
+    return "; ".join(parts), param
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -4,7 +4,12 @@
 Requests forbid unknown fields: a parameter we would silently ignore (response_format, ...) is a
 400 naming it, never a quietly different result. Tool calling and reasoning fields are in
 protocol_tools.py. Fields OpenAI clients send that change
-nothing here (user, store, metadata) are accepted and ignored."""
+nothing here (user, store, metadata) are accepted and ignored.
+
+As OpenAI does: types are strict (`"5"` or `true` is no integer; an integer is a fine float), an
+explicit null means the parameter's default, and every string of a body must be valid Unicode (a
+lone surrogate escape such as `"\\ud800"` is valid JSON but no text: a 400 naming where it is).
+`refuse(param, message)` is how a check across fields names its field (errors.py reports it)."""
 
 from __future__ import annotations
 
@@ -12,13 +17,62 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
 
 from radixserve.server.protocol_tools import ChatToolFields, DeltaToolCall, ToolCall
+from radixserve.validation import MAX_STOP_STRINGS, InvalidRequest, check_min_tokens, is_text
+
+
+def refuse(param: str, message: str) -> PydanticCustomError:
+    """A validation error about `param` (relative to the model that raises it): errors.py reports
+    it as the error's `param`, where pydantic would name the whole model (or the body)."""
+    return PydanticCustomError("invalid_request", "{message}", {"message": message, "param": param})
+
+
+def _surrogate_at(body: dict[str, Any]) -> str | None:
+    """The dotted path of a string (or object key) of the body holding a lone surrogate, else None.
+    Iterative: a deeply nested body must not exhaust the stack."""
+    todo: list[tuple[str, Any]] = [("", body)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str) and not is_text(value):
+            return path
+        if isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and not is_text(key):
+                    return where.encode("utf-8", "backslashreplace").decode()  # the path goes back as JSON
+                todo.append((where, item))
+        elif isinstance(value, list):
+            todo.extend((f"{path}.{i}", item) for i, item in enumerate(value))
+    return None
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        # OpenAI marks its optional parameters nullable (its clients send null): null = the default
+        if isinstance(data, dict):
+            optional = {n for name, f in cls.model_fields.items() if not f.is_required() for n in (name, f.alias)}
+            data = {k: v for k, v in data.items() if v is not None or k not in optional}
+        return data
+
+
+class _Body(_Request):
+    """A route's whole request body: checked once for text that is not valid Unicode (the tokenizer,
+    the stop matcher and the grammar compiler would each fail on it with a 500)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = _surrogate_at(data) if isinstance(data, dict) else None
+        if where is not None:
+            raise refuse(where, "contains a lone UTF-16 surrogate escape (such as \\ud800), which is not valid text")
+        return data
 
 
 class _Response(BaseModel):
@@ -51,9 +105,9 @@ class ResponseFormat(_Request):
     @model_validator(mode="after")
     def _schema_matches_type(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError('response_format.json_schema is required when type is "json_schema"')
+            raise refuse("json_schema", 'required when type is "json_schema"')
         if self.type != "json_schema" and self.json_schema is not None:
-            raise ValueError(f'response_format.json_schema is only allowed with type "json_schema", not {self.type!r}')
+            raise refuse("json_schema", f'only allowed with type "json_schema", not {self.type!r}')
         return self
 
     def schema_text(self) -> str | None:
@@ -66,7 +120,7 @@ class ResponseFormat(_Request):
         return None
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(_Body):
     """OpenAI sampling fields shared by chat and text completions, plus SGLang/vLLM extensions."""
 
     model: str
@@ -95,12 +149,29 @@ class _SamplingFields(_Request):
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)  # higher first under the `priority` policy
     response_format: ResponseFormat | None = None  # structured output (docs/structured-output.md)
 
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if stop == "":  # as OpenAI: an empty stop is no stop (an empty string inside a list is an error)
+            return None
+        if isinstance(stop, list) and (len(stop) > MAX_STOP_STRINGS or "" in stop):
+            raise ValueError(f"at most {MAX_STOP_STRINGS} non-empty strings")
+        return stop
+
     @model_validator(mode="after")
-    def _check_stop(self) -> _SamplingFields:
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if len(stops) > 16 or any(s == "" for s in stops):
-            raise ValueError("stop: at most 16 non-empty strings")
+    def _check_fields(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise refuse("stream_options", "only allowed when stream is true")  # as OpenAI
+        name, max_tokens = self.max_tokens_field()
+        try:  # the same rule as /generate's min_new_tokens (validation.py)
+            check_min_tokens(self.min_tokens, max_tokens, "min_tokens", name)
+        except InvalidRequest as e:
+            raise refuse(e.param or "min_tokens", e.message) from None
         return self
+
+    def max_tokens_field(self) -> tuple[str, int | None]:
+        """The name and value of the request's max_tokens field (None: not given)."""
+        raise NotImplementedError
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -118,6 +189,12 @@ class ChatMessage(_Request):
     tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call this message answers
     reasoning_content: str | None = None  # assistant: its reasoning (templates that show it)
+    # assistant fields of OpenAI's response message, sent back by clients that replay
+    # `message.model_dump()`: accepted and not shown to the model
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None  # deprecated form of tool_calls
 
     @model_validator(mode="after")
     def _check_tool_fields(self) -> ChatMessage:
@@ -127,6 +204,16 @@ class ChatMessage(_Request):
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         if self.tool_call_id is not None and self.role != "tool":
             raise ValueError("only tool messages have a tool_call_id")
+        for name in ("refusal", "annotations", "audio", "function_call"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise refuse(name, "only assistant messages have it")
+        # as OpenAI: content is required (and a list of parts not empty), except on an assistant
+        # message that made calls (or refused)
+        if self.content == []:
+            raise refuse("content", "must not be an empty list of parts")
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.function_call
+                                                                         or self.refusal is not None)):
+            raise refuse("content", f"a {self.role} message needs content")
         return self
 
     def text(self) -> str:
@@ -148,11 +235,16 @@ class ChatCompletionRequest(_SamplingFields, ChatToolFields):
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs=true")
+            raise refuse("top_logprobs", "requires logprobs=true")
         return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def max_tokens_field(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
 
 
 class CompletionRequest(_SamplingFields):
@@ -161,16 +253,23 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None  # only null (the default): insertion is not supported
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
+        if self.suffix is not None:
+            raise refuse("suffix", "text after the completion (suffix) is not supported")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of other than n is not supported")
+            raise refuse("best_of", "best_of other than n is not supported")
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
-            raise ValueError("prompt must not be empty")
-        if isinstance(self.prompt, list) and any(isinstance(p, list) and not p for p in self.prompt):
-            raise ValueError("prompt token lists must not be empty")
+            raise refuse("prompt", "must not be empty")
+        for i, p in enumerate(self.prompt if isinstance(self.prompt, list) else []):
+            if isinstance(p, list) and not p:
+                raise refuse(f"prompt[{i}]", "a token list must not be empty")
         return self
+
+    def max_tokens_field(self) -> tuple[str, int | None]:
+        return "max_tokens", self.max_tokens
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt of the request: a string or a list of token ids."""
@@ -182,7 +281,7 @@ class CompletionRequest(_SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
-class GenerateRequest(_Request):
+class GenerateRequest(_Body):
     """Native /generate: one prompt (text or input_ids), SGLang sampling parameter names."""
 
     text: str | None = None
@@ -197,13 +296,15 @@ class GenerateRequest(_Request):
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
-            raise ValueError("give exactly one of text or input_ids")
+            raise refuse("text", "give exactly one of text or input_ids")
         if self.input_ids is not None and not self.input_ids:
-            raise ValueError("input_ids must not be empty")
+            raise refuse("input_ids", "must not be empty")
+        if self.top_logprobs_num and not self.return_logprob:  # as OpenAI's top_logprobs: never ignored
+            raise refuse("top_logprobs_num", "requires return_logprob=true")
         return self
 
 
-class AbortRequest(_Request):
+class AbortRequest(_Body):
     rid: str
 
 

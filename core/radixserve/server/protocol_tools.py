@@ -17,10 +17,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _Request(_Strict):
+    """Request-only models: strict types, as protocol.py's requests (`"true"` is no boolean)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(_Request):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of an object; None: no arguments
@@ -41,16 +47,16 @@ class FunctionDefinition(_Strict):
         return v
 
 
-class ToolDefinition(_Strict):
+class ToolDefinition(_Request):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(_Request):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(_Request):
     type: Literal["function"]
     function: FunctionName
 
@@ -71,7 +77,7 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
-class ChatToolFields(_Strict):
+class ChatToolFields(_Request):
     """The chat request's fields for tools and reasoning (mixed into ChatCompletionRequest)."""
 
     tools: list[ToolDefinition] | None = Field(default=None, max_length=128)

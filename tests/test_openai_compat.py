@@ -1,0 +1,346 @@
+"""Request validation as OpenAI's API does it, found by an outside black-box test: lone surrogates,
+assistant messages sent back from the openai client, null as the default, strict types, /generate
+fields it would ignore, and the `param` / message of every 400. Runs against the fake runtime of
+test_http_api (and a TokenizerManager with a fake scheduler for the runtime's refusals)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from radixserve.config import Config
+from radixserve.messages import ReqTextOut
+from radixserve.runtime.tokenizer_manager import GenerateInput, TokenizerManager
+from radixserve.server.app import create_app
+from radixserve.state import SamplingParams
+from radixserve.validation import InvalidRequest, ModelLimits, validate_request
+from test_http_api import CHAT, MODEL, FakeTM, FakeTokenizer, make_client
+
+
+@pytest.fixture
+def tm() -> FakeTM:
+    return FakeTM()
+
+
+@pytest.fixture
+def client(tm) -> TestClient:
+    return make_client(tm)
+
+
+def post(client: TestClient, route: str, body: dict):
+    # json.dumps writes a lone surrogate as the escape "\ud800": valid JSON, as a client sends it
+    return client.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
+def assert_400(r, param: str, words: str = "") -> dict:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error", err
+    assert err["param"] == param, err
+    assert words in err["message"], err
+    return err
+
+
+def chat(**kw) -> dict:
+    return {"model": MODEL, "messages": CHAT, "max_tokens": 2, **kw}
+
+
+def completion(**kw) -> dict:
+    return {"model": MODEL, "prompt": "hi", "max_tokens": 2, **kw}
+
+
+S = "\ud800"  # a lone surrogate: valid JSON (as an escape), not valid Unicode text
+
+
+# ---- 1. lone surrogates: a 400 naming the field, never a 500 -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "route,body,param",
+    [
+        ("/v1/completions", completion(prompt=S), "prompt"),
+        ("/v1/completions", completion(prompt=["ok", "a" + S]), "prompt.1"),
+        ("/v1/completions", completion(stop=S), "stop"),
+        ("/v1/completions", completion(stop=["x", S]), "stop.1"),
+        ("/v1/chat/completions", chat(stop=S), "stop"),
+        ("/v1/chat/completions", chat(messages=[{"role": "user", "content": S}]), "messages.0.content"),
+        ("/v1/chat/completions", chat(user=S), "user"),
+        ("/v1/chat/completions", chat(logit_bias={S: 1}), "logit_bias.\\ud800"),
+        ("/generate", {"text": S}, "text"),
+        ("/generate", {"text": "hi", "sampling_params": {"stop": [S]}}, "sampling_params.stop.0"),
+        ("/generate", {"text": "hi", "sampling_params": {"regex": "a" + S}}, "sampling_params.regex"),
+        ("/abort_request", {"rid": S}, "rid"),
+    ],
+)
+def test_lone_surrogates_are_a_400_naming_the_field(tm, client, route, body, param):
+    for stream in (False, True) if route != "/abort_request" else (False,):
+        r = post(client, route, {**body, "stream": stream} if route != "/abort_request" else body)
+        assert_400(r, param, "lone UTF-16 surrogate")
+    assert tm.inputs == [] and tm.aborted == []
+    assert client.get("/health").status_code == 200
+
+
+class RaisingTokenizer(FakeTokenizer):
+    def encode(self, text: str) -> list[int]:
+        text.encode("utf-8")  # fails on a lone surrogate, as the real (Rust) tokenizer does (TypeError)
+        return super().encode(text)
+
+
+def runtime_tm(error: str | None = None) -> TokenizerManager:
+    """A TokenizerManager without child processes: its "scheduler" answers every request with
+    `error` (a refusal, as ReqTextOut.error)."""
+    tm = object.__new__(TokenizerManager)
+    tm.tokenizer = RaisingTokenizer()
+    tm.model_name, tm.context_len = MODEL, 64
+    tm.server_info = {"vocab_size": 200, "context_len": 64}
+    tm._rid_to_state, tm.dead_reason, tm._started, tm._closing, tm._stopping = {}, None, True, False, None
+
+    class Scheduler:
+        def encode(self, _msg) -> bytes:
+            return b""
+
+        async def send(self, _data) -> None:
+            for st in tm._rid_to_state.values():
+                st.queue.put_nowait(ReqTextOut(rid=st.rid, text_delta="", new_ids=[], error=error))
+
+    tm._send = tm._enc = Scheduler()
+    return tm
+
+
+def test_the_runtime_refuses_lone_surrogates_by_name_too():
+    """The Engine's callers reach the TokenizerManager without the HTTP models."""
+    tm = runtime_tm()
+    with pytest.raises(InvalidRequest) as e:
+        tm._prepare(GenerateInput(text="a" + S))
+    assert e.value.param == "text" and e.value.status == 400
+    with pytest.raises(InvalidRequest) as e:
+        validate_request([1], SamplingParams(max_new_tokens=2, stop=[S]), ModelLimits(200, 64))
+    assert e.value.param == "sampling_params.stop"
+    with pytest.raises(InvalidRequest) as e:
+        validate_request([1], SamplingParams(max_new_tokens=2, ebnf=S), ModelLimits(200, 64))
+    assert e.value.param == "sampling_params.ebnf"
+
+
+# ---- 2. an assistant message as the openai client returns it ------------------------------------
+
+
+def test_assistant_message_from_model_dump_is_accepted(client, tm):
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client, max_retries=0)
+    answer = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices[0].message
+    sent_back = answer.model_dump()  # role, content, refusal, annotations, audio, function_call, tool_calls
+    history = [*CHAT, sent_back, {"role": "user", "content": "more"}]
+    r = oai.chat.completions.create(model=MODEL, messages=history, max_tokens=2)
+    assert r.choices[0].message.content
+    explicit = {"role": "assistant", "content": "x", "refusal": None, "annotations": [], "audio": None,
+                "function_call": None, "tool_calls": None}
+    assert post(client, "/v1/chat/completions", chat(messages=[*CHAT, explicit])).status_code == 200
+    refused = {"role": "assistant", "content": None, "refusal": "I can't help with that."}
+    assert post(client, "/v1/chat/completions", chat(messages=[*CHAT, refused, CHAT[1]])).status_code == 200
+    bad = [{"role": "user", "content": "x", "refusal": "no"}]
+    assert_400(post(client, "/v1/chat/completions", chat(messages=bad)), "messages.0.refusal")
+
+
+# ---- 3. null means the default ------------------------------------------------------------------
+
+CHAT_NULLABLE = [
+    "n", "logprobs", "stream", "presence_penalty", "frequency_penalty", "max_tokens", "max_completion_tokens",
+    "temperature", "top_p", "seed", "stop", "user", "top_logprobs", "logit_bias", "stream_options",
+    "response_format", "tools", "tool_choice", "parallel_tool_calls", "store", "metadata", "top_k", "min_p",
+    "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens", "rid",
+    "priority", "separate_reasoning", "chat_template_kwargs", "add_generation_prompt",
+]
+COMPLETION_NULLABLE = [
+    "n", "logprobs", "stream", "presence_penalty", "frequency_penalty", "max_tokens", "echo", "temperature",
+    "top_p", "seed", "stop", "user", "logit_bias", "stream_options", "suffix", "best_of", "min_tokens",
+]
+
+
+def _params(tm: FakeTM) -> SamplingParams:
+    return tm.inputs[-1].sampling_params
+
+
+@pytest.mark.parametrize("field", CHAT_NULLABLE)
+def test_null_means_the_default_on_chat(client, tm, field):
+    body = {"model": MODEL, "messages": CHAT}
+    assert post(client, "/v1/chat/completions", body).status_code == 200
+    default = _params(tm)
+    r = post(client, "/v1/chat/completions", {**body, field: None})
+    assert r.status_code == 200, r.text
+    assert _params(tm) == default
+
+
+@pytest.mark.parametrize("field", COMPLETION_NULLABLE)
+def test_null_means_the_default_on_completions(client, tm, field):
+    body = {"model": MODEL, "prompt": "hi"}
+    assert post(client, "/v1/completions", body).status_code == 200
+    default = _params(tm)
+    r = post(client, "/v1/completions", {**body, field: None})
+    assert r.status_code == 200, r.text
+    assert _params(tm) == default and default.max_new_tokens == 16
+    assert r.json()["choices"][0]["text"] == post(client, "/v1/completions", body).json()["choices"][0]["text"]
+
+
+def test_null_means_the_default_on_generate(client, tm):
+    r = post(client, "/generate", {"text": "hi", "stream": None, "rid": None, "return_logprob": None,
+                                   "sampling_params": {"max_new_tokens": 2, "stop": None, "seed": None,
+                                                       "temperature": None, "n": None}})
+    assert r.status_code == 200, r.text
+    assert _params(tm) == SamplingParams(max_new_tokens=2)
+
+
+# ---- 4. strict types, and fields that need others -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "route,body,param",
+    [
+        ("/v1/completions", completion(max_tokens="5"), "max_tokens"),
+        ("/v1/completions", completion(max_tokens=True), "max_tokens"),
+        ("/v1/chat/completions", chat(max_tokens="5"), "max_tokens"),
+        ("/v1/chat/completions", chat(n=True), "n"),
+        ("/v1/chat/completions", chat(logprobs="yes"), "logprobs"),
+        ("/v1/chat/completions", chat(temperature="1"), "temperature"),
+        ("/v1/chat/completions", chat(temperature=True), "temperature"),
+        ("/v1/chat/completions", chat(stream="true"), "stream"),
+        ("/v1/chat/completions", chat(parallel_tool_calls="no"), "parallel_tool_calls"),
+        ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f", "strict": "true"}}]),
+         "tools.0.function.strict"),
+        ("/v1/completions", completion(echo="yes"), "echo"),
+        ("/v1/completions", completion(logprobs=True), "logprobs"),
+        ("/v1/completions", completion(prompt=[True]), "prompt"),
+        ("/v1/completions", completion(prompt=[[5, True]]), "prompt"),
+        ("/v1/completions", completion(stop_token_ids=[True]), "stop_token_ids.0"),
+        ("/generate", {"input_ids": [1, True]}, "input_ids.1"),
+        ("/generate", {"text": "hi", "return_logprob": "yes"}, "return_logprob"),
+        # a message needs content (only an assistant message that made calls may leave it out)
+        ("/v1/chat/completions", chat(messages=[{"role": "user"}]), "messages.0.content"),
+        ("/v1/chat/completions", chat(messages=[{"role": "user", "content": None}]), "messages.0.content"),
+        ("/v1/chat/completions", chat(messages=[{"role": "user", "content": []}]), "messages.0.content"),
+        ("/v1/chat/completions", chat(messages=[*CHAT, {"role": "assistant"}]), "messages.2.content"),
+        ("/v1/chat/completions", chat(stream_options={"include_usage": True}), "stream_options"),
+        ("/v1/completions", completion(stream=False, stream_options={"include_usage": True}), "stream_options"),
+    ],
+)
+def test_loose_values_are_400s(client, tm, route, body, param):
+    assert_400(post(client, route, body), param)
+    assert tm.inputs == []
+
+
+def test_ints_are_fine_floats_and_calls_need_no_content(client, tm):
+    assert post(client, "/v1/chat/completions", chat(temperature=1, top_p=1, presence_penalty=0)).status_code == 200
+    assert _params(tm).temperature == 1.0
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    assert post(client, "/v1/chat/completions", chat(messages=history)).status_code == 200
+    assert post(client, "/v1/chat/completions", chat(messages=[{"role": "user", "content": ""}])).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "route,body,param,message",
+    [
+        ("/v1/chat/completions", chat(min_tokens=10, max_tokens=4), "min_tokens", "min_tokens (10) must not exceed max_tokens (4)"),
+        ("/v1/chat/completions", chat(min_tokens=3, max_tokens=None, max_completion_tokens=2), "min_tokens",
+         "min_tokens (3) must not exceed max_completion_tokens (2)"),
+        ("/v1/completions", completion(min_tokens=10, max_tokens=4), "min_tokens", "min_tokens (10) must not exceed max_tokens (4)"),
+        ("/generate", {"text": "hi", "sampling_params": {"min_new_tokens": 10, "max_new_tokens": 4}},
+         "sampling_params.min_new_tokens",
+         "sampling_params.min_new_tokens (10) must not exceed sampling_params.max_new_tokens (4)"),
+    ],
+)
+def test_min_tokens_above_max_tokens_is_one_rule_everywhere(client, tm, route, body, param, message):
+    err = assert_400(post(client, route, body), param)
+    assert err["message"] == message
+    assert tm.inputs == []
+
+
+# ---- 5. /generate fields it would ignore ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body,param,words",
+    [
+        ({"sampling_params": {"n": 2}}, "sampling_params.n", "/v1/completions or /v1/chat/completions"),
+        ({"sampling_params": {"top_logprobs": 3}}, "sampling_params.top_logprobs", "requires sampling_params.logprobs"),
+        ({"top_logprobs_num": 3}, "top_logprobs_num", "requires return_logprob=true"),
+    ],
+)
+def test_generate_refuses_what_it_would_ignore(client, tm, body, param, words):
+    assert_400(post(client, "/generate", {"text": "hi", **body}), param, words)
+    ok = {"text": "hi", "return_logprob": True, "top_logprobs_num": 2, "sampling_params": {"n": 1, "max_new_tokens": 2}}
+    assert post(client, "/generate", ok).status_code == 200
+
+
+# ---- 6. `param` and message of request-level checks ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "route,body,param,message",
+    [
+        ("/v1/chat/completions", chat(stop=[""]), "stop", "stop: at most 16 non-empty strings"),
+        ("/v1/chat/completions", chat(stop=["x"] * 17), "stop", "stop: at most 16 non-empty strings"),
+        ("/v1/chat/completions", chat(stop=5), "stop", "stop: Input should be a valid string or a valid list"),
+        ("/v1/chat/completions", chat(messages=[{"role": "user", "content": 5}]), "messages.0.content",
+         "messages.0.content: Input should be a valid string or a valid list"),
+        ("/v1/chat/completions", chat(top_logprobs=2), "top_logprobs", "top_logprobs: requires logprobs=true"),
+        ("/v1/chat/completions", chat(response_format={"type": "json_schema"}), "response_format.json_schema",
+         'response_format.json_schema: required when type is "json_schema"'),
+        ("/v1/completions", completion(prompt=[]), "prompt", "prompt: must not be empty"),
+        ("/v1/completions", completion(prompt=[[1], []]), "prompt[1]", "prompt[1]: a token list must not be empty"),
+        ("/v1/completions", completion(prompt=""), "prompt", "the prompt is empty"),
+        ("/v1/completions", completion(best_of=3), "best_of", "best_of other than n is not supported"),
+        ("/generate", {"text": "hi", "input_ids": [1]}, "text", "text: give exactly one of text or input_ids"),
+        ("/generate", {}, "text", "text: give exactly one of text or input_ids"),
+        ("/generate", {"input_ids": []}, "input_ids", "input_ids: must not be empty"),
+    ],
+)
+def test_request_level_checks_name_their_field(client, route, body, param, message):
+    err = assert_400(post(client, route, body), param)
+    assert err["message"] == message
+
+
+def test_a_constraint_that_does_not_compile_names_its_field():
+    """The runtime's grammar compiler refuses it (scheduler/grammar.py: "<kind>: invalid ...")."""
+    tm = runtime_tm("regex: invalid regex: unbalanced parenthesis")
+    client = TestClient(create_app(tm, Config()))
+    for stream in (False, True):
+        body = {"text": "hi", "stream": stream, "sampling_params": {"regex": "a(", "max_new_tokens": 2}}
+        assert_400(post(client, "/generate", body), "sampling_params.regex", "invalid regex")
+    tm = runtime_tm("the prompt cannot run")  # other refusals keep no param
+    with pytest.raises(Exception) as e:
+        asyncio.run(_drain(tm, GenerateInput(text="hi", sampling_params=SamplingParams(max_new_tokens=2))))
+    assert not isinstance(e.value, InvalidRequest) and e.value.message == "the prompt cannot run"
+
+
+async def _drain(tm: TokenizerManager, inp: GenerateInput) -> None:
+    async for _ in tm.generate(inp):
+        pass
+
+
+def test_chat_response_format_refused_by_the_runtime_names_response_format(client, tm):
+    tm.reject = InvalidRequest("json_schema: invalid JSON schema: unsupported keyword", "sampling_params.json_schema")
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    for stream in (False, True):
+        assert_400(post(client, "/v1/chat/completions", chat(response_format=fmt, stream=stream)),
+                   "response_format", "invalid JSON schema")
+
+
+# ---- 7. an empty stop is no stop -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "route,body",
+    [
+        ("/v1/chat/completions", chat(stop="")),
+        ("/v1/chat/completions", chat(stop=[])),
+        ("/v1/completions", completion(stop="")),
+        ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2, "stop": ""}}),
+    ],
+)
+def test_an_empty_stop_is_no_stop(client, tm, route, body):
+    r = post(client, route, body)
+    assert r.status_code == 200, r.text
+    assert _params(tm).stop == []
