@@ -51,10 +51,11 @@ def oai(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=T)
 
 
-def _check_calls(message) -> None:
+def _check_calls(message, finish_reason: str | None = None) -> None:
     for call in message.tool_calls or []:
         assert call.id.startswith("call_") and call.function.name == "get_weather"
-        assert isinstance(json.loads(call.function.arguments), dict)
+        if finish_reason != "length":  # a call cut off by max_tokens has its arguments so far
+            assert isinstance(json.loads(call.function.arguments), dict)
 
 
 def _assembled(oai, **kw) -> tuple[str, list[tuple[str, str]], str | None]:
@@ -76,7 +77,7 @@ def test_auto_gives_a_valid_response_streamed_and_not(oai, server):
     choice = r.choices[0]
     msg = choice.message
     assert msg.content or msg.tool_calls, r
-    _check_calls(msg)
+    _check_calls(msg, choice.finish_reason)
     assert choice.finish_reason in (("tool_calls", "length") if msg.tool_calls else ("stop", "length"))
     assert "<tool_call>" not in (msg.content or "") or not msg.tool_calls
     # greedy: the stream assembles to the same message

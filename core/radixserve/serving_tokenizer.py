@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 from datetime import datetime
@@ -60,6 +61,7 @@ class ServingTokenizer:
         self.bos_token_id: int | None = meta["bos_token_id"]
         self.tokenizer_class: str = meta["tokenizer_class"]
         self._len = int(meta["vocab_size"])
+        self._token_bytes: TokenBytes | None = None
         for name, token in self.special_tokens_map.items():  # eos_token, bos_token, ...
             setattr(self, name, token)
         release_free_heap()  # the parse of tokenizer.json leaves ~14 MB free in the heap
@@ -81,6 +83,16 @@ class ServingTokenizer:
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
         return [self._tokenizer.id_to_token(i) for i in ids]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token adds to decoded text, read from the vocabulary through the decoder
+        pipeline: a byte-level BPE piece (`ðŁ`) or a byte-fallback token (`<0xF0>`) may be part of a
+        UTF-8 character, which `decode([token_id])` can only show as U+FFFD. Joined in order, the
+        bytes of the tokens of an output are the UTF-8 of its text (a leading space that the
+        decoder strips from the start of a whole text is kept: the token adds it after context)."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self._tokenizer)
+        return self._token_bytes(token_id)
 
     def get_vocab(self) -> dict[str, int]:
         return self._tokenizer.get_vocab(with_added_tokens=True)
@@ -143,6 +155,75 @@ class ServingTokenizer:
         if templates is None:
             raise ValueError("Cannot use chat template functions because tokenizer.chat_template is not set")
         return templates
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-to-character table of byte-level BPE, inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+class TokenBytes:
+    """`token_bytes` of a `tokenizers.Tokenizer`: the decoder pipeline (its JSON) applied to one
+    token without the steps that only concern a whole text (`Strip`, Metaspace's first space).
+    Pipelines of other kinds (WordPiece, CTC, ...) fall back to `decode([id])` as UTF-8."""
+
+    _BYTE_LEVEL = _byte_level_chars()
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        decoder = tokenizer.decoder
+        spec = json.loads(decoder.__getstate__()) if decoder is not None else None
+        steps = (spec.get("decoders") or []) if spec and spec.get("type") == "Sequence" else [spec] if spec else []
+        self._steps: list[dict] | None = []
+        for step in steps:
+            kind = step.get("type")
+            if kind in ("ByteLevel", "ByteFallback", "Fuse", "Strip", "Metaspace"):
+                self._steps.append(step)
+            elif kind == "Replace" and "String" in (step.get("pattern") or {}):
+                self._steps.append(step)
+            else:
+                self._steps = None  # a step this reader does not know: decode() decides
+                break
+        if not steps:
+            self._steps = None
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        raw = self._cache.get(token_id)
+        if raw is None:
+            raw = self._cache[token_id] = self._read(token_id)
+        return raw
+
+    def _read(self, token_id: int) -> bytes:
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None or self._steps is None:
+            return self._tokenizer.decode([token_id], skip_special_tokens=False).encode()
+        text: str = piece
+        for step in self._steps:
+            kind = step["type"]
+            if kind == "ByteLevel":
+                table = self._BYTE_LEVEL
+                return b"".join(bytes([table[c]]) if c in table else c.encode() for c in text)
+            if kind == "ByteFallback":
+                m = _BYTE_TOKEN.fullmatch(text)
+                if m:
+                    return bytes([int(m.group(1), 16)])
+            elif kind == "Replace":
+                text = text.replace(step["pattern"]["String"], step["content"])
+            elif kind == "Metaspace":
+                text = text.replace(step.get("replacement", "\u2581"), " ")
+            # Fuse joins tokens, Strip trims a whole text's ends: nothing to do for one token
+        return text.encode()
 
 
 def load_serving_tokenizer(model_path: str, tokenizer_path: str | None = None) -> ServingTokenizer:

@@ -4,7 +4,13 @@
 the whole text so far (both parsers are prefix-stable, see their contracts). Non-streaming it
 returns the parts; streaming it returns only what is new since the last call, shaped the way
 OpenAI's client joins deltas: a call's first delta has its id, type and name (arguments ""), the
-next ones argument fragments, all with the call's index."""
+next ones argument fragments, all with the call's index.
+
+An output cut off by max_tokens (finish_reason "length") inside a tool call ends with that call,
+its arguments as far as they were written (not valid JSON then, as with OpenAI), rather than with
+its text as content: what streaming already sent of the call stands, and the non-streamed message
+is the same. A call cut off before its name is complete is content (under `auto`) or nothing
+(under `required`, whose output is never content)."""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from radixserve.interfaces.reasoning_parser import ReasoningParser
-from radixserve.interfaces.tool_parser import ParsedToolCall, ToolParser
+from radixserve.interfaces.tool_parser import ParsedToolCall, ToolParse, ToolParser
 
 logger = logging.getLogger("radixserve.server")
 
@@ -71,28 +77,48 @@ class ChoiceOutput:
     def has_calls(self) -> bool:
         return bool(self._sent_calls)
 
-    def _parts(self, text: str, final: bool) -> tuple[str, str, tuple[ParsedToolCall, ...]]:
+    @property
+    def _constrained(self) -> bool:
+        """The grammar shapes the whole output as calls (tool_choice required or named)."""
+        return bool(getattr(self.tools, "constrained", False))
+
+    def _parts(self, text: str, final: bool, truncated: bool = False) -> tuple[str, str, tuple[ParsedToolCall, ...]]:
         reasoning, rest = self.reasoning.split(text, final) if self.reasoning else ("", text)
         if self.tools is None:
             return reasoning.strip(), rest.strip(), ()
         parsed = self.tools.parse(rest, final)
+        if final and truncated:
+            parsed = self._cut_off(rest, parsed)
         calls = parsed.calls if self.max_calls is None else parsed.calls[: self.max_calls]
         # whitespace around the parts is held back while streaming: a prefix-stable trim
         return reasoning.strip(), parsed.content.strip(), calls
 
-    def finish(self, text: str) -> ChoiceParts:
-        """The parts of a complete (non-streamed) output."""
-        reasoning, content, calls = self._parts(text, True)
+    def _cut_off(self, rest: str, whole: ToolParse) -> ToolParse:
+        """The parse of an output cut off by max_tokens: the last snapshot of a stream (the call
+        being written, with its arguments so far) when the output ends inside a call, else the
+        complete output's parse."""
+        growing = self.tools.parse(rest, False)
+        if self._constrained:
+            return growing
+        done = len(whole.calls)
+        if len(growing.calls) > done and growing.calls[:done] == whole.calls:
+            return growing
+        return whole
+
+    def finish(self, text: str, truncated: bool = False) -> ChoiceParts:
+        """The parts of a complete (non-streamed) output; `truncated`: it ended by max_tokens."""
+        reasoning, content, calls = self._parts(text, True, truncated)
         self._sent_calls = [CallOut(new_call_id(), c.name, c.arguments) for c in calls]
         return ChoiceParts(
-            content=content if content or not calls else None,
+            content=content if content or not (calls or self._constrained) else None,
             reasoning=reasoning or None,
             calls=list(self._sent_calls),
         )
 
-    def delta(self, text: str, final: bool) -> ChoiceDelta:
-        """What is new in `text` (the whole output so far) since the previous call."""
-        reasoning, content, calls = self._parts(text, final)
+    def delta(self, text: str, final: bool, truncated: bool = False) -> ChoiceDelta:
+        """What is new in `text` (the whole output so far) since the previous call; `truncated`
+        (with `final`): the output ended by max_tokens."""
+        reasoning, content, calls = self._parts(text, final, truncated)
         out = ChoiceDelta(
             reasoning=_grown(self._sent_reasoning, reasoning, "reasoning"),
             content=_grown(self._sent_content, content, "content"),

@@ -8,6 +8,7 @@ Every finished request logs one INFO line (id, tokens, latency) and updates the 
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import logging
@@ -113,7 +114,8 @@ class Serving:
         self.metrics = metrics
         self.log_requests = log_requests
         self.parsers = parsers if parsers is not None else OutputParsers()  # tool-call / reasoning parsers
-        self._token_text: dict[int, str] = {}
+        self._token_info: dict[int, tuple[str, list[int]]] = {}
+        self._special: frozenset[int] | None = None
 
     # ---- shared checks ----------------------------------------------------------------------
 
@@ -138,12 +140,24 @@ class Serving:
         except InvalidRequest as e:
             raise APIError(e.message, 400, e.param) from None
 
-    def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tm.tokenizer.decode([token_id])
-            self._token_text[token_id] = text
-        return text
+    def token_info(self, token_id: int) -> tuple[str, list[int]]:
+        """The `token` string and `bytes` of one token in logprobs. The bytes are the token's own
+        (from the vocabulary: a byte-level piece or a `<0xNN>` byte-fallback token may hold part
+        of a UTF-8 character), so the bytes of an output's tokens, joined, are its text's UTF-8.
+        The string is their text, or, when they are not valid UTF-8 on their own, `bytes:` and
+        their `\\xNN` escapes (vLLM's convention): distinct tokens never share a string."""
+        info = self._token_info.get(token_id)
+        if info is None:
+            tok = self.tm.tokenizer
+            read = getattr(tok, "token_bytes", None)
+            raw = read(token_id) if read is not None else tok.decode([token_id]).encode()
+            info = self._token_info[token_id] = (token_label(raw), list(raw))
+        return info
+
+    def is_special(self, token_id: int) -> bool:
+        if self._special is None:
+            self._special = frozenset(getattr(self.tm.tokenizer, "all_special_ids", None) or ())
+        return token_id in self._special
 
     def sampling(
         self,
@@ -214,7 +228,7 @@ class Serving:
             reason, matched = _finish(meta)
             message = p.ChatResponseMessage(content=out["text"])
             if plan.make_output is not None:
-                parts = plan.make_output().finish(out["text"])
+                parts = plan.make_output().finish(out["text"], truncated=reason == "length")
                 message = _message(parts)
                 reason = _tool_finish(reason, bool(parts.calls))
             choices.append(
@@ -282,7 +296,7 @@ class Serving:
                 p.CompletionChoice(
                     index=job.index,
                     text=echoes[k] + out["text"],
-                    logprobs=formatter.logprobs(meta, 0, len(echoes[k])) if want_lp else None,
+                    logprobs=formatter.logprobs(meta, 0, _TextOffsets(len(echoes[k]))) if want_lp else None,
                     finish_reason=reason,
                     matched_stop=matched,
                 )
@@ -512,8 +526,31 @@ class _Format:
         return tally.usage()
 
 
-def _pairs(meta: dict, key: str, start: int) -> list:
-    return list(meta.get(key) or [])[start:]
+def token_label(raw: bytes) -> str:
+    """A token's string in logprobs: its text, or `bytes:\\xf0\\x9f` when its bytes are not
+    valid UTF-8 on their own (part of a character)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _reported(meta: dict) -> int:
+    """How many of the output's tokens logprobs report: all but the token that ended the
+    generation when its text is not part of the output (EOS or a stop token id; the detokenizer
+    leaves it out of the text), as OpenAI does. A stop string's tokens are already left out."""
+    pairs = meta.get("output_token_logprobs") or []
+    n = len(pairs)
+    fr = meta.get("finish_reason") or {}
+    matched = fr.get("matched")
+    if n and fr.get("type") == "stop" and isinstance(matched, int) and not isinstance(matched, bool):
+        if pairs[-1][1] == matched:
+            n -= 1
+    return n
+
+
+def _pairs(meta: dict, key: str, start: int, end: int) -> list:
+    return list(meta.get(key) or [])[start:end]
 
 
 def _message(parts) -> p.ChatResponseMessage:
@@ -537,25 +574,18 @@ class _ChatFormat(_Format):
         self.outputs: dict[int, ChoiceOutput] = {}  # per choice, when tools or reasoning are parsed
 
     def logprobs(self, meta: dict, start: int) -> p.ChatLogprobs:
-        tokens = _pairs(meta, "output_token_logprobs", start)
-        tops = _pairs(meta, "output_top_logprobs", start)
+        end = _reported(meta)
+        tokens = _pairs(meta, "output_token_logprobs", start, end)
+        tops = _pairs(meta, "output_top_logprobs", start, end)
         content = []
         for j, (lp, tid) in enumerate(tokens):
-            text = self.s.token_text(tid)
+            text, raw = self.s.token_info(tid)
             alts = tops[j] if j < len(tops) and tops[j] else []
-            content.append(
-                p.ChatTokenLogprob(
-                    token=text,
-                    logprob=_finite(lp),
-                    bytes=list(text.encode()),
-                    top_logprobs=[
-                        p.TopLogprob(
-                            token=self.s.token_text(t), logprob=_finite(a), bytes=list(self.s.token_text(t).encode())
-                        )
-                        for a, t in alts[: self.top]
-                    ],
-                )
-            )
+            top = []
+            for a, t in alts[: self.top]:
+                alt_text, alt_raw = self.s.token_info(t)
+                top.append(p.TopLogprob(token=alt_text, logprob=_finite(a), bytes=list(alt_raw)))
+            content.append(p.ChatTokenLogprob(token=text, logprob=_finite(lp), bytes=list(raw), top_logprobs=top))
         return p.ChatLogprobs(content=content)
 
     def _event(self, choice: p.ChatChunkChoice, usage: p.UsageInfo | None = None) -> str:
@@ -601,7 +631,7 @@ class _ChatFormat(_Format):
         output = self.outputs.get(index)
         if output is None:
             output = self.outputs[index] = self.plan.make_output()
-        d = output.delta(text, final=reason is not None)
+        d = output.delta(text, final=reason is not None, truncated=reason == "length")
         deltas = []
         if role or d.reasoning or d.content or not d.calls:
             deltas.append(p.DeltaMessage(role=role, content=d.content or None, reasoning_content=d.reasoning or None))
@@ -637,6 +667,21 @@ class _ChatFormat(_Format):
         return []
 
 
+class _TextOffsets:
+    """`text_offset` of a completion's tokens: where in the text each token's text starts. Counted
+    in characters of the decoded text, so a token that holds part of a character (its first
+    bytes or the rest) is at that character."""
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, raw: bytes) -> int:
+        at = self.offset
+        self.offset += len(self._utf8.decode(raw))  # the characters these bytes complete
+        return at
+
+
 class _CompletionFormat(_Format):
     def __init__(
         self,
@@ -651,22 +696,25 @@ class _CompletionFormat(_Format):
         self.echoes, self.prompt_of = echoes, prompt_of
         self.created = int(time.time())
         self.top = req.logprobs or 0
-        self._offsets: dict[int, int] = {}
+        self.skip_special = req.skip_special_tokens
+        self._offsets: dict[int, _TextOffsets] = {}
 
-    def logprobs(self, meta: dict, start: int, offset: int) -> p.CompletionLogprobs:
-        tokens = _pairs(meta, "output_token_logprobs", start)
-        tops = _pairs(meta, "output_top_logprobs", start)
+    def logprobs(self, meta: dict, start: int, offsets: _TextOffsets) -> p.CompletionLogprobs:
+        end = _reported(meta)
+        tokens = _pairs(meta, "output_token_logprobs", start, end)
+        tops = _pairs(meta, "output_top_logprobs", start, end)
         out = p.CompletionLogprobs()
         for j, (lp, tid) in enumerate(tokens):
-            text = self.s.token_text(tid)
+            text, raw = self.s.token_info(tid)
             out.tokens.append(text)
             out.token_logprobs.append(_finite(lp))
             alts = tops[j] if j < len(tops) and tops[j] else []
-            out.top_logprobs.append(
-                {self.s.token_text(t): _finite(a) for a, t in alts[: self.top]} if self.top else None
-            )
-            out.text_offset.append(offset)
-            offset += len(text)
+            top: dict[str, float] = {}
+            for a, t in alts[: self.top]:
+                top.setdefault(self.s.token_info(t)[0], _finite(a))  # the likelier one, should two share a string
+            out.top_logprobs.append(top if self.top else None)
+            skipped = self.skip_special and self.s.is_special(tid)  # not in the text
+            out.text_offset.append(offsets.advance(b"" if skipped else bytes(raw)))
         return out
 
     def chunk(self, index: int, out: dict, st: ChoiceState) -> list[str]:
@@ -675,14 +723,13 @@ class _CompletionFormat(_Format):
         if not st.started:
             st.started = True
             prefix = self.echoes[self.prompt_of[index]]
-            self._offsets[index] = len(prefix)
+            self._offsets[index] = _TextOffsets(len(prefix))
         text = out["text"]
         delta, st.text_len = prefix + text[st.text_len :], len(text)
         logprobs = None
         if self.req.logprobs is not None:
             logprobs = self.logprobs(meta, st.logprobs_sent, self._offsets[index])
             st.logprobs_sent += len(logprobs.tokens)
-            self._offsets[index] += sum(len(t) for t in logprobs.tokens)
         reason, matched = _finish(meta)
         if not (delta or reason or (logprobs and logprobs.tokens)):
             return []

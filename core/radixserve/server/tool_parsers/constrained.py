@@ -1,6 +1,7 @@
 """Parsers of the output that the grammar constrains under `tool_choice="required"` (a JSON array
 of `{"name", "arguments"}`) or a named function (the arguments object alone). The grammar
-guarantees the shape; an output cut short (max_tokens) is content."""
+guarantees the shape, so the output is never content: one cut short by max_tokens is the calls
+written so far, the last with its arguments as far as they go (see `radixserve.server.chat_output`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from radixserve.server.tool_parsers.json_scan import Malformed, skip_ws, value_e
 
 class RequiredCallsParser(ToolParser):
     """`[{"name": "f", "arguments": {...}}, ...]`."""
+
+    constrained = True  # the grammar shapes the whole output as calls
 
     def parse(self, text: str, final: bool) -> ToolParse:
         calls: list[ParsedToolCall] = []
@@ -40,6 +43,8 @@ class RequiredCallsParser(ToolParser):
 
 class NamedCallParser(ToolParser):
     """The arguments object of the one function the request named."""
+
+    constrained = True
 
     def __init__(self, tool_names) -> None:
         super().__init__(tool_names)
