@@ -256,6 +256,19 @@ def test_abort_frees_everything(make_scheduler, where):
     assert results["other"]["ids"] == reference(list(range(300, 330)), 10)
 
 
+def test_abort_right_after_admission_is_not_lost(make_scheduler):
+    # with overlap the first step leaves the prompt's prefill in flight: the request is then in
+    # neither waiting nor running, and its abort (a client disconnect) used to be dropped
+    sched = make_scheduler()
+    sched.add_request(request("victim", list(range(100, 110)), 30))
+    sched.add_request(request("other", list(range(300, 330)), 10))
+    sched.step()
+    assert sched.abort("victim")
+    results = run_to_completion(sched)
+    assert results["victim"]["finish"] == {"type": "abort"} and len(results["victim"]["ids"]) <= 1
+    assert results["other"]["ids"] == reference(list(range(300, 330)), 10)
+
+
 def test_requests_that_cannot_fit_are_rejected_with_a_reason(make_scheduler):
     sched = make_scheduler(runner_kwargs={"max_total_tokens": 100, "context_len": 80})
     sched.add_request(request("ctx", list(range(70)), 20))

@@ -438,6 +438,11 @@ class Scheduler:
         else:
             req = next((r for r in self.running if r.rid == rid), None)
             if req is None:
+                if self._in_flight is not None and any(it.req.rid == rid for it in self._in_flight[0]):
+                    # its prefill is in flight (overlap): the request joins `running` (or ends)
+                    # when that step is processed; do it now, then end it where it landed
+                    self._finish_in_flight()
+                    return self.abort(rid)
                 return False
             self.running.remove(req)
             self._release(req)
