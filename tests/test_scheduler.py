@@ -310,6 +310,13 @@ def test_stats_report_usage_and_hits(make_scheduler):
     assert stats["cuda_alloc_retries"] == 0  # a runner without a CUDA allocator reports none
     sched.runner.allocator_retries = lambda: 3  # ModelRunner's count on CUDA (torch's num_alloc_retries)
     assert sched.stats()["cuda_alloc_retries"] == 3
+    # the prefix cache's own counters (PrefixCache.stats) ride along, numbers only
+    assert stats["prefix_cache_hit_tokens"] >= 59 and stats["prefix_cache_queried_tokens"] >= 118
+    sched.cache.stats = lambda: {"mine": 7, "note": "text", "flag": True}
+    extra = {k: v for k, v in sched.stats().items() if k.startswith("prefix_cache_")}
+    assert extra == {"prefix_cache_mine": 7}
+    sched.cache.stats = lambda: 1 / 0  # a failing stats() costs only its own counters
+    assert "running" in sched.stats() and not any(k.startswith("prefix_cache_") for k in sched.stats())
     run_to_completion(sched)
 
 

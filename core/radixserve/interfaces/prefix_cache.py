@@ -169,7 +169,10 @@ class PrefixCache(abc.ABC):
         """
 
     def stats(self) -> dict[str, int]:
-        """Counters for metrics (e.g. hit_tokens, evicted_tokens); optional.
+        """Counters for metrics (e.g. hit_tokens, evicted_tokens); optional. Each numeric entry
+        appears in the scheduler's stats as `prefix_cache_<name>` (so in /server_info, the
+        `radixserve_stats` hook and /metrics as `radixserve_scheduler_prefix_cache_<name>`);
+        other values are left out. Called once per stats request: keep it cheap.
 
         Added in plugin API 1.0.
         """

@@ -1395,8 +1395,20 @@ class Scheduler:
             "spec_accepted_tokens": m.spec_accepted_tokens,
             "spec_accept_length": m.spec_accept_length(),
             "spec_mean_accepted_drafts": self.draft_control.mean_accepted if self.drafter is not None else 0.0,
+            **self._cache_stats(),
             "time": time.time(),
         }
+
+    def _cache_stats(self) -> dict[str, int | float]:
+        """The prefix cache's own counters (PrefixCache.stats) as prefix_cache_<name>: numbers only,
+        and a cache whose stats() fails costs only its counters."""
+        try:
+            own = self.cache.stats()
+        except Exception:
+            self._failures.exception("the prefix cache's stats() failed (its counters are left out)")
+            return {}
+        return {f"prefix_cache_{k}": v for k, v in (own or {}).items()
+                if isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)}
 
 
 def grammar_service(config: Config, runner: Any, registry: Any, tokenizer: Any = None) -> GrammarService | None:
