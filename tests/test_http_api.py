@@ -293,6 +293,27 @@ def test_native_generate(client, tm):
     assert r.status_code == 400
 
 
+def test_refused_requests_are_counted_and_logged(tm, caplog):
+    # requests refused before generating used to be in neither /metrics nor the request log
+    client = make_client(tm, api_key="sekret", max_request_bytes=4096)
+    auth = {"Authorization": "Bearer sekret"}
+    with caplog.at_level("INFO", logger="radixserve.server.openai_serving"):
+        assert client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": "5"},
+                           headers=auth).status_code == 400  # a schema refusal
+        assert client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "logit_bias": {"-1": 1}},
+                           headers=auth).status_code == 400  # a refusal of the runtime's checks
+        assert client.post("/v1/completions", json={"model": "other", "prompt": "a"}, headers=auth).status_code == 404
+        assert client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT}).status_code == 401
+        assert client.post("/generate", content=b"x" * 5000, headers=auth).status_code == 413
+        assert client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2},
+                           headers=auth).status_code == 200
+    m = client.get("/metrics", headers=auth).text
+    for route, status, n in (("completions", 400, 2), ("completions", 404, 1), ("chat", 401, 1),
+                             ("generate", 413, 1), ("completions", 200, 1)):
+        assert f'radixserve_requests_total{{model="fake-model",route="{route}",status="{status}"}} {n}.0' in m, m
+    assert caplog.text.count("status=400") == 2 and "chat status=401" in caplog.text, caplog.text
+
+
 def test_health_metrics_flush_abort_info(tm):
     client = make_client(tm, api_key="sekret")
     assert client.get("/health").status_code == 200  # open without the key

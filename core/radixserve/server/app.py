@@ -17,7 +17,7 @@ from radixserve.server import protocol as p
 from radixserve.server.auth import GuardMiddleware
 from radixserve.server.errors import APIError, error_response, install_error_handlers
 from radixserve.server.generation import ClientGone
-from radixserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from radixserve.server.metrics import CONTENT_TYPE, FailedRequestMiddleware, ServerMetrics
 from radixserve.server.openai_serving import Serving
 from radixserve.server.parser_selection import select_output_parsers
 from radixserve.server.runtime_api import GenerateInput, RequestError
@@ -155,8 +155,10 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
         )
 
     _add_plugin_routes(app, tm, registry)
-    # outermost: guards run before routing, so a bad key never reaches a handler
+    # guards run before routing, so a bad key never reaches a handler
     app.add_middleware(GuardMiddleware, api_key=config.server.api_key, max_bytes=config.server.max_request_bytes)
+    # outermost: sees every refusal, the guards' included
+    app.add_middleware(FailedRequestMiddleware, metrics=metrics, log_requests=config.server.log_requests)
     return app
 
 

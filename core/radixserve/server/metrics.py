@@ -6,7 +6,9 @@ Request-level series are updated by the handlers; scheduler series are refreshed
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -17,6 +19,10 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# route label of each generation path (the label the handlers use)
+GENERATION_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/generate": "generate"}
+
+logger = logging.getLogger("radixserve.server.openai_serving")  # beside the handlers' request lines
 
 
 class ServerMetrics:
@@ -94,3 +100,38 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class FailedRequestMiddleware:
+    """Counts (requests_total{status}) and logs every generation request answered with an HTTP
+    error status: refused before generating (validation, API key, body size, budget) or failed
+    while collecting a non-streamed result, or the client gone (499). Why here: those never reach
+    the handlers' own accounting, which counts successes and streams (HTTP 200, an error event
+    inside) where they end. Outermost, so the API-key and size guards' answers are seen too."""
+
+    def __init__(self, app, metrics: ServerMetrics, log_requests: bool) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.log_requests = log_requests
+
+    async def __call__(self, scope, receive, send) -> None:
+        route = GENERATION_ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status: int | None = None
+
+        async def observe(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observe)
+        finally:
+            if status is not None and status >= 400:
+                self.metrics.observe_failure(route, status)
+                if self.log_requests:
+                    logger.info("request - %s status=%d latency=%.3fs", route, status, time.perf_counter() - started)

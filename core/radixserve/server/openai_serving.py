@@ -371,14 +371,10 @@ class Serving:
     async def _collect(self, jobs: list[Job], raw: Request, route: str) -> dict[int, dict]:
         fan = Fanout(self.tm, jobs)
         self.metrics.in_flight.labels(self.metrics.model_name).inc()
-        try:
+        try:  # a failure's HTTP status is counted and logged by FailedRequestMiddleware
             return await until_disconnect(raw, fan.collect())
         except ClientGone:
             logger.info("request %s: client disconnected; aborted", jobs[0].rid)
-            self.metrics.observe_failure(route, 499)
-            raise
-        except RequestError as e:
-            self.metrics.observe_failure(route, e.status)
             raise
         finally:
             await fan.aclose()
@@ -405,9 +401,7 @@ class Serving:
             self.metrics.in_flight.labels(self.metrics.model_name).dec()
             if isinstance(e, StopAsyncIteration):
                 raise APIError("the runtime returned no output", 500) from None
-            if isinstance(e, RequestError):
-                self.metrics.observe_failure(route, e.status)
-            raise
+            raise  # an HTTP error: counted and logged by FailedRequestMiddleware
         ttft = time.perf_counter() - started
 
         async def events() -> AsyncIterator[str]:
