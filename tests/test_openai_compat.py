@@ -257,6 +257,13 @@ def test_min_tokens_above_max_tokens_is_one_rule_everywhere(client, tm, route, b
     assert tm.inputs == []
 
 
+def test_min_tokens_beyond_the_context_is_refused_not_cut(client, tm):
+    # no max_tokens: the budget is what the context leaves (64 here); min_tokens used to be cut to it
+    body = {k: v for k, v in chat(min_tokens=1000).items() if k not in ("max_tokens", "max_completion_tokens")}
+    err = assert_400(post(client, "/v1/chat/completions", body), "min_tokens")
+    assert "min_tokens (1000) must not exceed" in err["message"]
+
+
 # ---- 5. /generate fields it would ignore ---------------------------------------------------------
 
 

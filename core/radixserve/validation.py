@@ -51,9 +51,10 @@ class FieldNames:
     prompt: str = "input_ids"
     max_new_tokens: str = "max_new_tokens"
     sampling: str = ""  # prefix of the sampling fields, e.g. "sampling_params."
+    renamed: tuple[tuple[str, str], ...] = ()  # (SamplingParams field, the API's name) where they differ
 
     def of(self, name: str) -> str:
-        return f"{self.sampling}{name}"
+        return f"{self.sampling}{dict(self.renamed).get(name, name)}"
 
 
 NATIVE = FieldNames(prompt="input_ids", max_new_tokens="sampling_params.max_new_tokens", sampling="sampling_params.")

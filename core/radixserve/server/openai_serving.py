@@ -45,8 +45,9 @@ from radixserve.validation import (
 logger = logging.getLogger("radixserve.server")
 
 # the OpenAI routes' names of the checked fields (errors name what the client sent)
-OPENAI_FIELDS = FieldNames(prompt="prompt", max_new_tokens="max_tokens")
-CHAT_FIELDS = FieldNames(prompt="messages", max_new_tokens="max_tokens")
+_OPENAI_NAMES = (("min_new_tokens", "min_tokens"),)
+OPENAI_FIELDS = FieldNames(prompt="prompt", max_new_tokens="max_tokens", renamed=_OPENAI_NAMES)
+CHAT_FIELDS = FieldNames(prompt="messages", max_new_tokens="max_tokens", renamed=_OPENAI_NAMES)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _LOGPROB_FLOOR = -9999.0  # JSON has no -inf; impossible tokens are reported at this floor
 
@@ -170,7 +171,7 @@ class Serving:
     ) -> SamplingParams:
         params = SamplingParams(
             max_new_tokens=max_new_tokens,
-            min_new_tokens=min(req.min_tokens, max_new_tokens),
+            min_new_tokens=req.min_tokens,  # more than the budget (or the context) allows: a 400 below
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=req.top_k,
