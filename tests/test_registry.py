@@ -251,3 +251,18 @@ def test_gguf_without_its_plugin_names_the_package(smollm2_gguf_path):
     reg = Registry.discover(deny={"gguf"})
     with pytest.raises(ValueError, match="pip install radixserve-quant-gguf"):
         detect_format(smollm2_gguf_path, "auto", reg)
+
+
+def test_plugins_table_names_the_plugin_and_survives_a_closed_pipe():
+    # the table's first column is the entry-point name that -p no:NAME takes (it showed only the
+    # distribution); `radixserve plugins | head` used to end in a BrokenPipeError traceback
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "radixserve.cli", "plugins"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    header = proc.stdout.readline()
+    proc.stdout.close()  # as `head -1` does
+    _, err = proc.communicate(timeout=60)
+    assert header.split()[:2] == ["plugin", "distribution"], header
+    assert proc.returncode == 0 and "Traceback" not in err, err

@@ -55,8 +55,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(json.dumps({"plugins": [vars(p) for p in reg.plugins.values()], "components": rows,
                           "architectures": claims}, indent=2))
         return 0
-    headers = ["distribution", "version", "kind", "name", "devices", "priority"]
-    table = [[r["distribution"], r["version"], r["kind"], r["name"], ",".join(r["devices"]), str(r["priority"])] for r in rows]
+    # plugin: the entry-point name that -p no:NAME, plugins.disable and the allow-list take
+    headers = ["plugin", "distribution", "version", "kind", "name", "devices", "priority"]
+    table = [[r["plugin"], r["distribution"], r["version"], r["kind"], r["name"], ",".join(r["devices"]),
+              str(r["priority"])] for r in rows]
     widths = [max(len(h), *(len(t[i]) for t in table)) if table else len(h) for i, h in enumerate(headers)]
     print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
     print("  ".join("-" * w for w in widths))
@@ -238,7 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe fails here, inside the handler below, not at exit
+        return code
+    except BrokenPipeError:  # `radixserve plugins | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
+        return 0
     except (ConfigError, PluginError, FileNotFoundError, ValueError) as e:
         # user errors (bad path, bad value, unknown component) get one line naming the value;
         # RADIXSERVE_DEBUG=1 shows the traceback for bug reports
