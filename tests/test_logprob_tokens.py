@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import asyncio
 
-import openai
 import pytest
-from fastapi.testclient import TestClient
-from radixserve.config import Config
+from fake_runtime import HealthyRuntime, openai_client
 from radixserve.runtime.detokenizer import IncrementalDetokenizer
-from radixserve.server.app import create_app
 from radixserve.serving_tokenizer import TokenBytes, load_serving_tokenizer
 from radixserve.validation import ModelLimits
 
@@ -75,7 +72,7 @@ def test_byte_fallback_tokens_have_their_own_bytes(pipeline):
 # ---- through the HTTP app -----------------------------------------------------------------------
 
 
-class ScriptedTM:
+class ScriptedTM(HealthyRuntime):
     """A runtime whose model writes `script` (ids of the real tokenizer), one token per step, then
     EOS (unless `eos` is False: the output ends by max_tokens). Token k has logprob -(k+1)/8 and
     its alternatives are `alts(k, sampled)` (the sampled token first). The text is detokenized as
@@ -121,20 +118,6 @@ class ScriptedTM:
                     "output_top_logprobs": list(tops) if inp.return_logprob else []}}
             await asyncio.sleep(0)
 
-    def abort(self, rid: str) -> None:
-        pass
-
-    def is_healthy(self) -> bool:
-        return True
-
-    async def get_stats(self) -> dict:
-        return {}
-
-
-def client(tm) -> openai.OpenAI:
-    http = TestClient(create_app(tm, Config.build({})))
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
-
 
 def _alternatives(tok):
     """Five alternatives at every step, four of them byte-level pieces of emoji (all U+FFFD when
@@ -160,7 +143,7 @@ def _chat_stream(oai, **kw) -> tuple[str, list]:
 
 def test_chat_logprobs_of_partial_characters_carry_their_bytes(tok):
     tm = ScriptedTM(tok, tok.encode(PARTY + " " + PARTY), alts=_alternatives(tok))
-    oai = client(tm)
+    oai = openai_client(tm)
     kw = dict(model=MODEL, messages=[{"role": "user", "content": f"Reply with only this emoji: {PARTY}"}],
               max_tokens=16, temperature=0, logprobs=True, top_logprobs=5)
     r = oai.chat.completions.create(**kw)
@@ -182,7 +165,7 @@ def test_chat_logprobs_of_partial_characters_carry_their_bytes(tok):
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_logprobs_leave_out_the_end_of_sequence_token(tok, stream):
     answer = "Hello there! How can I assist you today?"
-    oai = client(ScriptedTM(tok, tok.encode(answer)))
+    oai = openai_client(ScriptedTM(tok, tok.encode(answer)))
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=20, temperature=0, logprobs=True)
     if stream:
         content, logprobs = _chat_stream(oai, **kw)
@@ -193,7 +176,7 @@ def test_chat_logprobs_leave_out_the_end_of_sequence_token(tok, stream):
     assert "".join(c.token for c in logprobs) == answer and len(logprobs) == len(tok.encode(answer))
     assert all(c.token != "<|im_end|>" for c in logprobs)
     # an output cut by max_tokens keeps every token
-    oai = client(ScriptedTM(tok, tok.encode(answer), eos=False))
+    oai = openai_client(ScriptedTM(tok, tok.encode(answer), eos=False))
     r = oai.chat.completions.create(**{**kw, "max_tokens": 3})
     assert r.choices[0].finish_reason == "length" and len(r.choices[0].logprobs.content) == 3
 
@@ -210,7 +193,7 @@ def _completion_stream(oai, **kw) -> tuple[str, dict]:
 
 def test_completions_top_logprobs_keep_every_alternative_and_offsets_follow_the_text(tok):
     script = tok.encode(PARTY + PARTY + "\n") + tok.encode("ok")
-    oai = client(ScriptedTM(tok, script, alts=_alternatives(tok)))
+    oai = openai_client(ScriptedTM(tok, script, alts=_alternatives(tok)))
     kw = dict(model=MODEL, prompt=PARTY * 3, max_tokens=16, temperature=0, logprobs=5)
     r = oai.completions.create(**kw)
     text, lp = r.choices[0].text, r.choices[0].logprobs
@@ -230,7 +213,7 @@ def test_completions_top_logprobs_keep_every_alternative_and_offsets_follow_the_
 
 
 def test_completions_logprobs_leave_out_the_end_of_sequence_token(tok):
-    oai = client(ScriptedTM(tok, tok.encode(" Paris.")))
+    oai = openai_client(ScriptedTM(tok, tok.encode(" Paris.")))
     r = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=1)
     lp = r.choices[0].logprobs
     assert r.choices[0].text == " Paris." and "".join(lp.tokens) == " Paris."

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
-from fastapi.testclient import TestClient
-from radixserve.config import Config
-from radixserve.server.app import create_app
+from fake_runtime import HealthyRuntime, openai_client
 from radixserve.server.chat_output import ChoiceOutput
 from radixserve.server.tool_parsers.constrained import NamedCallParser, RequiredCallsParser
 from radixserve.server.tool_parsers.hermes import HermesToolParser
@@ -92,7 +89,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 ASK = [{"role": "user", "content": "What time is it in Paris?"}]
 
 
-class CutTM:
+class CutTM(HealthyRuntime):
     """A runtime whose model writes `reply`, `step` characters per streamed step, and ends by
     max_tokens (finish_reason length). One token per character; its chat template ignores tools."""
 
@@ -127,15 +124,6 @@ class CutTM:
                     "id": inp.rid, "prompt_tokens": len(inp.input_ids), "completion_tokens": k, "cached_tokens": 0,
                     "finish_reason": {"type": "length"} if done else None}}
 
-    def abort(self, rid: str) -> None:
-        pass
-
-    def is_healthy(self) -> bool:
-        return True
-
-    async def get_stats(self) -> dict:
-        return {}
-
 
 def _streamed(oai, **kw) -> tuple[str | None, list[tuple[str, str]], str | None]:
     content, calls, finish = None, {}, None
@@ -164,8 +152,7 @@ def test_truncated_call_streamed_and_not_through_the_openai_client(tool_choice, 
 
     real = serving.check_sampling  # the canned runtime writes the constrained output itself
     monkeypatch.setattr(serving, "check_sampling", lambda sp, *a: real(replace(sp, json_schema=None), *a))
-    http = TestClient(create_app(CutTM(reply), Config.build({"server": {"generic_tool_prompt": True}})))
-    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+    oai = openai_client(CutTM(reply), generic_tool_prompt=True)
     kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=3)
     r = oai.chat.completions.create(**kw)
     msg, finish = r.choices[0].message, r.choices[0].finish_reason

@@ -9,7 +9,7 @@ import json
 
 import openai
 import pytest
-from fastapi.testclient import TestClient
+from fake_runtime import HealthyRuntime, openai_client
 from radixserve.config import Config
 from radixserve.interfaces import KINDS
 from radixserve.plugins.registry import Registry
@@ -61,7 +61,7 @@ class CharTokenizer:
         return "".join(chr(i) for i in ids)
 
 
-class CannedTM:
+class CannedTM(HealthyRuntime):
     """A runtime whose model always answers `reply`, `step` characters per streamed step.
     Its chat template renders tools (unless `renders_tools` is False) and any message fields."""
 
@@ -105,20 +105,6 @@ class CannedTM:
             if inp.stream or done:
                 yield out
 
-    def abort(self, rid: str) -> None:
-        pass
-
-    def is_healthy(self) -> bool:
-        return True
-
-    async def get_stats(self) -> dict:
-        return {}
-
-
-def client_for(tm: CannedTM, **server) -> openai.OpenAI:
-    http = TestClient(create_app(tm, Config.build({"server": server})))
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
-
 
 def calls_of(message) -> list[tuple[str, dict]]:
     return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
@@ -148,7 +134,7 @@ def raw_stream(oai, **kw) -> tuple[list, dict]:
 @pytest.mark.parametrize("parser", sorted(OUTPUTS))
 def test_each_parser_non_streamed_and_streamed_through_the_openai_client(parser):
     tm = CannedTM(OUTPUTS[parser])
-    oai = client_for(tm, tool_call_parser=parser)
+    oai = openai_client(tm, tool_call_parser=parser)
     r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
     msg = r.choices[0].message
     assert calls_of(msg) == EXPECTED_CALLS
@@ -174,7 +160,7 @@ def test_each_parser_non_streamed_and_streamed_through_the_openai_client(parser)
 
 
 def test_the_openai_stream_helper_assembles_the_calls():
-    oai = client_for(CannedTM(HERMES_OUT), tool_call_parser="hermes")
+    oai = openai_client(CannedTM(HERMES_OUT), tool_call_parser="hermes")
     with oai.chat.completions.stream(model=MODEL, messages=ASK, tools=TOOLS) as stream:
         final = stream.get_final_completion()
     assert calls_of(final.choices[0].message) == EXPECTED_CALLS
@@ -184,13 +170,13 @@ def test_the_openai_stream_helper_assembles_the_calls():
 
 def test_parser_detected_from_the_chat_template():
     tm = CannedTM(HERMES_OUT, chat_template="{% for m in messages %}...<tool_call>\n{{ tool_call | tojson }}...")
-    r = client_for(tm).chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
+    r = openai_client(tm).chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
     assert calls_of(r.choices[0].message) == EXPECTED_CALLS
 
 
 def test_text_answer_with_tools_and_tool_choice_none():
     tm = CannedTM("It is sunny in Paris.")
-    oai = client_for(tm, tool_call_parser="hermes")
+    oai = openai_client(tm, tool_call_parser="hermes")
     r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
     assert r.choices[0].message.content == "It is sunny in Paris." and r.choices[0].message.tool_calls is None
     assert r.choices[0].finish_reason == "stop"
@@ -203,7 +189,7 @@ def test_text_answer_with_tools_and_tool_choice_none():
 
 
 def test_parallel_tool_calls_false_returns_one_call():
-    oai = client_for(CannedTM(HERMES_OUT), tool_call_parser="hermes")
+    oai = openai_client(CannedTM(HERMES_OUT), tool_call_parser="hermes")
     r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, parallel_tool_calls=False)
     assert calls_of(r.choices[0].message) == EXPECTED_CALLS[:1]
     _, streamed = raw_stream(oai, model=MODEL, messages=ASK, tools=TOOLS, parallel_tool_calls=False)
@@ -212,7 +198,7 @@ def test_parallel_tool_calls_false_returns_one_call():
 
 def test_history_with_calls_and_results_goes_to_the_template():
     tm = CannedTM("It is 18 degrees and 15:00 in Paris.")
-    oai = client_for(tm, tool_call_parser="hermes")
+    oai = openai_client(tm, tool_call_parser="hermes")
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
@@ -233,12 +219,12 @@ def test_history_with_calls_and_results_goes_to_the_template():
 def test_template_without_tools_is_a_400_unless_the_generic_prompt_is_on():
     tm = CannedTM(HERMES_OUT, renders_tools=False)
     with pytest.raises(openai.BadRequestError) as e:
-        client_for(tm, tool_call_parser="hermes").chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
+        openai_client(tm, tool_call_parser="hermes").chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
     assert e.value.body["param"] == "tools" and "does not render tools" in e.value.body["message"]
     assert "generic_tool_prompt" in e.value.body["message"]
     # generic prompt: the tools are described in a system message and parsed as Hermes blocks
     tm = CannedTM(HERMES_OUT, renders_tools=False)
-    oai = client_for(tm, generic_tool_prompt=True)
+    oai = openai_client(tm, generic_tool_prompt=True)
     history = ASK + [
         {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
                                               "function": {"name": "get_time", "arguments": "{}"}}]},
@@ -273,12 +259,12 @@ def _error(oai, **kw) -> dict:
     ([WEATHER, WEATHER], "tools", "unique"),
 ])
 def test_bad_tools_are_a_400_naming_the_field(tools, param, words):
-    body = _error(client_for(CannedTM("x"), tool_call_parser="hermes"), tools=tools)
+    body = _error(openai_client(CannedTM("x"), tool_call_parser="hermes"), tools=tools)
     assert body["param"] == param and words in body["message"], body
 
 
 def test_bad_tool_choice_and_history_are_400s():
-    oai = client_for(CannedTM("x"), tool_call_parser="hermes")
+    oai = openai_client(CannedTM("x"), tool_call_parser="hermes")
     body = _error(oai, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
     assert body["param"] == "tool_choice" and "nope" in body["message"]
     assert _error(oai, tool_choice="required")["param"] == "tool_choice"
@@ -288,7 +274,7 @@ def test_bad_tool_choice_and_history_are_400s():
     assert "tool_call_id" in _error(oai, messages=[{"role": "tool", "content": "x"}])["message"]
     assert _error(oai, tools=TOOLS, extra_body={"chat_template_kwargs": {"tools": []}})["param"] == "chat_template_kwargs"
     # no parser configured and none detected
-    body = _error(client_for(CannedTM("x")), tools=TOOLS)
+    body = _error(openai_client(CannedTM("x")), tools=TOOLS)
     assert body["param"] == "tools" and "--tool-call-parser" in body["message"] and "hermes" in body["message"]
 
 
@@ -310,7 +296,7 @@ def _constrained(choice, has_grammar: bool = HAS_GRAMMAR) -> tuple[CannedTM, ope
              else '{"city": "Paris", "unit": "celsius"}')
     tm = CannedTM(reply)
     tm.has_grammar = has_grammar
-    return tm, client_for(tm, tool_call_parser="hermes"), dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice)
+    return tm, openai_client(tm, tool_call_parser="hermes"), dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice)
 
 
 @CHOICES
@@ -380,7 +366,7 @@ THINK = "<think>\nThe user wants the weather, so I call the tool.\n</think>\n\n"
 
 
 def test_reasoning_is_separated_before_tool_parsing_streamed_and_not():
-    oai = client_for(CannedTM(THINK), tool_call_parser="hermes", reasoning_parser="qwen3")
+    oai = openai_client(CannedTM(THINK), tool_call_parser="hermes", reasoning_parser="qwen3")
     r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
     msg = r.choices[0].message
     assert msg.reasoning_content == "The user wants the weather, so I call the tool."
@@ -393,7 +379,7 @@ def test_reasoning_is_separated_before_tool_parsing_streamed_and_not():
 def test_reasoning_without_tools_and_separate_reasoning_false():
     text = "<think>\n2 + 2 is 4.\n</think>\n\nThe answer is 4."
     tm = CannedTM(text)
-    oai = client_for(tm, reasoning_parser="qwen3")
+    oai = openai_client(tm, reasoning_parser="qwen3")
     msg = oai.chat.completions.create(model=MODEL, messages=ASK).choices[0].message
     assert (msg.reasoning_content, msg.content) == ("2 + 2 is 4.", "The answer is 4.")
     _, streamed = raw_stream(oai, model=MODEL, messages=ASK)
@@ -407,7 +393,7 @@ def test_reasoning_without_tools_and_separate_reasoning_false():
 def test_reasoning_opened_by_the_prompt_deepseek_style():
     """The generation prompt ends with <think>: the output starts inside the reasoning."""
     tm = CannedTM("Okay, 2 + 2 = 4.\n</think>\n\n**4**", generation_prompt="<｜Assistant｜><think>\n")
-    oai = client_for(tm, reasoning_parser="qwen3")  # qwen3 too starts inside when the prompt opened it
+    oai = openai_client(tm, reasoning_parser="qwen3")  # qwen3 too starts inside when the prompt opened it
     msg = oai.chat.completions.create(model=MODEL, messages=ASK).choices[0].message
     assert (msg.reasoning_content, msg.content) == ("Okay, 2 + 2 = 4.", "**4**")
     _, streamed = raw_stream(oai, model=MODEL, messages=ASK)
@@ -416,7 +402,7 @@ def test_reasoning_opened_by_the_prompt_deepseek_style():
 
 def test_no_parsers_means_unchanged_output():
     text = "  <think>x</think> <tool_call>{}</tool_call>  "
-    oai = client_for(CannedTM(text))
+    oai = openai_client(CannedTM(text))
     msg = oai.chat.completions.create(model=MODEL, messages=ASK).choices[0].message
     assert msg.content == text
     _, streamed = raw_stream(oai, model=MODEL, messages=ASK)
@@ -444,7 +430,7 @@ def test_constrained_output_is_not_taken_for_reasoning(monkeypatch):
         monkeypatch.setattr(serving, "check_sampling", lambda sp, *a: real(replace(sp, json_schema=None), *a))
     tm = CannedTM('[{"name": "get_time", "arguments": {"tz": "UTC"}}]', generation_prompt="<｜Assistant｜><think>\n")
     tm.has_grammar = True
-    oai = client_for(tm, tool_call_parser="hermes", reasoning_parser="deepseek_r1")
+    oai = openai_client(tm, tool_call_parser="hermes", reasoning_parser="deepseek_r1")
     r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required")
     assert calls_of(r.choices[0].message) == [("get_time", {"tz": "UTC"})]
     assert getattr(r.choices[0].message, "reasoning_content", None) is None
@@ -457,7 +443,7 @@ def test_response_format_with_a_reasoning_parser_constrains_only_the_answer():
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
     tm = CannedTM('<think>\nfour\n</think>\n{"n": 4}')
     tm.has_grammar = True
-    oai = client_for(tm, reasoning_parser="qwen3")
+    oai = openai_client(tm, reasoning_parser="qwen3")
     msg = oai.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt).choices[0].message
     sp = tm.inputs[-1].sampling_params
     assert json.loads(sp.json_schema) == schema and sp.grammar_after == "</think>"
@@ -466,9 +452,9 @@ def test_response_format_with_a_reasoning_parser_constrains_only_the_answer():
     assert tm.inputs[-1].sampling_params.grammar_after is None
     closed = CannedTM('{"n": 4}', generation_prompt="<|assistant|><think>\n\n</think>\n\n")
     closed.has_grammar = True
-    client_for(closed, reasoning_parser="qwen3").chat.completions.create(model=MODEL, messages=ASK, response_format=fmt)
+    openai_client(closed, reasoning_parser="qwen3").chat.completions.create(model=MODEL, messages=ASK, response_format=fmt)
     assert closed.inputs[-1].sampling_params.grammar_after is None
     plain = CannedTM('{"n": 4}')
     plain.has_grammar = True
-    client_for(plain).chat.completions.create(model=MODEL, messages=ASK, response_format=fmt)  # no reasoning parser
+    openai_client(plain).chat.completions.create(model=MODEL, messages=ASK, response_format=fmt)  # no reasoning parser
     assert plain.inputs[-1].sampling_params.grammar_after is None
