@@ -320,6 +320,12 @@ def test_keywords_a_backend_cannot_enforce_are_refused_not_ignored(name, tok):
       "patternProperties": {"^[a-zA-Z]+$": {"type": "number"}}}, "both `properties` and `patternProperties`"),
     ({"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$", "maxLength": 3}}},
      "`pattern` together with `maxLength`"),
+    # outside reports: "175", "1,5" and 1.08 came back for these, finish_reason "stop"
+    ({"type": "number", "minimum": 0.5, "maximum": 1.5}, "a number with both `minimum` and `maximum`"),
+    ({"type": "object", "properties": {"p": {"minimum": 0, "maximum": 1}}}, "a number with both"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 99}}, "contains"),
+    ({"type": "object", "propertyNames": {"pattern": "^a"}, "additionalProperties": {"type": "integer"}},
+     "propertyNames"),
 ])
 def test_xgrammar_refuses_constructs_it_compiles_but_does_not_enforce(schema, reason, tok):
     """Each of these made SmolLM2 write invalid JSON for a real corpus schema
@@ -328,7 +334,8 @@ def test_xgrammar_refuses_constructs_it_compiles_but_does_not_enforce(schema, re
     with pytest.raises(GrammarError, match=re.escape(reason)):
         backend.compile("json_schema", json.dumps(schema))
     fine = {"type": "object", "properties": {"kind": {"type": "string", "enum": ["a", "b"]}, "n": {"type": "integer",
-            "enum": [1, 2.0]}}, "required": ["kind"],
+            "enum": [1, 2.0]}, "i": {"type": "integer", "minimum": 0, "maximum": 5},
+            "x": {"type": "number", "minimum": 0.5}}, "required": ["kind"],
             "anyOf": [{"required": ["kind"], "properties": {"n": {}}}]}
     assert backend.compile("json_schema", json.dumps(fine)) is not None
 

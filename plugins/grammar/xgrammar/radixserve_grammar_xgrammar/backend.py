@@ -24,7 +24,8 @@ _CPP_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
 # schema using them is refused (HTTP 400) rather than answered with output that may violate it
 UNENFORCED_KEYWORDS = (
     "uniqueItems", "multipleOf", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
-    "dependencies", "exclusiveMinimum", "exclusiveMaximum",
+    "dependencies", "exclusiveMinimum", "exclusiveMaximum", "contains", "minContains", "maxContains",
+    "propertyNames",
 )
 # keywords whose value maps names to subschemas, and keywords whose value is data, not a schema
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -120,6 +121,11 @@ def unenforced_construct(schema: Any) -> str | None:
                 if overlap is not None:
                     return (f"property {overlap!r} matched by both `properties` and `patternProperties` pattern "
                             f"{pattern!r} (at {path}; its value must satisfy both)")
+        if "minimum" in sub and "maximum" in sub and (not types or "number" in types):
+            # its grammar for a two-sided range of reals matches any character in place of the
+            # decimal point and more digits than the bounds allow ("1,5", "175" for [0.5, 1.5])
+            return (f"a number with both `minimum` and `maximum` (at {path}; give one bound, or an integer "
+                    "range)")
         pattern = sub.get("pattern")
         lengths = [key for key in ("minLength", "maxLength") if key in sub]
         if isinstance(pattern, str) and lengths:
