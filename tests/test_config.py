@@ -114,3 +114,13 @@ def test_prefill_chunking_and_mixed_batches_default_per_device_and_can_be_forced
     assert forced.resolved_chunked_prefill_size("cpu") == 2048 and not forced.resolved_enable_mixed_chunk("cpu")
     off = Config.build({"scheduler": {"chunked_prefill_size": -1, "enable_mixed_chunk": True}}).scheduler
     assert off.resolved_chunked_prefill_size("cuda") is None and off.resolved_enable_mixed_chunk("cuda")
+
+
+def test_a_config_path_that_is_no_yaml_text_is_named(tmp_path):
+    # a directory said "does not exist"; a binary file gave a decode error without the file's name
+    binary = tmp_path / "stack.yaml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    for path, words in ((tmp_path, "is a directory"), (binary, "cannot be read as UTF-8 text")):
+        r = run_cli(["config", "show", "--config", str(path)])
+        assert r.returncode == 2 and str(path) in r.stderr and words in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr

@@ -202,9 +202,12 @@ def make_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks: one-batch (in-process) and serve (load generator)")
     bsub = p.add_subparsers(dest="bench_cmd", metavar="BENCH")
-    for name, module in (("one-batch", "radixserve.bench.one_batch"), ("serve", "radixserve.bench.serve")):
+    for name, module, helptext in (
+        ("one-batch", "radixserve.bench.one_batch", "static-batch prefill and decode timings, in this process"),
+        ("serve", "radixserve.bench.serve", "a load generator for any OpenAI-compatible server"),
+    ):
         adder, runner = _lazy(module, "add_arguments", "run", f"radixserve bench {name}")
-        bp = bsub.add_parser(name)
+        bp = bsub.add_parser(name, help=helptext)
         if adder is not None:
             adder(bp)
         else:

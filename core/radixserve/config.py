@@ -291,12 +291,16 @@ class Config(_Section):
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {str(p)!r} is a directory, not a YAML file")
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+    except (UnicodeDecodeError, OSError) as e:  # a binary file, or one this user cannot read
+        raise ConfigError(f"config file {str(p)!r} cannot be read as UTF-8 text: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections, got {type(data).__name__}")
     return data
