@@ -144,3 +144,48 @@ def test_a_model_file_that_is_not_gguf_asks_for_model_tokenizer(tmp_path):
     with pytest.raises(ValueError, match=r"model.tokenizer .* is a file"):
         load_tokenizer(str(tmp_path / "tok"), str(weights))
     assert load_tokenizer(str(weights), str(tmp_path / "tok")).encode("hello")
+
+
+def _broken_models(root, gguf: str) -> dict[str, tuple[str, str]]:
+    """name -> (path, what the one-line error must say)."""
+    import pathlib
+
+    root = pathlib.Path(root)
+    for d, text in (("nocfg", None), ("badjson", '{"model_type": "llama",'), ("nomt", '{"hidden_size": 4}'),
+                    ("bigsize", '{"model_type": "llama", "hidden_size": "big"}')):
+        (root / d).mkdir()
+        if text is not None:
+            (root / d / "config.json").write_text(text)
+    (root / "x.gguf").write_bytes(b"")
+    (root / "t.gguf").write_bytes(pathlib.Path(gguf).read_bytes()[:1000])
+    return {
+        "nocfg": (str(root / "nocfg"), "has no config.json"),
+        "badjson": (str(root / "badjson"), r"badjson/config.json is not valid JSON"),
+        "nomt": (str(root / "nomt"), r"nomt/config.json has no model_type"),
+        "bigsize": (str(root / "bigsize"), r"hidden_size must be an integer, got 'big'"),
+        "empty": (str(root / "x.gguf"), r"x.gguf is not a valid GGUF file \(empty\)"),
+        "truncated": (str(root / "t.gguf"), r"t.gguf is not a valid GGUF file \(truncated"),
+    }
+
+
+def test_broken_model_files_are_one_line_naming_the_file_in_generate_and_serve(tmp_path, smollm2_gguf_path):
+    import re
+
+    for name, (path, said) in _broken_models(tmp_path, smollm2_gguf_path).items():
+        cmds = [["generate", "--model", path, "hi"]]
+        if name in ("nomt", "truncated"):  # serve went to the scheduler (a traceback, a tokenizer error)
+            cmds.append(["serve", "--model", path])
+        for cmd in cmds:
+            done = subprocess.run([sys.executable, "-m", "radixserve.cli", *cmd], capture_output=True, text=True,
+                                  timeout=300)
+            assert done.returncode == 2, (cmd, done.stderr[-3000:])
+            assert re.search(said, done.stderr), (cmd, done.stderr[-3000:])
+            assert "Traceback" not in done.stderr and "sentencepiece" not in done.stderr, done.stderr[-3000:]
+
+
+def test_engine_with_broken_model_files_raises_a_clear_value_error(tmp_path, smollm2_gguf_path):
+    from radixserve.engine import Engine
+
+    for path, said in _broken_models(tmp_path, smollm2_gguf_path).values():
+        with pytest.raises(ValueError, match=said):
+            Engine(model=path, runtime={"device": "cpu"})

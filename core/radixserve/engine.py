@@ -18,16 +18,31 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from radixserve.config import Config
+from radixserve.config import Config, ConfigError
 from radixserve.plugins.registry import Registry
 from radixserve.runtime.tokenizer_manager import GenerateInput, TokenizerManager
 from radixserve.state import SamplingParams
+from radixserve.validation import ModelLimits, sampling_params_from
+
+
+def _sampling_params(sp: Any) -> SamplingParams:
+    """One prompt's sampling params, checked here so a bad value is a ValueError naming the field
+    (the same conversion as /generate: a json_schema dict is accepted and dumped to text)."""
+    if isinstance(sp, SamplingParams):
+        return sp
+    if sp is not None and not isinstance(sp, Mapping):
+        raise ValueError(f"sampling_params must be a dict (or a list of dicts, one per prompt), got {sp!r}")
+    return sampling_params_from(sp, ModelLimits())  # vocabulary and context are checked at submit
 
 
 def engine_config(model: str | Path | Mapping[str, Any] | None, config: str | Path | Config | None,
                   tp_size: int | None, sections: Mapping[str, Any]) -> Config:
     """The Config an `Engine(model, config, tp_size=, **sections)` runs (see Engine)."""
     base = config if isinstance(config, Config) else Config.load(config)
+    for name, value in sections.items():  # e.g. stack="lpm": say what a section must be, not dict()'s error
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{name}= must be a dict of the {name} section's fields "
+                              f"(e.g. {name}={{...}} as in the YAML), got {type(value).__name__} {value!r}")
     overrides: dict[str, Any] = {k: dict(v) for k, v in sections.items()}
     if tp_size is not None:  # shorthand for runtime={"tp_size": N}: spawns N ranks (docs/parallelism.md)
         overrides.setdefault("runtime", {})["tp_size"] = tp_size
@@ -112,8 +127,12 @@ class Engine:
             raise ValueError("give exactly one of prompt or input_ids")
         if prompt is not None:
             single = isinstance(prompt, str)
+            if not single and (not isinstance(prompt, list | tuple) or not all(isinstance(p, str) for p in prompt)):
+                raise ValueError(f"prompt must be a str or a list of str, got {prompt!r}")
             items: list[dict] = [{"text": p} for p in ([prompt] if single else prompt)]
         else:
+            if not isinstance(input_ids, list | tuple) or not all(isinstance(x, int | list | tuple) for x in input_ids):
+                raise ValueError(f"input_ids must be a list of token ids or a list of such lists, got {input_ids!r}")
             single = bool(input_ids) and isinstance(input_ids[0], int)
             items = [{"input_ids": list(ids)} for ids in ([input_ids] if single else input_ids)]
         n = len(items)
@@ -126,10 +145,13 @@ class Engine:
             raise ValueError(f"priority must be an int (or one int per prompt), got {priority!r}")
         if n > 1 and rids[0] is not None and len(set(rids)) != n:
             raise ValueError("rids of one batch must be distinct")
+        # the runtime caps top logprobs at 20; without this the error names sampling_params.top_logprobs
+        if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
+            raise ValueError(f"top_logprobs_num must be an int in [0, 20], got {top_logprobs_num!r}")
         return [
             GenerateInput(
                 **item,
-                sampling_params=SamplingParams.from_dict(sp),
+                sampling_params=_sampling_params(sp),
                 rid=r,
                 stream=stream,
                 return_logprob=return_logprob,
@@ -177,6 +199,14 @@ class Engine:
         priority: int = 0,
     ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
         """One request from any event loop: the final dict, or (stream=True) an async iterator."""
+        if self._closed:  # the documented error, not the closed loop's
+            raise RuntimeError("the engine was shut down")
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError("async_generate takes one prompt (a str); for a batch use generate(), "
+                             "or asyncio.gather several async_generate calls")
+        if isinstance(input_ids, list | tuple) and input_ids and not isinstance(input_ids[0], int):
+            raise ValueError("async_generate takes one prompt (input_ids: a list of token ids); for a batch "
+                             "use generate(), or asyncio.gather several async_generate calls")
         [inp], _ = self._inputs(
             prompt, input_ids, sampling_params, rid, stream, return_logprob, top_logprobs_num, priority
         )

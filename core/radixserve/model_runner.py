@@ -27,7 +27,7 @@ from radixserve.memory import (
 )
 from radixserve.memory.fp8_kv import FP8_KV_DTYPE, KV_CACHE_DTYPES, KVScaleCollector
 from radixserve.model_loader import load_model, open_source
-from radixserve.model_loader.model_files import resolve_model_path
+from radixserve.model_loader.model_files import check_model_files, resolve_model_path
 from radixserve.plugins.model_select import select_model
 from radixserve.plugins.registry import Registry
 from radixserve.plugins.stack import check_backend_attention_type, resolve_stack
@@ -88,6 +88,7 @@ class ModelRunner:
         attention_cls = self.registry.load("attention", early.attention.name)
         native.build_in_background([lambda: attention_cls.build_native_kernels(self.device.type)])
         self.model_path = resolve_model_path(config.model.path)  # a local path, a Hub id, or the default
+        check_model_files(self.model_path)  # as serve and the Engine: one line naming a broken file
         source = open_source(self.model_path, config.model.load_format, self.registry,
                              config.model.weight_source_options)
         self.hf_config = source.hf_config()

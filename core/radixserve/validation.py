@@ -23,8 +23,10 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit-bias value
 MAX_STOP_STRINGS = 16
 
 
-class InvalidRequest(RequestError):
-    """A request that can never run; `param` names the offending field (OpenAI's error `param`)."""
+class InvalidRequest(RequestError, ValueError):
+    """A request that can never run; `param` names the offending field (OpenAI's error `param`).
+    Also a ValueError: the Engine documents ValueError for bad parameters (the HTTP layer catches
+    RequestError / InvalidRequest by name, so this changes nothing there)."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message, status=400)
@@ -171,8 +173,9 @@ def check_sampling(sp: SamplingParams, limits: ModelLimits, names: FieldNames = 
         raise InvalidRequest(f"{names.sampling}{e}", names.of(first)) from None
 
 
-def sampling_from_dict(d: Any, limits: ModelLimits, names: FieldNames = NATIVE) -> SamplingParams:
-    """A client's sampling dict (SGLang names) -> checked SamplingParams; unknown keys are an error."""
+def sampling_params_from(d: Any, limits: ModelLimits, names: FieldNames = NATIVE) -> SamplingParams:
+    """A sampling dict (SGLang names) -> type- and range-checked SamplingParams: the conversion
+    /generate and the Engine share (a json_schema object is dumped to text, a str stop is a list)."""
     if d is None:
         d = {}
     if not isinstance(d, Mapping):
@@ -191,6 +194,12 @@ def sampling_from_dict(d: Any, limits: ModelLimits, names: FieldNames = NATIVE) 
         d["json_schema"] = json.dumps(d["json_schema"])
     sp = SamplingParams(**d)
     check_sampling(sp, limits, names)
+    return sp
+
+
+def sampling_from_dict(d: Any, limits: ModelLimits, names: FieldNames = NATIVE) -> SamplingParams:
+    """A client's sampling dict (SGLang names) -> checked SamplingParams; unknown keys are an error."""
+    sp = sampling_params_from(d, limits, names)
     # fields SamplingParams has but this one-choice route would silently ignore
     if sp.n != 1:
         raise InvalidRequest(

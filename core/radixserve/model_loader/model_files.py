@@ -129,3 +129,107 @@ def served_name(model_path: str, served_model_name: str | None) -> str:
         return f"{snap['org']}/{snap['name']}"
     base = os.path.basename(os.path.normpath(model_path))
     return base[: -len(".gguf")] if base.endswith(".gguf") else base
+
+
+# ---- one structural check of the model files, shared by generate, serve and the Engine --------
+# run before the tokenizer is loaded or a process started, so a broken file is one line naming it
+# (not a struct.error / transformers traceback from deep inside a loader)
+
+_CONFIG_INT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                      "intermediate_size", "vocab_size", "max_position_embeddings", "head_dim")
+
+
+def check_model_files(path: str) -> None:
+    """Raise ValueError naming the file and what is wrong: an HF directory without a readable
+    config.json (missing, bad JSON, no model_type, a non-integer size), or a .gguf file that is
+    empty, not GGUF or truncated. Other files (plugin weight formats) are left to their reader."""
+    if os.path.isdir(path):
+        _check_hf_config(path)
+    elif os.path.isfile(path) and path.lower().endswith(".gguf"):
+        _check_gguf(path)
+
+
+def _check_hf_config(path: str) -> None:
+    import json
+
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        raise ValueError(f"model directory {path!r} has no config.json")
+    try:
+        with open(cfg, encoding="utf-8") as f:
+            data = json.load(f)
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{cfg} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{cfg} must be a JSON object, got {type(data).__name__}")
+    if not data.get("model_type"):
+        raise ValueError(f"{cfg} has no model_type (not a transformers model config)")
+    for key in _CONFIG_INT_FIELDS:
+        value = data.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{cfg}: {key} must be an integer, got {value!r}")
+
+
+_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type -> bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _check_gguf(path: str) -> None:
+    """Walk the GGUF header, metadata and tensor infos (no tensor data is read)."""
+    import struct
+
+    size = os.path.getsize(path)
+    if size == 0:
+        raise ValueError(f"{path} is not a valid GGUF file (empty)")
+    with open(path, "rb") as f:
+        head = f.read(24)
+        if head[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a valid GGUF file (it starts with {head[:4]!r}, not b'GGUF')")
+        try:
+            _version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:24])
+            pos = 24
+
+            def take(n: int) -> bytes:
+                nonlocal pos
+                if n < 0 or pos + n > size:
+                    raise EOFError(f"needs {pos + n} bytes, the file has {size}")
+                f.seek(pos)
+                pos += n
+                return f.read(n)
+
+            def skip_string() -> None:
+                nonlocal pos
+                (n,) = struct.unpack("<Q", take(8))
+                take(n)
+
+            def skip_value(vtype: int) -> None:
+                nonlocal pos
+                if vtype in _GGUF_SCALARS:
+                    take(_GGUF_SCALARS[vtype])
+                elif vtype == _GGUF_STRING:
+                    skip_string()
+                elif vtype == _GGUF_ARRAY:
+                    etype, count = struct.unpack("<IQ", take(12))
+                    if etype in _GGUF_SCALARS:
+                        take(_GGUF_SCALARS[etype] * count)
+                    else:
+                        for _ in range(count):
+                            skip_value(etype)
+                else:
+                    raise ValueError(f"unknown metadata value type {vtype}")
+
+            for _ in range(n_kv):
+                skip_string()
+                (vtype,) = struct.unpack("<I", take(4))
+                skip_value(vtype)
+            for _ in range(n_tensors):
+                skip_string()
+                (n_dims,) = struct.unpack("<I", take(4))
+                take(8 * n_dims + 4)  # dims, ggml type
+                (offset,) = struct.unpack("<Q", take(8))
+                if pos + offset > size:  # the tensor data starts past the end (data follows the infos)
+                    raise EOFError(f"tensor data at offset {offset} lies past the end ({size} bytes)")
+        except (struct.error, EOFError) as e:
+            raise ValueError(f"{path} is not a valid GGUF file (truncated: {e})") from None
+        except ValueError as e:
+            raise ValueError(f"{path} is not a valid GGUF file ({e})") from None

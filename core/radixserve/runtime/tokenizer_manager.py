@@ -9,13 +9,14 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config import Config, ConfigError
-from radixserve.model_loader.model_files import resolve_model_path, served_name
+from radixserve.model_loader.model_files import check_model_files, resolve_model_path, served_name
 from radixserve.plugins.registry import Registry
 from radixserve.plugins.stack import check_quantization_fits, resolve_stack
 from radixserve.runtime.child import ChildSpec, kill_group, watch_exit
@@ -83,6 +84,29 @@ def _runtime_rejection(message: str, status: int) -> RequestError:
     return RequestError(message, status)
 
 
+async def _wait_in_thread(proc: subprocess.Popen, timeout: float | None) -> int:
+    """`proc.wait(timeout)` in a plain thread, not the loop's default executor: an Engine's shutdown
+    also runs from atexit, after the interpreter has shut the executors down ("cannot schedule new
+    futures after shutdown")."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not fut.done():
+            fut.set_exception(error) if error is not None else fut.set_result(result)
+
+    def wait() -> None:
+        try:
+            code = proc.wait(timeout)
+        except BaseException as e:
+            loop.call_soon_threadsafe(settle, None, e)
+        else:
+            loop.call_soon_threadsafe(settle, code, None)
+
+    threading.Thread(target=wait, name="radixserve-child-wait", daemon=True).start()
+    return await fut
+
+
 class TokenizerManager:
     """Tokenizes requests, sends them to the scheduler process, and streams results back.
 
@@ -128,6 +152,7 @@ class TokenizerManager:
         self.registry = registry if registry is not None else Registry.from_config(config)
         self.stack = resolve_stack(config, self.registry, config.runtime.resolved_device())
         self.model_path = resolve_model_path(config.model.path)
+        check_model_files(self.model_path)  # one line naming a broken file, before any tokenizer or process
         check_quantization_fits(self.stack, self.model_path, self.registry)
         self.model_name = served_name(self.model_path, config.model.served_model_name)
         self.tokenizer: Any = None
@@ -244,14 +269,16 @@ class TokenizerManager:
         ready = self._ready.get(name if name in CHILDREN else "scheduler")
         if ready is None or not ready.done() or ready.cancelled() or ready.exception() is not None:
             kill_group(proc)  # still loading (it reads no messages yet) or failed: nothing to lose
-        loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(None, proc.wait, CHILD_EXIT_TIMEOUT_S)
+            await _wait_in_thread(proc, CHILD_EXIT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             # children ignore SIGTERM (only the parent stops them), so a stuck one is killed
             logger.warning("the %s process did not exit within %.0f s; killing it", name, CHILD_EXIT_TIMEOUT_S)
             kill_group(proc)
-            await loop.run_in_executor(None, proc.wait)
+            await _wait_in_thread(proc, None)
+        # what the child left running in its group, e.g. a first start's kernel compilers (its build
+        # threads die with it, their compilers would not); nothing when the group is empty
+        kill_group(proc)
 
     def child_pids(self) -> dict[str, int]:
         """{"scheduler": pid, "detokenizer": pid, and "tp1", ... for TP ranks} of the runtime's child processes."""

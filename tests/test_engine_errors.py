@@ -1,0 +1,92 @@
+"""The Engine's user-facing errors and exit: bad parameters are a ValueError naming the parameter,
+json_schema may be a dict (as on /generate), async_generate's one-prompt and shut-down errors, and a
+script that never calls shutdown() exits without a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+from radixserve.engine import Engine, engine_config
+
+pytestmark = pytest.mark.slow
+
+CPU = {"device": "cpu", "cuda_graph": False, "num_threads": 1}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = Engine(scheduler={"max_total_tokens": 4096}, runtime=CPU)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("params", "kwargs", "named"),
+    [
+        ({"temperature": "hot"}, {}, "temperature"),
+        ({"temperature": float("nan")}, {}, "temperature"),
+        ({"max_new_tokens": 1.5}, {}, "max_new_tokens"),
+        ({"seed": "x"}, {}, "seed"),
+        ({"stop": 5}, {}, "stop"),
+        ("max_new_tokens=4", {}, "sampling_params"),
+        ({"max_new_tokens": 2}, {"top_logprobs_num": 50, "return_logprob": True}, "top_logprobs_num"),
+    ],
+)
+def test_bad_sampling_values_are_value_errors_naming_the_parameter(engine, params, kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        engine.generate("Hi", params, **kwargs)
+    assert engine.is_healthy()
+
+
+def test_a_prompt_that_is_not_text_is_a_value_error_naming_it(engine):
+    with pytest.raises(ValueError, match="prompt must be a str"):
+        engine.generate(123, {"max_new_tokens": 2})
+    with pytest.raises(ValueError, match="input_ids must be"):
+        engine.generate(input_ids=7, sampling_params={"max_new_tokens": 2})
+
+
+def test_a_section_that_is_not_a_dict_names_the_section():
+    with pytest.raises(ValueError, match="stack= must be a dict"):
+        engine_config(None, None, None, {"stack": "lpm"})
+
+
+def test_json_schema_may_be_a_dict_as_on_http_generate(engine):
+    out = engine.generate("How many legs has a cat?", {"json_schema": {"type": "integer"}, "max_new_tokens": 6,
+                                                      "temperature": 0})
+    assert out["text"].strip().lstrip("-").isdigit(), out["text"]
+
+
+def test_async_generate_takes_one_prompt(engine):
+    with pytest.raises(ValueError, match="async_generate takes one prompt"):
+        asyncio.run(engine.async_generate(["a", "b"], {"max_new_tokens": 2}))
+    with pytest.raises(ValueError, match="async_generate takes one prompt"):
+        asyncio.run(engine.async_generate(input_ids=[[1, 2], [3]], sampling_params={"max_new_tokens": 2}))
+    out = asyncio.run(engine.async_generate("Hi", {"max_new_tokens": 2}))
+    assert out["meta_info"]["completion_tokens"] == 2
+
+
+def test_zz_async_generate_after_shutdown_says_the_engine_was_shut_down(engine):
+    engine.shutdown()
+    with pytest.raises(RuntimeError, match="the engine was shut down"):
+        asyncio.run(engine.async_generate("Hi", {"max_new_tokens": 2}))
+    with pytest.raises(RuntimeError, match="the engine was shut down"):
+        engine.generate("Hi", {"max_new_tokens": 2})
+
+
+def test_a_script_that_never_shuts_down_exits_without_a_traceback(tmp_path):
+    """shutdown() also runs at interpreter exit: there the default executor is already gone."""
+    script = tmp_path / "no_shutdown.py"
+    script.write_text(
+        "from radixserve import Engine\n"
+        f"e = Engine(runtime={CPU!r})\n"
+        'print(e.generate("Hi", {"max_new_tokens": 4})["text"])\n'
+    )
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    for bad in ("Traceback", "Exception ignored", "Task was destroyed"):
+        assert bad not in run.stderr, run.stderr[-4000:]
