@@ -252,3 +252,11 @@ def test_draws_at_vocabulary_width_follow_softmax_and_odd_rows_fall_back():
     odd[2, 11] = 50.0
     out = sample([req(temperature=1.0)] * 3, odd, Sampler(seed=5)).next_token_ids
     assert all(0 <= t < width for t in out.tolist()) and out.tolist()[2] == 11
+
+
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p", "min_p"])
+def test_non_finite_sampling_values_are_refused_by_name(field):
+    # `radixserve generate --temperature nan` was accepted (the HTTP routes and the Engine refused it)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: bad}).validate()

@@ -64,15 +64,15 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.min_new_tokens < 0 or self.min_new_tokens > max(self.max_new_tokens, 0):
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # written so that NaN fails too
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
+        if not 0 < self.repetition_penalty < float("inf"):
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
