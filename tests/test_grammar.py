@@ -376,3 +376,11 @@ def test_xgrammar_rewrites_schemas_it_would_misread_into_ones_it_enforces():
                                                      "minLength": 1, "maxLength": 3}}}
     g = json_schema_grammar(json.dumps(suffix))
     assert accepts(g, '{"x": "Sr"}') and not accepts(g, '{"x": "SrI"}') and not accepts(g, '{"x": "Toolong"}')
+
+
+def test_xgrammar_errors_read_without_its_assertion_text(tok):
+    # the 400 quoted xgrammar's C++ assertion ("Check failed: (!(start && end) || ...) is false: ...")
+    backend = BACKENDS["xgrammar"](tok, VOCAB, [EOS])
+    with pytest.raises(GrammarError) as e:
+        backend.compile("json_schema", json.dumps({"type": "integer", "minimum": 5, "maximum": 1}))
+    assert "minimum greater than maximum" in str(e.value) and "Check failed" not in str(e.value), str(e.value)

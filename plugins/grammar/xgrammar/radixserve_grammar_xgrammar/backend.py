@@ -18,6 +18,8 @@ from radixserve_grammar_xgrammar.schema_rewrites import prepare_schema
 MAX_ROLLBACK_TOKENS = 16  # what we promise (xgrammar keeps the whole history): any draft the core allows (<= 16)
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:line: "; users need only the rest
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
+# ... and an assertion's condition before its message: "Check failed: (a <= b) is false: Invalid range"
+_CPP_CHECK = re.compile(r"^Check failed: \(.*?\) is false:\s*")
 
 
 # JSON-schema keywords xgrammar 0.1.27 accepts but does not enforce (checked one by one): a
@@ -142,7 +144,8 @@ def unenforced_construct(schema: Any) -> str | None:
 
 
 def _clean(e: Exception) -> str:
-    return _CPP_PREFIX.sub("", str(e).strip()).strip() or type(e).__name__
+    text = _CPP_PREFIX.sub("", str(e).strip()).strip()
+    return _CPP_CHECK.sub("", text).strip() or text or type(e).__name__
 
 
 def normalize_schema(schema: Any) -> Any:
