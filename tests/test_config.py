@@ -124,3 +124,14 @@ def test_a_config_path_that_is_no_yaml_text_is_named(tmp_path):
         r = run_cli(["config", "show", "--config", str(path)])
         assert r.returncode == 2 and str(path) in r.stderr and words in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
+
+
+def test_config_show_says_which_implementation_runs_a_checkpoint(tmp_path):
+    from radixserve.testing import tiny_checkpoint
+
+    ckpt = tiny_checkpoint("llama", tmp_path / "tiny")
+    r = run_cli(["config", "show", "--model", str(ckpt)])
+    assert r.returncode == 0, r.stderr
+    assert "native plugin 'llama'" in r.stdout.splitlines()[-1], r.stdout
+    forced = run_cli(["config", "show", "--model", str(ckpt), "model.impl=transformers"])
+    assert "transformers fallback" in forced.stdout.splitlines()[-1], forced.stdout + forced.stderr

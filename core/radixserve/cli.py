@@ -102,7 +102,7 @@ def load_config_from_args(args: argparse.Namespace, extra: dict | None = None) -
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    config = load_config_from_args(args)
+    config = load_config_from_args(args, {"model": {"path": args.model}} if args.model else None)
     reg = Registry.from_config(config)
     device = config.runtime.resolved_device()
     resolved = resolve_stack(config, reg, device)
@@ -120,7 +120,24 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         if kind == "drafter" and resolved.drafter_options:
             print(f"  drafter_options: {resolved.drafter_options}  # speculative.options")
     _show_output_parsers(config, reg)
+    if config.model.path is not None:  # which implementation would run it (reads only the config)
+        print(f"model: {config.model.path}  # {_model_choice(config, reg)}")
     return 0
+
+
+def _model_choice(config: Config, reg: Registry) -> str:
+    """`architecture A: native plugin 'p' (dist)` for the configured checkpoint, as the runner picks."""
+    from radixserve.model_loader.model_files import check_model_files, resolve_model_path
+    from radixserve.model_loader.sources import open_source
+    from radixserve.plugins.model_select import select_model
+
+    path = resolve_model_path(config.model.path)
+    check_model_files(path)
+    hf_config = open_source(path, config.model.load_format, reg, config.model.weight_source_options).hf_config()
+    arch = (getattr(hf_config, "architectures", None) or [None])[0]
+    if arch is None:
+        raise ValueError(f"{path!r}: config has no `architectures`; cannot pick a model class")
+    return select_model(reg, arch, config.model.impl).describe()
 
 
 def _show_output_parsers(config: Config, reg: Registry) -> None:
@@ -185,6 +202,7 @@ def make_parser() -> argparse.ArgumentParser:
     csub = p.add_subparsers(dest="config_cmd", metavar="ACTION", required=True)
     show = csub.add_parser("show", help="print the fully resolved configuration and component stack")
     common(show)
+    show.add_argument("--model", help="also say which model implementation runs this checkpoint (model.path)")
     show.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides (beat the YAML)")
     show.set_defaults(func=cmd_config_show)
 
