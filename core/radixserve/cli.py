@@ -132,7 +132,7 @@ def _model_choice(config: Config, reg: Registry) -> str:
     from radixserve.plugins.model_select import select_model
 
     path = resolve_model_path(config.model.path)
-    check_model_files(path, reg)
+    check_model_files(path)
     hf_config = open_source(path, config.model.load_format, reg, config.model.weight_source_options).hf_config()
     arch = (getattr(hf_config, "architectures", None) or [None])[0]
     if arch is None:

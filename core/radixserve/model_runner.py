@@ -88,7 +88,7 @@ class ModelRunner:
         attention_cls = self.registry.load("attention", early.attention.name)
         native.build_in_background([lambda: attention_cls.build_native_kernels(self.device.type)])
         self.model_path = resolve_model_path(config.model.path)  # a local path, a Hub id, or the default
-        check_model_files(self.model_path, self.registry)  # as serve and the Engine: one line naming a broken file
+        check_model_files(self.model_path)  # as serve and the Engine: one line naming a broken file
         source = open_source(self.model_path, config.model.load_format, self.registry,
                              config.model.weight_source_options)
         self.hf_config = source.hf_config()

@@ -184,14 +184,5 @@ class WeightSource(abc.ABC):
     def num_tensors(self, path: str) -> int | None:
         return None
 
-    @classmethod
-    def check_file(cls, path: str) -> None:
-        """Optional: raise ValueError naming `path` and what is wrong with it (empty, not this
-        format, truncated) from a cheap structural read, no weights loaded. Called on the class
-        before the tokenizer or any runtime process starts (`serve`, `generate`, the Engine), so a
-        broken file is one line, not a traceback from inside `hf_config` / `iter_weights`.
-        Default: no check. Added in plugin API 1.11."""
-        return None
-
     @abc.abstractmethod
     def iter_weights(self, path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]: ...

@@ -139,17 +139,14 @@ _CONFIG_INT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads",
                       "intermediate_size", "vocab_size", "max_position_embeddings", "head_dim")
 
 
-def check_model_files(path: str, registry) -> None:
+def check_model_files(path: str) -> None:
     """Raise ValueError naming the file and what is wrong: an HF directory without a readable
-    config.json (missing, bad JSON, no model_type, a non-integer size); a checkpoint file is checked
-    by the weight source that declared its suffix (`WeightSource.check_file`: the GGUF plugin reports
-    an empty, non-GGUF or truncated file), the core knowing no file format itself."""
+    config.json (missing, bad JSON, no model_type, a non-integer size), or a .gguf file that is
+    empty, not GGUF or truncated. Other files (plugin weight formats) are left to their reader."""
     if os.path.isdir(path):
         _check_hf_config(path)
-    elif os.path.isfile(path):
-        spec = registry.weight_source_for(path)
-        if spec is not None:
-            registry.load("quantization", spec.name).check_file(path)
+    elif os.path.isfile(path) and path.lower().endswith(".gguf"):
+        _check_gguf(path)
 
 
 def _check_hf_config(path: str) -> None:
@@ -171,3 +168,68 @@ def _check_hf_config(path: str) -> None:
         value = data.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise ValueError(f"{cfg}: {key} must be an integer, got {value!r}")
+
+
+_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type -> bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _check_gguf(path: str) -> None:
+    """Walk the GGUF header, metadata and tensor infos (no tensor data is read)."""
+    import struct
+
+    size = os.path.getsize(path)
+    if size == 0:
+        raise ValueError(f"{path} is not a valid GGUF file (empty)")
+    with open(path, "rb") as f:
+        head = f.read(24)
+        if head[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a valid GGUF file (it starts with {head[:4]!r}, not b'GGUF')")
+        try:
+            _version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:24])
+            pos = 24
+
+            def take(n: int) -> bytes:
+                nonlocal pos
+                if n < 0 or pos + n > size:
+                    raise EOFError(f"needs {pos + n} bytes, the file has {size}")
+                f.seek(pos)
+                pos += n
+                return f.read(n)
+
+            def skip_string() -> None:
+                nonlocal pos
+                (n,) = struct.unpack("<Q", take(8))
+                take(n)
+
+            def skip_value(vtype: int) -> None:
+                nonlocal pos
+                if vtype in _GGUF_SCALARS:
+                    take(_GGUF_SCALARS[vtype])
+                elif vtype == _GGUF_STRING:
+                    skip_string()
+                elif vtype == _GGUF_ARRAY:
+                    etype, count = struct.unpack("<IQ", take(12))
+                    if etype in _GGUF_SCALARS:
+                        take(_GGUF_SCALARS[etype] * count)
+                    else:
+                        for _ in range(count):
+                            skip_value(etype)
+                else:
+                    raise ValueError(f"unknown metadata value type {vtype}")
+
+            for _ in range(n_kv):
+                skip_string()
+                (vtype,) = struct.unpack("<I", take(4))
+                skip_value(vtype)
+            for _ in range(n_tensors):
+                skip_string()
+                (n_dims,) = struct.unpack("<I", take(4))
+                take(8 * n_dims + 4)  # dims, ggml type
+                (offset,) = struct.unpack("<Q", take(8))
+                if pos + offset > size:  # the tensor data starts past the end (data follows the infos)
+                    raise EOFError(f"tensor data at offset {offset} lies past the end ({size} bytes)")
+        except (struct.error, EOFError) as e:
+            raise ValueError(f"{path} is not a valid GGUF file (truncated: {e})") from None
+        except ValueError as e:
+            raise ValueError(f"{path} is not a valid GGUF file ({e})") from None

@@ -152,7 +152,7 @@ class TokenizerManager:
         self.registry = registry if registry is not None else Registry.from_config(config)
         self.stack = resolve_stack(config, self.registry, config.runtime.resolved_device())
         self.model_path = resolve_model_path(config.model.path)
-        check_model_files(self.model_path, self.registry)  # one line naming a broken file, before any tokenizer or process
+        check_model_files(self.model_path)  # one line naming a broken file, before any tokenizer or process
         check_quantization_fits(self.stack, self.model_path, self.registry)
         self.model_name = served_name(self.model_path, config.model.served_model_name)
         self.tokenizer: Any = None

@@ -29,7 +29,6 @@ from radixserve.layers.quant_unquantized import UnquantizedMethod
 from radixserve.layers.weight_utils import set_weight_attrs
 
 from radixserve_quant_gguf import kernels
-from radixserve_quant_gguf.file_check import check_gguf_file
 from radixserve_quant_gguf.hf_config import build_hf_config, gguf_architecture
 from radixserve_quant_gguf.reader import open_gguf, release
 from radixserve_quant_gguf.tensors import LINEAR_SUFFIXES, hf_name, iter_hf_tensors, unpermute_qk
@@ -65,10 +64,6 @@ class GGUFMethod(UnquantizedMethod, WeightSource):
         self.linear_type: str | None = None
 
     # ---- WeightSource ---------------------------------------------------------------------
-    @classmethod
-    def check_file(cls, path: str) -> None:
-        check_gguf_file(path)
-
     def hf_config(self, path: str):
         self.path = path
         if self.dequantize is not True and not torch.cuda.is_available():
