@@ -127,17 +127,9 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 def _model_choice(config: Config, reg: Registry) -> str:
     """`architecture A: native plugin 'p' (dist)` for the configured checkpoint, as the runner picks."""
-    from radixserve.model_loader.model_files import check_model_files, resolve_model_path
-    from radixserve.model_loader.sources import open_source
-    from radixserve.plugins.model_select import select_model
+    from radixserve.model_loader.sources import open_checkpoint
 
-    path = resolve_model_path(config.model.path)
-    check_model_files(path)
-    hf_config = open_source(path, config.model.load_format, reg, config.model.weight_source_options).hf_config()
-    arch = (getattr(hf_config, "architectures", None) or [None])[0]
-    if arch is None:
-        raise ValueError(f"{path!r}: config has no `architectures`; cannot pick a model class")
-    return select_model(reg, arch, config.model.impl).describe()
+    return open_checkpoint(config, reg).choice.describe()
 
 
 def _show_output_parsers(config: Config, reg: Registry) -> None:

@@ -26,9 +26,8 @@ from radixserve.memory import (
     latent_bytes_per_token,
 )
 from radixserve.memory.fp8_kv import FP8_KV_DTYPE, KV_CACHE_DTYPES, KVScaleCollector
-from radixserve.model_loader import load_model, open_source
-from radixserve.model_loader.model_files import check_model_files, resolve_model_path
-from radixserve.plugins.model_select import select_model
+from radixserve.model_loader import load_model
+from radixserve.model_loader.sources import open_checkpoint
 from radixserve.plugins.registry import Registry
 from radixserve.plugins.stack import check_backend_attention_type, resolve_stack
 from radixserve.sampling import SampleOutput, Sampler, SamplingBatch
@@ -87,15 +86,10 @@ class ModelRunner:
         # first start: the backend's kernels compile while the weights load, not after
         attention_cls = self.registry.load("attention", early.attention.name)
         native.build_in_background([lambda: attention_cls.build_native_kernels(self.device.type)])
-        self.model_path = resolve_model_path(config.model.path)  # a local path, a Hub id, or the default
-        check_model_files(self.model_path)  # as serve and the Engine: one line naming a broken file
-        source = open_source(self.model_path, config.model.load_format, self.registry,
-                             config.model.weight_source_options)
-        self.hf_config = source.hf_config()
-        arch = (getattr(self.hf_config, "architectures", None) or [None])[0]
-        if arch is None:
-            raise ValueError(f"{self.model_path!r}: config has no `architectures`; cannot pick a model class")
-        choice = select_model(self.registry, arch, config.model.impl)
+        checkpoint = open_checkpoint(config, self.registry)
+        self.model_path, source, self.hf_config, choice = (checkpoint.path, checkpoint.source, checkpoint.hf_config,
+                                                           checkpoint.choice)
+        arch = choice.architecture
         logger.info("model %s", choice.describe())
         model_cls = choice.cls
         # the model's declared KV memory picks the pool and the default backend (docs/mla.md)

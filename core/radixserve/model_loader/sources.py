@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from radixserve.config import Config
     from radixserve.interfaces.quantization import WeightSource
+    from radixserve.plugins.model_select import ModelChoice
     from radixserve.plugins.registry import Registry
 
 FORMATS = ("safetensors", "dummy")  # plus the name of any installed weight source (e.g. "gguf")
@@ -132,3 +134,30 @@ def _check_options(cls, name: str, options: dict) -> None:
     if unknown:
         raise ValueError(f"model.weight_source_options: {', '.join(map(repr, unknown))} not accepted by the "
                          f"weight source {name!r} (valid: {', '.join(valid) or 'none'})")
+
+
+@dataclass
+class Checkpoint:
+    """The configured checkpoint, opened and matched to an implementation (no weights read)."""
+
+    path: str  # local: a Hub id downloaded, the default model found
+    source: ModelSource
+    hf_config: object
+    choice: ModelChoice
+
+
+def open_checkpoint(config: Config, registry: Registry) -> Checkpoint:
+    """`model.path` resolved, its files checked (one line naming a broken file), opened and its
+    architecture's implementation picked by `model.impl`: what ModelRunner loads and what
+    `radixserve config show --model` reports."""
+    from radixserve.model_loader.model_files import check_model_files, resolve_model_path
+    from radixserve.plugins.model_select import select_model
+
+    path = resolve_model_path(config.model.path)  # a local path, a Hub id, or the default
+    check_model_files(path)
+    source = open_source(path, config.model.load_format, registry, config.model.weight_source_options)
+    hf_config = source.hf_config()
+    arch = (getattr(hf_config, "architectures", None) or [None])[0]
+    if arch is None:
+        raise ValueError(f"{path!r}: config has no `architectures`; cannot pick a model class")
+    return Checkpoint(path, source, hf_config, select_model(registry, arch, config.model.impl))
