@@ -61,6 +61,10 @@ class ReqTokenOut(msgspec.Struct, kw_only=True):
     prompt_tail: list[int] | None = None
     token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # SamplingParams.prompt_logprobs, on the request's first emission only: prompt token i+1's logprob
+    # for each prompt position i, and (token id, logprob) alternatives when prompt_logprobs > 0
+    prompt_token_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None  # set when the scheduler rejects the request (it never ran)
     error_status: int = 400
     # speculative decoding, totals so far: verify steps with a draft, draft tokens accepted in them
@@ -83,6 +87,8 @@ class ReqTextOut(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
     token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_token_logprobs: list[float] | None = None  # once, on the first item (see ReqTokenOut)
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     spec_verify_ct: int = 0  # speculative decoding totals (see ReqTokenOut)
     spec_accepted_drafts: int = 0
     error: str | None = None

@@ -4,6 +4,7 @@ runs one scheduled batch at a time (same process as the scheduler)."""
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -37,6 +38,7 @@ from radixserve.state import (
     ForwardBatch,
     ForwardMode,
     LaunchedBatch,
+    PromptLogprobRows,
     ScheduledBatch,
     SpecVerify,
     tree_block,
@@ -48,6 +50,15 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 REQ_POOL_EXTRA_ROWS = 4  # spare rows so a request can be admitted while another is being freed
+PROMPT_SCORE_BLOCK = 256  # prompt rows scored per logits block (256 x a 128k vocabulary: 128 MB of fp32)
+
+
+class _PromptScores(NamedTuple):
+    """A batch's prompt logprobs on the device (ScheduledBatch.prompt_logprob_rows, in row order)."""
+
+    token_logprobs: torch.Tensor  # [rows] fp32
+    top_logprobs: torch.Tensor | None  # [rows, top] fp32, best first; None when top == 0
+    top_ids: torch.Tensor | None  # [rows, top] int64
 
 
 
@@ -523,9 +534,10 @@ class ModelRunner:
         """fp32 next-token logits [bs, vocab], one row per request (writes the batch's KV)."""
         return self._forward(sb, greedy_ids=False)[0]
 
-    def _forward(self, sb: ScheduledBatch, greedy_ids: bool) -> tuple[torch.Tensor, bool]:
-        """(logits as `forward_logits`, False); or, when `greedy_ids` and the model offers it,
-        (the argmax token ids [bs] int64 straight from the hidden rows, True)."""
+    def _forward(self, sb: ScheduledBatch, greedy_ids: bool) -> tuple[torch.Tensor, bool, _PromptScores | None]:
+        """(logits as `forward_logits`, False, prompt scores); or, when `greedy_ids` and the model offers
+        it, (the argmax token ids [bs] int64 straight from the hidden rows, True, prompt scores). The
+        prompt scores are those of `sb.prompt_logprob_rows` (None when it is None)."""
         if sb.mode is ForwardMode.DECODE and any(e != 1 for e in sb.extend_lens):
             raise ValueError("DECODE batches must have extend_lens == 1 for every request")
         tp = self.tp_group
@@ -547,23 +559,44 @@ class ModelRunner:
             logits = gr.run(fb)[:, : self.vocab_size]
             if recording and sb.reqs:
                 self._record_hidden(sb, *gr.recorded_rows(fb.batch_size))
-            return logits, False
+            return logits, False, None
         er = self.extend_graph_runner  # prefill chunks (and mixed batches) of a bounded token count
-        if er is not None and not recording and sb.spec is None and er.can_run(fb):
+        scored = sb.prompt_logprob_rows  # the graphs keep only each request's last row: score eagerly
+        if er is not None and not recording and sb.spec is None and scored is None and er.can_run(fb):
             self.last_run_used_cuda_graph = True
-            return er.run(fb)[:, : self.vocab_size], False
+            return er.run(fb)[:, : self.vocab_size], False, None
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
         if recording and sb.reqs:
             aux = torch.cat(list(self.model.aux_hidden_states), dim=-1) if ts.aux_layers else None
             self._record_hidden(sb, hidden, aux)
+        scores = self._score_prompt_rows(hidden, scored) if scored is not None else None
         if sb.spec is None or fb.mode is ForwardMode.DECODE:  # a verify scores every new token
             hidden = select_logit_rows(hidden, fb)
         if greedy_ids:
             ids = self.model.greedy_token_ids(hidden, self.vocab_size)
             if ids is not None:
-                return ids, True
-        return self.model.compute_logits(hidden)[:, : self.vocab_size], False
+                return ids, True, scores
+        return self.model.compute_logits(hidden)[:, : self.vocab_size], False, scores
+
+    def _score_prompt_rows(self, hidden: torch.Tensor, scored: PromptLogprobRows) -> _PromptScores:
+        """Each scored row's logprob of its next prompt token, and the top alternatives: log_softmax of
+        the model's raw logits. Made PROMPT_SCORE_BLOCK rows at a time: a long prompt's [rows, vocab]
+        fp32 logits would not fit at once."""
+        rows = torch.tensor(scored.rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
+        targets = torch.tensor(scored.targets, dtype=torch.int64).to(hidden.device, non_blocking=True)
+        token_lps, top_lps, top_ids = [], [], []
+        for at in range(0, len(scored.rows), PROMPT_SCORE_BLOCK):
+            block = slice(at, at + PROMPT_SCORE_BLOCK)
+            logits = self.model.compute_logits(hidden.index_select(0, rows[block]))[:, : self.vocab_size]
+            lps = torch.log_softmax(logits.float(), dim=-1)
+            token_lps.append(lps.gather(1, targets[block, None]).squeeze(1))
+            if scored.top:
+                vals, ids = lps.topk(scored.top, dim=-1)
+                top_lps.append(vals)
+                top_ids.append(ids)
+        return _PromptScores(torch.cat(token_lps), torch.cat(top_lps) if top_lps else None,
+                             torch.cat(top_ids) if top_ids else None)
 
     def _broadcast_step(self, sb: ScheduledBatch, greedy_ids: bool) -> None:
         from radixserve.tensor_parallel import TPRankLost, TPStep
@@ -597,14 +630,16 @@ class ModelRunner:
             return self._launch_verify(sb)
         mask = list(sb.sample_mask) or [True] * sb.batch_size
         keep = [i for i, m in enumerate(mask) if m]
-        if not keep:
-            self.forward_logits(sb)  # an intermediate prefill chunk: its KV only
-            none = BatchResult(next_token_ids=[None] * sb.batch_size)
-            return LaunchedBatch(torch.zeros(sb.batch_size, dtype=torch.int64, device=self.device), lambda: none)
+        if not keep:  # intermediate prefill chunks: their KV (and prompt logprobs) only
+            _, _, scores = self._forward(sb, greedy_ids=False)
+            scores_host, ready = self._copy_to_host(*(scores or ()))
+            return LaunchedBatch(torch.zeros(sb.batch_size, dtype=torch.int64, device=self.device),
+                                 lambda: _with_prompt_scores(BatchResult(next_token_ids=[None] * sb.batch_size),
+                                                             scores_host, ready))
         reqs = [sb.reqs[i] for i in keep]
         sampling = SamplingBatch.from_reqs(reqs, self.vocab_size, self.device)
         masked = sb.token_bitmask is not None  # structured output: the grammar decides, not the argmax
-        logits, are_token_ids = self._forward(sb, greedy_ids=sampling.is_plain_greedy and not masked)
+        logits, are_token_ids, scores = self._forward(sb, greedy_ids=sampling.is_plain_greedy and not masked)
         keep_dev = None  # rows to sample when some are intermediate prefill chunks
         if len(keep) != sb.batch_size:
             keep_dev = torch.tensor(keep).to(self.device, non_blocking=True)  # never a blocking copy: overlap
@@ -622,12 +657,13 @@ class ModelRunner:
         if keep_dev is not None:
             token_ids = torch.zeros(sb.batch_size, dtype=torch.int64, device=self.device)
             token_ids[keep_dev] = out.next_token_ids
-        ids_host, lps_host, ready = self._copy_to_host(out.next_token_ids, out.token_logprobs)
+        (ids_host, lps_host, *scores_host), ready = self._copy_to_host(out.next_token_ids, out.token_logprobs,
+                                                                        *(scores or ()))
 
         def resolve() -> BatchResult:
             if ready is not None:
                 ready.synchronize()
-            result = BatchResult(next_token_ids=[None] * sb.batch_size)
+            result = _with_prompt_scores(BatchResult(next_token_ids=[None] * sb.batch_size), scores_host, None)
             for j, tok in zip(keep, ids_host.tolist(), strict=True):
                 result.next_token_ids[j] = int(tok)
             if lps_host is not None:
@@ -656,9 +692,9 @@ class ModelRunner:
                 paths.append(paths[parents[j]] + [tokens[j]])
             rows.extend(DraftHistory(req, path) for path in paths)
         sampling = SamplingBatch.from_reqs(rows, self.vocab_size, self.device)
-        logits, are_token_ids = self._forward(sb, greedy_ids=sampling.is_plain_greedy)
+        logits, are_token_ids, _ = self._forward(sb, greedy_ids=sampling.is_plain_greedy)  # a verify scores no prompt
         out = SampleOutput(next_token_ids=logits) if are_token_ids else self.sampler.sample(logits, sampling)
-        ids_host, lps_host, ready = self._copy_to_host(out.next_token_ids, out.token_logprobs)
+        (ids_host, lps_host), ready = self._copy_to_host(out.next_token_ids, out.token_logprobs)
         lens = list(sb.extend_lens)
 
         def split(values: list) -> list[list]:
@@ -680,21 +716,37 @@ class ModelRunner:
 
         return LaunchedBatch(out.next_token_ids, resolve)
 
-    def _copy_to_host(self, ids: torch.Tensor, logprobs: torch.Tensor | None):
-        """Start device->host copies without blocking: (ids, logprobs or None, event to wait on or None)."""
+    def _copy_to_host(self, *tensors: torch.Tensor | None) -> tuple[list[torch.Tensor | None], torch.cuda.Event | None]:
+        """Start device->host copies without blocking: (the tensors' host copies, None for None;
+        the event to wait on before reading them, or None)."""
         if self.device.type != "cuda":
-            return ids, logprobs, None
+            return list(tensors), None
 
-        def pinned(t: torch.Tensor) -> torch.Tensor:
+        def pinned(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             host.copy_(t, non_blocking=True)
             return host
 
-        ids_host = pinned(ids)
-        lps_host = pinned(logprobs) if logprobs is not None else None
+        copies = [pinned(t) for t in tensors]
         ready = torch.cuda.Event()
         ready.record()
-        return ids_host, lps_host, ready
+        return copies, ready
+
+
+def _with_prompt_scores(result: BatchResult, scores_host: list, ready) -> BatchResult:
+    """`result` with the batch's prompt logprobs (the host copies of a _PromptScores, or an empty list)."""
+    if not scores_host:
+        return result
+    if ready is not None:
+        ready.synchronize()
+    token_lps, top_lps, top_ids = scores_host
+    result.prompt_token_logprobs = token_lps.tolist()
+    if top_lps is not None:
+        result.prompt_top_logprobs = [list(zip(ids, lps, strict=True))
+                                      for ids, lps in zip(top_ids.tolist(), top_lps.tolist(), strict=True)]
+    return result
 
 
 def check_model_tensor_parallel(arch: str, model_cls: type, quant, hf_config, tp_size: int) -> None:

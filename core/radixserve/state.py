@@ -42,6 +42,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: bool = False
     top_logprobs: int = 0  # number of top alternatives returned per token
+    # logprobs of the prompt's tokens (vLLM's name): None = not computed; k >= 0 = each prompt token's
+    # logprob given the tokens before it, with its k likeliest alternatives. Raw model logits (no
+    # penalties, bias or temperature); the prefix cache is not used for such a request's prompt
+    prompt_logprobs: int | None = None
     n: int = 1
     # Structured output (SGLang's native names; at most one may be set). Each is the constraint's
     # text: a JSON schema serialised as JSON (`{"type": "object"}` for any JSON object), a regex, an
@@ -80,6 +84,8 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be None or in [0, 20], got {self.prompt_logprobs}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         constraints = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
@@ -212,6 +218,10 @@ class Req:
     # logprobs of each output token (when sampling_params.logprobs), and top alternatives
     output_token_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # with sampling_params.prompt_logprobs: prompt token i+1's logprob (and alternatives) for each
+    # prompt position i computed so far, in order (the first prompt token has none)
+    prompt_token_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # the GrammarMatcher of a constrained request (json_schema/regex/ebnf), set once its grammar is
     # compiled; it has accepted exactly `output_ids`
     grammar: Any = None
@@ -268,10 +278,24 @@ class ScheduledBatch:
     token_bitmask: torch.Tensor | None = None
     apply_bitmask: Callable[[torch.Tensor, torch.Tensor], None] | None = None
     token_bitmask_ready: Callable[[], Any] | None = None
+    # prompt logprobs (SamplingParams.prompt_logprobs): the packed token rows whose next prompt
+    # token is scored, those tokens, and the most alternatives any row wants; None when no request asks
+    prompt_logprob_rows: PromptLogprobRows | None = None
 
     @property
     def batch_size(self) -> int:
         return len(self.reqs)
+
+
+@dataclass
+class PromptLogprobRows:
+    """Which hidden rows of an EXTEND batch the runner scores against the prompt (scheduler -> runner):
+    row `rows[i]` (an index into the packed new tokens) predicts token `targets[i]`, the prompt's
+    next token. The runner returns one logprob per row and `top` alternatives for each."""
+
+    rows: list[int]
+    targets: list[int]
+    top: int = 0
 
 
 @dataclass
@@ -334,6 +358,10 @@ class BatchResult:
     spec_token_ids: list[list[int]] | None = None
     spec_logprobs: list[list[float]] | None = None
     spec_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    # ScheduledBatch.prompt_logprob_rows: one logprob per scored row, and its `top` alternatives
+    # ((token id, logprob), best first), in the rows' order
+    prompt_token_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def tree_block(parents: list[int]) -> list[list[bool]]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from radixserve.memory import ReqToTokenPool
-from radixserve.state import ForwardMode, FutureTokens, ScheduledBatch, SpecVerify
+from radixserve.state import ForwardMode, FutureTokens, PromptLogprobRows, ScheduledBatch, SpecVerify
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class TPStep:
     future: bool  # input ids follow as a device-tensor broadcast (overlap: not on the host yet)
     spec_parents: list[list[int]] | None = None
     journal: list[tuple] = field(default_factory=list)
+    prompt_logprob_rows: PromptLogprobRows | None = None  # scored rows: their logits are collectives too
 
     @classmethod
     def of(cls, sb: ScheduledBatch, greedy_ids: bool, journal: list[tuple]) -> TPStep:
@@ -75,6 +76,7 @@ class TPStep:
             extend_lens=list(sb.extend_lens), out_cache_loc=sb.out_cache_loc.to("cpu", torch.int64).tolist(),
             greedy_ids=greedy_ids, future=future,
             spec_parents=[list(p) for p in sb.spec.parents] if sb.spec is not None else None, journal=journal,
+            prompt_logprob_rows=sb.prompt_logprob_rows,
         )
 
     def to_batch(self, device: torch.device) -> ScheduledBatch:
@@ -88,6 +90,7 @@ class TPStep:
             req_pool_indices=list(self.req_pool_indices), prefix_lens=list(self.prefix_lens),
             extend_lens=list(self.extend_lens), out_cache_loc=torch.tensor(self.out_cache_loc, dtype=torch.int64),
             future_inputs=future, spec=SpecVerify(self.spec_parents) if self.spec_parents is not None else None,
+            prompt_logprob_rows=self.prompt_logprob_rows,
         )
 
 

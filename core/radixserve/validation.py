@@ -150,6 +150,9 @@ def check_sampling(sp: SamplingParams, limits: ModelLimits, names: FieldNames = 
     for name in _BOOLS:
         if not isinstance(getattr(sp, name), bool):
             raise InvalidRequest(f"{names.of(name)} must be true or false, got {getattr(sp, name)!r}", names.of(name))
+    if sp.prompt_logprobs is not None and not _is_int(sp.prompt_logprobs):
+        field = names.of("prompt_logprobs")
+        raise InvalidRequest(f"{field} must be null or an integer in [0, 20], got {sp.prompt_logprobs!r}", field)
     if sp.seed is not None and (not _is_int(sp.seed) or not -INT64_MAX <= sp.seed <= INT64_MAX):
         raise InvalidRequest(f"{names.of('seed')} must be a 64-bit integer, got {sp.seed!r}", names.of("seed"))
     stop = sp.stop

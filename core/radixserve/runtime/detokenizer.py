@@ -66,6 +66,7 @@ class _ReqState:
     pending_text: list[str] = field(default_factory=list)
     pending_logprobs: list[float] | None = None
     pending_top: list[Any] | None = None
+    pending_prompt: tuple[list[float], list[Any] | None] | None = None  # prompt logprobs, sent once
 
 
 class DetokenizerManager:
@@ -119,6 +120,8 @@ class DetokenizerManager:
             st.pending_logprobs = (st.pending_logprobs or []) + list(item.token_logprobs)
         if item.top_logprobs is not None:
             st.pending_top = (st.pending_top or []) + list(item.top_logprobs)
+        if item.prompt_token_logprobs is not None:
+            st.pending_prompt = (item.prompt_token_logprobs, item.prompt_top_logprobs)
         if fin is not None:
             del self.states[item.rid]
         elif not st.stream:
@@ -137,7 +140,10 @@ class DetokenizerManager:
             token_logprobs=st.pending_logprobs,
             top_logprobs=st.pending_top,
         )
+        if st.pending_prompt is not None:
+            out.prompt_token_logprobs, out.prompt_top_logprobs = st.pending_prompt
         st.pending_ids, st.pending_text, st.pending_logprobs, st.pending_top = [], [], None, None
+        st.pending_prompt = None
         return out
 
     def to_message(self, outs: list[ReqTextOut]) -> BatchTextOut:

@@ -72,6 +72,10 @@ class _ReqState:
     output_ids: list[int] = field(default_factory=list)
     token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: the prompt, and its (logprob, token id) pairs once they arrive
+    prompt_ids: list[int] | None = None
+    prompt_logprobs: list[tuple[float | None, int]] | None = None
+    prompt_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     finished: bool = False
 
 
@@ -125,7 +129,9 @@ class TokenizerManager:
       "matched": token id or stop string}, with speculative decoding "spec_verify_ct" (verify steps
       with a draft) and "spec_accept_length" (mean tokens per verify step), "output_token_logprobs": [(logprob, token_id), ...],
       "output_top_logprobs": [[(logprob, token_id), ...], ...]}}` (logprob keys only when
-      return_logprob). stream=False: one item at the end; stream=True: one item per emission
+      return_logprob); with sampling_params.prompt_logprobs also "input_token_logprobs": [(None,
+      first prompt id), (logprob, token_id), ...] (one per prompt token) and, when prompt_logprobs > 0,
+      "input_top_logprobs": [None, [(logprob, token_id), ...], ...], from the first item on. stream=False: one item at the end; stream=True: one item per emission
       (scheduler.stream_interval steps), the last one has a finish_reason. Raises `RequestError`
       (status 400) for invalid requests, `EngineDeadError` (status 503) when a child died. Closing the
       iterator early (client disconnect) aborts the request and frees its KV.
@@ -418,7 +424,8 @@ class TokenizerManager:
     async def generate(self, inp: GenerateInput) -> AsyncIterator[dict[str, Any]]:
         self._check_alive()
         rid, ids, sp = self._prepare(inp)
-        st = _ReqState(rid=rid, stream=inp.stream, return_logprob=sp.logprobs, prompt_tokens=len(ids))
+        st = _ReqState(rid=rid, stream=inp.stream, return_logprob=sp.logprobs, prompt_tokens=len(ids),
+                       prompt_ids=ids if sp.prompt_logprobs is not None else None)
         self._rid_to_state[rid] = st
         msg = GenerateRequest(
             rid=rid,
@@ -456,6 +463,11 @@ class TokenizerManager:
             st.token_logprobs.extend(zip(item.token_logprobs, item.new_ids))
         if item.top_logprobs is not None:
             st.top_logprobs.extend([[(lp, tid) for tid, lp in alts] for alts in item.top_logprobs])
+        if item.prompt_token_logprobs is not None and st.prompt_ids is not None:
+            # the first prompt token has no logprob (nothing before it to predict it from)
+            st.prompt_logprobs = [(None, st.prompt_ids[0])] + list(zip(item.prompt_token_logprobs, st.prompt_ids[1:]))
+            if item.prompt_top_logprobs is not None:
+                st.prompt_top_logprobs = [None] + [[(lp, tid) for tid, lp in alts] for alts in item.prompt_top_logprobs]
 
     @staticmethod
     def _render(st: _ReqState, item: ReqTextOut) -> dict[str, Any]:
@@ -472,6 +484,10 @@ class TokenizerManager:
         if st.return_logprob:
             meta["output_token_logprobs"] = list(st.token_logprobs)
             meta["output_top_logprobs"] = list(st.top_logprobs)
+        if st.prompt_logprobs is not None:
+            meta["input_token_logprobs"] = st.prompt_logprobs
+            if st.prompt_top_logprobs is not None:
+                meta["input_top_logprobs"] = st.prompt_top_logprobs
         return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
 
     def abort(self, rid: str) -> None:

@@ -46,6 +46,7 @@ from radixserve.state import (
     ForwardMode,
     FutureTokens,
     LaunchedBatch,
+    PromptLogprobRows,
     Req,
     SamplingParams,
     ScheduledBatch,
@@ -101,12 +102,59 @@ class _Item:
     decode: bool  # a running request's one-token step (inside a DECODE or mixed batch)
     slots: torch.Tensor  # KV slots of the new tokens, already written into the request's row
     draft: Draft | None = None  # a verify step: the new tokens are the last token then these drafts
+    # prompt logprobs: this item's new tokens from `scored_from` (an offset among them) on, `scored` of
+    # them, predict a prompt token still to be scored (set when the batch is built)
+    scored_from: int = 0
+    scored: int = 0
 
     @property
     def completes_prompt(self) -> bool:
         return self.decode or self.prefix_len + self.extend_len == len(self.req.origin_input_ids) + len(
             self.req.output_ids
         )
+
+
+def _prompt_logprob_rows(items: list[_Item]) -> PromptLogprobRows | None:
+    """The rows of a prefill batch that score a prompt token (SamplingParams.prompt_logprobs): a new
+    token at position j scores prompt token j + 1, from the first position not scored yet (positions
+    before it were scored by an earlier chunk, or a run before a retraction). Sets each item's
+    `scored_from` / `scored`; None when no request asks."""
+    rows: list[int] = []
+    targets: list[int] = []
+    top = 0
+    offset = 0
+    for it in items:
+        k = it.req.sampling_params.prompt_logprobs
+        if k is not None and not it.decode:
+            prompt = it.req.origin_input_ids
+            # positions before len(prompt_token_logprobs) are stored (a run before a retraction computed
+            # them again: admission keeps no more prefix than that); with overlap scheduling the next chunk
+            # is built before this chunk's scores are stored, and its prefix_len is the bound
+            first = max(it.prefix_len, len(it.req.prompt_token_logprobs))
+            last = min(it.prefix_len + it.extend_len, len(prompt) - 1)  # the last prompt token predicts no prompt token
+            if first < last:
+                it.scored_from, it.scored = first - it.prefix_len, last - first
+                rows.extend(range(offset + it.scored_from, offset + it.scored_from + it.scored))
+                targets.extend(prompt[first + 1 : last + 1])
+                top = max(top, k)
+        offset += it.extend_len
+    return PromptLogprobRows(rows, targets, top) if rows else None
+
+
+def _store_prompt_logprobs(items: list[_Item], result: BatchResult) -> None:
+    """Append each item's scored rows (in `_prompt_logprob_rows`' order) to its request's prompt logprobs."""
+    at = 0
+    tops = result.prompt_top_logprobs
+    for it in items:
+        if not it.scored:
+            continue
+        req, k = it.req, it.req.sampling_params.prompt_logprobs
+        position = it.prefix_len + it.scored_from
+        for j in range(it.scored):
+            if position + j == len(req.prompt_token_logprobs):  # in order; a position stored before is skipped
+                req.prompt_token_logprobs.append(float(result.prompt_token_logprobs[at + j]))
+                req.prompt_top_logprobs.append(list(tops[at + j][:k]) if tops is not None and k else [])
+        at += it.scored
 
 
 def _appends_sampled_token(it: _Item) -> bool:
@@ -761,6 +809,8 @@ class Scheduler:
                 req.prefix_indices, req.last_node = m.kv_indices, m.last_node
             if req.prefix_indices.numel() >= len(req.fill_ids):  # keep one token to compute logits from
                 req.prefix_indices = req.prefix_indices[: len(req.fill_ids) - 1]
+            if req.sampling_params.prompt_logprobs is not None:  # the positions still to score are computed
+                req.prefix_indices = req.prefix_indices[: len(req.prompt_token_logprobs)]
             prefix_len = int(req.prefix_indices.numel())
             extend = len(req.fill_ids) - prefix_len
             if admitted and self._shares_uncached_prefix(req, prefix_len, admitted):
@@ -1064,6 +1114,7 @@ class Scheduler:
         else:
             self.metrics.prefill_batches += 1
         sample_mask = [it.completes_prompt for it in items]
+        scored = _prompt_logprob_rows(items) if not verify else None
         if prev_step is None:
             bitmask = self._token_bitmask(items, sample_mask)
         else:
@@ -1082,6 +1133,7 @@ class Scheduler:
             token_bitmask=bitmask[0] if bitmask else None,
             apply_bitmask=self.grammar.ready_backend.apply_bitmask_inplace if bitmask else None,
             token_bitmask_ready=bitmask[1] if bitmask else None,
+            prompt_logprob_rows=scored,
         )
 
     def _token_bitmask(self, items: list[_Item], sample_mask: list[bool]) -> tuple[torch.Tensor, Callable] | None:
@@ -1224,6 +1276,8 @@ class Scheduler:
             accepted = self._accept_grammar_tokens(items, result) if self.grammar is not None else {}
         if on_accepted is not None:
             on_accepted({id(items[i].req) for i, (ok, term) in accepted.items() if term or not ok})
+        if result.prompt_token_logprobs is not None:
+            _store_prompt_logprobs(items, result)
         for i, it in enumerate(items):
             req = it.req
             if req.finished:  # overlap: aborted, or stopped a step earlier, while this batch ran
@@ -1336,6 +1390,10 @@ class Scheduler:
         if req.sampling_params.logprobs:
             out.token_logprobs = req.output_token_logprobs[meta.sent : returned]
             out.top_logprobs = [list(map(tuple, alts)) for alts in req.output_top_logprobs[meta.sent : returned]]
+        if not meta.first_sent and req.sampling_params.prompt_logprobs is not None:
+            out.prompt_token_logprobs = list(req.prompt_token_logprobs)
+            if req.sampling_params.prompt_logprobs:
+                out.prompt_top_logprobs = [list(map(tuple, alts)) for alts in req.prompt_top_logprobs]
         meta.sent = end
         meta.first_sent = True
         self._outbox.append(out)

@@ -251,8 +251,6 @@ class Serving:
     async def completions(self, req: p.CompletionRequest, raw: Request) -> Response:
         started = time.perf_counter()
         self.check_ready(req.model)
-        if req.echo and req.logprobs is not None:
-            raise APIError("echo together with logprobs (prompt logprobs) is not supported", 400, "echo")
         prompts = req.prompts()
         base = req.rid or f"cmpl-{uuid.uuid4().hex}"
         want_lp = req.logprobs is not None
@@ -278,6 +276,7 @@ class Serving:
                         want_lp,
                         req.logprobs or 0,
                         seed_offset=i,
+                        prompt_logprobs=req.logprobs if req.echo else None,  # echo with logprobs scores the prompt
                     )
                 )
         echoes = [self._prompt_text(prm) if req.echo else "" for prm in prompts]
@@ -297,7 +296,7 @@ class Serving:
                 p.CompletionChoice(
                     index=job.index,
                     text=echoes[k] + out["text"],
-                    logprobs=formatter.logprobs(meta, 0, _TextOffsets(len(echoes[k]))) if want_lp else None,
+                    logprobs=formatter.choice_logprobs(meta, k) if want_lp else None,
                     finish_reason=reason,
                     matched_stop=matched,
                 )
@@ -319,6 +318,8 @@ class Serving:
             params = sampling_from_dict(req.sampling_params, self.tm.limits, NATIVE)
             if req.return_logprob:
                 params.logprobs, params.top_logprobs = True, req.top_logprobs_num
+                if req.logprob_start_len >= 0:
+                    params.prompt_logprobs = req.top_logprobs_num
         except InvalidRequest as e:
             raise APIError(e.message, 400, e.param) from None
         if req.input_ids is not None:
@@ -335,13 +336,14 @@ class Serving:
             priority=req.priority,
         )
         jobs = [Job(0, rid, gen)]
+        fmt = _NativeFormat(max(req.logprob_start_len, 0))
         if req.stream:
-            return await self._stream(jobs, raw, _NativeFormat(), "generate", started, lambda index: 0)
+            return await self._stream(jobs, raw, fmt, "generate", started, lambda index: 0)
         last = await self._collect(jobs, raw, "generate")
         tally = _Tally()
         tally.add(0, last[0]["meta_info"])
         self._done(rid, "generate", 200, tally.usage(), started, None)
-        return Response(_native_json(last[0]), media_type="application/json")
+        return Response(fmt.body(last[0]), media_type="application/json")
 
     # ---- plumbing ---------------------------------------------------------------------------
 
@@ -357,12 +359,14 @@ class Serving:
         top: int,
         seed_offset: int | None = None,
         plan: ChatPlan | None = None,
+        prompt_logprobs: int | None = None,
     ) -> Job:
         rid = base if total == 1 else f"{base}-{index}"
         offset = index if seed_offset is None else seed_offset
         # choices of one prompt must differ under a fixed seed, yet stay reproducible
         seed = None if req.seed is None else req.seed + offset
         params = self.sampling(req, max_new, seed, logprobs, top, plan)
+        params.prompt_logprobs = prompt_logprobs
         gen = GenerateInput(
             sampling_params=params, rid=rid, stream=req.stream, return_logprob=logprobs, top_logprobs_num=top,
             priority=req.priority, **given,
@@ -544,6 +548,12 @@ def _reported(meta: dict) -> int:
     return n
 
 
+def _joined(first: p.CompletionLogprobs, then: p.CompletionLogprobs) -> p.CompletionLogprobs:
+    return p.CompletionLogprobs(tokens=first.tokens + then.tokens, token_logprobs=first.token_logprobs + then.token_logprobs,
+                                top_logprobs=first.top_logprobs + then.top_logprobs,
+                                text_offset=first.text_offset + then.text_offset)
+
+
 def _pairs(meta: dict, key: str, start: int, end: int) -> list:
     return list(meta.get(key) or [])[start:end]
 
@@ -695,27 +705,49 @@ class _CompletionFormat(_Format):
         self._offsets: dict[int, _TextOffsets] = {}
 
     def logprobs(self, meta: dict, start: int, offsets: _TextOffsets) -> p.CompletionLogprobs:
+        """The output tokens' entries from the `start`-th on."""
         end = _reported(meta)
         tokens = _pairs(meta, "output_token_logprobs", start, end)
         tops = _pairs(meta, "output_top_logprobs", start, end)
         out = p.CompletionLogprobs()
         for j, (lp, tid) in enumerate(tokens):
-            text, raw = self.s.token_info(tid)
-            out.tokens.append(text)
-            out.token_logprobs.append(_finite(lp))
-            alts = tops[j] if j < len(tops) and tops[j] else []
-            top: dict[str, float] = {}
-            for a, t in alts[: self.top]:
-                top.setdefault(self.s.token_info(t)[0], _finite(a))  # the likelier one, should two share a string
-            out.top_logprobs.append(top if self.top else None)
             skipped = self.skip_special and self.s.is_special(tid)  # not in the text
-            out.text_offset.append(offsets.advance(b"" if skipped else bytes(raw)))
+            self._add(out, tid, _finite(lp), tops[j] if j < len(tops) else None, offsets, not skipped)
         return out
+
+    def echo_logprobs(self, meta: dict) -> p.CompletionLogprobs:
+        """`echo` with `logprobs`: an entry per prompt token, as OpenAI gives them (the first token's
+        logprob and alternatives are null: nothing precedes it); offsets from the echoed text's start."""
+        tops = meta.get("input_top_logprobs") or []
+        out = p.CompletionLogprobs()
+        offsets = _TextOffsets(0)
+        for j, (lp, tid) in enumerate(meta.get("input_token_logprobs") or []):
+            self._add(out, tid, None if lp is None else _finite(lp), tops[j] if j < len(tops) else None, offsets, True)
+            if lp is None:
+                out.top_logprobs[-1] = None
+        return out
+
+    def choice_logprobs(self, meta: dict, prompt_index: int) -> p.CompletionLogprobs:
+        """A whole (not streamed) choice's logprobs: the echoed prompt's entries, then the output's."""
+        output = self.logprobs(meta, 0, _TextOffsets(len(self.echoes[prompt_index])))
+        return _joined(self.echo_logprobs(meta), output) if self.req.echo else output
+
+    def _add(self, out: p.CompletionLogprobs, tid: int, lp: float | None, alts, offsets: _TextOffsets,
+             in_text: bool) -> None:
+        text, raw = self.s.token_info(tid)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp)
+        top: dict[str, float] = {}
+        for a, t in (alts or [])[: self.top]:
+            top.setdefault(self.s.token_info(t)[0], _finite(a))  # the likelier one, should two share a string
+        out.top_logprobs.append(top if self.top else None)
+        out.text_offset.append(offsets.advance(bytes(raw) if in_text else b""))
 
     def chunk(self, index: int, out: dict, st: ChoiceState) -> list[str]:
         meta = out["meta_info"]
         prefix = ""
-        if not st.started:
+        first = not st.started
+        if first:
             st.started = True
             prefix = self.echoes[self.prompt_of[index]]
             self._offsets[index] = _TextOffsets(len(prefix))
@@ -725,6 +757,8 @@ class _CompletionFormat(_Format):
         if self.req.logprobs is not None:
             logprobs = self.logprobs(meta, st.logprobs_sent, self._offsets[index])
             st.logprobs_sent += len(logprobs.tokens)
+            if first and self.req.echo:  # the echoed prompt's entries come with its text
+                logprobs = _joined(self.echo_logprobs(meta), logprobs)
         reason, matched = _finish(meta)
         if not (delta or reason or (logprobs and logprobs.tokens)):
             return []
@@ -749,7 +783,20 @@ class _CompletionFormat(_Format):
 
 
 class _NativeFormat(_Format):
-    """SGLang's native stream: every event carries the full text so far and the meta_info."""
+    """SGLang's native stream: every event carries the full text so far and the meta_info.
+    `logprob_start_len`: the prompt's logprobs are reported from this position on."""
+
+    def __init__(self, logprob_start_len: int = 0) -> None:
+        self.logprob_start_len = logprob_start_len
+
+    def body(self, out: dict) -> bytes:
+        if self.logprob_start_len and "input_token_logprobs" in out["meta_info"]:
+            meta = dict(out["meta_info"])
+            for key in ("input_token_logprobs", "input_top_logprobs"):
+                if key in meta:
+                    meta[key] = meta[key][self.logprob_start_len :]
+            out = {**out, "meta_info": meta}
+        return _native_json(out)
 
     def chunk(self, index: int, out: dict, st: ChoiceState) -> list[str]:
-        return [sse(_native_json(out).decode())]
+        return [sse(self.body(out).decode())]

@@ -249,7 +249,7 @@ class ChatCompletionRequest(_SamplingFields, ChatToolFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(default=16, ge=1)  # OpenAI's default for text completions
+    max_tokens: int = Field(default=16, ge=0)  # OpenAI's default for text completions; 0 only with echo
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
@@ -259,6 +259,8 @@ class CompletionRequest(_SamplingFields):
     def _check(self) -> CompletionRequest:
         if self.suffix is not None:
             raise refuse("suffix", "text after the completion (suffix) is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise refuse("max_tokens", "must be at least 1 (0 only with echo: the prompt alone, e.g. for its logprobs)")
         if self.best_of is not None and self.best_of != self.n:
             raise refuse("best_of", "best_of other than n is not supported")
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
@@ -290,6 +292,9 @@ class GenerateRequest(_Body):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
+    # SGLang's: with return_logprob, >= 0 also returns the prompt's logprobs from this position on
+    # (meta_info input_token_logprobs / input_top_logprobs); -1: none
+    logprob_start_len: int = Field(default=-1, ge=-1)
     rid: str | None = Field(default=None, max_length=200)
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)  # higher first under the `priority` policy
 
@@ -301,6 +306,8 @@ class GenerateRequest(_Body):
             raise refuse("input_ids", "must not be empty")
         if self.top_logprobs_num and not self.return_logprob:  # as OpenAI's top_logprobs: never ignored
             raise refuse("top_logprobs_num", "requires return_logprob=true")
+        if self.logprob_start_len >= 0 and not self.return_logprob:
+            raise refuse("logprob_start_len", "requires return_logprob=true")
         return self
 
 

@@ -25,6 +25,17 @@ def toy_next_token(ids: list[int] | torch.Tensor, vocab_size: int) -> int:
     return int(((t * _WEIGHTS[:n]).sum() + 7919 * n) % vocab_size)
 
 
+def toy_prompt_logprob(history: list[int] | torch.Tensor, target: int, vocab_size: int) -> float:
+    """The toy's logprob of `target` after `history` (prompt logprobs): 0 for the toy's own next
+    token, lower the further `target` is from it (mod the vocabulary)."""
+    return -((target - toy_next_token(history, vocab_size)) % vocab_size) / vocab_size
+
+
+def toy_prompt_logprobs(prompt: list[int], vocab_size: int) -> list[float]:
+    """What a correct scheduler reports as `prompt` token i+1's logprob, for each position i."""
+    return [toy_prompt_logprob(prompt[: i + 1], prompt[i + 1], vocab_size) for i in range(len(prompt) - 1)]
+
+
 def toy_reference(
     prompt: list[int], max_new_tokens: int, vocab_size: int, eos: frozenset[int] = frozenset()
 ) -> list[int]:
@@ -136,7 +147,24 @@ class ToyRunner:
             out.append(tok)
             logprobs.append(-0.1 * (tok % 7))
             tops.append([(tok, -0.1 * (tok % 7)), ((tok + 1) % self.vocab_size, -5.0)])
-        return BatchResult(next_token_ids=out, token_logprobs=logprobs, top_logprobs=tops)
+        result = BatchResult(next_token_ids=out, token_logprobs=logprobs, top_logprobs=tops)
+        if sb.prompt_logprob_rows is not None:
+            self._score_prompt(sb, result)
+        return result
+
+    def _score_prompt(self, sb: ScheduledBatch, result: BatchResult) -> None:
+        """Prompt logprobs of the scored rows, each reading its history through its request's KV
+        slots (`toy_prompt_logprob`); alternatives: the toy's own next token at logprob 0."""
+        table = self.req_to_token_pool.req_to_token
+        starts = torch.tensor([0, *sb.extend_lens]).cumsum(0).tolist()
+        scored = sb.prompt_logprob_rows
+        result.prompt_token_logprobs, result.prompt_top_logprobs = [], []
+        for r, target in zip(scored.rows, scored.targets, strict=True):
+            i = max(k for k in range(len(sb.extend_lens)) if starts[k] <= r)  # the request of packed row r
+            position = sb.prefix_lens[i] + r - starts[i]
+            history = self.kv_pool[table[sb.req_pool_indices[i], : position + 1], 0]
+            result.prompt_token_logprobs.append(toy_prompt_logprob(history, target, self.vocab_size))
+            result.prompt_top_logprobs.append([(toy_next_token(history, self.vocab_size), 0.0)][: scored.top])
 
     def _compute_verify(self, sb: ScheduledBatch) -> BatchResult:
         """A verify batch: the toy token after every new token, reading its history through the
