@@ -43,6 +43,8 @@ RUNNABLE = {
     "flush": ("docs/http-api.md", "curl -s -X POST $BASE/flush_cache"),
     "abort": ("docs/http-api.md", "curl -s $BASE/abort_request -H 'Content-Type: application/json' -d '{\"rid\": \"my-request-1\"}'"),
     "server_info": ("docs/http-api.md", "curl -s $BASE/server_info"),
+    "tokenize": ("docs/http-api.md", "curl -s $BASE/tokenize -H 'Content-Type: application/json' -d '{\"prompt\""),
+    "model_info": ("docs/http-api.md", "curl -s $BASE/get_model_info"),
     "structured_openai": ("docs/structured-output.md", "from openai import OpenAI"),
     "structured_chat": ("docs/structured-output.md", "curl -s http://127.0.0.1:30000/v1/chat/completions -H 'Content-Type: application/json' -d '{"),
     "structured_generate": ("docs/structured-output.md", "# a JSON schema, as a JSON object or as a string holding one"),
@@ -198,7 +200,7 @@ def run_bash_block(server, name: str) -> str:
 
 
 @pytest.mark.parametrize("name", ["chat", "chat_stream", "completions", "models", "generate", "health",
-                                  "metrics", "flush", "abort", "server_info"])
+                                  "metrics", "flush", "abort", "server_info", "tokenize", "model_info"])
 def test_http_api_curl_blocks(server, name):
     out = run_bash_block(server, name)
     if name.endswith("stream"):
@@ -207,6 +209,10 @@ def test_http_api_curl_blocks(server, name):
         assert out.split() == ["200", '{"status":"ok"}']
     if name == "metrics":
         assert "radixserve_requests_total{" in out
+    if name == "tokenize":  # the prompt's ids, the chat's, then the prompt's ids back to its text
+        prompt, chat, text = (json.loads(part) for part in re.split(r"(?<=\})(?=\{)", out.strip()))
+        assert prompt["count"] == len(prompt["tokens"]) == len(prompt["token_strs"]) and chat["count"] > 0
+        assert text == {"prompt": "Hello world"}, "the example's ids are 'Hello world' in the embedded model"
 
 
 def test_structured_output_blocks(server, tmp_path):

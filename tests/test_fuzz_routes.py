@@ -81,6 +81,7 @@ native_sampling = st.fixed_dictionaries(
         "stop": st.one_of(st.text(max_size=3), st.lists(st.one_of(st.text(max_size=3), junk), max_size=2), junk),
         "seed": st.one_of(st.integers(-(1 << 70), 1 << 70), junk),
         "top_k": st.one_of(st.integers(-3, 50), junk),
+        "prompt_logprobs": st.one_of(st.integers(-2, 22), junk),
         "bogus": junk,
     },
 )
@@ -95,16 +96,26 @@ generate = st.tuples(
             "stream": st.booleans(),
             "return_logprob": st.one_of(st.booleans(), junk),
             "top_logprobs_num": st.one_of(st.integers(-1, 25), junk),
+            "logprob_start_len": st.one_of(st.integers(-2, 10), junk),
         },
     ),
 )
+tokenizing = st.one_of(
+    st.tuples(st.just("/tokenize"), st.fixed_dictionaries({}, optional={
+        "model": st.one_of(st.just(MODEL), junk), "prompt": st.one_of(st.text(max_size=20), junk),
+        "messages": st.one_of(st.just(CHAT), junk), "add_special_tokens": st.one_of(st.booleans(), junk),
+        "return_token_strs": st.one_of(st.booleans(), junk)})),
+    st.tuples(st.just("/detokenize"), st.fixed_dictionaries({}, optional={
+        "model": st.one_of(st.just(MODEL), junk), "tokens": st.one_of(ids, junk)})),
+)
 other = st.tuples(
     st.sampled_from(
-        ["/v1/models", "/health", "/server_info", "/metrics", "/flush_cache", "/abort_request", "/v1/models/x", "/nope"]
+        ["/v1/models", "/health", "/server_info", "/get_server_info", "/get_model_info", "/metrics", "/flush_cache",
+         "/abort_request", "/v1/models/x", "/nope"]
     ),
     st.one_of(junk, st.just({"rid": "a"})),
 )
-requests = st.one_of(completions, chat, generate, other)
+requests = st.one_of(completions, chat, generate, tokenizing, other)
 
 
 def _client():
@@ -130,7 +141,7 @@ def test_no_route_answers_5xx_and_the_server_stays_healthy():
         route, body = req
         if isinstance(body, dict) and body.get("model") == MODEL:
             body = {**body, "model": model}
-        if route in ("/v1/completions", "/v1/chat/completions", "/generate", "/abort_request"):
+        if route in ("/v1/completions", "/v1/chat/completions", "/generate", "/abort_request", "/tokenize", "/detokenize"):
             # NaN / Infinity literals on purpose: Python's json, which the server parses with, accepts them
             r = client.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
         else:

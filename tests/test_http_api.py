@@ -25,8 +25,8 @@ VOCAB = 200  # the fake model's vocabulary: prompt ids 1..99, output ids 100..14
 
 
 class FakeTokenizer:
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) % 50 + 1 for c in text]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % 50 + 1 for c in text]  # no special tokens to add
 
     def decode(self, ids: list[int]) -> str:
         return "".join(f"<{i}>" for i in ids)
@@ -563,3 +563,39 @@ def test_ids_inside_the_vocabulary_still_work(tm, client):
     assert tm.inputs[-1].sampling_params.logit_bias == {199: -100.0}
     r = client.post("/generate", json={"input_ids": [199], "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 200, r.text
+
+
+def test_tokenize_gives_the_ids_generation_uses(tm, client):
+    r = client.post("/tokenize", json={"model": MODEL, "prompt": "abc", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tm.tokenizer.encode("abc") and body["count"] == 3 and body["max_model_len"] == 64
+    assert len(body["token_strs"]) == 3
+    # chat messages: rendered exactly as /v1/chat/completions renders them for the runtime
+    chat = client.post("/tokenize", json={"messages": CHAT}).json()
+    assert chat["token_strs"] is None
+    assert client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1}).status_code == 200
+    assert chat["tokens"] == tm.inputs[-1].input_ids
+    back = client.post("/detokenize", json={"tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": tm.tokenizer.decode(body["tokens"])}
+
+
+@pytest.mark.parametrize(("route", "body", "status", "param"), [
+    ("/tokenize", {"prompt": "a", "messages": CHAT}, 400, "prompt"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"messages": CHAT, "add_special_tokens": True}, 400, "add_special_tokens"),
+    ("/tokenize", {"model": "other", "prompt": "a"}, 404, "model"),
+    ("/detokenize", {"tokens": [VOCAB]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+])
+def test_tokenize_routes_refuse_bad_input_by_name(client, route, body, status, param):
+    r = client.post(route, json=body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+def test_sglang_info_routes(tm, client):
+    info = client.get("/get_model_info").json()
+    assert info["is_generation"] is True and info["served_model_name"] == MODEL and info["max_model_len"] == 64
+    assert client.get("/get_server_info").json()["model_name"] == MODEL

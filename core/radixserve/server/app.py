@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from radixserve.config import Config
 from radixserve.server import protocol as p
+from radixserve.server import tokenization
 from radixserve.server.auth import GuardMiddleware
 from radixserve.server.errors import APIError, error_response, install_error_handlers
 from radixserve.server.generation import ClientGone
@@ -89,6 +90,21 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
         reason = (why() if why is not None else None) or "the runtime is not healthy"
         return error_response(reason, 503, code="service_unavailable")
 
+    @app.post("/tokenize")
+    async def tokenize(body: p.TokenizeRequest) -> JSONResponse:
+        return JSONResponse(tokenization.tokenize(serving, body))
+
+    @app.post("/detokenize")
+    async def detokenize(body: p.DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(tokenization.detokenize(serving, body))
+
+    @app.get("/get_model_info")
+    async def model_info() -> JSONResponse:
+        """SGLang's: what its clients (e.g. the `sglang` frontend's RuntimeEndpoint) read at connect."""
+        return JSONResponse({"model_path": config.model.path, "tokenizer_path": config.model.tokenizer or config.model.path,
+                             "served_model_name": tm.model_name, "is_generation": True,
+                             "max_model_len": int(tm.context_len)})
+
     @app.get("/health")
     async def health() -> Response:
         if not tm.is_healthy():
@@ -135,6 +151,7 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
         return JSONResponse({"status": "ok", "rid": body.rid})
 
     @app.get("/server_info")
+    @app.get("/get_server_info")  # SGLang's name
     async def server_info() -> JSONResponse:
         cfg = config.model_dump()
         if cfg["server"].get("api_key"):

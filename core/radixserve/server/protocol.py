@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
-from radixserve.server.protocol_tools import ChatToolFields, DeltaToolCall, ToolCall
+from radixserve.server.protocol_tools import ChatToolFields, DeltaToolCall, ToolCall, ToolDefinition
 from radixserve.validation import MAX_STOP_STRINGS, InvalidRequest, check_min_tokens, is_text
 
 
@@ -309,6 +309,37 @@ class GenerateRequest(_Body):
         if self.logprob_start_len >= 0 and not self.return_logprob:
             raise refuse("logprob_start_len", "requires return_logprob=true")
         return self
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a text `prompt`, or chat `messages` rendered as /v1/chat/completions renders
+    them (its template, `tools` and `chat_template_kwargs`)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # a prompt's BOS etc. (default true); a chat template writes its own
+    add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=128)
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise refuse("prompt", "give exactly one of prompt or messages")
+        if self.messages is not None and self.add_special_tokens:
+            raise refuse("add_special_tokens", "only with prompt: the chat template writes the special tokens")
+        if self.messages is not None and not self.messages:
+            raise refuse("messages", "must not be empty")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class AbortRequest(_Body):

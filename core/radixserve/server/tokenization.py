@@ -1,0 +1,36 @@
+"""/tokenize and /detokenize (vLLM's routes): the served model's tokenizer, as generation uses it.
+
+A chat request is rendered by the same code as /v1/chat/completions (`plan_chat`), so the ids are
+the ones a chat completion with these messages would be given."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixserve.server import protocol as p
+from radixserve.server.chat_plan import plan_chat
+from radixserve.server.errors import APIError
+from radixserve.validation import InvalidRequest, check_token_ids
+
+
+def tokenize(serving: Any, req: p.TokenizeRequest) -> dict[str, Any]:
+    serving.check_ready(req.model)
+    tm = serving.tm
+    if req.prompt is not None:
+        ids = list(tm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False))
+    else:
+        chat = p.ChatCompletionRequest(model=tm.model_name, messages=req.messages, tools=req.tools,
+                                       add_generation_prompt=req.add_generation_prompt,
+                                       chat_template_kwargs=req.chat_template_kwargs)
+        ids = plan_chat(tm, chat, serving.parsers).ids
+    return {"count": len(ids), "max_model_len": int(tm.context_len), "tokens": ids,
+            "token_strs": [serving.token_info(t)[0] for t in ids] if req.return_token_strs else None}
+
+
+def detokenize(serving: Any, req: p.DetokenizeRequest) -> dict[str, Any]:
+    serving.check_ready(req.model)
+    try:
+        check_token_ids(req.tokens, serving.tm.limits, "tokens")
+    except InvalidRequest as e:
+        raise APIError(e.message, 400, e.param) from None
+    return {"prompt": serving.tm.tokenizer.decode(req.tokens)}
