@@ -124,6 +124,7 @@ def create_router_app(router: Router, config: Config, metrics: RouterMetrics) ->
         return JSONResponse({"status": "ok", **({"rid": _rid(body)} if _rid(body) else {})})
 
     @app.get("/server_info")
+    @app.get("/get_server_info")  # SGLang's name, as on a single server
     async def server_info() -> JSONResponse:
         cfg = config.model_dump()
         if cfg["server"].get("api_key"):
