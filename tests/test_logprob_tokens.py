@@ -2,8 +2,9 @@
 (the embedded SmolLM2's serving tokenizer) and a byte-fallback one: a token that holds part of a
 UTF-8 character has its own bytes (not U+FFFD's) and a distinct `bytes:\\xNN` string; the bytes of
 an output's tokens join to its text; the token that ended the generation (EOS, a stop token id)
-is left out when its text is not part of the output. Through the HTTP app with a scripted runtime
-that detokenizes as the real one does (no model run)."""
+is left out of chat logprobs (its text is not part of the content), and kept in text completions'
+(one entry per generated token, which lm-evaluation-harness counts on). Through the HTTP app with a
+scripted runtime that detokenizes as the real one does (no model run)."""
 
 from __future__ import annotations
 
@@ -111,11 +112,16 @@ class ScriptedTM(HealthyRuntime):
             lps.append((-(k + 1) / 8, t))
             tops.append([(-(k + 1) / 8 - j / 4, a) for j, a in enumerate(self.alts(k, t)[: sp.top_logprobs])])
             if inp.stream or last:
-                yield {"text": text, "output_ids": list(out_ids), "meta_info": {
+                meta = {
                     "id": inp.rid, "prompt_tokens": len(inp.input_ids), "completion_tokens": len(out_ids),
                     "cached_tokens": 0, "finish_reason": finish,
                     "output_token_logprobs": list(lps) if inp.return_logprob else [],
-                    "output_top_logprobs": list(tops) if inp.return_logprob else []}}
+                    "output_top_logprobs": list(tops) if inp.return_logprob else []}
+                if sp.prompt_logprobs is not None:  # prompt token i has logprob -i/16 (the first none)
+                    prompt = list(inp.input_ids)
+                    meta["input_token_logprobs"] = [(None, prompt[0])] + [(-i / 16, t) for i, t in enumerate(prompt) if i]
+                    meta["input_top_logprobs"] = [None] + [[(-i / 16, t)] for i, t in enumerate(prompt) if i]
+                yield {"text": text, "output_ids": list(out_ids), "meta_info": meta}
             await asyncio.sleep(0)
 
 
@@ -198,13 +204,14 @@ def test_completions_top_logprobs_keep_every_alternative_and_offsets_follow_the_
     r = oai.completions.create(**kw)
     text, lp = r.choices[0].text, r.choices[0].logprobs
     assert text == PARTY + PARTY + "\nok"
-    assert [len(top) for top in lp.top_logprobs] == [5] * len(script)  # distinct keys: none overwritten
+    # the script's tokens, then the EOS that ended the output (not in the text: at its end)
+    assert [len(top) for top in lp.top_logprobs] == [5] * (len(script) + 1)  # distinct keys: none overwritten
     for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert top[token] == value == max(top.values())  # the sampled token's own logprob
     assert lp.tokens[:3] == ["bytes:\\xf0\\x9f", "bytes:\\x8e", "bytes:\\x89"]
     # each token is at the character its text starts or continues
-    assert lp.text_offset == [0, 0, 0, 1, 1, 1, 2, 3]
-    for off, token in zip(lp.text_offset, lp.tokens):
+    assert lp.text_offset == [0, 0, 0, 1, 1, 1, 2, 3, len(text)]
+    for off, token in zip(lp.text_offset[:-1], lp.tokens):
         assert off <= len(text)
         if not token.startswith("bytes:"):
             assert text[off:].startswith(token)
@@ -212,12 +219,34 @@ def test_completions_top_logprobs_keep_every_alternative_and_offsets_follow_the_
                                                                          "text_offset"}))
 
 
-def test_completions_logprobs_leave_out_the_end_of_sequence_token(tok):
+def test_completions_logprobs_report_the_end_of_sequence_token(tok):
     oai = openai_client(ScriptedTM(tok, tok.encode(" Paris.")))
     r = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=1)
     lp = r.choices[0].logprobs
-    assert r.choices[0].text == " Paris." and "".join(lp.tokens) == " Paris."
-    assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(tok.encode(" Paris."))
+    n = len(tok.encode(" Paris."))
+    assert r.choices[0].text == " Paris." and "".join(lp.tokens[:n]) == " Paris."
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n + 1, "one entry per token"
+    assert lp.tokens[-1] == tok.decode([tok.eos_token_id]) and lp.text_offset[-1] == len(" Paris.")
     text, streamed = _completion_stream(oai, model=MODEL, prompt="The capital of France is", max_tokens=8,
                                         temperature=0, logprobs=1)
     assert text == " Paris." and streamed["tokens"] == lp.tokens and streamed["text_offset"] == lp.text_offset
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_scoring_when_the_model_would_stop(tok, stream):
+    """lm-evaluation-harness's loglikelihood request: `echo`, `logprobs: 1`, `max_tokens: 1`; it reads
+    `token_logprobs[ctxlen:-1]`, so the one generated token must have its entry even when it is EOS."""
+    oai = openai_client(ScriptedTM(tok, []))  # the model's first token is EOS
+    prompt = tok.encode("The capital of France is Paris")
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    if stream:
+        text, lp = _completion_stream(oai, **kw)
+    else:
+        r = oai.completions.create(**kw)
+        text, lp = r.choices[0].text, r.choices[0].logprobs.model_dump()
+    assert text == tok.decode(prompt)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == len(prompt) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:-1] == [-i / 16 for i in range(1, len(prompt))]
+    assert lp["tokens"][-1] == tok.decode([tok.eos_token_id]) and lp["text_offset"][-1] == len(text)
+    assert lp["text_offset"][:2] == [0, len(lp["tokens"][0])]

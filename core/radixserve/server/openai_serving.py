@@ -535,9 +535,10 @@ def token_label(raw: bytes) -> str:
 
 
 def _reported(meta: dict) -> int:
-    """How many of the output's tokens logprobs report: all but the token that ended the
-    generation when its text is not part of the output (EOS or a stop token id; the detokenizer
-    leaves it out of the text), as OpenAI does. A stop string's tokens are already left out."""
+    """How many of the output's tokens chat logprobs report: all but the token that ended the
+    generation when its text is not part of the content (EOS or a stop token id; the detokenizer
+    leaves it out of the text), as OpenAI's chat does. Text completions report that token too (see
+    `_CompletionFormat.logprobs`). A stop string's tokens are already left out."""
     pairs = meta.get("output_token_logprobs") or []
     n = len(pairs)
     fr = meta.get("finish_reason") or {}
@@ -554,7 +555,7 @@ def _joined(first: p.CompletionLogprobs, then: p.CompletionLogprobs) -> p.Comple
                                 text_offset=first.text_offset + then.text_offset)
 
 
-def _pairs(meta: dict, key: str, start: int, end: int) -> list:
+def _pairs(meta: dict, key: str, start: int, end: int | None) -> list:
     return list(meta.get(key) or [])[start:end]
 
 
@@ -705,14 +706,21 @@ class _CompletionFormat(_Format):
         self._offsets: dict[int, _TextOffsets] = {}
 
     def logprobs(self, meta: dict, start: int, offsets: _TextOffsets) -> p.CompletionLogprobs:
-        """The output tokens' entries from the `start`-th on."""
-        end = _reported(meta)
-        tokens = _pairs(meta, "output_token_logprobs", start, end)
-        tops = _pairs(meta, "output_top_logprobs", start, end)
+        """The output tokens' entries from the `start`-th on: every generated token, the EOS or stop
+        token id that ended the output included (its text is not in `text`; its offset is the text's
+        end), as OpenAI's legacy completions and vLLM report it. Clients count on one entry per
+        generated token: lm-evaluation-harness scores a continuation as `token_logprobs[ctxlen:-1]`
+        of an `echo` request with `max_tokens: 1`, dropping the one generated token whatever it is."""
+        tokens = _pairs(meta, "output_token_logprobs", start, None)
+        tops = _pairs(meta, "output_top_logprobs", start, None)
         out = p.CompletionLogprobs()
+        fr = meta.get("finish_reason") or {}
+        stopped_on = fr.get("matched") if fr.get("type") == "stop" else None
+        last = len(meta.get("output_token_logprobs") or []) - 1 - start
         for j, (lp, tid) in enumerate(tokens):
-            skipped = self.skip_special and self.s.is_special(tid)  # not in the text
-            self._add(out, tid, _finite(lp), tops[j] if j < len(tops) else None, offsets, not skipped)
+            # not in the text: a special token skipped by the detokenizer, or the stop token id that ended it
+            in_text = not (self.skip_special and self.s.is_special(tid)) and not (j == last and tid == stopped_on)
+            self._add(out, tid, _finite(lp), tops[j] if j < len(tops) else None, offsets, in_text)
         return out
 
     def echo_logprobs(self, meta: dict) -> p.CompletionLogprobs:
