@@ -33,6 +33,7 @@ class _ReqView:
     q_pos: torch.Tensor  # [q_len, 1] int64 absolute positions of the new tokens
     k_pos: torch.Tensor  # [1, seq_len] int64 absolute positions of the keys
     windowed: dict[int, torch.Tensor | None] = field(default_factory=dict)  # window -> mask (None: all)
+    plain_causal: bool = False  # `mask` is the causal mask (no draft tree)
 
     def mask_for(self, window: int | None) -> torch.Tensor | None:
         """The attention mask of a layer with this sliding window (None: full causal)."""
@@ -91,7 +92,8 @@ class TorchNativeBackend(AttentionBackend):
                 k_pos = torch.cat([k_pos[:prefix_len], q_pos])
             elif ext > 1:
                 mask = k_pos[None, :] <= q_pos[:, None]  # causal
-            views.append(_ReqView(q_start, ext, slots, mask, q_pos[:, None], k_pos[None, :]))
+            views.append(_ReqView(q_start, ext, slots, mask, q_pos[:, None], k_pos[None, :],
+                                  plain_causal=mask is not None and tree is None))
             q_start += ext
         batch.attn_metadata = views
 
@@ -123,6 +125,11 @@ class TorchNativeBackend(AttentionBackend):
             mask = view.mask_for(window)
             if cap:
                 oi = capped_attention(qi, ki, vi, mask, layer.scaling, cap)
+            elif mask is not None and mask is view.mask and view.plain_causal and view.q_len == ki.shape[1]:
+                # a whole prompt, no prefix: SDPA's own causal mask, which skips the masked blocks
+                # (about twice as fast on the CPU as the same mask given as a tensor); the same result
+                oi = F.scaled_dot_product_attention(qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), is_causal=True,
+                                                    scale=layer.scaling)[0]
             else:
                 oi = F.scaled_dot_product_attention(
                     qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), attn_mask=mask, scale=layer.scaling
