@@ -127,9 +127,10 @@ def _prompt_logprob_rows(items: list[_Item]) -> PromptLogprobRows | None:
         k = it.req.sampling_params.prompt_logprobs
         if k is not None and not it.decode:
             prompt = it.req.origin_input_ids
-            # positions before len(prompt_token_logprobs) are stored (a run before a retraction computed
-            # them again: admission keeps no more prefix than that); with overlap scheduling the next chunk
-            # is built before this chunk's scores are stored, and its prefix_len is the bound
+            # positions below len(prompt_token_logprobs) are scored already (by a run before a retraction:
+            # admission kept no more prefix than that, so they are recomputed but not scored again); with
+            # overlap scheduling the next chunk is built before this chunk's scores are stored, and its
+            # prefix_len is the bound
             first = max(it.prefix_len, len(it.req.prompt_token_logprobs))
             last = min(it.prefix_len + it.extend_len, len(prompt) - 1)  # the last prompt token predicts no prompt token
             if first < last:
