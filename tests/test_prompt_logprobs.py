@@ -209,3 +209,23 @@ def test_completions_echo_with_logprobs_scores_the_prompt(shared_smollm2_server)
     assert len(part["input_top_logprobs"]) == n - 2 and all(len(a) == 2 for a in part["input_top_logprobs"])
     refused = httpx.post(f"{srv.url}/generate", timeout=60, json={"text": "x", "logprob_start_len": 0})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprob_start_len"
+
+
+def test_prompt_logprobs_through_the_transformers_fallback(tiny_llama_dir):
+    """The fallback (model.impl: transformers) hands the runner every row's hidden state as a native
+    plugin does, so prompt rows are scored the same way (chunked here)."""
+    from radixserve.model_runner import ModelRunner
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_llama_dir("qwen3")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompt = [random.Random(2).randrange(hf.config.vocab_size) for _ in range(50)]
+    cfg = Config.build({"model": {"path": path, "impl": "transformers"},
+                        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
+                        "scheduler": {"max_total_tokens": 2048, "chunked_prefill_size": 16}})
+    sched = Scheduler.from_config(cfg, ModelRunner(cfg, show_progress=False), Registry.discover())
+    first = _run(sched, [_request("a", prompt, 2, 0)])["a"][0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    expected = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:], dtype=torch.long)]
+    assert torch.allclose(torch.tensor(first.prompt_token_logprobs), expected, atol=1e-4)
