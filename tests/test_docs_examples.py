@@ -45,6 +45,7 @@ RUNNABLE = {
     "server_info": ("docs/http-api.md", "curl -s $BASE/server_info"),
     "tokenize": ("docs/http-api.md", "curl -s $BASE/tokenize -H 'Content-Type: application/json' -d '{\"prompt\""),
     "model_info": ("docs/http-api.md", "curl -s $BASE/get_model_info"),
+    "tokenizer_info": ("docs/http-api.md", "curl -s $BASE/tokenizer_info"),
     "structured_openai": ("docs/structured-output.md", "from openai import OpenAI"),
     "structured_chat": ("docs/structured-output.md", "curl -s http://127.0.0.1:30000/v1/chat/completions -H 'Content-Type: application/json' -d '{"),
     "structured_generate": ("docs/structured-output.md", "# a JSON schema, as a JSON object or as a string holding one"),
@@ -200,7 +201,8 @@ def run_bash_block(server, name: str) -> str:
 
 
 @pytest.mark.parametrize("name", ["chat", "chat_stream", "completions", "models", "generate", "health",
-                                  "metrics", "flush", "abort", "server_info", "tokenize", "model_info"])
+                                  "metrics", "flush", "abort", "server_info", "tokenize", "model_info",
+                                  "tokenizer_info"])
 def test_http_api_curl_blocks(server, name):
     out = run_bash_block(server, name)
     if name.endswith("stream"):
@@ -209,6 +211,9 @@ def test_http_api_curl_blocks(server, name):
         assert out.split() == ["200", '{"status":"ok"}']
     if name == "metrics":
         assert "radixserve_requests_total{" in out
+    if name == "tokenizer_info":  # what a remote-tokenizer client reads
+        info = json.loads(out)
+        assert info["eos_token"] and info["chat_template"] and info["model_max_length"] > 0, info
     if name == "tokenize":  # the prompt's ids, the chat's, then the prompt's ids back to its text
         prompt, chat, text = (json.loads(part) for part in re.split(r"(?<=\})(?=\{)", out.strip()))
         assert prompt["count"] == len(prompt["tokens"]) == len(prompt["token_strs"]) and chat["count"] > 0

@@ -110,7 +110,7 @@ tokenizing = st.one_of(
 )
 other = st.tuples(
     st.sampled_from(
-        ["/v1/models", "/health", "/server_info", "/get_server_info", "/get_model_info", "/metrics", "/flush_cache",
+        ["/v1/models", "/health", "/server_info", "/get_server_info", "/get_model_info", "/tokenizer_info", "/metrics", "/flush_cache",
          "/abort_request", "/v1/models/x", "/nope"]
     ),
     st.one_of(junk, st.just({"rid": "a"})),

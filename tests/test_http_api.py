@@ -595,6 +595,12 @@ def test_tokenize_routes_refuse_bad_input_by_name(client, route, body, status, p
     assert r.json()["error"]["param"] == param, r.text
 
 
+def test_tokenizer_info_for_remote_tokenizer_clients(client):
+    info = client.get("/tokenizer_info").json()
+    assert info["model_max_length"] == 64
+    assert {"bos_token", "eos_token", "pad_token", "chat_template", "tokenizer_class"} <= set(info)
+
+
 def test_sglang_info_routes(tm, client):
     info = client.get("/get_model_info").json()
     assert info["is_generation"] is True and info["served_model_name"] == MODEL and info["max_model_len"] == 64

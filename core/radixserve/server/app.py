@@ -98,6 +98,10 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
     async def detokenize(body: p.DetokenizeRequest) -> JSONResponse:
         return JSONResponse(tokenization.detokenize(serving, body))
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(tokenization.tokenizer_info(serving))
+
     @app.get("/get_model_info")
     async def model_info() -> JSONResponse:
         """SGLang's: what its clients (e.g. the `sglang` frontend's RuntimeEndpoint) read at connect."""

@@ -1,4 +1,6 @@
-"""/tokenize and /detokenize (vLLM's routes): the served model's tokenizer, as generation uses it.
+"""/tokenize, /detokenize and /tokenizer_info (vLLM's routes): the served model's tokenizer, as
+generation uses it; with the three, a client needs no local copy of the tokenizer (lm-evaluation-harness's
+`tokenizer_backend=remote`).
 
 A chat request is rendered by the same code as /v1/chat/completions (`plan_chat`), so the ids are
 the ones a chat completion with these messages would be given."""
@@ -34,3 +36,17 @@ def detokenize(serving: Any, req: p.DetokenizeRequest) -> dict[str, Any]:
     except InvalidRequest as e:
         raise APIError(e.message, 400, e.param) from None
     return {"prompt": serving.tm.tokenizer.decode(req.tokens)}
+
+
+def tokenizer_info(serving: Any) -> dict[str, Any]:
+    """The tokenizer's special tokens (as text), chat template and class, as vLLM's /tokenizer_info
+    gives them (the fields a remote-tokenizer client reads)."""
+    serving.check_ready(None)
+    tok = serving.tm.tokenizer
+    specials = dict(getattr(tok, "special_tokens_map", None) or {})
+    template = getattr(tok, "chat_template", None)
+    if isinstance(template, dict):  # named templates: the default one (tools get their own through chat)
+        template = template.get("default")
+    return {"tokenizer_class": getattr(tok, "tokenizer_class", None), "model_max_length": int(serving.tm.context_len),
+            "chat_template": template,
+            **{name: specials.get(name) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}}
