@@ -70,7 +70,7 @@ def main() -> int:
                 tops_equal &= [[t for t, _ in alts] for alts in first.prompt_top_logprobs] == ref_top.tolist()
             same_output = [t for o in outs["plain"] for t in o.new_ids] == [t for o in outs[f"p{len(prompts) - 1}"]
                                                                             for t in o.new_ids]
-            case_ok = err < 2e-3 and tops_equal and same_output
+            case_ok = err < 2e-2 and tops_equal and same_output  # fp32 on CUDA may run matmuls as TF32
             ok &= case_ok
             print(json.dumps({"attention": args.attention, "chunk": chunk, "extend_graph_tokens": graphs,
                               "max_abs_err": err, "top3_ids_equal": tops_equal,
