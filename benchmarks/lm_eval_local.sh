@@ -76,7 +76,7 @@ SERVED=$(curl -sf "localhost:$PORT/v1/models" | "$PY" -c 'import json,sys; print
 echo "served model id: $SERVED"
 
 API_ARGS="model=$SERVED,base_url=http://127.0.0.1:$PORT/v1/completions,tokenizer=$MODEL,tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1,max_length=$((MAX_LENGTH + 2))"
-# chat: lm-eval sends the rendered messages (--apply_chat_template); the server applies the template
+# chat: lm-eval sends the messages (--apply_chat_template builds them); the server renders the template
 CHAT_ARGS="model=$SERVED,base_url=http://127.0.0.1:$PORT/v1/chat/completions,num_concurrent=1,max_retries=1"
 COMMON=(--include_path "$OUT/tasks" --log_samples)
 
