@@ -17,7 +17,7 @@ from radixserve.plugins.registry import Registry
 from radixserve.runtime.messages import GenerateRequest
 from radixserve.scheduler import Scheduler
 from radixserve.state import SamplingParams
-from radixserve.testing import ToyRunner, toy_next_token, toy_reference
+from radixserve.testing import ToyRunner, toy_next_token, toy_prompt_logprobs, toy_reference
 from radixserve.testing.speculative import trees_with_wrong_siblings
 
 VOCAB = 1000
@@ -359,3 +359,22 @@ def test_the_prefix_cache_holds_only_accepted_tokens(tree):
         assert second[f"b{i}"]["ids"] == reference(follow, 10)
         assert second[f"b{i}"]["out"].cached_tokens >= len(follow) - 2  # served from the cache
     assert_clean(sched)
+
+
+@pytest.mark.parametrize("mode", ["right", "mixed"])
+def test_prompt_logprobs_with_a_drafter(mode):
+    """A drafting request's prompt is scored in its prefill chunks (verify steps score no prompt):
+    the same prompt logprobs and tokens as without speculation."""
+    sched, _ = make({"mode": mode}, chunked_prefill_size=8)
+    rng = random.Random(4)
+    prompts = {f"r{i}": [rng.randrange(VOCAB) for _ in range(rng.randint(2, 30))] for i in range(6)}
+    for rid, prompt in prompts.items():
+        sched.add_request(req(rid, prompt, 12, prompt_logprobs=0))
+    outs: dict[str, list] = {}
+    while sched.has_work():
+        for out in sched.step():
+            outs.setdefault(out.rid, []).append(out)
+    assert sched.metrics.spec_verify_batches > 0
+    for rid, prompt in prompts.items():
+        assert outs[rid][0].prompt_token_logprobs == toy_prompt_logprobs(prompt, VOCAB), rid
+        assert [t for o in outs[rid] for t in o.new_ids] == toy_reference(prompt, 12, VOCAB), rid
