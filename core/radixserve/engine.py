@@ -122,6 +122,7 @@ class Engine:
         return_logprob: bool,
         top_logprobs_num: int,
         priority: int | list[int] = 0,
+        logprob_start_len: int = -1,
     ) -> tuple[list[GenerateInput], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
@@ -156,6 +157,7 @@ class Engine:
                 stream=stream,
                 return_logprob=return_logprob,
                 top_logprobs_num=top_logprobs_num,
+                logprob_start_len=logprob_start_len,
                 priority=prio,
             )
             for item, sp, r, prio in zip(items, sps, rids, prios)
@@ -176,9 +178,10 @@ class Engine:
         top_logprobs_num: int = 0,
         rid: str | list[str] | None = None,
         priority: int | list[int] = 0,
+        logprob_start_len: int = -1,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         inputs, single = self._inputs(
-            prompt, input_ids, sampling_params, rid, False, return_logprob, top_logprobs_num, priority
+            prompt, input_ids, sampling_params, rid, False, return_logprob, top_logprobs_num, priority, logprob_start_len
         )
 
         async def run_all() -> list[dict[str, Any]]:
@@ -197,6 +200,7 @@ class Engine:
         top_logprobs_num: int = 0,
         rid: str | None = None,
         priority: int = 0,
+        logprob_start_len: int = -1,
     ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
         """One request from any event loop: the final dict, or (stream=True) an async iterator."""
         if self._closed:  # the documented error, not the closed loop's
@@ -208,7 +212,7 @@ class Engine:
             raise ValueError("async_generate takes one prompt (input_ids: a list of token ids); for a batch "
                              "use generate(), or asyncio.gather several async_generate calls")
         [inp], _ = self._inputs(
-            prompt, input_ids, sampling_params, rid, stream, return_logprob, top_logprobs_num, priority
+            prompt, input_ids, sampling_params, rid, stream, return_logprob, top_logprobs_num, priority, logprob_start_len
         )
         if not stream:
             fut = asyncio.run_coroutine_threadsafe(self._collect(inp), self._loop)

@@ -58,6 +58,8 @@ class GenerateInput:
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # SGLang's: with return_logprob, >= 0 also scores the prompt, reported from this position on; -1: not
+    logprob_start_len: int = -1
     priority: int = 0
 
 
@@ -74,6 +76,7 @@ class _ReqState:
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     # SamplingParams.prompt_logprobs: the prompt, and its (logprob, token id) pairs once they arrive
     prompt_ids: list[int] | None = None
+    prompt_start: int = 0  # the first prompt position reported (GenerateInput.logprob_start_len)
     prompt_logprobs: list[tuple[float | None, int]] | None = None
     prompt_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     finished: bool = False
@@ -129,9 +132,10 @@ class TokenizerManager:
       "matched": token id or stop string}, with speculative decoding "spec_verify_ct" (verify steps
       with a draft) and "spec_accept_length" (mean tokens per verify step), "output_token_logprobs": [(logprob, token_id), ...],
       "output_top_logprobs": [[(logprob, token_id), ...], ...]}}` (logprob keys only when
-      return_logprob); with sampling_params.prompt_logprobs also "input_token_logprobs": [(None,
-      first prompt id), (logprob, token_id), ...] (one per prompt token) and, when prompt_logprobs > 0,
-      "input_top_logprobs": [None, [(logprob, token_id), ...], ...], from the first item on. stream=False: one item at the end; stream=True: one item per emission
+      return_logprob); with sampling_params.prompt_logprobs (or return_logprob and logprob_start_len >= 0)
+      also "input_token_logprobs": [(None, first prompt id), (logprob, token_id), ...] (one per prompt
+      token, from position logprob_start_len on) and, when prompt_logprobs > 0, "input_top_logprobs":
+      [None, [(logprob, token_id), ...], ...], from the first item on. stream=False: one item at the end; stream=True: one item per emission
       (scheduler.stream_interval steps), the last one has a finish_reason. Raises `RequestError`
       (status 400) for invalid requests, `EngineDeadError` (status 503) when a child died. Closing the
       iterator early (client disconnect) aborts the request and frees its KV.
@@ -415,6 +419,13 @@ class TokenizerManager:
         sp = inp.sampling_params
         if inp.return_logprob and isinstance(sp, SamplingParams) and not sp.logprobs:
             sp = dataclasses.replace(sp, logprobs=True, top_logprobs=max(sp.top_logprobs, inp.top_logprobs_num))
+        if isinstance(inp.logprob_start_len, bool) or not isinstance(inp.logprob_start_len, int) or inp.logprob_start_len < -1:
+            raise InvalidRequest(f"logprob_start_len must be an int >= -1, got {inp.logprob_start_len!r}", "logprob_start_len")
+        if inp.logprob_start_len >= 0:
+            if not inp.return_logprob:
+                raise InvalidRequest("logprob_start_len requires return_logprob", "logprob_start_len")
+            if isinstance(sp, SamplingParams) and sp.prompt_logprobs is None:
+                sp = dataclasses.replace(sp, prompt_logprobs=inp.top_logprobs_num)
         validate_request(ids, sp, self.limits)
         rid = inp.rid or uuid.uuid4().hex
         if rid in self._rid_to_state:
@@ -425,7 +436,8 @@ class TokenizerManager:
         self._check_alive()
         rid, ids, sp = self._prepare(inp)
         st = _ReqState(rid=rid, stream=inp.stream, return_logprob=sp.logprobs, prompt_tokens=len(ids),
-                       prompt_ids=ids if sp.prompt_logprobs is not None else None)
+                       prompt_ids=ids if sp.prompt_logprobs is not None else None,
+                       prompt_start=max(inp.logprob_start_len, 0))
         self._rid_to_state[rid] = st
         msg = GenerateRequest(
             rid=rid,
@@ -485,9 +497,9 @@ class TokenizerManager:
             meta["output_token_logprobs"] = list(st.token_logprobs)
             meta["output_top_logprobs"] = list(st.top_logprobs)
         if st.prompt_logprobs is not None:
-            meta["input_token_logprobs"] = st.prompt_logprobs
+            meta["input_token_logprobs"] = st.prompt_logprobs[st.prompt_start :]
             if st.prompt_top_logprobs is not None:
-                meta["input_top_logprobs"] = st.prompt_top_logprobs
+                meta["input_top_logprobs"] = st.prompt_top_logprobs[st.prompt_start :]
         return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
 
     def abort(self, rid: str) -> None:

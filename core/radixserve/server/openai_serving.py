@@ -318,8 +318,6 @@ class Serving:
             params = sampling_from_dict(req.sampling_params, self.tm.limits, NATIVE)
             if req.return_logprob:
                 params.logprobs, params.top_logprobs = True, req.top_logprobs_num
-                if req.logprob_start_len >= 0:
-                    params.prompt_logprobs = req.top_logprobs_num
         except InvalidRequest as e:
             raise APIError(e.message, 400, e.param) from None
         if req.input_ids is not None:
@@ -333,17 +331,17 @@ class Serving:
             stream=req.stream,
             return_logprob=req.return_logprob,
             top_logprobs_num=req.top_logprobs_num,
+            logprob_start_len=req.logprob_start_len,
             priority=req.priority,
         )
         jobs = [Job(0, rid, gen)]
-        fmt = _NativeFormat(max(req.logprob_start_len, 0))
         if req.stream:
-            return await self._stream(jobs, raw, fmt, "generate", started, lambda index: 0)
+            return await self._stream(jobs, raw, _NativeFormat(), "generate", started, lambda index: 0)
         last = await self._collect(jobs, raw, "generate")
         tally = _Tally()
         tally.add(0, last[0]["meta_info"])
         self._done(rid, "generate", 200, tally.usage(), started, None)
-        return Response(fmt.body(last[0]), media_type="application/json")
+        return Response(_native_json(last[0]), media_type="application/json")
 
     # ---- plumbing ---------------------------------------------------------------------------
 
@@ -791,20 +789,7 @@ class _CompletionFormat(_Format):
 
 
 class _NativeFormat(_Format):
-    """SGLang's native stream: every event carries the full text so far and the meta_info.
-    `logprob_start_len`: the prompt's logprobs are reported from this position on."""
-
-    def __init__(self, logprob_start_len: int = 0) -> None:
-        self.logprob_start_len = logprob_start_len
-
-    def body(self, out: dict) -> bytes:
-        if self.logprob_start_len and "input_token_logprobs" in out["meta_info"]:
-            meta = dict(out["meta_info"])
-            for key in ("input_token_logprobs", "input_top_logprobs"):
-                if key in meta:
-                    meta[key] = meta[key][self.logprob_start_len :]
-            out = {**out, "meta_info": meta}
-        return _native_json(out)
+    """SGLang's native stream: every event carries the full text so far and the meta_info."""
 
     def chunk(self, index: int, out: dict, st: ChoiceState) -> list[str]:
-        return [sse(self.body(out).decode())]
+        return [sse(_native_json(out).decode())]
