@@ -190,6 +190,24 @@ def test_invalid_requests_get_clear_errors(engine):
     assert engine.is_healthy()
 
 
+def test_prompt_logprobs_through_the_engine(engine):
+    ids = engine.tokenizer.encode("The capital of France is Paris")
+    whole = engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 1, "prompt_logprobs": 1})
+    scored = whole["meta_info"]["input_token_logprobs"]
+    assert [t for _, t in scored] == ids and scored[0][0] is None
+    assert all(isinstance(lp, float) and lp <= 0 for lp, _ in scored[1:])
+    assert len(whole["meta_info"]["input_top_logprobs"]) == len(ids)
+    # SGLang's form: from position 2 on, beside the output's logprobs
+    part = engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 1}, return_logprob=True,
+                           logprob_start_len=2)
+    assert [t for _, t in part["meta_info"]["input_token_logprobs"]] == ids[2:]
+    for (a, _), (b, _) in zip(part["meta_info"]["input_token_logprobs"], scored[2:], strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
+    assert len(part["meta_info"]["output_token_logprobs"]) == 1
+    with pytest.raises(ValueError, match="logprob_start_len"):
+        engine.generate(input_ids=ids, sampling_params=GREEDY, logprob_start_len=0)  # needs return_logprob
+
+
 def test_zz_a_dead_scheduler_fails_requests_fast(engine):
     """Runs last: it kills the module's engine."""
 
@@ -221,21 +239,3 @@ def test_the_model_argument_may_be_the_whole_model_section(tmp_path):
     assert cfg.stack.policy == "lpm"
     plain = engine_config("some/dir", None, 2, {})
     assert plain.model.path == "some/dir" and plain.model.tokenizer is None and plain.runtime.tp_size == 2
-
-
-def test_prompt_logprobs_through_the_engine(engine):
-    ids = engine.tokenizer.encode("The capital of France is Paris")
-    whole = engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 1, "prompt_logprobs": 1})
-    scored = whole["meta_info"]["input_token_logprobs"]
-    assert [t for _, t in scored] == ids and scored[0][0] is None
-    assert all(isinstance(lp, float) and lp <= 0 for lp, _ in scored[1:])
-    assert len(whole["meta_info"]["input_top_logprobs"]) == len(ids)
-    # SGLang's form: from position 2 on, beside the output's logprobs
-    part = engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 1}, return_logprob=True,
-                           logprob_start_len=2)
-    assert [t for _, t in part["meta_info"]["input_token_logprobs"]] == ids[2:]
-    for (a, _), (b, _) in zip(part["meta_info"]["input_token_logprobs"], scored[2:], strict=True):
-        assert a == pytest.approx(b, abs=1e-4)
-    assert len(part["meta_info"]["output_token_logprobs"]) == 1
-    with pytest.raises(ValueError, match="logprob_start_len"):
-        engine.generate(input_ids=ids, sampling_params=GREEDY, logprob_start_len=0)  # needs return_logprob
