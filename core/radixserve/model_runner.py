@@ -632,7 +632,7 @@ class ModelRunner:
         keep = [i for i, m in enumerate(mask) if m]
         if not keep:  # intermediate prefill chunks: their KV (and prompt logprobs) only
             _, _, scores = self._forward(sb, greedy_ids=False)
-            scores_host, ready = self._copy_to_host(*(scores or ()))
+            scores_host, ready = self._copy_to_host(*scores) if scores is not None else ([], None)
             return LaunchedBatch(torch.zeros(sb.batch_size, dtype=torch.int64, device=self.device),
                                  lambda: _with_prompt_scores(BatchResult(next_token_ids=[None] * sb.batch_size),
                                                              scores_host, ready))

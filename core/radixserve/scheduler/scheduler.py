@@ -1115,7 +1115,7 @@ class Scheduler:
         else:
             self.metrics.prefill_batches += 1
         sample_mask = [it.completes_prompt for it in items]
-        scored = _prompt_logprob_rows(items) if not verify else None
+        scored = _prompt_logprob_rows(items) if not (verify or all_decode) else None  # only prefill rows score
         if prev_step is None:
             bitmask = self._token_bitmask(items, sample_mask)
         else:
