@@ -244,6 +244,40 @@ def test_native_extend_attention_matches_the_reference(hq, hkv, d, kv_dtype):
         torch.testing.assert_close(got, ref_backend._attend(q, k, v, layer, batch), rtol=1e-4, atol=1e-5)
 
 
+def test_long_extends_take_the_flash_path_with_bf16_products():
+    """runtime.cpu_matmul_precision=medium over a bf16 pool: a prompt longer than NATIVE_MAX_EXTEND (and a
+    chunk after a cached prefix, beside a short request) goes through the native kernel, whose flash path
+    does the long ones, instead of the SDPA reference path; it agrees with that path to bf16 rounding."""
+    import dataclasses
+
+    from radixserve_attention_cpu_batched.backend import NATIVE_MAX_EXTEND
+
+    _attention_module("default", bf16_products=True)  # skips where the CPU has no AVX-512 BF16
+    hq, hkv, d = 9, 3, 64
+    prefix_lens, extend_lens = [0, 150, 4], [NATIVE_MAX_EXTEND + 40, 120, 3]
+    lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    backend, batch, *_ = _decode_batch(
+        lambda info: CPUBatchedBackend(dataclasses.replace(info, matmul_precision="medium")), lens, hq, hkv, d,
+        seed=5, kv_dtype=torch.bfloat16)
+    assert backend._bf16_products
+    rows = batch.req_pool_indices.tolist()
+    loc = torch.cat([batch.req_to_token_pool.read(r, n)[p:] for r, n, p in zip(rows, lens, prefix_lens, strict=True)])
+    n, gen = sum(extend_lens), torch.Generator().manual_seed(6)
+    batch.mode, batch.out_cache_loc = ForwardMode.EXTEND, loc
+    batch.prefix_lens, batch.prefix_lens_cpu = torch.tensor(prefix_lens), list(prefix_lens)
+    batch.extend_lens, batch.extend_lens_cpu = torch.tensor(extend_lens), list(extend_lens)
+    q = torch.randn(n, hq * d, generator=gen)
+    k, v = torch.randn(n, hkv * d, generator=gen), torch.randn(n, hkv * d, generator=gen)
+    layer = SimpleNamespace(layer_id=0, num_heads=hq, num_kv_heads=hkv, head_dim=d, scaling=d**-0.5)
+    backend.init_forward_metadata(batch)
+    assert not isinstance(batch.attn_metadata, list), "a long extend took the reference path"
+    got = backend.forward_extend(q, k, v, layer, batch)
+    ref_backend = CPUBatchedBackend(None)
+    super(CPUBatchedBackend, ref_backend).init_forward_metadata(batch)
+    want = ref_backend._attend(q, k, v, layer, batch)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
 # The attention builds this machine runs: the default one (AVX-512 score blocks and register value
 # sums where the CPU has AVX-512) and, on such a CPU, the AVX2 loops of AVX2-only CPUs.
 ATTENTION_BUILDS = ["default"] + (["avx2"] if _cpu_has_avx512() else [])
@@ -288,12 +322,81 @@ def test_native_attention_row_is_the_same_bits_in_decode_and_extend(kv_dtype, bf
         k_new, v_new = k_buf[loc].reshape(extend, -1).float(), v_buf[loc].reshape(extend, -1).float()
         ext = kernels.extend_attention(q, k_new, v_new, loc, k_buf, v_buf, table, row, torch.tensor([seq_len]),
                                        torch.tensor([extend]), none_b, none_i, none_i, d**-0.5, window, 0.0,
-                                       bf16_products)
+                                       bf16_products, 0)
         for i in range(extend):  # query i of the extend is a decode at sequence length seq_len - extend + i + 1
             one = kernels.decode_attention(q[i : i + 1].clone(), k_new[i : i + 1].clone(), v_new[i : i + 1].clone(),
                                            loc[i : i + 1].clone(), k_buf, v_buf, table, row,
                                            torch.tensor([seq_len - extend + i + 1]), d**-0.5, window, 0.0, bf16_products)
             assert torch.equal(one[0], ext[i]), f"seq_len {seq_len}, extend {extend}: query {i} differs"
+
+
+def _exact_extend(q, k_buf, v_buf, slots, prefix, hq, d, window=0, cap=0.0):
+    """float64 causal attention of one request's new tokens (positions prefix..) over its slots."""
+    seq, ext, hkv = slots.numel(), q.shape[0], k_buf.shape[1]
+    keys = k_buf[slots].double().repeat_interleave(hq // hkv, 1)
+    values = v_buf[slots].double().repeat_interleave(hq // hkv, 1)
+    s = torch.einsum("ihd,thd->hit", q.double().view(ext, hq, d), keys) * d**-0.5
+    if cap:
+        s = cap * torch.tanh(s / cap)
+    q_pos, k_pos = torch.arange(prefix, seq)[:, None], torch.arange(seq)[None, :]
+    visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+    return torch.einsum("hit,thd->ihd", s.masked_fill(~visible, float("-inf")).softmax(-1), values).reshape(ext, -1)
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (8, 2, 128), (2, 1, 256), (8, 8, 64), (32, 8, 128),
+                                              (16, 1, 64), (20, 2, 64)])
+@pytest.mark.parametrize(("window", "cap"), [(0, 0.0), (37, 0.0), (0, 20.0)])
+def test_flash_extend_matches_exact_attention(hq, hkv, d, window, cap):
+    """The tiled (flash) extend of bf16 products, which long prompts and chunks take: a batch of requests
+    with and without a cached prefix, new tokens ending inside a 16-query vector, next to a short
+    request on the per-row path, against float64 attention (windows and soft-capping too). Its error
+    is the per-row path's (the same bf16 roundings of queries and weights), and the new K/V are stored."""
+    kernels = _attention_module("default", bf16_products=True)
+    gen = torch.Generator().manual_seed(hq * d + window)
+    prefixes, extends = [0, 45, 130, 3], [70, 33, 100, 2]
+    slots = sum(prefixes) + sum(extends) + 1
+    k_buf, v_buf = (torch.randn(slots, hkv, d, generator=gen).bfloat16() for _ in range(2))
+    order = torch.randperm(slots - 1, generator=gen) + 1  # scattered slots; 0 is the pad slot
+    width = max(p + e for p, e in zip(prefixes, extends, strict=True))
+    table, start, locs = torch.zeros(len(prefixes), width, dtype=torch.int64), 0, []
+    for r, (p, e) in enumerate(zip(prefixes, extends, strict=True)):
+        table[r, : p + e] = order[start : start + p + e]
+        locs.append(table[r, p : p + e])
+        start += p + e
+    loc, n = torch.cat(locs).contiguous(), sum(extends)
+    q = torch.randn(n, hq * d, generator=gen)
+    k_new, v_new = torch.randn(n, hkv * d, generator=gen), torch.randn(n, hkv * d, generator=gen)
+    none_b, none_i = torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=torch.int64)
+    rows, lens = torch.arange(len(prefixes)), torch.tensor([p + e for p, e in zip(prefixes, extends, strict=True)])
+
+    def run(flash_min_extend: int) -> torch.Tensor:
+        return kernels.extend_attention(q, k_new, v_new, loc, k_buf, v_buf, table, rows, lens, torch.tensor(extends),
+                                        none_b, none_i, none_i, d**-0.5, window, cap, True, flash_min_extend)
+
+    per_row, flash = run(0), run(16)  # 16: every request but the 2-token one takes the flash path
+    assert torch.equal(k_buf[loc], k_new.view(n, hkv, d).bfloat16()) and torch.equal(v_buf[loc], v_new.view(n, hkv, d).bfloat16())
+    assert not torch.equal(flash, per_row), "the flash path did not run"
+    start = 0
+    for r, (p, e) in enumerate(zip(prefixes, extends, strict=True)):
+        exact = _exact_extend(q[start : start + e], k_buf, v_buf, table[r, : p + e], p, hq, d, window, cap)
+        scale = exact.abs().max()
+        err_flash = ((flash[start : start + e].double() - exact).abs().max() / scale).item()
+        err_row = ((per_row[start : start + e].double() - exact).abs().max() / scale).item()
+        assert err_flash < 1e-2 and err_flash <= 1.5 * err_row + 1e-3, (
+            f"request {r} (prefix {p}, {e} new): flash error {err_flash:.2e}, per-row {err_row:.2e}")
+        if e < 16:
+            assert torch.equal(flash[start : start + e], per_row[start : start + e]), "a short request left the per-row path"
+        start += e
+
+
+def test_flash_extend_is_never_a_speculative_verify():
+    """A speculative verify (num_draft_tokens + the verified token, as a chain without a tree mask) is
+    shorter than FLASH_MIN_EXTEND, so its rows keep the per-row kernel's bits, which equal decode's."""
+    from radixserve.config import SpeculativeSection
+    from radixserve_attention_cpu_batched.backend import FLASH_MIN_EXTEND
+
+    most_drafts = next(m.le for m in SpeculativeSection.model_fields["num_draft_tokens"].metadata if hasattr(m, "le"))
+    assert FLASH_MIN_EXTEND > most_drafts + 1
 
 
 @pytest.mark.parametrize(("build", "kv_dtype", "bf16_products"), ATTENTION_CASES)
@@ -318,7 +421,7 @@ def test_a_draft_tree_row_is_the_same_bits_as_decoding_its_path(kv_dtype, bf16_p
     row = torch.zeros(1, dtype=torch.int64)
     ext = kernels.extend_attention(q, k_new, v_new, loc, k_buf, v_buf, table, row, torch.tensor([prefix + e]),
                                    torch.tensor([e]), mask.flatten(), torch.zeros(1, dtype=torch.int64),
-                                   torch.empty(0, dtype=torch.int64), d**-0.5, 0, 0.0, bf16_products)
+                                   torch.empty(0, dtype=torch.int64), d**-0.5, 0, 0.0, bf16_products, 1)
     for node in range(e):
         path = sorted(ancestors[node])  # ancestors come before their descendants
         path_table = torch.cat([table[0, :prefix], loc[path]])[None, :]

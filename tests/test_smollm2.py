@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -25,6 +26,10 @@ QUESTIONS = [
     "Name a famous physicist.",
 ]
 NEW_TOKENS = 64
+# ~900 tokens: long enough for the flash path of the bf16 attention (FLASH_MIN_EXTEND) and several key blocks
+LONG_QUESTION = " ".join(f"Box {i} is {color} and holds {3 * i + 1} apples." for i, color in
+                         zip(range(70), itertools.cycle(["red", "green", "blue", "white", "black"]))) + \
+    " How many apples does box 41 hold?"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -139,3 +144,34 @@ def test_bf16_matmuls_keep_the_top5_rule(smollm2_gguf_path, prompts, hf_referenc
         same += g.tokens == ref["tokens"]
     assert greedy_generate(medium, [prompts[3]], NEW_TOKENS)[0].tokens == got[3].tokens
     print(f"medium precision, kv {kv_cache_dtype}: {same} of {len(prompts)} answers identical to transformers' fp32 ones")
+
+
+def test_long_prompt_with_bf16_attention_keeps_the_top5_rule(smollm2_gguf_path, tmp_path):
+    """A ~900-token prompt under medium precision with a bf16 pool, whole and in 256-token chunks (the
+    attention kernel's flash path, from scratch and after a cached prefix), against transformers' fp32
+    greedy answer on the same file: the top-5 rule holds for both."""
+    from radixserve.layers import cpu_gemm
+
+    if not cpu_gemm.bf16_available():
+        pytest.skip("this CPU has no AVX-512 BF16: medium precision stays fp32 here")
+    reference = BackgroundReference(smollm2_gguf_path, [LONG_QUESTION], 16, tmp_path)
+    try:
+        cfg = Config.build({
+            "model": {"path": smollm2_gguf_path, "weight_source_options": {"dequantize": True}},
+            "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1, "cpu_matmul_precision": "medium",
+                        "kv_cache_dtype": "bfloat16"},
+            "scheduler": {"max_total_tokens": 4096, "max_running_requests": 2},
+        })
+        medium = ModelRunner(cfg, show_progress=False)
+        prompt = apply_chat_template(medium.tokenizer, [{"role": "user", "content": LONG_QUESTION}])
+        assert len(prompt) > 800
+        runs = {chunk: greedy_generate(medium, [prompt], 16, keep_logits=True, prefill_chunk=chunk)[0]
+                for chunk in (None, 256)}
+        ref = reference.result()[0]
+    finally:
+        reference.close()
+    assert ref["prompt"] == prompt
+    for chunk, got in runs.items():
+        i = first_divergence(got.tokens, ref["tokens"])
+        assert top5_rule_holds_ids(got.tokens, got.logits, ref["tokens"], ref["top5"]), (
+            f"chunk {chunk}: top-5 rule broken at {i}")

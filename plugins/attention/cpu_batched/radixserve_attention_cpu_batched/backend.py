@@ -15,7 +15,10 @@ decode and extend still give a token the same bits (speculative decoding relies 
 
 Extend batches go through the kernel when every request adds at most NATIVE_MAX_EXTEND tokens (the
 short prompts and suffixes after a prefix-cache hit of a serving load); longer ones take the
-reference path, whose SDPA does the quadratic work faster. Without a compiler (or for other
+reference path, whose SDPA does the quadratic work faster than the kernel's per-row loop. With bf16
+products every extend goes through the kernel: a request adding at least FLASH_MIN_EXTEND tokens
+(a long prompt or chunk) runs its tiled flash path (csrc/flash_bf16.h), ~2x SDPA's rate on long
+prompts; speculative verifies are shorter than that and keep the per-row path. Without a compiler (or for other
 dtypes) decode gathers each request's KV into one padded [bs, kv_heads, max_len, head_dim] tensor
 and runs a single scaled_dot_product_attention with the query heads of a KV group as its query
 rows, and extend uses the reference path.
@@ -45,6 +48,10 @@ from radixserve_attention_torch_native.backend import TorchNativeBackend
 _SOURCE = Path(__file__).parent / "csrc" / "attention.cpp"
 NATIVE_HEAD_DIMS = (64, 128, 256)  # the head sizes the kernel is compiled for
 NATIVE_MAX_EXTEND = 256  # longest per-request extend the native kernel takes (see the docstring)
+# Shortest per-request extend that runs the flash path (bf16 products only). Above the longest
+# speculative verify (speculative.num_draft_tokens <= 64, plus the verified token), whose rows must keep
+# the per-row kernel's bits (equal to decode's); below it the per-row kernel is as fast.
+FLASH_MIN_EXTEND = 96
 
 
 def load_kernels():
@@ -113,7 +120,8 @@ class CPUBatchedBackend(TorchNativeBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode is not ForwardMode.DECODE:
-            if self._kernels is not None and max(batch.extend_lens_cpu) <= NATIVE_MAX_EXTEND:
+            if self._kernels is not None and (self._bf16_products and batch.tree_mask is None
+                                              or max(batch.extend_lens_cpu) <= NATIVE_MAX_EXTEND):
                 meta = _NativeExtendMeta(extend_lens=batch.extend_lens.to("cpu", torch.int64))
                 if batch.tree_mask is not None:
                     meta.tree_mask = batch.tree_mask.to("cpu", torch.bool).contiguous()
@@ -149,6 +157,7 @@ class CPUBatchedBackend(TorchNativeBackend):
             q, k, v, batch.out_cache_loc, k_buf, v_buf, batch.req_to_token_pool.req_to_token,
             batch.req_pool_indices, batch.seq_lens, meta.extend_lens, meta.tree_mask, meta.mask_offsets, meta.depths,
             layer.scaling, *_native_options(layer), self._bf16_products,
+            FLASH_MIN_EXTEND if self._bf16_products else 0,
         )
 
     @staticmethod

@@ -428,6 +428,8 @@ struct LayerOptions {
   float cap = 0.f;
 };
 
+#include "flash_bf16.h"
+
 // One request's queries i = 0..nq-1 (rows q + i * q_stride), every query head of each: query i
 // attends causally over the first first_len + i keys at `slots` (decode: nq = 1, first_len = the
 // sequence length), and among those only the ones `tree` allows when it has rows. The query heads
@@ -662,15 +664,24 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
 }
 
 // Extend: all new K/V are stored first (a request's queries read each other's), then one task per
-// block of up to kQueryBlock queries of one request.
+// block of up to kQueryBlock queries of one request; with bf16 products, a plain causal request of at
+// least flash_min_extend new tokens (0: none) runs as flash tasks instead (flash_bf16.h).
 constexpr int64_t kQueryBlock = 16;
+
+// A thread's buffers for either kind of extend task.
+struct ExtendScratch {
+  AttendScratch attend;
+#if RS_ATTN_BF16_PRODUCTS
+  FlashScratch flash;
+#endif
+};
 
 template <int D, class KV, bool Bf16>
 void run_extend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                 const at::Tensor& out_loc, at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& table,
                 const at::Tensor& rows, const at::Tensor& seq_lens, const at::Tensor& extend_lens,
                 const at::Tensor& tree_mask, const at::Tensor& mask_offsets, const at::Tensor& depths,
-                double scale, const LayerOptions& opt, at::Tensor& out) {
+                double scale, const LayerOptions& opt, int64_t flash_min_extend, at::Tensor& out) {
   const int64_t n = q.size(0), bs = rows.size(0), hkv = k_buf.size(1), hq = q.size(1) / D, row = hkv * D;
   const float* qp = q.data_ptr<float>();
   KV* kp = static_cast<KV*>(k_buf.data_ptr());
@@ -688,28 +699,66 @@ void run_extend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& 
   struct Task { int64_t req, q_row, first_query, count; };
   std::vector<Task> tasks;
   const int64_t* ep = extend_lens.data_ptr<int64_t>();
+  const int64_t* lp = seq_lens.data_ptr<int64_t>();
+  const bool* mp = tree_mask.numel() ? tree_mask.data_ptr<bool>() : nullptr;
+#if RS_ATTN_BF16_PRODUCTS
+  std::vector<FlashTask> flash;  // task index tasks.size() + f
+  const std::pair<int64_t, int64_t> shape = flash_shape(hq / hkv);
+  const int64_t qv = shape.first, heads_per_task = shape.second, group = hq / hkv;
+#endif
   int64_t q_row = 0;
   for (int64_t r = 0; r < bs; ++r) {
+#if RS_ATTN_BF16_PRODUCTS
+    if (Bf16 && mp == nullptr && flash_min_extend > 0 && ep[r] >= flash_min_extend) {
+      for (int64_t i = 0; i < ep[r]; i += 16 * qv)
+        for (int64_t g = 0; g < hkv; ++g)
+          for (int64_t h = g * group; h < (g + 1) * group; h += heads_per_task)
+            flash.push_back({r, q_row + i, i, std::min(16 * qv, ep[r] - i), g, h,
+                             std::min(heads_per_task, (g + 1) * group - h), qv});
+      q_row += ep[r];
+      continue;
+    }
+#endif
     for (int64_t i = 0; i < ep[r]; i += kQueryBlock) tasks.push_back({r, q_row + i, i, std::min(kQueryBlock, ep[r] - i)});
     q_row += ep[r];
   }
   TORCH_CHECK(q_row == n, "extend_attention: extend_lens do not sum to the query rows");
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t* rp = rows.data_ptr<int64_t>();
-  const int64_t* lp = seq_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const int64_t table_stride = table.stride(0), width = hq * D;
-  const bool* mp = tree_mask.numel() ? tree_mask.data_ptr<bool>() : nullptr;
   const int64_t* mop = mask_offsets.numel() ? mask_offsets.data_ptr<int64_t>() : nullptr;
   const int64_t* dp = depths.numel() ? depths.data_ptr<int64_t>() : nullptr;  // packed like the queries
   std::vector<int64_t> req_start(static_cast<size_t>(bs), 0);  // first packed row of each request
   for (int64_t r = 1; r < bs; ++r) req_start[r] = req_start[r - 1] + ep[r - 1];
-  // a block's cost: its queries times the keys they see
-  const auto order = costliest_first(static_cast<int64_t>(tasks.size()), [&](int64_t j) {
+  const int64_t n_rows = static_cast<int64_t>(tasks.size());
+  int64_t n_tasks = n_rows;
+#if RS_ATTN_BF16_PRODUCTS
+  n_tasks += static_cast<int64_t>(flash.size());
+#endif
+  // a task's cost: its query heads times the keys they see
+  const auto order = costliest_first(n_tasks, [&](int64_t j) {
+#if RS_ATTN_BF16_PRODUCTS
+    if (j >= n_rows) {
+      const FlashTask& f = flash[j - n_rows];
+      return f.q_count * f.heads * (lp[f.req] - ep[f.req] + f.q_first + f.q_count);
+    }
+#endif
     const Task& t = tasks[j];
-    return t.count * (lp[t.req] - ep[t.req] + t.first_query + t.count);
+    return t.count * hq * (lp[t.req] - ep[t.req] + t.first_query + t.count);
   });
-  for_each_dynamic<AttendScratch>(order, [&](int64_t j, int64_t, AttendScratch& scratch) {
+  for_each_dynamic<ExtendScratch>(order, [&](int64_t j, int64_t, ExtendScratch& both) {
+#if RS_ATTN_BF16_PRODUCTS
+    if constexpr (Bf16) {
+      if (j >= n_rows) {
+        const FlashTask& f = flash[j - n_rows];
+        flash_task_any<D>(f, qp, width, kp, vp, row, tp + rp[f.req] * table_stride, lp[f.req] - ep[f.req],
+                          static_cast<float>(scale), opt, op, both.flash);
+        return;
+      }
+    }
+#endif
+    AttendScratch& scratch = both.attend;
     const Task& task = tasks[j];
     const int64_t prefix = lp[task.req] - ep[task.req];
     TreeMask tree;
@@ -814,12 +863,14 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at
 // sees new token c only where the block says so; the prefix stays fully visible. depths (int64 [n],
 // with a tree mask and a window only; else empty): each new token's depth in its draft tree, which
 // places it at position prefix + depth for the window. window, cap, bf16_products: as decode_attention.
-// Returns [n, num_heads * head_dim].
+// flash_min_extend (bf16 products only; 0: never): a request without a tree mask adding at least this
+// many tokens runs the tiled kernel of flash_bf16.h (other bits than the per-row kernel's, within the
+// same bf16 rounding). Returns [n, num_heads * head_dim].
 at::Tensor extend_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at::Tensor out_loc,
                                at::Tensor k_buf, at::Tensor v_buf, at::Tensor table, at::Tensor rows,
                                at::Tensor seq_lens, at::Tensor extend_lens, at::Tensor tree_mask,
                                at::Tensor mask_offsets, at::Tensor depths, double scale, int64_t window,
-                               double cap, bool bf16_products) {
+                               double cap, bool bf16_products, int64_t flash_min_extend) {
   check_inputs(q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, rows.numel());
   TORCH_CHECK(window >= 0 && cap >= 0, "extend_attention: window and cap must be >= 0");
   TORCH_CHECK(depths.numel() == 0 || (depths.scalar_type() == at::kLong && depths.is_contiguous() &&
@@ -843,7 +894,7 @@ at::Tensor extend_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at
   dispatch(k_buf, bf16_products, [&](auto d, auto kv, auto bf16) {
     run_extend<decltype(d)::value, typename decltype(kv)::type, decltype(bf16)::value>(
         q, k_new, v_new, out_loc, k_buf, v_buf, table, rows, seq_lens, extend_lens, tree_mask, mask_offsets, depths,
-        scale, opt, out);
+        scale, opt, flash_min_extend, out);
   });
   return out;
 }
