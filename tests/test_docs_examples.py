@@ -35,7 +35,7 @@ RUNNABLE = {
     "readme_engine": ("README.md", "from radixserve import Engine"),
     "chat": ("docs/http-api.md", "curl -s $BASE/v1/chat/completions -H 'Content-Type: application/json' -d '{"),
     "chat_stream": ("docs/http-api.md", "curl -sN $BASE/v1/chat/completions -H 'Content-Type: application/json' -d '{"),
-    "completions": ("docs/http-api.md", "curl -s $BASE/v1/completions -H 'Content-Type: application/json' -d '{"),
+    "completions": ("docs/http-api.md", "curl -s $BASE/v1/completions -H 'Content-Type: application/json' -d '{\n"),
     "models": ("docs/http-api.md", "curl -s $BASE/v1/models"),
     "generate": ("docs/http-api.md", "curl -s $BASE/generate -H 'Content-Type: application/json' -d '{"),
     "health": ("docs/http-api.md", "curl -s -o /dev/null -w '%{http_code}\\n' $BASE/health"),
@@ -46,6 +46,7 @@ RUNNABLE = {
     "tokenize": ("docs/http-api.md", "curl -s $BASE/tokenize -H 'Content-Type: application/json' -d '{\"prompt\""),
     "model_info": ("docs/http-api.md", "curl -s $BASE/get_model_info"),
     "tokenizer_info": ("docs/http-api.md", "curl -s $BASE/tokenizer_info"),
+    "prompt_logprobs": ("docs/http-api.md", "curl -s $BASE/v1/completions -H 'Content-Type: application/json' -d '{\"prompt_logprobs\""),
     "structured_openai": ("docs/structured-output.md", "from openai import OpenAI"),
     "structured_chat": ("docs/structured-output.md", "curl -s http://127.0.0.1:30000/v1/chat/completions -H 'Content-Type: application/json' -d '{"),
     "structured_generate": ("docs/structured-output.md", "# a JSON schema, as a JSON object or as a string holding one"),
@@ -202,7 +203,7 @@ def run_bash_block(server, name: str) -> str:
 
 @pytest.mark.parametrize("name", ["chat", "chat_stream", "completions", "models", "generate", "health",
                                   "metrics", "flush", "abort", "server_info", "tokenize", "model_info",
-                                  "tokenizer_info"])
+                                  "tokenizer_info", "prompt_logprobs"])
 def test_http_api_curl_blocks(server, name):
     out = run_bash_block(server, name)
     if name.endswith("stream"):
@@ -214,6 +215,9 @@ def test_http_api_curl_blocks(server, name):
     if name == "tokenizer_info":  # what a remote-tokenizer client reads
         info = json.loads(out)
         assert info["eos_token"] and info["chat_template"] and info["model_max_length"] > 0, info
+    if name == "prompt_logprobs":  # vLLM's form: per prompt token (null first) its entry and one alternative
+        entries = json.loads(out)["choices"][0]["prompt_logprobs"]
+        assert entries[0] is None and all(1 <= len(e) <= 2 for e in entries[1:]), entries
     if name == "tokenize":  # the prompt's ids, the chat's, then the prompt's ids back to its text
         prompt, chat, text = (json.loads(part) for part in re.split(r"(?<=\})(?=\{)", out.strip()))
         assert prompt["count"] == len(prompt["tokens"]) == len(prompt["token_strs"]) and chat["count"] > 0

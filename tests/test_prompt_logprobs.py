@@ -17,7 +17,7 @@ from radixserve.plugins.registry import Registry
 from radixserve.runtime.messages import GenerateRequest
 from radixserve.scheduler import Scheduler
 from radixserve.state import SamplingParams
-from radixserve.testing import ToyRunner, toy_next_token, toy_prompt_logprobs, toy_reference
+from radixserve.testing import ToyRunner, toy_next_token, toy_prompt_logprobs, toy_prompt_ranks, toy_reference
 
 VOCAB = 1000
 
@@ -56,6 +56,7 @@ def _check(outs: dict[str, list], rid: str, prompt: list[int], max_new: int, top
     first, *rest = emissions
     assert all(o.prompt_token_logprobs is None for o in rest), f"{rid}: prompt logprobs are sent once, first"
     assert first.prompt_token_logprobs == toy_prompt_logprobs(prompt, VOCAB), rid
+    assert first.prompt_token_ranks == toy_prompt_ranks(prompt, VOCAB), rid
     if top:
         expected = [[(toy_next_token(prompt[: i + 1], VOCAB), 0.0)] for i in range(len(prompt) - 1)]
         assert first.prompt_top_logprobs == expected, rid
@@ -144,6 +145,12 @@ def test_prompt_logprobs_match_transformers_chunked_or_not(tiny_llama_dir, overl
                 ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
             expected = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:], dtype=torch.long)]
             assert torch.allclose(torch.tensor(first.prompt_token_logprobs), expected, atol=1e-4), (chunk, i)
+            # ranks as vLLM counts them: the vocabulary entries at least as likely (itself included), up to
+            # entries within the logprobs' tolerance of the token's
+            surely_above = (ref[:-1] >= expected[:, None] + 1e-4).sum(1)
+            maybe_above = (ref[:-1] >= expected[:, None] - 1e-4).sum(1)
+            ranks = torch.tensor(first.prompt_token_ranks)
+            assert bool(((surely_above <= ranks) & (ranks <= maybe_above)).all()), (chunk, i)
             for pos, alts in enumerate(first.prompt_top_logprobs):
                 values, ids = ref[pos].topk(3)
                 assert [t for t, _ in alts] == ids.tolist(), (chunk, i, pos)
@@ -209,6 +216,45 @@ def test_completions_echo_with_logprobs_scores_the_prompt(shared_smollm2_server)
     assert len(part["input_top_logprobs"]) == n - 2 and all(len(a) == 2 for a in part["input_top_logprobs"])
     refused = httpx.post(f"{srv.url}/generate", timeout=60, json={"text": "x", "logprob_start_len": 0})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprob_start_len"
+
+
+@pytest.mark.slow
+def test_vllm_prompt_logprobs_field(shared_smollm2_server):
+    """vLLM's `prompt_logprobs` extension: per prompt token of a completion choice (and at the top level of
+    a chat response) None for the first, else the token's {logprob, rank, decoded_token} and its
+    alternatives', keyed by token id; the same logprobs as `echo`; refused with stream or out of range."""
+    import httpx
+
+    srv = shared_smollm2_server
+    prompt = "The capital of France is Paris"
+    body = {"model": srv.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    got = httpx.post(f"{srv.url}/v1/completions", timeout=60, json={**body, "prompt_logprobs": 2}).json()
+    echo = httpx.post(f"{srv.url}/v1/completions", timeout=60, json={**body, "echo": True, "logprobs": 2}).json()
+    entries, echoed = got["choices"][0]["prompt_logprobs"], echo["choices"][0]["logprobs"]
+    ids = httpx.post(f"{srv.url}/tokenize", timeout=60, json={"model": srv.model, "prompt": prompt}).json()["tokens"]
+    assert len(entries) == len(ids) == got["usage"]["prompt_tokens"] and entries[0] is None
+    assert "prompt_logprobs" not in echo["choices"][0], "only a request that asks gets the field"
+    for j, (tid, entry) in enumerate(zip(ids[1:], entries[1:], strict=True), 1):
+        own = entry[str(tid)]
+        assert own["logprob"] == pytest.approx(echoed["token_logprobs"][j], abs=1e-5)
+        assert own["decoded_token"] == echoed["tokens"][j] and own["rank"] >= 1
+        others = {k: v for k, v in entry.items() if k != str(tid)}
+        assert len(others) == (2 if own["rank"] > 2 else 1), entry  # the 2 alternatives, one of them maybe itself
+        for v in others.values():  # ranked by likelihood against the token itself
+            assert v["rank"] in (1, 2)
+            if v["rank"] < own["rank"]:
+                assert v["logprob"] >= own["logprob"] - 1e-6
+            else:
+                assert v["logprob"] <= own["logprob"] + 1e-6
+        assert (own["rank"] == 1) == (max(echoed["top_logprobs"][j].values()) <= own["logprob"] + 1e-6)
+    only = httpx.post(f"{srv.url}/v1/completions", timeout=60, json={**body, "prompt_logprobs": 0}).json()
+    assert all(len(e) == 1 for e in only["choices"][0]["prompt_logprobs"][1:])
+    chat = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json={
+        "model": srv.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 1}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    for bad in ({"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": 21}, {"prompt_logprobs": -1}):
+        r = httpx.post(f"{srv.url}/v1/completions", timeout=60, json={**body, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", (bad, r.text)
 
 
 def test_prompt_logprobs_through_the_transformers_fallback(tiny_llama_dir):

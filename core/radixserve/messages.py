@@ -62,8 +62,10 @@ class ReqTokenOut(msgspec.Struct, kw_only=True):
     token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # SamplingParams.prompt_logprobs, on the request's first emission only: prompt token i+1's logprob
-    # for each prompt position i, and (token id, logprob) alternatives when prompt_logprobs > 0
+    # for each prompt position i, its rank there (1: the likeliest token), and (token id, logprob)
+    # alternatives when prompt_logprobs > 0
     prompt_token_logprobs: list[float] | None = None
+    prompt_token_ranks: list[int] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None  # set when the scheduler rejects the request (it never ran)
     error_status: int = 400
@@ -88,6 +90,7 @@ class ReqTextOut(msgspec.Struct, kw_only=True):
     token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_token_logprobs: list[float] | None = None  # once, on the first item (see ReqTokenOut)
+    prompt_token_ranks: list[int] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     spec_verify_ct: int = 0  # speculative decoding totals (see ReqTokenOut)
     spec_accepted_drafts: int = 0

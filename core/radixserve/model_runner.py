@@ -57,6 +57,7 @@ class _PromptScores(NamedTuple):
     """A batch's prompt logprobs on the device (ScheduledBatch.prompt_logprob_rows, in row order)."""
 
     token_logprobs: torch.Tensor  # [rows] fp32
+    token_ranks: torch.Tensor  # [rows] int64: vocabulary entries at least as likely (1: the likeliest)
     top_logprobs: torch.Tensor | None  # [rows, top] fp32, best first; None when top == 0
     top_ids: torch.Tensor | None  # [rows, top] int64
 
@@ -585,17 +586,18 @@ class ModelRunner:
         fp32 logits would not fit at once."""
         rows = torch.tensor(scored.rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
         targets = torch.tensor(scored.targets, dtype=torch.int64).to(hidden.device, non_blocking=True)
-        token_lps, top_lps, top_ids = [], [], []
+        token_lps, ranks, top_lps, top_ids = [], [], [], []
         for at in range(0, len(scored.rows), PROMPT_SCORE_BLOCK):
             block = slice(at, at + PROMPT_SCORE_BLOCK)
             logits = self.model.compute_logits(hidden.index_select(0, rows[block]))[:, : self.vocab_size]
             lps = torch.log_softmax(logits.float(), dim=-1)
             token_lps.append(lps.gather(1, targets[block, None]).squeeze(1))
+            ranks.append((lps >= token_lps[-1][:, None]).sum(dim=1))
             if scored.top:
                 vals, ids = lps.topk(scored.top, dim=-1)
                 top_lps.append(vals)
                 top_ids.append(ids)
-        return _PromptScores(torch.cat(token_lps), torch.cat(top_lps) if top_lps else None,
+        return _PromptScores(torch.cat(token_lps), torch.cat(ranks), torch.cat(top_lps) if top_lps else None,
                              torch.cat(top_ids) if top_ids else None)
 
     def _broadcast_step(self, sb: ScheduledBatch, greedy_ids: bool) -> None:
@@ -741,8 +743,9 @@ def _with_prompt_scores(result: BatchResult, scores_host: list, ready) -> BatchR
         return result
     if ready is not None:
         ready.synchronize()
-    token_lps, top_lps, top_ids = scores_host
+    token_lps, ranks, top_lps, top_ids = scores_host
     result.prompt_token_logprobs = token_lps.tolist()
+    result.prompt_token_ranks = ranks.tolist()
     if top_lps is not None:
         result.prompt_top_logprobs = [list(zip(ids, lps, strict=True))
                                       for ids, lps in zip(top_ids.tolist(), top_lps.tolist(), strict=True)]

@@ -221,6 +221,7 @@ class Req:
     # with sampling_params.prompt_logprobs: prompt token i+1's logprob (and alternatives) for each
     # prompt position i computed so far, in order (the first prompt token has none)
     prompt_token_logprobs: list[float] = field(default_factory=list)
+    prompt_token_ranks: list[int] = field(default_factory=list)  # each one's rank in its distribution (1: likeliest)
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # the GrammarMatcher of a constrained request (json_schema/regex/ebnf), set once its grammar is
     # compiled; it has accepted exactly `output_ids`
@@ -358,9 +359,11 @@ class BatchResult:
     spec_token_ids: list[list[int]] | None = None
     spec_logprobs: list[list[float]] | None = None
     spec_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
-    # ScheduledBatch.prompt_logprob_rows: one logprob per scored row, and its `top` alternatives
-    # ((token id, logprob), best first), in the rows' order
+    # ScheduledBatch.prompt_logprob_rows: one logprob per scored row, its rank in the row's
+    # distribution (tokens at least as likely, itself included: 1 for the likeliest, as vLLM counts)
+    # and its `top` alternatives ((token id, logprob), best first), in the rows' order
     prompt_token_logprobs: list[float] | None = None
+    prompt_token_ranks: list[int] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 

@@ -121,7 +121,7 @@ class DetokenizerManager:
         if item.top_logprobs is not None:
             st.pending_top = (st.pending_top or []) + list(item.top_logprobs)
         if item.prompt_token_logprobs is not None:
-            st.pending_prompt = (item.prompt_token_logprobs, item.prompt_top_logprobs)
+            st.pending_prompt = (item.prompt_token_logprobs, item.prompt_token_ranks, item.prompt_top_logprobs)
         if fin is not None:
             del self.states[item.rid]
         elif not st.stream:
@@ -141,7 +141,7 @@ class DetokenizerManager:
             top_logprobs=st.pending_top,
         )
         if st.pending_prompt is not None:
-            out.prompt_token_logprobs, out.prompt_top_logprobs = st.pending_prompt
+            out.prompt_token_logprobs, out.prompt_token_ranks, out.prompt_top_logprobs = st.pending_prompt
         st.pending_ids, st.pending_text, st.pending_logprobs, st.pending_top = [], [], None, None
         st.pending_prompt = None
         return out

@@ -78,6 +78,7 @@ class _ReqState:
     prompt_ids: list[int] | None = None
     prompt_start: int = 0  # the first prompt position reported (GenerateInput.logprob_start_len)
     prompt_logprobs: list[tuple[float | None, int]] | None = None
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank (None for the first)
     prompt_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     finished: bool = False
 
@@ -134,8 +135,9 @@ class TokenizerManager:
       "output_top_logprobs": [[(logprob, token_id), ...], ...]}}` (logprob keys only when
       return_logprob); with sampling_params.prompt_logprobs (or return_logprob and logprob_start_len >= 0)
       also "input_token_logprobs": [(None, first prompt id), (logprob, token_id), ...] (one per prompt
-      token, from position logprob_start_len on) and, when prompt_logprobs > 0, "input_top_logprobs":
-      [None, [(logprob, token_id), ...], ...], from the first item on. stream=False: one item at the end; stream=True: one item per emission
+      token, from position logprob_start_len on), "input_token_ranks": [None, rank, ...] (each prompt
+      token's rank among the vocabulary, 1 for the likeliest) and, when prompt_logprobs > 0,
+      "input_top_logprobs": [None, [(logprob, token_id), ...], ...], from the first item on. stream=False: one item at the end; stream=True: one item per emission
       (scheduler.stream_interval steps), the last one has a finish_reason. Raises `RequestError`
       (status 400) for invalid requests, `EngineDeadError` (status 503) when a child died. Closing the
       iterator early (client disconnect) aborts the request and frees its KV.
@@ -478,6 +480,8 @@ class TokenizerManager:
         if item.prompt_token_logprobs is not None and st.prompt_ids is not None:
             # the first prompt token has no logprob (nothing before it to predict it from)
             st.prompt_logprobs = [(None, st.prompt_ids[0])] + list(zip(item.prompt_token_logprobs, st.prompt_ids[1:]))
+            if item.prompt_token_ranks is not None:
+                st.prompt_ranks = [None, *item.prompt_token_ranks]
             if item.prompt_top_logprobs is not None:
                 st.prompt_top_logprobs = [None] + [[(lp, tid) for tid, lp in alts] for alts in item.prompt_top_logprobs]
 
@@ -498,6 +502,8 @@ class TokenizerManager:
             meta["output_top_logprobs"] = list(st.top_logprobs)
         if st.prompt_logprobs is not None:
             meta["input_token_logprobs"] = st.prompt_logprobs[st.prompt_start :]
+            if st.prompt_ranks is not None:
+                meta["input_token_ranks"] = st.prompt_ranks[st.prompt_start :]
             if st.prompt_top_logprobs is not None:
                 meta["input_top_logprobs"] = st.prompt_top_logprobs[st.prompt_start :]
         return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}

@@ -154,6 +154,7 @@ def _store_prompt_logprobs(items: list[_Item], result: BatchResult) -> None:
         for j in range(it.scored):
             if position + j == len(req.prompt_token_logprobs):  # in order; a position stored before is skipped
                 req.prompt_token_logprobs.append(float(result.prompt_token_logprobs[at + j]))
+                req.prompt_token_ranks.append(int(result.prompt_token_ranks[at + j]))
                 req.prompt_top_logprobs.append(list(tops[at + j][:k]) if tops is not None and k else [])
         at += it.scored
 
@@ -1393,6 +1394,7 @@ class Scheduler:
             out.top_logprobs = [list(map(tuple, alts)) for alts in req.output_top_logprobs[meta.sent : returned]]
         if not meta.first_sent and req.sampling_params.prompt_logprobs is not None:
             out.prompt_token_logprobs = list(req.prompt_token_logprobs)
+            out.prompt_token_ranks = list(req.prompt_token_ranks)
             if req.sampling_params.prompt_logprobs:
                 out.prompt_top_logprobs = [list(map(tuple, alts)) for alts in req.prompt_top_logprobs]
         meta.sent = end

@@ -56,6 +56,12 @@ def sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
+def _most(*counts: int | None) -> int | None:
+    """The largest of the alternatives counts asked for (None where none was)."""
+    asked = [c for c in counts if c is not None]
+    return max(asked) if asked else None
+
+
 def _finite(x: float | None) -> float:
     if x is None or math.isnan(x):
         return _LOGPROB_FLOOR
@@ -141,6 +147,28 @@ class Serving:
         except InvalidRequest as e:
             raise APIError(e.message, 400, e.param) from None
 
+    def prompt_logprobs(self, meta: dict, top: int | None) -> p.PromptLogprobs | None:
+        """vLLM's `prompt_logprobs` of a request that asked for `top` alternatives (None: it did not):
+        per prompt token None for the first, else its own entry, then its `top` likeliest alternatives'
+        (ranks 1..top) where they are other tokens."""
+        if top is None:
+            return None
+        ranks = meta.get("input_token_ranks") or []
+        alternatives = meta.get("input_top_logprobs") or []
+        out: p.PromptLogprobs = []
+        for j, (lp, tid) in enumerate(meta.get("input_token_logprobs") or []):
+            if lp is None:
+                out.append(None)
+                continue
+            rank = ranks[j] if j < len(ranks) else None  # a runner that reports no ranks
+            entry = {str(tid): p.PromptLogprob(logprob=_finite(lp), rank=rank, decoded_token=self.token_info(tid)[0])}
+            alts = alternatives[j] if j < len(alternatives) else []
+            for rank, (alt_lp, alt) in enumerate(alts[:top], 1):
+                entry.setdefault(str(alt), p.PromptLogprob(logprob=_finite(alt_lp), rank=rank,
+                                                           decoded_token=self.token_info(alt)[0]))
+            out.append(entry)
+        return out
+
     def token_info(self, token_id: int) -> tuple[str, list[int]]:
         """The `token` string and `bytes` of one token in logprobs. The bytes are the token's own
         (from the vocabulary: a byte-level piece or a `<0xNN>` byte-fallback token may hold part
@@ -209,7 +237,8 @@ class Serving:
         base = req.rid or f"chatcmpl-{uuid.uuid4().hex}"
         top = req.top_logprobs or 0
         jobs = [
-            self._job(i, base, req.n, req, dict(input_ids=list(ids)), max_new, req.logprobs, top, plan=plan)
+            self._job(i, base, req.n, req, dict(input_ids=list(ids)), max_new, req.logprobs, top, plan=plan,
+                      prompt_logprobs=req.prompt_logprobs if i == 0 else None)  # one prompt: scored once
             for i in range(req.n)
         ]
         formatter = _ChatFormat(self, base, self.tm.model_name, req, plan)
@@ -243,7 +272,9 @@ class Serving:
             )
         usage = tally.usage()
         self._done(base, "chat", 200, usage, started, None)
-        body = p.ChatCompletionResponse(id=base, model=self.tm.model_name, choices=choices, usage=usage)
+        body = p.ChatCompletionResponse(id=base, model=self.tm.model_name, choices=choices, usage=usage,
+                                        prompt_logprobs=self.prompt_logprobs(last[jobs[0].index]["meta_info"],
+                                                                             req.prompt_logprobs))
         return JSONResponse(body.model_dump())
 
     # ---- /v1/completions --------------------------------------------------------------------
@@ -276,7 +307,7 @@ class Serving:
                         want_lp,
                         req.logprobs or 0,
                         seed_offset=i,
-                        prompt_logprobs=req.logprobs if req.echo else None,  # echo with logprobs scores the prompt
+                        prompt_logprobs=_most(req.logprobs if req.echo else None, req.prompt_logprobs),
                     )
                 )
         echoes = [self._prompt_text(prm) if req.echo else "" for prm in prompts]
@@ -298,6 +329,7 @@ class Serving:
                     text=echoes[k] + out["text"],
                     logprobs=formatter.choice_logprobs(meta, k) if want_lp else None,
                     finish_reason=reason,
+                    prompt_logprobs=self.prompt_logprobs(meta, req.prompt_logprobs),
                     matched_stop=matched,
                 )
             )

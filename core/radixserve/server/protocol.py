@@ -224,6 +224,11 @@ class ChatMessage(_Request):
         return "".join(p.text for p in self.content)
 
 
+def _check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.prompt_logprobs is not None and req.stream:
+        raise refuse("prompt_logprobs", "not available with stream=true (vLLM's rule too)")
+
+
 class ChatCompletionRequest(_SamplingFields, ChatToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -231,11 +236,15 @@ class ChatCompletionRequest(_SamplingFields, ChatToolFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # vLLM's extension: each prompt token's logprob given the tokens before it, with this many
+    # alternatives (the response's top-level `prompt_logprobs`); not with stream
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise refuse("top_logprobs", "requires logprobs=true")
+        _check_prompt_logprobs(self)
         return self
 
     def requested_max_tokens(self) -> int | None:
@@ -254,11 +263,15 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None  # only null (the default): insertion is not supported
+    # vLLM's extension: each prompt token's logprob given the tokens before it, with this many
+    # alternatives (each choice's `prompt_logprobs`); not with stream
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
         if self.suffix is not None:
             raise refuse("suffix", "text after the completion (suffix) is not supported")
+        _check_prompt_logprobs(self)
         if self.max_tokens == 0 and not self.echo:
             raise refuse("max_tokens", "must be at least 1 (0 only with echo: the prompt alone, e.g. for its logprobs)")
         if self.best_of is not None and self.best_of != self.n:
@@ -396,6 +409,20 @@ class ChatChoice(_Response):
     matched_stop: int | str | None = None  # SGLang extension: the stop string / token that ended it
 
 
+class PromptLogprob(_Response):
+    """One token's entry in vLLM's `prompt_logprobs`: its logprob, its rank among the vocabulary (1:
+    the likeliest) and its text."""
+
+    logprob: float
+    rank: int | None  # None only from a runner that reports no ranks
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: per prompt token, None for the first (nothing predicts it), else the token's
+# entry and its alternatives', keyed by token id (as a string, JSON's keys)
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatCompletionResponse(_Response):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -403,6 +430,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda v: v is None)  # only when asked
 
 
 class DeltaMessage(_Response):
@@ -446,6 +474,7 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda v: v is None)  # only when asked
 
 
 class CompletionResponse(_Response):

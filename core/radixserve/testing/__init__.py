@@ -23,7 +23,13 @@ from radixserve.testing.output_parsers import (
 from radixserve.testing.policy import check_schedule_policy
 from radixserve.testing.prefix_cache import check_prefix_cache
 from radixserve.testing.quantization import check_quant_method, check_quant_method_moe
-from radixserve.testing.toy_runner import ToyRunner, toy_next_token, toy_prompt_logprobs, toy_reference
+from radixserve.testing.toy_runner import (
+    ToyRunner,
+    toy_next_token,
+    toy_prompt_logprobs,
+    toy_prompt_ranks,
+    toy_reference,
+)
 
 __all__ = [
     "ReasoningSample",
@@ -48,5 +54,6 @@ __all__ = [
     "tiny_tokenizer",
     "toy_next_token",
     "toy_prompt_logprobs",
+    "toy_prompt_ranks",
     "toy_reference",
 ]

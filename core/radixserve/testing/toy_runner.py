@@ -31,9 +31,19 @@ def toy_prompt_logprob(history: list[int] | torch.Tensor, target: int, vocab_siz
     return -((target - toy_next_token(history, vocab_size)) % vocab_size) / vocab_size
 
 
+def toy_prompt_rank(history: list[int] | torch.Tensor, target: int, vocab_size: int) -> int:
+    """`target`'s rank after `history`: 1 for the toy's own next token, then by distance from it."""
+    return (target - toy_next_token(history, vocab_size)) % vocab_size + 1
+
+
 def toy_prompt_logprobs(prompt: list[int], vocab_size: int) -> list[float]:
     """What a correct scheduler reports as `prompt` token i+1's logprob, for each position i."""
     return [toy_prompt_logprob(prompt[: i + 1], prompt[i + 1], vocab_size) for i in range(len(prompt) - 1)]
+
+
+def toy_prompt_ranks(prompt: list[int], vocab_size: int) -> list[int]:
+    """What a correct scheduler reports as `prompt` token i+1's rank, for each position i."""
+    return [toy_prompt_rank(prompt[: i + 1], prompt[i + 1], vocab_size) for i in range(len(prompt) - 1)]
 
 
 def toy_reference(
@@ -158,12 +168,13 @@ class ToyRunner:
         table = self.req_to_token_pool.req_to_token
         starts = torch.tensor([0, *sb.extend_lens]).cumsum(0).tolist()
         scored = sb.prompt_logprob_rows
-        result.prompt_token_logprobs, result.prompt_top_logprobs = [], []
+        result.prompt_token_logprobs, result.prompt_token_ranks, result.prompt_top_logprobs = [], [], []
         for r, target in zip(scored.rows, scored.targets, strict=True):
             i = max(k for k in range(len(sb.extend_lens)) if starts[k] <= r)  # the request of packed row r
             position = sb.prefix_lens[i] + r - starts[i]
             history = self.kv_pool[table[sb.req_pool_indices[i], : position + 1], 0]
             result.prompt_token_logprobs.append(toy_prompt_logprob(history, target, self.vocab_size))
+            result.prompt_token_ranks.append(toy_prompt_rank(history, target, self.vocab_size))
             result.prompt_top_logprobs.append([(toy_next_token(history, self.vocab_size), 0.0)][: scored.top])
 
     def _compute_verify(self, sb: ScheduledBatch) -> BatchResult:
