@@ -10,7 +10,9 @@ generated greedily for `--output-len` tokens; a prompt's time is its whole reque
 decode steps). Both systems warm up on another prompt of the same length (not a timed one: vLLM caches
 prefixes). Ours runs with `runtime.cpu_matmul_precision=medium runtime.kv_cache_dtype=bfloat16` (plus
 any overrides) once per `--chunks` value (scheduler.chunked_prefill_size); vLLM with dtype bfloat16 and
-its defaults, in its own venv (`benchmarks/vllm_cpu_venv.sh`), skipped when --peer-python is empty.
+its defaults, in its own venv (`benchmarks/vllm_cpu_venv.sh`), skipped when --peer-python is empty;
+`runtime.cpu_matmul_precision=highest runtime.kv_cache_dtype=auto --peer-dtype float32` compares the fp32
+defaults.
 One JSON line per prompt and a summary line per system (median seconds); also appended to --result-file.
 
 The work a prompt's prefill does: 2 x 106 M non-embedding weights per token in the GEMMs (0.21 GFLOP a
@@ -69,7 +71,7 @@ def run_vllm(args, prompts) -> list[float]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model, dtype="bfloat16", max_model_len=max(8192, args.input_len + args.output_len))
+    llm = LLM(model=args.model, dtype=args.peer_dtype, max_model_len=max(8192, args.input_len + args.output_len))
     params = SamplingParams(max_tokens=args.output_len, min_tokens=args.output_len, ignore_eos=True, temperature=0.0)
     llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params)
     times = []
@@ -88,6 +90,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=8)
     ap.add_argument("--chunks", default="512,8192", help="scheduler.chunked_prefill_size values for our runs")
     ap.add_argument("--peer-python", default="benchmarks/.peers/vllm-venv/bin/python")
+    ap.add_argument("--peer-dtype", default="bfloat16", help="vLLM's dtype (float32 beside our fp32 defaults)")
     ap.add_argument("--system", choices=("ours", "vllm"), default="ours", help=argparse.SUPPRESS)
     ap.add_argument("--result-file")
     ap.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -101,16 +104,18 @@ def main() -> None:
     summaries = []
     for chunk in (int(c) for c in args.chunks.split(",")):
         times = run_ours(args, prompts, chunk)
-        summaries.append({"system": "radixserve", "chunked_prefill_size": chunk, "seconds": times})
+        summaries.append({"system": "radixserve", "chunked_prefill_size": chunk, "overrides": args.overrides,
+                          "seconds": times})
     if args.peer_python:
         env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="4")
         out = subprocess.run([args.peer_python, os.path.abspath(__file__), "--system", "vllm", "--model", args.model,
                               "--input-len", str(args.input_len), "--prompts", str(args.prompts), "--output-len",
-                              str(args.output_len)], capture_output=True, text=True, env=env)
+                              str(args.output_len), "--peer-dtype", args.peer_dtype], capture_output=True, text=True,
+                             env=env)
         lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
         if out.returncode != 0 or not lines:
             sys.exit(f"the vLLM peer failed ({out.returncode}):\n{out.stderr[-3000:]}")
-        summaries.append({"system": "vllm-cpu", "seconds": json.loads(lines[-1])["times"]})
+        summaries.append({"system": "vllm-cpu", "dtype": args.peer_dtype, "seconds": json.loads(lines[-1])["times"]})
     for row in summaries:
         median = statistics.median(row["seconds"])
         emit({**row, "median_s": round(median, 3), "input_len": args.input_len, "output_len": args.output_len,

@@ -214,12 +214,16 @@ def test_native_decode_attention_matches_the_sdpa_paths(hq, hkv, d, kv_dtype):
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
 def test_native_extend_attention_matches_the_reference(hq, hkv, d, kv_dtype):
-    """Prefill with and without a cached prefix, extends longer than one 16-query block, and one
-    past NATIVE_MAX_EXTEND (which must take the reference path), against torch_native's loop."""
+    """Prefill with and without a cached prefix, extends longer than one 16-query block, one of
+    NATIVE_MAX_EXTEND (the per-row path of every build) and one past the build's limit (which must take
+    the reference path), against torch_native's loop."""
     from radixserve_attention_cpu_batched.backend import NATIVE_MAX_EXTEND
 
     gen = torch.Generator().manual_seed(hq + d)
-    for prefix_lens, extend_lens in (([0, 7, 0, 40], [5, 1, 33, 17]), ([3], [NATIVE_MAX_EXTEND + 1])):
+    limit = CPUBatchedBackend(AttentionRunnerInfo(torch.device("cpu"), torch.float32, 1, hq, hkv, d, ReqToTokenPool(2, 8),
+                                                  KVPool(8, 1, hkv, d, kv_dtype), 2, 8)).max_native_extend
+    assert limit >= NATIVE_MAX_EXTEND
+    for prefix_lens, extend_lens in (([0, 7, 0, 40], [5, 1, 33, 17]), ([2, 0], [NATIVE_MAX_EXTEND, 9]), ([3], [limit + 1])):
         lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
         backend, batch, *_ = _decode_batch(lambda info: CPUBatchedBackend(info), lens, hq, hkv, d, seed=hq * d,
                                            kv_dtype=kv_dtype)
@@ -235,7 +239,7 @@ def test_native_extend_attention_matches_the_reference(hq, hkv, d, kv_dtype):
         layer = SimpleNamespace(layer_id=0, num_heads=hq, num_kv_heads=hkv, head_dim=d, scaling=d**-0.5)
         backend.init_forward_metadata(batch)
         assert (batch.attn_metadata is not None and not isinstance(batch.attn_metadata, list)) == (
-            max(extend_lens) <= NATIVE_MAX_EXTEND), "the native path applies exactly up to NATIVE_MAX_EXTEND"
+            max(extend_lens) <= limit), "the native path applies exactly up to the build's limit"
         got = backend.forward_extend(q, k, v, layer, batch)
         stored_k, stored_v = (buf[0][loc] for buf in (batch.kv_pool.k_buffers, batch.kv_pool.v_buffers))
         assert torch.equal(stored_k, k.view(-1, hkv, d).to(kv_dtype)) and torch.equal(stored_v, v.view(-1, hkv, d).to(kv_dtype))
@@ -245,16 +249,16 @@ def test_native_extend_attention_matches_the_reference(hq, hkv, d, kv_dtype):
 
 
 def test_long_extends_take_the_flash_path_with_bf16_products():
-    """runtime.cpu_matmul_precision=medium over a bf16 pool: a prompt longer than NATIVE_MAX_EXTEND (and a
-    chunk after a cached prefix, beside a short request) goes through the native kernel, whose flash path
+    """runtime.cpu_matmul_precision=medium over a bf16 pool: a prompt longer than the per-row path takes (and
+    a chunk after a cached prefix, beside a short request) goes through the native kernel, whose flash path
     does the long ones, instead of the SDPA reference path; it agrees with that path to bf16 rounding."""
     import dataclasses
 
-    from radixserve_attention_cpu_batched.backend import NATIVE_MAX_EXTEND
-
     _attention_module("default", bf16_products=True)  # skips where the CPU has no AVX-512 BF16
     hq, hkv, d = 9, 3, 64
-    prefix_lens, extend_lens = [0, 150, 4], [NATIVE_MAX_EXTEND + 40, 120, 3]
+    limit = CPUBatchedBackend(AttentionRunnerInfo(torch.device("cpu"), torch.float32, 1, hq, hkv, d, ReqToTokenPool(2, 8),
+                                                  KVPool(8, 1, hkv, d, torch.bfloat16), 2, 8)).max_native_extend
+    prefix_lens, extend_lens = [0, 150, 4], [limit + 40, 120, 3]
     lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     backend, batch, *_ = _decode_batch(
         lambda info: CPUBatchedBackend(dataclasses.replace(info, matmul_precision="medium")), lens, hq, hkv, d,

@@ -13,9 +13,10 @@ bf16 pool's products run on AVX-512 BF16 where the CPU has it: each query rounde
 softmax weights rounded to bf16 for the value sums, fp32 sums (as the model's linears then do);
 decode and extend still give a token the same bits (speculative decoding relies on it).
 
-Extend batches go through the kernel when every request adds at most NATIVE_MAX_EXTEND tokens (the
-short prompts and suffixes after a prefix-cache hit of a serving load); longer ones take the
-reference path, whose SDPA does the quadratic work faster than the kernel's per-row loop. With bf16
+Extend batches go through the kernel when every request adds at most NATIVE_MAX_EXTEND tokens
+(NATIVE_MAX_EXTEND_AVX512 in a build with AVX-512, whose per-row loop beats the reference path's
+gather and SDPA up to ~2,000 new tokens: 1.2-3x at 300-1,024); longer ones take the reference path,
+whose SDPA does the quadratic work faster than the kernel's per-row loop. With bf16
 products every extend goes through the kernel: a request adding at least FLASH_MIN_EXTEND tokens
 (a long prompt or chunk) runs its tiled flash path (csrc/flash_bf16.h), ~2x SDPA's rate on long
 prompts; speculative verifies are shorter than that and keep the per-row path. Without a compiler (or for other
@@ -48,6 +49,7 @@ from radixserve_attention_torch_native.backend import TorchNativeBackend
 _SOURCE = Path(__file__).parent / "csrc" / "attention.cpp"
 NATIVE_HEAD_DIMS = (64, 128, 256)  # the head sizes the kernel is compiled for
 NATIVE_MAX_EXTEND = 256  # longest per-request extend the native kernel takes (see the docstring)
+NATIVE_MAX_EXTEND_AVX512 = 2048  # the same for a build with AVX-512 (benchmarks/results/cpu-long-prompt.md)
 # Shortest per-request extend that runs the flash path (bf16 products only). Above the longest
 # speculative verify (speculative.num_draft_tokens <= 64, plus the verified token), whose rows must keep
 # the per-row kernel's bits (equal to decode's); below it the per-row kernel is as fast.
@@ -98,11 +100,14 @@ class CPUBatchedBackend(TorchNativeBackend):
         super().__init__(runner_info)
         self._kernels = None
         self._bf16_products = False  # the kernels' bf16 products (see the module docstring)
+        self.max_native_extend = NATIVE_MAX_EXTEND  # longest per-request extend of the per-row path
         if use_native and self._native_applies(runner_info):
             self._kernels = load_kernels()
             self._bf16_products = (self._kernels is not None and runner_info.matmul_precision == "medium"
                                    and runner_info.kv_pool.dtype == torch.bfloat16
                                    and getattr(self._kernels, "bf16_products_available", False))
+            if getattr(self._kernels, "avx512", False):
+                self.max_native_extend = NATIVE_MAX_EXTEND_AVX512
 
     @classmethod
     def build_native_kernels(cls, device: str) -> None:
@@ -121,7 +126,7 @@ class CPUBatchedBackend(TorchNativeBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode is not ForwardMode.DECODE:
             if self._kernels is not None and (self._bf16_products and batch.tree_mask is None
-                                              or max(batch.extend_lens_cpu) <= NATIVE_MAX_EXTEND):
+                                              or max(batch.extend_lens_cpu) <= self.max_native_extend):
                 meta = _NativeExtendMeta(extend_lens=batch.extend_lens.to("cpu", torch.int64))
                 if batch.tree_mask is not None:
                     meta.tree_mask = batch.tree_mask.to("cpu", torch.bool).contiguous()

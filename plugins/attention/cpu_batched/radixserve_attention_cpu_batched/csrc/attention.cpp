@@ -902,6 +902,8 @@ at::Tensor extend_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // whether bf16_products=True is available (AVX-512 BF16 in this build)
   m.attr("bf16_products_available") = static_cast<bool>(RS_ATTN_BF16_PRODUCTS);
+  // whether the AVX-512 score blocks and register value sums are built (the per-row extend's speed)
+  m.attr("avx512") = static_cast<bool>(RS_ATTN_AVX512);
   m.def("decode_attention", &decode_attention, "store the new K/V, then decode attention over an fp32 or bf16 KV pool");
   m.def("extend_attention", &extend_attention, "store the new K/V, then causal (or tree-masked) extend attention over an fp32 or bf16 KV pool");
 }
