@@ -4,8 +4,8 @@
 // Why: the per-query-row extend of attention.cpp reads every key once per block of 16 queries and
 // reduces each score across lanes; on a 4,000-token prompt that, or torch's SDPA (~135 GFLOP/s on
 // two Zen 4 cores), made attention two thirds of the prefill. Here a task is one request's block of
-// 16 * QV queries for the query heads of one KV group (NV = heads x QV vectors of 16 query rows, the
-// rows in the lanes), and keys come in blocks of kFlashKeys:
+// 16 * QV queries for a few query heads of one KV group (NV = heads x QV vectors of 16 query rows, the
+// rows in the lanes; flash_shape), and keys come in blocks of kFlashKeys:
 //   1. scores S[key][row vector] by vdpbf16ps: the rows' bf16 query words (transposed once per task)
 //      times each key's word broadcast straight from the pool row (no packing of K);
 //   2. an online softmax per lane (running max and sum, the earlier value sums rescaled), with the
