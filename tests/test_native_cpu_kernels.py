@@ -211,6 +211,24 @@ def test_native_decode_attention_matches_the_sdpa_paths(hq, hkv, d, kv_dtype):
     torch.testing.assert_close(outs["padded"], outs["reference"], rtol=1e-5, atol=1e-5)
 
 
+def _extend_batch(backend_factory, prefix_lens: list[int], extend_lens: list[int], hq: int, hkv: int, d: int,
+                  seed: int, gen: torch.Generator, kv_dtype: torch.dtype = torch.float32):
+    """_decode_batch's pool and slots turned into an EXTEND batch of these prefix and new-token counts, with
+    random new q, k, v; returns (backend, batch, q, k, v, layer spec, the new tokens' slots)."""
+    lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    backend, batch, *_ = _decode_batch(backend_factory, lens, hq, hkv, d, seed=seed, kv_dtype=kv_dtype)
+    rows = batch.req_pool_indices.tolist()
+    loc = torch.cat([batch.req_to_token_pool.read(r, n)[p:] for r, n, p in zip(rows, lens, prefix_lens, strict=True)])
+    n = sum(extend_lens)
+    batch.mode, batch.out_cache_loc = ForwardMode.EXTEND, loc
+    batch.prefix_lens, batch.prefix_lens_cpu = torch.tensor(prefix_lens), list(prefix_lens)
+    batch.extend_lens, batch.extend_lens_cpu = torch.tensor(extend_lens), list(extend_lens)
+    q = torch.randn(n, hq * d, generator=gen)
+    k, v = torch.randn(n, hkv * d, generator=gen), torch.randn(n, hkv * d, generator=gen)
+    layer = SimpleNamespace(layer_id=0, num_heads=hq, num_kv_heads=hkv, head_dim=d, scaling=d**-0.5)
+    return backend, batch, q, k, v, layer, loc
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
 def test_native_extend_attention_matches_the_reference(hq, hkv, d, kv_dtype):
@@ -224,19 +242,9 @@ def test_native_extend_attention_matches_the_reference(hq, hkv, d, kv_dtype):
                                                   KVPool(8, 1, hkv, d, kv_dtype), 2, 8)).max_native_extend
     assert limit >= NATIVE_MAX_EXTEND
     for prefix_lens, extend_lens in (([0, 7, 0, 40], [5, 1, 33, 17]), ([2, 0], [NATIVE_MAX_EXTEND, 9]), ([3], [limit + 1])):
-        lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-        backend, batch, *_ = _decode_batch(lambda info: CPUBatchedBackend(info), lens, hq, hkv, d, seed=hq * d,
-                                           kv_dtype=kv_dtype)
+        backend, batch, q, k, v, layer, loc = _extend_batch(lambda info: CPUBatchedBackend(info), prefix_lens,
+                                                            extend_lens, hq, hkv, d, hq * d, gen, kv_dtype)
         assert backend.uses_native_kernel
-        rows = batch.req_pool_indices.tolist()
-        loc = torch.cat([batch.req_to_token_pool.read(r, n)[p:] for r, n, p in zip(rows, lens, prefix_lens, strict=True)])
-        n = sum(extend_lens)
-        batch.mode, batch.out_cache_loc = ForwardMode.EXTEND, loc
-        batch.prefix_lens, batch.prefix_lens_cpu = torch.tensor(prefix_lens), list(prefix_lens)
-        batch.extend_lens, batch.extend_lens_cpu = torch.tensor(extend_lens), list(extend_lens)
-        q = torch.randn(n, hq * d, generator=gen)
-        k, v = torch.randn(n, hkv * d, generator=gen), torch.randn(n, hkv * d, generator=gen)
-        layer = SimpleNamespace(layer_id=0, num_heads=hq, num_kv_heads=hkv, head_dim=d, scaling=d**-0.5)
         backend.init_forward_metadata(batch)
         assert (batch.attn_metadata is not None and not isinstance(batch.attn_metadata, list)) == (
             max(extend_lens) <= limit), "the native path applies exactly up to the build's limit"
@@ -259,20 +267,10 @@ def test_long_extends_take_the_flash_path_with_bf16_products():
     limit = CPUBatchedBackend(AttentionRunnerInfo(torch.device("cpu"), torch.float32, 1, hq, hkv, d, ReqToTokenPool(2, 8),
                                                   KVPool(8, 1, hkv, d, torch.bfloat16), 2, 8)).max_native_extend
     prefix_lens, extend_lens = [0, 150, 4], [limit + 40, 120, 3]
-    lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-    backend, batch, *_ = _decode_batch(
-        lambda info: CPUBatchedBackend(dataclasses.replace(info, matmul_precision="medium")), lens, hq, hkv, d,
-        seed=5, kv_dtype=torch.bfloat16)
+    backend, batch, q, k, v, layer, _ = _extend_batch(
+        lambda info: CPUBatchedBackend(dataclasses.replace(info, matmul_precision="medium")), prefix_lens, extend_lens,
+        hq, hkv, d, 5, torch.Generator().manual_seed(6), torch.bfloat16)
     assert backend._bf16_products
-    rows = batch.req_pool_indices.tolist()
-    loc = torch.cat([batch.req_to_token_pool.read(r, n)[p:] for r, n, p in zip(rows, lens, prefix_lens, strict=True)])
-    n, gen = sum(extend_lens), torch.Generator().manual_seed(6)
-    batch.mode, batch.out_cache_loc = ForwardMode.EXTEND, loc
-    batch.prefix_lens, batch.prefix_lens_cpu = torch.tensor(prefix_lens), list(prefix_lens)
-    batch.extend_lens, batch.extend_lens_cpu = torch.tensor(extend_lens), list(extend_lens)
-    q = torch.randn(n, hq * d, generator=gen)
-    k, v = torch.randn(n, hkv * d, generator=gen), torch.randn(n, hkv * d, generator=gen)
-    layer = SimpleNamespace(layer_id=0, num_heads=hq, num_kv_heads=hkv, head_dim=d, scaling=d**-0.5)
     backend.init_forward_metadata(batch)
     assert not isinstance(batch.attn_metadata, list), "a long extend took the reference path"
     got = backend.forward_extend(q, k, v, layer, batch)
