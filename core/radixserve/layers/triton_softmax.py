@@ -16,14 +16,30 @@ NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def online_softmax_step(qk, v, m_i, l_i, acc):
+def dot_qk(q, k, IEEE: tl.constexpr):
+    """q [M, D] times k [N, D] transposed. IEEE (fp32 operands): exact fp32 products; without it
+    tl.dot runs fp32 operands as TF32 on tensor cores (~1e-3 relative), which an fp32 model's
+    attention must not (its prompt logprobs then differed from transformers' by 2e-3 on an H100)."""
+    if IEEE:
+        out = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        out = tl.dot(q, tl.trans(k))
+    return out
+
+
+@triton.jit
+def online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr):
     """Fold one block of (log2-scaled, -inf-masked) scores [M, N] and values [N, D] into the
-    running max m_i [M], running sum l_i [M] and unnormalised output acc [M, D]."""
+    running max m_i [M], running sum l_i [M] and unnormalised output acc [M, D] (IEEE: as dot_qk)."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
 

@@ -104,7 +104,7 @@ def _latent_decode_split_kernel(
         k_pe = tl.load(row + LORA + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
         qk = tl.dot(q_lat, tl.trans(c_kv)) + tl.dot(q_pe, tl.trans(k_pe))
         qk = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(qk, c_kv, m_i, l_i, acc)
+        m_i, l_i, acc = online_softmax_step(qk, c_kv, m_i, l_i, acc, False)
 
     store_split_partial(MidO, MidLse, b, heads, split, offs_l, mask_h, mask_l, m_i, l_i, acc,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)

@@ -117,7 +117,7 @@ def _latent_extend_kernel(
             bit = tl.load(mask_rows + j[None, :], mask=in_tree, other=1)
             seen = seen & (bit != 0)
         qk = tl.where(seen, qk * sm_scale_log2, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(qk, c_kv, m_i, l_i, acc)
+        m_i, l_i, acc = online_softmax_step(qk, c_kv, m_i, l_i, acc, False)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a padding row (masked out) has l_i == 0
     o_ptrs = Out + tok[:, None] * stride_ot + h[:, None] * stride_oh + offs_l[None, :]

@@ -70,6 +70,7 @@ def _decode_stage1_kernel(
     HAS_CAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     KV_FP8: tl.constexpr,
+    IEEE: tl.constexpr,  # fp32 q/k/v: exact fp32 products (dot_qk)
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -107,7 +108,7 @@ def _decode_stage1_kernel(
     # the window is already in `lo` (kv_start), so the pass runs without one
     m_i, l_i, acc = attend_pool_keys(q, offs_h, m_i, l_i, acc, r2t_row, K_buf, V_buf, kvh, lo, hi, sm_scale, logit_cap,
                                      window, stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_n, offs_d, mask_d,
-                                     BLOCK_N, HAS_CAP, False, KV_FP8)
+                                     BLOCK_N, HAS_CAP, False, KV_FP8, IEEE)
     if KV_FP8:
         acc = acc * v_scale
 
@@ -263,6 +264,7 @@ def decode_attention(
         HAS_CAP=bool(logit_cap),
         HAS_WINDOW=bool(sliding_window),
         KV_FP8=kv_fp8,
+        IEEE=q.dtype == torch.float32,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

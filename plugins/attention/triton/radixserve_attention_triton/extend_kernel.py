@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 from radixserve.layers import triton_interpreter as _interpreter_compat
-from radixserve.layers.triton_softmax import NEG_BIG, online_softmax_step, scores_log2
+from radixserve.layers.triton_softmax import NEG_BIG, dot_qk, online_softmax_step, scores_log2
 
 from radixserve_attention_triton.pool_keys import attend_pool_keys
 
@@ -50,7 +50,7 @@ def _single_token_heads(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_G: tl.constexpr, HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_G: tl.constexpr, HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr,
 ):
     """A request with one new token (a decode row riding in an extend batch): the GROUP query heads
     h .. h + GROUP - 1 that share KV head h // GROUP in one [BLOCK_G, D] tile, so each cached key is
@@ -72,19 +72,19 @@ def _single_token_heads(
     m_i, l_i, acc = attend_pool_keys(q, tl.zeros([BLOCK_G], dtype=tl.int32), m_i, l_i, acc, r2t_row, K_buf, V_buf, kvh,
                                    prefix_lo, prefix_len, sm_scale, logit_cap, window, stride_kbs, stride_kbh,
                                    stride_vbs, stride_vbh, offs_n, offs_d, mask_d, BLOCK_N, HAS_CAP, HAS_WINDOW,
-                                   KV_FP8)
+                                   KV_FP8, IEEE)
     # the token itself: a block whose first key is the only one
     mask_n = offs_n < 1
     kv_mask = mask_n[:, None] & mask_d[None, :]
     k = tl.load(K_new + (tok + offs_n)[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
     if KV_FP8:
         k = k.to(q.dtype)
-    qk = scores_log2(tl.dot(q, tl.trans(k)), sm_scale, logit_cap, HAS_CAP)
+    qk = scores_log2(dot_qk(q, k, IEEE), sm_scale, logit_cap, HAS_CAP)
     qk = tl.where(mask_n[None, :], qk, float("-inf"))
     v = tl.load(V_new + (tok + offs_n)[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
     if KV_FP8:
         v = v.to(q.dtype)
-    m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
+    m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
     if KV_FP8:
         acc = acc * v_scale
     out = acc / l_i[:, None]
@@ -139,6 +139,7 @@ def _extend_kernel(
     HAS_CAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     KV_FP8: tl.constexpr,
+    IEEE: tl.constexpr,  # fp32 q/k/v: exact fp32 products (dot_qk)
 ):
     # one work item for each of its query heads in turn: a costly block starts on every head early
     item = tl.program_id(0) // NUM_HEADS
@@ -156,7 +157,7 @@ def _extend_kernel(
                 Q, K_new, V_new, Out, K_buf, V_buf, ReqToToken + req * stride_r2t, h, prefix_len, ext_start,
                 sm_scale, v_scale, logit_cap, window, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                 stride_vh, stride_ot, stride_oh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
-                GROUP, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_G, HAS_CAP, HAS_WINDOW, KV_FP8)
+                GROUP, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_G, HAS_CAP, HAS_WINDOW, KV_FP8, IEEE)
         return
     ext_len = tl.load(extend_lens_ptr + b).to(tl.int32)
     if m_start >= ext_len:  # a dense table (planned without host lengths) holds blocks past the end
@@ -194,7 +195,7 @@ def _extend_kernel(
     m_i, l_i, acc = attend_pool_keys(q, q_rel, m_i, l_i, acc, ReqToToken + req * stride_r2t, K_buf, V_buf, kvh,
                                    prefix_lo, prefix_len, sm_scale, logit_cap, window, stride_kbs, stride_kbh,
                                    stride_vbs, stride_vbh, offs_n, offs_d, mask_d, BLOCK_N, HAS_CAP, HAS_WINDOW,
-                                   KV_FP8)
+                                   KV_FP8, IEEE)
 
     if HAS_TREE_MASK:  # this request's row-major [ext_len, ext_len] block of the flat mask
         mask_row = TreeMask + tl.load(mask_start_ptr + b).to(tl.int64) + offs_m[:, None].to(tl.int64) * ext_len
@@ -206,7 +207,7 @@ def _extend_kernel(
         k = _load_rows(K_new + tok * stride_kt + kvh * stride_kh + offs_d[None, :], mask_d, EVEN_D)
         if KV_FP8:
             k = k.to(q.dtype)
-        qk = scores_log2(tl.dot(q, tl.trans(k)), sm_scale, logit_cap, HAS_CAP)
+        qk = scores_log2(dot_qk(q, k, IEEE), sm_scale, logit_cap, HAS_CAP)
         if HAS_TREE_MASK:
             seen = tl.load(mask_row + (start + offs_n)[None, :], mask=mask_m[:, None], other=0)
             qk = tl.where(seen != 0, qk, float("-inf"))
@@ -218,7 +219,7 @@ def _extend_kernel(
         v = _load_rows(V_new + tok * stride_vt + kvh * stride_vh + offs_d[None, :], mask_d, EVEN_D)
         if KV_FP8:
             v = v.to(q.dtype)
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
 
     # Stage 2b: the diagonal, causal; keys past this block's last query are never needed.
     hi = tl.minimum(ext_len, m_start + BLOCK_M)
@@ -230,7 +231,7 @@ def _extend_kernel(
         k = tl.load(K_new + tok * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:
             k = k.to(q.dtype)
-        qk = scores_log2(tl.dot(q, tl.trans(k)), sm_scale, logit_cap, HAS_CAP)
+        qk = scores_log2(dot_qk(q, k, IEEE), sm_scale, logit_cap, HAS_CAP)
         causal = (offs_m[:, None] >= n[None, :]) & mask_n[None, :]
         if HAS_TREE_MASK:
             seen = tl.load(mask_row + n[None, :], mask=mask_m[:, None] & causal, other=0)
@@ -244,7 +245,7 @@ def _extend_kernel(
         v = tl.load(V_new + tok * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:
             v = v.to(q.dtype)
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
 
     if KV_FP8:
         acc = acc * v_scale
@@ -461,6 +462,7 @@ def extend_attention(
         HAS_CAP=bool(logit_cap),
         HAS_WINDOW=bool(sliding_window),
         KV_FP8=kv_fp8,
+        IEEE=q.dtype == torch.float32,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
