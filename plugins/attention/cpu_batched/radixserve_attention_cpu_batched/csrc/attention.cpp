@@ -136,20 +136,23 @@ inline float dot_fixed(const float* a, const KV* b) {
 // 2^n * p(r) with x = n ln2 + r (Cody-Waite split of ln2) and a degree-6 polynomial for e^r on
 // |r| <= ln2 / 2 (relative error about 2 ulp). Why: the library's exp runs 4 lanes per call and was
 // about a fifth of the decode attention's time (softmax of every score).
+// The split and polynomial of exp_nonpositive (and flash_bf16.h's 16-lane exp16_nonpositive).
+struct ExpConstants {
+  static constexpr float lowest = -87.f, log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
+  static constexpr float poly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                                    1.6666665459e-1f, 5.0000001201e-1f};  // highest degree first
+};
+
 inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 lowest = _mm256_set1_ps(-87.f);
+  using E = ExpConstants;
+  const __m256 lowest = _mm256_set1_ps(E::lowest);
   const __m256 keep = _mm256_cmp_ps(x, lowest, _CMP_GE_OQ);
   x = _mm256_max_ps(x, lowest);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(E::log2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(E::ln2_hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(E::ln2_lo), r);
+  __m256 p = _mm256_set1_ps(E::poly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(E::poly[i]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n)), keep);

@@ -23,21 +23,17 @@ constexpr int64_t kFlashKeys = 64;        // keys per block: S and P for NV <= 8
 constexpr float kMaskedScore = -1e30f;     // a hidden key's score: finite (-ffast-math), exp() of it - max is 0
 constexpr int kFlashMaxVectors = 8;        // row vectors per task (heads x query sub-blocks)
 
-// exp(x) for x <= 0 in 16 lanes: exp_nonpositive's method (exactly 0 below -87).
+// exp(x) for x <= 0 in 16 lanes: exp_nonpositive's method and constants (exactly 0 below -87).
 inline __m512 exp16_nonpositive(__m512 x) {
-  const __m512 lowest = _mm512_set1_ps(-87.f);
+  using E = ExpConstants;
+  const __m512 lowest = _mm512_set1_ps(E::lowest);
   const __mmask16 keep = _mm512_cmp_ps_mask(x, lowest, _CMP_GE_OQ);
   x = _mm512_max_ps(x, lowest);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(E::log2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(E::ln2_hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(E::ln2_lo), r);
+  __m512 p = _mm512_set1_ps(E::poly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(E::poly[i]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(p, _mm512_castsi512_ps(two_n)));
