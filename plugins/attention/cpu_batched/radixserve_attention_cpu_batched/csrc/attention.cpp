@@ -708,6 +708,8 @@ void run_extend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& 
   std::vector<FlashTask> flash;  // task index tasks.size() + f
   const std::pair<int64_t, int64_t> shape = flash_shape(hq / hkv);
   const int64_t qv = shape.first, heads_per_task = shape.second, group = hq / hkv;
+  TORCH_CHECK(qv >= 1 && heads_per_task >= 1 && qv * heads_per_task <= kFlashMaxVectors,
+              "extend_attention: a flash task of ", qv * heads_per_task, " row vectors (1..", kFlashMaxVectors, ")");
 #endif
   int64_t q_row = 0;
   for (int64_t r = 0; r < bs; ++r) {

@@ -262,7 +262,7 @@ void flash_task_any(const FlashTask& task, const float* q, int64_t width, const 
   auto run = [&](auto nv) {
     flash_task<D, decltype(nv)::value>(task, q, width, k_buf, v_buf, row, slots, prefix, scale, opt, out, scratch);
   };
-  switch (task.heads * task.qv) {
+  switch (task.heads * task.qv) {  // 1..kFlashMaxVectors: checked where the tasks are made (run_extend)
     case 1: run(std::integral_constant<int, 1>()); break;
     case 2: run(std::integral_constant<int, 2>()); break;
     case 3: run(std::integral_constant<int, 3>()); break;
@@ -270,7 +270,7 @@ void flash_task_any(const FlashTask& task, const float* q, int64_t width, const 
     case 5: run(std::integral_constant<int, 5>()); break;
     case 6: run(std::integral_constant<int, 6>()); break;
     case 7: run(std::integral_constant<int, 7>()); break;
-    default: run(std::integral_constant<int, 8>()); break;
+    case 8: run(std::integral_constant<int, 8>()); break;
   }
 }
 
