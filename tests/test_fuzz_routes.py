@@ -43,6 +43,7 @@ sampling_values = {
     "logprobs": st.one_of(st.booleans(), st.integers(-1, 25), junk),
     "min_tokens": st.one_of(st.integers(-1, 5), junk),
     "echo": st.booleans(),
+    "prompt_logprobs": st.one_of(st.integers(-2, 22), junk),  # vLLM's field
 }
 openai_fields = st.fixed_dictionaries({"model": st.one_of(st.just(MODEL), junk)}, optional=sampling_values)
 completions = st.tuples(
