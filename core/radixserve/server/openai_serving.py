@@ -163,8 +163,8 @@ class Serving:
             rank = ranks[j] if j < len(ranks) else None  # a runner that reports no ranks
             entry = {str(tid): p.PromptLogprob(logprob=_finite(lp), rank=rank, decoded_token=self.token_info(tid)[0])}
             alts = alternatives[j] if j < len(alternatives) else []
-            for rank, (alt_lp, alt) in enumerate(alts[:top], 1):
-                entry.setdefault(str(alt), p.PromptLogprob(logprob=_finite(alt_lp), rank=rank,
+            for alt_rank, (alt_lp, alt) in enumerate(alts[:top], 1):
+                entry.setdefault(str(alt), p.PromptLogprob(logprob=_finite(alt_lp), rank=alt_rank,
                                                            decoded_token=self.token_info(alt)[0]))
             out.append(entry)
         return out

@@ -28,7 +28,7 @@ def toy_next_token(ids: list[int] | torch.Tensor, vocab_size: int) -> int:
 def toy_prompt_logprob(history: list[int] | torch.Tensor, target: int, vocab_size: int) -> float:
     """The toy's logprob of `target` after `history` (prompt logprobs): 0 for the toy's own next
     token, lower the further `target` is from it (mod the vocabulary)."""
-    return -((target - toy_next_token(history, vocab_size)) % vocab_size) / vocab_size
+    return -(toy_prompt_rank(history, target, vocab_size) - 1) / vocab_size
 
 
 def toy_prompt_rank(history: list[int] | torch.Tensor, target: int, vocab_size: int) -> int:
