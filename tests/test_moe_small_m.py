@@ -268,3 +268,199 @@ def test_post_attention_norm_runs_in_the_router_launch(as_if_on_cuda, monkeypatc
     plain_out, plain_res = layer(None, h, residual, None)
     assert fused_calls == [1] and torch.equal(fused_res, plain_res)
     torch.testing.assert_close(fused_out, plain_out, atol=1e-5, rtol=1e-5)
+
+
+# --- the fused router's top-k (`small_m_steps.route_token`: one `tl.topk` over (choice, index) keys) ---
+
+triton = pytest.importorskip("triton")
+tl = triton.language
+
+
+@triton.jit
+def _argmax_rounds_router(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, scale, TOP_K: tl.constexpr,
+                          SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr):
+    """The reference: `route_token` as it was before `tl.topk`, TOP_K rounds of argmax (the first index
+    on ties), each masking out its pick; the same scores, gathers and renormalising sum."""
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    ok = offs < E
+    logits = tl.load(logits_ptr + t * E + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+    else:
+        p = tl.exp(logits - tl.max(logits, axis=0))
+        p = tl.where(ok, p, 0.0)
+        scores = p / tl.sum(p, axis=0)
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    choice = tl.where(ok, choice, float("-inf"))
+    slots = tl.arange(0, BLOCK_TOPK)
+    chosen_ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
+    chosen_w = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.minimum(tl.argmax(choice, axis=0), E - 1)
+        w = tl.sum(tl.where(offs == best, scores, 0.0), axis=0)
+        chosen_ids = tl.where(slots == j, best.to(tl.int32), chosen_ids)
+        chosen_w = tl.where(slots == j, w, chosen_w)
+        choice = tl.where(offs == best, float("-inf"), choice)
+    if RENORMALIZE:
+        chosen_w = chosen_w / tl.maximum(tl.sum(chosen_w, axis=0), 1e-20)
+    chosen_w = chosen_w * scale
+    keep = slots < TOP_K
+    tl.store(weights_ptr + t * TOP_K + slots, chosen_w, mask=keep)
+    tl.store(ids_ptr + t * TOP_K + slots, chosen_ids, mask=keep)
+
+
+def _argmax_rounds(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | None = None):
+    t, e = logits.shape
+    weights = torch.empty((t, cfg.top_k), dtype=torch.float32)
+    ids = torch.empty((t, cfg.top_k), dtype=torch.int32)
+    _argmax_rounds_router[(t,)](logits.contiguous(), bias if bias is not None else weights, weights, ids, e,
+                                float(cfg.routed_scaling_factor), TOP_K=cfg.top_k, SIGMOID=cfg.scoring == "sigmoid",
+                                RENORMALIZE=cfg.renormalize, HAS_BIAS=bias is not None,
+                                BLOCK_E=small_m._pow2(e), BLOCK_TOPK=small_m._pow2(cfg.top_k), num_warps=1)
+    return weights, ids
+
+
+def _first_index_top_k(choice: torch.Tensor, k: int) -> torch.Tensor:
+    """The top k of each row, descending, ties to the lower index (a stable sort)."""
+    return torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k].to(torch.int32)
+
+
+TOP_K_CASES = {  # (experts, routing, correction bias)
+    "128-top8-softmax": (128, RoutingConfig(top_k=8), False),
+    "256-top8-sigmoid-bias-scaled": (256, RoutingConfig(top_k=8, scoring="sigmoid", routed_scaling_factor=2.5), True),
+    "60-top4-softmax-raw": (60, RoutingConfig(top_k=4, renormalize=False), False),
+    "64-top6-sigmoid-bias": (64, RoutingConfig(top_k=6, scoring="sigmoid"), True),
+    "33-top1-softmax-bias": (33, RoutingConfig(top_k=1), True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TOP_K_CASES))
+def test_fused_router_top_k_is_the_argmax_rounds_bit_for_bit(case):
+    """The ids and the weights' bits of the argmax rounds the kernel ran before (E a power of two or
+    not, top 1 to 8, BLOCK_TOPK above top_k, softmax or sigmoid, a correction bias, scaling): random
+    rows, rows of many exact ties (logits rounded to halves), a constant row and a row with -inf
+    logits; the ids of `select_experts` on the tie-free random rows."""
+    e, cfg, with_bias = TOP_K_CASES[case]
+    gen = torch.Generator().manual_seed(e + cfg.top_k)
+    bias = torch.randn(e, generator=gen) * 0.1 if with_bias else None
+    random = torch.randn(4, e, generator=gen) * 2
+    ties = torch.round(torch.randn(3, e, generator=gen) * 2) / 2
+    special = torch.zeros(2, e)
+    special[1, ::3] = float("-inf")
+    logits = torch.cat([random, ties, special])
+    got_w, got_ids = small_m.fused_select_experts(logits, cfg, bias)
+    want_w, want_ids = _argmax_rounds(logits, cfg, bias)
+    assert torch.equal(got_ids, want_ids)
+    assert torch.equal(got_w.view(torch.int32), want_w.view(torch.int32))  # bits, signed zeros included
+    torch_w, torch_ids = select_experts(random, cfg, bias)
+    assert torch.equal(got_ids[:4], torch_ids)
+    torch.testing.assert_close(got_w[:4], torch_w, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_fused_router_breaks_ties_by_the_lowest_index(scoring):
+    """Equal choices go to the lower expert id first, in every slot: logits from a few values
+    (each repeated across the row), a constant row, and a correction bias that only ties pairs."""
+    cfg = RoutingConfig(top_k=8, scoring=scoring)
+    e = 60  # BLOCK_E 64: four padding lanes, never chosen
+    gen = torch.Generator().manual_seed(17)
+    logits = torch.randint(0, 4, (3, e), generator=gen).float()
+    logits[2] = 1.0
+    for bias in (None, torch.arange(e).div(2, rounding_mode="floor").float() * 0.25):
+        _, ids = small_m.fused_select_experts(logits, cfg, bias)
+        scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+        choice = scores if bias is None else scores + bias
+        assert torch.equal(ids, _first_index_top_k(choice, cfg.top_k))
+    assert small_m.fused_select_experts(logits[2:], cfg)[1].tolist() == [list(range(8))]
+
+
+def test_one_launch_router_breaks_ties_by_the_lowest_index():
+    """The gate's last program routes with the same rule: gate rows equal in pairs (exact integer
+    sums, so the pairs' logits tie) give the lower expert of each pair first."""
+    cfg = RoutingConfig(top_k=4)
+    e, h = 16, 24
+    gen = torch.Generator().manual_seed(19)
+    gate_w = torch.randint(-2, 3, (e // 2, h), generator=gen).float().repeat_interleave(2, dim=0)
+    x = torch.randint(-2, 3, (2, h), generator=gen).float()
+    arrivals = torch.zeros(4, dtype=torch.int32)
+    _, ids = small_m.fused_gate_select_experts(x, gate_w, cfg, arrivals)
+    assert torch.equal(ids, _first_index_top_k(x @ gate_w.t(), cfg.top_k))
+    assert not arrivals.any()
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_fused_router_orders_negative_choices_and_skips_padding_lanes(scoring):
+    """A correction bias below -1 makes every choice negative (the key's sign handling) while the
+    padding lanes past E = 60 hold -inf (never chosen, also against -inf choices): the ids of
+    `select_experts` and the argmax rounds' bits."""
+    cfg = RoutingConfig(top_k=4, scoring=scoring)
+    e = 60
+    gen = torch.Generator().manual_seed(31)
+    logits = torch.randn(3, e, generator=gen) * 2
+    bias = -1.5 - torch.rand(e, generator=gen)
+    got_w, got_ids = small_m.fused_select_experts(logits, cfg, bias)
+    assert torch.equal(got_ids, select_experts(logits, cfg, bias)[1])
+    want_w, want_ids = _argmax_rounds(logits, cfg, bias)
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_w.view(torch.int32), want_w.view(torch.int32))
+    bias[3:] = float("-inf")  # three finite choices, then -inf ones: the lowest index, not a padding lane
+    _, ids = small_m.fused_select_experts(logits, cfg, bias)
+    assert sorted(ids[:, :3].flatten().tolist()) == [0, 0, 0, 1, 1, 1, 2, 2, 2] and ids[:, 3].tolist() == [3, 3, 3]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's numpy on NaN - NaN
+@pytest.mark.parametrize("case", ["60-top4-softmax-raw", "64-top6-sigmoid-bias", "33-top1-softmax-bias"])
+def test_fused_router_nan_rows_get_distinct_ids_in_range(case):
+    """A NaN row (a padding row) still gets top_k distinct ids in [0, E), never a padding lane; a
+    sigmoid row with a few NaN logits picks around them (NaN ranks as -inf), as does a row of -inf
+    choices (a -inf correction bias), which goes by index."""
+    e, cfg, with_bias = TOP_K_CASES[case]
+    bias = torch.zeros(e) if with_bias else None
+    logits = torch.randn(3, e, generator=torch.Generator().manual_seed(23))
+    logits[0] = float("nan")
+    logits[1, : cfg.top_k + 1] = float("nan")
+    _, ids = small_m.fused_select_experts(logits, cfg, bias)
+    for row in ids.tolist():
+        assert len(set(row)) == cfg.top_k and all(0 <= i < e for i in row)
+    if cfg.scoring == "sigmoid":
+        assert min(ids[1].tolist()) > cfg.top_k
+        finite = logits[1].sigmoid().nan_to_num(nan=float("-inf"))
+        assert torch.equal(ids[1:2], _first_index_top_k(finite[None], cfg.top_k))
+    if with_bias:
+        blocked = torch.full((e,), float("-inf"))
+        blocked[[5, 2]] = 0.0
+        _, ids = small_m.fused_select_experts(logits[2:], cfg, blocked)
+        scores = logits[2:].softmax(-1) if cfg.scoring == "softmax" else logits[2:].sigmoid()
+        assert torch.equal(ids, _first_index_top_k(scores + blocked, cfg.top_k))  # 2 and 5, then 0, 1, 3, ...
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_gate_router_preloaded_and_streamed_give_the_same_bits(norm, monkeypatch):
+    """`gate_router_kernel`'s PRELOAD path (every load first, held as chunks) and its streaming
+    loops: the same logits order, so the same ids and weights, and with the norm the same x and
+    h + residual, bit for bit; H = 1040: two 1024-wide K chunks, the second masked. Also the ids
+    of the norm, then the linear layer, then `select_experts`."""
+    cfg = RoutingConfig(top_k=4, scoring="sigmoid", routed_scaling_factor=2.5)
+    e, h = 16, 1040
+    gen = torch.Generator().manual_seed(29)
+    gate_w = torch.randn(e, h, generator=gen) * 0.05
+    hs, residual = torch.randn(2, h, generator=gen), torch.randn(2, h, generator=gen)
+    norm_w = 1 + 0.1 * torch.randn(h, generator=gen)
+    bias = torch.randn(e, generator=gen) * 0.1
+    arrivals = torch.zeros(4, dtype=torch.int32)
+    outs = {}
+    for budget in (1 << 30, 0):
+        monkeypatch.setattr(small_m, "GATE_PRELOAD_BYTES", budget)
+        if norm:
+            outs[budget] = small_m.fused_norm_gate_select_experts(hs, residual, norm_w, 1e-6, gate_w, cfg, arrivals,
+                                                                  bias)
+        else:
+            outs[budget] = small_m.fused_gate_select_experts(hs, gate_w, cfg, arrivals, bias)
+        assert not arrivals.any()
+    for got, want in zip(outs[1 << 30], outs[0]):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    x = outs[0][0] if norm else hs
+    assert torch.equal(outs[0][-1], select_experts(x @ gate_w.t(), cfg, bias)[1])

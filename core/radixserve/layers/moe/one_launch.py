@@ -38,6 +38,7 @@ import torch
 
 from radixserve.layers.moe import small_m
 from radixserve.layers.triton_support import interpreting as _interpreting
+from radixserve.layers.triton_support import trigger_dependents
 
 triton = tl = None  # imported by `_kernels` on first use (CPU machines may lack Triton)
 sum_rows_if_last = None  # small_m_steps' @triton.jit steps, set by `_kernels` (kernels see module globals)
@@ -49,6 +50,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     global triton, tl, sum_rows_if_last
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_launch_dependents
 
     from radixserve.layers.moe.small_m_steps import sum_rows_if_last
 
@@ -58,9 +60,15 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                        stride_13e, stride_13n, stride_2e, stride_2n, PAIRS, GU_BLOCKS, DN_BLOCKS, SPLITS,
                        ROWS: tl.constexpr, GU_N: tl.constexpr, GU_K: tl.constexpr, DN_N: tl.constexpr,
                        DN_K: tl.constexpr, EVEN_GU_K: tl.constexpr, EVEN_DN_K: tl.constexpr,
-                       BLOCK_P: tl.constexpr):
+                       BLOCK_P: tl.constexpr, TRIGGER: tl.constexpr):
         """sync (int32, zero on entry and exit): [0] ticket, [1] exits, [2, 2 + PAIRS) gate_up tiles
         done per pair, then the per-(token, down column block) arrivals of the row sum."""
+        if TRIGGER:
+            # the next layer's PDL-launched qkv GEMV (runtime.batch1_gemv_pdl) may start once every
+            # program here has started: its first weight tile loads under this launch's tail, and it
+            # waits for this grid's completion before it reads the output. No deadlock with the waits
+            # below: its programs launch only after all of these are resident or done.
+            tl.extra.cuda.gdc_launch_dependents()
         tile = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
         gu_tiles = PAIRS * GU_BLOCKS
         ready_ptr = sync_ptr + 2
@@ -176,5 +184,5 @@ def one_launch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
         ROWS=top_k * splits, GU_N=b.gate_up_n, GU_K=b.gate_up_k, DN_N=b.down_n, DN_K=b.down_k,
         EVEN_GU_K=hidden % b.gate_up_k == 0, EVEN_DN_K=k_per_split * splits == inter,
         BLOCK_P=max(64, small_m._pow2(pairs)),  # one compiled kernel for every batch of the small path
-        num_warps=b.num_warps)
+        TRIGGER=trigger_dependents(out), num_warps=b.num_warps)
     return out

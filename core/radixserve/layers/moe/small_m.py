@@ -30,11 +30,12 @@ from types import SimpleNamespace
 import torch
 
 from radixserve.layers.moe.routing import RoutingConfig
-from radixserve.layers.triton_support import available
+from radixserve.layers.triton_support import available, trigger_dependents
 from radixserve.layers.triton_support import interpreting as _interpreting
 
 triton = tl = None  # imported by `_kernels` on first use (CPU machines may lack Triton)
-route_token = sum_rows_if_last = None  # small_m_steps' @triton.jit steps, set by `_kernels` (kernels see module globals)
+# small_m_steps' @triton.jit steps, set by `_kernels` (kernels see module globals)
+route_token = sum_rows_if_last = residual_add = rms_scale = None
 
 # The small path runs while tokens * top_k is at most this (and at most one pair per two experts, see
 # `use_small_m`). Each pair reads its expert's weights on its own (programs of the same weight tile
@@ -159,11 +160,12 @@ def down_splits(top_k: int, hidden: int, inter: int, processors: int, blocks: Sm
 @functools.cache
 def _kernels(interpret: bool) -> SimpleNamespace:
     del interpret  # cache key only: @triton.jit picks interpreter mode when it decorates
-    global triton, tl, route_token, sum_rows_if_last
+    global triton, tl, route_token, sum_rows_if_last, residual_add, rms_scale
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_wait (the router's PDL launch)
 
-    from radixserve.layers.moe.small_m_steps import route_token, sum_rows_if_last
+    from radixserve.layers.moe.small_m_steps import residual_add, rms_scale, route_token, sum_rows_if_last
 
     @triton.jit
     def gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, N, K: tl.constexpr, top_k, stride_xm, stride_we, stride_wn,
@@ -267,12 +269,22 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                            TOP_K: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
                            HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                           res_ptr, norm_w_ptr, xn_ptr, res_out_ptr, stride_rm, eps, NORM: tl.constexpr):
+                           res_ptr, norm_w_ptr, xn_ptr, res_out_ptr, stride_rm, eps, NORM: tl.constexpr,
+                           PRELOAD: tl.constexpr, GDC: tl.constexpr):
         """The router's linear (ROWS experts' logits per program, rounded to x's dtype as the linear
         layer's output is) and, in the program of the token that arrives last, its routing.
         NORM: the router's input is RMSNorm(x + res) with weight norm_w, computed by every program
         with the recipe of `triton_ops.rmsnorm` (a first pass for the statistics); the first program
-        of each token also writes it to xn and x + res to res_out."""
+        of each token also writes it to xn and x + res to res_out.
+        PRELOAD: every load of the program (its ROWS weight rows, then norm_w, x and res) is issued
+        before any arithmetic and held in registers (tuples of BLOCK_K chunks, unrolled loops), so
+        the rows' DRAM latency overlaps the statistics instead of following them. The loads are
+        volatile only to keep that order: without it ptxas sinks the rows' loads below the
+        statistics (sm_90 SASS: issued once x and res have arrived). The host sets PRELOAD where
+        it fits the registers; otherwise each pass loads its chunks in a loop. The same sums in the
+        same order either way: the same bits.
+        GDC: launched with programmatic dependent launch (sm90+, `fused_gate_pdl`): the weight rows and
+        norm_w (PRELOAD) load before `gdc_wait`, the activations after it; bit-equal to GDC off."""
         t = tl.program_id(0)
         pid = tl.program_id(1)
         rows = pid * ROWS + tl.arange(0, ROWS)
@@ -280,40 +292,68 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         offs_k = tl.arange(0, BLOCK_K)
         x_row = x_ptr + t.to(tl.int64) * stride_xm
         w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_we
-        if NORM:
-            res_row = res_ptr + t.to(tl.int64) * stride_rm
-            ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        res_row = res_ptr + t.to(tl.int64) * stride_rm
+        if PRELOAD:
+            ws = ()
+            nws = ()
+            xs = ()
+            rs = ()
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                k_ok = k0 + offs_k < K
+                ws += (tl.load(w_rows + (k0 + offs_k)[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0,
+                               volatile=True),)
+                if NORM:
+                    nws += (tl.load(norm_w_ptr + k0 + offs_k, mask=k_ok, other=0.0, volatile=True),)
+        if GDC:
+            # PDL: the parameters above load while the previous kernel (the o_proj GEMV, which signals
+            # launch_dependents) still runs; x and res are its outputs (or earlier ones): after the wait
+            tl.extra.cuda.gdc_wait()
+        if PRELOAD:
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                k_ok = k0 + offs_k < K
+                xs += (tl.load(x_row + k0 + offs_k, mask=k_ok, other=0.0, volatile=True),)
+                if NORM:
+                    rs += (tl.load(res_row + k0 + offs_k, mask=k_ok, other=0.0, volatile=True),)
+            if NORM:
+                ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
+                for k0 in tl.static_range(0, K, BLOCK_K):
+                    s = residual_add(xs[k0 // BLOCK_K], rs[k0 // BLOCK_K])
+                    ss += s.to(tl.float32) * s.to(tl.float32)
+                    if pid == 0:
+                        tl.store(res_out_ptr + t.to(tl.int64) * K + k0 + offs_k, s, mask=k0 + offs_k < K)
+                rstd = tl.math.rsqrt(tl.sum(ss, axis=0) / K + eps)
+            acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                xv = xs[k0 // BLOCK_K]
+                if NORM:
+                    xv = rms_scale(residual_add(xv, rs[k0 // BLOCK_K]), rstd, nws[k0 // BLOCK_K])
+                    if pid == 0:
+                        tl.store(xn_ptr + t.to(tl.int64) * K + k0 + offs_k, xv, mask=k0 + offs_k < K)
+                acc += ws[k0 // BLOCK_K].to(tl.float32) * xv.to(tl.float32)[None, :]
+        else:
+            if NORM:
+                ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    kk = k0 + offs_k
+                    k_ok = kk < K
+                    s = residual_add(tl.load(x_row + kk, mask=k_ok, other=0.0),
+                                     tl.load(res_row + kk, mask=k_ok, other=0.0))
+                    ss += s.to(tl.float32) * s.to(tl.float32)
+                    if pid == 0:
+                        tl.store(res_out_ptr + t.to(tl.int64) * K + kk, s, mask=k_ok)
+                rstd = tl.math.rsqrt(tl.sum(ss, axis=0) / K + eps)
+            acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 kk = k0 + offs_k
                 k_ok = kk < K
-                hv = tl.load(x_row + kk, mask=k_ok, other=0.0)
-                rv = tl.load(res_row + kk, mask=k_ok, other=0.0)
-                # torch's x + residual: the sum rounded to x's dtype before the norm sees it
-                s = (hv.to(tl.float32) + rv.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                ss += s.to(tl.float32) * s.to(tl.float32)
-                if pid == 0:
-                    tl.store(res_out_ptr + t.to(tl.int64) * K + kk, s, mask=k_ok)
-            rstd = tl.math.rsqrt(tl.sum(ss, axis=0) / K + eps)
-        acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            k_ok = kk < K
-            if NORM:
                 w = tl.load(w_rows + kk[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
-                hv = tl.load(x_row + kk, mask=k_ok, other=0.0)
-                rv = tl.load(res_row + kk, mask=k_ok, other=0.0)
-                nw = tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0)
-                s = (hv.to(tl.float32) + rv.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                # HF recipe: the normalised row rounded to x's dtype, times the weight, rounded again
-                xn = ((s.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-                      * nw.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                if pid == 0:
-                    tl.store(xn_ptr + t.to(tl.int64) * K + kk, xn, mask=k_ok)
-                acc += w.to(tl.float32) * xn.to(tl.float32)[None, :]
-            else:
-                xv = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-                acc += tl.load(w_rows + kk[None, :], mask=rows_ok[:, None] & k_ok[None, :],
-                               other=0.0).to(tl.float32) * xv
+                xv = tl.load(x_row + kk, mask=k_ok, other=0.0)
+                if NORM:
+                    xv = rms_scale(residual_add(xv, tl.load(res_row + kk, mask=k_ok, other=0.0)), rstd,
+                                   tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0))
+                    if pid == 0:
+                        tl.store(xn_ptr + t.to(tl.int64) * K + kk, xv, mask=k_ok)
+                acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
         logit = tl.sum(acc, axis=1)
         logit = logit.to(x_ptr.dtype.element_ty).to(tl.float32)
         tl.store(logits_ptr + t.to(tl.int64) * E + rows, logit, mask=rows_ok)
@@ -418,7 +458,14 @@ def fused_select_experts(router_logits: torch.Tensor, cfg: RoutingConfig,
     return weights, ids
 
 
+# the one-launch router's programmatic dependent launch (`fused_gate_pdl`); RADIXSERVE_MOE_ROUTER_PDL=0 turns
+# it off (A/B runs on the GPU, as RADIXSERVE_MOE_SMALL_M_MAX_PAIRS for the small path)
+FUSED_GATE_PDL = os.environ.get("RADIXSERVE_MOE_ROUTER_PDL", "1") != "0"
 GATE_ROWS = 2  # experts per program of the router's linear: 64 programs for 128 experts
+# `gate_router_kernel` preloads a program's operands while they take at most this many bytes a warp
+# (160 registers a thread): Qwen3-30B-A3B's with the norm, 2 rows + x, res, norm_w of 2048 bf16 each
+# (sm_90, Triton 3.6: 240 registers, no spills)
+GATE_PRELOAD_BYTES = 20 * 1024
 
 
 def fused_gate_applies(x: torch.Tensor, gate_weight: torch.Tensor, cfg: RoutingConfig,
@@ -485,12 +532,27 @@ def _gate_router(x, gate_weight, cfg, arrivals, correction_bias, norm):
     logits = torch.empty((t, e), dtype=torch.float32, device=x.device)
     bias = correction_bias if correction_bias is not None else weights
     res, norm_w, xn, res_out, eps = norm if norm is not None else (x, x, x, x, 0.0)
+    block_k = min(1024, _pow2(hidden))
+    warps = 1 if e <= 256 else 4  # as the router kernel: the last program's top-k stays in shuffles
+    # a program's loads all in registers at once: its weight rows and x (res and norm_w with the norm)
+    loaded = (GATE_ROWS + (3 if norm is not None else 1)) * _cdiv(hidden, block_k) * block_k * x.element_size()
     _kernels(_interpreting()).gate_router[(t, _cdiv(e, GATE_ROWS))](
         x, gate_weight, logits, bias, weights, ids, arrivals, e, hidden, x.stride(0), gate_weight.stride(0),
         float(cfg.routed_scaling_factor), TOP_K=cfg.top_k, SIGMOID=cfg.scoring == "sigmoid",
         RENORMALIZE=cfg.renormalize, HAS_BIAS=correction_bias is not None, ROWS=GATE_ROWS,
-        BLOCK_K=min(1024, _pow2(hidden)), BLOCK_E=_pow2(e), BLOCK_TOPK=_pow2(cfg.top_k),
+        BLOCK_K=block_k, BLOCK_E=_pow2(e), BLOCK_TOPK=_pow2(cfg.top_k),
         res_ptr=res, norm_w_ptr=norm_w, xn_ptr=xn, res_out_ptr=res_out, stride_rm=res.stride(0), eps=eps,
-        NORM=norm is not None,
-        num_warps=1 if e <= 256 else 4)  # as the router kernel: the last program's top-k stays in shuffles
+        NORM=norm is not None, PRELOAD=loaded <= GATE_PRELOAD_BYTES * warps, num_warps=warps,
+        **_pdl_launch(fused_gate_pdl(x)))
     return weights, ids
+
+
+def fused_gate_pdl(x: torch.Tensor) -> bool:
+    """Whether the one-launch router runs with programmatic dependent launch on x's device: where the
+    earlier kernels signal `launch_dependents` (`triton_support.trigger_dependents`: sm90+, a Triton
+    with PDL, not the interpreter) and FUSED_GATE_PDL is on."""
+    return FUSED_GATE_PDL and trigger_dependents(x)
+
+
+def _pdl_launch(pdl: bool) -> dict:
+    return {"GDC": pdl, **({"launch_pdl": True} if pdl else {})}

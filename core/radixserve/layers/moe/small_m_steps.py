@@ -1,8 +1,9 @@
 """`@triton.jit` steps shared by the small-batch MoE kernels (`small_m`, `one_launch`): the routing of
-one token (the router kernels) and the per-token row sum run by the last down program (the down
-kernels). Called from inside those kernels, so they inline: the kernels compute exactly what they
-computed with the steps written out. Imports Triton: `small_m` and `one_launch` import this module
-only when they build their kernels (CPU machines may lack Triton)."""
+one token (the router kernels), the RMSNorm recipe of the router's fused norm, and the per-token
+row sum run by the last down program (the down kernels). Called from inside those kernels, so
+they inline: the kernels compute exactly what they computed with the steps written out. Imports
+Triton: `small_m` and `one_launch` import this module only when they build their kernels (CPU
+machines may lack Triton)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ def route_token(logits, offs, ok, t, bias_ptr, weights_ptr, ids_ptr, E, scale, T
     """Token t's routing from its fp32 router logits [BLOCK_E] (-inf where not `ok`), as
     `routing.select_experts` without expert groups: scores (sigmoid or softmax), the top TOP_K of
     scores + bias (the first index on ties), their scores renormalised and scaled, stored to
-    weights[t * TOP_K:] (fp32) and ids[t * TOP_K:] (int32)."""
+    weights[t * TOP_K:] (fp32) and ids[t * TOP_K:] (int32) in descending order of choice.
+
+    The top TOP_K come from one bitonic `tl.topk` over distinct int64 keys (the choice's bits in an
+    order-preserving form, then the index reversed so the lower index wins a tie), not from TOP_K
+    rounds of argmax that each wait on the last: at 128 experts the sm_90 SASS has 23 shuffles on
+    its longest dependency path instead of 58. A NaN choice (a padding row's logits) counts as
+    -inf, so the slots still get distinct ids in [0, E) (the row's weights are NaN or -inf); lanes
+    past E (-inf, higher indices) come after every expert."""
     if SIGMOID:
         scores = 1.0 / (1.0 + tl.exp(-logits))
     else:
@@ -27,22 +35,49 @@ def route_token(logits, offs, ok, t, bias_ptr, weights_ptr, ids_ptr, E, scale, T
     choice = scores
     if HAS_BIAS:
         choice = scores + tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    choice = tl.where(ok, choice, float("-inf"))
+    choice = tl.where(ok & (choice == choice), choice, float("-inf"))
+    bits = choice.to(tl.int32, bitcast=True)
+    # signed-int order = float order; only -0.0 would sort below +0.0 (argmax ties them), but no
+    # choice is -0.0: scores are >= +0.0 and a sum is -0.0 only of two -0.0
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    rev = offs.shape[0] - 1 - offs  # BLOCK_E - 1 - index: the lower index wins a tie
+    keys = (key.to(tl.int64) << 32) | rev.to(tl.int64)
+    if BLOCK_TOPK == 1:
+        top = tl.max(keys, axis=0)  # tl.topk(keys, 1) reduces to a scalar it cannot reshape (Triton 3.6)
+    else:
+        top = tl.topk(keys, BLOCK_TOPK)  # descending
     slots = tl.arange(0, BLOCK_TOPK)
     chosen_ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
     chosen_w = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        best = tl.minimum(tl.argmax(choice, axis=0), E - 1)  # NaN logits (a padding row) stay in range
-        w = tl.sum(tl.where(offs == best, scores, 0.0), axis=0)
-        chosen_ids = tl.where(slots == j, best.to(tl.int32), chosen_ids)
+    for j in tl.static_range(TOP_K):  # independent of each other: no chain
+        top_j = tl.sum(tl.where(slots == j, top, 0), axis=0)
+        best = offs.shape[0] - 1 - top_j.to(tl.int32)  # the low half: rev
+        if HAS_BIAS:
+            w = tl.sum(tl.where(offs == best, scores, 0.0), axis=0)
+        else:  # the choice is the score: its bits are the high half (no gather)
+            hi = (top_j >> 32).to(tl.int32)
+            w = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        # slot by slot as the argmax loop did: the renormalising sum keeps its layout, so its order
+        chosen_ids = tl.where(slots == j, best, chosen_ids)
         chosen_w = tl.where(slots == j, w, chosen_w)
-        choice = tl.where(offs == best, float("-inf"), choice)
     if RENORMALIZE:
         chosen_w = chosen_w / tl.maximum(tl.sum(chosen_w, axis=0), 1e-20)
     chosen_w = chosen_w * scale
     keep = slots < TOP_K
     tl.store(weights_ptr + t * TOP_K + slots, chosen_w, mask=keep)
     tl.store(ids_ptr + t * TOP_K + slots, chosen_ids, mask=keep)
+
+
+@triton.jit
+def residual_add(h, res):
+    """torch's h + residual for an RMSNorm: the fp32 sum rounded to h's dtype before the norm sees it."""
+    return (h.to(tl.float32) + res.to(tl.float32)).to(h.dtype)
+
+
+@triton.jit
+def rms_scale(s, rstd, norm_w):
+    """HF's RMSNorm recipe on s: s * rstd rounded to s's dtype, times the weight, rounded again."""
+    return ((s.to(tl.float32) * rstd).to(s.dtype).to(tl.float32) * norm_w.to(tl.float32)).to(s.dtype)
 
 
 @triton.jit
