@@ -27,6 +27,6 @@ PY
 }
 prof new
 prof old old
-prof new_nopdl RADIXSERVE_MOE_ROUTER_PDL=0
+prof new_nopdl RADIXSERVE_MOE_ROUTER_PDL=0  # (renamed RADIXSERVE_MOE_PDL after this call; it now covers the experts kernel too)
 prof new2
 log done

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from radixserve.layers import triton_interpreter
-from radixserve.layers.triton_softmax import LOG2E, NEG_BIG, online_softmax_step, store_split_partial
+from radixserve.layers.triton_softmax import LOG2E, NEG_BIG, dot_qk, online_softmax_step, store_split_partial
 
 triton_interpreter.apply()
 
@@ -59,6 +59,7 @@ def _latent_decode_split_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,  # fp32 operands: exact fp32 products (triton_softmax.dot_qk)
 ):
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -102,9 +103,9 @@ def _latent_decode_split_kernel(
         row = Latent + slot[:, None] * stride_lat
         c_kv = tl.load(row + offs_l[None, :], mask=mask_n[:, None] & mask_l[None, :], other=0.0)
         k_pe = tl.load(row + LORA + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-        qk = tl.dot(q_lat, tl.trans(c_kv)) + tl.dot(q_pe, tl.trans(k_pe))
+        qk = dot_qk(q_lat, c_kv, IEEE) + dot_qk(q_pe, k_pe, IEEE)
         qk = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(qk, c_kv, m_i, l_i, acc, False)
+        m_i, l_i, acc = online_softmax_step(qk, c_kv, m_i, l_i, acc, IEEE)
 
     store_split_partial(MidO, MidLse, b, heads, split, offs_l, mask_h, mask_l, m_i, l_i, acc,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
@@ -235,6 +236,7 @@ def latent_decode_attention(
         BLOCK_R=max(16, triton.next_power_of_2(rope)),  # tl.dot needs K >= 16
         BLOCK_H=config.block_h,
         BLOCK_N=config.block_n,
+        IEEE=q_lat.dtype == torch.float32,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

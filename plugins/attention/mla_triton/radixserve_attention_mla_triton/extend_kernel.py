@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from radixserve.layers import triton_interpreter
-from radixserve.layers.triton_softmax import LOG2E, NEG_BIG, online_softmax_step
+from radixserve.layers.triton_softmax import LOG2E, NEG_BIG, dot_qk, online_softmax_step
 
 triton_interpreter.apply()
 
@@ -60,6 +60,7 @@ def _latent_extend_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_TREE_MASK: tl.constexpr,
+    IEEE: tl.constexpr,  # fp32 operands: exact fp32 products (triton_softmax.dot_qk)
 ):
     b = tl.program_id(0)
     t0 = tl.program_id(1) * BLOCK_T
@@ -109,7 +110,7 @@ def _latent_extend_kernel(
         row = Latent + slot[:, None] * stride_lat
         c_kv = tl.load(row + offs_l[None, :], mask=mask_n[:, None] & mask_l[None, :], other=0.0)
         k_pe = tl.load(row + LORA + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-        qk = tl.dot(q_lat, tl.trans(c_kv)) + tl.dot(q_pe, tl.trans(k_pe))
+        qk = dot_qk(q_lat, c_kv, IEEE) + dot_qk(q_pe, k_pe, IEEE)
         seen = mask_n[None, :] & (n[None, :] <= q_pos[:, None])
         if HAS_TREE_MASK:
             j = n - prefix  # index among the new tokens (negative: a prefix key, always seen)
@@ -117,7 +118,7 @@ def _latent_extend_kernel(
             bit = tl.load(mask_rows + j[None, :], mask=in_tree, other=1)
             seen = seen & (bit != 0)
         qk = tl.where(seen, qk * sm_scale_log2, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(qk, c_kv, m_i, l_i, acc, False)
+        m_i, l_i, acc = online_softmax_step(qk, c_kv, m_i, l_i, acc, IEEE)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a padding row (masked out) has l_i == 0
     o_ptrs = Out + tok[:, None] * stride_ot + h[:, None] * stride_oh + offs_l[None, :]
@@ -207,6 +208,7 @@ def latent_extend_attention(
         BLOCK_H=cfg.block_h,
         BLOCK_N=cfg.block_n,
         HAS_TREE_MASK=tree_mask is not None,
+        IEEE=q_lat.dtype == torch.float32,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
