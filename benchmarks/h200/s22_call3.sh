@@ -6,7 +6,9 @@
 #   p     the quick profile alternating new / old (70d5795: router PDL, experts trigger, no experts PDL) /
 #         new with RADIXSERVE_MOE_PDL=0;
 #   b     the Engine's batch-1 figure (128 in / 512 out) and the HBM limit in the same call;
-# then the tail of tests/test_attention_triton.py on CUDA (sessions 21-22 stopped at ~87% of the whole file at
+# then the tail of tests/test_attention_triton.py on CUDA (what ran: benchmarks/results/h100-session22.md, call 3:
+# part k hit an illegal address, the experts kernel took its ticket before its PDL wait while the previous launch of
+# it was still running; that PDL launch was taken out again, see NEXT.md) (sessions 21-22 stopped at ~87% of the whole file at
 # 200 / 330 s: -v names the slow test).
 set -o pipefail
 source benchmarks/h200/setup.sh || exit 1

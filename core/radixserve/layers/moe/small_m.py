@@ -163,7 +163,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     global triton, tl, route_token, sum_rows_if_last, residual_add, rms_scale
     import triton
     import triton.language as tl
-    import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_wait (the router's PDL launch)
+    import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_* (the router's PDL launch)
 
     from radixserve.layers.moe.small_m_steps import residual_add, rms_scale, route_token, sum_rows_if_last
 
@@ -283,7 +283,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         statistics (sm_90 SASS: issued once x and res have arrived). The host sets PRELOAD where
         it fits the registers; otherwise each pass loads its chunks in a loop. The same sums in the
         same order either way: the same bits.
-        GDC: launched with programmatic dependent launch (sm90+, `fused_gate_pdl`): the weight rows and
+        GDC: launched with programmatic dependent launch (sm90+, `moe_pdl`): the weight rows and
         norm_w (PRELOAD) load before `gdc_wait`, the activations after it; bit-equal to GDC off."""
         t = tl.program_id(0)
         pid = tl.program_id(1)
@@ -458,9 +458,9 @@ def fused_select_experts(router_logits: torch.Tensor, cfg: RoutingConfig,
     return weights, ids
 
 
-# the one-launch router's programmatic dependent launch (`fused_gate_pdl`); RADIXSERVE_MOE_ROUTER_PDL=0 turns
-# it off (A/B runs on the GPU, as RADIXSERVE_MOE_SMALL_M_MAX_PAIRS for the small path)
-FUSED_GATE_PDL = os.environ.get("RADIXSERVE_MOE_ROUTER_PDL", "1") != "0"
+# programmatic dependent launch of the one-launch router (`moe_pdl`); RADIXSERVE_MOE_PDL=0 turns it off
+# (A/B runs on the GPU, as RADIXSERVE_MOE_SMALL_M_MAX_PAIRS for the small path)
+MOE_PDL = os.environ.get("RADIXSERVE_MOE_PDL", "1") != "0"
 GATE_ROWS = 2  # experts per program of the router's linear: 64 programs for 128 experts
 # `gate_router_kernel` preloads a program's operands while they take at most this many bytes a warp
 # (160 registers a thread): Qwen3-30B-A3B's with the norm, 2 rows + x, res, norm_w of 2048 bf16 each
@@ -543,16 +543,18 @@ def _gate_router(x, gate_weight, cfg, arrivals, correction_bias, norm):
         BLOCK_K=block_k, BLOCK_E=_pow2(e), BLOCK_TOPK=_pow2(cfg.top_k),
         res_ptr=res, norm_w_ptr=norm_w, xn_ptr=xn, res_out_ptr=res_out, stride_rm=res.stride(0), eps=eps,
         NORM=norm is not None, PRELOAD=loaded <= GATE_PRELOAD_BYTES * warps, num_warps=warps,
-        **_pdl_launch(fused_gate_pdl(x)))
+        **_pdl_launch(moe_pdl(x)))
     return weights, ids
 
 
-def fused_gate_pdl(x: torch.Tensor) -> bool:
-    """Whether the one-launch router runs with programmatic dependent launch on x's device: where the
-    earlier kernels signal `launch_dependents` (`triton_support.trigger_dependents`: sm90+, a Triton
-    with PDL, not the interpreter) and FUSED_GATE_PDL is on."""
-    return FUSED_GATE_PDL and trigger_dependents(x)
+def moe_pdl(x: torch.Tensor) -> bool:
+    """Whether the one-launch router runs with programmatic dependent launch on x's device: where
+    kernels can signal `launch_dependents` (`triton_support.trigger_dependents`: sm90+, a Triton with
+    PDL, not the interpreter) and MOE_PDL is on."""
+    return MOE_PDL and trigger_dependents(x)
 
 
 def _pdl_launch(pdl: bool) -> dict:
+    """The launch keywords of a kernel with a `GDC` constexpr: the wait for the previous kernel inside,
+    and Triton's `launch_pdl` attribute, when `pdl`."""
     return {"GDC": pdl, **({"launch_pdl": True} if pdl else {})}
