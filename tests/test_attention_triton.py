@@ -465,6 +465,38 @@ def test_decode_rotary_fused_store_is_bitwise_the_unfused_path(heads, rotary_dim
     assert_pool_written(p)
 
 
+def test_decode_pdl_switch_reaches_both_launches_and_changes_no_bits(monkeypatch):
+    """`RADIXSERVE_DECODE_ATTENTION_PDL` (decode_kernel.DECODE_PDL): where `decode_pdl` holds, the fused
+    decode path asks the rotary + KV store kernel to signal its dependents and launches the split kernel
+    with PDL (which prefetches into L2 before its wait); the output and pool are the bits of the launch
+    without it. Off CUDA `decode_pdl` is False whatever the switch (no PDL in the interpreter)."""
+    import radixserve_attention_triton.backend as backend_module
+    from radixserve_attention_triton import decode_kernel
+
+    monkeypatch.setattr(decode_kernel, "DECODE_PDL", True)
+    assert not decode_kernel.decode_pdl(torch.zeros(1))  # a CPU tensor: never
+    h, kvh, d = 4, 2, 32
+    kwargs = {} if ON_GPU else {"min_split_tokens": 8, "max_kv_splits": 4, "sm_count": 8}
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    outs, seen = [], []
+    store, attend = backend_module.rotary_and_store, backend_module.decode_attention
+    monkeypatch.setattr(backend_module, "rotary_and_store", lambda *a, **kw: seen.append(("store", kw["trigger"]))
+                        or store(*a, **kw))
+    monkeypatch.setattr(backend_module, "decode_attention", lambda *a, **kw: seen.append(("attend", kw["pdl"]))
+                        or attend(*a, **kw))
+    for pdl in (False, True):
+        monkeypatch.setattr(backend_module, "decode_pdl", lambda t, on=pdl: on)
+        p = make_problem([4, 39, 22], [1] * 3, h, kvh, d, dtype, ForwardMode.DECODE, seed=13, **kwargs)
+        rot = _rotary(d, d)
+        p.backend.init_forward_metadata(p.batch)
+        got = p.backend.forward_decode_rotary(p.q, p.k_new, p.v_new, p.batch.seq_lens - 1, rot, p.layer, p.batch)
+        outs.append((got, [t.clone() for t in p.batch.kv_pool.get_kv(p.layer.layer_id)]))
+        assert seen == [("store", pdl), ("attend", pdl)]
+        seen.clear()
+    (a, pool_a), (b, pool_b) = outs
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(pool_a, pool_b))
+
+
 @pytest.mark.parametrize("heads, rotary_dim", [((4, 2, 32), 32), ((4, 1, 64), 32)], ids=["gqa", "mqa-partial"])
 def test_decode_rotary_store_applies_the_qk_norm_in_the_same_kernel(heads, rotary_dim):
     """With a `QKNorm` (Qwen3's per-head q/k RMSNorm) the rotary + store kernel normalises each head

@@ -22,7 +22,7 @@ from radixserve.memory.fp8_kv import dequantize_fp8
 from radixserve.state import ForwardMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from radixserve_attention_triton.decode_kernel import DecodeConfig, compute_num_kv_splits, decode_attention
+from radixserve_attention_triton.decode_kernel import DecodeConfig, compute_num_kv_splits, decode_attention, decode_pdl
 from radixserve_attention_triton.extend_kernel import (
     ExtendConfig,
     ExtendWork,
@@ -292,11 +292,13 @@ class TritonAttentionBackend(AttentionBackend):
             q, k = rotary(positions, q, k)
             return self.forward_decode(q, k, v, layer, batch)
         cos, sin = rotary.cos_sin_tables(positions)
+        pdl = decode_pdl(q)  # the split kernel right after the store kernel: it may start while that one runs
         q_rot = rotary_and_store(q, k, v, positions, cos, sin, rotary.rotary_dim, k_buf, v_buf, batch.out_cache_loc,
-                                 qk_norm=norm)
-        return self._decode_from_pool(q_rot.view(-1, layer.num_heads, layer.head_dim), layer, batch)
+                                 qk_norm=norm, trigger=pdl)
+        return self._decode_from_pool(q_rot.view(-1, layer.num_heads, layer.head_dim), layer, batch, pdl=pdl)
 
-    def _decode_from_pool(self, q3: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+    def _decode_from_pool(self, q3: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch,
+                          pdl: bool = False) -> torch.Tensor:
         meta: DecodeMetadata = batch.attn_metadata
         pool = batch.kv_pool
         k_buf, v_buf = pool.get_kv(layer.layer_id)
@@ -320,6 +322,7 @@ class TritonAttentionBackend(AttentionBackend):
             logit_cap=getattr(layer, "logit_cap", None),
             k_scale=k_scale,
             v_scale=v_scale,
+            pdl=pdl,
         )
         return out.view(q3.shape[0], -1)
 

@@ -18,6 +18,7 @@ accumulated output (sum_j p_j * v_stored_j * v_scale), the same numbers with few
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ from radixserve.layers.kv_splits import compute_num_kv_splits  # noqa: F401 - re
 from radixserve.layers.triton_softmax import NEG_BIG, store_split_partial
 from radixserve.layers.triton_support import trigger_dependents
 
-from radixserve_attention_triton.pool_keys import attend_pool_keys
+from radixserve_attention_triton.pool_keys import attend_pool_keys, prefetch_rows_l2
 
 _interpreter_compat.apply()
 
@@ -71,10 +72,13 @@ def _decode_stage1_kernel(
     HAS_WINDOW: tl.constexpr,
     KV_FP8: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 q/k/v: exact fp32 products (dot_qk)
+    GDC: tl.constexpr,  # PDL-launched (`decode_pdl`): the split's first K/V rows prefetched into L2, then the wait
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # the batch's metadata is written before the forward starts, never by the kernel just before this
+    # one (the rotary + KV store): it may be read before the PDL wait
     n_splits = tl.load(num_splits_ptr + b).to(tl.int32)
     if split >= n_splits:
         return
@@ -92,6 +96,17 @@ def _decode_stage1_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    if GDC:
+        # While the rotary + KV store kernel runs: the slots of the split's first tile and its K and V rows
+        # into L2 (no data in registers: the new token's row may still be being written, and L2 is where that
+        # write lands). Then wait for that kernel: q and the rows are read after it. One tile: at batch 1 a
+        # split is one tile (min_split_tokens = BLOCK_N), and each tile's prefetch waits on its slots' load.
+        pf_n = lo + offs_n
+        pf_slot = tl.load(ReqToToken + req * stride_r2t + pf_n, mask=pf_n < hi, other=0).to(tl.int64)  # 0: any row
+        row_bytes: tl.constexpr = HEAD_DIM * K_buf.dtype.element_ty.primitive_bitwidth // 8
+        prefetch_rows_l2(K_buf + pf_slot * stride_kbs + kvh * stride_kbh, row_bytes)
+        prefetch_rows_l2(V_buf + pf_slot * stride_vbs + kvh * stride_vbh, row_bytes)
+        tl.extra.cuda.gdc_wait()
     heads = kvh * GROUP + offs_h
     mask_h = offs_h < GROUP
     mask_d = offs_d < HEAD_DIM
@@ -165,6 +180,19 @@ def _decode_stage2_kernel(
                   stride_ob, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S)
 
 
+# Programmatic dependent launch of the decode attention's split kernel after the rotary + KV store kernel
+# (which then signals launch_dependents at its start): the slots and K/V rows of each split's first tile go to
+# L2 while that kernel runs. Off by default until measured on the GPU (NEXT.md); RADIXSERVE_DECODE_ATTENTION_PDL=1 turns it
+# on where `triton_support.trigger_dependents` holds (sm90+, a Triton with PDL, not the interpreter).
+DECODE_PDL = os.environ.get("RADIXSERVE_DECODE_ATTENTION_PDL", "0") == "1"
+
+
+def decode_pdl(t: torch.Tensor) -> bool:
+    """Whether the decode attention on t's device runs PDL-launched (DECODE_PDL, and sm90+ with a
+    Triton that has PDL)."""
+    return DECODE_PDL and trigger_dependents(t)
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     block_n: int
@@ -204,8 +232,12 @@ def decode_attention(
     logit_cap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    pdl: bool = False,
 ) -> None:
     """Write decode attention into `out` (tiles from `config`, else `decode_config`).
+
+    `pdl` (see `decode_pdl`): launch the split kernel with programmatic dependent launch; it prefetches
+    its keys and values into L2 before it waits for the kernel before it. Ignored in the interpreter.
 
     An fp8 pool (k_buf/v_buf float8_e4m3fn): the real keys and values are `stored * k_scale` and
     `stored * v_scale` (the layer's `KVPool.kv_scales`); q stays in the model dtype.
@@ -228,6 +260,7 @@ def decode_attention(
                          f"scales {k_scale}, {v_scale})")
     max_splits = mid_o.shape[2]
     cfg = config or decode_config(head_dim, interpret)
+    pdl = pdl and not interpret
     block_d = triton.next_power_of_2(head_dim)
     _decode_stage1_kernel[(bs, num_kv_heads, max_splits)](
         q,
@@ -265,8 +298,10 @@ def decode_attention(
         HAS_WINDOW=bool(sliding_window),
         KV_FP8=kv_fp8,
         IEEE=q.dtype == torch.float32,
+        GDC=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     _decode_stage2_kernel[(bs, num_heads)](
         mid_o,

@@ -36,3 +36,14 @@ def attend_pool_keys(q, q_rel, m_i, l_i, acc, r2t_row, K_buf, V_buf, kvh, prefix
             v = v.to(q.dtype)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
     return m_i, l_i, acc
+
+
+@triton.jit
+def prefetch_rows_l2(rows, ROW_BYTES: tl.constexpr):
+    """Ask L2 for every 128-byte line of the pool rows starting at the pointers `rows` (one
+    `prefetch.global.L2` each, no registers filled, nothing waited for). CUDA only: the interpreter
+    has no inline assembly, and its callers run it only behind their PDL switch, off there."""
+    step: tl.constexpr = 128 * 8 // rows.dtype.element_ty.primitive_bitwidth  # elements per line
+    for line in tl.static_range(0, (ROW_BYTES + 127) // 128):
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [rows + line * step],
+                                  dtype=tl.int32, is_pure=False, pack=1)

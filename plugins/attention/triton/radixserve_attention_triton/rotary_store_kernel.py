@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_launch_dependents
 from radixserve.layers import triton_interpreter as _interpreter_compat
+from radixserve.layers.triton_interpreter import interpreter_enabled
 from radixserve.layers.triton_rotary import rotate_halves
 
 _interpreter_compat.apply()
@@ -54,7 +56,10 @@ def _rotary_store_kernel(
     D_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
+    if TRIGGER:  # the decode attention after it is PDL-launched (decode_kernel.decode_pdl): it may start now
+        tl.extra.cuda.gdc_launch_dependents()
     # grid: (token, head block); blocks [0, qb) rotate q heads, [qb, qb + kb) rotate k heads into the
     # pool, the rest copy v heads into the pool
     row = tl.program_id(0).to(tl.int64)
@@ -129,6 +134,7 @@ def rotary_and_store(
     v_buf: torch.Tensor,
     loc: torch.Tensor,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    trigger: bool = False,
 ) -> torch.Tensor:
     """Rotate q and k (neox layout, the first `rotary_dim` dims of each head) and store the rotated k
     and v at slots `loc` of `k_buf` / `v_buf`, in one kernel. Returns the rotated q, a new
@@ -141,7 +147,8 @@ def rotary_and_store(
     `qk_norm` = (q_weight [D], k_weight [D], eps): first RMSNorm each head of q and of k (Qwen3's
     q_norm / k_norm, the recipe of `radixserve.layers.triton_ops.rmsnorm`: fp32 statistics, the
     normalised value rounded to q's dtype, times the weight, rounded again); the weights must have
-    q's dtype."""
+    q's dtype. `trigger`: signal `launch_dependents` at the kernel's start, for a PDL-launched kernel
+    after it (the decode attention with `decode_kernel.decode_pdl`); ignored in the interpreter."""
     n = q.shape[0]
     num_kv_heads, head_dim = k_buf.shape[1], k_buf.shape[2]
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
@@ -186,6 +193,7 @@ def rotary_and_store(
         D_BLOCK=triton.next_power_of_2(head_dim),
         BLOCK_H=block_h,
         HAS_NORM=qk_norm is not None,
+        TRIGGER=trigger and not interpreter_enabled(),
         num_warps=4,
         enable_fp_fusion=False,  # keep x*cos + rot*sin as rounded mul, mul, add: bit-equal to torch in fp32
     )
