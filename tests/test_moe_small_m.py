@@ -464,3 +464,15 @@ def test_gate_router_preloaded_and_streamed_give_the_same_bits(norm, monkeypatch
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     x = outs[0][0] if norm else hs
     assert torch.equal(outs[0][-1], select_experts(x @ gate_w.t(), cfg, bias)[1])
+
+
+def test_pdl_switches_never_apply_off_cuda(monkeypatch):
+    """The router's and the experts kernel's programmatic dependent launch (`RADIXSERVE_MOE_PDL`,
+    `RADIXSERVE_MOE_EXPERTS_PDL`) need sm90 and a Triton with PDL: on CPU tensors (the interpreter, which has
+    no griddepcontrol) both stay off whatever the switches say, and the launch keywords carry no wait."""
+    monkeypatch.setattr(small_m, "MOE_PDL", True)
+    monkeypatch.setattr(small_m, "MOE_EXPERTS_PDL", True)
+    x = torch.zeros(1, 8)
+    assert not small_m.moe_pdl(x) and not small_m.moe_experts_pdl(x)
+    assert small_m.pdl_launch(False) == {"GDC": False}
+    assert small_m.pdl_launch(True) == {"GDC": True, "launch_pdl": True}

@@ -50,7 +50,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     global triton, tl, sum_rows_if_last
     import triton
     import triton.language as tl
-    import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_launch_dependents
+    import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_* (PDL)
 
     from radixserve.layers.moe.small_m_steps import sum_rows_if_last
 
@@ -60,7 +60,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                        stride_13e, stride_13n, stride_2e, stride_2n, PAIRS, GU_BLOCKS, DN_BLOCKS, SPLITS,
                        ROWS: tl.constexpr, GU_N: tl.constexpr, GU_K: tl.constexpr, DN_N: tl.constexpr,
                        DN_K: tl.constexpr, EVEN_GU_K: tl.constexpr, EVEN_DN_K: tl.constexpr,
-                       BLOCK_P: tl.constexpr, TRIGGER: tl.constexpr):
+                       BLOCK_P: tl.constexpr, TRIGGER: tl.constexpr, GDC: tl.constexpr):
         """sync (int32, zero on entry and exit): [0] ticket, [1] exits, [2, 2 + PAIRS) gate_up tiles
         done per pair, then the per-(token, down column block) arrivals of the row sum."""
         if TRIGGER:
@@ -69,6 +69,11 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             # waits for this grid's completion before it reads the output. No deadlock with the waits
             # below: its programs launch only after all of these are resident or done.
             tl.extra.cuda.gdc_launch_dependents()
+        if GDC:
+            # PDL-launched (small_m.moe_experts_pdl): resident while the router still runs, then every memory
+            # access after the wait, the ticket included (taken before it, a launch right after another of
+            # this kernel took tickets the earlier one had not zeroed yet: session 22, an illegal address)
+            tl.extra.cuda.gdc_wait()
         tile = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
         gu_tiles = PAIRS * GU_BLOCKS
         ready_ptr = sync_ptr + 2
@@ -184,5 +189,5 @@ def one_launch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
         ROWS=top_k * splits, GU_N=b.gate_up_n, GU_K=b.gate_up_k, DN_N=b.down_n, DN_K=b.down_k,
         EVEN_GU_K=hidden % b.gate_up_k == 0, EVEN_DN_K=k_per_split * splits == inter,
         BLOCK_P=max(64, small_m._pow2(pairs)),  # one compiled kernel for every batch of the small path
-        TRIGGER=trigger_dependents(out), num_warps=b.num_warps)
+        TRIGGER=trigger_dependents(out), num_warps=b.num_warps, **small_m.pdl_launch(small_m.moe_experts_pdl(x)))
     return out

@@ -270,7 +270,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                            HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
                            res_ptr, norm_w_ptr, xn_ptr, res_out_ptr, stride_rm, eps, NORM: tl.constexpr,
-                           PRELOAD: tl.constexpr, GDC: tl.constexpr):
+                           PRELOAD: tl.constexpr, GDC: tl.constexpr, TRIGGER: tl.constexpr):
         """The router's linear (ROWS experts' logits per program, rounded to x's dtype as the linear
         layer's output is) and, in the program of the token that arrives last, its routing.
         NORM: the router's input is RMSNorm(x + res) with weight norm_w, computed by every program
@@ -284,7 +284,11 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         it fits the registers; otherwise each pass loads its chunks in a loop. The same sums in the
         same order either way: the same bits.
         GDC: launched with programmatic dependent launch (sm90+, `moe_pdl`): the weight rows and
-        norm_w (PRELOAD) load before `gdc_wait`, the activations after it; bit-equal to GDC off."""
+        norm_w (PRELOAD) load before `gdc_wait`, the activations after it; bit-equal to GDC off.
+        TRIGGER: signal `launch_dependents` at the start (the experts kernel after it is PDL-launched:
+        `moe_experts_pdl`)."""
+        if TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0)
         pid = tl.program_id(1)
         rows = pid * ROWS + tl.arange(0, ROWS)
@@ -461,6 +465,9 @@ def fused_select_experts(router_logits: torch.Tensor, cfg: RoutingConfig,
 # programmatic dependent launch of the one-launch router (`moe_pdl`); RADIXSERVE_MOE_PDL=0 turns it off
 # (A/B runs on the GPU, as RADIXSERVE_MOE_SMALL_M_MAX_PAIRS for the small path)
 MOE_PDL = os.environ.get("RADIXSERVE_MOE_PDL", "1") != "0"
+# the experts kernel's PDL launch after the router (`moe_experts_pdl`): RADIXSERVE_MOE_EXPERTS_PDL=1; off by default
+# until measured (session 22 measured -0.05 ms a step on an H100 with an earlier, racy form of it)
+MOE_EXPERTS_PDL = os.environ.get("RADIXSERVE_MOE_EXPERTS_PDL", "0") == "1"
 GATE_ROWS = 2  # experts per program of the router's linear: 64 programs for 128 experts
 # `gate_router_kernel` preloads a program's operands while they take at most this many bytes a warp
 # (160 registers a thread): Qwen3-30B-A3B's with the norm, 2 rows + x, res, norm_w of 2048 bf16 each
@@ -543,7 +550,7 @@ def _gate_router(x, gate_weight, cfg, arrivals, correction_bias, norm):
         BLOCK_K=block_k, BLOCK_E=_pow2(e), BLOCK_TOPK=_pow2(cfg.top_k),
         res_ptr=res, norm_w_ptr=norm_w, xn_ptr=xn, res_out_ptr=res_out, stride_rm=res.stride(0), eps=eps,
         NORM=norm is not None, PRELOAD=loaded <= GATE_PRELOAD_BYTES * warps, num_warps=warps,
-        **_pdl_launch(moe_pdl(x)))
+        TRIGGER=moe_experts_pdl(x), **pdl_launch(moe_pdl(x)))
     return weights, ids
 
 
@@ -554,7 +561,14 @@ def moe_pdl(x: torch.Tensor) -> bool:
     return MOE_PDL and trigger_dependents(x)
 
 
-def _pdl_launch(pdl: bool) -> dict:
+def moe_experts_pdl(x: torch.Tensor) -> bool:
+    """Whether the one-launch experts kernel (`one_launch`) runs PDL-launched, the one-launch router
+    before it signalling `launch_dependents` at its start: MOE_EXPERTS_PDL (off by default until
+    measured, NEXT.md) where `trigger_dependents` holds."""
+    return MOE_EXPERTS_PDL and trigger_dependents(x)
+
+
+def pdl_launch(pdl: bool) -> dict:
     """The launch keywords of a kernel with a `GDC` constexpr: the wait for the previous kernel inside,
     and Triton's `launch_pdl` attribute, when `pdl`."""
     return {"GDC": pdl, **({"launch_pdl": True} if pdl else {})}
