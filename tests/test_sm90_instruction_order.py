@@ -1,0 +1,62 @@
+"""The PDL launches' ordering rules, checked in the sm_90 machine code that Triton's own ptxas makes on
+this CPU machine (benchmarks/sm90_kernel_report.py): what may run before `griddepcontrol.wait`
+(ACQBULK in SASS) runs before it, and what must wait does. A kernel that touched its counters before
+the wait raced a launch of itself on the H100 (session 22: an illegal address); the interpreter
+cannot see such an order, the GPU build can."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+report = importlib.import_module("sm90_kernel_report")
+
+
+def _sass(name: str) -> list[str]:
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this Triton carries no ptxas: nothing to cross-compile with")
+    (preset,) = [p for p in report.presets() if p.name == name]
+    row = report.compile_report(preset)
+    assert row["spill_stack_bytes"] == 0, f"{name} spills: {row}"
+    return [ln for ln in row["sass"].splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
+
+
+def _first(lines: list[str], pattern: str) -> int:
+    return next(i for i, ln in enumerate(lines) if re.search(pattern, ln))
+
+
+def test_experts_kernel_takes_its_ticket_after_the_wait():
+    lines = _sass("experts_qwen3_gdc1")
+    wait = _first(lines, r"\bACQBULK\b")
+    assert _first(lines, r"\bPREEXIT\b") < wait  # its dependents may launch early
+    assert all(not re.search(r"\b(ATOMG|REDG|LDG|STG)\b", ln) for ln in lines[:wait])  # no memory access before
+
+
+def test_router_loads_its_weights_before_the_wait_and_activations_after():
+    lines = _sass("router_qwen3_gdc1_trigger1")
+    wait = _first(lines, r"\bACQBULK\b")
+    assert _first(lines, r"\bPREEXIT\b") < wait
+    before = [ln for ln in lines[:wait] if re.search(r"\bLDG\b", ln)]
+    assert len(before) >= 16  # 2 rows x 2048 bf16 in 16-byte loads per lane (+ norm weight), all issued early
+    assert all(not re.search(r"\b(ATOMG|REDG|STG)\b", ln) for ln in lines[:wait])
+    assert any(re.search(r"\bLDG\b", ln) for ln in lines[wait:])  # x and the residual
+
+
+def test_decode_split_prefetches_into_l2_before_the_wait_and_reads_q_after():
+    lines = _sass("decode_split_d128_gqa8_gdc1")
+    wait = _first(lines, r"\bACQBULK\b")
+    prefetches = [i for i, ln in enumerate(lines) if re.search(r"\bCCTL\.E\.PF2\b", ln)]
+    assert prefetches and max(prefetches) < wait
+    # before the wait only the batch metadata and the slots are read (no K/V tile copies, no stores)
+    assert all(not re.search(r"\b(LDGSTS|STG|ATOMG)\b", ln) for ln in lines[:wait])
+    plain = _sass("decode_split_d128_gqa8_gdc0")
+    assert not any(re.search(r"\b(ACQBULK|CCTL\.E\.PF2)\b", ln) for ln in plain)
