@@ -3,7 +3,7 @@
 #   RADIXSERVE_MOE_EXPERTS_PDL=1      the one-launch experts kernel PDL-launched after the router (ticket after the wait)
 #   RADIXSERVE_DECODE_ATTENTION_PDL=1 the triton decode split kernel PDL-launched after the rotary + KV store kernel
 # 1. on CUDA: the decode PDL plumbing test (the split kernel really PDL-launched, bits equal) and the decode tests
-#    around it; the MoE tests;
+#    around it; the MoE tests; the mla_triton tests (its fp32 path now uses exact fp32 products, NEXT.md item 4);
 # 2. Qwen3-MoE GPU parity and the expert kernels' checks with the experts PDL on (part k replays the kernel back to
 #    back in a graph: the case that hit an illegal address in session 22's racy form);
 # 3. Qwen3-30B-A3B batch-1 profile: neither switch / each / both (graph replay ms; session 22's main: 3.107 ms, H100);
@@ -15,6 +15,8 @@ log "tests on CUDA"
 timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_attention_triton.py tests/test_moe_small_m.py \
   -k "pdl or rotary or decode_matches or split_count or cuda_graph or small_path or fused_router" > $OUT/tests.log 2>&1
 echo "{\"part\": \"tests\", \"exit\": $?}" | tee -a $OUT/summary.jsonl; tail -3 $OUT/tests.log
+timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_attention_mla_triton.py > $OUT/mla.log 2>&1
+echo "{\"part\": \"mla-tests (fp32 now IEEE)\", \"exit\": $?}" | tee -a $OUT/summary.jsonl; tail -3 $OUT/mla.log
 RADIXSERVE_MOE_EXPERTS_PDL=1 PARTS="g k" bash benchmarks/h200/qwen_b1.sh 2>&1 | grep -v '^ \|"blocks"' | cut -c1-300
 prof() {  # TAG EXPERTS_PDL DECODE_PDL
   mkdir -p $OUT/$1
