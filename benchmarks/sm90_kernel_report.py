@@ -16,7 +16,8 @@ emits scalar loads and different register counts than the GPU build has.
 
 Presets: the Qwen3-30B-A3B shape's one-launch router and experts kernels (small_m / one_launch), the
 triton backend's decode split kernel and rotary + KV store kernel (Llama / Qwen3 head_dim 128, GQA 8),
-each with and without its PDL constexprs."""
+the batch-1 GEMV and RMSNorm + GEMV tiles (Llama-3.1-8B shapes), each with and without its PDL
+constexprs."""
 
 from __future__ import annotations
 
@@ -81,6 +82,22 @@ def presets() -> list[Preset]:
                           dict(GROUP=8, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=cfg.block_n, BLOCK_S=32,
                                HAS_CAP=False, HAS_WINDOW=False, KV_FP8=False, IEEE=False, GDC=gdc),
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    from radixserve.layers import norm_gemv, triton_gemv
+
+    gemv_cfg = triton_gemv.default_config(4096, 4096, False)
+    gemv = triton_gemv._kernels(False).gemv
+    for pdl in (False, True):  # the 8B o projection's shape, a PDL tile or not (runtime.batch1_gemv_pdl)
+        out.append(Preset(f"gemv_8b_o_pdl{int(pdl)}", gemv,
+                          dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16", N="i32", K="i32", stride_wn="i32"),
+                          dict(HAS_BIAS=False, BLOCK_N=gemv_cfg.block_n, BLOCK_K=gemv_cfg.block_k, EVEN_K=True,
+                               GATED=False, PDL=pdl, GDC=pdl),
+                          num_warps=gemv_cfg.num_warps, num_stages=gemv_cfg.num_stages, divisible={"N", "K"}))
+    out.append(Preset("rmsnorm_gemv_8b_qkv_pdl1", norm_gemv._kernels(False).rmsnorm_gemv,
+                      dict(X="*bf16", R="*bf16", G="*bf16", W="*bf16", B="*bf16", Y="*bf16", ResOut="*bf16", N="i32",
+                           K="i32", stride_wn="i32", eps="fp32"),
+                      dict(HAS_RESIDUAL=True, HAS_BIAS=False, BLOCK_N=gemv_cfg.block_n, BLOCK_K=gemv_cfg.block_k,
+                           EVEN_K=True, RES_BLOCK=1024, PDL=True, GDC=True),
+                      num_warps=gemv_cfg.num_warps, num_stages=gemv_cfg.num_stages, divisible={"N", "K"}))
     store = rotary_store_kernel._rotary_store_kernel
     store_sig = {a: "i32" for a in store.arg_names if a.startswith("stride")}
     store_sig.update({a: "*bf16" for a in ("Q", "K", "V", "QO", "K_buf", "V_buf", "QW", "KW")})

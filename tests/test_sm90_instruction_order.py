@@ -17,7 +17,7 @@ import pytest
 triton = pytest.importorskip("triton")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = ("experts_qwen3_gdc1", "router_qwen3_gdc1_trigger1", "decode_split_d128_gqa8_gdc0",
-           "decode_split_d128_gqa8_gdc1")
+           "decode_split_d128_gqa8_gdc1", "gemv_8b_o_pdl1")
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +73,13 @@ def test_decode_split_prefetches_into_l2_before_the_wait_and_reads_q_after(sass_
     assert all(not re.search(r"\b(LDGSTS|STG|ATOMG)\b", ln) for ln in lines[:wait])
     plain = _sass(sass_dir, "decode_split_d128_gqa8_gdc0")
     assert not any(re.search(r"\b(ACQBULK|CCTL\.E\.PF2)\b", ln) for ln in plain)
+
+
+def test_batch1_gemv_streams_its_first_weight_tile_before_the_wait(sass_dir):
+    """runtime.batch1_gemv_pdl's tile (session 8): weights (evict-first loads) before the wait, the
+    signal to its own dependents and the input row after it."""
+    lines = _sass(sass_dir, "gemv_8b_o_pdl1")
+    wait = _first(lines, r"\bACQBULK\b")
+    assert sum(bool(re.search(r"\bLDG\.E\.EF\b", ln)) for ln in lines[:wait]) >= 4
+    assert all(not re.search(r"\b(STG|ATOMG|PREEXIT)\b", ln) for ln in lines[:wait])
+    assert _first(lines, r"\bPREEXIT\b") > wait
