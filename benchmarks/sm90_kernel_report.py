@@ -66,10 +66,11 @@ def presets() -> list[Preset]:
     experts_sig.update({a: "i32" for a in ("INTER", "top_k", "stride_xm", "stride_13e", "stride_13n", "stride_2e",
                                            "stride_2n", "PAIRS", "GU_BLOCKS", "DN_BLOCKS", "SPLITS")})
     b = small_m.DEFAULT_BLOCKS
-    for gdc in (False, True):
-        out.append(Preset(f"experts_qwen3_gdc{int(gdc)}", experts, experts_sig,
+    for gdc, prefetch in ((False, False), (True, False), (False, True)):
+        out.append(Preset(f"experts_qwen3_gdc{int(gdc)}" + ("_prefetch" if prefetch else ""), experts, experts_sig,
                           dict(H=2048, k_per_split=768, ROWS=8, GU_N=b.gate_up_n, GU_K=b.gate_up_k, DN_N=b.down_n,
-                               DN_K=b.down_k, EVEN_GU_K=True, EVEN_DN_K=True, BLOCK_P=64, TRIGGER=True, GDC=gdc),
+                               DN_K=b.down_k, EVEN_GU_K=True, EVEN_DN_K=True, BLOCK_P=64, TRIGGER=True, GDC=gdc,
+                               GU_PREFETCH=prefetch),
                           num_warps=b.num_warps, divisible={"INTER"}))
     split = decode_kernel._decode_stage1_kernel
     split_sig = {a: "i32" for a in split.arg_names if a.startswith("stride") or a == "window"}

@@ -190,7 +190,8 @@ def test_one_launch_experts_equal_the_two_launches():
     """`SmallMBlocks(one_launch=True)`: gate_up and down tiles in one grid, ordered by tickets, give
     the two-launch result bit for bit (same tiles, same sums): 2 tokens with unmasked K steps and a
     split down projection, then 1 token with masked K steps (H = 36, I = 48 in two splits, the
-    second partial); the counters are all zero after each call (the second call reuses them)."""
+    second partial); the counters are all zero after each call (the second call reuses them). The
+    same with `gate_up_prefetch` (each gate_up step's loads issued one step ahead)."""
     gen = torch.Generator().manual_seed(13)
     e, top_k = 8, 2
     for m, h, i, splits, gu_k in ((2, 32, 64, 2, 16), (1, 36, 48, 2, 32)):
@@ -204,6 +205,9 @@ def test_one_launch_experts_equal_the_two_launches():
         got = small_m.small_m_fused_experts(x, w13, w2, weights, ids, splits=splits, blocks=one)
         assert torch.equal(got, want)
         assert not any(buf.any() for buf in small_m._ARRIVALS[x.device])
+        # the gate_up loop with its loads one step ahead (`gate_up_prefetch`): the same sums, the same bits
+        ahead = small_m.SmallMBlocks(**{**one.__dict__, "gate_up_prefetch": True})
+        assert torch.equal(small_m.small_m_fused_experts(x, w13, w2, weights, ids, splits=splits, blocks=ahead), want)
         torch.testing.assert_close(got, fused_experts_reference(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
 
 

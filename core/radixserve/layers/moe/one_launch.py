@@ -60,7 +60,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                        stride_13e, stride_13n, stride_2e, stride_2n, PAIRS, GU_BLOCKS, DN_BLOCKS, SPLITS,
                        ROWS: tl.constexpr, GU_N: tl.constexpr, GU_K: tl.constexpr, DN_N: tl.constexpr,
                        DN_K: tl.constexpr, EVEN_GU_K: tl.constexpr, EVEN_DN_K: tl.constexpr,
-                       BLOCK_P: tl.constexpr, TRIGGER: tl.constexpr, GDC: tl.constexpr):
+                       BLOCK_P: tl.constexpr, TRIGGER: tl.constexpr, GDC: tl.constexpr, GU_PREFETCH: tl.constexpr):
         """sync (int32, zero on entry and exit): [0] ticket, [1] exits, [2, 2 + PAIRS) gate_up tiles
         done per pair, then the per-(token, down column block) arrivals of the row sum."""
         if TRIGGER:
@@ -89,21 +89,44 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             g_x_row = x_ptr + (g_pair // top_k).to(tl.int64) * stride_xm
             g_acc_gate = tl.zeros((GU_N, GU_K), dtype=tl.float32)
             g_acc_up = tl.zeros((GU_N, GU_K), dtype=tl.float32)
-            for k0 in range(0, H, GU_K):
-                g_kk = k0 + g_offs_k
-                # every load of the step before any cast (a cast between them waits on x's latency)
-                if EVEN_GU_K:
-                    g_xv = tl.load(g_x_row + g_kk)
-                    g_mask = g_n_ok[:, None]
-                else:
+            if GU_PREFETCH:
+                # step s computes with the tiles loaded during step s - 1 and loads step s + 1's (masked off
+                # past H: the last step loads nothing); x as a [1, GU_K] row in the tiles' layout
+                g_kk = g_offs_k
+                g_k_ok = g_kk < H
+                g_nx = tl.load(g_x_row + g_kk[None, :], mask=g_k_ok[None, :], other=0.0)
+                g_nwg = tl.load(g_w_gate + g_kk[None, :], mask=g_n_ok[:, None] & g_k_ok[None, :], other=0.0,
+                                eviction_policy="evict_first")
+                g_nwu = tl.load(g_w_up + g_kk[None, :], mask=g_n_ok[:, None] & g_k_ok[None, :], other=0.0,
+                                eviction_policy="evict_first")
+                for k0 in range(GU_K, H + GU_K, GU_K):
+                    g_xv, g_wg, g_wu = g_nx, g_nwg, g_nwu
+                    g_kk = k0 + g_offs_k
                     g_k_ok = g_kk < H
-                    g_xv = tl.load(g_x_row + g_kk, mask=g_k_ok, other=0.0)
-                    g_mask = g_n_ok[:, None] & g_k_ok[None, :]
-                g_wg = tl.load(g_w_gate + g_kk[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
-                g_wu = tl.load(g_w_up + g_kk[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
-                g_xf = g_xv.to(tl.float32)[None, :]
-                g_acc_gate += g_wg.to(tl.float32) * g_xf
-                g_acc_up += g_wu.to(tl.float32) * g_xf
+                    g_nx = tl.load(g_x_row + g_kk[None, :], mask=g_k_ok[None, :], other=0.0)
+                    g_nwg = tl.load(g_w_gate + g_kk[None, :], mask=g_n_ok[:, None] & g_k_ok[None, :], other=0.0,
+                                    eviction_policy="evict_first")
+                    g_nwu = tl.load(g_w_up + g_kk[None, :], mask=g_n_ok[:, None] & g_k_ok[None, :], other=0.0,
+                                    eviction_policy="evict_first")
+                    g_xf = g_xv.to(tl.float32)
+                    g_acc_gate += g_wg.to(tl.float32) * g_xf
+                    g_acc_up += g_wu.to(tl.float32) * g_xf
+            else:
+                for k0 in range(0, H, GU_K):
+                    g_kk = k0 + g_offs_k
+                    # every load of the step before any cast (a cast between them waits on x's latency)
+                    if EVEN_GU_K:
+                        g_xv = tl.load(g_x_row + g_kk)
+                        g_mask = g_n_ok[:, None]
+                    else:
+                        g_k_ok = g_kk < H
+                        g_xv = tl.load(g_x_row + g_kk, mask=g_k_ok, other=0.0)
+                        g_mask = g_n_ok[:, None] & g_k_ok[None, :]
+                    g_wg = tl.load(g_w_gate + g_kk[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
+                    g_wu = tl.load(g_w_up + g_kk[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
+                    g_xf = g_xv.to(tl.float32)[None, :]
+                    g_acc_gate += g_wg.to(tl.float32) * g_xf
+                    g_acc_up += g_wu.to(tl.float32) * g_xf
             g_gate = tl.sum(g_acc_gate, axis=1)
             g_up = tl.sum(g_acc_up, axis=1)
             tl.store(act_ptr + g_pair * INTER + g_offs_n, g_gate / (1.0 + tl.exp(-g_gate)) * g_up, mask=g_n_ok)
@@ -189,5 +212,6 @@ def one_launch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
         ROWS=top_k * splits, GU_N=b.gate_up_n, GU_K=b.gate_up_k, DN_N=b.down_n, DN_K=b.down_k,
         EVEN_GU_K=hidden % b.gate_up_k == 0, EVEN_DN_K=k_per_split * splits == inter,
         BLOCK_P=max(64, small_m._pow2(pairs)),  # one compiled kernel for every batch of the small path
-        TRIGGER=trigger_dependents(out), num_warps=b.num_warps, **small_m.pdl_launch(small_m.moe_experts_pdl(x)))
+        TRIGGER=trigger_dependents(out), GU_PREFETCH=b.gate_up_prefetch, num_warps=b.num_warps,
+        **small_m.pdl_launch(small_m.moe_experts_pdl(x)))
     return out
