@@ -41,18 +41,18 @@ from radixserve.layers.triton_support import interpreting as _interpreting
 from radixserve.layers.triton_support import trigger_dependents
 
 triton = tl = None  # imported by `_kernels` on first use (CPU machines may lack Triton)
-sum_rows_if_last = None  # small_m_steps' @triton.jit steps, set by `_kernels` (kernels see module globals)
+sum_rows_if_last = gate_up_tiles = None  # small_m_steps' @triton.jit steps, set by `_kernels` (kernels see module globals)
 
 
 @functools.cache
 def _kernels(interpret: bool) -> SimpleNamespace:
     del interpret  # cache key only: @triton.jit picks interpreter mode when it decorates
-    global triton, tl, sum_rows_if_last
+    global triton, tl, sum_rows_if_last, gate_up_tiles
     import triton
     import triton.language as tl
     import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_* (PDL)
 
-    from radixserve.layers.moe.small_m_steps import sum_rows_if_last
+    from radixserve.layers.moe.small_m_steps import gate_up_tiles, sum_rows_if_last
 
     @triton.jit
     def experts_kernel(x_ptr, w13_ptr, w2_ptr, act_ptr, partial_ptr, final_ptr, weight_ptr, ids_ptr, sync_ptr,
@@ -92,22 +92,10 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             if GU_PREFETCH:
                 # step s computes with the tiles loaded during step s - 1 and loads step s + 1's (masked off
                 # past H: the last step loads nothing); x as a [1, GU_K] row in the tiles' layout
-                g_kk = g_offs_k
-                g_k_ok = g_kk < H
-                g_nx = tl.load(g_x_row + g_kk[None, :], mask=g_k_ok[None, :], other=0.0)
-                g_nwg = tl.load(g_w_gate + g_kk[None, :], mask=g_n_ok[:, None] & g_k_ok[None, :], other=0.0,
-                                eviction_policy="evict_first")
-                g_nwu = tl.load(g_w_up + g_kk[None, :], mask=g_n_ok[:, None] & g_k_ok[None, :], other=0.0,
-                                eviction_policy="evict_first")
+                g_nx, g_nwg, g_nwu = gate_up_tiles(g_x_row, g_w_gate, g_w_up, g_offs_k, g_n_ok, H)
                 for k0 in range(GU_K, H + GU_K, GU_K):
                     g_xv, g_wg, g_wu = g_nx, g_nwg, g_nwu
-                    g_kk = k0 + g_offs_k
-                    g_k_ok = g_kk < H
-                    g_nx = tl.load(g_x_row + g_kk[None, :], mask=g_k_ok[None, :], other=0.0)
-                    g_nwg = tl.load(g_w_gate + g_kk[None, :], mask=g_n_ok[:, None] & g_k_ok[None, :], other=0.0,
-                                    eviction_policy="evict_first")
-                    g_nwu = tl.load(g_w_up + g_kk[None, :], mask=g_n_ok[:, None] & g_k_ok[None, :], other=0.0,
-                                    eviction_policy="evict_first")
+                    g_nx, g_nwg, g_nwu = gate_up_tiles(g_x_row, g_w_gate, g_w_up, k0 + g_offs_k, g_n_ok, H)
                     g_xf = g_xv.to(tl.float32)
                     g_acc_gate += g_wg.to(tl.float32) * g_xf
                     g_acc_up += g_wu.to(tl.float32) * g_xf
