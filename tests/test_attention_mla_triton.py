@@ -223,7 +223,10 @@ def test_tree_mask_verify_matches_decompressed_reference():
     assert (out - run(causal)).abs().max() > 1e-2, "the trees must change the result"
     chain = [list(range(-1, 10)), [-1]]
     with_mask = run(make_problem([7, 3], [11, 1], seed=6, trees=chain))
-    assert ((with_mask - run(make_problem([7, 3], [11, 1], seed=6))).double().norm()).item() < 1e-6
+    causal = run(make_problem([7, 3], [11, 1], seed=6))
+    # exact in the interpreter (fp32); bf16 on the GPU rounds the masked and causal tiles' sums apart by an
+    # ulp here and there (an H100, session 23: absolute norm 0.0039), as this file's other GPU comparisons allow
+    assert ((with_mask - causal).double().norm() / causal.double().norm()).item() < (1e-2 if ON_GPU else 1e-6)
 
 
 def test_decode_rows_may_share_a_request():
