@@ -75,14 +75,13 @@ def presets() -> list[Preset]:
     split = decode_kernel._decode_stage1_kernel
     split_sig = {a: "i32" for a in split.arg_names if a.startswith("stride") or a == "window"}
     split_sig.update(Q="*bf16", K_buf="*bf16", V_buf="*bf16", ReqToToken="*i32", req_pool_idx_ptr="*i64",
-                     seq_lens_ptr="*i64", num_splits_ptr="*i32", MidO="*fp32", MidLse="*fp32", Out="*bf16",
-                     Counters="*i32", sm_scale="fp32", v_scale="fp32", logit_cap="fp32")
+                     seq_lens_ptr="*i64", num_splits_ptr="*i32", MidO="*fp32", MidLse="*fp32", sm_scale="fp32",
+                     v_scale="fp32", logit_cap="fp32")
     cfg = decode_kernel.decode_config(128, False)
-    for gdc, merge in ((False, False), (True, False), (True, True)):  # merge: no stage-2 launch (merge_counters)
-        out.append(Preset(f"decode_split_d128_gqa8_gdc{int(gdc)}" + ("_merge" if merge else ""), split, split_sig,
+    for gdc in (False, True):
+        out.append(Preset(f"decode_split_d128_gqa8_gdc{int(gdc)}", split, split_sig,
                           dict(GROUP=8, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=cfg.block_n, BLOCK_S=32,
-                               HAS_CAP=False, HAS_WINDOW=False, KV_FP8=False, IEEE=False, GDC=gdc, MERGE=merge,
-                               TRIGGER=merge),
+                               HAS_CAP=False, HAS_WINDOW=False, KV_FP8=False, IEEE=False, GDC=gdc),
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     from radixserve.layers import norm_gemv, triton_gemv
 

@@ -266,39 +266,6 @@ def test_decode_split_count_does_not_change_the_result():
     assert ((outs[0] - outs[1]).norm() / outs[0].norm()).item() < (1e-2 if ON_GPU else 1e-6)
 
 
-@pytest.mark.parametrize("heads", [(4, 2, 32), (8, 1, 64)], ids=["gqa", "mqa"])
-def test_decode_merge_in_the_split_kernel_is_bitwise_the_two_launches(heads):
-    """`merge_counters` (RADIXSERVE_DECODE_MERGE_LAST): no stage-2 launch; a one-split request writes its output
-    in the split kernel, and for a request with several splits (an empty trailing one included) the split that
-    finishes last merges them. The output is the two-launch path's, bit for bit, the counters are zero after
-    (one buffer serves the next layer and step), and a second launch on the same counters agrees again."""
-    from radixserve_attention_triton import decode_kernel
-
-    dtype = torch.bfloat16 if ON_GPU else torch.float32
-    seqs = [1, 5, 20, 37] if not ON_GPU else [1, 100, 300, 900]
-    kwargs = {} if ON_GPU else {"min_split_tokens": 8, "max_kv_splits": 4, "sm_count": 8}
-    p = make_problem([s - 1 for s in seqs], [1] * len(seqs), *heads, dtype, ForwardMode.DECODE, seed=17,
-                     pool_slots=sum(seqs) + 7, **kwargs)
-    p.backend.init_forward_metadata(p.batch)
-    splits = p.batch.attn_metadata.num_kv_splits.tolist()
-    assert splits[0] == 1 and max(splits) > 1, splits
-    want = p.backend.forward(p.q, p.k_new, p.v_new, p.layer, p.batch)
-    counters = torch.zeros(len(seqs) + 2, heads[1], dtype=torch.int32, device=DEVICE)
-    p.backend.merge_counters = counters
-    for _ in range(2):
-        got = p.backend.forward(p.q, p.k_new, p.v_new, p.layer, p.batch)
-        assert torch.equal(got, want)
-        assert not counters.any(), "the last split resets its count"
-    assert_close(want, reference(p), dtype)
-    q3 = p.q.view(len(seqs), heads[0], heads[2])
-    meta = p.batch.attn_metadata
-    with pytest.raises(ValueError, match="merge_counters must be int32"):
-        decode_kernel.decode_attention(q3, torch.empty_like(q3), *p.batch.kv_pool.get_kv(1),
-                                       p.batch.req_to_token_pool.req_to_token, p.batch.req_pool_indices,
-                                       p.batch.seq_lens, meta.num_kv_splits, meta.mid_o, meta.mid_lse, 1.0,
-                                       interpret=not ON_GPU, merge_counters=counters[:2])
-
-
 def test_graph_metadata_is_refreshed_in_place():
     """capture/replay fill the static buffers: replay after the lengths grow still gives the right answer."""
     dtype = torch.bfloat16 if ON_GPU else torch.float32
@@ -321,14 +288,11 @@ def test_graph_metadata_is_refreshed_in_place():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("merge_last", [False, True], ids=["two-launches", "merge-in-split-kernel"])
-def test_cuda_graph_capture_and_replay_with_new_lengths(merge_last):
+def test_cuda_graph_capture_and_replay_with_new_lengths():
     dtype = torch.bfloat16
     sizes = {"pool_slots": 1000, "max_context": 1000}
     p = make_problem([50, 7, 900], [1, 1, 1], 8, 2, 128, dtype, ForwardMode.DECODE, seed=7, **sizes)
     b, batch = p.backend, p.batch
-    if merge_last:
-        b.merge_counters = torch.zeros(3, 2, dtype=torch.int32, device=DEVICE)
     b.init_graph_state(max_bs=3)
     q, k, v = p.q.clone(), p.k_new.clone(), p.v_new.clone()
     b.init_forward_metadata_capture(batch)

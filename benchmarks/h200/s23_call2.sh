@@ -1,4 +1,5 @@
-# Session 23, call 2 (carry .whl .gpu2; ~8 min): the decode attention's merge in the split kernel
+# Session 23, call 2 (carry .whl .gpu2; ~8 min; ran on an H100 at b8f4687, whose merge switch was then taken out:
+# benchmarks/results/h100-session23.md): the decode attention's merge in the split kernel
 # (RADIXSERVE_DECODE_MERGE_LAST=1: no stage-2 launch; a one-split request writes its output in the split kernel,
 # otherwise the split that finishes last merges, through an atomic count per (request, KV head)), with both PDL
 # launches now on by default (call 1):

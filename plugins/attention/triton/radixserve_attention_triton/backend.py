@@ -22,13 +22,7 @@ from radixserve.memory.fp8_kv import dequantize_fp8
 from radixserve.state import ForwardMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from radixserve_attention_triton.decode_kernel import (
-    DECODE_MERGE_LAST,
-    DecodeConfig,
-    compute_num_kv_splits,
-    decode_attention,
-    decode_pdl,
-)
+from radixserve_attention_triton.decode_kernel import DecodeConfig, compute_num_kv_splits, decode_attention, decode_pdl
 from radixserve_attention_triton.extend_kernel import (
     ExtendConfig,
     ExtendWork,
@@ -153,11 +147,6 @@ class TritonAttentionBackend(AttentionBackend):
         self._graph: DecodeMetadata | None = None
         self._extend_graph: ExtendMetadata | None = None  # static extend metadata (init_extend_graph_state)
         self.fuse_rotary_store = fuse_rotary_store
-        # decode without a stage-2 launch (decode_kernel.DECODE_MERGE_LAST): the split kernel's finished-split
-        # counts, one per (request row, KV head); the kernel leaves them zero, so one buffer serves every layer,
-        # step and CUDA graph
-        self.merge_counters = (torch.zeros(self.max_bs, self.num_kv_heads, dtype=torch.int32, device=self.device)
-                               if DECODE_MERGE_LAST else None)
 
     def set_decode_fusions(self, *, rotary_store: bool) -> None:
         """Turn the decode fusion of rotary with the KV store on or off (the constructor's
@@ -334,7 +323,6 @@ class TritonAttentionBackend(AttentionBackend):
             k_scale=k_scale,
             v_scale=v_scale,
             pdl=pdl,
-            merge_counters=self.merge_counters,
         )
         return out.view(q3.shape[0], -1)
 

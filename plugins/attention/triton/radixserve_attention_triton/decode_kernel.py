@@ -4,10 +4,6 @@ Stage 1: program (request, KV head, split) walks its slice of the request's KV (
 `req_to_token`) for all query heads of that KV head's group at once (GQA: K/V are read once per
 group), and writes a normalised partial output plus its log2-sum-exp per head.
 Stage 2: program (request, query head) merges the partials of the request's splits.
-With a counter buffer (`merge_counters`, `RADIXSERVE_DECODE_MERGE_LAST`) there is no stage-2 launch: a request
-with one split writes its output directly (the merge of one split gives the same bits), and otherwise the
-split program that finishes last for its (request, KV head) - an atomic count of finished splits - merges the
-group's heads with the same `_merge_splits` and resets the count for the next launch.
 
 The number of splits per request is a device tensor (see `compute_num_kv_splits`) and the grid's
 split axis is the fixed `max_kv_splits`, so a launch never depends on host-side lengths: that is
@@ -40,28 +36,6 @@ _interpreter_compat.apply()
 
 
 @triton.jit
-def _merge_splits(MidO, MidLse, Out, b, h, n_splits, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-                  stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Out[b, h] = the split partials of (b, h) weighted by their sum-exps."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < n_splits
-    mask_d = offs_d < HEAD_DIM
-    lse = tl.load(MidLse + b * stride_mlb + h * stride_mlh + offs_s, mask=mask_s, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # a zero-length (padding) request: all weights 0
-    w = tl.exp2(lse - m)
-    parts = tl.load(
-        MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
-        mask=mask_s[:, None] & mask_d[None, :],
-        other=0.0,
-    )
-    total = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
-
-
-@triton.jit
 def _decode_stage1_kernel(
     Q,
     K_buf,
@@ -72,8 +46,6 @@ def _decode_stage1_kernel(
     num_splits_ptr,
     MidO,
     MidLse,
-    Out,
-    Counters,
     sm_scale,
     v_scale,
     logit_cap,
@@ -90,9 +62,6 @@ def _decode_stage1_kernel(
     stride_mos,
     stride_mlb,
     stride_mlh,
-    stride_ob,
-    stride_oh,
-    stride_cb,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -104,11 +73,7 @@ def _decode_stage1_kernel(
     KV_FP8: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 q/k/v: exact fp32 products (dot_qk)
     GDC: tl.constexpr,  # PDL-launched (`decode_pdl`): the split's first K/V rows prefetched into L2, then the wait
-    MERGE: tl.constexpr,  # no stage 2: one split writes Out, else the last split to finish merges (Counters)
-    TRIGGER: tl.constexpr,  # MERGE: signal launch_dependents at the start (what stage 2 does otherwise)
 ):
-    if TRIGGER:  # a PDL-launched GEMV after it (o_proj, runtime.batch1_gemv_pdl) may start loading its weights
-        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -162,23 +127,30 @@ def _decode_stage1_kernel(
     if KV_FP8:
         acc = acc * v_scale
 
-    if MERGE and n_splits == 1:
-        # what _merge_splits makes of one split: its normalised output (times 1, plus zeros, over 1)
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] + 0.0
-        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
-                 mask=mask_h[:, None] & mask_d[None, :])
-    else:
-        store_split_partial(MidO, MidLse, b, heads, split, offs_d, mask_h, mask_d, m_i, l_i, acc,
-                            stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
-        if MERGE:
-            # acq_rel: this split's partial is visible before its count; the last one sees every partial
-            done = tl.atomic_add(Counters + b * stride_cb + kvh, 1, sem="acq_rel", scope="gpu")
-            if done == n_splits - 1:
-                for g in range(GROUP):
-                    _merge_splits(MidO, MidLse, Out, b, kvh * GROUP + g, n_splits, stride_mob, stride_moh,
-                                  stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, HEAD_DIM, BLOCK_D,
-                                  BLOCK_S)
-                tl.store(Counters + b * stride_cb + kvh, 0)  # ready for the next launch (the next layer)
+    store_split_partial(MidO, MidLse, b, heads, split, offs_d, mask_h, mask_d, m_i, l_i, acc,
+                        stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
+
+
+@triton.jit
+def _merge_splits(MidO, MidLse, Out, b, h, n_splits, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+                  stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Out[b, h] = the split partials of (b, h) weighted by their sum-exps."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < n_splits
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(MidLse + b * stride_mlb + h * stride_mlh + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a zero-length (padding) request: all weights 0
+    w = tl.exp2(lse - m)
+    parts = tl.load(
+        MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
 
 
 @triton.jit
@@ -214,11 +186,6 @@ def _decode_stage2_kernel(
 # not the interpreter): -0.045 ms a Qwen3-30B-A3B batch-1 step on an H100, Llama-3.1-8B unchanged (session 23);
 # RADIXSERVE_DECODE_ATTENTION_PDL=0 turns it off.
 DECODE_PDL = os.environ.get("RADIXSERVE_DECODE_ATTENTION_PDL", "1") != "0"
-
-
-# The merge in the split kernel instead of a stage-2 launch (`merge_counters`): RADIXSERVE_DECODE_MERGE_LAST=1 turns it
-# on. Off by default until measured on the GPU (benchmarks/h200/NEXT.md).
-DECODE_MERGE_LAST = os.environ.get("RADIXSERVE_DECODE_MERGE_LAST", "0") == "1"
 
 
 def decode_pdl(t: torch.Tensor) -> bool:
@@ -267,12 +234,8 @@ def decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     pdl: bool = False,
-    merge_counters: torch.Tensor | None = None,
 ) -> None:
     """Write decode attention into `out` (tiles from `config`, else `decode_config`).
-
-    `merge_counters` (int32 [>= bs, KVH], all zero; the kernel leaves it zero): one launch instead of two,
-    the split that finishes last merges (see the module docstring). Same results as without it.
 
     `pdl` (see `decode_pdl`): launch the split kernel with programmatic dependent launch; it prefetches
     its keys and values into L2 before it waits for the kernel before it. Ignored in the interpreter.
@@ -299,12 +262,6 @@ def decode_attention(
     max_splits = mid_o.shape[2]
     cfg = config or decode_config(head_dim, interpret)
     pdl = pdl and not interpret
-    merge = merge_counters is not None
-    if merge and (merge_counters.dtype != torch.int32 or merge_counters.shape[0] < bs
-                  or merge_counters.shape[1] != num_kv_heads):
-        raise ValueError(f"merge_counters must be int32 [>= {bs}, {num_kv_heads}], got {merge_counters.dtype} "
-                         f"{tuple(merge_counters.shape)}")
-    trigger = not interpret and trigger_dependents(out)
     block_d = triton.next_power_of_2(head_dim)
     _decode_stage1_kernel[(bs, num_kv_heads, max_splits)](
         q,
@@ -316,8 +273,6 @@ def decode_attention(
         num_kv_splits,
         mid_o,
         mid_lse,
-        out,
-        merge_counters if merge else num_kv_splits,  # any int32 tensor: unread without MERGE
         sm_scale * k_scale,
         float(v_scale),
         float(logit_cap or 1.0),
@@ -334,9 +289,6 @@ def decode_attention(
         mid_o.stride(2),
         mid_lse.stride(0),
         mid_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
-        merge_counters.stride(0) if merge else 0,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
@@ -348,14 +300,10 @@ def decode_attention(
         KV_FP8=kv_fp8,
         IEEE=q.dtype == torch.float32,
         GDC=pdl,
-        MERGE=merge,
-        TRIGGER=merge and trigger,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"launch_pdl": True} if pdl else {}),
     )
-    if merge:
-        return
     _decode_stage2_kernel[(bs, num_heads)](
         mid_o,
         mid_lse,
@@ -371,6 +319,6 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_S=triton.next_power_of_2(max_splits),
-        TRIGGER=trigger,
+        TRIGGER=not interpret and trigger_dependents(out),
         num_warps=4 if not interpret else 1,
     )
