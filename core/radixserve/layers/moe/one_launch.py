@@ -60,7 +60,8 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                        stride_13e, stride_13n, stride_2e, stride_2n, PAIRS, GU_BLOCKS, DN_BLOCKS, SPLITS,
                        ROWS: tl.constexpr, GU_N: tl.constexpr, GU_K: tl.constexpr, DN_N: tl.constexpr,
                        DN_K: tl.constexpr, EVEN_GU_K: tl.constexpr, EVEN_DN_K: tl.constexpr,
-                       BLOCK_P: tl.constexpr, TRIGGER: tl.constexpr, GDC: tl.constexpr, GU_PREFETCH: tl.constexpr):
+                       BLOCK_P: tl.constexpr, TRIGGER: tl.constexpr, GDC: tl.constexpr, GU_PREFETCH: tl.constexpr,
+                       GU_DOT: tl.constexpr, DOT_IEEE: tl.constexpr):
         """sync (int32, zero on entry and exit): [0] ticket, [1] exits, [2, 2 + PAIRS) gate_up tiles
         done per pair, then the per-(token, down column block) arrivals of the row sum."""
         if TRIGGER:
@@ -87,9 +88,32 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             g_w_gate = w13_ptr + g_expert * stride_13e + g_offs_n[:, None].to(tl.int64) * stride_13n
             g_w_up = g_w_gate + INTER * stride_13n
             g_x_row = x_ptr + (g_pair // top_k).to(tl.int64) * stride_xm
-            g_acc_gate = tl.zeros((GU_N, GU_K), dtype=tl.float32)
-            g_acc_up = tl.zeros((GU_N, GU_K), dtype=tl.float32)
-            if GU_PREFETCH:
+            if GU_DOT:
+                # the gate_up steps as tl.dot of x (row 0 of 16, the least a dot takes) with the weight tiles, so
+                # Triton's pipeliner keeps num_stages steps of weight tiles in flight through shared memory (the
+                # loop below holds one step in registers); other sums, other bits than the two launches
+                g_rows = tl.arange(0, 16)
+                g_dot_gate = tl.zeros((16, GU_N), dtype=tl.float32)
+                g_dot_up = tl.zeros((16, GU_N), dtype=tl.float32)
+                for k0 in range(0, H, GU_K):
+                    g_kk = k0 + g_offs_k
+                    g_k_ok = g_kk < H
+                    g_xa = tl.load(g_x_row + g_rows[:, None] * 0 + g_kk[None, :],
+                                   mask=(g_rows[:, None] == 0) & g_k_ok[None, :], other=0.0)
+                    g_mask = g_n_ok[:, None] & g_k_ok[None, :]
+                    g_wg = tl.load(g_w_gate + g_kk[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
+                    g_wu = tl.load(g_w_up + g_kk[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
+                    if DOT_IEEE:  # fp32 weights: exact fp32 products, not TF32
+                        g_dot_gate = tl.dot(g_xa, tl.trans(g_wg), g_dot_gate, input_precision="ieee")
+                        g_dot_up = tl.dot(g_xa, tl.trans(g_wu), g_dot_up, input_precision="ieee")
+                    else:
+                        g_dot_gate = tl.dot(g_xa, tl.trans(g_wg), g_dot_gate)
+                        g_dot_up = tl.dot(g_xa, tl.trans(g_wu), g_dot_up)
+                g_gate = tl.sum(g_dot_gate, axis=0)  # rows 1-15 are zeros
+                g_up = tl.sum(g_dot_up, axis=0)
+            elif GU_PREFETCH:
+                g_acc_gate = tl.zeros((GU_N, GU_K), dtype=tl.float32)
+                g_acc_up = tl.zeros((GU_N, GU_K), dtype=tl.float32)
                 # step s computes with the tiles loaded during step s - 1 and loads step s + 1's (masked off
                 # past H: the last step loads nothing); x as a [1, GU_K] row in the tiles' layout
                 g_nx, g_nwg, g_nwu = gate_up_tiles(g_x_row, g_w_gate, g_w_up, g_offs_k, g_n_ok, H)
@@ -100,6 +124,8 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                     g_acc_gate += g_wg.to(tl.float32) * g_xf
                     g_acc_up += g_wu.to(tl.float32) * g_xf
             else:
+                g_acc_gate = tl.zeros((GU_N, GU_K), dtype=tl.float32)
+                g_acc_up = tl.zeros((GU_N, GU_K), dtype=tl.float32)
                 for k0 in range(0, H, GU_K):
                     g_kk = k0 + g_offs_k
                     # every load of the step before any cast (a cast between them waits on x's latency)
@@ -115,8 +141,9 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                     g_xf = g_xv.to(tl.float32)[None, :]
                     g_acc_gate += g_wg.to(tl.float32) * g_xf
                     g_acc_up += g_wu.to(tl.float32) * g_xf
-            g_gate = tl.sum(g_acc_gate, axis=1)
-            g_up = tl.sum(g_acc_up, axis=1)
+            if not GU_DOT:
+                g_gate = tl.sum(g_acc_gate, axis=1)
+                g_up = tl.sum(g_acc_up, axis=1)
             tl.store(act_ptr + g_pair * INTER + g_offs_n, g_gate / (1.0 + tl.exp(-g_gate)) * g_up, mask=g_n_ok)
             tl.debug_barrier()  # every thread's stores before the release below
             tl.atomic_add(ready_ptr + g_pair, 1, sem="release", scope="gpu")
@@ -200,6 +227,7 @@ def one_launch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
         ROWS=top_k * splits, GU_N=b.gate_up_n, GU_K=b.gate_up_k, DN_N=b.down_n, DN_K=b.down_k,
         EVEN_GU_K=hidden % b.gate_up_k == 0, EVEN_DN_K=k_per_split * splits == inter,
         BLOCK_P=max(64, small_m._pow2(pairs)),  # one compiled kernel for every batch of the small path
-        TRIGGER=trigger_dependents(out), GU_PREFETCH=b.gate_up_prefetch, num_warps=b.num_warps,
+        TRIGGER=trigger_dependents(out), GU_PREFETCH=b.gate_up_prefetch, GU_DOT=b.gate_up_dot,
+        DOT_IEEE=w13.dtype == torch.float32, num_warps=b.num_warps, num_stages=b.num_stages,
         **small_m.pdl_launch(small_m.moe_experts_pdl(x)))
     return out
