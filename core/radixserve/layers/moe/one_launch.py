@@ -22,7 +22,8 @@ the ready counters, so the counter buffer is all zero between launches (CUDA-gra
 every size: all are known from the tensors' shapes).
 
 The sums have the order of the two-launch path (the same tiles, the same reductions), so the result
-is bit-identical to it with the same blocks, and deterministic.
+is bit-identical to it with the same blocks, and deterministic; `SmallMBlocks.gate_up_dot` (off by default) runs
+the gate_up steps as tl.dot instead, deterministic but with other sums.
 
 `small_m_fused_experts` takes it for at most `small_m.ONE_LAUNCH_MAX_TOKENS` tokens (or as
 `SmallMBlocks.one_launch` says). On the H200 (Qwen3-30B-A3B experts, CUDA-graph replay) it took 25.4
