@@ -66,18 +66,11 @@ def presets() -> list[Preset]:
     experts_sig.update({a: "i32" for a in ("INTER", "top_k", "stride_xm", "stride_13e", "stride_13n", "stride_2e",
                                            "stride_2n", "PAIRS", "GU_BLOCKS", "DN_BLOCKS", "SPLITS")})
     b = small_m.DEFAULT_BLOCKS
-    # (gdc, gate_up variant, gate_up_k, num_stages): the defaults, the PDL launch, the prefetching loop, and the
-    # gate_up steps as tl.dot (`gate_up_dot`: the weight tiles pipelined through shared memory, num_stages deep)
-    for gdc, variant, gu_k, stages in ((False, "", b.gate_up_k, 3), (True, "", b.gate_up_k, 3),
-                                       (False, "prefetch", b.gate_up_k, 3), (True, "dot", 256, 3),
-                                       (True, "dot", 256, 4), (True, "dot", 512, 3), (True, "dot", 128, 6)):
-        name = f"experts_qwen3_gdc{int(gdc)}" + (f"_{variant}_k{gu_k}_s{stages}" if variant == "dot" else
-                                                  ("_prefetch" if variant else ""))
-        out.append(Preset(name, experts, experts_sig,
-                          dict(H=2048, k_per_split=768, ROWS=8, GU_N=b.gate_up_n, GU_K=gu_k, DN_N=b.down_n,
-                               DN_K=b.down_k, EVEN_GU_K=True, EVEN_DN_K=True, BLOCK_P=64, TRIGGER=True, GDC=gdc,
-                               GU_PREFETCH=variant == "prefetch", GU_DOT=variant == "dot", DOT_IEEE=False),
-                          num_warps=b.num_warps, num_stages=stages, divisible={"INTER"}))
+    for gdc in (False, True):
+        out.append(Preset(f"experts_qwen3_gdc{int(gdc)}", experts, experts_sig,
+                          dict(H=2048, k_per_split=768, ROWS=8, GU_N=b.gate_up_n, GU_K=b.gate_up_k, DN_N=b.down_n,
+                               DN_K=b.down_k, EVEN_GU_K=True, EVEN_DN_K=True, BLOCK_P=64, TRIGGER=True, GDC=gdc),
+                          num_warps=b.num_warps, divisible={"INTER"}))
     split = decode_kernel._decode_stage1_kernel
     split_sig = {a: "i32" for a in split.arg_names if a.startswith("stride") or a == "window"}
     split_sig.update(Q="*bf16", K_buf="*bf16", V_buf="*bf16", ReqToToken="*i32", req_pool_idx_ptr="*i64",

@@ -197,8 +197,7 @@ def test_one_launch_experts_equal_the_two_launches():
     """`SmallMBlocks(one_launch=True)`: gate_up and down tiles in one grid, ordered by tickets, give
     the two-launch result bit for bit (same tiles, same sums): 2 tokens with unmasked K steps and a
     split down projection, then 1 token with masked K steps (H = 36, I = 48 in two splits, the
-    second partial); the counters are all zero after each call (the second call reuses them). The
-    same with `gate_up_prefetch` (each gate_up step's loads issued one step ahead)."""
+    second partial); the counters are all zero after each call (the second call reuses them)."""
     gen = torch.Generator().manual_seed(13)
     e, top_k = 8, 2
     for m, h, i, splits, gu_k in ((2, 32, 64, 2, 16), (1, 36, 48, 2, 32)):
@@ -212,29 +211,7 @@ def test_one_launch_experts_equal_the_two_launches():
         got = small_m.small_m_fused_experts(x, w13, w2, weights, ids, splits=splits, blocks=one)
         assert torch.equal(got, want)
         assert not any(buf.any() for buf in small_m._ARRIVALS[x.device])
-        # the gate_up loop with its loads one step ahead (`gate_up_prefetch`): the same sums, the same bits
-        ahead = small_m.SmallMBlocks(**{**one.__dict__, "gate_up_prefetch": True})
-        assert torch.equal(small_m.small_m_fused_experts(x, w13, w2, weights, ids, splits=splits, blocks=ahead), want)
         torch.testing.assert_close(got, fused_experts_reference(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
-
-
-def test_one_launch_gate_up_as_dot_matches_the_reference():
-    """`SmallMBlocks(gate_up_dot=True)`: the one-launch kernel's gate_up steps as tl.dot of x (row 0 of 16) with
-    the weight tiles (for Triton's pipeliner). Other sums than the two launches, so compared with the reference:
-    1-2 tokens, unmasked and masked K steps, a split down projection; deterministic; counters zero after."""
-    gen = torch.Generator().manual_seed(19)
-    e, top_k = 8, 2
-    for m, h, i, splits, gu_k in ((2, 32, 64, 2, 16), (1, 36, 48, 2, 32)):
-        blocks = small_m.SmallMBlocks(gate_up_n=16, gate_up_k=gu_k, down_n=16, down_k=32, one_launch=True,
-                                      gate_up_dot=True)
-        w13 = torch.randn(e, 2 * i, h, generator=gen) * 0.2
-        w2 = torch.randn(e, h, i, generator=gen) * 0.2
-        x = torch.randn(m, h, generator=gen)
-        weights, ids = select_experts(torch.randn(m, e, generator=gen), RoutingConfig(top_k=top_k))
-        got = small_m.small_m_fused_experts(x, w13, w2, weights, ids, splits=splits, blocks=blocks)
-        torch.testing.assert_close(got, fused_experts_reference(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
-        assert torch.equal(small_m.small_m_fused_experts(x, w13, w2, weights, ids, splits=splits, blocks=blocks), got)
-        assert not any(buf.any() for buf in small_m._ARRIVALS[x.device])
 
 
 def test_one_launch_is_taken_for_at_most_two_tokens(monkeypatch):

@@ -22,8 +22,7 @@ the ready counters, so the counter buffer is all zero between launches (CUDA-gra
 every size: all are known from the tensors' shapes).
 
 The sums have the order of the two-launch path (the same tiles, the same reductions), so the result
-is bit-identical to it with the same blocks, and deterministic; `SmallMBlocks.gate_up_dot` (off by default) runs
-the gate_up steps as tl.dot instead, deterministic but with other sums.
+is bit-identical to it with the same blocks, and deterministic.
 
 `small_m_fused_experts` takes it for at most `small_m.ONE_LAUNCH_MAX_TOKENS` tokens (or as
 `SmallMBlocks.one_launch` says). On the H200 (Qwen3-30B-A3B experts, CUDA-graph replay) it took 25.4
@@ -42,18 +41,18 @@ from radixserve.layers.triton_support import interpreting as _interpreting
 from radixserve.layers.triton_support import trigger_dependents
 
 triton = tl = None  # imported by `_kernels` on first use (CPU machines may lack Triton)
-sum_rows_if_last = gate_up_tiles = None  # small_m_steps' @triton.jit steps, set by `_kernels` (kernels see module globals)
+sum_rows_if_last = None  # small_m_steps' @triton.jit steps, set by `_kernels` (kernels see module globals)
 
 
 @functools.cache
 def _kernels(interpret: bool) -> SimpleNamespace:
     del interpret  # cache key only: @triton.jit picks interpreter mode when it decorates
-    global triton, tl, sum_rows_if_last, gate_up_tiles
+    global triton, tl, sum_rows_if_last
     import triton
     import triton.language as tl
     import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_* (PDL)
 
-    from radixserve.layers.moe.small_m_steps import gate_up_tiles, sum_rows_if_last
+    from radixserve.layers.moe.small_m_steps import sum_rows_if_last
 
     @triton.jit
     def experts_kernel(x_ptr, w13_ptr, w2_ptr, act_ptr, partial_ptr, final_ptr, weight_ptr, ids_ptr, sync_ptr,
@@ -61,8 +60,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                        stride_13e, stride_13n, stride_2e, stride_2n, PAIRS, GU_BLOCKS, DN_BLOCKS, SPLITS,
                        ROWS: tl.constexpr, GU_N: tl.constexpr, GU_K: tl.constexpr, DN_N: tl.constexpr,
                        DN_K: tl.constexpr, EVEN_GU_K: tl.constexpr, EVEN_DN_K: tl.constexpr,
-                       BLOCK_P: tl.constexpr, TRIGGER: tl.constexpr, GDC: tl.constexpr, GU_PREFETCH: tl.constexpr,
-                       GU_DOT: tl.constexpr, DOT_IEEE: tl.constexpr):
+                       BLOCK_P: tl.constexpr, TRIGGER: tl.constexpr, GDC: tl.constexpr):
         """sync (int32, zero on entry and exit): [0] ticket, [1] exits, [2, 2 + PAIRS) gate_up tiles
         done per pair, then the per-(token, down column block) arrivals of the row sum."""
         if TRIGGER:
@@ -89,62 +87,25 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             g_w_gate = w13_ptr + g_expert * stride_13e + g_offs_n[:, None].to(tl.int64) * stride_13n
             g_w_up = g_w_gate + INTER * stride_13n
             g_x_row = x_ptr + (g_pair // top_k).to(tl.int64) * stride_xm
-            if GU_DOT:
-                # the gate_up steps as tl.dot of x (row 0 of 16, the least a dot takes) with the weight tiles, so
-                # Triton's pipeliner keeps num_stages steps of weight tiles in flight through shared memory (the
-                # loop below holds one step in registers); other sums, other bits than the two launches
-                g_rows = tl.arange(0, 16)
-                g_dot_gate = tl.zeros((16, GU_N), dtype=tl.float32)
-                g_dot_up = tl.zeros((16, GU_N), dtype=tl.float32)
-                for k0 in range(0, H, GU_K):
-                    g_kk = k0 + g_offs_k
+            g_acc_gate = tl.zeros((GU_N, GU_K), dtype=tl.float32)
+            g_acc_up = tl.zeros((GU_N, GU_K), dtype=tl.float32)
+            for k0 in range(0, H, GU_K):
+                g_kk = k0 + g_offs_k
+                # every load of the step before any cast (a cast between them waits on x's latency)
+                if EVEN_GU_K:
+                    g_xv = tl.load(g_x_row + g_kk)
+                    g_mask = g_n_ok[:, None]
+                else:
                     g_k_ok = g_kk < H
-                    g_xa = tl.load(g_x_row + g_rows[:, None] * 0 + g_kk[None, :],
-                                   mask=(g_rows[:, None] == 0) & g_k_ok[None, :], other=0.0)
+                    g_xv = tl.load(g_x_row + g_kk, mask=g_k_ok, other=0.0)
                     g_mask = g_n_ok[:, None] & g_k_ok[None, :]
-                    g_wg = tl.load(g_w_gate + g_kk[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
-                    g_wu = tl.load(g_w_up + g_kk[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
-                    if DOT_IEEE:  # fp32 weights: exact fp32 products, not TF32
-                        g_dot_gate = tl.dot(g_xa, tl.trans(g_wg), g_dot_gate, input_precision="ieee")
-                        g_dot_up = tl.dot(g_xa, tl.trans(g_wu), g_dot_up, input_precision="ieee")
-                    else:
-                        g_dot_gate = tl.dot(g_xa, tl.trans(g_wg), g_dot_gate)
-                        g_dot_up = tl.dot(g_xa, tl.trans(g_wu), g_dot_up)
-                g_gate = tl.sum(g_dot_gate, axis=0)  # rows 1-15 are zeros
-                g_up = tl.sum(g_dot_up, axis=0)
-            elif GU_PREFETCH:
-                g_acc_gate = tl.zeros((GU_N, GU_K), dtype=tl.float32)
-                g_acc_up = tl.zeros((GU_N, GU_K), dtype=tl.float32)
-                # step s computes with the tiles loaded during step s - 1 and loads step s + 1's (masked off
-                # past H: the last step loads nothing); x as a [1, GU_K] row in the tiles' layout
-                g_nx, g_nwg, g_nwu = gate_up_tiles(g_x_row, g_w_gate, g_w_up, g_offs_k, g_n_ok, H)
-                for k0 in range(GU_K, H + GU_K, GU_K):
-                    g_xv, g_wg, g_wu = g_nx, g_nwg, g_nwu
-                    g_nx, g_nwg, g_nwu = gate_up_tiles(g_x_row, g_w_gate, g_w_up, k0 + g_offs_k, g_n_ok, H)
-                    g_xf = g_xv.to(tl.float32)
-                    g_acc_gate += g_wg.to(tl.float32) * g_xf
-                    g_acc_up += g_wu.to(tl.float32) * g_xf
-            else:
-                g_acc_gate = tl.zeros((GU_N, GU_K), dtype=tl.float32)
-                g_acc_up = tl.zeros((GU_N, GU_K), dtype=tl.float32)
-                for k0 in range(0, H, GU_K):
-                    g_kk = k0 + g_offs_k
-                    # every load of the step before any cast (a cast between them waits on x's latency)
-                    if EVEN_GU_K:
-                        g_xv = tl.load(g_x_row + g_kk)
-                        g_mask = g_n_ok[:, None]
-                    else:
-                        g_k_ok = g_kk < H
-                        g_xv = tl.load(g_x_row + g_kk, mask=g_k_ok, other=0.0)
-                        g_mask = g_n_ok[:, None] & g_k_ok[None, :]
-                    g_wg = tl.load(g_w_gate + g_kk[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
-                    g_wu = tl.load(g_w_up + g_kk[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
-                    g_xf = g_xv.to(tl.float32)[None, :]
-                    g_acc_gate += g_wg.to(tl.float32) * g_xf
-                    g_acc_up += g_wu.to(tl.float32) * g_xf
-            if not GU_DOT:
-                g_gate = tl.sum(g_acc_gate, axis=1)
-                g_up = tl.sum(g_acc_up, axis=1)
+                g_wg = tl.load(g_w_gate + g_kk[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
+                g_wu = tl.load(g_w_up + g_kk[None, :], mask=g_mask, other=0.0, eviction_policy="evict_first")
+                g_xf = g_xv.to(tl.float32)[None, :]
+                g_acc_gate += g_wg.to(tl.float32) * g_xf
+                g_acc_up += g_wu.to(tl.float32) * g_xf
+            g_gate = tl.sum(g_acc_gate, axis=1)
+            g_up = tl.sum(g_acc_up, axis=1)
             tl.store(act_ptr + g_pair * INTER + g_offs_n, g_gate / (1.0 + tl.exp(-g_gate)) * g_up, mask=g_n_ok)
             tl.debug_barrier()  # every thread's stores before the release below
             tl.atomic_add(ready_ptr + g_pair, 1, sem="release", scope="gpu")
@@ -228,7 +189,5 @@ def one_launch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
         ROWS=top_k * splits, GU_N=b.gate_up_n, GU_K=b.gate_up_k, DN_N=b.down_n, DN_K=b.down_k,
         EVEN_GU_K=hidden % b.gate_up_k == 0, EVEN_DN_K=k_per_split * splits == inter,
         BLOCK_P=max(64, small_m._pow2(pairs)),  # one compiled kernel for every batch of the small path
-        TRIGGER=trigger_dependents(out), GU_PREFETCH=b.gate_up_prefetch, GU_DOT=b.gate_up_dot,
-        DOT_IEEE=w13.dtype == torch.float32, num_warps=b.num_warps, num_stages=b.num_stages,
-        **small_m.pdl_launch(small_m.moe_experts_pdl(x)))
+        TRIGGER=trigger_dependents(out), num_warps=b.num_warps, **small_m.pdl_launch(small_m.moe_experts_pdl(x)))
     return out

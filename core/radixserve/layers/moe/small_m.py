@@ -66,17 +66,6 @@ class SmallMBlocks:
     # the two-launch path's per-token sum of the down rows in the down kernel's last program of each
     # (token, column block) (no `sum_rows` launch; the same sum in the same order); False: the launch
     fused_sum: bool = True
-    # the one-launch kernel's gate_up loop with each step's loads issued one step ahead and x loaded in the
-    # weight tile's layout (no shared-memory exchange): same sums in the same order, the same bits. Off
-    # until measured (session 22's sm_90 SASS: at the defaults a step's 16 KB are loaded at the loop's top and
-    # consumed in the same step, one DRAM latency per step, two barriers a step for x's layout)
-    gate_up_prefetch: bool = False
-    # the one-launch kernel's gate_up steps as tl.dot (x padded to 16 rows), so Triton pipelines the weight tiles
-    # through shared memory, `num_stages` deep: more bytes in flight an SM than one register-held step (session
-    # 22's SASS: the experts at 78% of their bytes' floor on an H100, each step waiting one DRAM latency). Other
-    # sums than the two launches (not bit-equal to them). Off until a GPU sweep measures it
-    gate_up_dot: bool = False
-    num_stages: int = 3  # the one-launch kernel's software-pipelining depth (Triton's default)
 
 
 # Qwen3-30B-A3B's experts on the H200 (benchmarks/results/h200-moe.md, session 7): one launch vs two

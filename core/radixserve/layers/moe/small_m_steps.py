@@ -81,18 +81,6 @@ def rms_scale(s, rstd, norm_w):
 
 
 @triton.jit
-def gate_up_tiles(x_row, w_gate, w_up, kk, n_ok, H):
-    """One gate_up step's operands at K columns kk: x as a [1, len(kk)] row and the gate and up weight
-    tiles [rows, len(kk)] (evict-first: read once), zero past H or outside n_ok's rows."""
-    k_ok = kk < H
-    mask = n_ok[:, None] & k_ok[None, :]
-    x = tl.load(x_row + kk[None, :], mask=k_ok[None, :], other=0.0)
-    wg = tl.load(w_gate + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-    wu = tl.load(w_up + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-    return x, wg, wu
-
-
-@triton.jit
 def sum_rows_if_last(counter_ptr, partial_ptr, final_ptr, token, offs_n, n_ok, N,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     """After a down program stored its partial row: publish it (every thread's stores before the
