@@ -9,4 +9,4 @@ export PATH=$PATH:$(python3 -c 'import sysconfig; print(sysconfig.get_path("scri
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-git rev-parse HEAD 2>/dev/null || true
+echo "sources $(bash benchmarks/h200/tree_digest.sh) (benchmarks/h200/tree_digest.sh; the device's .git may be stale)"
