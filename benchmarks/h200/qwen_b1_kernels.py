@@ -7,7 +7,8 @@ Shape: 128 experts, top 8, H 2048, I 768, bf16, softmax + renormalise. For 1, 2,
   buffers all zero afterwards;
 - time per call in CUDA-graph replay (8 calls per graph, weights rotated over 4 copies so L2 does
   not serve them): experts only, two launches vs one; the layer (one-launch router + experts);
-- the experts' HBM floor (distinct active experts' bytes / the copy bandwidth measured here);
+- the experts' HBM floor (distinct active experts' bytes / the copy bandwidth measured here), and the same
+  bytes read by one plain launch (`plain_read`: a sum over a contiguous buffer, ramp and tail included);
 - the residual add + RMSNorm in the router's launch (`fused_norm_gate_select_experts`) against
   `triton_ops.rmsnorm` + `fused_gate_select_experts`: residual bit-equal, same ids, close weights; times;
 - at 1 token, a few tile variants of both paths.
@@ -131,9 +132,16 @@ def main() -> int:
 
         us = {"experts_two": graph_us(experts(two)), "experts_one": graph_us(experts(one)),
               "layer_two": graph_us(layer(two)), "layer_one": graph_us(layer(one))}
-        us = {k: round(v, 2) for k, v in us.items()}
         distinct = int(torch.unique(ids).numel())
         floor_us = distinct * expert_bytes / bw * 1e6
+        # the same bytes read by one plain launch (a sum over a contiguous buffer, COPIES of them so the reads come
+        # from HBM): what a single launch of this size costs here with its ramp and tail, against the floor's
+        # bandwidth-only figure (session 23: the experts' distance from the floor looked like a fixed cost a launch)
+        plain = [torch.empty(distinct * expert_bytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
+                 for _ in range(COPIES)]
+        us["plain_read"] = graph_us(lambda j, bufs=plain: bufs[j % COPIES].sum(dtype=torch.float32))
+        del plain
+        us = {k: round(v, 2) for k, v in us.items()}
         good = bit_equal and graph_ok and deterministic and counters_zero and rel < 2e-2
         ok &= good
         emit(rows_path, {
@@ -142,7 +150,8 @@ def main() -> int:
             "counters_zero_after": counters_zero, "graph_us": us,
             "experts_floor_us": round(floor_us, 2),
             "fraction_of_floor": {"two": round(floor_us / us["experts_two"], 3),
-                                  "one": round(floor_us / us["experts_one"], 3)},
+                                  "one": round(floor_us / us["experts_one"], 3),
+                                  "plain_read": round(floor_us / us["plain_read"], 3)},
             "one_vs_two_speedup": round(us["experts_two"] / us["experts_one"], 3), "ok": good,
         })
 
