@@ -9,6 +9,8 @@ Shape: 128 experts, top 8, H 2048, I 768, bf16, softmax + renormalise. For 1, 2,
   not serve them): experts only, two launches vs one; the layer (one-launch router + experts);
 - the experts' HBM floor (distinct active experts' bytes / the copy bandwidth measured here), and the same
   bytes read by one plain launch (`plain_read`: a sum over a contiguous buffer, ramp and tail included);
+- at 1 token, the two-launch path's kernels by device time (torch.profiler), beside each phase's floor and one plain
+  launch reading the phase's bytes (`two_launch_phases`);
 - the residual add + RMSNorm in the router's launch (`fused_norm_gate_select_experts`) against
   `triton_ops.rmsnorm` + `fused_gate_select_experts`: residual bit-equal, same ids, close weights; times;
 - at 1 token, a few tile variants of both paths.
@@ -183,6 +185,34 @@ def main() -> int:
                          "max_weight_diff": round((wts - want_w).abs().max().item(), 5),
                          "graph_us": {"norm_then_router": round(graph_us(unfused), 2),
                                       "norm_in_router": round(graph_us(fused), 2)}, "ok": good})
+
+    # the two-launch path's phases at 1 token, each against its bytes' floor and one plain launch reading as many
+    # bytes (session 23: the experts' distance from the floor looked like a fixed cost a launch; which phase holds it)
+    from torch.profiler import ProfilerActivity, profile
+
+    def device_us(fn, reps: int = 16) -> dict[str, float]:
+        """Mean device microseconds a call of each CUDA kernel fn(j) launches, j = 0..reps-1."""
+        for j in range(3):
+            fn(j)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for j in range(reps):
+                fn(j)
+            torch.cuda.synchronize()
+        return {e.key[:40]: round(e.device_time_total / e.count, 2) for e in prof.key_averages()
+                if e.device_time_total > 0}
+
+    distinct1 = int(torch.unique(i1).numel())
+    phase_bytes = {"gate_up": distinct1 * 2 * INTER * H * 2, "down": distinct1 * H * INTER * 2}
+    phases = {"kernels_us": device_us(lambda j: small_m_fused_experts(x1, w13[j % COPIES], w2[j % COPIES], w1, i1,
+                                                                      blocks=two))}
+    for name, nbytes in phase_bytes.items():
+        plain = [torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_() for _ in range(COPIES)]
+        phases[name] = {"floor_us": round(nbytes / bw * 1e6, 2),
+                        "plain_read_us": round(graph_us(lambda j, bufs=plain: bufs[j % COPIES].sum(dtype=torch.float32)),
+                                               2)}
+        del plain
+    emit(rows_path, {"tokens": 1, "two_launch_phases": phases})
 
     # tile variants at 1 token, both paths
     # (session 22: the K-128 and 8-warp variants hold fewer registers a thread, more loads in flight an SM; the
