@@ -281,6 +281,7 @@ def test_post_attention_norm_runs_in_the_router_launch(as_if_on_cuda, monkeypatc
 
 triton = pytest.importorskip("triton")
 tl = triton.language
+from radixserve.layers.moe.small_m_steps import routing_scores, store_routing  # noqa: E402 - after the Triton check
 
 
 @triton.jit
@@ -288,20 +289,13 @@ def _argmax_rounds_router(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, scale, 
                           SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr):
     """The reference: `route_token` as it was before `tl.topk`, TOP_K rounds of argmax (the first index
-    on ties), each masking out its pick; the same scores, gathers and renormalising sum."""
+    on ties), each masking out its pick; the same scores, gathers and renormalising sum (the shared
+    `routing_scores` / `store_routing` steps: what differs is the selection)."""
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
     logits = tl.load(logits_ptr + t * E + offs, mask=ok, other=float("-inf")).to(tl.float32)
-    if SIGMOID:
-        scores = 1.0 / (1.0 + tl.exp(-logits))
-    else:
-        p = tl.exp(logits - tl.max(logits, axis=0))
-        p = tl.where(ok, p, 0.0)
-        scores = p / tl.sum(p, axis=0)
-    choice = scores
-    if HAS_BIAS:
-        choice = scores + tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    scores, choice = routing_scores(logits, offs, ok, bias_ptr, SIGMOID, HAS_BIAS)
     choice = tl.where(ok, choice, float("-inf"))
     slots = tl.arange(0, BLOCK_TOPK)
     chosen_ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
@@ -312,12 +306,7 @@ def _argmax_rounds_router(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, scale, 
         chosen_ids = tl.where(slots == j, best.to(tl.int32), chosen_ids)
         chosen_w = tl.where(slots == j, w, chosen_w)
         choice = tl.where(offs == best, float("-inf"), choice)
-    if RENORMALIZE:
-        chosen_w = chosen_w / tl.maximum(tl.sum(chosen_w, axis=0), 1e-20)
-    chosen_w = chosen_w * scale
-    keep = slots < TOP_K
-    tl.store(weights_ptr + t * TOP_K + slots, chosen_w, mask=keep)
-    tl.store(ids_ptr + t * TOP_K + slots, chosen_ids, mask=keep)
+    store_routing(chosen_w, chosen_ids, slots, t, weights_ptr, ids_ptr, scale, TOP_K, RENORMALIZE)
 
 
 def _argmax_rounds(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | None = None):

@@ -26,15 +26,7 @@ def route_token(logits, offs, ok, t, bias_ptr, weights_ptr, ids_ptr, E, scale, T
     its longest dependency path instead of 58. A NaN choice (a padding row's logits) counts as
     -inf, so the slots still get distinct ids in [0, E) (the row's weights are NaN or -inf); lanes
     past E (-inf, higher indices) come after every expert."""
-    if SIGMOID:
-        scores = 1.0 / (1.0 + tl.exp(-logits))
-    else:
-        p = tl.exp(logits - tl.max(logits, axis=0))
-        p = tl.where(ok, p, 0.0)
-        scores = p / tl.sum(p, axis=0)
-    choice = scores
-    if HAS_BIAS:
-        choice = scores + tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    scores, choice = routing_scores(logits, offs, ok, bias_ptr, SIGMOID, HAS_BIAS)
     choice = tl.where(ok & (choice == choice), choice, float("-inf"))
     bits = choice.to(tl.int32, bitcast=True)
     # signed-int order = float order; only -0.0 would sort below +0.0 (argmax ties them), but no
@@ -60,6 +52,30 @@ def route_token(logits, offs, ok, t, bias_ptr, weights_ptr, ids_ptr, E, scale, T
         # slot by slot as the argmax loop did: the renormalising sum keeps its layout, so its order
         chosen_ids = tl.where(slots == j, best, chosen_ids)
         chosen_w = tl.where(slots == j, w, chosen_w)
+    store_routing(chosen_w, chosen_ids, slots, t, weights_ptr, ids_ptr, scale, TOP_K, RENORMALIZE)
+
+
+@triton.jit
+def routing_scores(logits, offs, ok, bias_ptr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """(scores, choice) of a token's fp32 router logits [BLOCK_E] (-inf where not `ok`): the sigmoid or
+    softmax scores, and what the top-k ranks, scores + the correction bias (the scores without one)."""
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+    else:
+        p = tl.exp(logits - tl.max(logits, axis=0))
+        p = tl.where(ok, p, 0.0)
+        scores = p / tl.sum(p, axis=0)
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    return scores, choice
+
+
+@triton.jit
+def store_routing(chosen_w, chosen_ids, slots, t, weights_ptr, ids_ptr, scale, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr):
+    """Store token t's TOP_K chosen ids and their weights (renormalised to sum 1 if RENORMALIZE, then
+    times `scale`) from the slots [BLOCK_TOPK] of `chosen_ids` / `chosen_w`."""
     if RENORMALIZE:
         chosen_w = chosen_w / tl.maximum(tl.sum(chosen_w, axis=0), 1e-20)
     chosen_w = chosen_w * scale
