@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from radixserve.layers import triton_support
 from radixserve.layers.moe import FusedMoE, RoutingConfig, select_experts, small_m, triton_kernel
 from radixserve.layers.moe.reference import fused_experts_reference
 from radixserve.layers.triton_support import interpreting
@@ -470,5 +471,5 @@ def test_pdl_switches_never_apply_off_cuda(monkeypatch):
     monkeypatch.setattr(small_m, "MOE_EXPERTS_PDL", True)
     x = torch.zeros(1, 8)
     assert not small_m.moe_pdl(x) and not small_m.moe_experts_pdl(x)
-    assert small_m.pdl_launch(False) == {"GDC": False}
-    assert small_m.pdl_launch(True) == {"GDC": True, "launch_pdl": True}
+    assert triton_support.pdl_launch(False) == {"GDC": False}
+    assert triton_support.pdl_launch(True) == {"GDC": True, "launch_pdl": True}

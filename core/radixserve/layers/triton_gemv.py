@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from radixserve.layers.triton_support import interpreting as _interpreting
+from radixserve.layers.triton_support import pdl_launch
 
 triton = tl = None  # imported by `_kernels` on first use
 silu_mul = None  # a @triton.jit helper, defined by `_kernels` (module-level so kernels can call it)
@@ -156,8 +157,7 @@ def pdl_launch_args(pdl: bool, interpret: bool) -> dict:
     norm_gemv's): with `pdl`, the PDL body (first weight tile loaded before the wait) and, on a GPU,
     the griddepcontrol instructions and Triton's `launch_pdl` launch attribute; the interpreter runs
     the body alone."""
-    gdc = pdl and not interpret
-    return {"PDL": pdl, "GDC": gdc, **({"launch_pdl": True} if gdc else {})}
+    return {"PDL": pdl, **pdl_launch(pdl and not interpret)}
 
 
 def triton_cdiv(a: int, b: int) -> int:

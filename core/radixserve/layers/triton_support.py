@@ -49,6 +49,13 @@ def _device_has_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0) and triton_has_pdl()
 
 
+def pdl_launch(pdl: bool) -> dict:
+    """The launch keywords of a kernel with a `GDC` constexpr (its `griddepcontrol.wait` inside) when it runs
+    with programmatic dependent launch: `GDC` and Triton's `launch_pdl` launch attribute, both only with `pdl`
+    (which the caller has already checked for the device and the interpreter)."""
+    return {"GDC": pdl, **({"launch_pdl": True} if pdl else {})}
+
+
 def trigger_dependents(t: torch.Tensor) -> bool:
     """Whether a kernel writing `t` should execute `griddepcontrol.launch_dependents` (Triton's
     `tl.extra.cuda.gdc_launch_dependents`) at its start: on sm90+ GPUs with a Triton that has PDL,

@@ -38,7 +38,7 @@ import torch
 
 from radixserve.layers.moe import small_m
 from radixserve.layers.triton_support import interpreting as _interpreting
-from radixserve.layers.triton_support import trigger_dependents
+from radixserve.layers.triton_support import pdl_launch, trigger_dependents
 
 triton = tl = None  # imported by `_kernels` on first use (CPU machines may lack Triton)
 sum_rows_if_last = None  # small_m_steps' @triton.jit steps, set by `_kernels` (kernels see module globals)
@@ -189,5 +189,5 @@ def one_launch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
         ROWS=top_k * splits, GU_N=b.gate_up_n, GU_K=b.gate_up_k, DN_N=b.down_n, DN_K=b.down_k,
         EVEN_GU_K=hidden % b.gate_up_k == 0, EVEN_DN_K=k_per_split * splits == inter,
         BLOCK_P=max(64, small_m._pow2(pairs)),  # one compiled kernel for every batch of the small path
-        TRIGGER=trigger_dependents(out), num_warps=b.num_warps, **small_m.pdl_launch(small_m.moe_experts_pdl(x)))
+        TRIGGER=trigger_dependents(out), num_warps=b.num_warps, **pdl_launch(small_m.moe_experts_pdl(x)))
     return out

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import torch
 
 from radixserve.layers.moe.routing import RoutingConfig
-from radixserve.layers.triton_support import available, trigger_dependents
+from radixserve.layers.triton_support import available, pdl_launch, trigger_dependents
 from radixserve.layers.triton_support import interpreting as _interpreting
 
 triton = tl = None  # imported by `_kernels` on first use (CPU machines may lack Triton)
@@ -567,8 +567,3 @@ def moe_experts_pdl(x: torch.Tensor) -> bool:
     RADIXSERVE_MOE_EXPERTS_PDL=0) where `trigger_dependents` holds."""
     return MOE_EXPERTS_PDL and trigger_dependents(x)
 
-
-def pdl_launch(pdl: bool) -> dict:
-    """The launch keywords of a kernel with a `GDC` constexpr: the wait for the previous kernel inside,
-    and Triton's `launch_pdl` attribute, when `pdl`."""
-    return {"GDC": pdl, **({"launch_pdl": True} if pdl else {})}

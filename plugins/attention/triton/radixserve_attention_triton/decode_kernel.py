@@ -28,7 +28,7 @@ import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_launch_depen
 from radixserve.layers import triton_interpreter as _interpreter_compat
 from radixserve.layers.kv_splits import compute_num_kv_splits  # noqa: F401 - re-exported (its old home)
 from radixserve.layers.triton_softmax import NEG_BIG, store_split_partial
-from radixserve.layers.triton_support import trigger_dependents
+from radixserve.layers.triton_support import pdl_launch, trigger_dependents
 
 from radixserve_attention_triton.pool_keys import attend_pool_keys, prefetch_rows_l2
 
@@ -299,10 +299,9 @@ def decode_attention(
         HAS_WINDOW=bool(sliding_window),
         KV_FP8=kv_fp8,
         IEEE=q.dtype == torch.float32,
-        GDC=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **({"launch_pdl": True} if pdl else {}),
+        **pdl_launch(pdl),
     )
     _decode_stage2_kernel[(bs, num_heads)](
         mid_o,
