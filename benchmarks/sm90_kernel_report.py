@@ -64,12 +64,14 @@ def presets() -> list[Preset]:
     experts_sig.update({a: "*fp32" for a in ("act_ptr", "partial_ptr", "weight_ptr")})
     experts_sig.update(ids_ptr="*i32", sync_ptr="*i32")
     experts_sig.update({a: "i32" for a in ("INTER", "top_k", "stride_xm", "stride_13e", "stride_13n", "stride_2e",
-                                           "stride_2n", "PAIRS", "GU_BLOCKS", "DN_BLOCKS", "SPLITS")})
+                                           "stride_2n", "PAIRS", "GU_BLOCKS", "DN_BLOCKS", "SPLITS", "PF_AHEAD")})
     b = small_m.DEFAULT_BLOCKS
-    for gdc in (False, True):
-        out.append(Preset(f"experts_qwen3_gdc{int(gdc)}", experts, experts_sig,
+    for gdc, prefetch in ((False, 0), (True, 0), (True, 1), (True, 2)):
+        out.append(Preset(f"experts_qwen3_gdc{int(gdc)}" + (f"_prefetch{prefetch}" if prefetch else ""), experts,
+                          experts_sig,
                           dict(H=2048, k_per_split=768, ROWS=8, GU_N=b.gate_up_n, GU_K=b.gate_up_k, DN_N=b.down_n,
-                               DN_K=b.down_k, EVEN_GU_K=True, EVEN_DN_K=True, BLOCK_P=64, TRIGGER=True, GDC=gdc),
+                               DN_K=b.down_k, EVEN_GU_K=True, EVEN_DN_K=True, BLOCK_P=64, TRIGGER=True, GDC=gdc,
+                               DN_PREFETCH=prefetch, PF_LINES=16),
                           num_warps=b.num_warps, divisible={"INTER"}))
     split = decode_kernel._decode_stage1_kernel
     split_sig = {a: "i32" for a in split.arg_names if a.startswith("stride") or a == "window"}
@@ -77,11 +79,17 @@ def presets() -> list[Preset]:
                      seq_lens_ptr="*i64", num_splits_ptr="*i32", MidO="*fp32", MidLse="*fp32", sm_scale="fp32",
                      v_scale="fp32", logit_cap="fp32")
     cfg = decode_kernel.decode_config(128, False)
-    for gdc in (False, True):
-        out.append(Preset(f"decode_split_d128_gqa8_gdc{int(gdc)}", split, split_sig,
+    for gdc, trigger in ((False, False), (True, False), (True, True)):
+        out.append(Preset(f"decode_split_d128_gqa8_gdc{int(gdc)}_trigger{int(trigger)}", split, split_sig,
                           dict(GROUP=8, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=cfg.block_n, BLOCK_S=32,
-                               HAS_CAP=False, HAS_WINDOW=False, KV_FP8=False, IEEE=False, GDC=gdc),
+                               HAS_CAP=False, HAS_WINDOW=False, KV_FP8=False, IEEE=False, GDC=gdc, TRIGGER=trigger),
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    merge = decode_kernel._decode_stage2_kernel
+    merge_sig = {a: "i32" for a in merge.arg_names if a.startswith("stride")}
+    merge_sig.update(MidO="*fp32", MidLse="*fp32", Out="*bf16", num_splits_ptr="*i32")
+    for gdc in (False, True):
+        out.append(Preset(f"decode_merge_d128_gdc{int(gdc)}", merge, merge_sig,
+                          dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32, TRIGGER=True, GDC=gdc)))
     from radixserve.layers import norm_gemv, triton_gemv
 
     gemv_cfg = triton_gemv.default_config(4096, 4096, False)
@@ -102,9 +110,10 @@ def presets() -> list[Preset]:
     store_sig = {a: "i32" for a in store.arg_names if a.startswith("stride")}
     store_sig.update({a: "*bf16" for a in ("Q", "K", "V", "QO", "K_buf", "V_buf", "QW", "KW")})
     store_sig.update(Loc="*i64", C="*fp32", S="*fp32", P="*i64", eps="fp32")
-    out.append(Preset("rotary_store_qwen3_trigger1", store, store_sig,
-                      dict(NQ=32, NK=4, HEAD_DIM=128, HALF=64, HALF_BLOCK=64, REST=0, REST_BLOCK=1, D_BLOCK=128,
-                           BLOCK_H=8, HAS_NORM=True, TRIGGER=True)))
+    for gdc in (False, True):
+        out.append(Preset(f"rotary_store_qwen3_trigger1_gdc{int(gdc)}", store, store_sig,
+                          dict(NQ=32, NK=4, HEAD_DIM=128, HALF=64, HALF_BLOCK=64, REST=0, REST_BLOCK=1, D_BLOCK=128,
+                               BLOCK_H=8, HAS_NORM=True, TRIGGER=True, GDC=gdc)))
     return out
 
 

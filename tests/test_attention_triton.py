@@ -465,33 +465,42 @@ def test_decode_rotary_fused_store_is_bitwise_the_unfused_path(heads, rotary_dim
     assert_pool_written(p)
 
 
-def test_decode_pdl_switch_reaches_both_launches_and_changes_no_bits(monkeypatch):
-    """`RADIXSERVE_DECODE_ATTENTION_PDL` (decode_kernel.DECODE_PDL): where `decode_pdl` holds, the fused
-    decode path asks the rotary + KV store kernel to signal its dependents and launches the split kernel
-    with PDL (which prefetches into L2 before its wait); the output and pool are the bits of the launch
-    without it. Off CUDA `decode_pdl` is False whatever the switch (no PDL in the interpreter)."""
+@pytest.mark.parametrize("switch", ["DECODE_PDL", "ROTARY_STORE_PDL", "DECODE_MERGE_PDL"])
+def test_decode_pdl_switches_reach_their_launches_and_change_no_bits(monkeypatch, switch):
+    """The decode path's PDL switches, each alone: `RADIXSERVE_DECODE_ATTENTION_PDL` (decode_kernel.DECODE_PDL: the
+    rotary + KV store kernel signals its dependents and the split kernel is PDL-launched, prefetching into L2 before
+    its wait), `RADIXSERVE_ROTARY_STORE_PDL` (rotary_store_kernel.ROTARY_STORE_PDL: the rotary + KV store kernel
+    PDL-launched after the kernel before it) and `RADIXSERVE_DECODE_MERGE_PDL` (decode_kernel.DECODE_MERGE_PDL: the
+    merge kernel PDL-launched after the split kernel). Where the switch holds, the fused decode path passes it to
+    its launch and nothing else; the output and pool are the bits of the launch without it. Off CUDA each
+    predicate is False whatever the switch (no PDL in the interpreter)."""
     import radixserve_attention_triton.backend as backend_module
-    from radixserve_attention_triton import decode_kernel
+    from radixserve_attention_triton import decode_kernel, rotary_store_kernel
 
-    monkeypatch.setattr(decode_kernel, "DECODE_PDL", True)
-    assert not decode_kernel.decode_pdl(torch.zeros(1))  # a CPU tensor: never
+    predicates = {"DECODE_PDL": (decode_kernel, "decode_pdl"), "ROTARY_STORE_PDL": (rotary_store_kernel,
+                  "rotary_store_pdl"), "DECODE_MERGE_PDL": (decode_kernel, "decode_merge_pdl")}
+    module, predicate = predicates[switch]
+    monkeypatch.setattr(module, switch, True)
+    assert not getattr(module, predicate)(torch.zeros(1))  # a CPU tensor: never
     h, kvh, d = 4, 2, 32
     kwargs = {} if ON_GPU else {"min_split_tokens": 8, "max_kv_splits": 4, "sm_count": 8}
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     outs, seen = [], []
     store, attend = backend_module.rotary_and_store, backend_module.decode_attention
-    monkeypatch.setattr(backend_module, "rotary_and_store", lambda *a, **kw: seen.append(("store", kw["trigger"]))
-                        or store(*a, **kw))
-    monkeypatch.setattr(backend_module, "decode_attention", lambda *a, **kw: seen.append(("attend", kw["pdl"]))
-                        or attend(*a, **kw))
-    for pdl in (False, True):
-        monkeypatch.setattr(backend_module, "decode_pdl", lambda t, on=pdl: on)
+    monkeypatch.setattr(backend_module, "rotary_and_store", lambda *a, **kw: seen.append(
+        ("store", kw["trigger"], kw["pdl"])) or store(*a, **kw))
+    monkeypatch.setattr(backend_module, "decode_attention", lambda *a, **kw: seen.append(
+        ("attend", kw["pdl"], kw["merge_pdl"])) or attend(*a, **kw))
+    for on in (False, True):
+        for _, name in predicates.values():
+            monkeypatch.setattr(backend_module, name, lambda t, v=on and name == predicate: v)
         p = make_problem([4, 39, 22], [1] * 3, h, kvh, d, dtype, ForwardMode.DECODE, seed=13, **kwargs)
         rot = _rotary(d, d)
         p.backend.init_forward_metadata(p.batch)
         got = p.backend.forward_decode_rotary(p.q, p.k_new, p.v_new, p.batch.seq_lens - 1, rot, p.layer, p.batch)
         outs.append((got, [t.clone() for t in p.batch.kv_pool.get_kv(p.layer.layer_id)]))
-        assert seen == [("store", pdl), ("attend", pdl)]
+        decode, rotary_pdl, merge = (on and switch == s for s in ("DECODE_PDL", "ROTARY_STORE_PDL", "DECODE_MERGE_PDL"))
+        assert seen == [("store", decode, rotary_pdl), ("attend", decode, merge)]
         seen.clear()
     (a, pool_a), (b, pool_b) = outs
     assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(pool_a, pool_b))

@@ -22,7 +22,13 @@ from radixserve.memory.fp8_kv import dequantize_fp8
 from radixserve.state import ForwardMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from radixserve_attention_triton.decode_kernel import DecodeConfig, compute_num_kv_splits, decode_attention, decode_pdl
+from radixserve_attention_triton.decode_kernel import (
+    DecodeConfig,
+    compute_num_kv_splits,
+    decode_attention,
+    decode_merge_pdl,
+    decode_pdl,
+)
 from radixserve_attention_triton.extend_kernel import (
     ExtendConfig,
     ExtendWork,
@@ -31,7 +37,7 @@ from radixserve_attention_triton.extend_kernel import (
     planned_extend_work,
     write_extend_plan,
 )
-from radixserve_attention_triton.rotary_store_kernel import rotary_and_store
+from radixserve_attention_triton.rotary_store_kernel import rotary_and_store, rotary_store_pdl
 
 # The fresh-prompt SDPA may use every backend but cuDNN's: torch builds one cuDNN plan per new
 # (shape, stride) key, ~40 ms each on the H200 (benchmarks/h200/draft_sdpa_shapes.py, session 11: a
@@ -294,7 +300,7 @@ class TritonAttentionBackend(AttentionBackend):
         cos, sin = rotary.cos_sin_tables(positions)
         pdl = decode_pdl(q)  # the split kernel right after the store kernel: it may start while that one runs
         q_rot = rotary_and_store(q, k, v, positions, cos, sin, rotary.rotary_dim, k_buf, v_buf, batch.out_cache_loc,
-                                 qk_norm=norm, trigger=pdl)
+                                 qk_norm=norm, trigger=pdl, pdl=rotary_store_pdl(q))
         return self._decode_from_pool(q_rot.view(-1, layer.num_heads, layer.head_dim), layer, batch, pdl=pdl)
 
     def _decode_from_pool(self, q3: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch,
@@ -323,6 +329,7 @@ class TritonAttentionBackend(AttentionBackend):
             k_scale=k_scale,
             v_scale=v_scale,
             pdl=pdl,
+            merge_pdl=decode_merge_pdl(q3),
         )
         return out.view(q3.shape[0], -1)
 

@@ -73,7 +73,10 @@ def _decode_stage1_kernel(
     KV_FP8: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 q/k/v: exact fp32 products (dot_qk)
     GDC: tl.constexpr,  # PDL-launched (`decode_pdl`): the split's first K/V rows prefetched into L2, then the wait
+    TRIGGER: tl.constexpr,  # the merge kernel after it is PDL-launched (`decode_merge_pdl`): it may start now
 ):
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -170,12 +173,15 @@ def _decode_stage2_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     TRIGGER: tl.constexpr,
+    GDC: tl.constexpr,  # PDL-launched after the split kernel (`decode_merge_pdl`): the partials after the wait
 ):
     if TRIGGER:  # a PDL-launched GEMV after it (o_proj, runtime.batch1_gemv_pdl) may start loading its weights
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
-    n_splits = tl.load(num_splits_ptr + b).to(tl.int32)
+    n_splits = tl.load(num_splits_ptr + b).to(tl.int32)  # the batch's metadata: never the split kernel's output
+    if GDC:
+        tl.extra.cuda.gdc_wait()
     _merge_splits(MidO, MidLse, Out, b, h, n_splits, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
                   stride_ob, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S)
 
@@ -192,6 +198,18 @@ def decode_pdl(t: torch.Tensor) -> bool:
     """Whether the decode attention on t's device runs PDL-launched (DECODE_PDL, and sm90+ with a
     Triton that has PDL)."""
     return DECODE_PDL and trigger_dependents(t)
+
+
+# Programmatic dependent launch of the merge (stage 2) after the split kernel, which then signals
+# launch_dependents at its start: the merge's programs are resident and waiting when the splits finish, in place
+# of a launch after them. Off by default until measured (session 24); RADIXSERVE_DECODE_MERGE_PDL=1 turns it on.
+DECODE_MERGE_PDL = os.environ.get("RADIXSERVE_DECODE_MERGE_PDL", "0") != "0"
+
+
+def decode_merge_pdl(t: torch.Tensor) -> bool:
+    """Whether the decode attention's merge kernel on t's device runs PDL-launched (DECODE_MERGE_PDL,
+    and sm90+ with a Triton that has PDL)."""
+    return DECODE_MERGE_PDL and trigger_dependents(t)
 
 
 @dataclass(frozen=True)
@@ -234,11 +252,14 @@ def decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     pdl: bool = False,
+    merge_pdl: bool = False,
 ) -> None:
     """Write decode attention into `out` (tiles from `config`, else `decode_config`).
 
     `pdl` (see `decode_pdl`): launch the split kernel with programmatic dependent launch; it prefetches
-    its keys and values into L2 before it waits for the kernel before it. Ignored in the interpreter.
+    its keys and values into L2 before it waits for the kernel before it. `merge_pdl` (see
+    `decode_merge_pdl`): launch the merge kernel with it after the split kernel. Both ignored in the
+    interpreter.
 
     An fp8 pool (k_buf/v_buf float8_e4m3fn): the real keys and values are `stored * k_scale` and
     `stored * v_scale` (the layer's `KVPool.kv_scales`); q stays in the model dtype.
@@ -261,7 +282,7 @@ def decode_attention(
                          f"scales {k_scale}, {v_scale})")
     max_splits = mid_o.shape[2]
     cfg = config or decode_config(head_dim, interpret)
-    pdl = pdl and not interpret
+    pdl, merge_pdl = pdl and not interpret, merge_pdl and not interpret
     block_d = triton.next_power_of_2(head_dim)
     _decode_stage1_kernel[(bs, num_kv_heads, max_splits)](
         q,
@@ -299,6 +320,7 @@ def decode_attention(
         HAS_WINDOW=bool(sliding_window),
         KV_FP8=kv_fp8,
         IEEE=q.dtype == torch.float32,
+        TRIGGER=merge_pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch(pdl),
@@ -320,4 +342,5 @@ def decode_attention(
         BLOCK_S=triton.next_power_of_2(max_splits),
         TRIGGER=not interpret and trigger_dependents(out),
         num_warps=4 if not interpret else 1,
+        **pdl_launch(merge_pdl),
     )

@@ -11,6 +11,8 @@ case the backend sends here.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -18,6 +20,7 @@ import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_launch_depen
 from radixserve.layers import triton_interpreter as _interpreter_compat
 from radixserve.layers.triton_interpreter import interpreter_enabled
 from radixserve.layers.triton_rotary import rotate_halves
+from radixserve.layers.triton_support import pdl_launch, trigger_dependents
 
 _interpreter_compat.apply()
 
@@ -57,6 +60,7 @@ def _rotary_store_kernel(
     BLOCK_H: tl.constexpr,
     HAS_NORM: tl.constexpr,
     TRIGGER: tl.constexpr,
+    GDC: tl.constexpr,  # PDL-launched (`rotary_store_pdl`): the batch's slots and positions before the wait
 ):
     if TRIGGER:  # the decode attention after it is PDL-launched (decode_kernel.decode_pdl): it may start now
         tl.extra.cuda.gdc_launch_dependents()
@@ -66,7 +70,11 @@ def _rotary_store_kernel(
     hb = tl.program_id(1)
     q_blocks: tl.constexpr = (NQ + BLOCK_H - 1) // BLOCK_H
     k_blocks: tl.constexpr = (NK + BLOCK_H - 1) // BLOCK_H
+    # slots and positions are the batch's metadata, written before the forward (never by the kernel before)
     slot = tl.load(Loc + row).to(tl.int64)
+    crow = tl.load(P + row).to(tl.int64)
+    if GDC:  # q/k/v are the previous kernel's output, and every store below may overwrite what it reads
+        tl.extra.cuda.gdc_wait()
     if hb >= q_blocks + k_blocks:  # v: a plain copy into the slot
         heads = (hb - q_blocks - k_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
         d = tl.arange(0, D_BLOCK)
@@ -103,8 +111,7 @@ def _rotary_store_kernel(
         # cast the normalised value to the dtype, multiply by the weight, round again (norm's output)
         x1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
         x2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-    # C/S: the whole fp32 cos/sin caches; gather row positions[token] and round it like `cos.to(q.dtype)`
-    crow = tl.load(P + row).to(tl.int64)
+    # C/S: the whole fp32 cos/sin caches; gather row positions[token] (crow) and round it like `cos.to(q.dtype)`
     rotate_halves(x1, x2, dst, d, mask, mask_d, C, S, crow, stride_c, stride_s, dt, HALF)
     ot = dst.dtype.element_ty
     if REST > 0:  # partial rotary: the tail of each head passes through unchanged
@@ -115,6 +122,18 @@ def _rotary_store_kernel(
             wt = tl.load(norm_w + 2 * HALF + r, mask=r < REST, other=0.0).to(tl.float32)[None, :]
             tail = ((tail.to(tl.float32) * rstd).to(dt).to(tl.float32) * wt).to(dt)
         tl.store(dst + 2 * HALF + r[None, :], tail.to(ot), mask=rmask)
+
+
+# Programmatic dependent launch of the rotary + KV store kernel after the kernel before it (at batch 1 on sm90 the
+# qkv GEMV, which signals launch_dependents after its own wait): resident and waiting when that one finishes, in
+# place of a launch after it. Off by default until measured (session 24); RADIXSERVE_ROTARY_STORE_PDL=1 turns it on.
+ROTARY_STORE_PDL = os.environ.get("RADIXSERVE_ROTARY_STORE_PDL", "0") != "0"
+
+
+def rotary_store_pdl(t: torch.Tensor) -> bool:
+    """Whether the rotary + KV store kernel on t's device runs PDL-launched (ROTARY_STORE_PDL, and sm90+
+    with a Triton that has PDL, not the interpreter)."""
+    return ROTARY_STORE_PDL and trigger_dependents(t)
 
 
 def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -135,6 +154,7 @@ def rotary_and_store(
     loc: torch.Tensor,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     trigger: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Rotate q and k (neox layout, the first `rotary_dim` dims of each head) and store the rotated k
     and v at slots `loc` of `k_buf` / `v_buf`, in one kernel. Returns the rotated q, a new
@@ -148,7 +168,8 @@ def rotary_and_store(
     q_norm / k_norm, the recipe of `radixserve.layers.triton_ops.rmsnorm`: fp32 statistics, the
     normalised value rounded to q's dtype, times the weight, rounded again); the weights must have
     q's dtype. `trigger`: signal `launch_dependents` at the kernel's start, for a PDL-launched kernel
-    after it (the decode attention with `decode_kernel.decode_pdl`); ignored in the interpreter."""
+    after it (the decode attention with `decode_kernel.decode_pdl`); `pdl` (see `rotary_store_pdl`): launch
+    it with programmatic dependent launch after the kernel before it; both ignored in the interpreter."""
     n = q.shape[0]
     num_kv_heads, head_dim = k_buf.shape[1], k_buf.shape[2]
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
@@ -195,6 +216,7 @@ def rotary_and_store(
         HAS_NORM=qk_norm is not None,
         TRIGGER=trigger and not interpreter_enabled(),
         num_warps=4,
+        **pdl_launch(pdl and not interpreter_enabled()),
         enable_fp_fusion=False,  # keep x*cos + rot*sin as rounded mul, mul, add: bit-equal to torch in fp32
     )
     return q_out
