@@ -64,14 +64,12 @@ def presets() -> list[Preset]:
     experts_sig.update({a: "*fp32" for a in ("act_ptr", "partial_ptr", "weight_ptr")})
     experts_sig.update(ids_ptr="*i32", sync_ptr="*i32")
     experts_sig.update({a: "i32" for a in ("INTER", "top_k", "stride_xm", "stride_13e", "stride_13n", "stride_2e",
-                                           "stride_2n", "PAIRS", "GU_BLOCKS", "DN_BLOCKS", "SPLITS", "PF_AHEAD")})
+                                           "stride_2n", "PAIRS", "GU_BLOCKS", "DN_BLOCKS", "SPLITS")})
     b = small_m.DEFAULT_BLOCKS
-    for gdc, prefetch in ((False, 0), (True, 0), (True, 1), (True, 2)):
-        out.append(Preset(f"experts_qwen3_gdc{int(gdc)}" + (f"_prefetch{prefetch}" if prefetch else ""), experts,
-                          experts_sig,
+    for gdc in (False, True):
+        out.append(Preset(f"experts_qwen3_gdc{int(gdc)}", experts, experts_sig,
                           dict(H=2048, k_per_split=768, ROWS=8, GU_N=b.gate_up_n, GU_K=b.gate_up_k, DN_N=b.down_n,
-                               DN_K=b.down_k, EVEN_GU_K=True, EVEN_DN_K=True, BLOCK_P=64, TRIGGER=True, GDC=gdc,
-                               DN_PREFETCH=prefetch, PF_LINES=16),
+                               DN_K=b.down_k, EVEN_GU_K=True, EVEN_DN_K=True, BLOCK_P=64, TRIGGER=True, GDC=gdc),
                           num_warps=b.num_warps, divisible={"INTER"}))
     split = decode_kernel._decode_stage1_kernel
     split_sig = {a: "i32" for a in split.arg_names if a.startswith("stride") or a == "window"}

@@ -47,12 +47,12 @@ sum_rows_if_last = None  # small_m_steps' @triton.jit steps, set by `_kernels` (
 @functools.cache
 def _kernels(interpret: bool) -> SimpleNamespace:
     del interpret  # cache key only: @triton.jit picks interpreter mode when it decorates
-    global triton, tl, sum_rows_if_last, prefetch_l2
+    global triton, tl, sum_rows_if_last
     import triton
     import triton.language as tl
     import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_* (PDL)
 
-    from radixserve.layers.moe.small_m_steps import prefetch_l2, sum_rows_if_last
+    from radixserve.layers.moe.small_m_steps import sum_rows_if_last
 
     @triton.jit
     def experts_kernel(x_ptr, w13_ptr, w2_ptr, act_ptr, partial_ptr, final_ptr, weight_ptr, ids_ptr, sync_ptr,
@@ -60,8 +60,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                        stride_13e, stride_13n, stride_2e, stride_2n, PAIRS, GU_BLOCKS, DN_BLOCKS, SPLITS,
                        ROWS: tl.constexpr, GU_N: tl.constexpr, GU_K: tl.constexpr, DN_N: tl.constexpr,
                        DN_K: tl.constexpr, EVEN_GU_K: tl.constexpr, EVEN_DN_K: tl.constexpr,
-                       BLOCK_P: tl.constexpr, TRIGGER: tl.constexpr, GDC: tl.constexpr,
-                       DN_PREFETCH: tl.constexpr, PF_LINES: tl.constexpr, PF_AHEAD):
+                       BLOCK_P: tl.constexpr, TRIGGER: tl.constexpr, GDC: tl.constexpr):
         """sync (int32, zero on entry and exit): [0] ticket, [1] exits, [2, 2 + PAIRS) gate_up tiles
         done per pair, then the per-(token, down column block) arrivals of the row sum."""
         if TRIGGER:
@@ -129,26 +128,6 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             else:
                 d_w = tl.load(d_w_rows + d_kk[None, :], mask=d_n_ok[:, None] & (d_kk < INTER)[None, :], other=0.0,
                             eviction_policy="evict_first")
-            if DN_PREFETCH > 0:
-                # SmallMBlocks.down_prefetch: while this tile waits below, DRAM streams weights that later
-                # reads find in L2; lanes past a split's end point at its first line (already in flight)
-                pf_step: tl.constexpr = 1024 // w2_ptr.dtype.element_ty.primitive_bitwidth  # elements a line
-                pf_line = tl.arange(0, PF_LINES) * pf_step
-                pf_rows = (w2_ptr + d_expert * stride_2e
-                           + tl.where(d_n_ok, d_offs_n, 0)[:, None].to(tl.int64) * stride_2n)
-                pf_end = tl.minimum(d_k_start + k_per_split, INTER)
-                pf_cols = d_k_start + DN_K + pf_line
-                prefetch_l2(pf_rows + tl.where(pf_cols < pf_end, pf_cols, d_k_start)[None, :])
-                a_d = d_d + PF_AHEAD
-                if DN_PREFETCH > 1 and a_d < PAIRS * DN_BLOCKS * SPLITS:
-                    a_offs_n = ((a_d // SPLITS) % DN_BLOCKS) * DN_N + tl.arange(0, DN_N)
-                    a_k_start = (a_d % SPLITS) * k_per_split
-                    a_expert = tl.load(ids_ptr + a_d // (DN_BLOCKS * SPLITS)).to(tl.int64)
-                    a_rows = (w2_ptr + a_expert * stride_2e
-                              + tl.where(a_offs_n < H, a_offs_n, 0)[:, None].to(tl.int64) * stride_2n)
-                    a_cols = a_k_start + pf_line
-                    a_end = tl.minimum(a_k_start + k_per_split, INTER)
-                    prefetch_l2(a_rows + tl.where(a_cols < a_end, a_cols, a_k_start)[None, :])
             # the pair's activations: wait for all of its gate_up tiles (their tickets are all taken)
             d_ready = tl.atomic_add(ready_ptr + d_pair, 0, sem="acquire", scope="gpu")
             while d_ready < GU_BLOCKS:
@@ -210,8 +189,5 @@ def one_launch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
         ROWS=top_k * splits, GU_N=b.gate_up_n, GU_K=b.gate_up_k, DN_N=b.down_n, DN_K=b.down_k,
         EVEN_GU_K=hidden % b.gate_up_k == 0, EVEN_DN_K=k_per_split * splits == inter,
         BLOCK_P=max(64, small_m._pow2(pairs)),  # one compiled kernel for every batch of the small path
-        TRIGGER=trigger_dependents(out), num_warps=b.num_warps, **pdl_launch(small_m.moe_experts_pdl(x)),
-        DN_PREFETCH=0 if _interpreting() else b.down_prefetch,
-        PF_LINES=small_m._pow2(small_m._cdiv(k_per_split * w2.element_size(), 128)),
-        PF_AHEAD=b.down_prefetch_ahead or 3 * small_m._processors(x))
+        TRIGGER=trigger_dependents(out), num_warps=b.num_warps, **pdl_launch(small_m.moe_experts_pdl(x)))
     return out

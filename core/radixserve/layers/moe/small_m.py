@@ -66,21 +66,13 @@ class SmallMBlocks:
     # the two-launch path's per-token sum of the down rows in the down kernel's last program of each
     # (token, column block) (no `sum_rows` launch; the same sum in the same order); False: the launch
     fused_sum: bool = True
-    # the one-launch kernel's down tiles ask L2 for weights before they wait for their pair's gate_up
-    # tiles (`prefetch.global.L2`, CUDA only; the interpreter runs without): 0 off, 1 the rest of the
-    # tile's own slices, 2 also every slice of the down tile `down_prefetch_ahead` tickets later (one
-    # not yet started), so the wait streams weights that later reads find in L2
-    down_prefetch: int = 0
-    down_prefetch_ahead: int = 0  # 0: the programs resident at once (3 an SM, sm_90's count at the defaults)
 
 
 # Qwen3-30B-A3B's experts on the H200 (benchmarks/results/h200-moe.md, session 7): one launch vs two
 # took 25.4 vs 26.2 us at 1 token (1.03x), 43.3 vs 46.3 at 2 (1.07x), but 0.98x at 4 and 0.92x at 8
 # tokens (its down tiles wait for whole pairs while the split grids overlap better at more pairs)
 ONE_LAUNCH_MAX_TOKENS = 2
-# RADIXSERVE_MOE_DOWN_PREFETCH=1|2 sets `SmallMBlocks.down_prefetch` of the defaults (0: off, the default until
-# measured in a whole step; session 24)
-DEFAULT_BLOCKS = SmallMBlocks(down_prefetch=int(os.environ.get("RADIXSERVE_MOE_DOWN_PREFETCH", "0")))
+DEFAULT_BLOCKS = SmallMBlocks()
 
 
 def _cdiv(a: int, b: int) -> int:

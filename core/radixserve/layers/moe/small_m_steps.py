@@ -112,12 +112,3 @@ def sum_rows_if_last(counter_ptr, partial_ptr, final_ptr, token, offs_n, n_ok, N
         for r in range(0, ROWS):
             total += tl.load(base + r * N, mask=n_ok, other=0.0, cache_modifier=".cg")
         tl.store(final_ptr + token.to(tl.int64) * N + offs_n, total.to(final_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte line holding each pointer of `ptrs` (any shape; one
-    `prefetch.global.L2` each, no registers filled, nothing waited for; point unwanted lanes at a
-    valid address). CUDA only: the interpreter has no inline assembly."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
