@@ -75,15 +75,12 @@ def presets() -> list[Preset]:
     split_sig = {a: "i32" for a in split.arg_names if a.startswith("stride") or a == "window"}
     split_sig.update(Q="*bf16", K_buf="*bf16", V_buf="*bf16", ReqToToken="*i32", req_pool_idx_ptr="*i64",
                      seq_lens_ptr="*i64", num_splits_ptr="*i32", MidO="*fp32", MidLse="*fp32", sm_scale="fp32",
-                     v_scale="fp32", logit_cap="fp32", Kn="*bf16", Vn="*bf16", Loc="*i64", Pos="*i64", C="*fp32",
-                     S="*fp32", QW="*bf16", KW="*bf16", eps="fp32")
+                     v_scale="fp32", logit_cap="fp32")
     cfg = decode_kernel.decode_config(128, False)
-    for gdc, trigger, rotary in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
-        out.append(Preset(f"decode_split_d128_gqa8_gdc{int(gdc)}_trigger{int(trigger)}" + ("_rotary" if rotary else ""),
-                          split, split_sig,
+    for gdc, trigger in ((False, False), (True, False), (True, True)):
+        out.append(Preset(f"decode_split_d128_gqa8_gdc{int(gdc)}_trigger{int(trigger)}", split, split_sig,
                           dict(GROUP=8, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=cfg.block_n, BLOCK_S=32,
-                               HAS_CAP=False, HAS_WINDOW=False, KV_FP8=False, IEEE=False, GDC=gdc, TRIGGER=trigger,
-                               ROTARY=rotary, HAS_NORM=rotary, HALF=64),
+                               HAS_CAP=False, HAS_WINDOW=False, KV_FP8=False, IEEE=False, GDC=gdc, TRIGGER=trigger),
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     merge = decode_kernel._decode_stage2_kernel
     merge_sig = {a: "i32" for a in merge.arg_names if a.startswith("stride")}

@@ -327,9 +327,12 @@ def test_tree_mask_verify_matches_exact_attention():
 
     assert TritonAttentionBackend.supports_tree_mask
     if ON_GPU:
-        for dtype in (torch.bfloat16, torch.float32):  # fp32 dots run as TF32 on the GPU: this file's TOL
-            check_attention_backend(TritonAttentionBackend, device="cuda", dtype=dtype, seeds=(0, 1, 2), tree_steps=4,
-                                    tolerance=TOL[dtype])
+        # the model dtype in full; fp32 (exact IEEE products since session 21) on one seed and one layer option: each
+        # head shape, dtype and option compiles its own kernels, and the whole set ran past 250 s on an H100
+        check_attention_backend(TritonAttentionBackend, device="cuda", dtype=torch.bfloat16, seeds=(0, 1),
+                                tree_steps=4, tolerance=TOL[torch.bfloat16])
+        check_attention_backend(TritonAttentionBackend, device="cuda", dtype=torch.float32, seeds=(0,), tree_steps=4,
+                                tolerance=TOL[torch.float32], layer_options=((6, 1.5),))
     else:  # the interpreter is slow: two small head shapes (GQA; MHA with a padded head_dim)
         check_attention_backend(TritonAttentionBackend, heads=((2, 1, 32), (2, 2, 24)), seeds=(0,), num_requests=3,
                                 decode_steps=1, tree_steps=2, layer_options=((5, 1.5),))
@@ -504,54 +507,6 @@ def test_decode_pdl_switches_reach_their_launches_and_change_no_bits(monkeypatch
         seen.clear()
     (a, pool_a), (b, pool_b) = outs
     assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(pool_a, pool_b))
-
-
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
-@pytest.mark.parametrize("heads", [(4, 2, 32), (8, 1, 64), (2, 2, 24)], ids=["gqa", "mqa", "mha-padded"])
-def test_rotary_in_split_kernel_is_bitwise_the_rotary_store_kernel_path(monkeypatch, heads, qk_norm):
-    """`RADIXSERVE_DECODE_ROTARY_IN_SPLIT` (decode_kernel.ROTARY_IN_SPLIT): the split kernel normalises and rotates
-    the raw q itself and the split holding each request's new token rotates its k and stores k, v at its slot
-    before it reads the pool; no rotary + KV store kernel runs. Output and pool are the bits of the path with that
-    kernel (requests whose new token falls in the first, a middle and the last of several splits, q/k/v strided
-    slices of one qkv tensor), and a runner with a drafter (`verify_rows_in_decode`) keeps the store kernel."""
-    import radixserve_attention_triton.backend as backend_module
-    from radixserve.layers.attention import QKNorm
-    from radixserve.layers.norm import RMSNorm
-
-    h, kvh, d = heads
-    kwargs = {} if ON_GPU else {"min_split_tokens": 8, "max_kv_splits": 4, "sm_count": 2}
-    dtype = torch.bfloat16 if ON_GPU else torch.float32
-    norm = None
-    if qk_norm:
-        norms = [RMSNorm(d, 1e-6).to(device=DEVICE, dtype=dtype) for _ in range(2)]
-        torch.manual_seed(5)
-        for m in norms:
-            m.weight.data.copy_(1 + 0.3 * torch.randn(d))
-        norm = QKNorm(*norms, d)
-    stores = []
-    store = backend_module.rotary_and_store
-    monkeypatch.setattr(backend_module, "rotary_and_store", lambda *a, **kw: stores.append(1) or store(*a, **kw))
-    runs = []
-    for in_split, drafter in ((False, False), (True, False), (True, True)):
-        monkeypatch.setattr(backend_module, "rotary_in_split", lambda t, on=in_split: on)
-        p = make_problem([3, 38, 21, 9], [1] * 4, h, kvh, d, dtype, ForwardMode.DECODE, seed=17, **kwargs)
-        p.backend.verify_rows_in_decode = drafter
-        qkv = torch.cat([p.q, p.k_new, p.v_new], dim=1) * 3  # not unit scale: a norm must matter
-        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=1)
-        p.backend.init_forward_metadata(p.batch)
-        got = p.backend.forward_decode_rotary(q, k, v, p.batch.seq_lens - 1, _rotary(d, d), p.layer, p.batch,
-                                              qk_norm=norm)
-        runs.append((got, [t.clone() for t in p.batch.kv_pool.get_kv(p.layer.layer_id)], len(stores)))
-        stores.clear()
-    (want, pool_want, n0), (got, pool_got, n1), (kept, pool_kept, n2) = runs
-    assert (n0, n1, n2) == (1, 0, 1)  # the store kernel ran without the switch and with a drafter only
-    if ON_GPU and qk_norm:  # the norm's statistic may sum in another order than the store kernel's
-        assert_close(got, want, dtype)
-        assert_close(pool_got[0], pool_want[0], dtype)
-    else:
-        assert torch.equal(got, want) and torch.equal(pool_got[0], pool_want[0])
-    assert torch.equal(pool_got[1], pool_want[1])
-    assert torch.equal(kept, want) and all(torch.equal(a, b) for a, b in zip(pool_kept, pool_want))
 
 
 @pytest.mark.parametrize("heads, rotary_dim", [((4, 2, 32), 32), ((4, 1, 64), 32)], ids=["gqa", "mqa-partial"])

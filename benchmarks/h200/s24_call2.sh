@@ -15,17 +15,10 @@ RADIXSERVE_ROTARY_STORE_PDL=1 RADIXSERVE_DECODE_MERGE_PDL=1 timeout 150 python3 
   tests/test_attention_triton.py -k "pdl or rotary or decode_matches or split_count or cuda_graph" > $OUT/tests.log 2>&1
 echo "{\"part\": \"tests\", \"exit\": $?}" | tee -a $OUT/summary.jsonl; tail -3 $OUT/tests.log
 PARTS="k" bash benchmarks/h200/qwen_b1.sh 2>&1 | grep -v '^ ' | grep -v '"all"' | cut -c1-400
-prof() {  # TAG ROTARY_PDL MERGE_PDL DOWN_PREFETCH
-  mkdir -p $OUT/$1
-  RADIXSERVE_ROTARY_STORE_PDL=$2 RADIXSERVE_DECODE_MERGE_PDL=$3 RADIXSERVE_MOE_DOWN_PREFETCH=$4 timeout 90 \
-    python3 benchmarks/h200/qwen3moe_profile.py --out $OUT/$1 --quick > $OUT/$1.log 2>&1
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps({'tag': sys.argv[2], 'replay_ms': d['graph_replay_ms'], 'fraction': d['limit']['fraction_of_limit'], 'gate_check': all(v.get('ids_equal_runs') == v.get('of') for v in d.get('fused_gate_check', {}).values()), 'top': {k['name'][:24]: k['ms'] for k in d['graph_top_kernels'][:8]}}))" \
-    $OUT/$1/qwen3moe_profile.json $1 | tee -a $OUT/summary.jsonl || tail -5 $OUT/$1.log
-  rm -rf $OUT/$1
-}
-prof neither 0 0 0
-prof decode 1 1 0
-prof prefetch2 0 0 2
-prof all 1 1 2
-prof neither2 0 0 0
+source benchmarks/h200/qwen_prof.sh
+qwen_prof neither RADIXSERVE_ROTARY_STORE_PDL=0 RADIXSERVE_DECODE_MERGE_PDL=0 RADIXSERVE_MOE_DOWN_PREFETCH=0
+qwen_prof decode RADIXSERVE_ROTARY_STORE_PDL=1 RADIXSERVE_DECODE_MERGE_PDL=1 RADIXSERVE_MOE_DOWN_PREFETCH=0
+qwen_prof prefetch2 RADIXSERVE_ROTARY_STORE_PDL=0 RADIXSERVE_DECODE_MERGE_PDL=0 RADIXSERVE_MOE_DOWN_PREFETCH=2
+qwen_prof all RADIXSERVE_ROTARY_STORE_PDL=1 RADIXSERVE_DECODE_MERGE_PDL=1 RADIXSERVE_MOE_DOWN_PREFETCH=2
+qwen_prof neither2 RADIXSERVE_ROTARY_STORE_PDL=0 RADIXSERVE_DECODE_MERGE_PDL=0 RADIXSERVE_MOE_DOWN_PREFETCH=0
 log done

@@ -13,17 +13,10 @@ RADIXSERVE_DECODE_ROTARY_IN_SPLIT=1 timeout 150 python3 -m pytest -q -x -p no:ca
   tests/test_attention_triton.py -k "pdl or rotary or decode_matches or split_count or cuda_graph" > $OUT/tests.log 2>&1
 echo "{\"part\": \"tests\", \"exit\": $?}" | tee -a $OUT/summary.jsonl; tail -3 $OUT/tests.log
 RADIXSERVE_DECODE_ROTARY_IN_SPLIT=1 PARTS="g" bash benchmarks/h200/qwen_b1.sh 2>&1 | grep -v '^ ' | cut -c1-300
-prof() {  # TAG ROTARY_IN_SPLIT
-  mkdir -p $OUT/$1
-  RADIXSERVE_DECODE_ROTARY_IN_SPLIT=$2 timeout 90 python3 benchmarks/h200/qwen3moe_profile.py --out $OUT/$1 --quick \
-    > $OUT/$1.log 2>&1
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps({'tag': sys.argv[2], 'replay_ms': d['graph_replay_ms'], 'fraction': d['limit']['fraction_of_limit'], 'gate_check': all(v.get('ids_equal_runs') == v.get('of') for v in d.get('fused_gate_check', {}).values()), 'top': {k['name'][:24]: k['ms'] for k in d['graph_top_kernels'][:8]}}))" \
-    $OUT/$1/qwen3moe_profile.json $1 | tee -a $OUT/summary.jsonl || tail -5 $OUT/$1.log
-  rm -rf $OUT/$1
-}
-prof in_split 1
-prof store_kernel 0
-prof in_split2 1
+source benchmarks/h200/qwen_prof.sh
+qwen_prof in_split RADIXSERVE_DECODE_ROTARY_IN_SPLIT=1
+qwen_prof store_kernel RADIXSERVE_DECODE_ROTARY_IN_SPLIT=0
+qwen_prof in_split2 RADIXSERVE_DECODE_ROTARY_IN_SPLIT=1
 for on in 0 1; do
   log "Llama-3.1-8B batch-1 graph replay, rotary in the split kernel $on"
   RADIXSERVE_DECODE_ROTARY_IN_SPLIT=$on timeout 120 python3 benchmarks/h200/b1_pdl.py --out $OUT --parts runner 2>&1 \

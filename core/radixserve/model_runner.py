@@ -291,7 +291,6 @@ class ModelRunner:
                 req_to_token_pool=self.req_to_token_pool, kv_pool=self.kv_pool,
                 max_bs=self.req_to_token_pool.size, context_len=self.context_len, latent=self.latent_dims,
                 matmul_precision=self.config.runtime.cpu_matmul_precision if self.device.type == "cpu" else "highest",
-                verify_rows_in_decode=self.config.stack.speculative is not None,
             )
         )
 

@@ -54,6 +54,4 @@ __version__ = "0.1.0"
 # 1.10: CUDA graphs of EXTEND batches (runtime.cuda_graph_extend_max_tokens):
 #      AttentionBackend.supports_extend_cuda_graph / init_extend_graph_state / init_extend_metadata_capture /
 #      init_extend_metadata_replay, radixserve.extend_graph_runner.ExtendGraphRunner
-# 1.11: AttentionRunnerInfo.verify_rows_in_decode (a drafter is configured: decode batches may hold speculative
-#      verify rows that read other rows' new tokens, so a backend must store every row's KV before any row reads)
-PLUGIN_API_VERSION = "1.11"
+PLUGIN_API_VERSION = "1.10"

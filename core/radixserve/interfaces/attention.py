@@ -70,11 +70,6 @@ class AttentionRunnerInfo:
     # fp32 sums (as the model's linears then do); "highest" asks for the fp32 queries and weights and
     # the pool's stored values, exactly as given. A backend may always ignore it.
     matmul_precision: Literal["highest", "medium"] = "highest"
-    # A drafter is configured (plugin API 1.11): decode batches may hold speculative verify rows, several rows of
-    # one request that read the new tokens of rows before them in the same forward (the backend's
-    # `decode_rows_share_requests`); a backend that stores a row's KV inside its attention kernel must not then.
-    # False: every decode row reads only its own new token.
-    verify_rows_in_decode: bool = False
 
 
 class AttentionLayerSpec(Protocol):

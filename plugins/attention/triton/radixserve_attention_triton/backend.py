@@ -24,12 +24,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from radixserve_attention_triton.decode_kernel import (
     DecodeConfig,
-    NewTokenRope,
     compute_num_kv_splits,
     decode_attention,
     decode_merge_pdl,
     decode_pdl,
-    rotary_in_split,
 )
 from radixserve_attention_triton.extend_kernel import (
     ExtendConfig,
@@ -155,9 +153,6 @@ class TritonAttentionBackend(AttentionBackend):
         self._graph: DecodeMetadata | None = None
         self._extend_graph: ExtendMetadata | None = None  # static extend metadata (init_extend_graph_state)
         self.fuse_rotary_store = fuse_rotary_store
-        # the split kernel applies rotary and stores the new k, v itself (decode_kernel.rotary_in_split) only where
-        # no decode row reads another row's new token: not with speculative verify rows (plugin API 1.11)
-        self.verify_rows_in_decode = bool(getattr(runner_info, "verify_rows_in_decode", False))
 
     def set_decode_fusions(self, *, rotary_store: bool) -> None:
         """Turn the decode fusion of rotary with the KV store on or off (the constructor's
@@ -303,19 +298,13 @@ class TritonAttentionBackend(AttentionBackend):
             q, k = rotary(positions, q, k)
             return self.forward_decode(q, k, v, layer, batch)
         cos, sin = rotary.cos_sin_tables(positions)
-        if (rotary_in_split(q) and not self.verify_rows_in_decode and rotary.rotary_dim == layer.head_dim
-                and (q.dtype != torch.float32 or self.interpret)):  # fp32: only where no mul+add fuses
-            rope = NewTokenRope(k, v, batch.out_cache_loc, positions, cos, sin, *(norm[:2] if norm else (None, None)),
-                                norm[2] if norm else 0.0)
-            return self._decode_from_pool(q.unflatten(1, (layer.num_heads, layer.head_dim)), layer, batch,
-                                          pdl=decode_pdl(q), new_token=rope)
         pdl = decode_pdl(q)  # the split kernel right after the store kernel: it may start while that one runs
         q_rot = rotary_and_store(q, k, v, positions, cos, sin, rotary.rotary_dim, k_buf, v_buf, batch.out_cache_loc,
                                  qk_norm=norm, trigger=pdl, pdl=rotary_store_pdl(q))
         return self._decode_from_pool(q_rot.view(-1, layer.num_heads, layer.head_dim), layer, batch, pdl=pdl)
 
     def _decode_from_pool(self, q3: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch,
-                          pdl: bool = False, new_token: NewTokenRope | None = None) -> torch.Tensor:
+                          pdl: bool = False) -> torch.Tensor:
         meta: DecodeMetadata = batch.attn_metadata
         pool = batch.kv_pool
         k_buf, v_buf = pool.get_kv(layer.layer_id)
@@ -341,7 +330,6 @@ class TritonAttentionBackend(AttentionBackend):
             v_scale=v_scale,
             pdl=pdl,
             merge_pdl=decode_merge_pdl(q3),
-            new_token=new_token,
         )
         return out.view(q3.shape[0], -1)
 

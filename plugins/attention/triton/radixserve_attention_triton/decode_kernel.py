@@ -36,30 +36,6 @@ _interpreter_compat.apply()
 
 
 @triton.jit
-def rope_rows(src, mask_rows, d, mask_d, W, C, S, crow, stride_c, stride_s, eps, dt: tl.constexpr, HALF: tl.constexpr,
-              HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Rows of whole heads (src: [R, 1] pointers to each head's first element, columns d) after the per-head
-    RMSNorm with weight W (HAS_NORM) and neox rotary with row `crow` of the fp32 cos/sin caches C/S, as a
-    [R, BLOCK_D] tile in dt: the arithmetic and roundings of `rotary_store_kernel` (`rotate_halves`), each
-    element paired with its partner half (d +- HALF) loaded a second time instead of split into halves. Bit-equal
-    to that kernel where no mul+add fuses: 16-bit dt rounds between them; fp32 only in the interpreter."""
-    partner = tl.where(d < HALF, d + HALF, d - HALF)
-    m = mask_rows[:, None] & mask_d[None, :]
-    x = tl.load(src + d[None, :], mask=m, other=0.0).to(tl.float32)
-    xp = tl.load(src + partner[None, :], mask=m, other=0.0).to(tl.float32)
-    if HAS_NORM:  # triton_ops.rmsnorm's recipe over the whole head
-        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-        w = tl.load(W + d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-        wp = tl.load(W + partner, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-        x = ((x * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
-        xp = ((xp * rstd).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
-    c = tl.load(C + crow * stride_c + d, mask=mask_d, other=0.0).to(dt).to(tl.float32)[None, :]
-    s = tl.load(S + crow * stride_s + d, mask=mask_d, other=0.0).to(dt).to(tl.float32)[None, :]
-    sign = tl.where(d < HALF, -1.0, 1.0)[None, :]  # first half: x1 * c - x2 * s; second: x2 * c + x1 * s
-    return ((x * c).to(dt).to(tl.float32) + ((sign * xp) * s).to(dt).to(tl.float32)).to(dt)
-
-
-@triton.jit
 def _decode_stage1_kernel(
     Q,
     K_buf,
@@ -86,19 +62,6 @@ def _decode_stage1_kernel(
     stride_mos,
     stride_mlb,
     stride_mlh,
-    Kn,  # ROTARY: the new tokens' raw k and v rows [bs, KVH * D], their slots, positions, cos/sin caches, norms
-    Vn,
-    Loc,
-    Pos,
-    C,
-    S,
-    QW,
-    KW,
-    eps,
-    stride_kn,
-    stride_vn,
-    stride_c,
-    stride_s,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -111,9 +74,6 @@ def _decode_stage1_kernel(
     IEEE: tl.constexpr,  # fp32 q/k/v: exact fp32 products (dot_qk)
     GDC: tl.constexpr,  # PDL-launched (`decode_pdl`): the split's first K/V rows prefetched into L2, then the wait
     TRIGGER: tl.constexpr,  # the merge kernel after it is PDL-launched (`decode_merge_pdl`): it may start now
-    ROTARY: tl.constexpr,  # Q holds raw q rows: rotary (after the q/k norm, HAS_NORM) here, and the new k, v stored
-    HAS_NORM: tl.constexpr,
-    HALF: tl.constexpr,  # rotary_dim // 2 (== HEAD_DIM // 2: whole-head rotary only)
 ):
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
@@ -139,9 +99,6 @@ def _decode_stage1_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    if ROTARY:  # the batch's metadata (slots, positions), read before any wait
-        new_slot = tl.load(Loc + b).to(tl.int64)
-        crow = tl.load(Pos + b).to(tl.int64)
     if GDC:
         # While the rotary + KV store kernel runs: the slots of the split's first tile and its K and V rows
         # into L2 (no data in registers: the new token's row may still be being written, and L2 is where that
@@ -156,31 +113,11 @@ def _decode_stage1_kernel(
     heads = kvh * GROUP + offs_h
     mask_h = offs_h < GROUP
     mask_d = offs_d < HEAD_DIM
-    if ROTARY:
-        dt = K_buf.dtype.element_ty
-        q = rope_rows(Q + b * stride_qb + heads[:, None] * stride_qh, mask_h, offs_d, mask_d, QW, C, S, crow,
-                      stride_c, stride_s, eps, dt, HALF, HEAD_DIM, HAS_NORM)
-        # the split holding the new token (position seq_len - 1) rotates its k and stores it and v at its slot;
-        # the barrier makes the stores visible to this program's loads below (no other split reads that slot)
-        if split == tl.maximum(seq_len - 1 - kv_start, 0) // tl.maximum(split_len, 1):
-            one = tl.arange(0, 1)
-            row_ok = one < 1
-            k_new = rope_rows(Kn + b * stride_kn + kvh * HEAD_DIM + one[:, None] * 0, row_ok, offs_d, mask_d, KW, C,
-                              S, crow, stride_c, stride_s, eps, dt, HALF, HEAD_DIM, HAS_NORM)
-            row_mask = row_ok[:, None] & mask_d[None, :]
-            tl.store(K_buf + new_slot * stride_kbs + kvh * stride_kbh + one[:, None] * 0 + offs_d[None, :], k_new,
-                     mask=row_mask)
-            v_new = tl.load(Vn + b * stride_vn + kvh * HEAD_DIM + one[:, None] * 0 + offs_d[None, :], mask=row_mask,
-                            other=0.0)
-            tl.store(V_buf + new_slot * stride_vbs + kvh * stride_vbh + one[:, None] * 0 + offs_d[None, :],
-                     v_new.to(dt), mask=row_mask)
-        tl.debug_barrier()
-    else:
-        q = tl.load(
-            Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=mask_h[:, None] & mask_d[None, :],
-            other=0.0,
-        )
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
 
     m_i = tl.full([BLOCK_H], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -276,37 +213,6 @@ def decode_merge_pdl(t: torch.Tensor) -> bool:
     return DECODE_MERGE_PDL and trigger_dependents(t)
 
 
-# The split kernel applies rotary (and Qwen3's q/k norm) to q and stores the new k, v itself, so no rotary + KV
-# store kernel runs before it (`decode_attention(new_token=)`; the backend takes it where no decode row reads
-# another row's new token). RADIXSERVE_DECODE_ROTARY_IN_SPLIT=1 turns it on; off until measured (session 24).
-ROTARY_IN_SPLIT = os.environ.get("RADIXSERVE_DECODE_ROTARY_IN_SPLIT", "0") != "0"
-
-
-def rotary_in_split(t: torch.Tensor) -> bool:
-    """Whether the triton backend's decode folds rotary and the KV store into the split kernel (ROTARY_IN_SPLIT)."""
-    return ROTARY_IN_SPLIT
-
-
-@dataclass(frozen=True)
-class NewTokenRope:
-    """What the split kernel needs to apply rotary itself and store the new tokens' k and v (`decode_attention`'s
-    `new_token`): q is then passed raw, and no rotary + KV store kernel runs before it.
-
-    k, v: the raw rows [bs, KVH * D] (strided slices of a fused qkv output allowed, unit stride on D); loc: the
-    slots [bs]; positions [bs]; cos/sin: the whole fp32 caches [max_position, D] (whole-head rotary); q_norm /
-    k_norm: the per-head RMSNorm weights [D] in q's dtype (Qwen3's), both or neither, with eps."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    loc: torch.Tensor
-    positions: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-    eps: float = 0.0
-
-
 @dataclass(frozen=True)
 class DecodeConfig:
     block_n: int
@@ -348,7 +254,6 @@ def decode_attention(
     v_scale: float = 1.0,
     pdl: bool = False,
     merge_pdl: bool = False,
-    new_token: NewTokenRope | None = None,
 ) -> None:
     """Write decode attention into `out` (tiles from `config`, else `decode_config`).
 
@@ -356,11 +261,6 @@ def decode_attention(
     its keys and values into L2 before it waits for the kernel before it. `merge_pdl` (see
     `decode_merge_pdl`): launch the merge kernel with it after the split kernel. Both ignored in the
     interpreter.
-
-    `new_token`: q holds the raw (un-rotated) rows; the split kernel normalises (q/k norm) and rotates q, and the
-    split holding each request's new token rotates its k and stores k and v at its slot before reading the pool
-    (one kernel fewer than `rotary_store_kernel` + this). Only where no other row of the batch reads a row's new
-    token (not for speculative verify rows), for whole-head rotary, a pool in q's dtype, and 16-bit q on a GPU.
 
     An fp8 pool (k_buf/v_buf float8_e4m3fn): the real keys and values are `stored * k_scale` and
     `stored * v_scale` (the layer's `KVPool.kv_scales`); q stays in the model dtype.
@@ -383,16 +283,6 @@ def decode_attention(
                          f"scales {k_scale}, {v_scale})")
     max_splits = mid_o.shape[2]
     cfg = config or decode_config(head_dim, interpret)
-    rope = new_token
-    if rope is not None:
-        if kv_fp8 or k_buf.dtype != q.dtype or rope.cos.shape[-1] != head_dim or head_dim % 2:
-            raise ValueError(f"decode_attention(new_token=): needs a pool in q's dtype ({q.dtype}; pool {k_buf.dtype}) "
-                             f"and whole-head rotary (cos width {rope.cos.shape[-1]}, head_dim {head_dim})")
-        norm_w = (rope.q_norm, rope.k_norm) if rope.q_norm is not None else (rope.cos, rope.cos)  # dummies: unread
-        rope_args = (rope.k, rope.v, rope.loc, rope.positions, rope.cos, rope.sin, *norm_w, float(rope.eps),
-                     rope.k.stride(0), rope.v.stride(0), rope.cos.stride(0), rope.sin.stride(0))
-    else:
-        rope_args = (q, q, seq_lens, seq_lens, mid_lse, mid_lse, q, q, 0.0, 0, 0, 0, 0)  # dummies: never read
     pdl, merge_pdl = pdl and not interpret, merge_pdl and not interpret
     block_d = triton.next_power_of_2(head_dim)
     _decode_stage1_kernel[(bs, num_kv_heads, max_splits)](
@@ -421,7 +311,6 @@ def decode_attention(
         mid_o.stride(2),
         mid_lse.stride(0),
         mid_lse.stride(1),
-        *rope_args,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
@@ -433,9 +322,6 @@ def decode_attention(
         KV_FP8=kv_fp8,
         IEEE=q.dtype == torch.float32,
         TRIGGER=merge_pdl,
-        ROTARY=rope is not None,
-        HAS_NORM=rope is not None and rope.q_norm is not None,
-        HALF=head_dim // 2,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch(pdl),
