@@ -16,8 +16,9 @@ import pytest
 
 triton = pytest.importorskip("triton")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRESETS = ("experts_qwen3_gdc1", "router_qwen3_gdc1_trigger1", "decode_split_d128_gqa8_gdc0",
-           "decode_split_d128_gqa8_gdc1", "gemv_8b_o_pdl1")
+PRESETS = ("experts_qwen3_gdc1", "router_qwen3_gdc1_trigger1", "decode_split_d128_gqa8_gdc0_trigger0",
+           "decode_split_d128_gqa8_gdc1_trigger1", "decode_merge_d128_gdc1", "rotary_store_qwen3_trigger1_gdc1",
+           "gemv_8b_o_pdl1")
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +66,37 @@ def test_router_loads_its_weights_before_the_wait_and_activations_after(sass_dir
 
 
 def test_decode_split_prefetches_into_l2_before_the_wait_and_reads_q_after(sass_dir):
-    lines = _sass(sass_dir, "decode_split_d128_gqa8_gdc1")
+    lines = _sass(sass_dir, "decode_split_d128_gqa8_gdc1_trigger1")
     wait = _first(lines, r"\bACQBULK\b")
+    assert _first(lines, r"\bPREEXIT\b") < wait  # the merge kernel after it may launch early
     prefetches = [i for i, ln in enumerate(lines) if re.search(r"\bCCTL\.E\.PF2\b", ln)]
     assert prefetches and max(prefetches) < wait
     # before the wait only the batch metadata and the slots are read (no K/V tile copies, no stores)
     assert all(not re.search(r"\b(LDGSTS|STG|ATOMG)\b", ln) for ln in lines[:wait])
-    plain = _sass(sass_dir, "decode_split_d128_gqa8_gdc0")
-    assert not any(re.search(r"\b(ACQBULK|CCTL\.E\.PF2)\b", ln) for ln in plain)
+    plain = _sass(sass_dir, "decode_split_d128_gqa8_gdc0_trigger0")
+    assert not any(re.search(r"\b(ACQBULK|CCTL\.E\.PF2|PREEXIT)\b", ln) for ln in plain)
+
+
+def test_decode_merge_reads_the_partials_only_after_the_wait(sass_dir):
+    """RADIXSERVE_DECODE_MERGE_PDL (session 24): the merge, PDL-launched after the split kernel, reads only the
+    request's split count (batch metadata) before the wait; the partials and every store come after it."""
+    lines = _sass(sass_dir, "decode_merge_d128_gdc1")
+    wait = _first(lines, r"\bACQBULK\b")
+    assert sum(bool(re.search(r"\bLDG\b", ln)) for ln in lines[:wait]) <= 1
+    assert all(not re.search(r"\b(STG|ATOMG)\b", ln) for ln in lines[:wait])
+    assert sum(bool(re.search(r"\bLDG\b", ln)) for ln in lines[wait:]) >= 2  # sum-exps and partial outputs
+
+
+def test_rotary_store_writes_the_pool_only_after_the_wait(sass_dir):
+    """RADIXSERVE_ROTARY_STORE_PDL (session 24): the rotary + KV store kernel, PDL-launched after the qkv GEMV,
+    signals its own dependents first, reads slots and positions before the wait, and q/k/v and every pool or
+    q store after it."""
+    lines = _sass(sass_dir, "rotary_store_qwen3_trigger1_gdc1")
+    wait = _first(lines, r"\bACQBULK\b")
+    assert _first(lines, r"\bPREEXIT\b") < wait
+    assert all(not re.search(r"\b(STG|ATOMG)\b", ln) for ln in lines[:wait])
+    assert sum(bool(re.search(r"\bLDG\b", ln)) for ln in lines[:wait]) <= 2  # the slot and the position
+    assert any(re.search(r"\bSTG\b", ln) for ln in lines[wait:])
 
 
 def test_batch1_gemv_streams_its_first_weight_tile_before_the_wait(sass_dir):
