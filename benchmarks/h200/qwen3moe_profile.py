@@ -21,12 +21,16 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
 from radixserve.config import Config
 from radixserve.model_runner import ModelRunner
 from radixserve.static_batch import run_static_batch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+from kernel_frontier import frontier_rows, kernel_intervals  # noqa: E402
 
 PROMPT = [[(7 * i) % 30000 + 100 for i in range(128)]]
 SKIP_PREFIXES = ("aten::", "cu", "Memcpy", "Memset", "ProfilerStep", "Activity Buffer", "Torch-Compiled")
@@ -101,6 +105,12 @@ def graph_section(runner: ModelRunner, row: dict) -> None:
         row["graph_kernels_ms_per_step"] = round(sum(ms for ms, _ in table.values()), 3)
         row["graph_top_kernels"] = top_rows(table)
         print_rows("kernels inside the graph replay", row["graph_top_kernels"], row["graph_kernels_ms_per_step"])
+        # PDL-launched kernels are resident while they wait: their device times overlap. The critical path by
+        # finish frontier (benchmarks/kernel_frontier.py) says which kernels the step waits on.
+        row["graph_frontier"] = frontier_rows(kernel_intervals(prof), 20)
+        log(f"by finish frontier (span {row['graph_frontier']['span_ms']} ms a step, idle "
+            f"{row['graph_frontier']['idle_ms']}): "
+            + ", ".join(f"{k['name'][:28]} {k['ms']}" for k in row["graph_frontier"]["kernels"][:8]))
     except Exception as e:  # the profiler may not see kernels inside graphs on every CUDA/CUPTI
         row["graph_profile_error"] = repr(e)
         log(f"graph-replay profile failed: {e!r}")
