@@ -267,6 +267,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quick", action="store_true", help="skip the eager-kernel profile and the no-overlap run")
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     row: dict = {}
     t0 = time.perf_counter()
     log("loading the runner (dummy weights, graphs captured)")
@@ -295,7 +296,6 @@ def main() -> None:
             eager_section(runner, row)
         try:
             import subprocess
-            import sys
 
             here = os.path.dirname(os.path.abspath(__file__))
             lim = subprocess.run([sys.executable, os.path.join(here, "moe_limit.py"), args.model, "--measured-tok-s",
