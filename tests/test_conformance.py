@@ -38,6 +38,21 @@ def test_torch_native_attention(registry):
     check_attention_backend(cls, kv_dtype=torch.bfloat16, heads=((4, 2, 64),), seeds=(0,))  # supports_bf16_kv_cache
 
 
+def test_the_attention_kit_reports_each_scenario_as_it_starts(registry):
+    """`check_attention_backend(progress=)`: one line per scenario and per tree pass, in order, with the seconds
+    since the kit began, then "done" (where a slow backend spends the kit)."""
+    lines = []
+    check_attention_backend(registry.load("attention", "torch_native"), heads=((2, 1, 16),), seeds=(0, 1),
+                            num_requests=2, decode_steps=1, tree_steps=1, layer_options=((4, 1.5),),
+                            progress=lines.append)
+    what = [line.rsplit(" (", 1)[0].removeprefix("check_attention_backend float32 ") for line in lines]
+    assert what == ["heads (2, 1, 16) seed 0", "heads (2, 1, 16) seed 0: trees", "heads (2, 1, 16) seed 1",
+                    "heads (2, 1, 16) seed 1: trees", "heads (2, 1, 16) window 4 cap 1.5",
+                    "heads (2, 1, 16) window 4 cap 1.5: trees", "done"]
+    seconds = [float(line.rsplit("(", 1)[1].removesuffix(" s)")) for line in lines]
+    assert seconds == sorted(seconds)
+
+
 # ---- prefix caches ------------------------------------------------------------------------------------------
 
 

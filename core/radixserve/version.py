@@ -54,4 +54,5 @@ __version__ = "0.1.0"
 # 1.10: CUDA graphs of EXTEND batches (runtime.cuda_graph_extend_max_tokens):
 #      AttentionBackend.supports_extend_cuda_graph / init_extend_graph_state / init_extend_metadata_capture /
 #      init_extend_metadata_replay, radixserve.extend_graph_runner.ExtendGraphRunner
-PLUGIN_API_VERSION = "1.10"
+# 1.11: check_attention_backend(progress=): a line as each scenario starts (where a slow backend spends the kit)
+PLUGIN_API_VERSION = "1.11"

@@ -24,6 +24,7 @@ RMSNorm of q and k, random weights) and the reference gets `qk_norm(q, k)` befor
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -520,6 +521,7 @@ def check_attention_backend(
     layer_options: Sequence[tuple[int, float]] = ((6, 1.5), (1, 0.7)),
     kv_dtype: torch.dtype | None = None,
     matmul_precision: str = "highest",
+    progress: Callable[[str], None] | None = None,
 ) -> None:
     """Run `backend` against exact attention; raise AssertionError naming the first difference.
 
@@ -545,6 +547,9 @@ def check_attention_backend(
         runner gives under `runtime.cpu_matmul_precision`). With "medium" a backend may round its
         product inputs to bf16, so the default tolerance is `MEDIUM_PRECISION_TOLERANCE`; everything
         else (pools, chains equal to causal extends) is checked as with "highest". Added in plugin API 1.9.
+    :param progress: called with one line as each scenario and its trees start (what runs, seconds since the
+        call began), e.g. `print`: where a slow backend (kernels compiling per shape) spends the run. Added in
+        plugin API 1.11.
 
     A backend whose `supports_extend_cuda_graph()` is True also runs every EXTEND step (trees aside)
     through its extend-graph hooks on the batch the runner would give them (padded, see
@@ -564,6 +569,12 @@ def check_attention_backend(
             raise ValueError(f"{backend!r} does not declare supports_bf16_kv_cache; the runner never gives it a bf16 pool")
     dtype_name = str(dtype).removeprefix("torch.")
     checked = 0
+    began = time.perf_counter()
+
+    def say(what: str) -> None:
+        if progress is not None:
+            progress(f"check_attention_backend {dtype_name} {what} ({time.perf_counter() - began:.1f} s)")
+
     for shape in heads:
         hq, hkv, d = shape
         if hq % hkv:
@@ -573,8 +584,10 @@ def check_attention_backend(
         for seed in seeds:
             scenario = _Scenario(backend, shape, dtype, device, seed, tol, kv_dtype=kv_dtype,
                                  matmul_precision=matmul_precision)
+            say(f"heads {shape} seed {seed}")
             scenario.run(num_requests, decode_steps)
             if tree_steps and getattr(scenario.test.backend, "supports_tree_mask", False):
+                say(f"heads {shape} seed {seed}: trees")
                 scenario.run_trees(tree_steps)
             checked += 1
         for i, (window, cap) in enumerate(layer_options):
@@ -585,8 +598,11 @@ def check_attention_backend(
             scenario.layer.logit_cap = cap if getattr(test, "supports_logit_cap", False) else None
             if scenario.layer.sliding_window is None and scenario.layer.logit_cap is None:
                 break
+            say(f"heads {shape} window {scenario.layer.sliding_window} cap {scenario.layer.logit_cap}")
             scenario.run(num_requests, decode_steps)
             if tree_steps and getattr(test, "supports_tree_mask", False):
+                say(f"heads {shape} window {scenario.layer.sliding_window} cap {scenario.layer.logit_cap}: trees")
                 scenario.run_trees(tree_steps)
+    say("done")
     if not checked:
         raise AssertionError(f"{backend!r}.supports() refused every head shape in {list(heads)} on {device}/{dtype_name}")
