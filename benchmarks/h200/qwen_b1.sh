@@ -6,7 +6,7 @@
 #   k   qwen_b1_kernels.py: the experts at 1/2/4/8 tokens, two launches vs one (bit-equality, fp32 error,
 #       graph replay = eager, determinism), per-call graph-replay times, the HBM floor, tile variants at
 #       1 token ($OUT/qwen_b1_choice.json: the fastest; the defaults are session 7's: one launch at <= 2 tokens)
-#   b   Engine batch-1 decode, 128 in / 512 out (dummy bf16, triton attention, CUDA graphs), the defaults, and
+#   b   Engine batch-1 decode, 128 in / 512 out (dummy bf16, triton attention, CUDA graphs), the defaults (decode-only tok/s against the limit), and
 #       the HBM limit measured in the same call (moe_limit.py)
 #   p   qwen3moe_profile.py --quick (graph replay ms and its kernels per step)
 set -o pipefail
@@ -17,7 +17,8 @@ log() { echo "[qwen_b1 $(date +%H:%M:%S)] $*"; }
 QWEN=benchmarks/model-configs/qwen3-30b-a3b
 T=.gpu2/tok-smollm2
 B1="runtime.device=cuda runtime.dtype=bfloat16 stack.attention=triton runtime.cuda_graph_max_bs=8 scheduler.max_running_requests=8"
-last_json() { python3 -c "import json,sys; print(json.loads(open(sys.argv[1]).readlines()[-1])[sys.argv[2]])" "$1" "$2"; }
+# the decode-only rate of the last run (the limit is a decode step's bytes; output_tok_s also counts the first token)
+decode_tok_s() { python3 -c "import json,sys; print(json.loads(open(sys.argv[1]).readlines()[-1])['decode']['decode_tok_s'])" "$1"; }
 
 if has g; then
   log "g: GPU parity, tiny Qwen2-MoE / Qwen3-MoE, batch-1 decode"
@@ -35,7 +36,7 @@ if has b; then
     --load-format dummy --tokenizer $T --num-prompts 1 --input-len 128 --output-len 512 --vocab-high 30000 \
     --result-file $OUT/qwen3_batch1.jsonl $B1 2>&1 | grep -v "it/s\]" | tail -3 | cut -c1-300
   if [ -s $OUT/qwen3_batch1.jsonl ]; then
-    python3 benchmarks/h200/moe_limit.py $QWEN --measured-tok-s "$(last_json $OUT/qwen3_batch1.jsonl output_tok_s)" \
+    python3 benchmarks/h200/moe_limit.py $QWEN --measured-tok-s "$(decode_tok_s $OUT/qwen3_batch1.jsonl)" \
       | tee $OUT/qwen3_limit.jsonl | tee -a $OUT/summary.jsonl
   else
     log "b: no batch-1 result"
