@@ -6,8 +6,8 @@
 #   k   qwen_b1_kernels.py: the experts at 1/2/4/8 tokens, two launches vs one (bit-equality, fp32 error,
 #       graph replay = eager, determinism), per-call graph-replay times, the HBM floor, tile variants at
 #       1 token ($OUT/qwen_b1_choice.json: the fastest; the defaults are session 7's: one launch at <= 2 tokens)
-#   b   Engine batch-1 decode, 128 in / 512 out (dummy bf16, triton attention, CUDA graphs), the defaults (decode-only tok/s against the limit), and
-#       the HBM limit measured in the same call (moe_limit.py)
+#   b   Engine batch-1 decode, 128 in / 512 out (dummy bf16, triton attention, CUDA graphs), the defaults, and
+#       the HBM limit measured in the same call (moe_limit.py; its fraction from the decode-only tok/s)
 #   p   qwen3moe_profile.py --quick (graph replay ms and its kernels per step)
 set -o pipefail
 source benchmarks/h200/setup.sh || exit 1
