@@ -7,6 +7,8 @@
 # 1. the triton decode tests on CUDA with both decode switches on (bits equal with and without, graphs);
 # 2. the expert kernels' checks and tile sweep (down_prefetch 1 / 2 / ahead variants, bit-equal to without);
 # 3. the Qwen3 batch-1 profile: neither / decode switches / down prefetch / all / neither again.
+# Record of what ran on bfbe021. Since then the two decode switches are on by default and the down prefetch (its
+# switch and its sweep rows) is taken out: rerunning this measures the decode switches only.
 set -o pipefail
 source benchmarks/h200/setup.sh || exit 1
 log() { echo "[s24_call2 $(date +%H:%M:%S)] $*"; }

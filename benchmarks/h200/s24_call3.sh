@@ -5,6 +5,8 @@
 # 2. tiny Qwen2-MoE / Qwen3-MoE greedy parity with transformers with it on (Qwen3's q/k norm through the new path);
 # 3. Qwen3-30B-A3B batch-1 profile: on / off / on (graph replay ms; call 2's default: 2.987 ms);
 # 4. Llama-3.1-8B batch-1 graph replay off / on (b1_pdl.py's runner part; greedy tokens identical off/on there).
+# Record of what ran on f2a706f. RADIXSERVE_DECODE_ROTARY_IN_SPLIT was taken out after this call (eee134c): the
+# switch no longer exists, so a rerun measures the same path twice.
 set -o pipefail
 source benchmarks/h200/setup.sh || exit 1
 log() { echo "[s24_call3 $(date +%H:%M:%S)] $*"; }
