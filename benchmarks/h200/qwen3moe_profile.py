@@ -30,10 +30,9 @@ from radixserve.model_runner import ModelRunner
 from radixserve.static_batch import run_static_batch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-from kernel_frontier import frontier_rows, kernel_intervals  # noqa: E402
+from kernel_frontier import SKIP_PREFIXES, frontier_rows, kernel_intervals  # noqa: E402
 
 PROMPT = [[(7 * i) % 30000 + 100 for i in range(128)]]
-SKIP_PREFIXES = ("aten::", "cu", "Memcpy", "Memset", "ProfilerStep", "Activity Buffer", "Torch-Compiled")
 
 
 def log(msg: str) -> None:

@@ -51,6 +51,13 @@ def emit(path: str, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def plain_read_us(nbytes: int) -> float:
+    """Graph-replay us of one plain launch reading `nbytes` from HBM (a sum over a contiguous bf16 buffer, COPIES of
+    them so L2 does not serve the reads): what a single launch of this size costs here, ramp and tail included."""
+    bufs = [torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_() for _ in range(COPIES)]
+    return graph_us(lambda j: bufs[j % COPIES].sum(dtype=torch.float32))
+
+
 def reference(x, w13, w2, weights, ids):
     """fp32 torch: sum over k of w * down(silu(gate) * up)."""
     out = torch.zeros(x.shape[0], H, device=x.device)
@@ -136,13 +143,9 @@ def main() -> int:
               "layer_two": graph_us(layer(two)), "layer_one": graph_us(layer(one))}
         distinct = int(torch.unique(ids).numel())
         floor_us = distinct * expert_bytes / bw * 1e6
-        # the same bytes read by one plain launch (a sum over a contiguous buffer, COPIES of them so the reads come
-        # from HBM): what a single launch of this size costs here with its ramp and tail, against the floor's
-        # bandwidth-only figure (session 23: the experts' distance from the floor looked like a fixed cost a launch)
-        plain = [torch.empty(distinct * expert_bytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
-                 for _ in range(COPIES)]
-        us["plain_read"] = graph_us(lambda j, bufs=plain: bufs[j % COPIES].sum(dtype=torch.float32))
-        del plain
+        # the same bytes read by one plain launch, against the floor's bandwidth-only figure (session 23: the
+        # experts' distance from the floor looked like a fixed cost a launch)
+        us["plain_read"] = plain_read_us(distinct * expert_bytes)
         us = {k: round(v, 2) for k, v in us.items()}
         good = bit_equal and graph_ok and deterministic and counters_zero and rel < 2e-2
         ok &= good
@@ -207,11 +210,7 @@ def main() -> int:
     phases = {"kernels_us": device_us(lambda j: small_m_fused_experts(x1, w13[j % COPIES], w2[j % COPIES], w1, i1,
                                                                       blocks=two))}
     for name, nbytes in phase_bytes.items():
-        plain = [torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_() for _ in range(COPIES)]
-        phases[name] = {"floor_us": round(nbytes / bw * 1e6, 2),
-                        "plain_read_us": round(graph_us(lambda j, bufs=plain: bufs[j % COPIES].sum(dtype=torch.float32)),
-                                               2)}
-        del plain
+        phases[name] = {"floor_us": round(nbytes / bw * 1e6, 2), "plain_read_us": round(plain_read_us(nbytes), 2)}
     emit(rows_path, {"tokens": 1, "two_launch_phases": phases})
 
     # tile variants at 1 token, both paths

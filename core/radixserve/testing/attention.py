@@ -598,10 +598,11 @@ def check_attention_backend(
             scenario.layer.logit_cap = cap if getattr(test, "supports_logit_cap", False) else None
             if scenario.layer.sliding_window is None and scenario.layer.logit_cap is None:
                 break
-            say(f"heads {shape} window {scenario.layer.sliding_window} cap {scenario.layer.logit_cap}")
+            what = f"heads {shape} window {scenario.layer.sliding_window} cap {scenario.layer.logit_cap}"
+            say(what)
             scenario.run(num_requests, decode_steps)
             if tree_steps and getattr(test, "supports_tree_mask", False):
-                say(f"heads {shape} window {scenario.layer.sliding_window} cap {scenario.layer.logit_cap}: trees")
+                say(f"{what}: trees")
                 scenario.run_trees(tree_steps)
     say("done")
     if not checked:
