@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Where a scheduler's forward time went, by batch kind: a summary of a `RADIXSERVE_STEP_TRACE` file
-(one line per forward of a non-overlapped step: start, decode rows, prefill tokens, seconds).
+(one line per forward: start, decode rows, prefill tokens, seconds; under overlap a step's seconds
+run from the previous step's tokens arriving to its own, docs/configuration.md).
 
     RADIXSERVE_STEP_TRACE=/tmp/served.trace PEER=0 benchmarks/served_vs_vllm.sh
     python benchmarks/step_trace_summary.py /tmp/served.trace [--all-runs]

@@ -652,17 +652,19 @@ def test_stats_split_busy_step_time_into_forward_and_host(make_scheduler):
         assert 0.005 * batches <= stats["forward_seconds"] <= stats["step_seconds"]
 
 
-def test_step_trace_records_each_forward_by_kind(tmp_path, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_step_trace_records_each_forward_by_kind(tmp_path, monkeypatch, overlap):
     """RADIXSERVE_STEP_TRACE: one line per forward with its decode rows and prefill tokens (what
-    benchmarks/step_trace_summary.py splits a served run by); the prompt tokens and generated tokens
-    it records add up to the workload's, and the summary reads the file back."""
+    benchmarks/step_trace_summary.py splits a run by), with and without overlap; the prompt tokens
+    and generated tokens it records add up to the workload's, and the summary reads the file back.
+    Under overlap the steps are charged back to back: each starts no earlier than the last one's end."""
     import importlib.util
     from pathlib import Path
 
     trace = tmp_path / "steps.trace"
     monkeypatch.setenv("RADIXSERVE_STEP_TRACE", str(trace))
     config = Config.build({"scheduler": {"chunked_prefill_size": 16, "enable_mixed_chunk": True},
-                           "runtime": {"overlap": False}})
+                           "runtime": {"overlap": overlap}})
     sched = Scheduler.from_config(config, ToyRunner(vocab_size=VOCAB), Registry.discover())
     prompts = {"a": [5] * 30, "b": [7, 8, 9]}
     for rid, prompt in prompts.items():
@@ -674,6 +676,10 @@ def test_step_trace_records_each_forward_by_kind(tmp_path, monkeypatch):
     # each request's first token comes from its last prefill chunk, the rest from decode rows
     assert sum(int(r[1]) for r in rows) == sum(len(o["ids"]) - 1 for o in out.values())
     assert any(int(r[1]) and int(r[2]) for r in rows), "no mixed step was recorded as mixed"
+    if overlap:
+        assert sched.overlap and sched.metrics.overlapped_batches > 0
+        ends = [float(r[0]) + float(r[3]) for r in rows]
+        assert all(float(b[0]) >= end - 1e-6 for b, end in zip(rows[1:], ends))
     assert_nothing_left(sched)
     spec = importlib.util.spec_from_file_location(
         "step_trace_summary", Path(__file__).resolve().parents[1] / "benchmarks" / "step_trace_summary.py")

@@ -57,9 +57,11 @@ class SchedulerMetrics:
 
 
 class StepTrace:
-    """One line per forward of a non-overlapped step (the CPU's path) appended to the file that
-    `RADIXSERVE_STEP_TRACE` names: its start (`time.perf_counter()`), decode rows, the other new
-    tokens (prompt chunks; a speculative verify's tokens count here too) and seconds, space-separated.
+    """One line per forward appended to the file that `RADIXSERVE_STEP_TRACE` names: its start
+    (`time.perf_counter()`), decode rows, the other new tokens (prompt chunks; a speculative verify's
+    tokens count here too) and seconds, space-separated. Without overlap (the CPU's path) the seconds
+    are the forward's, launch to result; with overlap (CUDA's default) a step runs from the previous
+    step's tokens arriving (or its own launch onto an idle device) to its own tokens arriving.
     Where a served run's time goes, by batch kind and size, beside an offline one
     (`python benchmarks/step_trace_summary.py FILE`); off unless the variable is set."""
 

@@ -336,6 +336,9 @@ class Scheduler:
         self.meta: dict[str, _Meta] = {}
         self.metrics = SchedulerMetrics()
         self.step_trace = StepTrace.from_env()
+        # overlap only: when the step whose tokens arrive next began to own the device (the previous
+        # step's tokens arriving, or its own launch onto an idle device); see _trace_overlapped
+        self._trace_mark = 0.0
         self._outbox: list[ReqTokenOut] = []
         self._arrivals = 0
         self._evicted = False  # set by _alloc_slots when it evicted from the cache
@@ -576,6 +579,7 @@ class Scheduler:
             self._wait_for_grammars()
         if items:
             try:
+                self._trace_mark = time.perf_counter()  # nothing in flight: the device was idle
                 self._in_flight = (items, self.runner.launch_batch(self._to_scheduled_batch(items)))
             except Exception:
                 self._isolate_failure([items])
@@ -613,8 +617,20 @@ class Scheduler:
 
     def _finish_step(self, items: list[_Item], result: BatchResult, on_accepted=None, accepted=None) -> None:
         """A launched step's tokens: clear a suspect that ran alone, then process them."""
+        if self.overlap and self.step_trace is not None:
+            self._trace_overlapped(items)
         self._passed(items)
         self._process(items, result, on_accepted, accepted)
+
+    def _trace_overlapped(self, items: list[_Item]) -> None:
+        """The step trace under overlap, where a forward's own time is not observable from the host:
+        a step is charged from the mark (the previous step's tokens arriving, or its launch onto an
+        idle device) to its own tokens arriving. While the device is the bottleneck that is the
+        device time of the step; while the host is, it includes the host work the step waited for."""
+        now = time.perf_counter()
+        self.step_trace.record(self._trace_mark, sum(it.decode for it in items),
+                               sum(it.extend_len for it in items if not it.decode), now - self._trace_mark)
+        self._trace_mark = now
 
     def _settle_early(self, prev_step: _PrevStep) -> None:
         """A launch failed after the early accept took `prev_step`'s tokens into the matchers: append
