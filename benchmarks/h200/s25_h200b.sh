@@ -1,6 +1,7 @@
 # Written in session 25 for an H200, after s25_h200a.sh (carry .whl .gpu2 .fi; ~7 min, less on the warm machine):
 # issue 18's offline 1000 x 1024/256 with both attention backends (target 34,000 total tok/s) and the HF
-# transformers peer (static cache, batch 128, same shape) in the same call.
+# transformers peer (static cache, batch 128, same shape) in the same call; each offline run's step trace
+# (RADIXSERVE_STEP_TRACE, overlap-aware since 014f673) splits its time by batch kind and size.
 set -o pipefail
 T0=$(date +%s)
 left() { echo $(( 585 - $(date +%s) + T0 )); }
@@ -13,9 +14,10 @@ for attn in triton flashinfer; do
   budget=$(( $(left) - 100 )); [ $budget -gt 150 ] && budget=150
   [ $budget -lt 60 ] && { log "offline $attn skipped: $budget s left"; continue; }
   log "offline 1000 x 1024/256, $attn (limit ${budget}s)"
-  timeout $budget python3 benchmarks/offline_throughput.py --model $M --load-format dummy --tokenizer .gpu2/tok128k \
+  RADIXSERVE_STEP_TRACE=$OUT/offline_$attn.trace timeout $budget python3 benchmarks/offline_throughput.py --model $M --load-format dummy --tokenizer .gpu2/tok128k \
     --num-prompts 1000 --input-len 1024 --output-len 256 --vocab-high 128000 --result-file $OUT/offline_$attn.jsonl \
     $STACK stack.attention=$attn 2>&1 | grep '^{' | cut -c1-400
+  python3 benchmarks/step_trace_summary.py $OUT/offline_$attn.trace | head -40  # where the run's time went, by step kind
 done
 budget=$(( $(left) - 5 )); [ $budget -gt 150 ] && budget=150
 log "HF transformers peer, batch 128, 1024/256 (limit ${budget}s)"
