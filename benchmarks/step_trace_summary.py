@@ -4,7 +4,7 @@
 run from the previous step's tokens arriving to its own, docs/configuration.md).
 
     RADIXSERVE_STEP_TRACE=/tmp/served.trace PEER=0 benchmarks/served_vs_vllm.sh
-    python benchmarks/step_trace_summary.py /tmp/served.trace [--all-runs]
+    python benchmarks/step_trace_summary.py /tmp/served.trace [--all-runs] [--bucket 64]
 
 The file appends across runs and server starts; a pause of more than 2 s between forwards starts a
 new run (the warm-up client, then the timed one), and only the last run is summarised unless
@@ -33,17 +33,19 @@ def read_runs(path: str, gap_s: float = 2.0) -> list[list[tuple[float, int, int,
     return runs
 
 
-def summarise(run: list[tuple[float, int, int, float]]) -> list[str]:
+def summarise(run: list[tuple[float, int, int, float]], bucket: int = 1) -> list[str]:
+    """`bucket`: decode steps grouped by rows in ranges of this width (1: each batch size apart)."""
     lines = []
     span = run[-1][0] + run[-1][3] - run[0][0]
     lines.append(f"{len(run)} forwards over {span:.2f} s, busy {sum(r[3] for r in run):.2f} s")
     by_rows: dict[int, list[float]] = defaultdict(list)
     for _, decode, prefill, seconds in run:
         if prefill == 0:
-            by_rows[decode].append(seconds)
+            by_rows[(decode - 1) // bucket * bucket + 1 if bucket > 1 else decode].append(seconds)
     for rows in sorted(by_rows):
         t = by_rows[rows]
-        lines.append(f"decode {rows:3d} rows: {len(t):4d} steps, median {statistics.median(t) * 1e3:.1f} ms, "
+        label = f"{rows:3d}-{rows + bucket - 1:3d}" if bucket > 1 else f"{rows:3d}"
+        lines.append(f"decode {label} rows: {len(t):4d} steps, median {statistics.median(t) * 1e3:.1f} ms, "
                      f"mean {statistics.mean(t) * 1e3:.1f} ms, {sum(t):.2f} s")
     mixed = [r for r in run if r[2] > 0]
     if mixed:
@@ -60,13 +62,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
     ap.add_argument("--all-runs", action="store_true")
+    ap.add_argument("--bucket", type=int, default=1, help="group decode steps by rows in ranges this wide")
     args = ap.parse_args()
     runs = read_runs(args.trace)
     if not runs:
         raise SystemExit(f"{args.trace}: no forwards recorded")
     for i, run in enumerate(runs if args.all_runs else runs[-1:]):
         print(f"run {i + 1 if args.all_runs else len(runs)} of {len(runs)}:")
-        for line in summarise(run):
+        for line in summarise(run, args.bucket):
             print("  " + line)
 
 

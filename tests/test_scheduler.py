@@ -687,6 +687,11 @@ def test_step_trace_records_each_forward_by_kind(tmp_path, monkeypatch, overlap)
     spec.loader.exec_module(summary)
     (run,) = summary.read_runs(str(trace))
     assert len(run) == len(rows) and any("prefill/mixed" in line for line in summary.summarise(run))
+    # grouped by rows (--bucket), the decode lines still count every decode-only step once
+    decode_only = sum(1 for r in rows if int(r[2]) == 0)
+    counted = [int(line.split(":")[1].split()[0]) for line in summary.summarise(run, bucket=4)
+               if line.startswith("decode")]
+    assert sum(counted) == decode_only and len(counted) <= 2  # at most 1-4 and 5-8 rows here
 
 
 def test_overlap_keeps_decoding_ahead_while_the_queue_waits_for_memory():

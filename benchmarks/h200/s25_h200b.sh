@@ -17,7 +17,7 @@ for attn in triton flashinfer; do
   RADIXSERVE_STEP_TRACE=$OUT/offline_$attn.trace timeout $budget python3 benchmarks/offline_throughput.py --model $M --load-format dummy --tokenizer .gpu2/tok128k \
     --num-prompts 1000 --input-len 1024 --output-len 256 --vocab-high 128000 --result-file $OUT/offline_$attn.jsonl \
     $STACK stack.attention=$attn 2>&1 | grep '^{' | cut -c1-400
-  python3 benchmarks/step_trace_summary.py $OUT/offline_$attn.trace | head -40  # where the run's time went, by step kind
+  python3 benchmarks/step_trace_summary.py --bucket 64 $OUT/offline_$attn.trace  # where the run's time went, by step kind
 done
 budget=$(( $(left) - 5 )); [ $budget -gt 150 ] && budget=150
 log "HF transformers peer, batch 128, 1024/256 (limit ${budget}s)"
