@@ -123,6 +123,21 @@ def test_llama_family_model(registry, case, tmp_path):
     check_model_parity(registry.load("model", arch), path, new_tokens=16)
 
 
+def test_tiny_checkpoint_claims_the_architecture_it_is_given(tmp_path):
+    """A plugin author's tiny checkpoint for a family registered under a new name: the name reaches
+    config.json (save_pretrained alone writes the class it saved, so the in-tree Llama would run
+    in its place without complaint), and the weights are still transformers' Llama."""
+    import json
+
+    from safetensors.torch import load_file
+
+    path = tiny_checkpoint("llama", str(tmp_path), architectures=["MyLlamaForCausalLM"])
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["architectures"] == ["MyLlamaForCausalLM"] and saved["model_type"] == "llama"
+    assert "model.embed_tokens.weight" in load_file(str(tmp_path / "model.safetensors"))
+    assert path == str(tmp_path)
+
+
 # ---- quantization -------------------------------------------------------------------------------------------
 
 

@@ -32,7 +32,14 @@ TINY_CONFIG = dict(
 
 def tiny_checkpoint(model_type: str, path: str, seed: int = 0, **overrides) -> str:
     """Save a tiny random transformers checkpoint of `model_type` (e.g. "llama", "qwen3") to `path`;
-    norms and biases are randomised too, so their loading is checked. Returns `path`."""
+    norms and biases are randomised too, so their loading is checked. Returns `path`.
+
+    `overrides` are config fields; `architectures=["MyForCausalLM"]` makes the checkpoint claim a
+    plugin's own architecture name (transformers' `save_pretrained` writes the class it saved, so
+    the name is put back into `config.json` after saving)."""
+    import json
+    import os
+
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(model_type, **{**TINY_CONFIG, **overrides})
@@ -46,6 +53,14 @@ def tiny_checkpoint(model_type: str, path: str, seed: int = 0, **overrides) -> s
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(path)
+    architectures = overrides.get("architectures")
+    if architectures is not None:
+        config_file = os.path.join(path, "config.json")
+        with open(config_file) as f:
+            saved = json.load(f)
+        saved["architectures"] = list(architectures)
+        with open(config_file, "w") as f:
+            json.dump(saved, f, indent=2)
     return path
 
 
