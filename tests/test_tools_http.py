@@ -239,6 +239,26 @@ def test_template_without_tools_is_a_400_unless_the_generic_prompt_is_on():
     assert messages[3] == {"role": "user", "content": "<tool_response>\n15:00\n</tool_response>"}
 
 
+def test_generic_prompt_says_once_that_hermes_stands_in_for_the_named_tool_parser(caplog):
+    """The generic prompt asks for Hermes blocks, so hermes parses them even where the server names
+    another tool parser: a warning says so (once), instead of the configured parser silently not
+    applying; the calls still come back parsed."""
+    tm = CannedTM(HERMES_OUT, renders_tools=False)
+    oai = openai_client(tm, generic_tool_prompt=True, tool_call_parser="pythonic")
+    with caplog.at_level("WARNING", logger="radixserve.server"):
+        for _ in range(2):
+            r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
+            assert calls_of(r.choices[0].message) == EXPECTED_CALLS
+    notes = [rec.getMessage() for rec in caplog.records if "generic_tool_prompt" in rec.getMessage()]
+    assert len(notes) == 1 and "'pythonic'" in notes[0] and "hermes" in notes[0]
+    caplog.clear()
+    tm = CannedTM(HERMES_OUT, renders_tools=False)
+    with caplog.at_level("WARNING", logger="radixserve.server"):
+        openai_client(tm, generic_tool_prompt=True, tool_call_parser="hermes").chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS)
+    assert not [rec for rec in caplog.records if "generic_tool_prompt" in rec.getMessage()]
+
+
 def _error(oai, **kw) -> dict:
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=kw.pop("messages", ASK), **kw)

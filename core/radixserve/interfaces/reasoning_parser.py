@@ -40,6 +40,11 @@ class ReasoningParser(abc.ABC):
     template_markers: ClassVar[tuple[str, ...]] = ()
     #: the opening tag; the server checks whether the rendered prompt ends with it
     start_tag: ClassVar[str] = ""
+    #: the closing tag. With a `response_format` the grammar starts after it (the reasoning stays
+    #: free text); empty: the grammar constrains the output from its first token, so no reasoning
+    #: section can be produced. The server has read it by name since structured output and
+    #: reasoning combined; declared here (default unchanged) so that authors see it.
+    end_tag: ClassVar[str] = ""
 
     def __init__(self, starts_in_reasoning: bool = False) -> None:
         self.starts_in_reasoning = starts_in_reasoning

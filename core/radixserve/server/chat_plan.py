@@ -192,6 +192,7 @@ def plan_chat(tm: Any, req: Any, parsers: OutputParsers) -> ChatPlan:
             kwargs["tools"] = tools
         elif parsers.generic_tool_prompt:
             generic = True
+            parsers.note_generic_tool_prompt()
             messages = generic_tool_messages(messages, tools)
         else:
             raise APIError(
@@ -249,7 +250,7 @@ def plan_chat(tm: Any, req: Any, parsers: OutputParsers) -> ChatPlan:
         start["starts_in_reasoning"] = False
     elif reasoning_cls is not None and _prompt_opens(tm, ids, reasoning_cls.start_tag):
         start["starts_in_reasoning"] = True
-    end_tag = getattr(reasoning_cls, "end_tag", "")
+    end_tag = getattr(reasoning_cls, "end_tag", "")  # getattr: parsers written before the base declared it
     if (end_tag and fmt is not None and fmt.schema_text() is not None and "json_schema" not in plan.sampling_overrides
             and not _prompt_opens(tm, ids, end_tag)):
         # response_format constrains the answer, not the reasoning: the grammar starts after the end

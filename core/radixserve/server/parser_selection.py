@@ -31,6 +31,20 @@ class OutputParsers:
     installed_tool_parsers: tuple[str, ...] = ()
     # whether the chat template renders `tools`; learned from the first request that has tools
     template_renders_tools: bool | None = None
+    _generic_prompt_noted: bool = False
+
+    def note_generic_tool_prompt(self) -> None:
+        """A request's tools go into the generic (Hermes-format) prompt, so hermes parses its output:
+        say once, as a warning, when that stands in for another tool parser the server names."""
+        if self._generic_prompt_noted:
+            return
+        self._generic_prompt_noted = True
+        if self.tool_parser_name not in (None, "hermes"):
+            logger.warning(
+                "the chat template does not render tools: server.generic_tool_prompt describes them in the "
+                "Hermes format and parses the output with hermes, not with tool parser %r (it applies to "
+                "templates that render tools; serve a tokenizer whose chat template does to use it)",
+                self.tool_parser_name)
 
 
 def _pick(registry: Any, kind: str, wanted: str | None, template: str | None, key: str) -> tuple[Any, str | None]:
