@@ -139,11 +139,24 @@ def test_a_model_file_that_is_not_gguf_asks_for_model_tokenizer(tmp_path):
     tiny_tokenizer().save_pretrained(tmp_path / "tok")
     weights = tmp_path / "model.rsw"
     weights.write_bytes(b"\xc8\x00 binary weights")
-    with pytest.raises(ValueError, match=r"model.path .*model\.rsw.* is a file.*set model.tokenizer \(serve --tokenizer\)"):
+    with pytest.raises(ValueError, match=r"model.path .*model\.rsw.* is a file.*set model.tokenizer \(serve or generate --tokenizer\)"):
         load_tokenizer(str(weights))
     with pytest.raises(ValueError, match=r"model.tokenizer .* is a file"):
         load_tokenizer(str(tmp_path / "tok"), str(weights))
     assert load_tokenizer(str(weights), str(tmp_path / "tok")).encode("hello")
+
+
+def test_generate_takes_the_tokenizer_as_serve_does(tiny_llama_dir, tmp_path):
+    """`radixserve generate --tokenizer DIR` (serve had the flag; generate refused it as an
+    unknown argument, so a weight-source file could be run only with model.tokenizer=DIR)."""
+    from radixserve.testing import tiny_tokenizer
+
+    tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    cmd = [sys.executable, "-m", "radixserve.cli", "generate", "--model", tiny_llama_dir("llama"), "--tokenizer",
+           str(tmp_path / "tok"), "--no-chat", "--max-tokens", "3", "--stats", "hello"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
 
 
 def _broken_models(root, gguf: str) -> dict[str, tuple[str, str]]:

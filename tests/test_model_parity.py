@@ -146,6 +146,28 @@ def test_gguf_matches_transformers(tiny_llama_dir, tmp_path):
         assert got.tokens == ref_tokens
 
 
+def test_gguf_passes_the_weight_source_kit(tiny_llama_dir, tmp_path):
+    """The in-tree GGUF reader runs the same kit a third-party weight source does
+    (`radixserve.testing.check_weight_source`), against transformers' own GGUF import saved as a
+    safetensors directory."""
+    from radixserve.testing import check_weight_source
+    from radixserve_quant_gguf.method import GGUFMethod
+
+    path = str(tmp_path / "tiny.gguf")
+    _write_tiny_gguf(tiny_llama_dir("llama", tie_word_embeddings=False), path)
+    import json
+
+    from safetensors.torch import save_file
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32)
+    reference = tmp_path / "reference"  # transformers will not save_pretrained a GGUF import: its parts by hand
+    reference.mkdir()
+    config = {k: v for k, v in hf.config.to_dict().items() if k != "quantization_config"}
+    (reference / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(reference / "model.safetensors"))
+    check_weight_source(GGUFMethod, path, reference=str(reference), options={"dequantize": True})
+
+
 @pytest.mark.parametrize("attention", ["torch_native", "cpu_batched"])
 def test_overlap_scheduling_keeps_greedy_outputs(tiny_llama_dir, attention):
     """The real runner behind the scheduler: launching each decode ahead of its input tokens

@@ -15,7 +15,10 @@ from radixserve.state import SamplingParams
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt (a user message with --chat)")
-    parser.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2)")
+    parser.add_argument("--model", help="HF model directory, a .gguf file or a file another installed weight source "
+                        "reads (radixserve plugins lists the suffixes); default: the embedded SmolLM2")
+    parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer directory (default: from the model; files "
+                        "other than .gguf carry none: model.tokenizer)")
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -82,6 +85,8 @@ def run_generate(args: argparse.Namespace) -> int:
     flags = speculative_overrides(args)
     if args.model:
         flags.setdefault("model", {})["path"] = args.model
+    if args.tokenizer:
+        flags.setdefault("model", {})["tokenizer"] = args.tokenizer
     if args.model_impl:
         flags.setdefault("model", {})["impl"] = args.model_impl
     config = load_config_from_args(args, flags)  # YAML < overrides < flags; -p no:NAME disables a plugin

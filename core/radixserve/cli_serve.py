@@ -12,7 +12,8 @@ from radixserve.config import deep_merge
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="PATH", help="HF directory or .gguf file (default: embedded SmolLM2-135M)")
+    p.add_argument("--model", metavar="PATH", help="HF directory, .gguf file or a file another installed weight "
+                   "source reads (radixserve plugins lists the suffixes); default: embedded SmolLM2-135M")
     p.add_argument("--config", metavar="FILE", help="YAML component stack (see stacks/)")
     p.add_argument("--tokenizer", metavar="PATH", help="tokenizer directory (default: from the model)")
     p.add_argument("--served-model-name", metavar="NAME", help="model name clients send (default: file name)")

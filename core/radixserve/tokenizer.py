@@ -28,7 +28,7 @@ def tokenizer_source(model_path: str, tokenizer_path: str | None = None) -> str:
         key = "model.tokenizer" if tokenizer_path else "model.path"
         raise ValueError(
             f"{key} {path!r} is a file, and RadixServe reads a tokenizer only from a directory (tokenizer.json "
-            "or tokenizer_config.json) or a .gguf file: set model.tokenizer (serve --tokenizer) to the directory "
+            "or tokenizer_config.json) or a .gguf file: set model.tokenizer (serve or generate --tokenizer) to the directory "
             "of this model's tokenizer"
         )
     return path

@@ -168,7 +168,7 @@ class WeightSource(abc.ABC):
     (unknown names are a start-up error listing the constructor's). Added in plugin API 1.4.
 
     The tokenizer is not the weight source's: the core reads it from `model.tokenizer` (serve
-    `--tokenizer`), a directory with `tokenizer.json` / `tokenizer_config.json`; only `.gguf` files
+    or generate `--tokenizer`), a directory with `tokenizer.json` / `tokenizer_config.json`; only `.gguf` files
     have one built in. Users of another file format set `model.tokenizer` (without it the start-up
     error says so).
 

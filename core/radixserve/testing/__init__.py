@@ -30,6 +30,7 @@ from radixserve.testing.toy_runner import (
     toy_prompt_ranks,
     toy_reference,
 )
+from radixserve.testing.weight_source import check_weight_source
 
 __all__ = [
     "ReasoningSample",
@@ -50,6 +51,7 @@ __all__ = [
     "drafter_info",
     "run_to_completion",
     "check_tool_parser",
+    "check_weight_source",
     "tiny_checkpoint",
     "tiny_tokenizer",
     "toy_next_token",

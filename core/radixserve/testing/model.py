@@ -189,6 +189,7 @@ def check_model_parity(
     attention=None,
     quant_method=None,
     reference: str | None = None,
+    weight_source=None,
 ) -> None:
     """Run a Model class on an HF safetensors checkpoint against transformers; raise
     AssertionError naming the prompt and step of the first difference.
@@ -208,6 +209,10 @@ def check_model_parity(
     :param reference: the checkpoint transformers runs (default `checkpoint`); for a quantized
         checkpoint, the same model with its weights dequantized to float. transformers runs its
         eager attention (its SDPA path ignores attention soft-capping).
+    :param weight_source: a `WeightSource` instance that reads `checkpoint` (a file in its format),
+        as the core runs one: its `hf_config`, its `iter_weights`, and itself as the layers'
+        QuantMethod (unless `quant_method` is given); `reference` is then required
+        (`check_weight_source` wraps this).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -215,9 +220,17 @@ def check_model_parity(
     from radixserve.model_loader.sources import ModelSource
     from radixserve.testing.attention import ReferenceAttentionBackend
 
-    hf_config = AutoConfig.from_pretrained(checkpoint)
-    model = load_model(ModelSource(path=checkpoint, format="safetensors"), hf_config, model_cls,
-                       torch.device("cpu"), torch.float32, quant_method=quant_method, show_progress=False)
+    if weight_source is not None:
+        if reference is None:
+            raise ValueError("check_model_parity(weight_source=...) needs reference=, an HF directory of the same model")
+        hf_config = weight_source.hf_config(checkpoint)
+        source = ModelSource(path=checkpoint, format=type(weight_source).__name__, weight_source=weight_source)
+        quant_method = quant_method if quant_method is not None else weight_source
+    else:
+        hf_config = AutoConfig.from_pretrained(checkpoint)
+        source = ModelSource(path=checkpoint, format="safetensors")
+    model = load_model(source, hf_config, model_cls, torch.device("cpu"), torch.float32, quant_method=quant_method,
+                       show_progress=False)
     # eager: transformers' SDPA path silently drops options such as Gemma 2's attention soft-capping
     hf = AutoModelForCausalLM.from_pretrained(reference or checkpoint, dtype=torch.float32,
                                               attn_implementation="eager").eval()

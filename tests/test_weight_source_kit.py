@@ -1,0 +1,97 @@
+"""The weight-source kit (`radixserve.testing.check_weight_source`): a minimal file format of our own
+(an .npz of the tensors plus the config as JSON) passes it, and each broken variant of that reader
+fails naming what is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from radixserve.interfaces.quantization import WeightSource
+from radixserve.layers.quant_unquantized import UnquantizedMethod
+from radixserve.testing import check_weight_source, tiny_checkpoint
+from safetensors.torch import load_file
+
+
+class NpzSource(UnquantizedMethod, WeightSource):
+    """fp32 tensors in an .npz, the HF config in its `__config__` entry (JSON text)."""
+
+    def hf_config(self, path):
+        from transformers import AutoConfig
+
+        with np.load(path) as f:
+            d = json.loads(str(f["__config__"]))
+        return AutoConfig.for_model(d.pop("model_type"), **d)
+
+    def num_tensors(self, path):
+        with np.load(path) as f:
+            return len(f.files) - 1
+
+    def iter_weights(self, path, hf_config):
+        with np.load(path) as f:
+            for name in f.files:
+                if name != "__config__":
+                    yield name, torch.from_numpy(f[name].copy())
+
+
+class DropsOne(NpzSource):  # consistent with itself: the loader finds the parameter it never fills
+    def num_tensors(self, path):
+        return super().num_tensors(path) - 1
+
+    def iter_weights(self, path, hf_config):
+        yield from list(super().iter_weights(path, hf_config))[1:]
+
+
+class CountsWrong(NpzSource):
+    def num_tensors(self, path):
+        return super().num_tensors(path) + 1
+
+
+class Repeats(NpzSource):
+    def iter_weights(self, path, hf_config):
+        pairs = list(super().iter_weights(path, hf_config))
+        yield from pairs + pairs[:1]
+
+
+class Perturbs(NpzSource):
+    def iter_weights(self, path, hf_config):
+        for name, t in super().iter_weights(path, hf_config):
+            yield name, (t * 1.5 if name.endswith("layers.0.mlp.down_proj.weight") else t)
+
+
+class NotAQuantMethod(WeightSource):
+    hf_config = NpzSource.hf_config
+    iter_weights = NpzSource.iter_weights
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    ref = tmp_path_factory.mktemp("ref")
+    tiny_checkpoint("llama", str(ref), tie_word_embeddings=False)
+    config = json.loads((ref / "config.json").read_text())
+    tensors = {k: v.numpy() for k, v in load_file(str(ref / "model.safetensors")).items()}
+    path = ref.parent / "tiny.npzw"
+    with open(path, "wb") as f:
+        np.savez(f, __config__=json.dumps(config), **tensors)
+    return str(path), str(ref)
+
+
+def test_a_faithful_reader_passes(checkpoint):
+    path, ref = checkpoint
+    check_weight_source(NpzSource, path, reference=ref)
+
+
+@pytest.mark.parametrize("broken,words", [
+    (DropsOne, "left 1 parameter(s) unloaded"),
+    (CountsWrong, "num_tensors"),
+    (Repeats, "more than once"),
+    (Perturbs, "prompt 0"),
+    (NotAQuantMethod, "subclass both"),
+])
+def test_a_broken_reader_fails_naming_the_rule(checkpoint, broken, words):
+    path, ref = checkpoint
+    with pytest.raises((AssertionError, ValueError)) as e:
+        check_weight_source(broken, path, reference=ref)
+    assert words in str(e.value), str(e.value)
