@@ -43,7 +43,7 @@ class ReasoningParser(abc.ABC):
     #: the closing tag. With a `response_format` the grammar starts after it (the reasoning stays
     #: free text); empty: the grammar constrains the output from its first token, so no reasoning
     #: section can be produced. The server has read it by name since structured output and
-    #: reasoning combined; declared here (default unchanged) so that authors see it.
+    #: reasoning combined; declared here in plugin API 1.12 (default unchanged) so that authors see it.
     end_tag: ClassVar[str] = ""
 
     def __init__(self, starts_in_reasoning: bool = False) -> None:

@@ -38,6 +38,8 @@ def check_weight_source(
         gives them to the model (raise `logits_atol` for a lossy format).
     :param model_cls: the model class to load (default: the installed one registered under the
         config's `architectures[0]`).
+
+    Added in plugin API 1.12.
     """
     ws = source(**(options or {})) if isinstance(source, type) else source()
     name = type(ws).__name__
