@@ -230,8 +230,16 @@ def test_every_policy_and_the_chunk_cache(policy):
         assert_clean(sched)
 
 
-def test_trees_become_chains_when_the_backend_cannot_verify_trees():
-    sched, _ = make({"mode": "right", "tree": True}, runner_kwargs={"supports_tree_mask": False})
+def test_trees_become_chains_when_the_backend_cannot_verify_trees(caplog):
+    """...and the log says which of the two happens (an author checking that a backend's tree
+    support is used had no other sign of it)."""
+    with caplog.at_level("INFO", logger="radixserve.scheduler"):
+        make({"mode": "right", "tree": True}, spec={"topk": 2})
+        sched, _ = make({"mode": "right", "tree": True}, runner_kwargs={"supports_tree_mask": False},
+                        spec={"topk": 2})
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "speculative.topk=2" in r.getMessage()]
+    assert [level for level, _ in said] == ["INFO", "WARNING"], said
+    assert "verified with tree masks" in said[0][1] and "cut to the chain" in said[1][1]
     p = prompts(1, seed=13)[0]
     sched.add_request(req("a", p, 20))
     assert run(sched)["a"]["ids"] == reference(p, 20)  # the toy runner asserts it saw no tree

@@ -348,6 +348,15 @@ class Scheduler:
         spec = config.speculative
         self.draft_control = DraftLengthControl(spec.num_draft_tokens, spec.adaptive_batch_size, spec.min_accepted_drafts)
         self.trees_ok = bool(getattr(runner, "supports_tree_mask", False))
+        if drafter is not None and spec.topk > 1:  # say which happens: nothing else shows it
+            backend = type(getattr(runner, "attn_backend", runner)).__name__
+            if self.trees_ok:
+                logger.info("speculative.topk=%d: draft trees are verified with tree masks (attention %s)",
+                            spec.topk, backend)
+            else:
+                logger.warning("speculative.topk=%d asks for draft trees, but the attention backend %s does not "
+                               "verify them (supports_tree_mask is False): each tree is cut to the chain of each node's "
+                               "first child", spec.topk, backend)
         self._step_acceptance: list[int] = []  # per verify step: accepted drafts of each drafting request
         if drafter is not None and self.overlap:
             logger.info("speculative decoding is on: overlap scheduling is switched off (verify steps run one at a time)")

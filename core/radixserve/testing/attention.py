@@ -313,11 +313,11 @@ class _Scenario:
         assert got.dtype == q_dtype, f"{what}: output dtype {got.dtype} != q's dtype {q_dtype}"
         assert bool(torch.isfinite(got).all()), f"{what}: NaN or inf in the output"
         start = 0
-        for (i, n), p in zip(picks, pick_prefix, strict=True):
+        for row, ((i, n), p) in enumerate(zip(picks, pick_prefix, strict=True)):
             err = _rel_err(got[start : start + n], want[start : start + n])
             assert err < self.tol, (
-                f"{what}: request {i} (prefix {p}, {n} new tokens) differs from exact attention: relative error "
-                f"{err:.2e} >= {self.tol:.0e}"
+                f"{what}: batch row {row} (the scenario's request {i}; prefix {p}, {n} new tokens) differs from "
+                f"exact attention: relative error {err:.2e} >= {self.tol:.0e}"
             )
             start += n
         self._assert_pools_equal(f"{what}: KV pool differs from the reference after the step (new K/V must land "
