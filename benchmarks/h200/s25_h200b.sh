@@ -10,6 +10,8 @@ source benchmarks/h200/flashinfer_setup.sh || { echo "flashinfer setup failed"; 
 log() { echo "[s25_h200b $(date +%H:%M:%S), $(left) s left] $*"; }
 M=benchmarks/model-configs/llama-3.1-8b
 STACK="runtime.device=cuda runtime.dtype=bfloat16 scheduler.max_running_requests=512 runtime.cuda_graph_max_bs=512 scheduler.chunked_prefill_size=8192 scheduler.max_prefill_tokens=16384 scheduler.mem_fraction=0.88"  # stacks/h200-llama.yaml
+log "the offline floor: bf16 GEMM rates at the projection shapes and copy bandwidth, measured here"
+python3 benchmarks/offline_floor.py --config-dir $M --out $OUT/offline_floor.jsonl | cut -c1-600
 for attn in triton flashinfer; do
   budget=$(( $(left) - 100 )); [ $budget -gt 150 ] && budget=150
   [ $budget -lt 60 ] && { log "offline $attn skipped: $budget s left"; continue; }
