@@ -137,6 +137,14 @@ def test_every_radixserve_command_line_in_the_docs_parses():
     assert not bad, "command lines the CLI rejects:\n" + "\n".join(bad)
 
 
+def test_a_missing_prompt_is_the_only_required_argument_named(capsys):
+    """`section.key=value` overrides are optional: argparse listed them as required beside the prompt."""
+    with pytest.raises(SystemExit):
+        parse_command_line(make_parser(), ["generate"])
+    error_line = capsys.readouterr().err.strip().splitlines()[-1]  # the usage above it shows them, optional
+    assert error_line.endswith("the following arguments are required: prompt"), error_line
+
+
 def test_overrides_may_follow_flags_after_a_positional():
     # `generate "prompt" --max-tokens 16 section.key=value` is how the docs and users write it
     args = parse_command_line(make_parser(), ["generate", "Hi", "--max-tokens", "4", "stack.policy=lpm", "runtime.seed=1"])

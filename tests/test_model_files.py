@@ -196,6 +196,16 @@ def test_broken_model_files_are_one_line_naming_the_file_in_generate_and_serve(t
             assert "Traceback" not in done.stderr and "sentencepiece" not in done.stderr, done.stderr[-3000:]
 
 
+def test_serve_names_a_missing_model_path_as_the_cli_names_bad_values(tmp_path):
+    """`serve --model /no/such/dir` printed a log line ("13:00:02 ERROR radixserve.server: ..."); every
+    other bad value is one `radixserve: error:` line."""
+    missing = str(tmp_path / "no-such-model")
+    done = subprocess.run([sys.executable, "-m", "radixserve.cli", "serve", "--model", missing, "--port", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == f"radixserve: error: model path {missing!r} does not exist"
+
+
 def test_engine_with_broken_model_files_raises_a_clear_value_error(tmp_path, smollm2_gguf_path):
     from radixserve.engine import Engine
 

@@ -257,6 +257,33 @@ def test_min_tokens_above_max_tokens_is_one_rule_everywhere(client, tm, route, b
     assert tm.inputs == []
 
 
+@pytest.mark.parametrize(
+    "route,body,param,words",
+    [
+        # a negative max_new_tokens was reported as min_new_tokens (0) exceeding it: a field never sent
+        ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens",
+         "sampling_params.max_new_tokens must be an integer >= 0, got -1"),
+        ("/generate", {"text": "hi", "sampling_params": {"min_new_tokens": -2}}, "sampling_params.min_new_tokens",
+         ">= 0, got -2"),
+        # NaN on the OpenAI routes was reported against the range ("less than or equal to 2")
+        ("/v1/chat/completions", chat(temperature=float("nan")), "temperature", "finite number"),
+        ("/v1/completions", completion(repetition_penalty=float("nan")), "repetition_penalty", "finite number"),
+        ("/v1/completions", completion(top_p=float("inf")), "top_p", "finite number"),
+    ],
+)
+def test_the_error_names_the_value_that_is_wrong(client, tm, route, body, param, words):
+    assert_400(post(client, route, body), param, words)
+    assert tm.inputs == []
+
+
+def test_a_body_that_is_not_json_says_where_it_breaks(client, tm):
+    r = client.post("/v1/completions", content=b'{"model": "m", "prompt": "unterminated',
+                    headers={"content-type": "application/json"})
+    err = assert_400(r, None)
+    assert err["message"] == "request body is not valid JSON: Unterminated string starting at character 25", err
+    assert tm.inputs == []
+
+
 def test_min_tokens_beyond_the_context_is_refused_not_cut(client, tm):
     # no max_tokens: the budget is what the context leaves (64 here); min_tokens used to be cut to it
     body = {k: v for k, v in chat(min_tokens=1000).items() if k not in ("max_tokens", "max_completion_tokens")}

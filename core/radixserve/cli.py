@@ -195,7 +195,7 @@ def make_parser() -> argparse.ArgumentParser:
     show = csub.add_parser("show", help="print the fully resolved configuration and component stack")
     common(show)
     show.add_argument("--model", help="also say which model implementation runs this checkpoint (model.path)")
-    show.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides (beat the YAML)")
+    show.add_argument("overrides", nargs="*", default=[], metavar="section.key=value", help="overrides (beat the YAML)")
     show.set_defaults(func=cmd_config_show)
 
     for name, module, helptext in (

@@ -32,7 +32,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_model_impl_argument(parser)
     add_speculative_arguments(parser)
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    parser.add_argument("overrides", nargs="*", default=[], metavar="section.key=value", help="config overrides")
 
 
 def generate_ids(runner, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:

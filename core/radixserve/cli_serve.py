@@ -33,7 +33,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_parallel_arguments(p)
     add_speculative_arguments(p)
     add_data_parallel_arguments(p)
-    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. stack.policy=lpm")
+    p.add_argument("overrides", nargs="*", default=[], metavar="section.key=value", help="config overrides, e.g. stack.policy=lpm")
 
 
 def add_parallel_arguments(p: argparse.ArgumentParser) -> None:

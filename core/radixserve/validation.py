@@ -143,6 +143,10 @@ def check_sampling(sp: SamplingParams, limits: ModelLimits, names: FieldNames = 
         if not _is_int(value) or abs(value) > INT64_MAX:
             field = names.max_new_tokens if name == "max_new_tokens" else names.of(name)
             raise InvalidRequest(f"{field} must be an integer, got {value!r}", field)
+    for name in ("max_new_tokens", "min_new_tokens"):  # before comparing them: name the negative one
+        if getattr(sp, name) < 0:
+            field = names.max_new_tokens if name == "max_new_tokens" else names.of(name)
+            raise InvalidRequest(f"{field} must be an integer >= 0, got {getattr(sp, name)!r}", field)
     for name in _FLOATS:
         value = getattr(sp, name)
         if not _is_number(value) or not math.isfinite(value):

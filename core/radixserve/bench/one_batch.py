@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", metavar="NAME", help="drafter (stack.speculative), e.g. oracle or ngram")
     p.add_argument("--speculative-num-draft-tokens", type=int, metavar="K", help="speculative.num_draft_tokens")
     p.add_argument("-p", action="append", metavar="no:PLUGIN", help="do not load this plugin (repeatable)")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    p.add_argument("overrides", nargs="*", default=[], metavar="section.key=value")
 
 
 def _config(args: argparse.Namespace) -> Config:

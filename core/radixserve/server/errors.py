@@ -102,7 +102,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     by_field: dict[str, list[str]] = {}
     for err in exc.errors():
         if err.get("type") == "json_invalid":
-            return f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+            what = str(err.get("ctx", {}).get("error", err.get("msg")))
+            where = list(err.get("loc", ()))[1:2]  # FastAPI keeps the position here, cut from the message
+            if where and isinstance(where[0], int):  # "... starting at" -> "... starting at character 25"
+                what += f" character {where[0]}" if what.endswith(" at") else f" (at character {where[0]})"
+            return f"request body is not valid JSON: {what}", None
         loc = list(err.get("loc", ()))
         loc = loc[1:] if loc[:1] == ["body"] else loc
         where = ".".join(_client_loc(loc, body, err.get("type") == "missing"))

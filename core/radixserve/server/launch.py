@@ -144,8 +144,8 @@ async def _start_runtime(config: Config, registry: Any) -> tuple[Any, int]:
 
     try:
         tm = TokenizerManager(config, registry)
-    except FileNotFoundError as e:
-        logger.error("%s", e)
+    except FileNotFoundError as e:  # a bad --model: the CLI's one-line form, as every other bad value gets
+        print(f"radixserve: error: {e}", file=sys.stderr)
         return None, 2
     starting = asyncio.ensure_future(tm.start())
     with on_signals(lambda _sig: starting.cancel()):  # also while a failed start is cleaned up

@@ -128,7 +128,9 @@ class Serving:
 
     def check_ready(self, model: str | None) -> None:
         if not self.tm.is_healthy():
-            raise APIError("the runtime is not healthy; try again later", 503, code="service_unavailable")
+            why = getattr(self.tm, "unhealthy_reason", None)  # e.g. "the server is shutting down", as /health says
+            reason = (why() if why is not None else None) or "the runtime is not healthy"
+            raise APIError(f"{reason}; try again later", 503, code="service_unavailable")
         if model is not None and model != self.tm.model_name:
             raise APIError(
                 f"the model {model!r} does not exist; this server serves {self.tm.model_name!r}",
