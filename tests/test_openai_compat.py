@@ -324,7 +324,7 @@ def test_generate_refuses_what_it_would_ignore(client, tm, body, param, words):
          'response_format.json_schema: required when type is "json_schema"'),
         ("/v1/completions", completion(prompt=[]), "prompt", "prompt: must not be empty"),
         ("/v1/completions", completion(prompt=[[1], []]), "prompt[1]", "prompt[1]: a token list must not be empty"),
-        ("/v1/completions", completion(prompt=""), "prompt", "the prompt is empty"),
+        ("/v1/completions", completion(prompt=""), "prompt", "prompt: the prompt is empty"),
         ("/v1/completions", completion(best_of=3), "best_of", "best_of other than n is not supported"),
         ("/generate", {"text": "hi", "input_ids": [1]}, "text", "text: give exactly one of text or input_ids"),
         ("/generate", {}, "text", "text: give exactly one of text or input_ids"),

@@ -276,7 +276,7 @@ def test_requests_that_cannot_fit_are_rejected_with_a_reason(make_scheduler):
     sched.add_request(request("ok", list(range(30)), 20))
     results = run_to_completion(sched)
     assert "context length (80 tokens)" in results["ctx"]["outs"][0].error
-    assert results["empty"]["outs"][0].error == "the prompt is empty"
+    assert results["empty"]["outs"][0].error == "input_ids: the prompt is empty"
     assert results["ok"]["ids"] == reference(list(range(30)), 20)
     assert sched.metrics.rejected_requests == 2
     big = make_scheduler(runner_kwargs={"max_total_tokens": 40, "context_len": 200})

@@ -230,7 +230,7 @@ def max_new_tokens_for(
     Raises InvalidRequest when the prompt plus the budget cannot fit the context."""
     ctx = limits.context_len
     if prompt_len == 0:  # e.g. an empty text prompt: named as the client sent it, not as input_ids
-        raise InvalidRequest("the prompt is empty", names.prompt)
+        raise InvalidRequest(f"{names.prompt}: the prompt is empty", names.prompt)
     if requested is not None and (not _is_int(requested) or requested < 0):
         raise InvalidRequest(f"{names.max_new_tokens} must be an integer >= 0, got {requested!r}", names.max_new_tokens)
     if not ctx:
@@ -257,7 +257,7 @@ def validate_request(ids: list[int], sp: SamplingParams, limits: ModelLimits, na
     if not isinstance(ids, list):
         raise InvalidRequest(f"{names.prompt} must be a list of token ids", names.prompt)
     if not ids:
-        raise InvalidRequest("the prompt is empty", names.prompt)
+        raise InvalidRequest(f"{names.prompt}: the prompt is empty", names.prompt)
     check_token_ids(ids, limits, names.prompt)
     check_sampling(sp, limits, names)
     max_new_tokens_for(len(ids), sp.max_new_tokens, limits, names)

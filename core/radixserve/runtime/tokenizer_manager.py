@@ -417,7 +417,8 @@ class TokenizerManager:
             check_text(inp.text, "text")  # the tokenizer would raise a TypeError on a lone surrogate
             ids = list(self.tokenizer.encode(inp.text))
         if not ids:
-            raise InvalidRequest("the prompt is empty", "text" if inp.text is not None else "input_ids")
+            field = "text" if inp.text is not None else "input_ids"
+            raise InvalidRequest(f"{field}: the prompt is empty", field)
         sp = inp.sampling_params
         if inp.return_logprob and isinstance(sp, SamplingParams) and not sp.logprobs:
             sp = dataclasses.replace(sp, logprobs=True, top_logprobs=max(sp.top_logprobs, inp.top_logprobs_num))
