@@ -9,7 +9,7 @@ start-up error listing the installed parsers."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.interfaces.reasoning_parser import ReasoningParser
@@ -31,7 +31,7 @@ class OutputParsers:
     installed_tool_parsers: tuple[str, ...] = ()
     # whether the chat template renders `tools`; learned from the first request that has tools
     template_renders_tools: bool | None = None
-    _generic_prompt_noted: bool = False
+    _generic_prompt_noted: bool = field(default=False, init=False, repr=False)  # warned once (below)
 
     def note_generic_tool_prompt(self) -> None:
         """A request's tools go into the generic (Hermes-format) prompt, so hermes parses its output:
