@@ -32,6 +32,30 @@ class HiddenRows:
     aux: torch.Tensor | None
 
 
+def verified_rows(rows: HiddenRows, ids: list[int]) -> list[int]:
+    """Indices of `rows` on the request's verified sequence `ids`: for a prefill or decode step
+    those whose token is the sequence's; for a verify step the accepted path (from each node, the
+    first child carrying the next verified token, as the core accepts).
+
+    Row j at position p was computed from token p (its `final` is what predicts token p + 1), so
+    the newest verified token has no row until a later forward feeds it. Added in plugin API 1.4
+    (in `radixserve.scheduler.speculative.draft_state`; here, its public home, since 1.12)."""
+    pos, toks = rows.positions, rows.token_ids
+    if rows.parents is None:
+        return [j for j, p in enumerate(pos) if p < len(ids) and (not toks or ids[p] == toks[j])]
+    if not toks or pos[0] >= len(ids) or ids[pos[0]] != toks[0]:
+        return []
+    path, node = [0], 0
+    while pos[node] + 1 < len(ids):
+        want = ids[pos[node] + 1]
+        child = next((c for c in range(node + 1, len(pos)) if rows.parents[c] == node and toks[c] == want), None)
+        if child is None:
+            break
+        path.append(child)
+        node = child
+    return path
+
+
 class TargetStates:
     """What the core offers a drafter about the target model. Added in plugin API 1.1.
 

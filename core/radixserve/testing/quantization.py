@@ -91,11 +91,12 @@ def _local(shards: list[_Shard], rank: int, tp: int, replicas: list[int] | None 
     return torch.cat(ws), torch.cat(bs)
 
 
-def _assert_close(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, tol: float, where: str) -> None:
+def _assert_close(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, tol: float, where: str,
+                  reference: str = "x @ dequant(W).T + b") -> None:
     assert got.dtype == x.dtype, f"{where}: apply returned {got.dtype} for {x.dtype} input"
     assert tuple(got.shape) == tuple(want.shape), f"{where}: output shape {tuple(got.shape)} != {tuple(want.shape)}"
     err = (got.double().cpu() - want).norm().item() / max(want.norm().item(), 1e-12)
-    assert err < tol, f"{where}: relative error {err:.2e} >= {tol:.0e} against x @ dequant(W).T + b"
+    assert err < tol, f"{where}: relative error {err:.2e} >= {tol:.0e} against {reference}"
 
 
 @single_threaded
@@ -269,4 +270,5 @@ def check_quant_method_moe(
                 act = torch.nn.functional.silu(x64[t] @ w["gate"].T) * (x64[t] @ w["up"].T)
                 want[t] += float(weights[t, k]) * (act @ w["down"].T)
         got = layer.quant_method.apply_moe(layer, x, weights.to(device), ids.to(device))
-        _assert_close(got, want, x, tol, f"{name}: apply_moe on {tokens} token(s), top-{top_k} of {num_experts}")
+        _assert_close(got, want, x, tol, f"{name}: apply_moe on {tokens} token(s), top-{top_k} of {num_experts}",
+                      "the routed sum over the dequantized experts, sum_k w_k * down(silu(gate x) * up x)")

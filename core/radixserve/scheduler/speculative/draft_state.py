@@ -13,29 +13,7 @@ from typing import Any
 import torch
 
 from radixserve.interfaces.drafter import Drafter
-from radixserve.interfaces.target_states import HiddenRows
-
-
-def verified_rows(rows: HiddenRows, ids: list[int]) -> list[int]:
-    """Indices of `rows` on the request's verified sequence `ids`: for a prefill or decode step
-    those whose token is the sequence's; for a verify step the accepted path (from each node, the
-    first child carrying the next verified token, as the core accepts).
-
-    Added in plugin API 1.4."""
-    pos, toks = rows.positions, rows.token_ids
-    if rows.parents is None:
-        return [j for j, p in enumerate(pos) if p < len(ids) and (not toks or ids[p] == toks[j])]
-    if not toks or pos[0] >= len(ids) or ids[pos[0]] != toks[0]:
-        return []
-    path, node = [0], 0
-    while pos[node] + 1 < len(ids):
-        want = ids[pos[node] + 1]
-        child = next((c for c in range(node + 1, len(pos)) if rows.parents[c] == node and toks[c] == want), None)
-        if child is None:
-            break
-        path.append(child)
-        node = child
-    return path
+from radixserve.interfaces.target_states import HiddenRows, verified_rows
 
 
 @dataclass
