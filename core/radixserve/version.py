@@ -55,6 +55,7 @@ __version__ = "0.1.0"
 #      AttentionBackend.supports_extend_cuda_graph / init_extend_graph_state / init_extend_metadata_capture /
 #      init_extend_metadata_replay, radixserve.extend_graph_runner.ExtendGraphRunner
 # 1.11: check_attention_backend(progress=): a line as each scenario starts (where a slow backend spends the kit)
-# 1.12: radixserve.testing.check_weight_source (and check_model_parity(weight_source=)); ReasoningParser.end_tag
-#      declared on the base class (the server read it by name before; default "" unchanged)
+# 1.12: radixserve.testing.check_weight_source (and check_model_parity(weight_source=)) and check_drafter_on_model;
+#      ReasoningParser.end_tag declared on the base class (the server read it by name before; default "" unchanged);
+#      verified_rows public in radixserve.interfaces.target_states
 PLUGIN_API_VERSION = "1.12"

@@ -10,6 +10,7 @@ kit in a few seconds). See docs/contracts.md ("Conformance kits")."""
 
 from radixserve.testing.attention import ReferenceAttentionBackend, check_attention_backend
 from radixserve.testing.drafter import check_drafter, drafter_info
+from radixserve.testing.drafter_on_model import check_drafter_on_model
 from radixserve.testing.end_to_end import run_to_completion
 from radixserve.testing.grammar import check_grammar_backend, tiny_tokenizer
 from radixserve.testing.latent_attention import ReferenceLatentAttentionBackend, check_latent_attention_backend
@@ -40,6 +41,7 @@ __all__ = [
     "ToyRunner",
     "check_attention_backend",
     "check_drafter",
+    "check_drafter_on_model",
     "check_grammar_backend",
     "check_latent_attention_backend",
     "check_model_parity",
