@@ -22,6 +22,7 @@ def check_drafter_on_model(
     options: dict[str, Any] | None = None,
     num_draft_tokens: int = 4,
     topk: int = 1,
+    draft_model_path: str | None = None,
     num_prompts: int = 6,
     new_tokens: int = 16,
     chunk: int = 8,
@@ -36,6 +37,7 @@ def check_drafter_on_model(
     :param checkpoint: an HF directory the core loads (e.g. `tiny_checkpoint("llama", dir)`); it
         runs in fp32 on the CPU with torch_native attention (which verifies trees).
     :param topk: `speculative.topk` (> 1: the drafter may propose trees).
+    :param draft_model_path: `speculative.draft_model_path` (a drafter with weights of its own).
     :param chunk: the prefill chunk size: prompts are prefilled in several chunks, so recorded
         rows arrive from several forwards.
     :param min_accept_length: if given, the mean accepted length must reach it (set it where the
@@ -60,7 +62,8 @@ def check_drafter_on_model(
     config = Config.build({
         # the name only switches speculation on here: the drafter is built from `drafter` below
         "stack": {"prefix_cache": "radix", "speculative": "kit-drafter"},
-        "speculative": {"num_draft_tokens": num_draft_tokens, "topk": topk, "adaptive_batch_size": 0},
+        "speculative": {"num_draft_tokens": num_draft_tokens, "topk": topk, "adaptive_batch_size": 0,
+                        "draft_model_path": draft_model_path},
         "scheduler": {"max_total_tokens": 6000, "chunked_prefill_size": chunk},
     })
     built: list[Any] = []

@@ -380,3 +380,13 @@ def test_seeded_sampling_identical_on_and_off(target, drafts):
         sched = _scheduler(runner, _config(drafts["eagle2"], topk=topk, num_draft_tokens=6, num_steps=3))
         assert _run(sched, [sampled(f"r{i}", p) for i, p in enumerate(ps)]) == plain
         _assert_released(sched.drafter)
+
+
+@pytest.mark.parametrize("kind,topk", [("eagle3", 1), ("eagle2", 3)])
+def test_passes_the_drafter_kit_on_a_model(target, drafts, kind, topk):
+    """The kit third-party drafters run on a real tiny target (radixserve.testing.check_drafter_on_model):
+    outputs equal plain greedy decoding, nothing left for finished requests."""
+    from radixserve.testing import check_drafter_on_model
+
+    assert check_drafter_on_model(EagleDrafter, target[0], draft_model_path=drafts[kind], topk=topk) >= 1.0
+

@@ -386,3 +386,12 @@ def test_block_fp8_mtp_weights_are_dequantized(target, tmp_path):
         assert got[name].dtype == torch.float32
         torch.testing.assert_close(got[name], w, atol=0.02 * float(w.abs().max()), rtol=0.07)
     MtpModule(read_mtp_layer(str(d), cfg))
+
+
+def test_passes_the_drafter_kit_on_a_model(target):
+    """The kit third-party drafters run on a real tiny target (radixserve.testing.check_drafter_on_model):
+    the DeepSeek-V3 target's own MTP layer drafts; outputs equal plain greedy decoding."""
+    from radixserve.testing import check_drafter_on_model
+
+    assert check_drafter_on_model(MtpDrafter, target[0], num_draft_tokens=3) >= 1.0
+
