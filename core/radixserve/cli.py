@@ -105,7 +105,18 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     config = load_config_from_args(args, {"model": {"path": args.model}} if args.model else None)
     reg = Registry.from_config(config)
     device = config.runtime.resolved_device()
-    resolved = resolve_stack(config, reg, device)
+    checkpoint = None
+    if config.model.path is not None:  # resolved as the runner resolves it: the model's KV kind picks attention
+        from radixserve.model_loader.sources import open_checkpoint
+
+        resolve_stack(config, reg, device)  # the stack's own errors first, as at start-up
+        checkpoint = open_checkpoint(config, reg)
+        cls = checkpoint.choice.cls
+        resolved = resolve_stack(config, reg, device, checkpoint.path,
+                                 attention_type=getattr(cls, "attention_type", "standard"),
+                                 model_name=f"model architecture {checkpoint.choice.architecture!r}")
+    else:
+        resolved = resolve_stack(config, reg, device)
     print(config.to_yaml(), end="")
     print(f"# resolved for device {device} (dtype {config.runtime.resolved_dtype(device)}):")
     print("resolved_stack:  # kind: component (chosen by stack.<key>)")
@@ -120,16 +131,9 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         if kind == "drafter" and resolved.drafter_options:
             print(f"  drafter_options: {resolved.drafter_options}  # speculative.options")
     _show_output_parsers(config, reg)
-    if config.model.path is not None:  # which implementation would run it (reads only the config)
-        print(f"model: {config.model.path}  # {_model_choice(config, reg)}")
+    if checkpoint is not None:  # which implementation would run it (reads only the config)
+        print(f"model: {config.model.path}  # {checkpoint.choice.describe()}")
     return 0
-
-
-def _model_choice(config: Config, reg: Registry) -> str:
-    """`architecture A: native plugin 'p' (dist)` for the configured checkpoint, as the runner picks."""
-    from radixserve.model_loader.sources import open_checkpoint
-
-    return open_checkpoint(config, reg).choice.describe()
 
 
 def _show_output_parsers(config: Config, reg: Registry) -> None:

@@ -28,6 +28,16 @@ TINY_CONFIG = dict(
     head_dim=16, vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-6,
     initializer_range=0.1,  # peaked logits: fewer near-ties for greedy comparisons
 )
+# model types whose transformers defaults make no working model at TINY_CONFIG's sizes: DeepSeek's keep
+# full-size latent widths, a null experts-per-token (V2) and fewer KV heads than heads (MLA expands the
+# latent to every head; transformers' eager attention repeats KV heads by heads / num_key_value_heads)
+_LATENT = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8,
+               num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+               moe_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1)
+TINY_BY_TYPE = {
+    "deepseek_v2": dict(_LATENT, q_lora_rank=None),  # V2-Lite's shape: no query compression
+    "deepseek_v3": dict(_LATENT, q_lora_rank=24),
+}
 
 
 def tiny_checkpoint(model_type: str, path: str, seed: int = 0, **overrides) -> str:
@@ -42,7 +52,7 @@ def tiny_checkpoint(model_type: str, path: str, seed: int = 0, **overrides) -> s
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(model_type, **{**TINY_CONFIG, **overrides})
+    cfg = AutoConfig.for_model(model_type, **{**TINY_CONFIG, **TINY_BY_TYPE.get(model_type, {}), **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)

@@ -37,6 +37,9 @@ class RoutingConfig:
     def validate(self, num_experts: int) -> None:
         if self.scoring not in SCORINGS:
             raise ValueError(f"unsupported MoE scoring function {self.scoring!r} (choose from {', '.join(SCORINGS)})")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):  # e.g. a config's null num_experts_per_tok
+            raise ValueError(f"MoE top_k (the config's experts per token, e.g. num_experts_per_tok) must be an "
+                             f"integer, got {self.top_k!r}")
         if not 1 <= self.top_k <= num_experts:
             raise ValueError(f"MoE top_k={self.top_k} must be between 1 and the number of experts ({num_experts})")
         if self.num_expert_group is not None:

@@ -41,6 +41,25 @@ def test_parity_with_transformers(registry, case, tmp_path):
                        attention=registry.load("attention", "torch_native"))
 
 
+@pytest.mark.parametrize("model_type", sorted(ARCHS))
+def test_tiny_checkpoint_defaults_make_working_models(registry, model_type, tmp_path):
+    """`tiny_checkpoint("deepseek_v2", dir)` with no overrides: transformers' defaults alone gave a
+    null experts-per-token (V2), fewer KV heads than heads and full-size latent widths, and the kit
+    then failed inside transformers; an outside author had to find working settings by trial."""
+    from radixserve.testing import tiny_checkpoint
+
+    path = tiny_checkpoint(model_type, str(tmp_path))
+    check_model_parity(registry.load("model", ARCHS[model_type]), path, new_tokens=6)
+
+
+def test_a_null_experts_per_token_is_a_value_error_naming_it():
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("deepseek_v2", **{**CASES["v2-lite-yarn"][1], "num_experts_per_tok": None})
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        routing_from_config(cfg, sigmoid_noaux=False).validate(8)
+
+
 def test_v3_correction_bias_and_yarn_matter(tmp_path):
     """The V3 case would catch a loader that drops e_score_correction_bias or a model that ignores
     YaRN's softmax mscale: each changes transformers' own logits on that checkpoint."""
@@ -308,3 +327,18 @@ def test_registered_under_its_distribution(registry, capsys):
     main(["plugins"])
     listed = capsys.readouterr().out
     assert "DeepseekV2ForCausalLM" in listed and "DeepseekV3ForCausalLM" in listed
+
+
+def test_config_show_names_the_attention_a_latent_model_runs_with(tmp_path, capsys):
+    """`config show --model DIR` resolves the stack as the runner does, with the model's KV kind: a
+    latent model's default attention is the latent-capable torch_native (it showed the standard
+    default, cpu_batched, which the runtime then did not use)."""
+    from radixserve.cli import main
+    from radixserve.testing import tiny_checkpoint
+
+    path = tiny_checkpoint("deepseek_v3", str(tmp_path))
+    assert main(["config", "show", "--model", path, "runtime.device=cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "  attention: torch_native  # stack.attention" in out, out
+    assert "native plugin" in out.splitlines()[-1] and "DeepseekV3ForCausalLM" in out.splitlines()[-1]
+
