@@ -43,16 +43,15 @@ def check_drafter_on_model(
     :param min_accept_length: if given, the mean accepted length must reach it (set it where the
         drafter is known to guess right, so the accepted-path bookkeeping is exercised).
     """
-    from radixserve.model_runner import ModelRunner
     from radixserve.testing.end_to_end import run_to_completion
-    from radixserve.testing.speculative import greedy_request, shared_prefix_prompts, speculative_scheduler
+    from radixserve.testing.speculative import (
+        greedy_request,
+        shared_prefix_prompts,
+        speculative_scheduler,
+        target_runner,
+    )
 
-    runner = ModelRunner(Config.build({
-        "model": {"path": checkpoint},
-        "stack": {"attention": "torch_native"},
-        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
-        "scheduler": {"max_total_tokens": 6000, "max_running_requests": 64},
-    }), show_progress=False)
+    runner = target_runner(checkpoint)
     prompts = shared_prefix_prompts(num_prompts, int(runner.vocab_size), seed)
 
     def requests() -> list:

@@ -39,6 +39,21 @@ class RecordingDrafter:
         return p
 
 
+def target_runner(path: str, *, max_total_tokens: int = 6000, max_running_requests: int = 64, impl: str = "auto"):
+    """A target `ModelRunner` for drafter tests: `path` in fp32 on the CPU (one thread) with
+    torch_native attention, which verifies trees and serves latent models too. `impl`: model.impl.
+
+    Added in plugin API 1.12."""
+    from radixserve.model_runner import ModelRunner
+
+    return ModelRunner(Config.build({
+        "model": {"path": path, "impl": impl},
+        "stack": {"attention": "torch_native"},
+        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
+        "scheduler": {"max_total_tokens": max_total_tokens, "max_running_requests": max_running_requests},
+    }), show_progress=False)
+
+
 def speculative_scheduler(runner, cfg: Config | None, make_drafter: Callable):
     """A Scheduler over `runner` with the radix cache and FCFS; the drafter is
     `make_drafter(info, cfg)` (info from `drafter_info`) when `cfg.stack.speculative` is set, else

@@ -21,7 +21,7 @@ from radixserve.state import SamplingParams
 from radixserve.static_batch import run_static_batch
 from radixserve.testing import run_to_completion as _run
 from radixserve.testing import tiny_checkpoint
-from radixserve.testing.speculative import RecordingDrafter, shared_prefix_prompts, speculative_scheduler
+from radixserve.testing.speculative import RecordingDrafter, shared_prefix_prompts, speculative_scheduler, target_runner
 from radixserve.testing.speculative import assert_drafter_released as _assert_released
 from radixserve.testing.speculative import greedy_request as _greedy
 from radixserve_spec_eagle.checkpoint import default_aux_layers, load_checkpoint
@@ -33,13 +33,7 @@ if not torch.cuda.is_available():  # as tests/conftest.py: the draft's GEMV in T
 
 
 def _runner(path: str) -> ModelRunner:
-    cfg = Config.build({
-        "model": {"path": path},
-        "stack": {"attention": "torch_native"},
-        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
-        "scheduler": {"max_total_tokens": 6000, "max_running_requests": 64},
-    })
-    return ModelRunner(cfg, show_progress=False)
+    return target_runner(path)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from radixserve.state import SamplingParams
 from radixserve.static_batch import run_static_batch
 from radixserve.testing import check_drafter
 from radixserve.testing import run_to_completion as _run
-from radixserve.testing.speculative import RecordingDrafter, shared_prefix_prompts, speculative_scheduler
+from radixserve.testing.speculative import RecordingDrafter, shared_prefix_prompts, speculative_scheduler, target_runner
 from radixserve.testing.speculative import assert_drafter_released as _assert_released
 from radixserve.testing.speculative import greedy_request as _greedy
 from radixserve_spec_mtp.checkpoint import MtpCheckpointError, read_mtp_layer
@@ -34,13 +34,7 @@ VOCAB = 512
 def _runner(path: str, max_total_tokens: int = 6000, impl: str = "native") -> ModelRunner:
     """The target: the native DeepSeek plugin (latent KV pool, torch_native latent attention), or
     the transformers fallback with `impl="transformers"`."""
-    cfg = Config.build({
-        "model": {"path": path, "impl": impl},
-        "stack": {"attention": "torch_native"},
-        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
-        "scheduler": {"max_total_tokens": max_total_tokens, "max_running_requests": 64},
-    })
-    return ModelRunner(cfg, show_progress=False)
+    return target_runner(path, max_total_tokens=max_total_tokens, impl=impl)
 
 
 @pytest.fixture(scope="module")
