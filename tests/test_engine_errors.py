@@ -49,6 +49,28 @@ def test_a_prompt_that_is_not_text_is_a_value_error_naming_it(engine):
         engine.generate(input_ids=7, sampling_params={"max_new_tokens": 2})
 
 
+@pytest.mark.parametrize("rid", [5, b"x", 2.5])
+def test_a_rid_that_is_not_a_string_is_refused_not_lost(engine, rid):
+    """A non-str rid was dropped by the scheduler process (its typed message needs a str) and the
+    caller waited forever; now a 400 naming it, and abort() of such a rid is a no-op."""
+    with pytest.raises(ValueError, match="rid must be a string") as e:
+        engine.generate("Hi", {"max_new_tokens": 2}, rid=rid)
+    assert getattr(e.value, "status", None) == 400 and e.value.param == "rid"
+    with pytest.raises(ValueError, match="rid must be a string"):
+        asyncio.run(asyncio.wait_for(engine.async_generate("Hi", {"max_new_tokens": 2}, rid=rid), 60))
+    engine.abort(rid)
+    assert engine.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+    assert engine.get_stats()["in_flight_requests"] == 0
+
+
+def test_n_and_top_logprobs_that_would_be_ignored_are_refused_as_on_generate(engine):
+    """The Engine took `n` and dropped it (one result came back); /generate refused it."""
+    with pytest.raises(ValueError, match="sampling_params.n: one completion per request"):
+        engine.generate("Hi", {"max_new_tokens": 2, "n": 2})
+    with pytest.raises(ValueError, match="top_logprobs requires"):
+        engine.generate("Hi", {"max_new_tokens": 2, "top_logprobs": 3})
+
+
 def test_a_section_that_is_not_a_dict_names_the_section():
     with pytest.raises(ValueError, match="stack= must be a dict"):
         engine_config(None, None, None, {"stack": "lpm"})

@@ -22,7 +22,7 @@ from radixserve.config import Config, ConfigError
 from radixserve.plugins.registry import Registry
 from radixserve.runtime.tokenizer_manager import GenerateInput, TokenizerManager
 from radixserve.state import SamplingParams
-from radixserve.validation import ModelLimits, sampling_params_from
+from radixserve.validation import ModelLimits, sampling_from_dict
 
 
 def _sampling_params(sp: Any) -> SamplingParams:
@@ -32,7 +32,7 @@ def _sampling_params(sp: Any) -> SamplingParams:
         return sp
     if sp is not None and not isinstance(sp, Mapping):
         raise ValueError(f"sampling_params must be a dict (or a list of dicts, one per prompt), got {sp!r}")
-    return sampling_params_from(sp, ModelLimits())  # vocabulary and context are checked at submit
+    return sampling_from_dict(sp, ModelLimits())  # as /generate's; vocabulary and context are checked at submit
 
 
 def engine_config(model: str | Path | Mapping[str, Any] | None, config: str | Path | Config | None,

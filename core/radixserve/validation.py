@@ -210,8 +210,8 @@ def sampling_from_dict(d: Any, limits: ModelLimits, names: FieldNames = NATIVE) 
     # fields SamplingParams has but this one-choice route would silently ignore
     if sp.n != 1:
         raise InvalidRequest(
-            f"{names.of('n')}: this route makes one completion; for n > 1 use /v1/completions or "
-            "/v1/chat/completions with `n`",
+            f"{names.of('n')}: one completion per request here; for n > 1 use /v1/completions or "
+            "/v1/chat/completions with `n` (with the Engine: list the prompt n times)",
             names.of("n"),
         )
     if sp.top_logprobs and not sp.logprobs:

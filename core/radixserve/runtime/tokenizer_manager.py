@@ -430,6 +430,9 @@ class TokenizerManager:
             if isinstance(sp, SamplingParams) and sp.prompt_logprobs is None:
                 sp = dataclasses.replace(sp, prompt_logprobs=inp.top_logprobs_num)
         validate_request(ids, sp, self.limits)
+        if inp.rid is not None and not isinstance(inp.rid, str):  # the typed message to the scheduler needs a str:
+            # a non-str one was dropped there, and the caller waited forever
+            raise InvalidRequest(f"rid must be a string, got {type(inp.rid).__name__} {inp.rid!r}", "rid")
         rid = inp.rid or uuid.uuid4().hex
         if rid in self._rid_to_state:
             raise InvalidRequest(f"request id {rid!r} is already in use", "rid")
@@ -510,8 +513,8 @@ class TokenizerManager:
         return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
 
     def abort(self, rid: str) -> None:
-        if self.dead_reason is not None or self._closing or not self._started:
-            return
+        if self.dead_reason is not None or self._closing or not self._started or not isinstance(rid, str):
+            return  # (a non-str rid names no request: every rid is a str, _prepare sees to it)
         self._send.send(self._enc.encode(AbortRequest(rid)))
 
     async def _control_call(self, make: Callable[[int], Any]) -> ControlReply:
