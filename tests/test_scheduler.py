@@ -679,7 +679,8 @@ def test_step_trace_records_each_forward_by_kind(tmp_path, monkeypatch, overlap)
     if overlap:
         assert sched.overlap and sched.metrics.overlapped_batches > 0
         ends = [float(r[0]) + float(r[3]) for r in rows]
-        assert all(float(b[0]) >= end - 1e-6 for b, end in zip(rows[1:], ends))
+        # each field is printed to 1 us, so a start and the sum before it may differ by up to 1.5 us
+        assert all(float(b[0]) >= end - 1e-5 for b, end in zip(rows[1:], ends))
     assert_nothing_left(sched)
     spec = importlib.util.spec_from_file_location(
         "step_trace_summary", Path(__file__).resolve().parents[1] / "benchmarks" / "step_trace_summary.py")
