@@ -26,12 +26,16 @@ import time
 import torch
 
 
+def head_dims(cfg: dict) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of an HF config."""
+    heads = cfg["num_attention_heads"]
+    return heads, cfg.get("num_key_value_heads", heads), cfg.get("head_dim") or cfg["hidden_size"] // heads
+
+
 def linear_shapes(cfg: dict) -> list[tuple[int, int]]:
     """(in, out) of one decoder layer's projections, qkv and gate/up fused as the runtime runs them."""
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    heads = cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads", heads)
-    d = cfg.get("head_dim") or h // heads
+    heads, kv, d = head_dims(cfg)
     return [(h, (heads + 2 * kv) * d), (heads * d, h), (h, 2 * inter), (inter, h)]
 
 
@@ -74,9 +78,7 @@ def _sync(device: str) -> None:
 def workload(cfg: dict, prompts: int, input_len: int, output_len: int, kv_bytes: int) -> dict:
     """FLOPs and bytes of the run (no rate involved)."""
     layers, h, vocab = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
-    heads = cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads", heads)
-    d = cfg.get("head_dim") or h // heads
+    heads, kv, d = head_dims(cfg)
     linear_params = layers * sum(k * n for k, n in linear_shapes(cfg))
     # causal attention: QK and PV, 2 FLOPs a multiply-add, query width heads*d, mean context (L+1)/2
     prefill_attn = 2 * 2 * layers * heads * d * (input_len + 1) / 2

@@ -86,7 +86,6 @@ def check_drafter_on_model(
         assert accept >= min_accept_length, f"{name}: mean accepted length {accept:.3f} < {min_accept_length}"
     states = getattr(built[0], "states", None)
     assert not states, f"{name}: state kept for finished requests: {sorted(states)[:5]}"
-    target = runner.target_states
-    left = {rid for rid in getattr(target, "_rows", {}) if target._rows[rid]}
-    assert not left, f"{name}: hidden rows of finished requests still held by the capture (call discard): {sorted(left)}"
+    left = sorted(rid for rid, rows in runner.target_states._rows.items() if rows)
+    assert not left, f"{name}: hidden rows of finished requests still held by the capture (call discard): {left}"
     return accept

@@ -339,13 +339,7 @@ def test_retraction_under_memory_pressure(target, drafts):
     """A small KV pool forces retraction (the request re-prefills, with the radix cache serving
     part of it): the drafter keeps its draft cache, outputs stay the target's, nothing leaks."""
     path, _ = target
-    cfg = Config.build({
-        "model": {"path": path},
-        "stack": {"attention": "torch_native"},
-        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
-        "scheduler": {"max_total_tokens": 400, "max_running_requests": 64},
-    })
-    runner = ModelRunner(cfg, show_progress=False)
+    runner = target_runner(path, max_total_tokens=400)
     rng = random.Random(11)
     ps = [[rng.randrange(VOCAB) for _ in range(rng.randint(20, 40))] for _ in range(10)]
     sched_cfg = {"max_total_tokens": 400, "chunked_prefill_size": 16, "schedule_conservativeness": 0.05}

@@ -16,7 +16,7 @@ from radixserve.cuda_graph_runner import DecodeGraphRunner, EagerGraph
 from radixserve.model_runner import ModelRunner
 from radixserve.testing import run_to_completion as _run
 from radixserve.testing import tiny_checkpoint
-from radixserve.testing.speculative import RecordingDrafter, shared_prefix_prompts, speculative_scheduler
+from radixserve.testing.speculative import RecordingDrafter, shared_prefix_prompts, speculative_scheduler, target_runner
 from radixserve.testing.speculative import assert_drafter_released as _assert_released
 from radixserve.testing.speculative import greedy_request as _greedy
 from radixserve.tree_decode_rows import TreeDecodeRows
@@ -56,12 +56,7 @@ class EagerEagle(RecordingDrafter, EagleDrafter):
 
 
 def _runner(path: str, graph_sizes: list[int] | None) -> ModelRunner:
-    runner = ModelRunner(Config.build({
-        "model": {"path": path},
-        "stack": {"attention": "torch_native"},
-        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
-        "scheduler": {"max_total_tokens": 4000, "max_running_requests": 16},
-    }), show_progress=False)
+    runner = target_runner(path, max_total_tokens=4000, max_running_requests=16)
     if graph_sizes:  # the decode graphs a CUDA runner would capture, replayed eagerly
         runner.graph_runner = DecodeGraphRunner(
             runner.model, runner.attn_backend, runner.req_to_token_pool, runner.kv_pool, runner.device,
