@@ -52,7 +52,7 @@ class FakeTM:
         return ModelLimits(vocab_size=VOCAB, context_len=self.context_len)
 
     def apply_chat_template(self, messages, add_generation_prompt=True):
-        text = "".join(f"{m['role']}:{m['content']}|" for m in messages)
+        text = "".join(f"{m['role']}:{m['content']}{'+calls' if m.get('tool_calls') else ''}|" for m in messages)
         return self.tokenizer.encode(text) + ([99] if add_generation_prompt else [])
 
     def token(self, prompt: list[int], seed: int | None, k: int) -> int:

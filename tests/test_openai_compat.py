@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import openai
 import pytest
@@ -378,3 +379,60 @@ def test_an_empty_stop_is_no_stop(client, tm, route, body):
     r = post(client, route, body)
     assert r.status_code == 200, r.text
     assert _params(tm).stop == []
+
+
+# ---- 6. from session 26's outside client audit ---------------------------------------------------
+
+
+def test_a_list_holding_one_id_list_names_the_entry(client, tm):
+    err = assert_400(post(client, "/v1/completions", completion(prompt=[[1, -5]])), "prompt[0]")
+    assert err["message"].startswith("prompt[0][1] token id -5"), err
+    assert_400(post(client, "/v1/completions", completion(prompt=[1, -5])), "prompt", "prompt[1] token id -5")
+
+
+def test_a_body_sent_as_another_content_type_names_the_header(client, tm):
+    r = client.post("/v1/chat/completions", content=json.dumps(chat()), headers={"content-type": "text/plain"})
+    err = assert_400(r, None)
+    assert err["message"] == "Content-Type 'text/plain' is not JSON: send the body with Content-Type: application/json"
+    r = client.post("/v1/chat/completions", content=json.dumps(chat()))
+    if r.status_code != 200:  # FastAPI since 0.12x reads no body without a JSON Content-Type (older ones did)
+        assert assert_400(r, None)["message"].startswith("the request has no Content-Type: send the body with")
+    assert post(client, "/v1/chat/completions", chat()).status_code == 200
+
+
+@pytest.mark.parametrize("body,words", [
+    (b'{"model": "m", "prompt": "\xff\xfe"}', "not UTF-8 (byte 0xff at position 26)"),
+    (b"[" * 100_000, "nested too deeply"),
+])
+def test_a_body_that_cannot_be_parsed_says_why(client, tm, body, words):
+    err = assert_400(client.post("/v1/completions", content=body, headers={"content-type": "application/json"}), None)
+    assert err["message"] == f"request body is not valid JSON: it is {words}", err
+    assert tm.inputs == []
+
+
+def test_max_tokens_and_max_completion_tokens_must_agree(client, tm):
+    err = assert_400(post(client, "/v1/chat/completions", chat(max_tokens=7, max_completion_tokens=5)), "max_tokens")
+    assert err["message"].startswith("max_tokens (7) differs from max_completion_tokens (5)"), err
+    assert post(client, "/v1/chat/completions", chat(max_tokens=3, max_completion_tokens=3)).status_code == 200
+    assert _params(tm).max_new_tokens == 3
+
+
+def test_empty_tools_and_a_tool_result_without_its_call_are_400s(client, tm):
+    assert_400(post(client, "/v1/chat/completions", chat(tools=[])), "tools")
+    orphan = [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "x", "content": "y"}]
+    assert_400(post(client, "/v1/chat/completions", chat(messages=orphan)), "messages.1", "must follow an assistant")
+    assert tm.inputs == []
+
+
+def test_the_model_card_keeps_its_created_time(client):
+    first = client.get("/v1/models").json()["data"][0]["created"]
+    time.sleep(1.1)
+    assert client.get("/v1/models").json()["data"][0]["created"] == first
+    assert client.get(f"/v1/models/{MODEL}").json()["created"] == first
+
+
+def test_completion_top_logprobs_hold_the_chosen_token_as_openai_and_vllm(client, tm):
+    r = post(client, "/v1/completions", completion(logprobs=0, max_tokens=3))
+    lp = r.json()["choices"][0]["logprobs"]
+    assert [list(top) for top in lp["top_logprobs"]] == [[t] for t in lp["tokens"]], lp
+    assert [list(top.values()) for top in lp["top_logprobs"]] == [[v] for v in lp["token_logprobs"]]

@@ -130,7 +130,7 @@ def test_bad_constraints_are_400s_naming_the_problem(server, body, words):
 
 
 def test_openai_bad_schema_and_bad_response_format_are_400s(oai, server):
-    with pytest.raises(openai.BadRequestError, match="invalid JSON schema"):
+    with pytest.raises(openai.BadRequestError, match="response_format: invalid JSON schema"):
         oai.chat.completions.create(
             model=server[1], messages=ASK, max_tokens=10, response_format=schema_format({"type": "unknown-type"})
         )

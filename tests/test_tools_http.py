@@ -478,3 +478,87 @@ def test_response_format_with_a_reasoning_parser_constrains_only_the_answer():
     plain.has_grammar = True
     openai_client(plain).chat.completions.create(model=MODEL, messages=ASK, response_format=fmt)  # no reasoning parser
     assert plain.inputs[-1].sampling_params.grammar_after is None
+
+
+# ---- what a template leaves out is never dropped silently (session 26's client audit) ------------------
+
+CHATML = (  # SmolLM2-135M-Instruct's template: ChatML with a default system prompt, no tools, no tool calls
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are SmolLM.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+WITH_DEVELOPER = (  # a template with a rendering of its own for `developer` (as gpt-oss's has)
+    "{% for message in messages %}{% if message['role'] == 'developer' %}{{ '[DEV] ' + message['content'] + '\\n' }}"
+    "{% else %}{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endif %}{% endfor %}"
+)
+
+
+class JinjaTM(CannedTM):
+    """The canned runtime with a real Jinja chat template (rendered as transformers does: the
+    template sees only what it names)."""
+
+    def __init__(self, template: str, reply: str = "ok", **kw) -> None:
+        super().__init__(reply, chat_template=template, **kw)
+        import jinja2
+
+        self._template = jinja2.Environment().from_string(template)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
+        self.rendered.append((messages, kwargs))
+        return self.tokenizer.encode(self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                           **kwargs))
+
+    def prompt(self) -> str:
+        return self.tokenizer.decode(self.inputs[-1].input_ids)
+
+
+CALL_HISTORY = ASK + [
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+]
+
+
+def test_earlier_tool_calls_a_template_cannot_show_are_a_400_not_dropped():
+    """The audit's case: the last turn sent without `tools` (to force a text answer) rendered the
+    assistant turn empty, the call's name and arguments gone, and answered 200."""
+    tm = JinjaTM(CHATML)
+    body = _error(openai_client(tm), messages=CALL_HISTORY)
+    assert body["param"] == "messages.1.tool_calls", body
+    assert "does not render tool calls" in body["message"] and "generic_tool_prompt" in body["message"]
+    assert tm.inputs == []
+    # under the generic tool prompt they are written as the Hermes blocks that prompt asks for
+    tm = JinjaTM(CHATML)
+    r = openai_client(tm, generic_tool_prompt=True).chat.completions.create(model=MODEL, messages=CALL_HISTORY)
+    assert r.choices[0].message.content == "ok"
+    prompt = tm.prompt()
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt, prompt
+    assert "<|im_start|>user\n<tool_response>\n18C\n</tool_response>" in prompt, prompt
+    assert "<tools>" not in prompt  # no tools in this request: none are offered
+
+
+def test_a_template_that_shows_tool_calls_gets_them_without_tools():
+    tm = CannedTM("ok")  # renders every message field
+    r = openai_client(tm).chat.completions.create(model=MODEL, messages=CALL_HISTORY)
+    assert r.choices[0].message.content == "ok"
+    messages, kwargs = tm.rendered[-1]
+    assert "tools" not in kwargs and messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_developer_messages_are_system_ones_unless_the_template_knows_the_role():
+    tm = JinjaTM(CHATML)
+    openai_client(tm).chat.completions.create(
+        model=MODEL, messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert tm.prompt() == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    tm = JinjaTM(WITH_DEVELOPER)
+    openai_client(tm).chat.completions.create(
+        model=MODEL, messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert tm.prompt() == "[DEV] Be brief.\nuser: Hi\n"
+
+
+def test_text_parts_are_joined_by_a_newline():
+    tm = JinjaTM(CHATML)
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    openai_client(tm).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}])
+    assert "<|im_start|>user\nHi\nthere<|im_end|>" in tm.prompt()

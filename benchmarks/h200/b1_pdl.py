@@ -259,6 +259,7 @@ def main() -> None:
     args = ap.parse_args()
     parts = args.parts.split(",")
     result: dict = {"device": torch.cuda.get_device_name()}
+    os.makedirs(args.out, exist_ok=True)  # s25_call1.sh passes a folder per switch setting
     path = os.path.join(args.out, "b1_pdl.json")
     if "kernels" in parts:
         result["kernels"] = kernels_part()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -65,8 +66,10 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
         return await serving.completions(body, request)
 
+    served_since = int(time.time())  # the card's `created`: the same on every call, as OpenAI's
+
     def _card() -> p.ModelCard:
-        return p.ModelCard(id=tm.model_name, root=tm.model_name, max_model_len=int(tm.context_len))
+        return p.ModelCard(id=tm.model_name, created=served_since, root=tm.model_name, max_model_len=int(tm.context_len))
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -12,7 +12,13 @@ tool_choice:
 
 A template that ignores `tools` (renders the same prompt with and without them) cannot offer
 tools to the model: a 400, unless `server.generic_tool_prompt` is on, in which case the tools are
-described in a system message in the Hermes format and parsed with the `hermes` parser."""
+described in a system message in the Hermes format and parsed with the `hermes` parser.
+
+Earlier calls in the history (an assistant message's `tool_calls`) go to the template as well; one that
+does not render them gets them as Hermes blocks under `server.generic_tool_prompt`, otherwise the
+request is a 400, so that the model never answers a conversation with its calls cut out. A `developer`
+message is rendered as `system` unless the template has a rendering of its own for the role.
+What the template renders is learned once (`template_traits.py`)."""
 
 from __future__ import annotations
 
@@ -24,20 +30,12 @@ from typing import Any
 from radixserve.server.chat_output import ChoiceOutput
 from radixserve.server.errors import APIError
 from radixserve.server.parser_selection import OutputParsers
+from radixserve.server.template_traits import render
 from radixserve.server.tool_parsers.constrained import NamedCallParser, RequiredCallsParser
 from radixserve.server.tool_parsers.hermes import HermesToolParser
 from radixserve.server.tool_schema import named_call_schema, required_calls_schema
 
 _RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "tokenize", "documents", "conversation"}
-_PROBE_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "radixserve_probe_tool",
-        "description": "probe",
-        "parameters": {"type": "object", "properties": {"probe_argument": {"type": "string"}}},
-    },
-}
-
 
 @dataclass
 class ChatPlan:
@@ -57,8 +55,8 @@ class ChatPlan:
                 400,
                 "tool_choice",
             )
-        if self.response_format and about_schema:  # the runtime names it sampling_params.json_schema
-            return APIError(message, 400, "response_format")
+        if self.response_format and about_schema:  # the runtime names it (sampling_params.)json_schema
+            return APIError(f"response_format: {message.split(': ', 1)[-1]}", 400, "response_format")
         return None
 
 
@@ -138,8 +136,19 @@ GENERIC_TOOL_PROMPT = (
 
 def generic_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The conversation for a template that cannot render tools: the tools described in the system
-    message, earlier calls written as `<tool_call>` blocks, tool results as user turns."""
+    message, and the history as `generic_tool_history` writes it."""
     prompt = GENERIC_TOOL_PROMPT.format(tools="\n".join(json.dumps(t["function"]) for t in tools))
+    out = generic_tool_history(messages)
+    if out and out[0]["role"] in ("system", "developer"):
+        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}" if out[0]["content"] else prompt}
+    else:
+        out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def generic_tool_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Earlier calls written into their assistant message as `<tool_call>` blocks, tool results as
+    user turns in `<tool_response>`: the Hermes format, for a template that renders neither."""
     out: list[dict[str, Any]] = []
     for m in messages:
         if m["role"] == "tool":
@@ -150,30 +159,30 @@ def generic_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, 
             block = json.dumps({"name": call["function"]["name"], "arguments": call["function"]["arguments"]})
             msg["content"] = (msg["content"] + "\n" if msg["content"] else "") + f"<tool_call>\n{block}\n</tool_call>"
         out.append(msg)
-    if out and out[0]["role"] in ("system", "developer"):
-        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}" if out[0]["content"] else prompt}
-    else:
-        out.insert(0, {"role": "system", "content": prompt})
     return out
 
 
-def _render(tm: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]) -> list[int]:
-    if kwargs:
-        return list(tm.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs))
-    return list(tm.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+def _as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`developer` messages as `system` ones, for a template with no rendering of its own for the role
+    (OpenAI's developer messages are what system messages were)."""
+    return [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
 
 
-def _renders_tools(tm: Any, parsers: OutputParsers) -> bool:
-    """Whether the chat template shows `tools` to the model (learned once: the template is fixed)."""
-    if parsers.template_renders_tools is None:
-        probe = [{"role": "user", "content": "hello"}]
-        try:
-            plain = _render(tm, probe, True, {})
-            with_tools = _render(tm, probe, True, {"tools": [_PROBE_TOOL]})
-            parsers.template_renders_tools = plain != with_tools
-        except Exception:  # a template that raises on tools cannot render them either
-            parsers.template_renders_tools = False
-    return parsers.template_renders_tools
+def _history_for_template(tm: Any, messages: list[dict[str, Any]], parsers: OutputParsers) -> list[dict[str, Any]]:
+    """Earlier tool calls as the template can show them: itself, as Hermes blocks under
+    `server.generic_tool_prompt`, or a 400, never dropped without a word."""
+    with_calls = next((i for i, m in enumerate(messages) if m.get("tool_calls")), None)
+    if with_calls is None or parsers.template.tool_calls(tm):
+        return messages
+    if parsers.generic_tool_prompt:
+        return generic_tool_history(messages)
+    raise APIError(
+        f"messages.{with_calls}.tool_calls: the chat template of {tm.model_name} does not render tool calls, so the "
+        "model would not see them; start the server with server.generic_tool_prompt=true to write them as "
+        "<tool_call> blocks, or serve a model whose template supports tools",
+        400,
+        f"messages.{with_calls}.tool_calls",
+    )
 
 
 def plan_chat(tm: Any, req: Any, parsers: OutputParsers) -> ChatPlan:
@@ -186,9 +195,11 @@ def plan_chat(tm: Any, req: Any, parsers: OutputParsers) -> ChatPlan:
         raise APIError(f"chat_template_kwargs must not set {reserved[0]!r}", 400, "chat_template_kwargs")
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     messages = template_messages(req)
+    if not parsers.template.developer_role(tm):
+        messages = _as_system(messages)
     generic = False
     if tools and choice != "none":
-        if _renders_tools(tm, parsers):
+        if parsers.template.tools(tm):
             kwargs["tools"] = tools
         elif parsers.generic_tool_prompt:
             generic = True
@@ -202,6 +213,8 @@ def plan_chat(tm: Any, req: Any, parsers: OutputParsers) -> ChatPlan:
                 400,
                 "tools",
             )
+    if not generic:
+        messages = _history_for_template(tm, messages, parsers)
     ids = _render_checked(tm, messages, req.add_generation_prompt, kwargs)
 
     fmt = getattr(req, "response_format", None)  # structured output constrains the same output
@@ -271,11 +284,11 @@ def plan_chat(tm: Any, req: Any, parsers: OutputParsers) -> ChatPlan:
 
 def _render_checked(tm: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]) -> list[int]:
     try:
-        return _render(tm, messages, add_generation_prompt, kwargs)
+        return render(tm, messages, add_generation_prompt, kwargs)
     except Exception as e:  # a template that rejects the conversation (e.g. role order)
         if "tools" in kwargs:
             try:
-                _render(tm, messages, add_generation_prompt, {k: v for k, v in kwargs.items() if k != "tools"})
+                render(tm, messages, add_generation_prompt, {k: v for k, v in kwargs.items() if k != "tools"})
             except Exception:
                 pass
             else:

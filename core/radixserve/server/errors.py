@@ -126,19 +126,45 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts), param
 
 
+def _unparsed_body_message(cause: BaseException | None) -> str | None:
+    """Why FastAPI could not parse a body it reports only as "There was an error parsing the body"
+    (anything but a JSON syntax error: bytes that are not UTF-8, nesting past Python's recursion limit)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"request body is not valid JSON: it is not UTF-8 (byte 0x{cause.object[cause.start]:02x} at position {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "request body is not valid JSON: it is nested too deeply"
+    return None
+
+
+def _not_json_content_type(request: Request, exc: RequestValidationError) -> str | None:
+    """FastAPI parses a body as JSON only under a JSON Content-Type (newer FastAPI: not without one
+    either, against cross-site form posts); otherwise the route sees raw bytes, and pydantic's message
+    says nothing about the header that caused it."""
+    if not isinstance(getattr(exc, "body", None), (bytes, bytearray)):
+        return None
+    content_type = request.headers.get("content-type")
+    sent = f"Content-Type {content_type!r} is not JSON" if content_type else "the request has no Content-Type"
+    return f"{sent}: send the body with Content-Type: application/json"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.message, exc.status, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        header_problem = _not_json_content_type(request, exc)
+        if header_problem is not None:
+            return error_response(header_problem, HTTPStatus.BAD_REQUEST)
         message, param = _validation_message(exc)
         return error_response(message, HTTPStatus.BAD_REQUEST, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+        if exc.status_code == HTTPStatus.BAD_REQUEST:
+            detail = _unparsed_body_message(exc.__cause__) or detail
         return error_response(detail, exc.status_code)
 
     @app.exception_handler(Exception)

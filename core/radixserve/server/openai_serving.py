@@ -292,7 +292,7 @@ class Serving:
         for k, prompt in enumerate(prompts):
             # text is tokenized here, so the budget is checked before any generation starts
             ids = list(prompt) if isinstance(prompt, list) else list(self.tm.tokenizer.encode(prompt))
-            where = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
+            where = req.prompt_field(k)
             max_new = self.budget(ids, req.max_tokens, dataclasses.replace(OPENAI_FIELDS, prompt=where))
             given = dict(input_ids=ids)
             for i in range(req.n):
@@ -780,7 +780,9 @@ class _CompletionFormat(_Format):
         top: dict[str, float] = {}
         for a, t in (alts or [])[: self.top]:
             top.setdefault(self.s.token_info(t)[0], _finite(a))  # the likelier one, should two share a string
-        out.top_logprobs.append(top if self.top else None)
+        if lp is not None:  # as OpenAI and vLLM: the chosen token is always there (up to logprobs + 1 entries)
+            top.setdefault(text, lp)
+        out.top_logprobs.append(top)
         out.text_offset.append(offsets.advance(bytes(raw) if in_text else b""))
 
     def chunk(self, index: int, out: dict, st: ChoiceState) -> list[str]:

@@ -15,6 +15,7 @@ from typing import Any
 from radixserve.interfaces.reasoning_parser import ReasoningParser
 from radixserve.interfaces.tool_parser import ToolParser
 from radixserve.plugins.registry import PluginError
+from radixserve.server.template_traits import TemplateTraits
 
 logger = logging.getLogger("radixserve.server")
 
@@ -29,8 +30,7 @@ class OutputParsers:
     reasoning_parser_name: str | None = None
     generic_tool_prompt: bool = False  # describe tools in a system message when the template cannot
     installed_tool_parsers: tuple[str, ...] = ()
-    # whether the chat template renders `tools`; learned from the first request that has tools
-    template_renders_tools: bool | None = None
+    template: TemplateTraits = field(default_factory=TemplateTraits)  # what the chat template renders
     _generic_prompt_noted: bool = field(default=False, init=False, repr=False)  # warned once (below)
 
     def note_generic_tool_prompt(self) -> None:

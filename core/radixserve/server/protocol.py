@@ -213,7 +213,7 @@ class ChatMessage(_Request):
             raise refuse("content", "must not be an empty list of parts")
         if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.function_call
                                                                          or self.refusal is not None)):
-            raise refuse("content", f"a {self.role} message needs content")
+            raise refuse("content", f"{'an' if self.role == 'assistant' else 'a'} {self.role} message needs content")
         return self
 
     def text(self) -> str:
@@ -221,7 +221,7 @@ class ChatMessage(_Request):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "\n".join(p.text for p in self.content)  # as vLLM joins them: two parts stay two words
 
 
 def _check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -245,6 +245,22 @@ class ChatCompletionRequest(_SamplingFields, ChatToolFields):
         if self.top_logprobs and not self.logprobs:
             raise refuse("top_logprobs", "requires logprobs=true")
         _check_prompt_logprobs(self)
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise refuse("max_tokens", f"max_tokens ({self.max_tokens}) differs from max_completion_tokens "
+                                       f"({self.max_completion_tokens}): send one of them (max_tokens is its older name)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_tool_results_follow_calls(self) -> ChatCompletionRequest:
+        # as OpenAI: a tool message answers a call of the assistant message before it (or of the
+        # assistant message before a run of tool messages)
+        for i, m in enumerate(self.messages):
+            if m.role != "tool":
+                continue
+            before = next((b for b in reversed(self.messages[:i]) if b.role != "tool"), None)
+            if before is None or before.role != "assistant" or not before.tool_calls:
+                raise refuse(f"messages.{i}", "a tool message must follow an assistant message with tool_calls "
+                                              "(the call it answers)")
         return self
 
     def requested_max_tokens(self) -> int | None:
@@ -288,12 +304,17 @@ class CompletionRequest(_SamplingFields):
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt of the request: a string or a list of token ids."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+        if self._single_prompt():
+            return [self.prompt if isinstance(self.prompt, str) else list(self.prompt)]  # type: ignore[arg-type]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+    def prompt_field(self, k: int) -> str:
+        """The field path of prompt k in errors: `prompt` for a single prompt (a string or one list of
+        ids), `prompt[k]` for an entry of a list of prompts, even a list holding only one."""
+        return "prompt" if self._single_prompt() else f"prompt[{k}]"
+
+    def _single_prompt(self) -> bool:
+        return isinstance(self.prompt, str) or all(isinstance(x, int) for x in self.prompt)
 
 
 class GenerateRequest(_Body):

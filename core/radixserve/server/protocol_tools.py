@@ -80,7 +80,7 @@ class ToolCall(_Strict):
 class ChatToolFields(_Request):
     """The chat request's fields for tools and reasoning (mixed into ChatCompletionRequest)."""
 
-    tools: list[ToolDefinition] | None = Field(default=None, max_length=128)
+    tools: list[ToolDefinition] | None = Field(default=None, min_length=1, max_length=128)  # [] as OpenAI: a 400
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
     parallel_tool_calls: bool | None = None  # default true; false: at most one call
     separate_reasoning: bool = True  # false: the reasoning stays in `content`
