@@ -143,3 +143,11 @@ def test_links_to_doc_sections_name_existing_headings():
         and m.group(2) not in _anchors(target)
     ]
     assert not broken, "links to sections that do not exist:\n" + "\n".join(broken)
+
+
+def test_configuration_md_lists_every_peer_option():
+    from radixserve.peer_options import PEER_OPTIONS
+
+    doc = CONFIG_DOC.read_text()
+    missing = [name for name, equivalent in PEER_OPTIONS.items() if f"`{name}=` | {equivalent} |" not in doc]
+    assert not missing, f"docs/configuration.md's vLLM/SGLang table lacks {missing}"

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 
 from radixserve.config import Config, ConfigError, deep_merge, parse_dotted_overrides
+from radixserve.peer_options import hint_for
 from radixserve.plugins.model_select import FALLBACK_CLAIM, FALLBACK_DISTRIBUTION, FALLBACK_MODEL, fallback_spec
 from radixserve.plugins.registry import PluginError, Registry
 from radixserve.plugins.stack import CONFIG_KEY_OF_KIND, resolve_stack
@@ -183,6 +184,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve", description="RadixServe LLM serving runtime")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.subcommands = sub.choices  # type: ignore[attr-defined]  # name -> parser: errors show the command's usage
 
     def common(p: argparse.ArgumentParser, config: bool = True) -> None:
         p.add_argument("-p", action="append", metavar="no:PLUGIN", help="do not load this plugin (repeatable)")
@@ -245,7 +247,10 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) 
     if extra:
         strays = [a for a in extra if a.startswith("-") or "=" not in a]
         if strays or not hasattr(args, "overrides"):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            # the subcommand's usage, not the top level's; a vLLM/SGLang flag gets its spelling here
+            command = getattr(parser, "subcommands", {}).get(getattr(args, "command", None), parser)
+            hints = [h for h in (hint_for(a) for a in strays if a.startswith("--")) if h]
+            command.error(f"unrecognized arguments: {' '.join(extra)}" + "".join(f"\n  {h}" for h in hints))
         args.overrides = [*(args.overrides or []), *extra]
     return args
 

@@ -6,6 +6,7 @@ stdout as it is generated."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -74,6 +75,25 @@ def generate_ids_speculative(runner, config, registry, prompt_ids: list[int], pa
                   f"{sched.metrics.spec_accept_length():.2f} tokens per step]", file=sys.stderr)
 
 
+def split_prompt(first: str, rest: list[str]) -> tuple[str, list[str]]:
+    """The prompt and the overrides among the positionals, wherever the prompt stands: argparse gives
+    the first positional to the prompt, so `generate --model M stack.policy=lpm "Hi"` would take the
+    override for the prompt (and a mistyped override alone would be generated from)."""
+    from radixserve.config import Config, ConfigError
+
+    def is_override(arg: str) -> bool:
+        key, sep, _ = arg.partition("=")
+        return bool(sep) and key.split(".")[0] in Config.model_fields and re.fullmatch(r"\w+(\.\w+)+", key) is not None
+
+    positionals = [first, *rest]
+    prompts = [a for a in positionals if not is_override(a)]
+    overrides = [a for a in positionals if is_override(a)]
+    if len(prompts) != 1:
+        given = f"{len(prompts)}: " + ", ".join(repr(p) for p in prompts) if prompts else "none (only config overrides)"
+        raise ConfigError(f"radixserve generate takes one prompt, got {given}; quote a prompt with spaces")
+    return prompts[0], overrides
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from radixserve.cli import load_config_from_args
     from radixserve.cli_serve import speculative_overrides
@@ -82,6 +102,9 @@ def run_generate(args: argparse.Namespace) -> int:
     from radixserve.plugins.registry import Registry
     from radixserve.tokenizer import apply_chat_template
 
+    args.prompt, args.overrides = split_prompt(args.prompt, args.overrides)
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens {args.max_tokens}: must be at least 1")
     flags = speculative_overrides(args)
     if args.model:
         flags.setdefault("model", {})["path"] = args.model
@@ -90,6 +113,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.model_impl:
         flags.setdefault("model", {})["impl"] = args.model_impl
     config = load_config_from_args(args, flags)  # YAML < overrides < flags; -p no:NAME disables a plugin
+    config.runtime.check_device_usable()
     if config.runtime.tp_size > 1 or config.runtime.dp_size > 1:
         raise ConfigError(f"radixserve generate runs the model in this one process (runtime.tp_size="
                           f"{config.runtime.tp_size}, runtime.dp_size={config.runtime.dp_size}): use "
@@ -113,15 +137,19 @@ def run_generate(args: argparse.Namespace) -> int:
         ids = generate_ids_speculative(runner, config, registry, prompt_ids, params)
     else:
         ids = generate_ids(runner, prompt_ids, params)
-    for t in ids:
-        if t in runner.eos_token_ids:
-            break
-        out.append(t)
-        text = tok.decode(out, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            sys.stdout.write(text[len(printed):])
-            sys.stdout.flush()
-            printed = text
+    try:
+        for t in ids:
+            if t in runner.eos_token_ids:
+                break
+            out.append(t)
+            text = tok.decode(out, skip_special_tokens=True)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                sys.stdout.write(text[len(printed):])
+                sys.stdout.flush()
+                printed = text
+    except KeyboardInterrupt:  # Ctrl-C: what was generated stays printed, no traceback; 130 as shells report it
+        sys.stdout.write("\n")
+        return 130
     sys.stdout.write("\n")
     if args.stats:
         dt = time.perf_counter() - t0

@@ -131,13 +131,20 @@ def _flag_overrides(args: argparse.Namespace) -> dict:
 
 def run_serve(args: argparse.Namespace) -> int:
     from radixserve.cli import load_config_from_args
+    from radixserve.config import ConfigError
+    from radixserve.model_loader.model_files import check_tokenizer_path
     from radixserve.plugins.registry import Registry
     from radixserve.plugins.stack import resolve_stack
     from radixserve.server.launch import end_process, run_server
     from radixserve.server.parser_selection import check_parser_names
 
+    if args.api_key == "":  # `--api-key "$KEY"` with KEY unset would serve every route without auth
+        raise ConfigError("--api-key is empty (an unset variable?): give a key, or leave the flag out "
+                          "($RADIXSERVE_API_KEY then applies)")
     # -p no:NAME lands in plugins.disable: the config carries it to every runtime process
     config = load_config_from_args(args, _flag_overrides(args))
+    config.runtime.check_device_usable()
+    check_tokenizer_path(config.model.tokenizer)
     registry = Registry.from_config(config)  # this process's registry (HTTP routes, checks)
     resolve_stack(config, registry, config.runtime.resolved_device())  # fail before any file is read
     if config.runtime.node_rank > 0:  # a follower node: its TP ranks only, no HTTP

@@ -23,7 +23,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # coerce_numbers_to_str: an override's value is read as YAML, so `server.api_key=123` arrives as 123
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
 
 
 class ModelSection(_Section):
@@ -202,6 +203,21 @@ class RuntimeSection(_Section):
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    def check_device_usable(self) -> None:
+        """Raise ConfigError when `device` is cuda and this torch cannot use it: said before any
+        process starts, not as torch's assertion from inside the scheduler."""
+        if self.device != "cuda":
+            return
+        if torch_cannot_use_cuda():
+            why = "this torch is a CPU-only build (or the CUDA driver library is missing)"
+        else:
+            import torch
+
+            if torch.cuda.is_available():
+                return
+            why = "torch sees no CUDA device"
+        raise ConfigError(f"runtime.device=cuda, but {why}; use runtime.device=cpu (or auto)")
+
     def resolved_dtype(self, device: str) -> str:
         if self.dtype != "auto":
             return self.dtype
@@ -322,12 +338,17 @@ def parse_dotted_overrides(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or "." not in key:
-            raise ConfigError(f"override {item!r} must look like section.key=value (e.g. stack.policy=lpm)")
+            path_hint = f"; to serve a model give it as --model {item}" if not sep and ("/" in item or Path(item).exists()) else ""
+            raise ConfigError(f"override {item!r} must look like section.key=value (e.g. stack.policy=lpm){path_hint}")
         *parents, leaf = key.split(".")
         node = out
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = yaml.safe_load(raw) if raw != "" else None
+        try:
+            node[leaf] = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError as e:
+            problem = str(getattr(e, "problem", None) or e).strip()
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem})") from None
     return out
 
 

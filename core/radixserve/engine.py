@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from radixserve.config import Config, ConfigError
+from radixserve.peer_options import hint_for
 from radixserve.plugins.registry import Registry
 from radixserve.runtime.tokenizer_manager import GenerateInput, TokenizerManager
 from radixserve.state import SamplingParams
@@ -39,7 +40,12 @@ def engine_config(model: str | Path | Mapping[str, Any] | None, config: str | Pa
                   tp_size: int | None, sections: Mapping[str, Any]) -> Config:
     """The Config an `Engine(model, config, tp_size=, **sections)` runs (see Engine)."""
     base = config if isinstance(config, Config) else Config.load(config)
+    known = set(Config.model_fields)
     for name, value in sections.items():  # e.g. stack="lpm": say what a section must be, not dict()'s error
+        if name not in known:  # a vLLM/SGLang keyword (max_model_len=...) or a typo: not a section at all
+            hint = hint_for(name)
+            raise ConfigError(f"Engine has no argument {name}=: " + (f"{hint}, as Engine(..., {_as_keyword(hint)}); "
+                              if hint else "") + f"the config sections it takes are {', '.join(sorted(known))}")
         if not isinstance(value, Mapping):
             raise ConfigError(f"{name}= must be a dict of the {name} section's fields "
                               f"(e.g. {name}={{...}} as in the YAML), got {type(value).__name__} {value!r}")
@@ -51,6 +57,15 @@ def engine_config(model: str | Path | Mapping[str, Any] | None, config: str | Pa
     elif model is not None:
         overrides["model"] = {"path": str(model)}
     return base.with_overrides(overrides) if overrides else base
+
+
+def _as_keyword(hint: str) -> str:
+    """"model.context_length=N" in a hint -> "model={'context_length': ...}": how the Engine spells it."""
+    for word in hint.replace("(", " ").replace(")", " ").split():
+        section, dot, key = word.partition(".")
+        if dot and key and section in Config.model_fields:
+            return f"{section}={{'{key.split('=')[0]}': ...}}"
+    return "see docs/engine.md"
 
 
 class Engine:

@@ -78,6 +78,7 @@ class ModelRunner:
         self.config = config
         self.registry = registry if registry is not None else Registry.from_config(config)
         rt = config.runtime
+        rt.check_device_usable()  # a clear line, not torch's "not compiled with CUDA" from deep inside
         if rt.num_threads:
             torch.set_num_threads(rt.num_threads)
         self.device = torch.device(rt.resolved_device())
@@ -161,8 +162,16 @@ class ModelRunner:
 
     def _context_len(self) -> int:
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 4096))
+        scaling = getattr(self.hf_config, "rope_scaling", None) or {}
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind in ("linear", "dynamic", "yarn") and scaling.get("factor"):  # positions stretched past the trained ones
+            model_max = int(model_max * float(scaling["factor"]))  # (llama3's max_position_embeddings already is)
+        wanted = self.config.model.context_length
+        if wanted is not None and wanted > model_max:  # as vLLM and SGLang: positions it never saw are refused
+            raise ValueError(f"model.context_length={wanted} is beyond what this model's positions cover ({model_max}: "
+                             "max_position_embeddings with its rope scaling); give at most that")
         # a sliding window does not cap the context: the attention backends apply it per layer
-        return int(self.config.model.context_length or model_max)
+        return int(wanted or model_max)
 
     def _latent_dims(self) -> LatentAttentionDims:
         dims = self.model.latent_attention_dims()

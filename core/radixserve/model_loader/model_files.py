@@ -60,6 +60,13 @@ def resolve_model_path(path: str | None) -> str:
     return hub_snapshot(*hub)
 
 
+def check_tokenizer_path(tokenizer: str | None) -> None:
+    """`model.tokenizer` (--tokenizer) that is neither a local path nor a Hub id: one line now, before
+    any weights load, not the tokenizer library's error about repo ids afterwards."""
+    if tokenizer is not None and not os.path.exists(tokenizer) and parse_hub_id(tokenizer) is None:
+        raise FileNotFoundError(f"tokenizer path {tokenizer!r} (model.tokenizer, --tokenizer) does not exist")
+
+
 def _hub_offline() -> bool:
     from huggingface_hub import constants
 

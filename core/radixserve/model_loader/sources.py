@@ -150,9 +150,10 @@ def open_checkpoint(config: Config, registry: Registry) -> Checkpoint:
     """`model.path` resolved, its files checked (one line naming a broken file), opened and its
     architecture's implementation picked by `model.impl`: what ModelRunner loads and what
     `radixserve config show --model` reports."""
-    from radixserve.model_loader.model_files import check_model_files, resolve_model_path
+    from radixserve.model_loader.model_files import check_model_files, check_tokenizer_path, resolve_model_path
     from radixserve.plugins.model_select import select_model
 
+    check_tokenizer_path(config.model.tokenizer)
     path = resolve_model_path(config.model.path)  # a local path, a Hub id, or the default
     check_model_files(path)
     source = open_source(path, config.model.load_format, registry, config.model.weight_source_options)

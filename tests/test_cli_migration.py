@@ -1,0 +1,105 @@
+"""What a user coming from vLLM or SGLang types first, found by a migrant's audit (session 26): their
+flags and Engine keywords answered with RadixServe's spelling, and the start-up mistakes (an empty API
+key, a tokenizer path that does not exist, a CUDA device torch cannot use, a context beyond the
+model's positions, an override that is not YAML, generate's prompt among overrides) each one line
+naming the value, before anything loads, never a traceback or a silent fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from radixserve.cli import main
+from radixserve.cli_generate import split_prompt
+from radixserve.config import Config, ConfigError, parse_dotted_overrides
+from radixserve.engine import engine_config
+from radixserve.model_runner import ModelRunner
+
+
+def test_a_vllm_flag_is_refused_with_its_spelling_here_under_the_commands_usage(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--max-model-len", "512", "--trust-remote-code", "--no-such-flag"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: radixserve serve" in err and "radixserve serve: error: unrecognized arguments" in err
+    assert "--max-model-len (vLLM/SGLang) -> model.context_length=N" in err
+    assert "--trust-remote-code (vLLM/SGLang) -> not needed" in err
+    assert "--no-such-flag (vLLM" not in err
+
+
+@pytest.mark.parametrize("keyword,spelling", [
+    ("max_model_len", "model={'context_length': ...}"),
+    ("dtype", "runtime={'dtype': ...}"),
+    ("tensor_parallel_size", "runtime={'tp_size': ...}"),
+    ("model_path", "model={'path': ...}"),
+])
+def test_an_engine_keyword_of_vllm_says_how_the_engine_spells_it(keyword, spelling):
+    with pytest.raises(ConfigError) as e:
+        engine_config(None, None, None, {keyword: 1})
+    assert str(e.value).startswith(f"Engine has no argument {keyword}=") and spelling in str(e.value)
+    assert "model, plugins, router, runtime, scheduler, server, speculative, stack" in str(e.value)
+
+
+def test_an_unknown_engine_keyword_lists_the_sections():
+    with pytest.raises(ConfigError, match="Engine has no argument foo=: the config sections it takes are model"):
+        engine_config(None, None, None, {"foo": {}})
+
+
+def test_an_override_that_is_not_yaml_is_one_line(capsys):
+    assert main(["config", "show", "stack.policy_options={fcfs_threshold: 64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("radixserve: error: override 'stack.policy_options={fcfs_threshold: 64': the value is not "
+                          "valid YAML") and "Traceback" not in err
+
+
+def test_a_model_path_where_an_override_goes_points_to_model(capsys, tmp_path):
+    assert main(["config", "show", str(tmp_path)]) == 2
+    assert f"to serve a model give it as --model {tmp_path}" in capsys.readouterr().err
+
+
+def test_numbers_in_string_overrides_stay_strings():
+    config = Config.load(None, parse_dotted_overrides(["server.api_key=123", "model.served_model_name=2024"]))
+    assert config.server.api_key == "123" and config.model.served_model_name == "2024"
+
+
+@pytest.mark.parametrize("first,rest,prompt,overrides", [
+    ("stack.policy=lpm", ["Hello there"], "Hello there", ["stack.policy=lpm"]),
+    ("Hello there", ["stack.policy=lpm"], "Hello there", ["stack.policy=lpm"]),
+    ("x.y=1 is a prompt", [], "x.y=1 is a prompt", []),  # not a config section: a prompt
+])
+def test_generate_finds_its_prompt_among_the_overrides(first, rest, prompt, overrides):
+    assert split_prompt(first, rest) == (prompt, overrides)
+
+
+def test_generate_refuses_a_run_without_a_prompt_or_with_two():
+    # the audit's case: a mistyped override alone was generated from, as the prompt
+    with pytest.raises(ConfigError, match="takes one prompt, got none"):
+        split_prompt("stack.polcy=lpm", [])
+    with pytest.raises(ConfigError, match="takes one prompt, got 2: 'a', 'b'"):
+        split_prompt("a", ["b"])
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["generate", "--max-tokens", "0", "hi"], "--max-tokens 0: must be at least 1"),
+    (["serve", "--api-key", ""], "--api-key is empty"),
+    (["serve", "--tokenizer", "/nonexistent/tokenizer"], "tokenizer path '/nonexistent/tokenizer'"),
+])
+def test_start_up_mistakes_are_one_line_before_anything_loads(capsys, argv, words):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("radixserve: error: ") and words in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that cannot use CUDA")
+def test_cuda_on_a_torch_without_it_is_one_line(capsys):
+    assert main(["serve", "runtime.device=cuda"]) == 2
+    assert "runtime.device=cuda, but" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="runtime.device=cuda, but"):
+        ModelRunner(Config.build({"runtime": {"device": "cuda"}}))
+
+
+def test_a_context_beyond_the_models_positions_is_refused(tiny_llama_dir):
+    path = tiny_llama_dir("llama")
+    with pytest.raises(ValueError, match=r"model.context_length=100000 is beyond what this model's positions cover \(512"):
+        ModelRunner(Config.build({"model": {"path": path, "context_length": 100000}}), show_progress=False)
+    runner = ModelRunner(Config.build({"model": {"path": path, "context_length": 256}}), show_progress=False)
+    assert runner.context_len == 256
