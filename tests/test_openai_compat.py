@@ -436,3 +436,15 @@ def test_completion_top_logprobs_hold_the_chosen_token_as_openai_and_vllm(client
     lp = r.json()["choices"][0]["logprobs"]
     assert [list(top) for top in lp["top_logprobs"]] == [[t] for t in lp["tokens"]], lp
     assert [list(top.values()) for top in lp["top_logprobs"]] == [[v] for v in lp["token_logprobs"]]
+
+
+@pytest.mark.parametrize("field,words", [
+    ("guided_json", 'response_format {"type": "json_schema"'),
+    ("guided_regex", "sampling_params.regex"),
+    ("regex", "sampling_params.regex"),
+])
+def test_a_vllm_or_sglang_field_is_refused_with_its_spelling_here(client, tm, field, words):
+    err = assert_400(post(client, "/v1/completions", completion(**{field: "x"})), field)
+    assert err["message"].startswith(f"{field}: Extra inputs are not permitted (vLLM's / SGLang's {field} is"), err
+    assert words in err["message"]
+    assert tm.inputs == []

@@ -69,6 +69,19 @@ def error_response(message: str, status: int, param: str | None = None, code: st
 
 _PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
 
+# request fields of vLLM's and SGLang's OpenAI routes that are spelled otherwise here: refused (unknown
+# fields are), with the spelling that works
+_PEER_FIELDS = {
+    "guided_json": 'response_format {"type": "json_schema", ...} (or /generate\'s sampling_params.json_schema)',
+    "guided_regex": "/generate's sampling_params.regex",
+    "guided_grammar": "/generate's sampling_params.ebnf",
+    "guided_choice": "/generate's sampling_params.regex with the choices as alternatives, (a|b)",
+    "guided_decoding_backend": "the server's stack.grammar",
+    "regex": "/generate's sampling_params.regex",
+    "ebnf": "/generate's sampling_params.ebnf",
+    "json_schema": 'response_format {"type": "json_schema", ...}',
+}
+
 
 def _client_loc(loc: list[Any], body: Any, missing: bool) -> list[str]:
     """The error's location as the client spelled it. Pydantic puts the union member it tried into
@@ -116,6 +129,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         msg = str(err.get("msg", ""))
         for prefix in _PYDANTIC_PREFIXES:
             msg = msg.removeprefix(prefix)
+        if err.get("type") == "extra_forbidden" and loc and loc[-1] in _PEER_FIELDS:
+            msg += f" (vLLM's / SGLang's {loc[-1]} is {_PEER_FIELDS[loc[-1]]} here)"
         if msg not in by_field.setdefault(where, []):
             by_field[where].append(msg)
     parts = []
