@@ -103,3 +103,13 @@ def test_a_context_beyond_the_models_positions_is_refused(tiny_llama_dir):
         ModelRunner(Config.build({"model": {"path": path, "context_length": 100000}}), show_progress=False)
     runner = ModelRunner(Config.build({"model": {"path": path, "context_length": 256}}), show_progress=False)
     assert runner.context_len == 256
+
+
+def test_the_safetensors_progress_bar_knows_its_total(tiny_llama_dir):
+    """The audit saw "loading safetensors weights: 272tensor [00:17, ...]": a bar with no end."""
+    from radixserve.model_loader.sources import iter_safetensors, open_source
+    from radixserve.plugins.registry import Registry
+
+    path = tiny_llama_dir("llama")
+    source = open_source(path, "auto", Registry.discover(), None)
+    assert source.num_tensors() == sum(1 for _ in iter_safetensors(path)) > 0

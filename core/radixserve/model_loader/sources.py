@@ -77,7 +77,7 @@ class ModelSource:
         if self.weight_source is not None:
             return self.weight_source.num_tensors(self.path)
         if self.format == "safetensors":
-            return None  # counted while iterating (cheap headers), see _iter_safetensors
+            return count_safetensors(self.path)
         return 0
 
     def iter_weights(self, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
@@ -96,6 +96,17 @@ def safetensors_files(path: str) -> list[str]:
             names = sorted(set(json.load(f)["weight_map"].values()))
         return [os.path.join(path, n) for n in names]
     return sorted(glob.glob(os.path.join(path, "*.safetensors")))
+
+
+def count_safetensors(path: str) -> int:
+    """The checkpoint's tensors, from the files' headers alone (the progress bar's total)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            total += len(f.keys())
+    return total
 
 
 def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
