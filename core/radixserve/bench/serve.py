@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -29,7 +31,7 @@ CHAT_PROMPTS = [
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:30000", help="server root (without /v1)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first /v1/models entry)")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: $RADIXSERVE_API_KEY if set)")
     p.add_argument("--dataset", choices=["random", "chat"], default="random")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=1024, help="random dataset: prompt tokens")
@@ -41,6 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--result-file", help="append the summary as one JSON line")
+
+
+class BenchError(Exception):
+    """The benchmark cannot start (server unreachable, or it refuses to list its models);
+    `run` prints it as one line and exits 2."""
 
 
 @dataclass
@@ -127,12 +134,12 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     """Run the load and return the summary dict (what `run` prints)."""
     import httpx
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    # the same default as `radixserve serve`, so one exported variable serves both
+    api_key = args.api_key if args.api_key is not None else os.environ.get("RADIXSERVE_API_KEY") or None
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.timeout, limits=limits) as client:
-        model = args.model
-        if model is None:
-            model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        model = await _probe_model(client, args)
         work = _payloads(args, model)
         before = await _spec_counters(client)
         recs = [RequestRecord() for _ in work]
@@ -158,6 +165,35 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     summary = summarize(recs, duration, args)
     summary["spec_accept_length"] = _accept_length(before, after)
     return summary
+
+
+async def _probe_model(client, args: argparse.Namespace) -> str:
+    """GET /v1/models before any load: an unreachable server or a refused listing is one clear
+    error, not a run of failed requests or a KeyError. With --model the listing's answer is
+    not needed (some servers have none), so only the connection must succeed."""
+    import httpx
+
+    try:
+        resp = await client.get("/v1/models")
+    except httpx.TransportError as e:  # refused, unresolvable, timed out
+        raise BenchError(f"cannot reach {args.base_url}: {str(e) or type(e).__name__}") from None
+    if args.model is not None:
+        return args.model
+    if resp.status_code != 200:
+        hint = " (pass --api-key, or set $RADIXSERVE_API_KEY)" if resp.status_code in (401, 403) else ""
+        raise BenchError(f"GET /v1/models answered {resp.status_code}: {_error_message(resp)}{hint}")
+    try:
+        return resp.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise BenchError(f"GET /v1/models listed no model: {resp.text[:200]!r} (pass --model)") from None
+
+
+def _error_message(resp) -> str:
+    """The message of an OpenAI-shaped error body, else the body's start."""
+    try:
+        return str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return resp.text[:200].strip() or resp.reason_phrase
 
 
 async def _spec_counters(client) -> dict | None:
@@ -212,7 +248,11 @@ def summarize(recs: list[RequestRecord], duration: float, args: argparse.Namespa
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = asyncio.run(run_benchmark(args))
+    try:
+        summary = asyncio.run(run_benchmark(args))
+    except BenchError as e:
+        print(f"radixserve bench serve: error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(summary, indent=2))
     if args.result_file:
         with open(args.result_file, "a") as f:

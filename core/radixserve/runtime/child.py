@@ -59,6 +59,20 @@ class ChildSpec:
         return cls(**data)
 
 
+def log_level(config: dict[str, Any]) -> int:
+    """The level of `server.log_level` in a config dict (a child gets the parent's config as JSON):
+    the children log at the level the user chose for the server, not always at INFO."""
+    name = str((config.get("server") or {}).get("log_level") or "info")
+    return getattr(logging, name.upper(), logging.INFO)
+
+
+def setup_logging(spec: ChildSpec) -> None:
+    """The child's root logger, before its entry point (whose own basicConfig is then a no-op):
+    the parent's level, and every line says which process wrote it."""
+    label = f"tp{spec.tp_rank}" if spec.process == "tp_worker" else spec.process
+    logging.basicConfig(level=log_level(spec.config), format=f"%(asctime)s {label} %(levelname)s %(message)s")
+
+
 def _run_scheduler(spec: ChildSpec) -> None:
     from radixserve.runtime.scheduler_process import run_scheduler_process
 
@@ -161,6 +175,7 @@ def main() -> None:
     spec = ChildSpec.from_json(sys.stdin.read())
     sys.stdin.close()
     sys.path[:] = list(dict.fromkeys(sys.path + [p for p in spec.sys_path if p]))
+    setup_logging(spec)
     ENTRY_POINTS[spec.process](spec)
     # the entry returned after a ShutdownRequest, its sockets closed: skip the interpreter's
     # teardown (seconds with torch loaded), which the parent's shutdown would otherwise wait for

@@ -10,6 +10,7 @@ import traceback
 from typing import Any
 
 from radixserve.heap import release_free_heap
+from radixserve.runtime.child import log_level
 from radixserve.runtime.ipc import PortArgs, install_parent_watchdog
 from radixserve.runtime.messages import (
     AbortRequest,
@@ -203,7 +204,8 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int, d
     from radixserve.config import Config
 
     install_parent_watchdog(parent_pid)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
+    level = log_level(config_dict)
+    logging.basicConfig(level=level, format="%(asctime)s scheduler %(levelname)s %(message)s")
     config = Config.build(config_dict)
     try:
         import torch
@@ -223,7 +225,8 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int, d
 
             group = init_tp_group(0, config.runtime.tp_size, dist_init_addr, config.runtime.resolved_device(),
                                   local_rank=0)
-        runner = ModelRunner(config, registry, tp_group=group)  # checks the whole stack before loading
+        # checks the whole stack before loading; the weights' progress bar is INFO-level chatter
+        runner = ModelRunner(config, registry, show_progress=level <= logging.INFO, tp_group=group)
         warmup_start = time.perf_counter()
         runner.warmup()  # before "ready": the first requests must not pay for kernel compilation
         logger.info("warm-up done in %.1f s", time.perf_counter() - warmup_start)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -97,10 +98,25 @@ def listen_socket(config: Config) -> socket.socket | None:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        logger.error("cannot listen on %s:%d: %s (another server on that port? pick one with --port)",
-                     host, port, e.strerror or e)
+        logger.error("%s", bind_error_message(host, port, e))
         return None
     return sock
+
+
+def bind_error_message(host: str, port: int, e: OSError) -> str:
+    """The error line for a failed bind, with the hint that fits the cause: a busy port, a host
+    that does not resolve or is not this machine's, a privileged port."""
+    if isinstance(e, socket.gaierror):  # before errno: its codes (EAI_*) overlap errno's numbers
+        hint = "is --host an IP address or a name of this machine?"
+    elif e.errno == errno.EADDRINUSE:
+        hint = "another server on that port? pick one with --port"
+    elif e.errno == errno.EADDRNOTAVAIL:
+        hint = "is --host an address of this machine? 0.0.0.0 listens on all of them"
+    elif e.errno == errno.EACCES and 0 < port < 1024:
+        hint = "ports below 1024 need privileges; pick another with --port"
+    else:
+        hint = ""
+    return f"cannot listen on {host}:{port}: {e.strerror or e}" + (f" ({hint})" if hint else "")
 
 
 def setup_logging(level: str) -> None:

@@ -42,7 +42,7 @@ class GracefulShutdown:
         name = signal.Signals(sig).name
         if self._task is None:
             logger.info("%s received: shutting down (no new requests)", name)
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            self._task = asyncio.get_running_loop().create_task(self._run(sig))
         elif self.signals == 2:
             logger.info("%s received again: ending the in-flight requests now", name)
             self._hurry.set()
@@ -50,15 +50,18 @@ class GracefulShutdown:
             logger.info("%s received again: closing the connections now", name)
             self.server.force_exit = True
 
-    async def _run(self) -> None:
+    async def _run(self, sig: int = signal.SIGINT) -> None:
         self.tm.stop_admitting(SHUTDOWN_MESSAGE)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.grace_s
         if self.tm.in_flight() and self.grace_s > 0:
+            # either signal hurries (on_signal): a supervisor's SIGTERM came from no terminal
+            again = "Ctrl-C again" if sig == signal.SIGINT else "send SIGTERM or SIGINT again"
             logger.info(
-                "waiting up to %.1f s for %d in-flight request(s) (Ctrl-C again to end them now)",
+                "waiting up to %.1f s for %d in-flight request(s) (%s to end them now)",
                 self.grace_s,
                 self.tm.in_flight(),
+                again,
             )
         while self.tm.in_flight() and not self._hurry.is_set() and loop.time() < deadline:
             with contextlib.suppress(TimeoutError):

@@ -16,16 +16,14 @@ from typing import Any
 from radixserve.interfaces import PrefixCache, SchedulePolicy
 from radixserve.state import Req
 
-from radixserve_policies.matching import arrival_order, match_waiting
+from radixserve_policies.matching import arrival_order, fcfs_threshold_option, match_waiting
 
 _ROOT = object()  # stands for "no node": requests whose match yielded no tree handle
 
 
 class DFSWeightPolicy(SchedulePolicy):
     def __init__(self, fcfs_threshold: int = 128) -> None:
-        if fcfs_threshold < 0:
-            raise ValueError(f"fcfs_threshold must be >= 0, got {fcfs_threshold}")
-        self.fcfs_threshold = fcfs_threshold
+        self.fcfs_threshold = fcfs_threshold_option(fcfs_threshold)
 
     def order(self, waiting: list[Req], cache: PrefixCache) -> list[Req]:
         queue = arrival_order(waiting)

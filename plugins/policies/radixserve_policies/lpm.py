@@ -8,14 +8,12 @@ from __future__ import annotations
 from radixserve.interfaces import PrefixCache, SchedulePolicy
 from radixserve.state import Req
 
-from radixserve_policies.matching import arrival_order, match_waiting, prefix_len
+from radixserve_policies.matching import arrival_order, fcfs_threshold_option, match_waiting, prefix_len
 
 
 class LPMPolicy(SchedulePolicy):
     def __init__(self, fcfs_threshold: int = 128) -> None:
-        if fcfs_threshold < 0:
-            raise ValueError(f"fcfs_threshold must be >= 0, got {fcfs_threshold}")
-        self.fcfs_threshold = fcfs_threshold
+        self.fcfs_threshold = fcfs_threshold_option(fcfs_threshold)
 
     def order(self, waiting: list[Req], cache: PrefixCache) -> list[Req]:
         if len(waiting) > self.fcfs_threshold:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from radixserve.interfaces import PrefixCache
 from radixserve.state import Req
 
@@ -20,3 +22,13 @@ def prefix_len(req: Req) -> int:
 def arrival_order(waiting: list[Req]) -> list[Req]:
     """FCFS: by arrival time; the sort is stable, so equal times keep queue order."""
     return sorted(waiting, key=lambda r: r.arrival_time)
+
+
+def fcfs_threshold_option(value: Any) -> int:
+    """`stack.policy_options.fcfs_threshold`, checked: a value from YAML may be any type, and a
+    string would otherwise fail only in the first comparison, with Python's own words."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"stack.policy_options.fcfs_threshold must be an integer, got {value!r} ({type(value).__name__})")
+    if value < 0:
+        raise ValueError(f"stack.policy_options.fcfs_threshold must be >= 0, got {value}")
+    return value
