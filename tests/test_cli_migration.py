@@ -113,3 +113,24 @@ def test_the_safetensors_progress_bar_knows_its_total(tiny_llama_dir):
     path = tiny_llama_dir("llama")
     source = open_source(path, "auto", Registry.discover(), None)
     assert source.num_tensors() == sum(1 for _ in iter_safetensors(path)) > 0
+
+
+def test_a_mistake_found_in_the_scheduler_at_start_up_is_said_once_without_a_traceback(smollm2_gguf_path):
+    """The audit's `serve --tp 2` on a 9-head model printed its (correct) message three times, with a
+    traceback from the scheduler in two runs of three: the scheduler printed the traceback, the
+    runtime logged the child's failure, and the server logged the failed start."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "radixserve.cli", "serve", "--model", smollm2_gguf_path, "--port", str(port),
+         "model.context_length=100000", "runtime.num_threads=1"],
+        capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert out.count("model.context_length=100000 is beyond") == 1, out
+    assert "Traceback" not in out, out

@@ -21,3 +21,10 @@ class EngineDeadError(RequestError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, status=503)
+
+
+def is_users_mistake(e: BaseException) -> bool:
+    """A bad value the user gave (a config key, a path, a shape the model cannot be split into): the
+    entry points report it as one line, with no traceback (RADIXSERVE_DEBUG=1 shows one). ConfigError is a
+    ValueError; a missing file is a FileNotFoundError."""
+    return isinstance(e, (ValueError, FileNotFoundError))

@@ -174,7 +174,8 @@ async def _start_runtime(config: Config, registry: Any) -> tuple[Any, int]:
             await tm.shutdown()
             return None, 130
         except Exception as e:
-            logger.error("the runtime failed to start: %s", e)
+            if str(e) != tm.dead_reason:  # a child's failure is logged once, when it arrives
+                logger.error("the runtime failed to start: %s", e)
             await tm.shutdown()
             return None, 1
 
