@@ -351,7 +351,6 @@ def _chat(**kw):
     "body,status,param",
     [
         (_chat(messages=...), 400, "messages"),
-        (_chat(model=...), 400, "model"),
         (_chat(messages=[]), 400, "messages"),
         (_chat(temperature="hot"), 400, "temperature"),
         (_chat(max_tokens=-1), 400, "max_tokens"),

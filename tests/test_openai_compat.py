@@ -448,3 +448,13 @@ def test_a_vllm_or_sglang_field_is_refused_with_its_spelling_here(client, tm, fi
     assert err["message"].startswith(f"{field}: Extra inputs are not permitted (vLLM's / SGLang's {field} is"), err
     assert words in err["message"]
     assert tm.inputs == []
+
+
+def test_the_model_may_be_left_out_as_vllm_and_sglang_allow(client, tm):
+    body = {k: v for k, v in chat().items() if k != "model"}
+    r = post(client, "/v1/chat/completions", body)
+    assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+    body = {k: v for k, v in completion().items() if k != "model"}
+    assert post(client, "/v1/completions", body).json()["model"] == MODEL
+    r = post(client, "/v1/completions", completion(model="other"))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

@@ -123,7 +123,7 @@ class ResponseFormat(_Request):
 class _SamplingFields(_Body):
     """OpenAI sampling fields shared by chat and text completions, plus SGLang/vLLM extensions."""
 
-    model: str
+    model: str | None = None  # left out: the served model (as vLLM and SGLang; OpenAI requires it)
     n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
