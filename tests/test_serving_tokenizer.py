@@ -216,3 +216,42 @@ def test_a_hub_id_as_model_tokenizer_is_prepared_on_every_start(cache, templated
     load_serving_tokenizer(templated_dir)
     load_serving_tokenizer(templated_dir)
     assert len(calls) == 2  # a local directory: prepared once (by the stand-in above), then read
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(cache, templated_dir):
+    """An operator's audit: a 3.9 MB prompt held the server's one event loop ~2 s, so /health and every
+    other request waited (a liveness probe times out at 1 s). Above LONG_TEXT_CHARS the encode runs in
+    a thread and releases the GIL: the loop keeps ticking, and the ids are the inline encode's."""
+    import asyncio
+    import random
+
+    from radixserve.serving_tokenizer import LONG_TEXT_CHARS, off_the_loop
+
+    serving = load_serving_tokenizer(templated_dir)
+    rng = random.Random(0)
+    text = " ".join("".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 9))) for _ in range(150_000))
+    assert len(text) > LONG_TEXT_CHARS
+
+    async def run() -> tuple[list[int], float, int]:
+        gaps: list[float] = []
+        done = False
+
+        async def ticker() -> None:
+            loop = asyncio.get_running_loop()
+            while not done:
+                t = loop.time()
+                await asyncio.sleep(0.002)
+                gaps.append(loop.time() - t)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0.01)
+        start = asyncio.get_running_loop().time()
+        ids = await off_the_loop(len(text), serving.encode, text)
+        took = asyncio.get_running_loop().time() - start
+        done = True
+        await task
+        return ids, took, max(gaps)
+
+    ids, took, worst_gap = asyncio.run(run())
+    assert ids == serving._tokenizer.encode(text).ids  # the batch call's ids are the plain call's
+    assert worst_gap < max(0.25, took / 2), (worst_gap, took)  # inline, one gap would be the whole encode

@@ -11,15 +11,17 @@ tokens as variables). tests/test_serving_tokenizer.py holds it to transformers' 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 from radixserve.heap import release_free_heap
 from radixserve.tokenizer import (
@@ -36,6 +38,23 @@ _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for contin
 # transformers ignores them with tokenize=False)
 _TOKENIZE_ONLY = ("padding", "truncation", "max_length", "return_tensors", "return_dict",
                   "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+T = TypeVar("T")
+
+# Tokenizing a long prompt off the event loop. The HTTP front end (and the Engine's TokenizerManager) run every
+# request on one asyncio loop: a 4 MB prompt took ~2 s to tokenize inline, and /health, every stream and every
+# other request waited that long (an operator's audit, session 26; a liveness probe times out at 1 s). Above
+# LONG_TEXT_CHARS the work runs in a thread, and `ServingTokenizer.encode` of such a text releases the GIL.
+LONG_TEXT_CHARS = 65536  # ~16k tokens: tens of milliseconds inline; beyond, off the loop
+
+
+async def off_the_loop(size: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)`, in a worker thread when `size` (characters of the text it tokenizes) is
+    above LONG_TEXT_CHARS, else inline (a thread hop costs more than a short encode)."""
+    if size > LONG_TEXT_CHARS:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
 
 
 class ServingTokenizer:
@@ -70,6 +89,8 @@ class ServingTokenizer:
         return self._len
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > LONG_TEXT_CHARS:  # the batch call releases the GIL (the single one holds it throughout)
+            return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False,

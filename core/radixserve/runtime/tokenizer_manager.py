@@ -37,9 +37,9 @@ from radixserve.runtime.messages import (
     make_encoder,
     manager_decoder,
 )
-from radixserve.serving_tokenizer import load_serving_tokenizer
+from radixserve.serving_tokenizer import LONG_TEXT_CHARS, load_serving_tokenizer, off_the_loop
 from radixserve.state import SamplingParams
-from radixserve.validation import NATIVE, InvalidRequest, ModelLimits, check_text, validate_request
+from radixserve.validation import NATIVE, InvalidRequest, ModelLimits, check_text, is_text, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -404,7 +404,7 @@ class TokenizerManager:
         """The served model's vocabulary size and context length, from the scheduler's ready info."""
         return ModelLimits.from_server_info(self.server_info)
 
-    def _prepare(self, inp: GenerateInput) -> tuple[str, list[int], SamplingParams]:
+    def _prepare(self, inp: GenerateInput, text_ids: list[int] | None = None) -> tuple[str, list[int], SamplingParams]:
         if (inp.text is None) == (inp.input_ids is None):
             raise InvalidRequest("give exactly one of text or input_ids", "input_ids")
         if inp.input_ids is not None:
@@ -415,7 +415,7 @@ class TokenizerManager:
             if not isinstance(inp.text, str):
                 raise InvalidRequest("text must be a string", "text")
             check_text(inp.text, "text")  # the tokenizer would raise a TypeError on a lone surrogate
-            ids = list(self.tokenizer.encode(inp.text))
+            ids = text_ids if text_ids is not None else list(self.tokenizer.encode(inp.text))
         if not ids:
             field = "text" if inp.text is not None else "input_ids"
             raise InvalidRequest(f"{field}: the prompt is empty", field)
@@ -440,7 +440,10 @@ class TokenizerManager:
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[dict[str, Any]]:
         self._check_alive()
-        rid, ids, sp = self._prepare(inp)
+        text_ids = None
+        if isinstance(inp.text, str) and len(inp.text) > LONG_TEXT_CHARS and is_text(inp.text):
+            text_ids = list(await off_the_loop(len(inp.text), self.tokenizer.encode, inp.text))
+        rid, ids, sp = self._prepare(inp, text_ids)
         st = _ReqState(rid=rid, stream=inp.stream, return_logprob=sp.logprobs, prompt_tokens=len(ids),
                        prompt_ids=ids if sp.prompt_logprobs is not None else None,
                        prompt_start=max(inp.logprob_start_len, 0))

@@ -95,7 +95,7 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: p.TokenizeRequest) -> JSONResponse:
-        return JSONResponse(tokenization.tokenize(serving, body))
+        return JSONResponse(await tokenization.tokenize(serving, body))
 
     @app.post("/detokenize")
     async def detokenize(body: p.DetokenizeRequest) -> JSONResponse:

@@ -31,6 +31,7 @@ from radixserve.server.generation import ClientGone, Fanout, Job, until_disconne
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.parser_selection import OutputParsers
 from radixserve.server.runtime_api import GenerateInput, RequestError
+from radixserve.serving_tokenizer import off_the_loop
 from radixserve.state import SamplingParams
 from radixserve.validation import (
     NATIVE,
@@ -233,7 +234,8 @@ class Serving:
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
         started = time.perf_counter()
         self.check_ready(req.model)
-        plan = plan_chat(self.tm, req, self.parsers)  # template, tools, constraint, parsers
+        # template, tools, constraint, parsers (a long conversation is rendered and tokenized off the loop)
+        plan = await off_the_loop(req.text_chars(), plan_chat, self.tm, req, self.parsers)
         ids = plan.ids
         max_new = self.budget(list(ids), req.requested_max_tokens(), CHAT_FIELDS)
         base = req.rid or f"chatcmpl-{uuid.uuid4().hex}"
@@ -291,7 +293,8 @@ class Serving:
         prompt_of: dict[int, int] = {}
         for k, prompt in enumerate(prompts):
             # text is tokenized here, so the budget is checked before any generation starts
-            ids = list(prompt) if isinstance(prompt, list) else list(self.tm.tokenizer.encode(prompt))
+            ids = list(prompt) if isinstance(prompt, list) else list(
+                await off_the_loop(len(prompt), self.tm.tokenizer.encode, prompt))
             where = req.prompt_field(k)
             max_new = self.budget(ids, req.max_tokens, dataclasses.replace(OPENAI_FIELDS, prompt=where))
             given = dict(input_ids=ids)

@@ -266,6 +266,10 @@ class ChatCompletionRequest(_SamplingFields, ChatToolFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def text_chars(self) -> int:
+        """Characters of the conversation's text: how much rendering and tokenizing it costs."""
+        return sum(len(m.text()) for m in self.messages)
+
     def max_tokens_field(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
             return "max_completion_tokens", self.max_completion_tokens

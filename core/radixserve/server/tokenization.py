@@ -12,19 +12,21 @@ from typing import Any
 from radixserve.server import protocol as p
 from radixserve.server.chat_plan import plan_chat
 from radixserve.server.errors import APIError
+from radixserve.serving_tokenizer import off_the_loop
 from radixserve.validation import InvalidRequest, check_token_ids
 
 
-def tokenize(serving: Any, req: p.TokenizeRequest) -> dict[str, Any]:
+async def tokenize(serving: Any, req: p.TokenizeRequest) -> dict[str, Any]:
     serving.check_ready(req.model)
     tm = serving.tm
     if req.prompt is not None:
-        ids = list(tm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False))
+        ids = list(await off_the_loop(len(req.prompt), tm.tokenizer.encode, req.prompt,
+                                      add_special_tokens=req.add_special_tokens is not False))
     else:
         chat = p.ChatCompletionRequest(model=tm.model_name, messages=req.messages, tools=req.tools,
                                        add_generation_prompt=req.add_generation_prompt,
                                        chat_template_kwargs=req.chat_template_kwargs)
-        ids = plan_chat(tm, chat, serving.parsers).ids
+        ids = (await off_the_loop(chat.text_chars(), plan_chat, tm, chat, serving.parsers)).ids
     return {"count": len(ids), "max_model_len": int(tm.context_len), "tokens": ids,
             "token_strs": [serving.token_info(t)[0] for t in ids] if req.return_token_strs else None}
 
