@@ -11,6 +11,8 @@ import os
 import sys
 from collections.abc import Callable
 
+import yaml
+
 from radixserve.config import Config, ConfigError, deep_merge, parse_dotted_overrides
 from radixserve.peer_options import hint_for
 from radixserve.plugins.model_select import FALLBACK_CLAIM, FALLBACK_DISTRIBUTION, FALLBACK_MODEL, fallback_spec
@@ -102,8 +104,19 @@ def load_config_from_args(args: argparse.Namespace, extra: dict | None = None) -
     return config.with_overrides(overrides) if overrides else config
 
 
+def _redacted_yaml(config: Config) -> str:
+    """The config as YAML with the API key shown as *** (as /server_info shows it): `config show`
+    output ends up in bug reports and terminal scrollback."""
+    data = config.model_dump()
+    if data["server"].get("api_key"):
+        data["server"]["api_key"] = "***"
+    return yaml.safe_dump(data, sort_keys=False)
+
+
 def cmd_config_show(args: argparse.Namespace) -> int:
     config = load_config_from_args(args, {"model": {"path": args.model}} if args.model else None)
+    if config.server.api_key is None and os.environ.get("RADIXSERVE_API_KEY"):  # as `serve` reads it
+        config = config.with_overrides({"server": {"api_key": os.environ["RADIXSERVE_API_KEY"]}})
     reg = Registry.from_config(config)
     device = config.runtime.resolved_device()
     checkpoint = None
@@ -118,7 +131,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
                                  model_name=f"model architecture {checkpoint.choice.architecture!r}")
     else:
         resolved = resolve_stack(config, reg, device)
-    print(config.to_yaml(), end="")
+    print(_redacted_yaml(config), end="")
     print(f"# resolved for device {device} (dtype {config.runtime.resolved_dtype(device)}):")
     print("resolved_stack:  # kind: component (chosen by stack.<key>)")
     for kind, spec in resolved.by_kind().items():

@@ -112,7 +112,7 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
                              "served_model_name": tm.model_name, "is_generation": True,
                              "max_model_len": int(tm.context_len)})
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' checks
     async def health() -> Response:
         if not tm.is_healthy():
             return unhealthy()

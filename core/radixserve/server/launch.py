@@ -30,6 +30,14 @@ STATS_INTERVAL_S = 10.0  # periodic scheduler stats log line, while there is act
 HEALTH_POLL_S = 0.5
 CONNECTION_CLOSE_S = 2  # uvicorn's wait for responses to flush, after every request has ended
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# stats that move with no activity (a rate over the server's life, a clock): not "a change" worth a line
+_DRIFTING_STATS = ("time", "throughput")
+
+
+def stop_signals() -> tuple[int, ...]:
+    """The signals that start the graceful shutdown: SIGINT, SIGTERM, and SIGHUP (a closed terminal or
+    SSH session, a supervisor's reload) unless the server was started ignoring it (`nohup`)."""
+    return SIGNALS + (() if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,))
 
 
 class _Server(uvicorn.Server):
@@ -50,12 +58,13 @@ def on_signals(handler: Callable[[int], None]):
     """While inside (in a running event loop): SIGINT/SIGTERM call `handler(signum)` instead of
     their default action. Shared by the server, the router and their start-up phases."""
     loop = asyncio.get_running_loop()
-    for sig in SIGNALS:
+    signals = stop_signals()
+    for sig in signals:
         loop.add_signal_handler(sig, handler, sig)
     try:
         yield
     finally:
-        for sig in SIGNALS:
+        for sig in signals:
             loop.remove_signal_handler(sig)
 
 
@@ -236,7 +245,10 @@ async def _watch_health(tm: Any, shutdown: Any, on_dead) -> None:
 async def _announce(server: uvicorn.Server, tm: Any, config: Config, uds: str | None = None) -> None:
     while not server.started:
         await asyncio.sleep(0.05)
-    where = f"unix:{uds}" if uds else f"http://{config.server.host}:{config.server.port}"
+    port = config.server.port
+    if not uds and port == 0 and server.servers and server.servers[0].sockets:  # --port 0: the one the OS chose
+        port = server.servers[0].sockets[0].getsockname()[1]
+    where = f"unix:{uds}" if uds else f"http://{config.server.host}:{port}"
     logger.info(
         "RadixServe ready: model %r (context %d) on %s%s",
         tm.model_name,
@@ -255,12 +267,11 @@ async def _log_stats(tm: Any) -> None:
             stats = await tm.get_stats()
         except Exception:
             continue
-        numeric = {
-            k: v for k, v in stats.items() if isinstance(v, int | float) and not isinstance(v, bool) and k != "time"
-        }
-        if numeric != last:
-            logger.info("stats: %s", " ".join(f"{k}={_fmt(v)}" for k, v in numeric.items()))
-            last = numeric
+        numeric = {k: v for k, v in stats.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        moved = {k: v for k, v in numeric.items() if k not in _DRIFTING_STATS}
+        if moved != last:
+            logger.info("stats: %s", " ".join(f"{k}={_fmt(v)}" for k, v in numeric.items() if k != "time"))
+            last = moved
 
 
 def _fmt(v: float) -> str:

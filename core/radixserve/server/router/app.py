@@ -58,7 +58,7 @@ def create_router_app(router: Router, config: Config, metrics: RouterMetrics) ->
     async def generate(request: Request) -> Response:
         return await forward(router, request)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' checks
     async def health() -> Response:
         """200 while at least one replica is in rotation and healthy; lists each replica."""
         if router.refusing is not None:
