@@ -80,7 +80,8 @@ class ToolCall(_Strict):
 class ChatToolFields(_Request):
     """The chat request's fields for tools and reasoning (mixed into ChatCompletionRequest)."""
 
-    tools: list[ToolDefinition] | None = Field(default=None, min_length=1, max_length=128)  # [] as OpenAI: a 400
+    # [] is no tools (OpenAI refuses it; vLLM and SGLang take it, and clients written against them send it)
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=128)
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
     parallel_tool_calls: bool | None = None  # default true; false: at most one call
     separate_reasoning: bool = True  # false: the reasoning stays in `content`
