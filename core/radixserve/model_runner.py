@@ -104,6 +104,7 @@ class ModelRunner:
                                                            checkpoint.choice)
         arch = choice.architecture
         logger.info("model %s", choice.describe())
+        self.context_len = self._context_len()  # a context beyond the model's positions fails before loading
         model_cls = choice.cls
         # the model's declared KV memory picks the pool and the default backend (docs/mla.md)
         self.attention_type = getattr(model_cls, "attention_type", "standard")
@@ -133,7 +134,6 @@ class ModelRunner:
                         "pdl=%s)", n_gemv, rt.batch1_gemv, rt.batch1_gemv_fuse_norm, rt.batch1_gemv_fuse_silu, gemv_pdl)
         self.latent_dims = self._latent_dims() if self.attention_type == "latent" else None
         self.vocab_size = int(self.hf_config.vocab_size)
-        self.context_len = self._context_len()
         reserve_rotary_caches(self.model, self.context_len, self.device)
         self.eos_token_ids = eos_token_ids(self.hf_config, self.model_path)
         self._tokenizer = None
