@@ -124,8 +124,9 @@ def test_answers_through_the_router_are_the_replicas_own_streams_included(server
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]" and _sse_text(lines) == via_router
     # errors come back in the OpenAI shape with the replica's status
-    bad = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}, timeout=30)
-    assert bad.status_code == 400 and "model" in bad.json()["error"]["message"]
+    bad = httpx.post(f"{server.url}/v1/completions", json={"model": server.model, "prompt": "x", "max_tokens": -1},
+                     timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens", bad.text
 
 
 def test_metrics_and_server_info_cover_every_replica(server):
