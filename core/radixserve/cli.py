@@ -11,9 +11,7 @@ import os
 import sys
 from collections.abc import Callable
 
-import yaml
-
-from radixserve.config import Config, ConfigError, deep_merge, parse_dotted_overrides
+from radixserve.config import Config, ConfigError, api_key_or_env, deep_merge, parse_dotted_overrides
 from radixserve.peer_options import hint_for
 from radixserve.plugins.model_select import FALLBACK_CLAIM, FALLBACK_DISTRIBUTION, FALLBACK_MODEL, fallback_spec
 from radixserve.plugins.registry import PluginError, Registry
@@ -107,16 +105,13 @@ def load_config_from_args(args: argparse.Namespace, extra: dict | None = None) -
 def _redacted_yaml(config: Config) -> str:
     """The config as YAML with the API key shown as *** (as /server_info shows it): `config show`
     output ends up in bug reports and terminal scrollback."""
-    data = config.model_dump()
-    if data["server"].get("api_key"):
-        data["server"]["api_key"] = "***"
-    return yaml.safe_dump(data, sort_keys=False)
+    return (config.with_overrides({"server": {"api_key": "***"}}) if config.server.api_key else config).to_yaml()
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
     config = load_config_from_args(args, {"model": {"path": args.model}} if args.model else None)
-    if config.server.api_key is None and os.environ.get("RADIXSERVE_API_KEY"):  # as `serve` reads it
-        config = config.with_overrides({"server": {"api_key": os.environ["RADIXSERVE_API_KEY"]}})
+    if config.server.api_key != api_key_or_env(config.server.api_key):  # the key `serve` would take
+        config = config.with_overrides({"server": {"api_key": api_key_or_env(None)}})
     reg = Registry.from_config(config)
     device = config.runtime.resolved_device()
     checkpoint = None

@@ -113,7 +113,6 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.model_impl:
         flags.setdefault("model", {})["impl"] = args.model_impl
     config = load_config_from_args(args, flags)  # YAML < overrides < flags; -p no:NAME disables a plugin
-    config.runtime.check_device_usable()
     if config.runtime.tp_size > 1 or config.runtime.dp_size > 1:
         raise ConfigError(f"radixserve generate runs the model in this one process (runtime.tp_size="
                           f"{config.runtime.tp_size}, runtime.dp_size={config.runtime.dp_size}): use "

@@ -5,10 +5,9 @@ Precedence: flags > dotted overrides (section.key=value) > --config YAML > defau
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from radixserve.config import deep_merge
+from radixserve.config import api_key_or_env, deep_merge
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -110,7 +109,7 @@ def _flag_overrides(args: argparse.Namespace) -> dict:
                      ("impl", args.model_impl))
         if v is not None
     }
-    api_key = args.api_key if args.api_key is not None else os.environ.get("RADIXSERVE_API_KEY") or None
+    api_key = api_key_or_env(args.api_key)
     server = {
         k: v
         for k, v in (

@@ -332,6 +332,12 @@ def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def api_key_or_env(api_key: str | None) -> str | None:
+    """The API key `serve` requires (and `bench serve` sends, `config show` shows): the one given, else
+    $RADIXSERVE_API_KEY when set."""
+    return api_key if api_key is not None else os.environ.get("RADIXSERVE_API_KEY") or None
+
+
 def parse_dotted_overrides(items: list[str]) -> dict[str, Any]:
     """["scheduler.chunked_prefill_size=16", "stack.policy=lpm"] -> nested dict (values parsed as YAML)."""
     out: dict[str, Any] = {}

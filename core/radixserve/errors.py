@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 class RequestError(Exception):
     """A request failed; `status` is the HTTP status the server should answer with
@@ -23,8 +25,8 @@ class EngineDeadError(RequestError):
         super().__init__(message, status=503)
 
 
-def is_users_mistake(e: BaseException) -> bool:
-    """A bad value the user gave (a config key, a path, a shape the model cannot be split into): the
-    entry points report it as one line, with no traceback (RADIXSERVE_DEBUG=1 shows one). ConfigError is a
-    ValueError; a missing file is a FileNotFoundError."""
-    return isinstance(e, (ValueError, FileNotFoundError))
+def traceback_worth_showing(e: BaseException) -> bool:
+    """Whether a start-up failure gets its traceback: not for a bad value the user gave (a config key, a
+    path, a shape the model cannot be split into: ConfigError is a ValueError, a missing file a
+    FileNotFoundError), which the entry points report as one line, unless RADIXSERVE_DEBUG=1 asks for it."""
+    return not isinstance(e, (ValueError, FileNotFoundError)) or bool(os.environ.get("RADIXSERVE_DEBUG"))

@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import sys
 import time
 from dataclasses import dataclass, field
+
+from radixserve.config import api_key_or_env
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -135,7 +136,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     import httpx
 
     # the same default as `radixserve serve`, so one exported variable serves both
-    api_key = args.api_key if args.api_key is not None else os.environ.get("RADIXSERVE_API_KEY") or None
+    api_key = api_key_or_env(args.api_key)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.timeout, limits=limits) as client:

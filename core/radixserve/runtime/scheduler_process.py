@@ -9,7 +9,7 @@ import time
 import traceback
 from typing import Any
 
-from radixserve.errors import is_users_mistake
+from radixserve.errors import traceback_worth_showing
 from radixserve.heap import release_free_heap
 from radixserve.runtime.child import log_level
 from radixserve.runtime.ipc import PortArgs, install_parent_watchdog
@@ -241,7 +241,7 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int, d
         sock.send(make_encoder().encode(ChildFailed(process="scheduler", error=f"{e!r}")))
         sock.close(linger=2000)
         ctx.term()
-        if not is_users_mistake(e) or os.environ.get("RADIXSERVE_DEBUG"):  # the parent states a mistake once
+        if traceback_worth_showing(e):  # the parent states a mistake once
             traceback.print_exc()
         raise SystemExit(1) from e
     info = {

@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 
 import torch
 
-from radixserve.errors import is_users_mistake
+from radixserve.errors import traceback_worth_showing
 from radixserve.tensor_parallel import follow
 
 logger = logging.getLogger(__name__)
@@ -54,7 +53,7 @@ def run_tp_worker_process(config_dict: dict, rank: int, dist_init_addr: str, par
         # a bad config fails on rank 0 too, which reports it to the user (once: no traceback here for
         # a mistake of the user's); let that message arrive before this exit makes the engine report
         # "rank K exited"
-        if not is_users_mistake(e) or os.environ.get("RADIXSERVE_DEBUG"):
+        if traceback_worth_showing(e):
             logger.exception("tensor-parallel rank %d could not start", rank)
         time.sleep(START_FAILURE_GRACE_S)
         raise SystemExit(1) from None
