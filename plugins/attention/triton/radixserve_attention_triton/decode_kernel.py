@@ -202,9 +202,11 @@ def decode_pdl(t: torch.Tensor) -> bool:
 
 # Programmatic dependent launch of the merge (stage 2) after the split kernel, which then signals
 # launch_dependents at its start: the merge's programs are resident and waiting when the splits finish, in place
-# of a launch after them. With RADIXSERVE_ROTARY_STORE_PDL, a Qwen3-30B-A3B batch-1 step on an H100 went from 3.028
-# to 2.987 ms (session 24); RADIXSERVE_DECODE_MERGE_PDL=0 turns it off.
-DECODE_MERGE_PDL = os.environ.get("RADIXSERVE_DECODE_MERGE_PDL", "1") != "0"
+# of a launch after them. Off by default, with RADIXSERVE_ROTARY_STORE_PDL: the pair saved 0.04 ms of a
+# Qwen3-30B-A3B batch-1 step on an H100 (session 24) but cost Llama-3.1-8B 3.6% of its Engine batch-1 decode rate
+# beside the batch-1 GEMVs' own PDL launches, and gained Qwen3's Engine run nothing (session 27:
+# benchmarks/results/h100-session27.md). RADIXSERVE_DECODE_MERGE_PDL=1 turns it on.
+DECODE_MERGE_PDL = os.environ.get("RADIXSERVE_DECODE_MERGE_PDL", "0") != "0"
 
 
 def decode_merge_pdl(t: torch.Tensor) -> bool:

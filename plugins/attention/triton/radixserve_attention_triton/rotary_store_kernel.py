@@ -126,9 +126,9 @@ def _rotary_store_kernel(
 
 # Programmatic dependent launch of the rotary + KV store kernel after the kernel before it (at batch 1 on sm90 the
 # qkv GEMV, which signals launch_dependents after its own wait): resident and waiting when that one finishes, in
-# place of a launch after it. With RADIXSERVE_DECODE_MERGE_PDL, a Qwen3-30B-A3B batch-1 step on an H100 went from
-# 3.028 to 2.987 ms (session 24); RADIXSERVE_ROTARY_STORE_PDL=0 turns it off.
-ROTARY_STORE_PDL = os.environ.get("RADIXSERVE_ROTARY_STORE_PDL", "1") != "0"
+# place of a launch after it. Off by default, with RADIXSERVE_DECODE_MERGE_PDL (decode_kernel.py says why:
+# session 27 measured the pair costing Llama-3.1-8B 3.6% at batch 1); RADIXSERVE_ROTARY_STORE_PDL=1 turns it on.
+ROTARY_STORE_PDL = os.environ.get("RADIXSERVE_ROTARY_STORE_PDL", "0") != "0"
 
 
 def rotary_store_pdl(t: torch.Tensor) -> bool:
