@@ -29,6 +29,17 @@ def test_sighup_starts_the_graceful_shutdown_unless_ignored():
         signal.signal(signal.SIGHUP, before)
 
 
+def test_the_front_end_runs_on_uvloop_and_falls_back_to_asyncio_without_it(monkeypatch):
+    """uvloop is a core dependency (less front-end CPU, taken from the model's threads on a small CPU); where it
+    is missing (Windows, a --no-deps install on the GPU image) the server still starts, on asyncio's own loop."""
+    async def loop_module() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert launch.run_event_loop(loop_module()).startswith("uvloop")
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop now raises ImportError
+    assert launch.run_event_loop(loop_module()).startswith("asyncio")
+
+
 def test_health_answers_head():
     client = make_client(FakeTM())
     r = client.head("/health")

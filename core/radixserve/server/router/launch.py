@@ -18,7 +18,7 @@ import uvicorn
 
 from radixserve.config import Config
 from radixserve.runtime.child import watch_exit
-from radixserve.server.launch import graceful_server, listen_socket, on_signals, setup_logging
+from radixserve.server.launch import graceful_server, listen_socket, on_signals, run_event_loop, setup_logging
 from radixserve.server.router.app import create_router_app
 from radixserve.server.router.core import Router
 from radixserve.server.router.metrics import RouterMetrics
@@ -38,7 +38,7 @@ def run_router(config: Config) -> int:
     setup_logging(config.server.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per forwarded request otherwise
     try:
-        return asyncio.run(_route(config))
+        return run_event_loop(_route(config))
     except KeyboardInterrupt:
         return 130
 
