@@ -59,6 +59,18 @@ def test_deny_flag_works_on_generate_and_bench(tmp_path, command):
     assert "no prefix_cache component named 'chunk'" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_generate_says_the_scheduler_keys_it_cannot_use():
+    """`generate` runs one request without the scheduler: a policy or prefix cache set in the stack is checked
+    (as above) and then named in a note, not silently ignored (a plugin author's audit, session 27)."""
+    r = run_cli(["generate", "--max-tokens", "1", "--no-chat", "Hi", "stack.policy=lpm",
+                 "stack.policy_options={fcfs_threshold: 8}"])
+    assert r.returncode == 0, r.stderr
+    assert "note: stack.policy, stack.policy_options checked but not used" in r.stderr, r.stderr
+    assert "radixserve serve" in r.stderr
+    quiet = run_cli(["generate", "--max-tokens", "1", "--no-chat", "Hi"])
+    assert quiet.returncode == 0 and "note:" not in quiet.stderr, quiet.stderr
+
+
 def test_generate_refuses_parallel_sizes_by_name():
     r = run_cli(["generate", "hello", "--model", MISSING_MODEL, "runtime.tp_size=2"])
     assert r.returncode == 2 and "Traceback" not in r.stderr

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+from radixserve.config import Config
 from radixserve.state import SamplingParams
 
 
@@ -94,6 +95,14 @@ def split_prompt(first: str, rest: list[str]) -> tuple[str, list[str]]:
     return prompts[0], overrides
 
 
+def scheduler_only_keys(config: Config) -> list[str]:
+    """The stack keys set away from their defaults that only the scheduler reads: `generate` checks them
+    like every other key but has no scheduler to use them, so it says so rather than ignore them."""
+    defaults = type(config.stack)()
+    return [f"stack.{k}" for k in ("prefix_cache", "policy", "policy_options")
+            if getattr(config.stack, k) != getattr(defaults, k)]
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from radixserve.cli import load_config_from_args
     from radixserve.cli_serve import speculative_overrides
@@ -120,6 +129,11 @@ def run_generate(args: argparse.Namespace) -> int:
     registry = Registry.from_config(config)
     start = time.perf_counter()
     runner = ModelRunner(config, registry)  # checks the whole stack before loading the model
+    unused = scheduler_only_keys(config)
+    if unused:  # checked with the rest of the stack, but this one request never meets a scheduler
+        print(f"radixserve generate: note: {', '.join(unused)} checked but not used: generate runs one request "
+              "without the scheduler (no policy, no prefix cache); `radixserve serve` and `Engine` use them",
+              file=sys.stderr)
     tok = runner.tokenizer
     loaded = time.perf_counter() - start
     if args.chat and getattr(tok, "chat_template", None):

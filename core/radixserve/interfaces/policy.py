@@ -16,15 +16,16 @@ class SchedulePolicy(abc.ABC):
     Contract:
     - `order(waiting, cache)` returns the same requests (no additions, no drops) in admission order.
       It is called at most once per scheduler step with the current waiting queue.
-    - It may call `cache.match_prefix(req.fill_ids)` and must then store the result on the request
-      (`req.prefix_indices`, `req.last_node`) so the scheduler does not match twice; it must not
-      lock nodes or change slot ownership.
+    - It may call `cache.match_prefix(req.fill_ids)` and should then store the result on the request
+      (`req.prefix_indices`, `req.last_node`) so the scheduler does not match twice (not storing it is
+      still correct, only slower); it must not lock nodes or change slot ownership.
     - It must be deterministic given its inputs, except for policies that are random by design
       (which take a seed).
     - Options are the constructor's keyword arguments, set from a stack with `stack.policy_options`
       (e.g. `{fcfs_threshold: 64}`); the core checks the names against the signature and builds
-      one instance at start-up to check the values, so the constructor must be cheap and raise
-      ValueError for a bad value. The base constructor takes no options.
+      instances at start-up to check the values (a few: each process that checks the stack builds
+      its own), so the constructor must be cheap, free of side effects, and raise ValueError for a
+      bad value. The base constructor takes no options.
 
     Options: a policy that takes options declares them as keyword arguments of `__init__`
     (validated there, raising ValueError naming the bad value); the base class refuses any.
