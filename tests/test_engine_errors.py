@@ -71,6 +71,47 @@ def test_n_and_top_logprobs_that_would_be_ignored_are_refused_as_on_generate(eng
         engine.generate("Hi", {"max_new_tokens": 2, "top_logprobs": 3})
 
 
+def test_a_sampling_params_object_gets_the_refusals_a_dict_gets(engine):
+    """engine.md names radixserve.state.SamplingParams; an object with n=2 returned one completion (audit, session 27)."""
+    from radixserve.state import SamplingParams
+
+    with pytest.raises(ValueError, match="n: one completion per request"):
+        engine.generate("Hi", SamplingParams(max_new_tokens=2, n=2))
+    assert engine.generate("Hi", SamplingParams(max_new_tokens=2))["meta_info"]["completion_tokens"] == 2
+
+
+def test_an_empty_input_ids_is_an_empty_prompt_not_an_empty_batch(engine):
+    with pytest.raises(ValueError, match="input_ids: the prompt is empty") as e:
+        engine.generate(input_ids=[], sampling_params={"max_new_tokens": 2})
+    assert e.value.status == 400 and e.value.param == "input_ids"
+    assert engine.generate([], {"max_new_tokens": 2}) == []  # a batch of no text prompts stays an empty batch
+
+
+def test_config_may_be_a_dict_of_the_yaml_content_and_anything_else_is_named():
+    assert engine_config(None, {"stack": {"policy": "lpm"}}, None, {}).stack.policy == "lpm"
+    with pytest.raises(ValueError, match="config= takes a YAML file's path, a Config or a dict.*int 5"):
+        engine_config(None, 5, None, {})
+
+
+def test_ctrl_c_in_a_blocking_generate_aborts_its_requests(engine):
+    """A KeyboardInterrupt (or any exception) in the caller's thread while generate() waits used to leave the
+    requests running in the scheduler, with ids the caller never saw (audit, session 27)."""
+    import _thread
+    import threading
+    import time
+
+    timer = threading.Timer(1.0, _thread.interrupt_main)  # Ctrl-C, delivered to the waiting main thread
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(["Tell me a long story"] * 4, {"max_new_tokens": 3000, "ignore_eos": True})
+    deadline = time.monotonic() + 30
+    while engine.get_stats()["in_flight_requests"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stats = engine.get_stats()
+    assert stats["in_flight_requests"] == 0 and stats["running"] == 0, stats
+    assert engine.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
 def test_a_section_that_is_not_a_dict_names_the_section():
     with pytest.raises(ValueError, match="stack= must be a dict"):
         engine_config(None, None, None, {"stack": "lpm"})

@@ -71,6 +71,24 @@ def test_generate_says_the_scheduler_keys_it_cannot_use():
     assert quiet.returncode == 0 and "note:" not in quiet.stderr, quiet.stderr
 
 
+def test_config_show_names_the_quantization_a_checkpoint_declares(tmp_path):
+    """`config show --model DIR` said `quantization: null` for a checkpoint whose config.json declares a method,
+    even one no installed plugin provides (a plugin author's audit, session 27): now the method and where its
+    name came from, or, as at start-up, the error naming config.json."""
+    from radixserve.testing import tiny_checkpoint
+
+    ckpt = tiny_checkpoint("llama", str(tmp_path / "tiny"))
+    plain = run_cli(["config", "show", "--model", ckpt])
+    assert plain.returncode == 0, plain.stderr
+    assert "  quantization: unquantized  # the default;" in plain.stdout, plain.stdout
+    cfg = tmp_path / "tiny" / "config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "quantization_config": {"quant_method": "int8pc"}}))
+    r = run_cli(["config", "show", "--model", ckpt])
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "resolved_stack" not in r.stdout, r.stderr
+    assert "quantization_config.quant_method (config.json) is 'int8pc'" in r.stderr, r.stderr
+    assert "installed quantization components:" in r.stderr
+
+
 def test_generate_refuses_parallel_sizes_by_name():
     r = run_cli(["generate", "hello", "--model", MISSING_MODEL, "runtime.tp_size=2"])
     assert r.returncode == 2 and "Traceback" not in r.stderr

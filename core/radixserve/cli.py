@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from radixserve.config import Config, ConfigError, api_key_or_env, deep_merge, parse_dotted_overrides
 from radixserve.peer_options import hint_for
@@ -126,11 +127,15 @@ def cmd_config_show(args: argparse.Namespace) -> int:
                                  model_name=f"model architecture {checkpoint.choice.architecture!r}")
     else:
         resolved = resolve_stack(config, reg, device)
+    # the checkpoint's own method when the stack names none (its errors before anything is printed)
+    own_quant = _checkpoint_quantization(checkpoint, resolved, reg) if checkpoint and not resolved.quantization else None
     print(_redacted_yaml(config), end="")
     print(f"# resolved for device {device} (dtype {config.runtime.resolved_dtype(device)}):")
     print("resolved_stack:  # kind: component (chosen by stack.<key>)")
     for kind, spec in resolved.by_kind().items():
         key = f"stack.{CONFIG_KEY_OF_KIND[kind]}"
+        if kind == "quantization" and own_quant is not None:
+            spec, key = own_quant
         if spec is None:
             print(f"  {kind}: null  # {key}")
             continue
@@ -143,6 +148,19 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     if checkpoint is not None:  # which implementation would run it (reads only the config)
         print(f"model: {config.model.path}  # {checkpoint.choice.describe()}")
     return 0
+
+
+def _checkpoint_quantization(checkpoint: Any, resolved: Any, reg: Registry) -> tuple[Any, str]:
+    """The quantization method the model's layers would use without stack.quantization, and why: a file's
+    weight source (GGUF), or an HF directory's quantization_config.quant_method (an error when no installed
+    plugin provides it, as at start-up), or the default."""
+    from radixserve.model_loader.quant_select import chosen_quant_method
+
+    if os.path.isfile(checkpoint.path):
+        reader = reg.weight_source_for(checkpoint.path)
+        if reader is not None:
+            return reader, "the weight source of this file type"
+    return chosen_quant_method(reg, resolved, checkpoint.hf_config)
 
 
 def _show_output_parsers(config: Config, reg: Registry) -> None:

@@ -23,23 +23,29 @@ from radixserve.peer_options import hint_for
 from radixserve.plugins.registry import Registry
 from radixserve.runtime.tokenizer_manager import GenerateInput, TokenizerManager
 from radixserve.state import SamplingParams
-from radixserve.validation import ModelLimits, sampling_from_dict
+from radixserve.validation import InvalidRequest, ModelLimits, check_one_choice, sampling_from_dict
 
 
 def _sampling_params(sp: Any) -> SamplingParams:
     """One prompt's sampling params, checked here so a bad value is a ValueError naming the field
     (the same conversion as /generate: a json_schema dict is accepted and dumped to text)."""
     if isinstance(sp, SamplingParams):
-        return sp
+        return check_one_choice(sp)  # the refusals a dict gets (n > 1 would be ignored)
     if sp is not None and not isinstance(sp, Mapping):
         raise ValueError(f"sampling_params must be a dict (or a list of dicts, one per prompt), got {sp!r}")
     return sampling_from_dict(sp, ModelLimits())  # as /generate's; vocabulary and context are checked at submit
 
 
-def engine_config(model: str | Path | Mapping[str, Any] | None, config: str | Path | Config | None,
+def engine_config(model: str | Path | Mapping[str, Any] | None, config: str | Path | Config | Mapping[str, Any] | None,
                   tp_size: int | None, sections: Mapping[str, Any]) -> Config:
     """The Config an `Engine(model, config, tp_size=, **sections)` runs (see Engine)."""
-    base = config if isinstance(config, Config) else Config.load(config)
+    if isinstance(config, Mapping):  # the YAML file's content, as a dict
+        base = Config.load(None, dict(config))
+    elif config is None or isinstance(config, Config | str | Path):
+        base = config if isinstance(config, Config) else Config.load(config)
+    else:
+        raise ConfigError(f"config= takes a YAML file's path, a Config or a dict of the file's content, "
+                          f"got {type(config).__name__} {config!r}")
     known = set(Config.model_fields)
     for name, value in sections.items():  # e.g. stack="lpm": say what a section must be, not dict()'s error
         if name not in known:  # a vLLM/SGLang keyword (max_model_len=...) or a typo: not a section at all
@@ -86,7 +92,7 @@ class Engine:
     Raises `radixserve.runtime.errors.RequestError` for invalid requests.
     """
 
-    def __init__(self, model: str | Path | Mapping[str, Any] | None = None, config: str | Path | Config | None = None,
+    def __init__(self, model: str | Path | Mapping[str, Any] | None = None, config: str | Path | Config | Mapping[str, Any] | None = None,
                  *, tp_size: int | None = None, **sections: Any) -> None:
         self.config = engine_config(model, config, tp_size, sections)
         # this process's registry, from the config's plugins section; the stack is checked (in the
@@ -109,7 +115,12 @@ class Engine:
         if self._closed:
             coro.close()
             raise RuntimeError("the engine was shut down")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except BaseException:  # Ctrl-C in a blocking call: its requests end (aborted), not run on unseen
+            fut.cancel()
+            raise
 
     def _stop_loop(self) -> None:
         self._closed = True
@@ -149,7 +160,9 @@ class Engine:
         else:
             if not isinstance(input_ids, list | tuple) or not all(isinstance(x, int | list | tuple) for x in input_ids):
                 raise ValueError(f"input_ids must be a list of token ids or a list of such lists, got {input_ids!r}")
-            single = bool(input_ids) and isinstance(input_ids[0], int)
+            if not input_ids:  # one prompt of no tokens, not a batch of none (a text batch may be empty)
+                raise InvalidRequest("input_ids: the prompt is empty", "input_ids")
+            single = isinstance(input_ids[0], int)
             items = [{"input_ids": list(ids)} for ids in ([input_ids] if single else input_ids)]
         n = len(items)
         sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n

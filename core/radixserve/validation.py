@@ -206,8 +206,12 @@ def sampling_params_from(d: Any, limits: ModelLimits, names: FieldNames = NATIVE
 
 def sampling_from_dict(d: Any, limits: ModelLimits, names: FieldNames = NATIVE) -> SamplingParams:
     """A client's sampling dict (SGLang names) -> checked SamplingParams; unknown keys are an error."""
-    sp = sampling_params_from(d, limits, names)
-    # fields SamplingParams has but this one-choice route would silently ignore
+    return check_one_choice(sampling_params_from(d, limits, names), names)
+
+
+def check_one_choice(sp: SamplingParams, names: FieldNames = NATIVE) -> SamplingParams:
+    """Refuse the fields SamplingParams has but a one-choice route (/generate, the Engine) would
+    silently ignore; returns `sp`."""
     if sp.n != 1:
         raise InvalidRequest(
             f"{names.of('n')}: one completion per request here; for n > 1 use /v1/completions or "

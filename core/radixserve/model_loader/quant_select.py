@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     import torch
 
     from radixserve.interfaces.quantization import QuantMethod
-    from radixserve.plugins.registry import Registry
+    from radixserve.plugins.registry import ComponentSpec, Registry
     from radixserve.plugins.stack import ResolvedStack
 
 
@@ -25,15 +25,29 @@ def checkpoint_quant_config(hf_config) -> dict[str, Any] | None:
     return qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
 
 
+def chosen_quant_method(registry: Registry, stack: ResolvedStack, hf_config) -> tuple[ComponentSpec, str]:
+    """(the registered method this HF checkpoint's layers use, where its name came from: "stack.quantization",
+    "the checkpoint's quantization_config.quant_method" or "the default"); PluginError saying where the name
+    came from when no installed plugin provides it."""
+    if stack.quantization is not None:
+        return stack.quantization, "stack.quantization"
+    declared = (checkpoint_quant_config(hf_config) or {}).get("quant_method")
+    if not declared:
+        return registry.get("quantization", "unquantized"), "the default"
+    source = "the checkpoint's quantization_config.quant_method"
+    try:
+        return registry.get("quantization", declared), source
+    except PluginError as e:
+        raise PluginError(f"{source} (config.json) is {declared!r}: {e}") from None
+
+
 def build_quant_method(registry: Registry, stack: ResolvedStack, hf_config, device: torch.device,
                        dtype: torch.dtype) -> QuantMethod:
     """The QuantMethod instance for this checkpoint on `device`; PluginError naming the method and
     what works when it is not installed, does not support the device, or refuses the config."""
     qc = checkpoint_quant_config(hf_config)
-    name = stack.quantization.name if stack.quantization is not None else None
-    if name is None:
-        name = (qc or {}).get("quant_method") or "unquantized"
-    spec = registry.get("quantization", name)  # names the package to install when it is missing
+    spec, _ = chosen_quant_method(registry, stack, hf_config)  # names the package to install when it is missing
+    name = spec.name
     if not spec.supports_device(device.type):
         others = [s.name for s in registry.components("quantization") if s.supports_device(device.type)]
         raise PluginError(
