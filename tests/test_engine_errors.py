@@ -96,14 +96,16 @@ def test_config_may_be_a_dict_of_the_yaml_content_and_anything_else_is_named():
 def test_ctrl_c_in_a_blocking_generate_aborts_its_requests(engine):
     """A KeyboardInterrupt (or any exception) in the caller's thread while generate() waits used to leave the
     requests running in the scheduler, with ids the caller never saw (audit, session 27)."""
-    import _thread
+    import signal
     import threading
     import time
 
-    timer = threading.Timer(1.0, _thread.interrupt_main)  # Ctrl-C, delivered to the waiting main thread
-    timer.start()
+    # a real SIGINT (as Ctrl-C sends): it wakes the main thread blocked in the wait; interrupt_main would not
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         engine.generate(["Tell me a long story"] * 4, {"max_new_tokens": 3000, "ignore_eos": True})
+    assert time.monotonic() - started < 20  # raised while waiting, not after 12,000 tokens
     deadline = time.monotonic() + 30
     while engine.get_stats()["in_flight_requests"] and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -153,3 +155,17 @@ def test_a_script_that_never_shuts_down_exits_without_a_traceback(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     for bad in ("Traceback", "Exception ignored", "Task was destroyed"):
         assert bad not in run.stderr, run.stderr[-4000:]
+
+
+def test_a_checkpoint_without_a_tokenizer_is_said_before_anything_starts(tmp_path):
+    """A tiny checkpoint with no tokenizer file gave transformers' 'install sentencepiece or tiktoken' after the
+    model and its KV pool loaded (a plugin author's audit, session 27): now the missing tokenizer, at once."""
+    import time
+
+    from radixserve.testing import tiny_checkpoint
+
+    ckpt = tiny_checkpoint("llama", str(tmp_path / "tiny"))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="no tokenizer in .*tiny.*model.tokenizer"):
+        Engine(model=ckpt, runtime=CPU)
+    assert time.monotonic() - started < 10

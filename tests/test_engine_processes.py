@@ -122,3 +122,45 @@ def test_a_child_stopped_while_loading_takes_its_own_processes_along():
         time.sleep(0.05)
     else:
         raise AssertionError(f"process {grandchild}, started by the stopped child, is still running")
+
+
+CTRL_C_DURING_START = textwrap.dedent(
+    """
+    import os, signal, threading
+    from radixserve import Engine
+
+    def children():
+        mine = []
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/stat") as f:
+                        fields = f.read().split(")")[-1].split()
+                except OSError:
+                    continue
+                if fields[1] == str(os.getpid()) and fields[0] != "Z":
+                    mine.append(d)
+        return mine
+
+    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C while the model loads
+    try:
+        Engine(runtime={"device": "cpu", "cuda_graph": False, "num_threads": 1})
+        print("started")
+    except KeyboardInterrupt:
+        print("interrupted")
+    print("children", len(children()), flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_engine_starts_stops_its_children_quietly(tmp_path):
+    """KeyboardInterrupt during Engine() left the scheduler and detokenizer running for the rest of the script and
+    printed 'Event loop is closed' and 'Task was destroyed' at exit (an Engine user's audit, session 27)."""
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C_DURING_START)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "interrupted" in run.stdout and "children 0" in run.stdout, run.stdout + run.stderr[-2000:]
+    for bad in ("Traceback", "Event loop is closed", "Task was destroyed", "Exception ignored"):
+        assert bad not in run.stderr, run.stderr[-4000:]

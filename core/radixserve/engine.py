@@ -21,9 +21,13 @@ from typing import Any
 from radixserve.config import Config, ConfigError
 from radixserve.peer_options import hint_for
 from radixserve.plugins.registry import Registry
-from radixserve.runtime.tokenizer_manager import GenerateInput, TokenizerManager
+from radixserve.runtime.tokenizer_manager import CHILD_EXIT_TIMEOUT_S, GenerateInput, TokenizerManager
 from radixserve.state import SamplingParams
 from radixserve.validation import InvalidRequest, ModelLimits, check_one_choice, sampling_from_dict
+
+# how long a failed or interrupted start may take to stop the children it began (each is killed after
+# CHILD_EXIT_TIMEOUT_S; a second Ctrl-C ends the wait)
+START_CLEANUP_TIMEOUT_S = 2 * CHILD_EXIT_TIMEOUT_S + 5
 
 
 def _sampling_params(sp: Any) -> SamplingParams:
@@ -75,12 +79,12 @@ def _as_keyword(hint: str) -> str:
 
 
 class Engine:
-    """`Engine(model=None, config=None, **sections)`.
+    """`Engine(model=None, config=None, *, tp_size=None, **sections)`.
 
     - `model`: HF directory or .gguf file (None: `config`'s model.path, else the embedded SmolLM2),
       or the whole `model` section as a dict, e.g. `{"path": "model.rsw", "tokenizer": "tok_dir"}`.
     - `tp_size`: tensor-parallel ranks (runtime.tp_size; one process each, on this machine).
-    - `config`: a YAML stack path or a `Config`; `sections` are overrides named like the YAML
+    - `config`: a YAML stack path, a `Config` or a dict of the YAML's content; `sections` are overrides named like the YAML
       sections (stack=..., scheduler=..., runtime=..., plugins=...), applied on top.
     - `generate(prompt | input_ids, sampling_params)`: one request (str / list[int]) -> dict, or a batch
       (list[str] / list[list[int]]) -> list of dicts; each dict has "text", "output_ids", "meta_info"
@@ -103,9 +107,20 @@ class Engine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-engine", daemon=True)
         self._thread.start()
+        started = threading.Event()
+
+        async def start() -> None:
+            try:
+                await self.tokenizer_manager.start()  # stops what it started when it fails or is cancelled
+            finally:
+                started.set()
+
+        fut = asyncio.run_coroutine_threadsafe(start(), self._loop)
         try:
-            self._call(self.tokenizer_manager.start())
-        except BaseException:
+            fut.result()
+        except BaseException:  # a failed start, or Ctrl-C while the model loads
+            fut.cancel()
+            started.wait(START_CLEANUP_TIMEOUT_S)  # the children stopped before the loop is
             self._stop_loop()
             raise
         atexit.register(self.shutdown)

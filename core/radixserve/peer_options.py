@@ -6,6 +6,7 @@ from __future__ import annotations
 
 PEER_OPTIONS: dict[str, str] = {
     "model_path": "--model PATH (model.path)",
+    "tokenizer": "--tokenizer DIR (model.tokenizer)",
     "max_model_len": "model.context_length=N",
     "context_length": "model.context_length=N",
     "dtype": "runtime.dtype=bfloat16|float16|float32|auto",

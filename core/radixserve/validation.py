@@ -161,7 +161,9 @@ def check_sampling(sp: SamplingParams, limits: ModelLimits, names: FieldNames = 
         raise InvalidRequest(f"{names.of('seed')} must be a 64-bit integer, got {sp.seed!r}", names.of("seed"))
     stop = sp.stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"{names.of('stop')}: at most {MAX_STOP_STRINGS} non-empty strings", names.of("stop"))
+        shown = repr(stop) if len(repr(stop)) <= 80 else f"{repr(stop)[:77]}..."
+        raise InvalidRequest(f"{names.of('stop')}: at most {MAX_STOP_STRINGS} non-empty strings, got {shown}",
+                             names.of("stop"))
     for s in stop:
         check_text(s, names.of("stop"))
     for name in ("json_schema", "regex", "ebnf", "grammar_after"):

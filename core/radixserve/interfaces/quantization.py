@@ -106,9 +106,14 @@ class QuantMethod(abc.ABC):
     @abc.abstractmethod
     def create_weights(
         self, layer: nn.Module, input_size: int, output_sizes: list[int], dtype: torch.dtype
-    ) -> None: ...
+    ) -> None:
+        """Register the layer's parameters for a [sum(output_sizes), input_size] linear (this rank's shard),
+        each with its weight loader and `input_dim` / `output_dim` (the class docstring and contracts.md,
+        "Quantization methods", say what the loader does with them)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Repack the loaded parameters for `apply` (transpose, pack, quantize online). It may be called
+        again on a layer already processed: it must then leave the layer as it is. Default: nothing."""
         return None
 
     def enable_lowbit_gemv(self, layer: nn.Module) -> bool:
@@ -122,7 +127,9 @@ class QuantMethod(abc.ABC):
         return False
 
     @abc.abstractmethod
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The layer's output `x @ W^T (+ bias)` for `x` [tokens, input_size] in the runtime dtype, within
+        the method's own rounding of the dequantized reference (what `check_quant_method` compares)."""
 
     def create_moe_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,
                            dtype: torch.dtype) -> None:

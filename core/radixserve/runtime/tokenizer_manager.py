@@ -37,7 +37,7 @@ from radixserve.runtime.messages import (
     make_encoder,
     manager_decoder,
 )
-from radixserve.serving_tokenizer import LONG_TEXT_CHARS, load_serving_tokenizer, off_the_loop
+from radixserve.serving_tokenizer import LONG_TEXT_CHARS, check_tokenizer_present, load_serving_tokenizer, off_the_loop
 from radixserve.state import SamplingParams
 from radixserve.validation import NATIVE, InvalidRequest, ModelLimits, check_text, is_text, validate_request
 
@@ -189,6 +189,7 @@ class TokenizerManager:
         import zmq
         import zmq.asyncio
 
+        check_tokenizer_present(self.model_path, self.config.model.tokenizer)  # before any socket or child
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._ports = PortArgs.create()
