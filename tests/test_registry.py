@@ -137,9 +137,38 @@ def test_conflicting_distributions_fail_at_startup(tmp_path):
 
 def test_version_mismatch_fails_at_startup(tmp_path):
     make_fake_distribution(tmp_path, "radixserve-future", "future", "rs_future", POLICY_PLUGIN.format(api=">=2", name="f"))
-    r = run_cli(["plugins"], site=tmp_path)
+    r = run_cli(["config", "show"], site=tmp_path)
     assert r.returncode == 2 and "radixserve-future" in r.stderr and "plugin API" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+HALF_REGISTERED_PLUGIN = """
+from radixserve.plugins import hookimpl
+PLUGIN_API = ">=1,<2"
+
+@hookimpl
+def radixserve_register(registry):
+    registry.register("policy", "half-done", "radixserve_policies.fcfs:FCFSPolicy")
+    raise RuntimeError("my register hook has a bug")
+"""
+
+
+def test_the_plugins_listing_names_broken_plugins_and_still_lists_the_rest(tmp_path):
+    """`radixserve plugins` is the diagnostic a plugin author runs; one incompatible plugin aborted the whole listing
+    (a plugin author's audit, session 27). It now lists everything that loads, names each plugin that failed with
+    its error, and exits 1; every other command still refuses to start (above)."""
+    make_fake_distribution(tmp_path, "radixserve-future", "future", "rs_future", POLICY_PLUGIN.format(api=">=2", name="f"))
+    make_fake_distribution(tmp_path, "radixserve-half", "half", "rs_half", HALF_REGISTERED_PLUGIN)
+    r = run_cli(["plugins"], site=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "radixserve-policies" in r.stdout and "cpu_batched" in r.stdout  # the rest of the listing
+    broken = r.stdout.split("plugins that failed to load")[1]
+    assert "future (radixserve-future):" in broken and "plugin API" in broken
+    assert "half (radixserve-half):" in broken and "my register hook has a bug" in broken
+    assert "half-done" not in r.stdout  # what the failed hook registered before raising is not listed
+    listing = json.loads(run_cli(["plugins", "--json"], site=tmp_path).stdout)
+    assert {b["plugin"] for b in listing["broken"]} == {"future", "half"}
+    assert not any(c["name"] == "half-done" for c in listing["components"])
 
 
 def test_allow_and_deny_lists(tmp_path):

@@ -37,7 +37,7 @@ def _disable_overrides(args: argparse.Namespace) -> dict:
 
 # ---- plugins ---------------------------------------------------------------------------------
 def cmd_plugins(args: argparse.Namespace) -> int:
-    reg = Registry.discover(deny=set(_deny_list(args.p)))
+    reg = Registry.discover(deny=set(_deny_list(args.p)), keep_going=True)
     rows = [
         {
             "distribution": s.distribution,
@@ -54,9 +54,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     ]
     claims = _architecture_claims(reg)
     if args.json:
+        broken = [{"plugin": name, "distribution": dist, "error": why} for name, (dist, why) in sorted(reg.broken.items())]
         print(json.dumps({"plugins": [vars(p) for p in reg.plugins.values()], "components": rows,
-                          "architectures": claims}, indent=2))
-        return 0
+                          "architectures": claims, "broken": broken}, indent=2))
+        return 1 if broken else 0
     # plugin: the entry-point name that -p no:NAME, plugins.disable and the allow-list take
     headers = ["plugin", "distribution", "version", "kind", "name", "devices", "priority"]
     table = [[r["plugin"], r["distribution"], r["version"], r["kind"], r["name"], ",".join(r["devices"]),
@@ -78,7 +79,11 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(f"  {suffix.ljust(12)}  {name.ljust(12)}  {dist}")
     if not sources:
         print("  (none installed)")
-    return 0
+    if reg.broken:  # listed, not fatal here: every other command refuses to start with these installed
+        print("\nplugins that failed to load (every other command stops on them; fix, uninstall or -p no:NAME):")
+        for name, (dist, why) in sorted(reg.broken.items()):
+            print(f"  {name} ({dist}): {why}")
+    return 1 if reg.broken else 0
 
 
 def _architecture_claims(reg: Registry) -> list[dict]:

@@ -177,6 +177,8 @@ class Registry:
         self._conflicts: dict[tuple[str, str], list[ComponentSpec]] = {}
         # installed plugins not loaded: entry-point name -> (distribution, why); named in lookup errors
         self.skipped: dict[str, tuple[str, str]] = {}
+        # with discover(keep_going=True): plugins that failed to load -> (distribution, the error)
+        self.broken: dict[str, tuple[str, str]] = {}
         self.pm = pluggy.PluginManager(hookspec.PROJECT)
         self.pm.add_hookspecs(hookspec)
 
@@ -195,9 +197,12 @@ class Registry:
         allow: set[str] | None = None,
         deny: set[str] | None = None,
         prefer: dict[str, str] | None = None,
+        keep_going: bool = False,
     ) -> Registry:
         """Load every plugin in the entry-point group, honouring the allow/deny lists
-        (arguments, else the RADIXSERVE_PLUGINS / RADIXSERVE_DISABLE_PLUGINS variables)."""
+        (arguments, else the RADIXSERVE_PLUGINS / RADIXSERVE_DISABLE_PLUGINS variables). A plugin that
+        fails to load (import, PLUGIN_API, its radixserve_register) is a PluginError naming it; with
+        `keep_going` (`radixserve plugins`, a diagnostic) it is left out and recorded in `broken`."""
         reg = cls(prefer=prefer)
         allow_source = "the allow-list" if allow is not None else ALLOW_ENV
         allow = allow if allow is not None else _split_env(ALLOW_ENV)
@@ -213,10 +218,16 @@ class Registry:
                 continue
             version = ep.dist.version if ep.dist is not None else ""
             try:
-                module = ep.load()
-            except Exception as e:  # a broken plugin must name itself, not crash with a bare trace
-                raise PluginError(f"plugin {ep.name!r} from {dist} failed to import ({ep.value}): {e!r}") from e
-            reg.add_plugin_module(module, name=ep.name, distribution=dist, version=version)
+                try:
+                    module = ep.load()
+                except Exception as e:  # a broken plugin must name itself, not crash with a bare trace
+                    raise PluginError(f"plugin {ep.name!r} from {dist} failed to import ({ep.value}): {e!r}") from e
+                reg.add_plugin_module(module, name=ep.name, distribution=dist, version=version)
+            except Exception as e:
+                if not keep_going:
+                    raise
+                reg.broken[ep.name] = (dist, str(e) if isinstance(e, PluginError) else f"{type(e).__name__}: {e}")
+                reg._forget(ep.name)
         reg.check_conflicts()
         return reg
 
@@ -238,6 +249,21 @@ class Registry:
         impl = getattr(module, "radixserve_register", None)
         if impl is not None:
             impl(registry=ComponentRegistrar(self, info))
+
+    def _forget(self, plugin: str) -> None:
+        """Drop what a plugin that failed midway had registered (keep_going)."""
+        self.plugins.pop(plugin, None)
+        if self.pm.has_plugin(plugin):
+            self.pm.unregister(name=plugin)
+        self._components = {k: s for k, s in self._components.items() if s.plugin != plugin}
+        for key, specs in list(self._conflicts.items()):
+            kept = [s for s in specs if s.plugin != plugin]
+            if len(kept) > 1:
+                self._conflicts[key] = kept
+            else:
+                del self._conflicts[key]
+                if kept:
+                    self._components[key] = kept[0]
 
     def _add(self, spec: ComponentSpec) -> None:
         key = (spec.kind, spec.name)
