@@ -223,6 +223,9 @@ class Engine:
         priority: int | list[int] = 0,
         logprob_start_len: int = -1,
     ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Run one prompt (a str, or `input_ids` a list of ids) -> its result dict, or a batch (a list of either)
+        -> a list of result dicts in prompt order; blocks until all are done. Each dict has "text", "output_ids"
+        and "meta_info" (docs/engine.md, "Results"). Ctrl-C while waiting aborts the call's requests."""
         inputs, single = self._inputs(
             prompt, input_ids, sampling_params, rid, False, return_logprob, top_logprobs_num, priority, logprob_start_len
         )
@@ -289,19 +292,27 @@ class Engine:
                 fut.cancel()  # the consumer left early: the TokenizerManager aborts the request
 
     def abort(self, rid: str) -> None:
+        """Abort the request with this rid: it ends with finish_reason {"type": "abort"}; an unknown or finished
+        rid is ignored, as is any call after shutdown()."""
         if not self._closed:
             self._loop.call_soon_threadsafe(self.tokenizer_manager.abort, rid)
 
     def get_stats(self) -> dict[str, Any]:
+        """The scheduler's statistics (what /metrics exports: running, waiting, token_usage, cache_hit_rate, ...)
+        plus in_flight_requests."""
         return self._call(self.tokenizer_manager.get_stats())
 
     def flush_cache(self) -> bool:
+        """Empty the prefix cache; False (nothing done) while requests are running."""
         return self._call(self.tokenizer_manager.flush_cache())
 
     def is_healthy(self) -> bool:
+        """False after shutdown() or once a runtime process died."""
         return not self._closed and self.tokenizer_manager.is_healthy()
 
     def shutdown(self) -> None:
+        """Stop the runtime's processes (requests still running end with EngineDeadError); idempotent, and run
+        at interpreter exit for an engine never shut down."""
         if self._closed:
             return
         atexit.unregister(self.shutdown)
