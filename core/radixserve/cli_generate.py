@@ -80,7 +80,7 @@ def split_prompt(first: str, rest: list[str]) -> tuple[str, list[str]]:
     """The prompt and the overrides among the positionals, wherever the prompt stands: argparse gives
     the first positional to the prompt, so `generate --model M stack.policy=lpm "Hi"` would take the
     override for the prompt (and a mistyped override alone would be generated from)."""
-    from radixserve.config import Config, ConfigError
+    from radixserve.config import ConfigError
 
     def is_override(arg: str) -> bool:
         key, sep, _ = arg.partition("=")

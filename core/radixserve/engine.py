@@ -25,9 +25,9 @@ from radixserve.runtime.tokenizer_manager import CHILD_EXIT_TIMEOUT_S, GenerateI
 from radixserve.state import SamplingParams
 from radixserve.validation import InvalidRequest, ModelLimits, check_one_choice, sampling_from_dict
 
-# how long a failed or interrupted start may take to stop the children it began (each is killed after
-# CHILD_EXIT_TIMEOUT_S; a second Ctrl-C ends the wait)
-START_CLEANUP_TIMEOUT_S = 2 * CHILD_EXIT_TIMEOUT_S + 5
+# how long an interrupted call may take to clean up, e.g. a start stopping the children it began (each is
+# killed after CHILD_EXIT_TIMEOUT_S); a second Ctrl-C ends the wait
+SETTLE_TIMEOUT_S = 2 * CHILD_EXIT_TIMEOUT_S + 5
 
 
 def _sampling_params(sp: Any) -> SamplingParams:
@@ -43,10 +43,12 @@ def _sampling_params(sp: Any) -> SamplingParams:
 def engine_config(model: str | Path | Mapping[str, Any] | None, config: str | Path | Config | Mapping[str, Any] | None,
                   tp_size: int | None, sections: Mapping[str, Any]) -> Config:
     """The Config an `Engine(model, config, tp_size=, **sections)` runs (see Engine)."""
-    if isinstance(config, Mapping):  # the YAML file's content, as a dict
+    if isinstance(config, Config):
+        base = config
+    elif isinstance(config, Mapping):  # the YAML file's content, as a dict
         base = Config.load(None, dict(config))
-    elif config is None or isinstance(config, Config | str | Path):
-        base = config if isinstance(config, Config) else Config.load(config)
+    elif config is None or isinstance(config, str | Path):
+        base = Config.load(config)
     else:
         raise ConfigError(f"config= takes a YAML file's path, a Config or a dict of the file's content, "
                           f"got {type(config).__name__} {config!r}")
@@ -107,20 +109,9 @@ class Engine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-engine", daemon=True)
         self._thread.start()
-        started = threading.Event()
-
-        async def start() -> None:
-            try:
-                await self.tokenizer_manager.start()  # stops what it started when it fails or is cancelled
-            finally:
-                started.set()
-
-        fut = asyncio.run_coroutine_threadsafe(start(), self._loop)
         try:
-            fut.result()
+            self._call(self.tokenizer_manager.start())  # stops what it started when it fails or is cancelled
         except BaseException:  # a failed start, or Ctrl-C while the model loads
-            fut.cancel()
-            started.wait(START_CLEANUP_TIMEOUT_S)  # the children stopped before the loop is
             self._stop_loop()
             raise
         atexit.register(self.shutdown)
@@ -130,11 +121,22 @@ class Engine:
         if self._closed:
             coro.close()
             raise RuntimeError("the engine was shut down")
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        settled = threading.Event()
+
+        async def run() -> Any:
+            try:
+                return await coro
+            finally:
+                settled.set()
+
+        fut = asyncio.run_coroutine_threadsafe(run(), self._loop)
         try:
             return fut.result(timeout)
-        except BaseException:  # Ctrl-C in a blocking call: its requests end (aborted), not run on unseen
+        except BaseException:
+            # Ctrl-C (or a timeout) in a blocking call: the coroutine is cancelled and cleans up before the caller
+            # goes on (a generate's requests are aborted, not left running; a start stops the children it began)
             fut.cancel()
+            settled.wait(SETTLE_TIMEOUT_S)
             raise
 
     def _stop_loop(self) -> None:

@@ -24,6 +24,7 @@ from functools import lru_cache
 from typing import Any, TypeVar
 
 from radixserve.heap import release_free_heap
+from radixserve.model_loader.model_files import check_tokenizer_present
 from radixserve.tokenizer import (
     SERVING_META_FILE,
     SERVING_TOKENIZER_FILE,
@@ -245,27 +246,6 @@ class TokenBytes:
                 text = text.replace(step.get("replacement", "\u2581"), " ")
             # Fuse joins tokens, Strip trims a whole text's ends: nothing to do for one token
         return text.encode()
-
-
-# the files one of transformers' tokenizers loads from (a fast tokenizer, SentencePiece, BPE, WordPiece, tiktoken)
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tokenizer_config.json")
-
-
-def check_tokenizer_present(model_path: str, tokenizer_path: str | None = None) -> None:
-    """RuntimeError when a local model directory (or `tokenizer_path`) holds no tokenizer file at all: said before
-    any process starts or weight loads, instead of transformers' guess (install sentencepiece) after the model
-    loaded. A .gguf file carries its tokenizer; a Hub id is fetched."""
-    where = tokenizer_path or model_path
-    if not os.path.isdir(where):
-        return
-    names = os.listdir(where)
-    if any(n in _TOKENIZER_FILES or n.endswith(".tiktoken") for n in names):
-        return
-    raise RuntimeError(
-        f"no tokenizer in {where!r} (none of {', '.join(_TOKENIZER_FILES)}): the runtime needs one even for "
-        "requests given as token ids (it decodes the output); point model.tokenizer at a directory that has one "
-        "(--tokenizer DIR, or Engine(model={'path': ..., 'tokenizer': DIR}))"
-    )
 
 
 def load_serving_tokenizer(model_path: str, tokenizer_path: str | None = None) -> ServingTokenizer:

@@ -67,6 +67,27 @@ def check_tokenizer_path(tokenizer: str | None) -> None:
         raise FileNotFoundError(f"tokenizer path {tokenizer!r} (model.tokenizer, --tokenizer) does not exist")
 
 
+# the files one of transformers' tokenizers loads from (a fast tokenizer, SentencePiece, BPE, WordPiece, tiktoken)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tokenizer_config.json")
+
+
+def check_tokenizer_present(model_path: str, tokenizer_path: str | None = None) -> None:
+    """RuntimeError when a local model directory (or `tokenizer_path`) holds no tokenizer file at all: said before
+    any process starts or weight loads, instead of transformers' guess (install sentencepiece) after the model
+    loaded. A .gguf file carries its tokenizer; a Hub id is fetched."""
+    where = tokenizer_path or model_path
+    if not os.path.isdir(where):
+        return
+    names = os.listdir(where)
+    if any(n in _TOKENIZER_FILES or n.endswith(".tiktoken") for n in names):
+        return
+    raise RuntimeError(
+        f"no tokenizer in {where!r} (none of {', '.join(_TOKENIZER_FILES)}): the runtime needs one even for "
+        "requests given as token ids (it decodes the output); point model.tokenizer at a directory that has one "
+        "(--tokenizer DIR, or Engine(model={'path': ..., 'tokenizer': DIR}))"
+    )
+
+
 def _hub_offline() -> bool:
     from huggingface_hub import constants
 

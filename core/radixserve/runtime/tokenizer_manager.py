@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config import Config, ConfigError
-from radixserve.model_loader.model_files import check_model_files, resolve_model_path, served_name
+from radixserve.model_loader.model_files import (
+    check_model_files,
+    check_tokenizer_present,
+    resolve_model_path,
+    served_name,
+)
 from radixserve.plugins.registry import Registry
 from radixserve.plugins.stack import check_quantization_fits, resolve_stack
 from radixserve.runtime.child import ChildSpec, kill_group, watch_exit
@@ -37,7 +42,7 @@ from radixserve.runtime.messages import (
     make_encoder,
     manager_decoder,
 )
-from radixserve.serving_tokenizer import LONG_TEXT_CHARS, check_tokenizer_present, load_serving_tokenizer, off_the_loop
+from radixserve.serving_tokenizer import LONG_TEXT_CHARS, load_serving_tokenizer, off_the_loop
 from radixserve.state import SamplingParams
 from radixserve.validation import NATIVE, InvalidRequest, ModelLimits, check_text, is_text, validate_request
 
