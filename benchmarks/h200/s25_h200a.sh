@@ -11,6 +11,7 @@ source benchmarks/h200/setup.sh || exit 1
 source benchmarks/h200/flashinfer_setup.sh || { echo "flashinfer setup failed"; exit 1; }
 ROOT=$OUT
 log() { echo "[s25_h200a $(date +%H:%M:%S), $(left) s left] $*"; }
+log "HBM limit"; python3 benchmarks/h200/hbm_limit.py | tee $OUT/hbm_limit.txt
 source benchmarks/h200/online_8b.sh
 LATENCY="scheduler.enable_mixed_chunk=true scheduler.chunked_prefill_size=768 runtime.cuda_graph_extend_max_tokens=896"
 online triton_latency $LATENCY
