@@ -8,6 +8,7 @@ pydantic) so the file also runs on the bare GPU image.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -21,6 +22,8 @@ _restore_triton_interpret = pytest.fixture(autouse=True, scope="module")(_restor
 from radixserve.memory.kv_pool import KVPool  # noqa: E402
 from radixserve.memory.req_to_token import ReqToTokenPool  # noqa: E402
 from radixserve.state import ForwardBatch, ForwardMode  # noqa: E402
+from radixserve_attention_triton import backend as backend_module  # noqa: E402
+from radixserve_attention_triton import fresh_prompts  # noqa: E402
 from radixserve_attention_triton.backend import TritonAttentionBackend  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -231,6 +234,81 @@ def test_fresh_prompt_sdpa_never_builds_cudnn_plans(monkeypatch):
     assert seen == [False, False]  # one call per fresh prompt, each with cuDNN off
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored afterwards
     assert_close(out, reference(p), torch.float32)
+
+
+def _torch_2_10_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    raise AssertionError("signature only")
+
+
+def _torch_2_13_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                       window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    raise AssertionError("signature only")
+
+
+def _no_causal_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=None):
+    raise AssertionError("signature only")
+
+
+@pytest.mark.parametrize(("function", "gqa", "scale", "expected"), [
+    (_torch_2_13_varlen, True, 0.1, {"window_size": (-1, 0), "enable_gqa": True, "scale": 0.1}),
+    (_torch_2_13_varlen, False, 0.125, {"window_size": (-1, 0), "scale": 0.125}),
+    (_torch_2_10_varlen, True, 64**-0.5, {"is_causal": True}),  # GQA native in the flash kernel, default scale
+    (_torch_2_10_varlen, False, 0.1, None),  # a scale it cannot take: SDPA per request instead
+    (_no_causal_varlen, False, 0.125, None),
+], ids=["torch-2.13", "torch-2.13-mha", "torch-2.10", "torch-2.10-custom-scale", "no-causal-form"])
+def test_varlen_keywords_follow_the_installed_signature(function, gqa, scale, expected):
+    assert fresh_prompts.causal_keywords(inspect.signature(function), gqa, scale, 64) == expected
+
+
+def _recording_varlen(calls):
+    """A stand-in for torch's varlen_attn (torch 2.13's keywords) that computes by SDPA per segment."""
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        assert cu_q is cu_k and max_q == max_k and cu_q.dtype == torch.int32
+        calls.append((cu_q.tolist(), max_q, window_size, enable_gqa, scale))
+        lens = (cu_q[1:] - cu_q[:-1]).tolist()
+        return fresh_prompts.per_request_sdpa(q, k, v, scale, lens)
+    return varlen, inspect.signature(varlen)
+
+
+def test_fresh_prompts_take_one_varlen_call_with_cumulative_lengths(monkeypatch):
+    # where torch has varlen_attn (CUDA, half precision), a batch of fresh prompts is one call a layer:
+    # the packed tokens, delimited by their cumulative lengths, causal, grouped-query, the layer's scale
+    calls = []
+    monkeypatch.setattr(fresh_prompts, "_varlen_function", lambda: _recording_varlen(calls))
+    monkeypatch.setattr(backend_module, "varlen_available", lambda *args: True)
+    p = make_problem([0, 0, 0], [5, 9, 1], 4, 2, 16, dtype=torch.float32, mode=ForwardMode.EXTEND)
+    out = run(p)
+    assert calls == [([0, 5, 14, 15], 9, (-1, 0), True, 0.25)]
+    assert_close(out, reference(p), torch.float32)
+    assert_pool_written(p)
+    # a cached prefix in the batch: the Triton kernel, never the varlen call
+    calls.clear()
+    p = make_problem([3, 0], [5, 9], 4, 2, 16, dtype=torch.float32, mode=ForwardMode.EXTEND)
+    assert_close(run(p), reference(p), torch.float32)
+    assert calls == [] and p.batch.attn_metadata.fresh_cu_seqlens is None
+
+
+def test_fresh_prompts_fall_back_to_sdpa_per_request_without_varlen(monkeypatch):
+    monkeypatch.setattr(backend_module, "varlen_available", lambda *args: True)
+    monkeypatch.setattr(fresh_prompts, "_varlen_function", lambda: None)  # e.g. torch before 2.10
+    seen = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: seen.append(1) or real_sdpa(*a, **kw))
+    p = make_problem([0, 0], [5, 9], 4, 2, 16, dtype=torch.float32, mode=ForwardMode.EXTEND)
+    assert_close(run(p), reference(p), torch.float32)
+    assert len(seen) == 2
+
+
+@pytest.mark.skipif(not ON_GPU, reason="torch's varlen flash kernel runs on CUDA only; the CPU tests use a stand-in")
+@pytest.mark.parametrize("heads", [(32, 8, 128), (8, 8, 64), (12, 4, 80)], ids=lambda t: "h{}kv{}d{}".format(*t))
+def test_fresh_prompts_varlen_on_cuda_matches_reference(heads):
+    p = make_problem([0, 0, 0, 0], [1, 77, 300, 1024], *heads, dtype=torch.bfloat16, mode=ForwardMode.EXTEND)
+    assert p.backend.prefill_varlen, "this torch has no usable varlen_attn on CUDA"
+    out = run(p)
+    assert p.batch.attn_metadata.fresh_cu_seqlens is not None
+    assert_close(out, reference(p), torch.bfloat16)
+    assert_pool_written(p)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

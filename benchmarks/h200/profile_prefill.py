@@ -12,7 +12,8 @@ FLOPs (every projection of every layer for every token, the LM head for each pro
 GEMM kernels' time gives their rate, printed beside the bf16 GEMM rate measured here at the same rows and
 shapes (`offline_floor.gemm_tflops`). The distance to the floor is then either the GEMMs' own (rate below
 the measured one) or the other kinds' time. One JSON line per backend; profile_prefill.json under --out.
-`--device cpu` with a tiny checkpoint checks the script itself (CPU op times then, no kernels)."""
+`triton:per-request` in --attention: the triton backend with one SDPA call per fresh prompt instead of one
+varlen call a layer. `--device cpu` with a tiny checkpoint checks the script itself (CPU op times then, no kernels)."""
 
 from __future__ import annotations
 
@@ -82,9 +83,17 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def profile_backend(args: argparse.Namespace, attention: str, cfg: dict) -> dict:
+    """One row; `attention` is a stack name, or `triton:per-request` for the triton backend with its
+    fresh prompts as one SDPA call each instead of one varlen call a layer (the A/B of `prefill_varlen`)."""
     from radixserve.static_batch import run_static_batch
 
-    runner = _runner(args.model, args.device, attention, args.input_len + 16)
+    name, _, variant = attention.partition(":")
+    runner = _runner(args.model, args.device, name, args.input_len + 16)
+    if variant == "per-request":
+        runner.attn_backend.prefill_varlen = False
+    elif variant:
+        raise ValueError(f"unknown variant {variant!r} of {name} (known: per-request)")
+    varlen = getattr(runner.attn_backend, "prefill_varlen", None)
     vocab = cfg["vocab_size"]
     run_static_batch(runner, _prompts(args.prompts, args.input_len, vocab, seed=1), max_new_tokens=1)  # warm-up
     times = [run_static_batch(runner, _prompts(args.prompts, args.input_len, vocab, seed=2 + k), max_new_tokens=1)
@@ -104,7 +113,7 @@ def profile_backend(args: argparse.Namespace, attention: str, cfg: dict) -> dict
     flops = chunk_gemm_flops(cfg, args.prompts, args.input_len)
     gemm_ms = by_kind.get("gemm", 0.0)
     row = {
-        "attention": attention, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "attention": attention, "prefill_varlen": varlen, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "chunk_tokens": tokens, "prefill_ms": round(statistics.median(times) * 1e3, 2),
         "prompt_tok_s": round(tokens / statistics.median(times)),
         "kernel_ms_by_kind": {k: round(v, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},

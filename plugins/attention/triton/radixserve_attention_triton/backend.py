@@ -13,14 +13,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from radixserve.interfaces.attention import AttentionBackend
 from radixserve.layers.extend_layout import extend_starts, tree_mask_starts
 from radixserve.layers.kv_splits import SplitKVDecodeMetadata, split_planning_defaults
 from radixserve.layers.triton_interpreter import interpreter_enabled
 from radixserve.memory.fp8_kv import dequantize_fp8
 from radixserve.state import ForwardMode
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from radixserve_attention_triton.decode_kernel import (
     DecodeConfig,
@@ -37,13 +35,13 @@ from radixserve_attention_triton.extend_kernel import (
     planned_extend_work,
     write_extend_plan,
 )
+from radixserve_attention_triton.fresh_prompts import (
+    cumulative_lengths,
+    per_request_sdpa,
+    varlen_attention,
+    varlen_available,
+)
 from radixserve_attention_triton.rotary_store_kernel import rotary_and_store, rotary_store_pdl
-
-# The fresh-prompt SDPA may use every backend but cuDNN's: torch builds one cuDNN plan per new
-# (shape, stride) key, ~40 ms each on the H200 (benchmarks/h200/draft_sdpa_shapes.py, session 11: a
-# prompt of a length not seen before took 40.1 ms median in cuDNN, 0.098 ms in the flash kernel), and
-# served prompts have new lengths all the time: that plan build was the online TTFT tail.
-FRESH_PROMPT_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 if TYPE_CHECKING:
     from radixserve.interfaces.attention import AttentionLayerSpec
@@ -64,6 +62,9 @@ class ExtendMetadata:
     # host lengths of the new tokens when every request starts from an empty prefix (a fresh
     # prompt's first chunk) and no tree mask: such a batch may use PyTorch's flash SDPA
     fresh_prompt_lens: list[int] | None = None
+    # int32 [bs + 1] on the device: the fresh prompts' cumulative lengths, when they take one varlen
+    # flash call (fresh_prompts.varlen_attention) instead of one SDPA call each
+    fresh_cu_seqlens: torch.Tensor | None = None
 
 
 DecodeMetadata = SplitKVDecodeMetadata  # mid_o: float32 [bs, H, max_kv_splits, head_dim]
@@ -87,9 +88,11 @@ class TritonAttentionBackend(AttentionBackend):
     flight (`sm_count` defaults to the GPU's multiprocessor count); `extend_config` / `decode_config`
     override the kernels' tile sizes. `prefill_sdpa` (default True): an extend batch in which every
     request starts from an empty prefix (no cached tokens, no tree mask, no window or soft-cap in the
-    layer) runs PyTorch's `scaled_dot_product_attention` per request (its flash kernel on Hopper,
-    measured ~2x this plugin's extend kernel there: benchmarks/results/h200-attention-kernels.md);
-    every other extend batch runs the Triton kernel. Decode (batch-1 latency, each saving launches
+    layer) runs PyTorch's flash attention (measured ~2x this plugin's extend kernel on Hopper:
+    benchmarks/results/h200-attention-kernels.md): with `prefill_varlen` (default True) one
+    `varlen_attn` call for the whole batch where torch has it (CUDA, fp16 / bf16), else
+    `scaled_dot_product_attention` per request (`fresh_prompts`); every other extend batch runs the
+    Triton kernel. Decode (batch-1 latency, each saving launches
     per layer): `fuse_rotary_store` (default True) applies rotary to q and k in the kernel that
     stores k, v into the pool (`forward_decode_rotary`, when the pool has q's dtype).
     CUDA graphs: decode batches (`init_graph_state` ...) and extend batches (`init_extend_graph_state`
@@ -121,6 +124,7 @@ class TritonAttentionBackend(AttentionBackend):
         extend_config: ExtendConfig | None = None,
         decode_config: DecodeConfig | None = None,
         prefill_sdpa: bool = True,
+        prefill_varlen: bool = True,
         sdpa_max_requests: int = 64,
         fuse_rotary_store: bool = True,
     ) -> None:
@@ -150,6 +154,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_config = decode_config
         self.prefill_sdpa = prefill_sdpa
         self.sdpa_max_requests = sdpa_max_requests  # one SDPA call per request: bounded host work per layer
+        self.prefill_varlen = prefill_varlen and varlen_available(self.device, self.dtype, self.head_dim)
         self._graph: DecodeMetadata | None = None
         self._extend_graph: ExtendMetadata | None = None  # static extend metadata (init_extend_graph_state)
         self.fuse_rotary_store = fuse_rotary_store
@@ -176,8 +181,11 @@ class TritonAttentionBackend(AttentionBackend):
             return
         extend_start, lens = extend_starts(batch)
         meta = ExtendMetadata(extend_start=extend_start, max_extend_len=max(lens, default=0))
-        if (self.prefill_sdpa and batch.tree_mask is None and 0 < batch.batch_size <= self.sdpa_max_requests
-                and batch.prefix_lens_cpu and not any(batch.prefix_lens_cpu)):
+        fresh = batch.tree_mask is None and batch.prefix_lens_cpu and not any(batch.prefix_lens_cpu)
+        if fresh and self.prefill_sdpa and self.prefill_varlen and batch.batch_size > 0:
+            meta.fresh_prompt_lens = list(lens)  # one call for the batch: no bound on its requests
+            meta.fresh_cu_seqlens = cumulative_lengths(lens, self.device)
+        elif fresh and self.prefill_sdpa and 0 < batch.batch_size <= self.sdpa_max_requests:
             meta.fresh_prompt_lens = list(lens)
         else:  # the kernel's blocks; fresh prompts take SDPA (a windowed or capped layer: the dense table)
             prefix = batch.prefix_lens_cpu or batch.prefix_lens.tolist()
@@ -216,7 +224,12 @@ class TritonAttentionBackend(AttentionBackend):
         if meta.fresh_prompt_lens is not None and not window and not cap:
             if pool.is_fp8:  # attend the stored values, as every later step will
                 k3, v3 = dequantize_fp8(k_st, k_scale, q3.dtype), dequantize_fp8(v_st, v_scale, q3.dtype)
-            return self._fresh_prompts_sdpa(q3, k3, v3, layer, meta.fresh_prompt_lens).view(q.shape[0], -1)
+            out = None
+            if meta.fresh_cu_seqlens is not None:
+                out = varlen_attention(q3, k3, v3, layer.scaling, meta.fresh_cu_seqlens, meta.max_extend_len)
+            if out is None:
+                out = per_request_sdpa(q3, k3, v3, layer.scaling, meta.fresh_prompt_lens)
+            return out.view(q.shape[0], -1)
         k_buf, v_buf = pool.get_kv(layer.layer_id)
         out = torch.empty_like(q3)
         extend_attention(
@@ -249,27 +262,6 @@ class TritonAttentionBackend(AttentionBackend):
     def _extend_block_m(self) -> int:
         """The query block of the extend kernel this backend launches (what its work tables are planned for)."""
         return (self.extend_config or extend_config(self.head_dim, self.dtype, self.interpret)).block_m
-
-    @staticmethod
-    def _fresh_prompts_sdpa(
-        q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, layer: AttentionLayerSpec, lens: list[int]
-    ) -> torch.Tensor:
-        """Causal attention of requests with no cached prefix: their keys are exactly the new tokens,
-        so no pool read is needed (the caller stored them already)."""
-        out = torch.empty_like(q3)
-        gqa = layer.num_heads != layer.num_kv_heads
-        start = 0
-        with sdpa_kernel(FRESH_PROMPT_SDPA_BACKENDS):
-            for n in lens:
-                rows = slice(start, start + n)
-                # [1, heads, n, head_dim] views: the head dim stays contiguous, as the flash kernel needs
-                o = F.scaled_dot_product_attention(
-                    q3[rows].transpose(0, 1)[None], k3[rows].transpose(0, 1)[None], v3[rows].transpose(0, 1)[None],
-                    is_causal=True, scale=layer.scaling, enable_gqa=gqa,
-                )
-                out[rows] = o[0].transpose(0, 1)
-                start += n
-        return out
 
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
