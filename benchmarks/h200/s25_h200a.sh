@@ -6,7 +6,7 @@
 #   7.86 / 23.97); Engine batch-1 1024/512: >= 240 tok/s (session 8 on an H200: 247.1, triton).
 set -o pipefail
 T0=$(date +%s)
-left() { echo $(( 585 - $(date +%s) + T0 )); }  # seconds left of the call's 600 s
+left() { echo $(( ${CALL_LEFT:-585} - $(date +%s) + T0 )); }  # seconds left of the call's 600 s
 source benchmarks/h200/setup.sh || exit 1
 source benchmarks/h200/flashinfer_setup.sh || { echo "flashinfer setup failed"; exit 1; }
 ROOT=$OUT
