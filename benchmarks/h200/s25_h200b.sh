@@ -4,7 +4,7 @@
 # (RADIXSERVE_STEP_TRACE, overlap-aware since 014f673) splits its time by batch kind and size.
 set -o pipefail
 T0=$(date +%s)
-left() { echo $(( 585 - $(date +%s) + T0 )); }
+left() { echo $(( ${CALL_LEFT:-585} - $(date +%s) + T0 )); }
 source benchmarks/h200/setup.sh || exit 1
 source benchmarks/h200/flashinfer_setup.sh || { echo "flashinfer setup failed"; exit 1; }
 log() { echo "[s25_h200b $(date +%H:%M:%S), $(left) s left] $*"; }
