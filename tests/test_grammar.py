@@ -73,6 +73,68 @@ def test_the_kit_catches_a_broken_backend(broken, tok):
         check_grammar_backend(broken, tok, seeds=1)
 
 
+def _masking(clear):
+    """An xgrammar backend whose masks also clear the tokens `clear(allowed, stops, texts, token)` picks."""
+
+    class Masking(XGrammarBackend):
+        def fill_bitmasks(self, bitmask, rows):  # row by row, through the narrowed matchers
+            GrammarBackend.fill_bitmasks(self, bitmask, rows)
+
+        def new_matcher(self, compiled):
+            m = super().new_matcher(compiled)
+            texts = [self.tokenizer.decode([t]) for t in range(len(self.tokenizer))]
+            stops = set(self.stop_token_ids)
+
+            class Narrowed(type(m)):
+                def fill_bitmask(self, bitmask, row):
+                    super().fill_bitmask(bitmask, row)
+                    allowed = [t for t in range(len(texts)) if (int(bitmask[row, t // 32]) >> (t % 32)) & 1]
+                    for t in allowed:
+                        if clear(allowed, stops, texts, t):
+                            bitmask[row, t // 32] = int(bitmask[row, t // 32]) & ~(1 << (t % 32))
+
+            m.__class__ = Narrowed
+            return m
+
+    return Masking
+
+
+# the outside audit's two bugs the kit let through, and a backend that skips half-character tokens
+_STOP_ONLY_WHEN_FORCED = _masking(lambda allowed, stops, texts, t: t in stops and set(allowed) - stops)
+_NEVER_THE_NO_BRANCH = _masking(lambda allowed, stops, texts, t: texts[t].startswith("n")
+                                and any(texts[a].startswith("y") for a in allowed))
+_SKIPS_PARTIAL_UTF8 = _masking(lambda allowed, stops, texts, t: "\ufffd" in texts[t])
+
+
+@pytest.mark.parametrize("broken, words", [
+    (_STOP_ONLY_WHEN_FORCED, r"regex '\[0-9\]\+'.*drops a stop token, although the output is a complete match"),
+    (_NEVER_THE_NO_BRANCH, r"regex '\(yes\|no\)!'.*after b'' the mask drops valid continuations"),
+    (_SKIPS_PARTIAL_UTF8, r"regex '\(é\|ü\)\{1,3\}!'"),
+], ids=["stop-held-back", "branch-dropped", "byte-tokens-skipped"])
+def test_the_kit_checks_each_mask_against_its_reference(broken, words, tok):
+    with pytest.raises(AssertionError, match=words):
+        check_grammar_backend(broken, tok, seeds=1)
+
+
+def test_the_kits_reference_mask(tok):
+    """What the kit holds a mask to: every viable token, the stop token after a complete match even
+    if it could go on, byte tokens of a two-byte character, and the text a constraint forces."""
+    from radixserve.testing.grammar_reference import RegexReference
+
+    def names(ids):
+        return sorted(tok.convert_ids_to_tokens(t) for t in ids)
+
+    digits = RegexReference(r"[0-9]+", tok, [EOS])
+    assert EOS not in digits.allowed(b"") and EOS in digits.allowed(b"1") and "2" in names(digits.allowed(b"1"))
+    yes_no = RegexReference(r"(yes|no)!", tok, [EOS])
+    assert {"y", "yes", "n", "no"} <= set(names(yes_no.allowed(b""))) and yes_no.forced(b"") == b""
+    assert yes_no.forced(b"y") == b"es!" and yes_no.allowed(b"yes!") == {EOS}
+    accents = RegexReference(r"(é|ü){1,3}!", tok, [EOS])
+    half = tok.convert_tokens_to_ids("Ã")  # the byte 0xC3, the first of both characters
+    assert half in accents.allowed(b"") and accents.forced(b"") == b"\xc3"
+    assert tok.convert_tokens_to_ids("©") in accents.allowed(b"\xc3")  # 0xA9: "é"
+
+
 def test_xgrammar_fills_a_large_batch_in_one_parallel_call_with_the_per_row_result(tok, monkeypatch):
     from radixserve_grammar_xgrammar import backend as xb
 
@@ -252,6 +314,78 @@ def test_no_grammar_backend_is_a_400_naming_the_field(tok):
     assert err.startswith("json_schema:") and "no" in err and "grammar backend" in err
 
 
+def _service_scheduler(tok, service: GrammarService) -> Scheduler:
+    runner = ToyRunner(vocab_size=VOCAB, eos_token_ids=(EOS,))
+    reg = Registry.discover()
+    cache = reg.load("prefix_cache", "radix")(runner.req_to_token_pool, runner.token_allocator)
+    return Scheduler(Config.build({}), runner, cache, reg.load("policy", "fcfs")(), tok, grammar=service)
+
+
+def _errors(s: Scheduler) -> dict[str, tuple[str, int]]:
+    """(error, status) of each refused request."""
+    got = {}
+    while s.has_work():
+        for out in s.step():
+            if out.error is not None:
+                got[out.rid] = (out.error, out.error_status)
+    return got
+
+
+def test_a_backend_that_cannot_be_built_is_logged_once_and_named_per_field(tok, caplog):
+    """An outside audit: a constructor that raised left no trace in the log, and the 400 named no
+    field (param null)."""
+    from radixserve.runtime.tokenizer_manager import _runtime_rejection
+
+    def explode():
+        raise RuntimeError("toy init exploded")
+
+    s = _service_scheduler(tok, GrammarService("toy", explode))
+    with caplog.at_level("ERROR", logger="radixserve.scheduler.grammar"):
+        add(s, "r", [1, 2], regex="a+")
+        add(s, "j", [1, 3], json_schema='{"type": "object"}')
+        got = _errors(s)
+    assert got["r"] == ("regex: the grammar backend 'toy' is unavailable: toy init exploded", 400)
+    assert got["j"][0].startswith("json_schema: the grammar backend 'toy' is unavailable")
+    logged = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(logged) == 1 and "'toy' could not be built" in logged[0].getMessage()
+    assert logged[0].exc_info and "toy init exploded" in str(logged[0].exc_info[1])
+    assert _runtime_rejection(*got["r"]).param == "sampling_params.regex"
+
+
+def test_a_compile_that_breaks_the_contract_is_a_500_not_the_inputs_fault(tok, caplog):
+    """compile may raise only GrammarError: anything else is the backend's bug, a 500 for that
+    request (not "regex: invalid regex: ValueError(...)", which blamed the input), logged."""
+
+    class Buggy(XGrammarBackend):
+        def compile(self, kind, text):
+            if text == "a+":
+                raise ValueError("toy compile bug")
+            return super().compile(kind, text)
+
+    s = _service_scheduler(tok, GrammarService("buggy", lambda: Buggy(tok, VOCAB, [EOS])))
+    with caplog.at_level("ERROR", logger="radixserve.scheduler.grammar"):
+        add(s, "bug", [1, 2], regex="a+")
+        add(s, "bad", [1, 3], regex="a(b")
+        add(s, "ok", [1, 4], regex="(yes|no)")
+        got = _errors(s)
+    error, status = got["bug"]
+    assert status == 500 and "invalid regex" not in error and "failed while compiling" in error, got["bug"]
+    assert got["bad"][1] == 400 and got["bad"][0].startswith("regex: invalid regex:")
+    assert "ok" not in got
+    assert any(r.exc_info and "toy compile bug" in str(r.exc_info[1]) for r in caplog.records)
+
+
+def test_a_matcher_that_cannot_start_is_a_500_too(tok):
+    class NoMatchers(XGrammarBackend):
+        def new_matcher(self, compiled):
+            raise RuntimeError("no matcher today")
+
+    s = _service_scheduler(tok, GrammarService("nomatch", lambda: NoMatchers(tok, VOCAB, [EOS])))
+    add(s, "r", [1, 2], regex="a+")
+    error, status = _errors(s)["r"]
+    assert status == 500 and "no matcher today" in error
+
+
 def test_identical_constraints_compile_once(tok):
     calls = []
 
@@ -376,6 +510,50 @@ def test_xgrammar_rewrites_schemas_it_would_misread_into_ones_it_enforces():
                                                      "minLength": 1, "maxLength": 3}}}
     g = json_schema_grammar(json.dumps(suffix))
     assert accepts(g, '{"x": "Sr"}') and not accepts(g, '{"x": "SrI"}') and not accepts(g, '{"x": "Toolong"}')
+
+
+def test_xgrammar_names_the_schema_root_and_refuses_an_empty_enum_plainly(tok):
+    """An outside audit: "(at ; give one bound ...)" for root-level constructs, and `{"enum": []}`
+    answered with xgrammar's internal "EBNF parser error at line 12"."""
+    backend = BACKENDS["xgrammar"](tok, VOCAB, [EOS])
+    for schema in ({"type": "number", "minimum": 0.5, "maximum": 1.5},
+                   {"type": "object", "required": ["b"], "properties": {"a": {}}},
+                   {"type": "string", "pattern": "a+", "maxLength": 3}, {"type": "string", "enum": [1]}):
+        with pytest.raises(GrammarError) as e:
+            backend.compile("json_schema", json.dumps(schema))
+        assert "(at the schema root" in str(e.value) and "(at ;" not in str(e.value) and "(at )" not in str(e.value)
+    for schema, where in (({"enum": []}, "/enum"), ({"type": "object", "properties": {"a": {"anyOf": []}}},
+                                                   "/properties/a/anyOf")):
+        with pytest.raises(GrammarError) as e:
+            backend.compile("json_schema", json.dumps(schema))
+        key = where.rsplit("/", 1)[1]
+        assert str(e.value).startswith(f"{key} must not be empty (at {where})") and "EBNF" not in str(e.value)
+
+
+@pytest.mark.parametrize("pattern, escape", [(r"^[\x00-\x1f]$", '"\\\\"'), (r'^[^"]*$', '"\\""'),
+                                             (r'^[^\\]*$', '"\\\\"'), (r'^[^\n"]{1,4}$', '"\\""')])
+def test_llguidance_patterns_it_would_escape_wrongly_are_refused(pattern, escape, tok):
+    """llguidance 1.9 (derivre's json_quote) allows the escapes \\" and \\\\ in any character class that
+    holds every control character: an outside audit got the JSON string "\\\\" (a backslash) for
+    ^[\\x00-\\x1f]$, with finish_reason stop. The llguidance backend refuses such patterns."""
+    import llguidance as llg
+
+    assert not re.search(pattern, json.loads(escape))  # the pattern forbids the escaped character
+    backend = BACKENDS["llguidance"](tok, VOCAB, [EOS])
+    grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps({"type": "string", "pattern": pattern}),
+                                                     defaults={"whitespace_flexible": False})
+    raw = llg.LLMatcher(backend._tok, grammar)
+    ids = tok.encode(escape, add_special_tokens=False)
+    # the library still accepts it (once this fails, pattern_guard.py can go)
+    assert raw.validate_tokens(ids) == len(ids) and all(raw.consume_token(t) for t in ids) and raw.is_accepting()
+    nested = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}
+    with pytest.raises(GrammarError, match=r"every control character.*\(at /properties/s/pattern\)|"
+                                           r"\(at /properties/s/pattern\).*every control character"):
+        backend.compile("json_schema", json.dumps(nested))
+    # without the control characters the class is translated exactly: no escaped quote
+    fine = backend.new_matcher(backend.compile("json_schema", json.dumps({"type": "string",
+                                                                           "pattern": r'^[^"\x00-\x1f]*$'})))
+    assert not all(fine.accept_token(t) for t in tok.encode('"\\""', add_special_tokens=False))
 
 
 def test_xgrammar_errors_read_without_its_assertion_text(tok):

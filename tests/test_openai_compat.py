@@ -16,6 +16,7 @@ from radixserve.config import Config
 from radixserve.messages import ReqTextOut
 from radixserve.runtime.tokenizer_manager import GenerateInput, TokenizerManager
 from radixserve.server.app import create_app
+from radixserve.server.runtime_api import RequestError
 from radixserve.state import SamplingParams
 from radixserve.validation import InvalidRequest, ModelLimits, validate_request
 from test_http_api import CHAT, MODEL, FakeTM, FakeTokenizer, make_client
@@ -90,9 +91,9 @@ class RaisingTokenizer(FakeTokenizer):
         return super().encode(text)
 
 
-def runtime_tm(error: str | None = None) -> TokenizerManager:
+def runtime_tm(error: str | None = None, status: int = 400) -> TokenizerManager:
     """A TokenizerManager without child processes: its "scheduler" answers every request with
-    `error` (a refusal, as ReqTextOut.error)."""
+    `error` (a refusal, as ReqTextOut.error, with HTTP `status`)."""
     tm = object.__new__(TokenizerManager)
     tm.tokenizer = RaisingTokenizer()
     tm.model_name, tm.context_len = MODEL, 64
@@ -105,7 +106,7 @@ def runtime_tm(error: str | None = None) -> TokenizerManager:
 
         async def send(self, _data) -> None:
             for st in tm._rid_to_state.values():
-                st.queue.put_nowait(ReqTextOut(rid=st.rid, text_delta="", new_ids=[], error=error))
+                st.queue.put_nowait(ReqTextOut(rid=st.rid, text_delta="", new_ids=[], error=error, error_status=status))
 
     tm._send = tm._enc = Scheduler()
     return tm
@@ -361,6 +362,41 @@ def test_chat_response_format_refused_by_the_runtime_names_response_format(clien
     for stream in (False, True):
         assert_400(post(client, "/v1/chat/completions", chat(response_format=fmt, stream=stream)),
                    "response_format", "invalid JSON schema")
+
+
+@pytest.mark.parametrize("refusal", [
+    "json_schema: invalid JSON schema: uniqueItems (at /uniqueItems) is not supported by the xgrammar backend",
+    "json_schema: structured output needs a grammar backend and this server has none",
+    "json_schema: the grammar backend 'toy' is unavailable: toy init exploded",
+])
+def test_completions_response_format_refused_by_the_runtime_names_response_format(refusal):
+    """An outside audit: /v1/completions named `sampling_params.json_schema`, a field the client never
+    sent, where chat names `response_format`."""
+    client = TestClient(create_app(runtime_tm(refusal), Config()))  # through the real runtime's mapping
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}
+    for stream in (False, True):
+        err = assert_400(post(client, "/v1/completions", completion(response_format=fmt, stream=stream)),
+                         "response_format")
+        assert err["message"] == "response_format: " + refusal.split(": ", 1)[1], err
+
+
+def test_a_grammar_backend_failure_is_a_500_for_that_request():
+    """A backend whose compile broke its contract: the server's fault, not a 400 blaming the input."""
+    failure = "regex: the grammar backend 'toy' failed while compiling this constraint: ValueError('bug')"
+    fmt = {"type": "json_object"}
+    tm = FakeTM()  # it has a chat template
+    tm.reject = RequestError(failure, 500)
+    runtime = TestClient(create_app(runtime_tm(failure, 500), Config()))
+    for client, route, body in (
+        (runtime, "/generate", {"text": "hi", "sampling_params": {"regex": "a+", "max_new_tokens": 2}}),
+        (runtime, "/v1/completions", completion(response_format=fmt)),
+        (make_client(tm), "/v1/chat/completions", chat(response_format=fmt)),
+    ):
+        for stream in (False, True):
+            r = post(client, route, {**body, "stream": stream})
+            err = r.json()["error"]
+            assert r.status_code == 500 and err["type"] == "internal_server_error" and err["param"] is None, r.text
+            assert "failed while compiling" in err["message"]
 
 
 # ---- 7. an empty stop is no stop -----------------------------------------------------------------

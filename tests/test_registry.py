@@ -83,10 +83,18 @@ def test_api_mismatch_advice_depends_on_which_side_is_behind():
     major, minor = (int(x) for x in PLUGIN_API_VERSION.split(".")[:2])
     cases = {f">={major}.{minor + 1},<{major + 1}": "upgrade radixserve", f">={major + 1}": "upgrade radixserve",
              f">=0.1,<{major}.0": "upgrade the plugin", f"=={major}.{minor - 1}" if minor else "<0": "upgrade the plugin"}
+    # bounds far ahead of the core (majors from 6 on were told to upgrade the plugin), compatible-release
+    # and wildcard forms, and plugins built for older cores
+    cases.update({f">={m},<{m + 1}": "upgrade radixserve" for m in (2, 5, 6, 7, 9, 10, 42)})
+    cases.update({">=9": "upgrade radixserve", ">=20.3": "upgrade radixserve", f"~={major}.{minor + 1}": "upgrade radixserve",
+                  f"=={major + 7}.*": "upgrade radixserve", f">{major}.{minor}": "upgrade radixserve",
+                  f"<{major}.{minor}": "upgrade the plugin", f">=0.1,<{major}": "upgrade the plugin"})
     for api, advice in cases.items():
         with pytest.raises(PluginError) as e:
             Registry().add_plugin_module(_module("p", api), name="p", distribution="p-dist")
         assert advice in str(e.value) and "RADIXSERVE_DISABLE_PLUGINS=p" in str(e.value), (api, str(e.value))
+        other = "upgrade the plugin" if advice == "upgrade radixserve" else "upgrade radixserve"
+        assert other not in str(e.value), (api, str(e.value))
 
 
 def test_missing_api_declaration_is_refused():

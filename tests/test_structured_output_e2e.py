@@ -138,3 +138,22 @@ def test_openai_bad_schema_and_bad_response_format_are_400s(oai, server):
         oai.chat.completions.create(model=server[1], messages=ASK, max_tokens=10, response_format={"type": "json_schema"})
     with pytest.raises(openai.BadRequestError, match="response_format"):
         oai.chat.completions.create(model=server[1], messages=ASK, max_tokens=10, response_format={"type": "xml"})
+
+
+def test_a_schema_xgrammar_refuses_names_the_field_the_client_sent(oai, server):
+    """An outside audit: /v1/completions named `sampling_params.json_schema`, and a tool's schema under
+    tool_choice=required was "needs a grammar backend" (param tool_choice) with a wrapper location."""
+    unique = {"type": "array", "uniqueItems": True}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.completions.create(model=server[1], prompt="hi", max_tokens=5, stream=stream,
+                                   extra_body={"response_format": schema_format(unique)})
+        assert e.value.body["param"] == "response_format", e.value.body
+        assert e.value.body["message"].startswith("response_format: invalid JSON schema: uniqueItems (at /uniqueItems)")
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "u": unique}}}}
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model=server[1], messages=ASK, max_tokens=5, stream=stream, tools=[tool],
+                                        tool_choice="required")
+        assert e.value.body["param"] == "tools.0.function.parameters", e.value.body
+        assert "uniqueItems (at /properties/u/uniqueItems)" in e.value.body["message"], e.value.body

@@ -362,11 +362,101 @@ def test_required_and_named_constrain_the_output_and_parse_it(choice, monkeypatc
         assert variants[0]["required"] == ["name", "arguments"]
     else:
         assert schema == WEATHER["function"]["parameters"]
+    # OpenAI: "tool_calls" under required, "stop" under a named function (streamed and not)
+    finish = "tool_calls" if choice == "required" else "stop"
     assert calls_of(r.choices[0].message) == [("get_weather", PARIS)]
-    assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
+    assert r.choices[0].message.content is None and r.choices[0].finish_reason == finish
     _, streamed = raw_stream(oai, **kw)
     assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"].values()] == [("get_weather", PARIS)]
-    assert streamed["content"] == ""
+    assert streamed["content"] == "" and streamed["finish_reason"] == finish
+
+
+UNIQUE = {"type": "function", "function": {"name": "tag", "parameters": {
+    "type": "object", "properties": {"u": {"type": "array", "uniqueItems": True}}}}}
+ROOT_BAD = {"type": "function", "function": {"name": "pick", "parameters": {  # xgrammar never writes an undeclared one
+    "type": "object", "required": ["b"], "properties": {"a": {"type": "string"}}}}}
+
+
+class CompilingTM(CannedTM):
+    """The canned model behind a real compile of the request's constraint (GrammarService and a real
+    backend over the tiny tokenizer), refused the way the runtime refuses it."""
+
+    def __init__(self, backend: str) -> None:
+        from radixserve.scheduler.grammar import GrammarService
+        from radixserve.testing import tiny_tokenizer
+        from radixserve_grammar_llguidance.backend import LLGuidanceBackend
+        from radixserve_grammar_xgrammar.backend import XGrammarBackend
+
+        super().__init__('{"u": []}')
+        cls = {"xgrammar": XGrammarBackend, "llguidance": LLGuidanceBackend}[backend]
+        tok = tiny_tokenizer()
+        self.grammar = GrammarService(backend, lambda: cls(tok, len(tok), [tok.eos_token_id]))
+
+    async def generate(self, inp):
+        from radixserve.runtime.tokenizer_manager import _runtime_rejection
+        from radixserve.scheduler.grammar import GrammarCompileError
+
+        if inp.sampling_params.json_schema is not None:
+            try:
+                self.grammar.compile("json_schema", inp.sampling_params.json_schema).result()
+            except GrammarCompileError as e:
+                raise _runtime_rejection(e.message, e.status) from None
+        async for out in super().generate(inp):
+            yield out
+
+
+def _named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+@pytest.mark.skipif(not HAS_GRAMMAR, reason="needs the in-tree grammar backends")
+@pytest.mark.parametrize("backend, tools, choice, param, where", [
+    ("xgrammar", [UNIQUE], "required", "tools.0.function.parameters", "(at /properties/u/uniqueItems)"),
+    ("xgrammar", [WEATHER, TIME, UNIQUE], "required", "tools.2.function.parameters", "(at /properties/u/uniqueItems)"),
+    ("xgrammar", [WEATHER, UNIQUE], _named("tag"), "tools.1.function.parameters", "(at /properties/u/uniqueItems)"),
+    ("xgrammar", [WEATHER, ROOT_BAD], "required", "tools.1.function.parameters", "(at the schema root;"),
+    ("xgrammar", [ROOT_BAD], _named("pick"), "tools.0.function.parameters", "(at the schema root;"),
+    ("llguidance", [WEATHER, UNIQUE], _named("tag"), "tools.1.function.parameters", "uniqueItems"),
+    ("llguidance", [UNIQUE], "required", "tools.0.function.parameters", "uniqueItems"),
+    ("llguidance", [WEATHER, UNIQUE], "required", "tools", "uniqueItems"),  # no location: which tool is unknown
+], ids=["one", "third-of-three", "named", "root", "named-root", "llg-named", "llg-one", "llg-unknown"])
+def test_a_tool_schema_the_backend_refuses_names_that_tool(backend, tools, choice, param, where):
+    """An outside audit: such a tool was answered "tool_choice=required needs a grammar backend ...,
+    and this server cannot" (param tool_choice) by a server running xgrammar, with a location in the
+    server's wrapper schema (/items/properties/arguments/...)."""
+    oai = openai_client(CompilingTM(backend), tool_call_parser="hermes")
+    for stream in (False, True):
+        body = _error(oai, tools=tools, tool_choice=choice, stream=stream)
+        assert body["param"] == param and body["message"].startswith(f"{param}: "), body
+        assert where in body["message"] and "the grammar backend refuses it" in body["message"], body
+        assert "/items" not in body["message"] and "arguments" not in body["message"], body
+        assert "needs a grammar backend" not in body["message"], body
+
+
+def test_tool_refusals_without_a_working_backend_name_tool_choice():
+    from radixserve.server.constraint_errors import tool_choice_refusal
+
+    for message in ("json_schema: structured output needs a grammar backend and this server has none",
+                    "json_schema: the grammar backend 'toy' is unavailable: toy init exploded",
+                    "json_schema: the grammar backend 'toy' does not support json_schema constraints (it supports regex)"):
+        err = tool_choice_refusal(message, "required", [WEATHER], None)
+        assert err.param == "tool_choice" and "needs a grammar backend" in err.message, err
+
+
+def test_wrapper_locations_move_into_the_tool():
+    from radixserve.server.tool_schema import locate_in_tools
+
+    defs = {"type": "function", "function": {"name": "d", "parameters": {
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "number"}}}}}
+    tools = [WEATHER, defs]
+    assert locate_in_tools("x (at /items/anyOf/1/properties/arguments/properties/p)", tools, None) == (
+        1, "x (at /properties/p)")
+    assert locate_in_tools("x (at /$defs/P; one bound)", tools, None) == (1, "x (at /$defs/P; one bound)")
+    assert locate_in_tools("x (at /items/anyOf/0/properties/arguments; y)", tools, None) == (
+        0, "x (at the schema root; y)")
+    assert locate_in_tools("x (at /items/anyOf/0/properties/name)", tools, None)[0] is None  # the wrapper's own
+    assert locate_in_tools("x (at /properties/p)", tools, 1) == (1, "x (at /properties/p)")
+    assert locate_in_tools("no location", [WEATHER], None) == (0, "no location")
 
 
 def test_required_schema_builder():

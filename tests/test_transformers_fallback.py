@@ -83,11 +83,31 @@ def test_selection_errors_name_the_option_and_the_package():
     with pytest.raises(PluginError, match="model.impl: transformers"):
         select_model(reg, "GPT2LMHeadModel", "native")
     without = Registry.discover(deny={"transformers"})
-    with pytest.raises(PluginError, match="pip install radixserve-models-transformers"):
+    without.skipped.pop("transformers")  # as if not installed at all
+    with pytest.raises(PluginError, match="which is not installed: pip install radixserve-models-transformers"):
         select_model(without, "GPT2LMHeadModel", "auto")
     with pytest.raises(PluginError, match="model.impl: transformers needs"):
         select_model(without, "LlamaForCausalLM", "transformers")
     assert not select_model(without, "LlamaForCausalLM", "auto").fallback
+
+
+@pytest.mark.parametrize("how", ["plugins.disable", "env", "allow-list"])
+def test_a_disabled_fallback_is_named_disabled_not_missing(how, monkeypatch):
+    """Was: `-p no:transformers` / RADIXSERVE_DISABLE_PLUGINS said "which is not installed: pip install ..."."""
+    if how == "env":
+        monkeypatch.setenv("RADIXSERVE_DISABLE_PLUGINS", "transformers")
+    elif how == "allow-list":
+        monkeypatch.setenv("RADIXSERVE_PLUGINS", "llama")
+    reg = Registry.discover(deny={"transformers"} if how == "plugins.disable" else None)
+    for arch, impl in (("GPT2LMHeadModel", "auto"), ("LlamaForCausalLM", "transformers")):
+        with pytest.raises(PluginError) as e:
+            select_model(reg, arch, impl)
+        msg = str(e.value)
+        assert "installed but not loaded" in msg and "not installed" not in msg and "pip install" not in msg, msg
+        want = {"plugins.disable": "plugins.disable or a -p no:transformers flag; remove 'transformers' from it",
+                "env": "the RADIXSERVE_DISABLE_PLUGINS environment variable; remove 'transformers' from it",
+                "allow-list": "not in RADIXSERVE_PLUGINS llama; add 'transformers' to it"}[how]
+        assert want in msg, msg
 
 
 def test_config_rejects_an_unknown_impl_naming_it():

@@ -120,3 +120,33 @@ def test_fused_forward_has_no_host_sync_so_it_can_be_graph_captured(tiny_llama_d
     model.to("meta")
     logits = meta_decode_logits(model, heads=4, kv_heads=2, head_dim=16)
     assert logits.shape == (3, 512) and logits.device.type == "meta"
+
+
+def test_the_fused_layers_line_is_logged_when_nothing_is_fused(tmp_path, caplog):
+    """Was: no line at all for GPT-2, OPT, GPT-NeoX (nothing in the tables), though the docs say one
+    INFO line tells what was replaced."""
+    path = tiny_checkpoint("gpt2", str(tmp_path), bos_token_id=1, eos_token_id=2)
+    with caplog.at_level(logging.INFO, logger="radixserve_models_transformers.model"):
+        TransformersForCausalLM(_config(path))
+    lines = [r.getMessage() for r in caplog.records if "fused layers" in r.getMessage()]
+    assert lines == ["transformers fallback GPT2LMHeadModel: replaced 0 module(s) with fused layers: none (no module "
+                     "of a class in the fused-layer tables: transformers' own modules run)"], lines
+    with caplog.at_level(logging.INFO, logger="radixserve_models_transformers.model"), torch.device("meta"):
+        TransformersForCausalLM(_config(path))
+    assert any("replaced 0 modules with fused layers (meta device" in r.getMessage() for r in caplog.records)
+
+
+def test_a_checkpoint_naming_a_class_transformers_lacks_is_warned_about(tiny_llama_dir, caplog):
+    """AutoModelForCausalLM builds from model_type: a plugin's own architecture name (its plugin
+    uninstalled) runs as transformers' class for that model_type; was silent."""
+    path = tiny_llama_dir("llama", architectures=["MyLlamaForCausalLM"])
+    with caplog.at_level(logging.INFO, logger="radixserve_models_transformers.model"):
+        model = TransformersForCausalLM(_config(path))
+    assert type(model.hf).__name__ == "LlamaForCausalLM"
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("MyLlamaForCausalLM is not a transformers class; running LlamaForCausalLM" in m and "'llama'" in m
+               for m in warned), warned
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="radixserve_models_transformers.model"):
+        TransformersForCausalLM(_config(tiny_llama_dir("llama")))
+    assert not any("the class transformers maps" in r.getMessage() for r in caplog.records)

@@ -33,8 +33,20 @@ class GrammarMatcher(abc.ABC):
     Contract:
     - A fresh matcher is at the start of the output (no token accepted).
     - `fill_bitmask(bitmask, row)` writes the allowed next tokens into `bitmask[row]`; it does not
-      change the state. When the constraint is complete (the text so far matches it and nothing may
-      follow), the stop tokens given to the backend are the only allowed tokens.
+      change the state. The mask is exact:
+      - sound: a token is allowed only if its bytes continue the output so far towards some valid
+        output (never special tokens other than the stop tokens, never ids >= len(tokenizer));
+      - complete: every token whose bytes continue towards a valid output is allowed, so every valid
+        output stays reachable; the one freedom is text the constraint forces (one way on, e.g.
+        `es!` after `y` in `(yes|no)!`), of which a backend may allow some tokenizations only
+        (llguidance allows the tokenizer's own: `es`, not `e`);
+      - the stop tokens given to the backend are allowed exactly when the text so far is a complete
+        match, also when it could still be extended (`[0-9]+` after `1`); when nothing may follow,
+        they are the only allowed tokens.
+      A token's bytes are what it adds to the decoded text: a byte-level BPE piece through the GPT-2
+      byte table, a `<0xNN>` byte-fallback token its byte, `▁` a space (see
+      `radixserve.serving_tokenizer.TokenBytes`). A token holding part of a UTF-8 character (its
+      `decode` alone is U+FFFD) is judged by its bytes like any other, never skipped.
     - `accept_token(token)` advances the state by one token and returns True, or returns False and
       leaves the state unchanged when the token is not allowed. Accepting a stop token where the
       constraint is complete terminates the matcher.

@@ -20,10 +20,13 @@ class Model(nn.Module, abc.ABC):
     """A causal LM, registered under its HF `architectures` name (e.g. "LlamaForCausalLM").
 
     Contract:
-    - `__init__(config, quant_method, prefix="")`: `config` is the HF `PretrainedConfig`;
-      `quant_method` is a QuantMethod (the unquantized one by default) that every linear layer
-      passes to `radixserve.layers.linear`. Parameters are created on the current default device
-      and dtype (the runner sets both); no weights are read here.
+    - `__init__(self, config, quant_method=None, prefix="", tp_group=None)`: the loader calls
+      `ModelCls(config, quant_method)`, adding the keyword `tp_group=` only for a model with
+      `supports_tensor_parallel = True` running with `runtime.tp_size > 1` (see below); the core
+      never passes `prefix`. `config` is the HF `PretrainedConfig`; `quant_method` is a
+      QuantMethod (None: unquantized) that every linear layer passes to `radixserve.layers.linear`.
+      Call `super().__init__(config, quant_method, prefix)`. Parameters are created on the
+      current default device and dtype (the loader sets both); no weights are read here.
     - `forward(input_ids, positions, batch)` returns the final hidden states [num_tokens, hidden]
       (after the final norm). Attention goes through `radixserve.layers.attention.RadixAttention`,
       which calls `batch.attn_backend`. The runner applies `compute_logits` to the rows it needs.
@@ -31,7 +34,8 @@ class Model(nn.Module, abc.ABC):
     - `load_weights(weights)` consumes (HF name, tensor) pairs, maps names to its parameters and
       calls each parameter's `weight_loader(param, tensor, shard_id)` (see
       `radixserve.layers.weight_utils`); it returns the set of parameter names it loaded so the
-      loader can report parameters left uninitialised.
+      loader can report parameters left uninitialised (a fused parameter only once every shard
+      arrived).
 
     The layers a model may reuse (`radixserve.layers`: linear, embedding, norm, rotary,
     activation, attention, logits) and the weight-loading rules are in docs/contracts.md.
@@ -52,7 +56,7 @@ class Model(nn.Module, abc.ABC):
     architecture. Added in plugin API 1.3."""
 
     @abc.abstractmethod
-    def __init__(self, config, quant_method: QuantMethod | None = None, prefix: str = "") -> None:
+    def __init__(self, config, quant_method: QuantMethod | None = None, prefix: str = "", tp_group=None) -> None:
         super().__init__()
 
     @abc.abstractmethod
@@ -149,11 +153,15 @@ class Model(nn.Module, abc.ABC):
 
         :param weights: (HF checkpoint name, full unsharded tensor) pairs, any order, each once.
         :return: names (as in `named_parameters()`) of the parameters loaded; the loader raises
-            ValueError naming any parameter missing from it.
+            ValueError naming any parameter missing from it. Leave out a fused parameter (q/k/v,
+            gate/up, stacked experts) some of whose shards never arrived, or raise naming them.
 
         Restrictions: load through each parameter's `weight_loader(param, tensor[, shard_id])`
         (`radixserve.layers.weight_utils.load_into` does it): it knows the TP shard and the fused
-        layout. Raise KeyError naming a checkpoint tensor that maps to no parameter.
+        layout. Raise ValueError (or KeyError) naming a checkpoint tensor that maps to no parameter
+        or whose shape does not fit (`weight_utils.load_stacked_weights` raises
+        `CheckpointTensorError`, a ValueError, for both); the loader reports either as one
+        ValueError that adds the checkpoint path and file.
 
         Added in plugin API 1.0.
         """

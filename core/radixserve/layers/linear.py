@@ -60,6 +60,16 @@ def _rank_slice(loaded: torch.Tensor, dim: int, size: int, rank: int) -> torch.T
     return loaded.narrow(dim, rank * size, size)
 
 
+def _check_full_shape(loaded: torch.Tensor, local: torch.Size, dim: int | None, whole: int, what: str = "") -> None:
+    """The checkpoint tensor must be the local shape with `whole` entries along `dim` (None: the
+    local shape itself): narrow() would silently cut a larger one and copy_() broadcast a smaller."""
+    want = list(local)
+    if dim is not None:
+        want[dim] = whole
+    if tuple(loaded.shape) != tuple(want):
+        raise ValueError(f"{what}expected checkpoint shape {tuple(want)}, got {tuple(loaded.shape)}")
+
+
 def _packed(param: torch.Tensor, dim: int, n: int) -> int:
     """`n` features along `dim` in the parameter's own units: a packed dim (int4 in int32, block
     scales) holds `pack_factor` features per element."""
@@ -102,6 +112,7 @@ class ColumnParallelLinear(LinearBase):
             raise ValueError(f"{type(self).__name__} is not fused; got shard_id={shard_id!r}")
         dim = getattr(param, "output_dim", 0)
         size = param.shape[dim]
+        _check_full_shape(loaded, param.shape, dim, size * self.tp_size)
         param.data.copy_(_rank_slice(loaded, dim, size, self.tp_rank).to(param.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,6 +154,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
         dim = getattr(param, "output_dim", 0)
         if shard_id is None:  # the checkpoint already holds the fused matrix: load shard by shard
+            fulls = [_packed(param, dim, n) for n in self.full_output_sizes]
+            _check_full_shape(loaded, param.shape, dim, sum(fulls), f"fused matrix of {fulls} along dim {dim}: ")
             offset = 0
             for i, full in enumerate(self.full_output_sizes):
                 full = _packed(param, dim, full)
@@ -150,9 +163,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                 offset += full
             return
         start, size = (_packed(param, dim, n) for n in self._shard_range(shard_id))
-        if loaded.shape[dim] != size * self.tp_size:
-            raise ValueError(f"shard {shard_id!r}: expected {size * self.tp_size} rows, got {loaded.shape[dim]}")
-        param.data.narrow(dim, start, size).copy_(_rank_slice(loaded, dim, size, self.tp_rank).to(param.dtype))
+        region = param.data.narrow(dim, start, size)
+        _check_full_shape(loaded, region.shape, dim, size * self.tp_size, f"shard {shard_id!r}: ")
+        region.copy_(_rank_slice(loaded, dim, size, self.tp_rank).to(param.dtype))
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -183,6 +196,8 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
         dim = getattr(param, "output_dim", 0)
         if shard_id is None:
+            fulls = [_packed(param, dim, n) for n in self.full_output_sizes]
+            _check_full_shape(loaded, param.shape, dim, sum(fulls), f"fused qkv matrix of {fulls} along dim {dim}: ")
             offset = 0
             for sid, full in zip(("q", "k", "v"), self.full_output_sizes, strict=True):
                 full = _packed(param, dim, full)
@@ -191,9 +206,10 @@ class QKVParallelLinear(MergedColumnParallelLinear):
             return
         start, size = (_packed(param, dim, n) for n in self._shard_range(shard_id))
         rank = self.tp_rank if shard_id in ("q", 0) else self.tp_rank // self.kv_replicas
-        if loaded.shape[dim] != _packed(param, dim, self.full_output_sizes[self._index(shard_id)]):
-            raise ValueError(f"qkv shard {shard_id!r}: unexpected checkpoint shape {tuple(loaded.shape)}")
-        param.data.narrow(dim, start, size).copy_(_rank_slice(loaded, dim, size, rank).to(param.dtype))
+        region = param.data.narrow(dim, start, size)
+        full = _packed(param, dim, self.full_output_sizes[self._index(shard_id)])
+        _check_full_shape(loaded, region.shape, dim, full, f"qkv shard {shard_id!r}: ")
+        region.copy_(_rank_slice(loaded, dim, size, rank).to(param.dtype))
 
     @staticmethod
     def _index(shard_id: Any) -> int:
@@ -216,9 +232,11 @@ class RowParallelLinear(LinearBase):
             raise ValueError(f"RowParallelLinear is not fused; got shard_id={shard_id!r}")
         dim = getattr(param, "input_dim", None)
         if dim is None:  # bias: replicated
+            _check_full_shape(loaded, param.shape, None, 0)
             param.data.copy_(loaded.to(param.dtype))
             return
         size = param.shape[dim]
+        _check_full_shape(loaded, param.shape, dim, size * self.tp_size)
         param.data.copy_(_rank_slice(loaded, dim, size, self.tp_rank).to(param.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

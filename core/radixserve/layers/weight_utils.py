@@ -17,22 +17,65 @@ def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
         setattr(param, key, value)
 
 
+class CheckpointTensorError(ValueError):
+    """A checkpoint the model cannot take: a tensor with no parameter, a shape a parameter's loader
+    refuses, a fused parameter missing a shard. `tensor`: the checkpoint tensor to blame, or None;
+    `load_model` adds the checkpoint path and the file holding that tensor."""
+
+    def __init__(self, message: str, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+
+    def __str__(self) -> str:  # not KeyError's repr() of the message (the subclass below)
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self):  # picklable with its tensor
+        return type(self), (str(self), self.tensor)
+
+
+class UnknownCheckpointTensorError(CheckpointTensorError, KeyError):
+    """A checkpoint tensor that maps to no parameter; also a KeyError, the type the Model contract
+    named for it first."""
+
+
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
     """Copy a whole tensor into `param`; shapes must match exactly (no silent broadcasting)."""
     if shard_id is not None:
         raise ValueError(f"parameter of shape {tuple(param.shape)} is not fused; got shard_id={shard_id!r}")
     if tuple(param.shape) != tuple(loaded.shape):
-        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+        raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
     param.data.copy_(loaded.to(param.dtype))
 
 
 def load_into(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
-    """Call the parameter's own loader (or the default one)."""
+    """Call the parameter's own loader (or the default one); a tensor it refuses is a
+    CheckpointTensorError (a ValueError) stating both shapes."""
+    _load_param(param, loaded, shard_id)
+
+
+def _load_param(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None, *, name: str | None = None,
+                target: str | None = None, expert_id: int | None = None) -> None:
+    """The one place a parameter's `weight_loader` is called: whatever it raises about the tensor
+    (its own ValueError, or torch's RuntimeError from a narrow or copy that does not fit) becomes a
+    CheckpointTensorError naming the checkpoint tensor and the parameter with their shapes."""
     loader = getattr(param, "weight_loader", default_weight_loader)
-    if shard_id is None:
-        loader(param, loaded)
-    else:
-        loader(param, loaded, shard_id)
+    try:
+        if expert_id is not None:
+            loader(param, loaded, shard_id, expert_id=expert_id)
+        elif shard_id is None:
+            loader(param, loaded)
+        else:
+            loader(param, loaded, shard_id)
+    except torch.cuda.OutOfMemoryError:  # not the checkpoint's fault
+        raise
+    except (ValueError, RuntimeError, IndexError) as e:
+        what = f"checkpoint tensor {name!r}" if name else "a checkpoint tensor"
+        part = "" if shard_id is None else f" as shard {shard_id!r}"
+        part += "" if expert_id is None else f" of expert {expert_id}"
+        param_name = f" {target!r}" if target else ""
+        raise CheckpointTensorError(
+            f"{what} has shape {tuple(loaded.shape)}, which the model's parameter{param_name} "
+            f"{tuple(param.shape)} cannot take{part}: {e}", tensor=name) from e
 
 
 # ---- the load_weights loop of a decoder-only model ----------------------------------------------
@@ -80,8 +123,13 @@ def load_stacked_weights(
         (gate, up, down) projections (`("gate_proj", "up_proj", "down_proj")`, Mixtral
         `("w1", "w3", "w2")`); expert tensors are mapped with `FusedMoE.map_checkpoint_name`, and
         the parameters of any `FusedMoE` some expert has not reached are left out of the result.
-    :return: the names of the parameters loaded (what `Model.load_weights` returns).
-    :raises KeyError: naming a checkpoint tensor that maps to no parameter.
+    :return: the names of the parameters loaded (what `Model.load_weights` returns). A fused
+        parameter is in it once every shard the mapping sends to it arrived.
+    :raises UnknownCheckpointTensorError: (a ValueError and a KeyError) naming a checkpoint tensor
+        that maps to no parameter.
+    :raises CheckpointTensorError: (a ValueError) naming the checkpoint tensor, its shape and the
+        parameter when the parameter's loader refuses it; or naming each fused parameter (and
+        stacked expert parameter) some but not all of whose shards arrived, and the missing shards.
 
     Added in plugin API 1.4.
     """
@@ -90,12 +138,17 @@ def load_stacked_weights(
     if tied_lm_head is None:
         tied_lm_head = bool(getattr(model, "tie_word_embeddings", False))
     stacked_mapping = tuple(stacked_mapping)
+    shards_of: dict[str, dict[Any, str]] = {}  # parameter piece -> {shard id: checkpoint piece}
+    for hf_piece, our_piece, sid in stacked_mapping:
+        shards_of.setdefault(our_piece, {}).setdefault(sid, hf_piece)
     owner = type(model).__name__
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    arrived: dict[str, tuple[str, set]] = {}  # fused parameter -> (its piece, shard ids loaded)
     for name, tensor in weights:
         if name.endswith(skip_suffixes) or (tied_lm_head and name == "lm_head.weight"):
             continue
+        original = name
         if rename is not None:
             name = rename(name)
         expert = None if expert_names is None else FusedMoE.map_checkpoint_name(name, *expert_names)
@@ -103,22 +156,53 @@ def load_stacked_weights(
             target, expert_id, shard_id = expert
             param = params.get(target)
             if param is None:
-                raise KeyError(f"checkpoint expert tensor {name!r} has no matching parameter in {owner} "
-                               "(is that layer dense here?)")
-            param.weight_loader(param, tensor, shard_id, expert_id=expert_id)
+                raise UnknownCheckpointTensorError(f"checkpoint expert tensor {original!r} has no matching parameter "
+                                                   f"in {owner} (is that layer dense here?)", tensor=original)
+            _load_param(param, tensor, shard_id, name=original, target=target, expert_id=expert_id)
             loaded.add(target)
             continue
-        target, shard_id = name, None
+        target, shard_id, piece = name, None, None
         for hf_piece, our_piece, sid in stacked_mapping:
             if hf_piece in name:
-                target, shard_id = name.replace(hf_piece, our_piece), sid
+                target, shard_id, piece = name.replace(hf_piece, our_piece), sid, our_piece
                 break
         param = params.get(target)
         if param is None:
-            raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {owner}")
-        load_into(param, tensor, shard_id)
-        loaded.add(target)
+            raise UnknownCheckpointTensorError(f"checkpoint tensor {original!r} has no matching parameter in {owner}",
+                                               tensor=original)
+        _load_param(param, tensor, shard_id, name=original, target=target)
+        if piece is None:
+            loaded.add(target)
+        else:  # loaded once every shard arrived (checked below)
+            arrived.setdefault(target, (piece, set()))[1].add(shard_id)
+    problems = []
+    for target, (piece, got) in arrived.items():
+        missing = {sid: hf for sid, hf in shards_of[piece].items() if sid not in got}
+        if missing and target not in loaded:  # (a whole fused tensor may have come too)
+            problems.append(f"{target}: " + ", ".join(
+                f"shard {sid!r} never loaded (no checkpoint tensor {target.replace(piece, hf)!r})"
+                for sid, hf in missing.items()))
+        else:
+            loaded.add(target)
     for module_name, module in model.named_modules():  # an expert missing from the checkpoint: unloaded
         if isinstance(module, FusedMoE):
             loaded.difference_update(f"{module_name}.{p}" for p in module.incomplete_params())
+            problems += _missing_expert_parts(module_name, module, expert_names)
+    if problems:
+        shown = "; ".join(problems[:8]) + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else "")
+        raise CheckpointTensorError(f"{len(problems)} fused parameter(s) of {owner} not fully loaded: {shown}")
     return loaded
+
+
+def _missing_expert_parts(module_name: str, module, expert_names: tuple[str, str, str] | None) -> list[str]:
+    """One line per stacked expert parameter of `module` that some expert tensor reached but not
+    all: the parameter and the first missing (expert, shard) parts, as checkpoint names."""
+    gate, up, down = expert_names or ("gate_proj", "up_proj", "down_proj")
+    proj = {"gate": gate, "up": up, None: down}
+    out = []
+    for param, parts in module.partly_loaded_parts().items():
+        suffix = param.split("_", 1)[1]  # w13_weight -> weight
+        names = [f"{module_name}.{e}.{proj[half]}.{suffix}" for e, half in parts]
+        shown = ", ".join(repr(n) for n in names[:4]) + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
+        out.append(f"{module_name}.{param}: {len(parts)} expert shard(s) never loaded (no checkpoint tensor {shown})")
+    return out

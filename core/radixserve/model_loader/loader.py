@@ -51,6 +51,15 @@ def _fill_dummy(model: torch.nn.Module, seed: int) -> set[str]:
     return names
 
 
+def _load_error(source: ModelSource, e: Exception) -> str:
+    """A load failure as one line: the checkpoint, the file holding the tensor to blame (when the
+    error names one, e.g. a `CheckpointTensorError`), then the model's own message."""
+    text = str(e.args[0]) if isinstance(e, KeyError) and len(e.args) == 1 else str(e)  # not KeyError's repr
+    tensor = getattr(e, "tensor", None)
+    file = source.file_of(tensor) if tensor else None
+    return f"checkpoint {source.path!r}" + (f" (file {file})" if file else "") + f": {text}"
+
+
 def load_model(
     source: ModelSource,
     hf_config,
@@ -76,7 +85,10 @@ def load_model(
     `cpu_matmul_precision` (runtime.cpu_matmul_precision): "medium" turns a CPU model's packed fp32
     GEMM weights into bf16 ones (`cpu_gemm.lower_precision`).
 
-    Raises ValueError naming the parameters no checkpoint tensor reached (never silent)."""
+    Raises ValueError naming the parameters no checkpoint tensor reached (never silent); an error
+    of `model.load_weights` (a ValueError, or a KeyError naming an unknown tensor) comes back as a
+    ValueError that starts with the checkpoint path and the file of the tensor it names, the
+    original as its `__cause__`."""
     start = time.perf_counter()
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(hf_config, quant_method) if tp_group is None else model_cls(
@@ -94,7 +106,10 @@ def load_model(
             unit="tensor",
             disable=not show_progress,
         )
-        loaded = model.load_weights(weights)
+        try:
+            loaded = model.load_weights(weights)
+        except (ValueError, KeyError) as e:  # a KeyError: what the Model contract named for an unknown tensor
+            raise ValueError(_load_error(source, e)) from e
     missing = sorted(set(dict(model.named_parameters())) - set(loaded))
     if missing:
         shown = ", ".join(missing[:10]) + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else "")

@@ -71,7 +71,13 @@ class ModelSource:
             return self.weight_source.hf_config(self.path)
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(self.path)
+        try:
+            return AutoConfig.from_pretrained(self.path)
+        except ValueError as e:  # transformers' advice (upgrade it) is wrong for a plugin's own model_type
+            model_type = _unknown_model_type(self.path)
+            if model_type is None:
+                raise
+            raise UnknownModelTypeError(self.path, model_type) from e
 
     def num_tensors(self) -> int | None:
         if self.weight_source is not None:
@@ -80,12 +86,54 @@ class ModelSource:
             return count_safetensors(self.path)
         return 0
 
+    def file_of(self, tensor: str) -> str | None:
+        """The name of the file holding checkpoint tensor `tensor` (for error messages), or None."""
+        if self.weight_source is not None:
+            return os.path.basename(self.path)
+        if self.format != "safetensors":
+            return None
+        try:
+            return next((os.path.basename(f) for f in safetensors_files(self.path) if tensor in _tensor_names(f)), None)
+        except Exception:  # noqa: BLE001 - only an error message's detail: never hide the error itself
+            return None
+
     def iter_weights(self, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
         if self.weight_source is not None:
             return self.weight_source.iter_weights(self.path, hf_config)
         if self.format == "safetensors":
             return iter_safetensors(self.path)
         raise ValueError("dummy checkpoints have no weights to iterate")
+
+
+class UnknownModelTypeError(ValueError):
+    """config.json names a model_type transformers has no config class for (none registered)."""
+
+    def __init__(self, path: str, model_type: str, note: str = "") -> None:
+        import transformers
+
+        self.path, self.model_type, self.note = path, model_type, note
+        super().__init__(
+            f"{os.path.join(path, 'config.json')}: model_type {model_type!r} is not known to transformers "
+            f"{transformers.__version__}. A model plugin that provides this model_type must register its config class "
+            f"with transformers: AutoConfig.register({model_type!r}, ItsConfig) in its radixserve_register hook (see "
+            "docs/plugin-authoring.md). Check that such a plugin is installed and loaded: `radixserve plugins` lists "
+            f"the loaded ones and those skipped (plugins.disable, RADIXSERVE_DISABLE_PLUGINS){note}. If no plugin is "
+            "meant to provide it, a newer transformers may know it (pip install --upgrade transformers)")
+
+    def __reduce__(self):  # picklable (its arguments are not the message)
+        return type(self), (self.path, self.model_type, self.note)
+
+
+def _unknown_model_type(path: str) -> str | None:
+    """config.json's model_type when transformers has no config class registered for it."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return model_type if isinstance(model_type, str) and model_type not in CONFIG_MAPPING else None
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -96,6 +144,13 @@ def safetensors_files(path: str) -> list[str]:
             names = sorted(set(json.load(f)["weight_map"].values()))
         return [os.path.join(path, n) for n in names]
     return sorted(glob.glob(os.path.join(path, "*.safetensors")))
+
+
+def _tensor_names(file: str) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as f:
+        return set(f.keys())
 
 
 def count_safetensors(path: str) -> int:
@@ -168,7 +223,13 @@ def open_checkpoint(config: Config, registry: Registry) -> Checkpoint:
     path = resolve_model_path(config.model.path)  # a local path, a Hub id, or the default
     check_model_files(path)
     source = open_source(path, config.model.load_format, registry, config.model.weight_source_options)
-    hf_config = source.hf_config()
+    try:
+        hf_config = source.hf_config()
+    except UnknownModelTypeError as e:
+        skipped = "; ".join(f"{p} of {dist} ({why})" for p, (dist, why) in sorted(registry.skipped.items()))
+        if not skipped:
+            raise
+        raise UnknownModelTypeError(e.path, e.model_type, f"; installed plugins not loaded now: {skipped}") from e
     arch = (getattr(hf_config, "architectures", None) or [None])[0]
     if arch is None:
         raise ValueError(f"{path!r}: config has no `architectures`; cannot pick a model class")

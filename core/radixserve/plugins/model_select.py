@@ -71,9 +71,26 @@ def select_model(registry: Registry, architecture: str, impl: str = "auto") -> M
         reason = "model.impl: transformers needs" if impl == "transformers" else (
             f"no native model plugin claims architecture {architecture!r} "
             f"(native: {', '.join(natives) or 'none'}), and running it needs")
+        skipped = _skipped_fallback(registry)
+        if skipped is not None:
+            raise PluginError(f"{reason} the transformers fallback, which is installed but not loaded: {skipped}")
         raise PluginError(
             f"{reason} the transformers fallback, which is not installed: pip install {FALLBACK_DISTRIBUTION} "
             "(it serves any AutoModelForCausalLM; model.impl: auto picks it when no native plugin claims the "
             "architecture)"
         )
     return ModelChoice(architecture, registry.load("model", FALLBACK_MODEL), spec, True, impl)
+
+
+def _skipped_fallback(registry: Registry) -> str | None:
+    """How to enable the fallback when it is installed but its plugin was not loaded (deny- or
+    allow-listed), or None."""
+    for plugin, (dist, why) in sorted(registry.skipped.items()):
+        if dist != FALLBACK_DISTRIBUTION:
+            continue
+        if why.startswith("not in"):  # an allow-list that leaves it out
+            return f"plugin {plugin!r} of {dist} is {why}; add {plugin!r} to it to enable the fallback"
+        where = ("the config's plugins.disable or a -p no:" + plugin + " flag" if why == "plugins.disable"
+                 else f"the {why} environment variable")
+        return f"plugin {plugin!r} of {dist} is disabled by {where}; remove {plugin!r} from it to enable the fallback"
+    return None

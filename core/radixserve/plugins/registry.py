@@ -17,7 +17,7 @@ from typing import Any
 
 import pluggy
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from radixserve.plugins import hookspec
 from radixserve.version import PLUGIN_API_VERSION
@@ -140,11 +140,21 @@ def _check_api(plugin: PluginInfo) -> None:
 
 
 def _admits_newer_api(spec: SpecifierSet) -> bool:
-    """Whether `spec` accepts some plugin-API version above the core's (probing the next minors and majors)."""
-    major, minor = (int(x) for x in PLUGIN_API_VERSION.split(".")[:2])
+    """Whether `spec` accepts some plugin-API version above the core's. Probed: the next minors and
+    majors, and each bound of `spec` with its next micro, minor and major (so `>=9,<10` is seen as
+    asking for a newer core however far ahead its bound is)."""
+    core = Version(PLUGIN_API_VERSION)
+    major, minor = core.release[0], (core.release + (0,))[1]
     later = [f"{major}.{m}" for m in range(minor + 1, minor + 100)]
     later += [f"{M}.{m}" for M in range(major + 1, major + 5) for m in range(100)]
-    return any(Version(v) in spec for v in later)
+    for bound in spec:
+        try:
+            v = Version(bound.version.removesuffix(".*"))
+        except InvalidVersion:
+            continue
+        r = v.release + (0, 0)
+        later += [str(v), f"{r[0]}.{r[1]}.{r[2] + 1}", f"{r[0]}.{r[1] + 1}", f"{r[0] + 1}.0"]
+    return any(Version(v) > core and Version(v) in spec for v in later)
 
 
 def _warn_unknown_names(denied: dict[str, str], entry_points: list) -> None:

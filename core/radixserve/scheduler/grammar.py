@@ -31,11 +31,13 @@ def constraint_of(sp: SamplingParams) -> tuple[str, str] | None:
 
 
 class GrammarCompileError(Exception):
-    """A request's constraint cannot be used; `message` is the client's 400 (it names the field)."""
+    """A request's constraint cannot be used; `message` is the client's error (it names the field),
+    `status` its HTTP status: 400, or 500 when the backend broke its contract (a server bug)."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.message = message
+        self.status = status
 
 
 class DeferredGrammar:
@@ -80,17 +82,26 @@ class GrammarService:
     def _backend_started(self) -> Future:
         with self._lock:
             if self._backend_future is None:
-                self._backend_future = self._pool.submit(self._make_backend)
+                self._backend_future = self._pool.submit(self._build_backend)
             return self._backend_future
 
-    def backend(self) -> GrammarBackend:
-        """The backend (builds it on first use; raises GrammarCompileError when it cannot be built)."""
+    def _build_backend(self) -> GrammarBackend:
+        try:
+            return self._make_backend()
+        except Exception:  # built once: the operator sees why every constrained request is refused
+            logger.exception("the grammar backend %r could not be built; constrained requests get a 400", self.name)
+            raise
+
+    def backend(self, kind: str | None = None) -> GrammarBackend:
+        """The backend (builds it on first use; raises GrammarCompileError, naming `kind`'s field
+        when given, when it cannot be built)."""
         try:
             return self._backend_started().result()
         except GrammarCompileError:
             raise
         except Exception as e:
-            raise GrammarCompileError(f"the grammar backend {self.name!r} is unavailable: {e}") from None
+            field = f"{kind}: " if kind else ""
+            raise GrammarCompileError(f"{field}the grammar backend {self.name!r} is unavailable: {e}") from None
 
     @property
     def ready_backend(self) -> GrammarBackend | None:
@@ -115,7 +126,7 @@ class GrammarService:
         return fut
 
     def _compile(self, kind: str, text: str) -> Any:
-        backend = self.backend()
+        backend = self.backend(kind)
         if kind not in backend.supported_kinds:
             raise GrammarCompileError(
                 f"{kind}: the grammar backend {self.name!r} does not support {kind} constraints "
@@ -125,9 +136,12 @@ class GrammarService:
             return backend.compile(kind, text)
         except GrammarError as e:
             raise GrammarCompileError(f"{kind}: {_invalid(kind)}: {e}") from None
-        except Exception as e:  # a backend breaking its contract: still the client's 400, logged for us
+        except Exception as e:  # a backend breaking its contract (GrammarError only): a server error, not the input's
             logger.exception("grammar backend %r failed compiling a %s constraint", self.name, kind)
-            raise GrammarCompileError(f"{kind}: {_invalid(kind)}: {e!r}") from None
+            raise GrammarCompileError(
+                f"{kind}: the grammar backend {self.name!r} failed while compiling this constraint: {e!r} (a server "
+                "error, logged; not a verdict on the constraint)", 500
+            ) from None
 
     def cached(self) -> int:
         return len(self._cache)

@@ -445,16 +445,16 @@ class Scheduler:
                 else:
                     req.grammar = self.grammar.ready_backend.new_matcher(compiled)
             except GrammarCompileError as e:
-                self._refuse_waiting(req, e.message)
+                self._refuse_waiting(req, e.message, e.status)
             except Exception as e:  # a backend bug: this request fails, the server goes on
                 logger.exception("grammar for request %s failed", rid)
-                self._refuse_waiting(req, f"the grammar backend failed: {e!r}")
+                self._refuse_waiting(req, f"the grammar backend failed: {e!r}", 500)
 
-    def _refuse_waiting(self, req: Req, message: str) -> None:
+    def _refuse_waiting(self, req: Req, message: str, status: int = 400) -> None:
         self.waiting.remove(req)
         self.meta.pop(req.rid, None)
         self.metrics.rejected_requests += 1
-        self._outbox.append(ReqTokenOut(rid=req.rid, new_ids=[], error=message))
+        self._outbox.append(ReqTokenOut(rid=req.rid, new_ids=[], error=message, error_status=status))
 
     def _wait_for_grammars(self, timeout: float = 0.02) -> None:
         """Nothing could run: block briefly on the compiles instead of spinning the loop."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.server.chat_output import ChoiceOutput
+from radixserve.server.constraint_errors import about_json_schema, response_format_refusal, tool_choice_refusal
 from radixserve.server.errors import APIError
 from radixserve.server.parser_selection import OutputParsers
 from radixserve.server.template_traits import render
@@ -44,19 +45,17 @@ class ChatPlan:
     make_output: Callable[[], ChoiceOutput] | None = None  # None: the text is the content, as is
     tool_choice: str = "none"  # none | auto | required | named
     response_format: bool = False  # response_format constrains the output
+    tools: list[dict[str, Any]] = field(default_factory=list)  # the request's tools, as dicts
+    named_tool: int | None = None  # the index of the function a named tool_choice picks
 
     def explain_refusal(self, param: str | None, message: str) -> APIError | None:
         """A validation error caused by this plan's constraint, in terms the client sent."""
-        about_schema = "json_schema" in f"{param} {message.split(' ', 1)[0]}"
-        if "json_schema" in self.sampling_overrides and about_schema:
-            what = "tool_choice=required" if self.tool_choice == "required" else "tool_choice naming a function"
-            return APIError(
-                f"{what} needs a grammar backend to constrain the output, and this server cannot: {message}",
-                400,
-                "tool_choice",
-            )
-        if self.response_format and about_schema:  # the runtime names it (sampling_params.)json_schema
-            return APIError(f"response_format: {message.split(': ', 1)[-1]}", 400, "response_format")
+        if not about_json_schema(param, message):
+            return None
+        if "json_schema" in self.sampling_overrides:
+            return tool_choice_refusal(message, self.tool_choice, self.tools, self.named_tool)
+        if self.response_format:  # the runtime names it (sampling_params.)json_schema
+            return response_format_refusal(param, message)
         return None
 
 
@@ -218,8 +217,9 @@ def plan_chat(tm: Any, req: Any, parsers: OutputParsers) -> ChatPlan:
     ids = _render_checked(tm, messages, req.add_generation_prompt, kwargs)
 
     fmt = getattr(req, "response_format", None)  # structured output constrains the same output
-    plan = ChatPlan(ids=ids, tool_choice=choice, response_format=fmt is not None and fmt.schema_text() is not None)
     names = [t["function"]["name"] for t in tools]
+    plan = ChatPlan(ids=ids, tool_choice=choice, response_format=fmt is not None and fmt.schema_text() is not None,
+                    tools=tools, named_tool=names.index(named) if choice == "named" else None)
     tool_parser: Callable[[], Any] | None = None
     max_calls = None if req.parallel_tool_calls is not False else 1
     if choice == "auto" and tools:

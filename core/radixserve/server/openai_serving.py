@@ -26,6 +26,7 @@ from radixserve.server import protocol as p
 from radixserve.server import protocol_tools as pt
 from radixserve.server.chat_output import ChoiceOutput
 from radixserve.server.chat_plan import ChatPlan, plan_chat
+from radixserve.server.constraint_errors import response_format_refusal
 from radixserve.server.errors import APIError, error_body
 from radixserve.server.generation import ClientGone, Fanout, Job, until_disconnect
 from radixserve.server.metrics import ServerMetrics
@@ -225,7 +226,7 @@ class Serving:
         try:
             check_sampling(params, self.tm.limits, OPENAI_FIELDS)
         except InvalidRequest as e:
-            explained = plan.explain_refusal(e.param, e.message) if plan else None
+            explained = plan.explain_refusal(e.param, e.message) if plan else _format_refusal(req, e)
             raise (explained or APIError(e.message, 400, e.param)) from None
         return params
 
@@ -264,7 +265,7 @@ class Serving:
             if plan.make_output is not None:
                 parts = plan.make_output().finish(out["text"], truncated=reason == "length")
                 message = _message(parts)
-                reason = _tool_finish(reason, bool(parts.calls))
+                reason = _tool_finish(reason, bool(parts.calls), plan)
             choices.append(
                 p.ChatChoice(
                     index=job.index,
@@ -317,9 +318,12 @@ class Serving:
                 )
         echoes = [self._prompt_text(prm) if req.echo else "" for prm in prompts]
         formatter = _CompletionFormat(self, base, self.tm.model_name, req, echoes, prompt_of)
-        if req.stream:
-            return await self._stream(jobs, raw, formatter, "completions", started, prompt_of.__getitem__)
-        last = await self._collect(jobs, raw, "completions")
+        try:
+            if req.stream:
+                return await self._stream(jobs, raw, formatter, "completions", started, prompt_of.__getitem__)
+            last = await self._collect(jobs, raw, "completions")
+        except RequestError as e:  # a response_format the runtime cannot compile: named as the client sent it
+            raise (_format_refusal(req, e) or e) from None
         tally = _Tally()
         choices = []
         for job in jobs:
@@ -599,9 +603,19 @@ def _message(parts) -> p.ChatResponseMessage:
     return p.ChatResponseMessage(content=parts.content, reasoning_content=parts.reasoning, tool_calls=calls or None)
 
 
-def _tool_finish(reason: str | None, has_calls: bool) -> str | None:
-    """OpenAI ends a turn that called tools with finish_reason "tool_calls"."""
-    return "tool_calls" if has_calls and reason == "stop" else reason
+def _format_refusal(req: p._SamplingFields, e: RequestError) -> APIError | None:
+    """A 400 about the json_schema constraint of a request whose `response_format` set it, as a
+    refusal of `response_format` (None: another error)."""
+    fmt = req.response_format
+    if e.status != 400 or fmt is None or fmt.schema_text() is None:
+        return None
+    return response_format_refusal(getattr(e, "param", None), e.message)
+
+
+def _tool_finish(reason: str | None, has_calls: bool, plan: ChatPlan) -> str | None:
+    """OpenAI ends a turn that called tools with finish_reason "tool_calls", except under a named
+    tool_choice, where it says "stop" (streamed or not; vLLM matches it too)."""
+    return "tool_calls" if has_calls and reason == "stop" and plan.tool_choice != "named" else reason
 
 
 class _ChatFormat(_Format):
@@ -687,7 +701,7 @@ class _ChatFormat(_Format):
         has_lp = bool(logprobs and logprobs.content)
         if not (role or d.reasoning or d.content or d.calls or reason or has_lp):
             return []
-        reason = _tool_finish(reason, output.has_calls)
+        reason = _tool_finish(reason, output.has_calls, self.plan)
         events = []
         for k, delta in enumerate(deltas):
             last = k == len(deltas) - 1

@@ -125,3 +125,45 @@ def required_calls_schema(tools: list[dict[str, Any]], parallel: bool) -> str:
 def named_call_schema(tool: dict[str, Any]) -> str:
     """The constraint for a named function: the output is that function's arguments object."""
     return json.dumps(parameters_of(tool))
+
+
+# a backend's location in a refused schema, "(at /items/properties/arguments/properties/u)"
+_AT = re.compile(r"\(at (/[^\s;,)]*|the schema root)")
+_ARGUMENTS = re.compile(r"/items(?:/anyOf/(\d+))?/properties/arguments(?=/|$)")
+_DEFS = re.compile(r"/(\$defs|definitions)/([^/]+)")
+
+
+def locate_in_tools(message: str, tools: list[dict[str, Any]], named: int | None) -> tuple[int | None, str]:
+    """The index of the tool a backend's refusal of the tool_choice constraint is about (None: not
+    known), and the message with its "(at /path)" locations moved into that tool's parameters. A named
+    function's constraint is its parameters themselves; `required_calls_schema` wraps them."""
+    found: set[int] = set()
+
+    def move(m: re.Match) -> str:
+        path = "" if m.group(1) == "the schema root" else m.group(1)
+        index, inner = (named, path) if named is not None else _tool_path(path, tools)
+        if index is None:
+            return m.group(0)
+        found.add(index)
+        return f"(at {inner or 'the schema root'}"
+
+    text = _AT.sub(move, message)
+    if named is not None:
+        return named, text
+    if len(found) == 1:
+        return found.pop(), text
+    return (0 if len(tools) == 1 else None), text
+
+
+def _tool_path(path: str, tools: list[dict[str, Any]]) -> tuple[int | None, str]:
+    """(tool index, path inside its parameters) of a path into required_calls_schema's output."""
+    m = _ARGUMENTS.match(path)
+    if m and (m.group(1) is not None or len(tools) == 1):
+        index = int(m.group(1) or 0)
+        return (index, path[m.end():]) if index < len(tools) else (None, path)
+    d = _DEFS.match(path)
+    if d:  # moved to the root from the first tool that defines it (the same path in that tool)
+        for i, tool in enumerate(tools):
+            if d.group(2) in ((tool["function"].get("parameters") or {}).get(d.group(1)) or {}):
+                return i, path
+    return None, path

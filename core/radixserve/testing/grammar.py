@@ -1,8 +1,10 @@
 """Conformance kit for grammar backends (`GrammarBackend`), and a tiny tokenizer to run it with.
 
 `check_grammar_backend(MyBackend, tokenizer)` drives the backend the way the scheduler does: it
-compiles constraints, walks random valid outputs with the bitmask (a stop token as soon as one is
-allowed), checks that each output fullmatches its regex or parses and follows its schema, that a
+compiles constraints, walks random valid outputs with the bitmask (a stop token when it is the only
+choice, else half the time), checks that each output fullmatches its regex or parses and follows its
+schema, that the mask of each regex-like case equals the reference's at every step (every valid
+continuation allowed, the stop token whenever the output is a complete match, nothing else), that a
 masked-out token is refused without changing the state, that `rollback` restores the state, that
 bad constraints raise GrammarError, that `fill_bitmasks` over many rows equals per-row fills (and
 `accept_tokens` per-row accepts), and that
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from radixserve.interfaces.grammar import GrammarBackend, GrammarError, apply_bitmask_torch, bitmask_width
+from radixserve.testing.grammar_reference import RegexReference
 
 # (kind, text, checker of the produced text)
 _PERSON = {
@@ -64,7 +67,19 @@ CASES: list[tuple[str, str, Any]] = [
                                 "additionalProperties": False}),
      _json_check(lambda v: isinstance(v, dict) and v.get("a") in (1, 2) and set(v) == {"a"})),
     ("ebnf", 'root ::= "(" [0-9] ("+" [0-9])* ")"', lambda s: re.fullmatch(r"\([0-9](\+[0-9])*\)", s) is not None),
+    # complete after one digit yet extendable: a stop token must be allowed from then on
+    ("regex", r"[0-9]+", lambda s: re.fullmatch(r"[0-9]+", s) is not None),
+    # characters of two bytes: each byte may be a token of its own, whose decode alone is U+FFFD
+    ("regex", r"(é|ü){1,3}!", lambda s: re.fullmatch(r"(é|ü){1,3}!", s) is not None),
 ]
+# the exact mask of these cases is checked at every step against grammar_reference.RegexReference
+REFERENCE_REGEX = {
+    ("regex", r"(yes|no)!"): r"(yes|no)!",
+    ("regex", r"[a-c]{2,4}x[0-9]"): r"[a-c]{2,4}x[0-9]",
+    ("ebnf", 'root ::= "(" [0-9] ("+" [0-9])* ")"'): r"\([0-9](\+[0-9])*\)",
+    ("regex", r"[0-9]+"): r"[0-9]+",
+    ("regex", r"(é|ü){1,3}!"): r"(é|ü){1,3}!",
+}
 INVALID = {"regex": "a(b", "json_schema": '{"type": "object", "properties": ', "ebnf": "root ::= ("}
 MAX_STEPS = 120
 
@@ -101,8 +116,11 @@ def _fill(matcher, bitmask: torch.Tensor, row: int = 0) -> torch.Tensor:
     return bitmask[row].clone()
 
 
-def _walk(backend: GrammarBackend, compiled: Any, tokenizer: Any, stop: set[int], rng: random.Random, where: str):
-    """One random valid output; returns (token ids without the stop token, the matcher)."""
+def _walk(backend: GrammarBackend, compiled: Any, tokenizer: Any, stop: set[int], rng: random.Random, where: str,
+          reference: RegexReference | None = None):
+    """One random valid output; returns (token ids without the stop token, the matcher). A stop token
+    ends it when it is the only choice, else half the time (complete outputs that can go on are
+    walked on). With a `reference`, every mask must equal the reference's."""
     real_vocab = len(tokenizer)
     m = backend.new_matcher(compiled)
     bitmask = backend.allocate_bitmask(2)
@@ -113,8 +131,10 @@ def _walk(backend: GrammarBackend, compiled: Any, tokenizer: Any, stop: set[int]
         allowed = _allowed(bitmask, 1, backend.vocab_size)
         assert allowed, f"{where}: no token allowed after {out}"
         assert all(t < real_vocab for t in allowed), f"{where}: a padding row past the tokenizer is allowed"
+        if reference is not None:
+            _check_mask(reference, out, set(allowed), tokenizer, where)
         stops = [t for t in allowed if t in stop]
-        if stops:
+        if stops and (len(stops) == len(allowed) or rng.random() < 0.5):
             assert m.accept_token(stops[0]), f"{where}: refused stop token {stops[0]} that its mask allowed"
             assert m.is_terminated(), f"{where}: not terminated after a stop token at the end"
             return out, m
@@ -123,7 +143,7 @@ def _walk(backend: GrammarBackend, compiled: Any, tokenizer: Any, stop: set[int]
         if refused is not None and step % 3 == 0:
             assert not m.accept_token(refused), f"{where}: accepted token {refused}, which its mask forbids"
             assert torch.equal(_fill(m, bitmask, 1), row), f"{where}: a refused token changed the state"
-        tok = rng.choice(allowed)
+        tok = rng.choice([t for t in allowed if t not in stop])
         assert m.accept_token(tok), f"{where}: refused token {tok} that its mask allowed"
         if m.max_rollback_tokens >= 1 and step % 4 == 1:
             m.rollback(1)
@@ -131,6 +151,20 @@ def _walk(backend: GrammarBackend, compiled: Any, tokenizer: Any, stop: set[int]
             assert m.accept_token(tok), f"{where}: refused token {tok} again after a rollback"
         out.append(tok)
     raise AssertionError(f"{where}: no stop token allowed after {MAX_STEPS} tokens: {tokenizer.decode(out)!r}")
+
+
+def _check_mask(reference: RegexReference, out: list[int], allowed: set[int], tokenizer: Any, where: str) -> None:
+    data = b"".join(reference.token_bytes(t) for t in out)
+    want = reference.allowed(data)
+    forced = reference.forced(data)  # text with one way on: a backend may allow some tokenizations of it only
+    missing = sorted(t for t in want - allowed if not (forced and forced.startswith(reference.token_bytes(t))))
+    if missing:
+        what = "a stop token, although the output is a complete match" if set(missing) & set(reference.stops) else (
+            f"valid continuations such as {[reference.token_bytes(t) for t in missing[:5]]}")
+        raise AssertionError(f"{where}: after {data!r} the mask drops {what} (tokens {missing[:5]})")
+    extra = sorted(allowed - want - reference.unjudged)
+    assert not extra, (f"{where}: after {data!r} the mask allows tokens {extra[:5]} "
+                       f"({[tokenizer.convert_ids_to_tokens(t) for t in extra[:5]]}), which cannot continue a match")
 
 
 def check_grammar_backend(
@@ -161,8 +195,11 @@ def check_grammar_backend(
             continue
         where = f"{name} {kind} {text!r}"
         compiled = backend.compile(kind, text)
+        pattern = REFERENCE_REGEX.get((kind, text))
+        reference = RegexReference(pattern, tokenizer, stop) if pattern is not None else None
         for seed in range(seeds):
-            ids, m = _walk(backend, compiled, tokenizer, set(stop), random.Random(seed), f"{where} (seed {seed})")
+            ids, m = _walk(backend, compiled, tokenizer, set(stop), random.Random(seed), f"{where} (seed {seed})",
+                           reference)
             text_out = tokenizer.decode(ids)
             assert check(text_out), f"{where} (seed {seed}): produced {text_out!r}, which does not satisfy it"
             if m.max_rollback_tokens >= 1:

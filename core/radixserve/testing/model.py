@@ -204,7 +204,8 @@ def check_model_parity(
     """Run a Model class on an HF safetensors checkpoint against transformers; raise
     AssertionError naming the prompt and step of the first difference.
 
-    :param model_cls: your `Model` subclass (constructed as `model_cls(hf_config, None)`).
+    :param model_cls: your `Model` subclass (built as the loader builds it:
+        `model_cls(hf_config, quant_method)`).
     :param checkpoint: a directory transformers can load (config.json + safetensors), for
         example one written by `tiny_checkpoint("llama", tmp_path)`.
     :param prompt_lens: random prompts of these lengths; one more prompt starts with the first
@@ -217,8 +218,11 @@ def check_model_parity(
         runs on a `LatentKVPool` sized from its `latent_attention_dims()`).
     :param quant_method: a QuantMethod instance for a quantized `checkpoint` (default unquantized).
     :param reference: the checkpoint transformers runs (default `checkpoint`); for a quantized
-        checkpoint, the same model with its weights dequantized to float. transformers runs its
-        eager attention (its SDPA path ignores attention soft-capping).
+        checkpoint, the same model with its weights dequantized to float; for a checkpoint whose
+        `model_type` has no transformers model class (a plugin's own model_type, its config
+        registered with `AutoConfig.register`), the same weights under a model_type transformers
+        can run. transformers runs its eager attention (its SDPA path ignores attention
+        soft-capping).
     :param weight_source: a `WeightSource` instance that reads `checkpoint` (a file in its format),
         as the core runs one: its `hf_config`, its `iter_weights`, and itself as the layers'
         QuantMethod (unless `quant_method` is given); `reference` is then required

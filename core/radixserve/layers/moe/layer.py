@@ -143,6 +143,23 @@ class FusedMoE(nn.Module):
                 out.append(name)
         return out
 
+    def partly_loaded_parts(self) -> dict[str, list[tuple[int, str | None]]]:
+        """Those of `incomplete_params()` that some expert's tensor did reach: name -> the (expert,
+        half) parts still missing, half "gate" / "up" of the fused gate-up parameter, else None.
+        `load_stacked_weights` names them in its error."""
+        out = {}
+        params = dict(self.named_parameters(recurse=False))
+        for name in self.incomplete_params():
+            got = self._loaded_parts.get(name)
+            if not got:
+                continue
+            if getattr(params[name], "moe_fused_dim", None) is not None:
+                out[name] = [(e, h) for e in range(self.num_experts) for h in ("gate", "up") if (e, h) not in got]
+            else:
+                have = {e for e, _ in got}
+                out[name] = [(e, None) for e in range(self.num_experts) if e not in have]
+        return out
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if small_m.fused_router_applies(router_logits, self.routing):  # decode batches on CUDA: one launch
             weights, ids = small_m.fused_select_experts(router_logits, self.routing, self.e_score_correction_bias)

@@ -6,6 +6,7 @@ the tokenizer, so a bad constraint is still a 400 before the request runs."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import llguidance as llg
@@ -14,6 +15,8 @@ import llguidance.torch
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 from radixserve.interfaces.grammar import GrammarBackend, GrammarError, GrammarMatcher
+
+from radixserve_grammar_llguidance.pattern_guard import misquoted_pattern
 
 MAX_ROLLBACK_TOKENS = 16  # llguidance keeps the whole history; the core never rolls back more
 
@@ -85,6 +88,9 @@ class LLGuidanceBackend(GrammarBackend):
     def compile(self, kind: str, text: str) -> str:
         try:
             if kind == "json_schema":
+                problem = _schema_problem(text)
+                if problem:
+                    raise GrammarError(problem)
                 grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
             elif kind == "regex":
                 grammar = llg.LLMatcher.grammar_from_regex(text)
@@ -104,3 +110,13 @@ class LLGuidanceBackend(GrammarBackend):
 
     def new_matcher(self, compiled: str) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self._tok, compiled, self.stop_token_ids)
+
+
+def _schema_problem(text: str) -> str | None:
+    """Why llguidance would generate strings `text`'s schema forbids (pattern_guard.py), or None;
+    text that is not JSON is left to llguidance's own error."""
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        return None
+    return misquoted_pattern(schema)

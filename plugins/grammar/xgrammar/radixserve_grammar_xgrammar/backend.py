@@ -13,7 +13,7 @@ from radixserve.interfaces.grammar import GrammarBackend, GrammarError, GrammarM
 
 from radixserve_grammar_xgrammar.enum_trie import factor_literal_choices
 from radixserve_grammar_xgrammar.json_strings import exclude_control_characters
-from radixserve_grammar_xgrammar.schema_rewrites import prepare_schema
+from radixserve_grammar_xgrammar.schema_rewrites import location, prepare_schema
 
 MAX_ROLLBACK_TOKENS = 16  # what we promise (xgrammar keeps the whole history): any draft the core allows (<= 16)
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:line: "; users need only the rest
@@ -75,6 +75,15 @@ def _subschemas(schema: Any, path: str = "", branch: bool = False):
                                    key in ("anyOf", "oneOf", "allOf"))
 
 
+def empty_choice(schema: Any) -> str | None:
+    """The location of the first `enum`, `anyOf` or `oneOf` without alternatives, or None."""
+    for path, sub, _ in _subschemas(schema):
+        for key in ("enum", "anyOf", "oneOf"):
+            if sub.get(key) == []:
+                return f"{path}/{key}"
+    return None
+
+
 _JSON_TYPES = {"string": (str,), "boolean": (bool,), "null": (type(None),), "object": (dict,), "array": (list,),
                "integer": (int,), "number": (int, float)}
 _ANNOTATIONS = {"required", "title", "description", "$comment", "examples"}
@@ -111,7 +120,7 @@ def unenforced_construct(schema: Any) -> str | None:
             for value in values:
                 if not any(_has_type(value, t) for t in types):
                     return (f"enum/const value {json.dumps(value)[:40]} that is not of the declared type "
-                            f"{'/'.join(types)} (at {path})")
+                            f"{'/'.join(types)} (at {location(path)})")
         props, required = sub.get("properties"), sub.get("required")
         patterns = sub.get("patternProperties")
         if isinstance(props, dict) and isinstance(patterns, dict):
@@ -122,24 +131,24 @@ def unenforced_construct(schema: Any) -> str | None:
                     overlap = None
                 if overlap is not None:
                     return (f"property {overlap!r} matched by both `properties` and `patternProperties` pattern "
-                            f"{pattern!r} (at {path}; its value must satisfy both)")
+                            f"{pattern!r} (at {location(path)}; its value must satisfy both)")
         if "minimum" in sub and "maximum" in sub and (not types or "number" in types):
             # its grammar for a two-sided range of reals matches any character in place of the
             # decimal point and more digits than the bounds allow ("1,5", "175" for [0.5, 1.5])
-            return (f"a number with both `minimum` and `maximum` (at {path}; give one bound, or an integer "
+            return (f"a number with both `minimum` and `maximum` (at {location(path)}; give one bound, or an integer "
                     "range)")
         pattern = sub.get("pattern")
         lengths = [key for key in ("minLength", "maxLength") if key in sub]
         if isinstance(pattern, str) and lengths:
-            return (f"a string `pattern` together with `{lengths[0]}` (at {path}; xgrammar enforces the pattern and "
-                    "ignores the length)")
+            return (f"a string `pattern` together with `{lengths[0]}` (at {location(path)}; xgrammar enforces the "
+                    "pattern and ignores the length)")
         if isinstance(required, list) and not sub.get("patternProperties") and (isinstance(props, dict) or branch):
             declared = props if isinstance(props, dict) else {}
             missing = [name for name in required if isinstance(name, str) and name not in declared]
             if missing:
                 # a union branch too: xgrammar does not merge the parent's `properties` into a branch
-                return (f"required property {missing[0]!r} that is not declared in the same `properties` (at {path}; "
-                        "undeclared properties are never generated)")
+                return (f"required property {missing[0]!r} that is not declared in the same `properties` "
+                        f"(at {location(path)}; undeclared properties are never generated)")
     return None
 
 
@@ -279,6 +288,10 @@ class XGrammarBackend(GrammarBackend):
         try:
             if kind == "json_schema":
                 schema = normalize_schema(json.loads(text))  # what is checked is what gets compiled
+                empty = empty_choice(schema)
+                if empty:  # xgrammar reports it as an error in its generated EBNF
+                    raise GrammarError(f"{empty.rsplit('/', 1)[1]} must not be empty (at {empty}): no value could "
+                                       "match it")
                 where = unenforced_keyword(schema)
                 if where:
                     raise GrammarError(

@@ -57,14 +57,19 @@ def _walk(node: Any, path: str) -> None:
             _walk(value, f"{path}/{key}")
 
 
+def location(path: str) -> str:
+    """A JSON pointer for a message: the root's is empty, which reads as a missing location."""
+    return path or "the schema root"
+
+
 def _distribute_union(node: dict, path: str) -> None:
     unions = [k for k in _UNIONS if isinstance(node.get(k), list)]
     siblings = {k: v for k, v in node.items() if k not in _ANNOTATIONS and k not in _UNIONS}
     if not unions or not siblings:
         return
     if len(unions) > 1 or "$ref" in siblings or "allOf" in siblings:
-        raise ValueError(f"{unions[0]} together with {', '.join(unions[1:] + sorted(siblings))} (at {path}) "
-                         "cannot be enforced by the xgrammar backend")
+        raise ValueError(f"{unions[0]} together with {', '.join(unions[1:] + sorted(siblings))} "
+                         f"(at {location(path)}) cannot be enforced by the xgrammar backend")
     key = unions[0]
     required_only = key == "oneOf" and all(_only_required(b) for b in node[key])
     node[key] = [_merge(siblings, branch, f"{path}/{key}/{i}") for i, branch in enumerate(node[key])]

@@ -81,12 +81,18 @@ class FusionReport:
     shards: dict[str, Shard]
     replaced: Counter  # "LlamaRMSNorm -> RMSNorm" -> count
     kept: Counter  # "LlamaMLP (act_fn GELU)" -> count: table classes left as they were
+    skipped: str = ""  # why nothing was even tried (the meta device)
 
     def summary(self) -> str:
+        """The INFO line's text; logged for every model, so "nothing fused" is said too."""
+        if self.skipped:
+            return f"replaced 0 modules with fused layers ({self.skipped})"
         done = ", ".join(f"{n} {what}" for what, n in sorted(self.replaced.items())) or "none"
         text = f"replaced {sum(self.replaced.values())} module(s) with fused layers: {done}"
         if self.kept:
             text += "; kept " + ", ".join(f"{n} {why}" for why, n in sorted(self.kept.items()))
+        elif not self.replaced:
+            text += " (no module of a class in the fused-layer tables: transformers' own modules run)"
         return text
 
 
@@ -326,8 +332,10 @@ def fuse_modules(model: nn.Module) -> FusionReport:
     report = FusionReport({}, Counter(), Counter())
     try:
         if next(model.parameters()).device.type == "meta":
+            report.skipped = "meta device: no numbers to check a replacement against"
             return report
     except StopIteration:
+        report.skipped = "the model has no parameters"
         return report
     # by name, looked up one at a time: a replaced module (and its unfused weights) is freed at once
     for name in [n for n, _ in model.named_modules()]:

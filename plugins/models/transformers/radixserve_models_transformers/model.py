@@ -49,8 +49,7 @@ class TransformersForCausalLM(Model):
         # known modules -> fused layers, each checked against the module it replaces (fused.py)
         fusion = fuse_modules(self.hf)
         self._shards = fusion.shards
-        if fusion.replaced or fusion.kept:
-            logger.info("transformers fallback %s: %s", type(self.hf).__name__, fusion.summary())
+        logger.info("transformers fallback %s: %s", type(self.hf).__name__, fusion.summary())
         self.ctx = ForwardContext()
         head = self.hf.get_output_embeddings()
         if head is None or not _base_candidates(self.hf):
@@ -374,7 +373,24 @@ def _build(config) -> torch.nn.Module:
                 f"so the transformers fallback (model.impl: transformers) cannot run it", "not-causal-lm") from None
         raise
     logger.debug("built %s with attn_implementation=%s", type(model).__name__, attention.ATTN_IMPLEMENTATION)
+    named = (getattr(config, "architectures", None) or [None])[0]
+    if named is not None:
+        _note_built_class(named, type(model).__name__, config.model_type)
     return model.eval()
+
+
+def _note_built_class(arch: str, built: str, model_type: str) -> None:
+    """AutoModelForCausalLM picks the class from `model_type`, not from `architectures`: say so
+    when the checkpoint names another class (a WARNING when transformers has no class of that
+    name: a plugin's own architecture, whose plugin is gone, runs as transformers' class)."""
+    if arch == built:
+        return
+    import transformers
+
+    unknown = not hasattr(transformers, arch)
+    logger.log(logging.WARNING if unknown else logging.INFO,
+               "transformers fallback: the checkpoint's architecture %s%s; running %s, the class transformers maps "
+               "its model_type %r to", arch, " is not a transformers class" if unknown else "", built, model_type)
 
 
 def _logit_multiplier(config) -> float | None:

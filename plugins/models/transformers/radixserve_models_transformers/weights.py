@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
+from radixserve.layers.weight_utils import CheckpointTensorError, UnknownCheckpointTensorError
 
 if TYPE_CHECKING:
     from radixserve_models_transformers.fused import Shard
@@ -26,7 +27,8 @@ def load_hf_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.T
     `shards`: checkpoint names that fill rows of a fused parameter (fused.py); a fused parameter
     counts as loaded once every shard of it arrived.
 
-    Raises KeyError naming checkpoint tensors that match nothing, ValueError on a shape mismatch."""
+    Raises UnknownCheckpointTensorError (a ValueError and a KeyError) naming checkpoint tensors
+    that match nothing, CheckpointTensorError (a ValueError) on a shape mismatch."""
     params = dict(model.named_parameters())
     aliases = _tied_aliases(model)
     buffers = dict(model.named_buffers())
@@ -44,16 +46,17 @@ def load_hf_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.T
             if shard is not None:
                 rows = params[shard.target].narrow(0, shard.start, shard.size)
                 if tuple(rows.shape) != tuple(tensor.shape):
-                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, its rows of the "
-                                     f"fused parameter {shard.target!r} {tuple(rows.shape)}")
+                    raise CheckpointTensorError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, its rows "
+                                                f"of the fused parameter {shard.target!r} {tuple(rows.shape)}",
+                                                tensor=name)
                 rows.copy_(tensor)
                 pending[shard.target].discard(name)
                 if not pending[shard.target]:
                     loaded.add(shard.target)
             elif param is not None:
                 if tuple(param.shape) != tuple(tensor.shape):
-                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model's "
-                                     f"parameter {target!r} {tuple(param.shape)}")
+                    raise CheckpointTensorError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the "
+                                                f"model's parameter {target!r} {tuple(param.shape)}", tensor=name)
                 param.copy_(tensor)
                 loaded.add(target)
             elif name in buffers and tuple(buffers[name].shape) == tuple(tensor.shape):
@@ -79,7 +82,7 @@ def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
 
 def _load_converted(model, state: dict[str, torch.Tensor]) -> set[str]:
     """Load what did not match by name through transformers' conversion rules; return the
-    parameters it filled. Raises KeyError naming any tensor it could not place either."""
+    parameters it filled. Raises UnknownCheckpointTensorError naming any tensor it could not place either."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
@@ -95,8 +98,10 @@ def _load_converted(model, state: dict[str, torch.Tensor]) -> set[str]:
     unexpected = sorted(k for k in info.unexpected_keys if not any(re.search(p, k) for p in ignored))
     if unexpected or info.mismatched_keys or info.conversion_errors:
         problems = unexpected or sorted(str(m) for m in info.mismatched_keys) or sorted(info.conversion_errors)
-        raise KeyError(f"checkpoint tensor(s) with no matching parameter in {type(model).__name__}: "
-                       f"{', '.join(map(str, problems[:8]))}" + (" ..." if len(problems) > 8 else ""))
+        raise UnknownCheckpointTensorError(
+            f"checkpoint tensor(s) with no matching parameter in {type(model).__name__}: "
+            f"{', '.join(map(str, problems[:8]))}" + (" ..." if len(problems) > 8 else ""),
+            tensor=unexpected[0] if unexpected else None)
     params = dict(model.named_parameters())
     # loaded = what the conversion did not report missing (it starts from every model key)
     return {name for name in params if name not in info.missing_keys}
