@@ -412,7 +412,7 @@ def test_tree_mask_verify_matches_exact_attention():
                                 tree_steps=4, tolerance=TOL[torch.bfloat16], progress=print)
         check_attention_backend(TritonAttentionBackend, device="cuda", dtype=torch.float32, heads=((4, 2, 64),),
                                 seeds=(0,), tree_steps=4, tolerance=TOL[torch.float32], layer_options=((6, 1.5),),
-                                progress=print)
+                                long_positions=(), progress=print)  # the bf16 call runs the long scenario
     else:  # the interpreter is slow: two small head shapes (GQA; MHA with a padded head_dim)
         check_attention_backend(TritonAttentionBackend, heads=((2, 1, 32), (2, 2, 24)), seeds=(0,), num_requests=3,
                                 decode_steps=1, tree_steps=2, layer_options=((5, 1.5),))
@@ -430,8 +430,9 @@ def test_the_kit_checks_the_extend_graph_hooks():
             batch.attn_metadata = ExtendMetadata(extend_start=static.extend_start[: batch.batch_size],
                                                  max_extend_len=static.max_extend_len, work=static.work)
 
+    # long_positions=(): the tree-mask test above runs the long scenario, extend-graph hooks included
     kit = {"heads": ((2, 1, 32),), "seeds": (0,), "num_requests": 3, "decode_steps": 1, "tree_steps": 0,
-           "layer_options": ()}
+           "layer_options": (), "long_positions": ()}
     if ON_GPU:
         kit.update(device="cuda", dtype=torch.bfloat16, tolerance=TOL[torch.bfloat16])
     check_attention_backend(TritonAttentionBackend, **kit)

@@ -131,6 +131,7 @@ def test_a_mistake_found_in_the_scheduler_at_start_up_is_said_once_without_a_tra
          "model.context_length=100000", "runtime.num_threads=1"],
         capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out
+    assert proc.returncode == 2, out  # a bad config value: exit 2, as `generate` gives (audit28 finding 3)
     assert out.count("model.context_length=100000 is beyond") == 1, out
+    assert "radixserve: error: model.context_length=100000 is beyond" in out, out
     assert "Traceback" not in out, out

@@ -48,7 +48,8 @@ def test_the_attention_kit_reports_each_scenario_as_it_starts(registry):
     what = [line.rsplit(" (", 1)[0].removeprefix("check_attention_backend float32 ") for line in lines]
     assert what == ["heads (2, 1, 16) seed 0", "heads (2, 1, 16) seed 0: trees", "heads (2, 1, 16) seed 1",
                     "heads (2, 1, 16) seed 1: trees", "heads (2, 1, 16) window 4 cap 1.5",
-                    "heads (2, 1, 16) window 4 cap 1.5: trees", "done"]
+                    "heads (2, 1, 16) window 4 cap 1.5: trees",
+                    "heads (2, 1, 16) seed 0: past key positions [64, 128, 256]", "done"]
     seconds = [float(line.rsplit("(", 1)[1].removesuffix(" s)")) for line in lines]
     assert seconds == sorted(seconds)
 

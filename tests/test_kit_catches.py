@@ -208,3 +208,116 @@ def test_the_attention_kit_checks_bf16_pools_only_where_declared():
 
     with pytest.raises(ValueError, match="does not declare supports_bf16_kv_cache"):
         check_attention_backend(Undeclared, kv_dtype=torch.bfloat16, **SMALL)
+
+
+# ---- the attention kit: long sequences, the runner's layout, its arguments (audit 28) ----
+SHORT = dict(heads=((2, 1, 32),), seeds=(0,), num_requests=3, decode_steps=1, tree_steps=0, layer_options=())
+
+
+class ReadsOneSlotPast(ReferenceAttentionBackend):
+    """A kernel tile-boundary bug: every key at position >= `limit` reads the slot of position limit - 1."""
+
+    limit = 64
+
+    def attend64(self, q, k, v, layer, batch):
+        table = batch.req_to_token_pool.req_to_token
+        saved = table.clone()
+        for row, seq in zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu, strict=True):
+            if seq > self.limit:
+                table[row, self.limit : seq] = table[row, self.limit - 1]
+        try:
+            return super().attend64(q, k, v, layer, batch)
+        finally:
+            table.copy_(saved)
+
+
+@pytest.mark.parametrize("limit", [64, 128, 256])
+def test_the_attention_kit_crosses_common_tile_sizes(limit):
+    """The random scenarios stay under about 100 positions; the long scenario's sequences cross 64, 128 and 256
+    (extends after cached prefixes and decode), so a bug past a tile boundary fails by default."""
+
+    class Truncates(ReadsOneSlotPast):
+        pass
+
+    Truncates.limit = limit
+    check_attention_backend(Truncates, **SHORT, long_positions=())  # without the long scenario it passes
+    with pytest.raises(AssertionError, match=r"EXTEND step .*differs from exact attention"):
+        check_attention_backend(Truncates, **SHORT)
+    check_attention_backend(ReferenceAttentionBackend, **SHORT, long_positions=(300,))  # any position
+
+
+def test_the_attention_kit_passes_q_k_v_as_views_of_one_fused_buffer():
+    """As the runner does (q, k, v split from the qkv projection's output): rows not contiguous, the last
+    dim's stride 1; a backend reading them as dense rows (a kernel taking data_ptr()) fails."""
+    seen = []
+
+    class Records(ReferenceAttentionBackend):
+        def attend64(self, q, k, v, layer, batch):
+            seen.append([(t.stride(), t.is_contiguous() and len(t) > 1) for t in (q, k, v)])  # one row is contiguous
+            return super().attend64(q, k, v, layer, batch)
+
+    check_attention_backend(Records, **SHORT)
+    width = (2 + 2 * 1) * 32  # (query heads + 2 * KV heads) * head_dim
+    assert seen and all(s == [((width, 1), False)] * 3 for s in seen), seen[:3]
+
+    class AssumesDenseRows(ReferenceAttentionBackend):
+        def attend64(self, q, k, v, layer, batch):
+            n, w = k.shape
+            k, v = (torch.as_strided(t, (n, w), (w, 1)) for t in (k, v))
+            return super().attend64(q, k, v, layer, batch)
+
+    with pytest.raises(AssertionError, match="differs from exact attention"):
+        check_attention_backend(AssumesDenseRows, **SHORT)
+
+
+def test_the_latent_kit_passes_its_inputs_as_a_latent_model_does():
+    from radixserve.testing import ReferenceLatentAttentionBackend, check_latent_attention_backend
+
+    seen = []
+
+    class Records(ReferenceLatentAttentionBackend):
+        def latent64(self, q_nope, q_pe, c_kv, k_pe, layer, batch):
+            seen.append([t.stride() for t in (q_nope, q_pe, c_kv, k_pe)])
+            return super().latent64(q_nope, q_pe, c_kv, k_pe, layer, batch)
+
+    h, lora, nope, rope, v = 3, 32, 16, 8, 24
+    check_latent_attention_backend(Records, dims=((h, lora, nope, rope, v),), seeds=(0,), num_requests=2,
+                                   decode_steps=1, tree_steps=0, decode_row_steps=0, long_positions=())
+    q_strides = (h * (nope + rope), nope + rope, 1)  # per-head slices of one q projection
+    assert all(s == [q_strides, q_strides, (lora + rope, 1), (lora + rope, 1)] for s in seen), seen[:3]
+
+
+def test_the_attention_kit_takes_any_number_of_requests_and_names_bad_counts():
+    """More than 12 requests used to run out of request rows (IndexError); the pools now grow to fit."""
+    check_attention_backend(ReferenceAttentionBackend, heads=((2, 1, 16),), seeds=(0,), num_requests=16,
+                            decode_steps=4, tree_steps=1, layer_options=(), long_positions=())
+    for bad in ({"num_requests": 0}, {"decode_steps": -1}, {"tree_steps": 1.5}, {"long_positions": (64, 0)}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            check_attention_backend(ReferenceAttentionBackend, **bad)
+
+
+def test_the_attention_kit_refuses_what_the_runner_could_not_build():
+    """An AssertionError naming the problem, as every kit violation is (it was an AttributeError or TypeError)."""
+    from radixserve.interfaces import AttentionBackend
+
+    class NotSubclass:
+        def __init__(self, runner_info):
+            pass
+
+    with pytest.raises(AssertionError, match="is not a subclass of radixserve.interfaces.AttentionBackend"):
+        check_attention_backend(NotSubclass, **SHORT)
+    with pytest.raises(AssertionError, match="returned NotSubclass, not an AttentionBackend"):
+        check_attention_backend(lambda info: NotSubclass(info), **SHORT)
+
+    class NoDecode(AttentionBackend):
+        def __init__(self, runner_info):
+            pass
+
+        def init_forward_metadata(self, batch):
+            pass
+
+        def forward_extend(self, q, k, v, layer, batch):
+            raise NotImplementedError
+
+    with pytest.raises(AssertionError, match="is abstract: it does not implement forward_decode"):
+        check_attention_backend(NoDecode, **SHORT)

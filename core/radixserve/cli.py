@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from radixserve.config import Config, ConfigError, api_key_or_env, deep_merge, parse_dotted_overrides
+from radixserve.config import Config, ConfigError, deep_merge, parse_dotted_overrides, with_env_api_key
 from radixserve.peer_options import hint_for
 from radixserve.plugins.model_select import FALLBACK_CLAIM, FALLBACK_DISTRIBUTION, FALLBACK_MODEL, fallback_spec
 from radixserve.plugins.registry import PluginError, Registry
@@ -25,6 +25,8 @@ def _deny_list(values: list[str] | None) -> list[str]:
     for v in values or []:
         if not v.startswith("no:"):
             raise ConfigError(f"-p {v!r}: only the deny form -p no:PLUGIN is supported")
+        if not v[3:].strip():  # `-p no:$NAME` with NAME unset would disable nothing without a word
+            raise ConfigError(f"-p {v!r}: the plugin name is missing (-p no:PLUGIN; radixserve plugins lists them)")
         out.append(v[3:])
     return out
 
@@ -115,9 +117,10 @@ def _redacted_yaml(config: Config) -> str:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    config = load_config_from_args(args, {"model": {"path": args.model}} if args.model else None)
-    if config.server.api_key != api_key_or_env(config.server.api_key):  # the key `serve` would take
-        config = config.with_overrides({"server": {"api_key": api_key_or_env(None)}})
+    from radixserve.plugins.attention_class import check_attention_class, head_dim_before_loading
+
+    # the key `serve` would take ($RADIXSERVE_API_KEY under the YAML and the command line)
+    config = with_env_api_key(load_config_from_args(args, {"model": {"path": args.model}} if args.model else None))
     reg = Registry.from_config(config)
     device = config.runtime.resolved_device()
     checkpoint = None
@@ -127,11 +130,15 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         resolve_stack(config, reg, device)  # the stack's own errors first, as at start-up
         checkpoint = open_checkpoint(config, reg)
         cls = checkpoint.choice.cls
-        resolved = resolve_stack(config, reg, device, checkpoint.path,
-                                 attention_type=getattr(cls, "attention_type", "standard"),
-                                 model_name=f"model architecture {checkpoint.choice.architecture!r}")
-    else:
+        attention_type = getattr(cls, "attention_type", "standard")
+        resolved = resolve_stack(config, reg, device, checkpoint.path, attention_type=attention_type,
+                                 model_name=f"model architecture {checkpoint.choice.architecture!r}",
+                                 head_dim=head_dim_before_loading(cls, checkpoint.hf_config, attention_type))
+    else:  # no model to ask about: the attention class is still checked as the runner would build it
         resolved = resolve_stack(config, reg, device)
+        name = resolved.attention.name
+        dtype = config.runtime.resolved_dtype(device)
+        check_attention_class(reg.load("attention", name), name, device, dtype)
     # the checkpoint's own method when the stack names none (its errors before anything is printed)
     own_quant = _checkpoint_quantization(checkpoint, resolved, reg) if checkpoint and not resolved.quantization else None
     print(_redacted_yaml(config), end="")

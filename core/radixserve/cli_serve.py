@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from radixserve.config import api_key_or_env, deep_merge
+from radixserve.config import deep_merge, with_env_api_key
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,7 +19,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_model_impl_argument(p)
     p.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 exposes the server)")
     p.add_argument("--port", type=int, help="port (default 30000)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $RADIXSERVE_API_KEY if set)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (server.api_key; beats the YAML and overrides; "
+                   "$RADIXSERVE_API_KEY applies only when neither sets a key)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tool-call-parser", metavar="NAME",
                    help="tool-call format of the model: hermes, llama3_json, mistral, pythonic, ... or none "
@@ -39,7 +40,8 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     """Tensor parallelism and multi-node launch (runtime.tp_size/nnodes/node_rank/dist_init_addr;
     docs/parallelism.md)."""
     g = p.add_argument_group("tensor parallelism")
-    g.add_argument("--tp", "--tp-size", dest="tp_size", type=int, metavar="N", help="tensor-parallel ranks (runtime.tp_size)")
+    # --tp only: SGLang's --tp-size is refused with this spelling (peer_options), as every command refuses it
+    g.add_argument("--tp", dest="tp_size", type=int, metavar="N", help="tensor-parallel ranks (runtime.tp_size)")
     g.add_argument("--nnodes", type=int, metavar="N", help="machines the ranks span (runtime.nnodes)")
     g.add_argument("--node-rank", type=int, metavar="I", help="this machine's index; 0 serves HTTP (runtime.node_rank)")
     g.add_argument("--dist-init-addr", metavar="HOST:PORT", help="rendezvous address on node 0 (runtime.dist_init_addr)")
@@ -109,13 +111,12 @@ def _flag_overrides(args: argparse.Namespace) -> dict:
                      ("impl", args.model_impl))
         if v is not None
     }
-    api_key = api_key_or_env(args.api_key)
     server = {
         k: v
         for k, v in (
             ("host", args.host),
             ("port", args.port),
-            ("api_key", api_key),
+            ("api_key", args.api_key),  # $RADIXSERVE_API_KEY is applied later, under the YAML (with_env_api_key)
             ("log_level", args.log_level),
             ("tool_call_parser", args.tool_call_parser),
             ("reasoning_parser", args.reasoning_parser),
@@ -128,20 +129,26 @@ def _flag_overrides(args: argparse.Namespace) -> dict:
     return deep_merge({**out, **speculative_overrides(args)}, data_parallel_overrides(args))
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def serve_config(args: argparse.Namespace):
+    """The config `serve` runs: defaults < $RADIXSERVE_API_KEY < --config YAML < overrides < flags."""
     from radixserve.cli import load_config_from_args
     from radixserve.config import ConfigError
+
+    if args.api_key == "":  # `--api-key "$KEY"` with KEY unset would serve every route without auth
+        raise ConfigError("--api-key is empty (an unset variable?): give a key, or leave the flag out "
+                          "($RADIXSERVE_API_KEY then applies)")
+    # -p no:NAME lands in plugins.disable: the config carries it to every runtime process
+    return with_env_api_key(load_config_from_args(args, _flag_overrides(args)))
+
+
+def run_serve(args: argparse.Namespace) -> int:
     from radixserve.model_loader.model_files import check_tokenizer_path
     from radixserve.plugins.registry import Registry
     from radixserve.plugins.stack import resolve_stack
     from radixserve.server.launch import end_process, run_server
     from radixserve.server.parser_selection import check_parser_names
 
-    if args.api_key == "":  # `--api-key "$KEY"` with KEY unset would serve every route without auth
-        raise ConfigError("--api-key is empty (an unset variable?): give a key, or leave the flag out "
-                          "($RADIXSERVE_API_KEY then applies)")
-    # -p no:NAME lands in plugins.disable: the config carries it to every runtime process
-    config = load_config_from_args(args, _flag_overrides(args))
+    config = serve_config(args)
     config.runtime.check_device_usable()
     check_tokenizer_path(config.model.tokenizer)
     registry = Registry.from_config(config)  # this process's registry (HTTP routes, checks)

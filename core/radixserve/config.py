@@ -183,8 +183,12 @@ class RuntimeSection(_Section):
             raise ValueError(f"runtime.node_rank={self.node_rank} must be below runtime.nnodes={self.nnodes}")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("runtime.nnodes > 1 needs runtime.dist_init_addr (host:port of node 0, e.g. 10.0.0.1:29500)")
-        if self.dist_init_addr is not None and not self.dist_init_addr.rpartition(":")[2].isdigit():
-            raise ValueError(f"runtime.dist_init_addr={self.dist_init_addr!r} must look like host:port")
+        if self.dist_init_addr is not None:
+            port = self.dist_init_addr.rpartition(":")[2]
+            if not port.isdigit():
+                raise ValueError(f"runtime.dist_init_addr={self.dist_init_addr!r} must look like host:port")
+            if not 1 <= int(port) <= 65535:  # else the rendezvous fails only once the ranks start
+                raise ValueError(f"runtime.dist_init_addr={self.dist_init_addr!r}: the port must be 1-65535")
         return self
 
     def resolved_overlap(self, device: str) -> bool:
@@ -227,7 +231,7 @@ class RuntimeSection(_Section):
 class ServerSection(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=30000, ge=0, le=65535)
-    api_key: str | None = None
+    api_key: str | None = None  # None: $RADIXSERVE_API_KEY if set (`with_env_api_key`), else no authentication
     max_request_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_requests: bool = True
@@ -240,6 +244,15 @@ class ServerSection(_Section):
     # a chat template that ignores `tools`: describe them in a system message (Hermes format)
     # instead of refusing the request
     generic_tool_prompt: bool = False
+
+    @field_validator("api_key")
+    @classmethod
+    def _empty_key_is_refused(cls, v: str | None) -> str | None:
+        # "" would turn authentication off while the ready line says a key is required
+        if v is not None and not v.strip():
+            raise ValueError("the API key is empty (it would turn authentication off): give a key, or leave "
+                             "server.api_key out (null) to serve without one")
+        return v
 
 
 class RouterSection(_Section):
@@ -305,6 +318,25 @@ class Config(_Section):
         return yaml.safe_dump(self.model_dump(), sort_keys=False)
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping: YAML keeps the last silently, so a
+    repeated `stack:` section would drop the first one's settings without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise _DuplicateKey(f"key {key!r} is given twice (lines {seen[key]} and {line}); keep one")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if p.is_dir():
@@ -312,7 +344,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+    except _DuplicateKey as e:
+        raise ConfigError(f"config file {str(p)!r}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
     except (UnicodeDecodeError, OSError) as e:  # a binary file, or one this user cannot read
@@ -333,9 +367,22 @@ def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 
 def api_key_or_env(api_key: str | None) -> str | None:
-    """The API key `serve` requires (and `bench serve` sends, `config show` shows): the one given, else
-    $RADIXSERVE_API_KEY when set."""
+    """The API key `bench serve` sends: the one given, else $RADIXSERVE_API_KEY when set and not empty."""
     return api_key if api_key is not None else os.environ.get("RADIXSERVE_API_KEY") or None
+
+
+def with_env_api_key(config: Config) -> Config:
+    """`config` with $RADIXSERVE_API_KEY as server.api_key when neither the YAML nor the command line set
+    one: the environment is a default (defaults < environment < YAML < command line), so a key given
+    explicitly always wins. An empty variable is refused where it would apply, as `--api-key ""` is:
+    `RADIXSERVE_API_KEY=$KEY` with KEY unset must not serve every route without authentication."""
+    env = os.environ.get("RADIXSERVE_API_KEY")
+    if config.server.api_key is not None or env is None:
+        return config
+    if not env.strip():
+        raise ConfigError("RADIXSERVE_API_KEY is set but empty (an unset variable?): give a key, or unset it "
+                          "to serve without authentication")
+    return config.with_overrides({"server": {"api_key": env}})
 
 
 def parse_dotted_overrides(items: list[str]) -> dict[str, Any]:
@@ -366,6 +413,10 @@ def _format_validation_error(e: ValidationError) -> str:
             section = err["loc"][:-1]
             valid = _valid_keys(section)
             lines.append(f"unknown key {loc!r}" + (f"; valid keys here: {', '.join(valid)}" if valid else ""))
+        elif isinstance(err.get("input"), dict) and err["type"] == "value_error":
+            # a cross-field check (a section's model validator): its message names the fields and their
+            # values; the whole section's dict would only bury it
+            lines.append(f"{loc}: {err['msg']}")
         else:
             lines.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
     return "invalid configuration: " + "; ".join(lines)

@@ -28,5 +28,10 @@ class EngineDeadError(RequestError):
 def traceback_worth_showing(e: BaseException) -> bool:
     """Whether a start-up failure gets its traceback: not for a bad value the user gave (a config key, a
     path, a shape the model cannot be split into: ConfigError is a ValueError, a missing file a
-    FileNotFoundError), which the entry points report as one line, unless RADIXSERVE_DEBUG=1 asks for it."""
-    return not isinstance(e, (ValueError, FileNotFoundError)) or bool(os.environ.get("RADIXSERVE_DEBUG"))
+    FileNotFoundError), nor for a component the user must fix (a PluginError: e.g. an attention backend class
+    refused before the weights load), which the entry points report as one line, unless RADIXSERVE_DEBUG=1
+    asks for it."""
+    from radixserve.plugins.registry import PluginError  # here: the registry is not needed to import this module
+
+    user_errors = (ValueError, FileNotFoundError, PluginError)
+    return not isinstance(e, user_errors) or bool(os.environ.get("RADIXSERVE_DEBUG"))

@@ -120,6 +120,10 @@ class ChildFailed(msgspec.Struct, tag=True, kw_only=True):
 
     process: str
     error: str
+    # set when the failure is a bad value the user gave (a ValueError such as a ConfigError, a missing
+    # file, a refused plugin component): its message, which `serve` reports as one line with exit 2
+    # (as `generate` does); None for a crash
+    user_error: str | None = None
 
 
 SchedulerInput = GenerateRequest | AbortRequest | FlushCacheRequest | StatsRequest | ShutdownRequest

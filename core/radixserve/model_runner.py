@@ -29,6 +29,7 @@ from radixserve.memory import (
 from radixserve.memory.fp8_kv import FP8_KV_DTYPE, KV_CACHE_DTYPES, KVScaleCollector
 from radixserve.model_loader import load_model
 from radixserve.model_loader.sources import open_checkpoint
+from radixserve.plugins.attention_class import check_attention_class, head_dim_before_loading, hf_head_dim
 from radixserve.plugins.registry import Registry
 from radixserve.plugins.stack import check_backend_attention_type, resolve_stack
 from radixserve.sampling import SampleOutput, Sampler, SamplingBatch
@@ -98,6 +99,9 @@ class ModelRunner:
         early = resolve_stack(config, self.registry, self.device.type)
         # first start: the backend's kernels compile while the weights load, not after
         attention_cls = self.registry.load("attention", early.attention.name)
+        # a class the runner could not build fails now, not after the load (and before a Hub download)
+        check_attention_class(attention_cls, early.attention.name, self.device.type,
+                              rt.resolved_dtype(self.device.type))
         native.build_in_background([lambda: attention_cls.build_native_kernels(self.device.type)])
         checkpoint = open_checkpoint(config, self.registry)
         self.model_path, source, self.hf_config, choice = (checkpoint.path, checkpoint.source, checkpoint.hf_config,
@@ -110,7 +114,8 @@ class ModelRunner:
         self.attention_type = getattr(model_cls, "attention_type", "standard")
         model_name = f"model architecture {arch!r} ({model_cls.__module__}.{model_cls.__name__})"
         self.stack = resolve_stack(config, self.registry, self.device.type, self.model_path,
-                                   attention_type=self.attention_type, model_name=model_name)
+                                   attention_type=self.attention_type, model_name=model_name,
+                                   head_dim=head_dim_before_loading(model_cls, self.hf_config, self.attention_type))
         self._model_name = model_name
         quant = self._quant_method(source)
         logger.info("stack: %s; weights: %s", ", ".join(f"{kind} {spec.name}" for kind, spec in
@@ -189,7 +194,7 @@ class ModelRunner:
             layers, heads, kv_heads, head_dim = dims
         else:
             c = self.hf_config
-            head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+            head_dim = hf_head_dim(c)
             kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
             layers, heads = c.num_hidden_layers, c.num_attention_heads
         tp = self.tp_group.size
@@ -287,9 +292,8 @@ class ModelRunner:
         cls = self.registry.load("attention", name)
         layers, kv_heads, head_dim = self._kv_shape()
         dtype_name = str(self.dtype).removeprefix("torch.")
-        if not cls.supports(self.device.type, dtype_name, head_dim):
-            raise RuntimeError(f"attention backend {name!r} does not support {self.device.type}/{dtype_name}/"
-                               f"head_dim={head_dim}")
+        # the head size a model decides itself (latent rows, its own attention_dims) is only known now
+        check_attention_class(cls, name, self.device.type, dtype_name, head_dim)
         check_backend_attention_type(cls, name, self.attention_type, self._model_name)  # standard / latent
         check_backend_supports_layers(self.model, cls, name)  # windows, soft-capping
         self.attn_backend_name = name

@@ -58,4 +58,6 @@ __version__ = "0.1.0"
 # 1.12: radixserve.testing.check_weight_source (and check_model_parity(weight_source=)) and check_drafter_on_model;
 #      ReasoningParser.end_tag declared on the base class (the server read it by name before; default "" unchanged);
 #      verified_rows public in radixserve.interfaces.target_states
-PLUGIN_API_VERSION = "1.12"
+# 1.13: check_attention_backend / check_latent_attention_backend(long_positions=): a scenario past 64, 128 and 256
+#      key positions by default; the kits pass q/k/v as the runner does (strided column views of one fused buffer)
+PLUGIN_API_VERSION = "1.13"

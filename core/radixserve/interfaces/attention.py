@@ -239,7 +239,9 @@ class AttentionBackend(abc.ABC):
 
         :param q: `[num_tokens, num_heads*head_dim]`, the new tokens' queries, packed by request.
         :param k: `[num_tokens, num_kv_heads*head_dim]`, keys of the new tokens only.
-        :param v: like `k`, values.
+        :param v: like `k`, values. q, k and v may be strided views (column slices of the fused qkv
+            projection's output): only the last dim's stride is 1, so read `stride(0)` or make them
+            contiguous; never assume a row stride of the row's width.
         :param layer: the calling layer (`layer_id`, head counts, `scaling`).
         :param batch: the batch passed to `init_forward_metadata` (with `attn_metadata`).
         :return: `[num_tokens, num_heads*head_dim]` in q's dtype: for each new token, softmax-

@@ -157,17 +157,17 @@ def _admits_newer_api(spec: SpecifierSet) -> bool:
     return any(Version(v) > core and Version(v) in spec for v in later)
 
 
-def _warn_unknown_names(denied: dict[str, str], entry_points: list) -> None:
-    """A deny-list entry that names no installed plugin does nothing: say so (a typo, or the
+def _warn_unknown_names(listed: dict[str, str], entry_points: list, effect: str = "nothing is disabled by it") -> None:
+    """A deny- or allow-list entry that names no installed plugin does nothing: say so (a typo, or the
     distribution's name given instead of the plugin's entry-point name)."""
-    names = {ep.name for ep in entry_points}
+    names = {ep.name for ep in entry_points} | {"core"}  # core: the built-in components, always loaded
     by_distribution = {ep.dist.name: ep.name for ep in entry_points if ep.dist is not None}
-    for name, source in sorted(denied.items()):
+    for name, source in sorted(listed.items()):
         if name in names:
             continue
         hint = (f"; {name!r} is the distribution of plugin {by_distribution[name]!r}" if name in by_distribution
-                else f"; installed plugins: {', '.join(sorted(names)) or 'none'}")
-        logger.warning("%s names %r, which is no installed plugin: nothing is disabled by it%s", source, name, hint)
+                else f"; installed plugins: {', '.join(sorted(names - {'core'})) or 'none'}")
+        logger.warning("%s names %r, which is no installed plugin: %s%s", source, name, effect, hint)
 
 
 def _split_env(name: str) -> set[str]:
@@ -221,6 +221,7 @@ class Registry:
         reg.add_builtin()
         entry_points = sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
         _warn_unknown_names(denied, entry_points)
+        _warn_unknown_names(dict.fromkeys(allow, allow_source), entry_points, "nothing is loaded by it")
         for ep in entry_points:
             dist = ep.dist.name if ep.dist is not None else "?"
             if ep.name in denied or (allow and ep.name not in allow):

@@ -61,7 +61,8 @@ class ResolvedStack:
 
 
 def resolve_stack(config: Config, registry: Registry, device: str, model_path: str | None = None,
-                  attention_type: str | None = None, model_name: str = "the model") -> ResolvedStack:
+                  attention_type: str | None = None, model_name: str = "the model",
+                  head_dim: int | None = None) -> ResolvedStack:
     """Resolve `config.stack` for `device`. Raises PluginError for an unknown component (listing the
     installed ones and the package that provides a known one), a component that does not support
     the device, a policy or drafter option the component does not take and, when `model_path`
@@ -71,7 +72,10 @@ def resolve_stack(config: Config, registry: Registry, device: str, model_path: s
     known (None before: the default attention backend is then the highest-priority one for the
     device). Given, the default is the highest-priority backend whose class supports that type
     (`supports_standard_attention` / `supports_latent_attention`), and a backend named in
-    `stack.attention` that does not is refused, naming it, `model_name` and the type."""
+    `stack.attention` that does not is refused, naming it, `model_name` and the type; and the backend's
+    class is checked as the runner will build it (`check_attention_class`: an AttentionBackend that is
+    not abstract, an `__init__(runner_info)`, and with `head_dim` given, its `supports()` of the
+    device, dtype and head size), so a broken class fails before any weights load."""
     stack = config.stack
     drafter = None
     drafter_options: dict[str, Any] = {}
@@ -109,6 +113,11 @@ def resolve_stack(config: Config, registry: Registry, device: str, model_path: s
             check_backend_attention_type(registry.load("attention", attention.name), attention.name, attention_type,
                                          model_name, registry, device)
     check_backend_kv_cache_dtype(registry, attention.name, kv_cache_dtype, device)
+    if attention_type is not None:  # the model's class is known, so torch is in: load and check the backend's
+        from radixserve.plugins.attention_class import check_attention_class
+
+        check_attention_class(registry.load("attention", attention.name), attention.name, device,
+                              config.runtime.resolved_dtype(device), head_dim)
     resolved = ResolvedStack(
         device=device, attention=attention, prefix_cache=prefix_cache, policy=policy,
         policy_options=options, quantization=quant, drafter=drafter, drafter_options=drafter_options,

@@ -238,7 +238,10 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int, d
         ctx = zmq.Context(1)
         sock = ctx.socket(zmq.PUSH)
         sock.connect(ports.manager_input)
-        sock.send(make_encoder().encode(ChildFailed(process="scheduler", error=f"{e!r}")))
+        from radixserve.plugins.registry import PluginError
+
+        user_error = str(e) if isinstance(e, (ValueError, FileNotFoundError, PluginError)) else None
+        sock.send(make_encoder().encode(ChildFailed(process="scheduler", error=f"{e!r}", user_error=user_error)))
         sock.close(linger=2000)
         ctx.term()
         if traceback_worth_showing(e):  # the parent states a mistake once

@@ -120,6 +120,15 @@ async def _wait_in_thread(proc: subprocess.Popen, timeout: float | None) -> int:
     return await fut
 
 
+class ChildStartError(RuntimeError):
+    """A child process failed to start. `user_error`: the message of a bad value the user gave (the
+    child's ChildFailed.user_error), which `serve` reports as a one-line error with exit 2; None for a crash."""
+
+    def __init__(self, reason: str, user_error: str | None = None) -> None:
+        super().__init__(reason)
+        self.user_error = user_error
+
+
 class TokenizerManager:
     """Tokenizes requests, sends them to the scheduler process, and streams results back.
 
@@ -386,10 +395,12 @@ class TokenizerManager:
                 fut.set_result(msg)
         elif isinstance(msg, ChildFailed):
             self.dead_reason = f"the {msg.process} process failed: {msg.error}"
-            logger.error(self.dead_reason)
             fut = self._ready.get(msg.process)
-            if fut is not None and not fut.done():
-                fut.set_exception(RuntimeError(self.dead_reason))
+            starting = fut is not None and not fut.done()
+            if not (starting and msg.user_error):  # a bad value at start-up: the caller says it once
+                logger.error(self.dead_reason)
+            if starting:
+                fut.set_exception(ChildStartError(self.dead_reason, msg.user_error))
                 fut.exception()
 
     def _dispatch(self, out: ReqTextOut) -> None:

@@ -2,10 +2,10 @@
 
 Exit codes: 0 after SIGINT/SIGTERM (graceful, see shutdown.py: no new requests, in-flight ones get
 `server.shutdown_grace_s` seconds and then end with an error event, then the runtime's children
-are stopped); 1 when the runtime fails to start or a child process dies while
-serving (detected within about a second: /health turns 503 and the server exits); 2 when there is
-no model to serve or the host:port cannot be listened on (checked before the model loads); 130
-when interrupted during startup."""
+are stopped); 1 when the runtime fails to start or a child process dies while serving (detected
+within about a second: /health turns 503 and the server exits); 2 when a runtime process refuses a
+config value at start-up (one `radixserve: error:` line), when there is no model to serve or the
+host:port cannot be listened on (checked before the model loads); 130 when interrupted during startup."""
 
 from __future__ import annotations
 
@@ -195,9 +195,13 @@ async def _start_runtime(config: Config, registry: Any) -> tuple[Any, int]:
             await tm.shutdown()
             return None, 130
         except Exception as e:
+            await tm.shutdown()
+            user_error = getattr(e, "user_error", None)
+            if user_error:  # a bad config value found by the scheduler: exit 2, as `generate` gives
+                print(f"radixserve: error: {user_error}", file=sys.stderr)
+                return None, 2
             if str(e) != tm.dead_reason:  # a child's failure is logged once, when it arrives
                 logger.error("the runtime failed to start: %s", e)
-            await tm.shutdown()
             return None, 1
 
 

@@ -6,7 +6,9 @@ prefilled in chunks inside mixed EXTEND batches (some requests adding a single t
 batches over random subsets in random order; KV slots are scattered, request rows are not in batch
 order, and table entries past each request's length hold garbage. After every step the outputs
 must match per request and both pools must be identical (new K/V at `out_cache_loc` of the right
-layer, every other slot untouched).
+layer, every other slot untouched). q, k and v are column views of one fused buffer, as the runner's
+qkv projection gives them. The random scenarios stay under about 100 positions; one more scenario
+(`long_positions`) crosses 64, 128 and 256 key positions, where kernels change tiles.
 
 For a backend with `supports_tree_mask = True` the scenarios go on with speculative verify
 forwards: EXTEND batches whose requests each score a random draft tree after their prefix
@@ -32,6 +34,7 @@ import torch
 
 from radixserve.interfaces.attention import AttentionBackend, AttentionLayerSpec, AttentionRunnerInfo
 from radixserve.memory import KVPool, ReqToTokenPool
+from radixserve.plugins.attention_class import attention_class_problem
 from radixserve.state import ForwardBatch, ForwardMode, tree_block
 from radixserve.testing._threads import single_threaded
 
@@ -40,6 +43,10 @@ DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 2
 # matmul_precision="medium": queries and softmax weights may be rounded to bf16 (8 significant bits)
 MEDIUM_PRECISION_TOLERANCE = 1e-2
 _NUM_LAYERS, _LAYER_ID = 2, 1  # the backend must write the layer it is called for, and only it
+# key positions the long scenario's sequences cross: common kernel tile sizes
+DEFAULT_LONG_POSITIONS = (64, 128, 256)
+_ROWS, _CONTEXT, _SLOTS = 12, 256, 1000  # a scenario's pools unless its arguments need more
+_MAX_PREFIX, _MAX_PROMPT, _MAX_TREE, _MAX_CHAIN = 70, 20, 20, 9  # per request, as `run` and `run_trees` draw them
 
 
 class ReferenceAttentionBackend(AttentionBackend):
@@ -148,14 +155,15 @@ class _Scenario:
 
     def __init__(self, factory, heads, dtype, device, seed: int, tol: float,
                  sliding_window: int | None = None, logit_cap: float | None = None,
-                 kv_dtype: torch.dtype | None = None, matmul_precision: str = "highest") -> None:
+                 kv_dtype: torch.dtype | None = None, matmul_precision: str = "highest",
+                 rows: int = _ROWS, context: int = _CONTEXT, num_slots: int = _SLOTS) -> None:
         self.rng = random.Random(seed)
         self.matmul_precision = matmul_precision  # the runner info's (the test twin's products)
         self.gen = torch.Generator().manual_seed(seed)
         self.heads, self.dtype, self.device, self.tol, self.seed = heads, dtype, device, tol, seed
         self.kv_dtype = kv_dtype or dtype  # the pools' (both twins'); the reference reads what they store
         self.layer = self._make_layer(sliding_window, logit_cap)
-        self.num_slots, rows, self.context = 1000, 12, 256
+        self.num_slots, self.context = num_slots, context
         slots = list(range(1, self.num_slots + 1))
         self.rng.shuffle(slots)
         self.free_slots = slots
@@ -169,7 +177,11 @@ class _Scenario:
             kv = self._make_pool()
             twins.append(_Twin(make(self._runner_info(table, kv, rows)), kv, table))
         self.test, self.ref = twins
+        # a factory may return anything: say so, rather than fail on its first missing attribute
+        assert isinstance(self.test.backend, AttentionBackend), (
+            f"{factory!r} returned {type(self.test.backend).__name__}, not an AttentionBackend")
         self.reqs: list[_Request] = []
+        self.note = ""  # what kind of scenario, in failure messages
 
     # ---- hooks (the latent kit replaces them) ----
     def _make_layer(self, sliding_window, logit_cap):
@@ -200,7 +212,13 @@ class _Scenario:
 
     def _inputs(self, num_tokens: int) -> tuple[torch.Tensor, ...]:
         hq, hkv, d = self.heads
-        return self._rand(num_tokens, hq * d), self._rand(num_tokens, hkv * d), self._rand(num_tokens, hkv * d)
+        return self._as_runner_gives(
+            (self._rand(num_tokens, hq * d), self._rand(num_tokens, hkv * d), self._rand(num_tokens, hkv * d)))
+
+    def _as_runner_gives(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The inputs laid out as the runner passes them: q, k, v column slices of one fused qkv
+        projection output (row stride (hq + 2 * hkv) * head_dim, last-dim stride 1), not contiguous."""
+        return _fused_views(*inputs)
 
     def _out_width(self) -> int:
         return self.heads[0] * self.heads[2]
@@ -275,7 +293,7 @@ class _Scenario:
         inputs = self._inputs(num_tokens)
         window, cap = getattr(self.layer, "sliding_window", None), getattr(self.layer, "logit_cap", None)
         options = f", sliding_window {window}, logit_cap {cap}" if (window or cap) else ""
-        what = f"seed {self.seed}, {self._describe()}{options}, {mode.name} step (prefix, extend) = {list(zip(prefix_lens, extend_lens))}"
+        what = f"seed {self.seed}, {self.note}{self._describe()}{options}, {mode.name} step (prefix, extend) = {list(zip(prefix_lens, extend_lens))}"
         blocks = None
         if trees is not None:
             blocks = [tree_block(parents) for parents in trees]
@@ -359,7 +377,8 @@ class _Scenario:
                                  list(extend_lens) + [pad, 0, 0], list(new_slots) + [0] * pad)
             backend.init_extend_metadata_replay(padded, bs)
             extra = self._inputs(pad)
-            out = backend.forward(*(torch.cat([x, e]) for x, e in zip(inputs, extra, strict=True)), self.layer, padded)
+            both = self._as_runner_gives([torch.cat([x, e]) for x, e in zip(inputs, extra, strict=True)])
+            out = backend.forward(*both, self.layer, padded)
         finally:
             twin.table.req_to_token[spare].copy_(saved_row)
             for a, b in zip(self._pool_tensors(self.test, _LAYER_ID), self._pool_tensors(self.ref, _LAYER_ID),
@@ -397,7 +416,7 @@ class _Scenario:
         batch = self._batch(ForwardMode.DECODE, self.test, plan.rows, plan.positions, [1] * len(plan.rows), slots)
         self.test.backend.init_forward_metadata(batch)
         index = torch.tensor(tokens, dtype=torch.int64, device=got.device)
-        err = _rel_err(self._run_test(tuple(x[index] for x in inputs), batch), got[index])
+        err = _rel_err(self._run_test(self._as_runner_gives([x[index] for x in inputs]), batch), got[index])
         assert err < self.tol, (f"{what}: the tree as decode rows over scratch rows {sorted(set(plan.copy_to))} "
                                 f"differs from the backend's tree-mask extend: relative error {err:.2e} >= {self.tol:.0e}")
 
@@ -465,9 +484,10 @@ class _Scenario:
             donors = [j for j, r in enumerate(self.reqs) if r.shares is None and len(r.slots) > 1]
             if donors and rng.random() < 0.4:  # a prefix-cache hit on another request's prefix
                 j = rng.choice(donors)
-                self.add_request(rng.randint(1, len(self.reqs[j].slots)), rng.randint(1, 20), share_from=j)
+                self.add_request(rng.randint(1, len(self.reqs[j].slots)), rng.randint(1, _MAX_PROMPT), share_from=j)
             else:
-                self.add_request(rng.choice([0, rng.randint(1, 70)]), rng.randint(1, 20), share_from=None)
+                self.add_request(rng.choice([0, rng.randint(1, _MAX_PREFIX)]), rng.randint(1, _MAX_PROMPT),
+                                 share_from=None)
         chunk = rng.randint(3, 8)
         while any(r.prompt_left for r in self.reqs):
             # prefill chunks, mixed with requests that add one token (already prefilled, or by chance)
@@ -486,12 +506,64 @@ class _Scenario:
         as_rows = bool(getattr(self.test.backend, "decode_rows_share_requests", False))
         for n in range(steps):
             chosen = rng.sample(range(len(self.reqs)), rng.randint(1, len(self.reqs)))
-            trees = [_random_tree(rng, rng.choice([1, rng.randint(2, 6), rng.randint(7, 20)])) for _ in chosen]
+            trees = [_random_tree(rng, rng.choice([1, rng.randint(2, 6), rng.randint(7, _MAX_TREE)])) for _ in chosen]
             self.step(ForwardMode.EXTEND, [(i, len(t)) for i, t in zip(chosen, trees)], trees=trees,
                       same_as_tree_rows=as_rows and n == 0)
         chosen = rng.sample(range(len(self.reqs)), rng.randint(1, len(self.reqs)))
-        chains = [list(range(-1, rng.randint(1, 9) - 1)) for _ in chosen]
+        chains = [list(range(-1, rng.randint(1, _MAX_CHAIN) - 1)) for _ in chosen]
         self.step(ForwardMode.EXTEND, [(i, len(c)) for i, c in zip(chosen, chains)], trees=chains, same_as_causal=True)
+
+    def run_long(self, positions: Sequence[int], decode_steps: int, tree_steps: int) -> None:
+        """Sequences past `positions` (kernels' tile sizes): per position a request whose cached prefix
+        ends just before it and whose prompt crosses it, beside a fresh prompt past the smallest, all
+        in one EXTEND batch; then DECODE steps of every request (at least one), and with trees one
+        verify (`run_trees(1)`)."""
+        rng = self.rng
+        self.note = f"long scenario past key positions {list(positions)}, "
+        for p in positions:
+            self.add_request(max(0, p - rng.randint(1, 3)), rng.randint(4, 9), share_from=None)
+        self.add_request(0, min(positions) + rng.randint(1, 8), share_from=None)
+        picks = [(i, r.prompt_left) for i, r in enumerate(self.reqs)]
+        rng.shuffle(picks)
+        self.step(ForwardMode.EXTEND, picks)
+        for _ in range(max(1, decode_steps)):
+            order = rng.sample(range(len(self.reqs)), len(self.reqs))
+            self.step(ForwardMode.DECODE, [(i, 1) for i in order])
+        if tree_steps and getattr(self.test.backend, "supports_tree_mask", False):
+            self.run_trees(1)
+
+
+def _fused_views(*parts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Copies of `parts` (same leading dims) as slices of one buffer along the last dim, the way a
+    fused projection's output is split: the last-dim stride is 1, the others are the fused buffer's."""
+    return torch.cat(parts, dim=-1).split([p.shape[-1] for p in parts], dim=-1)
+
+
+def _scenario_sizes(num_requests: int, tokens_per_request: int) -> dict[str, int]:
+    """Pool sizes (`_Scenario`'s rows, context, num_slots) for `num_requests` requests of at most
+    `tokens_per_request` tokens each: the defaults unless more are needed. Rows to spare stay free
+    (scratch rows of tree verifies, the padding row of the extend-graph check)."""
+    return {"rows": max(_ROWS, num_requests + 8), "context": max(_CONTEXT, tokens_per_request),
+            "num_slots": max(_SLOTS, num_requests * tokens_per_request)}
+
+
+def _long_scenario_sizes(positions: Sequence[int], decode_steps: int, tree_steps: int) -> dict[str, int]:
+    """`_scenario_sizes` for `run_long`: a request per position and the fresh prompt."""
+    per_request = max(positions) + 9 + max(1, decode_steps) + (_MAX_TREE + _MAX_CHAIN if tree_steps else 0)
+    return _scenario_sizes(len(positions) + 1, per_request)
+
+
+def _check_long_positions(positions: Sequence[int]) -> None:
+    if any(not isinstance(p, int) or p < 1 for p in positions):
+        raise ValueError(f"long_positions={tuple(positions)!r}: positive integers (or () for no long scenario)")
+
+
+def _check_step_counts(**counts: int) -> None:
+    """ValueError naming an argument out of range: `num_requests` at least 1, the others at least 0."""
+    for name, n in counts.items():
+        low = 1 if name == "num_requests" else 0
+        if not isinstance(n, int) or n < low:
+            raise ValueError(f"{name}={n!r}: an integer >= {low}")
 
 
 def _random_tree(rng: random.Random, n: int) -> list[int]:
@@ -522,6 +594,7 @@ def check_attention_backend(
     kv_dtype: torch.dtype | None = None,
     matmul_precision: str = "highest",
     progress: Callable[[str], None] | None = None,
+    long_positions: Sequence[int] = DEFAULT_LONG_POSITIONS,
 ) -> None:
     """Run `backend` against exact attention; raise AssertionError naming the first difference.
 
@@ -531,6 +604,11 @@ def check_attention_backend(
     :param device, dtype: where and in which dtype the pools and activations live.
     :param heads: (query heads, KV heads, head_dim) triples; the defaults cover GQA, MQA and MHA.
     :param seeds: one random scenario per seed and head shape.
+    :param num_requests: requests per scenario (any number >= 1; the pools grow to fit): their cached
+        prefixes (0 to 70 tokens, some shared) and prompts (1 to 20 tokens, prefilled in chunks of 3 to
+        8) are drawn at random.
+    :param decode_steps: DECODE batches per scenario after the prefills, each over a random subset of
+        the requests in random order (>= 0).
     :param tree_steps: speculative verify forwards with random draft trees per scenario (then one
         with chains as trees), run when the backend sets `supports_tree_mask = True`.
     :param tolerance: the largest relative error (norm of the difference over the norm of the
@@ -550,14 +628,30 @@ def check_attention_backend(
     :param progress: called with one line as each scenario and its trees start (what runs, seconds since the
         call began), e.g. `print`: where a slow backend (kernels compiling per shape) spends the run. Added in
         plugin API 1.11.
+    :param long_positions: key positions one more scenario's sequences cross (common kernel tile sizes;
+        the others stay under about 100 tokens), on the first supported head shape and seed only: per
+        position a request whose cached prefix ends 1 to 3 tokens before it and whose prompt (4 to 9
+        tokens, one extend) crosses it, beside a fresh prompt past the smallest position, all in one
+        EXTEND batch; then `decode_steps` DECODE batches of every request (at least one) and, with
+        `supports_tree_mask`, one tree verify. `()` skips it. Added in plugin API 1.13.
+
+    q, k and v reach the backend as the runner passes them: column slices of one fused qkv buffer
+    (`[num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]`), so their rows are not contiguous;
+    the last dim's stride is 1 (docs/contracts.md, section 3).
 
     A backend whose `supports_extend_cuda_graph()` is True also runs every EXTEND step (trees aside)
     through its extend-graph hooks on the batch the runner would give them (padded, see
     `AttentionBackend.init_extend_metadata_capture`); the real rows must equal the plain step's and
     only slot 0 may take the padding's KV. Added in plugin API 1.10.
     """
+    problem = attention_class_problem(backend) if isinstance(backend, type) else None
+    assert problem is None, problem  # the runner's own check (it refuses such a class before loading)
     if matmul_precision not in ("highest", "medium"):
         raise ValueError(f"matmul_precision={matmul_precision!r}: 'highest' or 'medium'")
+    _check_step_counts(num_requests=num_requests, decode_steps=decode_steps, tree_steps=tree_steps)
+    _check_long_positions(long_positions)
+    per_request = _MAX_PREFIX + _MAX_PROMPT + decode_steps + tree_steps * _MAX_TREE + _MAX_CHAIN
+    sizes = _scenario_sizes(num_requests, per_request)
     default_tol = DEFAULT_TOLERANCE[dtype]
     if matmul_precision == "medium":
         default_tol = max(default_tol, MEDIUM_PRECISION_TOLERANCE)
@@ -569,6 +663,7 @@ def check_attention_backend(
             raise ValueError(f"{backend!r} does not declare supports_bf16_kv_cache; the runner never gives it a bf16 pool")
     dtype_name = str(dtype).removeprefix("torch.")
     checked = 0
+    supported = []  # head shapes the backend takes
     began = time.perf_counter()
 
     def say(what: str) -> None:
@@ -581,9 +676,10 @@ def check_attention_backend(
             raise ValueError(f"heads {shape}: query heads must be a multiple of KV heads")
         if isinstance(backend, type) and not backend.supports(torch.device(device).type, dtype_name, d):
             continue
+        supported.append(shape)
         for seed in seeds:
             scenario = _Scenario(backend, shape, dtype, device, seed, tol, kv_dtype=kv_dtype,
-                                 matmul_precision=matmul_precision)
+                                 matmul_precision=matmul_precision, **sizes)
             say(f"heads {shape} seed {seed}")
             scenario.run(num_requests, decode_steps)
             if tree_steps and getattr(scenario.test.backend, "supports_tree_mask", False):
@@ -592,7 +688,7 @@ def check_attention_backend(
             checked += 1
         for i, (window, cap) in enumerate(layer_options):
             scenario = _Scenario(backend, shape, dtype, device, seeds[0] + 100 + i, tol, kv_dtype=kv_dtype,
-                                 matmul_precision=matmul_precision)
+                                 matmul_precision=matmul_precision, **sizes)
             test = scenario.test.backend
             scenario.layer.sliding_window = window if getattr(test, "supports_sliding_window", False) else None
             scenario.layer.logit_cap = cap if getattr(test, "supports_logit_cap", False) else None
@@ -604,6 +700,12 @@ def check_attention_backend(
             if tree_steps and getattr(test, "supports_tree_mask", False):
                 say(f"{what}: trees")
                 scenario.run_trees(tree_steps)
+    if long_positions and supported:  # one shape and seed: slow kernels (triton's interpreter) pay it once
+        scenario = _Scenario(backend, supported[0], dtype, device, seeds[0], tol, kv_dtype=kv_dtype,
+                             matmul_precision=matmul_precision,
+                             **_long_scenario_sizes(long_positions, decode_steps, tree_steps))
+        say(f"heads {supported[0]} seed {seeds[0]}: past key positions {list(long_positions)}")
+        scenario.run_long(long_positions, decode_steps, tree_steps)
     say("done")
     if not checked:
         raise AssertionError(f"{backend!r}.supports() refused every head shape in {list(heads)} on {device}/{dtype_name}")

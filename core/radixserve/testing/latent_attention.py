@@ -22,13 +22,24 @@ from radixserve.interfaces.attention import AttentionBackend, AttentionRunnerInf
 from radixserve.interfaces.latent_attention import LatentAttentionDims, LatentAttentionLayerSpec
 from radixserve.layers.latent_attention import RadixLatentAttention
 from radixserve.memory import LatentKVPool
+from radixserve.plugins.attention_class import attention_class_problem
 from radixserve.state import ForwardBatch, ForwardMode
 from radixserve.testing._threads import single_threaded
 from radixserve.testing.attention import (
     _LAYER_ID,
+    _MAX_CHAIN,
+    _MAX_PREFIX,
+    _MAX_PROMPT,
+    _MAX_TREE,
     _NUM_LAYERS,
+    DEFAULT_LONG_POSITIONS,
     DEFAULT_TOLERANCE,
+    _check_long_positions,
+    _check_step_counts,
+    _fused_views,
+    _long_scenario_sizes,
     _Scenario,
+    _scenario_sizes,
     _Twin,
     exact_attention_per_request,
 )
@@ -36,6 +47,7 @@ from radixserve.testing.attention import (
 # (num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim): v unlike nope, nope
 # unlike rope, so a backend that mixes them up fails; the first has DeepSeek's proportions, scaled down
 DEFAULT_LATENT_DIMS = ((4, 64, 32, 16, 32), (3, 32, 16, 8, 24))
+_MAX_DECODE_ROWS = 5  # rows of one request in a decode-rows chain verify
 
 
 class ReferenceLatentAttentionBackend(AttentionBackend):
@@ -118,8 +130,14 @@ class _LatentScenario(_Scenario):
 
     def _inputs(self, num_tokens: int) -> tuple[torch.Tensor, ...]:
         h, lora, nope, rope, _ = self.heads
-        return (self._rand(num_tokens, h, nope), self._rand(num_tokens, h, rope), self._rand(num_tokens, lora),
-                self._rand(num_tokens, rope))
+        return self._as_runner_gives((self._rand(num_tokens, h, nope), self._rand(num_tokens, h, rope),
+                                      self._rand(num_tokens, lora), self._rand(num_tokens, rope)))
+
+    def _as_runner_gives(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """As a latent model passes them (DeepSeek's): q_nope and q_pe split per head from one q
+        projection `[T, H, nope + rope]`, c_kv and k_pe split from one `[T, lora + rope]` row."""
+        q_nope, q_pe, c_kv, k_pe = inputs
+        return (*_fused_views(q_nope, q_pe), *_fused_views(c_kv, k_pe))
 
     def _out_width(self) -> int:
         return self.heads[0] * self.heads[4]
@@ -141,7 +159,7 @@ class _LatentScenario(_Scenario):
         rng = self.rng
         for _ in range(steps):
             chosen = rng.sample(range(len(self.reqs)), rng.randint(1, len(self.reqs)))
-            self.step(ForwardMode.DECODE, [(i, rng.randint(1, 5)) for i in chosen], decode_rows=True)
+            self.step(ForwardMode.DECODE, [(i, rng.randint(1, _MAX_DECODE_ROWS)) for i in chosen], decode_rows=True)
 
 
 @single_threaded
@@ -157,6 +175,7 @@ def check_latent_attention_backend(
     tree_steps: int = 3,
     decode_row_steps: int = 2,
     tolerance: float | None = None,
+    long_positions: Sequence[int] = DEFAULT_LONG_POSITIONS,
 ) -> None:
     """Run a latent-attention backend against exact decompressed attention; raise AssertionError
     naming the first difference (the case, the step, the request).
@@ -171,6 +190,8 @@ def check_latent_attention_backend(
         activations live.
     :param dims: (num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim) tuples.
     :param seeds: one random scenario per seed and shape.
+    :param num_requests, decode_steps: requests per scenario (>= 1) and DECODE batches after their
+        prefills (>= 0), as in `check_attention_backend`.
     :param tree_steps: verify forwards with random draft trees per scenario (then one with chains
         as trees, which must equal the backend's own causal extend), when the backend sets
         `supports_tree_mask`.
@@ -178,20 +199,36 @@ def check_latent_attention_backend(
         backend sets `decode_rows_share_requests`.
     :param tolerance: the largest relative error per request and step; default by dtype (fp32
         1e-3, fp16 5e-3, bf16 2e-2).
+    :param long_positions: key positions one more scenario crosses, on the first supported shape and
+        seed, as in `check_attention_backend` (`()` skips it). Added in plugin API 1.13.
+
+    The inputs are laid out as a latent model passes them: `q_nope`, `q_pe` per-head column slices of
+    one `[T, H, nope + rope]` buffer, `c_kv`, `k_pe` column slices of one `[T, lora + rope]` buffer (last
+    dim contiguous, rows not).
 
     Added in plugin API 1.4.
     """
+    problem = attention_class_problem(backend) if isinstance(backend, type) else None
+    assert problem is None, problem
     if isinstance(backend, type) and not getattr(backend, "supports_latent_attention", False):
         raise AssertionError(f"{backend.__name__} does not declare supports_latent_attention = True")
+    _check_step_counts(num_requests=num_requests, decode_steps=decode_steps, tree_steps=tree_steps,
+                      decode_row_steps=decode_row_steps)
+    _check_long_positions(long_positions)
+    per_request = (_MAX_PREFIX + _MAX_PROMPT + decode_steps + tree_steps * _MAX_TREE + _MAX_CHAIN
+                   + _MAX_DECODE_ROWS * decode_row_steps)
+    sizes = _scenario_sizes(num_requests, per_request)
     tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[dtype]
     dtype_name = str(dtype).removeprefix("torch.")
     checked = 0
+    supported = []
     for shape in dims:
         _, lora, _, rope, _ = shape
         if isinstance(backend, type) and not backend.supports(torch.device(device).type, dtype_name, lora + rope):
             continue
+        supported.append(shape)
         for seed in seeds:
-            scenario = _LatentScenario(backend, shape, dtype, device, seed, tol)
+            scenario = _LatentScenario(backend, shape, dtype, device, seed, tol, **sizes)
             scenario.run(num_requests, decode_steps)
             test = scenario.test.backend
             if tree_steps and getattr(test, "supports_tree_mask", False):
@@ -199,5 +236,9 @@ def check_latent_attention_backend(
             if decode_row_steps and getattr(test, "decode_rows_share_requests", False):
                 scenario.run_decode_rows(decode_row_steps)
             checked += 1
+    if long_positions and supported:
+        scenario = _LatentScenario(backend, supported[0], dtype, device, seeds[0], tol,
+                                   **_long_scenario_sizes(long_positions, decode_steps, tree_steps))
+        scenario.run_long(long_positions, decode_steps, tree_steps)
     if not checked:
         raise AssertionError(f"{backend!r}.supports() refused every latent shape in {list(dims)} on {device}/{dtype_name}")

@@ -1,0 +1,114 @@
+"""Command-line configuration edge cases from the operator audit (audit28/cli.md): empty API keys,
+where $RADIXSERVE_API_KEY sits in the precedence chain, and friends."""
+
+from __future__ import annotations
+
+import pytest
+from radixserve.cli import main, make_parser, parse_command_line
+from radixserve.cli_serve import serve_config
+from radixserve.config import Config, ConfigError, parse_dotted_overrides
+
+
+def _serve_config(argv: list[str]):
+    return serve_config(parse_command_line(make_parser(), ["serve", *argv]))
+
+
+@pytest.mark.parametrize("source", ["override", "yaml"])
+def test_an_empty_api_key_in_the_config_is_refused_like_the_flag(tmp_path, monkeypatch, capsys, source):
+    # "" would turn authentication off while the ready line says "(API key required)"
+    monkeypatch.delenv("RADIXSERVE_API_KEY", raising=False)
+    f = tmp_path / "k.yaml"
+    f.write_text("server:\n  api_key: ''\n")
+    argv = ["--config", str(f)] if source == "yaml" else ["server.api_key=''"]
+    with pytest.raises(ConfigError, match="server.api_key.*empty"):  # serve's config (not started: no hang)
+        _serve_config(argv)
+    assert main(["config", "show", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "server.api_key" in err and "empty" in err, err
+    with pytest.raises(ConfigError, match="server.api_key"):
+        Config.load(None, parse_dotted_overrides(["server.api_key='  '"]))
+
+
+def test_an_empty_environment_key_is_refused_where_it_would_apply(monkeypatch, capsys):
+    monkeypatch.setenv("RADIXSERVE_API_KEY", "")
+    with pytest.raises(ConfigError, match="RADIXSERVE_API_KEY is set but empty"):
+        _serve_config([])
+    assert main(["config", "show"]) == 2
+    assert "RADIXSERVE_API_KEY is set but empty" in capsys.readouterr().err
+    assert _serve_config(["--api-key", "k1"]).server.api_key == "k1"  # not used: nothing to refuse
+
+
+def test_the_environment_key_is_a_default_under_yaml_overrides_and_flags(tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXSERVE_API_KEY", "envkey")
+    f = tmp_path / "k.yaml"
+    f.write_text("server:\n  api_key: yamlkey\n")
+    assert _serve_config([]).server.api_key == "envkey"
+    assert _serve_config(["--config", str(f)]).server.api_key == "yamlkey"
+    assert _serve_config(["--config", str(f), "server.api_key=ovrkey"]).server.api_key == "ovrkey"
+    assert _serve_config(["server.api_key=ovrkey"]).server.api_key == "ovrkey"
+    assert _serve_config(["--config", str(f), "server.api_key=ovrkey", "--api-key", "flagkey"]).server.api_key == "flagkey"
+
+
+def test_serve_reports_a_value_the_scheduler_refuses_as_one_line_with_exit_2(tiny_llama_dir):
+    """A bad value only the scheduler process detects at start-up (the model's maximum context): exit 2
+    and `radixserve: error: ...`, as `generate` gives, carried by ChildFailed.user_error."""
+    from plugin_fixtures import run_cli
+    from server_process import with_tiny_tokenizer
+
+    model = with_tiny_tokenizer(tiny_llama_dir("llama"))
+    r = run_cli(["serve", "--model", model, "--port", "0", "model.context_length=100000", "runtime.num_threads=1"])
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "context_length" in line]
+    assert len(errors) == 1 and errors[0].startswith("radixserve: error: "), r.stderr
+    assert "Traceback" not in r.stderr and "process failed" not in r.stderr, r.stderr
+
+
+def test_a_cross_field_error_names_the_fields_not_the_whole_section():
+    with pytest.raises(ConfigError) as e:
+        Config.load(None, {"runtime": {"nnodes": 2, "dist_init_addr": "h:1"}})
+    assert "runtime.tp_size=1 must be a multiple of runtime.nnodes=2" in str(e.value)
+    assert "'device'" not in str(e.value) and "{" not in str(e.value)
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1:99999", "127.0.0.1:0", "h:65536"])
+def test_a_rendezvous_port_out_of_range_is_refused(addr):
+    with pytest.raises(ConfigError, match="the port must be 1-65535"):
+        Config.load(None, {"runtime": {"dist_init_addr": addr}})
+    assert Config.load(None, {"runtime": {"dist_init_addr": "h:65535"}}).runtime.dist_init_addr == "h:65535"
+
+
+def test_serve_refuses_tp_size_and_points_to_tp(capsys):
+    # docs/configuration.md lists --tp-size among the refused vLLM/SGLang flags, as config show and bench refuse it
+    with pytest.raises(SystemExit) as e:
+        parse_command_line(make_parser(), ["serve", "--tp-size", "2"])
+    assert e.value.code == 2
+    assert "--tp-size (vLLM/SGLang) -> --tp N (runtime.tp_size)" in capsys.readouterr().err
+    assert _serve_config(["--tp", "2"]).runtime.tp_size == 2
+
+
+def test_a_repeated_yaml_key_or_section_is_an_error_naming_it_and_the_lines(tmp_path):
+    f = tmp_path / "dup.yaml"
+    f.write_text("stack:\n  policy: lpm\n  prefix_cache: chunk\nstack:\n  policy: fcfs\n")
+    with pytest.raises(ConfigError, match=r"key 'stack' is given twice \(lines 1 and 4\)"):
+        Config.load(f)
+    f.write_text("scheduler:\n  max_running_requests: 8\n  max_running_requests: 9\n")
+    with pytest.raises(ConfigError, match=r"'max_running_requests' is given twice \(lines 2 and 3\)"):
+        Config.load(f)
+    f.write_text("stack: &s {policy: lpm}\nspeculative:\n  options: {a: 1}\n")  # anchors etc. still load
+    assert Config.load(f).stack.policy == "lpm"
+
+
+def test_an_allow_list_entry_naming_no_plugin_is_reported(caplog, monkeypatch):
+    from radixserve.plugins.registry import Registry
+
+    monkeypatch.setenv("RADIXSERVE_PLUGINS", "radix,policies,llama,no_such_plugin_xyz")
+    with caplog.at_level("WARNING", logger="radixserve.plugins.registry"):
+        Registry.discover()
+    text = caplog.text
+    assert "RADIXSERVE_PLUGINS names 'no_such_plugin_xyz', which is no installed plugin: nothing is loaded by it" in text
+    assert "'radix'" not in text and "'core'" not in text, text
+
+
+def test_p_no_without_a_name_is_an_error(capsys):
+    assert main(["config", "show", "-p", "no:"]) == 2
+    assert "the plugin name is missing" in capsys.readouterr().err
