@@ -11,6 +11,7 @@ import torch
 from radixserve import native
 from radixserve.config import Config
 from radixserve.interfaces import AttentionRunnerInfo, LatentAttentionDims
+from radixserve.interfaces.model import head_dim_of
 from radixserve.interfaces.target_states import HiddenRows, TargetStates
 from radixserve.layers import lowbit_gemv
 from radixserve.layers.attention import check_backend_supports_layers
@@ -29,7 +30,7 @@ from radixserve.memory import (
 from radixserve.memory.fp8_kv import FP8_KV_DTYPE, KV_CACHE_DTYPES, KVScaleCollector
 from radixserve.model_loader import load_model
 from radixserve.model_loader.sources import open_checkpoint
-from radixserve.plugins.attention_class import check_attention_class, head_dim_before_loading, hf_head_dim
+from radixserve.plugins.attention_class import check_attention_class, head_dim_before_loading
 from radixserve.plugins.registry import Registry
 from radixserve.plugins.stack import check_backend_attention_type, resolve_stack
 from radixserve.sampling import SampleOutput, Sampler, SamplingBatch
@@ -194,7 +195,7 @@ class ModelRunner:
             layers, heads, kv_heads, head_dim = dims
         else:
             c = self.hf_config
-            head_dim = hf_head_dim(c)
+            head_dim = head_dim_of(c)
             kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
             layers, heads = c.num_hidden_layers, c.num_attention_heads
         tp = self.tp_group.size

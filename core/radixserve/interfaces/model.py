@@ -16,6 +16,12 @@ if TYPE_CHECKING:
     from radixserve.state import ForwardBatch
 
 
+
+def head_dim_of(config) -> int:
+    """The attention head size of an HF config: `head_dim`, or `hidden_size // num_attention_heads`
+    where the config has none. Added in plugin API 1.4 (`radixserve.layers.decoder_blocks.head_dim_of`)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
 class Model(nn.Module, abc.ABC):
     """A causal LM, registered under its HF `architectures` name (e.g. "LlamaForCausalLM").
 

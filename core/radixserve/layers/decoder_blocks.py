@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from radixserve.interfaces.model import head_dim_of  # re-exported here, where plugin API 1.4 added it
 from radixserve.interfaces.quantization import QuantMethod
 from radixserve.layers import triton_gemv
 from radixserve.layers.activation import SiluAndMul
@@ -22,12 +23,6 @@ from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLine
 from radixserve.layers.norm_gemv import norm_linear, norm_linear_fusable
 from radixserve.layers.rotary import get_rope
 from radixserve.state import ForwardBatch
-
-
-def head_dim_of(config) -> int:
-    """The attention head size of an HF config: `head_dim`, or `hidden_size // num_attention_heads`
-    where the config has none. Added in plugin API 1.4."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def check_silu(config, family: str) -> None:

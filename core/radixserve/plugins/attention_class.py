@@ -42,20 +42,15 @@ def check_attention_class(cls: type, name: str, device: str, dtype: str, head_di
                           f"(its supports() refuses them); choose another with stack.attention")
 
 
-def hf_head_dim(hf_config) -> int:
-    """The head size an HF config gives (`head_dim`, else `hidden_size // num_attention_heads`)."""
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-
-
 def head_dim_before_loading(model_cls: type, hf_config, attention_type: str) -> int | None:
     """The `head_dim` the runner will ask `supports()` about, where the HF config alone gives it: a
     standard-attention model keeping the base `Model.attention_dims` (None otherwise: the model
     decides once built, and the runner checks then)."""
-    from radixserve.interfaces.model import Model
+    from radixserve.interfaces.model import Model, head_dim_of
 
     if attention_type != "standard" or getattr(model_cls, "attention_dims", None) is not Model.attention_dims:
         return None
     try:
-        return int(hf_head_dim(hf_config))
+        return int(head_dim_of(hf_config))
     except (AttributeError, TypeError, ZeroDivisionError):  # a config without the fields: the model decides
         return None

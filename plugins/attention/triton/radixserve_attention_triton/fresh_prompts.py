@@ -29,6 +29,7 @@ FRESH_PROMPT_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_A
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)  # what the flash varlen kernel takes
 
 
+@functools.lru_cache(maxsize=64)  # asked once per layer per batch: the answer depends on the layer's shape only
 def causal_keywords(signature: inspect.Signature, gqa: bool, scale: float, head_dim: int) -> dict[str, Any] | None:
     """The keywords that make `varlen_attn` causal, grouped-query and scaled by `scale` for the
     installed torch, or None when this signature cannot express the call.
