@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 from plugin_fixtures import run_cli
 from pydantic import ValidationError
 from radixserve.config import Config, ConfigError, parse_dotted_overrides
@@ -132,6 +133,17 @@ def test_config_show_says_which_implementation_runs_a_checkpoint(tmp_path):
     ckpt = tiny_checkpoint("llama", tmp_path / "tiny")
     r = run_cli(["config", "show", "--model", str(ckpt)])
     assert r.returncode == 0, r.stderr
-    assert "native plugin 'llama'" in r.stdout.splitlines()[-1], r.stdout
+    shown = yaml.safe_load(r.stdout)  # one YAML document: the implementation has its own key beside `model:`
+    assert "native plugin 'llama'" in shown["model_implementation"], r.stdout
+    assert shown["model"]["path"] == str(ckpt)
     forced = run_cli(["config", "show", "--model", str(ckpt), "model.impl=transformers"])
-    assert "transformers fallback" in forced.stdout.splitlines()[-1], forced.stdout + forced.stderr
+    assert "transformers fallback" in yaml.safe_load(forced.stdout)["model_implementation"], forced.stdout + forced.stderr
+
+
+def test_config_show_lists_the_plugins_it_skipped_and_why():
+    """plugins.disable is visible in the YAML; RADIXSERVE_DISABLE_PLUGINS was not, so an operator could not see
+    from `config show` why a component was missing."""
+    r = run_cli(["config", "show", "-p", "no:ngram"], env={"RADIXSERVE_DISABLE_PLUGINS": "llguidance"})
+    assert r.returncode == 0, r.stderr
+    skipped = yaml.safe_load(r.stdout)["skipped_plugins"]
+    assert skipped == {"llguidance": "RADIXSERVE_DISABLE_PLUGINS", "ngram": "plugins.disable"}, r.stdout

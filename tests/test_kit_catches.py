@@ -321,3 +321,17 @@ def test_the_attention_kit_refuses_what_the_runner_could_not_build():
 
     with pytest.raises(AssertionError, match="is abstract: it does not implement forward_decode"):
         check_attention_backend(NoDecode, **SHORT)
+
+
+def test_an_attention_kit_failure_names_the_token_and_head_that_differ():
+    """A kernel author reads which new token, position and query head to look at, not only an error norm."""
+
+    class LastHeadWrong(ReferenceAttentionBackend):
+        def attend64(self, q, k, v, layer, batch):
+            out = super().attend64(q, k, v, layer, batch).reshape(q.shape[0], layer.num_heads, -1)
+            out[:, layer.num_heads - 1] += 1.0
+            return out.reshape(q.shape[0], -1)
+
+    with pytest.raises(AssertionError, match=r"largest difference at new token \d+ \(position \d+\), query head 1, "
+                                             r"column \d+: got .*, exact "):
+        check_attention_backend(LastHeadWrong, **SMALL)

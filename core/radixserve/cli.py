@@ -157,8 +157,13 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         if kind == "drafter" and resolved.drafter_options:
             print(f"  drafter_options: {resolved.drafter_options}  # speculative.options")
     _show_output_parsers(config, reg)
-    if checkpoint is not None:  # which implementation would run it (reads only the config)
-        print(f"model: {config.model.path}  # {checkpoint.choice.describe()}")
+    if reg.skipped:  # plugins.disable is in the YAML above; the environment's lists are not
+        print("skipped_plugins:  # installed, not loaded")
+        for plugin, (dist, why) in sorted(reg.skipped.items()):
+            print(f"  {plugin}: {json.dumps(why)}  # {dist}")
+    if checkpoint is not None:  # which implementation would run it (reads only the config); its own key, so the
+        # output stays one YAML document (the config above already has `model:`)
+        print(f"model_implementation: {json.dumps(checkpoint.choice.describe())}")
     return 0
 
 

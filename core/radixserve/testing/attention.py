@@ -335,7 +335,8 @@ class _Scenario:
             err = _rel_err(got[start : start + n], want[start : start + n])
             assert err < self.tol, (
                 f"{what}: batch row {row} (the scenario's request {i}; prefix {p}, {n} new tokens) differs from "
-                f"exact attention: relative error {err:.2e} >= {self.tol:.0e}"
+                f"exact attention: relative error {err:.2e} >= {self.tol:.0e}; "
+                + _where_worst(got[start : start + n], want[start : start + n], self.heads[0], first_position=p)
             )
             start += n
         self._assert_pools_equal(f"{what}: KV pool differs from the reference after the step (new K/V must land "
@@ -571,6 +572,19 @@ def _random_tree(rng: random.Random, n: int) -> list[int]:
     hangs below an earlier one (bushy or deep at random)."""
     bushy = rng.random() < 0.5
     return [-1] + [rng.randrange(j) if bushy else rng.randint(max(0, j - 2), j - 1) for j in range(1, n)]
+
+
+def _where_worst(got: torch.Tensor, want: torch.Tensor, num_heads: int, first_position: int) -> str:
+    """Where one request's output differs most from exact attention: its new token (and that token's
+    position), its query head and the two values, so a kernel author knows which tile to look at."""
+    diff = (got.double() - want.double()).abs().reshape(got.shape[0], num_heads, -1)
+    flat = int(diff.argmax())
+    token, rest = divmod(flat, diff.shape[1] * diff.shape[2])
+    head, col = divmod(rest, diff.shape[2])
+    g = got.reshape(diff.shape)[token, head, col].item()
+    w = want.reshape(diff.shape)[token, head, col].item()
+    return (f"largest difference at new token {token} (position {first_position + token}), query head {head}, "
+            f"column {col}: got {g:.4g}, exact {w:.4g}")
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
