@@ -4,6 +4,7 @@ scheduler INFO lines and no weight-loading progress bar."""
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import textwrap
@@ -37,7 +38,28 @@ def test_child_logs_at_the_servers_level(process, label):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "an info line" not in proc.stderr
-    assert f"{label} WARNING a warning line" in proc.stderr
+    assert f" {label} WARNING radixserve.runtime.scheduler_process: a warning line" in proc.stderr
+
+
+def test_every_process_writes_one_line_format_with_its_label():
+    """A replica's runtime children carry its prefix (they said only "scheduler" under --dp), and the server,
+    the router and the children share one timestamp format (they mixed HH:MM:SS with dates)."""
+    code = textwrap.dedent("""
+        import logging
+        from radixserve.runtime.child import ChildSpec, setup_logging
+        from radixserve.runtime.ipc import PortArgs
+        spec = ChildSpec(process="detokenizer", config={}, ports=PortArgs("", "", "", ""), parent_pid=0,
+                         tokenizer_path="", sys_path=[], log_prefix="[replica 1] ")
+        setup_logging(spec)
+        logging.getLogger("radixserve.runtime.detokenizer").info("hello")
+    """)
+    child_line = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stderr
+    server = "from radixserve.server.launch import setup_logging; import logging; setup_logging('info', 'router'); " \
+             "logging.getLogger('radixserve.router').info('hello')"
+    server_line = subprocess.run([sys.executable, "-c", server], capture_output=True, text=True, timeout=60).stderr
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
+    assert re.fullmatch(stamp + r" \[replica 1\] detokenizer INFO radixserve.runtime.detokenizer: hello\n", child_line)
+    assert re.fullmatch(stamp + r" router INFO radixserve.router: hello\n", server_line)
 
 
 @pytest.mark.parametrize("level, progress", [("warning", False), ("info", True)])

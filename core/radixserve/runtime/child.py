@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from radixserve.logs import configure_logging
 from radixserve.runtime.ipc import PortArgs
 
 if TYPE_CHECKING:  # asyncio (and ssl with it, ~9 MB resident) is the parent's: the detokenizer has no event loop
@@ -48,6 +49,7 @@ class ChildSpec:
     sys_path: list[str]  # the parent's import path: plugins on it resolve the same in the child
     tp_rank: int = 0  # tensor parallelism: this process's rank ("tp_worker": > 0; "scheduler": 0)
     dist_init_addr: str = ""  # host:port of the TP rendezvous (rank 0 serves it); "" when tp_size == 1
+    log_prefix: str = ""  # before the process's label in its log lines (a data-parallel replica's "[replica I] ")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -70,7 +72,7 @@ def setup_logging(spec: ChildSpec) -> None:
     """The child's root logger, before its entry point (whose own basicConfig is then a no-op):
     the parent's level, and every line says which process wrote it."""
     label = f"tp{spec.tp_rank}" if spec.process == "tp_worker" else spec.process
-    logging.basicConfig(level=log_level(spec.config), format=f"%(asctime)s {label} %(levelname)s %(message)s")
+    configure_logging(log_level(spec.config), spec.log_prefix + label)
 
 
 def _run_scheduler(spec: ChildSpec) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from radixserve.errors import traceback_worth_showing
 from radixserve.heap import release_free_heap
+from radixserve.logs import configure_logging
 from radixserve.runtime.child import log_level
 from radixserve.runtime.ipc import PortArgs, install_parent_watchdog
 from radixserve.runtime.messages import (
@@ -206,7 +207,7 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int, d
 
     install_parent_watchdog(parent_pid)
     level = log_level(config_dict)
-    logging.basicConfig(level=level, format="%(asctime)s scheduler %(levelname)s %(message)s")
+    configure_logging(level, "scheduler")  # a no-op when spawned as a child (child.setup_logging ran first)
     config = Config.build(config_dict)
     try:
         import torch

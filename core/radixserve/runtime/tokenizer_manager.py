@@ -166,15 +166,17 @@ class TokenizerManager:
     All methods must be called from the event loop that ran `start()`.
     """
 
-    def __init__(self, config: Config, registry: Registry | None = None) -> None:
+    def __init__(self, config: Config, registry: Registry | None = None, log_prefix: str = "") -> None:
         """`registry`: this process's plugin registry (None: built from `config`). The stack is
-        checked here, before any file is read; the scheduler process builds its own from `config`."""
+        checked here, before any file is read; the scheduler process builds its own from `config`.
+        `log_prefix`: put before the children's log labels (a data-parallel replica's "[replica I] ")."""
         if config.runtime.dp_size > 1:  # one engine is one replica; replicas sit behind the router
             raise ConfigError(
                 f"runtime.dp_size={config.runtime.dp_size}: data parallelism is served by "
                 "`radixserve serve --dp N` (a router in front of N engines); one engine runs with dp_size 1"
             )
         self.config = config
+        self.log_prefix = log_prefix
         self.registry = registry if registry is not None else Registry.from_config(config)
         self.stack = resolve_stack(config, self.registry, config.runtime.resolved_device())
         self.model_path = resolve_model_path(config.model.path)
@@ -251,6 +253,7 @@ class TokenizerManager:
             sys_path=list(sys.path),
             tp_rank=rank,
             dist_init_addr=addr,
+            log_prefix=self.log_prefix,
         )
         self._procs[name] = proc = spawn_child(spec)
         self._unwatch[name] = watch_exit(loop, proc, functools.partial(self._on_child_exit, name))

@@ -10,6 +10,8 @@ import time
 import torch
 
 from radixserve.errors import traceback_worth_showing
+from radixserve.logs import configure_logging
+from radixserve.runtime.child import log_level
 from radixserve.tensor_parallel import follow
 
 logger = logging.getLogger(__name__)
@@ -36,7 +38,7 @@ def run_tp_worker_process(config_dict: dict, rank: int, dist_init_addr: str, par
     from radixserve.runtime.ipc import install_parent_watchdog
 
     install_parent_watchdog(parent_pid)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(message)s")
+    configure_logging(log_level(config_dict), f"tp{rank}")  # a no-op when spawned as a child
     config = Config.build(config_dict)
     if config.runtime.num_threads:
         torch.set_num_threads(config.runtime.num_threads)

@@ -23,6 +23,7 @@ from typing import Any, NoReturn, TypeVar
 import uvicorn
 
 from radixserve.config import Config
+from radixserve.logs import configure_logging
 
 logger = logging.getLogger("radixserve.server")
 T = TypeVar("T")
@@ -140,25 +141,22 @@ def bind_error_message(host: str, port: int, e: OSError) -> str:
     return f"cannot listen on {host}:{port}: {e.strerror or e}" + (f" ({hint})" if hint else "")
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+def setup_logging(level: str, label: str = "server") -> None:
+    configure_logging(level, label)
 
 
-def run_server(config: Config, registry: Any = None, uds: str | None = None) -> int:
+def run_server(config: Config, registry: Any = None, uds: str | None = None, log_prefix: str = "") -> int:
     """`registry`: this process's plugin registry (None: built from `config`). `uds`: serve on this
-    unix socket instead of host:port (a data-parallel replica). With runtime.dp_size > 1 this runs
-    the router and its replicas instead (server/router/launch.py)."""
+    unix socket instead of host:port (a data-parallel replica). `log_prefix`: put before the label of
+    this process's log lines and its children's (a replica's "[replica I] "). With runtime.dp_size > 1
+    this runs the router and its replicas instead (server/router/launch.py)."""
     if config.runtime.dp_size > 1:
         from radixserve.server.router.launch import run_router
 
         return run_router(config)
-    setup_logging(config.server.log_level)
+    setup_logging(config.server.log_level, f"{log_prefix}server")
     try:
-        return run_event_loop(_serve(config, registry, uds))
+        return run_event_loop(_serve(config, registry, uds, log_prefix))
     except KeyboardInterrupt:
         return 130
 
@@ -175,12 +173,12 @@ def end_process(code: int) -> NoReturn:
     os._exit(code)
 
 
-async def _start_runtime(config: Config, registry: Any) -> tuple[Any, int]:
+async def _start_runtime(config: Config, registry: Any, log_prefix: str) -> tuple[Any, int]:
     """A started TokenizerManager, or (None, exit code). SIGINT/SIGTERM abort a slow start."""
     from radixserve.runtime.tokenizer_manager import TokenizerManager
 
     try:
-        tm = TokenizerManager(config, registry)
+        tm = TokenizerManager(config, registry, log_prefix=log_prefix)
     except FileNotFoundError as e:  # a bad --model: the CLI's one-line form, as every other bad value gets
         print(f"radixserve: error: {e}", file=sys.stderr)
         return None, 2
@@ -205,7 +203,7 @@ async def _start_runtime(config: Config, registry: Any) -> tuple[Any, int]:
             return None, 1
 
 
-async def _serve(config: Config, registry: Any, uds: str | None = None) -> int:
+async def _serve(config: Config, registry: Any, uds: str | None = None, log_prefix: str = "") -> int:
     from radixserve.server.app import create_app
 
     sock = None
@@ -213,7 +211,7 @@ async def _serve(config: Config, registry: Any, uds: str | None = None) -> int:
         sock = listen_socket(config)
         if sock is None:
             return 2
-    tm, code = await _start_runtime(config, registry)
+    tm, code = await _start_runtime(config, registry, log_prefix)
     if tm is None:
         if sock is not None:
             sock.close()

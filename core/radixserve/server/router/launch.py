@@ -35,7 +35,7 @@ logger = logging.getLogger("radixserve.router")
 
 
 def run_router(config: Config) -> int:
-    setup_logging(config.server.log_level)
+    setup_logging(config.server.log_level, "router")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per forwarded request otherwise
     try:
         return run_event_loop(_route(config))

@@ -7,7 +7,6 @@ server's graceful shutdown (exit 0); the replica exits by itself if the router d
 from __future__ import annotations
 
 import json
-import logging
 import sys
 
 
@@ -21,14 +20,9 @@ def main() -> None:
     from radixserve.server.launch import end_process, run_server
 
     config = Config.build(spec["config"])
-    # before run_server's own basicConfig (then a no-op): every line says which replica wrote it
-    logging.basicConfig(
-        level=getattr(logging, config.server.log_level.upper()),
-        format=f"%(asctime)s %(levelname)s [replica {spec['index']}] %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
     install_parent_watchdog(spec["parent_pid"])
-    end_process(run_server(config, uds=spec["socket_path"]))
+    # every line of this replica and of its runtime children says which replica wrote it
+    end_process(run_server(config, uds=spec["socket_path"], log_prefix=f"[replica {spec['index']}] "))
 
 
 if __name__ == "__main__":
