@@ -14,6 +14,7 @@
 # Warm-up: each server first serves 16 requests of other random prompts (another seed).
 # PAIRS=N (default 1) runs N pairs, ours then the peer's each time, one table row per server and pair, and the
 # median of the pairs' ratios: identical runs of one side move by several percent minutes apart.
+# KEEP_LOGS=DIR copies both servers' logs there (vLLM's start-up lines say its threads, dtype and KV space).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_MD=${1:-benchmarks/results/cpu-served-vs-vllm.md}
@@ -114,4 +115,7 @@ if not os.path.exists(out_md):
 open(out_md, "a").write(text)
 print(text)
 PY
+if [ -n "${KEEP_LOGS:-}" ]; then  # the servers' own logs (vLLM's start-up lines say its threads and KV space)
+  mkdir -p "$KEEP_LOGS" && cp "$TMP"/*.log "$KEEP_LOGS"/ && echo "server logs in $KEEP_LOGS"
+fi
 rm -rf "$TMP"
