@@ -365,6 +365,78 @@ def test_graph_metadata_is_refreshed_in_place():
     assert_close(out, reference(long), dtype)
 
 
+def test_decode_work_list_plans_each_requests_splits_within_the_bound():
+    """The work list holds every (request, split) item in request order, then `bs` (no work), and never
+    more items than work_items_bound, however skewed the lengths (one long request among short ones)."""
+    from radixserve.layers.kv_splits import compute_num_kv_splits
+    from radixserve_attention_triton.decode_work import DecodeWork, plan_decode_work, work_items_bound
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        bs = int(torch.randint(1, 40, (1,), generator=gen))
+        seqs = torch.randint(0, 300, (bs,), generator=gen)
+        if trial % 3 == 0:
+            seqs[0] = 50_000  # one long request
+        kvh, target, max_splits, min_tokens = (1, 2, 4, 8)[trial % 4], (8, 64, 528)[trial % 3], 32, (1, 16)[trial % 2]
+        splits = torch.empty(bs, dtype=torch.int32)
+        compute_num_kv_splits(seqs, splits, kvh, max_splits, min_tokens, target_programs=target)
+        items = work_items_bound(bs, kvh, target)
+        assert int(splits.sum()) <= items, (bs, seqs.tolist(), splits.tolist())
+        work = DecodeWork.allocate(bs, items, torch.device("cpu"))
+        plan_decode_work(splits, work)
+        expect = [b for b, n in enumerate(splits.tolist()) for _ in range(n)]
+        assert work.request.tolist() == expect + [bs] * (items - len(expect))
+        for item, b in enumerate(expect):
+            assert 0 <= item - int(work.split_start[b]) < int(splits[b])
+
+
+@pytest.mark.parametrize("seq_lens", [[9, 300, 41, 17, 130, 5, 64, 2, 88, 33, 200, 1, 70, 45, 160, 12]])
+def test_decode_through_the_work_list_matches_the_plain_grid(seq_lens):
+    """Same split counts, same partials: the work list's grid only drops the programs that had no work."""
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    kwargs = {} if ON_GPU else {"min_split_tokens": 16, "max_kv_splits": 8, "sm_count": 8}
+    outs = []
+    for work_list in (False, True):
+        p = make_problem([s - 1 for s in seq_lens], [1] * len(seq_lens), 4, 2, 64, dtype, ForwardMode.DECODE,
+                         seed=11, decode_work_list=work_list, **kwargs)
+        outs.append(run(p))
+        work = p.batch.attn_metadata.work
+        assert (work is not None) == work_list
+        if work_list:
+            assert max(p.batch.attn_metadata.num_kv_splits.tolist()) > 1  # split requests go through the list
+            assert work.request.shape[0] < len(seq_lens) * p.backend.max_kv_splits
+        assert_close(outs[-1], reference(p), dtype)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_decode_work_list_graph_buffers_are_views_refreshed_in_place():
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    opts = dict(decode_work_list=True, min_split_tokens=16, max_kv_splits=8, sm_count=2)
+    short = make_problem([3] * 12, [1] * 12, 4, 2, 64, dtype, ForwardMode.DECODE, seed=5, **opts)
+    b = short.backend
+    b.init_graph_state(max_bs=16)
+    b.init_forward_metadata_capture(short.batch)
+    static = short.batch.attn_metadata.work
+    assert static is not None and static.request.data_ptr() == b._graph_work.request.data_ptr()
+    long = make_problem([20, 90, 7, 33, 150, 2, 64, 11, 40, 5, 77, 19], [1] * 12, 4, 2, 64, dtype,
+                        ForwardMode.DECODE, seed=6, **opts)
+    long.backend, long.batch.attn_backend = b, b
+    b.kv_pool, b.req_to_token_pool = long.batch.kv_pool, long.batch.req_to_token_pool
+    b.init_forward_metadata_replay(long.batch, real_bs=12)
+    assert long.batch.attn_metadata.work.request.data_ptr() == static.request.data_ptr()
+    out = b.forward(long.q, long.k_new, long.v_new, long.layer, long.batch)
+    assert_close(out, reference(long), dtype)
+    assert max(long.batch.attn_metadata.num_kv_splits.tolist()) > 1
+
+
+def test_batch_one_keeps_the_plain_grid():
+    from radixserve_attention_triton.decode_work import worth_a_work_list
+
+    assert not worth_a_work_list(1, 32, 8, 132 * 4)
+    assert not worth_a_work_list(8, 32, 8, 132 * 4)
+    assert worth_a_work_list(320, 32, 8, 132 * 4)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 def test_cuda_graph_capture_and_replay_with_new_lengths():
     dtype = torch.bfloat16

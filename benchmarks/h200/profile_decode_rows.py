@@ -9,7 +9,8 @@ For each backend: one runner (dummy bf16 weights, eager: no CUDA graphs, so each
 3-8 and, under torch's profiler, two more steps' device time split by kind (`profile_prefill.kernel_kind`) and
 their top kernels. The same kinds on both backends say whether the distance is the attention kernel's or the
 rest's. One JSON line per backend; profile_decode_rows.json under --out. `--device cpu` with a tiny checkpoint
-checks the script itself (CPU op times then)."""
+checks the script itself (CPU op times then). `triton:work-list` in --attention: the triton backend with
+its split kernel's work list (`decode_work_list`)."""
 
 from __future__ import annotations
 
@@ -42,9 +43,16 @@ def _runner(args: argparse.Namespace, attention: str):
 
 
 def profile_backend(args: argparse.Namespace, attention: str, vocab: int) -> dict:
+    """One row; `attention` is a stack name, or `triton:work-list` for the triton backend with its split
+    kernel's work list on (`decode_work_list`: one program per planned split instead of 32 a request)."""
     from radixserve.static_batch import StaticBatch
 
-    runner = _runner(args, attention)
+    name, _, variant = attention.partition(":")
+    runner = _runner(args, name)
+    if variant == "work-list":
+        runner.attn_backend.decode_work_list = True
+    elif variant:
+        raise ValueError(f"unknown variant {variant!r} of {name} (known: work-list)")
     rng = random.Random(7)
     prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.context)] for _ in range(args.rows)]
     chunk = max(1, args.chunk_tokens // args.rows)

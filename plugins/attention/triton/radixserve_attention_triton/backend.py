@@ -27,6 +27,7 @@ from radixserve_attention_triton.decode_kernel import (
     decode_merge_pdl,
     decode_pdl,
 )
+from radixserve_attention_triton.decode_work import DecodeWork, plan_decode_work, work_items_bound, worth_a_work_list
 from radixserve_attention_triton.extend_kernel import (
     ExtendConfig,
     ExtendWork,
@@ -67,7 +68,12 @@ class ExtendMetadata:
     fresh_cu_seqlens: torch.Tensor | None = None
 
 
-DecodeMetadata = SplitKVDecodeMetadata  # mid_o: float32 [bs, H, max_kv_splits, head_dim]
+@dataclass
+class DecodeMetadata(SplitKVDecodeMetadata):
+    """mid_o: float32 [bs, H, max_kv_splits, head_dim]; `work`: the split kernel's work list when the
+    backend uses one for this batch size (`decode_work_list`), planned with the split counts."""
+
+    work: DecodeWork | None = None
 
 
 def _max_batch_size(info: Any) -> int:
@@ -94,7 +100,9 @@ class TritonAttentionBackend(AttentionBackend):
     `scaled_dot_product_attention` per request (`fresh_prompts`); every other extend batch runs the
     Triton kernel. Decode (batch-1 latency, each saving launches
     per layer): `fuse_rotary_store` (default True) applies rotary to q and k in the kernel that
-    stores k, v into the pool (`forward_decode_rotary`, when the pool has q's dtype).
+    stores k, v into the pool (`forward_decode_rotary`, when the pool has q's dtype). `decode_work_list`
+    (default False until measured on a GPU): at batch sizes where it is at most a quarter of the plain grid,
+    the split kernel runs one program per planned (request, split) item (`decode_work.py`).
     CUDA graphs: decode batches (`init_graph_state` ...) and extend batches (`init_extend_graph_state`
     ...: a fixed-size work table of the extend kernel, refreshed from the host lengths before each
     replay; such batches never take the SDPA path).
@@ -127,6 +135,7 @@ class TritonAttentionBackend(AttentionBackend):
         prefill_varlen: bool = True,
         sdpa_max_requests: int = 64,
         fuse_rotary_store: bool = True,
+        decode_work_list: bool = False,
     ) -> None:
         self.device = torch.device(runner_info.device)
         dtype = runner_info.dtype
@@ -158,6 +167,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._graph: DecodeMetadata | None = None
         self._extend_graph: ExtendMetadata | None = None  # static extend metadata (init_extend_graph_state)
         self.fuse_rotary_store = fuse_rotary_store
+        self.decode_work_list = decode_work_list
+        self._graph_work: DecodeWork | None = None  # the work lists' static buffers (CUDA graphs)
 
     def set_decode_fusions(self, *, rotary_store: bool) -> None:
         """Turn the decode fusion of rotary with the KV store on or off (the constructor's
@@ -198,15 +209,19 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.depths = torch.tensor(depths, dtype=torch.int32).to(self.device, non_blocking=True)
         batch.attn_metadata = meta
 
-    def _decode_metadata(self, batch: ForwardBatch, meta: DecodeMetadata) -> DecodeMetadata:
-        compute_num_kv_splits(
-            batch.seq_lens,
-            meta.num_kv_splits,
-            self.num_kv_heads,
-            self.max_kv_splits,
-            self.min_split_tokens,
-            target_programs=self.programs_per_sm * self.sm_count,
-        )
+    def _decode_metadata(self, batch: ForwardBatch, meta: DecodeMetadata, static_work: DecodeWork | None = None
+                         ) -> DecodeMetadata:
+        """Plan the split counts into `meta`, and the work list when this batch size takes one (into views
+        of `static_work` for a CUDA graph, else fresh buffers)."""
+        target = self.programs_per_sm * self.sm_count
+        compute_num_kv_splits(batch.seq_lens, meta.num_kv_splits, self.num_kv_heads, self.max_kv_splits,
+                              self.min_split_tokens, target_programs=target)
+        bs = batch.batch_size
+        if self.decode_work_list and worth_a_work_list(bs, self.max_kv_splits, self.num_kv_heads, target):
+            items = work_items_bound(bs, self.num_kv_heads, target)
+            meta.work = (static_work.first(bs, items) if static_work is not None
+                         else DecodeWork.allocate(bs, items, self.device))
+            plan_decode_work(meta.num_kv_splits, meta.work)
         return meta
 
     # ---- forward ------------------------------------------------------------------------------
@@ -322,6 +337,7 @@ class TritonAttentionBackend(AttentionBackend):
             v_scale=v_scale,
             pdl=pdl,
             merge_pdl=decode_merge_pdl(q3),
+            work=meta.work,
         )
         return out.view(q3.shape[0], -1)
 
@@ -344,11 +360,14 @@ class TritonAttentionBackend(AttentionBackend):
     def init_graph_state(self, max_bs: int) -> None:
         self._graph = DecodeMetadata.allocate(max_bs, self.num_heads, self.max_kv_splits, self.head_dim, self.device,
                                               zeroed=True)
+        if self.decode_work_list:
+            items = work_items_bound(max_bs, self.num_kv_heads, self.programs_per_sm * self.sm_count)
+            self._graph_work = DecodeWork.allocate(max_bs, items, self.device)
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         if self._graph is None:
             raise RuntimeError("init_graph_state(max_bs) must run before capturing a CUDA graph")
-        batch.attn_metadata = self._decode_metadata(batch, self._graph.graph_slice(batch, "triton"))
+        batch.attn_metadata = self._decode_metadata(batch, self._graph.graph_slice(batch, "triton"), self._graph_work)
 
     def init_forward_metadata_replay(self, batch: ForwardBatch, real_bs: int) -> None:
         # The padded batch has the captured size; its seq_lens are refreshed in place by the runner,

@@ -7,7 +7,8 @@ Stage 2: program (request, query head) merges the partials of the request's spli
 
 The number of splits per request is a device tensor (see `compute_num_kv_splits`) and the grid's
 split axis is the fixed `max_kv_splits`, so a launch never depends on host-side lengths: that is
-what lets CUDA graphs replay it with new lengths.
+what lets CUDA graphs replay it with new lengths. With a work list (`decode_work.py`, large batches) the
+grid is instead a bound on the planned (request, split) items, each program looking up its own.
 
 FP8 KV pools (KV_FP8): K and V tiles are loaded as float8_e4m3fn (half the bytes of bf16) and
 widened to q's dtype, which is exact; the dequantization `stored * scale` is applied to the
@@ -30,6 +31,7 @@ from radixserve.layers.kv_splits import compute_num_kv_splits  # noqa: F401 - re
 from radixserve.layers.triton_softmax import NEG_BIG, store_split_partial
 from radixserve.layers.triton_support import pdl_launch, trigger_dependents
 
+from radixserve_attention_triton.decode_work import DecodeWork
 from radixserve_attention_triton.pool_keys import attend_pool_keys, prefetch_rows_l2
 
 _interpreter_compat.apply()
@@ -44,6 +46,9 @@ def _decode_stage1_kernel(
     req_pool_idx_ptr,
     seq_lens_ptr,
     num_splits_ptr,
+    work_request_ptr,
+    work_split_start_ptr,
+    bs,
     MidO,
     MidLse,
     sm_scale,
@@ -74,17 +79,26 @@ def _decode_stage1_kernel(
     IEEE: tl.constexpr,  # fp32 q/k/v: exact fp32 products (dot_qk)
     GDC: tl.constexpr,  # PDL-launched (`decode_pdl`): the split's first K/V rows prefetched into L2, then the wait
     TRIGGER: tl.constexpr,  # the merge kernel after it is PDL-launched (`decode_merge_pdl`): it may start now
+    WORK_LIST: tl.constexpr,  # axis 0 indexes the planned (request, split) items (decode_work.py), axis 2 is 1
 ):
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
-    b = tl.program_id(0)
     kvh = tl.program_id(1)
-    split = tl.program_id(2)
     # the batch's metadata is written before the forward starts, never by the kernel just before this
     # one (the rotary + KV store): it may be read before the PDL wait
-    n_splits = tl.load(num_splits_ptr + b).to(tl.int32)
-    if split >= n_splits:
-        return
+    if WORK_LIST:
+        item = tl.program_id(0)
+        b = tl.load(work_request_ptr + item)
+        if b >= bs:  # past the batch's planned items
+            return
+        split = item - tl.load(work_split_start_ptr + b)
+        n_splits = tl.load(num_splits_ptr + b).to(tl.int32)
+    else:
+        b = tl.program_id(0)
+        split = tl.program_id(2)
+        n_splits = tl.load(num_splits_ptr + b).to(tl.int32)
+        if split >= n_splits:
+            return
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     req = tl.load(req_pool_idx_ptr + b).to(tl.int64)
     # a sliding window: only the last `window` keys (the new token's included) are read
@@ -256,8 +270,12 @@ def decode_attention(
     v_scale: float = 1.0,
     pdl: bool = False,
     merge_pdl: bool = False,
+    work: DecodeWork | None = None,
 ) -> None:
     """Write decode attention into `out` (tiles from `config`, else `decode_config`).
+
+    `work` (planned by `decode_work.plan_decode_work` from `num_kv_splits`): one split program per planned
+    (request, split) item instead of one per request and split slot.
 
     `pdl` (see `decode_pdl`): launch the split kernel with programmatic dependent launch; it prefetches
     its keys and values into L2 before it waits for the kernel before it. `merge_pdl` (see
@@ -287,7 +305,8 @@ def decode_attention(
     cfg = config or decode_config(head_dim, interpret)
     pdl, merge_pdl = pdl and not interpret, merge_pdl and not interpret
     block_d = triton.next_power_of_2(head_dim)
-    _decode_stage1_kernel[(bs, num_kv_heads, max_splits)](
+    grid = (work.request.shape[0], num_kv_heads, 1) if work is not None else (bs, num_kv_heads, max_splits)
+    _decode_stage1_kernel[grid](
         q,
         k_buf,
         v_buf,
@@ -295,6 +314,9 @@ def decode_attention(
         req_pool_indices,
         seq_lens,
         num_kv_splits,
+        work.request if work is not None else num_kv_splits,  # unread without WORK_LIST
+        work.split_start if work is not None else num_kv_splits,
+        bs,
         mid_o,
         mid_lse,
         sm_scale * k_scale,
@@ -324,6 +346,7 @@ def decode_attention(
         KV_FP8=kv_fp8,
         IEEE=q.dtype == torch.float32,
         TRIGGER=merge_pdl,
+        WORK_LIST=work is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch(pdl),
