@@ -24,7 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_prefill import kernel_kind  # noqa: E402  (a sibling script, not a package)
+from profile_prefill import kernel_times, profile_each  # noqa: E402  (a sibling script, not a package)
 
 
 def _runner(args: argparse.Namespace, attention: str):
@@ -72,14 +72,7 @@ def profile_backend(args: argparse.Namespace, attention: str, vocab: int) -> dic
             next(steps)
     for _ in steps:  # run to the end so the batch gives its slots back
         pass
-    by_kind: dict[str, float] = {}
-    top: list[tuple[float, str]] = []
-    for ev in prof.key_averages():
-        us = ev.device_time_total if args.device == "cuda" else ev.self_cpu_time_total
-        if us <= 0 or (args.device == "cuda" and ev.device_type != torch.autograd.DeviceType.CUDA):
-            continue
-        by_kind[kernel_kind(ev.key)] = by_kind.get(kernel_kind(ev.key), 0.0) + us / 1e3 / 2
-        top.append((us / 1e3 / 2, ev.key))
+    by_kind, top = kernel_times(prof, args.device, per=2)
     row = {
         "attention": attention, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "rows": args.rows, "context": args.context, "prefill_chunk_per_prompt": chunk,
@@ -106,16 +99,8 @@ def main() -> int:
     args = ap.parse_args()
     with open(os.path.join(args.model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    rows = {}
-    for attention in args.attention.split(","):
-        try:
-            rows[attention] = profile_backend(args, attention, vocab)
-        except Exception as e:  # one backend's failure (e.g. not installed) must not lose the others
-            rows[attention] = {"error": f"{type(e).__name__}: {e}"}
-        print(json.dumps({attention: rows[attention]}), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "profile_decode_rows.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    profile_each(args.attention, lambda attention: profile_backend(args, attention, vocab), {},
+                 os.path.join(args.out, "profile_decode_rows.json"))
     return 0
 
 

@@ -56,6 +56,35 @@ def _floor_module():
     return mod
 
 
+def kernel_times(prof, device: str, per: int = 1) -> tuple[dict[str, float], list[tuple[float, str]]]:
+    """A torch profile's device time (CPU op time off CUDA) in ms, divided by `per` (e.g. the steps
+    profiled): by `kernel_kind`, and (ms, name) of every kernel."""
+    by_kind: dict[str, float] = {}
+    top: list[tuple[float, str]] = []
+    for ev in prof.key_averages():
+        us = ev.device_time_total if device == "cuda" else ev.self_cpu_time_total
+        if us <= 0 or (device == "cuda" and ev.device_type != torch.autograd.DeviceType.CUDA):
+            continue
+        by_kind[kernel_kind(ev.key)] = by_kind.get(kernel_kind(ev.key), 0.0) + us / 1e3 / per
+        top.append((us / 1e3 / per, ev.key))
+    return by_kind, top
+
+
+def profile_each(attentions: str, profile_one, rows: dict, out_path: str) -> dict:
+    """`profile_one(attention)` for each comma-separated backend, one JSON line each (a backend that fails,
+    e.g. not installed, is an error row: the others still run); all rows written to `out_path`."""
+    for attention in attentions.split(","):
+        try:
+            rows[attention] = profile_one(attention)
+        except Exception as e:
+            rows[attention] = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps({attention: rows[attention]}), flush=True)
+    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(rows, f, indent=1)
+    return rows
+
+
 def chunk_gemm_flops(cfg: dict, prompts: int, input_len: int) -> float:
     """The chunk's GEMM FLOPs: every projection for every token, the LM head for each last token."""
     floor = _floor_module()
@@ -101,14 +130,7 @@ def profile_backend(args: argparse.Namespace, attention: str, cfg: dict) -> dict
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with torch.profiler.profile(activities=acts) as prof:
         run_static_batch(runner, _prompts(args.prompts, args.input_len, vocab, seed=9), max_new_tokens=1)
-    by_kind: dict[str, float] = {}
-    top: list[tuple[float, str]] = []
-    for ev in prof.key_averages():
-        us = ev.device_time_total if args.device == "cuda" else ev.self_cpu_time_total
-        if us <= 0 or (args.device == "cuda" and ev.device_type != torch.autograd.DeviceType.CUDA):
-            continue
-        by_kind[kernel_kind(ev.key)] = by_kind.get(kernel_kind(ev.key), 0.0) + us / 1e3
-        top.append((us / 1e3, ev.key))
+    by_kind, top = kernel_times(prof, args.device)
     tokens = args.prompts * args.input_len
     flops = chunk_gemm_flops(cfg, args.prompts, args.input_len)
     gemm_ms = by_kind.get("gemm", 0.0)
@@ -144,15 +166,8 @@ def main() -> int:
         rate = floor.gemm_tflops(args.prompts * args.input_len, floor.linear_shapes(cfg), "cuda", torch.bfloat16, 20)
         rows["measured_gemm_tflops"] = round(rate, 1)
         print(json.dumps({"measured_gemm_tflops": rows["measured_gemm_tflops"]}), flush=True)
-    for attention in args.attention.split(","):
-        try:
-            rows[attention] = profile_backend(args, attention, cfg)
-        except Exception as e:  # one backend's failure (e.g. not installed) must not lose the others
-            rows[attention] = {"error": f"{type(e).__name__}: {e}"}
-        print(json.dumps({attention: rows[attention]}), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "profile_prefill.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    profile_each(args.attention, lambda attention: profile_backend(args, attention, cfg), rows,
+                 os.path.join(args.out, "profile_prefill.json"))
     return 0
 
 
