@@ -6,15 +6,15 @@
 # triton split kernel with and without its new work list (decode_work_list).
 set -o pipefail
 T0=$(date +%s)
-left() { echo $(( 585 - $(date +%s) + T0 )); }
+left() { echo $(( ${CALL_LEFT:-585} - $(date +%s) + T0 )); }  # CALL_LEFT: seconds this call may run
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-  CALL_LEFT=585 bash benchmarks/h200/s25_h200a.sh
+  CALL_LEFT=${CALL_LEFT:-585} bash benchmarks/h200/s25_h200a.sh
   exit
 fi
 source benchmarks/h200/setup.sh || exit 1
 source benchmarks/h200/flashinfer_setup.sh || echo "flashinfer setup failed: its rows will say so"
 echo "[s29 $(left) s left] decode step at 320 rows"
-timeout 300 python3 benchmarks/h200/profile_decode_rows.py --rows 320 --context 1100 \
+timeout $(( $(left) < 300 ? $(left) : 300 )) python3 benchmarks/h200/profile_decode_rows.py --rows 320 --context 1100 \
   --attention triton,triton:work-list,flashinfer --out $OUT 2>&1 | grep '^{' | cut -c1-2500
 echo "[s29 $(left) s left] triton kit (tree verify, strided views, long scenario)"
 timeout $(( $(left) - 100 )) python3 -m pytest -q -x -s tests/test_attention_triton.py -k "tree_mask_verify or kit_checks_the_extend_graph or work_list" \
