@@ -87,6 +87,21 @@ def test_an_empty_input_ids_is_an_empty_prompt_not_an_empty_batch(engine):
     assert engine.generate([], {"max_new_tokens": 2}) == []  # a batch of no text prompts stays an empty batch
 
 
+def test_prompt_and_constraint_errors_name_the_engines_own_arguments(engine):
+    """An outside audit: `prompt=` errors named `text` (/generate's field), and a regex that did not
+    compile said `regex: ...` where its param is sampling_params.regex."""
+    with pytest.raises(ValueError, match="^prompt: the prompt is empty") as e:
+        engine.generate(["a", ""], {"max_new_tokens": 2})
+    assert e.value.param == "prompt"
+    with pytest.raises(ValueError, match="^the prompt has") as e:
+        engine.generate("hi " * engine.tokenizer_manager.context_len, {"max_new_tokens": 2})
+    assert e.value.param == "prompt" and e.value.code == "context_length_exceeded"
+    with pytest.raises(ValueError, match="^sampling_params.regex: invalid regex") as e:
+        engine.generate("x", {"regex": "(a", "max_new_tokens": 2})
+    assert e.value.param == "sampling_params.regex"
+    assert engine.generate("Hi", {"max_new_tokens": 2, "top_p": 0})["meta_info"]["completion_tokens"] == 2
+
+
 def test_config_may_be_a_dict_of_the_yaml_content_and_anything_else_is_named():
     assert engine_config(None, {"stack": {"policy": "lpm"}}, None, {}).stack.policy == "lpm"
     with pytest.raises(ValueError, match="config= takes a YAML file's path, a Config or a dict.*int 5"):

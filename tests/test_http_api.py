@@ -268,6 +268,46 @@ def test_continuous_usage_stats_put_the_running_count_on_every_chunk(oai, tm, ro
     assert counts == [1, 2, 3, 4]
 
 
+class CachingTM(FakeTM):
+    """A prefix cache in the fake: a prompt's first generation finds nothing cached, every later one
+    (a sibling choice of the same request, or a later request) all but its last token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple[int, ...]] = set()
+
+    async def generate(self, inp):
+        prompt = tuple(inp.input_ids if inp.input_ids is not None else self.tokenizer.encode(inp.text))
+        cached = len(prompt) - 1 if prompt in self.seen else 0
+        self.seen.add(prompt)
+        async for out in super().generate(inp):
+            out["meta_info"]["cached_tokens"] = cached
+            yield out
+
+
+def test_cached_tokens_count_each_prompt_once_as_prompt_tokens_do():
+    """An outside audit: with n > 1 the siblings' hits on the prefix choice 0 had just computed were
+    reported, so a cold prompt showed 58 of 59 tokens cached."""
+    tm = CachingTM()
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=make_client(tm), max_retries=0)
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chat = dict(model=MODEL, messages=CHAT, max_tokens=3, n=3, seed=1)
+    prompt = len(chat_prompt(tm))
+    assert oai.chat.completions.create(**chat).usage.prompt_tokens_details.cached_tokens == 0
+    tm.seen.clear()
+    chunks = list(oai.chat.completions.create(stream=True, stream_options=opts, **chat))
+    assert {c.usage.prompt_tokens_details.cached_tokens for c in chunks} == {0}, "every chunk, the last one too"
+    # an earlier request cached it: each prompt's hit counts once
+    assert oai.chat.completions.create(**chat).usage.prompt_tokens_details.cached_tokens == prompt - 1
+    texts = dict(model=MODEL, prompt=["ab", "cde"], max_tokens=2, n=2, seed=1)
+    assert oai.completions.create(**texts).usage.prompt_tokens_details.cached_tokens == 0
+    tm.seen.clear()
+    chunks = list(oai.completions.create(stream=True, stream_options=opts, **texts))
+    assert {c.usage.prompt_tokens_details.cached_tokens for c in chunks} == {0}
+    again = oai.completions.create(**texts).usage
+    assert again.prompt_tokens == 5 and again.prompt_tokens_details.cached_tokens == 1 + 2
+
+
 def test_completions_default_max_tokens_is_16(oai, tm):
     r = oai.completions.create(model=MODEL, prompt="a")
     assert r.usage.completion_tokens == 16
@@ -529,7 +569,7 @@ def test_priority_is_a_request_field_of_every_generation_route(client, tm):
         ("/generate", {"text": "hi", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature", ""),
         ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1.5}}, "sampling_params.max_new_tokens", ""),
         ("/generate", {"text": "hi", "sampling_params": {"seed": 1 << 70}}, "sampling_params.seed", "64-bit"),
-        ("/generate", {"text": "hi", "sampling_params": {"top_p": 0}}, "sampling_params.top_p", "top_p"),
+        ("/generate", {"text": "hi", "sampling_params": {"top_p": 1.5}}, "sampling_params.top_p", "top_p"),
     ],
 )
 def test_out_of_vocabulary_ids_are_400s_naming_the_field(tm, client, route, body, param, message):

@@ -344,7 +344,12 @@ def test_a_constraint_that_does_not_compile_names_its_field():
     client = TestClient(create_app(tm, Config()))
     for stream in (False, True):
         body = {"text": "hi", "stream": stream, "sampling_params": {"regex": "a(", "max_new_tokens": 2}}
-        assert_400(post(client, "/generate", body), "sampling_params.regex", "invalid regex")
+        err = assert_400(post(client, "/generate", body), "sampling_params.regex", "invalid regex")
+        # the message starts with the field, as structured-output.md (Errors) says (it said `regex: ...`)
+        assert err["message"] == "sampling_params.regex: invalid regex: unbalanced parenthesis", err
+    with pytest.raises(InvalidRequest) as e:  # the Engine's error: the same TokenizerManager
+        asyncio.run(_drain(tm, GenerateInput(text="hi", sampling_params=SamplingParams(max_new_tokens=2, regex="a("))))
+    assert e.value.message.startswith("sampling_params.regex: invalid regex") and e.value.param == "sampling_params.regex"
     tm = runtime_tm("the prompt cannot run")  # other refusals keep no param
     with pytest.raises(Exception) as e:
         asyncio.run(_drain(tm, GenerateInput(text="hi", sampling_params=SamplingParams(max_new_tokens=2))))
@@ -495,3 +500,86 @@ def test_the_model_may_be_left_out_as_vllm_and_sglang_allow(client, tm):
     assert post(client, "/v1/completions", body).json()["model"] == MODEL
     r = post(client, "/v1/completions", completion(model="other"))
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+# ---- 8. from session 29's outside client audit ---------------------------------------------------
+
+
+def _too_long(r, param: str, words: str) -> None:
+    err = assert_400(r, param, words)
+    assert err["code"] == "context_length_exceeded", err  # OpenAI's code: client frameworks test for it
+    assert err["message"].startswith("the prompt"), err
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_context_length_errors_name_the_prompt_or_max_tokens_with_openais_code(client, tm, stream):
+    """The prompt alone too long names the prompt's field; a prompt that fits but leaves too little
+    room for max_tokens names max_tokens (the context is 64 tokens here)."""
+    long_chat = [{"role": "user", "content": "x" * 80}]
+    _too_long(post(client, "/v1/chat/completions", chat(messages=long_chat, max_tokens=None, stream=stream)),
+              "messages", "the model's context length is 64 tokens")
+    _too_long(post(client, "/v1/chat/completions", chat(max_tokens=60, stream=stream)), "max_tokens", "plus max_tokens (60)")
+    _too_long(post(client, "/v1/chat/completions", chat(max_tokens=None, max_completion_tokens=60, stream=stream)),
+              "max_completion_tokens", "plus max_completion_tokens (60)")
+    _too_long(post(client, "/v1/completions", completion(prompt="x" * 70, stream=stream)), "prompt", "has 70 tokens")
+    _too_long(post(client, "/v1/completions", completion(prompt=["hi", "x" * 70], stream=stream)), "prompt[1]",
+              "has 70 tokens")
+    _too_long(post(client, "/v1/completions", completion(prompt="x" * 50, max_tokens=16, stream=stream)),
+              "max_tokens", "plus max_tokens (16)")
+    _too_long(post(client, "/generate", {"input_ids": [1] * 70, "stream": stream}), "input_ids", "has 70 tokens")
+    assert tm.inputs == []
+    # a /generate text prompt is tokenized by the runtime: named `text`, as the client sent it (not input_ids)
+    runtime = TestClient(create_app(runtime_tm(), Config()))
+    _too_long(post(runtime, "/generate", {"text": "x" * 70, "stream": stream}), "text", "has 70 tokens")
+    _too_long(post(runtime, "/generate", {"text": "x" * 50, "stream": stream, "sampling_params": {"max_new_tokens": 20}}),
+              "sampling_params.max_new_tokens", "plus sampling_params.max_new_tokens (20)")
+
+
+def test_the_engines_prompt_errors_name_its_own_argument():
+    """Engine.generate(prompt=...) reported `text`, /generate's field, which the Engine does not have."""
+    from radixserve.engine import Engine
+
+    tm = runtime_tm()
+    for prompt, words in (("", "prompt: the prompt is empty"), ("x" * 70, "the prompt has 70 tokens"),
+                          ("a" + S, "prompt contains a lone UTF-16 surrogate")):
+        [inp], _ = Engine._inputs(prompt, None, {"max_new_tokens": 2}, None, False, False, 0)
+        with pytest.raises(InvalidRequest) as e:
+            tm._prepare(inp)
+        assert e.value.param == "prompt" and e.value.message.startswith(words), e.value.message
+    [inp], _ = Engine._inputs(None, [1] * 70, {"max_new_tokens": 2}, None, False, False, 0)
+    with pytest.raises(InvalidRequest) as e:
+        tm._prepare(inp)
+    assert e.value.param == "input_ids" and e.value.code == "context_length_exceeded"
+
+
+def test_top_p_zero_is_accepted_as_openai_does_and_keeps_the_most_likely_token(client, tm):
+    for route, body in (("/v1/chat/completions", chat(top_p=0, temperature=1)),
+                        ("/v1/completions", completion(top_p=0.0)),
+                        ("/generate", {"text": "hi", "sampling_params": {"top_p": 0, "max_new_tokens": 2}})):
+        r = post(client, route, body)
+        assert r.status_code == 200, r.text
+        assert _params(tm).top_p == 0.0 and _params(tm).is_greedy
+    for bad in (-0.1, 1.5):
+        assert_400(post(client, "/v1/chat/completions", chat(top_p=bad)), "top_p")
+        assert_400(post(client, "/generate", {"text": "hi", "sampling_params": {"top_p": bad}}), "sampling_params.top_p")
+
+
+def test_an_unknown_model_is_openais_invalid_request_error_404(client):
+    for r in (post(client, "/v1/chat/completions", chat(model="gpt-4o")), client.get("/v1/models/foo")):
+        err = r.json()["error"]
+        assert r.status_code == 404 and (err["type"], err["code"], err["param"]) == (
+            "invalid_request_error", "model_not_found", "model"), err
+    assert client.get("/v1/nothing").json()["error"]["type"] == "not_found_error"  # an unknown route keeps its type
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+    {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+    {"type": "file", "file": {"file_id": "f"}},
+])
+def test_a_content_part_that_is_not_text_is_one_clear_error(client, tm, part):
+    """It was four pydantic errors about the union (a string? a text part? ...)."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "look"}, part]}]
+    err = assert_400(post(client, "/v1/chat/completions", chat(messages=messages)), "messages.0.content.1")
+    assert err["message"] == f"messages.0.content.1: content part type {part['type']!r} is not supported (text only)"
+    assert tm.inputs == []

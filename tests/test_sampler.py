@@ -83,6 +83,14 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     assert_distribution(frequencies({"top_p": 0.7}, LOGITS), expected)
 
 
+def test_top_p_zero_keeps_only_the_most_likely_token():
+    # OpenAI accepts top_p 0: greedy filtering (top-p alone would keep no token at all); the argmax is
+    # not token 0 here, where an all-zero row would land
+    logits = LOGITS.flip(0)
+    for params in ({"top_p": 0.0}, {"top_p": 0.0, "temperature": 1.5, "top_k": 4}):
+        assert frequencies(params, logits, n=2000)[V - 1] == 1.0, params
+
+
 def test_top_k_keeps_k_best():
     expected = torch.zeros(V)
     expected[:2] = PROBS[:2] / PROBS[:2].sum()

@@ -173,7 +173,8 @@ class Engine:
             single = isinstance(prompt, str)
             if not single and (not isinstance(prompt, list | tuple) or not all(isinstance(p, str) for p in prompt)):
                 raise ValueError(f"prompt must be a str or a list of str, got {prompt!r}")
-            items: list[dict] = [{"text": p} for p in ([prompt] if single else prompt)]
+            # errors about the prompt (empty, too long) name the Engine's argument, not /generate's `text`
+            items: list[dict] = [{"text": p, "text_field": "prompt"} for p in ([prompt] if single else prompt)]
         else:
             if not isinstance(input_ids, list | tuple) or not all(isinstance(x, int | list | tuple) for x in input_ids):
                 raise ValueError(f"input_ids must be a list of token ids or a list of such lists, got {input_ids!r}")

@@ -60,7 +60,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        # top_p 0 (OpenAI's range is [0, 1]) keeps only the most likely token, as top_k 1 does
+        return self.temperature <= 0.0 or self.top_k == 1 or self.top_p <= 0.0
 
     def validate(self) -> None:
         """Raise ValueError with a message naming the bad field."""
@@ -70,8 +71,8 @@ class SamplingParams:
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
         if not 0 <= self.temperature < float("inf"):  # written so that NaN fails too
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:

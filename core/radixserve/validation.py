@@ -19,6 +19,8 @@ from radixserve.errors import RequestError
 from radixserve.state import SamplingParams
 
 INT64_MAX = (1 << 63) - 1
+# OpenAI's `code` of a request too long for the model: client frameworks test for this string
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit-bias value
 MAX_STOP_STRINGS = 16
 
@@ -28,9 +30,10 @@ class InvalidRequest(RequestError, ValueError):
     Also a ValueError: the Engine documents ValueError for bad parameters (the HTTP layer catches
     RequestError / InvalidRequest by name, so this changes nothing there)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message, status=400)
         self.param = param
+        self.code = code  # OpenAI's error `code` where it has a name for it (None: the status)
 
 
 @dataclass(frozen=True)
@@ -243,9 +246,12 @@ def max_new_tokens_for(
         if requested is None:
             raise InvalidRequest(f"{names.max_new_tokens} is required", names.max_new_tokens)
         return requested
+    # the prompt alone too long names the prompt's field; a prompt that fits but leaves too little
+    # room names max_tokens (lowering it is enough)
     if prompt_len >= ctx:
         raise InvalidRequest(
-            f"the prompt has {prompt_len} tokens; the model's context length is {ctx} tokens", names.prompt
+            f"the prompt has {prompt_len} tokens; the model's context length is {ctx} tokens", names.prompt,
+            CONTEXT_LENGTH_EXCEEDED,
         )
     if requested is None:
         return ctx - prompt_len
@@ -253,7 +259,7 @@ def max_new_tokens_for(
         raise InvalidRequest(
             f"the prompt ({prompt_len} tokens) plus {names.max_new_tokens} ({requested}) exceeds the model's "
             f"context length ({ctx} tokens); shorten the prompt or lower {names.max_new_tokens}",
-            names.max_new_tokens,
+            names.max_new_tokens, CONTEXT_LENGTH_EXCEEDED,
         )
     return requested
 

@@ -17,7 +17,7 @@ from radixserve.config import Config
 from radixserve.server import protocol as p
 from radixserve.server import tokenization
 from radixserve.server.auth import GuardMiddleware
-from radixserve.server.errors import APIError, error_response, install_error_handlers
+from radixserve.server.errors import APIError, error_response, install_error_handlers, model_not_found
 from radixserve.server.generation import ClientGone
 from radixserve.server.metrics import CONTENT_TYPE, FailedRequestMiddleware, ServerMetrics
 from radixserve.server.openai_serving import Serving
@@ -50,7 +50,8 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
         status = int(getattr(exc, "status", 400))
-        return error_response(str(getattr(exc, "message", exc)), status, getattr(exc, "param", None))
+        return error_response(str(getattr(exc, "message", exc)), status, getattr(exc, "param", None),
+                              getattr(exc, "code", None))  # e.g. context_length_exceeded
 
     @app.exception_handler(ClientGone)
     async def _gone(_: Request, __: ClientGone) -> Response:
@@ -78,7 +79,7 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> JSONResponse:
         if model != tm.model_name:
-            raise APIError(f"the model {model!r} does not exist", 404, "model", "model_not_found")
+            raise model_not_found(f"the model {model!r} does not exist")
         return JSONResponse(_card().model_dump())
 
     # ---- native ------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ class APIError(Exception):
     status: int = 400
     param: str | None = None
     code: str | None = None
+    type: str | None = None  # None: the status's type (_TYPES)
 
     def __str__(self) -> str:
         return self.message
@@ -52,19 +53,29 @@ def _encodable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None,
+               type_: str | None = None) -> dict[str, Any]:
+    if type_ is None:
+        type_ = _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
     return {
         "error": {
             "message": _encodable(message),
-            "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error"),
+            "type": type_,
             "param": None if param is None else _encodable(param),
             "code": code if code is not None else str(status),
         }
     }
 
 
-def error_response(message: str, status: int, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param, code), status_code=status)
+def error_response(message: str, status: int, param: str | None = None, code: str | None = None,
+                   type_: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param, code, type_), status_code=status)
+
+
+def model_not_found(message: str) -> APIError:
+    """An unknown `model`: a 404 of OpenAI's shape for it (type invalid_request_error, not the
+    not_found_error of an unknown route)."""
+    return APIError(message, 404, "model", "model_not_found", "invalid_request_error")
 
 
 _PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
@@ -165,7 +176,7 @@ def _not_json_content_type(request: Request, exc: RequestValidationError) -> str
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param, exc.code)
+        return error_response(exc.message, exc.status, exc.param, exc.code, exc.type)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -27,7 +27,7 @@ from radixserve.server import protocol_tools as pt
 from radixserve.server.chat_output import ChoiceOutput
 from radixserve.server.chat_plan import ChatPlan, plan_chat
 from radixserve.server.constraint_errors import response_format_refusal
-from radixserve.server.errors import APIError, error_body
+from radixserve.server.errors import APIError, error_body, model_not_found
 from radixserve.server.generation import ClientGone, Fanout, Job, until_disconnect
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.parser_selection import OutputParsers
@@ -100,7 +100,10 @@ class _Tally:
 
     def add(self, prompt_index: int, meta: dict) -> None:
         self.prompt[prompt_index] = int(meta.get("prompt_tokens", 0))
-        self.cached[prompt_index] = max(self.cached.get(prompt_index, 0), int(meta.get("cached_tokens", 0)))
+        # once per prompt too, and the fewest of its choices: with n > 1 the siblings hit the prefix
+        # that choice 0 has just computed, which is no cache hit for the request (a cold prompt is 0)
+        cached = int(meta.get("cached_tokens", 0))
+        self.cached[prompt_index] = min(self.cached.get(prompt_index, cached), cached)
         self.completion += int(meta.get("completion_tokens", 0))
 
     def usage(self) -> p.UsageInfo:
@@ -134,12 +137,7 @@ class Serving:
             reason = (why() if why is not None else None) or "the runtime is not healthy"
             raise APIError(f"{reason}; try again later", 503, code="service_unavailable")
         if model is not None and model != self.tm.model_name:
-            raise APIError(
-                f"the model {model!r} does not exist; this server serves {self.tm.model_name!r}",
-                404,
-                param="model",
-                code="model_not_found",
-            )
+            raise model_not_found(f"the model {model!r} does not exist; this server serves {self.tm.model_name!r}")
 
     def budget(self, ids: list[int], requested: int | None, names: FieldNames) -> int:
         """max_new_tokens for a tokenized prompt: its ids checked against the vocabulary, and the
@@ -149,7 +147,7 @@ class Serving:
             check_token_ids(ids, limits, names.prompt)
             return max_new_tokens_for(len(ids), requested, limits, names)
         except InvalidRequest as e:
-            raise APIError(e.message, 400, e.param) from None
+            raise APIError(e.message, 400, e.param, e.code) from None
 
     def prompt_logprobs(self, meta: dict, top: int | None) -> p.PromptLogprobs | None:
         """vLLM's `prompt_logprobs` of a request that asked for `top` alternatives (None: it did not):
@@ -227,7 +225,7 @@ class Serving:
             check_sampling(params, self.tm.limits, OPENAI_FIELDS)
         except InvalidRequest as e:
             explained = plan.explain_refusal(e.param, e.message) if plan else _format_refusal(req, e)
-            raise (explained or APIError(e.message, 400, e.param)) from None
+            raise (explained or APIError(e.message, 400, e.param, e.code)) from None
         return params
 
     # ---- /v1/chat/completions ---------------------------------------------------------------
@@ -238,7 +236,8 @@ class Serving:
         # template, tools, constraint, parsers (a long conversation is rendered and tokenized off the loop)
         plan = await off_the_loop(req.text_chars(), plan_chat, self.tm, req, self.parsers)
         ids = plan.ids
-        max_new = self.budget(list(ids), req.requested_max_tokens(), CHAT_FIELDS)
+        sent = dataclasses.replace(CHAT_FIELDS, max_new_tokens=req.max_tokens_field()[0])  # or max_completion_tokens
+        max_new = self.budget(list(ids), req.requested_max_tokens(), sent)
         base = req.rid or f"chatcmpl-{uuid.uuid4().hex}"
         top = req.top_logprobs or 0
         jobs = [
@@ -360,7 +359,7 @@ class Serving:
             if req.return_logprob:
                 params.logprobs, params.top_logprobs = True, req.top_logprobs_num
         except InvalidRequest as e:
-            raise APIError(e.message, 400, e.param) from None
+            raise APIError(e.message, 400, e.param, e.code) from None
         if req.input_ids is not None:
             self.budget(req.input_ids, params.max_new_tokens, NATIVE)
         rid = req.rid or uuid.uuid4().hex
@@ -484,9 +483,9 @@ class Serving:
             finally:
                 await fan.aclose()
                 self.metrics.in_flight.labels(self.metrics.model_name).dec()
-                for st in states.values():  # usage of unfinished choices, for the log line
+                for index, st in states.items():  # usage of unfinished choices, for the log line
                     if not st.finished and st.last:
-                        tally.add(0, st.last["meta_info"])
+                        tally.add(prompt_index(index), st.last["meta_info"])
                 self._done(jobs[0].rid, route, status, tally.usage(), started, ttft)
             yield sse("[DONE]")
 
@@ -548,19 +547,24 @@ def _sanitize(o: Any) -> Any:
 
 
 class _Format:
+    cached_floor: dict[int, int]  # prompt index -> the fewest cached tokens its choices had so far
+
     def chunk(self, index: int, out: dict, st: ChoiceState) -> list[str]:
         raise NotImplementedError
 
     def end(self, usage: p.UsageInfo) -> list[str]:
         return []
 
-    def running_usage(self, meta: dict) -> p.UsageInfo | None:
+    def running_usage(self, meta: dict, prompt_index: int = 0) -> p.UsageInfo | None:
         """Usage so far, for every chunk when the client asked for continuous_usage_stats."""
         opts = getattr(self.req, "stream_options", None)
         if not (opts and opts.continuous_usage_stats):
             return None
+        # cached tokens on the final usage's basis (_Tally): the fewest any choice of the prompt had so far
+        cached = int(meta.get("cached_tokens", 0))
+        floor = self.cached_floor[prompt_index] = min(self.cached_floor.get(prompt_index, cached), cached)
         tally = _Tally()
-        tally.add(0, meta)
+        tally.add(0, {**meta, "cached_tokens": floor})
         return tally.usage()
 
 
@@ -626,6 +630,7 @@ class _ChatFormat(_Format):
         self.created = int(time.time())
         self.top = req.top_logprobs or 0
         self.plan = plan
+        self.cached_floor = {}
         self.outputs: dict[int, ChoiceOutput] = {}  # per choice, when tools or reasoning are parsed
 
     def logprobs(self, meta: dict, start: int) -> p.ChatLogprobs:
@@ -750,6 +755,7 @@ class _CompletionFormat(_Format):
         self.s, self.rid, self.model, self.req = serving, rid, model, req
         self.echoes, self.prompt_of = echoes, prompt_of
         self.created = int(time.time())
+        self.cached_floor = {}
         self.top = req.logprobs or 0
         self.skip_special = req.skip_special_tokens
         self._offsets: dict[int, _TextOffsets] = {}
@@ -830,7 +836,7 @@ class _CompletionFormat(_Format):
                     index=index, text=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched
                 )
             ],
-            usage=self.running_usage(meta),
+            usage=self.running_usage(meta, self.prompt_of[index]),
         )
         return [sse(chunk.model_dump_json())]
 

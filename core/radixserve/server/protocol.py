@@ -128,7 +128,8 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    # 0 keeps only the most likely token (greedy), as OpenAI accepts 0..1
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
     stop: str | list[str] | None = None
     seed: int | None = None
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
@@ -195,6 +196,17 @@ class ChatMessage(_Request):
     annotations: list[Any] | None = None
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None  # deprecated form of tool_calls
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        # an image / audio / file part: one error saying so, not pydantic's four about the union
+        content = data.get("content") if isinstance(data, dict) else None
+        for i, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise refuse(f"content.{i}", f"content part type {kind!r} is not supported (text only)")
+        return data
 
     @model_validator(mode="after")
     def _check_tool_fields(self) -> ChatMessage:

@@ -36,7 +36,7 @@ def detokenize(serving: Any, req: p.DetokenizeRequest) -> dict[str, Any]:
     try:
         check_token_ids(req.tokens, serving.tm.limits, "tokens")
     except InvalidRequest as e:
-        raise APIError(e.message, 400, e.param) from None
+        raise APIError(e.message, 400, e.param, e.code) from None
     return {"prompt": serving.tm.tokenizer.decode(req.tokens)}
 
 
