@@ -102,6 +102,13 @@ def test_missing_api_declaration_is_refused():
         Registry().add_plugin_module(_module("noapi", None), name="noapi", distribution="noapi-dist")
 
 
+@pytest.mark.parametrize("api", ["", " ", "\t"])
+def test_an_empty_api_declaration_is_refused_like_a_missing_one(api):
+    """Audit 29: `PLUGIN_API = ""` (an empty specifier set, which admits every version) was accepted."""
+    with pytest.raises(PluginError, match=r"plugin 'blank' from blank-dist declares an empty PLUGIN_API .*PLUGIN_API ="):
+        Registry().add_plugin_module(_module("blank", api), name="blank", distribution="blank-dist")
+
+
 def test_unknown_kind_is_refused():
     reg = Registry()
     with pytest.raises(PluginError, match="unknown kind 'sampler'"):
@@ -274,6 +281,14 @@ def test_plugins_command_shows_which_file_suffix_each_weight_source_reads(tmp_pa
     cli.cmd_plugins(argparse.Namespace(p=None, json=True))
     rows = json.loads(capsys.readouterr().out)["components"]
     assert [r["weight_file_suffixes"] for r in rows if r["name"] == "myformat"] == [[".myw"]]
+
+
+def test_plugins_json_gives_each_components_class_reference():
+    """Audit 29: check_model_parity needs a family's class, and nothing said where it lives."""
+    listing = json.loads(run_cli(["plugins", "--json"]).stdout)
+    refs = {(c["kind"], c["name"]): c["ref"] for c in listing["components"]}
+    assert refs[("model", "LlamaForCausalLM")] == "radixserve_models_llama.model:LlamaForCausalLM"
+    assert refs[("quantization", "unquantized")] == "radixserve.layers.quant_unquantized:UnquantizedMethod"
 
 
 def test_weight_source_must_implement_the_role(tmp_path, monkeypatch):

@@ -51,6 +51,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             "priority": s.priority,
             "description": s.description,
             "weight_file_suffixes": list(s.weight_file_suffixes),
+            "ref": s.ref,  # "module:Class", as registered (not imported here)
         }
         for s in reg.components()
     ]
@@ -134,11 +135,13 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         resolved = resolve_stack(config, reg, device, checkpoint.path, attention_type=attention_type,
                                  model_name=f"model architecture {checkpoint.choice.architecture!r}",
                                  head_dim=head_dim_before_loading(cls, checkpoint.hf_config, attention_type))
+        _check_quant_method_builds(checkpoint, resolved, reg, config, device)
     else:  # no model to ask about: the attention class is still checked as the runner would build it
         resolved = resolve_stack(config, reg, device)
         name = resolved.attention.name
         dtype = config.runtime.resolved_dtype(device)
         check_attention_class(reg.load("attention", name), name, device, dtype)
+        _check_quantization_fits_default_model(resolved, reg)
     # the checkpoint's own method when the stack names none (its errors before anything is printed)
     own_quant = _checkpoint_quantization(checkpoint, resolved, reg) if checkpoint and not resolved.quantization else None
     print(_redacted_yaml(config), end="")
@@ -165,6 +168,34 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         # output stays one YAML document (the config above already has `model:`)
         print(f"model_implementation: {json.dumps(checkpoint.choice.describe())}")
     return 0
+
+
+def _check_quant_method_builds(checkpoint: Any, resolved: Any, reg: Registry, config: Config, device: str) -> None:
+    """The quantization method built as start-up builds it for an HF checkpoint (its `from_config` on the
+    checkpoint's quantization_config or None, its `check_device`; an abstract class refused): no weights
+    are read, so `config show` refuses what serve and generate would. A file's weight source is its own
+    method (built when the file was opened)."""
+    if checkpoint.source.weight_source is not None:
+        return
+    import torch
+
+    from radixserve.model_loader.quant_select import build_quant_method
+
+    build_quant_method(reg, resolved, checkpoint.hf_config, torch.device(device),
+                       getattr(torch, config.runtime.resolved_dtype(device)))
+
+
+def _check_quantization_fits_default_model(resolved: Any, reg: Registry) -> None:
+    """Without --model, serve and generate run the default model (the embedded GGUF): a stack.quantization
+    that cannot apply to it is refused here with start-up's message."""
+    if resolved.quantization is None:
+        return
+    from radixserve.model_loader.model_files import default_model_path
+    from radixserve.plugins.stack import check_quantization_fits
+
+    default = default_model_path()
+    if default is not None:  # not installed: serve names the missing model itself
+        check_quantization_fits(resolved, default, reg)
 
 
 def _checkpoint_quantization(checkpoint: Any, resolved: Any, reg: Registry) -> tuple[Any, str]:

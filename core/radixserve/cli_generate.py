@@ -163,6 +163,11 @@ def run_generate(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C: what was generated stays printed, no traceback; 130 as shells report it
         sys.stdout.write("\n")
         return 130
+    except Exception as e:  # a quantization plugin's apply: one line naming it (RADIXSERVE_DEBUG=1: the traceback)
+        failure = runner.quant_failure(e)
+        if failure is None:
+            raise
+        raise failure from e
     sys.stdout.write("\n")
     if args.stats:
         dt = time.perf_counter() - t0

@@ -60,4 +60,8 @@ __version__ = "0.1.0"
 #      verified_rows public in radixserve.interfaces.target_states
 # 1.13: check_attention_backend / check_latent_attention_backend(long_positions=): a scenario past 64, 128 and 256
 #      key positions by default; the kits pass q/k/v as the runner does (strided column views of one fused buffer)
-PLUGIN_API_VERSION = "1.13"
+# 1.14: FusedMoE.map_checkpoint_name maps a per-expert tensor of any suffix to `w13_<suffix>` / `w2_<suffix>` (a
+#      pre-quantized MoE checkpoint's own scale names load; before: `weight` and `weight_scale_inv` only); a float
+#      checkpoint tensor for an integer parameter is refused (weight_utils.CheckpointDtypeError), never cast;
+#      plugins.registry.PluginCodeError / PluginRefusal (a quantization method's hook failing or refusing at start-up)
+PLUGIN_API_VERSION = "1.14"

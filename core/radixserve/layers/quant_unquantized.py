@@ -11,7 +11,27 @@ from radixserve.layers.weight_utils import default_weight_loader, set_weight_att
 
 
 class UnquantizedMethod(QuantMethod):
+    """The default method (registered as "unquantized"): a plain floating-point weight, and the
+    reference a plugin method can copy or subclass.
+
+    - `create_weights`: one `weight` `[sum(output_sizes), input_size]` in the activation dtype, with
+      `input_dim=1`, `output_dim=0` and the layer's own `weight_loader` (it knows the TP shard and
+      the fused layout).
+    - `process_weights_after_loading`: keeps a packed copy for the CPU's native GEMM as
+      `layer.packed_weight` (`cpu_gemm.pack`; `pack_silu_gated` for a bias-free `[gate; up]`
+      projection marked `fuse_silu_and_mul`); None off the CPU or for a non-fp32 weight.
+    - `apply`: the runner's batch-1 GEMV where it attached a tile (`layer.gemv_config`), else
+      `cpu_gemm.linear(x, layer.weight, layer.packed_weight, bias)` (the native panel GEMM for fp32
+      CPU rows, `F.linear` otherwise). A plugin that dequantizes once can end in the same state
+      (`weight` + `packed_weight`) and call it (docs/quantization.md, "A fast CPU path").
+    - MoE: `w13_weight [E, 2I, H]` (gate rows, then up rows; `moe_fused_dim=1`) and `w2_weight
+      [E, H, I]`; experts packed for the CPU after loading; `apply_moe` runs the Triton fused-MoE
+      kernel on CUDA, one GEMM pair per expert on the CPU.
+
+    `supports_tensor_parallel` is True: the layers shard the plain weight."""
+
     supports_tensor_parallel = True  # the layers shard the plain weight (GGUF, dequantized, too)
+
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], dtype: torch.dtype) -> None:
         weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype), requires_grad=False)
         # the layer knows its TP shard and fused layout, so it owns the loader when it has one

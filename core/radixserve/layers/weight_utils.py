@@ -11,6 +11,11 @@ import torch
 
 
 def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
+    """Attach loader attributes to a parameter, e.g. `set_weight_attrs(w, {"output_dim": 0, "input_dim": 1,
+    "weight_loader": layer.weight_loader})`: what the layers' loaders read (`weight_loader`, `output_dim`,
+    `input_dim`, `packed_dim` + `pack_factor`, MoE's `moe_fused_dim`; docs/contracts.md section 6).
+    Raises AttributeError for an attribute the parameter already has (a typo or a second call would
+    otherwise silently replace it)."""
     for key, value in attrs.items():
         if hasattr(param, key):
             raise AttributeError(f"parameter already has attribute {key!r}")
@@ -53,11 +58,26 @@ def load_into(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -
     _load_param(param, loaded, shard_id)
 
 
+class CheckpointDtypeError(CheckpointTensorError):
+    """A floating-point checkpoint tensor for an integer parameter (quantized codes: int8, AWQ/GPTQ's
+    int32 `qweight`): the loaders' cast would truncate it into wrong codes without a word."""
+
+
 def _load_param(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None, *, name: str | None = None,
                 target: str | None = None, expert_id: int | None = None) -> None:
     """The one place a parameter's `weight_loader` is called: whatever it raises about the tensor
     (its own ValueError, or torch's RuntimeError from a narrow or copy that does not fit) becomes a
-    CheckpointTensorError naming the checkpoint tensor and the parameter with their shapes."""
+    CheckpointTensorError naming the checkpoint tensor and the parameter with their shapes. A
+    floating-point tensor for an integer parameter is refused first (CheckpointDtypeError naming both
+    dtypes); integers into float parameters, and floats into floats of another width, are cast."""
+    what = f"checkpoint tensor {name!r}" if name else "a checkpoint tensor"
+    param_name = f" {target!r}" if target else ""
+    if loaded.dtype.is_floating_point and not (param.dtype.is_floating_point or param.dtype.is_complex):
+        raise CheckpointDtypeError(
+            f"{what} is {loaded.dtype}, but the model's parameter{param_name} {tuple(param.shape)} is {param.dtype}: "
+            "a floating-point tensor is never cast into integer (quantized) codes; the checkpoint must store this "
+            "tensor as the quantization method registered it (is it quantized as its quantization_config declares?)",
+            tensor=name)
     loader = getattr(param, "weight_loader", default_weight_loader)
     try:
         if expert_id is not None:
@@ -69,10 +89,8 @@ def _load_param(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None,
     except torch.cuda.OutOfMemoryError:  # not the checkpoint's fault
         raise
     except (ValueError, RuntimeError, IndexError) as e:
-        what = f"checkpoint tensor {name!r}" if name else "a checkpoint tensor"
         part = "" if shard_id is None else f" as shard {shard_id!r}"
         part += "" if expert_id is None else f" of expert {expert_id}"
-        param_name = f" {target!r}" if target else ""
         raise CheckpointTensorError(
             f"{what} has shape {tuple(loaded.shape)}, which the model's parameter{param_name} "
             f"{tuple(param.shape)} cannot take{part}: {e}", tensor=name) from e
@@ -156,8 +174,7 @@ def load_stacked_weights(
             target, expert_id, shard_id = expert
             param = params.get(target)
             if param is None:
-                raise UnknownCheckpointTensorError(f"checkpoint expert tensor {original!r} has no matching parameter "
-                                                   f"in {owner} (is that layer dense here?)", tensor=original)
+                raise UnknownCheckpointTensorError(_no_expert_param(original, target, owner, params), tensor=original)
             _load_param(param, tensor, shard_id, name=original, target=target, expert_id=expert_id)
             loaded.add(target)
             continue
@@ -192,6 +209,19 @@ def load_stacked_weights(
         shown = "; ".join(problems[:8]) + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else "")
         raise CheckpointTensorError(f"{len(problems)} fused parameter(s) of {owner} not fully loaded: {shown}")
     return loaded
+
+
+def _no_expert_param(original: str, target: str, owner: str, params: dict[str, Any]) -> str:
+    """Why a per-expert checkpoint tensor has nowhere to go: the layer is dense here, or its
+    QuantMethod registered no `w13_<suffix>` / `w2_<suffix>` for that tensor's suffix."""
+    layer = target.rpartition(".")[0] + "."
+    has = sorted(p[len(layer):] for p in params if p.startswith(layer))
+    if not has:
+        return f"checkpoint expert tensor {original!r} has no matching parameter in {owner} (is that layer dense here?)"
+    return (f"checkpoint expert tensor {original!r} has no matching parameter in {owner}: it would load into "
+            f"{target.rpartition('.')[2]!r}, but the layer's expert parameters are {', '.join(has)} (a per-expert "
+            "'<proj>.<suffix>' tensor loads into the 'w13_<suffix>' / 'w2_<suffix>' parameter its quantization "
+            "method registers)")
 
 
 def _missing_expert_parts(module_name: str, module, expert_names: tuple[str, str, str] | None) -> list[str]:

@@ -13,6 +13,7 @@ from radixserve.layers.embedding import ParallelLMHead
 from radixserve.layers.linear import LinearBase
 from radixserve.layers.moe import FusedMoE
 from radixserve.memory.fp8_kv import KVScaleCollector
+from radixserve.model_loader.quant_select import quant_hook_failure
 from radixserve.model_loader.sources import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,24 @@ def _fill_dummy(model: torch.nn.Module, seed: int) -> set[str]:
     return names
 
 
+def _process_after_loading(model: torch.nn.Module, lowbit_gemv: bool) -> int:
+    """Each layer's method prepares its loaded weights (and, `lowbit_gemv`, the low-bit GEMVs);
+    returns the number of layers that took the GEMVs."""
+    lowbit_layers = 0
+    for module in model.modules():
+        qm = getattr(module, "quant_method", None)
+        # quantized linears may have no `weight` (qweight, ...); other modules need one, as before
+        if isinstance(module, FusedMoE):
+            qm.process_moe_weights_after_loading(module)
+        elif qm is not None and (isinstance(module, LinearBase) or hasattr(module, "weight")):
+            qm.process_weights_after_loading(module)
+            if lowbit_gemv and isinstance(module, LinearBase):
+                lowbit_layers += bool(qm.enable_lowbit_gemv(module))
+        if isinstance(module, ParallelLMHead):
+            module.pack_for_cpu()
+    return lowbit_layers
+
+
 def _load_error(source: ModelSource, e: Exception) -> str:
     """A load failure as one line: the checkpoint, the file holding the tensor to blame (when the
     error names one, e.g. a `CheckpointTensorError`), then the model's own message."""
@@ -73,6 +92,7 @@ def load_model(
     kv_scales=None,
     lowbit_gemv: bool = False,
     cpu_matmul_precision: str = "highest",
+    quant_label: str | None = None,
 ) -> torch.nn.Module:
     """Instantiate `model_cls(hf_config, quant_method)` on `device` in `dtype` and load its weights.
     `tp_group` (tensor parallelism, a TPGroup of size > 1) is passed on as `tp_group=`: the model
@@ -88,11 +108,20 @@ def load_model(
     Raises ValueError naming the parameters no checkpoint tensor reached (never silent); an error
     of `model.load_weights` (a ValueError, or a KeyError naming an unknown tensor) comes back as a
     ValueError that starts with the checkpoint path and the file of the tensor it names, the
-    original as its `__cause__`."""
+    original as its `__cause__`. An exception out of `quant_method`'s hooks (`create_weights` while the
+    model is built, `process_weights_after_loading` after the load) comes back as a PluginError naming
+    `quant_label` (e.g. "quantization method 'int8' (radixserve-quant-int8)"), the hook and the layer,
+    the original as its `__cause__` (`quant_select.quant_hook_failure`)."""
     start = time.perf_counter()
-    with torch.device(device), _default_dtype(dtype):
-        model = model_cls(hf_config, quant_method) if tp_group is None else model_cls(
-            hf_config, quant_method, tp_group=tp_group)
+    try:
+        with torch.device(device), _default_dtype(dtype):
+            model = model_cls(hf_config, quant_method) if tp_group is None else model_cls(
+                hf_config, quant_method, tp_group=tp_group)
+    except Exception as e:
+        failure = quant_hook_failure(e, quant_method, quant_label)
+        if failure is None:
+            raise
+        raise failure from e
     prepare = getattr(source.weight_source, "prepare_model", None)
     if prepare is not None:  # e.g. GGUF keeping the embedding's blocks: swaps modules before loading
         model = prepare(model) or model
@@ -117,18 +146,13 @@ def load_model(
     loaded_at = time.perf_counter()
     logger.info("weights of %s (%s) loaded in %.1f s", type(model).__name__, source.format, loaded_at - start)
     # packing for the device; may compile native kernels on first use (native.py logs those apart)
-    lowbit_layers = 0
-    for module in model.modules():
-        qm = getattr(module, "quant_method", None)
-        # quantized linears may have no `weight` (qweight, ...); other modules need one, as before
-        if isinstance(module, FusedMoE):
-            qm.process_moe_weights_after_loading(module)
-        elif qm is not None and (isinstance(module, LinearBase) or hasattr(module, "weight")):
-            qm.process_weights_after_loading(module)
-            if lowbit_gemv and isinstance(module, LinearBase):
-                lowbit_layers += bool(qm.enable_lowbit_gemv(module))
-        if isinstance(module, ParallelLMHead):
-            module.pack_for_cpu()
+    try:
+        lowbit_layers = _process_after_loading(model, lowbit_gemv)
+    except Exception as e:
+        failure = quant_hook_failure(e, quant_method, quant_label, model)
+        if failure is None:
+            raise
+        raise failure from e
     if device.type == "cpu" and cpu_matmul_precision == "medium":
         converted = cpu_gemm.lower_precision(model)
         if converted:

@@ -33,6 +33,21 @@ class PluginError(RuntimeError):
     """A plugin or component problem the user must fix (bad name, conflict, version mismatch)."""
 
 
+class PluginCodeError(PluginError):
+    """A component's own code raised while the runtime used it at start-up (e.g. a quantization
+    method's `create_weights` or `apply` in the warm-up): one line naming the component, the hook and
+    the layer, like every PluginError, with the component's exception as `__cause__`. Unlike a bad
+    value, its traceback matters to the component's author: the scheduler process logs it at ERROR
+    (`serve`), `generate` shows it with RADIXSERVE_DEBUG=1."""
+
+
+class PluginRefusal(PluginError, ValueError):
+    """A component's hook refused what it was given at start-up with a ValueError (the interfaces'
+    way to refuse a value, as `QuantMethod.from_config` does; e.g. a weight source's option that does
+    not fit the file): one line naming the component, the hook and the layer, with no traceback, like
+    every mistake of the user's. Still a ValueError, as the refusal it reports."""
+
+
 @dataclass(frozen=True)
 class ComponentSpec:
     kind: str
@@ -249,9 +264,11 @@ class Registry:
 
     def add_plugin_module(self, module: ModuleType, *, name: str, distribution: str, version: str = "") -> None:
         api = getattr(module, "PLUGIN_API", None)
-        if api is None:
+        # an empty (or blank) specifier set admits every version: it declares nothing, like none at all
+        if api is None or (isinstance(api, str) and not api.strip()):
+            declared = "does not declare PLUGIN_API" if api is None else f"declares an empty PLUGIN_API ({api!r})"
             raise PluginError(
-                f"plugin {name!r} from {distribution} does not declare PLUGIN_API (e.g. PLUGIN_API = '>=1,<2')"
+                f"plugin {name!r} from {distribution} {declared} (e.g. PLUGIN_API = '>=1,<2')"
             )
         info = PluginInfo(name=name, distribution=distribution, version=version, module=module.__name__, api=str(api))
         _check_api(info)

@@ -6,7 +6,6 @@ import gc
 import logging
 import os
 import time
-import traceback
 from typing import Any
 
 from radixserve.errors import traceback_worth_showing
@@ -236,17 +235,19 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int, d
         server = SchedulerServer(scheduler, ports, StatsHookReporter.for_registry(registry))
         release_free_heap()  # what loading the weights freed stays resident otherwise
     except Exception as e:
+        from radixserve.plugins.registry import PluginCodeError, PluginError
+
+        # the traceback of a crash, or of a plugin's own code (the parent states a mistake of the user's once):
+        # logged before the parent hears of the failure, since it then stops this process at once
+        if traceback_worth_showing(e) or isinstance(e, PluginCodeError):
+            logger.error("start-up failed:", exc_info=e)
         ctx = zmq.Context(1)
         sock = ctx.socket(zmq.PUSH)
         sock.connect(ports.manager_input)
-        from radixserve.plugins.registry import PluginError
-
         user_error = str(e) if isinstance(e, (ValueError, FileNotFoundError, PluginError)) else None
         sock.send(make_encoder().encode(ChildFailed(process="scheduler", error=f"{e!r}", user_error=user_error)))
         sock.close(linger=2000)
         ctx.term()
-        if traceback_worth_showing(e):  # the parent states a mistake once
-            traceback.print_exc()
         raise SystemExit(1) from e
     info = {
         "context_len": int(runner.context_len),

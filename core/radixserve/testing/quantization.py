@@ -11,7 +11,8 @@ taken for a replicated bias)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from radixserve.layers.linear import (
 )
 from radixserve.layers.moe.layer import FusedMoE
 from radixserve.layers.moe.routing import RoutingConfig
-from radixserve.layers.weight_utils import default_weight_loader
+from radixserve.layers.weight_utils import CheckpointDtypeError, _load_param
 from radixserve.testing._threads import single_threaded
 
 # quantize(w [out, in] fp32 CPU) -> (checkpoint tensors by parameter name, the dequantized weight)
@@ -53,7 +54,9 @@ def _shards(quantize: Quantize, ids: list[Any], rows: list[int], in_features: in
     return out
 
 
-def _load(layer, shards: list[_Shard], where: str) -> None:
+def _load(layer, shards: list[_Shard], where: str, tp: int) -> None:
+    """Load the shards' tensors through the one path the model loader calls each parameter's
+    `weight_loader` by (`weight_utils`: its dtype and shape checks included)."""
     params = dict(layer.named_parameters(recurse=False))
     given = set().union(*(s.tensors for s in shards)) | ({"bias"} if layer.bias is not None else set())
     missing, extra = sorted(set(params) - given), sorted(given - set(params))
@@ -65,18 +68,40 @@ def _load(layer, shards: list[_Shard], where: str) -> None:
             tensors["bias"] = shard.bias
         for name, tensor in tensors.items():
             param = params[name]
-            loader = getattr(param, "weight_loader", default_weight_loader)
             try:
-                if shard.shard_id is None:
-                    loader(param, tensor)
-                else:
-                    loader(param, tensor, shard.shard_id)
+                _load_param(param, tensor, shard.shard_id, name=name, target=name)
+            except CheckpointDtypeError as e:
+                raise AssertionError(f"{where}: {e}. quantize() must return each tensor in the dtype create_weights "
+                                     "registered for its parameter") from e
             except Exception as e:
+                cause = e.__cause__ if e.__cause__ is not None else e  # the layer loader's own words
+                # only a split can be cut along the wrong dim; unsplit, the shape create_weights registered is off
+                hint = ("A parameter split across tensor-parallel ranks needs `output_dim` (column-parallel) and "
+                        "`input_dim` (row-parallel) attributes, and the layer's own `weight_loader` (see "
+                        "docs/contracts.md)") if tp > 1 else (
+                        "Unsplit, the parameter create_weights registers must have the shape of the whole checkpoint "
+                        "tensor quantize() returns: check the shape create_weights gives it for these input_size / "
+                        "output_sizes")
                 raise AssertionError(
                     f"{where}: loading {name!r} (shard {shard.shard_id!r}, checkpoint shape {tuple(tensor.shape)}) "
-                    f"into a parameter of shape {tuple(param.shape)} failed: {e!r}. A parameter split across "
-                    f"tensor-parallel ranks needs `output_dim` (column-parallel) and `input_dim` (row-parallel) "
-                    f"attributes, and the layer's own `weight_loader` (see docs/contracts.md)") from e
+                    f"into a parameter of shape {tuple(param.shape)} failed: {cause!r}. {hint}") from e
+
+
+@contextmanager
+def _step(where: str, step: str) -> Iterator[None]:
+    """The method under test raising in `step` is a kit failure naming the case and the step, the
+    method's exception chained (its traceback shows where in the method)."""
+    try:
+        yield
+    except Exception as e:
+        raise AssertionError(f"{where}: {step} raised {type(e).__name__}: {e}") from e
+
+
+def _method_name(method: Callable[[], QuantMethod]) -> str:
+    """The class the kit's messages name: that of the instance `method()` builds (the docs' `lambda:
+    M.from_config(...)` has no useful `__name__`)."""
+    with _step("building the method under test", "method()"):
+        return type(method()).__name__
 
 
 def _local(shards: list[_Shard], rank: int, tp: int, replicas: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,22 +156,27 @@ def check_quant_method(
     """
     if not tp_sizes or any(tp not in (1, 2) for tp in tp_sizes):
         raise ValueError(f"tp_sizes={tp_sizes!r}: a non-empty choice out of (1, 2)")
+    name = _method_name(method)
     if 2 not in tp_sizes and getattr(method(), "supports_tensor_parallel", False):
         raise AssertionError("tp_sizes leaves out the 2-rank split, but the method declares supports_tensor_parallel")
     tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[dtype]
     gen = torch.Generator().manual_seed(seed)
-    name = getattr(method, "__name__", type(method()).__name__)
     d_in, d_out, inter, head = 4 * unit, 3 * unit, 2 * unit, unit
     x = (torch.randn(5, d_in, generator=gen)).to(dtype).to(device)
     x64 = x.double().cpu()
 
-    def build(make):
-        with torch.device(device):
+    def build(make, where):
+        with _step(where, "building the layer (create_weights)"), torch.device(device):
             return make(method())
 
-    def finish(layer):
-        layer.quant_method.process_weights_after_loading(layer)
+    def finish(layer, where):
+        with _step(where, "process_weights_after_loading"):
+            layer.quant_method.process_weights_after_loading(layer)
         return layer
+
+    def apply(layer, where, inp, bias):
+        with _step(where, f"apply on {tuple(inp.shape)} input"):
+            return layer.quant_method.apply(layer, inp, bias)
 
     # replicated, and column-parallel over 1 and 2 ranks
     shards = _shards(quantize, [None], [d_out], d_in, gen)
@@ -155,28 +185,32 @@ def check_quant_method(
         outs = []
         for rank in range(tp):
             where = f"{name}: ColumnParallelLinear tp rank {rank} of {tp}"
-            layer = build(lambda qm, rank=rank, tp=tp: ColumnParallelLinear(d_in, d_out, True, qm, rank, tp, params_dtype=dtype))
-            _load(layer, shards, where)
-            finish(layer)
-            outs.append(layer.quant_method.apply(layer, x, layer.bias))
+            layer = build(lambda qm, rank=rank, tp=tp: ColumnParallelLinear(d_in, d_out, True, qm, rank, tp,
+                                                                            params_dtype=dtype), where)
+            _load(layer, shards, where, tp)
+            finish(layer, where)
+            outs.append(apply(layer, where, x, layer.bias))
         _assert_close(torch.cat(outs, dim=-1), x64 @ w.double().T + b.double(), x, tol, f"{name}: ColumnParallelLinear tp {tp}")
-    layer = build(lambda qm: ReplicatedLinear(d_in, d_out, True, qm, params_dtype=dtype))
-    _load(layer, shards, f"{name}: ReplicatedLinear")
-    finish(layer)
-    _assert_close(layer(x), x64 @ w.double().T + b.double(), x, tol, f"{name}: ReplicatedLinear")
-    finish(layer)  # process_weights_after_loading must be idempotent in effect
-    _assert_close(layer(x), x64 @ w.double().T + b.double(), x, tol, f"{name}: ReplicatedLinear, processed twice")
+    where = f"{name}: ReplicatedLinear"
+    layer = build(lambda qm: ReplicatedLinear(d_in, d_out, True, qm, params_dtype=dtype), where)
+    _load(layer, shards, where, 1)
+    finish(layer, where)
+    _assert_close(apply(layer, where, x, layer.bias), x64 @ w.double().T + b.double(), x, tol, where)
+    where = f"{name}: ReplicatedLinear, processed twice"
+    finish(layer, where)  # process_weights_after_loading must be idempotent in effect
+    _assert_close(apply(layer, where, x, layer.bias), x64 @ w.double().T + b.double(), x, tol, where)
 
     # row-parallel over 1 and 2 ranks: each rank sees its slice of the input features
     for tp in tp_sizes:
         total = 0
         for rank in range(tp):
             where = f"{name}: RowParallelLinear tp rank {rank} of {tp}"
-            layer = build(lambda qm, rank=rank, tp=tp: RowParallelLinear(d_in, d_out, True, qm, rank, tp, params_dtype=dtype))
-            _load(layer, shards, where)
-            finish(layer)
+            layer = build(lambda qm, rank=rank, tp=tp: RowParallelLinear(d_in, d_out, True, qm, rank, tp,
+                                                                         params_dtype=dtype), where)
+            _load(layer, shards, where, tp)
+            finish(layer, where)
             part = x[:, rank * d_in // tp : (rank + 1) * d_in // tp]
-            total = total + layer.quant_method.apply(layer, part, layer.bias if rank == 0 else None).double()
+            total = total + apply(layer, where, part, layer.bias if rank == 0 else None).double()
         _assert_close(total.to(x.dtype), x64 @ w.double().T + b.double(), x, tol, f"{name}: RowParallelLinear tp {tp}")
 
     # fused layers, loaded shard by shard
@@ -191,12 +225,11 @@ def check_quant_method(
         ):
             for rank in range(tp):
                 where = f"{name}: {kind} tp rank {rank} of {tp}"
-                layer = build(lambda qm, make=make, rank=rank, tp=tp: make(qm, rank, tp))
-                _load(layer, shards_, where)
-                finish(layer)
+                layer = build(lambda qm, make=make, rank=rank, tp=tp: make(qm, rank, tp), where)
+                _load(layer, shards_, where, tp)
+                finish(layer, where)
                 w_r, b_r = _local(shards_, rank, tp)
-                _assert_close(layer.quant_method.apply(layer, x, layer.bias), x64 @ w_r.double().T + b_r.double(), x,
-                              tol, where)
+                _assert_close(apply(layer, where, x, layer.bias), x64 @ w_r.double().T + b_r.double(), x, tol, where)
 
 
 @single_threaded
@@ -216,47 +249,58 @@ def check_quant_method_moe(
     `apply_moe`) against the dequantized experts; raise AssertionError naming the step.
 
     A `FusedMoE` layer (hidden 4*unit, intermediate 2*unit, `num_experts` experts) is built with
-    the method; each expert's gate, up and down matrix goes through `quantize` and every tensor it
-    returns is loaded with the layer's loader (`w13_<name>` for gate and up, `w2_<name>` for down,
-    shard id and expert id as a checkpoint loader passes them); then `apply_moe` on 1 and 7 tokens
-    (distinct experts per token, fp32 routing weights) must equal
-    `sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))` of the dequantized weights.
+    the method; each expert's gate, up and down matrix goes through `quantize`, and every tensor it
+    returns is loaded as a checkpoint loader loads it: named as in a checkpoint
+    (`....experts.{e}.gate_proj.<suffix>`), mapped by `FusedMoE.map_checkpoint_name` (to
+    `w13_<suffix>` for gate and up, `w2_<suffix>` for down) and loaded through the layer's loader
+    with its shard id and expert id; then `apply_moe` on 1 and 7 tokens (distinct experts per token,
+    fp32 routing weights) must equal `sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))` of the
+    dequantized weights.
 
     :param method, quantize, dtype, device, unit, tolerance, seed: as for `check_quant_method`;
         `quantize(w)` must return tensors named by the suffixes the method's expert parameters
-        use (e.g. {"weight": ..., "weight_scale_inv": ...} for `w13_weight`, `w13_weight_scale_inv`).
+        use (e.g. {"weight": ..., "weight_scale_inv": ...} for `w13_weight`, `w13_weight_scale_inv`;
+        any suffix that is one identifier, as a pre-quantized checkpoint may name them).
     :param num_experts, top_k: the layer's experts and the experts each token uses.
 
     Added in plugin API 1.5."""
     tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[dtype]
     gen = torch.Generator().manual_seed(seed)
-    name = getattr(method, "__name__", type(method()).__name__)
+    name = _method_name(method)
     hidden, inter = 4 * unit, 2 * unit
-    with torch.device(device):
+    where = f"{name}: FusedMoE ({num_experts} experts, top-{top_k})"
+    with _step(where, "building the layer (create_moe_weights)"), torch.device(device):
         layer = FusedMoE(num_experts, hidden, inter, RoutingConfig(top_k=top_k), quant_method=method(),
                          prefix="kit.experts", params_dtype=dtype)
     params = dict(layer.named_parameters(recurse=False))
+    proj = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
     experts: list[dict[str, torch.Tensor]] = []
     for e in range(num_experts):
         deq = {}
         for shard, (rows, cols) in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
             tensors, deq[shard] = quantize(torch.randn(rows, cols, generator=gen) * cols**-0.5)
             for suffix, tensor in tensors.items():
-                pname = ("w2_" if shard == "down" else "w13_") + suffix
+                checkpoint_name = f"kit.experts.{e}.{proj[shard]}.{suffix}"
+                mapped = FusedMoE.map_checkpoint_name(checkpoint_name)  # as load_stacked_weights maps it
+                assert mapped is not None, (f"{name}: quantize() gave {suffix!r} for the {shard} matrix, but a checkpoint "
+                                            f"tensor {checkpoint_name!r} maps to no expert parameter "
+                                            "(FusedMoE.map_checkpoint_name: the suffix must be one identifier)")
+                pname = mapped[0].rpartition(".")[2]
                 assert pname in params, (f"{name}: quantize() gave {suffix!r} for the {shard} matrix, but the MoE layer "
                                          f"has no parameter {pname!r} (it has {sorted(params)})")
-                loader = getattr(params[pname], "weight_loader", None)
-                assert loader is not None, f"{name}: MoE parameter {pname!r} has no weight_loader (use layer.weight_loader)"
+                assert getattr(params[pname], "weight_loader", None) is not None, (
+                    f"{name}: MoE parameter {pname!r} has no weight_loader (use layer.weight_loader)")
                 try:
-                    loader(params[pname], tensor, shard_id=shard, expert_id=e)
+                    _load_param(params[pname], tensor, mapped[2], name=checkpoint_name, target=pname, expert_id=e)
                 except Exception as err:
                     raise AssertionError(f"{name}: loading expert {e}'s {shard} {suffix!r} (checkpoint shape "
-                                         f"{tuple(tensor.shape)}) into {pname!r} {tuple(params[pname].shape)} failed: "
-                                         f"{err!r}") from err
+                                         f"{tuple(tensor.shape)}, {tensor.dtype}) into {pname!r} "
+                                         f"{tuple(params[pname].shape)} {params[pname].dtype} failed: {err}") from err
         experts.append({k: v.double() for k, v in deq.items()})
     missing = layer.incomplete_params()
     assert not missing, f"{name}: MoE parameters {missing} were not filled by the per-expert tensors quantize() gave"
-    layer.quant_method.process_moe_weights_after_loading(layer)
+    with _step(where, "process_moe_weights_after_loading"):
+        layer.quant_method.process_moe_weights_after_loading(layer)
 
     for tokens in (1, 7):
         x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(device)
@@ -269,6 +313,8 @@ def check_quant_method_moe(
                 w = experts[int(ids[t, k])]
                 act = torch.nn.functional.silu(x64[t] @ w["gate"].T) * (x64[t] @ w["up"].T)
                 want[t] += float(weights[t, k]) * (act @ w["down"].T)
-        got = layer.quant_method.apply_moe(layer, x, weights.to(device), ids.to(device))
-        _assert_close(got, want, x, tol, f"{name}: apply_moe on {tokens} token(s), top-{top_k} of {num_experts}",
+        step = f"apply_moe on {tokens} token(s), top-{top_k} of {num_experts}"
+        with _step(f"{name}: FusedMoE", step):
+            got = layer.quant_method.apply_moe(layer, x, weights.to(device), ids.to(device))
+        _assert_close(got, want, x, tol, f"{name}: {step}",
                       "the routed sum over the dequantized experts, sum_k w_k * down(silu(gate x) * up x)")

@@ -26,9 +26,9 @@ from radixserve.layers.norm import RMSNorm
 from radixserve.layers.quant_unquantized import UnquantizedMethod
 
 _PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.")
-# per-expert checkpoint tensors a layer's QuantMethod may create parameters for: `w13_<suffix>` and
-# `w2_<suffix>` (block-FP8 checkpoints store `weight` and `weight_scale_inv` per expert)
-_EXPERT_TENSOR_SUFFIXES = ("weight", "weight_scale_inv")
+# a per-expert tensor's suffix (`weight`, fp8's `weight_scale_inv`, an int8 `weight_scale`, int4's `qweight`,
+# `scales`, ...): whatever names the layer's QuantMethod gave its `w13_<suffix>` / `w2_<suffix>` parameters
+_EXPERT_TENSOR_SUFFIX = re.compile(r"\w+")
 _SHARD_ALIASES = {"gate": "gate", "w1": "gate", "up": "up", "w3": "up", "down": "down", "w2": "down"}
 
 
@@ -82,15 +82,19 @@ class FusedMoE(nn.Module):
         """Where an expert tensor of the checkpoint goes: (parameter name, expert id, shard id) for
         this layer's `weight_loader`, or None for a name that is not an expert tensor.
 
-        Per-expert names `....experts.{e}.{gate|up|down}.weight` (Mixtral: gate="w1", up="w3",
-        down="w2") map to `....experts.w13_weight` / `w2_weight` with expert e, and a block-FP8
-        checkpoint's `....weight_scale_inv` to `w13_weight_scale_inv` / `w2_weight_scale_inv`; the stacked names of
-        transformers 5 (`....experts.gate_up_proj`, `....experts.down_proj`) map whole."""
+        Per-expert names `....experts.{e}.{gate|up|down}.<suffix>` (Mixtral: gate="w1", up="w3",
+        down="w2") map to `....experts.w13_<suffix>` (gate, up) / `w2_<suffix>` (down) with expert e,
+        for any suffix that is one identifier: `weight`, and whatever the layer's QuantMethod named its
+        other expert parameters (block FP8's `weight_scale_inv`, a per-row `weight_scale`, int4's
+        `qweight` / `scales` / `qzeros`). The caller checks that the layer has the parameter
+        (`load_stacked_weights` refuses a tensor whose parameter it lacks, naming those it has).
+        The stacked names of transformers 5 (`....experts.gate_up_proj`, `....experts.down_proj`) map
+        whole. Any suffix since plugin API 1.14 (before: `weight` and `weight_scale_inv` only)."""
         match = _PER_EXPERT.search(name)
         if match is not None:
             shard = {gate: "gate", up: "up", down: "down"}.get(match.group(2))
-            suffix = name[match.end():]  # "weight", or a quantized format's companion ("weight_scale_inv")
-            if shard is None or suffix not in _EXPERT_TENSOR_SUFFIXES:
+            suffix = name[match.end():]  # "weight", or a quantized format's companion ("weight_scale", "scales")
+            if shard is None or not _EXPERT_TENSOR_SUFFIX.fullmatch(suffix):
                 return None
             param = ("experts.w13_" if shard != "down" else "experts.w2_") + suffix
             return name[: match.start()] + "." + param, int(match.group(1)), shard
