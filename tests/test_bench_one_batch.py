@@ -43,3 +43,12 @@ def test_bench_one_batch_speculative_reports_acceptance(tiny_path, tmp_path, acc
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["speculative"] == "oracle" and row["spec_accept_length"] == pytest.approx(expected)
     assert row["decode_tok_s"] > 0 and "accept_length" in r.stdout
+    # audit 29: ms/step and tok/s did not reconcile. Every timed step here is a verify of both requests
+    # (2 x accept length tokens); tok/s is tokens per step over the mean step time, not the median
+    assert row["decode_tokens_per_step"] == pytest.approx(2 * expected)
+    assert row["decode_steps"] * row["decode_tokens_per_step"] == pytest.approx(2 * (output_len - 1))
+    assert row["decode_tok_s"] == pytest.approx(row["decode_tokens_per_step"] / row["decode_ms_per_step_mean"] * 1e3,
+                                                rel=0.01)
+    line = next(x for x in r.stdout.splitlines() if "speculative=oracle" in x)
+    for label in ("p50", "ms/step", "mean", "tok/step", "tokens / summed step time", "tokens per request verify"):
+        assert label in line, line

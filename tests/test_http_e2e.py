@@ -262,7 +262,7 @@ def test_bench_serve_against_the_server(server):
     assert 0 < summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p99"]
     # inter-token latency is per token, also when one event carries several (usage on every chunk)
     assert summary["itl_samples"] == 6 * (3 - 1)
-    assert summary["spec_accept_length"] is None  # this server does not speculate
+    assert summary["spec_accept_length"] is None and summary["spec_verifies"] is None  # this server does not speculate
     # wrong key: every request fails and is reported, none raises
     bad = parser.parse_args(["--base-url", server.url, "--api-key", "wrong", "--num-prompts", "2", "--model", server.model])
     summary = asyncio.run(bench.run_benchmark(bad))

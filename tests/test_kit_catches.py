@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 from radixserve.interfaces.drafter import Drafter, DraftProposal
-from radixserve.testing import ReferenceAttentionBackend, check_attention_backend, check_drafter
+from radixserve.testing import ReferenceAttentionBackend, check_attention_backend, check_drafter, check_prefix_cache
+from radixserve_cache_radix.radix_cache import RadixCache
 
 SMALL = dict(heads=((2, 1, 32),), seeds=(0,), num_requests=3, decode_steps=1, tree_steps=2)
 
@@ -97,6 +98,124 @@ def test_a_drafter_keeping_state_on_its_class_fails():
 
     with pytest.raises(AssertionError, match=r"finished request's rid at ClassState\.seen"):
         check_drafter(ClassState, topk=(1,), seeds=(0,))
+
+
+class TreeCopyDrafter(CopyDrafter):
+    """Correct trees: the copy chain, plus a second child of the root where trees are allowed."""
+
+    def propose(self, reqs, num_draft_tokens):
+        chains = super().propose(reqs, num_draft_tokens).tokens
+        if not (self.info.supports_tree and self.info.topk > 1) or num_draft_tokens < 2:
+            return DraftProposal(chains)
+        tokens, parents = [], []
+        for c in chains:
+            c = c[: num_draft_tokens - 1]
+            tokens.append(c + [0])
+            parents.append(list(range(-1, len(c) - 1)) + [-1])  # the extra node: a sibling of c[0]
+        return DraftProposal(tokens, parents)
+
+
+def test_a_correct_tree_drafter_passes():
+    check_drafter(TreeCopyDrafter, topk=(1, 2), seeds=(0,))
+
+    class EmptyTrees(CopyDrafter):  # no draft, as an empty tree
+        def propose(self, reqs, num_draft_tokens):
+            return DraftProposal([[] for _ in reqs], [[] for _ in reqs])
+
+    check_drafter(EmptyTrees, topk=(1, 3), seeds=(0,))
+
+
+@pytest.mark.parametrize("bug, topk, message", [
+    # audit 29, finding 5: a tree at topk 1 and a root with n > topk children both passed
+    ("tree_at_topk1", (1,), r"make a tree, but info.topk=1 and info.supports_tree=False"),
+    ("wide", (3,), r"the root \(-1\) has 4 children, more than info.topk=3"),
+    # trees asked for (topk 2) but the backend cannot verify them: only the kit's extra run sees it
+    ("ignores_supports_tree", (2,), r"topk 2 \(no tree support\).*info.supports_tree=False"),
+])
+def test_a_drafter_breaking_the_tree_rules_fails(bug, topk, message):
+    class Broken(TreeCopyDrafter):
+        def propose(self, reqs, num_draft_tokens):
+            if bug == "tree_at_topk1" and num_draft_tokens >= 2:
+                return DraftProposal([[1, 2] for _ in reqs], [[-1, -1] for _ in reqs])
+            if bug == "wide" and num_draft_tokens >= 4:
+                return DraftProposal([list(range(1, num_draft_tokens + 1)) for _ in reqs],
+                                     [[-1] * num_draft_tokens for _ in reqs])
+            if bug == "ignores_supports_tree" and num_draft_tokens >= 2:
+                return DraftProposal([[1, 2] for _ in reqs], [[-1, -1] for _ in reqs])
+            return super().propose(reqs, num_draft_tokens)
+
+    with pytest.raises(AssertionError, match=message):
+        check_drafter(Broken, topk=topk, seeds=(0,))
+
+
+def test_a_raising_propose_is_named_with_its_case():
+    """Audit 29, finding 4: the drafter's own error came through without the seed or step."""
+
+    class Raises(CopyDrafter):
+        def propose(self, reqs, num_draft_tokens):
+            raise RuntimeError("index out of date")
+
+    with pytest.raises(AssertionError, match=r"seed 0, topk 1, step 1: propose\(.*\) raised RuntimeError: index out of "
+                                             r"date") as e:
+        check_drafter(Raises, topk=(1,), seeds=(0,))
+    assert isinstance(e.value.__cause__, RuntimeError)
+
+
+def test_check_drafter_returns_the_mean_accepted_drafts():
+    """Audit 29, finding 9: the acceptance showed only when min_acceptance failed."""
+
+    class Nothing(CopyDrafter):
+        def propose(self, reqs, num_draft_tokens):
+            return DraftProposal([[] for _ in reqs])
+
+    assert check_drafter(Nothing, topk=(1,), seeds=(0,)) == 0.0
+    mean = check_drafter(CopyDrafter, topk=(1,), seeds=(0,), num_requests=6, max_concurrent=3)
+    assert 0.5 < mean <= 4
+    assert check_drafter(CopyDrafter, topk=(1,), seeds=(0,), num_requests=6, max_concurrent=3,
+                         min_acceptance=mean) == mean  # one seed: its mean is the returned one
+    with pytest.raises(AssertionError, match="accepted drafts per request step"):
+        check_drafter(CopyDrafter, topk=(1,), seeds=(0,), num_requests=6, max_concurrent=3, min_acceptance=mean + 0.01)
+
+
+class _DoubleFree(RadixCache):
+    """One bug each, in evict or in the request helpers: a slot freed twice."""
+
+    where = "evict"
+
+    def evict(self, num_tokens):
+        if self.where != "evict":
+            return super().evict(num_tokens)
+        freed = []
+        real = self.allocator.free
+        self.allocator.free = lambda slots: (freed.append(slots.clone()), real(slots))[1]
+        try:
+            n = super().evict(num_tokens)
+        finally:
+            del self.allocator.free
+        if freed:
+            real(freed[0][:1])
+        return n
+
+    def _insert_and_free_duplicates(self, ids, kv, old_len):
+        cached = self.insert(ids, kv)
+        self.allocator.free(kv[old_len:cached])
+        if self.where == "finish" and cached > old_len:
+            self.allocator.free(kv[old_len:old_len + 1])
+
+
+@pytest.mark.parametrize("where, message", [
+    ("evict", r"_DoubleFree \(seed 0, step \d+, (evict|insert)\): allocator.free\(slots \[\d+\]; already free: "
+              r"\[\d+\]\) refused: free: slot already free \(double free\)"),
+    ("finish", r"_DoubleFree \(seed 0, request level, step \d+, cache_(un)?finished_req of request r\d.*\): "
+               r"allocator.free\(.*already free.*double free"),
+])
+def test_a_double_free_in_the_prefix_cache_kit_names_the_case(where, message):
+    """Audit 29, finding 4: the allocator's ValueError came through bare (no seed, step or slot)."""
+    cls = type(f"_DoubleFree_{where}", (_DoubleFree,), {"where": where})
+    cls.__name__ = "_DoubleFree"
+    with pytest.raises(AssertionError, match=message) as e:
+        check_prefix_cache(cls, seeds=(0,), end_to_end=False)
+    assert isinstance(e.value.__cause__, ValueError)
 
 
 def test_the_attention_kit_checks_tree_masks():

@@ -4,7 +4,9 @@ draft helpers (cutting drafts to the contract, the accepted path, the safeguard'
 
 from __future__ import annotations
 
+import asyncio
 import json
+import types
 
 import pytest
 import torch
@@ -118,4 +120,24 @@ def test_bench_serve_acceptance_length_from_server_counters():
 
     before = {"spec_verifies": 10, "spec_accepted_tokens": 5}
     assert _accept_length(before, {"spec_verifies": 20, "spec_accepted_tokens": 35}) == 4.0
-    assert _accept_length(before, before) is None and _accept_length(None, before) is None
+    assert _accept_length(None, before) is None  # not reported: not RadixServe, or not speculating
+    # audit 29: a speculating server that verified no draft during the run (random ids give a lookup
+    # drafter nothing) gave null, read as "not speculating"; it is 0, beside spec_verifies 0
+    assert _accept_length(before, before) == 0.0
+
+
+def test_bench_serve_reads_the_counters_only_from_a_speculating_server():
+    from radixserve.bench.serve import _spec_counters
+
+    class Client:
+        def __init__(self, stats):
+            self.stats = stats
+
+        async def get(self, path):
+            assert path == "/server_info"
+            return types.SimpleNamespace(json=lambda: {"stats": self.stats})
+
+    counters = {"spec_verifies": 3, "spec_accepted_tokens": 4}
+    assert asyncio.run(_spec_counters(Client({"speculative": True, **counters}))) == counters
+    assert asyncio.run(_spec_counters(Client({"speculative": False, **counters}))) is None
+    assert asyncio.run(_spec_counters(Client({}))) is None  # no counters: another server

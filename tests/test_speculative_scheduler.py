@@ -256,6 +256,21 @@ def test_per_request_acceptance_counters_are_emitted():
     assert_clean(sched)
 
 
+def test_meta_info_has_the_acceptance_keys_whenever_the_server_speculates():
+    """Audit 29: a request with no verify step (no draft) had no spec keys, so clients needed .get."""
+    from radixserve.messages import ReqTextOut
+    from radixserve.runtime.tokenizer_manager import TokenizerManager, _ReqState
+
+    def meta(speculative, verifies, accepted):
+        item = ReqTextOut(rid="a", text_delta="", new_ids=[1], finished_reason={"type": "length"},
+                          spec_verify_ct=verifies, spec_accepted_drafts=accepted)
+        return TokenizerManager._render(_ReqState("a", False, False, 3), item, speculative)["meta_info"]
+
+    assert meta(True, 0, 0)["spec_verify_ct"] == 0 and meta(True, 0, 0)["spec_accept_length"] == 0.0
+    assert meta(True, 2, 3)["spec_verify_ct"] == 2 and meta(True, 2, 3)["spec_accept_length"] == 2.5
+    assert "spec_verify_ct" not in meta(False, 0, 0) and "spec_accept_length" not in meta(False, 0, 0)
+
+
 def test_low_acceptance_at_large_batches_pauses_speculation():
     sched, _ = make({"mode": "wrong"}, spec={"adaptive_batch_size": 4, "min_accepted_drafts": 0.5})
     ps = prompts(8, seed=15)

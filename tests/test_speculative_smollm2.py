@@ -92,6 +92,8 @@ def test_engine_reports_acceptance_in_meta_info_and_stats(smollm2_gguf_path):
         prompts = chat_prompts(eng.tokenizer, n=4)
         params = {"temperature": 0, "max_new_tokens": 17}
         first = eng.generate(input_ids=prompts, sampling_params=params)
+        for o in first:  # nothing learned yet: no draft, no verify step, and the keys are there all the same
+            assert o["meta_info"]["spec_verify_ct"] == 0 and o["meta_info"]["spec_accept_length"] == 0.0
         second = eng.generate(input_ids=prompts, sampling_params=params)  # the oracle learned the first
         assert [o["output_ids"] for o in second] == [o["output_ids"] for o in first]
         for o in second:

@@ -97,6 +97,10 @@ class SchedulerSection(_Section):
     in_batch_prefix_threshold: int = Field(default=16, ge=0)
     schedule_conservativeness: float = Field(default=1.0, gt=0)
     stream_interval: int = Field(default=1, ge=1)  # send streamed tokens every N steps
+    # check every free of a KV slot (one already free or out of range raises at once, the request
+    # doing it ends with a 500 and the log names the prefix cache): for developing a prefix cache;
+    # each free then costs O(pool size)
+    debug_kv_checks: bool = False
 
     def resolved_chunked_prefill_size(self, device: str) -> int | None:
         """Prompt tokens per prefill chunk on `device`, None when chunking is off. The CPU default is

@@ -118,19 +118,19 @@ class ModelRunner:
                                    attention_type=self.attention_type, model_name=model_name,
                                    head_dim=head_dim_before_loading(model_cls, self.hf_config, self.attention_type))
         self._model_name = model_name
-        quant = self._quant_method(source)
-        logger.info("stack: %s; weights: %s", ", ".join(f"{kind} {spec.name}" for kind, spec in
-                                                       self.stack.by_kind().items() if spec is not None),
+        quant = self._quant = self._quant_method(source)
+        logger.info("stack: %s; weights: %s", self._stack_summary(),
                     "unquantized" if quant is None else f"{type(quant).__name__} ({type(quant).__module__})")
         tp = self.tp_group if self.tp_group.size > 1 else None
         if tp is not None:
-            check_model_tensor_parallel(arch, model_cls, quant, self.hf_config, tp.size)
+            check_model_tensor_parallel(arch, model_cls, quant, self.hf_config, tp.size, quant_label=self.quant_label,
+                                        quant_built_by=self._quant_built_by)
         torch.manual_seed(rt.seed)
         gemv_pdl = batch1_gemv_pdl_enabled(rt.batch1_gemv_pdl, self.device)  # an unusable `on` fails before loading
         self.model = load_model(
             source, self.hf_config, model_cls, self.device, self.dtype, quant, seed=rt.seed, show_progress=show_progress,
             tp_group=tp, kv_scales=self._kv_scales, lowbit_gemv=lowbit_gemv.resolve(rt.lowbit_gemv, self.device),
-            cpu_matmul_precision=rt.cpu_matmul_precision,
+            cpu_matmul_precision=rt.cpu_matmul_precision, quant_label=self.quant_label,
         )
         n_gemv = attach_batch1_gemv(self.model, rt.batch1_gemv, self.device,  # per-layer choice, before graphs
                                     pdl=gemv_pdl,
@@ -160,11 +160,50 @@ class ModelRunner:
 
     # ---- setup ----------------------------------------------------------------------------
     def _quant_method(self, source):
-        if source.weight_source is not None:
-            return source.weight_source  # the file's reader is also its layers' QuantMethod
-        from radixserve.model_loader.quant_select import build_quant_method
+        """The layers' QuantMethod. Also sets `quant_label` (how errors name it: the registered component
+        and its distribution), `_quant_origin` (where its name came from, for the start-up log) and
+        `_quant_built_by` (the from_config call that built it)."""
+        from radixserve.model_loader.quant_select import (
+            build_quant_method,
+            chosen_quant_method,
+            quant_config_for,
+            quant_label,
+        )
 
-        return build_quant_method(self.registry, self.stack, self.hf_config, self.device, self.dtype)
+        self._quant_built_by = None
+        if source.weight_source is not None:  # the file's reader is also its layers' QuantMethod
+            spec = self.registry.weight_source_for(source.path)
+            self.quant_label = quant_label(spec) if spec is not None else None
+            self._quant_origin = ("weight source", spec.name if spec is not None else type(source.weight_source).__name__)
+            return source.weight_source
+        spec, origin = chosen_quant_method(self.registry, self.stack, self.hf_config)
+        method = build_quant_method(self.registry, self.stack, self.hf_config, self.device, self.dtype)
+        self.quant_label = quant_label(spec)
+        self._quant_origin = ({"stack.quantization": "stack", "the default": "default"}.get(origin, "checkpoint"),
+                              spec.name)
+        declared = quant_config_for(spec.name, self.hf_config)
+        self._quant_built_by = ("from_config(None) (online quantization)" if declared is None
+                                else "from_config(the checkpoint's quantization_config)")
+        return method
+
+    def _stack_summary(self) -> str:
+        """The start-up log's `stack:` list: each selected component, and the quantization wherever its
+        name came from (stack.quantization; else "(checkpoint)" or "(weight source)")."""
+        parts = []
+        for kind, spec in self.stack.by_kind().items():
+            if spec is not None:
+                parts.append(f"{kind} {spec.name}")
+            elif kind == "quantization" and self._quant_origin[0] in ("checkpoint", "weight source"):
+                parts.append(f"quantization {self._quant_origin[1]} ({self._quant_origin[0]})")
+        return ", ".join(parts)
+
+    def quant_failure(self, e: BaseException, when: str = ""):
+        """`e` as one line naming the quantization component, hook and layer when one of the layers'
+        QuantMethod hooks raised it (a PluginError to raise from `e`), else None. For the warm-up and
+        `generate`'s forwards; the loader does the same for building and preparing the layers."""
+        from radixserve.model_loader.quant_select import quant_hook_failure
+
+        return quant_hook_failure(e, self._quant, self.quant_label, self.model, when)
 
     def _context_len(self) -> int:
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 4096))
@@ -258,7 +297,9 @@ class ModelRunner:
         self.req_to_token_pool = pool_cls(
             self.max_running_requests + REQ_POOL_EXTRA_ROWS + self._tree_scratch, self.context_len, self.device
         )
-        self.token_allocator = TokenAllocator(self.max_total_tokens)
+        # scheduler.debug_kv_checks: double frees raise at once (a prefix cache's bug, named by the scheduler)
+        self.token_allocator = TokenAllocator(self.max_total_tokens,
+                                              debug_checks=self.config.scheduler.debug_kv_checks)
         if self.latent_dims is not None:
             d = self.latent_dims
             self.kv_pool = LatentKVPool(self.max_total_tokens, d.num_layers, d.kv_lora_rank, d.qk_rope_head_dim,
@@ -421,10 +462,16 @@ class ModelRunner:
         requests ~1.8 s of TTFT, session 11). Leaves the pools as it found them."""
         from radixserve.static_batch import run_static_batch
 
-        run_static_batch(self, [[1, 2, 3, 4]], max_new_tokens=2)
-        # bounded by small contexts and KV pools (tests, tiny configs): the chunked pair only where it fits
-        if self.context_len >= 51 and self.max_total_tokens >= 2 * 51:
-            run_static_batch(self, [list(range(1, 49)), list(range(1, 46))], max_new_tokens=2, prefill_chunk=32)
+        try:
+            run_static_batch(self, [[1, 2, 3, 4]], max_new_tokens=2)
+            # bounded by small contexts and KV pools (tests, tiny configs): the chunked pair only where it fits
+            if self.context_len >= 51 and self.max_total_tokens >= 2 * 51:
+                run_static_batch(self, [list(range(1, 49)), list(range(1, 46))], max_new_tokens=2, prefill_chunk=32)
+        except Exception as e:  # a quantization plugin's apply: one line naming it and the layer
+            failure = self.quant_failure(e, " during the warm-up")
+            if failure is None:
+                raise
+            raise failure from e
 
     @property
     def supports_tree_mask(self) -> bool:
@@ -766,17 +813,25 @@ def _with_prompt_scores(result: BatchResult, scores_host: list, ready) -> BatchR
     return result
 
 
-def check_model_tensor_parallel(arch: str, model_cls: type, quant, hf_config, tp_size: int) -> None:
+def check_model_tensor_parallel(arch: str, model_cls: type, quant, hf_config, tp_size: int,
+                                quant_label: str | None = None, quant_built_by: str | None = None) -> None:
     """Refuse tp_size > 1 for a model class or quantization method that does not declare
-    `supports_tensor_parallel`, or a model whose heads do not split over the ranks."""
+    `supports_tensor_parallel`, or a model whose heads do not split over the ranks. `quant_label`
+    names the method as registered ("quantization method 'x' (its distribution)"; default: its class),
+    `quant_built_by` how the instance was built (said when the instance's flag differs from its class's)."""
     from radixserve.plugins.registry import PluginError
 
     if not getattr(model_cls, "supports_tensor_parallel", False):
         raise PluginError(f"runtime.tp_size={tp_size}: model architecture {arch!r} ({model_cls.__module__}) does not "
                           "support tensor parallelism (supports_tensor_parallel is False); set runtime.tp_size=1")
     if quant is not None and not getattr(quant, "supports_tensor_parallel", False):
-        raise PluginError(f"runtime.tp_size={tp_size}: quantization method {type(quant).__name__} does not support "
-                          "tensor parallelism (supports_tensor_parallel is False); set runtime.tp_size=1")
+        label = quant_label or f"quantization method {type(quant).__name__}"
+        why = "supports_tensor_parallel is False"
+        if getattr(type(quant), "supports_tensor_parallel", False):  # a mode of the method, e.g. its online one
+            why = (f"the instance built by {quant_built_by or 'from_config'} sets supports_tensor_parallel False, "
+                   f"though its class {type(quant).__name__} sets True")
+        raise PluginError(f"runtime.tp_size={tp_size}: {label} does not support tensor parallelism in this mode "
+                          f"({why}); set runtime.tp_size=1")
     heads = int(hf_config.num_attention_heads)
     kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     if getattr(model_cls, "attention_type", "standard") == "latent":

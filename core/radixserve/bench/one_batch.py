@@ -6,8 +6,11 @@ Prints a table and optionally appends JSON lines to --result-file.
 
 With speculative decoding (`--speculative NAME` or `stack.speculative`), the batch runs through the
 in-process Scheduler instead (verify steps need it): two untimed passes generate the greedy outputs
-(and teach the `oracle` drafter its continuations), the third pass is timed; the row adds the
-acceptance length (tokens per verify step) and the verify step time."""
+(and teach the `oracle` drafter its continuations), the third pass is timed. Its decode steps are
+scheduler steps (a verify, or a plain decode where no request got a draft), host work included:
+the row gives their median and mean time, the tokens a step produced on average, tok/s as tokens
+over the steps' summed time (= tokens per step / mean step time), and the acceptance length, which
+counts verify steps only (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -110,10 +113,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace, row: dict, printed: bool = False) -> None:
-    if not printed:
+    if not printed:  # speculative: steps differ (verifies of any length, plain decodes), so say what each number is
         print(
-            f"bs={row['batch_size']:4d} speculative={row['speculative']} decode {row['decode_ms_per_step_p50']:8.3f} "
-            f"ms/step  {row['decode_tok_s']:.1f} tok/s  accept_length {row['spec_accept_length']:.2f}"
+            f"bs={row['batch_size']:4d} speculative={row['speculative']} decode {row['decode_steps']} steps: "
+            f"p50 {row['decode_ms_per_step_p50']:.3f} ms/step, mean {row['decode_ms_per_step_mean']:.3f} ms/step, "
+            f"{row['decode_tokens_per_step']:.2f} tok/step -> {row['decode_tok_s']:.1f} tok/s (tokens / summed step "
+            f"time)  accept_length {row['spec_accept_length']:.2f} (tokens per request verify, {row['spec_verifies']} "
+            "verifies; plain decodes not counted)"
         )
     if args.result_file:
         with open(args.result_file, "a") as f:
@@ -137,18 +143,20 @@ def _speculative_row(config: Config, runner, prompts: list[list[int]], args: arg
             sched.add_request(GenerateRequest(rid=f"{tag}{i}", input_ids=p, sampling_params=sp))
         m = sched.metrics
         steps: list[float] = []
-        tokens0 = verifies0 = accepted0 = 0
+        tokens = verifies = accepted = 0
         while sched.has_work():
             # every request is past its prefill (has its first token) and still decoding
             timed = not sched.waiting and sched.chunked_req is None and len(sched.running) == len(prompts)
-            if timed and not steps:
-                tokens0, verifies0, accepted0 = m.generated_tokens, m.spec_verifies, m.spec_accepted_tokens
+            before = (m.generated_tokens, m.spec_verifies, m.spec_accepted_tokens)
             t0 = time.perf_counter()
             sched.step()
-            if timed:
+            if timed:  # counters of the timed steps only: the steps after a request finished are not timed
                 steps.append(time.perf_counter() - t0)
+                tokens += m.generated_tokens - before[0]
+                verifies += m.spec_verifies - before[1]
+                accepted += m.spec_accepted_tokens - before[2]
         sched.flush_cache()
-        return steps, m.generated_tokens - tokens0, m.spec_verifies - verifies0, m.spec_accepted_tokens - accepted0
+        return steps, tokens, verifies, accepted
 
     # two untimed passes: the first teaches the oracle the plain greedy outputs, the second the
     # outputs of the verify path itself (on a GPU in bf16 the two can differ at near-ties)
@@ -157,15 +165,18 @@ def _speculative_row(config: Config, runner, prompts: list[list[int]], args: arg
     steps, tokens, verifies, accepted = one_pass("run")
     total = sum(steps) or float("nan")
     bs = len(prompts)
+    nan = float("nan")
     return {
         "batch_size": bs,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "speculative": config.stack.speculative,
         "num_draft_tokens": config.speculative.num_draft_tokens,
-        "decode_steps": len(steps),
-        "decode_ms_per_step_p50": round(statistics.median(steps) * 1e3, 3) if steps else float("nan"),
-        "decode_tok_s": round(tokens / total, 1),
+        "decode_steps": len(steps),  # scheduler steps: verifies and plain decodes
+        "decode_ms_per_step_p50": round(statistics.median(steps) * 1e3, 3) if steps else nan,
+        "decode_ms_per_step_mean": round(total / len(steps) * 1e3, 3) if steps else nan,
+        "decode_tokens_per_step": round(tokens / len(steps), 3) if steps else nan,  # over the batch
+        "decode_tok_s": round(tokens / total, 1),  # = decode_tokens_per_step / mean step time
         "spec_accept_length": round((accepted + verifies) / verifies, 3) if verifies else 0.0,
         "spec_verifies": verifies,
         "device": str(runner.device),

@@ -164,6 +164,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         duration = time.perf_counter() - t0
         after = await _spec_counters(client)
     summary = summarize(recs, duration, args)
+    summary["spec_verifies"] = None if before is None or after is None else after["spec_verifies"] - before["spec_verifies"]
     summary["spec_accept_length"] = _accept_length(before, after)
     return summary
 
@@ -198,22 +199,26 @@ def _error_message(resp) -> str:
 
 
 async def _spec_counters(client) -> dict | None:
-    """The server's speculative counters (RadixServe's /server_info stats); None elsewhere."""
+    """The server's speculative counters (RadixServe's /server_info stats); None elsewhere, and
+    when the server does not speculate."""
     try:
         stats = (await client.get("/server_info")).json().get("stats", {})
+        if not stats.get("speculative", True):
+            return None
         return {k: stats[k] for k in ("spec_verifies", "spec_accepted_tokens")}
     except Exception:
         return None
 
 
 def _accept_length(before: dict | None, after: dict | None) -> float | None:
-    """Mean tokens per verify step over the run (accepted drafts + the target's own token);
-    None when the server does not report it or did not speculate."""
+    """Mean tokens per verify over the run (accepted drafts + the target's own token); 0.0 when
+    the server speculated but verified no draft (the run's spec_verifies is 0: as the server's own
+    spec_accept_length); None when the server does not speculate or does not report it."""
     if before is None or after is None:
         return None
     verifies = after["spec_verifies"] - before["spec_verifies"]
     if verifies <= 0:
-        return None
+        return 0.0
     return round((after["spec_accepted_tokens"] - before["spec_accepted_tokens"] + verifies) / verifies, 3)
 
 

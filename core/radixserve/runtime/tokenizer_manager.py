@@ -66,6 +66,8 @@ class GenerateInput:
     # SGLang's: with return_logprob, >= 0 also scores the prompt, reported from this position on; -1: not
     logprob_start_len: int = -1
     priority: int = 0
+    # how the caller's API names `text` in errors: `/generate`'s `text`, the Engine's `prompt`
+    text_field: str = "text"
 
 
 @dataclass
@@ -93,7 +95,8 @@ def _runtime_rejection(message: str, status: int) -> RequestError:
     is reported as "<field>: ..." (scheduler/grammar.py): a 400 naming that sampling field."""
     kind = message.split(":", 1)[0]
     if status == 400 and kind in ("json_schema", "regex", "ebnf"):
-        return InvalidRequest(message, NATIVE.of(kind))
+        # the message starts with the field as the caller sent it, as every other 400's does
+        return InvalidRequest(f"{NATIVE.sampling}{message}", NATIVE.of(kind))
     return RequestError(message, status)
 
 
@@ -145,7 +148,7 @@ class TokenizerManager:
       `{"text": full text so far, "output_ids": all ids so far, "meta_info": {"id", "prompt_tokens",
       "completion_tokens", "cached_tokens", "finish_reason": None | {"type": "stop"|"length"|"abort",
       "matched": token id or stop string}, with speculative decoding "spec_verify_ct" (verify steps
-      with a draft) and "spec_accept_length" (mean tokens per verify step), "output_token_logprobs": [(logprob, token_id), ...],
+      with a draft) and "spec_accept_length" (mean tokens per verify step; both 0 before any), "output_token_logprobs": [(logprob, token_id), ...],
       "output_top_logprobs": [[(logprob, token_id), ...], ...]}}` (logprob keys only when
       return_logprob); with sampling_params.prompt_logprobs (or return_logprob and logprob_start_len >= 0)
       also "input_token_logprobs": [(None, first prompt id), (logprob, token_id), ...] (one per prompt
@@ -427,17 +430,18 @@ class TokenizerManager:
     def _prepare(self, inp: GenerateInput, text_ids: list[int] | None = None) -> tuple[str, list[int], SamplingParams]:
         if (inp.text is None) == (inp.input_ids is None):
             raise InvalidRequest("give exactly one of text or input_ids", "input_ids")
+        # the prompt's errors (empty, too long, ...) name it as the caller sent it
+        field = inp.text_field if inp.text is not None else "input_ids"
         if inp.input_ids is not None:
             if not isinstance(inp.input_ids, list | tuple):
                 raise InvalidRequest("input_ids must be a list of token ids", "input_ids")
             ids = list(inp.input_ids)
         else:
             if not isinstance(inp.text, str):
-                raise InvalidRequest("text must be a string", "text")
-            check_text(inp.text, "text")  # the tokenizer would raise a TypeError on a lone surrogate
+                raise InvalidRequest(f"{field} must be a string", field)
+            check_text(inp.text, field)  # the tokenizer would raise a TypeError on a lone surrogate
             ids = text_ids if text_ids is not None else list(self.tokenizer.encode(inp.text))
         if not ids:
-            field = "text" if inp.text is not None else "input_ids"
             raise InvalidRequest(f"{field}: the prompt is empty", field)
         sp = inp.sampling_params
         if inp.return_logprob and isinstance(sp, SamplingParams) and not sp.logprobs:
@@ -449,7 +453,7 @@ class TokenizerManager:
                 raise InvalidRequest("logprob_start_len requires return_logprob", "logprob_start_len")
             if isinstance(sp, SamplingParams) and sp.prompt_logprobs is None:
                 sp = dataclasses.replace(sp, prompt_logprobs=inp.top_logprobs_num)
-        validate_request(ids, sp, self.limits)
+        validate_request(ids, sp, self.limits, dataclasses.replace(NATIVE, prompt=field))
         if inp.rid is not None and not isinstance(inp.rid, str):  # the typed message to the scheduler needs a str:
             # a non-str one was dropped there, and the caller waited forever
             raise InvalidRequest(f"rid must be a string, got {type(inp.rid).__name__} {inp.rid!r}", "rid")
@@ -488,7 +492,7 @@ class TokenizerManager:
                 self._accumulate(st, item)
                 done = item.finished_reason is not None
                 if done or st.stream:
-                    yield self._render(st, item)
+                    yield self._render(st, item, self.config.stack.speculative is not None)
                 if done:
                     return
         finally:
@@ -513,7 +517,8 @@ class TokenizerManager:
                 st.prompt_top_logprobs = [None] + [[(lp, tid) for tid, lp in alts] for alts in item.prompt_top_logprobs]
 
     @staticmethod
-    def _render(st: _ReqState, item: ReqTextOut) -> dict[str, Any]:
+    def _render(st: _ReqState, item: ReqTextOut, speculative: bool = False) -> dict[str, Any]:
+        """The result dict; `speculative`: the server speculates, so the spec keys are always there."""
         meta: dict[str, Any] = {
             "id": st.rid,
             "prompt_tokens": st.prompt_tokens,
@@ -521,9 +526,10 @@ class TokenizerManager:
             "cached_tokens": item.cached_tokens,
             "finish_reason": item.finished_reason,
         }
-        if item.spec_verify_ct:  # speculative decoding: verify steps, tokens per verify
-            meta["spec_verify_ct"] = item.spec_verify_ct
-            meta["spec_accept_length"] = (item.spec_accepted_drafts + item.spec_verify_ct) / item.spec_verify_ct
+        if speculative or item.spec_verify_ct:  # verify steps, tokens per verify (0 and 0.0 before any)
+            n = item.spec_verify_ct
+            meta["spec_verify_ct"] = n
+            meta["spec_accept_length"] = (item.spec_accepted_drafts + n) / n if n else 0.0
         if st.return_logprob:
             meta["output_token_logprobs"] = list(st.token_logprobs)
             meta["output_top_logprobs"] = list(st.top_logprobs)

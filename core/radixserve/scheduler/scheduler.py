@@ -38,6 +38,7 @@ from radixserve.scheduler.grammar import (
     tokenizer_fingerprint,
 )
 from radixserve.scheduler.metrics import SchedulerMetrics, StepTrace
+from radixserve.scheduler.slot_audit import SlotAudit
 from radixserve.scheduler.speculative.adaptive import DraftLengthControl
 from radixserve.scheduler.speculative.drafts import Draft, accepted_path, checked_draft
 from radixserve.scheduler.stop_strings import StopStringMatcher
@@ -61,6 +62,8 @@ INIT_NEW_TOKEN_RATIO = 0.7  # fraction of max_new_tokens reserved at admission, 
 MIN_NEW_TOKEN_RATIO = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 PROMPT_TAIL = 5  # prompt ids used as decode context (leading spaces) by stop matching and the detokenizer
+MODEL_FAILED = "the model failed while running this request (internal error; see the server log)"
+CACHE_FAILED = "the prefix cache failed while running this request (internal error; see the server log)"
 # decode slots set aside per request at a time: its decode tokens then sit together in the pool,
 # which the CPU attention reads ~20% faster than one slot per request per step, 64 slots apart
 DECODE_RUN = 16
@@ -271,6 +274,11 @@ class Scheduler:
       stay in its row, the others go back to its decode reserve. Overlap is off with a drafter.
     Greedy outputs do not depend on batching, chunking, cache hits, retraction, overlap or
     speculation.
+    - A prefix cache that breaks slot ownership is named in the log (`cache_label`), once per kind
+      (`SlotAudit`: locks or leaked slots with nothing resident, free + cached above the pool, a
+      leak after a flush). A request-level cache call that raises (a double free under
+      `scheduler.debug_kv_checks`) ends that request with a 500; an `evict` that raises frees
+      nothing more, and a request it leaves unable to be admitted ends with a 500.
 
     Overlap (`overlap=True`): `step()` launches the next batch before it processes the previous one,
     so host work (result processing, emitting, the next batch's preparation) runs while the device
@@ -303,11 +311,14 @@ class Scheduler:
         *,
         drafter: Drafter | None = None,
         grammar: GrammarService | None = None,
+        cache_label: str | None = None,
     ) -> None:
         sc = config.scheduler
         self.runner = runner
         self._tokenizer = tokenizer  # for stop strings; the runner's (loaded on first use) when None
         self.cache = cache
+        # how log lines name the cache (from_config: its stack name and distribution)
+        self.cache_label = cache_label or f"prefix cache {type(cache).__name__}"
         self.policy = policy
         self.req_to_token_pool = runner.req_to_token_pool
         self.allocator = runner.token_allocator
@@ -323,6 +334,8 @@ class Scheduler:
         self.in_batch_prefix = sc.in_batch_prefix_threshold if cache.shares_prefixes else 0
         self.stream_interval = sc.stream_interval
         self._failures = RepeatedFailureLog(logger)  # plugin hooks that may fail on every step
+        self._slot_audit = SlotAudit(logger, self.cache_label, self.allocator, cache)
+        self._evict_failed = False  # set by _evict when the cache's evict raised
         cons = sc.schedule_conservativeness
         self.init_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * cons)
         self.min_ratio = min(self.init_ratio, MIN_NEW_TOKEN_RATIO * cons)
@@ -341,6 +354,7 @@ class Scheduler:
         self._trace_mark = 0.0
         self._outbox: list[ReqTokenOut] = []
         self._arrivals = 0
+        self._share_refused_at = -1  # _arrivals when a shared chunk admitted nobody (see _prefill_items)
         self._evicted = False  # set by _alloc_slots when it evicted from the cache
         self.overlap = config.runtime.resolved_overlap(device)
         # speculative decoding (docs/speculative.md): a verify step replaces the plain decode step
@@ -384,15 +398,17 @@ class Scheduler:
         """Build with the prefix cache and policy (with `stack.policy_options`) named in
         `config.stack`, loaded from `registry` (the process's, see Registry.from_config).
         `tokenizer`: for stop strings (None: the runner's)."""
-        cache_cls = registry.load("prefix_cache", config.stack.prefix_cache)
+        name = config.stack.prefix_cache
+        cache_cls = registry.load("prefix_cache", name)
         policy_cls = registry.load("policy", config.stack.policy)
         cache = cache_cls(runner.req_to_token_pool, runner.token_allocator)
+        label = f"prefix cache {name!r} ({registry.get('prefix_cache', name).distribution})"
         from radixserve.scheduler.speculative.setup import build_drafter
 
         policy = policy_cls(**config.stack.policy_options)
         drafter = build_drafter(config, runner, registry)
         grammar = grammar_service(config, runner, registry, tokenizer)
-        return cls(config, runner, cache, policy, tokenizer, drafter=drafter, grammar=grammar)
+        return cls(config, runner, cache, policy, tokenizer, drafter=drafter, grammar=grammar, cache_label=label)
 
     # ---- requests in ------------------------------------------------------------------------
     def add_request(self, msg: GenerateRequest) -> None:
@@ -518,7 +534,12 @@ class Scheduler:
         self._finish_in_flight()
         if self.waiting or self.running or self.chunked_req is not None:
             return False
-        self.cache.reset()
+        try:
+            self.cache.reset()
+        except Exception:
+            logger.exception("%s: reset() failed; the cache was not flushed", self.cache_label)
+            return False
+        self._slot_audit.after_reset()
         return True
 
     def has_work(self) -> bool:
@@ -557,6 +578,8 @@ class Scheduler:
         if ran:  # an idle step (nothing scheduled) is waiting, not work
             self.metrics.steps += 1
             self.metrics.step_seconds += time.perf_counter() - start
+        # three counters; the idle checks need no request holding KV (waiting ones hold none)
+        self._slot_audit.after_step(not self.running and self.chunked_req is None and self._in_flight is None)
         outs, self._outbox = self._outbox, []
         return outs
 
@@ -662,20 +685,35 @@ class Scheduler:
             self._suspects.discard(items[0].req.rid)
 
     def _fail(self, req: Req) -> None:
-        self._suspects.discard(req.rid)
         self._release(req)
+        self._end_failed(req, MODEL_FAILED)
+
+    def _end_failed(self, req: Req, error: str) -> None:
+        """End a request that holds no KV any more with an internal error (HTTP 500)."""
+        self._suspects.discard(req.rid)
         req.finished_reason = {"type": "abort", "message": "internal error"}
         self.metrics.failed_requests += 1
         self.meta.pop(req.rid, None)
         self._drafter_forget(req)
-        self._outbox.append(
-            ReqTokenOut(
-                rid=req.rid,
-                new_ids=[],
-                error="the model failed while running this request (internal error; see the server log)",
-                error_status=500,
-            )
-        )
+        self._outbox.append(ReqTokenOut(rid=req.rid, new_ids=[], error=error, error_status=500))
+
+    def _cache_failed(self, call: str, req: Req) -> None:
+        """A request-level cache call raised (e.g. the allocator's double-free check under
+        scheduler.debug_kv_checks): the request's row and decode slots are freed without the cache,
+        whose state for it is unknown (its slots stay with the cache: at worst they leak, which the
+        slot audit then reports); the caller ends the request with a 500."""
+        self._failures.exception(f"{self.cache_label}: {call} raised; the request ends with an internal error (500)")
+        logger.error("%s: %s failed for request %s", self.cache_label, call, req.rid)
+        try:  # the helpers free before they move the lock (contracts.md section 2): most likely still this one
+            self.cache.dec_lock_ref(req.last_node)
+        except Exception:
+            logger.debug("%s: dec_lock_ref after the failure failed too", self.cache_label, exc_info=True)
+        if req.decode_reserve:
+            self.allocator.free(torch.tensor(req.decode_reserve, dtype=torch.int64))
+            req.decode_reserve = []
+        if req.req_pool_idx is not None:
+            self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.last_node = None, None
 
     def _finish_in_flight(self) -> None:
         if self._in_flight is not None:
@@ -794,10 +832,17 @@ class Scheduler:
             chunk_budget = max(self.chunk_size - len(self.running), max(1, self.chunk_size // 4))
         reserved = sum(self._future_tokens(r) for r in self.running)
 
+        whole_only = False  # newcomers must fit this step whole: a prompt is being chunked (one at a time)
         if self.chunked_req is not None:
             req = self.chunked_req
             total = len(req.origin_input_ids) + len(req.output_ids)
             n = int(min(total - req.kv_len, chunk_budget))
+            share = int(chunk_budget) // 2
+            if (req.kv_len + n < total and share > 0 and self._share_refused_at != self._arrivals
+                    and len(self.running) + 1 < self.max_running and self._short_prompt_waiting(share)):
+                # a short prompt arrived during this long prefill: it gets up to half the chunk now, so its
+                # first token does not wait for the whole long prompt (the long one loses at most half a step)
+                n, whole_only = int(chunk_budget) - share, True
             slots = self._alloc_slots(n)
             if slots is None:
                 if not self.running:  # nothing else will free memory: start this request over later
@@ -807,11 +852,12 @@ class Scheduler:
             self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots)
             items.append(_Item(req, req.kv_len, n, False, slots))
             self.metrics.prefill_tokens_computed += n
-            if req.kv_len + n < total:
+            if req.kv_len + n < total and not whole_only:
                 return items
             chunk_budget -= n
             token_budget -= n
-            reserved += self._future_tokens(req)
+            if not whole_only:
+                reserved += self._future_tokens(req)
 
         # requests still waiting for their grammar are not admissible yet
         candidates = [r for r in self.waiting if r.rid not in self._grammar_pending]
@@ -824,6 +870,8 @@ class Scheduler:
                 req.fill_ids = req.all_ids()
             req.prefix_indices, req.last_node = None, None
         ordered = self.policy.order(candidates, self.cache)
+        if whole_only:  # only prompts that fit the share whole (cache hits aside): no prefix match for the rest
+            ordered = [r for r in ordered if len(r.fill_ids) <= chunk_budget]
         self._evicted = False
         admitted: list[Req] = []
         resident = len(self.running) + len(items)
@@ -840,6 +888,8 @@ class Scheduler:
                 req.prefix_indices = req.prefix_indices[: len(req.prompt_token_logprobs)]
             prefix_len = int(req.prefix_indices.numel())
             extend = len(req.fill_ids) - prefix_len
+            if whole_only and extend > min(chunk_budget, token_budget):
+                continue  # waits for the chunked prompt to finish; a shorter one behind it may fit
             if admitted and self._shares_uncached_prefix(req, prefix_len, admitted):
                 continue  # stays waiting: next step the cache holds the shared part
             if extend > token_budget and (items or admitted) and self.chunk_size is None:
@@ -852,12 +902,16 @@ class Scheduler:
                                                         len(self._grammar_pending))
                 break
             take = extend if self.chunk_size is None else int(min(extend, chunk_budget, token_budget))
+            self._evict_failed = False
             slots = self._alloc_slots(take)
             row = self.req_to_token_pool.alloc() if slots is not None else None
             if row is None:
                 if slots is not None:
                     self.allocator.free(slots)
                 self.cache.dec_lock_ref(req.last_node)
+                if slots is None and self._evict_failed:  # the cache cannot make its room: a 500, not a wait forever
+                    self.waiting.remove(req)
+                    self._end_failed(req, CACHE_FAILED)
                 break
             req.req_pool_idx = row
             if prefix_len:
@@ -878,10 +932,18 @@ class Scheduler:
                 break
             if chunk_budget <= 0 or token_budget <= 0:
                 break
+        if whole_only and not admitted:  # no room for it after all (memory): no share again until a new arrival
+            self._share_refused_at = self._arrivals
         if admitted:
             gone = set(map(id, admitted))
             self.waiting = [r for r in self.waiting if id(r) not in gone]
         return items
+
+    def _short_prompt_waiting(self, limit: int) -> bool:
+        """Whether an admissible waiting request's whole prompt (cache hits not counted) is at most `limit`
+        tokens."""
+        return any(len(r.origin_input_ids) + len(r.output_ids) <= limit
+                   for r in self.waiting if r.rid not in self._grammar_pending)
 
     def _shares_uncached_prefix(self, req: Req, cached: int, admitted: list[Req]) -> bool:
         """Whether an admitted request has the same first `cached + in_batch_prefix` tokens."""
@@ -899,15 +961,25 @@ class Scheduler:
         """n free KV slots, evicting from the prefix cache when needed; None if they do not exist."""
         short = n - self.allocator.available_size()
         if short > 0:
-            self.cache.evict(short)
+            self._evict(short)
             self._evicted = True
         return self.allocator.alloc(n)
+
+    def _evict(self, n: int) -> None:
+        """`cache.evict(n)`. One that raises (a double free under scheduler.debug_kv_checks: the
+        allocator refused the free before changing anything) is logged naming the cache and frees
+        nothing more: the allocation that needed the room fails as on a full pool."""
+        try:
+            self.cache.evict(n)
+        except Exception:
+            self._evict_failed = True
+            self._failures.exception(f"{self.cache_label}: evict failed; the slots it was to free stay unavailable")
 
     # ---- decode -----------------------------------------------------------------------------
     def _decode_items(self, allow_retract: bool) -> list[_Item]:
         need = len(self.running)
         if self.allocator.available_size() < need:
-            self.cache.evict(need - self.allocator.available_size())
+            self._evict(need - self.allocator.available_size())
         if self.allocator.available_size() < need:
             if not allow_retract:
                 return []
@@ -1082,14 +1154,16 @@ class Scheduler:
                 req = order.pop(0)
                 self.running.remove(req)
             self._retract(req)
-        self.cache.evict(len(self.running) - self.allocator.available_size())
+        self._evict(len(self.running) - self.allocator.available_size())
         # budgets were too optimistic: reserve more for the requests still running
         total_left = sum(r.sampling_params.max_new_tokens - len(r.output_ids) for r in self.running) or 1
         decoded = sum(len(r.output_ids) for r in self.running)
         self.new_token_ratio = min(1.0, max(self.new_token_ratio, (decoded + 20 * len(self.running)) / total_left))
 
     def _retract(self, req: Req) -> None:
-        self._release(req)
+        if not self._release(req):  # the cache failed on it: it ends here instead of waiting to rerun
+            self._end_failed(req, CACHE_FAILED)
+            return
         req.fill_ids = req.all_ids()
         req.prefix_indices, req.last_node, req.kv_len = None, None, 0
         req.retracted_count += 1
@@ -1097,17 +1171,23 @@ class Scheduler:
         self.waiting.append(req)
         logger.debug("retracted %s after %d output tokens", req.rid, len(req.output_ids))
 
-    def _release(self, req: Req) -> None:
-        """Give up the request's KV (the cache keeps what it wants), its unused decode slots and its row."""
+    def _release(self, req: Req) -> bool:
+        """Give up the request's KV (the cache keeps what it wants), its unused decode slots and its
+        row. False when the cache's cache_finished_req raised (logged; the caller ends the request with a 500)."""
         if req.decode_reserve:
             self.allocator.free(torch.tensor(req.decode_reserve, dtype=torch.int64))
             req.decode_reserve = []
         if req.req_pool_idx is None:
-            return
-        self.cache.cache_finished_req(req)
+            return True
+        try:
+            self.cache.cache_finished_req(req)
+        except Exception:
+            self._cache_failed("cache_finished_req", req)
+            return False
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.last_node = None
+        return True
 
     # ---- running a batch --------------------------------------------------------------------
     def _to_scheduled_batch(
@@ -1312,7 +1392,14 @@ class Scheduler:
             if not it.decode:
                 req.fill_ids = req.all_ids()[: req.kv_len]
                 # share the prompt with later requests now, not only when this one finishes
-                self.cache.cache_unfinished_req(req)
+                try:
+                    self.cache.cache_unfinished_req(req)
+                except Exception:
+                    self._cache_failed("cache_unfinished_req", req)
+                    if req is self.chunked_req:
+                        self.chunked_req = None
+                    self._end_failed(req, CACHE_FAILED)
+                    continue
                 if not it.completes_prompt:
                     continue
                 if req is self.chunked_req:
@@ -1328,11 +1415,14 @@ class Scheduler:
                 req.finished_reason = {"type": "length"}
             self._notify_drafter(req, n_before)
             if req.finished:
-                self._release(req)
-                self._drafter_forget(req)
-                self.metrics.finished_requests += 1
+                released = self._release(req)
                 if it.decode:
                     self.running.remove(req)
+                if not released:  # the cache failed on it: a 500 instead of its output
+                    self._end_failed(req, CACHE_FAILED)
+                    continue
+                self._drafter_forget(req)
+                self.metrics.finished_requests += 1
             elif not it.decode:
                 now_running.append(req)
             self._emit(req)

@@ -4,7 +4,8 @@
 prompts, so a useful drafter's proposals do get accepted.
 
 Checked: every proposal is well formed (one entry per request in order, at most
-`num_draft_tokens` tokens, token ids in the vocabulary, `parents` valid for trees); proposals
+`num_draft_tokens` tokens, token ids in the vocabulary, `parents` valid for trees; a tree only
+when `info.supports_tree` and `info.topk > 1`, each node with at most `topk` children); proposals
 are the same for the same history (two fresh drafters fed the same calls agree); `on_accepted`
 works whatever order the requests' calls come in; the drafter never changes a request; and after
 `on_finished` nothing in the drafter refers to the request (neither the `Req` object nor its
@@ -52,7 +53,8 @@ class _ToyRequest:
         self.req = Req(rid, prompt, SamplingParams(max_new_tokens=len(truth), temperature=0.0))
 
 
-def _check_proposal(proposal: Any, reqs: list[Req], k: int, vocab: int, where: str) -> None:
+def _check_proposal(proposal: Any, reqs: list[Req], k: int, info: Any, where: str) -> None:
+    vocab = info.vocab_size
     assert isinstance(proposal, DraftProposal), f"{where}: propose returned {type(proposal).__name__}, not DraftProposal"
     assert isinstance(proposal.tokens, list) and len(proposal.tokens) == len(reqs), (
         f"{where}: {len(proposal.tokens) if isinstance(proposal.tokens, list) else proposal.tokens!r} token lists "
@@ -74,6 +76,25 @@ def _check_proposal(proposal: Any, reqs: list[Req], k: int, vocab: int, where: s
             for j, p in enumerate(parents):
                 assert type(p) is int and -1 <= p < j, (
                     f"{what}: parents[{j}] = {p!r}; a parent is -1 (the last verified token) or an earlier index")
+            _check_tree_shape(parents, info, what)
+
+
+def _check_tree_shape(parents: list[int], info: Any, what: str) -> None:
+    """Trees only where allowed, at most `topk` children a node (the core would cut the rest
+    silently: a drafter ignoring these rules loses its branches without a sign)."""
+    if info.topk <= 1 or not info.supports_tree:
+        assert all(p == j - 1 for j, p in enumerate(parents)), (
+            f"{what}: parents {parents} make a tree, but info.topk={info.topk} and info.supports_tree="
+            f"{info.supports_tree}: propose chains (parents=None or each draft the child of the one before) unless "
+            f"info.supports_tree is true and info.topk > 1 (docs/contracts.md section 6a)")
+        return
+    children: dict[int, int] = {-1: 0}
+    for p in parents:
+        children[p] = children.get(p, 0) + 1
+    node, n = max(children.items(), key=lambda kv: kv[1])
+    assert n <= info.topk, (
+        f"{what}: {'the root (-1)' if node == -1 else f'draft {node}'} has {n} children, more than "
+        f"info.topk={info.topk} (parents {parents})")
 
 
 def _accept(req_truth: list[int], done: int, draft: list[int], parents: list[int] | None) -> list[int]:
@@ -112,10 +133,14 @@ def _run(factory: Callable[[], Drafter], info: Any, seed: int, num_requests: int
         step += 1
         batch = rng.sample(running, rng.randint(1, len(running)))  # any subset, any order
         k = rng.randint(1, k_max)
-        where = f"seed {seed}, step {step}: propose({[t.req.rid for t in batch]}, num_draft_tokens={k})"
+        where = (f"seed {seed}, topk {info.topk}{'' if info.supports_tree or info.topk == 1 else ' (no tree support)'}, "
+                 f"step {step}: propose({[t.req.rid for t in batch]}, num_draft_tokens={k})")
         before = [(list(t.req.origin_input_ids), list(t.req.output_ids)) for t in batch]
-        proposal = drafter.propose([t.req for t in batch], k)
-        _check_proposal(proposal, [t.req for t in batch], k, vocab, where)
+        try:
+            proposal = drafter.propose([t.req for t in batch], k)
+        except Exception as e:  # the drafter's own error, with the case that raised it
+            raise AssertionError(f"{where} raised {type(e).__name__}: {e}") from e
+        _check_proposal(proposal, [t.req for t in batch], k, info, where)
         for t, (prompt, output) in zip(batch, before):
             assert t.req.origin_input_ids == prompt and t.req.output_ids == output, f"{where}: changed request {t.req.rid}"
         record.append((proposal.tokens, proposal.parents))
@@ -215,7 +240,7 @@ def check_drafter(
     num_requests: int = 8,
     max_concurrent: int = 4,
     min_acceptance: float | None = None,
-) -> None:
+) -> float:
     """Run `drafter` through the Drafter contract; raise AssertionError naming the first violation.
 
     :param drafter: the drafter class (built as `drafter(info, **options)`, as the core does), or
@@ -223,28 +248,41 @@ def check_drafter(
     :param options: the drafter's options (`speculative.options`).
     :param vocab_size, num_draft_tokens: the info's values: token ids must be below vocab_size,
         drafts at most num_draft_tokens long (each step asks for a random 1..num_draft_tokens).
-    :param topk: one run per value (`info.topk`; trees are allowed when topk > 1).
+    :param topk: one run per value (`info.topk`; `info.supports_tree` is `topk > 1`). Trees are
+        allowed only when both allow them, with at most `topk` children a node; each topk > 1 also
+        gets one run (first seed) with `supports_tree=False`, where the drafter must propose chains.
     :param seeds: one scenario per seed and topk: `num_requests` requests, at most
         `max_concurrent` decoding at once, batched in random subsets and orders.
     :param min_acceptance: when set, the mean accepted drafts per request and step must reach it
-        (the toy outputs copy their prompts, so a lookup drafter should score well above 0).
+        in every run (the toy outputs copy their prompts, so a lookup drafter should score well above 0).
+    :return: the mean accepted drafts per request step over the runs of every topk and seed (the
+        toy outputs copy their prompts): track a drafter's quality without bisecting min_acceptance.
     """
     opts = dict(options or {})
+    accepted = steps = 0
     for k in topk:
-        info = drafter_info(vocab_size=vocab_size, num_draft_tokens=num_draft_tokens, topk=k)
+        # trees as the kit's info allows them, then (topk > 1) a backend without tree masks
+        for trees in ((True, False) if k > 1 else (False,)):
+            info = drafter_info(vocab_size=vocab_size, num_draft_tokens=num_draft_tokens, topk=k, supports_tree=trees)
 
-        def factory(info=info) -> Drafter:
-            return drafter(info, **opts)
+            def factory(info=info) -> Drafter:
+                return drafter(info, **opts)
 
-        for seed in seeds:
-            first: list = []
-            stats = _run(factory, info, seed, num_requests, max_concurrent, first, check_release=True)
-            again: list = []
-            _run(factory, info, seed, num_requests, max_concurrent, again, check_release=False)
-            for step, (a, b) in enumerate(zip(first, again, strict=True)):
-                assert a == b, (f"seed {seed}, topk {k}, step {step + 1}: two drafters fed the same history proposed "
-                                f"differently: {a} vs {b} (proposals must be deterministic)")
-            if min_acceptance is not None:
-                mean = stats["accepted_drafts"] / max(1, stats["request_steps"])
-                assert mean >= min_acceptance, (f"seed {seed}, topk {k}: {mean:.2f} accepted drafts per request step < "
-                                                f"{min_acceptance} on outputs that copy their prompts")
+            extra = k > 1 and not trees  # only the chain rule is new there: one seed, no determinism rerun
+            for seed in seeds[:1] if extra else seeds:
+                first: list = []
+                stats = _run(factory, info, seed, num_requests, max_concurrent, first, check_release=True)
+                if extra:
+                    continue
+                again: list = []
+                _run(factory, info, seed, num_requests, max_concurrent, again, check_release=False)
+                for step, (a, b) in enumerate(zip(first, again, strict=True)):
+                    assert a == b, (f"seed {seed}, topk {k}, step {step + 1}: two drafters fed the same history "
+                                    f"proposed differently: {a} vs {b} (proposals must be deterministic)")
+                accepted += stats["accepted_drafts"]
+                steps += stats["request_steps"]
+                if min_acceptance is not None:
+                    mean = stats["accepted_drafts"] / max(1, stats["request_steps"])
+                    assert mean >= min_acceptance, (f"seed {seed}, topk {k}: {mean:.2f} accepted drafts per request "
+                                                    f"step < {min_acceptance} on outputs that copy their prompts")
+    return accepted / max(1, steps)

@@ -37,12 +37,24 @@ class RecordingAllocator(TokenAllocator):
     def __init__(self, size: int) -> None:
         super().__init__(size, debug_checks=True)
         self._freed: list[int] = []
+        self.where = ""  # the kit's case, step and operation now running, for the error below
 
     def free(self, slots: torch.Tensor) -> None:
         if slots is None or slots.numel() == 0:
             return
-        super().free(slots)
+        try:
+            super().free(slots)
+        except ValueError as e:  # the double-free check: name the case, step, call and slots, not only the error
+            raise AssertionError(f"{self.where}: allocator.free({self._describe(slots)}) refused: {e}") from e
         self._freed += slots.detach().to("cpu", torch.int64).flatten().tolist()
+
+    def _describe(self, slots: torch.Tensor) -> str:
+        flat = slots.detach().to("cpu", torch.int64).flatten()
+        self._merge()  # the free list, whole: which of these slots were already free
+        again = flat[torch.isin(flat, self._free)].tolist()
+        shown = flat.tolist()
+        text = f"slots {shown[:10]}{' ...' if len(shown) > 10 else ''}"
+        return text + (f"; already free: {again[:10]}" if again else "")
 
     def take_freed(self) -> list[int]:
         out, self._freed = self._freed, []
@@ -179,6 +191,7 @@ def _api_level(factory: CacheFactory, seed: int, steps: int, pool: int) -> None:
     for step in range(steps):
         op = rng.choice(("insert", "insert", "match", "lock", "unlock", "evict", "reset"))
         where = f"{m.name} (seed {seed}, step {step}, {op})"
+        alloc.where = where
         if op == "insert":
             key = rand_key()
             slots = m.fresh_slots(key)
@@ -204,6 +217,7 @@ def _api_level(factory: CacheFactory, seed: int, steps: int, pool: int) -> None:
         elif op == "reset" and not m.locks:
             m.release_all_and_reset(where)
         m.check_sizes(where)
+    alloc.where = f"{m.name} (seed {seed}, end, reset)"
     m.release_all_and_reset(f"{m.name} (seed {seed}, end)")
 
 
@@ -212,12 +226,20 @@ class _RequestDriver:
 
     def __init__(self, factory: CacheFactory, seed: int, pool: int) -> None:
         self.rng = random.Random(seed)
+        self.seed = seed
         self.alloc = RecordingAllocator(pool)
         self.table = ReqToTokenPool(4, 64)
         self.cache = factory(self.table, self.alloc)
         self.m = _Model(self.cache, self.alloc)
         self.running: list[Req] = []
         self.where = f"{self.m.name} (seed {seed}, request level)"
+        self.steps = 0
+
+    def _at(self, op: str, req: Req | None = None) -> None:
+        """Name the call now running in the allocator's errors."""
+        self.steps += 1
+        rid = f" of request {req.rid}" if req is not None else ""
+        self.alloc.where = f"{self.m.name} (seed {self.seed}, request level, step {self.steps}, {op}{rid})"
 
     def _slots(self, req: Req, start: int, end: int) -> torch.Tensor:
         """Fresh slots for positions [start, end) of the request, evicting when the pool is short."""
@@ -225,6 +247,7 @@ class _RequestDriver:
         if short > 0:
             self.alloc.take_freed()
             evictable = self.cache.evictable_size()
+            self._at(f"evict({short})", req)
             freed = self.cache.evict(short)
             slots = self.alloc.take_freed()
             assert freed == len(slots) and freed >= min(short, evictable), (
@@ -276,6 +299,7 @@ class _RequestDriver:
             req.kv_len = end
             req.fill_ids = req.all_ids()[: req.kv_len]
             self.alloc.take_freed()
+            self._at("cache_unfinished_req", req)
             self.cache.cache_unfinished_req(req)
             self._assert_not_in_use(self.alloc.take_freed(), "cache_unfinished_req")
             self._assert_row(req, "cache_unfinished_req")
@@ -292,6 +316,7 @@ class _RequestDriver:
     def finish(self, req: Req) -> None:
         self.running.remove(req)
         self.alloc.take_freed()
+        self._at("cache_finished_req", req)
         self.cache.cache_finished_req(req)
         self._assert_not_in_use(self.alloc.take_freed(), "cache_finished_req")
         self.table.free(req.req_pool_idx)  # raises if the cache freed the row itself
@@ -316,6 +341,7 @@ class _RequestDriver:
             f"{self.where}: protected_size() is {self.cache.protected_size()} after every request finished "
             f"(cache_finished_req must release the request's lock)")
         self.alloc.take_freed()
+        self._at("reset")
         self.cache.reset()
         assert self.alloc.available_size() == self.alloc.size, (
             f"{self.where}: after every request finished and reset(), {self.alloc.available_size()} of "
