@@ -151,23 +151,20 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         ids = generate_ids(runner, prompt_ids, params)
     try:
-        for t in ids:
-            if t in runner.eos_token_ids:
-                break
-            out.append(t)
-            text = tok.decode(out, skip_special_tokens=True)
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                sys.stdout.write(text[len(printed):])
-                sys.stdout.flush()
-                printed = text
+        # a quantization plugin's apply: one line naming it (RADIXSERVE_DEBUG=1: the traceback)
+        with runner.quant_hooks_named():
+            for t in ids:
+                if t in runner.eos_token_ids:
+                    break
+                out.append(t)
+                text = tok.decode(out, skip_special_tokens=True)
+                if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                    sys.stdout.write(text[len(printed):])
+                    sys.stdout.flush()
+                    printed = text
     except KeyboardInterrupt:  # Ctrl-C: what was generated stays printed, no traceback; 130 as shells report it
         sys.stdout.write("\n")
         return 130
-    except Exception as e:  # a quantization plugin's apply: one line naming it (RADIXSERVE_DEBUG=1: the traceback)
-        failure = runner.quant_failure(e)
-        if failure is None:
-            raise
-        raise failure from e
     sys.stdout.write("\n")
     if args.stats:
         dt = time.perf_counter() - t0

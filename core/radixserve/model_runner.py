@@ -197,13 +197,13 @@ class ModelRunner:
                 parts.append(f"quantization {self._quant_origin[1]} ({self._quant_origin[0]})")
         return ", ".join(parts)
 
-    def quant_failure(self, e: BaseException, when: str = ""):
-        """`e` as one line naming the quantization component, hook and layer when one of the layers'
-        QuantMethod hooks raised it (a PluginError to raise from `e`), else None. For the warm-up and
-        `generate`'s forwards; the loader does the same for building and preparing the layers."""
-        from radixserve.model_loader.quant_select import quant_hook_failure
+    def quant_hooks_named(self, when: str = ""):
+        """A context in which an exception out of the layers' QuantMethod hooks becomes one line naming
+        the quantization component, hook and layer (`quant_select.quant_hooks_named`). For the warm-up
+        and `generate`'s forwards; the loader does the same for building and preparing the layers."""
+        from radixserve.model_loader.quant_select import quant_hooks_named
 
-        return quant_hook_failure(e, self._quant, self.quant_label, self.model, when)
+        return quant_hooks_named(self._quant, self.quant_label, self.model, when)
 
     def _context_len(self) -> int:
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 4096))
@@ -462,16 +462,11 @@ class ModelRunner:
         requests ~1.8 s of TTFT, session 11). Leaves the pools as it found them."""
         from radixserve.static_batch import run_static_batch
 
-        try:
+        with self.quant_hooks_named(" during the warm-up"):  # a quantization plugin's apply: one line naming it
             run_static_batch(self, [[1, 2, 3, 4]], max_new_tokens=2)
             # bounded by small contexts and KV pools (tests, tiny configs): the chunked pair only where it fits
             if self.context_len >= 51 and self.max_total_tokens >= 2 * 51:
                 run_static_batch(self, [list(range(1, 49)), list(range(1, 46))], max_new_tokens=2, prefill_chunk=32)
-        except Exception as e:  # a quantization plugin's apply: one line naming it and the layer
-            failure = self.quant_failure(e, " during the warm-up")
-            if failure is None:
-                raise
-            raise failure from e
 
     @property
     def supports_tree_mask(self) -> bool:

@@ -13,7 +13,7 @@ from radixserve.layers.embedding import ParallelLMHead
 from radixserve.layers.linear import LinearBase
 from radixserve.layers.moe import FusedMoE
 from radixserve.memory.fp8_kv import KVScaleCollector
-from radixserve.model_loader.quant_select import quant_hook_failure
+from radixserve.model_loader.quant_select import quant_hooks_named
 from radixserve.model_loader.sources import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -111,17 +111,11 @@ def load_model(
     original as its `__cause__`. An exception out of `quant_method`'s hooks (`create_weights` while the
     model is built, `process_weights_after_loading` after the load) comes back as a PluginError naming
     `quant_label` (e.g. "quantization method 'int8' (radixserve-quant-int8)"), the hook and the layer,
-    the original as its `__cause__` (`quant_select.quant_hook_failure`)."""
+    the original as its `__cause__` (`quant_select.quant_hooks_named`)."""
     start = time.perf_counter()
-    try:
-        with torch.device(device), _default_dtype(dtype):
-            model = model_cls(hf_config, quant_method) if tp_group is None else model_cls(
-                hf_config, quant_method, tp_group=tp_group)
-    except Exception as e:
-        failure = quant_hook_failure(e, quant_method, quant_label)
-        if failure is None:
-            raise
-        raise failure from e
+    with quant_hooks_named(quant_method, quant_label), torch.device(device), _default_dtype(dtype):
+        model = model_cls(hf_config, quant_method) if tp_group is None else model_cls(
+            hf_config, quant_method, tp_group=tp_group)
     prepare = getattr(source.weight_source, "prepare_model", None)
     if prepare is not None:  # e.g. GGUF keeping the embedding's blocks: swaps modules before loading
         model = prepare(model) or model
@@ -146,13 +140,8 @@ def load_model(
     loaded_at = time.perf_counter()
     logger.info("weights of %s (%s) loaded in %.1f s", type(model).__name__, source.format, loaded_at - start)
     # packing for the device; may compile native kernels on first use (native.py logs those apart)
-    try:
+    with quant_hooks_named(quant_method, quant_label, model):
         lowbit_layers = _process_after_loading(model, lowbit_gemv)
-    except Exception as e:
-        failure = quant_hook_failure(e, quant_method, quant_label, model)
-        if failure is None:
-            raise
-        raise failure from e
     if device.type == "cpu" and cpu_matmul_precision == "medium":
         converted = cpu_gemm.lower_precision(model)
         if converted:

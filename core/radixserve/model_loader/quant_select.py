@@ -6,6 +6,8 @@ one line naming the component, the hook and the layer (`quant_hook_failure`)."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from radixserve.plugins.registry import PluginCodeError, PluginError, PluginRefusal
@@ -141,6 +143,20 @@ def quant_hook_failure(e: BaseException, method: Any, label: str | None = None, 
     if isinstance(e, ValueError):  # the method refusing a value (the interfaces' convention), not its bug
         return PluginRefusal(f"{label} refused {where} in {hook}{when}: {e}")
     return PluginCodeError(f"{label} failed in {hook} for {where}{when}: {type(e).__name__}: {e}")
+
+
+@contextmanager
+def quant_hooks_named(method: Any, label: str | None = None, model: Any = None, when: str = "") -> Iterator[None]:
+    """Run the block; an exception out of one of `method`'s hooks leaves it as `quant_hook_failure`'s one
+    line (chained from the original), any other exception unchanged. Where the core builds, loads, warms up
+    or runs the model's layers."""
+    try:
+        yield
+    except Exception as e:
+        failure = quant_hook_failure(e, method, label, model, when)
+        if failure is None:
+            raise
+        raise failure from e
 
 
 def _layer_description(layer: Any, model: Any, layer_id: int | None) -> tuple[str, bool]:
