@@ -97,6 +97,16 @@ def test_api_mismatch_advice_depends_on_which_side_is_behind():
         assert other not in str(e.value), (api, str(e.value))
 
 
+@pytest.mark.parametrize("api", [">=1", ">=1.0", ">1", "!=0.5", ">=1,<3", ">=1,<=2.0"])
+def test_a_range_open_past_the_next_major_is_refused(api):
+    """Audit 29: `PLUGIN_API = ">=1"` (no upper bound) was accepted; a 2.x core would then load it."""
+    major = int(PLUGIN_API_VERSION.split(".")[0])
+    with pytest.raises(PluginError, match=rf"declares PLUGIN_API '{re.escape(api)}', which also admits plugin API "
+                                          rf"{major + 1} and later.*PLUGIN_API = '{re.escape(api)},<{major + 1}'"):
+        Registry().add_plugin_module(_module("open", api), name="open", distribution="open-dist")
+    Registry().add_plugin_module(_module("bounded", f"{api},<{major + 1}"), name="bounded", distribution="b-dist")
+
+
 def test_missing_api_declaration_is_refused():
     with pytest.raises(PluginError, match="PLUGIN_API"):
         Registry().add_plugin_module(_module("noapi", None), name="noapi", distribution="noapi-dist")

@@ -152,6 +152,15 @@ def _check_api(plugin: PluginInfo) -> None:
             f"{plugin.api}, but this core (radixserve) offers plugin API {PLUGIN_API_VERSION}; "
             f"{fix}, or disable it with {DENY_ENV}={plugin.name}"
         )
+    major = Version(PLUGIN_API_VERSION).release[0]
+    if any(Version(f"{m}.0") in spec for m in range(major + 1, major + 100)):
+        # a range open above the core's major would also accept a core whose contracts changed
+        raise PluginError(
+            f"plugin {plugin.name!r} from {plugin.distribution} {plugin.version} declares PLUGIN_API {plugin.api!r}, "
+            f"which also admits plugin API {major + 1} and later (contracts this plugin cannot know); bound it "
+            f"below the next major, e.g. PLUGIN_API = '{plugin.api},<{major + 1}', or disable it with "
+            f"{DENY_ENV}={plugin.name}"
+        )
 
 
 def _admits_newer_api(spec: SpecifierSet) -> bool:
