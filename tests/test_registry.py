@@ -154,10 +154,56 @@ def test_load_checks_base_class():
 def test_conflicting_distributions_fail_at_startup(tmp_path):
     for dist, mod in (("radixserve-conflict-a", "rs_conflict_a"), ("radixserve-conflict-b", "rs_conflict_b")):
         make_fake_distribution(tmp_path, dist, mod, mod, POLICY_PLUGIN.format(api=">=1,<2", name="fcfs"))
-    r = run_cli(["plugins"], site=tmp_path)
+    r = run_cli(["config", "show"], site=tmp_path)
     assert r.returncode == 2
     assert "radixserve-conflict-a" in r.stderr and "radixserve-conflict-b" in r.stderr and "radixserve-policies" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_the_plugins_listing_names_a_conflict_by_plugin_and_still_lists_the_rest(tmp_path):
+    """Audit 30: with two distributions registering one name `radixserve plugins` (and --json) printed only
+    the error, and the error asked for RADIXSERVE_DISABLE_PLUGINS=<plugin> without naming the plugins."""
+    for dist, mod in (("radixserve-conflict-a", "rs_conflict_a"), ("radixserve-conflict-b", "rs_conflict_b")):
+        make_fake_distribution(tmp_path, dist, mod, mod, POLICY_PLUGIN.format(api=">=1,<2", name="dup"))
+    r = run_cli(["plugins"], site=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "cpu_batched" in r.stdout  # the rest of the listing
+    section = r.stdout.split("components registered twice")[1]
+    assert ("policy/dup: policy component 'dup' is registered by both radixserve-conflict-a (plugin 'rs_conflict_a') "
+            "and radixserve-conflict-b (plugin 'rs_conflict_b')") in section
+    assert "RADIXSERVE_DISABLE_PLUGINS=rs_conflict_b" in section
+    listing = json.loads(run_cli(["plugins", "--json"], site=tmp_path).stdout)
+    assert [c["component"] for c in listing["conflicts"]] == ["policy/dup"]
+    assert not any(c["name"] == "dup" for c in listing["components"])
+
+
+@pytest.mark.parametrize("wanted", ["dist-beta", "plugin-beta"])
+def test_prefer_takes_the_distribution_or_its_plugin_name(wanted):
+    """Audit 30: plugins.disable takes entry-point names, prefer took only distributions: 'plugin-beta'
+    was silently not a match."""
+    reg = Registry(prefer={"policy/same": wanted})
+    for dist in ("dist-alpha", "dist-beta"):
+        reg.add_plugin_module(_module(dist, ">=1,<2", lambda registry, d=dist: registry.register("policy", "same", f"{d}:C")),
+                              name=dist.replace("dist", "plugin"), distribution=dist)
+    reg.check_conflicts()
+    assert reg.get("policy", "same").distribution == "dist-beta"
+
+
+def test_a_prefer_entry_that_settles_nothing_is_named(caplog):
+    reg = Registry(prefer={"policy/same": "nope", "policy/alone": "dist-other", "polcy/typo": "dist-alpha"})
+    for dist in ("dist-alpha", "dist-beta"):
+        reg.add_plugin_module(_module(dist, ">=1,<2", lambda registry: registry.register("policy", "same", "m:C")),
+                              name=dist, distribution=dist)
+    reg.add_plugin_module(_module("dist-gamma", ">=1,<2", lambda registry: registry.register("policy", "alone", "m:C")),
+                          name="gamma", distribution="dist-gamma")
+    with pytest.raises(PluginError, match=r"plugins.prefer names 'nope' for it, which is neither"):
+        reg.check_conflicts()
+    reg.prefer.pop("policy/same")
+    reg._conflicts.clear()
+    with caplog.at_level("WARNING", logger="radixserve.plugins.registry"):
+        reg.check_conflicts()
+    assert "plugins.prefer names 'dist-other' for policy/alone, which only dist-gamma (plugin 'gamma') registers" in caplog.text
+    assert "plugins.prefer names 'polcy/typo', which no loaded plugin registers" in caplog.text
 
 
 def test_version_mismatch_fails_at_startup(tmp_path):

@@ -168,6 +168,20 @@ def test_engine_generate_carries_priority():
         Engine._inputs("hi", None, None, None, False, False, 0, "high")
 
 
+@pytest.mark.parametrize("prio", [2**31, -(2**31) - 1, 2**63, 10**30, -(10**30)])
+def test_engine_priority_has_the_http_routes_range(prio):
+    """Audit 30: the Engine took 2**63 (HTTP: a 400 above 2**31 - 1) and raised a bare OverflowError
+    from the message encoder for 10**30."""
+    from radixserve.engine import Engine
+    from radixserve.validation import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match=r"priority must be in \[-2147483648, 2147483647\]") as e:
+        Engine._inputs("hi", None, None, None, False, False, 0, prio)
+    assert e.value.param == "priority"
+    inputs, _ = Engine._inputs(None, [[1], [2]], None, None, False, False, 0, [2**31 - 1, -(2**31)])
+    assert [i.priority for i in inputs] == [2**31 - 1, -(2**31)]
+
+
 # ---- quantization vs the checkpoint ----------------------------------------------------------
 def test_quantization_for_a_gguf_file_must_be_its_weight_source(smollm2_gguf_path):
     from radixserve.model_runner import ModelRunner

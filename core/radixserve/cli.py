@@ -58,9 +58,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     claims = _architecture_claims(reg)
     if args.json:
         broken = [{"plugin": name, "distribution": dist, "error": why} for name, (dist, why) in sorted(reg.broken.items())]
+        conflicts = [{"component": key, "error": why} for key, why in sorted(reg.conflicts.items())]
         print(json.dumps({"plugins": [vars(p) for p in reg.plugins.values()], "components": rows,
-                          "architectures": claims, "broken": broken}, indent=2))
-        return 1 if broken else 0
+                          "architectures": claims, "broken": broken, "conflicts": conflicts}, indent=2))
+        return 1 if broken or conflicts else 0
     # plugin: the entry-point name that -p no:NAME, plugins.disable and the allow-list take
     headers = ["plugin", "distribution", "version", "kind", "name", "devices", "priority"]
     table = [[r["plugin"], r["distribution"], r["version"], r["kind"], r["name"], ",".join(r["devices"]),
@@ -86,7 +87,11 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print("\nplugins that failed to load (every other command stops on them; fix, uninstall or -p no:NAME):")
         for name, (dist, why) in sorted(reg.broken.items()):
             print(f"  {name} ({dist}): {why}")
-    return 1 if reg.broken else 0
+    if reg.conflicts:  # left out of the table above: every other command stops on them
+        print("\ncomponents registered twice (every other command stops on them):")
+        for key, why in sorted(reg.conflicts.items()):
+            print(f"  {key}: {why}")
+    return 1 if reg.broken or reg.conflicts else 0
 
 
 def _architecture_claims(reg: Registry) -> list[dict]:

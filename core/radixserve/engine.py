@@ -23,7 +23,14 @@ from radixserve.peer_options import hint_for
 from radixserve.plugins.registry import Registry
 from radixserve.runtime.tokenizer_manager import CHILD_EXIT_TIMEOUT_S, GenerateInput, TokenizerManager
 from radixserve.state import SamplingParams
-from radixserve.validation import InvalidRequest, ModelLimits, check_one_choice, sampling_from_dict
+from radixserve.validation import (
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    InvalidRequest,
+    ModelLimits,
+    check_one_choice,
+    sampling_from_dict,
+)
 
 # how long an interrupted call may take to clean up, e.g. a start stopping the children it began (each is
 # killed after CHILD_EXIT_TIMEOUT_S); a second Ctrl-C ends the wait
@@ -189,7 +196,10 @@ class Engine:
         if len(sps) != n or len(rids) != n or len(prios) != n:
             raise ValueError(f"{n} prompts but {len(sps)} sampling_params, {len(rids)} rids and {len(prios)} priorities")
         if any(isinstance(p, bool) or not isinstance(p, int) for p in prios):
-            raise ValueError(f"priority must be an int (or one int per prompt), got {priority!r}")
+            raise InvalidRequest(f"priority must be an int (or one int per prompt), got {priority!r}", param="priority")
+        if any(not PRIORITY_MIN <= p <= PRIORITY_MAX for p in prios):
+            raise InvalidRequest(f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}] (a signed 32-bit int, as on "
+                                 f"the HTTP routes), got {priority!r}", param="priority")
         if n > 1 and rids[0] is not None and len(set(rids)) != n:
             raise ValueError("rids of one batch must be distinct")
         # the runtime caps top logprobs at 20; without this the error names sampling_params.top_logprobs

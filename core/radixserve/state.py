@@ -198,6 +198,8 @@ class Req:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0  # higher is admitted first by the `priority` policy
+    # time.monotonic() seconds when the scheduler received it, strictly increasing in arrival order
+    # (plugin API 1.15; before: an arrival counter 1, 2, ...)
     arrival_time: float = 0.0
     # ---- scheduler-owned -----------------------------------------------------------------
     output_ids: list[int] = field(default_factory=list)

@@ -23,6 +23,8 @@ INT64_MAX = (1 << 63) - 1
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit-bias value
 MAX_STOP_STRINGS = 16
+# a request's `priority`: a signed 32-bit int (SGLang's range), on the HTTP routes and the Engine alike
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 
 
 class InvalidRequest(RequestError, ValueError):

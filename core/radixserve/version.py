@@ -64,4 +64,7 @@ __version__ = "0.1.0"
 #      pre-quantized MoE checkpoint's own scale names load; before: `weight` and `weight_scale_inv` only); a float
 #      checkpoint tensor for an integer parameter is refused (weight_utils.CheckpointDtypeError), never cast;
 #      plugins.registry.PluginCodeError / PluginRefusal (a quantization method's hook failing or refusing at start-up)
-PLUGIN_API_VERSION = "1.14"
+# 1.15: Req.arrival_time is time.monotonic() seconds at the scheduler's receipt (strictly increasing; before: a
+#      counter), so a policy can age requests; a policy's order() that raises or returns a non-permutation makes
+#      that step admit in arrival order (logged naming the policy) instead of ending the scheduler process
+PLUGIN_API_VERSION = "1.15"

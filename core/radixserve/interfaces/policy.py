@@ -50,10 +50,14 @@ class SchedulePolicy(abc.ABC):
 
         :param waiting: a fresh list (the policy may sort it in place); each request has
             `fill_ids` (prompt plus any output so far), `prefix_indices`/`last_node` None,
-            `arrival_time` (increasing in arrival order), `priority`, `sampling_params`.
+            `arrival_time` (`time.monotonic()` seconds when the scheduler received it, strictly
+            increasing in arrival order: `time.monotonic() - req.arrival_time` is how long it has
+            waited; since plugin API 1.15, a counter before), `priority`, `sampling_params`.
         :param cache: the prefix cache, for `match_prefix` only.
         :return: every request of `waiting` exactly once. The scheduler admits from the front
-            while memory and batch limits allow; the rest wait for the next step.
+            while memory and batch limits allow; the rest wait for the next step. If `order`
+            raises, or returns anything else, that step admits in arrival order and the log names
+            the policy (its traceback once, then a count): serving goes on.
 
         Added in plugin API 1.0.
         """

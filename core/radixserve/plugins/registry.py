@@ -213,6 +213,8 @@ class Registry:
         self.skipped: dict[str, tuple[str, str]] = {}
         # with discover(keep_going=True): plugins that failed to load -> (distribution, the error)
         self.broken: dict[str, tuple[str, str]] = {}
+        # "kind/name" -> why: registered by two distributions and not settled (keep_going only)
+        self.conflicts: dict[str, str] = {}
         self.pm = pluggy.PluginManager(hookspec.PROJECT)
         self.pm.add_hookspecs(hookspec)
 
@@ -263,7 +265,7 @@ class Registry:
                     raise
                 reg.broken[ep.name] = (dist, str(e) if isinstance(e, PluginError) else f"{type(e).__name__}: {e}")
                 reg._forget(ep.name)
-        reg.check_conflicts()
+        reg.check_conflicts(keep_going=keep_going)
         return reg
 
     def add_builtin(self) -> None:
@@ -312,18 +314,39 @@ class Registry:
             raise PluginError(f"{spec.distribution} registers {spec.kind} {spec.name!r} twice")
         self._conflicts.setdefault(key, [old]).append(spec)
 
-    def check_conflicts(self) -> None:
+    def check_conflicts(self, keep_going: bool = False) -> None:
+        """Settle each (kind, name) that two distributions register by `plugins.prefer` (a value names
+        the distribution, or its plugin's entry-point name); an unsettled one is a PluginError naming
+        both, or with `keep_going` (`radixserve plugins`) is left out and recorded in `conflicts`.
+        A prefer entry that settles nothing is a warning: a typo would otherwise pass unseen."""
         for (kind, name), specs in self._conflicts.items():
             key = f"{kind}/{name}"
-            chosen = [s for s in specs if s.distribution == self.prefer.get(key)]
+            wanted = self.prefer.get(key)
+            chosen = [s for s in specs if wanted in (s.distribution, s.plugin)]
             if chosen:
                 self._components[(kind, name)] = chosen[0]
                 continue
-            dists = " and ".join(sorted(s.distribution for s in specs))
-            raise PluginError(
-                f"{kind} component {name!r} is registered by both {dists}; uninstall one, disable one with "
-                f"{DENY_ENV}=<plugin>, or pick one in the stack under plugins.prefer: {{'{key}': <distribution>}}"
-            )
+            both = " and ".join(f"{s.distribution} (plugin {s.plugin!r})" for s in sorted(specs, key=lambda s: s.distribution))
+            message = (f"{kind} component {name!r} is registered by both {both}; uninstall one, disable one with "
+                       f"{DENY_ENV}={specs[-1].plugin} (or plugins.disable, or -p no:{specs[-1].plugin}), or pick one "
+                       f"in the stack: plugins.prefer: {{'{key}': '{specs[0].distribution}'}}")
+            if wanted is not None:
+                message += f" (plugins.prefer names {wanted!r} for it, which is neither)"
+            if not keep_going:
+                raise PluginError(message)
+            self.conflicts[key] = message
+            self._components.pop((kind, name), None)
+        for key, wanted in self.prefer.items():
+            kind, _, name = key.partition("/")
+            spec = self._components.get((kind, name))
+            if (kind, name) in self._conflicts or key in self.conflicts:
+                continue
+            if spec is None:
+                logger.warning("plugins.prefer names %r, which no loaded plugin registers: it chooses nothing "
+                               "(keys are 'kind/name', e.g. 'policy/fcfs')", key)
+            elif wanted not in (spec.distribution, spec.plugin):
+                logger.warning("plugins.prefer names %r for %s, which only %s (plugin %r) registers: it chooses "
+                               "nothing", wanted, key, spec.distribution, spec.plugin)
 
     # ---- queries --------------------------------------------------------------------------
     def components(self, kind: str | None = None) -> list[ComponentSpec]:

@@ -312,6 +312,7 @@ class Scheduler:
         drafter: Drafter | None = None,
         grammar: GrammarService | None = None,
         cache_label: str | None = None,
+        policy_label: str | None = None,
     ) -> None:
         sc = config.scheduler
         self.runner = runner
@@ -320,6 +321,7 @@ class Scheduler:
         # how log lines name the cache (from_config: its stack name and distribution)
         self.cache_label = cache_label or f"prefix cache {type(cache).__name__}"
         self.policy = policy
+        self.policy_label = policy_label or f"policy {type(policy).__name__}"
         self.req_to_token_pool = runner.req_to_token_pool
         self.allocator = runner.token_allocator
         self.context_len = int(runner.context_len)
@@ -354,6 +356,7 @@ class Scheduler:
         self._trace_mark = 0.0
         self._outbox: list[ReqTokenOut] = []
         self._arrivals = 0
+        self._last_arrival_time = 0.0  # arrival_time of the newest request (kept strictly increasing)
         self._share_refused_at = -1  # _arrivals when a shared chunk admitted nobody (see _prefill_items)
         self._evicted = False  # set by _alloc_slots when it evicted from the cache
         self.overlap = config.runtime.resolved_overlap(device)
@@ -403,12 +406,14 @@ class Scheduler:
         policy_cls = registry.load("policy", config.stack.policy)
         cache = cache_cls(runner.req_to_token_pool, runner.token_allocator)
         label = f"prefix cache {name!r} ({registry.get('prefix_cache', name).distribution})"
+        policy_label = f"policy {config.stack.policy!r} ({registry.get('policy', config.stack.policy).distribution})"
         from radixserve.scheduler.speculative.setup import build_drafter
 
         policy = policy_cls(**config.stack.policy_options)
         drafter = build_drafter(config, runner, registry)
         grammar = grammar_service(config, runner, registry, tokenizer)
-        return cls(config, runner, cache, policy, tokenizer, drafter=drafter, grammar=grammar, cache_label=label)
+        return cls(config, runner, cache, policy, tokenizer, drafter=drafter, grammar=grammar, cache_label=label,
+                   policy_label=policy_label)
 
     # ---- requests in ------------------------------------------------------------------------
     def add_request(self, msg: GenerateRequest) -> None:
@@ -421,13 +426,15 @@ class Scheduler:
             self._outbox.append(ReqTokenOut(rid=msg.rid, new_ids=[], error=err))
             return
         self._arrivals += 1
+        # monotonic seconds, strictly increasing: a policy may both compare and age them
+        self._last_arrival_time = max(time.monotonic(), self._last_arrival_time + 1e-6)
         req = Req(
             rid=msg.rid,
             origin_input_ids=ids,
             sampling_params=sp,
             eos_token_ids=frozenset() if sp.ignore_eos else self.eos_token_ids,
             priority=msg.priority,
-            arrival_time=float(self._arrivals),  # arrival order; policies only compare it
+            arrival_time=self._last_arrival_time,
         )
         req.fill_ids = list(ids)
         constraint = constraint_of(sp)
@@ -869,7 +876,7 @@ class Scheduler:
             if len(req.fill_ids) != len(req.origin_input_ids) + len(req.output_ids):
                 req.fill_ids = req.all_ids()
             req.prefix_indices, req.last_node = None, None
-        ordered = self.policy.order(candidates, self.cache)
+        ordered = self._policy_order(candidates)
         if whole_only:  # only prompts that fit the share whole (cache hits aside): no prefix match for the rest
             ordered = [r for r in ordered if len(r.fill_ids) <= chunk_budget]
         self._evicted = False
@@ -964,6 +971,22 @@ class Scheduler:
             self._evict(short)
             self._evicted = True
         return self.allocator.alloc(n)
+
+    def _policy_order(self, candidates: list[Req]) -> list[Req]:
+        """`policy.order(candidates, cache)`; where it raises or returns anything but the candidates
+        themselves, each once, this step admits in arrival order instead (logged, naming the policy):
+        a policy's bug must not end the runtime or lose a request."""
+        try:
+            ordered = list(self.policy.order(candidates, self.cache))
+            if len(ordered) == len(candidates) and {id(r) for r in ordered} == {id(r) for r in candidates}:
+                return ordered
+            raise ValueError(f"order() returned {len(ordered)} requests for {len(candidates)} waiting, not a "
+                             "permutation of them (contract section 4)")
+        except Exception:
+            self._failures.exception(f"{self.policy_label}: order() failed; this step admits in arrival order")
+        for req in candidates:  # a match the policy stored before failing is dropped: matched again below
+            req.prefix_indices, req.last_node = None, None
+        return sorted(candidates, key=lambda r: r.arrival_time)
 
     def _evict(self, n: int) -> None:
         """`cache.evict(n)`. One that raises (a double free under scheduler.debug_kv_checks: the

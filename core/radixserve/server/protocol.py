@@ -21,7 +21,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 from pydantic_core import PydanticCustomError
 
 from radixserve.server.protocol_tools import ChatToolFields, DeltaToolCall, ToolCall, ToolDefinition
-from radixserve.validation import MAX_STOP_STRINGS, InvalidRequest, check_min_tokens, is_text
+from radixserve.validation import (
+    MAX_STOP_STRINGS,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    InvalidRequest,
+    check_min_tokens,
+    is_text,
+)
 
 
 def refuse(param: str, message: str) -> PydanticCustomError:
@@ -147,7 +154,7 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     rid: str | None = Field(default=None, max_length=200)  # caller-chosen request id (for /abort_request)
-    priority: int = Field(default=0, ge=-(2**31), lt=2**31)  # higher first under the `priority` policy
+    priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)  # higher first under the `priority` policy
     response_format: ResponseFormat | None = None  # structured output (docs/structured-output.md)
 
     @field_validator("stop")
@@ -346,7 +353,7 @@ class GenerateRequest(_Body):
     # (meta_info input_token_logprobs / input_top_logprobs); -1: none
     logprob_start_len: int = Field(default=-1, ge=-1)
     rid: str | None = Field(default=None, max_length=200)
-    priority: int = Field(default=0, ge=-(2**31), lt=2**31)  # higher first under the `priority` policy
+    priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)  # higher first under the `priority` policy
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
