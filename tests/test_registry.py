@@ -250,6 +250,11 @@ def test_allow_and_deny_lists(tmp_path):
     assert {"extra", "fcfs"} <= names(everything)
     denied = run_cli(["plugins", "--json", "-p", "no:extra"], site=tmp_path)
     assert "extra" not in names(denied) and "fcfs" in names(denied)
+    # audit 30: the skipped plugin was not shown at all
+    assert {"plugin": "extra", "distribution": "radixserve-extra", "reason": "plugins.disable"} in json.loads(
+        denied.stdout)["skipped"]
+    table = run_cli(["plugins", "-p", "no:extra"], site=tmp_path).stdout
+    assert "plugins installed but not loaded:\n  extra (radixserve-extra): plugins.disable" in table
     denied_env = run_cli(["plugins", "--json"], site=tmp_path, env={"RADIXSERVE_DISABLE_PLUGINS": "extra"})
     assert "extra" not in names(denied_env)
     allowed = run_cli(["plugins", "--json"], site=tmp_path, env={"RADIXSERVE_PLUGINS": "extra"})

@@ -59,8 +59,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     if args.json:
         broken = [{"plugin": name, "distribution": dist, "error": why} for name, (dist, why) in sorted(reg.broken.items())]
         conflicts = [{"component": key, "error": why} for key, why in sorted(reg.conflicts.items())]
+        skipped = [{"plugin": name, "distribution": dist, "reason": why} for name, (dist, why) in sorted(reg.skipped.items())]
         print(json.dumps({"plugins": [vars(p) for p in reg.plugins.values()], "components": rows,
-                          "architectures": claims, "broken": broken, "conflicts": conflicts}, indent=2))
+                          "architectures": claims, "broken": broken, "conflicts": conflicts, "skipped": skipped},
+                         indent=2))
         return 1 if broken or conflicts else 0
     # plugin: the entry-point name that -p no:NAME, plugins.disable and the allow-list take
     headers = ["plugin", "distribution", "version", "kind", "name", "devices", "priority"]
@@ -83,6 +85,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(f"  {suffix.ljust(12)}  {name.ljust(12)}  {dist}")
     if not sources:
         print("  (none installed)")
+    if reg.skipped:
+        print("\nplugins installed but not loaded:")
+        for name, (dist, why) in sorted(reg.skipped.items()):
+            print(f"  {name} ({dist}): {why}")
     if reg.broken:  # listed, not fatal here: every other command refuses to start with these installed
         print("\nplugins that failed to load (every other command stops on them; fix, uninstall or -p no:NAME):")
         for name, (dist, why) in sorted(reg.broken.items()):
