@@ -90,6 +90,10 @@ def test_the_readme_engine_example_runs_as_a_plain_script(tmp_path, smollm2_gguf
     assert "__main__" not in example
     script = tmp_path / "example.py"
     script.write_text(example.replace('"path/to/model"', repr(smollm2_gguf_path)))
+    # audit 30: a file beside the script (and in the working directory) named like a dependency shadowed
+    # it in the scheduler, which imports `gguf` to read the model (a script itself named gguf.py started
+    # another Engine in every scheduler, without end)
+    (tmp_path / "gguf.py").write_text("open(__file__ + '.imported', 'w').close()\nraise ImportError('shadow')\n")
     # one OpenMP thread (the example leaves runtime.num_threads unset): two beside the test process
     # and the engine's other processes on 2 cores only contend
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -98,6 +102,25 @@ def test_the_readme_engine_example_runs_as_a_plain_script(tmp_path, smollm2_gguf
     assert run.returncode == 0, run.stderr[-4000:]
     assert "'finish_reason'" in run.stdout and "completion_tokens': 16" in run.stdout, run.stdout
     assert "Traceback" not in run.stderr, run.stderr[-4000:]
+    assert not (tmp_path / "gguf.py.imported").exists()
+
+
+def test_children_get_the_import_path_without_the_parents_script_directory(monkeypatch, tmp_path):
+    from radixserve.runtime import child
+
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(tmp_path / "script.py"), raising=False)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), "", str(tmp_path / "site"), *sys.path])
+    got = child.sys_path_for_children()
+    assert str(tmp_path) not in got and "" not in got and str(tmp_path / "site") in got
+
+
+def test_a_runtime_started_inside_a_runtime_child_is_refused(monkeypatch):
+    from radixserve.runtime import child
+
+    child.refuse_inside_runtime_child()  # not a child: nothing happens
+    monkeypatch.setenv(child.RUNTIME_CHILD_ENV, "scheduler")
+    with pytest.raises(RuntimeError, match=r"inside the runtime's own scheduler process: .*gguf.py"):
+        child.refuse_inside_runtime_child()
 
 
 def test_a_child_stopped_while_loading_takes_its_own_processes_along():

@@ -35,6 +35,31 @@ if TYPE_CHECKING:  # asyncio (and ssl with it, ~9 MB resident) is the parent's: 
     import asyncio
 
 MODULE = "radixserve.runtime.child"
+# set in every runtime child's environment (to its process name): a runtime started inside one is refused
+RUNTIME_CHILD_ENV = "RADIXSERVE_RUNTIME_CHILD"
+
+
+def sys_path_for_children() -> list[str]:
+    """The parent's import path as a child gets it, less the directory of the parent's own script
+    (and the "" of `python -c` or the REPL). Why: a child imports radixserve and plugins, never the
+    user's modules, and a script there named like a dependency (`gguf.py`) shadowed that dependency
+    in the child; an unguarded Engine script so named started another Engine in every scheduler,
+    without end (audit 30)."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    script_dir = os.path.dirname(os.path.abspath(main_file)) if main_file else None
+    return [p for p in sys.path if p and os.path.abspath(p) != script_dir]
+
+
+def refuse_inside_runtime_child() -> None:
+    """Raise where this process is itself a runtime child (see RUNTIME_CHILD_ENV)."""
+    process = os.environ.get(RUNTIME_CHILD_ENV)
+    if process:
+        raise RuntimeError(
+            f"a RadixServe runtime is being started inside the runtime's own {process} process: a module that "
+            "process imported builds an Engine or a server when imported (a file named like a dependency, "
+            "e.g. gguf.py, next to your script or in the working directory?); rename it, or put the Engine "
+            "under if __name__ == '__main__':"
+        )
 
 
 @dataclass(frozen=True)
@@ -106,6 +131,7 @@ def spawn(spec: ChildSpec) -> subprocess.Popen:
     # the radixserve the parent runs, even when the parent found it through its own sys.path only
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env[RUNTIME_CHILD_ENV] = spec.process
     proc = subprocess.Popen(
         [sys.executable, "-m", MODULE, spec.process],  # the name in argv only labels the process for `ps`
         stdin=subprocess.PIPE,
@@ -176,7 +202,8 @@ def main() -> None:
     _ignore_stop_signals()
     spec = ChildSpec.from_json(sys.stdin.read())
     sys.stdin.close()
-    sys.path[:] = list(dict.fromkeys(sys.path + [p for p in spec.sys_path if p]))
+    # sys.path[0] is the working directory (`-m`): a file there must not shadow a dependency either
+    sys.path[:] = list(dict.fromkeys(sys.path[1:] + [p for p in spec.sys_path if p]))
     setup_logging(spec)
     ENTRY_POINTS[spec.process](spec)
     # the entry returned after a ShutdownRequest, its sockets closed: skip the interpreter's

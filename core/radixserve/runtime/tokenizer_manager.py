@@ -8,7 +8,6 @@ import functools
 import logging
 import os
 import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -24,7 +23,13 @@ from radixserve.model_loader.model_files import (
 )
 from radixserve.plugins.registry import Registry
 from radixserve.plugins.stack import check_quantization_fits, resolve_stack
-from radixserve.runtime.child import ChildSpec, kill_group, watch_exit
+from radixserve.runtime.child import (
+    ChildSpec,
+    kill_group,
+    refuse_inside_runtime_child,
+    sys_path_for_children,
+    watch_exit,
+)
 from radixserve.runtime.child import spawn as spawn_child
 from radixserve.runtime.errors import EngineDeadError, RequestError
 from radixserve.runtime.ipc import PortArgs
@@ -208,6 +213,7 @@ class TokenizerManager:
         import zmq
         import zmq.asyncio
 
+        refuse_inside_runtime_child()
         check_tokenizer_present(self.model_path, self.config.model.tokenizer)  # before any socket or child
         loop = asyncio.get_running_loop()
         self._loop = loop
@@ -253,7 +259,7 @@ class TokenizerManager:
             ports=self._ports,
             parent_pid=os.getpid(),
             tokenizer_path=tokenizer_path,
-            sys_path=list(sys.path),
+            sys_path=sys_path_for_children(),
             tp_rank=rank,
             dist_init_addr=addr,
             log_prefix=self.log_prefix,

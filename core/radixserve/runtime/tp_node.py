@@ -16,7 +16,7 @@ import threading
 import time
 
 from radixserve.config import Config
-from radixserve.runtime.child import ChildSpec, spawn
+from radixserve.runtime.child import ChildSpec, spawn, sys_path_for_children
 from radixserve.runtime.ipc import PortArgs
 from radixserve.runtime.tp import local_ranks
 
@@ -33,7 +33,7 @@ def run_follower_node(config: Config) -> int:
     procs = {}
     for rank in ranks:
         spec = ChildSpec(process="tp_worker", config=config.model_dump(mode="json"), ports=no_ports,
-                         parent_pid=os.getpid(), tokenizer_path="", sys_path=list(sys.path), tp_rank=rank,
+                         parent_pid=os.getpid(), tokenizer_path="", sys_path=sys_path_for_children(), tp_rank=rank,
                          dist_init_addr=str(rt.dist_init_addr))
         procs[rank] = spawn(spec)
     print(f"radixserve: node {rt.node_rank}/{rt.nnodes} runs tensor-parallel ranks {ranks} "
