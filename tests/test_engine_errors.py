@@ -102,6 +102,37 @@ def test_prompt_and_constraint_errors_name_the_engines_own_arguments(engine):
     assert engine.generate("Hi", {"max_new_tokens": 2, "top_p": 0})["meta_info"]["completion_tokens"] == 2
 
 
+LONG = {"max_new_tokens": 64, "ignore_eos": True}
+
+
+@pytest.mark.parametrize(
+    ("prompts", "params", "checked_here"),
+    [(["hi", ""], {"max_new_tokens": 8}, True),                      # an empty prompt second
+     (["", "hi"], {"max_new_tokens": 8}, True),                      # ... and first
+     (["hi", "hello " * 9000], {"max_new_tokens": 8}, True),         # one over the context
+     (["hi", "hello " * 5000], LONG, False),                         # over the 4096-slot pool: the scheduler's
+     (["hi", "yo"], [LONG, {"max_new_tokens": 8, "regex": "("}], False)],  # the grammar's
+)
+def test_a_batch_with_one_bad_prompt_runs_none_of_it(engine, prompts, params, checked_here):
+    """Audit 30: the batch raised as documented, but its good prompts still ran to completion unseen."""
+    import time
+
+    from radixserve.errors import RequestError
+
+    engine.generate("x", {"regex": "a", "max_new_tokens": 1})  # the grammar backend's first start is not timed
+    before = engine.get_stats()
+    with pytest.raises((ValueError, RequestError)):
+        engine.generate(prompts, params)
+    time.sleep(0.5)  # a request the call left behind would be decoding by now
+    after = engine.get_stats()
+    assert after["in_flight_requests"] == 0, after
+    if checked_here:  # refused in this process: nothing reached the scheduler
+        assert after["generated_tokens"] == before["generated_tokens"], (before, after)
+        assert after["finished_requests"] == before["finished_requests"], (before, after)
+    else:  # refused by the scheduler: the other prompt is aborted, not run to its end
+        assert after["generated_tokens"] - before["generated_tokens"] < LONG["max_new_tokens"], (before, after)
+
+
 def test_config_may_be_a_dict_of_the_yaml_content_and_anything_else_is_named():
     assert engine_config(None, {"stack": {"policy": "lpm"}}, None, {}).stack.policy == "lpm"
     with pytest.raises(ValueError, match="config= takes a YAML file's path, a Config or a dict.*int 5"):

@@ -21,7 +21,7 @@ from typing import Any
 from radixserve.config import Config, ConfigError
 from radixserve.peer_options import hint_for
 from radixserve.plugins.registry import Registry
-from radixserve.runtime.tokenizer_manager import CHILD_EXIT_TIMEOUT_S, GenerateInput, TokenizerManager
+from radixserve.runtime.tokenizer_manager import CHILD_EXIT_TIMEOUT_S, GenerateInput, PreparedRequest, TokenizerManager
 from radixserve.state import SamplingParams
 from radixserve.validation import (
     PRIORITY_MAX,
@@ -219,9 +219,9 @@ class Engine:
             for item, sp, r, prio in zip(items, sps, rids, prios)
         ], single
 
-    async def _collect(self, inp: GenerateInput) -> dict[str, Any]:
+    async def _collect(self, inp: GenerateInput, prepared: PreparedRequest | None = None) -> dict[str, Any]:
         last: dict[str, Any] = {}
-        async for out in self.tokenizer_manager.generate(inp):
+        async for out in self.tokenizer_manager.generate(inp, prepared):
             last = out
         return last
 
@@ -244,7 +244,16 @@ class Engine:
         )
 
         async def run_all() -> list[dict[str, Any]]:
-            return list(await asyncio.gather(*(self._collect(i) for i in inputs)))
+            # every prompt checked before any is sent: one bad prompt refuses the batch and nothing runs
+            prepared = [await self.tokenizer_manager.prepare(i) for i in inputs]
+            tasks = [asyncio.ensure_future(self._collect(i, p)) for i, p in zip(inputs, prepared)]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:  # one refused by the runtime (e.g. its grammar): the others are aborted
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
 
         results = self._call(run_all())
         return results[0] if single else results

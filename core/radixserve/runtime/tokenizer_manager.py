@@ -75,6 +75,16 @@ class GenerateInput:
     text_field: str = "text"
 
 
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A GenerateInput checked and tokenized (`TokenizerManager.prepare`), not yet sent."""
+
+    inp: GenerateInput
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+
+
 @dataclass
 class _ReqState:
     rid: str
@@ -468,12 +478,24 @@ class TokenizerManager:
             raise InvalidRequest(f"request id {rid!r} is already in use", "rid")
         return rid, ids, sp
 
-    async def generate(self, inp: GenerateInput) -> AsyncIterator[dict[str, Any]]:
+    async def prepare(self, inp: GenerateInput) -> PreparedRequest:
+        """Check and tokenize one request without sending it: a batch checks every request first, so
+        that one bad prompt refuses the batch before any of it runs."""
         self._check_alive()
         text_ids = None
         if isinstance(inp.text, str) and len(inp.text) > LONG_TEXT_CHARS and is_text(inp.text):
             text_ids = list(await off_the_loop(len(inp.text), self.tokenizer.encode, inp.text))
-        rid, ids, sp = self._prepare(inp, text_ids)
+        return PreparedRequest(inp, *self._prepare(inp, text_ids))
+
+    async def generate(self, inp: GenerateInput, prepared: PreparedRequest | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Send one request (`prepared`: from `prepare(inp)`; None: prepared here) and yield its results."""
+        if prepared is None:
+            prepared = await self.prepare(inp)
+        else:
+            self._check_alive()
+        rid, ids, sp = prepared.rid, prepared.input_ids, prepared.sampling_params
+        if rid in self._rid_to_state:  # another request took the id since it was prepared
+            raise InvalidRequest(f"request id {rid!r} is already in use", "rid")
         st = _ReqState(rid=rid, stream=inp.stream, return_logprob=sp.logprobs, prompt_tokens=len(ids),
                        prompt_ids=ids if sp.prompt_logprobs is not None else None,
                        prompt_start=max(inp.logprob_start_len, 0))
