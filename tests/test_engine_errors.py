@@ -215,3 +215,12 @@ def test_a_checkpoint_without_a_tokenizer_is_said_before_anything_starts(tmp_pat
     with pytest.raises(RuntimeError, match="no tokenizer in .*tiny.*model.tokenizer"):
         Engine(model=ckpt, runtime=CPU)
     assert time.monotonic() - started < 10
+
+
+def test_a_bad_value_found_by_the_model_process_is_the_documented_config_error(smollm2_gguf_path):
+    """Audit 30: model.context_length past the model's positions is refused in the scheduler process,
+    and the Engine raised it as ChildStartError (a RuntimeError) where engine.md documents ConfigError."""
+    from radixserve.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.context_length=1000000 is beyond what this model's positions cover"):
+        Engine({"path": smollm2_gguf_path, "context_length": 1_000_000}, runtime=CPU)

@@ -20,8 +20,14 @@ from typing import Any
 
 from radixserve.config import Config, ConfigError
 from radixserve.peer_options import hint_for
-from radixserve.plugins.registry import Registry
-from radixserve.runtime.tokenizer_manager import CHILD_EXIT_TIMEOUT_S, GenerateInput, PreparedRequest, TokenizerManager
+from radixserve.plugins.registry import PluginError, Registry
+from radixserve.runtime.tokenizer_manager import (
+    CHILD_EXIT_TIMEOUT_S,
+    ChildStartError,
+    GenerateInput,
+    PreparedRequest,
+    TokenizerManager,
+)
 from radixserve.state import SamplingParams
 from radixserve.validation import (
     PRIORITY_MAX,
@@ -87,6 +93,18 @@ def _as_keyword(hint: str) -> str:
     return "see docs/engine.md"
 
 
+def _user_error(e: ChildStartError) -> Exception:
+    """What the Engine raises for a failed start: the type the checks before any process raise for the
+    same mistake (ConfigError, FileNotFoundError, PluginError), else the ChildStartError itself."""
+    if e.user_error_kind == "value":  # e.g. model.context_length past the model's positions
+        return ConfigError(e.user_error)
+    if e.user_error_kind == "file":
+        return FileNotFoundError(e.user_error)
+    if e.user_error_kind == "plugin":
+        return PluginError(e.user_error)
+    return e
+
+
 class Engine:
     """`Engine(model=None, config=None, *, tp_size=None, **sections)`.
 
@@ -118,6 +136,9 @@ class Engine:
         self._thread.start()
         try:
             self._call(self.tokenizer_manager.start())  # stops what it started when it fails or is cancelled
+        except ChildStartError as e:  # the model process refused a value of the user's: the documented type
+            self._stop_loop()
+            raise _user_error(e) from None
         except BaseException:  # a failed start, or Ctrl-C while the model loads
             self._stop_loop()
             raise

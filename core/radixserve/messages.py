@@ -9,7 +9,7 @@ Every message is a tagged msgspec Struct, so one decoder per socket handles a un
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -124,6 +124,8 @@ class ChildFailed(msgspec.Struct, tag=True, kw_only=True):
     # file, a refused plugin component): its message, which `serve` reports as one line with exit 2
     # (as `generate` does); None for a crash
     user_error: str | None = None
+    # which of those it is, so the Engine raises the type it documents: "value", "file" or "plugin"
+    user_error_kind: Literal["value", "file", "plugin"] | None = None
 
 
 SchedulerInput = GenerateRequest | AbortRequest | FlushCacheRequest | StatsRequest | ShutdownRequest

@@ -244,8 +244,10 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int, d
         ctx = zmq.Context(1)
         sock = ctx.socket(zmq.PUSH)
         sock.connect(ports.manager_input)
-        user_error = str(e) if isinstance(e, (ValueError, FileNotFoundError, PluginError)) else None
-        sock.send(make_encoder().encode(ChildFailed(process="scheduler", error=f"{e!r}", user_error=user_error)))
+        kind = ("plugin" if isinstance(e, PluginError) else "file" if isinstance(e, FileNotFoundError)
+                else "value" if isinstance(e, ValueError) else None)
+        sock.send(make_encoder().encode(ChildFailed(process="scheduler", error=f"{e!r}",
+                                                    user_error=str(e) if kind else None, user_error_kind=kind)))
         sock.close(linger=2000)
         ctx.term()
         raise SystemExit(1) from e

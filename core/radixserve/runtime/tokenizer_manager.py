@@ -142,9 +142,10 @@ class ChildStartError(RuntimeError):
     """A child process failed to start. `user_error`: the message of a bad value the user gave (the
     child's ChildFailed.user_error), which `serve` reports as a one-line error with exit 2; None for a crash."""
 
-    def __init__(self, reason: str, user_error: str | None = None) -> None:
+    def __init__(self, reason: str, user_error: str | None = None, user_error_kind: str | None = None) -> None:
         super().__init__(reason)
         self.user_error = user_error
+        self.user_error_kind = user_error_kind  # ChildFailed.user_error_kind: "value", "file" or "plugin"
 
 
 class TokenizerManager:
@@ -422,7 +423,7 @@ class TokenizerManager:
             if not (starting and msg.user_error):  # a bad value at start-up: the caller says it once
                 logger.error(self.dead_reason)
             if starting:
-                fut.set_exception(ChildStartError(self.dead_reason, msg.user_error))
+                fut.set_exception(ChildStartError(self.dead_reason, msg.user_error, msg.user_error_kind))
                 fut.exception()
 
     def _dispatch(self, out: ReqTextOut) -> None:
