@@ -222,7 +222,8 @@ def check_one_choice(sp: SamplingParams, names: FieldNames = NATIVE) -> Sampling
     if sp.n != 1:
         raise InvalidRequest(
             f"{names.of('n')}: one completion per request here; for n > 1 use /v1/completions or "
-            "/v1/chat/completions with `n` (with the Engine: list the prompt n times)",
+            "/v1/chat/completions with `n` (with the Engine: list the prompt n times, with seed + i for copy i "
+            "as the HTTP `n` does; one seed for all gives n equal samples)",
             names.of("n"),
         )
     if sp.top_logprobs and not sp.logprobs:
