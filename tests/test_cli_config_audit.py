@@ -112,3 +112,25 @@ def test_an_allow_list_entry_naming_no_plugin_is_reported(caplog, monkeypatch):
 def test_p_no_without_a_name_is_an_error(capsys):
     assert main(["config", "show", "-p", "no:"]) == 2
     assert "the plugin name is missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["serve", "--port", "0"], ["generate", "hi"]])
+def test_an_unwritable_cache_dir_is_one_line_and_exit_2_before_any_model_work(tmp_path, command):
+    """Operator audit 30: RADIXSERVE_CACHE_DIR under a file (or read-only) failed after 8-23 s with a
+    35-line traceback, exit 1, and a last line blaming the tokenizer."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    env = {**os.environ, "RADIXSERVE_CACHE_DIR": str(blocker / "cache")}
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "radixserve.cli", *command], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"radixserve: error: RADIXSERVE_CACHE_DIR '{blocker / 'cache'}' cannot be written (Not a directory): RadixServe "
+        "keeps its built native kernels and prepared tokenizers there; set RADIXSERVE_CACHE_DIR to a writable directory")
+    assert "Traceback" not in run.stderr and time.monotonic() - started < 60

@@ -106,7 +106,7 @@ def scheduler_only_keys(config: Config) -> list[str]:
 def run_generate(args: argparse.Namespace) -> int:
     from radixserve.cli import load_config_from_args
     from radixserve.cli_serve import speculative_overrides
-    from radixserve.config import ConfigError
+    from radixserve.config import ConfigError, check_cache_dir
     from radixserve.model_runner import ModelRunner
     from radixserve.plugins.registry import Registry
     from radixserve.tokenizer import apply_chat_template
@@ -127,6 +127,7 @@ def run_generate(args: argparse.Namespace) -> int:
                           f"{config.runtime.tp_size}, runtime.dp_size={config.runtime.dp_size}): use "
                           "`radixserve serve --tp N` / `--dp N`, or Engine(tp_size=N)")
     registry = Registry.from_config(config)
+    check_cache_dir()  # the native kernels are built there
     start = time.perf_counter()
     runner = ModelRunner(config, registry)  # checks the whole stack before loading the model
     unused = scheduler_only_keys(config)

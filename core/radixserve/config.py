@@ -11,6 +11,7 @@ import importlib.util
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -440,6 +441,23 @@ def cache_dir() -> str:
     """The root of RadixServe's on-disk caches (built native kernels, GGUF tokenizer conversions,
     prepared serving tokenizers): $RADIXSERVE_CACHE_DIR, else ~/.cache/radixserve."""
     return os.environ.get("RADIXSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "radixserve")
+
+
+def check_cache_dir() -> str:
+    """`cache_dir()`, created if missing; a ConfigError naming it (and RADIXSERVE_CACHE_DIR) where it
+    cannot be written. Why up front: the children found it mid-start (kernel builds, the tokenizer)
+    with a traceback and a message about the tokenizer (a read-only home under systemd or Kubernetes)."""
+    path = cache_dir()
+    source = "RADIXSERVE_CACHE_DIR" if os.environ.get("RADIXSERVE_CACHE_DIR") else "the default cache directory"
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{source} {path!r} cannot be written ({e.strerror or e}): RadixServe keeps its built "
+                          "native kernels and prepared tokenizers there; set RADIXSERVE_CACHE_DIR to a writable "
+                          "directory") from None
+    return path
 
 
 def torch_cannot_use_cuda() -> bool:

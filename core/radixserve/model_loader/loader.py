@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import torch
@@ -127,7 +128,7 @@ def load_model(
             total=source.num_tensors(),
             desc=f"loading {source.format} weights",
             unit="tensor",
-            disable=not show_progress,
+            disable=not show_progress or not sys.stderr.isatty(),  # no bar in a log file or journald
         )
         try:
             loaded = model.load_weights(weights)

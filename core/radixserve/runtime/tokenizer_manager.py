@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.config import Config, ConfigError
+from radixserve.config import Config, ConfigError, check_cache_dir
 from radixserve.model_loader.model_files import (
     check_model_files,
     check_tokenizer_present,
@@ -225,6 +225,7 @@ class TokenizerManager:
         import zmq.asyncio
 
         refuse_inside_runtime_child()
+        check_cache_dir()  # before any child: they build kernels and prepare the tokenizer there
         check_tokenizer_present(self.model_path, self.config.model.tokenizer)  # before any socket or child
         loop = asyncio.get_running_loop()
         self._loop = loop

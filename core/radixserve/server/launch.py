@@ -22,7 +22,7 @@ from typing import Any, NoReturn, TypeVar
 
 import uvicorn
 
-from radixserve.config import Config
+from radixserve.config import Config, ConfigError
 from radixserve.logs import configure_logging
 
 logger = logging.getLogger("radixserve.server")
@@ -194,8 +194,10 @@ async def _start_runtime(config: Config, registry: Any, log_prefix: str) -> tupl
             return None, 130
         except Exception as e:
             await tm.shutdown()
-            user_error = getattr(e, "user_error", None)
-            if user_error:  # a bad config value found by the scheduler: exit 2, as `generate` gives
+            # a bad value found by the scheduler, or by the start itself (ConfigError: the cache directory):
+            # exit 2, as `generate` gives
+            user_error = getattr(e, "user_error", None) or (str(e) if isinstance(e, ConfigError) else None)
+            if user_error:
                 print(f"radixserve: error: {user_error}", file=sys.stderr)
                 return None, 2
             if str(e) != tm.dead_reason:  # a child's failure is logged once, when it arrives
