@@ -123,12 +123,16 @@ def test_a_runtime_started_inside_a_runtime_child_is_refused(monkeypatch):
         child.refuse_inside_runtime_child()
 
 
-def test_a_child_stopped_while_loading_takes_its_own_processes_along():
+@pytest.mark.parametrize("own_group", [False, True])
+def test_a_child_stopped_while_loading_takes_its_own_processes_along(own_group):
     # a first start's kernel build runs compilers under the scheduler process; stopping the
-    # scheduler during start-up (Ctrl-C) used to leave them compiling for a minute, orphaned
+    # scheduler during start-up (Ctrl-C) used to leave them compiling for a minute, orphaned.
+    # own_group: ninja starts each compiler in a process group of its own (operator audit 30)
     from radixserve.runtime.child import kill_group
 
-    code = "import subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); print(p.pid, flush=True); time.sleep(60)"
+    code = ("import os, subprocess, sys, time; "
+            f"p = subprocess.Popen(['sleep', '60'], process_group={0 if own_group else None}); "
+            "print(p.pid, flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
     grandchild = int(proc.stdout.readline())
     kill_group(proc)

@@ -16,6 +16,7 @@ exit in time). A child whose parent died exits by itself (the parent watchdog)."
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -147,12 +148,33 @@ def spawn(spec: ChildSpec) -> subprocess.Popen:
 
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL a child and every process it started: it leads its own session (`spawn`), so its
-    process group holds what it runs, e.g. the compilers of a first start's native kernel build,
-    which would otherwise go on compiling for a minute after the child is gone."""
+    process group and session hold what it runs, e.g. the compilers of a first start's native kernel
+    build, which would otherwise go on compiling for a minute after the child is gone. The session
+    too, not only the group: ninja starts each compiler in a process group of its own (audit 30:
+    five compilers outlived a server stopped during its first start)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):  # already gone (and reaped), or not ours
         proc.kill()
+    for pid in _session_members(proc.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _session_members(sid: int) -> list[int]:
+    """The pids of the live processes in session `sid` (Linux /proc; elsewhere none)."""
+    members = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        if int(fields[3]) == sid:  # after the name: state, ppid, pgrp, session
+            members.append(int(entry))
+    return members
 
 
 def watch_exit(

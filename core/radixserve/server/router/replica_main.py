@@ -13,7 +13,8 @@ import sys
 def main() -> None:
     spec = json.loads(sys.stdin.read())
     sys.stdin.close()
-    sys.path[:] = list(dict.fromkeys(sys.path + [p for p in spec["sys_path"] if p]))
+    # sys.path[0] is the working directory (`-m`): not passed on, as runtime/child.py's main does
+    sys.path[:] = list(dict.fromkeys(sys.path[1:] + [p for p in spec["sys_path"] if p]))
 
     from radixserve.config import Config
     from radixserve.runtime.ipc import install_parent_watchdog

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from radixserve.config import Config
+from radixserve.runtime.child import sys_path_for_children
 
 logger = logging.getLogger("radixserve.router")
 
@@ -70,7 +71,7 @@ def spawn_replica(config: Config, index: int, socket_path: str) -> Replica:
         "config": replica_config(config, index).model_dump(mode="json"),
         "socket_path": socket_path,
         "parent_pid": os.getpid(),
-        "sys_path": [p for p in sys.path if p],
+        "sys_path": sys_path_for_children(),
     }
     env = dict(os.environ)
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
