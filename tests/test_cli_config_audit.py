@@ -134,3 +134,22 @@ def test_an_unwritable_cache_dir_is_one_line_and_exit_2_before_any_model_work(tm
         f"radixserve: error: RADIXSERVE_CACHE_DIR '{blocker / 'cache'}' cannot be written (Not a directory): RadixServe "
         "keeps its built native kernels and prepared tokenizers there; set RADIXSERVE_CACHE_DIR to a writable directory")
     assert "Traceback" not in run.stderr and time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("extra", [[], ["--tokenizer", "TOKDIR"]])
+def test_a_model_file_no_weight_source_reads_is_named_first(tmp_path, extra, smollm2_gguf_path):
+    """Operator audit 30: a YAML given as --model failed with exit 1 and a tokenizer message, or (with
+    --tokenizer) after 11 s behind an ERROR line about the scheduler; one cause, one line, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    model = tmp_path / "stack.yaml"
+    model.write_text("a: b\n")
+    extra = [os.path.dirname(smollm2_gguf_path) if a == "TOKDIR" else a for a in extra]
+    run = subprocess.run([sys.executable, "-m", "radixserve.cli", "serve", "--port", "0", "--model", str(model), *extra],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines() == [
+        f"radixserve: error: model file '{model}': no installed weight source reads this file type (installed ones "
+        "read: .gguf); or pass an HF directory"]

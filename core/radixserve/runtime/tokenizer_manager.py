@@ -18,6 +18,7 @@ from radixserve.config import Config, ConfigError, check_cache_dir
 from radixserve.model_loader.model_files import (
     check_model_files,
     check_tokenizer_present,
+    check_weight_file,
     resolve_model_path,
     served_name,
 )
@@ -200,6 +201,8 @@ class TokenizerManager:
         self.stack = resolve_stack(config, self.registry, config.runtime.resolved_device())
         self.model_path = resolve_model_path(config.model.path)
         check_model_files(self.model_path)  # one line naming a broken file, before any tokenizer or process
+        if config.model.load_format != "dummy":  # a file no weight source reads (a YAML as --model): named now
+            check_weight_file(self.model_path, self.registry)
         check_quantization_fits(self.stack, self.model_path, self.registry)
         self.model_name = served_name(self.model_path, config.model.served_model_name)
         self.tokenizer: Any = None
