@@ -40,6 +40,8 @@ LOCK_POLL_S = 0.2
 _lock = threading.Lock()
 _name_locks: dict[str, threading.Lock] = {}
 _loaded: dict[str, ModuleType | None] = {}
+# [start, end or None while it runs] of each compile in this process, perf_counter() seconds (compiled_since)
+_compiles: list[list[float | None]] = []
 
 
 def enabled() -> bool:
@@ -188,6 +190,13 @@ def load_extension(name: str, source: str | os.PathLike, defines: tuple[str, ...
         return _loaded[name]
 
 
+def compiled_since(t: float) -> int:
+    """How many native kernels this process compiled, or is compiling, since `time.perf_counter()`
+    was `t`: a phase timed across them shared the cores with the compilers (the weights' load on a
+    first start)."""
+    return sum(1 for _, end in _compiles if end is None or end > t)
+
+
 def is_cached(name: str, source: str | os.PathLike, defines: tuple[str, ...] = ()) -> bool:
     """Whether `load_extension` with these arguments would load a built library instead of
     compiling: a build of this source (and its local headers) with these flags, for this torch
@@ -236,8 +245,12 @@ def _load(name: str, source: Path, cflags: tuple[str, ...]) -> ModuleType | None
                 local.write_bytes(text)
         fresh = not any(build_dir.glob("*.so"))
         if fresh:
-            logger.warning("compiling the native CPU kernel %s (first use with this torch, about a minute) ...", name)
+            logger.warning("compiling the native CPU kernel %s (first use with this torch: the kernels compile side "
+                           "by side, one to three minutes on 2 cores) ...", name)
         start = time.perf_counter()
+        compile_span: list[float | None] = [start, None]
+        if fresh:
+            _compiles.append(compile_span)
         try:
             module = cpp_extension.load(
                 name=name,
@@ -249,6 +262,8 @@ def _load(name: str, source: Path, cflags: tuple[str, ...]) -> ModuleType | None
         except Exception as e:  # no compiler or ninja: the caller's torch path still works, only slower
             logger.warning("native CPU kernel %s unavailable (%s); using the plain-torch path", name, e)
             return None
+        finally:
+            compile_span[1] = time.perf_counter()
         if fresh:
-            logger.warning("native CPU kernel %s compiled in %.1f s", name, time.perf_counter() - start)
+            logger.warning("native CPU kernel %s compiled in %.1f s", name, compile_span[1] - start)
         return module

@@ -9,6 +9,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from radixserve import native
 from radixserve.layers import cpu_gemm, flat_decoder
 from radixserve.layers.embedding import ParallelLMHead
 from radixserve.layers.linear import LinearBase
@@ -139,7 +140,9 @@ def load_model(
         shown = ", ".join(missing[:10]) + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else "")
         raise ValueError(f"checkpoint {source.path!r} left {len(missing)} parameter(s) unloaded: {shown}")
     loaded_at = time.perf_counter()
-    logger.info("weights of %s (%s) loaded in %.1f s", type(model).__name__, source.format, loaded_at - start)
+    compiled = native.compiled_since(start)  # a first start's kernel builds share the cores with the load
+    logger.info("weights of %s (%s) loaded in %.1f s%s", type(model).__name__, source.format, loaded_at - start,
+                f" (while {compiled} native kernel(s) compiled beside it)" if compiled else "")
     # packing for the device; may compile native kernels on first use (native.py logs those apart)
     with quant_hooks_named(quant_method, quant_label, model):
         lowbit_layers = _process_after_loading(model, lowbit_gemv)
