@@ -116,7 +116,7 @@ class FakeTM:
         return True
 
     async def get_stats(self) -> dict:
-        return {"num_running_reqs": 0, "num_waiting_reqs": 0, "token_usage": 0.25, "name": "x"}
+        return {"num_running_reqs": 0, "num_waiting_reqs": 0, "token_usage": 0.25, "name": "x", "time": 1796609001.3}
 
     def is_healthy(self) -> bool:
         return self.healthy
@@ -369,6 +369,20 @@ def test_health_metrics_flush_abort_info(tm):
     assert tm.aborted == ["r1"]
     info = client.get("/server_info", headers=auth).json()
     assert info["model_name"] == MODEL and info["config"]["server"]["api_key"] == "***"
+
+
+def test_an_idle_servers_metrics_have_every_model_series_at_zero(client):
+    """Operator audit 30: before the first request the token counters, the in-flight gauge and the
+    histograms had HELP/TYPE lines and no sample, so rate() and in-flight alerts saw absent series."""
+    m = client.get("/metrics").text
+    for line in ('radixserve_prompt_tokens_total{model="fake-model"} 0.0',
+                 'radixserve_generation_tokens_total{model="fake-model"} 0.0',
+                 'radixserve_cached_tokens_total{model="fake-model"} 0.0',
+                 'radixserve_requests_in_flight{model="fake-model"} 0.0',
+                 'radixserve_e2e_request_latency_seconds_count{model="fake-model"} 0.0',
+                 'radixserve_time_to_first_token_seconds_count{model="fake-model"} 0.0'):
+        assert line in m, (line, m)
+    assert "radixserve_scheduler_time" not in m  # the stats' read time is no statistic
 
 
 def test_unhealthy_runtime_is_503(client, tm):

@@ -61,6 +61,11 @@ class ServerMetrics:
             registry=r,
         )
         self._stat_gauges: dict[str, Gauge] = {}
+        # every model-labelled series exists from the start at 0 (as vLLM's): an idle replica's rate() and
+        # in-flight alerts see zeros, not absent series (operator audit 30)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.in_flight, self.ttft,
+                       self.e2e, self.prompt_len, self.output_len):
+            metric.labels(model=model_name)
 
     def observe_request(
         self,
@@ -89,7 +94,8 @@ class ServerMetrics:
     def update_stats(self, stats: dict[str, Any]) -> None:
         """Mirror the scheduler's numeric stats as gauges named radixserve_scheduler_<key>."""
         for key, value in stats.items():
-            if isinstance(value, bool) or not isinstance(value, int | float):
+            # "time" is when the stats were read (a Unix time): Prometheus stamps its scrapes itself
+            if key == "time" or isinstance(value, bool) or not isinstance(value, int | float):
                 continue
             gauge = self._stat_gauges.get(key)
             if gauge is None:
