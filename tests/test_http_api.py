@@ -471,6 +471,7 @@ def test_api_key(tm):
     with pytest.raises(openai.AuthenticationError) as e:
         bad.chat.completions.create(model=MODEL, messages=CHAT)
     assert e.value.status_code == 401 and e.value.body["type"] == "authentication_error"
+    assert e.value.body["code"] == "invalid_api_key"  # OpenAI's code (audit 30: it was "401")
     assert client.get("/metrics").status_code == 401
     assert client.get("/metrics", headers={"x-api-key": "sekret"}).status_code == 200
 

@@ -47,6 +47,11 @@ class APIError(Exception):
         return self.message
 
 
+# OpenAI's `code` for these statuses wherever a caller names none: one code per outcome, so a client that
+# retries on "service_unavailable" sees it for a refused request and for one ended in flight alike
+_CODES = {401: "invalid_api_key", 503: "service_unavailable"}
+
+
 def _encodable(text: str) -> str:
     """Text that JSON-encodes as UTF-8: a lone surrogate a client sent (valid JSON, `"\\ud800"`)
     quoted back in a message would make the error response itself fail."""
@@ -62,7 +67,7 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
             "message": _encodable(message),
             "type": type_,
             "param": None if param is None else _encodable(param),
-            "code": code if code is not None else str(status),
+            "code": code if code is not None else _CODES.get(status, str(status)),
         }
     }
 
