@@ -153,3 +153,10 @@ def test_a_model_file_no_weight_source_reads_is_named_first(tmp_path, extra, smo
     assert run.stderr.strip().splitlines() == [
         f"radixserve: error: model file '{model}': no installed weight source reads this file type (installed ones "
         "read: .gguf); or pass an HF directory"]
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_served_model_name_is_refused_like_an_empty_key(name):
+    """Operator audit 30: --served-model-name "" was accepted and the file name served instead."""
+    with pytest.raises(ConfigError, match=r"model.served_model_name: .*must not be empty"):
+        _serve_config(["--served-model-name", name])

@@ -41,6 +41,14 @@ class ModelSection(_Section):
     # for GGUF), checked against its constructor at start-up (unknown option -> error listing the valid ones)
     weight_source_options: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("served_model_name")
+    @classmethod
+    def _served_name_not_blank(cls, v: str | None) -> str | None:
+        # "" fell back to the file name unseen, while an empty API key is refused (operator audit 30)
+        if v is not None and not v.strip():
+            raise ValueError("must not be empty (leave it unset to serve under the model's own name)")
+        return v
+
 
 class StackSection(_Section):
     attention: str | None = None  # None: the best installed backend for the device
