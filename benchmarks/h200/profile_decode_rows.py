@@ -9,8 +9,9 @@ For each backend: one runner (dummy bf16 weights, eager: no CUDA graphs, so each
 3-8 and, under torch's profiler, two more steps' device time split by kind (`profile_prefill.kernel_kind`) and
 their top kernels. The same kinds on both backends say whether the distance is the attention kernel's or the
 rest's. One JSON line per backend; profile_decode_rows.json under --out. `--device cpu` with a tiny checkpoint
-checks the script itself (CPU op times then). `triton:work-list` in --attention: the triton backend with
-its split kernel's work list (`decode_work_list`)."""
+checks the script itself (CPU op times then). `triton:plain-grid` in --attention: the triton backend with
+its split kernel's work list off (`decode_work_list=False`, the default before session 30); `triton:work-list`
+forces it on. Several backends run one process each (a second runner in one process ran out of memory)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -49,10 +52,10 @@ def profile_backend(args: argparse.Namespace, attention: str, vocab: int) -> dic
 
     name, _, variant = attention.partition(":")
     runner = _runner(args, name)
-    if variant == "work-list":
-        runner.attn_backend.decode_work_list = True
+    if variant in ("work-list", "plain-grid"):
+        runner.attn_backend.decode_work_list = variant == "work-list"
     elif variant:
-        raise ValueError(f"unknown variant {variant!r} of {name} (known: work-list)")
+        raise ValueError(f"unknown variant {variant!r} of {name} (known: work-list, plain-grid)")
     rng = random.Random(7)
     prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.context)] for _ in range(args.rows)]
     chunk = max(1, args.chunk_tokens // args.rows)
@@ -97,11 +100,38 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    out_file = os.path.join(args.out, "profile_decode_rows.json")
+    backends = args.attention.split(",")
+    if len(backends) > 1:  # one process each: a second runner in the first's process ran out of memory (H100, s30)
+        merged: dict = {}
+        for attention in backends:
+            with tempfile.TemporaryDirectory() as tmp:
+                subprocess.run([sys.executable, __file__, *_without(sys.argv[1:], ("--attention", "--out")),
+                                "--attention", attention, "--out", tmp], check=False)
+                path = os.path.join(tmp, "profile_decode_rows.json")
+                row = json.load(open(path)) if os.path.exists(path) else {attention: {"error": "the process failed"}}
+            merged.update(row)
+        with open(out_file, "w") as f:
+            json.dump(merged, f, indent=1)
+        return 0
     with open(os.path.join(args.model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    profile_each(args.attention, lambda attention: profile_backend(args, attention, vocab), {},
-                 os.path.join(args.out, "profile_decode_rows.json"))
+    profile_each(args.attention, lambda attention: profile_backend(args, attention, vocab), {}, out_file)
     return 0
+
+
+def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """argv without the given options and their values (`--opt v` or `--opt=v`)."""
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in options:
+            skip = True
+        elif not a.startswith(tuple(o + "=" for o in options)):
+            kept.append(a)
+    return kept
 
 
 if __name__ == "__main__":

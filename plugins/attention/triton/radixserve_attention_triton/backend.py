@@ -101,8 +101,10 @@ class TritonAttentionBackend(AttentionBackend):
     Triton kernel. Decode (batch-1 latency, each saving launches
     per layer): `fuse_rotary_store` (default True) applies rotary to q and k in the kernel that
     stores k, v into the pool (`forward_decode_rotary`, when the pool has q's dtype). `decode_work_list`
-    (default False until measured on a GPU): at batch sizes where it is at most a quarter of the plain grid,
-    the split kernel runs one program per planned (request, split) item (`decode_work.py`).
+    (default True): at batch sizes where it is at most a quarter of the plain grid, the split kernel runs one
+    program per planned (request, split) item (`decode_work.py`); same partials bit for bit, fewer empty
+    programs (H100, 320 rows x 1100 context: the split kernel 16.89 -> 15.68 ms a step,
+    benchmarks/results/h100-session30.md).
     CUDA graphs: decode batches (`init_graph_state` ...) and extend batches (`init_extend_graph_state`
     ...: a fixed-size work table of the extend kernel, refreshed from the host lengths before each
     replay; such batches never take the SDPA path).
@@ -135,7 +137,7 @@ class TritonAttentionBackend(AttentionBackend):
         prefill_varlen: bool = True,
         sdpa_max_requests: int = 64,
         fuse_rotary_store: bool = True,
-        decode_work_list: bool = False,
+        decode_work_list: bool = True,
     ) -> None:
         self.device = torch.device(runner_info.device)
         dtype = runner_info.dtype
