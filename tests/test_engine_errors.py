@@ -90,9 +90,14 @@ def test_an_empty_input_ids_is_an_empty_prompt_not_an_empty_batch(engine):
 def test_prompt_and_constraint_errors_name_the_engines_own_arguments(engine):
     """An outside audit: `prompt=` errors named `text` (/generate's field), and a regex that did not
     compile said `regex: ...` where its param is sampling_params.regex."""
-    with pytest.raises(ValueError, match="^prompt: the prompt is empty") as e:
+    with pytest.raises(ValueError, match=r"^prompt\[1\]: the prompt is empty") as e:
         engine.generate(["a", ""], {"max_new_tokens": 2})
-    assert e.value.param == "prompt"
+    assert e.value.param == "prompt[1]"  # a batch's prompt by its index, as the HTTP routes' prompt[1]
+    with pytest.raises(ValueError, match=r"^input_ids\[1\]\[0\] token id 60000 is out of range") as e:
+        engine.generate(input_ids=[[504, 3575], [60000]], sampling_params={"max_new_tokens": 2})
+    assert e.value.param == "input_ids[1]"  # audit 30: "input_ids[0] token id 60000" read as prompt 0
+    with pytest.raises(ValueError, match=r"^input_ids\[0\] token id 60000 is out of range"):
+        engine.generate(input_ids=[60000], sampling_params={"max_new_tokens": 2})  # one prompt: its id 0
     with pytest.raises(ValueError, match="^the prompt has") as e:
         engine.generate("hi " * engine.tokenizer_manager.context_len, {"max_new_tokens": 2})
     assert e.value.param == "prompt" and e.value.code == "context_length_exceeded"

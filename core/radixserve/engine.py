@@ -201,15 +201,19 @@ class Engine:
             single = isinstance(prompt, str)
             if not single and (not isinstance(prompt, list | tuple) or not all(isinstance(p, str) for p in prompt)):
                 raise ValueError(f"prompt must be a str or a list of str, got {prompt!r}")
-            # errors about the prompt (empty, too long) name the Engine's argument, not /generate's `text`
-            items: list[dict] = [{"text": p, "text_field": "prompt"} for p in ([prompt] if single else prompt)]
+            # errors about a prompt (empty, too long) name the Engine's argument, not /generate's `text`, and
+            # in a batch its index, as the HTTP routes' `prompt[1]`
+            items: list[dict] = [{"text": p, "text_field": "prompt" if single else f"prompt[{i}]"}
+                                 for i, p in enumerate([prompt] if single else prompt)]
         else:
             if not isinstance(input_ids, list | tuple) or not all(isinstance(x, int | list | tuple) for x in input_ids):
                 raise ValueError(f"input_ids must be a list of token ids or a list of such lists, got {input_ids!r}")
             if not input_ids:  # one prompt of no tokens, not a batch of none (a text batch may be empty)
                 raise InvalidRequest("input_ids: the prompt is empty", "input_ids")
             single = isinstance(input_ids[0], int)
-            items = [{"input_ids": list(ids)} for ids in ([input_ids] if single else input_ids)]
+            # in a batch `input_ids[1][0]` names prompt 1's first id (audit 30: `input_ids[0]` read as prompt 0)
+            items = [{"input_ids": list(ids), "ids_field": "input_ids" if single else f"input_ids[{i}]"}
+                     for i, ids in enumerate([input_ids] if single else input_ids)]
         n = len(items)
         sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         rids = rid if isinstance(rid, list) else [rid] * n

@@ -72,8 +72,10 @@ class GenerateInput:
     # SGLang's: with return_logprob, >= 0 also scores the prompt, reported from this position on; -1: not
     logprob_start_len: int = -1
     priority: int = 0
-    # how the caller's API names `text` in errors: `/generate`'s `text`, the Engine's `prompt`
+    # how the caller's API names `text` / `input_ids` in errors: `/generate`'s `text`, the Engine's `prompt`
+    # (`prompt[i]`, `input_ids[i]` for prompt i of a batch)
     text_field: str = "text"
+    ids_field: str = "input_ids"
 
 
 @dataclass(frozen=True)
@@ -452,10 +454,10 @@ class TokenizerManager:
         if (inp.text is None) == (inp.input_ids is None):
             raise InvalidRequest("give exactly one of text or input_ids", "input_ids")
         # the prompt's errors (empty, too long, ...) name it as the caller sent it
-        field = inp.text_field if inp.text is not None else "input_ids"
+        field = inp.text_field if inp.text is not None else inp.ids_field
         if inp.input_ids is not None:
             if not isinstance(inp.input_ids, list | tuple):
-                raise InvalidRequest("input_ids must be a list of token ids", "input_ids")
+                raise InvalidRequest(f"{field} must be a list of token ids", field)
             ids = list(inp.input_ids)
         else:
             if not isinstance(inp.text, str):
