@@ -273,3 +273,44 @@ def test_the_docs_example_parser_conforms():
     test = test.replace("from my_parsers.xml import XmlCallParser\n", "")
     exec(compile(test, "docs-example-test", "exec"), namespace)
     namespace["test_xml_calls"]()
+
+
+class _IgnoresFinal(HermesToolParser):
+    """Streams an open call's markup as content (it parses every prefix as if it were the end)."""
+
+    def parse(self, text, final):
+        return super().parse(text, True)
+
+
+class _RenamesAtTheEnd(HermesToolParser):
+    """Streams the call under another name than the one it returns at the end."""
+
+    def parse(self, text, final):
+        got = super().parse(text, final)
+        if final or not got.calls:
+            return got
+        first = got.calls[0]
+        return type(got)(got.content, (type(first)("search", first.arguments), *got.calls[1:]))
+
+
+class _ArgumentsShrinkAtTheEnd(HermesToolParser):
+    def parse(self, text, final):
+        got = super().parse(text, final)
+        if final or not got.calls:
+            return got
+        first = got.calls[0]
+        return type(got)(got.content, (type(first)(first.name, first.arguments + " "), *got.calls[1:]))
+
+
+@pytest.mark.parametrize(("broken", "says"), [
+    (_IgnoresFinal, "does not extend the content already streamed"),
+    (_RenamesAtTheEnd, "was streamed and dropped, but its text never became content"),
+    (_ArgumentsShrinkAtTheEnd, "do not extend the streamed"),
+])
+def test_the_kit_holds_the_final_snapshot_to_what_was_streamed(broken, says):
+    """Audit 30: parsers that leak markup while streaming, or rename a streamed call at the end, passed
+    check_tool_parser (it compared streamed snapshots with each other, never the final one with them)."""
+    sample = [ToolSample('Hi <tool_call>{"name": "get_time", "arguments": {}}</tool_call>', [("get_time", {})], "Hi")]
+    check_tool_parser(HermesToolParser, sample, TOOLS)  # the sample itself is fine
+    with pytest.raises(AssertionError, match=says):
+        check_tool_parser(broken, sample, TOOLS)

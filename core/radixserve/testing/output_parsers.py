@@ -27,19 +27,32 @@ class ToolSample:
 
 
 def _streamed(parser: ToolParser, text: str, cuts: Sequence[int], where: str) -> ToolParse:
-    """Parse growing prefixes ending at `cuts` (then the whole text, final) checking stability."""
+    """Parse growing prefixes ending at `cuts` (then the whole text, final) checking stability. The
+    final snapshot is held to it too: the server cannot take back what it streamed (audit 30: a parser
+    streaming its markup as content, or a call it renamed at the end, passed)."""
     prev = ToolParse()
+    dropped: tuple[int, str] | None = None  # content length before the first dropped call, and the step
     for k in [*cuts, len(text)]:
         final = k == len(text)
         now = parser.parse(text[:k], final)
         step = f"{where}, after {k} characters{' (final)' if final else ''}"
-        if not final:
-            assert now.content.startswith(prev.content), f"{step}: content {now.content!r} does not extend {prev.content!r}"
-            for a, b in zip(prev.calls, now.calls):
-                if a.name != b.name:
-                    break  # a dropped (malformed) call: what follows it is new
-                assert b.arguments.startswith(a.arguments), f"{step}: arguments {b.arguments!r} do not extend {a.arguments!r}"
+        assert now.content.startswith(prev.content), (
+            f"{step}: content {now.content!r} does not extend the content already streamed, {prev.content!r}")
+        kept = 0
+        for a, b in zip(prev.calls, now.calls):
+            if a.name != b.name:
+                break  # call `kept` was dropped (malformed): what follows it is new
+            assert b.arguments.startswith(a.arguments), (
+                f"{step}: arguments of call {kept} ({b.name}) {b.arguments!r} do not extend the streamed {a.arguments!r}")
+            kept += 1
+        if kept < len(prev.calls) and dropped is None:
+            dropped = (len(prev.content), f"{step}: call {kept} ({prev.calls[kept].name}, arguments "
+                                          f"{prev.calls[kept].arguments!r}) was streamed and dropped")
         prev = now
+    if dropped is not None:  # a dropped call's text becomes content, at the latest with final=True
+        assert len(prev.content) > dropped[0], (
+            f"{dropped[1]}, but its text never became content (final content {prev.content!r}): a streamed call "
+            "cannot be renamed or taken back, so hold a call back until its name is complete")
     return prev
 
 
