@@ -292,6 +292,12 @@ def test_bad_tool_choice_and_history_are_400s():
         {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{not json"}}]}]
     assert _error(oai, messages=bad_args, tools=TOOLS)["param"] == "messages.1.tool_calls.0.function.arguments"
     assert "tool_call_id" in _error(oai, messages=[{"role": "tool", "content": "x"}])["message"]
+    # audit 30: a tool result answering no call of the assistant message before it was a 200
+    called = ASK + [{"role": "assistant", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]}]
+    body = _error(oai, messages=called + [{"role": "tool", "tool_call_id": "call_zzz", "content": "15:00"}], tools=TOOLS)
+    assert body["param"] == "messages.2.tool_call_id" and "'call_zzz' is not the id of a call" in body["message"]
+    assert "'call_1'" in body["message"]
     assert _error(oai, tools=TOOLS, extra_body={"chat_template_kwargs": {"tools": []}})["param"] == "chat_template_kwargs"
     # no parser configured and none detected
     body = _error(openai_client(CannedTM("x")), tools=TOOLS)

@@ -280,6 +280,10 @@ class ChatCompletionRequest(_SamplingFields, ChatToolFields):
             if before is None or before.role != "assistant" or not before.tool_calls:
                 raise refuse(f"messages.{i}", "a tool message must follow an assistant message with tool_calls "
                                               "(the call it answers)")
+            ids = [c.id for c in before.tool_calls]
+            if m.tool_call_id not in ids:  # as OpenAI; the message would be rendered answering no call
+                raise refuse(f"messages.{i}.tool_call_id", f"{m.tool_call_id!r} is not the id of a call of the "
+                                                           f"assistant message it answers ({', '.join(map(repr, ids))})")
         return self
 
     def requested_max_tokens(self) -> int | None:
