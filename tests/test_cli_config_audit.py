@@ -160,3 +160,35 @@ def test_an_empty_served_model_name_is_refused_like_an_empty_key(name):
     """Operator audit 30: --served-model-name "" was accepted and the file name served instead."""
     with pytest.raises(ConfigError, match=r"model.served_model_name: .*must not be empty"):
         _serve_config(["--served-model-name", name])
+
+
+REMOTE_CONFIG = """
+import os
+open(os.path.join(os.path.dirname(__file__), "RAN"), "w").close()
+from transformers import PretrainedConfig
+class TinyConfig(PretrainedConfig):
+    model_type = "tinyremote"
+"""
+
+
+def test_a_checkpoints_own_code_is_never_run_nor_offered(tmp_path):
+    """Models audit 30: a config.json with auto_map and an unknown model_type made `config show` and
+    `generate` show transformers' "run the custom code? [y/N]" prompt, and "y" ran the checkpoint's code."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "tinyremote", "architectures": ["TinyRemoteForCausalLM"], "vocab_size": 32, "hidden_size": 8,
+        "auto_map": {"AutoConfig": "configuration_tiny.TinyConfig"}}))
+    (tmp_path / "configuration_tiny.py").write_text(REMOTE_CONFIG)
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    run = subprocess.run([sys.executable, "-m", "radixserve.cli", "config", "show", "--model", str(tmp_path)],
+                         input="y\ny\ny\n", capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert not (tmp_path / "RAN").exists()
+    assert "[y/N]" not in run.stdout + run.stderr
+    assert "names its own Python code (config.json auto_map), which RadixServe never runs" in run.stderr

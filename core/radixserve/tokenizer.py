@@ -41,7 +41,7 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
     path = tokenizer_source(model_path, tokenizer_path)
     if os.path.isfile(path):
         return _gguf_tokenizer(os.path.abspath(path))
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)  # never a checkpoint's own code
 
 
 def _gguf_key(path: str) -> str:
@@ -155,10 +155,10 @@ def _gguf_tokenizer(path: str):
     cache = _gguf_cache_dir(path)
     if os.path.isfile(os.path.join(cache, "tokenizer_config.json")):
         try:
-            return AutoTokenizer.from_pretrained(cache)
+            return AutoTokenizer.from_pretrained(cache, trust_remote_code=False)
         except Exception:  # a corrupt or incompatible cache entry: rebuild it
             shutil.rmtree(cache, ignore_errors=True)
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), trust_remote_code=False)
     tmp = None
     try:
         os.makedirs(os.path.dirname(cache), exist_ok=True)

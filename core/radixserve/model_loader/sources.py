@@ -65,12 +65,14 @@ class ModelSource:
         from transformers import AutoConfig
 
         try:
-            return AutoConfig.from_pretrained(self.path)
+            return AutoConfig.from_pretrained(self.path, trust_remote_code=False)  # never a checkpoint's own code
         except ValueError as e:  # transformers' advice (upgrade it) is wrong for a plugin's own model_type
             model_type = _unknown_model_type(self.path)
             if model_type is None:
                 raise
-            raise UnknownModelTypeError(self.path, model_type) from e
+            note = ("; the checkpoint names its own Python code (config.json auto_map), which RadixServe never runs "
+                    "(there is no trust_remote_code)" if _has_auto_map(self.path) else "")
+            raise UnknownModelTypeError(self.path, model_type, note) from e
 
     def num_tensors(self) -> int | None:
         if self.weight_source is not None:
@@ -127,6 +129,14 @@ def _unknown_model_type(path: str) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return model_type if isinstance(model_type, str) and model_type not in CONFIG_MAPPING else None
+
+
+def _has_auto_map(path: str) -> bool:
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            return bool(json.load(f).get("auto_map"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -222,7 +232,7 @@ def open_checkpoint(config: Config, registry: Registry) -> Checkpoint:
         skipped = "; ".join(f"{p} of {dist} ({why})" for p, (dist, why) in sorted(registry.skipped.items()))
         if not skipped:
             raise
-        raise UnknownModelTypeError(e.path, e.model_type, f"; installed plugins not loaded now: {skipped}") from e
+        raise UnknownModelTypeError(e.path, e.model_type, f"{e.note}; installed plugins not loaded now: {skipped}") from e
     arch = (getattr(hf_config, "architectures", None) or [None])[0]
     if arch is None:
         raise ValueError(f"{path!r}: config has no `architectures`; cannot pick a model class")

@@ -241,13 +241,13 @@ def check_model_parity(
         source = ModelSource(path=checkpoint, format=type(weight_source).__name__, weight_source=weight_source)
         quant_method = quant_method if quant_method is not None else weight_source
     else:
-        hf_config = AutoConfig.from_pretrained(checkpoint)
+        hf_config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=False)
         source = ModelSource(path=checkpoint, format="safetensors")
     model = load_model(source, hf_config, model_cls, torch.device("cpu"), torch.float32, quant_method=quant_method,
                        show_progress=False)
     # eager: transformers' SDPA path silently drops options such as Gemma 2's attention soft-capping
     hf = AutoModelForCausalLM.from_pretrained(reference or checkpoint, dtype=torch.float32,
-                                              attn_implementation="eager").eval()
+                                              attn_implementation="eager", trust_remote_code=False).eval()
     rng = random.Random(seed)
     vocab = hf_config.vocab_size
     seqs = [_Seq([rng.randrange(vocab) for _ in range(n)]) for n in prompt_lens]
