@@ -146,6 +146,9 @@ def test_unsupported_features_are_named_before_any_weight_loads(model_type, over
     with pytest.raises(UnsupportedModelError) as err:
         TransformersForCausalLM(cfg)
     assert err.value.feature == feature
+    # models audit 30: "the model never called transformers' attention interface" named no model or component
+    assert str(err.value).startswith(f"{cfg.architectures[0]}: the transformers fallback (radixserve-models-transformers) "
+                                     "cannot run it: "), str(err.value)
 
 
 def test_forward_has_no_host_sync_so_it_can_be_graph_captured():

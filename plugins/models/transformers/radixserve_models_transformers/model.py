@@ -41,6 +41,14 @@ class TransformersForCausalLM(Model):
     def __init__(self, config, quant_method: QuantMethod | None = None, prefix: str = "") -> None:
         if hasattr(config, "to_transformers"):  # a weight source's plain config (GGUF): the real one
             config = config.to_transformers()
+        try:
+            self._construct(config, quant_method, prefix)
+        except UnsupportedModelError as e:  # say which model and which component refuses (models audit 30)
+            arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+            raise UnsupportedModelError(f"{arch}: the transformers fallback (radixserve-models-transformers) cannot "
+                                        f"run it: {e} (see docs/supported-models.md)", e.feature) from None
+
+    def _construct(self, config, quant_method: QuantMethod | None, prefix: str) -> None:
         super().__init__(config, quant_method, prefix)
         _check_unquantized(config, quant_method)
         attention.register()
