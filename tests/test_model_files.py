@@ -165,7 +165,8 @@ def _broken_models(root, gguf: str) -> dict[str, tuple[str, str]]:
 
     root = pathlib.Path(root)
     for d, text in (("nocfg", None), ("badjson", '{"model_type": "llama",'), ("nomt", '{"hidden_size": 4}'),
-                    ("bigsize", '{"model_type": "llama", "hidden_size": "big"}')):
+                    ("bigsize", '{"model_type": "llama", "hidden_size": "big"}'),
+                    ("baddtype", '{"model_type": "llama", "torch_dtype": "float33"}')):
         (root / d).mkdir()
         if text is not None:
             (root / d / "config.json").write_text(text)
@@ -176,6 +177,8 @@ def _broken_models(root, gguf: str) -> dict[str, tuple[str, str]]:
         "badjson": (str(root / "badjson"), r"badjson/config.json is not valid JSON"),
         "nomt": (str(root / "nomt"), r"nomt/config.json has no model_type"),
         "bigsize": (str(root / "bigsize"), r"hidden_size must be an integer, got 'big'"),
+        # models audit 30: a 35-line AttributeError traceback from transformers, exit 1
+        "baddtype": (str(root / "baddtype"), r"torch_dtype 'float33' is not a torch dtype"),
         "empty": (str(root / "x.gguf"), r"x.gguf is not a valid GGUF file \(empty\)"),
         "truncated": (str(root / "t.gguf"), r"t.gguf is not a valid GGUF file \(truncated"),
     }
@@ -186,7 +189,7 @@ def test_broken_model_files_are_one_line_naming_the_file_in_generate_and_serve(t
 
     for name, (path, said) in _broken_models(tmp_path, smollm2_gguf_path).items():
         cmds = [["generate", "--model", path, "hi"]]
-        if name in ("nomt", "truncated"):  # serve went to the scheduler (a traceback, a tokenizer error)
+        if name in ("nomt", "truncated", "baddtype"):  # serve went to the scheduler (a traceback, a tokenizer error)
             cmds.append(["serve", "--model", path])
         for cmd in cmds:
             done = subprocess.run([sys.executable, "-m", "radixserve.cli", *cmd], capture_output=True, text=True,

@@ -171,6 +171,12 @@ _CONFIG_INT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads",
                       "intermediate_size", "vocab_size", "max_position_embeddings", "head_dim")
 
 
+# the names config.json's dtype may take (torch dtype names, without importing torch in the front end)
+_TORCH_DTYPE_NAMES = frozenset({
+    "auto", "float32", "float", "float16", "half", "bfloat16", "float64", "double", "float8_e4m3fn", "float8_e5m2",
+    "float8_e4m3fnuz", "float8_e5m2fnuz", "int8", "uint8", "int16", "int32", "int64", "bool"})
+
+
 def no_weight_source_message(path: str, registry: Registry | None) -> str:
     """The error for a model file that no installed weight source reads (by its suffix)."""
     readable = registry.weight_file_suffixes() if registry is not None else []
@@ -217,6 +223,10 @@ def _check_hf_config(path: str) -> None:
         value = data.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise ValueError(f"{cfg}: {key} must be an integer, got {value!r}")
+    for key in ("dtype", "torch_dtype"):  # transformers raised an AttributeError from deep inside (audit 30)
+        value = data.get(key)
+        if value is not None and value not in _TORCH_DTYPE_NAMES:
+            raise ValueError(f"{cfg}: {key} {value!r} is not a torch dtype (e.g. bfloat16, float16, float32)")
 
 
 _GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type -> bytes
