@@ -314,3 +314,16 @@ def test_the_kit_holds_the_final_snapshot_to_what_was_streamed(broken, says):
     check_tool_parser(HermesToolParser, sample, TOOLS)  # the sample itself is fine
     with pytest.raises(AssertionError, match=says):
         check_tool_parser(broken, sample, TOOLS)
+
+
+def test_a_call_dropped_as_malformed_does_not_make_the_stream_end_with_tool_calls():
+    """Tools audit 30: streamed, a call whose arguments turned out malformed ended the stream with
+    finish_reason "tool_calls" while the same answer unstreamed said "stop" (no calls)."""
+    text = 'Hi!\n<tool_call>\n{"name": "get_time", "arguments": {"tz": CET}}\n</tool_call>'
+    assert ChoiceOutput(None, HermesToolParser(TOOLS)).finish(text).calls == []
+    streamed = ChoiceOutput(None, HermesToolParser(TOOLS))
+    for k in range(1, len(text)):
+        streamed.delta(text[:k], False)
+    assert streamed.has_calls  # get_time was streamed before its arguments broke
+    streamed.delta(text, True)
+    assert not streamed.has_calls  # the finish reason follows the final parse, as unstreamed

@@ -72,10 +72,14 @@ class ChoiceOutput:
         self._sent_content = ""
         self._sent_calls: list[CallOut] = []
         self._bound: list[int] = []  # the client's index of each call of the parser's snapshot
+        self._final_calls: int | None = None  # calls of the final parse, once the stream's last delta is made
 
     @property
     def has_calls(self) -> bool:
-        return bool(self._sent_calls)
+        """Whether the choice ends with calls (its finish reason "tool_calls"): the final parse's calls,
+        as the non-streamed answer has them; a call streamed and then dropped as malformed does not
+        count (tools audit 30: the stream said "tool_calls" where the same answer unstreamed said "stop")."""
+        return bool(self._final_calls) if self._final_calls is not None else bool(self._sent_calls)
 
     @property
     def _constrained(self) -> bool:
@@ -119,6 +123,8 @@ class ChoiceOutput:
         """What is new in `text` (the whole output so far) since the previous call; `truncated`
         (with `final`): the output ended by max_tokens."""
         reasoning, content, calls = self._parts(text, final, truncated)
+        if final:
+            self._final_calls = len(calls)
         out = ChoiceDelta(
             reasoning=_grown(self._sent_reasoning, reasoning, "reasoning"),
             content=_grown(self._sent_content, content, "content"),
