@@ -277,6 +277,10 @@ def _error(oai, **kw) -> dict:
     ([{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"n": {"type": "integr"}}}}}], "tools.0.function.parameters", "properties.n.type"),
     ([WEATHER, WEATHER], "tools", "unique"),
+    # tools audit 30: a dangling $ref was a 200 under tool_choice=auto
+    ([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/nope"}}}}}], "tools.0.function.parameters",
+     "properties.x.$ref '#/$defs/nope' points to nothing in this schema"),
 ])
 def test_bad_tools_are_a_400_naming_the_field(tools, param, words):
     body = _error(openai_client(CannedTM("x"), tool_call_parser="hermes"), tools=tools)

@@ -26,10 +26,10 @@ def check_parameters_schema(schema: Any) -> None:
     kind = schema.get("type")
     if kind is not None and kind != "object":
         raise ValueError(f"must describe an object (type 'object'), got type {kind!r}")
-    _check(schema, "")
+    _check(schema, "", schema)
 
 
-def _check(s: Any, path: str) -> None:
+def _check(s: Any, path: str, root: dict[str, Any]) -> None:
     at = path or "the schema"
     if isinstance(s, bool):
         return
@@ -46,20 +46,20 @@ def _check(s: Any, path: str) -> None:
             if not isinstance(s[key], dict):
                 raise ValueError(f"{_join(path, key)} must be an object mapping names to schemas")
             for name, sub in s[key].items():
-                _check(sub, _join(path, f"{key}.{name}"))
+                _check(sub, _join(path, f"{key}.{name}"), root)
     for key in _SUBSCHEMA:
         if key in s:
             if key == "items" and isinstance(s[key], list):
                 for i, sub in enumerate(s[key]):
-                    _check(sub, _join(path, f"items.{i}"))
+                    _check(sub, _join(path, f"items.{i}"), root)
             else:
-                _check(s[key], _join(path, key))
+                _check(s[key], _join(path, key), root)
     for key in _SCHEMA_LISTS:
         if key in s:
             if not isinstance(s[key], list) or not s[key]:
                 raise ValueError(f"{_join(path, key)} must be a non-empty list of schemas")
             for i, sub in enumerate(s[key]):
-                _check(sub, _join(path, f"{key}.{i}"))
+                _check(sub, _join(path, f"{key}.{i}"), root)
     if "required" in s and not (isinstance(s["required"], list) and all(isinstance(x, str) for x in s["required"])):
         raise ValueError(f"{_join(path, 'required')} must be a list of property names")
     if "enum" in s and not (isinstance(s["enum"], list) and s["enum"]):
@@ -75,8 +75,31 @@ def _check(s: Any, path: str) -> None:
             re.compile(s["pattern"])
         except (re.error, TypeError) as e:
             raise ValueError(f"{_join(path, 'pattern')} is not a valid regular expression: {e}") from None
-    if "$ref" in s and not isinstance(s["$ref"], str):
-        raise ValueError(f"{_join(path, '$ref')} must be a string")
+    if "$ref" in s:
+        ref = s["$ref"]
+        if not isinstance(ref, str):
+            raise ValueError(f"{_join(path, '$ref')} must be a string")
+        if not _resolves(root, ref):  # a dangling reference was accepted under tool_choice=auto (tools audit 30)
+            raise ValueError(f"{_join(path, '$ref')} {ref!r} points to nothing in this schema (only local references, "
+                             "'#/$defs/NAME', are resolved)")
+
+
+def _resolves(root: dict[str, Any], ref: str) -> bool:
+    """Whether `ref` is a local JSON pointer ("#", "#/a/b") to something inside `root`."""
+    if ref == "#":
+        return True
+    if not ref.startswith("#/"):
+        return False
+    node: Any = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    return True
 
 
 def _join(path: str, key: str) -> str:
