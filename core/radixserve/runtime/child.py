@@ -51,6 +51,13 @@ def sys_path_for_children() -> list[str]:
     return [p for p in sys.path if p and os.path.abspath(p) != script_dir]
 
 
+def adopt_import_path(parent_paths: list[str]) -> None:
+    """A process started with `python -m` (a runtime child, a data-parallel replica) takes the
+    parent's import path (`sys_path_for_children`) in place of its own first entry, the working
+    directory: a file there must not shadow a dependency either."""
+    sys.path[:] = list(dict.fromkeys(sys.path[1:] + [p for p in parent_paths if p]))
+
+
 def refuse_inside_runtime_child() -> None:
     """Raise where this process is itself a runtime child (see RUNTIME_CHILD_ENV)."""
     process = os.environ.get(RUNTIME_CHILD_ENV)
@@ -224,8 +231,7 @@ def main() -> None:
     _ignore_stop_signals()
     spec = ChildSpec.from_json(sys.stdin.read())
     sys.stdin.close()
-    # sys.path[0] is the working directory (`-m`): a file there must not shadow a dependency either
-    sys.path[:] = list(dict.fromkeys(sys.path[1:] + [p for p in spec.sys_path if p]))
+    adopt_import_path(spec.sys_path)
     setup_logging(spec)
     ENTRY_POINTS[spec.process](spec)
     # the entry returned after a ShutdownRequest, its sockets closed: skip the interpreter's

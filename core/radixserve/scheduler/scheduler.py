@@ -715,9 +715,7 @@ class Scheduler:
             self.cache.dec_lock_ref(req.last_node)
         except Exception:
             logger.debug("%s: dec_lock_ref after the failure failed too", self.cache_label, exc_info=True)
-        if req.decode_reserve:
-            self.allocator.free(torch.tensor(req.decode_reserve, dtype=torch.int64))
-            req.decode_reserve = []
+        self._free_decode_reserve(req)
         if req.req_pool_idx is not None:
             self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.last_node = None, None
@@ -1194,12 +1192,16 @@ class Scheduler:
         self.waiting.append(req)
         logger.debug("retracted %s after %d output tokens", req.rid, len(req.output_ids))
 
-    def _release(self, req: Req) -> bool:
-        """Give up the request's KV (the cache keeps what it wants), its unused decode slots and its
-        row. False when the cache's cache_finished_req raised (logged; the caller ends the request with a 500)."""
+    def _free_decode_reserve(self, req: Req) -> None:
+        """Return the decode slots set aside for the request and not used yet."""
         if req.decode_reserve:
             self.allocator.free(torch.tensor(req.decode_reserve, dtype=torch.int64))
             req.decode_reserve = []
+
+    def _release(self, req: Req) -> bool:
+        """Give up the request's KV (the cache keeps what it wants), its unused decode slots and its
+        row. False when the cache's cache_finished_req raised (logged; the caller ends the request with a 500)."""
+        self._free_decode_reserve(req)
         if req.req_pool_idx is None:
             return True
         try:

@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import sys
 
+from radixserve.runtime.child import adopt_import_path
+
 
 def main() -> None:
     spec = json.loads(sys.stdin.read())
     sys.stdin.close()
-    # sys.path[0] is the working directory (`-m`): not passed on, as runtime/child.py's main does
-    sys.path[:] = list(dict.fromkeys(sys.path[1:] + [p for p in spec["sys_path"] if p]))
+    adopt_import_path(spec["sys_path"])
 
     from radixserve.config import Config
     from radixserve.runtime.ipc import install_parent_watchdog
