@@ -249,6 +249,7 @@ def test_sigterm_ends_the_router_and_every_replica_with_exit_0(server):
     time.sleep(0.3)
     refused = httpx.post(f"{server.url}/v1/completions", json={"model": server.model, "prompt": "hi"}, timeout=10)
     assert refused.status_code == 503 and refused.json()["error"]["message"]
+    assert refused.json()["error"]["code"] == "service_unavailable"
     code = server.proc.wait(GRACE_S + 30)
     took = time.monotonic() - signalled
     stream.join(10)

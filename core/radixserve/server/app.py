@@ -92,7 +92,7 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
         # why, where known: a load balancer's log then tells a shutdown from a crash
         why = getattr(tm, "unhealthy_reason", None)
         reason = (why() if why is not None else None) or "the runtime is not healthy"
-        return error_response(reason, 503, code="service_unavailable")
+        return error_response(reason, 503)
 
     @app.post("/tokenize")
     async def tokenize(body: p.TokenizeRequest) -> JSONResponse:
@@ -135,7 +135,7 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
             await asyncio.wait_for(one(), HEALTH_GENERATE_TIMEOUT_S)
         except Exception as e:
             tm.abort(gen.rid)
-            return error_response(f"health generation failed: {type(e).__name__}: {e}", 503, code="service_unavailable")
+            return error_response(f"health generation failed: {type(e).__name__}: {e}", 503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -9,12 +9,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+if TYPE_CHECKING:
+    from radixserve.validation import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,11 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
 def error_response(message: str, status: int, param: str | None = None, code: str | None = None,
                    type_: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param, code, type_), status_code=status)
+
+
+def refused(e: InvalidRequest) -> APIError:
+    """A request validation.py refused, as the HTTP 400 it is (its `param` and named `code` kept)."""
+    return APIError(e.message, 400, e.param, e.code)
 
 
 def model_not_found(message: str) -> APIError:

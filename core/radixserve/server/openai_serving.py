@@ -27,7 +27,7 @@ from radixserve.server import protocol_tools as pt
 from radixserve.server.chat_output import ChoiceOutput
 from radixserve.server.chat_plan import ChatPlan, plan_chat
 from radixserve.server.constraint_errors import response_format_refusal
-from radixserve.server.errors import APIError, error_body, model_not_found
+from radixserve.server.errors import APIError, error_body, model_not_found, refused
 from radixserve.server.generation import ClientGone, Fanout, Job, until_disconnect
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.parser_selection import OutputParsers
@@ -135,7 +135,7 @@ class Serving:
         if not self.tm.is_healthy():
             why = getattr(self.tm, "unhealthy_reason", None)  # e.g. "the server is shutting down", as /health says
             reason = (why() if why is not None else None) or "the runtime is not healthy"
-            raise APIError(f"{reason}; try again later", 503, code="service_unavailable")
+            raise APIError(f"{reason}; try again later", 503)
         if model is not None and model != self.tm.model_name:
             raise model_not_found(f"the model {model!r} does not exist; this server serves {self.tm.model_name!r}")
 
@@ -147,7 +147,7 @@ class Serving:
             check_token_ids(ids, limits, names.prompt)
             return max_new_tokens_for(len(ids), requested, limits, names)
         except InvalidRequest as e:
-            raise APIError(e.message, 400, e.param, e.code) from None
+            raise refused(e) from None
 
     def prompt_logprobs(self, meta: dict, top: int | None) -> p.PromptLogprobs | None:
         """vLLM's `prompt_logprobs` of a request that asked for `top` alternatives (None: it did not):
@@ -225,7 +225,7 @@ class Serving:
             check_sampling(params, self.tm.limits, OPENAI_FIELDS)
         except InvalidRequest as e:
             explained = plan.explain_refusal(e.param, e.message) if plan else _format_refusal(req, e)
-            raise (explained or APIError(e.message, 400, e.param, e.code)) from None
+            raise (explained or refused(e)) from None
         return params
 
     # ---- /v1/chat/completions ---------------------------------------------------------------
@@ -359,7 +359,7 @@ class Serving:
             if req.return_logprob:
                 params.logprobs, params.top_logprobs = True, req.top_logprobs_num
         except InvalidRequest as e:
-            raise APIError(e.message, 400, e.param, e.code) from None
+            raise refused(e) from None
         if req.input_ids is not None:
             self.budget(req.input_ids, params.max_new_tokens, NATIVE)
         rid = req.rid or uuid.uuid4().hex

@@ -11,7 +11,7 @@ from typing import Any
 
 from radixserve.server import protocol as p
 from radixserve.server.chat_plan import plan_chat
-from radixserve.server.errors import APIError
+from radixserve.server.errors import refused
 from radixserve.serving_tokenizer import off_the_loop
 from radixserve.validation import InvalidRequest, check_token_ids
 
@@ -36,7 +36,7 @@ def detokenize(serving: Any, req: p.DetokenizeRequest) -> dict[str, Any]:
     try:
         check_token_ids(req.tokens, serving.tm.limits, "tokens")
     except InvalidRequest as e:
-        raise APIError(e.message, 400, e.param, e.code) from None
+        raise refused(e) from None
     return {"prompt": serving.tm.tokenizer.decode(req.tokens)}
 
 

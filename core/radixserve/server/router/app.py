@@ -62,7 +62,7 @@ def create_router_app(router: Router, config: Config, metrics: RouterMetrics) ->
     async def health() -> Response:
         """200 while at least one replica is in rotation and healthy; lists each replica."""
         if router.refusing is not None:
-            return error_response("the router is not healthy: shutting down", 503, code="service_unavailable")
+            return error_response("the router is not healthy: shutting down", 503)
         answers = dict(await _ask_all(router, "GET", "/health", timeout=5.0))
         replicas = [
             {
@@ -73,7 +73,7 @@ def create_router_app(router: Router, config: Config, metrics: RouterMetrics) ->
             for r in router.replicas
         ]
         if not any(x["healthy"] for x in replicas):
-            return error_response("no replica is healthy", 503, code="service_unavailable")
+            return error_response("no replica is healthy", 503)
         return JSONResponse({"status": "ok", "replicas": replicas})
 
     @app.get("/health_generate")
@@ -86,10 +86,7 @@ def create_router_app(router: Router, config: Config, metrics: RouterMetrics) ->
             if not (isinstance(a, httpx.Response) and a.status_code == 200)
         ]
         if bad or not answers:
-            return error_response(
-                "health generation failed: " + ("; ".join(bad) or "no replica in rotation"), 503,
-                code="service_unavailable",
-            )  # fmt: skip
+            return error_response("health generation failed: " + ("; ".join(bad) or "no replica in rotation"), 503)
         return JSONResponse({"status": "ok", "replicas": len(answers)})
 
     @app.get("/metrics")

@@ -76,10 +76,10 @@ class Router:
     def pick(self, text: str, exclude: set[int] = frozenset()) -> tuple[Replica, Decision]:
         """The replica for a request with routing text `text` (APIError 503 when none can take it)."""
         if self.refusing is not None:
-            raise APIError(self.refusing, 503, code="service_unavailable")
+            raise APIError(self.refusing, 503)
         loads = {r.index: r.load for r in self.alive() if r.index not in exclude}
         if not loads:
-            raise APIError("no replica is available to serve the request", 503, code="service_unavailable")
+            raise APIError("no replica is available to serve the request", 503)
         decision = self.policy.choose(text, loads)
         replica = self.replicas[decision.replica]
         if self.metrics is not None:

@@ -141,7 +141,7 @@ async def forward_to_one(router: Router, request: Request) -> Response:
     """A request that needs no routing decision (model list, plugin routes): the first live replica."""
     alive = router.alive()
     if not alive:
-        return error_response("no replica is available", 503, code="service_unavailable")
+        return error_response("no replica is available", 503)
     replica = alive[0]
     try:
         r = await replica.client.request(
