@@ -52,22 +52,19 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: A
     param.data.copy_(loaded.to(param.dtype))
 
 
-def load_into(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
-    """Call the parameter's own loader (or the default one); a tensor it refuses is a
-    CheckpointTensorError (a ValueError) stating both shapes."""
-    _load_param(param, loaded, shard_id)
-
-
 class CheckpointDtypeError(CheckpointTensorError):
     """A floating-point checkpoint tensor for an integer parameter (quantized codes: int8, AWQ/GPTQ's
     int32 `qweight`): the loaders' cast would truncate it into wrong codes without a word."""
 
 
-def _load_param(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None, *, name: str | None = None,
-                target: str | None = None, expert_id: int | None = None) -> None:
-    """The one place a parameter's `weight_loader` is called: whatever it raises about the tensor
-    (its own ValueError, or torch's RuntimeError from a narrow or copy that does not fit) becomes a
-    CheckpointTensorError naming the checkpoint tensor and the parameter with their shapes. A
+def load_into(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None, *, name: str | None = None,
+              target: str | None = None, expert_id: int | None = None) -> None:
+    """Call the parameter's own loader (or the default one): the one place a parameter's
+    `weight_loader` is called. `name` and `target` (the checkpoint tensor's and the parameter's
+    names) are for the messages; `expert_id` goes to FusedMoE's loaders. Whatever the loader raises
+    about the tensor (its own ValueError, or torch's RuntimeError from a narrow or copy that does not
+    fit) becomes a CheckpointTensorError naming the checkpoint tensor and the parameter with their
+    shapes. A
     floating-point tensor for an integer parameter is refused first (CheckpointDtypeError naming both
     dtypes); integers into float parameters, and floats into floats of another width, are cast."""
     what = f"checkpoint tensor {name!r}" if name else "a checkpoint tensor"
@@ -175,7 +172,7 @@ def load_stacked_weights(
             param = params.get(target)
             if param is None:
                 raise UnknownCheckpointTensorError(_no_expert_param(original, target, owner, params), tensor=original)
-            _load_param(param, tensor, shard_id, name=original, target=target, expert_id=expert_id)
+            load_into(param, tensor, shard_id, name=original, target=target, expert_id=expert_id)
             loaded.add(target)
             continue
         target, shard_id, piece = name, None, None
@@ -187,7 +184,7 @@ def load_stacked_weights(
         if param is None:
             raise UnknownCheckpointTensorError(f"checkpoint tensor {original!r} has no matching parameter in {owner}",
                                                tensor=original)
-        _load_param(param, tensor, shard_id, name=original, target=target)
+        load_into(param, tensor, shard_id, name=original, target=target)
         if piece is None:
             loaded.add(target)
         else:  # loaded once every shard arrived (checked below)

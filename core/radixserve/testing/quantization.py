@@ -28,7 +28,7 @@ from radixserve.layers.linear import (
 )
 from radixserve.layers.moe.layer import FusedMoE
 from radixserve.layers.moe.routing import RoutingConfig
-from radixserve.layers.weight_utils import CheckpointDtypeError, _load_param
+from radixserve.layers.weight_utils import CheckpointDtypeError, load_into
 from radixserve.testing._threads import single_threaded
 
 # quantize(w [out, in] fp32 CPU) -> (checkpoint tensors by parameter name, the dequantized weight)
@@ -69,7 +69,7 @@ def _load(layer, shards: list[_Shard], where: str, tp: int) -> None:
         for name, tensor in tensors.items():
             param = params[name]
             try:
-                _load_param(param, tensor, shard.shard_id, name=name, target=name)
+                load_into(param, tensor, shard.shard_id, name=name, target=name)
             except CheckpointDtypeError as e:
                 raise AssertionError(f"{where}: {e}. quantize() must return each tensor in the dtype create_weights "
                                      "registered for its parameter") from e
@@ -291,7 +291,7 @@ def check_quant_method_moe(
                 assert getattr(params[pname], "weight_loader", None) is not None, (
                     f"{name}: MoE parameter {pname!r} has no weight_loader (use layer.weight_loader)")
                 try:
-                    _load_param(params[pname], tensor, mapped[2], name=checkpoint_name, target=pname, expert_id=e)
+                    load_into(params[pname], tensor, mapped[2], name=checkpoint_name, target=pname, expert_id=e)
                 except Exception as err:
                     raise AssertionError(f"{name}: loading expert {e}'s {shard} {suffix!r} (checkpoint shape "
                                          f"{tuple(tensor.shape)}, {tensor.dtype}) into {pname!r} "
