@@ -338,9 +338,9 @@ class Registry:
             self._components.pop((kind, name), None)
         for key, wanted in self.prefer.items():
             kind, _, name = key.partition("/")
-            spec = self._components.get((kind, name))
-            if (kind, name) in self._conflicts or key in self.conflicts:
+            if (kind, name) in self._conflicts:  # settled by it, or reported above
                 continue
+            spec = self._components.get((kind, name))
             if spec is None:
                 logger.warning("plugins.prefer names %r, which no loaded plugin registers: it chooses nothing "
                                "(keys are 'kind/name', e.g. 'policy/fcfs')", key)
