@@ -94,7 +94,7 @@ def test_unsupported_checkpoint_config_is_a_startup_error(tiny_llama, tmp_path):
 
 
 def test_method_without_the_device_names_the_devices_that_work():
-    from radixserve.model_loader.quant_select import build_quant_method
+    from radixserve.model_loader.quant_select import build_quant_method, chosen_quant_method
     from radixserve.plugins.stack import ResolvedStack
 
     reg = Registry.discover()
@@ -103,7 +103,7 @@ def test_method_without_the_device_names_the_devices_that_work():
     hf_config = type("Cfg", (), {"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128}})()
     stack = ResolvedStack(device="cpu", attention=None, prefix_cache=None, policy=None)
     with pytest.raises(PluginError, match="'awq' .* does not support device 'cpu': it runs on cuda"):
-        build_quant_method(reg, stack, hf_config, torch.device("cpu"), torch.float32)
+        build_quant_method(reg, chosen_quant_method(reg, stack, hf_config), torch.device("cpu"), torch.float32)
 
 
 def test_gpu_below_the_minimum_capability_is_named(monkeypatch):

@@ -190,9 +190,9 @@ def _check_quant_method_builds(checkpoint: Any, resolved: Any, reg: Registry, co
         return
     import torch
 
-    from radixserve.model_loader.quant_select import build_quant_method
+    from radixserve.model_loader.quant_select import build_quant_method, chosen_quant_method
 
-    build_quant_method(reg, resolved, checkpoint.hf_config, torch.device(device),
+    build_quant_method(reg, chosen_quant_method(reg, resolved, checkpoint.hf_config), torch.device(device),
                        getattr(torch, config.runtime.resolved_dtype(device)))
 
 
@@ -219,7 +219,8 @@ def _checkpoint_quantization(checkpoint: Any, resolved: Any, reg: Registry) -> t
         reader = reg.weight_source_for(checkpoint.path)
         if reader is not None:
             return reader, "the weight source of this file type"
-    return chosen_quant_method(reg, resolved, checkpoint.hf_config)
+    choice = chosen_quant_method(reg, resolved, checkpoint.hf_config)
+    return choice.spec, choice.source
 
 
 def _show_output_parsers(config: Config, reg: Registry) -> None:

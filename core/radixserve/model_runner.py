@@ -163,12 +163,7 @@ class ModelRunner:
         """The layers' QuantMethod. Also sets `quant_label` (how errors name it: the registered component
         and its distribution), `_quant_origin` (where its name came from, for the start-up log) and
         `_quant_built_by` (the from_config call that built it)."""
-        from radixserve.model_loader.quant_select import (
-            build_quant_method,
-            chosen_quant_method,
-            quant_config_for,
-            quant_label,
-        )
+        from radixserve.model_loader.quant_select import build_quant_method, chosen_quant_method, quant_label
 
         self._quant_built_by = None
         if source.weight_source is not None:  # the file's reader is also its layers' QuantMethod
@@ -176,14 +171,11 @@ class ModelRunner:
             self.quant_label = quant_label(spec) if spec is not None else None
             self._quant_origin = ("weight source", spec.name if spec is not None else type(source.weight_source).__name__)
             return source.weight_source
-        spec, origin = chosen_quant_method(self.registry, self.stack, self.hf_config)
-        method = build_quant_method(self.registry, self.stack, self.hf_config, self.device, self.dtype)
-        self.quant_label = quant_label(spec)
-        self._quant_origin = ({"stack.quantization": "stack", "the default": "default"}.get(origin, "checkpoint"),
-                              spec.name)
-        declared = quant_config_for(spec.name, self.hf_config)
-        self._quant_built_by = ("from_config(None) (online quantization)" if declared is None
-                                else "from_config(the checkpoint's quantization_config)")
+        choice = chosen_quant_method(self.registry, self.stack, self.hf_config)
+        method = build_quant_method(self.registry, choice, self.device, self.dtype)
+        self.quant_label = quant_label(choice.spec)
+        self._quant_origin = (choice.origin, choice.spec.name)
+        self._quant_built_by = choice.built_by
         return method
 
     def _stack_summary(self) -> str:

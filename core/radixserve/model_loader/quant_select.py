@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from radixserve.plugins.registry import PluginCodeError, PluginError, PluginRefusal
@@ -42,29 +43,47 @@ def quant_label(spec: ComponentSpec) -> str:
     return f"quantization method {spec.name!r} ({spec.distribution})"
 
 
-def chosen_quant_method(registry: Registry, stack: ResolvedStack, hf_config) -> tuple[ComponentSpec, str]:
-    """(the registered method this HF checkpoint's layers use, where its name came from: "stack.quantization",
-    "the checkpoint's quantization_config.quant_method" or "the default"); PluginError saying where the name
-    came from when no installed plugin provides it."""
+@dataclass(frozen=True)
+class QuantChoice:
+    """Which registered QuantMethod an HF checkpoint's layers use, and why."""
+
+    spec: ComponentSpec
+    source: str  # where the name came from, as errors say it: "stack.quantization", "the default", ...
+    origin: str  # the same, as the start-up log's stack line says it: "stack", "checkpoint" or "default"
+    checkpoint_config: dict[str, Any] | None  # what `from_config` gets (None: online quantization)
+
+    @property
+    def built_by(self) -> str:
+        """The `from_config` call that builds the method, as error messages name it."""
+        return ("from_config(None) (online quantization)" if self.checkpoint_config is None
+                else "from_config(the checkpoint's quantization_config)")
+
+
+def chosen_quant_method(registry: Registry, stack: ResolvedStack, hf_config) -> QuantChoice:
+    """The registered method this HF checkpoint's layers use and where its name came from; PluginError saying
+    where the name came from when no installed plugin provides it."""
     if stack.quantization is not None:
-        return stack.quantization, "stack.quantization"
-    declared = (checkpoint_quant_config(hf_config) or {}).get("quant_method")
-    if not declared:
-        return registry.get("quantization", "unquantized"), "the default"
-    source = "the checkpoint's quantization_config.quant_method"
-    try:
-        return registry.get("quantization", declared), source
-    except PluginError as e:
-        raise PluginError(f"{source} (config.json) is {declared!r}: {e}") from None
+        spec, source, origin = stack.quantization, "stack.quantization", "stack"
+    else:
+        declared = (checkpoint_quant_config(hf_config) or {}).get("quant_method")
+        if not declared:
+            spec, source, origin = registry.get("quantization", "unquantized"), "the default", "default"
+        else:
+            source, origin = "the checkpoint's quantization_config.quant_method", "checkpoint"
+            try:
+                spec = registry.get("quantization", declared)
+            except PluginError as e:
+                raise PluginError(f"{source} (config.json) is {declared!r}: {e}") from None
+    return QuantChoice(spec, source, origin, quant_config_for(spec.name, hf_config))
 
 
-def build_quant_method(registry: Registry, stack: ResolvedStack, hf_config, device: torch.device,
+def build_quant_method(registry: Registry, choice: QuantChoice, device: torch.device,
                        dtype: torch.dtype) -> QuantMethod:
-    """The QuantMethod instance for this checkpoint on `device`; PluginError naming the method and
-    what works when it is not installed, does not support the device, is an abstract class, or
-    refuses the config (PluginCodeError when its `from_config` / `check_device` raise anything but
-    the ValueError they refuse with). Reads no weights: `radixserve config show` runs it too."""
-    spec, _ = chosen_quant_method(registry, stack, hf_config)  # names the package to install when it is missing
+    """The QuantMethod instance `choice` names, on `device`; PluginError naming the method and what works when
+    it does not support the device, is an abstract class, or refuses the config (PluginCodeError when its
+    `from_config` / `check_device` raise anything but the ValueError they refuse with). Reads no weights:
+    `radixserve config show` runs it too."""
+    spec = choice.spec
     name = spec.name
     label = quant_label(spec)
     if not spec.supports_device(device.type):
@@ -78,10 +97,9 @@ def build_quant_method(registry: Registry, stack: ResolvedStack, hf_config, devi
         missing = ", ".join(sorted(cls.__abstractmethods__))
         raise PluginError(f"{label} cannot be used: {cls.__module__}.{cls.__qualname__} is abstract: it does not "
                           f"implement {missing} (required by QuantMethod)")
-    declared = quant_config_for(name, hf_config)
     step = "from_config"
     try:
-        method = cls.from_config(declared)
+        method = cls.from_config(choice.checkpoint_config)
         step = "check_device"
         method.check_device(device, dtype)
     except ValueError as e:
