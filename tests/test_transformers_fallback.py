@@ -78,6 +78,22 @@ def test_fallback_conforms_to_the_model_kit(tmp_path):
     check_model_parity(TransformersForCausalLM, path)
 
 
+def test_a_tensor_missing_from_the_checkpoint_is_named_as_the_checkpoint_names_it(gpt2_dir, tmp_path):
+    """Was: "left 1 parameter(s) unloaded: hf.transformer.h.1.mlp.c_proj.weight" (the wrapper's attribute)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copy(f"{gpt2_dir}/config.json", tmp_path / "config.json")
+    weights = load_file(f"{gpt2_dir}/model.safetensors")
+    del weights["transformer.h.1.mlp.c_proj.weight"]
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"left 1 parameter\(s\) of GPT2LMHeadModel unloaded: "
+                                         r"transformer.h.1.mlp.c_proj.weight$") as e:
+        _runner(str(tmp_path), "auto")
+    assert "hf." not in str(e.value)
+
+
 def test_selection_errors_name_the_option_and_the_package():
     reg = Registry.discover()
     with pytest.raises(PluginError, match="model.impl: transformers"):

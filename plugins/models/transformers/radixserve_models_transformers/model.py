@@ -115,6 +115,12 @@ class TransformersForCausalLM(Model):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = load_hf_weights(self.hf, _without_mtp_layers(weights, self.config), self._shards)
+        # said here, by the checkpoint's names: the loader's own check would name them as this module's
+        # attributes ("hf.model.layers...")
+        missing = sorted(set(dict(self.hf.named_parameters())) - loaded)
+        if missing:
+            shown = ", ".join(missing[:10]) + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else "")
+            raise ValueError(f"left {len(missing)} parameter(s) of {type(self.hf).__name__} unloaded: {shown}")
         return {f"hf.{name}" for name in loaded}
 
     # ---- hidden-state capture (drafters: EAGLE-3, DeepSeek MTP) ------------------------------
