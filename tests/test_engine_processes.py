@@ -96,10 +96,13 @@ def test_the_readme_engine_example_runs_as_a_plain_script(tmp_path, smollm2_gguf
     (tmp_path / "gguf.py").write_text("open(__file__ + '.imported', 'w').close()\nraise ImportError('shadow')\n")
     # one OpenMP thread (the example leaves runtime.num_threads unset): two beside the test process
     # and the engine's other processes on 2 cores only contend
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # a disable-list entry naming no installed plugin is said once, by the Engine's process (was: again by
+    # the scheduler, whose registry is built from the same lists)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RADIXSERVE_DISABLE_PLUGINS": "no_such_plugin"}
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, cwd=tmp_path,
                          env=env)
     assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stderr.count("names 'no_such_plugin', which is no installed plugin") == 1, run.stderr[-4000:]
     assert "'finish_reason'" in run.stdout and "completion_tokens': 16" in run.stdout, run.stdout
     assert "Traceback" not in run.stderr, run.stderr[-4000:]
     assert not (tmp_path / "gguf.py.imported").exists()

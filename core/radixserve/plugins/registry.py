@@ -220,11 +220,14 @@ class Registry:
 
     # ---- discovery ------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, config: Any) -> Registry:
+    def from_config(cls, config: Any, *, warn_unknown: bool = True) -> Registry:
         """The registry for a `Config`: plugins named in `plugins.disable` are not loaded and
         `plugins.prefer` settles (kind, name) conflicts. Every process that runs components (the
-        CLI, the Engine/HTTP process, the scheduler process) builds its own from the same config."""
-        return cls.discover(deny=set(config.plugins.disable), prefer=dict(config.plugins.prefer))
+        CLI, the Engine/HTTP process, the scheduler process) builds its own from the same config;
+        `warn_unknown=False` in the runtime's children, whose parent already warned of a list entry
+        that names no installed plugin."""
+        return cls.discover(deny=set(config.plugins.disable), prefer=dict(config.plugins.prefer),
+                            warn_unknown=warn_unknown)
 
     @classmethod
     def discover(
@@ -234,6 +237,7 @@ class Registry:
         deny: set[str] | None = None,
         prefer: dict[str, str] | None = None,
         keep_going: bool = False,
+        warn_unknown: bool = True,
     ) -> Registry:
         """Load every plugin in the entry-point group, honouring the allow/deny lists
         (arguments, else the RADIXSERVE_PLUGINS / RADIXSERVE_DISABLE_PLUGINS variables). A plugin that
@@ -246,8 +250,9 @@ class Registry:
         denied.update({name: DENY_ENV for name in _split_env(DENY_ENV) - set(denied)})
         reg.add_builtin()
         entry_points = sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
-        _warn_unknown_names(denied, entry_points)
-        _warn_unknown_names(dict.fromkeys(allow, allow_source), entry_points, "nothing is loaded by it")
+        if warn_unknown:
+            _warn_unknown_names(denied, entry_points)
+            _warn_unknown_names(dict.fromkeys(allow, allow_source), entry_points, "nothing is loaded by it")
         for ep in entry_points:
             dist = ep.dist.name if ep.dist is not None else "?"
             if ep.name in denied or (allow and ep.name not in allow):

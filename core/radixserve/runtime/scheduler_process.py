@@ -217,7 +217,7 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int, d
         from radixserve.plugins.registry import Registry
         from radixserve.scheduler.scheduler import Scheduler
 
-        registry = Registry.from_config(config)  # this process's own, from the parent's config
+        registry = Registry.from_config(config, warn_unknown=False)  # this process's own, from the parent's config
         if config.runtime.resolved_device() == "cpu":
             _build_cpu_kernels_in_background()
         group = None

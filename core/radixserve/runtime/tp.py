@@ -50,7 +50,7 @@ def run_tp_worker_process(config_dict: dict, rank: int, dist_init_addr: str, par
     group = init_tp_group(rank, rt.tp_size, dist_init_addr, rt.resolved_device(),
                           local_rank=rank % (rt.tp_size // rt.nnodes))
     try:
-        runner = ModelRunner(config, Registry.from_config(config), show_progress=False, tp_group=group)
+        runner = ModelRunner(config, Registry.from_config(config, warn_unknown=False), show_progress=False, tp_group=group)
     except Exception as e:
         # a bad config fails on rank 0 too, which reports it to the user (once: no traceback here for
         # a mistake of the user's); let that message arrive before this exit makes the engine report
