@@ -81,6 +81,16 @@ def on_signals(handler: Callable[[int], None]):
             loop.remove_signal_handler(sig)
 
 
+class _WithoutCtrlCHint(logging.Filter):
+    """A data-parallel replica's "Uvicorn running on unix socket ..." line without uvicorn's "(Press CTRL+C to
+    quit)": a replica ignores the terminal's signals (its router stops it), so the hint was wrong there."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and "(Press CTRL+C to quit)" in record.msg:
+            record.msg = record.msg.replace(" (Press CTRL+C to quit)", "")
+        return True
+
+
 def graceful_server(app: Any, config: Config, target: Any, uds: str | None = None) -> tuple[_Server, Any]:
     """The uvicorn server for `app` on `config.server`'s host and port (or the unix socket `uds`),
     with SIGINT/SIGTERM starting a `GracefulShutdown` of `target` (the runtime, or the router):
@@ -104,6 +114,8 @@ def graceful_server(app: Any, config: Config, target: Any, uds: str | None = Non
         on_signal=shutdown.on_signal,
     )
     shutdown.server = server
+    if uds is not None:  # a replica behind the router
+        logging.getLogger("uvicorn.error").addFilter(_WithoutCtrlCHint())
     return server, shutdown
 
 
