@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 
@@ -229,3 +230,24 @@ def test_a_bad_value_found_by_the_model_process_is_the_documented_config_error(s
 
     with pytest.raises(ConfigError, match=r"model.context_length=1000000 is beyond what this model's positions cover"):
         Engine({"path": smollm2_gguf_path, "context_length": 1_000_000}, runtime=CPU)
+
+
+@pytest.mark.parametrize(("impl", "disable", "said"), [
+    ("native", [], "no native model plugin claims architecture 'LlamaForCausalLMM'"),
+    ("auto", ["transformers"], "the transformers fallback, which is installed but not loaded"),
+])
+def test_a_model_no_implementation_runs_is_refused_before_any_process_starts(tmp_path, impl, disable, said):
+    """Audit 30: config.json's architecture against model.impl was checked in the scheduler process, so the
+    PluginError came after the processes started (17-27 s, a child's traceback on stderr first)."""
+    import time
+
+    from radixserve.plugins.registry import PluginError
+    from radixserve.testing import tiny_checkpoint
+
+    ckpt = tiny_checkpoint("llama", str(tmp_path / "tiny"))
+    config_file = tmp_path / "tiny" / "config.json"
+    config_file.write_text(config_file.read_text().replace('"LlamaForCausalLM"', '"LlamaForCausalLMM"'))
+    started = time.monotonic()
+    with pytest.raises(PluginError, match=re.escape(said)):
+        Engine({"path": ckpt, "impl": impl}, runtime=CPU, plugins={"disable": disable})
+    assert time.monotonic() - started < 5

@@ -189,3 +189,23 @@ def test_cli_names_the_option_when_no_native_plugin_claims_the_model(gpt2_dir, c
     assert main(["generate", "hi", "runtime.device=cpu", "--model", gpt2_dir, "--model-impl", "native"]) == 2
     err = capsys.readouterr().err
     assert "GPT2LMHeadModel" in err and "model.impl: transformers" in err and "Traceback" not in err
+
+
+def test_an_architecture_typo_on_a_natively_served_model_type_says_how_to_run_it_natively(tmp_path, caplog):
+    """Audit 30: `architectures: ["LlamaForCausalLMM"]` moved a Llama checkpoint onto the fallback with only the
+    fallback's note that it runs LlamaForCausalLM instead; now the warning names the native plugin and the fix."""
+    from radixserve.model_loader.sources import open_checkpoint
+
+    path = tiny_checkpoint("llama", str(tmp_path / "ck"))
+    config_file = tmp_path / "ck" / "config.json"
+    config_file.write_text(config_file.read_text().replace('"LlamaForCausalLM"', '"LlamaForCausalLMM"'))
+    cfg = Config.build({"model": {"path": path}})
+    with caplog.at_level(logging.WARNING, logger="radixserve.model_loader.sources"):
+        assert open_checkpoint(cfg, Registry.from_config(cfg)).choice.fallback
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "names LlamaForCausalLMM" in warning and "the native plugin 'llama'" in warning
+    assert "write LlamaForCausalLM into `architectures`" in warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="radixserve.model_loader.sources"):  # a real class: no warning
+        open_checkpoint(Config.build({"model": {"path": path, "impl": "transformers"}}), Registry.from_config(cfg))
+    assert not caplog.records

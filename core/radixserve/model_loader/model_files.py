@@ -204,6 +204,19 @@ def check_model_files(path: str) -> None:
         _check_gguf(path)
 
 
+def declared_architecture(path: str) -> str | None:
+    """The first of an HF directory's config.json `architectures` (None: a file, or none declared): the
+    model class a checkpoint asks for, read without transformers. Call after `check_model_files`."""
+    import json
+
+    if not os.path.isdir(path):
+        return None
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        architectures = json.load(f).get("architectures")
+    return architectures[0] if isinstance(architectures, list) and architectures and \
+        isinstance(architectures[0], str) else None
+
+
 def _check_hf_config(path: str) -> None:
     import json
 

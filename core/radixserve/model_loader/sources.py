@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from radixserve.interfaces.quantization import WeightSource
     from radixserve.plugins.model_select import ModelChoice
     from radixserve.plugins.registry import Registry
+
+logger = logging.getLogger(__name__)
 
 FORMATS = ("safetensors", "dummy")  # plus the name of any installed weight source (e.g. "gguf")
 
@@ -236,4 +239,25 @@ def open_checkpoint(config: Config, registry: Registry) -> Checkpoint:
     arch = (getattr(hf_config, "architectures", None) or [None])[0]
     if arch is None:
         raise ValueError(f"{path!r}: config has no `architectures`; cannot pick a model class")
-    return Checkpoint(path, source, hf_config, select_model(registry, arch, config.model.impl))
+    choice = select_model(registry, arch, config.model.impl)
+    if choice.fallback and config.model.impl == "auto":
+        _warn_if_a_native_plugin_was_meant(arch, hf_config, registry)
+    return Checkpoint(path, source, hf_config, choice)
+
+
+def _warn_if_a_native_plugin_was_meant(arch: str, hf_config, registry: Registry) -> None:
+    """`architectures` naming no class at all (a typo, a plugin's own name) while the class transformers maps
+    the `model_type` to has a native plugin: the fallback would run that same class, slower; say how to get
+    the native one (audit 30: "LlamaForCausalLMM" moved a Llama checkpoint onto the fallback)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from radixserve.plugins.model_select import native_architectures
+
+    mapped = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(hf_config, "model_type", None))
+    if hasattr(transformers, arch) or mapped not in native_architectures(registry):
+        return
+    logger.warning("config.json's architectures names %s, which is neither a transformers class nor claimed by a "
+                   "native plugin: the transformers fallback runs it as %s (its model_type %r); %s has the native "
+                   "plugin %r: write %s into `architectures` to run it natively", arch, mapped,
+                   hf_config.model_type, mapped, registry.get("model", mapped).plugin, mapped)

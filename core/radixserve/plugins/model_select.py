@@ -49,8 +49,10 @@ def fallback_spec(registry: Registry) -> ComponentSpec | None:
     return next((s for s in registry.components("model") if s.name == FALLBACK_MODEL), None)
 
 
-def select_model(registry: Registry, architecture: str, impl: str = "auto") -> ModelChoice:
-    """Pick the model class for `architecture` under `impl` (one of MODEL_IMPLS).
+def plan_model(registry: Registry, architecture: str, impl: str = "auto") -> tuple[ComponentSpec, bool]:
+    """(the model component that runs `architecture` under `impl`, whether it is the transformers fallback),
+    with nothing imported: the checks `select_model` makes, cheap enough for a process that never loads a
+    model (the Engine's and the HTTP server's, before any child starts).
 
     Raises PluginError (a user-facing one-liner) when nothing can run it: `impl=native` with no
     native plugin, or no native plugin and the fallback not installed."""
@@ -58,8 +60,7 @@ def select_model(registry: Registry, architecture: str, impl: str = "auto") -> M
         raise PluginError(f"model.impl={impl!r} is not one of {', '.join(MODEL_IMPLS)}")
     natives = native_architectures(registry)
     if impl != "transformers" and architecture in natives:
-        spec = registry.get("model", architecture)
-        return ModelChoice(architecture, registry.load("model", architecture), spec, False, impl)
+        return registry.get("model", architecture), False
     if impl == "native":
         raise PluginError(
             f"no native model plugin claims architecture {architecture!r} (native: {', '.join(natives) or 'none'}); "
@@ -79,7 +80,15 @@ def select_model(registry: Registry, architecture: str, impl: str = "auto") -> M
             "(it serves any AutoModelForCausalLM; model.impl: auto picks it when no native plugin claims the "
             "architecture)"
         )
-    return ModelChoice(architecture, registry.load("model", FALLBACK_MODEL), spec, True, impl)
+    return spec, True
+
+
+def select_model(registry: Registry, architecture: str, impl: str = "auto") -> ModelChoice:
+    """Pick and load the model class for `architecture` under `impl` (one of MODEL_IMPLS); raises as
+    `plan_model` does."""
+    spec, fallback = plan_model(registry, architecture, impl)
+    cls = registry.load("model", spec.name)
+    return ModelChoice(architecture, cls, spec, fallback, impl)
 
 
 def _skipped_fallback(registry: Registry) -> str | None:

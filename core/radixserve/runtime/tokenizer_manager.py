@@ -19,9 +19,11 @@ from radixserve.model_loader.model_files import (
     check_model_files,
     check_tokenizer_present,
     check_weight_file,
+    declared_architecture,
     resolve_model_path,
     served_name,
 )
+from radixserve.plugins.model_select import plan_model
 from radixserve.plugins.registry import Registry
 from radixserve.plugins.stack import check_quantization_fits, resolve_stack
 from radixserve.runtime.child import (
@@ -206,6 +208,9 @@ class TokenizerManager:
         if config.model.load_format != "dummy":  # a file no weight source reads (a YAML as --model): named now
             check_weight_file(self.model_path, self.registry)
         check_quantization_fits(self.stack, self.model_path, self.registry)
+        architecture = declared_architecture(self.model_path)
+        if architecture is not None:  # model.impl against the installed plugins, before any process starts
+            plan_model(self.registry, architecture, config.model.impl)
         self.model_name = served_name(self.model_path, config.model.served_model_name)
         self.tokenizer: Any = None
         self.context_len: int = 0
