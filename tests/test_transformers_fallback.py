@@ -209,3 +209,28 @@ def test_an_architecture_typo_on_a_natively_served_model_type_says_how_to_run_it
     with caplog.at_level(logging.WARNING, logger="radixserve.model_loader.sources"):  # a real class: no warning
         open_checkpoint(Config.build({"model": {"path": path, "impl": "transformers"}}), Registry.from_config(cfg))
     assert not caplog.records
+
+
+def test_a_wrong_shape_in_a_converted_layout_names_the_checkpoint_tensor_and_both_shapes(tmp_path):
+    """Audit 31: a GraniteMoe tensor of the wrong shape (loaded through transformers' layout conversion) was
+    "no matching parameter ... ('model.layers.1...experts.gate_up_proj', torch.Size([8, 66, 64]), ...)"."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_checkpoint("granitemoe", str(tmp_path / "src"), num_hidden_layers=2, num_local_experts=4,
+                          num_experts_per_tok=2)
+    dst = tmp_path / "bad"
+    shutil.copytree(src, dst)
+    weights = load_file(f"{src}/model.safetensors")
+    name = "model.layers.1.block_sparse_moe.input_linear.weight"
+    experts, rows, cols = weights[name].shape
+    weights[name] = torch.zeros(experts, rows + 2, cols)
+    save_file(weights, str(dst / "model.safetensors"))
+    with pytest.raises(ValueError) as e:
+        _runner(str(dst), "transformers")
+    message = str(e.value)
+    assert f"(file model.safetensors): checkpoint tensor {name!r}" in message, message
+    assert f"has shape {(experts, rows + 2, cols)}, the parameter of GraniteMoeForCausalLM {(experts, rows, cols)}" \
+        in message, message
+    assert "torch.Size" not in message and "no matching parameter" not in message

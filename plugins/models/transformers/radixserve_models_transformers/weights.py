@@ -7,6 +7,7 @@ they stream past. The rest (checkpoints in an older layout: per-expert MoE weigh
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
@@ -96,8 +97,10 @@ def _load_converted(model, state: dict[str, torch.Tensor]) -> set[str]:
     info, _ = convert_and_load_state_dict_in_model(model, state, config)
     ignored = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
     unexpected = sorted(k for k in info.unexpected_keys if not any(re.search(p, k) for p in ignored))
-    if unexpected or info.mismatched_keys or info.conversion_errors:
-        problems = unexpected or sorted(str(m) for m in info.mismatched_keys) or sorted(info.conversion_errors)
+    if info.mismatched_keys and not unexpected:
+        raise _shape_mismatch(model, sorted(info.mismatched_keys, key=lambda m: m[0]), state)
+    if unexpected or info.conversion_errors:
+        problems = unexpected or sorted(info.conversion_errors)
         raise UnknownCheckpointTensorError(
             f"checkpoint tensor(s) with no matching parameter in {type(model).__name__}: "
             f"{', '.join(map(str, problems[:8]))}" + (" ..." if len(problems) > 8 else ""),
@@ -105,3 +108,18 @@ def _load_converted(model, state: dict[str, torch.Tensor]) -> set[str]:
     params = dict(model.named_parameters())
     # loaded = what the conversion did not report missing (it starts from every model key)
     return {name for name in params if name not in info.missing_keys}
+
+
+def _shape_mismatch(model, mismatched: list, state: dict[str, torch.Tensor]) -> CheckpointTensorError:
+    """transformers' (name, checkpoint shape, parameter shape) triples as the native path says a wrong shape.
+    The names are transformers' after its conversion of the checkpoint's layout; the checkpoint's own tensor
+    (for its file) is the one of that shape whose name shares the longest prefix with it, when there is one."""
+    name, got, want = mismatched[0]
+    same_shape = [k for k, t in state.items() if tuple(t.shape) == tuple(got)]
+    source = max(same_shape, key=lambda k: len(os.path.commonprefix([k, name])), default=None)
+    called = f"checkpoint tensor {source!r} (loaded as {name!r})" if source not in (None, name) else \
+        f"checkpoint tensor {name!r}"
+    more = f" (and {len(mismatched) - 1} more: {', '.join(m[0] for m in mismatched[1:4])}" \
+        f"{' ...' if len(mismatched) > 4 else ''})" if len(mismatched) > 1 else ""
+    return CheckpointTensorError(f"{called} has shape {tuple(got)}, the parameter of {type(model).__name__} "
+                                 f"{tuple(want)}{more}", tensor=source)
