@@ -170,6 +170,34 @@ def test_an_unknown_tensor_is_a_value_error_and_still_a_key_error(registry, chec
     assert isinstance(e.value, KeyError) and str(e.value).startswith("checkpoint tensor")  # not KeyError's repr
 
 
+def test_an_expert_tensor_on_a_model_without_expert_names_names_the_cause(registry, checkpoint):
+    """Audit 31: a MoE model that left `expert_names` unset got only "... has no matching parameter in X"."""
+    base = registry.load("model", "MixtralForCausalLM")
+
+    class NoExpertNames(base):
+        expert_names = None
+
+    path = checkpoint("mixtral")
+    with pytest.raises(ValueError, match=r"experts\.0\.w1\.weight' has no matching parameter in NoExpertNames.*"
+                                         r"FusedMoE layers but no `expert_names`"):
+        load_model(ModelSource(path=path, format="safetensors"), AutoConfig.from_pretrained(path), NoExpertNames,
+                   torch.device("cpu"), torch.float32, show_progress=False)
+
+
+def test_a_renamed_tensor_says_what_it_was_looked_up_as(registry, checkpoint):
+    base = registry.load("model", "LlamaForCausalLM")
+
+    class Renames(base):
+        def rename_checkpoint_name(self, name: str) -> str:
+            return name.replace("post_attention_layernorm", "post_attn_norm")
+
+    path = checkpoint("llama")
+    with pytest.raises(ValueError, match=r"'model.layers.0.post_attention_layernorm.weight' has no matching parameter "
+                                         r"in Renames \(looked up as 'model.layers.0.post_attn_norm.weight'\)"):
+        load_model(ModelSource(path=path, format="safetensors"), AutoConfig.from_pretrained(path), Renames,
+                   torch.device("cpu"), torch.float32, show_progress=False)
+
+
 def test_a_plugins_own_key_error_comes_back_as_one_value_error(registry, checkpoint):
     """A model whose own load_weights raises KeyError (what the Model contract named first)."""
     base = registry.load("model", "LlamaForCausalLM")

@@ -182,8 +182,7 @@ def load_stacked_weights(
                 break
         param = params.get(target)
         if param is None:
-            raise UnknownCheckpointTensorError(f"checkpoint tensor {original!r} has no matching parameter in {owner}",
-                                               tensor=original)
+            raise UnknownCheckpointTensorError(_no_param(original, target, owner, model, expert_names), tensor=original)
         load_into(param, tensor, shard_id, name=original, target=target)
         if piece is None:
             loaded.add(target)
@@ -206,6 +205,21 @@ def load_stacked_weights(
         shown = "; ".join(problems[:8]) + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else "")
         raise CheckpointTensorError(f"{len(problems)} fused parameter(s) of {owner} not fully loaded: {shown}")
     return loaded
+
+
+def _no_param(original: str, target: str, owner: str, model, expert_names) -> str:
+    """Why a checkpoint tensor has nowhere to go, with what it was looked up as when the model's rename hook
+    or the stacked mapping changed its name, and the missing `expert_names` when an expert tensor reached a
+    model with FusedMoE layers but none (audit 31: the message pointed nowhere near that cause)."""
+    from radixserve.layers.moe import FusedMoE
+
+    text = f"checkpoint tensor {original!r} has no matching parameter in {owner}"
+    if target != original:
+        text += f" (looked up as {target!r})"
+    if expert_names is None and ".experts" in target and any(isinstance(m, FusedMoE) for m in model.modules()):
+        text += ("; the model has FusedMoE layers but no `expert_names`, so no checkpoint tensor is mapped to "
+                 "their stacked expert parameters (set expert_names to the (gate, up, down) projection names)")
+    return text
 
 
 def _no_expert_param(original: str, target: str, owner: str, params: dict[str, Any]) -> str:

@@ -122,8 +122,10 @@ class FusedMoE(nn.Module):
             half = target.shape[dim] // 2
             target = target.narrow(dim, 0 if shard == "gate" else half, half)
         if tuple(target.shape) != tuple(loaded.shape):
-            raise ValueError(f"{self.prefix}: expert tensor (shard {shard_id!r}, expert {expert_id}) has shape "
-                             f"{tuple(loaded.shape)}, the parameter expects {tuple(target.shape)}")
+            what = ("every expert's stacked tensor" if expert_id is None else f"expert {expert_id}'s tensor") + \
+                ("" if shard_id is None else f" ({shard} projection)")
+            raise ValueError(f"{self.prefix}: {what} has shape {tuple(loaded.shape)}, the parameter expects "
+                             f"{tuple(target.shape)}")
         target.copy_(loaded.to(target.dtype))
         self._record_loaded(param, shard, expert_id)
 
