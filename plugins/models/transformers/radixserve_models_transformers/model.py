@@ -21,7 +21,6 @@ from collections.abc import Iterable
 import torch
 from radixserve.interfaces.model import Model
 from radixserve.interfaces.quantization import QuantMethod
-from radixserve.plugins.model_select import FALLBACK_DISTRIBUTION
 from radixserve.state import ForwardBatch
 
 from radixserve_models_transformers import attention
@@ -46,7 +45,7 @@ class TransformersForCausalLM(Model):
         except UnsupportedModelError as e:  # say which model and which component refuses (models audit 30)
             arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
             raise UnsupportedModelError(f"{arch}: the transformers fallback (radixserve-models-transformers) cannot "
-                                        f"run it: {e} (see docs/supported-models.md)", e.feature) from None
+                                        f"run it: {e} (see the limits in docs/transformers-fallback.md)", e.feature) from None
 
     def _construct(self, config, quant_method: QuantMethod | None, prefix: str) -> None:
         super().__init__(config, quant_method, prefix)
@@ -360,8 +359,7 @@ def _check_unquantized(config, quant_method: QuantMethod | None) -> None:
 
     if quant_method is not None and not isinstance(quant_method, UnquantizedMethod):
         raise UnsupportedModelError(
-            f"the transformers fallback ({FALLBACK_DISTRIBUTION}) runs unquantized weights only, not "
-            f"{type(quant_method).__name__}", "quantized")
+            f"it runs unquantized weights only, not {type(quant_method).__name__}", "quantized")
 
 
 def _build(config) -> torch.nn.Module:
