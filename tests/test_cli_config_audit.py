@@ -38,6 +38,18 @@ def test_an_empty_environment_key_is_refused_where_it_would_apply(monkeypatch, c
     assert _serve_config(["--api-key", "k1"]).server.api_key == "k1"  # not used: nothing to refuse
 
 
+def test_vllms_key_variable_alone_is_refused_not_served_open(monkeypatch, capsys):
+    """Migration audit 31: VLLM_API_KEY carried over from a vLLM deployment left the server without a key."""
+    monkeypatch.delenv("RADIXSERVE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
+    with pytest.raises(ConfigError, match="VLLM_API_KEY is set, but RadixServe reads its API key from "
+                                          "RADIXSERVE_API_KEY or --api-key"):
+        _serve_config([])
+    assert _serve_config(["--api-key", "k1"]).server.api_key == "k1"  # a key of its own: nothing to refuse
+    monkeypatch.setenv("RADIXSERVE_API_KEY", "envkey")
+    assert _serve_config([]).server.api_key == "envkey"
+
+
 def test_the_environment_key_is_a_default_under_yaml_overrides_and_flags(tmp_path, monkeypatch):
     monkeypatch.setenv("RADIXSERVE_API_KEY", "envkey")
     f = tmp_path / "k.yaml"

@@ -26,6 +26,14 @@ def test_a_vllm_flag_is_refused_with_its_spelling_here_under_the_commands_usage(
     assert "--no-such-flag (vLLM" not in err
 
 
+def test_vllms_short_tp_flag_gets_its_spelling_too(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "-tp", "2", "--enable-chunked-prefill"])
+    err = capsys.readouterr().err
+    assert "-tp (vLLM/SGLang) -> --tp N (runtime.tp_size)" in err
+    assert "--enable-chunked-prefill (vLLM/SGLang) -> not needed: prefill is chunked by default" in err
+
+
 @pytest.mark.parametrize("keyword,spelling", [
     ("max_model_len", "model={'context_length': ...}"),
     ("dtype", "runtime={'dtype': ...}"),

@@ -484,12 +484,27 @@ def test_completion_top_logprobs_hold_the_chosen_token_as_openai_and_vllm(client
     ("guided_json", 'response_format {"type": "json_schema"'),
     ("guided_regex", "sampling_params.regex"),
     ("regex", "sampling_params.regex"),
+    ("request_id", "/generate's rid"),
+    ("include_stop_str_in_output", "has no equivalent here"),
 ])
 def test_a_vllm_or_sglang_field_is_refused_with_its_spelling_here(client, tm, field, words):
     err = assert_400(post(client, "/v1/completions", completion(**{field: "x"})), field)
-    assert err["message"].startswith(f"{field}: Extra inputs are not permitted (vLLM's / SGLang's {field} is"), err
+    assert err["message"].startswith(f"{field}: Extra inputs are not permitted (vLLM's / SGLang's {field} "), err
     assert words in err["message"]
     assert tm.inputs == []
+
+
+def test_openai_apis_this_server_lacks_say_so_and_version_is_vllms_route(client):
+    """Migration audit 31: through the SDKs a bare "Not Found" read like a wrong model name."""
+    for route in ("/v1/embeddings", "/v1/responses"):
+        r = post(client, route, {"model": MODEL, "input": "hello"})
+        err = r.json()["error"]
+        assert r.status_code == 404 and err["type"] == "not_found_error", r.text
+        assert "this server has no" in err["message"] and "/v1/chat/completions" in err["message"]
+    from radixserve.version import __version__
+
+    assert client.get("/version").json() == {"version": __version__}
+    assert client.get("/v1/models/foo").json()["error"]["message"].endswith(f"this server serves {MODEL!r}")
 
 
 def test_the_model_may_be_left_out_as_vllm_and_sglang_allow(client, tm):

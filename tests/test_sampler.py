@@ -97,6 +97,17 @@ def test_top_k_keeps_k_best():
     assert_distribution(frequencies({"top_k": 2}, LOGITS), expected)
 
 
+@pytest.mark.parametrize("disabled", [0, -1])
+def test_top_k_zero_and_minus_one_both_disable_it(disabled):
+    """vLLM's clients send top_k 0 for "off" (its default); it was refused (migration audit 31)."""
+    from radixserve.state import SamplingParams
+
+    SamplingParams(top_k=disabled).validate()
+    assert_distribution(frequencies({"top_k": disabled}, LOGITS), PROBS)
+    with pytest.raises(ValueError, match="top_k must be >= 1, or 0 or -1"):
+        SamplingParams(top_k=-2).validate()
+
+
 def test_min_p_drops_tokens_below_fraction_of_top():
     # min_p=0.2 -> threshold 0.08: keeps tokens 0..3
     expected = torch.zeros(V)

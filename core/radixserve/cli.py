@@ -335,7 +335,7 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) 
         if strays or not hasattr(args, "overrides"):
             # the subcommand's usage, not the top level's; a vLLM/SGLang flag gets its spelling here
             command = getattr(parser, "subcommands", {}).get(getattr(args, "command", None), parser)
-            hints = [h for h in (hint_for(a) for a in strays if a.startswith("--")) if h]
+            hints = [h for h in (hint_for(a) for a in strays if a.startswith("-")) if h]
             command.error(f"unrecognized arguments: {' '.join(extra)}" + "".join(f"\n  {h}" for h in hints))
         args.overrides = [*(args.overrides or []), *extra]
     return args

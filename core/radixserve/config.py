@@ -390,6 +390,11 @@ def with_env_api_key(config: Config) -> Config:
     explicitly always wins. An empty variable is refused where it would apply, as `--api-key ""` is:
     `RADIXSERVE_API_KEY=$KEY` with KEY unset must not serve every route without authentication."""
     env = os.environ.get("RADIXSERVE_API_KEY")
+    if config.server.api_key is None and env is None and os.environ.get("VLLM_API_KEY"):
+        # a vLLM unit file or secret carried over: serving without the key it meant would be an open server
+        raise ConfigError("VLLM_API_KEY is set, but RadixServe reads its API key from RADIXSERVE_API_KEY or "
+                          "--api-key (server.api_key): set one of them, or unset VLLM_API_KEY to serve "
+                          "without authentication")
     if config.server.api_key is not None or env is None:
         return config
     if not env.strip():

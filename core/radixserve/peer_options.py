@@ -40,6 +40,17 @@ PEER_OPTIONS: dict[str, str] = {
     "speculative_config": "--speculative NAME with --speculative-num-draft-tokens K (docs/speculative.md)",
     "tool_call_parser": "--tool-call-parser NAME",
     "enable_auto_tool_choice": "not needed: tools are on when the request has them (--tool-call-parser NAME)",
+    "tp": "--tp N (runtime.tp_size)",
+    "load_format": "model.load_format=auto|safetensors|dummy (a weight source's name for its files, e.g. gguf)",
+    "revision": "--model ORG/NAME@REVISION",
+    "download_dir": "the HF_HUB_CACHE environment variable",
+    "enable_chunked_prefill": "not needed: prefill is chunked by default (scheduler.chunked_prefill_size=N)",
+    "disable_log_stats": "not needed: statistics go to /metrics, not to the log",
+    "enable_log_requests": "server.log_requests=true",
+    "max_log_len": "not needed: request logs carry no prompt text",
+    "swap_space": "not needed: no CPU swap of the KV cache (requests are retracted and recomputed)",
+    "tokenizer_mode": "not needed: the tokenizer directory's own tokenizer.json is used",
+    "response_role": "not needed: chat replies have the role assistant",
 }
 
 

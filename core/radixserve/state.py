@@ -73,8 +73,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 <= self.top_p <= 1.0:
             raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.top_k < -1:  # 0 and -1 both disable it (vLLM's default is 0, SGLang's -1)
+            raise ValueError(f"top_k must be >= 1, or 0 or -1 (disabled), got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 < self.repetition_penalty < float("inf"):

@@ -87,7 +87,7 @@ class SamplingBatch:
         bs = len(reqs)
         greedy = [p.is_greedy for p in params]
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-        top_ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
+        top_ks = [vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size) for p in params]
         sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
 
         def on_device(xs: list, dtype: torch.dtype) -> torch.Tensor:

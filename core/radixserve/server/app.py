@@ -79,8 +79,21 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> JSONResponse:
         if model != tm.model_name:
-            raise model_not_found(f"the model {model!r} does not exist")
+            raise model_not_found(f"the model {model!r} does not exist; this server serves {tm.model_name!r}")
         return JSONResponse(_card().model_dump())
+
+    @app.api_route("/v1/embeddings", methods=["GET", "POST"])
+    @app.api_route("/v1/responses", methods=["GET", "POST"])
+    async def not_served(request: Request) -> Response:
+        """OpenAI routes this server does not have: a 404 that says so, where a bare "Not Found" read like a
+        wrong model name through the SDKs (migration audit 31)."""
+        api = "embeddings" if request.url.path.endswith("embeddings") else "Responses"
+        raise APIError(f"this server has no {api} API ({request.url.path}): it serves /v1/chat/completions and "
+                       "/v1/completions", 404)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})  # vLLM's route: tooling reads it at connect
 
     # ---- native ------------------------------------------------------------------------------
 

@@ -93,9 +93,9 @@ def model_not_found(message: str) -> APIError:
 
 _PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
 
-# request fields of vLLM's and SGLang's OpenAI routes that are spelled otherwise here: refused (unknown
-# fields are), with the spelling that works
-_PEER_FIELDS = {
+# request fields of vLLM's and SGLang's OpenAI routes: refused (unknown fields are), with the spelling that
+# works here, or None where nothing does
+_PEER_FIELDS: dict[str, str | None] = {
     "guided_json": 'response_format {"type": "json_schema", ...} (or /generate\'s sampling_params.json_schema)',
     "guided_regex": "/generate's sampling_params.regex",
     "guided_grammar": "/generate's sampling_params.ebnf",
@@ -104,6 +104,14 @@ _PEER_FIELDS = {
     "regex": "/generate's sampling_params.regex",
     "ebnf": "/generate's sampling_params.ebnf",
     "json_schema": 'response_format {"type": "json_schema", ...}',
+    "structured_outputs": 'response_format {"type": "json_schema", ...} (or /generate\'s sampling_params.regex / '
+                          "ebnf / json_schema)",
+    "request_id": "/generate's rid (the OpenAI routes make their own ids)",
+    "include_stop_str_in_output": None,  # the stop string is always left out of the text
+    "add_special_tokens": "a prompt of token ids on /v1/completions (/tokenize takes add_special_tokens)",
+    "use_beam_search": None,
+    "continue_final_message": None,
+    "truncate_prompt_tokens": None,
 }
 
 
@@ -154,7 +162,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         for prefix in _PYDANTIC_PREFIXES:
             msg = msg.removeprefix(prefix)
         if err.get("type") == "extra_forbidden" and loc and loc[-1] in _PEER_FIELDS:
-            msg += f" (vLLM's / SGLang's {loc[-1]} is {_PEER_FIELDS[loc[-1]]} here)"
+            same = _PEER_FIELDS[loc[-1]]
+            msg += (f" (vLLM's / SGLang's {loc[-1]} is {same} here)" if same is not None
+                    else f" (vLLM's / SGLang's {loc[-1]} has no equivalent here)")
         if msg not in by_field.setdefault(where, []):
             by_field[where].append(msg)
     parts = []
