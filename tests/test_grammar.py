@@ -293,6 +293,23 @@ def test_invalid_constraint_ends_only_that_request_with_a_400_message(tok):
     assert got["ok"]["ids"] == toy_reference([1, 2, 4], 5, VOCAB, frozenset({EOS}))
 
 
+@pytest.mark.parametrize(("kind", "text", "where"), [
+    ("regex", "\x00", "the regex"),
+    ("regex", "a\x00b", "the regex"),  # compiled, but cut at the NUL: "a" then stop, not matching the regex
+    ("json_schema", json.dumps({"type": "string", "pattern": "\x00"}), "the pattern at /pattern"),
+    ("json_schema", json.dumps({"type": "object", "patternProperties": {"\x00": {"type": "string"}}}),
+     "the pattern at /patternProperties"),
+])
+def test_a_raw_nul_in_a_pattern_is_refused_before_xgrammar_sees_it(tok, kind, text, where):
+    """Fuzz audit 31: xgrammar's compiler killed the scheduler process (SIGSEGV) on a raw NUL in a regex or a
+    schema pattern; the escape \\x00 compiles."""
+    backend = XGrammarBackend(tok, VOCAB, [EOS])
+    with pytest.raises(GrammarError, match=f"{where} holds a raw NUL character"):
+        backend.compile(kind, text)
+    backend.compile("regex", "a\\x00b")
+    backend.compile("json_schema", json.dumps({"type": "string", "pattern": "^a\\x00$"}))
+
+
 def test_kind_the_backend_does_not_support_is_refused(tok):
     class RegexOnly(XGrammarBackend):
         supported_kinds = ("regex",)

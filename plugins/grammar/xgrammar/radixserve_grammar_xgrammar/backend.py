@@ -152,6 +152,22 @@ def unenforced_construct(schema: Any) -> str | None:
     return None
 
 
+_NUL = "\x00"
+_NUL_REFUSED = ("a raw NUL character (U+0000), which xgrammar cannot compile (its compiler crashed the process on "
+                "one): write it as the escape \\x00")
+
+
+def nul_in_patterns(schema: Any) -> str | None:
+    """Where a `pattern`, or a `patternProperties` pattern, holds a raw NUL character, or None."""
+    for path, sub, _ in _subschemas(schema):
+        if isinstance(sub.get("pattern"), str) and _NUL in sub["pattern"]:
+            return f"{path}/pattern"
+        patterns = sub.get("patternProperties")
+        if isinstance(patterns, dict) and any(_NUL in key for key in patterns):
+            return f"{path}/patternProperties"
+    return None
+
+
 def _clean(e: Exception) -> str:
     text = _CPP_PREFIX.sub("", str(e).strip()).strip()
     return _CPP_CHECK.sub("", text).strip() or text or type(e).__name__
@@ -288,6 +304,9 @@ class XGrammarBackend(GrammarBackend):
         try:
             if kind == "json_schema":
                 schema = normalize_schema(json.loads(text))  # what is checked is what gets compiled
+                nul = nul_in_patterns(schema)
+                if nul:
+                    raise GrammarError(f"the pattern at {nul} holds {_NUL_REFUSED}")
                 empty = empty_choice(schema)
                 if empty:  # xgrammar reports it as an error in its generated EBNF
                     raise GrammarError(f"{empty.rsplit('/', 1)[1]} must not be empty (at {empty}): no value could "
@@ -303,6 +322,8 @@ class XGrammarBackend(GrammarBackend):
                     raise GrammarError(f"the schema has {why}: the xgrammar backend cannot enforce it while generating")
                 return self._compiler.compile_grammar(_normalized_schema_grammar(schema))
             if kind == "regex":
+                if _NUL in text:  # a crash of the whole scheduler process, or (mid-text) a regex cut short there
+                    raise GrammarError(f"the regex holds {_NUL_REFUSED}")
                 return self._compiler.compile_regex(text)
             if kind == "ebnf":
                 return self._compiler.compile_grammar(text)
