@@ -192,12 +192,24 @@ def test_stack_grammar_defaults_to_xgrammar_and_can_be_off_or_named():
         ({"regex": "a+", "ebnf": 'root ::= "a"'}, "sampling_params.ebnf"),
         ({"regex": ""}, "sampling_params.regex"),
         ({"regex": 5}, "sampling_params.regex"),
+        # fuzz audit 31: a grammar with no end, which the backends compiled; the request then ended in an abort
+        ({"json_schema": {"$ref": "#"}}, "sampling_params.json_schema"),
+        ({"json_schema": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+         "sampling_params.json_schema"),
     ],
 )
 def test_bad_constraints_are_refused_naming_the_field(params, field):
     with pytest.raises(InvalidRequest) as e:
         sampling_from_dict(params, ModelLimits())
     assert e.value.param == field
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"child": {"$ref": "#"}}},  # recursion with a base case: fine
+    {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"},
+])
+def test_recursive_schemas_that_can_end_are_accepted(schema):
+    sampling_from_dict({"json_schema": schema}, ModelLimits())
 
 
 def test_generate_accepts_a_schema_given_as_an_object():

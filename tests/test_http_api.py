@@ -600,6 +600,17 @@ def test_out_of_vocabulary_ids_are_400s_naming_the_field(tm, client, route, body
     assert client.get("/health").status_code == 200
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32", "utf-16-be"])
+def test_a_body_in_another_encoding_than_utf8_is_a_400(client, tm, encoding):
+    """Fuzz audit 31: Python's JSON parser read a UTF-16 body; http-api.md says a body must be UTF-8."""
+    raw = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode(encoding)
+    r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "it is not UTF-8" in r.json()["error"]["message"], r.text
+    assert tm.inputs == []
+    bom = b"\xef\xbb\xbf" + json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    assert client.post("/v1/completions", content=bom, headers={"content-type": "application/json"}).status_code == 200
+
+
 def test_non_finite_numbers_are_400s(client):
     # Python's json (what the server parses with) accepts NaN and Infinity literals
     raw = b'{"model": "fake-model", "prompt": "hi", "max_tokens": 2, "logit_bias": {"5": NaN}}'
@@ -608,6 +619,20 @@ def test_non_finite_numbers_are_400s(client):
     raw = b'{"text": "hi", "sampling_params": {"temperature": Infinity}}'
     r = client.post("/generate", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.temperature", r.text
+
+
+def test_a_huge_integer_sampling_value_is_a_float_or_a_400_never_a_500(client, tm):
+    """Fuzz audit 31: temperature 2**70 on /generate reached the scheduler as a Python int and failed to
+    serialise there (a 500 with a traceback)."""
+    r = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 2**70,
+                                                                          "repetition_penalty": 2**70}})
+    assert r.status_code == 200, r.text
+    sp = tm.inputs[-1].sampling_params
+    assert type(sp.temperature) is float and type(sp.repetition_penalty) is float
+    raw = b'{"text": "hi", "sampling_params": {"temperature": 1' + b"0" * 400 + b"}}"
+    r = client.post("/generate", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.temperature", r.text
+    assert "an integer of about 401 digits" in r.json()["error"]["message"]
 
 
 def test_ids_inside_the_vocabulary_still_work(tm, client):
@@ -639,6 +664,8 @@ def test_tokenize_gives_the_ids_generation_uses(tm, client):
     ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"messages": CHAT, "add_special_tokens": True}, 400, "add_special_tokens"),
     ("/tokenize", {"model": "other", "prompt": "a"}, 404, "model"),
+    # fuzz audit 31: a 500 with pydantic's text; the chat route's own 400
+    ("/tokenize", {"messages": [{"role": "tool", "content": "x", "tool_call_id": "a"}]}, 400, "messages.0"),
     ("/detokenize", {"tokens": [VOCAB]}, 400, "tokens"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),

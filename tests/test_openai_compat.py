@@ -494,6 +494,15 @@ def test_a_vllm_or_sglang_field_is_refused_with_its_spelling_here(client, tm, fi
     assert tm.inputs == []
 
 
+def test_one_request_holds_at_most_1024_completions(client, tm):
+    """Fuzz audit 31: 10,000 prompts in one 60 KB body held the server a minute ahead of everyone else."""
+    err = assert_400(post(client, "/v1/completions", completion(prompt=["hi"] * 513, n=2)), "prompt")
+    assert "at most 1024 completions in one request" in err["message"] and "513 x 2" in err["message"]
+    assert tm.inputs == []
+    r = post(client, "/v1/completions", completion(prompt=[[5, 6]] * 4, n=2))
+    assert r.status_code == 200 and len(r.json()["choices"]) == 8, r.text
+
+
 def test_openai_apis_this_server_lacks_say_so_and_version_is_vllms_route(client):
     """Migration audit 31: through the SDKs a bare "Not Found" read like a wrong model name."""
     for route in ("/v1/embeddings", "/v1/responses"):

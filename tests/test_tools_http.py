@@ -469,6 +469,29 @@ def test_wrapper_locations_move_into_the_tool():
     assert locate_in_tools("no location", [WEATHER], None) == (0, "no location")
 
 
+def _nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_parameters_schema_nested_past_the_limit_is_a_400_before_anything_runs(choice):
+    """Fuzz audit 31: 300 levels under `required` were a RecursionError (a 500 with a traceback) copying the
+    schema; under `auto` a 15 s request."""
+    tm = CannedTM('[{"name": "f", "arguments": {}}]')
+    oai = openai_client(tm, tool_call_parser="hermes")
+    deep = [{"type": "function", "function": {"name": "f", "parameters": _nested(300)}}]
+    body = _error(oai, tools=deep, tool_choice=choice)
+    assert body["param"] == "tools.0.function.parameters" and "nested too deeply" in body["message"], body
+    assert tm.inputs == []
+    from radixserve.server.tool_schema import required_calls_schema
+
+    fine = [{"type": "function", "function": {"name": "f", "parameters": _nested(60)}}]
+    required_calls_schema(fine, parallel=True)  # the deepest accepted schema still builds its constraint
+
+
 def test_required_schema_builder():
     from radixserve.server.tool_schema import required_calls_schema
 

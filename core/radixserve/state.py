@@ -130,6 +130,44 @@ def _check_json_schema_text(text: str) -> None:
         raise ValueError(f"json_schema is not valid JSON: {e}") from None
     if not isinstance(schema, dict | bool):
         raise ValueError(f"json_schema must be a JSON object (a schema), got {type(schema).__name__}")
+    cycle = _ref_only_cycle(schema)
+    if cycle:
+        raise ValueError(f"json_schema has a $ref at {cycle} that leads back to itself through references alone, "
+                         "so no value matches it (a grammar of it cannot end)")
+
+
+def _ref_only_cycle(schema: Any) -> str | None:
+    """The location of a subschema that is nothing but a local `$ref` and whose references lead back to it
+    without any schema on the way (`{"$ref": "#"}`, `a -> b -> a` in `$defs`), or None. A backend given one
+    built a grammar with no way to end (fuzz audit 31: the request ended in an abort)."""
+    def resolve(ref: str) -> Any:
+        node = schema
+        for part in ref[2:].split("/") if ref.startswith("#/") else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    def only_ref(node: Any) -> str | None:
+        if isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"].startswith("#") and \
+                set(node) <= {"$ref", "title", "description", "$comment", "examples", "default"}:
+            return node["$ref"]
+        return None
+
+    stack = [(schema, "#")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, dict):
+            stack.extend((v, f"{where}/{k}") for k, v in node.items() if isinstance(v, dict | list))
+        elif isinstance(node, list):
+            stack.extend((v, f"{where}/{i}") for i, v in enumerate(node) if isinstance(v, dict | list))
+        ref, seen = only_ref(node), {id(node)}
+        while ref is not None:
+            node = resolve(ref)
+            if id(node) in seen:
+                return where
+            seen.add(id(node))
+            ref = only_ref(node)
+    return None
 
 
 class ForwardMode(enum.Enum):

@@ -75,6 +75,14 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
+def _shown(value: Any) -> str:
+    """`value` for an error message, cut to 80 characters (a 400-digit JSON integer is a valid number)."""
+    if _is_int(value) and abs(value) >= 10**70:  # (str() of one past 4,300 digits raises)
+        return f"an integer of about {int(abs(value).bit_length() * math.log10(2)) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
 def is_text(value: str) -> bool:
     """Whether a str is valid Unicode text: JSON's `"\\ud800"` (a lone surrogate) parses to a Python
     str that no tokenizer, stop matcher or message encoder accepts."""
@@ -147,24 +155,33 @@ def check_sampling(sp: SamplingParams, limits: ModelLimits, names: FieldNames = 
         value = getattr(sp, name)
         if not _is_int(value) or abs(value) > INT64_MAX:
             field = names.max_new_tokens if name == "max_new_tokens" else names.of(name)
-            raise InvalidRequest(f"{field} must be an integer, got {value!r}", field)
+            what = "a 64-bit integer" if _is_int(value) else "an integer"
+            raise InvalidRequest(f"{field} must be {what}, got {_shown(value)}", field)
     for name in ("max_new_tokens", "min_new_tokens"):  # before comparing them: name the negative one
         if getattr(sp, name) < 0:
             field = names.max_new_tokens if name == "max_new_tokens" else names.of(name)
             raise InvalidRequest(f"{field} must be an integer >= 0, got {getattr(sp, name)!r}", field)
     for name in _FLOATS:
         value = getattr(sp, name)
-        if not _is_number(value) or not math.isfinite(value):
-            raise InvalidRequest(f"{names.of(name)} must be a finite number, got {value!r}", names.of(name))
+        try:  # as a float from here on: a huge JSON integer (2**70) could not be sent to the scheduler
+            finite = _is_number(value) and math.isfinite(value) and math.isfinite(float(value))
+        except OverflowError:  # an integer past float's range
+            finite = False
+        if not finite:
+            raise InvalidRequest(f"{names.of(name)} must be a finite number, got {_shown(value)}", names.of(name))
+        setattr(sp, name, float(value))
     for name in _BOOLS:
         if not isinstance(getattr(sp, name), bool):
             raise InvalidRequest(f"{names.of(name)} must be true or false, got {getattr(sp, name)!r}", names.of(name))
     if sp.prompt_logprobs is not None and not _is_int(sp.prompt_logprobs):
         field = names.of("prompt_logprobs")
         raise InvalidRequest(f"{field} must be null or an integer in [0, 20], got {sp.prompt_logprobs!r}", field)
-    if sp.seed is not None and (not _is_int(sp.seed) or not -INT64_MAX <= sp.seed <= INT64_MAX):
+    if sp.seed is not None and (not _is_int(sp.seed) or not -INT64_MAX - 1 <= sp.seed <= INT64_MAX):
         raise InvalidRequest(f"{names.of('seed')} must be a 64-bit integer, got {sp.seed!r}", names.of("seed"))
     stop = sp.stop
+    if isinstance(stop, list) and "" in stop:
+        raise InvalidRequest(f"{names.of('stop')}: an empty string cannot be a stop string (a stop of \"\" alone "
+                             "means none)", names.of("stop"))
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
         shown = repr(stop) if len(repr(stop)) <= 80 else f"{repr(stop)[:77]}..."
         raise InvalidRequest(f"{names.of('stop')}: at most {MAX_STOP_STRINGS} non-empty strings, got {shown}",

@@ -34,7 +34,8 @@ def _presented_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
 
 
 class GuardMiddleware:
-    """Rejects requests without the right API key (401) and bodies over `max_bytes` (413)."""
+    """Rejects requests without the right API key (401), bodies over `max_bytes` (413) and bodies in
+    another encoding than UTF-8 (400: Python's JSON parser would read UTF-16 and UTF-32 as well)."""
 
     def __init__(self, app, api_key: str | None, max_bytes: int) -> None:
         self.app = app
@@ -70,6 +71,12 @@ class GuardMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
+        head = b"".join(chunks[:4])[:4]
+        encoding = json.detect_encoding(head) if head else "utf-8"
+        if encoding not in ("utf-8", "utf-8-sig"):  # the JSON parser would decode UTF-16/32 on its own
+            await _send_error(send, 400, f"request body is not valid JSON: it is not UTF-8 (it reads as {encoding}; "
+                                         "JSON on the wire is UTF-8)")
+            return
         replayed = False
 
         async def replay():

@@ -299,6 +299,10 @@ class ChatCompletionRequest(_SamplingFields, ChatToolFields):
         return "max_tokens", self.max_tokens
 
 
+# prompts x n of one /v1/completions request: more, in one small body, would queue ahead of everyone else's
+MAX_COMPLETIONS_PER_REQUEST = 1024
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = Field(default=16, ge=0)  # OpenAI's default for text completions; 0 only with echo
@@ -321,6 +325,11 @@ class CompletionRequest(_SamplingFields):
             raise refuse("best_of", "best_of other than n is not supported")
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
             raise refuse("prompt", "must not be empty")
+        if not self._single_prompt() and len(self.prompt) * self.n > MAX_COMPLETIONS_PER_REQUEST:
+            # fuzz audit 31: 10,000 prompts in a 60 KB body held the scheduler for a minute, ahead of every
+            # request that came after it
+            raise refuse("prompt", f"at most {MAX_COMPLETIONS_PER_REQUEST} completions in one request (prompts "
+                                   f"times n; got {len(self.prompt)} x {self.n}): send the rest in other requests")
         for i, p in enumerate(self.prompt if isinstance(self.prompt, list) else []):
             if isinstance(p, list) and not p:
                 raise refuse(f"prompt[{i}]", "a token list must not be empty")

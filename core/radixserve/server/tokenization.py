@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
 from radixserve.server import protocol as p
 from radixserve.server.chat_plan import plan_chat
 from radixserve.server.errors import refused
@@ -23,9 +26,13 @@ async def tokenize(serving: Any, req: p.TokenizeRequest) -> dict[str, Any]:
         ids = list(await off_the_loop(len(req.prompt), tm.tokenizer.encode, req.prompt,
                                       add_special_tokens=req.add_special_tokens is not False))
     else:
-        chat = p.ChatCompletionRequest(model=tm.model_name, messages=req.messages, tools=req.tools,
-                                       add_generation_prompt=req.add_generation_prompt,
-                                       chat_template_kwargs=req.chat_template_kwargs)
+        try:  # the chat route's own checks of the messages (a tool message without its call, ...): its 400s
+            chat = p.ChatCompletionRequest(model=tm.model_name, messages=req.messages, tools=req.tools,
+                                           add_generation_prompt=req.add_generation_prompt,
+                                           chat_template_kwargs=req.chat_template_kwargs)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors(include_url=False),
+                                         body=req.model_dump(mode="json", exclude_none=True)) from None
         ids = (await off_the_loop(chat.text_chars(), plan_chat, tm, chat, serving.parsers)).ids
     return {"count": len(ids), "max_model_len": int(tm.context_len), "tokens": ids,
             "token_strs": [serving.token_info(t)[0] for t in ids] if req.return_token_strs else None}

@@ -18,15 +18,36 @@ _COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "m
 _NUMBERS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
 
+# objects and arrays inside one function's parameters, nested: far past any real tool's (a schema level is
+# two: `{"properties": {"a": ...}}`), and short of the recursion the constraint's compilation needs
+MAX_SCHEMA_NESTING = 128
+
+
 def check_parameters_schema(schema: Any) -> None:
     """A function's parameters: a JSON schema of an object. Raises ValueError naming the bad
     keyword's path (e.g. `properties.unit.enum must be a non-empty list`)."""
     if not isinstance(schema, dict):
         raise ValueError("must be a JSON schema object")
+    if _nesting(schema) > MAX_SCHEMA_NESTING:  # fuzz audit 31: 300 levels were a RecursionError (a 500)
+        raise ValueError(f"is nested too deeply (more than {MAX_SCHEMA_NESTING} levels of objects and arrays)")
     kind = schema.get("type")
     if kind is not None and kind != "object":
         raise ValueError(f"must describe an object (type 'object'), got type {kind!r}")
     _check(schema, "", schema)
+
+
+def _nesting(value: Any) -> int:
+    """How deep objects and arrays nest in `value` (without recursion: the value may be deeper than the
+    interpreter's stack)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth)
+            if deepest > MAX_SCHEMA_NESTING:
+                break
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
 
 
 def _check(s: Any, path: str, root: dict[str, Any]) -> None:
