@@ -26,6 +26,16 @@ def test_a_vllm_flag_is_refused_with_its_spelling_here_under_the_commands_usage(
     assert "--no-such-flag (vLLM" not in err
 
 
+@pytest.mark.parametrize("flag", ["--api-key", "--served-model-name"])
+def test_a_one_value_flag_given_twice_is_an_error_not_the_last_one(capsys, flag):
+    """Migration audit 31: `--api-key k1 --api-key k2` kept k2 alone, silently (vLLM takes several keys)."""
+    with pytest.raises(SystemExit) as e:
+        main(["serve", flag, "secret1", flag, "secret2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{flag} given twice: this server takes one" in err, err
+    assert "secret" not in err  # a key is not echoed to the terminal or a log
+
+
 def test_vllms_short_tp_flag_gets_its_spelling_too(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "-tp", "2", "--enable-chunked-prefill"])

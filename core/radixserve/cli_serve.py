@@ -10,16 +10,29 @@ import sys
 from radixserve.config import deep_merge, with_env_api_key
 
 
+class _Once(argparse.Action):
+    """A flag that keeps one value: given twice it is an error, not the last one silently (vLLM takes several
+    `--api-key`s and `--served-model-name`s; here one each, so a second would have dropped the first)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice: this server takes one (the second would replace the "
+                         "first)")
+        setattr(namespace, self.dest, values)
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH", help="HF directory, .gguf file or a file another installed weight "
                    "source reads (radixserve plugins lists the suffixes); default: embedded SmolLM2-135M")
     p.add_argument("--config", metavar="FILE", help="YAML component stack (see stacks/)")
     p.add_argument("--tokenizer", metavar="PATH", help="tokenizer directory (default: from the model)")
-    p.add_argument("--served-model-name", metavar="NAME", help="model name clients send (default: file name)")
+    p.add_argument("--served-model-name", metavar="NAME", action=_Once,
+                   help="model name clients send (default: file name)")
     add_model_impl_argument(p)
     p.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 exposes the server)")
     p.add_argument("--port", type=int, help="port (default 30000)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (server.api_key; beats the YAML and overrides; "
+    p.add_argument("--api-key", action=_Once,
+                   help="require 'Authorization: Bearer KEY' (server.api_key; beats the YAML and overrides; "
                    "$RADIXSERVE_API_KEY applies only when neither sets a key)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tool-call-parser", metavar="NAME",
