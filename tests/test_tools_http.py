@@ -159,6 +159,21 @@ def test_each_parser_non_streamed_and_streamed_through_the_openai_client(parser)
         assert len([f for f in fragments if f.index == 0]) > 1
 
 
+def test_a_streamed_call_whose_arguments_stop_being_json_sends_only_their_valid_start():
+    """Tools audit 30: `{"tz": C` went out as argument fragments although no JSON value starts that way."""
+    from radixserve.server.tool_parsers.json_scan import json_prefix_length
+
+    bad = 'Hi!\n<tool_call>\n{"name": "get_time", "arguments": {"tz": CET}}\n</tool_call>'
+    tm = CannedTM(bad)
+    tm.step = 1
+    oai = openai_client(tm, tool_call_parser="hermes")
+    chunks, streamed = raw_stream(oai, model=MODEL, messages=ASK, tools=TOOLS)
+    for call in streamed["calls"].values():
+        assert json_prefix_length(call["arguments"]) == len(call["arguments"]), call
+        assert "C" not in call["arguments"]
+    assert streamed["finish_reason"] == "stop" and "CET" in streamed["content"]
+
+
 def test_the_openai_stream_helper_assembles_the_calls():
     oai = openai_client(CannedTM(HERMES_OUT), tool_call_parser="hermes")
     with oai.chat.completions.stream(model=MODEL, messages=ASK, tools=TOOLS) as stream:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from radixserve.interfaces.reasoning_parser import ReasoningParser
 from radixserve.interfaces.tool_parser import ParsedToolCall, ToolParse, ToolParser
+from radixserve.server.tool_parsers.json_scan import json_prefix_length
 
 logger = logging.getLogger("radixserve.server")
 
@@ -151,7 +152,9 @@ class ChoiceOutput:
 
     def _grow(self, out: ChoiceDelta, index: int, call: ParsedToolCall) -> None:
         sent = self._sent_calls[index]
-        fragment = call.arguments[len(sent.arguments) :]
+        # only what can still be the start of a JSON value: arguments that stop being one (`{"tz": C`) are a
+        # call the final parse will drop, and a client parsing them as they come must not see that part
+        fragment = call.arguments[len(sent.arguments) : json_prefix_length(call.arguments)]
         if fragment:
             sent.arguments += fragment
             out.calls.append(CallDelta(index, None, None, fragment))

@@ -131,3 +131,74 @@ def scan_object(text: str, i: int, final: bool = False) -> ObjectScan:
             raise Malformed("expected ',' or '}'")
         j = skip_ws(text, j + 1)
     return out
+
+
+_LITERALS = ("true", "false", "null")
+_CHARS = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*'
+_CLOSED_STRING = re.compile(_CHARS, re.S)  # a string's body between its quotes
+_OPEN_STRING = re.compile(_CHARS + r"(?:\\(?:u[0-9a-fA-F]{0,3})?)?", re.S)  # ... still being written
+_NUMBER_PREFIX = re.compile(r"-?(?:0|[1-9][0-9]*)?(?:\.[0-9]*)?(?:[eE][+-]?[0-9]*)?")
+
+
+def json_prefix_length(text: str) -> int:
+    """How much of `text` is the start of some JSON value: its length when all of it could still grow into
+    valid JSON, else where it stopped being able to (a streamed call's arguments are sent up to there, so
+    a client never sees `{"tz": C`). Strict about structure, lenient where a token is still being written
+    (a number's digits, a literal's letters, a string's escape)."""
+    stack: list[str] = []  # "{" / "[" of the open containers
+    expect = "value"  # value | key | colon | comma (after a value inside a container) | done
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c in WS:
+            i += 1
+            continue
+        if expect in ("value", "key") and c == '"':
+            end = string_end(text, i)
+            if end is None:  # still being written: valid if its escapes so far are
+                body = text[i + 1:]
+                return n if _OPEN_STRING.fullmatch(body) else i
+            if not _CLOSED_STRING.fullmatch(text, i + 1, end - 1):
+                return i
+            i, expect = end, ("colon" if expect == "key" else "comma")
+        elif expect == "value" and c in "{[":
+            stack.append(c)
+            i += 1
+            expect = "key" if c == "{" else "value"
+            if c == "[" and text[i:].lstrip(WS)[:1] == "]":  # an empty array
+                i = text.index("]", i) + 1
+                stack.pop()
+                expect = "comma"
+        elif expect == "key" and c == "}" and stack and stack[-1] == "{" and \
+                text[:i].rstrip(WS).endswith("{"):  # an empty object
+            stack.pop()
+            i += 1
+            expect = "comma"
+        elif expect == "value" and (c == "-" or c.isdigit()):
+            j = _NUMBER_PREFIX.match(text, i).end()
+            if j == n:
+                return n
+            if text[j] not in _SCALAR_END or not re.fullmatch(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?",
+                                                              text[i:j]):
+                return j if text[j] not in _SCALAR_END else i
+            i, expect = j, "comma"
+        elif expect == "value" and c in "tfn":
+            word = next((w for w in _LITERALS if w.startswith(text[i:i + len(w)]) and w[0] == c), None)
+            if word is None:
+                return i
+            if not text.startswith(word, i):
+                return n if word.startswith(text[i:]) else i
+            i, expect = i + len(word), "comma"
+        elif expect == "colon" and c == ":":
+            i, expect = i + 1, "value"
+        elif expect == "comma" and stack and c == ",":
+            i, expect = i + 1, ("key" if stack[-1] == "{" else "value")
+        elif expect == "comma" and stack and c == ("}" if stack[-1] == "{" else "]"):
+            stack.pop()
+            i += 1
+            expect = "comma" if stack else "done"
+        else:
+            return i
+        if expect == "comma" and not stack:
+            expect = "done"
+    return n
