@@ -73,7 +73,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     print("  ".join("-" * w for w in widths))
     for t in table:
         print("  ".join(c.ljust(w) for c, w in zip(t, widths)))
-    print("\nmodel architectures (model.impl: auto takes the native plugin, else the transformers fallback):")
+    print("\nmodel architectures (model.impl: auto takes the native plugin, else the transformers fallback; "
+          "model.impl: transformers runs a native one through the fallback too):")
     width = max([len(c["architecture"]) for c in claims] + [12])
     for c in claims:
         print(f"  {c['architecture'].ljust(width)}  {c['path'].ljust(8)}  {c['distribution']}")
