@@ -268,6 +268,16 @@ def test_continuous_usage_stats_put_the_running_count_on_every_chunk(oai, tm, ro
     assert counts == [1, 2, 3, 4]
 
 
+def test_continuous_usage_stats_alone_still_ends_with_the_requests_total(oai, tm):
+    """Stream audit 31: its chunks carry each choice's own count, and without include_usage no total came:
+    with n=2 the last usage a client saw was one choice's."""
+    stream = oai.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, n=2, stream=True,
+                                    stream_options={"continuous_usage_stats": True})
+    chunks = list(stream)
+    assert max(c.usage.completion_tokens for c in chunks if c.choices) == 4  # per choice
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 8  # the request's
+
+
 class CachingTM(FakeTM):
     """A prefix cache in the fake: a prompt's first generation finds nothing cached, every later one
     (a sibling choice of the same request, or a later request) all but its last token."""

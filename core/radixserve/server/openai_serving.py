@@ -721,7 +721,7 @@ class _ChatFormat(_Format):
         return events
 
     def end(self, usage: p.UsageInfo) -> list[str]:
-        if self.req.stream_options and self.req.stream_options.include_usage:
+        if self.req.stream_options and self.req.stream_options.final_usage:
             chunk = p.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage)
             return [sse(chunk.model_dump_json())]
         return []
@@ -841,7 +841,7 @@ class _CompletionFormat(_Format):
         return [sse(chunk.model_dump_json())]
 
     def end(self, usage: p.UsageInfo) -> list[str]:
-        if self.req.stream_options and self.req.stream_options.include_usage:
+        if self.req.stream_options and self.req.stream_options.final_usage:
             chunk = p.CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage)
             return [sse(chunk.model_dump_json())]
         return []

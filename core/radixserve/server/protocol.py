@@ -90,6 +90,13 @@ class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # usage on every chunk (vLLM extension)
 
+    @property
+    def final_usage(self) -> bool:
+        """Whether the stream ends with the request's usage chunk: continuous_usage_stats' chunks carry each
+        choice's own counts, so it brings the request's total too (stream audit 31: with n > 1 and it alone
+        the last usage a client saw was one choice's)."""
+        return self.include_usage or self.continuous_usage_stats
+
 
 class JsonSchemaFormat(_Request):
     """`response_format.json_schema`: OpenAI's named schema. `strict` is accepted either way: the
