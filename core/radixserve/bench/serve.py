@@ -34,13 +34,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name to send (default: the server's first /v1/models entry)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: $RADIXSERVE_API_KEY if set)")
     p.add_argument("--dataset", choices=["random", "chat"], default="random")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=1024, help="random dataset: prompt tokens")
-    p.add_argument("--output-len", type=int, default=128, help="tokens to generate per request (ignore_eos)")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests to send (default 64)")
+    p.add_argument("--input-len", type=int, default=1024, help="random dataset: prompt tokens (default 1024; "
+                   "64 x 1024 in / 128 out takes minutes on a small CPU)")
+    p.add_argument("--output-len", type=int, default=128, help="tokens to generate per request (ignore_eos; default 128)")
     p.add_argument("--vocab-low", type=int, default=100, help="random ids are drawn from [vocab-low, vocab-high)")
     p.add_argument("--vocab-high", type=int, default=20000)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s (Poisson); inf: all at once")
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s (Poisson); inf, the default: all at once")
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--result-file", help="append the summary as one JSON line")
@@ -147,12 +148,19 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         rng = random.Random(args.seed + 1)
 
+        done, every = 0, max(len(work) // 10, 1)
+        print(f"radixserve bench serve: {len(work)} requests to {args.base_url} ({model})", file=sys.stderr)
+
         async def guarded(i: int) -> None:
+            nonlocal done
             if sem is None:
                 await _one(client, *work[i], recs[i])
             else:
                 async with sem:
                     await _one(client, *work[i], recs[i])
+            done += 1
+            if done % every == 0 or done == len(work):  # a long run shows it is moving (docs audit 31)
+                print(f"  {done}/{len(work)} done, {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
         t0 = time.perf_counter()
         tasks = []
@@ -247,7 +255,7 @@ def summarize(recs: list[RequestRecord], duration: float, args: argparse.Namespa
             "num_prompts": args.num_prompts,
             "input_len": args.input_len if args.dataset == "random" else None,
             "output_len": args.output_len,
-            "request_rate": args.request_rate,
+            "request_rate": None if args.request_rate == float("inf") else args.request_rate,  # null: all at once
             "max_concurrency": args.max_concurrency,
         },
     }
