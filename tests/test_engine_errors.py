@@ -35,6 +35,9 @@ def engine():
         ({"stop": 5}, {}, "stop"),
         ("max_new_tokens=4", {}, "sampling_params"),
         ({"max_new_tokens": 2}, {"top_logprobs_num": 50, "return_logprob": True}, "top_logprobs_num"),
+        # engine audit 31: ignored without a word, where logprob_start_len without return_logprob was refused
+        ({"max_new_tokens": 2}, {"top_logprobs_num": 2}, "top_logprobs_num requires return_logprob"),
+        ({"max_new_tokens": 2}, {"return_logprob": "yes"}, "return_logprob must be true or false"),
     ],
 )
 def test_bad_sampling_values_are_value_errors_naming_the_parameter(engine, params, kwargs, named):
@@ -192,6 +195,67 @@ def test_zz_async_generate_after_shutdown_says_the_engine_was_shut_down(engine):
         asyncio.run(engine.async_generate("Hi", {"max_new_tokens": 2}))
     with pytest.raises(RuntimeError, match="the engine was shut down"):
         engine.generate("Hi", {"max_new_tokens": 2})
+
+
+def test_a_bad_entry_of_a_per_prompt_sampling_list_names_its_place(engine):
+    """Engine audit 31: `sampling_params.temperature` did not say which of the batch's dicts was bad."""
+    with pytest.raises(ValueError, match=r"sampling_params\[1\]\.temperature must be") as e:
+        engine.generate(["a", "b"], [{"max_new_tokens": 2}, {"temperature": -3}])
+    assert e.value.param == "sampling_params[1].temperature"
+    with pytest.raises(ValueError, match=r"rid: a batch of 2 prompts takes a list of 2 distinct rids, got one str"):
+        engine.generate(["a", "b"], {"max_new_tokens": 2}, rid="x")
+
+
+FORKS = """
+import os, sys
+from radixserve import Engine
+e = Engine(runtime={cpu!r})
+pid = os.fork()
+if pid == 0:  # the child: what it may do, then the normal exit path (atexit runs shutdown)
+    print("child healthy", e.is_healthy(), flush=True)
+    try:
+        e.generate("Hi", {{"max_new_tokens": 2}})
+    except RuntimeError as err:
+        print("child refused:", err, flush=True)
+    e.shutdown()  # a no-op here: the runtime is the parent's
+    sys.exit(0)
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+print("parent", e.is_healthy(), e.generate("Hi", {{"max_new_tokens": 2}})["meta_info"]["completion_tokens"])
+print("owner", os.getpid())
+"""
+
+
+def test_a_forked_child_cannot_use_the_engine_and_exits_without_waiting_on_it(tmp_path):
+    """Engine audit 31: in a fork every call (and the exit-time shutdown) waited forever on the loop thread the fork
+    did not copy, while is_healthy() said True."""
+    script = tmp_path / "forks.py"
+    script.write_text(FORKS.format(cpu=CPU))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    owner = re.search(r"owner (\d+)", run.stdout).group(1)
+    assert "child healthy False" in run.stdout, run.stdout
+    assert f"child refused: this Engine belongs to process {owner}" in run.stdout, run.stdout
+    assert "child exit 0" in run.stdout and "parent True 2" in run.stdout, run.stdout
+
+
+def test_a_system_exit_while_the_engine_starts_is_a_runtime_error_not_a_hang(tmp_path):
+    """Engine audit 31: a module calling sys.exit during start-up (here a tokenizers.py beside the script) ended the
+    engine's loop thread, and Engine() waited forever with no output."""
+    (tmp_path / "tokenizers.py").write_text("raise SystemExit('not the real tokenizers')\n")
+    script = tmp_path / "start.py"
+    script.write_text(
+        "from radixserve import Engine\n"
+        "try:\n"
+        f"    Engine(runtime={CPU!r})\n"
+        "except RuntimeError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "refused: SystemExit('not the real tokenizers') inside the engine's event loop" in run.stdout, run.stdout
 
 
 def test_a_script_that_never_shuts_down_exits_without_a_traceback(tmp_path):

@@ -59,6 +59,42 @@ def _alive(pid: int) -> bool:
         return False
 
 
+GROUP_PARENT = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    from radixserve.runtime.ipc import install_parent_watchdog
+
+    if sys.argv[1:] == ["child"]:  # a runtime child: its own session, with a compiler-like grandchild
+        install_parent_watchdog(os.getppid(), interval_s=0.1)
+        grandchild = subprocess.Popen(["sleep", "120"])
+        print(os.getpid(), grandchild.pid, flush=True)
+        time.sleep(120)
+    else:
+        child = subprocess.Popen([sys.executable, __file__, "child"], start_new_session=True)
+        time.sleep(120)
+    """
+)
+
+
+def test_a_killed_parent_takes_its_childs_own_processes_along(tmp_path):
+    """Engine audit 31: killed during the first start's kernel compile, the parent left ninja and c++ running for
+    minutes (the scheduler exited on its watchdog; its compilers, its own children, stayed)."""
+    script = tmp_path / "group.py"
+    script.write_text(GROUP_PARENT)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        child_pid, grandchild_pid = map(int, parent.stdout.readline().split())
+        assert _alive(grandchild_pid)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while (_alive(child_pid) or _alive(grandchild_pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child_pid) and not _alive(grandchild_pid), "the child's own process outlived the parent"
+    finally:
+        parent.kill()
+
+
 def test_children_exit_when_the_parent_is_killed(tmp_path):
     script = tmp_path / "parent.py"
     script.write_text(PARENT)

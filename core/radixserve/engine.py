@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import os
 import threading
 from collections.abc import AsyncIterator, Mapping
 from functools import cached_property
@@ -30,8 +31,10 @@ from radixserve.runtime.tokenizer_manager import (
 )
 from radixserve.state import SamplingParams
 from radixserve.validation import (
+    NATIVE,
     PRIORITY_MAX,
     PRIORITY_MIN,
+    FieldNames,
     InvalidRequest,
     ModelLimits,
     check_one_choice,
@@ -43,14 +46,18 @@ from radixserve.validation import (
 SETTLE_TIMEOUT_S = 2 * CHILD_EXIT_TIMEOUT_S + 5
 
 
-def _sampling_params(sp: Any) -> SamplingParams:
+def _sampling_params(sp: Any, index: int | None = None) -> SamplingParams:
     """One prompt's sampling params, checked here so a bad value is a ValueError naming the field
-    (the same conversion as /generate: a json_schema dict is accepted and dumped to text)."""
+    (the same conversion as /generate: a json_schema dict is accepted and dumped to text); `index`: its
+    place in a per-prompt list, which the field's name then carries (`sampling_params[1].temperature`)."""
+    where = "sampling_params" if index is None else f"sampling_params[{index}]"
+    names = NATIVE if index is None else FieldNames(prompt="input_ids", max_new_tokens=f"{where}.max_new_tokens",
+                                                    sampling=f"{where}.")
     if isinstance(sp, SamplingParams):
-        return check_one_choice(sp)  # the refusals a dict gets (n > 1 would be ignored)
+        return check_one_choice(sp, names)  # the refusals a dict gets (n > 1 would be ignored)
     if sp is not None and not isinstance(sp, Mapping):
-        raise ValueError(f"sampling_params must be a dict (or a list of dicts, one per prompt), got {sp!r}")
-    return sampling_from_dict(sp, ModelLimits())  # as /generate's; vocabulary and context are checked at submit
+        raise ValueError(f"{where} must be a dict (or a list of dicts, one per prompt), got {sp!r}")
+    return sampling_from_dict(sp, ModelLimits(), names)  # as /generate's; vocabulary and context are checked at submit
 
 
 def engine_config(model: str | Path | Mapping[str, Any] | None, config: str | Path | Config | Mapping[str, Any] | None,
@@ -131,6 +138,7 @@ class Engine:
         self.registry = Registry.from_config(self.config)
         self.tokenizer_manager = TokenizerManager(self.config, self.registry)
         self._closed = False
+        self._owner_pid = os.getpid()  # a forked child inherits the object, not the loop thread or the runtime
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-engine", daemon=True)
         self._thread.start()
@@ -145,15 +153,33 @@ class Engine:
         atexit.register(self.shutdown)
 
     # ---- plumbing ---------------------------------------------------------------------------
-    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+    def _forked(self) -> bool:
+        return os.getpid() != self._owner_pid
+
+    def _check_usable(self) -> None:
+        """RuntimeError after shutdown(), and in a forked child (engine audit 31: there every call waited forever on
+        the loop thread the fork did not copy)."""
+        if self._forked():
+            raise RuntimeError(f"this Engine belongs to process {self._owner_pid}; a forked child cannot use it: "
+                               "build an Engine in the child (or start it with the spawn method)")
         if self._closed:
-            coro.close()
             raise RuntimeError("the engine was shut down")
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        if self._closed or self._forked():
+            coro.close()
+            self._check_usable()
         settled = threading.Event()
 
         async def run() -> Any:
             try:
                 return await coro
+            except (SystemExit, KeyboardInterrupt) as e:
+                # raised inside the loop thread (a plugin or a module calling sys.exit while the runtime starts):
+                # asyncio would let it end the loop, and the caller would wait forever (engine audit 31)
+                if isinstance(e, KeyboardInterrupt):
+                    raise RuntimeError("interrupted inside the engine's event loop") from e
+                raise RuntimeError(f"SystemExit({e.code!r}) inside the engine's event loop") from e
             finally:
                 settled.set()
 
@@ -225,15 +251,18 @@ class Engine:
         if any(not PRIORITY_MIN <= p <= PRIORITY_MAX for p in prios):
             raise InvalidRequest(f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}] (a signed 32-bit int, as on "
                                  f"the HTTP routes), got {priority!r}", param="priority")
+        if n > 1 and isinstance(rid, str):
+            raise InvalidRequest(f"rid: a batch of {n} prompts takes a list of {n} distinct rids, got one str {rid!r}",
+                                 param="rid")
         if n > 1 and rids[0] is not None and len(set(rids)) != n:
-            raise ValueError("rids of one batch must be distinct")
+            raise InvalidRequest("rid: the rids of one batch must be distinct", param="rid")
         # the runtime caps top logprobs at 20; without this the error names sampling_params.top_logprobs
         if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
             raise ValueError(f"top_logprobs_num must be an int in [0, 20], got {top_logprobs_num!r}")
         return [
             GenerateInput(
                 **item,
-                sampling_params=_sampling_params(sp),
+                sampling_params=_sampling_params(sp, i if isinstance(sampling_params, list) else None),
                 rid=r,
                 stream=stream,
                 return_logprob=return_logprob,
@@ -241,7 +270,7 @@ class Engine:
                 logprob_start_len=logprob_start_len,
                 priority=prio,
             )
-            for item, sp, r, prio in zip(items, sps, rids, prios)
+            for i, (item, sp, r, prio) in enumerate(zip(items, sps, rids, prios))
         ], single
 
     async def _collect(self, inp: GenerateInput, prepared: PreparedRequest | None = None) -> dict[str, Any]:
@@ -296,8 +325,7 @@ class Engine:
         logprob_start_len: int = -1,
     ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
         """One request from any event loop: the final dict, or (stream=True) an async iterator."""
-        if self._closed:  # the documented error, not the closed loop's
-            raise RuntimeError("the engine was shut down")
+        self._check_usable()  # the documented errors, not the closed (or absent) loop's
         if prompt is not None and not isinstance(prompt, str):
             raise ValueError("async_generate takes one prompt (a str); for a batch use generate(), "
                              "or asyncio.gather several async_generate calls")
@@ -341,7 +369,7 @@ class Engine:
     def abort(self, rid: str) -> None:
         """Abort the request with this rid: it ends with finish_reason {"type": "abort"}; an unknown or finished
         rid is ignored, as is any call after shutdown()."""
-        if not self._closed:
+        if not self._closed and not self._forked():
             self._loop.call_soon_threadsafe(self.tokenizer_manager.abort, rid)
 
     def get_stats(self) -> dict[str, Any]:
@@ -354,13 +382,14 @@ class Engine:
         return self._call(self.tokenizer_manager.flush_cache())
 
     def is_healthy(self) -> bool:
-        """False after shutdown() or once a runtime process died."""
-        return not self._closed and self.tokenizer_manager.is_healthy()
+        """False after shutdown(), once a runtime process died, and in a forked child (which cannot use it)."""
+        return not self._closed and not self._forked() and self.tokenizer_manager.is_healthy()
 
     def shutdown(self) -> None:
         """Stop the runtime's processes (requests still running end with EngineDeadError); idempotent, and run
-        at interpreter exit for an engine never shut down."""
-        if self._closed:
+        at interpreter exit for an engine never shut down. In a forked child it does nothing: the runtime is
+        the parent's."""
+        if self._closed or self._forked():
             return
         atexit.unregister(self.shutdown)
         try:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -35,13 +37,19 @@ class PortArgs:
 
 
 def install_parent_watchdog(parent_pid: int, interval_s: float = 0.5) -> None:
-    """Exit this process (hard, from a daemon thread) as soon as `parent_pid` is gone.
+    """Exit this process (hard, from a daemon thread) as soon as `parent_pid` is gone; a process that leads its
+    own process group (a runtime child, started in a session of its own) takes the group along, its compilers
+    included.
 
-    Why: a killed parent runs no cleanup, and a child blocked on a socket would live forever."""
+    Why: a killed parent runs no cleanup, and a child blocked on a socket would live forever; the native
+    kernels' ninja and c++ processes, orphaned, compiled on for minutes (engine audit 31)."""
 
     def watch() -> None:
         while True:
             if os.getppid() != parent_pid:
+                if os.getpgrp() == os.getpid():
+                    with contextlib.suppress(OSError):
+                        os.killpg(os.getpid(), signal.SIGKILL)  # this process with them
                 os._exit(1)
             time.sleep(interval_s)
 

@@ -472,6 +472,10 @@ class TokenizerManager:
         if not ids:
             raise InvalidRequest(f"{field}: the prompt is empty", field)
         sp = inp.sampling_params
+        if not isinstance(inp.return_logprob, bool):
+            raise InvalidRequest(f"return_logprob must be true or false, got {inp.return_logprob!r}", "return_logprob")
+        if inp.top_logprobs_num and not inp.return_logprob:  # as /generate (and OpenAI's top_logprobs): never ignored
+            raise InvalidRequest("top_logprobs_num requires return_logprob", "top_logprobs_num")
         if inp.return_logprob and isinstance(sp, SamplingParams) and not sp.logprobs:
             sp = dataclasses.replace(sp, logprobs=True, top_logprobs=max(sp.top_logprobs, inp.top_logprobs_num))
         if isinstance(inp.logprob_start_len, bool) or not isinstance(inp.logprob_start_len, int) or inp.logprob_start_len < -1:
