@@ -82,6 +82,13 @@ def test_a_cross_field_error_names_the_fields_not_the_whole_section():
     assert "'device'" not in str(e.value) and "{" not in str(e.value)
 
 
+def test_data_parallel_over_multi_node_tensor_parallelism_is_refused_up_front():
+    """Parallelism audit 31: both replicas took the one rendezvous address (EADDRINUSE, a torch traceback)."""
+    with pytest.raises(ConfigError, match=r"runtime.dp_size=2 with runtime.nnodes=2: data-parallel replicas run on "
+                                          r"one machine"):
+        Config.load(None, {"runtime": {"dp_size": 2, "tp_size": 2, "nnodes": 2, "dist_init_addr": "127.0.0.1:1234"}})
+
+
 @pytest.mark.parametrize("addr", ["127.0.0.1:99999", "127.0.0.1:0", "h:65536"])
 def test_a_rendezvous_port_out_of_range_is_refused(addr):
     with pytest.raises(ConfigError, match="the port must be 1-65535"):

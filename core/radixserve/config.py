@@ -196,6 +196,11 @@ class RuntimeSection(_Section):
             raise ValueError(f"runtime.node_rank={self.node_rank} must be below runtime.nnodes={self.nnodes}")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("runtime.nnodes > 1 needs runtime.dist_init_addr (host:port of node 0, e.g. 10.0.0.1:29500)")
+        if self.nnodes > 1 and self.dp_size > 1:  # every replica would take the one rendezvous address (audit 31)
+            raise ValueError(f"runtime.dp_size={self.dp_size} with runtime.nnodes={self.nnodes}: data-parallel replicas "
+                             "run on one machine, each with its own tensor-parallel ranks; multi-node tensor "
+                             "parallelism serves one replica (run one server per group of nodes behind your own "
+                             "load balancer)")
         if self.dist_init_addr is not None:
             port = self.dist_init_addr.rpartition(":")[2]
             if not port.isdigit():

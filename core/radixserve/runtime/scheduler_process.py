@@ -224,6 +224,11 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int, d
         if config.runtime.tp_size > 1:
             from radixserve.layers.distributed import init_tp_group
 
+            if config.runtime.nnodes > 1:  # a rendezvous that may wait long: say for what (parallelism audit 31)
+                logger.info("tensor parallelism: waiting for the %d rank(s) of nodes 1-%d at %s (at most %s s: "
+                            "RADIXSERVE_DIST_TIMEOUT_S)", config.runtime.tp_size - config.runtime.tp_size
+                            // config.runtime.nnodes, config.runtime.nnodes - 1, dist_init_addr,
+                            os.environ.get("RADIXSERVE_DIST_TIMEOUT_S", 1800))
             group = init_tp_group(0, config.runtime.tp_size, dist_init_addr, config.runtime.resolved_device(),
                                   local_rank=0)
         # checks the whole stack before loading; the weights' progress bar is INFO-level chatter
