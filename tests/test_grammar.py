@@ -322,6 +322,18 @@ def test_a_raw_nul_in_a_pattern_is_refused_before_xgrammar_sees_it(tok, kind, te
     backend.compile("json_schema", json.dumps({"type": "string", "pattern": "^a\\x00$"}))
 
 
+@pytest.mark.parametrize("name", ["\t", "\x1f", 'quote"', "back\\slash", "\nline"])
+def test_a_property_name_xgrammar_cannot_write_is_refused_naming_it(tok, name):
+    """Refuzz audit 31: a tab or U+001F in a property name came out raw (json.loads refused the output); a quote or
+    a backslash was a lexer error about a line of xgrammar's own grammar."""
+    backend = XGrammarBackend(tok, VOCAB, [EOS])
+    schema = {"type": "object", "properties": {name: {"type": "integer"}}, "required": [name]}
+    with pytest.raises(GrammarError, match=r"property name .* \(at /properties\) holds a quote, a backslash or a "
+                                           r"control character"):
+        backend.compile("json_schema", json.dumps(schema))
+    backend.compile("json_schema", json.dumps({"type": "object", "properties": {"名前 🎉": {"type": "integer"}}}))
+
+
 def test_kind_the_backend_does_not_support_is_refused(tok):
     class RegexOnly(XGrammarBackend):
         supported_kinds = ("regex",)

@@ -168,7 +168,7 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(body: p.AbortRequest) -> JSONResponse:
-        tm.abort(body.rid)
+        serving.abort(body.rid)
         return JSONResponse({"status": "ok", "rid": body.rid})
 
     @app.get("/server_info")

@@ -40,9 +40,16 @@ class Fanout:
     Errors of any generation are re-raised from the iterator. `aclose()` cancels the tasks and
     calls tm.abort(rid) for every generation that has not finished; it is idempotent."""
 
-    def __init__(self, tm: Any, jobs: list[Job]) -> None:
+    def __init__(self, tm: Any, jobs: list[Job], groups: dict[str, tuple[str, ...]] | None = None) -> None:
+        """`groups`: where a request of several generations (`n` > 1, several prompts: rids `<rid>-<i>`) is
+        listed under its own rid while it runs, so that aborting that rid reaches every generation."""
         self.tm = tm
         self.jobs = jobs
+        self._group = None
+        if groups is not None and len(jobs) > 1:
+            base = jobs[0].rid.rsplit("-", 1)[0]
+            groups[base] = tuple(job.rid for job in jobs)
+            self._group = (groups, base)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pending = {job.index for job in jobs}
         self._tasks = [asyncio.create_task(self._pump(job)) for job in jobs]
@@ -83,6 +90,9 @@ class Fanout:
         if self._closed:
             return
         self._closed = True
+        if self._group is not None:
+            groups, base = self._group
+            groups.pop(base, None)
         for job, task in zip(self.jobs, self._tasks, strict=True):
             if not task.done():
                 task.cancel()

@@ -128,6 +128,14 @@ class Serving:
         self.parsers = parsers if parsers is not None else OutputParsers()  # tool-call / reasoning parsers
         self._token_info: dict[int, tuple[str, list[int]]] = {}
         self._special: frozenset[int] | None = None
+        # a running request of several generations (n > 1, several prompts) -> their rids, by the request's rid
+        self._groups: dict[str, tuple[str, ...]] = {}
+
+    def abort(self, rid: str) -> None:
+        """/abort_request: the request with this rid, every generation of it (refuzz audit 31: with n > 1 the
+        rid named none of them, and the choices ran to the end after an "ok")."""
+        for one in self._groups.get(rid, (rid,)):
+            self.tm.abort(one)
 
     # ---- shared checks ----------------------------------------------------------------------
 
@@ -412,7 +420,7 @@ class Serving:
         return Job(index, rid, gen)
 
     async def _collect(self, jobs: list[Job], raw: Request, route: str) -> dict[int, dict]:
-        fan = Fanout(self.tm, jobs)
+        fan = Fanout(self.tm, jobs, self._groups)
         self.metrics.in_flight.labels(self.metrics.model_name).inc()
         try:  # a failure's HTTP status is counted and logged by FailedRequestMiddleware
             return await until_disconnect(raw, fan.collect())
@@ -434,7 +442,7 @@ class Serving:
     ) -> Response:
         """Start the generations and wait for the first output, so that a rejected request is still
         an HTTP error; then stream SSE events until every choice finished."""
-        fan = Fanout(self.tm, jobs)
+        fan = Fanout(self.tm, jobs, self._groups)
         iterator = fan.__aiter__()
         self.metrics.in_flight.labels(self.metrics.model_name).inc()
         try:

@@ -168,6 +168,22 @@ def nul_in_patterns(schema: Any) -> str | None:
     return None
 
 
+def unwritable_property_name(schema: Any) -> str | None:
+    """Where a declared property name (`properties`, `required`) holds a quote, a backslash or a control
+    character, or None: xgrammar writes names into its grammar unescaped, so these broke its grammar (a
+    lexer error about a line of it the client never saw) or came out raw (invalid JSON: refuzz audit 31)."""
+    def unwritable(name: Any) -> bool:
+        return isinstance(name, str) and any(c in '"\\' or ord(c) < 0x20 for c in name)
+
+    for path, sub, _ in _subschemas(schema):
+        for key in ("properties", "required"):
+            names = sub.get(key)
+            bad = next((n for n in names if unwritable(n)), None) if isinstance(names, dict | list) else None
+            if bad is not None:
+                return f"property name {json.dumps(bad)} (at {path}/{key})"
+    return None
+
+
 def _clean(e: Exception) -> str:
     text = _CPP_PREFIX.sub("", str(e).strip()).strip()
     return _CPP_CHECK.sub("", text).strip() or text or type(e).__name__
@@ -307,6 +323,10 @@ class XGrammarBackend(GrammarBackend):
                 nul = nul_in_patterns(schema)
                 if nul:
                     raise GrammarError(f"the pattern at {nul} holds {_NUL_REFUSED}")
+                name = unwritable_property_name(schema)
+                if name:
+                    raise GrammarError(f"{name} holds a quote, a backslash or a control character, which the xgrammar "
+                                       "backend cannot write as a property name")
                 empty = empty_choice(schema)
                 if empty:  # xgrammar reports it as an error in its generated EBNF
                     raise GrammarError(f"{empty.rsplit('/', 1)[1]} must not be empty (at {empty}): no value could "
