@@ -334,6 +334,20 @@ def test_a_property_name_xgrammar_cannot_write_is_refused_naming_it(tok, name):
     backend.compile("json_schema", json.dumps({"type": "object", "properties": {"名前 🎉": {"type": "integer"}}}))
 
 
+def test_a_remote_ref_or_a_schema_nested_too_deeply_is_said_plainly(tok):
+    """Refuzz audit 31: a remote $ref was dropped (the value unconstrained, a 200); 300 levels were a 400 in
+    Python's RecursionError words."""
+    backend = XGrammarBackend(tok, VOCAB, [EOS])
+    remote = {"type": "object", "properties": {"v": {"$ref": "http://example.com/x.json"}}}
+    with pytest.raises(GrammarError, match=r"the \$ref at /properties/v/\$ref is not a reference inside the schema"):
+        backend.compile("json_schema", json.dumps(remote))
+    deep: dict = {"type": "integer"}
+    for _ in range(300):
+        deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
+    with pytest.raises(GrammarError, match="the json_schema is nested too deeply for the xgrammar backend"):
+        backend.compile("json_schema", json.dumps(deep))
+
+
 def test_kind_the_backend_does_not_support_is_refused(tok):
     class RegexOnly(XGrammarBackend):
         supported_kinds = ("regex",)

@@ -168,6 +168,16 @@ def nul_in_patterns(schema: Any) -> str | None:
     return None
 
 
+def remote_ref(schema: Any) -> str | None:
+    """Where a `$ref` points outside the schema (`http://...`, `other.json#/x`), or None: xgrammar drops it with
+    a warning and leaves that value unconstrained (refuzz audit 31)."""
+    for path, sub, _ in _subschemas(schema):
+        ref = sub.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            return f"{path}/$ref"
+    return None
+
+
 def unwritable_property_name(schema: Any) -> str | None:
     """Where a declared property name (`properties`, `required`) holds a quote, a backslash or a control
     character, or None: xgrammar writes names into its grammar unescaped, so these broke its grammar (a
@@ -323,6 +333,10 @@ class XGrammarBackend(GrammarBackend):
                 nul = nul_in_patterns(schema)
                 if nul:
                     raise GrammarError(f"the pattern at {nul} holds {_NUL_REFUSED}")
+                remote = remote_ref(schema)
+                if remote:
+                    raise GrammarError(f"the $ref at {remote} is not a reference inside the schema (#/...): the xgrammar "
+                                       "backend would leave that value unconstrained")
                 name = unwritable_property_name(schema)
                 if name:
                     raise GrammarError(f"{name} holds a quote, a backslash or a control character, which the xgrammar "
@@ -349,6 +363,8 @@ class XGrammarBackend(GrammarBackend):
                 return self._compiler.compile_grammar(text)
         except GrammarError:
             raise
+        except RecursionError:  # Python's own words ("maximum recursion depth exceeded ...") said nothing useful
+            raise GrammarError(f"the {kind} is nested too deeply for the xgrammar backend") from None
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with a C++ location prefix
             raise GrammarError(_clean(e)) from None
         raise GrammarError(f"xgrammar does not compile constraints of kind {kind!r}")
