@@ -183,8 +183,7 @@ def check_sampling(sp: SamplingParams, limits: ModelLimits, names: FieldNames = 
         raise InvalidRequest(f"{names.of('stop')}: an empty string cannot be a stop string (a stop of \"\" alone "
                              "means none)", names.of("stop"))
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
-        shown = repr(stop) if len(repr(stop)) <= 80 else f"{repr(stop)[:77]}..."
-        raise InvalidRequest(f"{names.of('stop')}: at most {MAX_STOP_STRINGS} non-empty strings, got {shown}",
+        raise InvalidRequest(f"{names.of('stop')}: at most {MAX_STOP_STRINGS} non-empty strings, got {_shown(stop)}",
                              names.of("stop"))
     for s in stop:
         check_text(s, names.of("stop"))
