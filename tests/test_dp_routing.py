@@ -284,3 +284,26 @@ def test_one_engine_refuses_dp_size_above_one_naming_the_way_to_serve_it():
 
     with pytest.raises(ConfigError, match=r"runtime.dp_size=2.*radixserve serve --dp N"):
         TokenizerManager(Config.build({"runtime": {"dp_size": 2}}))
+
+
+# ---- replica socket folders ---------------------------------------------------------------------
+
+
+def test_a_killed_routers_socket_folder_is_removed_by_the_next_router_and_a_live_ones_is_kept(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from radixserve.server.router.launch import SOCKET_DIR_PREFIX, sweep_stale_socket_dirs
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)  # exited: its pid names no process (reuse within the test is not a concern)
+    stale = tmp_path / f"{SOCKET_DIR_PREFIX}{dead_pid}-abc"
+    (stale / "replica-0.sock").parent.mkdir()
+    (stale / "replica-0.sock").write_text("")
+    live = tmp_path / f"{SOCKET_DIR_PREFIX}{os.getpid()}-def"
+    live.mkdir()
+    other = tmp_path / f"{SOCKET_DIR_PREFIX}old-style"  # no pid in the name: not ours to judge
+    other.mkdir()
+    assert sweep_stale_socket_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists() and other.exists()

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import socket
 import tempfile
+from pathlib import Path
 
 import uvicorn
 
@@ -69,7 +71,8 @@ async def _route(config: Config) -> int:
     sock = listen_socket(config)  # a busy port fails before any replica starts
     if sock is None:
         return 2
-    socket_dir = tempfile.mkdtemp(prefix="radixserve-dp-")  # 0700: only this user reaches the replicas
+    sweep_stale_socket_dirs()
+    socket_dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")  # 0700: only this user reaches the replicas
     try:
         replicas, code = await _start_replicas(config, socket_dir)
         if not replicas:
@@ -78,6 +81,35 @@ async def _route(config: Config) -> int:
     finally:
         sock.close()
         shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+SOCKET_DIR_PREFIX = "radixserve-dp-"
+
+
+def sweep_stale_socket_dirs(tmp: str | None = None) -> list[str]:
+    """Remove the replica-socket folders of routers that no longer run (a router killed with SIGKILL
+    cannot remove its own): this user's `radixserve-dp-<pid>-*` whose pid is gone. Returns those removed."""
+    removed = []
+    for path in Path(tmp or tempfile.gettempdir()).glob(f"{SOCKET_DIR_PREFIX}*"):
+        pid = path.name[len(SOCKET_DIR_PREFIX):].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or path.stat().st_uid != os.getuid() or _alive(int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(str(path))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process with that pid
+        return True
+    return True
 
 
 async def _serve(config: Config, replicas: list[Replica], sock: socket.socket) -> int:
