@@ -258,3 +258,31 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(cache, templated_dir):
     ids, took, worst_gap = asyncio.run(run())
     assert ids == serving._tokenizer.encode(text).ids  # the batch call's ids are the plain call's
     assert worst_gap < max(0.25, took / 2), (worst_gap, took)  # inline, one gap would be the whole encode
+
+
+def test_threads_loading_the_tokenizer_at_once_in_a_fresh_process_all_get_it(templated_dir):
+    """transformers' first import is not thread-safe (chaos audit 32: a scheduler's first stop-string
+    request and its first grammar backend loaded the tokenizer together, and the request failed with
+    "cannot import name 'AutoTokenizer'"): load_tokenizer runs its loads one at a time."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, threading\n"
+        "from radixserve.tokenizer import load_tokenizer\n"
+        "gate, errors, got = threading.Barrier(4), [], []\n"
+        "def load():\n"
+        "    gate.wait()\n"
+        "    try:\n"
+        "        got.append(load_tokenizer(sys.argv[1]).encode('hi'))\n"
+        "    except Exception as e:\n"
+        "        errors.append(repr(e))\n"
+        "threads = [threading.Thread(target=load) for _ in range(4)]\n"
+        "[t.start() for t in threads]\n"
+        "[t.join() for t in threads]\n"
+        "assert 'transformers' in sys.modules\n"
+        "print(errors or len(got))\n"
+    )
+    for _ in range(2):  # without the lock, 4 of 5 such processes failed here
+        done = subprocess.run([sys.executable, "-c", script, templated_dir], capture_output=True, text=True, timeout=120)
+        assert done.stdout.strip() == "4", (done.stdout, done.stderr[-2000:])

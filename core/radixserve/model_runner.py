@@ -4,6 +4,7 @@ runs one scheduled batch at a time (same process as the scheduler)."""
 from __future__ import annotations
 
 import logging
+import threading
 from typing import NamedTuple
 
 import torch
@@ -143,6 +144,7 @@ class ModelRunner:
         reserve_rotary_caches(self.model, self.context_len, self.device)
         self.eos_token_ids = eos_token_ids(self.hf_config, self.model_path)
         self._tokenizer = None
+        self._tokenizer_lock = threading.Lock()
         self._init_memory()
         self._init_attention()
         self.sampler = Sampler()
@@ -467,9 +469,11 @@ class ModelRunner:
 
     @property
     def tokenizer(self):
-        """Loaded on first use (tiny test checkpoints have none; GGUF tokenizers take seconds)."""
-        if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.model_path, self.config.model.tokenizer)
+        """Loaded on first use (tiny test checkpoints have none; GGUF tokenizers take seconds), once:
+        the scheduler's thread (stop strings) and a grammar thread may ask at the same time."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = load_tokenizer(self.model_path, self.config.model.tokenizer)
         return self._tokenizer
 
     # ---- running --------------------------------------------------------------------------

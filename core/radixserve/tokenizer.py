@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from typing import Any
 
 from radixserve.config import cache_dir
@@ -16,6 +17,10 @@ from radixserve.config import cache_dir
 SERVING_TOKENIZER_FILE = "tokenizer.json"  # the backend pipeline, as transformers' class configured it
 SERVING_META_FILE = "radixserve-tokenizer.json"  # what the serving tokenizer needs besides (written last)
 SERVING_META_FORMAT = 1
+# transformers' first import is not thread-safe: two threads importing AutoTokenizer at once can get
+# "cannot import name 'AutoTokenizer'" (chaos audit 32: a scheduler's first stop-string request and its
+# first grammar backend loaded the tokenizer together; the request failed with a 500)
+_LOAD_LOCK = threading.Lock()
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".onnx", ".h5", ".msgpack", ".ckpt")
 
 
@@ -35,13 +40,15 @@ def tokenizer_source(model_path: str, tokenizer_path: str | None = None) -> str:
 
 
 def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
-    """An HF tokenizer: from `tokenizer_path` if given, else from the model (dir or .gguf file)."""
-    from transformers import AutoTokenizer
-
+    """An HF tokenizer: from `tokenizer_path` if given, else from the model (dir or .gguf file).
+    Thread-safe: loads run one at a time in a process (see _LOAD_LOCK)."""
     path = tokenizer_source(model_path, tokenizer_path)
-    if os.path.isfile(path):
-        return _gguf_tokenizer(os.path.abspath(path))
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)  # never a checkpoint's own code
+    with _LOAD_LOCK:
+        from transformers import AutoTokenizer
+
+        if os.path.isfile(path):
+            return _gguf_tokenizer(os.path.abspath(path))
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)  # never a checkpoint's own code
 
 
 def _gguf_key(path: str) -> str:
