@@ -1622,10 +1622,12 @@ def grammar_service(config: Config, runner: Any, registry: Any, tokenizer: Any =
         return None
 
     def make_backend():
-        cls = registry.load("grammar", spec.name)
+        # the tokenizer first: its load imports transformers under load_tokenizer's lock, before the
+        # backend's own import (which may import transformers too) runs beside the scheduler's thread
         tok = tokenizer if tokenizer is not None else runner.tokenizer
         if tok is None:
             raise RuntimeError("the model has no tokenizer")
+        cls = registry.load("grammar", spec.name)
         return cls(tok, int(runner.vocab_size), sorted(getattr(runner, "eos_token_ids", ()) or ()))
 
     key = tokenizer_fingerprint(str(getattr(runner, "model_path", "")), config.model.tokenizer)
