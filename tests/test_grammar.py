@@ -184,6 +184,37 @@ def test_stack_grammar_defaults_to_xgrammar_and_can_be_off_or_named():
         resolve_stack(Config.build({"stack": {"grammar": "outlines"}}), reg, "cpu")
 
 
+def test_the_grammar_backend_is_built_after_the_models_tokenizer_is_loaded(tok):
+    """Chaos audit 32: a fresh server's first grammar backend imported xgrammar (which imports transformers)
+    while the scheduler's thread loaded the tokenizer; transformers' first import is not thread-safe and
+    structured output failed for the server's life. The tokenizer's load (one at a time, under a lock)
+    comes first, so transformers is whole before the backend's import runs."""
+    from radixserve.scheduler.scheduler import grammar_service
+
+    order = []
+    reg = Registry.discover()
+
+    class Runner:
+        device, vocab_size, eos_token_ids, model_path = "cpu", 300, (0,), ""
+
+        @property
+        def tokenizer(self):
+            order.append("tokenizer")
+            return tok
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(reg, name)
+
+        def load(self, kind, name):
+            order.append(f"load {kind}")
+            return reg.load(kind, name)
+
+    service = grammar_service(Config.build({}), Runner(), Recording())
+    assert service.backend() is not None
+    assert order == ["tokenizer", "load grammar"]
+
+
 @pytest.mark.parametrize(
     "params, field",
     [
