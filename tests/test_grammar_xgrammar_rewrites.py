@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 
 import pytest
 import xgrammar as xgr
@@ -44,7 +45,18 @@ IGLU = {"type": "object", "properties": {"schema": {"type": "string", "anyOf": [
         {"format": "uri"}]}}, "required": ["schema"], "additionalProperties": False}
 
 
+ALL_OF = {"allOf": [{"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}}, "required": ["a"]},
+                    {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+ALL_OF_REF = {"$defs": {"base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+              "type": "object", "allOf": [{"$ref": "#/$defs/base"}, {"properties": {"ok": {"type": "boolean"}},
+                                                                      "required": ["ok"]}]}
+
+
 @pytest.mark.parametrize("schema, bad, good", [
+    # corpus audit 32: an allOf of several branches was left unconstrained ({"zz": [1]} passed)
+    (ALL_OF, '{"a": "x"}', '{"a": "x", "b": 5}'),
+    (ALL_OF, '{"zz": [1]}', '{"a": "xyz", "b": -1}'),
+    (ALL_OF_REF, '{"ok": true}', '{"id": 3, "ok": true}'),
     (SUFFIX, '{"suffix": "SrI"}', '{"suffix": "III"}'),  # xgrammar merged the enum's FSM states
     (MAPS_TO, '{"name": "a", "maps_to": [1]}', '{"name": "a", "maps_to": "b"}'),  # extra key = declared name
     (STATUS, '{"_id": "a", "status": 200}', '{"_id": "a", "status": "draft"}'),
@@ -91,3 +103,16 @@ def test_factored_enums_accept_exactly_their_values():
                     leaks[form] += xgr.GrammarMatcher(compiled).accept_string(text) != expected
     assert leaks["plain"] > 0  # the bug is still there to work around (drop enum_trie.py when this fails)
     assert leaks["factored"] == 0
+
+
+@pytest.mark.parametrize("schema, words", [
+    ({"type": "object", "allOf": [{"properties": {"a": {"type": "string"}}, "additionalProperties": False},
+                                  {"properties": {"b": {"type": "boolean"}}, "required": ["b"]}]},
+     "allOf branch 0 (at the schema root) allows no properties besides its own, and another branch declares 'b'"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "type excludes"),
+    ({"allOf": [{"$ref": "#/$defs/missing"}]}, "names nothing in the schema"),
+    ({"allOf": [{"type": "string"}, False]}, "allOf branch 1 (at the schema root) is false"),
+])
+def test_an_all_of_that_cannot_be_merged_is_refused_naming_it(backend, schema, words):
+    with pytest.raises(GrammarError, match=re.escape(words)):
+        backend.compile("json_schema", json.dumps(schema))

@@ -17,6 +17,13 @@ wrote for a real corpus schema (benchmarks/results/cpu-structured-output.md):
   cannot match them (undeclared properties are never generated); branches whose required sets
   contain one another cannot be told apart that way and are refused.
 
+- `allOf` with several branches: xgrammar 0.1.27 (and 0.1.34) converts none of them and the value is
+  left free (corpus audit 32: `{"allOf": [{... "required": ["a"]}, {... "required": ["b"]}]}` gave
+  objects with neither). The branches (a `{"$ref": "#/..."}` branch replaced by what it points to)
+  and the node's own keywords are merged into one schema, as for union siblings; an object branch
+  that closes its properties (`additionalProperties` false or a schema) while another branch
+  declares others is refused, since the merged object would allow what that branch forbids.
+
 `prepare_schema` raises ValueError naming the place when a union cannot be merged that way."""
 
 from __future__ import annotations
@@ -33,17 +40,18 @@ _UNIONS = ("anyOf", "oneOf")
 def prepare_schema(schema: Any) -> Any:
     """A rewritten copy of `schema` (see the module docstring); `schema` itself is not changed."""
     schema = copy.deepcopy(schema)
-    _walk(schema, "")
+    _walk(schema, "", schema)
     return schema
 
 
-def _walk(node: Any, path: str) -> None:
+def _walk(node: Any, path: str, root: Any) -> None:
     if isinstance(node, list):
         for i, sub in enumerate(node):
-            _walk(sub, f"{path}/{i}")
+            _walk(sub, f"{path}/{i}", root)
         return
     if not isinstance(node, dict):
         return
+    _fold_all_of(node, path, root)
     _distribute_union(node, path)
     if isinstance(node.get("properties"), dict) and node["properties"] and node.get("additionalProperties", False) is not False:
         node["additionalProperties"] = False
@@ -52,9 +60,68 @@ def _walk(node: Any, path: str) -> None:
             continue
         if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
             for name, sub in value.items():
-                _walk(sub, f"{path}/{key}/{name}")
+                _walk(sub, f"{path}/{key}/{name}", root)
         else:
-            _walk(value, f"{path}/{key}")
+            _walk(value, f"{path}/{key}", root)
+
+
+_MAX_REF_HOPS = 16
+
+
+def _fold_all_of(node: dict, path: str, root: Any) -> None:
+    """`node`'s `allOf` merged into `node` itself (see the module docstring); its branches' own
+    `allOf` first. Raises ValueError naming the place when the branches cannot be merged."""
+    branches = node.get("allOf")
+    if not isinstance(branches, list):
+        return
+    resolved = []
+    for i, branch in enumerate(branches):
+        where = f"{path}/allOf/{i}"
+        for _ in range(_MAX_REF_HOPS):  # a branch that is a reference: what it points to (a copy)
+            if not (isinstance(branch, dict) and set(branch) - _ANNOTATIONS == {"$ref"}):
+                break
+            branch = copy.deepcopy(_local_target(root, branch["$ref"], where))
+        if isinstance(branch, dict):
+            _fold_all_of(branch, where, root)
+        resolved.append(branch)
+    _check_closed_objects(resolved, path)
+    merged: Any = {k: v for k, v in node.items() if k != "allOf"}
+    for i, branch in enumerate(resolved):
+        if branch is False:
+            raise ValueError(f"allOf branch {i} (at {location(path)}) is false: no value could match it")
+        merged = _merge(merged, branch, f"{path}/allOf/{i}")
+    node.clear()
+    node.update(merged)
+
+
+def _local_target(root: Any, ref: Any, where: str) -> Any:
+    """The subschema a `#/...` JSON pointer names in `root`."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        raise ValueError(f"the allOf branch at {where} refers to {str(ref)[:80]!r}, not a place inside the schema")
+    target = root
+    for part in [p for p in ref[1:].split("/") if p]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and part in target:
+            target = target[part]
+        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        else:
+            raise ValueError(f"the allOf branch at {where} refers to {ref[:80]!r}, which names nothing in the schema")
+    return target
+
+
+def _check_closed_objects(branches: list[Any], path: str) -> None:
+    """Refuse branches where one closes its object (`additionalProperties` false or a schema) and
+    another declares properties outside it: the merged object would allow what the first forbids."""
+    declared = [set(b["properties"]) if isinstance(b, dict) and isinstance(b.get("properties"), dict) else set()
+                for b in branches]
+    for i, branch in enumerate(branches):
+        if isinstance(branch, dict) and branch.get("additionalProperties", True) is not True:
+            extra = set().union(*(d for j, d in enumerate(declared) if j != i)) - declared[i]
+            if extra:
+                raise ValueError(f"allOf branch {i} (at {location(path)}) allows no properties besides its own, and "
+                                 f"another branch declares {sorted(extra)[0]!r}: no merged schema the xgrammar backend "
+                                 "enforces keeps both")
 
 
 def location(path: str) -> str:
