@@ -35,6 +35,11 @@ class _Scheduler:
     def add_request(self, msg) -> None:
         raise RuntimeError("a bug in admission")
 
+    failed_admissions = 0
+
+    def count_failed_admission(self) -> None:
+        self.failed_admissions += 1
+
 
 class _Socket:
     def __init__(self) -> None:
@@ -79,3 +84,4 @@ def test_whoever_waits_on_a_failed_message_gets_an_answer():
     [batch] = [msgspec.msgpack.decode(raw, type=BatchTokenOut) for raw in server.to_detok.sent]
     [out] = batch.outs
     assert out.rid == "r1" and out.error_status == 500 and out.error
+    assert server.scheduler.failed_admissions == 1  # counted in failed_requests as every other 500

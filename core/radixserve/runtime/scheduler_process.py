@@ -116,6 +116,7 @@ class SchedulerServer:
             if isinstance(msg, FlushCacheRequest | StatsRequest):
                 self.to_manager.send(self.enc.encode(ControlReply(req_id=msg.req_id, ok=False)))
             elif isinstance(msg, GenerateRequest):
+                self.scheduler.count_failed_admission()
                 error = "internal error while admitting the request (see the server log)"
                 err = ReqTokenOut(rid=msg.rid, new_ids=[], error=error, error_status=500)
                 self.to_detok.send(self.enc.encode(BatchTokenOut([err])))

@@ -695,6 +695,11 @@ class Scheduler:
         self._release(req)
         self._end_failed(req, MODEL_FAILED)
 
+    def count_failed_admission(self) -> None:
+        """A request whose admission raised (the scheduler process answers it with a 500): counted
+        in failed_requests as every other 500 (chaos audit 32: it was not)."""
+        self.metrics.failed_requests += 1
+
     def _end_failed(self, req: Req, error: str) -> None:
         """End a request that holds no KV any more with an internal error (HTTP 500)."""
         self._suspects.discard(req.rid)
