@@ -298,6 +298,9 @@ def test_a_raising_drafter_only_costs_the_drafts(caplog):
     assert_clean(sched)
     # failing on every step, it is logged with its traceback once (it used to be every step)
     assert caplog.text.count("Traceback") == 1 and "drafter bug" in caplog.text, caplog.text
+    # drafter audit 32: the line names the drafter, and every failure is counted where a monitor sees it
+    assert f"drafter {type(drafter).__name__}: propose failed" in caplog.text
+    assert sched.stats()["plugin_failures"] >= 5  # about one a decode step (10 tokens)
 
 
 def test_cli_flags_mirror_the_config_section():

@@ -17,9 +17,15 @@ class RepeatedFailureLog:
         self.every = every
         self.counts: dict[str, int] = {}
 
+    @property
+    def total(self) -> int:
+        """Failures of every hook so far (stats `plugin_failures`: the log shows only the first)."""
+        return sum(self.counts.values())
+
     def exception(self, what: str) -> None:
         n = self.counts[what] = self.counts.get(what, 0) + 1
         if n == 1:
-            self.logger.exception("%s (traceback shown once; later failures are counted)", what)
+            self.logger.exception("%s (traceback shown once; every failure is counted in /server_info "
+                                  "plugin_failures, and every %dth logged)", what, self.every)
         elif n % self.every == 0:
             self.logger.warning("%s: %d failures so far, the last: %r", what, n, sys.exc_info()[1])

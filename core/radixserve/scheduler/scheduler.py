@@ -313,6 +313,7 @@ class Scheduler:
         grammar: GrammarService | None = None,
         cache_label: str | None = None,
         policy_label: str | None = None,
+        drafter_label: str | None = None,
     ) -> None:
         sc = config.scheduler
         self.runner = runner
@@ -322,6 +323,7 @@ class Scheduler:
         self.cache_label = cache_label or f"prefix cache {type(cache).__name__}"
         self.policy = policy
         self.policy_label = policy_label or f"policy {type(policy).__name__}"
+        self.drafter_label = drafter_label or f"drafter {type(drafter).__name__}"
         self.req_to_token_pool = runner.req_to_token_pool
         self.allocator = runner.token_allocator
         self.context_len = int(runner.context_len)
@@ -411,9 +413,11 @@ class Scheduler:
 
         policy = policy_cls(**config.stack.policy_options)
         drafter = build_drafter(config, runner, registry)
+        name = config.stack.speculative
+        drafter_label = f"drafter {name!r} ({registry.get('drafter', name).distribution})" if drafter is not None else None
         grammar = grammar_service(config, runner, registry, tokenizer)
         return cls(config, runner, cache, policy, tokenizer, drafter=drafter, grammar=grammar, cache_label=label,
-                   policy_label=policy_label)
+                   policy_label=policy_label, drafter_label=drafter_label)
 
     # ---- requests in ------------------------------------------------------------------------
     def add_request(self, msg: GenerateRequest) -> None:
@@ -1063,7 +1067,7 @@ class Scheduler:
                 parents = proposal.parents[j] if proposal.parents is not None else None
                 drafts[i] = checked_draft(proposal.tokens[j], parents, limits[i], self.limits.vocab_size, self.trees_ok)
         except Exception:
-            self._failures.exception("the drafter failed; steps decode without drafts")
+            self._failures.exception(f"{self.drafter_label}: propose failed; steps decode without drafts")
             return None
         if not any(d.tokens for d in drafts):
             return None
@@ -1153,7 +1157,7 @@ class Scheduler:
         try:
             self.drafter.on_accepted(req, req.output_ids[n_before:])
         except Exception:
-            self._failures.exception("the drafter's on_accepted failed (ignored)")
+            self._failures.exception(f"{self.drafter_label}: on_accepted failed (ignored)")
 
     def _drafter_forget(self, req: Req) -> None:
         if self.drafter is None:
@@ -1161,7 +1165,7 @@ class Scheduler:
         try:
             self.drafter.on_finished(req)
         except Exception:
-            self._failures.exception("the drafter's on_finished failed (ignored)")
+            self._failures.exception(f"{self.drafter_label}: on_finished failed (ignored)")
 
     def _write_rows(self, reqs: list[Req], slots: torch.Tensor) -> None:
         """Store each request's next-token slot at position kv_len of its row."""
@@ -1601,6 +1605,7 @@ class Scheduler:
             "spec_accepted_tokens": m.spec_accepted_tokens,
             "spec_accept_length": m.spec_accept_length(),
             "spec_mean_accepted_drafts": self.draft_control.mean_accepted if self.drafter is not None else 0.0,
+            "plugin_failures": self._failures.total,
             **self._cache_stats(),
             "time": time.time(),
         }
