@@ -89,3 +89,16 @@ def test_rows_kept_after_a_request_finished_are_named(checkpoint):
 def test_an_unreachable_acceptance_floor_fails(checkpoint):
     with pytest.raises(AssertionError, match="mean accepted length"):
         check_drafter_on_model(LastTokenDrafter, checkpoint, min_accept_length=3.5)
+
+
+class FailsWhenFinished(LastTokenDrafter):
+    """Its cleanup always raises: serving goes on (the scheduler logs and counts it), the kit must not."""
+
+    def on_finished(self, req):
+        raise RuntimeError("cleanup bug")
+
+
+def test_a_drafter_whose_hooks_raise_fails_the_kit_though_serving_survives_it(checkpoint):
+    # drafter audit 32: a drafter whose on_finished always raised passed with an accept length of 1.9
+    with pytest.raises(AssertionError, match="calls of its hooks raised while serving"):
+        check_drafter_on_model(FailsWhenFinished, checkpoint)

@@ -45,6 +45,9 @@ def test_a_correct_drafter_passes():
     ("keeps_state", "finished request's rid"),
     ("keeps_req", "still holds the Req"),
     ("mutates", "changed request"),
+    # drafter audit 32: a raising hook came out as the bare RuntimeError, without the case
+    ("raises_accepted", r"seed 0, step \d+: on_accepted\('kit-0-req-.*\) raised RuntimeError: accepted bug"),
+    ("raises_finished", r"seed 0, step \d+: on_finished\('kit-0-req-.*'\) raised RuntimeError: finished bug"),
 ])
 def test_a_broken_drafter_fails(bug, message):
     class Broken(CopyDrafter):
@@ -76,7 +79,13 @@ def test_a_broken_drafter_fails(bug, message):
                     self.reqs.append(r)
             return DraftProposal(drafts, parents)
 
+        def on_accepted(self, req, accepted):
+            if bug == "raises_accepted" and len(req.output_ids) > 3:
+                raise RuntimeError("accepted bug")
+
         def on_finished(self, req):
+            if bug == "raises_finished":
+                raise RuntimeError("finished bug")
             if bug not in ("keeps_state", "keeps_req"):
                 self.seen.pop(req.rid, None)
 

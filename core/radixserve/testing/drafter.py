@@ -128,7 +128,8 @@ def _run(factory: Callable[[], Drafter], info: Any, seed: int, num_requests: int
         while pending and len(running) < max_concurrent and (not running or rng.random() < 0.5):
             toy = pending.pop(0)
             toy.req.output_ids.append(toy.truth[0])  # the prefill's token
-            drafter.on_accepted(toy.req, [toy.truth[0]])
+            _call(drafter.on_accepted, (toy.req, [toy.truth[0]]),
+                  f"seed {seed}, step {step}: on_accepted({toy.req.rid!r}, <the prefill's token>)")
             running.append(toy)
         step += 1
         batch = rng.sample(running, rng.randint(1, len(running)))  # any subset, any order
@@ -154,14 +155,14 @@ def _run(factory: Callable[[], Drafter], info: Any, seed: int, num_requests: int
         rng.shuffle(updates)  # on_accepted in any order across requests
         for t, accepted in updates:
             t.req.output_ids.extend(accepted)
-            drafter.on_accepted(t.req, accepted)
+            _call(drafter.on_accepted, (t.req, accepted), f"seed {seed}, step {step}: on_accepted({t.req.rid!r}, {accepted})")
         stats["request_steps"] += len(batch)
         for t in [t for t in running if len(t.req.output_ids) >= len(t.truth)]:
             running.remove(t)
             t.req.finished_reason = {"type": "length"}
             on_finished = getattr(drafter, "on_finished", None)
             if on_finished is not None:
-                on_finished(t.req)
+                _call(on_finished, (t.req,), f"seed {seed}, step {step}: on_finished({t.req.rid!r})")
             finished.add(t.req.rid)
             if check_release:
                 _assert_released(drafter, t, f"seed {seed}, after on_finished({t.req.rid!r})")
@@ -227,6 +228,14 @@ def _find_rid(root: Any, rids: set[str], limit: int = 200_000) -> str | None:
                 if not isinstance(value, atoms):
                     stack.append((value, f"{path}.{name}"))
     return None
+
+
+def _call(hook, args: tuple, where: str) -> None:
+    """A hook's own error, with the case that raised it (the scheduler survives one; the kit does not)."""
+    try:
+        hook(*args)
+    except Exception as e:
+        raise AssertionError(f"{where} raised {type(e).__name__}: {e}") from e
 
 
 def check_drafter(
