@@ -404,3 +404,20 @@ def test_prompt_logprobs_with_a_drafter(mode):
     for rid, prompt in prompts.items():
         assert outs[rid][0].prompt_token_logprobs == toy_prompt_logprobs(prompt, VOCAB), rid
         assert [t for o in outs[rid] for t in o.new_ids] == toy_reference(prompt, 12, VOCAB), rid
+
+
+def test_speculative_settings_without_a_drafter_are_said_to_do_nothing(caplog):
+    """Drafter audit 32: `speculative.options.max_match=3` without `stack.speculative` was accepted in
+    silence and the server decoded plainly."""
+    from radixserve.scheduler.speculative.setup import build_drafter
+
+    with caplog.at_level("WARNING", logger="radixserve.scheduler.speculative.setup"):
+        assert build_drafter(Config.build({"speculative": {"options": {"max_match": 3}, "num_draft_tokens": 6}}),
+                             None, None) is None
+    assert ("speculative settings given (speculative.num_draft_tokens, speculative.options) but stack.speculative "
+            "names no drafter"
+            in caplog.text), caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="radixserve.scheduler.speculative.setup"):
+        assert build_drafter(Config.build({}), None, None) is None
+    assert not caplog.text

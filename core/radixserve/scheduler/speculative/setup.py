@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -9,6 +10,8 @@ import torch
 from radixserve.config import Config
 from radixserve.interfaces.drafter import Drafter, DrafterInfo
 from radixserve.plugins.registry import PluginError
+
+logger = logging.getLogger(__name__)
 
 
 def drafter_info(config: Config, runner: Any) -> DrafterInfo:
@@ -35,6 +38,11 @@ def build_drafter(config: Config, runner: Any, registry: Any) -> Drafter | None:
     refuses its options or its info (TypeError / ValueError) becomes a PluginError naming it."""
     name = config.stack.speculative
     if name is None:
+        given = sorted(config.speculative.model_fields_set)
+        if given:  # drafter audit 32: the settings were accepted and nothing said they do nothing
+            logger.warning("speculative settings given (%s) but stack.speculative names no drafter: speculative "
+                           "decoding is off (set stack.speculative, or serve --speculative NAME)",
+                           ", ".join(f"speculative.{key}" for key in given))
         return None
     cls = registry.load("drafter", name)
     try:
