@@ -116,3 +116,20 @@ def test_factored_enums_accept_exactly_their_values():
 def test_an_all_of_that_cannot_be_merged_is_refused_naming_it(backend, schema, words):
     with pytest.raises(GrammarError, match=re.escape(words)):
         backend.compile("json_schema", json.dumps(schema))
+
+
+@pytest.mark.parametrize("kind, text, good, bad", [
+    # corpus audit 32, on xgrammar 0.1.27: [à-ÿ] took none of its characters (the output was lone UTF-8 lead
+    # bytes) and [一-鿿] took "10"; a single non-ASCII character in a class ([éü]) took nothing
+    ("regex", "[à-ÿ]{2,4}", "àé", "10"),
+    ("regex", "[一-鿿]{2}", "日本", "10"),
+    ("regex", "[a-zé]{2}", "bé", "é1"),
+    ("regex", "[😀-🙏]", "😀", "a"),
+    ("ebnf", "root ::= [à-ÿ]{2,4}", "àé", "10"),
+    ("json_schema", json.dumps({"type": "string", "pattern": "^[Ѐ-ӿ]{2}$"}), '"дж"', '"10"'),
+])
+def test_non_ascii_characters_in_character_classes_are_enforced(backend, kind, text, good, bad):
+    def takes(candidate: str) -> bool:
+        return xgr.GrammarMatcher(backend.compile(kind, text)).accept_string(candidate)
+
+    assert takes(good) and not takes(bad)

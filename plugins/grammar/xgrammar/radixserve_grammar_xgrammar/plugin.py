@@ -13,5 +13,5 @@ def radixserve_register(registry) -> None:
         "radixserve_grammar_xgrammar.backend:XGrammarBackend",
         priority=10,
         capabilities=("json_schema", "regex", "ebnf"),
-        description="xgrammar 0.1.27: JSON schema, regex and EBNF constraints (the default)",
+        description="xgrammar 0.1.34: JSON schema, regex and EBNF constraints (the default)",
     )
