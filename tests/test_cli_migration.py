@@ -123,6 +123,16 @@ def test_a_context_beyond_the_models_positions_is_refused(tiny_llama_dir):
     assert runner.context_len == 256
 
 
+@pytest.mark.parametrize("impl", ["auto", "transformers"])
+def test_dynamic_rope_scaling_is_refused_naming_it_on_both_paths(tiny_llama_dir, impl):
+    """Models audit 32: natively a NotImplementedError from the rotary inside the child; through the
+    fallback a short request's tokens changed when a long one shared its batch."""
+    path = tiny_llama_dir("llama", rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    with pytest.raises(ValueError, match=r"architecture LlamaForCausalLM.*rope_scaling type 'dynamic' \(dynamic NTK\) "
+                                         r"is not supported"):
+        ModelRunner(Config.build({"model": {"path": path, "impl": impl}}), show_progress=False)
+
+
 def test_the_safetensors_progress_bar_knows_its_total(tiny_llama_dir):
     """The audit saw "loading safetensors weights: 272tensor [00:17, ...]": a bar with no end."""
     from radixserve.model_loader.sources import iter_safetensors, open_source
@@ -153,3 +163,17 @@ def test_a_mistake_found_in_the_scheduler_at_start_up_is_said_once_without_a_tra
     assert out.count("model.context_length=100000 is beyond") == 1, out
     assert "radixserve: error: model.context_length=100000 is beyond" in out, out
     assert "Traceback" not in out, out
+
+
+def test_the_fallback_caps_a_chunked_attention_model_at_its_chunk(tiny_llama_dir, caplog):
+    """Models audit 32: Llama 4's attention_chunk_size through the fallback gave wrong tokens past the chunk
+    in silence (its masks are not read); the context is now capped at the chunk (Model.context_limit)."""
+    path = tiny_llama_dir("llama", attention_chunk_size=64)
+    with caplog.at_level("WARNING", logger="radixserve.model_runner"):
+        runner = ModelRunner(Config.build({"model": {"path": path, "impl": "transformers"}}), show_progress=False)
+    assert runner.context_len == 64 and "context capped at 64 tokens (of the 512" in caplog.text
+    with pytest.raises(ValueError, match=r"model.context_length=128 is beyond what architecture LlamaForCausalLM: "
+                                         r"transformers fallback .* computes exactly \(64: .*attention_chunk_size"):
+        ModelRunner(Config.build({"model": {"path": path, "impl": "transformers", "context_length": 128}}),
+                    show_progress=False)
+    assert ModelRunner(Config.build({"model": {"path": path}}), show_progress=False).context_len == 512  # native: none

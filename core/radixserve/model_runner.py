@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -110,7 +110,7 @@ class ModelRunner:
                                                            checkpoint.choice)
         arch = choice.architecture
         logger.info("model %s", choice.describe())
-        self.context_len = self._context_len()  # a context beyond the model's positions fails before loading
+        self.context_len = self._context_len(choice)  # a context beyond the model's positions fails before loading
         model_cls = choice.cls
         # the model's declared KV memory picks the pool and the default backend (docs/mla.md)
         self.attention_type = getattr(model_cls, "attention_type", "standard")
@@ -199,16 +199,31 @@ class ModelRunner:
 
         return quant_hooks_named(self._quant, self.quant_label, self.model, when)
 
-    def _context_len(self) -> int:
+    def _context_len(self, choice: Any) -> int:
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 4096))
         scaling = getattr(self.hf_config, "rope_scaling", None) or {}
         kind = scaling.get("rope_type", scaling.get("type"))
-        if kind in ("linear", "dynamic", "yarn") and scaling.get("factor"):  # positions stretched past the trained ones
+        if kind == "dynamic":  # models audit 32: a ChildStartError with NotImplementedError natively; wrong tokens batched
+            raise ValueError(
+                f"{choice.describe()}: rope_scaling type 'dynamic' (dynamic NTK) is not supported: its frequencies follow "
+                "the length of the sequence being computed, which neither the native rotary nor the transformers "
+                "fallback (which sees a batch as one flattened sequence, so a long request would change a short one's "
+                "tokens) reproduces per request; serve a checkpoint with rope_scaling linear, yarn or llama3, or none")
+        if kind in ("linear", "yarn") and scaling.get("factor"):  # positions stretched past the trained ones
             model_max = int(model_max * float(scaling["factor"]))  # (llama3's max_position_embeddings already is)
         wanted = self.config.model.context_length
         if wanted is not None and wanted > model_max:  # as vLLM and SGLang: positions it never saw are refused
             raise ValueError(f"model.context_length={wanted} is beyond what this model's positions cover ({model_max}: "
                              "max_position_embeddings with its rope scaling); give at most that")
+        limit = choice.cls.context_limit(self.hf_config)  # what the model class computes exactly (Model contract)
+        if limit is not None:
+            tokens, why = int(limit[0]), limit[1]
+            if wanted is not None and wanted > tokens:
+                raise ValueError(f"model.context_length={wanted} is beyond what {choice.describe()} computes exactly "
+                                 f"({tokens}: {why}); give at most that")
+            if wanted is None and tokens < model_max:
+                logger.warning("context capped at %d tokens (of the %d the positions cover): %s", tokens, model_max, why)
+                model_max = tokens
         # a sliding window does not cap the context: the attention backends apply it per layer
         return int(wanted or model_max)
 

@@ -67,4 +67,6 @@ __version__ = "0.1.0"
 # 1.15: Req.arrival_time is time.monotonic() seconds at the scheduler's receipt (strictly increasing; before: a
 #      counter), so a policy can age requests; a policy's order() that raises or returns a non-permutation makes
 #      that step admit in arrival order (logged naming the policy) instead of ending the scheduler process
-PLUGIN_API_VERSION = "1.15"
+# 1.16: Model.context_limit(hf_config) (a classmethod: the longest context the model computes exactly, and why;
+#      the runner caps model.context_length at it); the transformers fallback caps at Llama 4's attention_chunk_size
+PLUGIN_API_VERSION = "1.16"

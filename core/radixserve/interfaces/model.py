@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
 
@@ -94,6 +94,17 @@ class Model(nn.Module, abc.ABC):
         logprobs, penalties, logit bias or banned tokens).
 
         Added in plugin API 1.1.
+        """
+        return None
+
+    @classmethod
+    def context_limit(cls, hf_config: Any) -> tuple[int, str] | None:
+        """The longest context (tokens) this model class computes exactly for `hf_config`, and why,
+        when that is less than its positions cover; None (the default): no such limit. The runner
+        then serves at most that many tokens: a `model.context_length` above it is a start-up error
+        quoting the reason, and with none given the context is capped at it (logged as a WARNING).
+
+        Called once, before the weights are loaded (no instance yet). Added in plugin API 1.16.
         """
         return None
 

@@ -47,6 +47,19 @@ class TransformersForCausalLM(Model):
             raise UnsupportedModelError(f"{arch}: the transformers fallback (radixserve-models-transformers) cannot "
                                         f"run it: {e} (see the limits in docs/transformers-fallback.md)", e.feature) from None
 
+    @classmethod
+    def context_limit(cls, hf_config) -> tuple[int, str] | None:
+        """Llama 4's chunked attention (`attention_chunk_size`): transformers builds it into masks the
+        fallback does not read, so it is exact only while a context fits one chunk (models audit 32:
+        a 114-token prompt past a 64-token chunk gave wrong tokens in silence)."""
+        config = hf_config.to_transformers() if hasattr(hf_config, "to_transformers") else hf_config
+        config = getattr(config, "get_text_config", lambda: config)()
+        chunk = getattr(config, "attention_chunk_size", None)
+        if isinstance(chunk, int) and chunk > 0:
+            return chunk, ("the transformers fallback runs its chunked attention (attention_chunk_size) as full "
+                           "causal attention, exact only within one chunk")
+        return None
+
     def _construct(self, config, quant_method: QuantMethod | None, prefix: str) -> None:
         super().__init__(config, quant_method, prefix)
         _check_unquantized(config, quant_method)
