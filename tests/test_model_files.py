@@ -102,6 +102,17 @@ def test_missing_local_path_says_it_does_not_exist(tmp_path):
             resolve_model_path(path)
 
 
+def test_a_bin_only_checkpoint_is_refused_saying_how_to_convert_it(tmp_path):
+    """Models audit 32: the refusal said "convert them" and nothing of how."""
+    from radixserve.model_loader.sources import detect_format
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"\.bin weights; only safetensors are supported: convert them once, e\.g\. "
+                                         r"AutoModelForCausalLM\.from_pretrained\(DIR\)\.save_pretrained\(NEW_DIR\)"):
+        detect_format(str(tmp_path))
+
+
 def test_existing_path_and_default_model_resolve_to_themselves(tiny_llama_dir, smollm2_gguf_path):
     src = tiny_llama_dir("llama")
     assert resolve_model_path(src) == src

@@ -286,3 +286,12 @@ def test_threads_loading_the_tokenizer_at_once_in_a_fresh_process_all_get_it(tem
     for _ in range(2):  # without the lock, 4 of 5 such processes failed here
         done = subprocess.run([sys.executable, "-c", script, templated_dir], capture_output=True, text=True, timeout=120)
         assert done.stdout.strip() == "4", (done.stdout, done.stderr[-2000:])
+
+
+def test_a_tokenizer_without_a_chat_template_says_what_to_do_instead():
+    """Models audit 32: "send a plain prompt instead" named neither the route nor how to give a template."""
+    from radixserve.testing.grammar import tiny_tokenizer
+    from radixserve.tokenizer import apply_chat_template
+
+    with pytest.raises(ValueError, match=r"no chat template: send a plain prompt instead \(/v1/completions.*--tokenizer"):
+        apply_chat_template(tiny_tokenizer(), [{"role": "user", "content": "hi"}])

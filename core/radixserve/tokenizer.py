@@ -185,7 +185,9 @@ def apply_chat_template(
     `template_kwargs` reach the template as variables: `tools=[...]` (OpenAI tool definitions),
     `enable_thinking=False`, ..."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
+        raise ValueError("this tokenizer has no chat template: send a plain prompt instead (/v1/completions, or /generate's "
+                         "text), or serve with a tokenizer that has one (model.tokenizer / --tokenizer: a directory "
+                         "with chat_template.jinja or a chat_template in tokenizer_config.json)")
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
     )

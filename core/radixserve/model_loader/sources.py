@@ -45,7 +45,9 @@ def detect_format(path: str, load_format: str = "auto", registry: Registry | Non
         if glob.glob(os.path.join(path, "*.safetensors")):
             found = "safetensors"
         elif glob.glob(os.path.join(path, "*.bin")):
-            raise ValueError(f"{path!r} holds PyTorch .bin weights; only safetensors are supported (convert them)")
+            raise ValueError(f"{path!r} holds PyTorch .bin weights; only safetensors are supported: convert them once, "
+                             "e.g. AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR) with transformers "
+                             "(it writes model.safetensors), and copy the tokenizer files beside them")
         else:
             raise ValueError(f"model directory {path!r} has no *.safetensors files")
     if load_format not in ("auto", found):
