@@ -112,8 +112,11 @@ def test_factored_enums_accept_exactly_their_values():
     ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "type excludes"),
     ({"allOf": [{"$ref": "#/$defs/missing"}]}, "names nothing in the schema"),
     ({"allOf": [{"type": "string"}, False]}, "allOf branch 1 (at the schema root) is false"),
+    # corpus audit 32: xgrammar's own words ("Cannot find field $defs in #/$defs/missing") had no location
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
+     "the $ref at /properties/a/$ref ('#/$defs/missing') names nothing in the schema"),
 ])
-def test_an_all_of_that_cannot_be_merged_is_refused_naming_it(backend, schema, words):
+def test_an_all_of_it_cannot_merge_or_a_ref_to_nothing_is_refused_naming_it(backend, schema, words):
     with pytest.raises(GrammarError, match=re.escape(words)):
         backend.compile("json_schema", json.dumps(schema))
 

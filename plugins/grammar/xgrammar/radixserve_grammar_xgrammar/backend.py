@@ -13,7 +13,7 @@ from radixserve.interfaces.grammar import GrammarBackend, GrammarError, GrammarM
 
 from radixserve_grammar_xgrammar.enum_trie import factor_literal_choices
 from radixserve_grammar_xgrammar.json_strings import exclude_control_characters
-from radixserve_grammar_xgrammar.schema_rewrites import location, prepare_schema
+from radixserve_grammar_xgrammar.schema_rewrites import local_target, location, prepare_schema
 
 MAX_ROLLBACK_TOKENS = 16  # what we promise (xgrammar keeps the whole history): any draft the core allows (<= 16)
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:line: "; users need only the rest
@@ -178,6 +178,19 @@ def remote_ref(schema: Any) -> str | None:
     return None
 
 
+def dangling_ref(schema: Any) -> tuple[str, str] | None:
+    """(where, the reference) of the first local `$ref` that names nothing in `schema`, or None (xgrammar's
+    own message, "Cannot find field $defs in #/$defs/x", gave no location: corpus audit 32)."""
+    for path, sub, _ in _subschemas(schema):
+        ref = sub.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            try:
+                local_target(schema, ref, path)
+            except ValueError:
+                return f"{path}/$ref", ref
+    return None
+
+
 def unwritable_property_name(schema: Any) -> str | None:
     """Where a declared property name (`properties`, `required`) holds a quote, a backslash or a control
     character, or None: xgrammar writes names into its grammar unescaped, so these broke its grammar (a
@@ -337,6 +350,9 @@ class XGrammarBackend(GrammarBackend):
                 if remote:
                     raise GrammarError(f"the $ref at {remote} is not a reference inside the schema (#/...): the xgrammar "
                                        "backend would leave that value unconstrained")
+                dangling = dangling_ref(schema)
+                if dangling:
+                    raise GrammarError(f"the $ref at {dangling[0]} ({dangling[1][:80]!r}) names nothing in the schema")
                 name = unwritable_property_name(schema)
                 if name:
                     raise GrammarError(f"{name} holds a quote, a backslash or a control character, which the xgrammar "

@@ -80,7 +80,7 @@ def _fold_all_of(node: dict, path: str, root: Any) -> None:
         for _ in range(_MAX_REF_HOPS):  # a branch that is a reference: what it points to (a copy)
             if not (isinstance(branch, dict) and set(branch) - _ANNOTATIONS == {"$ref"}):
                 break
-            branch = copy.deepcopy(_local_target(root, branch["$ref"], where))
+            branch = copy.deepcopy(local_target(root, branch["$ref"], where))
         if isinstance(branch, dict):
             _fold_all_of(branch, where, root)
         resolved.append(branch)
@@ -94,7 +94,7 @@ def _fold_all_of(node: dict, path: str, root: Any) -> None:
     node.update(merged)
 
 
-def _local_target(root: Any, ref: Any, where: str) -> Any:
+def local_target(root: Any, ref: Any, where: str) -> Any:
     """The subschema a `#/...` JSON pointer names in `root`."""
     if not isinstance(ref, str) or not ref.startswith("#"):
         raise ValueError(f"the allOf branch at {where} refers to {str(ref)[:80]!r}, not a place inside the schema")
