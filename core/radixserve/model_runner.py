@@ -215,7 +215,8 @@ class ModelRunner:
         if wanted is not None and wanted > model_max:  # as vLLM and SGLang: positions it never saw are refused
             raise ValueError(f"model.context_length={wanted} is beyond what this model's positions cover ({model_max}: "
                              "max_position_embeddings with its rope scaling); give at most that")
-        limit = choice.cls.context_limit(self.hf_config)  # what the model class computes exactly (Model contract)
+        context_limit = getattr(choice.cls, "context_limit", None)  # Model contract, API 1.16 (a class may predate it)
+        limit = context_limit(self.hf_config) if context_limit is not None else None
         if limit is not None:
             tokens, why = int(limit[0]), limit[1]
             if wanted is not None and wanted > tokens:
