@@ -418,6 +418,9 @@ def test_speculative_settings_without_a_drafter_are_said_to_do_nothing(caplog):
             "names no drafter"
             in caplog.text), caplog.text
     caplog.clear()
+    # parsers audit 32: a child process gets the config with every key written out (the defaults too)
+    every_key = Config.build(Config.build({}).model_dump())
     with caplog.at_level("WARNING", logger="radixserve.scheduler.speculative.setup"):
         assert build_drafter(Config.build({}), None, None) is None
+        assert build_drafter(every_key, None, None) is None
     assert not caplog.text

@@ -38,7 +38,9 @@ def build_drafter(config: Config, runner: Any, registry: Any) -> Drafter | None:
     refuses its options or its info (TypeError / ValueError) becomes a PluginError naming it."""
     name = config.stack.speculative
     if name is None:
-        given = sorted(config.speculative.model_fields_set)
+        default = type(config.speculative)()  # what the section is when nobody set it (serve passes its defaults)
+        given = sorted(k for k in type(config.speculative).model_fields
+                       if getattr(config.speculative, k) != getattr(default, k))
         if given:  # drafter audit 32: the settings were accepted and nothing said they do nothing
             logger.warning("speculative settings given (%s) but stack.speculative names no drafter: speculative "
                            "decoding is off (set stack.speculative, or serve --speculative NAME)",
