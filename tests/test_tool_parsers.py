@@ -327,3 +327,48 @@ def test_a_call_dropped_as_malformed_does_not_make_the_stream_end_with_tool_call
     assert streamed.has_calls  # get_time was streamed before its arguments broke
     streamed.delta(text, True)
     assert not streamed.has_calls  # the finish reason follows the final parse, as unstreamed
+
+
+class _ContractBreaker(HermesToolParser):
+    """A third-party parser's bugs, one at a time (parsers audit 32)."""
+
+    bug = ""
+
+    def parse(self, text, final):
+        from radixserve.interfaces.tool_parser import ParsedToolCall, ToolParse
+
+        if self.bug == "raises":
+            raise KeyError("parser bug")
+        if self.bug == "not_json":
+            return ToolParse("", (ParsedToolCall("get_weather", "not json {"),))
+        if self.bug == "unoffered":
+            return ToolParse("", (ParsedToolCall("hacked_fn", "[1]"),))
+        return super().parse(text, final)
+
+
+@pytest.mark.parametrize("bug", ["not_json", "unoffered"])
+def test_calls_breaking_the_parser_contract_never_reach_the_client(bug, caplog):
+    """A parser that returned non-JSON arguments, or a function the request did not offer, had them
+    sent as tool_calls (streamed: arguments ""), with nothing in the log."""
+    class Broken(_ContractBreaker):
+        pass
+
+    Broken.bug = bug
+    parser = Broken
+    with caplog.at_level("WARNING", logger="radixserve.server"):
+        whole = ChoiceOutput(None, parser(["get_weather"])).finish("anything")
+        streamed = ChoiceOutput(None, parser(["get_weather"]))
+        deltas = [streamed.delta("any", False), streamed.delta("anything", True)]
+    assert whole.calls == []
+    assert (bug == "not_json") == bool([c for d in deltas for c in d.calls])  # a valid name streams before the end
+    assert not streamed.has_calls  # the finish reason is not tool_calls
+    assert "Broken (test_tool_parsers) returned a call the contract forbids" in caplog.text
+
+
+def test_a_raising_parser_is_named_in_the_error():
+    class Raising(_ContractBreaker):
+        bug = "raises"
+
+    with pytest.raises(RuntimeError, match=r"the tool parser test_a_raising_parser_is_named_in_the_error.<locals>.Raising "
+                                           r"\(test_tool_parsers\) failed: KeyError"):
+        ChoiceOutput(None, Raising(["get_weather"])).finish("anything")

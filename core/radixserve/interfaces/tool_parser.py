@@ -56,7 +56,7 @@ class ToolParser(abc.ABC):
     (`--tool-call-parser`), or the first registered parser, by priority, whose `matches_template`
     accepts the model's chat template text.
 
-    Check a parser with `radixserve.testing.check_tool_parser(MyParser, samples)`.
+    Check a parser with `radixserve.testing.check_tool_parser(MyParser, samples, tool_names)`.
 
     Added in plugin API 1.2.
     """

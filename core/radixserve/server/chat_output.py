@@ -14,6 +14,7 @@ is the same. A call cut off before its name is complete is content (under `auto`
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -74,6 +75,8 @@ class ChoiceOutput:
         self._sent_calls: list[CallOut] = []
         self._bound: list[int] = []  # the client's index of each call of the parser's snapshot
         self._final_calls: int | None = None  # calls of the final parse, once the stream's last delta is made
+        self._refused_logged = False
+        self._unstable_logged = False
 
     @property
     def has_calls(self) -> bool:
@@ -88,15 +91,38 @@ class ChoiceOutput:
         return bool(getattr(self.tools, "constrained", False))
 
     def _parts(self, text: str, final: bool, truncated: bool = False) -> tuple[str, str, tuple[ParsedToolCall, ...]]:
-        reasoning, rest = self.reasoning.split(text, final) if self.reasoning else ("", text)
+        try:
+            reasoning, rest = self.reasoning.split(text, final) if self.reasoning else ("", text)
+        except Exception as e:  # parsers audit 32: a 500 that named no plugin
+            raise RuntimeError(f"the reasoning parser {_label(self.reasoning)} failed: {type(e).__name__}: {e}") from e
         if self.tools is None:
             return reasoning.strip(), rest.strip(), ()
-        parsed = self.tools.parse(rest, final)
-        if final and truncated:
-            parsed = self._cut_off(rest, parsed)
-        calls = parsed.calls if self.max_calls is None else parsed.calls[: self.max_calls]
+        try:
+            parsed = self.tools.parse(rest, final)
+            if final and truncated:
+                parsed = self._cut_off(rest, parsed)
+            calls = parsed.calls if self.max_calls is None else parsed.calls[: self.max_calls]
+            content = parsed.content
+        except Exception as e:
+            raise RuntimeError(f"the tool parser {_label(self.tools)} failed: {type(e).__name__}: {e}") from e
+        calls = self._offered(calls, complete=final and not truncated)
         # whitespace around the parts is held back while streaming: a prefix-stable trim
-        return reasoning.strip(), parsed.content.strip(), calls
+        return reasoning.strip(), content.strip(), calls
+
+    def _offered(self, calls: tuple[ParsedToolCall, ...], complete: bool) -> tuple[ParsedToolCall, ...]:
+        """The calls a client may be given: to a function the request offers and, once the output is
+        complete, with a JSON object as arguments (the ToolParser contract; parsers audit 32: a parser
+        that broke it sent non-JSON arguments and functions nobody offered). Others are dropped, logged
+        once naming the parser."""
+        offered = getattr(self.tools, "tool_names", None)
+        kept = tuple(c for c in calls if (not offered or c.name in offered) and (not complete or _is_object(c.arguments)))
+        if len(kept) < len(calls) and not self._refused_logged:
+            self._refused_logged = True
+            bad = next(c for c in calls if c not in kept)
+            logger.warning("the tool parser %s returned a call the contract forbids (function %r, arguments %r: a "
+                           "function the request offers and a JSON object are required); the call is dropped",
+                           _label(self.tools), bad.name, bad.arguments[:80])
+        return kept
 
     def _cut_off(self, rest: str, whole: ToolParse) -> ToolParse:
         """The parse of an output cut off by max_tokens: the last snapshot of a stream (the call
@@ -126,10 +152,8 @@ class ChoiceOutput:
         reasoning, content, calls = self._parts(text, final, truncated)
         if final:
             self._final_calls = len(calls)
-        out = ChoiceDelta(
-            reasoning=_grown(self._sent_reasoning, reasoning, "reasoning"),
-            content=_grown(self._sent_content, content, "content"),
-        )
+        out = ChoiceDelta(reasoning=self._grown(self._sent_reasoning, reasoning, "reasoning"),
+                          content=self._grown(self._sent_content, content, "content"))
         self._sent_reasoning += out.reasoning
         self._sent_content += out.content
         for j, call in enumerate(calls):
@@ -159,12 +183,25 @@ class ChoiceOutput:
             sent.arguments += fragment
             out.calls.append(CallDelta(index, None, None, fragment))
 
+    def _grown(self, sent: str, now: str, what: str) -> str:
+        """The new tail of `now` after `sent`; nothing when a parser broke prefix stability (what was
+        streamed cannot be taken back), logged once a choice naming the parsers."""
+        if now.startswith(sent):
+            return now[len(sent) :]
+        if not sent.startswith(now) and not self._unstable_logged:
+            self._unstable_logged = True
+            logger.warning("a parser's %s is not prefix-stable (reasoning parser %s, tool parser %s); this stream keeps "
+                           "what it sent and drops the changes", what, _label(self.reasoning), _label(self.tools))
+        return ""
 
-def _grown(sent: str, now: str, what: str) -> str:
-    """The new tail of `now` after `sent`; nothing when a parser broke prefix stability (what was
-    streamed cannot be taken back)."""
-    if now.startswith(sent):
-        return now[len(sent) :]
-    if not sent.startswith(now):
-        logger.warning("a parser's %s is not prefix-stable; dropping the change", what)
-    return ""
+
+def _label(parser: object) -> str:
+    """How log lines and errors name a parser: its class and module (a plugin's module names its package)."""
+    return "none" if parser is None else f"{type(parser).__qualname__} ({type(parser).__module__})"
+
+
+def _is_object(arguments: str) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
