@@ -302,7 +302,23 @@ class _ArgumentsShrinkAtTheEnd(HermesToolParser):
         return type(got)(got.content, (type(first)(first.name, first.arguments + " "), *got.calls[1:]))
 
 
+class _RaisesOnPartialInput(HermesToolParser):
+    def parse(self, text, final):
+        if not final and "<tool_call>" in text:
+            raise ValueError("partial markup")
+        return super().parse(text, final)
+
+
+class _ReturnsADict(HermesToolParser):
+    def parse(self, text, final):
+        return {"content": text, "calls": []}
+
+
 @pytest.mark.parametrize(("broken", "says"), [
+    # parsers audit 32: the kit showed a bare ValueError / AttributeError, without the case
+    (_RaisesOnPartialInput, r"sample 0 \('Hi <tool_call>.*after \d+ characters: parse\(\.\.\., final=False\) raised "
+                            r"ValueError: partial markup"),
+    (_ReturnsADict, r"sample 0 .*, whole: parse returned dict, not a ToolParse"),
     (_IgnoresFinal, "does not extend the content already streamed"),
     (_RenamesAtTheEnd, "was streamed and dropped, but its text never became content"),
     (_ArgumentsShrinkAtTheEnd, "do not extend the streamed"),

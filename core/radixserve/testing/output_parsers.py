@@ -34,8 +34,8 @@ def _streamed(parser: ToolParser, text: str, cuts: Sequence[int], where: str) ->
     dropped: tuple[int, str] | None = None  # content length before the first dropped call, and the step
     for k in [*cuts, len(text)]:
         final = k == len(text)
-        now = parser.parse(text[:k], final)
         step = f"{where}, after {k} characters{' (final)' if final else ''}"
+        now = _parse(parser, text[:k], final, step)
         assert now.content.startswith(prev.content), (
             f"{step}: content {now.content!r} does not extend the content already streamed, {prev.content!r}")
         kept = 0
@@ -56,12 +56,28 @@ def _streamed(parser: ToolParser, text: str, cuts: Sequence[int], where: str) ->
     return prev
 
 
+def _parse(parser: ToolParser, text: str, final: bool, step: str) -> ToolParse:
+    """parser.parse with the case named when it raises or returns something else than a ToolParse
+    (parsers audit 32: the kit showed a bare AttributeError / ValueError)."""
+    try:
+        out = parser.parse(text, final)
+    except Exception as e:
+        raise AssertionError(f"{step}: parse(..., final={final}) raised {type(e).__name__}: {e}") from e
+    assert isinstance(out, ToolParse), f"{step}: parse returned {type(out).__name__}, not a ToolParse"
+    return out
+
+
 def check_tool_parser(parser_cls: type[ToolParser], samples: Sequence[ToolSample], tool_names: Sequence[str]) -> None:
     """Every sample parses to its content and calls, whole and streamed (prefix-stable)."""
     for n, sample in enumerate(samples):
         where = f"sample {n} ({sample.text[:40]!r}...)"
         parser = parser_cls(tool_names)
-        whole = parser.parse(sample.text, True)
+        whole = _parse(parser, sample.text, True, f"{where}, whole")
+        for c in whole.calls:
+            try:
+                json.loads(c.arguments)
+            except (TypeError, ValueError) as e:
+                raise AssertionError(f"{where}: arguments of {c.name} are not JSON ({c.arguments!r}: {e})") from None
         got = [(c.name, json.loads(c.arguments)) for c in whole.calls]
         assert got == [(name, args) for name, args in sample.calls], f"{where}: calls {got}, expected {sample.calls}"
         assert whole.content.strip() == sample.content.strip(), f"{where}: content {whole.content!r}, expected {sample.content!r}"
@@ -81,19 +97,29 @@ class ReasoningSample:
     starts_in_reasoning: bool | None = None  # None: the parser's default
 
 
+def _split(parser: ReasoningParser, text: str, final: bool, step: str) -> tuple[str, str]:
+    try:
+        out = parser.split(text, final)
+    except Exception as e:
+        raise AssertionError(f"{step}: split(..., final={final}) raised {type(e).__name__}: {e}") from e
+    assert isinstance(out, tuple) and len(out) == 2 and all(isinstance(x, str) for x in out), (
+        f"{step}: split returned {out!r}, not a (reasoning, content) pair of strings")
+    return out
+
+
 def check_reasoning_parser(parser_cls: type[ReasoningParser], samples: Sequence[ReasoningSample]) -> None:
     """Every sample splits into its reasoning and content (stripped), whole and streamed."""
     for n, sample in enumerate(samples):
         where = f"sample {n} ({sample.text[:40]!r}...)"
         start = {} if sample.starts_in_reasoning is None else {"starts_in_reasoning": sample.starts_in_reasoning}
         parser = parser_cls(**start)
-        reasoning, content = parser.split(sample.text, True)
+        reasoning, content = _split(parser, sample.text, True, f"{where}, whole")
         assert (reasoning.strip(), content.strip()) == (sample.reasoning.strip(), sample.content.strip()), (
             f"{where}: got {(reasoning, content)}, expected {(sample.reasoning, sample.content)}"
         )
         prev = ("", "")
         for k in range(len(sample.text) + 1):
-            now = parser.split(sample.text[:k], k == len(sample.text))
+            now = _split(parser, sample.text[:k], k == len(sample.text), f"{where}, after {k} characters")
             if k < len(sample.text):
                 assert now[0].startswith(prev[0]) and now[1].startswith(prev[1]), (
                     f"{where}, after {k} characters: {now} does not extend {prev}"
