@@ -136,3 +136,36 @@ def test_non_ascii_characters_in_character_classes_are_enforced(backend, kind, t
         return xgr.GrammarMatcher(backend.compile(kind, text)).accept_string(candidate)
 
     assert takes(good) and not takes(bad)
+
+
+def _pydantic_schemas() -> tuple[dict, dict]:
+    """Two everyday pydantic models (frameworks audit 32: both were a 400 on the xgrammar backend)."""
+    from typing import Literal, Union
+
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        lives: int = Field(ge=0, le=9)
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        good: bool
+
+    class Pet(BaseModel):  # a discriminated union: "discriminator" beside the oneOf
+        pet: Union[Cat, Dog] = Field(discriminator="kind")  # noqa: UP007 (pydantic's spelling in its docs)
+
+    class Excl(BaseModel):  # gt / lt on an int: exclusiveMinimum / exclusiveMaximum
+        x: int = Field(gt=0, lt=10)
+
+    return Pet.model_json_schema(), Excl.model_json_schema()
+
+
+def test_a_pydantic_discriminated_union_and_exclusive_integer_bounds_are_enforced(backend):
+    pet, excl = _pydantic_schemas()
+    assert "discriminator" in json.dumps(pet) and "exclusiveMaximum" in json.dumps(excl)
+    assert accepts(backend, pet, '{"pet": {"kind": "dog", "good": true}}')
+    assert accepts(backend, pet, '{"pet": {"kind": "cat", "lives": 9}}')
+    assert not accepts(backend, pet, '{"pet": {"kind": "cat", "good": true}}')
+    assert accepts(backend, excl, '{"x": 1}') and accepts(backend, excl, '{"x": 9}')
+    assert not accepts(backend, excl, '{"x": 0}') and not accepts(backend, excl, '{"x": 10}')

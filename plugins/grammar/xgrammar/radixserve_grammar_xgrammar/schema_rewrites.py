@@ -24,11 +24,19 @@ wrote for a real corpus schema (benchmarks/results/cpu-structured-output.md):
   that closes its properties (`additionalProperties` false or a schema) while another branch
   declares others is refused, since the merged object would allow what that branch forbids.
 
+- `discriminator` (OpenAPI's hint beside a `oneOf`, which pydantic writes for a discriminated union):
+  no assertion of its own (the branches' `const` values tell them apart), dropped; it made the union
+  look like one with sibling keywords, which is refused (frameworks audit 32).
+- `exclusiveMinimum` / `exclusiveMaximum` on an `integer` (pydantic's `gt` / `lt`): the same set of
+  integers as `minimum` n + 1 / `maximum` n - 1, which xgrammar enforces (it does not enforce the
+  exclusive forms, refused elsewhere).
+
 `prepare_schema` raises ValueError naming the place when a union cannot be merged that way."""
 
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 # keywords that carry no assertion: they stay on the parent of a union
@@ -51,6 +59,9 @@ def _walk(node: Any, path: str, root: Any) -> None:
         return
     if not isinstance(node, dict):
         return
+    if isinstance(node.get("discriminator"), dict):
+        del node["discriminator"]
+    _exclusive_integer_bounds(node)
     _fold_all_of(node, path, root)
     _distribute_union(node, path)
     if isinstance(node.get("properties"), dict) and node["properties"] and node.get("additionalProperties", False) is not False:
@@ -66,6 +77,25 @@ def _walk(node: Any, path: str, root: Any) -> None:
 
 
 _MAX_REF_HOPS = 16
+
+
+def _exclusive_integer_bounds(node: dict) -> None:
+    """An integer's exclusive bounds as the inclusive ones of the same integers (see the module docstring)."""
+    if node.get("type") != "integer":
+        return
+    low, high = node.get("exclusiveMinimum"), node.get("exclusiveMaximum")
+    if _is_number(low):
+        lowest = math.floor(low) + 1
+        node["minimum"] = max(lowest, node["minimum"]) if _is_number(node.get("minimum")) else lowest
+        del node["exclusiveMinimum"]
+    if _is_number(high):
+        highest = math.ceil(high) - 1
+        node["maximum"] = min(highest, node["maximum"]) if _is_number(node.get("maximum")) else highest
+        del node["exclusiveMaximum"]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _fold_all_of(node: dict, path: str, root: Any) -> None:
