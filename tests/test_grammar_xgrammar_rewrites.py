@@ -169,3 +169,16 @@ def test_a_pydantic_discriminated_union_and_exclusive_integer_bounds_are_enforce
     assert not accepts(backend, pet, '{"pet": {"kind": "cat", "good": true}}')
     assert accepts(backend, excl, '{"x": 1}') and accepts(backend, excl, '{"x": 9}')
     assert not accepts(backend, excl, '{"x": 0}') and not accepts(backend, excl, '{"x": 10}')
+
+
+@pytest.mark.parametrize("lo, hi", [(0, 1), (-2, 3), (-5, -2), (1, 5), (0, 100), (7, 7)])
+def test_a_number_between_integer_bounds_is_written_exactly_in_the_range(backend, lo, hi):
+    """pydantic's `float = Field(ge=0, le=1)` was a 400 (xgrammar's own range grammar lets "1,5", "175" and,
+    for [0, 1], "1.5" through); number_range.py writes the range's decimals itself."""
+    schema = {"type": "object", "properties": {"x": {"type": "number", "minimum": lo, "maximum": hi,
+                                                     "title": "X"}}, "required": ["x"]}
+    values = ["0", "0.5", "1", "1.0", "1.5", "1,5", "175", "-1", "-0.5", "-2", "-2.5", "-5", "-5.0", "-5.1", "-4.99",
+              "2", "3", "3.01", "4.75", "5", "5.5", "7", "7.00", "7.01", "100", "99.99", "100.0", "101", "007"]
+    for v in values:
+        inside = "," not in v and not v.startswith("00") and lo <= float(v) <= hi
+        assert accepts(backend, schema, '{"x": ' + v + '}') == inside, (lo, hi, v)

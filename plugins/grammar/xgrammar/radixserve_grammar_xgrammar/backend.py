@@ -13,6 +13,7 @@ from radixserve.interfaces.grammar import GrammarBackend, GrammarError, GrammarM
 
 from radixserve_grammar_xgrammar.enum_trie import factor_literal_choices
 from radixserve_grammar_xgrammar.json_strings import exclude_control_characters
+from radixserve_grammar_xgrammar.number_range import expand_number_ranges, mark_number_ranges
 from radixserve_grammar_xgrammar.schema_rewrites import local_target, location, prepare_schema
 
 MAX_ROLLBACK_TOKENS = 16  # what we promise (xgrammar keeps the whole history): any draft the core allows (<= 16)
@@ -135,8 +136,8 @@ def unenforced_construct(schema: Any) -> str | None:
         if "minimum" in sub and "maximum" in sub and (not types or "number" in types):
             # its grammar for a two-sided range of reals matches any character in place of the
             # decimal point and more digits than the bounds allow ("1,5", "175" for [0.5, 1.5])
-            return (f"a number with both `minimum` and `maximum` (at {location(path)}; give one bound, or an integer "
-                    "range)")
+            return (f"a number with both `minimum` and `maximum` (at {location(path)}; give one bound, integer bounds "
+                    "at most 1000 apart, or an integer range)")
         pattern = sub.get("pattern")
         lengths = [key for key in ("minLength", "maxLength") if key in sub]
         if isinstance(pattern, str) and lengths:
@@ -220,6 +221,7 @@ def normalize_schema(schema: Any) -> Any:
     schema = prepare_schema(schema)
     for _, sub, _ in _subschemas(schema):
         _enum_without_string_bounds(sub)
+    mark_number_ranges(schema)  # number_range.py: a grammar of our own for two-sided number ranges
     return schema
 
 
@@ -264,7 +266,7 @@ def json_schema_grammar(schema: str) -> xgr.Grammar:
 def _normalized_schema_grammar(schema: Any) -> xgr.Grammar:
     """json_schema_grammar of a schema normalize_schema already rewrote."""
     grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
-    return xgr.Grammar.from_ebnf(factor_literal_choices(exclude_control_characters(str(grammar))))
+    return xgr.Grammar.from_ebnf(factor_literal_choices(exclude_control_characters(expand_number_ranges(str(grammar)))))
 
 
 # fewer constrained rows than this are filled one by one (a thread hand-off costs more than it saves)
