@@ -24,6 +24,7 @@ import torch
 
 from radixserve.interfaces.drafter import Drafter, DrafterInfo, DraftProposal
 from radixserve.state import Req, SamplingParams
+from radixserve.testing._hooks import call_hook
 
 
 def drafter_info(*, vocab_size: int = 64, num_draft_tokens: int = 4, topk: int = 1, supports_tree: bool | None = None,
@@ -128,8 +129,8 @@ def _run(factory: Callable[[], Drafter], info: Any, seed: int, num_requests: int
         while pending and len(running) < max_concurrent and (not running or rng.random() < 0.5):
             toy = pending.pop(0)
             toy.req.output_ids.append(toy.truth[0])  # the prefill's token
-            _call(drafter.on_accepted, (toy.req, [toy.truth[0]]),
-                  f"seed {seed}, step {step}: on_accepted({toy.req.rid!r}, <the prefill's token>)")
+            call_hook(drafter.on_accepted, toy.req, [toy.truth[0]],
+                      where=f"seed {seed}, step {step}: on_accepted({toy.req.rid!r}, <the prefill's token>)")
             running.append(toy)
         step += 1
         batch = rng.sample(running, rng.randint(1, len(running)))  # any subset, any order
@@ -137,10 +138,7 @@ def _run(factory: Callable[[], Drafter], info: Any, seed: int, num_requests: int
         where = (f"seed {seed}, topk {info.topk}{'' if info.supports_tree or info.topk == 1 else ' (no tree support)'}, "
                  f"step {step}: propose({[t.req.rid for t in batch]}, num_draft_tokens={k})")
         before = [(list(t.req.origin_input_ids), list(t.req.output_ids)) for t in batch]
-        try:
-            proposal = drafter.propose([t.req for t in batch], k)
-        except Exception as e:  # the drafter's own error, with the case that raised it
-            raise AssertionError(f"{where} raised {type(e).__name__}: {e}") from e
+        proposal = call_hook(drafter.propose, [t.req for t in batch], k, where=where)
         _check_proposal(proposal, [t.req for t in batch], k, info, where)
         for t, (prompt, output) in zip(batch, before):
             assert t.req.origin_input_ids == prompt and t.req.output_ids == output, f"{where}: changed request {t.req.rid}"
@@ -155,14 +153,14 @@ def _run(factory: Callable[[], Drafter], info: Any, seed: int, num_requests: int
         rng.shuffle(updates)  # on_accepted in any order across requests
         for t, accepted in updates:
             t.req.output_ids.extend(accepted)
-            _call(drafter.on_accepted, (t.req, accepted), f"seed {seed}, step {step}: on_accepted({t.req.rid!r}, {accepted})")
+            call_hook(drafter.on_accepted, t.req, accepted, where=f"seed {seed}, step {step}: on_accepted({t.req.rid!r}, {accepted})")
         stats["request_steps"] += len(batch)
         for t in [t for t in running if len(t.req.output_ids) >= len(t.truth)]:
             running.remove(t)
             t.req.finished_reason = {"type": "length"}
             on_finished = getattr(drafter, "on_finished", None)
             if on_finished is not None:
-                _call(on_finished, (t.req,), f"seed {seed}, step {step}: on_finished({t.req.rid!r})")
+                call_hook(on_finished, t.req, where=f"seed {seed}, step {step}: on_finished({t.req.rid!r})")
             finished.add(t.req.rid)
             if check_release:
                 _assert_released(drafter, t, f"seed {seed}, after on_finished({t.req.rid!r})")
@@ -228,14 +226,6 @@ def _find_rid(root: Any, rids: set[str], limit: int = 200_000) -> str | None:
                 if not isinstance(value, atoms):
                     stack.append((value, f"{path}.{name}"))
     return None
-
-
-def _call(hook, args: tuple, where: str) -> None:
-    """A hook's own error, with the case that raised it (the scheduler survives one; the kit does not)."""
-    try:
-        hook(*args)
-    except Exception as e:
-        raise AssertionError(f"{where} raised {type(e).__name__}: {e}") from e
 
 
 def check_drafter(

@@ -17,6 +17,7 @@ from typing import Any
 
 from radixserve.interfaces.reasoning_parser import ReasoningParser
 from radixserve.interfaces.tool_parser import ToolParse, ToolParser
+from radixserve.testing._hooks import call_hook
 
 
 @dataclass
@@ -59,12 +60,16 @@ def _streamed(parser: ToolParser, text: str, cuts: Sequence[int], where: str) ->
 def _parse(parser: ToolParser, text: str, final: bool, step: str) -> ToolParse:
     """parser.parse with the case named when it raises or returns something else than a ToolParse
     (parsers audit 32: the kit showed a bare AttributeError / ValueError)."""
-    try:
-        out = parser.parse(text, final)
-    except Exception as e:
-        raise AssertionError(f"{step}: parse(..., final={final}) raised {type(e).__name__}: {e}") from e
+    out = call_hook(parser.parse, text, final, where=f"{step}: parse(..., final={final})")
     assert isinstance(out, ToolParse), f"{step}: parse returned {type(out).__name__}, not a ToolParse"
     return out
+
+
+def _arguments(name: str, arguments: Any, where: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except (TypeError, ValueError) as e:
+        raise AssertionError(f"{where}: arguments of {name} are not JSON ({arguments!r}: {e})") from None
 
 
 def check_tool_parser(parser_cls: type[ToolParser], samples: Sequence[ToolSample], tool_names: Sequence[str]) -> None:
@@ -73,16 +78,11 @@ def check_tool_parser(parser_cls: type[ToolParser], samples: Sequence[ToolSample
         where = f"sample {n} ({sample.text[:40]!r}...)"
         parser = parser_cls(tool_names)
         whole = _parse(parser, sample.text, True, f"{where}, whole")
-        for c in whole.calls:
-            try:
-                json.loads(c.arguments)
-            except (TypeError, ValueError) as e:
-                raise AssertionError(f"{where}: arguments of {c.name} are not JSON ({c.arguments!r}: {e})") from None
-        got = [(c.name, json.loads(c.arguments)) for c in whole.calls]
+        got = [(c.name, _arguments(c.name, c.arguments, where)) for c in whole.calls]
         assert got == [(name, args) for name, args in sample.calls], f"{where}: calls {got}, expected {sample.calls}"
         assert whole.content.strip() == sample.content.strip(), f"{where}: content {whole.content!r}, expected {sample.content!r}"
-        for c in whole.calls:
-            assert isinstance(json.loads(c.arguments), dict), f"{where}: arguments of {c.name} are not an object"
+        for name, args in got:
+            assert isinstance(args, dict), f"{where}: arguments of {name} are not an object"
         cuts_list = [list(range(len(sample.text)))] + [[k] for k in range(len(sample.text))]
         for cuts in cuts_list:
             streamed = _streamed(parser_cls(tool_names), sample.text, cuts, where)
@@ -98,10 +98,7 @@ class ReasoningSample:
 
 
 def _split(parser: ReasoningParser, text: str, final: bool, step: str) -> tuple[str, str]:
-    try:
-        out = parser.split(text, final)
-    except Exception as e:
-        raise AssertionError(f"{step}: split(..., final={final}) raised {type(e).__name__}: {e}") from e
+    out = call_hook(parser.split, text, final, where=f"{step}: split(..., final={final})")
     assert isinstance(out, tuple) and len(out) == 2 and all(isinstance(x, str) for x in out), (
         f"{step}: split returned {out!r}, not a (reasoning, content) pair of strings")
     return out
