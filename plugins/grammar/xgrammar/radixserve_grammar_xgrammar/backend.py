@@ -13,7 +13,7 @@ from radixserve.interfaces.grammar import GrammarBackend, GrammarError, GrammarM
 
 from radixserve_grammar_xgrammar.enum_trie import factor_literal_choices
 from radixserve_grammar_xgrammar.json_strings import exclude_control_characters
-from radixserve_grammar_xgrammar.number_range import expand_number_ranges, mark_number_ranges
+from radixserve_grammar_xgrammar.number_range import expand_number_ranges, mark_number_range
 from radixserve_grammar_xgrammar.schema_rewrites import local_target, location, prepare_schema
 
 MAX_ROLLBACK_TOKENS = 16  # what we promise (xgrammar keeps the whole history): any draft the core allows (<= 16)
@@ -169,26 +169,22 @@ def nul_in_patterns(schema: Any) -> str | None:
     return None
 
 
-def remote_ref(schema: Any) -> str | None:
-    """Where a `$ref` points outside the schema (`http://...`, `other.json#/x`), or None: xgrammar drops it with
-    a warning and leaves that value unconstrained (refuzz audit 31)."""
+def unusable_ref(schema: Any) -> str | None:
+    """Why the first unusable `$ref` of `schema` cannot be compiled, or None: one that points outside the
+    schema (`http://...`, `other.json#/x`: xgrammar drops it with a warning and leaves that value
+    unconstrained, refuzz audit 31), or a local one that names nothing (xgrammar's own message, "Cannot
+    find field $defs in #/$defs/x", gave no location: corpus audit 32)."""
     for path, sub, _ in _subschemas(schema):
         ref = sub.get("$ref")
-        if isinstance(ref, str) and not ref.startswith("#"):
-            return f"{path}/$ref"
-    return None
-
-
-def dangling_ref(schema: Any) -> tuple[str, str] | None:
-    """(where, the reference) of the first local `$ref` that names nothing in `schema`, or None (xgrammar's
-    own message, "Cannot find field $defs in #/$defs/x", gave no location: corpus audit 32)."""
-    for path, sub, _ in _subschemas(schema):
-        ref = sub.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#"):
-            try:
-                local_target(schema, ref, path)
-            except ValueError:
-                return f"{path}/$ref", ref
+        if not isinstance(ref, str):
+            continue
+        if not ref.startswith("#"):
+            return (f"the $ref at {path}/$ref is not a reference inside the schema (#/...): the xgrammar backend would "
+                    "leave that value unconstrained")
+        try:
+            local_target(schema, ref, path)
+        except ValueError:
+            return f"the $ref at {path}/$ref ({ref[:80]!r}) names nothing in the schema"
     return None
 
 
@@ -219,9 +215,9 @@ def normalize_schema(schema: Any) -> Any:
     the branches, no extra keys next to declared properties; ValueError naming the place for a union
     it cannot merge), then _enum_without_string_bounds on every subschema."""
     schema = prepare_schema(schema)
-    for _, sub, _ in _subschemas(schema):
+    for _, sub, _ in _subschemas(schema):  # each node before its children are visited
         _enum_without_string_bounds(sub)
-    mark_number_ranges(schema)  # number_range.py: a grammar of our own for two-sided number ranges
+        mark_number_range(sub)  # number_range.py: a grammar of our own for two-sided number ranges
     return schema
 
 
@@ -348,13 +344,9 @@ class XGrammarBackend(GrammarBackend):
                 nul = nul_in_patterns(schema)
                 if nul:
                     raise GrammarError(f"the pattern at {nul} holds {_NUL_REFUSED}")
-                remote = remote_ref(schema)
-                if remote:
-                    raise GrammarError(f"the $ref at {remote} is not a reference inside the schema (#/...): the xgrammar "
-                                       "backend would leave that value unconstrained")
-                dangling = dangling_ref(schema)
-                if dangling:
-                    raise GrammarError(f"the $ref at {dangling[0]} ({dangling[1][:80]!r}) names nothing in the schema")
+                bad_ref = unusable_ref(schema)
+                if bad_ref:
+                    raise GrammarError(bad_ref)
                 name = unwritable_property_name(schema)
                 if name:
                     raise GrammarError(f"{name} holds a quote, a backslash or a control character, which the xgrammar "

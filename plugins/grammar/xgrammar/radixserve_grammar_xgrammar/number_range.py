@@ -11,37 +11,26 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
 
 MAX_SPAN = 1000  # integer parts enumerated in the rule
 MAX_FRACTION_DIGITS = 15
 _SENTINEL = "RADIXSERVE-RANGE:{lo}:{hi}"
 _IN_EBNF = re.compile(r'"\\"RADIXSERVE-RANGE:(-?\d+):(-?\d+)\\""')
-_ANNOTATIONS = {"title", "description", "$comment", "examples", "default", "deprecated", "readOnly", "writeOnly"}
+# what may stand beside the range: keys without an assertion whose loss changes nothing ($defs would)
+_BESIDE_A_RANGE = {"title", "description", "$comment", "examples", "default", "deprecated", "readOnly", "writeOnly"}
 
 
-def mark_number_ranges(node: Any) -> None:
-    """Replace, in place, each `{"type": "number", "minimum": lo, "maximum": hi}` with integer lo <= hi
-    at most MAX_SPAN apart (annotations aside, no other keyword) by its sentinel `const`."""
-    if isinstance(node, list):
-        for sub in node:
-            mark_number_ranges(sub)
-        return
-    if not isinstance(node, dict):
-        return
+def mark_number_range(node: dict) -> None:
+    """Replace, in place, `node` when it is `{"type": "number", "minimum": lo, "maximum": hi}` with integer
+    lo <= hi at most MAX_SPAN apart (annotations aside, no other keyword) by its sentinel `const`."""
     bounds = _integer_bounds(node)
     if bounds is not None:
         node.clear()
         node["const"] = _SENTINEL.format(lo=bounds[0], hi=bounds[1])
-        return
-    for key, value in node.items():
-        if key not in ("enum", "const", "default", "examples", "required"):
-            mark_number_ranges(list(value.values()) if isinstance(value, dict) and key in (
-                "properties", "patternProperties", "$defs", "definitions") else value)
 
 
 def _integer_bounds(node: dict) -> tuple[int, int] | None:
-    if node.get("type") != "number" or set(node) - _ANNOTATIONS != {"type", "minimum", "maximum"}:
+    if node.get("type") != "number" or set(node) - _BESIDE_A_RANGE != {"type", "minimum", "maximum"}:
         return None
     lo, hi = node["minimum"], node["maximum"]
     if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v == int(v)
