@@ -413,8 +413,8 @@ class Scheduler:
 
         policy = policy_cls(**config.stack.policy_options)
         drafter = build_drafter(config, runner, registry)
-        name = config.stack.speculative
-        drafter_label = f"drafter {name!r} ({registry.get('drafter', name).distribution})" if drafter is not None else None
+        spec = config.stack.speculative
+        drafter_label = f"drafter {spec!r} ({registry.get('drafter', spec).distribution})" if drafter is not None else None
         grammar = grammar_service(config, runner, registry, tokenizer)
         return cls(config, runner, cache, policy, tokenizer, drafter=drafter, grammar=grammar, cache_label=label,
                    policy_label=policy_label, drafter_label=drafter_label)
