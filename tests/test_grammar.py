@@ -648,3 +648,16 @@ def test_xgrammar_errors_read_without_its_assertion_text(tok):
     with pytest.raises(GrammarError) as e:
         backend.compile("json_schema", json.dumps({"type": "integer", "minimum": 5, "maximum": 1}))
     assert "minimum greater than maximum" in str(e.value) and "Check failed" not in str(e.value), str(e.value)
+
+
+def test_resolve_json_pointer_follows_local_references_and_refuses_the_rest():
+    from radixserve.interfaces.grammar import resolve_json_pointer
+
+    schema = {"$defs": {"a/b": [{"type": "string"}, {"x~y": {"type": "integer"}}]}, "": {"type": "null"}}
+    assert resolve_json_pointer(schema, "#") is schema
+    assert resolve_json_pointer(schema, "#/$defs/a~1b/1/x~0y") == {"type": "integer"}  # RFC 6901 escapes, list index
+    assert resolve_json_pointer(schema, "#/") == {"type": "null"}  # the empty key
+    for ref, words in [("#/$defs/missing", "names nothing"), ("#/$defs/a~1b/2", "names nothing"),
+                       ("other.json#/x", "not a JSON pointer"), ("#anchor", "not a JSON pointer"), (None, "not a JSON")]:
+        with pytest.raises(LookupError, match=words):
+            resolve_json_pointer(schema, ref)

@@ -140,12 +140,13 @@ def _ref_only_cycle(schema: Any) -> str | None:
     """The location of a subschema that is nothing but a local `$ref` and whose references lead back to it
     without any schema on the way (`{"$ref": "#"}`, `a -> b -> a` in `$defs`), or None. A backend given one
     built a grammar with no way to end (fuzz audit 31: the request ended in an abort)."""
+    from radixserve.interfaces.grammar import resolve_json_pointer  # not at the top: interfaces import this module
+
     def resolve(ref: str) -> Any:
-        node = schema
-        for part in ref[2:].split("/") if ref.startswith("#/") else []:
-            part = part.replace("~1", "/").replace("~0", "~")
-            node = node.get(part) if isinstance(node, dict) else None
-        return node
+        try:
+            return resolve_json_pointer(schema, ref)
+        except LookupError:  # a dangling reference is not a cycle (the backend names it)
+            return None
 
     def only_ref(node: Any) -> str | None:
         if isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"].startswith("#") and \

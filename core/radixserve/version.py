@@ -69,4 +69,6 @@ __version__ = "0.1.0"
 #      that step admit in arrival order (logged naming the policy) instead of ending the scheduler process
 # 1.16: Model.context_limit(hf_config) (a classmethod: the longest context the model computes exactly, and why;
 #      the runner caps model.context_length at it); the transformers fallback caps at Llama 4's attention_chunk_size
-PLUGIN_API_VERSION = "1.16"
+# 1.17: radixserve.interfaces.grammar.resolve_json_pointer (a schema's local `$ref` followed, one walk for the
+#      core's checks and the backends' rewrites; LookupError when it is not local or names nothing)
+PLUGIN_API_VERSION = "1.17"

@@ -22,6 +22,27 @@ class GrammarError(ValueError):
     Added in plugin API 1.1."""
 
 
+def resolve_json_pointer(root: Any, pointer: str) -> Any:
+    """The part of the schema (any JSON document) `root` that the local reference `pointer` names ("#" is `root`
+    itself; "#/$defs/a~1b/0" walks keys and list indexes, with RFC 6901's `~1` for "/" and `~0` for
+    "~"). Raises LookupError when `pointer` is not local (does not start with "#") or names nothing.
+    A helper for backends that rewrite schemas (`$ref`s to `$defs`); the core checks schemas with it too.
+
+    Added in plugin API 1.17."""
+    if not isinstance(pointer, str) or not (pointer == "#" or pointer.startswith("#/")):
+        raise LookupError(f"{str(pointer)[:80]!r} is not a JSON pointer inside the schema (\"#\" or \"#/...\")")
+    node = root
+    for part in pointer[2:].split("/") if pointer != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            raise LookupError(f"{pointer[:80]!r} names nothing in the schema")
+    return node
+
+
 def bitmask_width(vocab_size: int) -> int:
     """32-bit words per bitmask row for a vocabulary of `vocab_size` tokens."""
     return (vocab_size + 31) // 32

@@ -9,6 +9,8 @@ import json
 import re
 from typing import Any
 
+from radixserve.interfaces.grammar import resolve_json_pointer
+
 _TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 _SUBSCHEMA = ("items", "additionalProperties", "not", "contains", "propertyNames", "additionalItems",
               "if", "then", "else", "unevaluatedProperties", "unevaluatedItems")
@@ -107,19 +109,10 @@ def _check(s: Any, path: str, root: dict[str, Any]) -> None:
 
 def _resolves(root: dict[str, Any], ref: str) -> bool:
     """Whether `ref` is a local JSON pointer ("#", "#/a/b") to something inside `root`."""
-    if ref == "#":
-        return True
-    if not ref.startswith("#/"):
+    try:
+        resolve_json_pointer(root, ref)
+    except LookupError:
         return False
-    node: Any = root
-    for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return False
     return True
 
 

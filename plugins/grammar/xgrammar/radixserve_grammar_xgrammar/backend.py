@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 import xgrammar as xgr
-from radixserve.interfaces.grammar import GrammarBackend, GrammarError, GrammarMatcher
+from radixserve.interfaces.grammar import GrammarBackend, GrammarError, GrammarMatcher, resolve_json_pointer
 
 from radixserve_grammar_xgrammar.enum_trie import factor_literal_choices
 from radixserve_grammar_xgrammar.json_strings import exclude_control_characters
 from radixserve_grammar_xgrammar.number_range import expand_number_ranges, mark_number_range
-from radixserve_grammar_xgrammar.schema_rewrites import local_target, location, prepare_schema
+from radixserve_grammar_xgrammar.schema_rewrites import location, prepare_schema
 
 MAX_ROLLBACK_TOKENS = 16  # what we promise (xgrammar keeps the whole history): any draft the core allows (<= 16)
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:line: "; users need only the rest
@@ -182,8 +182,8 @@ def unusable_ref(schema: Any) -> str | None:
             return (f"the $ref at {path}/$ref is not a reference inside the schema (#/...): the xgrammar backend would "
                     "leave that value unconstrained")
         try:
-            local_target(schema, ref, path)
-        except ValueError:
+            resolve_json_pointer(schema, ref)
+        except LookupError:
             return f"the $ref at {path}/$ref ({ref[:80]!r}) names nothing in the schema"
     return None
 

@@ -2,7 +2,7 @@
 
 from radixserve.plugins import hookimpl
 
-PLUGIN_API = ">=1.1,<2"
+PLUGIN_API = ">=1.17,<2"  # resolve_json_pointer
 
 
 @hookimpl

@@ -39,6 +39,8 @@ import copy
 import math
 from typing import Any
 
+from radixserve.interfaces.grammar import resolve_json_pointer
+
 # keywords that carry no assertion: they stay on the parent of a union
 _ANNOTATIONS = {"title", "description", "$comment", "examples", "default", "$schema", "$id", "id", "$defs",
                 "definitions", "deprecated", "readOnly", "writeOnly"}
@@ -125,19 +127,11 @@ def _fold_all_of(node: dict, path: str, root: Any) -> None:
 
 
 def local_target(root: Any, ref: Any, where: str) -> Any:
-    """The subschema a `#/...` JSON pointer names in `root`."""
-    if not isinstance(ref, str) or not ref.startswith("#"):
-        raise ValueError(f"the allOf branch at {where} refers to {str(ref)[:80]!r}, not a place inside the schema")
-    target = root
-    for part in [p for p in ref[1:].split("/") if p]:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(target, dict) and part in target:
-            target = target[part]
-        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
-            target = target[int(part)]
-        else:
-            raise ValueError(f"the allOf branch at {where} refers to {ref[:80]!r}, which names nothing in the schema")
-    return target
+    """The subschema the `allOf` branch at `where` refers to (`ref`, a `#/...` pointer into `root`)."""
+    try:
+        return resolve_json_pointer(root, ref)
+    except LookupError as e:
+        raise ValueError(f"the allOf branch at {where} is a $ref that cannot be followed: {e}") from None
 
 
 def _check_closed_objects(branches: list[Any], path: str) -> None:
