@@ -31,7 +31,7 @@ def test_aborting_the_requests_rid_reaches_each_of_its_generations():
         tm = BlockingTM()
         serving = Serving(tm, metrics=None)
         jobs = [Job(i, f"req-{i}", f"req-{i}") for i in range(3)]  # inputs stand for themselves here
-        fan = Fanout(tm, jobs, serving._groups)
+        fan = Fanout(tm, jobs, serving._groups, "req")
         collecting = asyncio.create_task(fan.collect())
         await asyncio.sleep(0)
         serving.abort("req")

@@ -40,16 +40,18 @@ class Fanout:
     Errors of any generation are re-raised from the iterator. `aclose()` cancels the tasks and
     calls tm.abort(rid) for every generation that has not finished; it is idempotent."""
 
-    def __init__(self, tm: Any, jobs: list[Job], groups: dict[str, tuple[str, ...]] | None = None) -> None:
-        """`groups`: where a request of several generations (`n` > 1, several prompts: rids `<rid>-<i>`) is
-        listed under its own rid while it runs, so that aborting that rid reaches every generation."""
+    def __init__(self, tm: Any, jobs: list[Job], groups: dict[str, tuple[str, ...]] | None = None,
+                 request_rid: str | None = None) -> None:
+        """`groups`: where a request of several generations (`n` > 1, several prompts) is listed under
+        its own rid, `request_rid`, while it runs, so that aborting that rid reaches every generation."""
         self.tm = tm
         self.jobs = jobs
         self._group = None
         if groups is not None and len(jobs) > 1:
-            base = jobs[0].rid.rsplit("-", 1)[0]
-            groups[base] = tuple(job.rid for job in jobs)
-            self._group = (groups, base)
+            if request_rid is None:
+                raise ValueError("a Fanout of several generations listed in `groups` needs the request's rid")
+            groups[request_rid] = tuple(job.rid for job in jobs)
+            self._group = (groups, request_rid)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pending = {job.index for job in jobs}
         self._tasks = [asyncio.create_task(self._pump(job)) for job in jobs]

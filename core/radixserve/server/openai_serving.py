@@ -256,8 +256,8 @@ class Serving:
         formatter = _ChatFormat(self, base, self.tm.model_name, req, plan)
         try:
             if req.stream:
-                return await self._stream(jobs, raw, formatter, "chat", started, lambda index: 0)
-            last = await self._collect(jobs, raw, "chat")
+                return await self._stream(jobs, raw, formatter, "chat", started, lambda index: 0, base)
+            last = await self._collect(jobs, raw, "chat", base)
         except RequestError as e:  # e.g. the runtime has no grammar backend for tool_choice=required
             explained = plan.explain_refusal(getattr(e, "param", None), e.message) if e.status == 400 else None
             raise (explained or e) from None
@@ -327,8 +327,8 @@ class Serving:
         formatter = _CompletionFormat(self, base, self.tm.model_name, req, echoes, prompt_of)
         try:
             if req.stream:
-                return await self._stream(jobs, raw, formatter, "completions", started, prompt_of.__getitem__)
-            last = await self._collect(jobs, raw, "completions")
+                return await self._stream(jobs, raw, formatter, "completions", started, prompt_of.__getitem__, base)
+            last = await self._collect(jobs, raw, "completions", base)
         except RequestError as e:  # a response_format the runtime cannot compile: named as the client sent it
             raise (_format_refusal(req, e) or e) from None
         tally = _Tally()
@@ -384,8 +384,8 @@ class Serving:
         )
         jobs = [Job(0, rid, gen)]
         if req.stream:
-            return await self._stream(jobs, raw, _NativeFormat(), "generate", started, lambda index: 0)
-        last = await self._collect(jobs, raw, "generate")
+            return await self._stream(jobs, raw, _NativeFormat(), "generate", started, lambda index: 0, rid)
+        last = await self._collect(jobs, raw, "generate", rid)
         tally = _Tally()
         tally.add(0, last[0]["meta_info"])
         self._done(rid, "generate", 200, tally.usage(), started, None)
@@ -419,8 +419,9 @@ class Serving:
         )
         return Job(index, rid, gen)
 
-    async def _collect(self, jobs: list[Job], raw: Request, route: str) -> dict[int, dict]:
-        fan = Fanout(self.tm, jobs, self._groups)
+    async def _collect(self, jobs: list[Job], raw: Request, route: str, rid: str) -> dict[int, dict]:
+        """`rid`: the request's own (its generations' rids add `-<i>` when there are several)."""
+        fan = Fanout(self.tm, jobs, self._groups, rid)
         self.metrics.in_flight.labels(self.metrics.model_name).inc()
         try:  # a failure's HTTP status is counted and logged by FailedRequestMiddleware
             return await until_disconnect(raw, fan.collect())
@@ -439,10 +440,11 @@ class Serving:
         route: str,
         started: float,
         prompt_index: Callable[[int], int],
+        rid: str,
     ) -> Response:
         """Start the generations and wait for the first output, so that a rejected request is still
-        an HTTP error; then stream SSE events until every choice finished."""
-        fan = Fanout(self.tm, jobs, self._groups)
+        an HTTP error; then stream SSE events until every choice finished. `rid`: as for `_collect`."""
+        fan = Fanout(self.tm, jobs, self._groups, rid)
         iterator = fan.__aiter__()
         self.metrics.in_flight.labels(self.metrics.model_name).inc()
         try:
