@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("layers", ("radixserve.layers", "radixserve.native")),
     ("memory", ("radixserve.memory", "radixserve.heap")),
     ("contracts", ("radixserve.interfaces", "radixserve.state", "radixserve.config", "radixserve.messages",
-                   "radixserve.errors", "radixserve.logs", "radixserve.validation", "radixserve.plugins", "radixserve.version", "radixserve.builtin_components")),
+                   "radixserve.errors", "radixserve.logs", "radixserve.cpu_cores", "radixserve.validation", "radixserve.plugins", "radixserve.version", "radixserve.builtin_components")),
 ]
 
 

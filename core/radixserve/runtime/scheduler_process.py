@@ -8,6 +8,7 @@ import os
 import time
 from typing import Any
 
+from radixserve.cpu_cores import set_torch_threads
 from radixserve.errors import traceback_worth_showing
 from radixserve.heap import release_free_heap
 from radixserve.logs import configure_logging
@@ -210,10 +211,9 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int, d
     configure_logging(level, "scheduler")  # a no-op when spawned as a child (child.setup_logging ran first)
     config = Config.build(config_dict)
     try:
-        import torch
-
-        if config.runtime.num_threads:
-            torch.set_num_threads(config.runtime.num_threads)
+        threads_note = set_torch_threads(config.runtime.num_threads)
+        if threads_note:
+            logger.info(threads_note)
         from radixserve.model_runner import ModelRunner
         from radixserve.plugins.registry import Registry
         from radixserve.scheduler.scheduler import Scheduler

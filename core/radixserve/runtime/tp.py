@@ -7,8 +7,7 @@ import logging
 import socket
 import time
 
-import torch
-
+from radixserve.cpu_cores import set_torch_threads
 from radixserve.errors import traceback_worth_showing
 from radixserve.logs import configure_logging
 from radixserve.runtime.child import log_level
@@ -40,8 +39,7 @@ def run_tp_worker_process(config_dict: dict, rank: int, dist_init_addr: str, par
     install_parent_watchdog(parent_pid)
     configure_logging(log_level(config_dict), f"tp{rank}")  # a no-op when spawned as a child
     config = Config.build(config_dict)
-    if config.runtime.num_threads:
-        torch.set_num_threads(config.runtime.num_threads)
+    set_torch_threads(config.runtime.num_threads)
     from radixserve.layers.distributed import init_tp_group
     from radixserve.model_runner import ModelRunner
     from radixserve.plugins.registry import Registry

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from radixserve.config import Config
+from radixserve.cpu_cores import usable_cores
 from radixserve.runtime.child import sys_path_for_children
 
 logger = logging.getLogger("radixserve.router")
@@ -45,7 +46,7 @@ def replica_config(config: Config, index: int) -> Config:
     socket, and on the CPU with its share of the cores unless runtime.num_threads says otherwise."""
     runtime: dict[str, Any] = {"dp_size": 1}
     if config.runtime.num_threads is None and config.runtime.resolved_device() == "cpu":
-        runtime["num_threads"] = max(1, (os.cpu_count() or 1) // config.runtime.dp_size)
+        runtime["num_threads"] = max(1, usable_cores() // config.runtime.dp_size)
     return config.with_overrides({"runtime": runtime, "server": {"api_key": None}})
 
 

@@ -1,0 +1,65 @@
+"""How many CPU cores this process may use: its affinity mask, capped by a cgroup CPU quota.
+
+torch sizes its thread pool from the affinity mask alone. In a container limited by a CPU quota
+(`docker run --cpus=2`, a Kubernetes CPU limit) on a larger host, the mask holds every host core
+while the quota lets the process run on only a few at a time: each kernel is a parallel region
+whose threads wait for one another, so threads the quota has paused stall every region (a decode
+step slowed ~60x on 2 cores shared with other work). The default thread count therefore follows
+the quota as well (as Go's GOMAXPROCS and .NET do)."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroup_cpu_limit(root: Path | None = None) -> float | None:
+    """The CPU quota of this process's cgroup in cores (2.5 for 250 ms per 100 ms), or None when there
+    is none. Reads cgroup v2's `cpu.max` ("max 100000" is no limit), else v1's `cpu.cfs_quota_us` /
+    `cpu.cfs_period_us` (-1 is no limit); unreadable or malformed files count as no limit. `root`:
+    the cgroup file system (default CGROUP_ROOT)."""
+    root = CGROUP_ROOT if root is None else root
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else _cores(float(quota), float(period))
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = float((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = float((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return _cores(quota, period)
+    except (OSError, ValueError):
+        return None
+
+
+def _cores(quota: float, period: float) -> float | None:
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def usable_cores(root: Path | None = None) -> int:
+    """Cores this process may run on at once: the affinity mask's size, capped by the cgroup quota
+    rounded up (a quota of 2.5 cores keeps 3 threads busy part of the time), at least 1."""
+    mask = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = cgroup_cpu_limit(root)
+    return max(1, min(mask, math.ceil(limit)) if limit is not None else mask)
+
+
+def set_torch_threads(num_threads: int | None) -> str | None:
+    """Size torch's CPU thread pool for a serving process: `num_threads` (runtime.num_threads) when
+    given, else `usable_cores()`. Returns a line for the log when a cgroup quota set the count below
+    the affinity mask (the operator should know why fewer threads run than the host has cores)."""
+    import torch
+
+    if num_threads:
+        torch.set_num_threads(num_threads)
+        return None
+    cores = usable_cores()
+    before = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    if cores < before:
+        return (f"CPU threads: {cores} (the cgroup CPU limit is {cgroup_cpu_limit():g} cores; torch would have "
+                f"started {before}); set runtime.num_threads to override")
+    return None
