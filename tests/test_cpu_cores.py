@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-
 from radixserve.cpu_cores import cgroup_cpu_limit, set_torch_threads, usable_cores
 
 
