@@ -111,9 +111,11 @@ class FakeTM:
     def abort(self, rid: str) -> None:
         self.aborted.append(rid)
 
-    async def flush_cache(self) -> bool:
+    async def flush_cache(self):
+        from radixserve.messages import ControlReply
+
         self.flushed += 1
-        return True
+        return ControlReply(req_id=0)
 
     async def get_stats(self) -> dict:
         return {"num_running_reqs": 0, "num_waiting_reqs": 0, "token_usage": 0.25, "name": "x", "time": 1796609001.3}

@@ -463,3 +463,46 @@ def test_an_attention_kit_failure_names_the_token_and_head_that_differ():
     with pytest.raises(AssertionError, match=r"largest difference at new token \d+ \(position \d+\), query head 1, "
                                              r"column \d+: got .*, exact "):
         check_attention_backend(LastHeadWrong, **SMALL)
+
+
+class _DoubleFreeOfLongRuns(RadixCache):
+    """A slot freed twice only when evict frees more than 12 slots of one node at once: the kind of bug
+    a cache of 16-token blocks has, which keys of at most 12 tokens never reached."""
+
+    def evict(self, num_tokens):
+        freed = []
+        real = self.allocator.free
+        self.allocator.free = lambda slots: (freed.append(slots.clone()), real(slots))[1]
+        try:
+            n = super().evict(num_tokens)
+        finally:
+            del self.allocator.free
+        long_runs = [slots for slots in freed if slots.numel() > 12]
+        if long_runs:
+            real(long_runs[0][:1])
+        return n
+
+
+def test_the_prefix_cache_kit_drives_keys_of_several_16_token_blocks():
+    """Cache/policy audit 33: the API level's keys were at most 12 tokens, so a block cache's insert, evict and
+    lock paths were only reached by the request level, whose failures named no step or operation."""
+    with pytest.raises(AssertionError, match=r"_DoubleFreeOfLongRuns \(seed 0, keys up to 60 tokens, step \d+, "
+                                             r"(evict|insert)\): allocator.free\(.*already free"):
+        check_prefix_cache(_DoubleFreeOfLongRuns, seeds=(0,), end_to_end=False)
+
+
+def test_a_raising_policy_order_is_named_with_its_case():
+    """Cache/policy audit 33: an exception from order() came through bare (no seed or queue)."""
+    from radixserve.testing import check_schedule_policy
+    from radixserve.testing.end_to_end import ArrivalOrder
+
+    class Raises(ArrivalOrder):
+        def order(self, waiting, cache):
+            if len(waiting) > 1:
+                raise RuntimeError("stale index")
+            return super().order(waiting, cache)
+
+    with pytest.raises(AssertionError, match=r"Raises.order \(seed 0, \d+ waiting\): order\(\) raised RuntimeError: "
+                                             r"stale index") as e:
+        check_schedule_policy(Raises, seeds=(0,), end_to_end=False)
+    assert isinstance(e.value.__cause__, RuntimeError)

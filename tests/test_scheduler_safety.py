@@ -29,7 +29,7 @@ class _Scheduler:
         self.aborted.append(rid)
         return True
 
-    def flush_cache(self) -> bool:
+    def flush_refusal(self):
         raise RuntimeError("a bug in flush")
 
     def add_request(self, msg) -> None:

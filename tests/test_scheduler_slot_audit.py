@@ -133,7 +133,35 @@ def test_locks_held_with_nothing_running_are_named_once(caplog):
     assert len(got) == 1, got
     # the lock taken on the prompt's 8 tokens after its prefill stays
     assert got[0].startswith("prefix cache 'NoUnlock' (test) holds 8 locked slots with no request running: "
-                             "cache_finished_req must release the request's lock (docs/contracts.md section 2)"), got
+                             "cache_finished_req must release the request's lock (docs/contracts.md section 2), and a "
+                             "schedule policy must not lock (section 4)"), got
+    # cache/policy audit 33: /flush_cache answered "requests are running" with none running (reset() refused the locks)
+    refusal = sched.flush_refusal()
+    assert refusal is not None and refusal.status == 500, refusal
+    assert refusal.message.startswith("prefix cache 'NoUnlock' (test) still holds 9 locked KV slots with no request "
+                                      "running, so it cannot be flushed: a lock was never released"), refusal
+
+
+def test_a_reset_that_raises_is_the_flush_refusal_a_500_naming_the_cache():
+    class ResetFails(RadixCache):
+        def reset(self):
+            raise RuntimeError("index corrupt")
+
+    sched = make(ResetFails, debug=False)
+    run(sched, [("a", PROMPT, 4)])
+    refusal = sched.flush_refusal()
+    assert refusal is not None and refusal.status == 500
+    assert refusal.message.startswith("prefix cache 'ResetFails' (test) failed to reset: RuntimeError: index corrupt")
+    assert not sched.flush_cache()
+
+
+def test_a_flush_while_requests_run_is_a_400_that_counts_them():
+    sched = make(RadixCache, debug=False)
+    sched.add_request(GenerateRequest(rid="a", input_ids=PROMPT, sampling_params=SamplingParams(max_new_tokens=50)))
+    sched.step()
+    refusal = sched.flush_refusal()
+    assert refusal is not None and refusal.status == 400
+    assert refusal.message.startswith("cannot flush the cache while requests are running (1 running, 0 waiting)")
 
 
 def test_leaked_slots_are_named_when_idle_and_after_a_flush(caplog):

@@ -378,8 +378,9 @@ class Engine:
         return self._call(self.tokenizer_manager.get_stats())
 
     def flush_cache(self) -> bool:
-        """Empty the prefix cache; False (nothing done) while requests are running."""
-        return self._call(self.tokenizer_manager.flush_cache())
+        """Empty the prefix cache; False (nothing done) while requests are running or when the cache cannot
+        be reset (the log says why)."""
+        return self._call(self.tokenizer_manager.flush_cache()).ok
 
     def is_healthy(self) -> bool:
         """False after shutdown(), once a runtime process died, and in a forked child (which cannot use it)."""

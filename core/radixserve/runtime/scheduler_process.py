@@ -93,7 +93,9 @@ class SchedulerServer:
         elif isinstance(msg, AbortRequest):
             s.abort(msg.rid)
         elif isinstance(msg, FlushCacheRequest):
-            self.to_manager.send(self.enc.encode(ControlReply(req_id=msg.req_id, ok=s.flush_cache())))
+            refusal = s.flush_refusal()
+            data = {} if refusal is None else {"message": refusal.message, "status": refusal.status}
+            self.to_manager.send(self.enc.encode(ControlReply(req_id=msg.req_id, ok=refusal is None, data=data)))
         elif isinstance(msg, StatsRequest):
             self.to_manager.send(self.enc.encode(ControlReply(req_id=msg.req_id, data=s.stats())))
         elif isinstance(msg, ShutdownRequest):

@@ -180,7 +180,8 @@ class TokenizerManager:
       (status 400) for invalid requests, `EngineDeadError` (status 503) when a child died. Closing the
       iterator early (client disconnect) aborts the request and frees its KV.
     - `tm.abort(rid)`: the request ends with finish_reason {"type": "abort"}; unknown rids are ignored.
-    - `await tm.flush_cache() -> bool` (False while requests are running).
+    - `await tm.flush_cache() -> ControlReply`: `ok` False (nothing done) while requests are running or
+      when the cache cannot be reset, `data` then {"message": why, "status": 400 or 500}.
     - `await tm.get_stats() -> dict`: running, waiting, token_usage, cache_hit_rate, throughput, ...
     - `tm.is_healthy()`: False once a child died (in-flight requests then get EngineDeadError) or
       after `stop_admitting`.
@@ -599,9 +600,8 @@ class TokenizerManager:
         await self._send.send(self._enc.encode(make(cid)))
         return await fut
 
-    async def flush_cache(self) -> bool:
-        reply = await self._control_call(FlushCacheRequest)
-        return reply.ok
+    async def flush_cache(self) -> ControlReply:
+        return await self._control_call(FlushCacheRequest)
 
     async def get_stats(self) -> dict[str, Any]:
         reply = await self._control_call(StatsRequest)

@@ -83,6 +83,15 @@ class _Meta:
 
 
 @dataclass(frozen=True)
+class FlushRefusal:
+    """Why `flush_cache` changed nothing: the client's message and its HTTP status (400: requests are
+    running, retry later; 500: a plugin broke the cache's contract)."""
+
+    message: str
+    status: int
+
+
+@dataclass(frozen=True)
 class _AdmissionBlock:
     """Where the last admission round stopped for lack of memory: `req` (the next request in the
     policy's order) needed `extend` new tokens plus its reserve, and the counters that change the
@@ -266,7 +275,8 @@ class Scheduler:
       stop string are sent last as `num_stop_tokens` (for the text cut) with no logprobs. While a
       streamed request's text ends in a possible stop-string prefix, those tokens are held back.
     - `flush_cache()` empties the prefix cache when no request is resident (returns False otherwise);
-      afterwards `allocator.available_size() == allocator.size`.
+      afterwards `allocator.available_size() == allocator.size`. `flush_refusal()` does the same and
+      says why it did not (None when it flushed).
     - Speculative decoding (`drafter` given, from `stack.speculative`): the decode step of the
       running requests becomes a verify step (`_verify_items`): each request's last token plus its
       drafts in one EXTEND forward (`ScheduledBatch.spec`), the longest path of drafts equal to
@@ -542,16 +552,28 @@ class Scheduler:
         return True
 
     def flush_cache(self) -> bool:
+        return self.flush_refusal() is None
+
+    def flush_refusal(self) -> FlushRefusal | None:
+        """Empty the prefix cache; None when done, else why not (nothing was changed)."""
         self._finish_in_flight()
         if self.waiting or self.running or self.chunked_req is not None:
-            return False
+            return FlushRefusal(f"cannot flush the cache while requests are running ({len(self.running)} running, "
+                                f"{len(self.waiting)} waiting); retry when idle", 400)
+        locked = self.cache.protected_size()
+        if locked:  # no request holds a lock now: a plugin leaked one (reset would refuse or leak)
+            return FlushRefusal(
+                f"{self.cache_label} still holds {locked} locked KV slots with no request running, so it cannot be "
+                "flushed: a lock was never released (the cache's cache_finished_req, or a schedule policy that locked "
+                "a node: docs/contracts.md sections 2 and 4); restart the server to recover the slots", 500)
         try:
             self.cache.reset()
-        except Exception:
+        except Exception as e:
             logger.exception("%s: reset() failed; the cache was not flushed", self.cache_label)
-            return False
+            return FlushRefusal(f"{self.cache_label} failed to reset: {type(e).__name__}: {e}; the cache was not "
+                                "flushed (a plugin error, logged)", 500)
         self._slot_audit.after_reset()
-        return True
+        return None
 
     def has_work(self) -> bool:
         return bool(

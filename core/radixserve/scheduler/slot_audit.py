@@ -41,8 +41,8 @@ class SlotAudit:
         if protected:
             self._once("locked", logging.WARNING,
                        "%s holds %d locked slots with no request running: cache_finished_req must release the "
-                       "request's lock (%s section 2); locked slots are never evicted, so a waiting request may "
-                       "never fit", self.label, protected, CONTRACT)
+                       "request's lock (%s section 2), and a schedule policy must not lock (section 4); locked "
+                       "slots are never evicted, so a waiting request may never fit", self.label, protected, CONTRACT)
         if free + cached < size:
             self._once("leaked", logging.WARNING,
                        "%s: with no request running, %d free + %d cached = %d of %d KV slots: %d leaked (owned by "

@@ -161,9 +161,9 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> JSONResponse:
-        ok = await tm.flush_cache()
-        if ok is False:
-            raise APIError("cannot flush the cache while requests are running; retry when idle", 400)
+        reply = await tm.flush_cache()
+        if not reply.ok:
+            raise APIError(reply.data.get("message", "the cache was not flushed"), int(reply.data.get("status", 400)))
         return JSONResponse({"status": "ok", "message": "cache flushed"})
 
     @app.post("/abort_request")

@@ -34,7 +34,8 @@ def run_to_completion(sched, reqs: list, max_steps: int = 100_000) -> dict[str, 
             assert not getattr(out, "error", None), f"request {out.rid} failed: {out.error}"
             res.setdefault(out.rid, []).extend(out.new_ids)
     assert not sched.has_work(), f"the scheduler still has work after {max_steps} steps"
-    assert sched.flush_cache(), "flush_cache() refused with every request finished"
+    refusal = sched.flush_refusal()
+    assert refusal is None, f"flush_cache() refused with every request finished: {refusal}"
     assert sched.allocator.available_size() == sched.allocator.size, "KV slots leaked"
     return res
 
@@ -77,7 +78,8 @@ def check_scheduler_outputs(
     assert not sched.has_work(), f"{names}: the scheduler still has work after 10,000 steps"
     for rid, want in expected.items():
         assert got.get(rid) == want, f"{names}: request {rid} produced {got.get(rid)}, the toy model gives {want}"
-    assert sched.flush_cache(), f"{names}: flush_cache() refused with every request finished"
+    refusal = sched.flush_refusal()
+    assert refusal is None, f"{names}: flush_cache() refused with every request finished: {refusal}"
     free, total = runner.token_allocator.available_size(), runner.token_allocator.size
     assert free == total, f"{names}: {total - free} KV slots leaked after every request finished and a flush"
     rows = runner.req_to_token_pool

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from radixserve.interfaces.policy import SchedulePolicy
 from radixserve.memory import ReqToTokenPool, TokenAllocator
 from radixserve.state import Req, SamplingParams
+from radixserve.testing._hooks import call_hook
 from radixserve.testing._threads import single_threaded
 
 
@@ -59,7 +60,7 @@ def _check_order(policy_factory, cache_factory, seed: int) -> None:
         name = type(policy_factory()).__name__
         where = f"{name}.order (seed {seed}, {n} waiting)"
         before = (cache.allocator.available_size(), cache.evictable_size(), cache.protected_size())
-        out = policy_factory().order(list(waiting), cache)
+        out = call_hook(policy_factory().order, list(waiting), cache, where=f"{where}: order()")
         assert isinstance(out, list), f"{where} returned {type(out).__name__}, not a list"
         ids = [id(r) for r in out]
         assert len(set(ids)) == len(ids), f"{where} returned a request twice: {[r.rid for r in out]}"
@@ -73,7 +74,7 @@ def _check_order(policy_factory, cache_factory, seed: int) -> None:
                 fresh = cache.match_prefix(r.fill_ids).kv_indices.tolist()
                 assert r.prefix_indices.tolist() == fresh, (
                     f"{where}: request {r.rid} carries prefix_indices that are not cache.match_prefix(req.fill_ids)")
-        again = policy_factory().order(_reqs(specs), cache)
+        again = call_hook(policy_factory().order, _reqs(specs), cache, where=f"{where}: order() called again")
         assert [r.rid for r in again] == [r.rid for r in out], (
             f"{where} is not deterministic: {[r.rid for r in out]} then {[r.rid for r in again]} for the same input")
 

@@ -175,7 +175,9 @@ class _Model:
             f"{where}: after reset {self.alloc.available_size()} of {self.alloc.size} slots are free (leak)")
 
 
-def _api_level(factory: CacheFactory, seed: int, steps: int, pool: int) -> None:
+def _api_level(factory: CacheFactory, seed: int, steps: int, pool: int, max_len: int = 8) -> None:
+    """Random operations on keys of up to ~1.5 x `max_len` tokens (a cache that keeps whole blocks of 16
+    tokens only sees its insert, evict and lock paths with keys past 16: cache/policy audit 33)."""
     rng = random.Random(seed)
     alloc = RecordingAllocator(pool)
     cache = factory(ReqToTokenPool(4, 64), alloc)
@@ -184,13 +186,14 @@ def _api_level(factory: CacheFactory, seed: int, steps: int, pool: int) -> None:
 
     def rand_key() -> list[int]:
         if rng.random() < 0.5:  # a prefix or an extension of a key seen before: splits and shared paths
-            base = rng.choice(keys)[: rng.randint(1, 8)]
-            return base + [rng.randint(0, 3) for _ in range(rng.randint(0, 4))]
-        return [rng.randint(0, 3) for _ in range(rng.randint(1, 8))]
+            base = rng.choice(keys)[: rng.randint(1, max_len)]
+            return base + [rng.randint(0, 3) for _ in range(rng.randint(0, max_len // 2))]
+        return [rng.randint(0, 3) for _ in range(rng.randint(1, max_len))]
 
+    keys_note = "" if max_len <= 8 else f", keys up to {max_len + max_len // 2} tokens"
     for step in range(steps):
         op = rng.choice(("insert", "insert", "match", "lock", "unlock", "evict", "reset"))
-        where = f"{m.name} (seed {seed}, step {step}, {op})"
+        where = f"{m.name} (seed {seed}{keys_note}, step {step}, {op})"
         alloc.where = where
         if op == "insert":
             key = rand_key()
@@ -368,6 +371,7 @@ def check_prefix_cache(
     """
     for seed in seeds:
         _api_level(cache, seed, api_steps, pool=40)
+        _api_level(cache, seed, api_steps, pool=240, max_len=40)  # several 16-token blocks a key
         _RequestDriver(cache, seed, pool=90).run(num_requests)
     if end_to_end:
         from radixserve.testing.end_to_end import ArrivalOrder, check_scheduler_outputs

@@ -104,10 +104,11 @@ def create_router_app(router: Router, config: Config, metrics: RouterMetrics) ->
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
         answers = await _ask_all(router, "POST", "/flush_cache")
-        failed = [r.index for r, a in answers if not (isinstance(a, httpx.Response) and a.status_code == 200)]
+        failed = [(r.index, _refusal(a)) for r, a in answers if not (isinstance(a, httpx.Response) and a.status_code == 200)]
         router.policy.reset()  # what is left cached where is no longer known exactly: start afresh
         if failed:
-            raise APIError(f"replicas {failed} could not flush their cache (requests running?); retry when idle", 400)
+            status = max(status for _, (status, _) in failed)
+            raise APIError("; ".join(f"replica {index}: {message}" for index, (_, message) in failed), status)
         return JSONResponse({"status": "ok", "message": "cache flushed", "replicas": len(answers)})
 
     @app.post("/abort_request")
@@ -174,3 +175,13 @@ def _rid(body: bytes) -> Any:
     except ValueError:
         return None
     return data.get("rid") if isinstance(data, dict) else None
+
+
+def _refusal(answer: Any) -> tuple[int, str]:
+    """(status, message) of a replica's failed /flush_cache: its own error, or why it gave none."""
+    if not isinstance(answer, httpx.Response):
+        return 502, f"no answer ({type(answer).__name__}: {answer})"
+    try:
+        return answer.status_code, str(answer.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return answer.status_code, answer.text[:200]
