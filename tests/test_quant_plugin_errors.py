@@ -411,7 +411,11 @@ def test_config_show_refuses_what_start_up_refuses(on_path, tiny_llama_dir, tmp_
               "stack.quantization='int8t' cannot apply to .*SmolLM2.*gguf.*weight source 'gguf'"),
              (["config", "show", "--model", bits4], re.escape(f"{LABEL}: bits=4 is not supported (only 8)")),
              (["config", "show", "--model", model, "stack.quantization=int8t-abstract"],
-              r"quantization method 'int8t-abstract' .*cannot be used: rs_int8t\.NoApply is abstract")]
+              r"quantization method 'int8t-abstract' .*cannot be used: rs_int8t\.NoApply is abstract"),
+             # quantization audit 33: the online mode's instance sets supports_tensor_parallel False (class True)
+             (["config", "show", "--model", model, "stack.quantization=int8t", "runtime.tp_size=2"],
+              r"runtime.tp_size=2: quantization method 'int8t' \(radixserve-quant-int8t\) does not support tensor "
+              r"parallelism in this mode \(the instance built by from_config\(None\)")]
     capsys.readouterr()
     for args, message in cases:
         assert main(args) == 2, args

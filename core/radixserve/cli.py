@@ -191,10 +191,13 @@ def _check_quant_method_builds(checkpoint: Any, resolved: Any, reg: Registry, co
         return
     import torch
 
-    from radixserve.model_loader.quant_select import build_quant_method, chosen_quant_method
+    from radixserve.model_loader.quant_select import build_quant_method, chosen_quant_method, quant_label
+    from radixserve.model_runner import check_quant_tensor_parallel
 
-    build_quant_method(reg, chosen_quant_method(reg, resolved, checkpoint.hf_config), torch.device(device),
-                       getattr(torch, config.runtime.resolved_dtype(device)))
+    choice = chosen_quant_method(reg, resolved, checkpoint.hf_config)
+    method = build_quant_method(reg, choice, torch.device(device), getattr(torch, config.runtime.resolved_dtype(device)))
+    # the instance's own flag (one mode of a method may not split over ranks), as the model runner checks it
+    check_quant_tensor_parallel(method, config.runtime.tp_size, quant_label(choice.spec), choice.built_by)
 
 
 def _check_quantization_fits_default_model(resolved: Any, reg: Registry) -> None:

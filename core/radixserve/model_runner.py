@@ -820,6 +820,24 @@ def _with_prompt_scores(result: BatchResult, scores_host: list, ready) -> BatchR
     return result
 
 
+def check_quant_tensor_parallel(quant, tp_size: int, quant_label: str | None = None,
+                                quant_built_by: str | None = None) -> None:
+    """Refuse tp_size > 1 for a built quantization method (None: unquantized) whose instance does not
+    declare `supports_tensor_parallel` (a class may set True and one mode of it, e.g. online
+    quantization, False). Arguments as `check_model_tensor_parallel`'s."""
+    from radixserve.plugins.registry import PluginError
+
+    if tp_size <= 1 or quant is None or getattr(quant, "supports_tensor_parallel", False):
+        return
+    label = quant_label or f"quantization method {type(quant).__name__}"
+    why = "supports_tensor_parallel is False"
+    if getattr(type(quant), "supports_tensor_parallel", False):  # a mode of the method, e.g. its online one
+        why = (f"the instance built by {quant_built_by or 'from_config'} sets supports_tensor_parallel False, "
+               f"though its class {type(quant).__name__} sets True")
+    raise PluginError(f"runtime.tp_size={tp_size}: {label} does not support tensor parallelism in this mode "
+                      f"({why}); set runtime.tp_size=1")
+
+
 def check_model_tensor_parallel(arch: str, model_cls: type, quant, hf_config, tp_size: int,
                                 quant_label: str | None = None, quant_built_by: str | None = None) -> None:
     """Refuse tp_size > 1 for a model class or quantization method that does not declare
@@ -831,14 +849,7 @@ def check_model_tensor_parallel(arch: str, model_cls: type, quant, hf_config, tp
     if not getattr(model_cls, "supports_tensor_parallel", False):
         raise PluginError(f"runtime.tp_size={tp_size}: model architecture {arch!r} ({model_cls.__module__}) does not "
                           "support tensor parallelism (supports_tensor_parallel is False); set runtime.tp_size=1")
-    if quant is not None and not getattr(quant, "supports_tensor_parallel", False):
-        label = quant_label or f"quantization method {type(quant).__name__}"
-        why = "supports_tensor_parallel is False"
-        if getattr(type(quant), "supports_tensor_parallel", False):  # a mode of the method, e.g. its online one
-            why = (f"the instance built by {quant_built_by or 'from_config'} sets supports_tensor_parallel False, "
-                   f"though its class {type(quant).__name__} sets True")
-        raise PluginError(f"runtime.tp_size={tp_size}: {label} does not support tensor parallelism in this mode "
-                          f"({why}); set runtime.tp_size=1")
+    check_quant_tensor_parallel(quant, tp_size, quant_label, quant_built_by)
     heads = int(hf_config.num_attention_heads)
     kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     if getattr(model_cls, "attention_type", "standard") == "latent":
