@@ -4,7 +4,6 @@ running?" with a 400 for every refusal, a cache that could not be reset included
 from __future__ import annotations
 
 import httpx
-
 from radixserve.server.router.app import _refusal
 
 
