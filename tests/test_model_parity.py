@@ -68,17 +68,19 @@ def test_dummy_weights_build_at_real_shape(tiny_llama_dir):
     assert len(out[0].tokens) == 4 and all(0 <= t < runner.vocab_size for t in out[0].tokens)
 
 
-def _write_tiny_gguf(hf_dir: str, out: str, qtypes: tuple[str, ...] = ("Q8_0", "Q4_1", "Q4_0")) -> None:
+def _write_tiny_gguf(hf_dir: str, out: str, qtypes: tuple[str, ...] = ("Q8_0", "Q4_1", "Q4_0"),
+                     embedding: str = "F16", arch: str = "llama") -> None:
     """Convert a tiny HF Llama checkpoint to GGUF the way llama.cpp does (q/k rows permuted,
-    the 2-D tensors but the F16 embedding in `qtypes` in turn: mixed by default), so the GGUF path
-    can be checked without a big file."""
+    the 2-D tensors but the embedding (F16) in `qtypes` in turn: mixed by default; a llama3 rope
+    as llama.cpp writes it, one factor per frequency in `rope_freqs.weight`), so the GGUF path can
+    be checked without a big file. `arch`: general.architecture (the keys are written under it)."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(hf_dir)
-    w = gguf.GGUFWriter(out, "llama")
+    w = gguf.GGUFWriter(out, arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -89,6 +91,14 @@ def _write_tiny_gguf(hf_dir: str, out: str, qtypes: tuple[str, ...] = ("Q8_0", "
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "llama3":
+        from radixserve_quant_gguf.hf_config import llama3_rope_factors
+
+        inv_freq = rope["rope_theta"] ** (-np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
+        factors = llama3_rope_factors(inv_freq, rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+                                      rope["original_max_position_embeddings"])
+        w.add_tensor("rope_freqs.weight", factors.astype(np.float32))
 
     def permute(x: np.ndarray, heads: int) -> np.ndarray:
         return x.reshape(heads, 2, x.shape[0] // heads // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
@@ -113,6 +123,8 @@ def _write_tiny_gguf(hf_dir: str, out: str, qtypes: tuple[str, ...] = ("Q8_0", "
         elif rest_is(name, "k_proj"):
             x = permute(x, cfg.num_key_value_heads)
         if x.ndim == 1:
+            w.add_tensor(gname, x)
+        elif name == "model.embed_tokens.weight" and embedding == "F32":
             w.add_tensor(gname, x)
         elif name == "model.embed_tokens.weight":
             w.add_tensor(gname, x.astype(np.float16))
@@ -144,6 +156,49 @@ def test_gguf_matches_transformers(tiny_llama_dir, tmp_path):
         ref_tokens, ref_logits = hf_greedy(hf, prompt, 16)
         torch.testing.assert_close(got.logits[0], ref_logits[0], rtol=1e-4, atol=1e-4)
         assert got.tokens == ref_tokens
+
+
+def test_a_llama3_rope_gguf_matches_the_checkpoint_it_was_converted_from(tiny_llama_dir, tmp_path):
+    """GGUF audit 33: every Llama 3.1-3.3 conversion holds rope_freqs.weight (llama3 rope scaling as one
+    factor per frequency), and such files were refused. The parameters that give those factors are found
+    and the file computes what the HF checkpoint does (transformers' own GGUF import ignores the tensor)."""
+    rope = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=64)
+    hf_dir = tiny_llama_dir("llama", tie_word_embeddings=False, rope_parameters=rope)
+    path = str(tmp_path / "llama3.gguf")
+    _write_tiny_gguf(hf_dir, path, qtypes=("F32",), embedding="F32")
+    runner = make_runner(path, {"dequantize": True})
+    assert runner.hf_config.rope_parameters == rope
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    prompt = prompts_for(runner.vocab_size, seed=5)[3]  # 21 tokens: past the 64 / 4 high-frequency wavelength
+    got = greedy_generate(runner, [prompt], 48, keep_logits=True)[0]  # to position 68, past the original context
+    ref_tokens, ref_logits = hf_greedy(hf, prompt, 48)
+    torch.testing.assert_close(got.logits[-1], ref_logits[-1], rtol=1e-4, atol=1e-4)
+    assert got.tokens == ref_tokens
+
+
+def test_a_gguf_the_reader_cannot_serve_is_one_line_naming_the_file(tiny_llama_dir, tmp_path):
+    """GGUF audit 33: an unsupported architecture or tensor type was a NotImplementedError (a traceback, exit 1);
+    now a ValueError naming the file, which the CLI reports as one line with exit 2."""
+    from radixserve_quant_gguf.hf_config import UnsupportedGGUF, build_hf_config
+    from radixserve_quant_gguf.reader import open_gguf
+
+    hf_dir = tiny_llama_dir("llama", tie_word_embeddings=False)
+    gemma = str(tmp_path / "gemma2.gguf")
+    _write_tiny_gguf(hf_dir, gemma, arch="gemma2")
+    with pytest.raises(UnsupportedGGUF, match=r"gemma2\.gguf: GGUF architecture 'gemma2' is not supported \(the GGUF "
+                                              r"reader serves llama, qwen2, qwen3"):
+        build_hf_config(open_gguf(gemma))
+    q2k = str(tmp_path / "q2k.gguf")
+    _write_tiny_gguf(hf_dir, q2k, qtypes=("F32",))
+    import gguf
+
+    reader = open_gguf(q2k)
+    reader.tensors[-1].tensor_type = gguf.GGMLQuantizationType.Q2_K  # what an unsupported quantization reads as
+    with pytest.raises(UnsupportedGGUF, match=r"q2k\.gguf: tensor '.*' has type Q2_K, which the GGUF reader cannot "
+                                              r"read"):
+        build_hf_config(reader)
+    assert issubclass(UnsupportedGGUF, ValueError)
 
 
 def test_gguf_passes_the_weight_source_kit(tiny_llama_dir, tmp_path):

@@ -165,7 +165,12 @@ def _gguf_tokenizer(path: str):
             return AutoTokenizer.from_pretrained(cache, trust_remote_code=False)
         except Exception:  # a corrupt or incompatible cache entry: rebuild it
             shutil.rmtree(cache, ignore_errors=True)
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), trust_remote_code=False)
+    try:
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                            trust_remote_code=False)
+    except ValueError as e:  # e.g. no tokenizer.ggml.model: transformers' words name neither the file nor the way out
+        raise ValueError(f"{path}: the GGUF file's tokenizer cannot be read ({e}); give the model's tokenizer "
+                         "directory with --tokenizer DIR (model.tokenizer)") from e
     tmp = None
     try:
         os.makedirs(os.path.dirname(cache), exist_ok=True)

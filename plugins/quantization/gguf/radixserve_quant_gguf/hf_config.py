@@ -8,7 +8,11 @@ numbers. `GGUFModelConfig.to_transformers()` gives the transformers config where
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Any
+
+import numpy as np
 
 from radixserve_quant_gguf.reader import field
 
@@ -16,28 +20,76 @@ from radixserve_quant_gguf.reader import field
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
+class UnsupportedGGUF(ValueError):
+    """A GGUF file this reader cannot serve (its architecture, a tensor type, a rope variant): a
+    ValueError, so that start-up reports it as one line naming the file (exit 2), not a traceback."""
+
+
 def gguf_architecture(reader) -> str:
     arch = field(reader, "general.architecture")
     if arch not in _MODEL_TYPES:
-        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_MODEL_TYPES)})")
+        raise UnsupportedGGUF(f"{reader.path}: GGUF architecture {arch!r} is not supported (the GGUF reader serves "
+                              f"{', '.join(sorted(_MODEL_TYPES))}; for another architecture use its Hugging Face "
+                              "directory)")
     return arch
 
 
-def _rope_parameters(reader, arch: str, theta: float) -> dict[str, Any]:
+def _rope_parameters(reader, arch: str, theta: float, head_dim: int) -> dict[str, Any]:
     kind = field(reader, f"{arch}.rope.scaling.type")
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     if kind in (None, "none"):
-        if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-            raise NotImplementedError("GGUF rope_freqs (llama3-style per-frequency rope factors) is not supported yet")
+        freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+        if freqs is not None:  # every Llama 3.1-3.3 conversion: llama3 rope as one factor per frequency
+            params.update(_llama3_parameters(reader, freqs, theta, head_dim))
         return params
     if kind not in ("linear", "yarn"):
-        raise NotImplementedError(f"GGUF rope scaling type {kind!r} is not supported (linear, yarn)")
+        raise UnsupportedGGUF(f"{reader.path}: GGUF rope scaling type {kind!r} is not supported (linear, yarn, and "
+                              "Llama 3's rope_freqs)")
     params["rope_type"] = kind
     params["factor"] = float(field(reader, f"{arch}.rope.scaling.factor"))
     orig = field(reader, f"{arch}.rope.scaling.original_context_length")
     if orig is not None:
         params["original_max_position_embeddings"] = int(orig)
     return params
+
+
+# The values Llama 3.x and its fine-tunes use (3.1/3.3: factor 8, 3.2: 32; low 1, high 4, 8192 tokens),
+# widened so that other contexts and smoothing bands are found too.
+_LLAMA3_CONTEXTS = tuple(2**k for k in range(4, 21))
+_LLAMA3_LOW = (1.0, 0.5, 2.0, 4.0)
+_LLAMA3_HIGH = (4.0, 1.0, 2.0, 8.0, 16.0, 32.0)
+
+
+def llama3_rope_factors(inv_freq: np.ndarray, factor: float, low: float, high: float, context: int) -> np.ndarray:
+    """Each frequency's divisor under Llama 3's rope scaling (what llama.cpp's converter writes as
+    rope_freqs.weight): 1 for wavelengths under context / high, `factor` over context / low, and
+    the smoothed blend between."""
+    wavelen = 2 * math.pi / inv_freq
+    smooth = np.clip((context / wavelen - low) / (high - low), 0.0, 1.0)
+    scaled = (1 - smooth) / factor + smooth
+    return np.where(wavelen < context / high, 1.0, np.where(wavelen > context / low, factor, 1.0 / scaled))
+
+
+def _llama3_parameters(reader, tensor, theta: float, head_dim: int) -> dict[str, Any]:
+    """The `rope_type: llama3` parameters whose factors equal the file's rope_freqs.weight (llama.cpp
+    stores the factors, not the parameters that made them); refused when none among the usual values do."""
+    factors = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if factors.shape != inv_freq.shape or not np.all(np.isfinite(factors)) or factors.min() <= 0:
+        raise UnsupportedGGUF(f"{reader.path}: rope_freqs.weight holds {factors.size} values, not one positive factor "
+                              f"for each of the {inv_freq.size} rope frequencies")
+    factor = float(factors.max())
+    if np.allclose(factors, 1.0):
+        return {}  # no scaling
+    # (context, low, high) and (k context, k low, k high) give the same factors: the usual low / high come first
+    for low, high, context in itertools.product(_LLAMA3_LOW, _LLAMA3_HIGH, _LLAMA3_CONTEXTS):
+        if high > low and np.allclose(llama3_rope_factors(inv_freq, factor, low, high, context), factors,
+                                      rtol=1e-4, atol=1e-6):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": context}
+    raise UnsupportedGGUF(f"{reader.path}: rope_freqs.weight (per-frequency rope factors, largest {factor:g}) matches "
+                          "no Llama 3 rope scaling (factor, low/high frequency factors, original context), so the "
+                          "positions cannot be encoded as the model was trained; not supported")
 
 
 # Attributes the runtime reads that transformers' config class for the architecture sets by
@@ -97,8 +149,15 @@ class GGUFModelConfig:
 
 
 def build_hf_config(reader) -> GGUFModelConfig:
-    """The config of the GGUF's model (attributes as transformers' config has them)."""
+    """The config of the GGUF's model (attributes as transformers' config has them). Refuses a file
+    holding a tensor of a type the reader cannot read, before any weight is loaded."""
+    from radixserve_quant_gguf.tensors import SUPPORTED_TYPES, hf_name
+
     arch = gguf_architecture(reader)
+    for t in reader.tensors:
+        if hf_name(t.name) is not None and t.tensor_type.name not in SUPPORTED_TYPES:
+            raise UnsupportedGGUF(f"{reader.path}: tensor {t.name!r} has type {t.tensor_type.name}, which the GGUF "
+                                  f"reader cannot read (it reads {', '.join(SUPPORTED_TYPES)})")
     heads = int(field(reader, f"{arch}.attention.head_count"))
     hidden = int(field(reader, f"{arch}.embedding_length"))
     vocab = field(reader, f"{arch}.vocab_size") or len(field(reader, "tokenizer.ggml.tokens"))
@@ -116,7 +175,8 @@ def build_hf_config(reader) -> GGUFModelConfig:
         "rms_norm_eps": float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         "vocab_size": int(vocab),
         "tie_word_embeddings": not has_output,
-        "rope_parameters": _rope_parameters(reader, arch, float(field(reader, f"{arch}.rope.freq_base", 10000.0))),
+        "rope_parameters": _rope_parameters(reader, arch, float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+                                            int(field(reader, f"{arch}.rope.dimension_count") or head_dim or hidden // heads)),
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": field(reader, "tokenizer.ggml.padding_token_id"),

@@ -59,7 +59,9 @@ def dequantize(t) -> torch.Tensor:
 
     kind = t.tensor_type.name
     if kind not in SUPPORTED_TYPES:
-        raise NotImplementedError(f"GGUF tensor {t.name!r} has type {kind}; supported: {', '.join(SUPPORTED_TYPES)}")
+        from radixserve_quant_gguf.hf_config import UnsupportedGGUF
+
+        raise UnsupportedGGUF(f"GGUF tensor {t.name!r} has type {kind}; supported: {', '.join(SUPPORTED_TYPES)}")
     arr = gguf_dequantize(t.data, t.tensor_type)
     shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
     arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
