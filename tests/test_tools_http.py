@@ -700,3 +700,59 @@ def test_text_parts_are_joined_by_a_newline():
     parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
     openai_client(tm).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}])
     assert "<|im_start|>user\nHi\nthere<|im_end|>" in tm.prompt()
+
+
+HERMES_TOOL_USE = (  # a Hermes-2-Pro-style `tool_use` template: tools in the system turn, calls as <tool_call> blocks
+    "{{ '<|im_start|>system\\n<tools>' + (tools | tojson) + '</tools><|im_end|>\\n' }}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
+    "{{ '<tool_call>' + call['function']['name'] + '</tool_call>' }}{% endfor %}"
+    "{% else %}{{ message['content'] }}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class NamedTemplatesTM(JinjaTM):
+    """A checkpoint that ships named chat templates (Hermes-2-Pro, Command-R): `default` without tools,
+    `tool_use` with them; rendered as transformers does (the tool_use one when `tools` are given)."""
+
+    def __init__(self, reply: str = "ok") -> None:
+        super().__init__(CHATML, reply)
+        import jinja2
+
+        self.tokenizer.chat_template = {"default": CHATML, "tool_use": HERMES_TOOL_USE}
+        self._named = {name: jinja2.Environment().from_string(text)
+                       for name, text in self.tokenizer.chat_template.items()}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
+        self.rendered.append((messages, kwargs))
+        template = self._named["tool_use" if kwargs.get("tools") is not None else "default"]
+        return self.tokenizer.encode(template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                     **kwargs))
+
+
+def test_named_chat_templates_serve_the_tool_loop():
+    """Chat audit 33: with `default` + `tool_use` templates, the parser was not detected (the template texts were
+    not read) and the tool result's turn was a 400 'does not render tool calls' (probed on `default` alone)."""
+    tm = NamedTemplatesTM(HERMES_OUT)
+    oai = openai_client(tm)  # no --tool-call-parser: found in the tool_use template's <tool_call>
+    first = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
+    assert [name for name, _ in calls_of(first.choices[0].message)] == ["get_weather", "get_time"]
+    tm.reply = "It is 18C."
+    second = oai.chat.completions.create(model=MODEL, messages=CALL_HISTORY, tools=TOOLS)
+    assert second.choices[0].message.content == "It is 18C."
+    assert "<tool_call>get_weather</tool_call>" in tm.prompt()
+    # without tools the default template renders, which cannot show the call: still refused, naming the message
+    assert _error(oai, messages=CALL_HISTORY)["param"] == "messages.1.tool_calls"
+
+
+def test_tokenize_renders_as_the_chat_route_under_tool_choice_none():
+    """Chat audit 33: /tokenize refused tool_choice, so a prompt sent with tool_choice "none" (tools hidden)
+    could not be reproduced (162 tokens counted with the tools against the chat route's 33)."""
+    tm = JinjaTM(CHATML)
+    oai = openai_client(tm)
+    oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none")
+    http = oai._client
+    r = http.post("http://testserver/tokenize", json={"messages": ASK, "tools": TOOLS, "tool_choice": "none"})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == list(tm.inputs[-1].input_ids)

@@ -167,11 +167,13 @@ def _as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
 
 
-def _history_for_template(tm: Any, messages: list[dict[str, Any]], parsers: OutputParsers) -> list[dict[str, Any]]:
+def _history_for_template(tm: Any, messages: list[dict[str, Any]], parsers: OutputParsers,
+                          with_tools: bool) -> list[dict[str, Any]]:
     """Earlier tool calls as the template can show them: itself, as Hermes blocks under
-    `server.generic_tool_prompt`, or a 400, never dropped without a word."""
+    `server.generic_tool_prompt`, or a 400, never dropped without a word. `with_tools`: the request's
+    tools reach the template (which may then render with another of its named templates)."""
     with_calls = next((i for i, m in enumerate(messages) if m.get("tool_calls")), None)
-    if with_calls is None or parsers.template.tool_calls(tm):
+    if with_calls is None or parsers.template.tool_calls(tm, with_tools):
         return messages
     if parsers.generic_tool_prompt:
         return generic_tool_history(messages)
@@ -213,7 +215,7 @@ def plan_chat(tm: Any, req: Any, parsers: OutputParsers) -> ChatPlan:
                 "tools",
             )
     if not generic:
-        messages = _history_for_template(tm, messages, parsers)
+        messages = _history_for_template(tm, messages, parsers, "tools" in kwargs)
     ids = _render_checked(tm, messages, req.add_generation_prompt, kwargs)
 
     fmt = getattr(req, "response_format", None)  # structured output constrains the same output

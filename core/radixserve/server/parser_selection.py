@@ -75,8 +75,12 @@ def check_parser_names(config: Any, registry: Any) -> None:
 
 
 def select_output_parsers(config: Any, registry: Any, chat_template: str | None) -> OutputParsers:
-    """The parsers for a model whose chat template text is `chat_template` (None: it has none)."""
+    """The parsers for a model whose chat template text is `chat_template` (None: it has none; a dict:
+    named templates, e.g. `default` and `tool_use`, whose texts are all read: the tool_use one renders
+    the calls the parser must recognise)."""
     server = config.server
+    if isinstance(chat_template, dict):
+        chat_template = "\n".join(t for t in chat_template.values() if isinstance(t, str)) or None
     template = chat_template if isinstance(chat_template, str) else None
     tool_cls, tool_name = _pick(registry, "tool_parser", server.tool_call_parser, template, "server.tool_call_parser")
     reasoning_cls, reasoning_name = _pick(

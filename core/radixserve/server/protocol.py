@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
-from radixserve.server.protocol_tools import ChatToolFields, DeltaToolCall, ToolCall, ToolDefinition
+from radixserve.server.protocol_tools import ChatToolFields, DeltaToolCall, ToolCall, ToolChoice, ToolDefinition
 from radixserve.validation import (
     MAX_STOP_STRINGS,
     PRIORITY_MAX,
@@ -398,6 +398,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool | None = None  # a prompt's BOS etc. (default true); a chat template writes its own
     add_generation_prompt: bool = True
     tools: list[ToolDefinition] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = None  # as the chat route's: "none" renders without the tools
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 

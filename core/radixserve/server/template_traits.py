@@ -6,7 +6,7 @@ server's life), so that the server never sends the model a prompt with a part si
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 _PROBE_TOOL = {
@@ -36,7 +36,9 @@ class TemplateTraits:
     `OutputParsers` (one per server: one template)."""
 
     renders_tools: bool | None = None  # shows `tools` to the model
-    renders_tool_calls: bool | None = None  # shows an assistant message's `tool_calls`
+    # shows an assistant message's `tool_calls`, by whether the request gives `tools` (a checkpoint's named
+    # templates: `tool_use` renders calls, `default` may not)
+    renders_tool_calls: dict[bool, bool] = field(default_factory=dict)
     has_developer_role: bool | None = None  # renders `developer` its own way (gpt-oss), not as any unknown role
 
     def tools(self, tm: Any) -> bool:
@@ -46,8 +48,11 @@ class TemplateTraits:
                                           lambda: render(tm, probe, True, {"tools": [_PROBE_TOOL]}))
         return self.renders_tools
 
-    def tool_calls(self, tm: Any) -> bool:
-        if self.renders_tool_calls is None:
+    def tool_calls(self, tm: Any, with_tools: bool = False) -> bool:
+        """Whether the template shows earlier calls, in a request that gives `tools` or one that does not."""
+        if with_tools not in self.renders_tool_calls:
+            options = {"tools": [_PROBE_TOOL]} if with_tools else {}
+
             def conversation(calls: bool, result: bool) -> list[dict[str, Any]]:
                 assistant: dict[str, Any] = {"role": "assistant", "content": ""}
                 if calls:
@@ -57,11 +62,11 @@ class TemplateTraits:
 
             # with the call's result after it (templates that check the order) and without (templates
             # that know no `tool` role)
-            self.renders_tool_calls = any(
-                _differs(lambda r=result: render(tm, conversation(False, r), True, {}),
-                         lambda r=result: render(tm, conversation(True, r), True, {}))
+            self.renders_tool_calls[with_tools] = any(
+                _differs(lambda r=result: render(tm, conversation(False, r), True, options),
+                         lambda r=result: render(tm, conversation(True, r), True, options))
                 for result in (True, False))
-        return self.renders_tool_calls
+        return self.renders_tool_calls[with_tools]
 
     def developer_role(self, tm: Any) -> bool:
         if self.has_developer_role is None:

@@ -28,7 +28,7 @@ async def tokenize(serving: Any, req: p.TokenizeRequest) -> dict[str, Any]:
     else:
         try:  # the chat route's own checks of the messages (a tool message without its call, ...): its 400s
             chat = p.ChatCompletionRequest(model=tm.model_name, messages=req.messages, tools=req.tools,
-                                           add_generation_prompt=req.add_generation_prompt,
+                                           tool_choice=req.tool_choice, add_generation_prompt=req.add_generation_prompt,
                                            chat_template_kwargs=req.chat_template_kwargs)
         except ValidationError as e:
             raise RequestValidationError(e.errors(include_url=False),
