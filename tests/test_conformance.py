@@ -46,8 +46,10 @@ def test_the_attention_kit_reports_each_scenario_as_it_starts(registry):
                             num_requests=2, decode_steps=1, tree_steps=1, layer_options=((4, 1.5),),
                             progress=lines.append)
     what = [line.rsplit(" (", 1)[0].removeprefix("check_attention_backend float32 ") for line in lines]
-    assert what == ["heads (2, 1, 16) seed 0", "heads (2, 1, 16) seed 0: trees", "heads (2, 1, 16) seed 1",
-                    "heads (2, 1, 16) seed 1: trees", "heads (2, 1, 16) window 4 cap 1.5",
+    assert what == ["heads (2, 1, 16) seed 0", "heads (2, 1, 16) seed 0: trees",
+                    "heads (2, 1, 16) seed 0: decode rows sharing requests", "heads (2, 1, 16) seed 1",
+                    "heads (2, 1, 16) seed 1: trees", "heads (2, 1, 16) seed 1: decode rows sharing requests",
+                    "heads (2, 1, 16) window 4 cap 1.5",
                     "heads (2, 1, 16) window 4 cap 1.5: trees",
                     "heads (2, 1, 16) seed 0: past key positions [64, 128, 256]", "done"]
     seconds = [float(line.rsplit("(", 1)[1].removesuffix(" s)")) for line in lines]

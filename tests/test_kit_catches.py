@@ -498,3 +498,31 @@ def test_a_raising_policy_order_is_named_with_its_case():
                                              r"stale index") as e:
         check_schedule_policy(Raises, seeds=(0,), end_to_end=False)
     assert isinstance(e.value.__cause__, RuntimeError)
+
+
+class _ReadsBeforeStoring(ReferenceAttentionBackend):
+    """Claims decode rows may share a request, but each row reads the pool before any row's k, v is stored
+    (its own token taken from its arguments): right for one row a request, wrong for a chain of rows."""
+
+    decode_rows_share_requests = True
+    supports_tree_mask = False
+
+    def forward_decode(self, q, k, v, layer, batch):
+        loc = batch.out_cache_loc
+        k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        old_k, old_v = k_buf[loc].to(k.dtype).reshape(k.shape), v_buf[loc].to(v.dtype).reshape(v.shape)
+        rows = []
+        for r in range(len(loc)):
+            k_r, v_r = old_k.clone(), old_v.clone()
+            k_r[r], v_r[r] = k[r], v[r]
+            rows.append(self.attend64(q, k_r, v_r, layer, batch)[r])
+        batch.kv_pool.set_kv(layer.layer_id, loc, k, v)
+        return torch.stack(rows).to(q.dtype)
+
+
+def test_the_attention_kit_runs_decode_rows_sharing_requests_when_the_backend_says_it_takes_them():
+    """Attention audit 33: only the latent kit ran them, so this backend passed and changed greedy outputs
+    under speculative decoding on the CPU."""
+    check_attention_backend(_ReadsBeforeStoring, **SMALL, decode_row_steps=0)  # plain decode batches: right
+    with pytest.raises(AssertionError, match=r"DECODE step"):
+        check_attention_backend(_ReadsBeforeStoring, **SMALL)

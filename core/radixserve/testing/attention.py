@@ -46,6 +46,7 @@ _NUM_LAYERS, _LAYER_ID = 2, 1  # the backend must write the layer it is called f
 # key positions the long scenario's sequences cross: common kernel tile sizes
 DEFAULT_LONG_POSITIONS = (64, 128, 256)
 _ROWS, _CONTEXT, _SLOTS = 12, 256, 1000  # a scenario's pools unless its arguments need more
+_MAX_DECODE_ROWS = 5  # rows of one request in a decode-rows chain verify
 _MAX_PREFIX, _MAX_PROMPT, _MAX_TREE, _MAX_CHAIN = 70, 20, 20, 9  # per request, as `run` and `run_trees` draw them
 
 
@@ -500,6 +501,14 @@ class _Scenario:
             chosen = rng.sample(range(len(self.reqs)), rng.randint(1, len(self.reqs)))
             self.step(ForwardMode.DECODE, [(i, 1) for i in chosen])
 
+    def run_decode_rows(self, steps: int) -> None:
+        """Chain verifies as DECODE batches whose rows share requests (1 to 5 rows per request), as the
+        runner gives a backend that sets `decode_rows_share_requests` (speculative decoding, any device)."""
+        rng = self.rng
+        for _ in range(steps):
+            chosen = rng.sample(range(len(self.reqs)), rng.randint(1, len(self.reqs)))
+            self.step(ForwardMode.DECODE, [(i, rng.randint(1, _MAX_DECODE_ROWS)) for i in chosen], decode_rows=True)
+
     def run_trees(self, steps: int) -> None:
         """Speculative verify forwards after `run`: random draft trees (and single tokens) for
         random subsets of the requests, then chains as trees checked against causal extend."""
@@ -603,6 +612,7 @@ def check_attention_backend(
     num_requests: int = 4,
     decode_steps: int = 3,
     tree_steps: int = 3,
+    decode_row_steps: int = 2,
     tolerance: float | None = None,
     layer_options: Sequence[tuple[int, float]] = ((6, 1.5), (1, 0.7)),
     kv_dtype: torch.dtype | None = None,
@@ -625,6 +635,9 @@ def check_attention_backend(
         the requests in random order (>= 0).
     :param tree_steps: speculative verify forwards with random draft trees per scenario (then one
         with chains as trees), run when the backend sets `supports_tree_mask = True`.
+    :param decode_row_steps: chain verifies as DECODE batches whose rows share requests (every row
+        must be stored before any row reads the pool), run when the backend sets
+        `decode_rows_share_requests = True`. Added in plugin API 1.17 (before, only the latent kit ran them).
     :param tolerance: the largest relative error (norm of the difference over the norm of the
         exact result) per request and step; default by dtype (fp32 1e-3, fp16 5e-3, bf16 2e-2).
     :param layer_options: (sliding_window, logit_cap) pairs: for a backend with
@@ -662,9 +675,11 @@ def check_attention_backend(
     assert problem is None, problem  # the runner's own check (it refuses such a class before loading)
     if matmul_precision not in ("highest", "medium"):
         raise ValueError(f"matmul_precision={matmul_precision!r}: 'highest' or 'medium'")
-    _check_step_counts(num_requests=num_requests, decode_steps=decode_steps, tree_steps=tree_steps)
+    _check_step_counts(num_requests=num_requests, decode_steps=decode_steps, tree_steps=tree_steps,
+                       decode_row_steps=decode_row_steps)
     _check_long_positions(long_positions)
-    per_request = _MAX_PREFIX + _MAX_PROMPT + decode_steps + tree_steps * _MAX_TREE + _MAX_CHAIN
+    per_request = (_MAX_PREFIX + _MAX_PROMPT + decode_steps + tree_steps * _MAX_TREE + _MAX_CHAIN
+                   + _MAX_DECODE_ROWS * decode_row_steps)
     sizes = _scenario_sizes(num_requests, per_request)
     default_tol = DEFAULT_TOLERANCE[dtype]
     if matmul_precision == "medium":
@@ -699,6 +714,9 @@ def check_attention_backend(
             if tree_steps and getattr(scenario.test.backend, "supports_tree_mask", False):
                 say(f"heads {shape} seed {seed}: trees")
                 scenario.run_trees(tree_steps)
+            if decode_row_steps and getattr(scenario.test.backend, "decode_rows_share_requests", False):
+                say(f"heads {shape} seed {seed}: decode rows sharing requests")
+                scenario.run_decode_rows(decode_row_steps)
             checked += 1
         for i, (window, cap) in enumerate(layer_options):
             scenario = _Scenario(backend, shape, dtype, device, seeds[0] + 100 + i, tol, kv_dtype=kv_dtype,

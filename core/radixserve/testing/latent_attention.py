@@ -23,11 +23,12 @@ from radixserve.interfaces.latent_attention import LatentAttentionDims, LatentAt
 from radixserve.layers.latent_attention import RadixLatentAttention
 from radixserve.memory import LatentKVPool
 from radixserve.plugins.attention_class import attention_class_problem
-from radixserve.state import ForwardBatch, ForwardMode
+from radixserve.state import ForwardBatch
 from radixserve.testing._threads import single_threaded
 from radixserve.testing.attention import (
     _LAYER_ID,
     _MAX_CHAIN,
+    _MAX_DECODE_ROWS,
     _MAX_PREFIX,
     _MAX_PROMPT,
     _MAX_TREE,
@@ -47,7 +48,6 @@ from radixserve.testing.attention import (
 # (num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim): v unlike nope, nope
 # unlike rope, so a backend that mixes them up fails; the first has DeepSeek's proportions, scaled down
 DEFAULT_LATENT_DIMS = ((4, 64, 32, 16, 32), (3, 32, 16, 8, 24))
-_MAX_DECODE_ROWS = 5  # rows of one request in a decode-rows chain verify
 
 
 class ReferenceLatentAttentionBackend(AttentionBackend):
@@ -153,13 +153,6 @@ class _LatentScenario(_Scenario):
 
     def _describe(self) -> str:
         return f"latent dims (heads, kv_lora_rank, nope, rope, v) {self.heads}"
-
-    def run_decode_rows(self, steps: int) -> None:
-        """Chain verifies as DECODE batches whose rows share requests (1 to 5 rows per request)."""
-        rng = self.rng
-        for _ in range(steps):
-            chosen = rng.sample(range(len(self.reqs)), rng.randint(1, len(self.reqs)))
-            self.step(ForwardMode.DECODE, [(i, rng.randint(1, _MAX_DECODE_ROWS)) for i in chosen], decode_rows=True)
 
 
 @single_threaded
