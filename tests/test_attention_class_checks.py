@@ -50,13 +50,21 @@ class Refuses16(TorchNativeBackend):
         return head_dim != 16  # the tiny checkpoints' head size
 
 
+class Refuses64(TorchNativeBackend):
+    @classmethod
+    def supports(cls, device, dtype, head_dim):
+        return head_dim != 64  # the default model's (SmolLM2) head size
+
+
 @hookimpl
 def radixserve_register(registry):
-    for name, cls in (("nodecode", "NoDecode"), ("noinit", "NoInit"), ("refuses16", "Refuses16")):
+    for name, cls in (("nodecode", "NoDecode"), ("noinit", "NoInit"), ("refuses16", "Refuses16"),
+                      ("refuses64", "Refuses64")):
         registry.register("attention", name, f"rs_broken_attention:{cls}", devices=("cpu",), priority=-100)
 """
 PROBLEMS = {"nodecode": "is abstract: it does not implement forward_decode",
-            "noinit": r"defines no __init__\(runner_info\)", "refuses16": "does not support cpu/float32/head_dim=16"}
+            "noinit": r"defines no __init__\(runner_info\)", "refuses16": "does not support cpu/float32/head_dim=16",
+            "refuses64": "does not support cpu/float32/head_dim=64"}
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +117,7 @@ def _config(path: str, attention: str) -> Config:
                          "runtime": {"device": "cpu", "num_threads": 1}, "scheduler": {"max_total_tokens": 256}})
 
 
-@pytest.mark.parametrize("name", sorted(PROBLEMS))
+@pytest.mark.parametrize("name", sorted(set(PROBLEMS) - {"refuses64"}))  # the tiny checkpoints' heads are 16
 def test_the_model_runner_refuses_it_before_the_weights_load(on_path, tiny_llama_dir, monkeypatch, name):
     """Every entry point builds its model through the ModelRunner (generate in process, serve and Engine in the
     scheduler process): the class problems come before the checkpoint is opened, supports() once its config is read."""
@@ -134,6 +142,7 @@ def test_generate_and_config_show_say_it_in_one_line(on_path, tiny_llama_dir, ca
     commands = [(["generate", "--model", MISSING_MODEL, "hi"], "nodecode"),
                 (["generate", "--model", model, "--no-chat", "--max-tokens", "1", "hi"], "refuses16"),
                 (["config", "show"], "noinit"),  # no model: the class itself
+                (["config", "show"], "refuses64"),  # and its supports() on the default model (attention audit 33)
                 (["config", "show", "--model", model], "refuses16")]
     for args, name in commands:
         assert main([*args, f"stack.attention={name}"]) == 2, args

@@ -152,7 +152,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         resolved = resolve_stack(config, reg, device)
         name = resolved.attention.name
         dtype = config.runtime.resolved_dtype(device)
-        check_attention_class(reg.load("attention", name), name, device, dtype)
+        check_attention_class(reg.load("attention", name), name, device, dtype, _default_model_head_dim(config, reg))
         _check_quantization_fits_default_model(resolved, reg)
     # the checkpoint's own method when the stack names none (its errors before anything is printed)
     own_quant = _checkpoint_quantization(checkpoint, resolved, reg) if checkpoint and not resolved.quantization else None
@@ -198,6 +198,21 @@ def _check_quant_method_builds(checkpoint: Any, resolved: Any, reg: Registry, co
     method = build_quant_method(reg, choice, torch.device(device), getattr(torch, config.runtime.resolved_dtype(device)))
     # the instance's own flag (one mode of a method may not split over ranks), as the model runner checks it
     check_quant_tensor_parallel(method, config.runtime.tp_size, quant_label(choice.spec), choice.built_by)
+
+
+def _default_model_head_dim(config: Config, reg: Registry) -> int | None:
+    """The head_dim serve and generate would ask the attention backend's supports() about when they run the
+    default model (None: it is not installed, or its config does not say before loading)."""
+    from radixserve.model_loader.model_files import default_model_path
+    from radixserve.model_loader.sources import open_checkpoint
+    from radixserve.plugins.attention_class import head_dim_before_loading
+
+    default = default_model_path()
+    if default is None:
+        return None
+    checkpoint = open_checkpoint(config.with_overrides({"model": {"path": default}}), reg)
+    cls = checkpoint.choice.cls
+    return head_dim_before_loading(cls, checkpoint.hf_config, getattr(cls, "attention_type", "standard"))
 
 
 def _check_quantization_fits_default_model(resolved: Any, reg: Registry) -> None:
