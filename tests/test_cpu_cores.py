@@ -50,5 +50,8 @@ def test_a_quota_below_the_mask_sets_the_threads_and_says_why(tmp_path, monkeypa
         assert torch.get_num_threads() == 1
         assert note and "CPU threads: 1" in note and "runtime.num_threads" in note
         assert set_torch_threads(2) is None and torch.get_num_threads() == 2  # the config's count wins
+        monkeypatch.setattr("radixserve.cpu_cores.CGROUP_ROOT", _cgroup(tmp_path / "none"))
+        torch.set_num_threads(1)  # torch's default (physical cores) below the mask: never raised
+        assert set_torch_threads(None) is None and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)

@@ -49,17 +49,18 @@ def usable_cores(root: Path | None = None) -> int:
 
 def set_torch_threads(num_threads: int | None) -> str | None:
     """Size torch's CPU thread pool for a serving process: `num_threads` (runtime.num_threads) when
-    given, else `usable_cores()`. Returns a line for the log when a cgroup quota set the count below
-    the affinity mask (the operator should know why fewer threads run than the host has cores)."""
+    given, else torch's own default (one thread per physical core of the affinity mask) capped by
+    `usable_cores()`: never raised, so hyperthreads stay unused as torch leaves them. Returns a line
+    for the log when a cgroup quota lowered the count (why fewer threads run than the host has cores)."""
     import torch
 
     if num_threads:
         torch.set_num_threads(num_threads)
         return None
-    cores = usable_cores()
     before = torch.get_num_threads()
-    torch.set_num_threads(cores)
+    cores = min(usable_cores(), before)
     if cores < before:
+        torch.set_num_threads(cores)
         return (f"CPU threads: {cores} (the cgroup CPU limit is {cgroup_cpu_limit():g} cores; torch would have "
                 f"started {before}); set runtime.num_threads to override")
     return None
