@@ -168,6 +168,8 @@ def test_generate_takes_the_tokenizer_as_serve_does(tiny_llama_dir, tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+    # --stats shows the start-up log, where a weight source says which path its file took (GGUF audit 33)
+    assert "radixserve.model_runner: stack: attention" in done.stderr, done.stderr[-2000:]
 
 
 def _broken_models(root, gguf: str) -> dict[str, tuple[str, str]]:

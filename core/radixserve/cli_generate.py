@@ -28,7 +28,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="apply the model's chat template (default on when it has one)")
     parser.add_argument("--config", metavar="FILE", help="YAML component stack (see stacks/)")
-    parser.add_argument("--stats", action="store_true", help="print load time and tokens/s to stderr")
+    parser.add_argument("--stats", action="store_true",
+                        help="print the start-up log (the stack, the weights' path: e.g. a GGUF kept quantized or "
+                             "dequantized), load time and tokens/s to stderr")
     parser.add_argument("-p", action="append", metavar="no:PLUGIN", help="do not load this plugin (repeatable)")
     from radixserve.cli_serve import add_model_impl_argument, add_speculative_arguments
 
@@ -126,6 +128,10 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"radixserve generate runs the model in this one process (runtime.tp_size="
                           f"{config.runtime.tp_size}, runtime.dp_size={config.runtime.dp_size}): use "
                           "`radixserve serve --tp N` / `--dp N`, or Engine(tp_size=N)")
+    if args.stats:  # the start-up lines serve logs (stack, weights, KV pool): how this run was set up
+        from radixserve.logs import configure_logging
+
+        configure_logging("info", "generate")
     registry = Registry.from_config(config)
     check_cache_dir()  # the native kernels are built there
     start = time.perf_counter()
