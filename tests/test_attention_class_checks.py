@@ -50,6 +50,11 @@ class Refuses16(TorchNativeBackend):
         return head_dim != 16  # the tiny checkpoints' head size
 
 
+class NoCap(TorchNativeBackend):
+    supports_sliding_window = True  # torch_native's own windows; no soft-capping
+    supports_logit_cap = False
+
+
 class Refuses64(TorchNativeBackend):
     @classmethod
     def supports(cls, device, dtype, head_dim):
@@ -59,7 +64,7 @@ class Refuses64(TorchNativeBackend):
 @hookimpl
 def radixserve_register(registry):
     for name, cls in (("nodecode", "NoDecode"), ("noinit", "NoInit"), ("refuses16", "Refuses16"),
-                      ("refuses64", "Refuses64")):
+                      ("refuses64", "Refuses64"), ("nocap", "NoCap")):
         registry.register("attention", name, f"rs_broken_attention:{cls}", devices=("cpu",), priority=-100)
 """
 PROBLEMS = {"nodecode": "is abstract: it does not implement forward_decode",
@@ -169,3 +174,19 @@ def test_serve_and_engine_fail_with_the_message_and_no_traceback(site, on_path, 
 def test_a_plugin_error_at_start_up_is_said_without_a_traceback():
     assert not traceback_worth_showing(PluginError("stack.attention='x': ..."))
     assert traceback_worth_showing(RuntimeError("a bug"))
+
+
+def test_an_attention_option_the_backend_lacks_is_refused_before_the_weights_load(on_path, tiny_llama_dir, monkeypatch):
+    """Attention audit 33: a soft-capped model on a backend without supports_logit_cap was refused only after its
+    weights loaded and its KV pool was allocated (12 s and 2 GiB for a tiny model in serve)."""
+    from radixserve.model_loader.sources import ModelSource
+    from radixserve.model_runner import ModelRunner
+
+    def never(self, *args, **kwargs):
+        raise AssertionError("reached the weights")
+
+    monkeypatch.setattr(ModelSource, "iter_weights", never)
+    model = tiny_llama_dir("gemma2")
+    with pytest.raises(ValueError, match=r"attention layer 0 uses logit_cap=.*which attention backend 'nocap' does not "
+                                         r"support \(supports_logit_cap is False\)"):
+        ModelRunner(_config(model, "nocap"), Registry.discover(), show_progress=False)

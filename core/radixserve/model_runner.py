@@ -132,6 +132,7 @@ class ModelRunner:
             source, self.hf_config, model_cls, self.device, self.dtype, quant, seed=rt.seed, show_progress=show_progress,
             tp_group=tp, kv_scales=self._kv_scales, lowbit_gemv=lowbit_gemv.resolve(rt.lowbit_gemv, self.device),
             cpu_matmul_precision=rt.cpu_matmul_precision, quant_label=self.quant_label,
+            check_built=self._check_attention_options,  # windows, soft-capping: refused before the weights load
         )
         n_gemv = attach_batch1_gemv(self.model, rt.batch1_gemv, self.device,  # per-layer choice, before graphs
                                     pdl=gemv_pdl,
@@ -339,6 +340,12 @@ class ModelRunner:
         max_bs = default_capture_sizes(min(rt.cuda_graph_max_bs, cfg.scheduler.max_running_requests))[-1]
         return max_bs - 1
 
+    def _check_attention_options(self, model) -> None:
+        """The built model's per-layer attention options (sliding windows, soft-capping) against what the
+        stack's attention backend declares, before the weights and the KV pool take time and memory."""
+        name = self.stack.attention.name
+        check_backend_supports_layers(model, self.registry.load("attention", name), name)
+
     def _init_attention(self) -> None:
         name = self.stack.attention.name
         cls = self.registry.load("attention", name)
@@ -347,7 +354,6 @@ class ModelRunner:
         # the head size a model decides itself (latent rows, its own attention_dims) is only known now
         check_attention_class(cls, name, self.device.type, dtype_name, head_dim)
         check_backend_attention_type(cls, name, self.attention_type, self._model_name)  # standard / latent
-        check_backend_supports_layers(self.model, cls, name)  # windows, soft-capping
         self.attn_backend_name = name
         self.attn_backend = cls(
             AttentionRunnerInfo(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
@@ -95,8 +96,11 @@ def load_model(
     lowbit_gemv: bool = False,
     cpu_matmul_precision: str = "highest",
     quant_label: str | None = None,
+    check_built: Callable[[torch.nn.Module], None] | None = None,
 ) -> torch.nn.Module:
     """Instantiate `model_cls(hf_config, quant_method)` on `device` in `dtype` and load its weights.
+    `check_built(model)` runs once the model is built, before any weight is read (a refusal that
+    needs the model's layers, e.g. an attention option the backend lacks, costs no load).
     `tp_group` (tensor parallelism, a TPGroup of size > 1) is passed on as `tp_group=`: the model
     then holds and loads this rank's shard only.
 
@@ -118,6 +122,8 @@ def load_model(
     with quant_hooks_named(quant_method, quant_label), torch.device(device), _default_dtype(dtype):
         model = model_cls(hf_config, quant_method) if tp_group is None else model_cls(
             hf_config, quant_method, tp_group=tp_group)
+    if check_built is not None:
+        check_built(model)
     prepare = getattr(source.weight_source, "prepare_model", None)
     if prepare is not None:  # e.g. GGUF keeping the embedding's blocks: swaps modules before loading
         model = prepare(model) or model
