@@ -74,7 +74,7 @@ def check_parser_names(config: Any, registry: Any) -> None:
         _pick(registry, kind, getattr(config.server, key), None, f"server.{key}")
 
 
-def select_output_parsers(config: Any, registry: Any, chat_template: str | None) -> OutputParsers:
+def select_output_parsers(config: Any, registry: Any, chat_template: str | dict | None) -> OutputParsers:
     """The parsers for a model whose chat template text is `chat_template` (None: it has none; a dict:
     named templates, e.g. `default` and `tool_use`, whose texts are all read: the tool_use one renders
     the calls the parser must recognise)."""
