@@ -702,6 +702,30 @@ def test_text_parts_are_joined_by_a_newline():
     assert "<|im_start|>user\nHi\nthere<|im_end|>" in tm.prompt()
 
 
+GEMMA3_STYLE = (  # reads content itself: a string, or a list of parts (Gemma 3's, Llama 4's templates)
+    "{% for message in messages %}{{ '<start_of_turn>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}{% if item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+def test_a_template_that_reads_the_parts_gets_the_list():
+    """Chat audit 33: the parts were joined with a newline before every template, so one that loops over them
+    rendered 'part one\npart two' where transformers (given the list) renders 'part onepart two'."""
+    import jinja2
+
+    tm = JinjaTM(GEMMA3_STYLE)
+    parts = [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}]
+    messages = [{"role": "user", "content": parts}, {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "again"}]
+    openai_client(tm).chat.completions.create(model=MODEL, messages=messages)
+    assert tm.prompt() == jinja2.Environment().from_string(GEMMA3_STYLE).render(messages=messages,
+                                                                                add_generation_prompt=True)
+    assert "part onepart two" in tm.prompt()
+
+
 HERMES_TOOL_USE = (  # a Hermes-2-Pro-style `tool_use` template: tools in the system turn, calls as <tool_call> blocks
     "{{ '<|im_start|>system\\n<tools>' + (tools | tojson) + '</tools><|im_end|>\\n' }}"
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"

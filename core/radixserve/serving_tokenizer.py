@@ -308,6 +308,32 @@ def _cut_at_continue_tag(text: str, final: str) -> str:
 
 @lru_cache(maxsize=16)
 def _compiled(template: str):
+    return _environment().from_string(template)
+
+
+def template_reads_content_parts(template: str) -> bool:
+    """Whether a chat template loops over a message's `content` (`{% for part in message['content'] %}`,
+    Gemma 3's, Llama 4's): it takes OpenAI's list of `{"type": "text", ...}` parts itself, where a
+    template that only writes `content` needs one string (vLLM's "openai" vs "string" content format).
+    A template that does not parse reads none."""
+    import jinja2
+    import jinja2.nodes
+
+    try:
+        tree = _environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+
+    def names_content(node) -> bool:
+        return (isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const)
+                and node.arg.value == "content") or (isinstance(node, jinja2.nodes.Getattr) and node.attr == "content")
+
+    return any(names_content(loop.iter) for loop in tree.find_all(jinja2.nodes.For))
+
+
+@lru_cache(maxsize=1)
+def _environment():
+    """The sandboxed Jinja environment chat templates render in (transformers' settings and helpers)."""
     import jinja2
     import jinja2.ext
     import jinja2.nodes
@@ -338,4 +364,4 @@ def _compiled(template: str):
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template)
+    return env

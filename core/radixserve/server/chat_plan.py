@@ -113,6 +113,13 @@ def template_messages(req: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _with_content_parts(messages: list[dict[str, Any]], given: list[Any]) -> list[dict[str, Any]]:
+    """The messages whose content came as a list of text parts with that list again, for a template that
+    loops over content itself (transformers gets the list from its caller: joining it changed the prompt)."""
+    return [{**m, "content": [{"type": "text", "text": p.text} for p in g.content]} if isinstance(g.content, list)
+            else m for m, g in zip(messages, given, strict=True)]
+
+
 def _arguments(text: str, where: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -216,6 +223,8 @@ def plan_chat(tm: Any, req: Any, parsers: OutputParsers) -> ChatPlan:
             )
     if not generic:
         messages = _history_for_template(tm, messages, parsers, "tools" in kwargs)
+        if parsers.template.content_parts(tm):
+            messages = _with_content_parts(messages, req.messages)
     ids = _render_checked(tm, messages, req.add_generation_prompt, kwargs)
 
     fmt = getattr(req, "response_format", None)  # structured output constrains the same output

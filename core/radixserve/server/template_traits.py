@@ -40,6 +40,18 @@ class TemplateTraits:
     # templates: `tool_use` renders calls, `default` may not)
     renders_tool_calls: dict[bool, bool] = field(default_factory=dict)
     has_developer_role: bool | None = None  # renders `developer` its own way (gpt-oss), not as any unknown role
+    reads_parts: bool | None = None  # loops over a message's content: takes a list of parts (Gemma 3)
+
+    def content_parts(self, tm: Any) -> bool:
+        """Whether the template reads a message's content as OpenAI's list of parts (it loops over it), so
+        a request's list is passed as it is rather than joined into one string."""
+        if self.reads_parts is None:
+            from radixserve.serving_tokenizer import template_reads_content_parts
+
+            templates = getattr(tm.tokenizer, "chat_template", None)
+            texts = list(templates.values()) if isinstance(templates, dict) else [templates]
+            self.reads_parts = any(isinstance(t, str) and template_reads_content_parts(t) for t in texts)
+        return self.reads_parts
 
     def tools(self, tm: Any) -> bool:
         if self.renders_tools is None:
