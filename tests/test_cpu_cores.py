@@ -55,3 +55,18 @@ def test_a_quota_below_the_mask_sets_the_threads_and_says_why(tmp_path, monkeypa
         assert set_torch_threads(None) is None and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_quota_on_the_process_cgroup_or_an_ancestor_is_found(tmp_path):
+    """A systemd service's CPUQuota sits in its own cgroup (/proc/self/cgroup's `0::/system.slice/x.service`), not at
+    the cgroup file system's root; the smallest quota on the way down applies."""
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/system.slice/x.service\n")
+    service = tmp_path / "fs" / "system.slice" / "x.service"
+    service.mkdir(parents=True)
+    (service / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_limit(tmp_path / "fs", proc) == 1.5
+    (tmp_path / "fs" / "system.slice" / "cpu.max").write_text("100000 100000\n")  # the slice allows less
+    assert cgroup_cpu_limit(tmp_path / "fs", proc) == 1.0
+    proc.write_text("12:cpu:/\n")  # cgroup v1 only: no v2 line, the root alone
+    assert cgroup_cpu_limit(tmp_path / "fs", proc) is None

@@ -14,23 +14,46 @@ import os
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
 
 
-def cgroup_cpu_limit(root: Path | None = None) -> float | None:
+def cgroup_cpu_limit(root: Path | None = None, proc_cgroup: Path | None = None) -> float | None:
     """The CPU quota of this process's cgroup in cores (2.5 for 250 ms per 100 ms), or None when there
-    is none. Reads cgroup v2's `cpu.max` ("max 100000" is no limit), else v1's `cpu.cfs_quota_us` /
-    `cpu.cfs_period_us` (-1 is no limit); unreadable or malformed files count as no limit. `root`:
-    the cgroup file system (default CGROUP_ROOT)."""
+    is none. cgroup v2: the smallest `cpu.max` ("max 100000" is no limit) of the process's cgroup (its
+    `0::/path` line in /proc/self/cgroup; a systemd service's CPUQuota) and its ancestors, the file
+    system's root included (a container's own cgroup namespace); else v1's `cpu.cfs_quota_us` /
+    `cpu.cfs_period_us` (-1 is no limit). Unreadable or malformed files count as no limit. `root`,
+    `proc_cgroup`: the cgroup file system and the membership file (defaults CGROUP_ROOT, PROC_CGROUP)."""
     root = CGROUP_ROOT if root is None else root
-    try:
-        quota, period = (root / "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else _cores(float(quota), float(period))
-    except (OSError, ValueError):
-        pass
+    limits = [_v2_limit(d) for d in _v2_dirs(root, PROC_CGROUP if proc_cgroup is None else proc_cgroup)]
+    found = [x for x in limits if x is not None]
+    if found:
+        return min(found)
     try:
         quota = float((root / "cpu" / "cpu.cfs_quota_us").read_text())
         period = float((root / "cpu" / "cpu.cfs_period_us").read_text())
         return _cores(quota, period)
+    except (OSError, ValueError):
+        return None
+
+
+def _v2_dirs(root: Path, proc_cgroup: Path) -> list[Path]:
+    """The process's cgroup v2 directory and its ancestors up to `root` (`root` alone when unknown)."""
+    try:
+        line = next((ln for ln in proc_cgroup.read_text().splitlines() if ln.startswith("0::")), None)
+    except OSError:
+        line = None
+    dirs = [root]
+    if line is not None:
+        for part in [p for p in line[3:].strip().split("/") if p and p != ".."]:
+            dirs.append(dirs[-1] / part)
+    return dirs
+
+
+def _v2_limit(directory: Path) -> float | None:
+    try:
+        quota, period = (directory / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else _cores(float(quota), float(period))
     except (OSError, ValueError):
         return None
 
