@@ -311,6 +311,13 @@ def _compiled(template: str):
     return _environment().from_string(template)
 
 
+def template_texts(chat_template: Any) -> list[str]:
+    """The text of each of a tokenizer's chat templates: a string, or a dict of named ones (`default`,
+    `tool_use`: transformers picks one per call); none when it has no template."""
+    templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template]
+    return [t for t in templates if isinstance(t, str)]
+
+
 def template_reads_content_parts(template: str) -> bool:
     """Whether a chat template loops over a message's `content` (`{% for part in message['content'] %}`,
     Gemma 3's, Llama 4's): it takes OpenAI's list of `{"type": "text", ...}` parts itself, where a

@@ -16,6 +16,7 @@ from radixserve.interfaces.reasoning_parser import ReasoningParser
 from radixserve.interfaces.tool_parser import ToolParser
 from radixserve.plugins.registry import PluginError
 from radixserve.server.template_traits import TemplateTraits
+from radixserve.serving_tokenizer import template_texts
 
 logger = logging.getLogger("radixserve.server")
 
@@ -79,9 +80,7 @@ def select_output_parsers(config: Any, registry: Any, chat_template: str | dict 
     named templates, e.g. `default` and `tool_use`, whose texts are all read: the tool_use one renders
     the calls the parser must recognise)."""
     server = config.server
-    if isinstance(chat_template, dict):
-        chat_template = "\n".join(t for t in chat_template.values() if isinstance(t, str)) or None
-    template = chat_template if isinstance(chat_template, str) else None
+    template = "\n".join(template_texts(chat_template)) or None
     tool_cls, tool_name = _pick(registry, "tool_parser", server.tool_call_parser, template, "server.tool_call_parser")
     reasoning_cls, reasoning_name = _pick(
         registry, "reasoning_parser", server.reasoning_parser, template, "server.reasoning_parser"

@@ -46,11 +46,10 @@ class TemplateTraits:
         """Whether the template reads a message's content as OpenAI's list of parts (it loops over it), so
         a request's list is passed as it is rather than joined into one string."""
         if self.reads_parts is None:
-            from radixserve.serving_tokenizer import template_reads_content_parts
+            from radixserve.serving_tokenizer import template_reads_content_parts, template_texts
 
-            templates = getattr(tm.tokenizer, "chat_template", None)
-            texts = list(templates.values()) if isinstance(templates, dict) else [templates]
-            self.reads_parts = any(isinstance(t, str) and template_reads_content_parts(t) for t in texts)
+            texts = template_texts(getattr(tm.tokenizer, "chat_template", None))
+            self.reads_parts = any(template_reads_content_parts(t) for t in texts)
         return self.reads_parts
 
     def tools(self, tm: Any) -> bool:
