@@ -853,5 +853,13 @@ def test_decoder_layers_take_the_fused_store_with_the_same_result(monkeypatch):
         norm_calls.clear()
         launches.clear()
     (h_on, pool_on), (h_off, pool_off) = results
-    assert torch.isfinite(h_on).all() and torch.equal(h_on, h_off)
-    assert all(torch.equal(a, b) for a, b in zip(pool_on, pool_off))
+    assert torch.isfinite(h_on).all()
+    if ON_GPU:  # the norm's sum of squares is reduced in another order inside the fused kernel: fp32 rounding
+        print("qk-norm fused vs unfused, max abs diff: hidden", (h_on - h_off).abs().max().item(), "pool",
+              max((a - b).abs().max().item() for a, b in zip(pool_on, pool_off)))
+        torch.testing.assert_close(h_on, h_off, rtol=1e-5, atol=1e-5)
+        for a, b in zip(pool_on, pool_off):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    else:  # the interpreter runs both reductions alike: the same bits
+        assert torch.equal(h_on, h_off)
+        assert all(torch.equal(a, b) for a, b in zip(pool_on, pool_off))
