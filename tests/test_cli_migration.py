@@ -45,16 +45,29 @@ def test_vllms_short_tp_flag_gets_its_spelling_too(capsys):
 
 
 @pytest.mark.parametrize("keyword,spelling", [
-    ("max_model_len", "model={'context_length': ...}"),
-    ("dtype", "runtime={'dtype': ...}"),
-    ("tensor_parallel_size", "runtime={'tp_size': ...}"),
-    ("model_path", "model={'path': ...}"),
+    ("max_model_len", "as Engine(model={'path': ..., 'context_length': ...});"),  # audit 34: not Engine(path, model=)
+    ("dtype", "as Engine(..., runtime={'dtype': ...});"),
+    ("tensor_parallel_size", "as Engine(..., runtime={'tp_size': ...});"),
+    ("model_path", "as Engine(model={'path': ...});"),
 ])
 def test_an_engine_keyword_of_vllm_says_how_the_engine_spells_it(keyword, spelling):
     with pytest.raises(ConfigError) as e:
         engine_config(None, None, None, {keyword: 1})
     assert str(e.value).startswith(f"Engine has no argument {keyword}=") and spelling in str(e.value)
     assert "model, plugins, router, runtime, scheduler, server, speculative, stack" in str(e.value)
+
+
+def test_engine_speculative_settings_need_a_drafter():
+    """Audit 34: speculative={...} without stack.speculative started with speculation off, without a word;
+    speculative="ngram" (the vLLM habit) did not say where the drafter's name goes."""
+    with pytest.raises(ConfigError, match=r"speculative settings \(num_draft_tokens\) have no effect without a drafter"):
+        engine_config(None, None, None, {"speculative": {"num_draft_tokens": 6}})
+    with pytest.raises(ConfigError, match=r"the drafter itself is stack=\{'speculative': 'ngram'\}"):
+        engine_config(None, None, None, {"speculative": "ngram"})
+    config = engine_config(None, None, None, {"speculative": {"num_draft_tokens": 6}, "stack": {"speculative": "ngram"}})
+    assert config.speculative.num_draft_tokens == 6
+    assert main(["config", "show", "speculative.num_draft_tokens=3"]) == 2  # a YAML file's or the CLI's section
+    assert main(["config", "show", "speculative.num_draft_tokens=3", "stack.speculative=ngram"]) == 0
 
 
 def test_an_unknown_engine_keyword_lists_the_sections():

@@ -90,11 +90,12 @@ def test_layers_get_their_window_cap_and_rope(registry, checkpoints):
 def test_longrope_switches_to_the_long_factors_past_the_original_length(checkpoints):
     """Per position: short factors below original_max_position_embeddings (checked by parity above),
     transformers' long-factor frequencies and attention factor from there on."""
+    from radixserve.interfaces.model import head_dim_of
     from radixserve_models_phi3.model import phi3_rope
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     cfg = AutoConfig.from_pretrained(checkpoints("phi3-window-longrope"))
-    rope = phi3_rope(cfg, cfg.head_dim)
+    rope = phi3_rope(cfg, head_dim_of(cfg))  # Phi-3 configs have no head_dim field
     long_inv, scale = ROPE_INIT_FUNCTIONS["longrope"](cfg, torch.device("cpu"), seq_len=65)
     short_inv, _ = ROPE_INIT_FUNCTIONS["longrope"](cfg, torch.device("cpu"), seq_len=10)
     assert scale != 1.0 and not torch.allclose(long_inv, short_inv)

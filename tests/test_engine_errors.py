@@ -108,6 +108,10 @@ def test_prompt_and_constraint_errors_name_the_engines_own_arguments(engine):
     with pytest.raises(ValueError, match="^sampling_params.regex: invalid regex") as e:
         engine.generate("x", {"regex": "(a", "max_new_tokens": 2})
     assert e.value.param == "sampling_params.regex"
+    # audit 34: in a batch, the runtime's refusal names the prompt's place as the checks before sending do
+    with pytest.raises(ValueError, match=r"^sampling_params\[1\]\.regex: invalid regex") as e:
+        engine.generate(["x", "y"], [{"max_new_tokens": 2}, {"regex": "(a", "max_new_tokens": 2}])
+    assert e.value.param == "sampling_params[1].regex"
     assert engine.generate("Hi", {"max_new_tokens": 2, "top_p": 0})["meta_info"]["completion_tokens"] == 2
 
 

@@ -280,6 +280,16 @@ def test_continuous_usage_stats_alone_still_ends_with_the_requests_total(oai, tm
     assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 8  # the request's
 
 
+def test_include_usage_false_sends_no_chunk_with_empty_choices(oai, tm):
+    """Audit 34: with include_usage given as false, continuous_usage_stats still ended the stream with a
+    `choices: []` usage chunk, which vLLM never sends then (its clients read choices[0] of every chunk)."""
+    stream = oai.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, stream=True,
+                                    stream_options={"include_usage": False, "continuous_usage_stats": True})
+    chunks = list(stream)
+    assert chunks and all(c.choices for c in chunks)
+    assert [c.usage.completion_tokens for c in chunks] == [1, 2, 3]  # the running counts stay
+
+
 class CachingTM(FakeTM):
     """A prefix cache in the fake: a prompt's first generation finds nothing cached, every later one
     (a sibling choice of the same request, or a later request) all but its last token."""
@@ -592,7 +602,8 @@ def test_priority_is_a_request_field_of_every_generation_route(client, tm):
             "sampling_params.stop_token_ids[1]",
         ),
         ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": "ab"}}, "sampling_params.stop_token_ids", ""),
-        ("/generate", {"text": "hi", "sampling_params": {"stop": [1]}}, "sampling_params.stop", "non-empty strings"),
+        ("/generate", {"text": "hi", "sampling_params": {"stop": [1]}}, "sampling_params.stop",
+         "sampling_params.stop must be a string or a list of strings, got [1]"),
         ("/generate", {"text": "hi", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature", ""),
         ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1.5}}, "sampling_params.max_new_tokens", ""),
         ("/generate", {"text": "hi", "sampling_params": {"seed": 1 << 70}}, "sampling_params.seed", "64-bit"),

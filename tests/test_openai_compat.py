@@ -316,8 +316,9 @@ def test_generate_refuses_what_it_would_ignore(client, tm, body, param, words):
 @pytest.mark.parametrize(
     "route,body,param,message",
     [
-        ("/v1/chat/completions", chat(stop=[""]), "stop", "stop: at most 16 non-empty strings"),
-        ("/v1/chat/completions", chat(stop=["x"] * 17), "stop", "stop: at most 16 non-empty strings"),
+        ("/v1/chat/completions", chat(stop=["a", ""]), "stop",
+         "stop: an empty string cannot be a stop string (a stop of \"\" alone means none)"),
+        ("/v1/chat/completions", chat(stop=["x"] * 17), "stop", "stop: at most 16 stop strings, got 17"),
         ("/v1/chat/completions", chat(stop=5), "stop", "stop: Input should be a valid string or a valid list"),
         ("/v1/chat/completions", chat(messages=[{"role": "user", "content": 5}]), "messages.0.content",
          "messages.0.content: Input should be a valid string or a valid list"),
@@ -486,11 +487,21 @@ def test_completion_top_logprobs_hold_the_chosen_token_as_openai_and_vllm(client
     ("regex", "sampling_params.regex"),
     ("request_id", "/generate's rid"),
     ("include_stop_str_in_output", "has no equivalent here"),
+    ("spaces_between_special_tokens", "has no equivalent here"),
+    ("allowed_token_ids", "has no equivalent here"),
 ])
 def test_a_vllm_or_sglang_field_is_refused_with_its_spelling_here(client, tm, field, words):
     err = assert_400(post(client, "/v1/completions", completion(**{field: "x"})), field)
     assert err["message"].startswith(f"{field}: Extra inputs are not permitted (vLLM's / SGLang's {field} "), err
     assert words in err["message"]
+    assert tm.inputs == []
+
+
+@pytest.mark.parametrize("body,param", [({"text": ["a", "b"]}, "text"), ({"input_ids": [[5, 6], [7]]}, "input_ids")])
+def test_generate_says_a_batch_of_prompts_is_not_taken(client, tm, body, param):
+    """Audit 34: SGLang's batch form got pydantic's "Input should be a valid string"."""
+    err = assert_400(post(client, "/generate", body), param)
+    assert "takes one prompt per request here (SGLang's batch form is not supported)" in err["message"], err
     assert tm.inputs == []
 
 

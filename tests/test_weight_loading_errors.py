@@ -237,3 +237,20 @@ def test_the_cli_reports_each_load_error_as_one_line(checkpoint, tmp_path, case)
     errors = [line for line in r.stderr.splitlines() if line.startswith("radixserve: error:")]
     assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert f"checkpoint {path!r}" in errors[0]
+
+
+def test_an_unknown_shard_id_is_named_with_the_ids_the_layer_takes(registry, checkpoint):
+    """A stacked mapping that sends `.k_proj.` as shard 'kk': the error names the tensor, the parameter and the
+    ids QKVParallelLinear takes (audit 34: it was a bare `checkpoint '...': kk`)."""
+    base = registry.load("model", "LlamaForCausalLM")
+
+    class WrongShard(base):
+        stacked_params_mapping = tuple((hf, ours, "kk" if sid == "k" else sid)
+                                       for hf, ours, sid in base.stacked_params_mapping)
+
+    path = checkpoint("llama")
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight'.*'model\.layers\.0\.self_attn"
+                                         r"\.qkv_proj\.weight'.*unknown shard id 'kk': QKVParallelLinear takes 'q', "
+                                         r"'k', 'v', 0, 1, 2"):
+        load_model(ModelSource(path=path, format="safetensors"), AutoConfig.from_pretrained(path), WrongShard,
+                   torch.device("cpu"), torch.float32, show_progress=False)

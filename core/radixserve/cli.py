@@ -120,7 +120,9 @@ def load_config_from_args(args: argparse.Namespace, extra: dict | None = None) -
     overrides = deep_merge(extra or {}, _disable_overrides(args))
     if "plugins" in overrides:  # -p adds to the stack's list instead of replacing it
         overrides["plugins"]["disable"] = list(config.plugins.disable) + overrides["plugins"]["disable"]
-    return config.with_overrides(overrides) if overrides else config
+    config = config.with_overrides(overrides) if overrides else config
+    config.check_speculative_settings_used()
+    return config
 
 
 def _redacted_yaml(config: Config) -> str:

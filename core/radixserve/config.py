@@ -329,6 +329,19 @@ class Config(_Section):
             data = read_yaml(path)
         return cls.build(deep_merge(data, overrides or {}))
 
+    def check_speculative_settings_used(self) -> None:
+        """Raise ConfigError when the `speculative` section differs from its defaults while `stack.speculative`
+        names no drafter: the settings would be ignored without a word (audit 34). Entry points call it on
+        the config they run (after every override), since a drafter may come from a later flag."""
+        if self.stack.speculative not in (None, "none"):
+            return
+        changed = sorted(k for k, v in self.speculative.model_dump().items()
+                         if v != SpeculativeSection.model_fields[k].get_default(call_default_factory=True))
+        if changed:
+            raise ConfigError(f"speculative settings ({', '.join(changed)}) have no effect without a drafter: "
+                              "name one in stack.speculative (e.g. stack.speculative=ngram; `radixserve plugins` "
+                              "lists the installed drafters)")
+
     def with_overrides(self, overrides: dict[str, Any]) -> Config:
         return Config.build(deep_merge(self.model_dump(), overrides))
 

@@ -76,11 +76,13 @@ def engine_config(model: str | Path | Mapping[str, Any] | None, config: str | Pa
     for name, value in sections.items():  # e.g. stack="lpm": say what a section must be, not dict()'s error
         if name not in known:  # a vLLM/SGLang keyword (max_model_len=...) or a typo: not a section at all
             hint = hint_for(name)
-            raise ConfigError(f"Engine has no argument {name}=: " + (f"{hint}, as Engine(..., {_as_keyword(hint)}); "
+            raise ConfigError(f"Engine has no argument {name}=: " + (f"{hint}, as {_as_keyword(hint)}; "
                               if hint else "") + f"the config sections it takes are {', '.join(sorted(known))}")
         if not isinstance(value, Mapping):
+            drafter = (f" (the drafter itself is stack={{'speculative': {value!r}}})"
+                       if name == "speculative" and isinstance(value, str) else "")
             raise ConfigError(f"{name}= must be a dict of the {name} section's fields "
-                              f"(e.g. {name}={{...}} as in the YAML), got {type(value).__name__} {value!r}")
+                              f"(e.g. {name}={{...}} as in the YAML), got {type(value).__name__} {value!r}{drafter}")
     overrides: dict[str, Any] = {k: dict(v) for k, v in sections.items()}
     if tp_size is not None:  # shorthand for runtime={"tp_size": N}: spawns N ranks (docs/parallelism.md)
         overrides.setdefault("runtime", {})["tp_size"] = tp_size
@@ -88,16 +90,22 @@ def engine_config(model: str | Path | Mapping[str, Any] | None, config: str | Pa
         overrides["model"] = dict(model)
     elif model is not None:
         overrides["model"] = {"path": str(model)}
-    return base.with_overrides(overrides) if overrides else base
+    config = base.with_overrides(overrides) if overrides else base
+    config.check_speculative_settings_used()
+    return config
 
 
 def _as_keyword(hint: str) -> str:
-    """"model.context_length=N" in a hint -> "model={'context_length': ...}": how the Engine spells it."""
+    """"model.context_length=N" in a hint -> "Engine(model={'path': ..., 'context_length': ...})": how the Engine
+    spells it."""
     for word in hint.replace("(", " ").replace(")", " ").split():
         section, dot, key = word.partition(".")
         if dot and key and section in Config.model_fields:
-            return f"{section}={{'{key.split('=')[0]}': ...}}"
-    return "see docs/engine.md"
+            field = key.split("=")[0]
+            if section == "model":  # the path goes in the same dict: Engine(path, model={...}) is a TypeError
+                return "Engine(model={'path': ...})" if field == "path" else f"Engine(model={{'path': ..., '{field}': ...}})"
+            return f"Engine(..., {section}={{'{field}': ...}})"
+    return "docs/engine.md says"
 
 
 def _user_error(e: ChildStartError) -> Exception:
@@ -300,7 +308,8 @@ class Engine:
         async def run_all() -> list[dict[str, Any]]:
             # every prompt checked before any is sent: one bad prompt refuses the batch and nothing runs
             prepared = [await self.tokenizer_manager.prepare(i) for i in inputs]
-            tasks = [asyncio.ensure_future(self._collect(i, p)) for i, p in zip(inputs, prepared)]
+            tasks = [asyncio.ensure_future(self._collect_at(k, i, p, single)) for k, (i, p) in
+                     enumerate(zip(inputs, prepared))]
             try:
                 return list(await asyncio.gather(*tasks))
             except BaseException:  # one refused by the runtime (e.g. its grammar): the others are aborted
@@ -311,6 +320,20 @@ class Engine:
 
         results = self._call(run_all())
         return results[0] if single else results
+
+    async def _collect_at(self, index: int, inp: GenerateInput, prepared: Any, single: bool) -> dict[str, Any]:
+        """_collect for the batch's prompt `index`: a refusal that comes from the runtime (a constraint that does
+        not compile) names the prompt's place, as the checks before sending do (`sampling_params[1].regex`)."""
+        try:
+            return await self._collect(inp, prepared)
+        except InvalidRequest as e:
+            where = "sampling_params."
+            if single or not (e.param or "").startswith(where):
+                raise
+            field = f"sampling_params[{index}].{e.param[len(where):]}"
+            text = str(e)
+            raise InvalidRequest(field + text[len(e.param):] if text.startswith(e.param) else f"{field}: {text}",
+                                 field, e.code) from None
 
     async def async_generate(
         self,

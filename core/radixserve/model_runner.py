@@ -15,7 +15,7 @@ from radixserve.interfaces import AttentionRunnerInfo, LatentAttentionDims
 from radixserve.interfaces.model import head_dim_of
 from radixserve.interfaces.target_states import HiddenRows, TargetStates
 from radixserve.layers import lowbit_gemv
-from radixserve.layers.attention import check_backend_supports_layers
+from radixserve.layers.attention import check_backend_supports_layers, check_kv_layout
 from radixserve.layers.distributed import TPGroup
 from radixserve.layers.gemv_selection import attach_batch1_gemv, batch1_gemv_pdl_enabled
 from radixserve.layers.logits import select_logit_rows
@@ -296,6 +296,8 @@ class ModelRunner:
 
     def _init_memory(self) -> None:
         layers, kv_heads, head_dim = self._kv_shape()
+        if self.latent_dims is None:
+            check_kv_layout(self.model, layers, kv_heads, head_dim, self._model_name)
         # every rank's pool has the same slots (rank 0 allocates for all): the smallest one decides
         self.max_total_tokens = self.tp_group.min_int(self._kv_tokens()) if self.tp_group.size > 1 else self._kv_tokens()
         pool_cls = ReqToTokenPool

@@ -182,8 +182,11 @@ def check_sampling(sp: SamplingParams, limits: ModelLimits, names: FieldNames = 
     if isinstance(stop, list) and "" in stop:
         raise InvalidRequest(f"{names.of('stop')}: an empty string cannot be a stop string (a stop of \"\" alone "
                              "means none)", names.of("stop"))
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"{names.of('stop')}: at most {MAX_STOP_STRINGS} non-empty strings, got {_shown(stop)}",
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise InvalidRequest(f"{names.of('stop')} must be a string or a list of strings, got {_shown(stop)}",
+                             names.of("stop"))
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"{names.of('stop')}: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}",
                              names.of("stop"))
     for s in stop:
         check_text(s, names.of("stop"))

@@ -68,6 +68,27 @@ class RadixAttention(nn.Module):
         return self.forward(q, k, v, batch)
 
 
+def check_kv_layout(model: nn.Module, num_layers: int, num_kv_heads: int, head_dim: int, who: str) -> None:
+    """Raise ValueError when a RadixAttention layer of `model` disagrees with the KV pool the runner
+    sized (`num_layers` buffer pairs of `num_kv_heads` x `head_dim`): a config whose fields the
+    architecture does not use (`num_key_value_heads` on a multi-head model) would otherwise fail
+    inside the first KV write as a bare shape error. `who` names the model in the message."""
+    for name, layer in model.named_modules():
+        if not isinstance(layer, RadixAttention):
+            continue
+        wrong = [f"{field} {got} (the pool has {want})" for field, got, want in (
+            ("num_kv_heads", layer.num_kv_heads, num_kv_heads), ("head_dim", layer.head_dim, head_dim))
+            if got != want]
+        if not 0 <= layer.layer_id < num_layers:
+            wrong.append(f"layer_id {layer.layer_id} (the pool has layers 0..{num_layers - 1})")
+        if wrong:
+            raise ValueError(
+                f"{who}: attention layer {name or '<model>'} has {', '.join(wrong)}; the KV pool is sized from "
+                "the model's attention_dims(), else from the config's num_hidden_layers, num_key_value_heads "
+                "(or num_attention_heads), head_dim (or hidden_size // num_attention_heads): override "
+                "attention_dims() when the architecture reads them otherwise")
+
+
 class QKNorm:
     """The per-head norms of q and k applied before rotary (Qwen3, Gemma 3): `(q, k) -> (q_norm over
     each head of q, k_norm over each head of k)`, q [n, heads * head_dim] and k [n, kv_heads *

@@ -148,7 +148,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return fused if fused is not None else _SILU_AND_MUL(self.forward(x))
 
     def _shard_range(self, shard_id: Any) -> tuple[int, int]:
-        idx = int(shard_id)
+        idx = _shard_index(shard_id, len(self.output_sizes), type(self).__name__)
         return sum(self.output_sizes[:idx]), self.output_sizes[idx]
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
@@ -166,6 +166,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         region = param.data.narrow(dim, start, size)
         _check_full_shape(loaded, region.shape, dim, size * self.tp_size, f"shard {shard_id!r}: ")
         region.copy_(_rank_slice(loaded, dim, size, self.tp_rank).to(param.dtype))
+
+
+def _shard_index(shard_id: Any, count: int, layer: str, names: tuple[str, ...] = ()) -> int:
+    """The output index shard id `shard_id` names (an index below `count`, or one of `names`), or a
+    ValueError listing the ids `layer` takes (audit 34: an unknown id surfaced as a bare KeyError)."""
+    if shard_id in names:
+        return names.index(shard_id)
+    if isinstance(shard_id, int) and not isinstance(shard_id, bool) and 0 <= shard_id < count:
+        return shard_id
+    ids = ", ".join([repr(n) for n in names] + [str(i) for i in range(count)])
+    raise ValueError(f"unknown shard id {shard_id!r}: {layer} takes {ids}")
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -190,7 +201,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         LinearBase.__init__(self, hidden_size, [q, kv, kv], bias, quant_method, tp_rank, tp_size, tp_group=group, **kw)
 
     def _shard_range(self, shard_id: Any) -> tuple[int, int]:
-        idx = {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else int(shard_id)
+        idx = _shard_index(shard_id, 3, "QKVParallelLinear", ("q", "k", "v"))
         return sum(self.output_sizes[:idx]), self.output_sizes[idx]
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:

@@ -112,6 +112,18 @@ _PEER_FIELDS: dict[str, str | None] = {
     "use_beam_search": None,
     "continue_final_message": None,
     "truncate_prompt_tokens": None,
+    # vLLM's other sampling and output extensions (audit 34): none has an equivalent
+    "spaces_between_special_tokens": None,  # the text is the tokenizer's own decode of the ids
+    "echo": None,  # on chat (/v1/completions takes echo)
+    "best_of": None,  # on chat (/v1/completions takes best_of equal to n)
+    "bad_words": None,
+    "allowed_token_ids": None,
+    "return_tokens_as_token_ids": None,
+    "length_penalty": None,
+    "typical_p": None,
+    "guided_whitespace_pattern": None,
+    "cache_salt": None,
+    "vllm_xargs": None,
 }
 
 

@@ -94,7 +94,10 @@ class StreamOptions(_Request):
     def final_usage(self) -> bool:
         """Whether the stream ends with the request's usage chunk: continuous_usage_stats' chunks carry each
         choice's own counts, so it brings the request's total too (stream audit 31: with n > 1 and it alone
-        the last usage a client saw was one choice's)."""
+        the last usage a client saw was one choice's); not when the client set include_usage false, as vLLM,
+        whose clients may read `choices[0]` of every chunk."""
+        if "include_usage" in self.model_fields_set:  # an explicit false: no usage chunk with empty choices (audit 34)
+            return self.include_usage
         return self.include_usage or self.continuous_usage_stats
 
 
@@ -169,8 +172,10 @@ class _SamplingFields(_Body):
     def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
         if stop == "":  # as OpenAI: an empty stop is no stop (an empty string inside a list is an error)
             return None
-        if isinstance(stop, list) and (len(stop) > MAX_STOP_STRINGS or "" in stop):
-            raise ValueError(f"at most {MAX_STOP_STRINGS} non-empty strings")
+        if isinstance(stop, list) and "" in stop:
+            raise ValueError('an empty string cannot be a stop string (a stop of "" alone means none)')
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
         return stop
 
     @model_validator(mode="after")
@@ -374,6 +379,20 @@ class GenerateRequest(_Body):
     logprob_start_len: int = Field(default=-1, ge=-1)
     rid: str | None = Field(default=None, max_length=200)
     priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)  # higher first under the `priority` policy
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_a_batch(cls, data: Any) -> Any:
+        """SGLang's /generate takes a batch (a list of texts, a list of id lists); here it is one prompt, and
+        pydantic's "Input should be a valid string" did not say so (audit 34)."""
+        if isinstance(data, dict):
+            ids = data.get("input_ids")
+            for field, batched in (("text", isinstance(data.get("text"), list)),
+                                   ("input_ids", isinstance(ids, list) and any(isinstance(x, list) for x in ids))):
+                if batched:
+                    raise refuse(field, "takes one prompt per request here (SGLang's batch form is not supported): "
+                                 "send one request per prompt, or use /v1/completions with a list of prompts")
+        return data
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixserve.interfaces.attention import AttentionRunnerInfo
+from radixserve.layers.attention import check_kv_layout
 from radixserve.layers.logits import select_logit_rows
 from radixserve.memory import KVPool, LatentKVPool, ReqToTokenPool, TokenAllocator
 from radixserve.state import ForwardBatch, ForwardMode
@@ -52,7 +53,11 @@ def tiny_checkpoint(model_type: str, path: str, seed: int = 0, **overrides) -> s
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(model_type, **{**TINY_CONFIG, **TINY_BY_TYPE.get(model_type, {}), **overrides})
+    # only the fields the architecture's config has: GPT-NeoX has no num_key_value_heads, and one written
+    # anyway sized the KV pool for heads its attention does not have (audit 34)
+    defaults = AutoConfig.for_model(model_type)
+    tiny = {k: v for k, v in {**TINY_CONFIG, **TINY_BY_TYPE.get(model_type, {})}.items() if hasattr(defaults, k)}
+    cfg = AutoConfig.for_model(model_type, **{**tiny, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
@@ -115,6 +120,7 @@ class _Driver:
                 kv_heads = getattr(c, "num_key_value_heads", None) or heads
                 dims = (c.num_hidden_layers, heads, kv_heads, getattr(c, "head_dim", None) or c.hidden_size // heads)
             layers, heads, kv_heads, head_dim = dims
+            check_kv_layout(model, layers, kv_heads, head_dim, type(model).__name__)
         self.alloc = TokenAllocator(1024)
         self.table = ReqToTokenPool(8, 256)
         if latent is not None:
