@@ -461,6 +461,48 @@ def test_a_compile_that_breaks_the_contract_is_a_500_not_the_inputs_fault(tok, c
     assert any(r.exc_info and "toy compile bug" in str(r.exc_info[1]) for r in caplog.records)
 
 
+def test_one_compile_thread_builds_the_backend_before_the_first_compile(tok):
+    """stack.grammar_compile_threads=1: the backend's build was queued behind the first compile, which waited
+    for it in the same one-thread pool: every constrained request hung."""
+    service = GrammarService("xgrammar", lambda: XGrammarBackend(tok, VOCAB, [EOS]), threads=1)
+    assert service.compile("regex", "a+").result(timeout=60) is not None
+
+
+def test_a_constraint_slower_than_the_compile_timeout_ends_its_request_not_the_others(tok):
+    """A compile that never returns (an adversarial regex) held its request, and with every thread busy every
+    new constraint, forever: after stack.grammar_compile_timeout_s the slow one is a 400, one queued behind it a
+    503, while a request without a constraint and a cached constraint are served (audit leftovers 31-33)."""
+    import threading
+
+    release = threading.Event()
+
+    class Stuck(XGrammarBackend):
+        def compile(self, kind, text):
+            if text == "(ab)+c":  # stands for an adversarial regex (one that would really take minutes here)
+                release.wait(30)
+            return super().compile(kind, text)
+
+    service = GrammarService("stuck", lambda: Stuck(tok, VOCAB, [EOS]), threads=1)
+    runner = ToyRunner(vocab_size=VOCAB, eos_token_ids=(EOS,))
+    reg = Registry.discover()
+    cache = reg.load("prefix_cache", "radix")(runner.req_to_token_pool, runner.token_allocator)
+    s = Scheduler(Config.build({"stack": {"grammar_compile_timeout_s": 0.5}}), runner, cache,
+                  reg.load("policy", "fcfs")(), tok, grammar=service)
+    try:
+        add(s, "slow", [1, 2], regex="(ab)+c")
+        add(s, "queued", [1, 3], regex="(yes|no)")
+        add(s, "plain", [1, 4])
+        got = _errors(s)
+    finally:
+        release.set()
+    assert got["slow"][1] == 400 and got["slow"][0].startswith("regex: the constraint did not compile within 0.5 s")
+    assert got["queued"][1] == 503 and "no grammar compile thread became free within 0.5 s" in got["queued"][0]
+    assert "plain" not in got
+    service.compile("regex", "(yes|no)").result(timeout=30)  # the queued compile still ran: later requests use it
+    add(s, "later", [1, 5], regex="(yes|no)")
+    assert _errors(s) == {}
+
+
 def test_a_matcher_that_cannot_start_is_a_500_too(tok):
     class NoMatchers(XGrammarBackend):
         def new_matcher(self, compiled):

@@ -67,6 +67,9 @@ class StackSection(_Section):
     grammar: str | None = None
     grammar_compile_threads: int = Field(default=2, ge=1, le=64)  # threads compiling grammars off the scheduler loop
     grammar_cache_size: int = Field(default=256, ge=1)  # compiled grammars kept (least recently used dropped)
+    # seconds a constrained request waits for its grammar (queued for a thread and compiling) before it
+    # is refused: a slow or adversarial constraint must not hold its client, or those behind it, forever
+    grammar_compile_timeout_s: float = Field(default=60.0, gt=0)
 
 
 class SpeculativeSection(_Section):

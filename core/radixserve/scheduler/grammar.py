@@ -40,6 +40,17 @@ class GrammarCompileError(Exception):
         self.status = status
 
 
+def grammar_timeout_refusal(kind: str, compile_future: Future, timeout_s: float) -> tuple[str, int]:
+    """The error (message, HTTP status) of a request whose grammar was not ready within
+    `stack.grammar_compile_timeout_s`: its own constraint compiling that long is the request's (400);
+    never started, it waited for a thread that other compiles held (503: retry later)."""
+    if compile_future.running():
+        return (f"{kind}: the constraint did not compile within {timeout_s:g} s (stack.grammar_compile_timeout_s); "
+                "long bounded repetitions ({1,100}, maxLength) and nested ones compile slowly: simplify it", 400)
+    return (f"{kind}: no grammar compile thread became free within {timeout_s:g} s (each is busy with a slow "
+            "constraint; stack.grammar_compile_threads, stack.grammar_compile_timeout_s); retry later", 503)
+
+
 class DeferredGrammar:
     """A compiled grammar whose matcher starts once the output's text contains `after` (the end of
     a reasoning section, `</think>`): the scheduler pushes each output token until `reached` says
@@ -113,6 +124,9 @@ class GrammarService:
     def compile(self, kind: str, text: str) -> Future:
         """A future of the compiled grammar; it raises GrammarCompileError naming the field."""
         key = (self.name, kind, text, self._tokenizer_key)
+        # the backend's build is queued first: a compile waits for it in the same FIFO pool, so with one
+        # thread a build queued behind the first compile never ran (every constrained request hung)
+        self._backend_started()
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None:
@@ -122,7 +136,6 @@ class GrammarService:
             self._cache[key] = fut
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        self._backend_started()
         return fut
 
     def _compile(self, kind: str, text: str) -> Any:

@@ -35,6 +35,7 @@ from radixserve.scheduler.grammar import (
     GrammarCompileError,
     GrammarService,
     constraint_of,
+    grammar_timeout_refusal,
     tokenizer_fingerprint,
 )
 from radixserve.scheduler.metrics import SchedulerMetrics, StepTrace
@@ -326,6 +327,7 @@ class Scheduler:
         drafter_label: str | None = None,
     ) -> None:
         sc = config.scheduler
+        self.grammar_compile_timeout_s = config.stack.grammar_compile_timeout_s
         self.runner = runner
         self._tokenizer = tokenizer  # for stop strings; the runner's (loaded on first use) when None
         self.cache = cache
@@ -396,6 +398,7 @@ class Scheduler:
         self._suspects: set[str] = set()
         self.grammar = grammar
         self._grammar_pending: dict[str, Future] = {}  # rid -> compiled-grammar future (request waits)
+        self._grammar_deadline: dict[str, tuple[float, str]] = {}  # rid -> (monotonic deadline, constraint kind)
         self._mask_pool: ThreadPoolExecutor | None = None  # fills token bitmasks while forwards run
         self._pin_bitmasks = str(getattr(runner, "device", "cpu")).startswith("cuda")
         self._bitmask_bufs: list[torch.Tensor | None] = [None, None]  # see _new_bitmask
@@ -461,17 +464,24 @@ class Scheduler:
                 )))
                 return
             self._grammar_pending[req.rid] = self.grammar.compile(*constraint)
+            self._grammar_deadline[req.rid] = (time.monotonic() + self.grammar_compile_timeout_s, constraint[0])
         self.meta[req.rid] = _Meta(stream=msg.stream, stop=list(sp.stop), stop_matcher=self._stop_matcher(req))
         self.waiting.append(req)
 
     def _poll_grammars(self) -> None:
         """Give each request whose grammar is compiled its matcher; end those whose grammar failed."""
+        now = time.monotonic()
         for rid, fut in list(self._grammar_pending.items()):
-            if not fut.done():
+            deadline, kind = self._grammar_deadline.get(rid, (float("inf"), ""))
+            if not fut.done() and now < deadline:
                 continue
             del self._grammar_pending[rid]
+            self._grammar_deadline.pop(rid, None)
             req = next((r for r in self.waiting if r.rid == rid), None)
             if req is None:  # aborted while compiling
+                continue
+            if not fut.done():  # the compile goes on in its thread (cached for later requests); this one ends
+                self._refuse_waiting(req, *grammar_timeout_refusal(kind, fut, self.grammar_compile_timeout_s))
                 continue
             try:
                 compiled = fut.result()
@@ -531,6 +541,7 @@ class Scheduler:
         if req is not None:
             self.waiting.remove(req)
             self._grammar_pending.pop(rid, None)
+            self._grammar_deadline.pop(rid, None)
         elif self.chunked_req is not None and self.chunked_req.rid == rid:
             req, self.chunked_req = self.chunked_req, None
             self._release(req)
