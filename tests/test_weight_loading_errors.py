@@ -254,3 +254,30 @@ def test_an_unknown_shard_id_is_named_with_the_ids_the_layer_takes(registry, che
                                          r"'k', 'v', 0, 1, 2"):
         load_model(ModelSource(path=path, format="safetensors"), AutoConfig.from_pretrained(path), WrongShard,
                    torch.device("cpu"), torch.float32, show_progress=False)
+
+
+def test_a_model_constructor_bug_is_one_line_naming_the_model(registry, checkpoint):
+    """Audit 34: a model reading a config field the config lacks gave a raw 34-line AttributeError traceback;
+    a ValueError (the contract's refusal of a config) still goes through as it is."""
+    from radixserve.plugins.registry import PluginCodeError
+
+    base = registry.load("model", "LlamaForCausalLM")
+
+    class ReadsMissingField(base):
+        def __init__(self, config, *args, **kwargs):
+            _ = config.layer_norm_epsilon  # a GPT-2 field: Llama configs have none
+            super().__init__(config, *args, **kwargs)
+
+    class Refuses(base):
+        def __init__(self, config, *args, **kwargs):
+            raise ValueError("unsupported hidden_act 'relu'")
+
+    path = checkpoint("llama")
+    label = "architecture LlamaForCausalLM: native plugin 'toy' (toy-dist 0.1)"
+    with pytest.raises(PluginCodeError, match=r"^architecture LlamaForCausalLM: native plugin 'toy' \(toy-dist 0\.1\) "
+                                              r"failed while building the model: AttributeError: .*layer_norm_epsilon"):
+        load_model(ModelSource(path=path, format="safetensors"), AutoConfig.from_pretrained(path), ReadsMissingField,
+                   torch.device("cpu"), torch.float32, show_progress=False, model_label=label)
+    with pytest.raises(ValueError, match=r"^unsupported hidden_act 'relu'$"):
+        load_model(ModelSource(path=path, format="safetensors"), AutoConfig.from_pretrained(path), Refuses,
+                   torch.device("cpu"), torch.float32, show_progress=False, model_label=label)

@@ -133,6 +133,7 @@ class ModelRunner:
             tp_group=tp, kv_scales=self._kv_scales, lowbit_gemv=lowbit_gemv.resolve(rt.lowbit_gemv, self.device),
             cpu_matmul_precision=rt.cpu_matmul_precision, quant_label=self.quant_label,
             check_built=self._check_attention_options,  # windows, soft-capping: refused before the weights load
+            model_label=choice.describe(),  # "architecture X: native plugin 'x' (distribution version)"
         )
         n_gemv = attach_batch1_gemv(self.model, rt.batch1_gemv, self.device,  # per-layer choice, before graphs
                                     pdl=gemv_pdl,

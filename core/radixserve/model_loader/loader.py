@@ -6,6 +6,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -16,8 +17,9 @@ from radixserve.layers.embedding import ParallelLMHead
 from radixserve.layers.linear import LinearBase
 from radixserve.layers.moe import FusedMoE
 from radixserve.memory.fp8_kv import KVScaleCollector
-from radixserve.model_loader.quant_select import quant_hooks_named
+from radixserve.model_loader.quant_select import quant_hook_failure, quant_hooks_named
 from radixserve.model_loader.sources import ModelSource
+from radixserve.plugins.registry import PluginCodeError, PluginError
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,23 @@ def _load_error(source: ModelSource, e: Exception) -> str:
     return f"checkpoint {source.path!r}" + (f" (file {file})" if file else "") + f": {text}"
 
 
+def _build_model(model_cls: type, hf_config: Any, quant_method: Any, tp_group: Any, label: str | None) -> Any:
+    """`model_cls(hf_config, quant_method[, tp_group=])`. A ValueError is the contract's refusal of the config
+    and goes on as it is; any other exception is the model's bug (a config field its code reads that this
+    config lacks, say: audit 34's raw 34-line AttributeError), reported as one line naming the model, the
+    original as `__cause__` (a quantization method's hooks are named by quant_hooks_named instead)."""
+    try:
+        return model_cls(hf_config, quant_method) if tp_group is None else model_cls(
+            hf_config, quant_method, tp_group=tp_group)
+    except (ValueError, PluginError, torch.cuda.OutOfMemoryError):
+        raise
+    except Exception as e:
+        if quant_hook_failure(e, quant_method, None, None, "") is not None:
+            raise
+        who = label or f"model class {model_cls.__module__}.{model_cls.__name__}"
+        raise PluginCodeError(f"{who} failed while building the model: {type(e).__name__}: {e}") from e
+
+
 def load_model(
     source: ModelSource,
     hf_config,
@@ -97,6 +116,7 @@ def load_model(
     cpu_matmul_precision: str = "highest",
     quant_label: str | None = None,
     check_built: Callable[[torch.nn.Module], None] | None = None,
+    model_label: str | None = None,
 ) -> torch.nn.Module:
     """Instantiate `model_cls(hf_config, quant_method)` on `device` in `dtype` and load its weights.
     `check_built(model)` runs once the model is built, before any weight is read (a refusal that
@@ -117,11 +137,11 @@ def load_model(
     original as its `__cause__`. An exception out of `quant_method`'s hooks (`create_weights` while the
     model is built, `process_weights_after_loading` after the load) comes back as a PluginError naming
     `quant_label` (e.g. "quantization method 'int8' (radixserve-quant-int8)"), the hook and the layer,
-    the original as its `__cause__` (`quant_select.quant_hooks_named`)."""
+    the original as its `__cause__` (`quant_select.quant_hooks_named`). Any other exception of the model's
+    constructor but a ValueError (its refusal of the config) is a PluginCodeError naming `model_label`."""
     start = time.perf_counter()
     with quant_hooks_named(quant_method, quant_label), torch.device(device), _default_dtype(dtype):
-        model = model_cls(hf_config, quant_method) if tp_group is None else model_cls(
-            hf_config, quant_method, tp_group=tp_group)
+        model = _build_model(model_cls, hf_config, quant_method, tp_group, model_label)
     if check_built is not None:
         check_built(model)
     prepare = getattr(source.weight_source, "prepare_model", None)
