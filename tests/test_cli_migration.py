@@ -70,6 +70,14 @@ def test_engine_speculative_settings_need_a_drafter():
     assert main(["config", "show", "speculative.num_draft_tokens=3", "stack.speculative=ngram"]) == 0
 
 
+def test_engine_arguments_are_taken_as_typed():
+    """Audit 34: tp_size="2" started the runtime and failed 13 s later; Engine(123) said path '123' is missing."""
+    with pytest.raises(ConfigError, match=r"^tp_size= must be an int, got str '2'$"):
+        engine_config(None, None, "2", {})
+    with pytest.raises(ConfigError, match=r"^model= takes a checkpoint's path .* got int 123$"):
+        engine_config(123, None, None, {})
+
+
 def test_an_unknown_engine_keyword_lists_the_sections():
     with pytest.raises(ConfigError, match="Engine has no argument foo=: the config sections it takes are model"):
         engine_config(None, None, None, {"foo": {}})

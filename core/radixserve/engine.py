@@ -72,6 +72,13 @@ def engine_config(model: str | Path | Mapping[str, Any] | None, config: str | Pa
     else:
         raise ConfigError(f"config= takes a YAML file's path, a Config or a dict of the file's content, "
                           f"got {type(config).__name__} {config!r}")
+    # Python arguments are taken as typed (a YAML file's or the command line's text is converted): a "2" or a
+    # path given as a number was accepted and failed later, or as something else (audit 34)
+    if tp_size is not None and (isinstance(tp_size, bool) or not isinstance(tp_size, int)):
+        raise ConfigError(f"tp_size= must be an int, got {type(tp_size).__name__} {tp_size!r}")
+    if model is not None and not isinstance(model, str | Path | Mapping):
+        raise ConfigError(f"model= takes a checkpoint's path (a str or Path) or the model section as a dict, "
+                          f"got {type(model).__name__} {model!r}")
     known = set(Config.model_fields)
     for name, value in sections.items():  # e.g. stack="lpm": say what a section must be, not dict()'s error
         if name not in known:  # a vLLM/SGLang keyword (max_model_len=...) or a typo: not a section at all
