@@ -69,11 +69,12 @@ def test_dummy_weights_build_at_real_shape(tiny_llama_dir):
 
 
 def _write_tiny_gguf(hf_dir: str, out: str, qtypes: tuple[str, ...] = ("Q8_0", "Q4_1", "Q4_0"),
-                     embedding: str = "F16", arch: str = "llama") -> None:
+                     embedding: str = "F16", arch: str = "llama", drop: tuple[str, ...] = ()) -> None:
     """Convert a tiny HF Llama checkpoint to GGUF the way llama.cpp does (q/k rows permuted,
     the 2-D tensors but the embedding (F16) in `qtypes` in turn: mixed by default; a llama3 rope
     as llama.cpp writes it, one factor per frequency in `rope_freqs.weight`), so the GGUF path can
-    be checked without a big file. `arch`: general.architecture (the keys are written under it)."""
+    be checked without a big file. `arch`: general.architecture (the keys are written under it); `drop`: GGUF
+    tensor names left out of the file."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -118,6 +119,8 @@ def _write_tiny_gguf(hf_dir: str, out: str, qtypes: tuple[str, ...] = ("Q8_0", "
         else:
             n, rest = name.removeprefix("model.layers.").split(".", 1)
             gname = f"blk.{n}.{layer[rest]}"
+        if gname in drop:
+            continue
         if rest_is(name, "q_proj"):
             x = permute(x, cfg.num_attention_heads)
         elif rest_is(name, "k_proj"):
@@ -175,6 +178,19 @@ def test_a_llama3_rope_gguf_matches_the_checkpoint_it_was_converted_from(tiny_ll
     ref_tokens, ref_logits = hf_greedy(hf, prompt, 48)
     torch.testing.assert_close(got.logits[-1], ref_logits[-1], rtol=1e-4, atol=1e-4)
     assert got.tokens == ref_tokens
+
+
+def test_a_tensor_missing_from_a_gguf_is_named_as_the_file_names_it(tiny_llama_dir, tmp_path):
+    """GGUF audit 33: the unloaded parameter was named only as the HF model's (model.layers.1.mlp.down_proj.weight),
+    a name the file does not use."""
+    hf_dir = tiny_llama_dir("llama", tie_word_embeddings=False)
+    path = str(tmp_path / "missing.gguf")
+    _write_tiny_gguf(hf_dir, path, drop=("blk.1.ffn_down.weight",))
+    cfg = Config.build({"model": {"path": path, "tokenizer": hf_dir}, "runtime": {"device": "cpu", "dtype": "float32"},
+                        "scheduler": {"max_total_tokens": 256}})
+    with pytest.raises(ValueError, match=r"left 1 parameter\(s\) unloaded: model\.layers\.1\.mlp\.down_proj\.\w+ "
+                                         r"\(blk\.1\.ffn_down\.weight in the file\)"):
+        ModelRunner(cfg, show_progress=False)
 
 
 def test_a_gguf_the_reader_cannot_serve_is_one_line_naming_the_file(tiny_llama_dir, tmp_path):

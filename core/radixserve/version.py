@@ -71,4 +71,5 @@ __version__ = "0.1.0"
 #      the runner caps model.context_length at it); the transformers fallback caps at Llama 4's attention_chunk_size
 # 1.17: radixserve.interfaces.grammar.resolve_json_pointer (a schema's local `$ref` followed, one walk for the
 #      core's checks and the backends' rewrites; LookupError when it is not local or names nothing)
-PLUGIN_API_VERSION = "1.17"
+# 1.18: WeightSource.file_tensor_name (load errors name a tensor as the file does too: GGUF's blk.1.ffn_down.weight)
+PLUGIN_API_VERSION = "1.18"

@@ -166,6 +166,8 @@ class WeightSource(abc.ABC):
     - `iter_weights(path, hf_config)` -> `(name, tensor)` pairs with Hugging Face parameter names
       (`model.layers.0.self_attn.q_proj.weight`, ...), fed to the model's `load_weights`.
     - then it is the layers' QuantMethod (a dequantize-at-load source keeps them unquantized).
+    - optionally `file_tensor_name(name)`: the file's own name of a tensor, for error messages
+      (plugin API 1.18).
 
     - optionally `prepare_model(model)`, called once after the model is built and before any
       weight is read: a source that keeps embeddings or the LM head in the file's format swaps
@@ -193,3 +195,12 @@ class WeightSource(abc.ABC):
 
     @abc.abstractmethod
     def iter_weights(self, path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def file_tensor_name(self, name: str) -> str | None:
+        """How the file names the tensor `iter_weights` yields as HF name `name` (for error messages: a
+        tensor missing from the file, or one whose shape its parameter cannot take, is named both ways,
+        `model.layers.1.mlp.down_proj.weight (blk.1.ffn_down.weight in the file)`); None (the default)
+        when the names are the same or unknown.
+
+        Added in plugin API 1.18."""
+        return None

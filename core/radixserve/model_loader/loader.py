@@ -81,7 +81,8 @@ def _load_error(source: ModelSource, e: Exception) -> str:
     text = str(e.args[0]) if isinstance(e, KeyError) and len(e.args) == 1 else str(e)  # not KeyError's repr
     tensor = getattr(e, "tensor", None)
     file = source.file_of(tensor) if tensor else None
-    return f"checkpoint {source.path!r}" + (f" (file {file})" if file else "") + f": {text}"
+    own = source.named_in_file([tensor]) if tensor else ""
+    return f"checkpoint {source.path!r}" + (f" (file {file})" if file else "") + f": {text}{own}"
 
 
 def _build_model(model_cls: type, hf_config: Any, quant_method: Any, tp_group: Any, label: str | None) -> Any:
@@ -164,7 +165,8 @@ def load_model(
     missing = sorted(set(dict(model.named_parameters())) - set(loaded))
     if missing:
         shown = ", ".join(missing[:10]) + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else "")
-        raise ValueError(f"checkpoint {source.path!r} left {len(missing)} parameter(s) unloaded: {shown}")
+        raise ValueError(f"checkpoint {source.path!r} left {len(missing)} parameter(s) unloaded: {shown}"
+                         + source.named_in_file(missing[:10]))
     loaded_at = time.perf_counter()
     compiled = native.compiled_since(start)  # a first start's kernel builds share the cores with the load
     logger.info("weights of %s (%s) loaded in %.1f s%s", type(model).__name__, source.format, loaded_at - start,

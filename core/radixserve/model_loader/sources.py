@@ -97,6 +97,13 @@ class ModelSource:
         except Exception:  # noqa: BLE001 - only an error message's detail: never hide the error itself
             return None
 
+    def named_in_file(self, names: list[str]) -> str:
+        """The file's own names of HF tensor names `names` (a weight source's `file_tensor_name`), as a
+        message's suffix: " (blk.1.ffn_down.weight in the file)"; "" when the file uses the same names."""
+        own = getattr(self.weight_source, "file_tensor_name", None)
+        found = [n for n in (own(name) for name in names) if n] if own is not None else []
+        return f" ({', '.join(found)} in the file)" if found else ""
+
     def iter_weights(self, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
         if self.weight_source is not None:
             return self.weight_source.iter_weights(self.path, hf_config)

@@ -31,7 +31,7 @@ from radixserve.layers.weight_utils import set_weight_attrs
 from radixserve_quant_gguf import kernels
 from radixserve_quant_gguf.hf_config import build_hf_config, gguf_architecture
 from radixserve_quant_gguf.reader import open_gguf, release
-from radixserve_quant_gguf.tensors import LINEAR_SUFFIXES, hf_name, iter_hf_tensors, unpermute_qk
+from radixserve_quant_gguf.tensors import LINEAR_SUFFIXES, gguf_name, hf_name, iter_hf_tensors, unpermute_qk
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,10 @@ class GGUFMethod(UnquantizedMethod, WeightSource):
     @staticmethod
     def num_tensors(path: str) -> int:
         return len(open_gguf(path).tensors)
+
+    @staticmethod
+    def file_tensor_name(name: str) -> str | None:
+        return gguf_name(name)  # error messages name blk.1.ffn_down.weight too
 
     def iter_weights(self, path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
         try:

@@ -47,6 +47,23 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_GGUF_GLOBAL = {hf: own for own, hf in _GLOBAL_NAMES.items()}
+_GGUF_LAYER = {hf: own for own, hf in _LAYER_NAMES.items()}
+
+
+def gguf_name(name: str) -> str | None:
+    """The GGUF tensor a model parameter or HF tensor name comes from (`model.layers.1.mlp.down_proj.weight`
+    -> `blk.1.ffn_down.weight`; a kept linear's own parameter, `...down_proj.qweight`, as its weight), or None."""
+    base = name.rsplit(".", 1)[0] + ".weight" if not name.endswith((".weight", ".bias")) else name
+    if base in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[base]
+    m = _HF_LAYER.match(base)
+    if m and m.group(2) in _GGUF_LAYER:
+        return f"blk.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}"
+    return None
+
+
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation (it stores each head's rotary halves interleaved)."""
     rows = w.shape[0]
