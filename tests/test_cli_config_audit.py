@@ -29,6 +29,26 @@ def test_an_empty_api_key_in_the_config_is_refused_like_the_flag(tmp_path, monke
         Config.load(None, parse_dotted_overrides(["server.api_key='  '"]))
 
 
+@pytest.mark.parametrize("override,key", [("server.api_key=0x1F", "0x1F"), ("server.api_key=017", "017"),
+                                          ("server.api_key='k1 #note'", "k1 #note"), ("server.api_key=[1", "[1")])
+def test_an_override_api_key_is_taken_as_typed(override, key):
+    """Operator audit 34: read as YAML, `0x1F` became the key "31" and `'k1 #note'` lost its end."""
+    assert Config.load(None, parse_dotted_overrides([override])).server.api_key == key
+
+
+@pytest.mark.parametrize("line,message", [("  api_key:\n", "is given with no value"),
+                                          ("  api_key: 0x1F\n", "must be a string, but YAML read the value as int 31")])
+def test_a_yaml_api_key_must_be_a_string(tmp_path, monkeypatch, line, message):
+    """Operator audit 34: `api_key:` with no value served without authentication, and a number was rewritten."""
+    monkeypatch.delenv("RADIXSERVE_API_KEY", raising=False)
+    f = tmp_path / "k.yaml"
+    f.write_text("server:\n" + line)
+    with pytest.raises(ConfigError, match=f"server.api_key {message}"):
+        _serve_config(["--config", str(f)])
+    with pytest.raises(ConfigError, match="server.api_key.*empty"):  # `server.api_key=$UNSET` on a command line
+        _serve_config(["server.api_key="])
+
+
 def test_an_empty_environment_key_is_refused_where_it_would_apply(monkeypatch, capsys):
     monkeypatch.setenv("RADIXSERVE_API_KEY", "")
     with pytest.raises(ConfigError, match="RADIXSERVE_API_KEY is set but empty"):

@@ -402,7 +402,11 @@ def test_an_idle_servers_metrics_have_every_model_series_at_zero(client):
                  'radixserve_cached_tokens_total{model="fake-model"} 0.0',
                  'radixserve_requests_in_flight{model="fake-model"} 0.0',
                  'radixserve_e2e_request_latency_seconds_count{model="fake-model"} 0.0',
-                 'radixserve_time_to_first_token_seconds_count{model="fake-model"} 0.0'):
+                 'radixserve_time_to_first_token_seconds_count{model="fake-model"} 0.0',
+                 # newcomer audit 34: the request counter had no sample (its route and status labels)
+                 'radixserve_requests_total{model="fake-model",route="chat",status="200"} 0.0',
+                 'radixserve_requests_total{model="fake-model",route="completions",status="200"} 0.0',
+                 'radixserve_requests_total{model="fake-model",route="generate",status="200"} 0.0'):
         assert line in m, (line, m)
     assert "radixserve_scheduler_time" not in m  # the stats' read time is no statistic
 

