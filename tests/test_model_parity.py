@@ -321,3 +321,20 @@ def test_warmup_fits_a_small_context_and_pool(tiny_llama_dir):
     runner = ModelRunner(cfg, show_progress=False)
     runner.warmup()
     assert runner.token_allocator.available_size() == runner.token_allocator.size
+
+
+def test_a_context_longer_than_the_kv_pool_is_capped_or_refused(tiny_llama_dir, caplog):
+    """Long-context audit 34: a pool smaller than the context still advertised the context, so chat's default
+    max_tokens (the rest of it) never fit and every such request was refused naming max_new_tokens. The model's
+    own context is now capped at the pool, with a warning; one asked for in model.context_length is refused."""
+    path = tiny_llama_dir("llama")  # max_position_embeddings 512
+    cfg = Config.build({"model": {"path": path}, "runtime": {"device": "cpu", "dtype": "float32"},
+                        "scheduler": {"max_total_tokens": 200}})
+    with caplog.at_level("WARNING", logger="radixserve.model_runner"):
+        runner = ModelRunner(cfg, show_progress=False)
+    assert runner.context_len == 200 and runner.max_total_tokens == 200
+    assert any("fewer than the model's context of 512: the context is capped at 200" in r.getMessage()
+               for r in caplog.records)
+    asked = cfg.with_overrides({"model": {"context_length": 400}})
+    with pytest.raises(ValueError, match=r"model.context_length=400 exceeds the KV pool's 200 token slots"):
+        ModelRunner(asked, show_progress=False)

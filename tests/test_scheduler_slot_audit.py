@@ -164,6 +164,17 @@ def test_a_flush_while_requests_run_is_a_400_that_counts_them():
     assert refusal.message.startswith("cannot flush the cache while requests are running (1 running, 0 waiting)")
 
 
+def test_a_prompt_prefilled_in_chunks_counts_as_running_in_the_flush_refusal():
+    """Long-context audit 34: during a chunked prefill the refusal said "(0 running, 0 waiting)"."""
+    sched = make(RadixCache, debug=False, chunked_prefill_size=4)
+    sched.add_request(GenerateRequest(rid="a", input_ids=list(range(5, 45)), sampling_params=SamplingParams(max_new_tokens=5)))
+    sched.step()
+    assert sched.chunked_req is not None and not sched.running
+    refusal = sched.flush_refusal()
+    assert refusal is not None and refusal.message.startswith("cannot flush the cache while requests are running "
+                                                              "(1 running, 0 waiting)"), refusal
+
+
 def test_leaked_slots_are_named_when_idle_and_after_a_flush(caplog):
     """Finding 3: 48 slots gone after /flush_cache, and no line."""
     sched = make(NoDupFree, debug=False)

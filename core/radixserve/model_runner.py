@@ -295,12 +295,29 @@ class ModelRunner:
             raise RuntimeError("no memory left for the KV cache after loading weights; raise mem_fraction")
         return max(1, int(budget // self.kv_bytes_per_token()))  # as tokens_for_budget, for either pool
 
+    def _fit_context_to_pool(self) -> None:
+        """A request (prompt + output) never holds more KV slots than the pool has: a context above that was
+        advertised (/v1/models' max_model_len) and taken as the default output budget (the rest of the context),
+        so every chat request without max_tokens was refused naming max_new_tokens (long-context audit 34).
+        A context asked for in model.context_length is an error; the model's own is capped, with a warning."""
+        if self.max_total_tokens >= self.context_len:
+            return
+        fix = ("raise scheduler.cpu_kv_cache_gb (CPU), scheduler.mem_fraction (GPU) or scheduler.max_total_tokens")
+        if self.config.model.context_length:
+            raise ValueError(f"model.context_length={self.context_len} exceeds the KV pool's {self.max_total_tokens} "
+                             f"token slots (one request's prompt and output must fit it): lower it, or {fix}")
+        logger.warning("the KV pool holds %d tokens, fewer than the model's context of %d: the context is capped at %d "
+                       "(prompt + output of one request); %s", self.max_total_tokens, self.context_len,
+                       self.max_total_tokens, fix)
+        self.context_len = self.max_total_tokens
+
     def _init_memory(self) -> None:
         layers, kv_heads, head_dim = self._kv_shape()
         if self.latent_dims is None:
             check_kv_layout(self.model, layers, kv_heads, head_dim, self._model_name)
         # every rank's pool has the same slots (rank 0 allocates for all): the smallest one decides
         self.max_total_tokens = self.tp_group.min_int(self._kv_tokens()) if self.tp_group.size > 1 else self._kv_tokens()
+        self._fit_context_to_pool()
         pool_cls = ReqToTokenPool
         if self.tp_group.size > 1 and self.tp_group.is_leader:
             from radixserve.tensor_parallel import JournaledReqToTokenPool

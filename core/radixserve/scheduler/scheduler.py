@@ -569,7 +569,9 @@ class Scheduler:
         """Empty the prefix cache; None when done, else why not (nothing was changed)."""
         self._finish_in_flight()
         if self.waiting or self.running or self.chunked_req is not None:
-            return FlushRefusal(f"cannot flush the cache while requests are running ({len(self.running)} running, "
+            # a prompt being prefilled in chunks counts as running (long-context audit 34: "0 running, 0 waiting")
+            running = len(self.running) + (self.chunked_req is not None)
+            return FlushRefusal(f"cannot flush the cache while requests are running ({running} running, "
                                 f"{len(self.waiting)} waiting); retry when idle", 400)
         locked = self.cache.protected_size()
         if locked:  # no request holds a lock now: a plugin leaked one (reset would refuse or leak)
