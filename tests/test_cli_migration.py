@@ -98,6 +98,12 @@ def test_a_model_path_where_an_override_goes_points_to_model(capsys, tmp_path):
 def test_numbers_in_string_overrides_stay_strings():
     config = Config.load(None, parse_dotted_overrides(["server.api_key=123", "model.served_model_name=2024"]))
     assert config.server.api_key == "123" and config.model.served_model_name == "2024"
+    # operator audit 34: YAML's other readings of a string key's value were rewritten ('0x1F' -> '31')
+    for typed in ("0x1F", "1.50", "yes", "2024-01-01", "1_000"):
+        config = Config.load(None, parse_dotted_overrides([f"model.served_model_name={typed}"]))
+        assert config.model.served_model_name == typed
+    assert parse_dotted_overrides(["scheduler.mem_fraction=0.5", "runtime.overlap=false"]) == {
+        "scheduler": {"mem_fraction": 0.5}, "runtime": {"overlap": False}}  # typed keys still read as YAML
 
 
 @pytest.mark.parametrize("first,rest,prompt,overrides", [

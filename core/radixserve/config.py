@@ -7,11 +7,13 @@ Configs are frozen: derive a changed copy with `Config.with_overrides`, never mu
 from __future__ import annotations
 
 import ctypes
+import datetime
 import importlib.util
 import os
 import re
 import sys
 import tempfile
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -455,11 +457,27 @@ def parse_dotted_overrides(items: list[str]) -> dict[str, Any]:
             node[leaf] = raw[1:-1] if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"" else raw
             continue
         try:
-            node[leaf] = yaml.safe_load(raw) if raw != "" else None
+            value = yaml.safe_load(raw) if raw != "" else None
         except yaml.YAMLError as e:
             problem = str(getattr(e, "problem", None) or e).strip()
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem})") from None
+        if isinstance(value, int | float | bool | datetime.date) and _is_string_key(parents, leaf):
+            value = raw  # as typed: YAML read `0x1F` as 31, `1.50` as 1.5, `yes` as True (operator audit 34)
+        node[leaf] = value
     return out
+
+
+def _is_string_key(parents: list[str], leaf: str) -> bool:
+    """Whether `section.key` (`parents` + `leaf`) is a string field of Config (str or str | None)."""
+    model: Any = Config
+    for name in parents:
+        field = getattr(model, "model_fields", {}).get(name)
+        model = field.annotation if field is not None else None
+    field = getattr(model, "model_fields", {}).get(leaf) if model is not None else None
+    if field is None:
+        return False
+    return field.annotation is str or (str in typing.get_args(field.annotation)
+                                       and all(a in (str, type(None)) for a in typing.get_args(field.annotation)))
 
 
 def _format_validation_error(e: ValidationError) -> str:
