@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
 from typing import Any
 
 import httpx
@@ -17,14 +19,15 @@ from fastapi.responses import JSONResponse, Response
 from radixserve.config import Config
 from radixserve.server.auth import GuardMiddleware
 from radixserve.server.errors import APIError, error_response, install_error_handlers
-from radixserve.server.metrics import CONTENT_TYPE
+from radixserve.server.metrics import CONTENT_TYPE, GENERATION_ROUTES
 from radixserve.server.router.core import Router
 from radixserve.server.router.metrics import RouterMetrics, aggregate_replica_metrics, aggregate_stats
-from radixserve.server.router.proxy import forward, forward_to_one
+from radixserve.server.router.proxy import FORWARDED, forward, forward_to_one
 from radixserve.server.router.replicas import Replica
 from radixserve.version import __version__
 
 FAN_OUT_TIMEOUT_S = 10.0
+logger = logging.getLogger(__name__)
 HEALTH_GENERATE_TIMEOUT_S = 35.0
 
 
@@ -166,7 +169,43 @@ def create_router_app(router: Router, config: Config, metrics: RouterMetrics) ->
         return await forward_to_one(router, request)
 
     app.add_middleware(GuardMiddleware, api_key=config.server.api_key, max_bytes=config.server.max_request_bytes)
+    app.add_middleware(RouterRefusalMiddleware, metrics=metrics, log_requests=config.server.log_requests)
     return app
+
+
+class RouterRefusalMiddleware:
+    """Counts (radixserve_router_refused_requests_total{route,status}) and logs every generation request the
+    router answered with an error without forwarding it (the API-key and size guards, a shutdown): a single
+    server counts those in its requests_total, the replicas never see them. Outermost, so the guards'
+    answers are seen; `forward` marks the requests it relays (the replica counts those)."""
+
+    def __init__(self, app, metrics: RouterMetrics, log_requests: bool) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.log_requests = log_requests
+
+    async def __call__(self, scope, receive, send) -> None:
+        route = GENERATION_ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status: int | None = None
+
+        async def observe(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observe)
+        finally:
+            if status is not None and status >= 400 and not scope.get("state", {}).get(FORWARDED):
+                self.metrics.refused_total.labels(route, str(status)).inc()
+                if self.log_requests:
+                    logger.info("request - %s status=%d latency=%.3fs (refused by the router)", route, status,
+                                time.perf_counter() - started)
 
 
 def _rid(body: bytes) -> Any:

@@ -36,6 +36,13 @@ class RouterMetrics:
             f"{PREFIX}_replica_in_flight", "Requests the router has in flight on the replica", ["replica"], registry=r
         )
 
+        # generation requests the router answered itself (API key, body size, shutting down): the replicas never
+        # see them, so their requests_total misses them (operator audit 34)
+        self.refused_total = Counter(
+            f"{PREFIX}_refused_requests", "Generation requests the router refused itself, by route and HTTP status",
+            ["route", "status"], registry=r,
+        )
+
     def routed(self, replica: int, reason: str) -> None:
         self.routed_total.labels(str(replica), reason).inc()
 

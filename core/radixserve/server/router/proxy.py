@@ -30,6 +30,7 @@ logger = logging.getLogger("radixserve.router")
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _FORWARDED_HEADERS = ("content-type", "accept")
+FORWARDED = "radixserve_forwarded"  # request.state flag: the request went to a replica
 
 
 def _sse_error(message: str, status: int) -> bytes:
@@ -55,6 +56,7 @@ async def _end_on_disconnect(request: Request, flight: Flight) -> None:
 
 async def forward(router: Router, request: Request) -> Response:
     """Route `request` to a replica chosen by the router's policy and relay the answer."""
+    setattr(request.state, FORWARDED, True)  # a replica answers (and counts) it: app.RouterRefusalMiddleware
     body = await request.body()
     try:
         data: Any = json.loads(body) if body else None
