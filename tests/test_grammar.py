@@ -495,12 +495,29 @@ def test_a_constraint_slower_than_the_compile_timeout_ends_its_request_not_the_o
         got = _errors(s)
     finally:
         release.set()
-    assert got["slow"][1] == 400 and got["slow"][0].startswith("regex: the constraint did not compile within 0.5 s")
-    assert got["queued"][1] == 503 and "no grammar compile thread became free within 0.5 s" in got["queued"][0]
+    assert got["slow"][1] == 400 and got["slow"][0].startswith("regex: the constraint did not compile within 0.5 s "
+                                                               "(stack.grammar_compile_timeout_s; it was compiling for")
+    assert got["queued"][1] == 503 and "was not compiled within 0.5 s: it waited 0.5 s for a compile thread" in \
+        got["queued"][0], got["queued"]
     assert "plain" not in got
     service.compile("regex", "(yes|no)").result(timeout=30)  # the queued compile still ran: later requests use it
     add(s, "later", [1, 5], regex="(yes|no)")
     assert _errors(s) == {}
+
+
+def test_a_timeout_blames_the_constraint_only_when_its_own_compile_took_most_of_it():
+    """Grammar audit 34: a 1 s compile that had waited 7 s for a thread was told to simplify itself (a 400)."""
+    import time as clock
+    from types import SimpleNamespace
+
+    from radixserve.scheduler.grammar import grammar_timeout_refusal
+
+    waited = SimpleNamespace(compile_started=[clock.monotonic() - 1.0])
+    message, status = grammar_timeout_refusal("regex", waited, 8.0)
+    assert status == 503 and "it waited 7.0 s for a compile thread or the grammar backend" in message, message
+    slow = SimpleNamespace(compile_started=[clock.monotonic() - 6.0])
+    message, status = grammar_timeout_refusal("regex", slow, 8.0)
+    assert status == 400 and "it was compiling for 6.0 s of them" in message and "simplify it" in message
 
 
 def test_a_matcher_that_cannot_start_is_a_500_too(tok):
