@@ -73,6 +73,21 @@ def test_the_kit_catches_a_broken_backend(broken, tok):
         check_grammar_backend(broken, tok, seeds=1)
 
 
+class _RollsBackOneToken(XGrammarBackend):
+    """Grammar audit 34: a rollback that always undoes one token passed the kit, which only ever rolled back one."""
+
+    def new_matcher(self, compiled):
+        m = super().new_matcher(compiled)
+        real = m.rollback
+        m.rollback = lambda n: real(min(n, 1))
+        return m
+
+
+def test_the_kit_rolls_back_several_tokens_at_once(tok):
+    with pytest.raises(AssertionError, match=r"rollback\([23]\) did not restore the state"):
+        check_grammar_backend(_RollsBackOneToken, tok, seeds=2)
+
+
 def _masking(clear):
     """An xgrammar backend whose masks also clear the tokens `clear(allowed, stops, texts, token)` picks."""
 
@@ -518,6 +533,38 @@ def test_a_timeout_blames_the_constraint_only_when_its_own_compile_took_most_of_
     slow = SimpleNamespace(compile_started=[clock.monotonic() - 6.0])
     message, status = grammar_timeout_refusal("regex", slow, 8.0)
     assert status == 400 and "it was compiling for 6.0 s of them" in message and "simplify it" in message
+
+
+def test_a_token_the_matcher_refuses_after_its_mask_allowed_it_leaves_the_output(tok, caplog):
+    """Grammar audit 34: a backend whose accept_token refused a token its mask allowed ended the request with
+    `abort`, but the refused token stayed in the text, which then broke the constraint."""
+
+    class Refuses(XGrammarBackend):
+        def new_matcher(self, compiled):
+            matcher = super().new_matcher(compiled)
+            real = matcher.accept_token
+            seen = []
+
+            def accept(token):
+                seen.append(token)
+                return real(token) if len(seen) < 3 else False  # the third token: refused
+
+            matcher.accept_token = accept
+            return matcher
+
+        def accept_tokens(self, matchers, tokens):  # one by one, so the refusal above is what the core sees
+            return [m.accept_token(t) for m, t in zip(matchers, tokens, strict=True)]
+
+    s = _service_scheduler(tok, GrammarService("refuses", lambda: Refuses(tok, VOCAB, [EOS])))
+    add(s, "r", [1, 2], regex="[a-z]{10}")
+    outs = []
+    with caplog.at_level("ERROR"):
+        while s.has_work():
+            outs += s.step()
+    ids = [t for o in outs if o.rid == "r" for t in o.new_ids]
+    final = [o for o in outs if o.rid == "r" and o.finished_reason][-1]
+    assert final.finished_reason["type"] == "abort" and len(ids) == 2, (ids, final.finished_reason)
+    assert any("refused token" in r.getMessage() for r in caplog.records)
 
 
 def test_a_matcher_that_cannot_start_is_a_500_too(tok):

@@ -1534,6 +1534,11 @@ class Scheduler:
             accepted = (ok, ok and req.grammar.is_terminated())
         if not accepted[0]:
             logger.error("request %s: the grammar refused token %d that its mask allowed", req.rid, token)
+            # the token is not the constraint's: it leaves the output (grammar audit 34: it stayed in the text)
+            req.output_ids.pop()
+            if req.sampling_params.logprobs:
+                req.output_token_logprobs.pop()
+                req.output_top_logprobs.pop()
             req.finished_reason = {"type": "abort", "message": "the grammar backend refused a token it allowed"}
             return False
         if accepted[1]:

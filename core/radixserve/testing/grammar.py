@@ -125,6 +125,7 @@ def _walk(backend: GrammarBackend, compiled: Any, tokenizer: Any, stop: set[int]
     m = backend.new_matcher(compiled)
     bitmask = backend.allocate_bitmask(2)
     out: list[int] = []
+    rows: list[torch.Tensor] = []  # the mask before each token of `out`
     for step in range(MAX_STEPS):
         row = _fill(m, bitmask, 1)
         assert torch.equal(row, _fill(m, bitmask, 1)), f"{where}: fill_bitmask changed the state (step {step})"
@@ -150,6 +151,13 @@ def _walk(backend: GrammarBackend, compiled: Any, tokenizer: Any, stop: set[int]
             assert torch.equal(_fill(m, bitmask, 1), row), f"{where}: rollback(1) did not restore the state"
             assert m.accept_token(tok), f"{where}: refused token {tok} again after a rollback"
         out.append(tok)
+        rows.append(row)
+        k = min(3, m.max_rollback_tokens, len(out))
+        if k >= 2 and step % 5 == 4:  # several tokens at once, as a rejected draft's (grammar audit 34: only 1 ran)
+            m.rollback(k)
+            assert torch.equal(_fill(m, bitmask, 1), rows[-k]), f"{where}: rollback({k}) did not restore the state"
+            for again in out[-k:]:
+                assert m.accept_token(again), f"{where}: refused token {again} again after rollback({k})"
     raise AssertionError(f"{where}: no stop token allowed after {MAX_STEPS} tokens: {tokenizer.decode(out)!r}")
 
 
