@@ -64,7 +64,8 @@ def batched(runner, prompts):
 
 def test_loads_from_gguf(runner):
     assert type(runner.model).__name__ == "LlamaForCausalLM"
-    assert runner.vocab_size == 49152 and runner.context_len == 8192
+    assert runner.vocab_size == 49152 and runner.hf_config.max_position_embeddings == 8192
+    assert runner.context_len == 4096  # capped at the fixture's 4096-token KV pool (one request must fit it)
     assert runner.model.lm_head.weight is runner.model.model.embed_tokens.weight  # tied
     assert 2 in runner.eos_token_ids
 
