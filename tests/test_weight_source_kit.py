@@ -95,3 +95,39 @@ def test_a_broken_reader_fails_naming_the_rule(checkpoint, broken, words):
     with pytest.raises((AssertionError, ValueError)) as e:
         check_weight_source(broken, path, reference=ref)
     assert words in str(e.value), str(e.value)
+
+
+class CorruptFile(NpzSource):
+    def hf_config(self, path):
+        import zipfile
+
+        raise zipfile.BadZipFile("File is not a zip file")
+
+
+class NoConfigEntry(NpzSource):
+    def hf_config(self, path):
+        raise ValueError("the file has no __config__ entry")
+
+
+class BreaksMidway(NpzSource):
+    def iter_weights(self, path, hf_config):
+        yield next(iter(super().iter_weights(path, hf_config)))
+        raise RuntimeError("truncated archive")
+
+
+@pytest.mark.parametrize("source, error, words", [
+    (CorruptFile, "PluginCodeError", r"^weight source 'npzw' \(test-dist 0\.1\) failed reading '.*tiny\.npzw' "
+                                     r"\(hf_config\): BadZipFile: File is not a zip file$"),
+    (NoConfigEntry, "ValueError", r"^'.*tiny\.npzw': the file has no __config__ entry$"),
+    (BreaksMidway, "PluginCodeError", r"failed reading '.*tiny\.npzw' \(iter_weights\): RuntimeError: truncated"),
+])
+def test_a_weight_sources_failure_is_one_line_naming_the_source_and_file(checkpoint, source, error, words):
+    """Weight-source audit 34: a corrupt file's exception (not a ValueError) was a traceback naming neither the
+    plugin nor the file, and a ValueError while reading the config did not name the file."""
+    from radixserve.model_loader.sources import ModelSource
+
+    path, _ = checkpoint
+    src = ModelSource(path=path, format="npzw", weight_source=source(), source_label="weight source 'npzw' (test-dist 0.1)")
+    with pytest.raises(Exception, match=words) as e:
+        list(src.iter_weights(NpzSource().hf_config(path))) if source is BreaksMidway else src.hf_config()
+    assert type(e.value).__name__ == error

@@ -4,6 +4,7 @@ weights at the real shapes."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.model_loader.model_files import no_weight_source_message
+from radixserve.plugins.registry import PluginError
 
 if TYPE_CHECKING:
     from radixserve.config import Config
@@ -63,10 +65,32 @@ class ModelSource:
     path: str
     format: str
     weight_source: WeightSource | None = None
+    source_label: str = ""  # how errors name the weight source: "weight source 'gguf' (radixserve-quant-gguf 0.1.0)"
+
+    @contextlib.contextmanager
+    def _reading(self, hook: str) -> Iterator[None]:
+        """A weight source's `hook` reading the file: its ValueError names the file (the contract's refusal), any
+        other exception is one PluginCodeError line naming the source, the file and the hook (weight-source
+        audit 34: a corrupt file gave a traceback naming neither)."""
+        try:
+            yield
+        except (ValueError, PluginError):
+            raise
+        except Exception as e:
+            from radixserve.plugins.registry import PluginCodeError
+
+            who = self.source_label or f"weight source {type(self.weight_source).__name__}"
+            raise PluginCodeError(f"{who} failed reading {self.path!r} ({hook}): {type(e).__name__}: {e}") from e
 
     def hf_config(self):
         if self.weight_source is not None:
-            return self.weight_source.hf_config(self.path)
+            with self._reading("hf_config"):
+                try:
+                    return self.weight_source.hf_config(self.path)
+                except ValueError as e:  # a plain one names the file (a subclass keeps its own words)
+                    if type(e) is not ValueError or os.path.basename(self.path) in str(e):
+                        raise
+                    raise ValueError(f"{self.path!r}: {e}") from e
         from transformers import AutoConfig
 
         try:
@@ -106,10 +130,15 @@ class ModelSource:
 
     def iter_weights(self, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
         if self.weight_source is not None:
-            return self.weight_source.iter_weights(self.path, hf_config)
+            return self._source_weights(hf_config)
         if self.format == "safetensors":
             return iter_safetensors(self.path)
         raise ValueError("dummy checkpoints have no weights to iterate")
+
+
+    def _source_weights(self, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+        with self._reading("iter_weights"):
+            yield from self.weight_source.iter_weights(self.path, hf_config)
 
 
 class UnknownModelTypeError(ValueError):
@@ -199,6 +228,8 @@ def open_source(path: str, load_format: str, registry: Registry, options: dict |
         cls = registry.load("quantization", spec.name)
         _check_options(cls, spec.name, options or {})
         source = cls(**(options or {}))
+        label = f"weight source {spec.name!r} ({spec.distribution} {spec.version})".replace(" )", ")")
+        return ModelSource(path=path, format=fmt, weight_source=source, source_label=label)
     elif options:
         raise ValueError(f"model.weight_source_options {options!r} apply to checkpoint files read by a weight source "
                          f"(e.g. .gguf); {path!r} is a {fmt} checkpoint")
