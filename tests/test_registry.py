@@ -379,3 +379,27 @@ def test_plugins_table_names_the_plugin_and_survives_a_closed_pipe():
     _, err = proc.communicate(timeout=60)
     assert header.split()[:2] == ["plugin", "distribution"], header
     assert proc.returncode == 0 and "Traceback" not in err, err
+
+
+SOURCE_PLUGIN = """
+from radixserve.plugins import hookimpl
+PLUGIN_API = ">=1,<2"
+
+@hookimpl
+def radixserve_register(registry):
+    registry.register("quantization", "{name}", "radixserve_quant_gguf.method:GGUFMethod", priority={priority},
+                      weight_file_suffixes=(".npzw",))
+"""
+
+
+def test_the_plugins_listing_says_which_reader_takes_a_suffix_two_claim(tmp_path):
+    """Weight-source audit 34: a second reader of a suffix silently shadowed the first."""
+    for dist, mod, name, priority in (("radixserve-ws-low", "rs_ws_low", "low_reader", 1),
+                                      ("radixserve-ws-high", "rs_ws_high", "high_reader", 9)):
+        make_fake_distribution(tmp_path, dist, mod, mod, SOURCE_PLUGIN.format(name=name, priority=priority))
+    r = run_cli(["plugins"], site=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.strip().startswith(".npzw")]
+    assert any("high_reader" in line and "(reads these files)" in line for line in lines), lines
+    assert any("low_reader" in line and "(not used: 'high_reader' comes first; -p no:<plugin> to switch)" in line
+               for line in lines), lines

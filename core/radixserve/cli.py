@@ -82,8 +82,16 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(f"  (other architectures: none; pip install {FALLBACK_DISTRIBUTION} runs any AutoModelForCausalLM)")
     sources = sorted((suffix, r["name"], r["distribution"]) for r in rows for suffix in r["weight_file_suffixes"])
     print("\ncheckpoint files (a model.path ending so is read by that weight source; directories: safetensors):")
+    readers: dict[str, list[str]] = {}
     for suffix, name, dist in sources:
-        print(f"  {suffix.ljust(12)}  {name.ljust(12)}  {dist}")
+        readers.setdefault(suffix, []).append(name)
+    for suffix, name, dist in sources:
+        # several readers of one suffix: the registry's order (priority, then name) picks; say which (weight-source
+        # audit 34: the other was silently shadowed, the default model's .gguf included)
+        winner = reg.weight_source_for(f"x{suffix}") if len(readers[suffix]) > 1 else None
+        note = "" if winner is None else ("  (reads these files)" if winner.name == name else
+                                          f"  (not used: {winner.name!r} comes first; -p no:<plugin> to switch)")
+        print(f"  {suffix.ljust(12)}  {name.ljust(12)}  {dist}{note}")
     if not sources:
         print("  (none installed)")
     if reg.skipped:

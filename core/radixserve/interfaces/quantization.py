@@ -181,8 +181,10 @@ class WeightSource(abc.ABC):
     have one built in. Users of another file format set `model.tokenizer` (without it the start-up
     error says so).
 
-    The core never calls a weight source by its name; two installed components declaring the same
-    suffix resolve like any other conflict (the first by priority, then name).
+    The core never calls a weight source by its name. Two installed components declaring the same
+    suffix are not an error: the first by priority, then name, reads such files (the default model's
+    `.gguf` too), and `radixserve plugins` marks the other "not used"; disable a plugin
+    (`plugins.disable`, `-p no:PLUGIN`) to switch.
 
     Added in plugin API 1.0.
     """
