@@ -83,7 +83,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     sources = sorted((suffix, r["name"], r["distribution"]) for r in rows for suffix in r["weight_file_suffixes"])
     print("\ncheckpoint files (a model.path ending so is read by that weight source; directories: safetensors):")
     readers: dict[str, list[str]] = {}
-    for suffix, name, dist in sources:
+    for suffix, name, _dist in sources:
         readers.setdefault(suffix, []).append(name)
     for suffix, name, dist in sources:
         # several readers of one suffix: the registry's order (priority, then name) picks; say which (weight-source
