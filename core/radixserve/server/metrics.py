@@ -110,17 +110,16 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-class FailedRequestMiddleware:
-    """Counts (requests_total{status}) and logs every generation request answered with an HTTP
-    error status: refused before generating (validation, API key, body size, budget) or failed
-    while collecting a non-streamed result, or the client gone (499). Why here: those never reach
-    the handlers' own accounting, which counts successes and streams (HTTP 200, an error event
-    inside) where they end. Outermost, so the API-key and size guards' answers are seen too."""
+class ErrorStatusMiddleware:
+    """Calls `failed(route, status, latency_s, scope)` for every generation request (the routes of
+    GENERATION_ROUTES) answered with an HTTP error status, whoever answered it: added outermost, it sees the
+    API-key and size guards' answers too. Subclasses say what a failure is counted and logged as."""
 
-    def __init__(self, app, metrics: ServerMetrics, log_requests: bool) -> None:
+    def __init__(self, app) -> None:
         self.app = app
-        self.metrics = metrics
-        self.log_requests = log_requests
+
+    def failed(self, route: str, status: int, latency_s: float, scope: dict) -> None:
+        raise NotImplementedError
 
     async def __call__(self, scope, receive, send) -> None:
         route = GENERATION_ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
@@ -140,6 +139,22 @@ class FailedRequestMiddleware:
             await self.app(scope, receive, observe)
         finally:
             if status is not None and status >= 400:
-                self.metrics.observe_failure(route, status)
-                if self.log_requests:
-                    logger.info("request - %s status=%d latency=%.3fs", route, status, time.perf_counter() - started)
+                self.failed(route, status, time.perf_counter() - started, scope)
+
+
+class FailedRequestMiddleware(ErrorStatusMiddleware):
+    """Counts (requests_total{status}) and logs every generation request answered with an HTTP
+    error status: refused before generating (validation, API key, body size, budget) or failed
+    while collecting a non-streamed result, or the client gone (499). Why here: those never reach
+    the handlers' own accounting, which counts successes and streams (HTTP 200, an error event
+    inside) where they end."""
+
+    def __init__(self, app, metrics: ServerMetrics, log_requests: bool) -> None:
+        super().__init__(app)
+        self.metrics = metrics
+        self.log_requests = log_requests
+
+    def failed(self, route: str, status: int, latency_s: float, scope: dict) -> None:
+        self.metrics.observe_failure(route, status)
+        if self.log_requests:
+            logger.info("request - %s status=%d latency=%.3fs", route, status, latency_s)

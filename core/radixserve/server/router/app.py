@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from typing import Any
 
 import httpx
@@ -19,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from radixserve.config import Config
 from radixserve.server.auth import GuardMiddleware
 from radixserve.server.errors import APIError, error_response, install_error_handlers
-from radixserve.server.metrics import CONTENT_TYPE, GENERATION_ROUTES
+from radixserve.server.metrics import CONTENT_TYPE, ErrorStatusMiddleware
 from radixserve.server.router.core import Router
 from radixserve.server.router.metrics import RouterMetrics, aggregate_replica_metrics, aggregate_stats
 from radixserve.server.router.proxy import FORWARDED, forward, forward_to_one
@@ -173,39 +172,23 @@ def create_router_app(router: Router, config: Config, metrics: RouterMetrics) ->
     return app
 
 
-class RouterRefusalMiddleware:
+class RouterRefusalMiddleware(ErrorStatusMiddleware):
     """Counts (radixserve_router_refused_requests_total{route,status}) and logs every generation request the
     router answered with an error without forwarding it (the API-key and size guards, a shutdown): a single
-    server counts those in its requests_total, the replicas never see them. Outermost, so the guards'
-    answers are seen; `forward` marks the requests it relays (the replica counts those)."""
+    server counts those in its requests_total, the replicas never see them. `forward` marks the requests it
+    relays (the replica counts those)."""
 
     def __init__(self, app, metrics: RouterMetrics, log_requests: bool) -> None:
-        self.app = app
+        super().__init__(app)
         self.metrics = metrics
         self.log_requests = log_requests
 
-    async def __call__(self, scope, receive, send) -> None:
-        route = GENERATION_ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
-        if route is None:
-            await self.app(scope, receive, send)
+    def failed(self, route: str, status: int, latency_s: float, scope: dict) -> None:
+        if scope.get("state", {}).get(FORWARDED):
             return
-        started = time.perf_counter()
-        status: int | None = None
-
-        async def observe(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, observe)
-        finally:
-            if status is not None and status >= 400 and not scope.get("state", {}).get(FORWARDED):
-                self.metrics.refused_total.labels(route, str(status)).inc()
-                if self.log_requests:
-                    logger.info("request - %s status=%d latency=%.3fs (refused by the router)", route, status,
-                                time.perf_counter() - started)
+        self.metrics.refused_total.labels(route, str(status)).inc()
+        if self.log_requests:
+            logger.info("request - %s status=%d latency=%.3fs (refused by the router)", route, status, latency_s)
 
 
 def _rid(body: bytes) -> Any:
