@@ -65,8 +65,12 @@ def _cores(quota: float, period: float) -> float | None:
 def usable_cores(root: Path | None = None) -> int:
     """Cores this process may run on at once: the affinity mask's size, capped by the cgroup quota
     rounded up (a quota of 2.5 cores keeps 3 threads busy part of the time), at least 1."""
+    return _usable_under(cgroup_cpu_limit(root))
+
+
+def _usable_under(limit: float | None) -> int:
+    """usable_cores for a quota already read (`limit` cores, None: none)."""
     mask = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    limit = cgroup_cpu_limit(root)
     return max(1, min(mask, math.ceil(limit)) if limit is not None else mask)
 
 
@@ -81,9 +85,10 @@ def set_torch_threads(num_threads: int | None) -> str | None:
         torch.set_num_threads(num_threads)
         return None
     before = torch.get_num_threads()
-    cores = min(usable_cores(), before)
+    limit = cgroup_cpu_limit()  # read once: the cap and the log line's figure
+    cores = min(_usable_under(limit), before)
     if cores < before:
         torch.set_num_threads(cores)
-        return (f"CPU threads: {cores} (the cgroup CPU limit is {cgroup_cpu_limit():g} cores; torch would have "
+        return (f"CPU threads: {cores} (the cgroup CPU limit is {limit:g} cores; torch would have "
                 f"started {before}); set runtime.num_threads to override")
     return None

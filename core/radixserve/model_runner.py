@@ -12,7 +12,7 @@ import torch
 from radixserve import native
 from radixserve.config import Config
 from radixserve.interfaces import AttentionRunnerInfo, LatentAttentionDims
-from radixserve.interfaces.model import head_dim_of
+from radixserve.interfaces.model import attention_dims_of
 from radixserve.interfaces.target_states import HiddenRows, TargetStates
 from radixserve.layers import lowbit_gemv
 from radixserve.layers.attention import check_backend_supports_layers, check_kv_layout
@@ -242,13 +242,7 @@ class ModelRunner:
         else the config's. A rank holds heads / tp_size query heads and kv_heads / tp_size KV heads,
         or one replicated KV head when there are fewer KV heads than ranks."""
         dims = self.model.attention_dims()
-        if dims is not None:
-            layers, heads, kv_heads, head_dim = dims
-        else:
-            c = self.hf_config
-            head_dim = head_dim_of(c)
-            kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-            layers, heads = c.num_hidden_layers, c.num_attention_heads
+        layers, heads, kv_heads, head_dim = dims if dims is not None else attention_dims_of(self.hf_config)
         tp = self.tp_group.size
         if tp > 1:
             heads //= tp

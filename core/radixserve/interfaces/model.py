@@ -22,6 +22,15 @@ def head_dim_of(config) -> int:
     where the config has none. Added in plugin API 1.4 (`radixserve.layers.decoder_blocks.head_dim_of`)."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
+
+def attention_dims_of(config) -> tuple[int, int, int, int]:
+    """`(num_layers, num_heads, num_kv_heads, head_dim)` of an HF config, as the runner sizes the KV pool
+    when `Model.attention_dims()` is None: `num_key_value_heads` or, where the config has none (a
+    multi-head model such as GPT-NeoX), `num_attention_heads`; `head_dim_of` for the head size."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return config.num_hidden_layers, heads, kv_heads, head_dim_of(config)
+
 class Model(nn.Module, abc.ABC):
     """A causal LM, registered under its HF `architectures` name (e.g. "LlamaForCausalLM").
 

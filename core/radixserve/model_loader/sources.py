@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.model_loader.model_files import no_weight_source_message
-from radixserve.plugins.registry import PluginError
+from radixserve.plugins.registry import PluginCodeError, PluginError
 
 if TYPE_CHECKING:
     from radixserve.config import Config
@@ -77,8 +77,6 @@ class ModelSource:
         except (ValueError, PluginError):
             raise
         except Exception as e:
-            from radixserve.plugins.registry import PluginCodeError
-
             who = self.source_label or f"weight source {type(self.weight_source).__name__}"
             raise PluginCodeError(f"{who} failed reading {self.path!r} ({hook}): {type(e).__name__}: {e}") from e
 
@@ -134,7 +132,6 @@ class ModelSource:
         if self.format == "safetensors":
             return iter_safetensors(self.path)
         raise ValueError("dummy checkpoints have no weights to iterate")
-
 
     def _source_weights(self, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
         with self._reading("iter_weights"):

@@ -397,8 +397,8 @@ class Scheduler:
         # requests of a batch whose forward raised: each runs alone until it passes (or fails alone)
         self._suspects: set[str] = set()
         self.grammar = grammar
-        self._grammar_pending: dict[str, Future] = {}  # rid -> compiled-grammar future (request waits)
-        self._grammar_deadline: dict[str, tuple[float, str]] = {}  # rid -> (monotonic deadline, constraint kind)
+        # rid -> (its compiled-grammar future, the request, which waits in `waiting` until it is done)
+        self._grammar_pending: dict[str, tuple[Future, Req]] = {}
         self._mask_pool: ThreadPoolExecutor | None = None  # fills token bitmasks while forwards run
         self._pin_bitmasks = str(getattr(runner, "device", "cpu")).startswith("cuda")
         self._bitmask_bufs: list[torch.Tensor | None] = [None, None]  # see _new_bitmask
@@ -463,24 +463,20 @@ class Scheduler:
                     "install one (pip install radixserve-grammar-xgrammar) or set stack.grammar"
                 )))
                 return
-            self._grammar_pending[req.rid] = self.grammar.compile(*constraint)
-            self._grammar_deadline[req.rid] = (time.monotonic() + self.grammar_compile_timeout_s, constraint[0])
+            self._grammar_pending[req.rid] = (self.grammar.compile(*constraint), req)
         self.meta[req.rid] = _Meta(stream=msg.stream, stop=list(sp.stop), stop_matcher=self._stop_matcher(req))
         self.waiting.append(req)
 
     def _poll_grammars(self) -> None:
         """Give each request whose grammar is compiled its matcher; end those whose grammar failed."""
         now = time.monotonic()
-        for rid, fut in list(self._grammar_pending.items()):
-            deadline, kind = self._grammar_deadline.get(rid, (float("inf"), ""))
-            if not fut.done() and now < deadline:
+        for rid, (fut, req) in list(self._grammar_pending.items()):
+            # its wait counts from its arrival (req.arrival_time: monotonic seconds, taken when it was added)
+            if not fut.done() and now < req.arrival_time + self.grammar_compile_timeout_s:
                 continue
-            del self._grammar_pending[rid]
-            self._grammar_deadline.pop(rid, None)
-            req = next((r for r in self.waiting if r.rid == rid), None)
-            if req is None:  # aborted while compiling
-                continue
+            del self._grammar_pending[rid]  # (an abort while compiling removed its entry already)
             if not fut.done():  # the compile goes on in its thread (cached for later requests); this one ends
+                kind, _ = constraint_of(req.sampling_params)
                 self._refuse_waiting(req, *grammar_timeout_refusal(kind, fut, self.grammar_compile_timeout_s))
                 continue
             try:
@@ -506,7 +502,8 @@ class Scheduler:
     def _wait_for_grammars(self, timeout: float = 0.02) -> None:
         """Nothing could run: block briefly on the compiles instead of spinning the loop."""
         if self._grammar_pending:
-            wait_futures(list(self._grammar_pending.values()), timeout=timeout, return_when=FIRST_COMPLETED)
+            wait_futures([fut for fut, _ in self._grammar_pending.values()], timeout=timeout,
+                         return_when=FIRST_COMPLETED)
 
     def _tokenizer_or_runners(self) -> Any:
         if self._tokenizer is None:
@@ -541,7 +538,6 @@ class Scheduler:
         if req is not None:
             self.waiting.remove(req)
             self._grammar_pending.pop(rid, None)
-            self._grammar_deadline.pop(rid, None)
         elif self.chunked_req is not None and self.chunked_req.rid == rid:
             req, self.chunked_req = self.chunked_req, None
             self._release(req)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixserve.interfaces.attention import AttentionRunnerInfo
+from radixserve.interfaces.model import attention_dims_of
 from radixserve.layers.attention import check_kv_layout
 from radixserve.layers.logits import select_logit_rows
 from radixserve.memory import KVPool, LatentKVPool, ReqToTokenPool, TokenAllocator
@@ -115,11 +116,7 @@ class _Driver:
             layers, heads, kv_heads, head_dim = latent.num_layers, latent.num_heads, 1, latent.latent_width
         else:
             dims = model.attention_dims()  # the model's own KV-cache shape, else the config's (as the runner)
-            if dims is None:
-                heads = c.num_attention_heads
-                kv_heads = getattr(c, "num_key_value_heads", None) or heads
-                dims = (c.num_hidden_layers, heads, kv_heads, getattr(c, "head_dim", None) or c.hidden_size // heads)
-            layers, heads, kv_heads, head_dim = dims
+            layers, heads, kv_heads, head_dim = dims if dims is not None else attention_dims_of(c)
             check_kv_layout(model, layers, kv_heads, head_dim, type(model).__name__)
         self.alloc = TokenAllocator(1024)
         self.table = ReqToTokenPool(8, 256)
