@@ -1,7 +1,8 @@
 """runtime.cpu_matmul_precision=medium: the native GEMM over bf16 panels (AVX-512 BF16 CPUs).
 
 What a user relies on: the products are those of the bf16-rounded inputs summed in fp32 (so the
-results match torch on bf16-rounded operands, and really differ from the fp32 GEMM); NaN stays in
+results match torch on bf16-rounded operands, and really differ from the fp32 GEMM), or, where
+vdpbf16ps is the slower instruction (`widen`), of fp32 x and the bf16-rounded weights; NaN stays in
 its row; a model loaded with the option runs its linears on bf16 panels, keeps each request's
 tokens independent of its batch, and stays close to the fp32 model. The kernels are tested where
 the CPU has AVX-512 BF16 (skipped, and said so, elsewhere); the fallback warning everywhere."""
@@ -36,35 +37,52 @@ def _tolerance(in_features: int) -> dict:
     ("rows", "out_features", "in_features"),
     [(r, n, k) for r in (1, 5, 8, 13, 300) for n, k in ((960, 576), (50, 1536), (24, 7))] + [(9, 100, 2500)],
 )
-def test_bf16_panels_compute_the_bf16_rounded_product(gemm, rows, out_features, in_features):
-    """Partial panels, odd K (a zero-padded last pair), every row remainder of the 8-row kernel, row
-    chunks (300 rows) and K blocks (2500 features: 1250 pairs, past the 1024-pair block)."""
+@pytest.mark.parametrize("widen", [False, True])
+def test_bf16_panels_compute_the_bf16_rounded_product(gemm, rows, out_features, in_features, widen):
+    """Partial panels, odd K (a zero-padded last pair; widened, x has no value there to read), every
+    row remainder of the 8-row kernel, row chunks (300 rows) and K blocks (2500 features: 1250 pairs,
+    past the 1024-pair block)."""
     gen = torch.Generator().manual_seed(rows * out_features + in_features)
     weight, x = torch.randn(out_features, in_features, generator=gen), torch.randn(rows, in_features, generator=gen)
     panels = gemm.to_bf16_panels(gemm.pack(weight))
     assert panels.dtype == torch.int16 and panels.shape == (-(-out_features // 48), (in_features + 1) // 2, 48, 2)
-    got = gemm.linear(x, panels, out_features)
-    torch.testing.assert_close(got, F.linear(_bf16(x), _bf16(weight)), **_tolerance(in_features))
+    got = gemm.linear(x, panels, out_features, widen)
+    torch.testing.assert_close(got, F.linear(x if widen else _bf16(x), _bf16(weight)), **_tolerance(in_features))
     if in_features > 16:  # really rounded: the fp32 product is measurably elsewhere
         assert (got - F.linear(x, weight)).abs().max() > 1e-3
+    if widen and in_features > 16:  # and x really is not: the all-bf16 product is elsewhere too
+        assert (got - F.linear(_bf16(x), _bf16(weight))).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("widen", [False, True])
 @pytest.mark.parametrize(("rows", "inter", "in_features"), [(1, 50, 40), (9, 100, 40), (64, 1536, 40), (300, 100, 1536)])
-def test_bf16_silu_gated_panels(gemm, rows, inter, in_features):
+def test_bf16_silu_gated_panels(gemm, rows, inter, in_features, widen):
     """The last case spans several row chunks (300 rows of 1536 bf16 features)."""
     gen = torch.Generator().manual_seed(rows + inter)
     weight = torch.randn(2 * inter, in_features, generator=gen) / in_features**0.5  # unit-scale pre-activations
     x = torch.randn(rows, in_features, generator=gen)
     panels = gemm.to_bf16_panels(gemm.pack_gated(weight))
-    want = SiluAndMul()(F.linear(_bf16(x), _bf16(weight)))
-    torch.testing.assert_close(gemm.linear_silu_mul(x, panels, inter), want, rtol=1e-5, atol=1e-5)
+    want = SiluAndMul()(F.linear(x if widen else _bf16(x), _bf16(weight)))
+    torch.testing.assert_close(gemm.linear_silu_mul(x, panels, inter, widen), want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_nan_stays_in_its_row(gemm):
+@pytest.mark.parametrize("widen", [False, True])
+def test_a_nan_stays_in_its_row(gemm, widen):
     weight, x = torch.randn(100, 64), torch.randn(3, 64)
     x[1, 5] = float("nan")
-    got = gemm.linear(x, gemm.to_bf16_panels(gemm.pack(weight)), 100)
+    got = gemm.linear(x, gemm.to_bf16_panels(gemm.pack(weight)), 100, widen)
     assert got[1].isnan().all() and not got[0].isnan().any() and not got[2].isnan().any()
+
+
+def test_the_product_kind_follows_the_measured_instruction_rates(gemm):
+    """vdpbf16ps where it does more FLOPs a second than the fp32 FMA (Zen 4: ~2x), widened weights
+    where fewer (Sapphire / Emerald Rapids: ~0.5x); every bf16 packing takes this process's choice."""
+    rate = gemm.dot_to_fma_rate()
+    assert 0.1 < rate < 8, rate  # a measurement, not a constant: some real ratio of two rates
+    assert cpu_gemm.bf16_products_widened() == (rate < 1.0) or abs(rate - 1.0) < 0.2  # measured twice: noise at 1
+    packed = cpu_gemm.to_bf16(cpu_gemm.pack(torch.randn(48, 64)))
+    assert packed.widen == cpu_gemm.bf16_products_widened()
+    assert cpu_gemm.to_bf16(cpu_gemm.pack(torch.randn(48, 64)), widen=True).widen
 
 
 def test_mismatched_bf16_panels_are_refused(gemm):
@@ -80,7 +98,7 @@ def test_packed_weight_converts_once_and_keeps_its_kind(gemm):
     assert low.bf16 and low.silu_gated and low.out_features == 96 and not gated.bf16
     assert cpu_gemm.to_bf16(low) is low
     x = torch.randn(4, 64)
-    want = SiluAndMul()(F.linear(_bf16(x), _bf16(weight)))
+    want = SiluAndMul()(F.linear(x if low.widen else _bf16(x), _bf16(weight)))  # the kind this CPU runs faster
     torch.testing.assert_close(cpu_gemm.silu_gated_linear(x, low), want, rtol=1e-5, atol=1e-4)
 
 
@@ -108,6 +126,7 @@ def test_a_model_with_medium_precision_runs_bf16_panels(gemm, tiny_llama_dir):
     # the greedy screen's bf16 copy serves the logits too: one copy, the bits to_bf16_panels would give
     assert head.greedy_head is not None and head.packed_weight.panels is head.greedy_head.panels
     assert torch.equal(head.packed_weight.panels, gemm.to_bf16_panels(gemm.pack(head.weight.detach())))
+    assert head.packed_weight.widen == head.greedy_head.widen == cpu_gemm.bf16_products_widened()
     assert not fp32.model.model.layers[0].mlp.gate_up_proj.packed_weight.bf16
     prompts = [[5, 9, 2, 7, 11], [3] * 30, [8, 1]]
     batched = greedy_generate(medium, prompts, 12, keep_logits=True)

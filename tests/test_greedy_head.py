@@ -35,18 +35,21 @@ needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU has no AVX-512 BF
 
 
 @needs_bf16
+@pytest.mark.parametrize("widen", [False, True])
 @pytest.mark.parametrize(("vocab", "hidden", "rows"), [(50, 7, 3), (1000, 33, 9), (97, 576, 1), (4801, 576, 64)])
-def test_screened_argmax_is_the_fp32_argmax(vocab, hidden, rows):
+def test_screened_argmax_is_the_fp32_argmax(vocab, hidden, rows, widen):
     """Partial 48-row panels, odd hidden sizes (a half bf16 pair), every row remainder of the
-    8-row microkernel."""
+    8-row microkernel; the screen by vdpbf16ps and by widened weights (cpu_gemm.bf16_products_widened)."""
     gen = torch.Generator().manual_seed(vocab)
     w, x = torch.randn(vocab, hidden, generator=gen), torch.randn(rows, hidden, generator=gen)
-    head = cpu_greedy_head.pack(w)
+    head = cpu_greedy_head.pack(w, widen=widen)
+    assert head.widen == widen
     assert torch.equal(cpu_greedy_head.argmax(x, w, head), F.linear(x, w).argmax(-1))
 
 
 @needs_bf16
-def test_near_ties_exact_ties_and_non_finite_rows():
+@pytest.mark.parametrize("widen", [False, True])
+def test_near_ties_exact_ties_and_non_finite_rows(widen):
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(300, 64, generator=gen)
     w[200] = w[17]  # an exact tie: the first index wins
@@ -57,7 +60,7 @@ def test_near_ties_exact_ties_and_non_finite_rows():
     x[2, 5] = float("nan")
     x[3, 9] = float("inf")
     x[4] = 0.0  # every logit 0: index 0
-    head = cpu_greedy_head.pack(w)
+    head = cpu_greedy_head.pack(w, widen=widen)
     got = cpu_greedy_head.argmax(x, w, head)
     assert torch.equal(got, torch.argmax(F.linear(x, w), dim=-1))
     assert got[0] == 17 and got[4] == 0

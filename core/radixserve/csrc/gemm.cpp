@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <vector>
 
@@ -261,10 +262,10 @@ struct Bf16Operands {
   static constexpr int64_t kBytes = 2;  // an x value as the product reads it
   at::Tensor pairs;  // x as bf16 pairs [M, K2], made once per call
   const uint32_t* x;
-  int64_t K2;
+  int64_t K, K2;
   const uint16_t* panels;
-  Bf16Operands(const at::Tensor& xt, const at::Tensor& pt) : K2((xt.size(1) + 1) / 2) {
-    const int64_t M = xt.size(0), K = xt.size(1), lda = xt.stride(0);
+  Bf16Operands(const at::Tensor& xt, const at::Tensor& pt) : K(xt.size(1)), K2((xt.size(1) + 1) / 2) {
+    const int64_t M = xt.size(0), lda = xt.stride(0);
     pairs = at::empty({M, K2}, xt.options().dtype(at::kInt));
     auto* out = reinterpret_cast<uint32_t*>(pairs.data_ptr<int32_t>());
     const float* xp = xt.data_ptr<float>();
@@ -276,16 +277,34 @@ struct Bf16Operands {
   }
   void product(int64_t m, int64_t rows, int64_t p, bool next, float* c, int64_t ldc, int64_t cols) const {
     const uint16_t* panel = panels + p * K2 * NR * 2;
-    rs_bf16::panel_product(x + m * K2, K2, rows, panel, next ? panel + K2 * NR * 2 : nullptr, K2, c, ldc, cols);
+    rs_bf16::panel_product(rs_bf16::PairRows{x + m * K2, K2}, rows, panel, next ? panel + K2 * NR * 2 : nullptr, K,
+                           c, ldc, cols);
+  }
+};
+
+// bf16 panels with x as it is (fp32): the weights widened to fp32 in the product (rs_bf16::micro_widen)
+struct Bf16WidenOperands {
+  static constexpr int64_t kBytes = 4;
+  const float* x;
+  int64_t lda, K, K2;
+  const uint16_t* panels;
+  Bf16WidenOperands(const at::Tensor& xt, const at::Tensor& pt)
+      : x(xt.data_ptr<float>()), lda(xt.stride(0)), K(xt.size(1)), K2((xt.size(1) + 1) / 2),
+        panels(reinterpret_cast<const uint16_t*>(pt.data_ptr<int16_t>())) {}
+  void product(int64_t m, int64_t rows, int64_t p, bool next, float* c, int64_t ldc, int64_t cols) const {
+    const uint16_t* panel = panels + p * K2 * NR * 2;
+    rs_bf16::panel_product(rs_bf16::FloatRows{x + m * lda, lda}, rows, panel, next ? panel + K2 * NR * 2 : nullptr, K,
+                           c, ldc, cols);
   }
 };
 #endif
 
-// body(operands of x and panels in the panels' precision); nothing without AVX2 (check_operands refused).
+// body(operands of x and panels in the panels' precision; bf16 panels: `widen` picks widened weights
+// over vdpbf16ps); nothing without AVX2 (check_operands refused).
 template <class Body>
-void with_operands(const at::Tensor& x, const at::Tensor& panels, const Body& body) {
+void with_operands(const at::Tensor& x, const at::Tensor& panels, bool widen, const Body& body) {
 #if RS_HAVE_BF16_PANELS
-  if (is_bf16(panels)) return body(Bf16Operands(x, panels));
+  if (is_bf16(panels)) return widen ? body(Bf16WidenOperands(x, panels)) : body(Bf16Operands(x, panels));
 #endif
 #if RS_HAVE_AVX2
   body(Fp32Operands(x, panels));
@@ -342,6 +361,51 @@ void silu_mul_into(const Operands& ops, int64_t M, int64_t K, int64_t i, int64_t
 
 }  // namespace
 
+// vdpbf16ps's FLOP rate over the fp32 FMA's on this core, measured: 24 independent chains of each
+// instruction kind (no memory), best of five alternating rounds of ~0.1 ms. Zen 4: ~2 (vdpbf16ps
+// issues as fast as an FMA and does twice the work); Sapphire / Emerald Rapids: ~0.5. 0 where the
+// build has no AVX-512 BF16.
+double dot_to_fma_rate() {
+#if RS_HAVE_BF16_PANELS
+  auto time_ns = [](auto step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    step();
+    return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+  };
+  constexpr int kChains = 24, kIters = 2000;
+  float sink = 0.f;
+  double dot_ns = 1e30, fma_ns = 1e30;
+  for (int round = 0; round < 5; ++round) {
+    dot_ns = std::min(dot_ns, time_ns([&] {
+      __m512 acc[kChains];
+      for (auto& v : acc) v = _mm512_setzero_ps();
+      __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+      for (int i = 0; i < kIters; ++i) {
+#pragma GCC unroll 24
+        for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, a);
+        __asm__("" : "+v"(a));
+      }
+      for (auto& v : acc) sink += _mm512_reduce_add_ps(v);
+    }));
+    fma_ns = std::min(fma_ns, time_ns([&] {
+      __m512 acc[kChains];
+      for (auto& v : acc) v = _mm512_setzero_ps();
+      __m512 a = _mm512_set1_ps(1.f);
+      for (int i = 0; i < kIters; ++i) {
+#pragma GCC unroll 24
+        for (int c = 0; c < kChains; ++c) acc[c] = _mm512_fmadd_ps(a, a, acc[c]);
+        __asm__("" : "+v"(a));
+      }
+      for (auto& v : acc) sink += _mm512_reduce_add_ps(v);
+    }));
+  }
+  __asm__ volatile("" : : "x"(sink));
+  return 2.0 * fma_ns / dot_ns;  // a vdpbf16ps does twice an FMA's FLOPs
+#else
+  return 0.0;
+#endif
+}
+
 bool available() { return RS_HAVE_AVX2; }
 bool bf16_available() { return RS_HAVE_BF16_PANELS; }
 
@@ -380,14 +444,14 @@ at::Tensor to_bf16_panels(at::Tensor panels) {
   return out;
 }
 
-// x [M, K] (rows contiguous), panels from `pack` (or `to_bf16_panels` of it), n = the unpadded N.
-// Returns [M, n] fp32.
-at::Tensor linear(at::Tensor x, at::Tensor panels, int64_t n) {
+// x [M, K] (rows contiguous), panels from `pack` (or `to_bf16_panels` of it), n = the unpadded N;
+// widen: bf16 panels multiply fp32 x with widened weights instead of vdpbf16ps. Returns [M, n] fp32.
+at::Tensor linear(at::Tensor x, at::Tensor panels, int64_t n, bool widen) {
   const int64_t np = (n + NR - 1) / NR;
   check_operands(x, panels, np);
   const int64_t M = x.size(0), K = x.size(1);
   auto y = at::empty({M, n}, x.options());
-  with_operands(x, panels, [&](const auto& ops) { linear_into(ops, M, K, n, np, y.data_ptr<float>()); });
+  with_operands(x, panels, widen, [&](const auto& ops) { linear_into(ops, M, K, n, np, y.data_ptr<float>()); });
   return y;
 }
 
@@ -401,13 +465,13 @@ at::Tensor pack_gated(at::Tensor w) {
 }
 
 // silu(x @ gate^T) * (x @ up^T) from `pack_gated` panels (or `to_bf16_panels` of them); i = the
-// unpadded I. Returns [M, i] fp32.
-at::Tensor linear_silu_mul(at::Tensor x, at::Tensor panels, int64_t i) {
+// unpadded I; widen as in `linear`. Returns [M, i] fp32.
+at::Tensor linear_silu_mul(at::Tensor x, at::Tensor panels, int64_t i, bool widen) {
   const int64_t pairs = (i + NR - 1) / NR;
   check_operands(x, panels, 2 * pairs);
   const int64_t M = x.size(0), K = x.size(1);
   auto y = at::empty({M, i}, x.options());
-  with_operands(x, panels, [&](const auto& ops) { silu_mul_into(ops, M, K, i, pairs, y.data_ptr<float>()); });
+  with_operands(x, panels, widen, [&](const auto& ops) { silu_mul_into(ops, M, K, i, pairs, y.data_ptr<float>()); });
   return y;
 }
 
@@ -417,7 +481,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_available", &bf16_available, "built with AVX-512 BF16: bf16 panels can be used");
   m.def("pack", &pack, "pack a [N, K] weight into NR-column panels");
   m.def("to_bf16_panels", &to_bf16_panels, "fp32 panels -> bf16 panels (runtime.cpu_matmul_precision=medium)");
-  m.def("linear", &linear, "x @ w^T from packed panels");
+  m.def("linear", &linear, "x @ w^T from packed panels", py::arg("x"), py::arg("panels"), py::arg("n"),
+        py::arg("widen") = false);
   m.def("pack_gated", &pack_gated, "pack a [gate; up] weight into interleaved panel pairs");
-  m.def("linear_silu_mul", &linear_silu_mul, "silu(x @ gate^T) * (x @ up^T) from pack_gated panels");
+  m.def("linear_silu_mul", &linear_silu_mul, "silu(x @ gate^T) * (x @ up^T) from pack_gated panels", py::arg("x"),
+        py::arg("panels"), py::arg("i"), py::arg("widen") = false);
+  m.def("dot_to_fma_rate", &dot_to_fma_rate, "vdpbf16ps FLOP rate over the fp32 FMA rate on this core (0: no BF16)");
 }

@@ -111,8 +111,10 @@ std::tuple<at::Tensor, at::Tensor> pack(at::Tensor w) {
 
 // For each row of x [M, K]: argmax over v < n of the fp32 logit x . w[v] (w [n, K] fp32, the
 // weight `pack` saw), first index on ties; rows holding a non-finite value get torch.argmax's answer
-// from a full fp32 pass. Returns int64 [M].
-at::Tensor argmax(at::Tensor x, at::Tensor panels, at::Tensor norms, at::Tensor w) {
+// from a full fp32 pass. widen: the screen multiplies fp32 x by the widened bf16 weights (fp32 FMAs:
+// the faster screen where vdpbf16ps is slow, gemm.cpp's dot_to_fma_rate) instead of bf16 x by
+// vdpbf16ps; the bound above holds for both (x unrounded only removes a term). Returns int64 [M].
+at::Tensor argmax(at::Tensor x, at::Tensor panels, at::Tensor norms, at::Tensor w, bool widen) {
   TORCH_CHECK(RS_HAVE_BF16_SCREEN, "greedy_head: built without AVX-512 BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "greedy_head: x fp32 [M, K]");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == x.size(1),
@@ -132,7 +134,7 @@ at::Tensor argmax(at::Tensor x, at::Tensor panels, at::Tensor norms, at::Tensor 
   const float* wn = norms.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   // x as bf16 pairs, and which rows can be screened (all finite)
-  std::vector<uint32_t> xb(static_cast<size_t>(M * K2));
+  std::vector<uint32_t> xb(widen ? 0 : static_cast<size_t>(M * K2));
   std::vector<float> xn(static_cast<size_t>(M));
   std::vector<char> finite(static_cast<size_t>(M));
   for (int64_t m = 0; m < M; ++m) {
@@ -141,7 +143,7 @@ at::Tensor argmax(at::Tensor x, at::Tensor panels, at::Tensor norms, at::Tensor 
     for (int64_t k = 0; k < K; ++k) ok = ok && finite_bits(r[k]);
     finite[m] = ok;
     xn[m] = ok ? norm_up(r, K) : 0.f;
-    if (ok) rs_bf16::row_to_pairs(r, K, xb.data() + m * K2);
+    if (ok && !widen) rs_bf16::row_to_pairs(r, K, xb.data() + m * K2);
   }
   // approximate logits, panel by panel (each thread streams a contiguous run of panels)
   auto approx_t = at::empty({M, n}, x.options());
@@ -149,8 +151,12 @@ at::Tensor argmax(at::Tensor x, at::Tensor panels, at::Tensor norms, at::Tensor 
   at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p) {
       const uint16_t* panel = pp + p * K2 * NR * 2;
-      rs_bf16::panel_product(xb.data(), K2, M, panel, p + 1 < e ? panel + K2 * NR * 2 : nullptr, K2, approx + p * NR,
-                             n, std::min(NR, n - p * NR));
+      const uint16_t* next = p + 1 < e ? panel + K2 * NR * 2 : nullptr;
+      if (widen)
+        rs_bf16::panel_product(rs_bf16::FloatRows{xp, lda}, M, panel, next, K, approx + p * NR, n, std::min(NR, n - p * NR));
+      else
+        rs_bf16::panel_product(rs_bf16::PairRows{xb.data(), K2}, M, panel, next, K, approx + p * NR, n,
+                               std::min(NR, n - p * NR));
     }
   });
   const float rel = static_cast<float>(relative_bound(K));
@@ -204,5 +210,6 @@ at::Tensor argmax(at::Tensor x, at::Tensor panels, at::Tensor norms, at::Tensor 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "built with AVX-512 BF16");
   m.def("pack", &pack, "bf16 panels and row norms of an fp32 [N, K] output projection");
-  m.def("argmax", &argmax, "exact fp32 argmax of x @ w^T per row, screened by a bf16 pass");
+  m.def("argmax", &argmax, "exact fp32 argmax of x @ w^T per row, screened by a bf16 pass", py::arg("x"),
+        py::arg("panels"), py::arg("norms"), py::arg("w"), py::arg("widen") = false);
 }

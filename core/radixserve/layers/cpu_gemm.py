@@ -9,15 +9,19 @@ slower for one row. Without the native kernel (no compiler or no AVX2) oneDNN's 
 serves 16+ rows and MKL the rest. Either way a second copy of each weight is kept (the price).
 
 runtime.cpu_matmul_precision=medium (`lower_precision`): on CPUs with AVX-512 BF16 the panels are
-converted to bf16 once at load; each call rounds x to bf16 and sums the products in fp32
-(vdpbf16ps: twice the fp32 FMA rate, half the weight bytes), as torch's "medium" float32 matmul
-precision allows. The LM head's logits come from the same bf16 products (fp32 results); norms,
-attention, the KV cache, sampling and the greedy head's exact argmax stay fp32."""
+converted to bf16 once at load (half the weight bytes). Where vdpbf16ps is the faster product (Zen 4:
+twice the fp32 FMA's FLOP rate) each call rounds x to bf16 and sums the bf16 products in fp32, as
+torch's "medium" float32 matmul precision allows; where it is the slower one (Intel Sapphire and
+Emerald Rapids: half the FMA's rate), x stays fp32 and the weights are widened to fp32 in the
+kernel (`bf16_products_widened`, measured once per process). The LM head's logits come from the
+same products (fp32 results); norms, attention, the KV cache, sampling and the greedy head's exact
+argmax stay fp32."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -35,12 +39,14 @@ _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "gemm.cpp"
 class PackedWeight:
     """A [out, in] fp32 weight in one packed layout: `panels` for the native kernel, or `onednn`.
     `silu_gated`: the panels interleave a [gate; up] weight for `silu_gated_linear` (out_features
-    is then I, the activation's width); plain `linear` does not read them."""
+    is then I, the activation's width); plain `linear` does not read them. `widen`: bf16 panels
+    multiply fp32 x with the weights widened to fp32 instead of vdpbf16ps (`to_bf16`)."""
 
     out_features: int
     panels: torch.Tensor | None = None  # fp32 [P, K, NR], or bf16 pairs [P, ceil(K / 2), NR, 2] as int16
     onednn: torch.Tensor | None = None
     silu_gated: bool = False
+    widen: bool = False
 
     @property
     def bf16(self) -> bool:
@@ -90,14 +96,15 @@ def silu_gated_linear(x: torch.Tensor, packed: PackedWeight | None) -> torch.Ten
     if not (_applies(x, packed) and packed.silu_gated):
         return None
     return _native_gemm().linear_silu_mul(x if x.stride(1) == 1 else x.contiguous(), packed.panels,
-                                          packed.out_features)
+                                          packed.out_features, packed.widen)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None = None):
     """F.linear(x, weight, bias), through `packed` where it applies."""
     if _applies(x, packed) and not packed.silu_gated:
         if packed.panels is not None:
-            y = _native_gemm().linear(x if x.stride(1) == 1 else x.contiguous(), packed.panels, packed.out_features)
+            y = _native_gemm().linear(x if x.stride(1) == 1 else x.contiguous(), packed.panels, packed.out_features,
+                                      packed.widen)
             return y if bias is None else y.add_(bias)
         if packed.onednn is not None and x.shape[0] >= MIN_ONEDNN_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
@@ -110,12 +117,29 @@ def bf16_available() -> bool:
     return gemm is not None and gemm.bf16_available()
 
 
-def to_bf16(packed: PackedWeight) -> PackedWeight:
-    """`packed` with its fp32 panels converted to bf16 (a gated packing stays gated); anything else
-    (oneDNN, already bf16) unchanged. Callers check `bf16_available` first."""
+@cache
+def bf16_products_widened() -> bool:
+    """Whether bf16 panels are multiplied by widening the weights to fp32 here (fp32 FMAs on fp32 x)
+    rather than by vdpbf16ps on x rounded to bf16: measured once per process on this core
+    (gemm.cpp's dot_to_fma_rate); vdpbf16ps where it does more FLOPs a second than the FMA."""
+    module = _native_gemm()
+    if module is None:  # no native GEMM here: nothing runs bf16 panels but the greedy screen, as it was built
+        return False
+    rate = module.dot_to_fma_rate()
+    widened = rate < 1.0
+    logger.info("bf16 panels: vdpbf16ps does %.2fx the fp32 FMA's FLOPs a second on this CPU; products %s", rate,
+                "widen the weights to fp32 (x stays fp32)" if widened else "use vdpbf16ps (x rounded to bf16)")
+    return widened
+
+
+def to_bf16(packed: PackedWeight, widen: bool | None = None) -> PackedWeight:
+    """`packed` with its fp32 panels converted to bf16 (a gated packing stays gated), multiplied
+    the way `widen` says (None: `bf16_products_widened()`); anything else (oneDNN, already bf16)
+    unchanged. Callers check `bf16_available` first."""
     if packed.panels is None or packed.bf16:
         return packed
-    return replace(packed, panels=_native_gemm().to_bf16_panels(packed.panels))
+    widen = bf16_products_widened() if widen is None else widen
+    return replace(packed, panels=_native_gemm().to_bf16_panels(packed.panels), widen=widen)
 
 
 def _screen_panels(module: torch.nn.Module, packed: PackedWeight) -> PackedWeight | None:
@@ -126,7 +150,7 @@ def _screen_panels(module: torch.nn.Module, packed: PackedWeight) -> PackedWeigh
     if screen is None or packed.silu_gated or screen.panels.shape != (fp32.shape[0], (fp32.shape[1] + 1) // 2,
                                                                          fp32.shape[2], 2):
         return None
-    return replace(packed, panels=screen.panels)
+    return replace(packed, panels=screen.panels, widen=screen.widen)
 
 
 def lower_precision(model: torch.nn.Module) -> int:

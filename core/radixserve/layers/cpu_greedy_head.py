@@ -2,7 +2,8 @@
 
 Why: in batched CPU decode the LM head is the largest GEMM (a fifth of a SmolLM2 step), and a
 greedy row only needs argmax(x @ W^T). Where the CPU has AVX-512 BF16, csrc/greedy_head.cpp runs
-the head in bf16 (twice the fp32 rate, half the bytes), proves which vocabulary rows can still be
+the head over bf16 weights (half the bytes; products as cpu_gemm's bf16 panels: vdpbf16ps or the
+weights widened to fp32, whichever is faster here), proves which vocabulary rows can still be
 the maximum (an error bound per row, see the C++ file), and computes only those in fp32: the token
 is the fp32 argmax, first index on ties, as torch.argmax of fp32 logits (which differ from these
 only by fp32 rounding order, like any two fp32 GEMMs). Elsewhere `pack` returns None and callers
@@ -16,16 +17,19 @@ from pathlib import Path
 import torch
 
 from radixserve import native
+from radixserve.layers import cpu_gemm
 
 _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "greedy_head.cpp"
 
 
 @dataclass(frozen=True)
 class GreedyHead:
-    """The bf16 panels and fp32 row norms of one [vocab, hidden] weight, for `argmax`."""
+    """The bf16 panels and fp32 row norms of one [vocab, hidden] weight, for `argmax`; `widen`: the
+    screen widens the weights to fp32 instead of vdpbf16ps (cpu_gemm.bf16_products_widened)."""
 
     panels: torch.Tensor
     row_norms: torch.Tensor
+    widen: bool = False
 
 
 def _module():
@@ -33,9 +37,10 @@ def _module():
     return module if module is not None and module.available() else None
 
 
-def pack(weight: torch.Tensor) -> GreedyHead | None:
-    """The screening copy of a [vocab, hidden] fp32 CPU weight with finite values; None where the
-    kernel cannot run here (no AVX-512 BF16, no compiler, another dtype or device)."""
+def pack(weight: torch.Tensor, widen: bool | None = None) -> GreedyHead | None:
+    """The screening copy of a [vocab, hidden] fp32 CPU weight with finite values, screened the way
+    `widen` says (None: cpu_gemm.bf16_products_widened()); None where the kernel cannot run here
+    (no AVX-512 BF16, no compiler, another dtype or device)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
         return None
     if not bool(torch.isfinite(weight).all()):
@@ -44,7 +49,7 @@ def pack(weight: torch.Tensor) -> GreedyHead | None:
     if module is None:
         return None
     panels, norms = module.pack(weight.detach())
-    return GreedyHead(panels, norms)
+    return GreedyHead(panels, norms, cpu_gemm.bf16_products_widened() if widen is None else widen)
 
 
 def argmax(x: torch.Tensor, weight: torch.Tensor, head: GreedyHead) -> torch.Tensor | None:
@@ -52,4 +57,4 @@ def argmax(x: torch.Tensor, weight: torch.Tensor, head: GreedyHead) -> torch.Ten
     None when x does not fit the kernel."""
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or not weight.is_contiguous():
         return None
-    return _module().argmax(x if x.stride(1) == 1 else x.contiguous(), head.panels, head.row_norms, weight)
+    return _module().argmax(x if x.stride(1) == 1 else x.contiguous(), head.panels, head.row_norms, weight, head.widen)

@@ -66,7 +66,7 @@ def fp32_linear(linear: nn.Module, silu_gated: bool) -> LinearCall | None:
             or getattr(linear, "gemv_config", None) is not None):
         return None
     gemm = cpu_gemm._native_gemm()
-    return (gemm.linear_silu_mul if silu_gated else gemm.linear), (packed.panels, packed.out_features)
+    return (gemm.linear_silu_mul if silu_gated else gemm.linear), (packed.panels, packed.out_features, packed.widen)
 
 
 class FlatDecoderLayer:
