@@ -281,3 +281,30 @@ def test_a_model_constructor_bug_is_one_line_naming_the_model(registry, checkpoi
     with pytest.raises(ValueError, match=r"^unsupported hidden_act 'relu'$"):
         load_model(ModelSource(path=path, format="safetensors"), AutoConfig.from_pretrained(path), Refuses,
                    torch.device("cpu"), torch.float32, show_progress=False, model_label=label)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header", "missing-shard-file"])
+def test_a_damaged_safetensors_file_is_one_line_naming_it(checkpoint, tmp_path, damage):
+    """Was: safetensors' own SafetensorError (a cut download, a garbled header) or the OSError of a shard
+    file the index names but the directory lacks, as a traceback from inside the loader."""
+    from radixserve.testing import tiny_tokenizer
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoint("llama"), path)
+    tiny_tokenizer().save_pretrained(path)
+    weights = path / "model.safetensors"
+    if damage == "truncated":
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) // 2])
+    elif damage == "header":
+        weights.write_bytes(b"\xff" * 16 + weights.read_bytes()[16:])
+    else:
+        names = list(load_file(weights))
+        (path / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {name: ("model-00001-of-00002.safetensors" if i % 2 else "model.safetensors")
+                            for i, name in enumerate(names)}}))
+    shown = "model-00001-of-00002.safetensors" if damage == "missing-shard-file" else "model.safetensors"
+    r = run_cli(["generate", "--model", str(path), "--no-chat", "--max-tokens", "1", "hi"])
+    errors = [line for line in r.stderr.splitlines() if line.startswith("radixserve: error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"{shown}' is not a readable safetensors file" in errors[0], errors[0]

@@ -187,29 +187,38 @@ def safetensors_files(path: str) -> list[str]:
     return sorted(glob.glob(os.path.join(path, "*.safetensors")))
 
 
-def _tensor_names(file: str) -> set[str]:
-    from safetensors import safe_open
+@contextlib.contextmanager
+def _safetensors_file(file: str) -> Iterator:
+    """safe_open(file), with a damaged or missing file as one ValueError naming it (the library's own
+    error and an OSError were tracebacks from deep inside the loader)."""
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(file, framework="pt") as f:
+    try:
+        with safe_open(file, framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ValueError(f"{file!r} is not a readable safetensors file ({reason}); re-download or re-save the "
+                         "checkpoint") from e
+
+
+def _tensor_names(file: str) -> set[str]:
+    with _safetensors_file(file) as f:
         return set(f.keys())
 
 
 def count_safetensors(path: str) -> int:
     """The checkpoint's tensors, from the files' headers alone (the progress bar's total)."""
-    from safetensors import safe_open
-
     total = 0
     for file in safetensors_files(path):
-        with safe_open(file, framework="pt") as f:
+        with _safetensors_file(file) as f:
             total += len(f.keys())
     return total
 
 
 def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
     for file in safetensors_files(path):
-        with safe_open(file, framework="pt") as f:
+        with _safetensors_file(file) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
