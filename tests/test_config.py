@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -125,6 +127,18 @@ def test_a_config_path_that_is_no_yaml_text_is_named(tmp_path):
         r = run_cli(["config", "show", "--config", str(path)])
         assert r.returncode == 2 and str(path) in r.stderr and words in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
+
+
+def test_a_config_from_a_device_or_a_pipe_is_read(tmp_path):
+    """Was: /dev/null and bash's <(...) (a /dev/fd pipe) said "does not exist"; they are read as files are."""
+    r = run_cli(["config", "show", "--config", "/dev/null"])
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    fifo = tmp_path / "stack.fifo"
+    os.mkfifo(fifo)
+    writer = subprocess.Popen(["sh", "-c", f"printf 'scheduler:\\n  max_running_requests: 7\\n' > {fifo}"])
+    r = run_cli(["config", "show", "--config", str(fifo)])
+    writer.wait(timeout=30)
+    assert r.returncode == 0 and "max_running_requests: 7" in r.stdout, r.stderr
 
 
 def test_config_show_says_which_implementation_runs_a_checkpoint(tmp_path):

@@ -378,7 +378,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"config file {str(p)!r} is a directory, not a YAML file")
-    if not p.is_file():
+    if not p.exists():  # a device or a pipe (/dev/null, bash's <(...)) is read like a file
         raise ConfigError(f"config file {str(p)!r} does not exist")
     try:
         data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
