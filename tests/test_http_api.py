@@ -374,6 +374,12 @@ def test_refused_requests_are_counted_and_logged(tm, caplog):
                              ("generate", 413, 1), ("completions", 200, 1)):
         assert f'radixserve_requests_total{{model="fake-model",route="{route}",status="{status}"}} {n}.0' in m, m
     assert caplog.text.count("status=400") == 2 and "chat status=401" in caplog.text, caplog.text
+    # each line says why and who (was: route, status and latency alone)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request - ")]
+    bias = next(m for m in said if "logit_bias" in m)
+    assert " client=testclient:" in bias and "status=400" in bias, said
+    assert any("status=401" in m and "API key" in m for m in said), said
+    assert any("status=413" in m and "bytes" in m for m in said), said
 
 
 def test_health_metrics_flush_abort_info(tm):

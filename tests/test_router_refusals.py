@@ -34,5 +34,5 @@ def test_the_routers_own_refusals_are_counted_and_logged(caplog):
     assert 'radixserve_router_refused_requests_total{route="completions",status="413"} 1.0' in text
     assert 'route="generate"' not in text
     said = [r.getMessage() for r in caplog.records]
-    assert any(m.startswith("request - chat status=401 latency=") and m.endswith("(refused by the router)")
-               for m in said), said
+    assert any(m.startswith("request - chat status=401 latency=") and "(refused by the router): " in m
+               and "API key" in m for m in said), said

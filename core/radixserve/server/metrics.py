@@ -6,6 +6,7 @@ Request-level series are updated by the handlers; scheduler series are refreshed
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -111,14 +112,17 @@ class ServerMetrics:
 
 
 class ErrorStatusMiddleware:
-    """Calls `failed(route, status, latency_s, scope)` for every generation request (the routes of
+    """Calls `failed(route, status, latency_s, scope, reason)` for every generation request (the routes of
     GENERATION_ROUTES) answered with an HTTP error status, whoever answered it: added outermost, it sees the
-    API-key and size guards' answers too. Subclasses say what a failure is counted and logged as."""
+    API-key and size guards' answers too. `reason` is the answer's OpenAI-shape `error.message` ("" when the body
+    has none). Subclasses say what a failure is counted and logged as."""
+
+    MAX_BODY = 16384  # bytes of an error answer kept to find its message (error bodies are small)
 
     def __init__(self, app) -> None:
         self.app = app
 
-    def failed(self, route: str, status: int, latency_s: float, scope: dict) -> None:
+    def failed(self, route: str, status: int, latency_s: float, scope: dict, reason: str) -> None:
         raise NotImplementedError
 
     async def __call__(self, scope, receive, send) -> None:
@@ -128,18 +132,37 @@ class ErrorStatusMiddleware:
             return
         started = time.perf_counter()
         status: int | None = None
+        body = bytearray()
 
         async def observe(message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and status is not None and status >= 400:
+                body.extend(message.get("body", b"")[: self.MAX_BODY - len(body)])
             await send(message)
 
         try:
             await self.app(scope, receive, observe)
         finally:
             if status is not None and status >= 400:
-                self.failed(route, status, time.perf_counter() - started, scope)
+                self.failed(route, status, time.perf_counter() - started, scope, error_message(bytes(body)))
+
+
+def error_message(body: bytes) -> str:
+    """The `error.message` of an OpenAI-shape error body, or "" (another body, or none)."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    message = error.get("message") if isinstance(error, dict) else None
+    return message if isinstance(message, str) else ""
+
+
+def client_of(scope: dict) -> str:
+    """host:port of the request's peer, as a log names it ("-" where the server was not told)."""
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "-"
 
 
 class FailedRequestMiddleware(ErrorStatusMiddleware):
@@ -154,7 +177,8 @@ class FailedRequestMiddleware(ErrorStatusMiddleware):
         self.metrics = metrics
         self.log_requests = log_requests
 
-    def failed(self, route: str, status: int, latency_s: float, scope: dict) -> None:
+    def failed(self, route: str, status: int, latency_s: float, scope: dict, reason: str) -> None:
         self.metrics.observe_failure(route, status)
         if self.log_requests:
-            logger.info("request - %s status=%d latency=%.3fs", route, status, latency_s)
+            logger.info("request - %s status=%d latency=%.3fs client=%s: %s", route, status, latency_s, client_of(scope),
+                        reason or "(no error message)")

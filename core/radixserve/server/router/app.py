@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from radixserve.config import Config
 from radixserve.server.auth import GuardMiddleware
 from radixserve.server.errors import APIError, error_response, install_error_handlers
-from radixserve.server.metrics import CONTENT_TYPE, ErrorStatusMiddleware
+from radixserve.server.metrics import CONTENT_TYPE, ErrorStatusMiddleware, client_of
 from radixserve.server.router.core import Router
 from radixserve.server.router.metrics import RouterMetrics, aggregate_replica_metrics, aggregate_stats
 from radixserve.server.router.proxy import FORWARDED, forward, forward_to_one
@@ -183,12 +183,13 @@ class RouterRefusalMiddleware(ErrorStatusMiddleware):
         self.metrics = metrics
         self.log_requests = log_requests
 
-    def failed(self, route: str, status: int, latency_s: float, scope: dict) -> None:
+    def failed(self, route: str, status: int, latency_s: float, scope: dict, reason: str) -> None:
         if scope.get("state", {}).get(FORWARDED):
             return
         self.metrics.refused_total.labels(route, str(status)).inc()
         if self.log_requests:
-            logger.info("request - %s status=%d latency=%.3fs (refused by the router)", route, status, latency_s)
+            logger.info("request - %s status=%d latency=%.3fs client=%s (refused by the router): %s", route, status,
+                        latency_s, client_of(scope), reason or "(no error message)")
 
 
 def _rid(body: bytes) -> Any:
