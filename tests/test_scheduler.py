@@ -5,6 +5,7 @@ and every KV slot and request row is back in its free list."""
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -769,3 +770,27 @@ def test_overlap_keeps_decoding_ahead_while_the_queue_waits_for_memory():
     assert sched.metrics.retractions == plain.metrics.retractions == 0
     assert_nothing_left(plain)
     assert_nothing_left(sched)
+
+
+def test_debug_logging_follows_each_request_and_batch(make_scheduler, caplog):
+    """server.log_level=debug: each request's queueing, admission (with its cached prefix), finish or abort, and
+    each batch's make-up are logged (was: the level added nothing but a retraction line)."""
+    sched = make_scheduler()
+    system = list(range(200, 240))
+    with caplog.at_level(logging.DEBUG, logger="radixserve.scheduler.scheduler"):
+        sched.add_request(request("first", system + [1, 2], 3))
+        run_to_completion(sched)
+        sched.add_request(request("second", system + [3, 4], 3))
+        sched.add_request(request("gone", [5, 6, 7], 40))
+        sched.step()
+        sched.abort("gone")
+        sched.add_request(request("second", [1], 1))  # its id is still in use
+        run_to_completion(sched)
+    said = [r.getMessage() for r in caplog.records]
+    assert "request first queued: 42 prompt tokens, max_new_tokens 3, priority 0; 1 waiting" in said, said
+    assert any(m.startswith("request second admitted: 40 of 42 prompt tokens from the prefix cache") for m in said)
+    assert "request first finished (length): 3 output tokens, 0 prompt tokens from the cache" in said, said
+    assert any(m.startswith("request gone aborted after") for m in said), said
+    assert "request second refused: request id 'second' is already in use" in said, said
+    assert any(m.startswith("batch: 0 decode rows, 42 prompt tokens of 1 requests") for m in said), said
+    assert any(m.startswith("batch: ") and " decode rows," in m and not m.startswith("batch: 0 ") for m in said)

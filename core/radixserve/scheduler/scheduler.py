@@ -439,6 +439,7 @@ class Scheduler:
         err = self._reject_reason(ids, sp)
         if err is not None or msg.rid in self.meta:
             err = err or f"request id {msg.rid!r} is already in use"
+            logger.debug("request %s refused: %s", msg.rid, err)
             self.metrics.rejected_requests += 1
             self._outbox.append(ReqTokenOut(rid=msg.rid, new_ids=[], error=err))
             return
@@ -466,6 +467,9 @@ class Scheduler:
             self._grammar_pending[req.rid] = (self.grammar.compile(*constraint), req)
         self.meta[req.rid] = _Meta(stream=msg.stream, stop=list(sp.stop), stop_matcher=self._stop_matcher(req))
         self.waiting.append(req)
+        logger.debug("request %s queued: %d prompt tokens, max_new_tokens %s, priority %s%s; %d waiting", req.rid,
+                     len(ids), sp.max_new_tokens, msg.priority, f", constraint {constraint[0]}" if constraint else "",
+                     len(self.waiting))
 
     def _poll_grammars(self) -> None:
         """Give each request whose grammar is compiled its matcher; end those whose grammar failed."""
@@ -553,6 +557,7 @@ class Scheduler:
             self.running.remove(req)
             self._release(req)
         req.finished_reason = {"type": "abort"}
+        logger.debug("request %s aborted after %d output tokens", rid, len(req.output_ids))
         self.metrics.aborted_requests += 1
         self._emit(req, force=True)
         self._drafter_forget(req)
@@ -965,6 +970,8 @@ class Scheduler:
             self.req_to_token_pool.write(row, prefix_len, slots)
             if req.retracted_count == 0:
                 req.cached_tokens = prefix_len
+            logger.debug("request %s admitted: %d of %d prompt tokens from the prefix cache, %d computed now%s",
+                         req.rid, prefix_len, len(req.fill_ids), take, " (retracted before)" if req.retracted_count else "")
             self.metrics.prefill_tokens_cached += prefix_len
             self.metrics.prefill_tokens_computed += take
             items.append(_Item(req, prefix_len, take, False, slots))
@@ -1285,6 +1292,11 @@ class Scheduler:
             self.metrics.decode_batches += 1
         else:
             self.metrics.prefill_batches += 1
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("batch: %d decode rows, %d prompt tokens of %d requests%s%s; %d running, %d waiting",
+                         sum(it.decode for it in items), sum(it.extend_len for it in items if not it.decode),
+                         sum(not it.decode for it in items), ", speculative verify" if verify else "",
+                         ", launched ahead" if future is not None else "", len(self.running), len(self.waiting))
         sample_mask = [it.completes_prompt for it in items]
         scored = _prompt_logprob_rows(items) if not (verify or all_decode) else None  # only prefill rows score
         if prev_step is None:
@@ -1587,6 +1599,9 @@ class Scheduler:
         self._outbox.append(out)
         if fin:
             del self.meta[req.rid]
+            logger.debug("request %s finished (%s): %d output tokens, %d prompt tokens from the cache", req.rid,
+                         req.finished_reason.get("type") if isinstance(req.finished_reason, dict) else req.finished_reason,
+                         len(req.output_ids), req.cached_tokens)
 
     # ---- introspection ----------------------------------------------------------------------
     def _resident(self) -> set[Req]:
