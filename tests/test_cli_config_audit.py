@@ -231,3 +231,33 @@ def test_a_checkpoints_own_code_is_never_run_nor_offered(tmp_path):
     assert not (tmp_path / "RAN").exists()
     assert "[y/N]" not in run.stdout + run.stderr
     assert "names its own Python code (config.json auto_map), which RadixServe never runs" in run.stderr
+
+
+def test_load_format_names_any_installed_weight_source(tmp_path, smollm2_gguf_path):
+    """Weight-source audit 34: model.load_format was a fixed list (auto, safetensors, gguf, dummy), so a plugin's weight
+    source could not be named, nor a file read whose suffix its source did not declare; an unknown name is refused
+    before the model loads, listing the installed sources."""
+    import shutil
+    import subprocess
+    import sys
+
+    renamed = tmp_path / "smollm2.weights"  # a GGUF file under a suffix no source declares
+    shutil.copy(smollm2_gguf_path, renamed)
+    tokenizer = tmp_path / "tok"
+    from radixserve.tokenizer import load_tokenizer
+
+    load_tokenizer(smollm2_gguf_path).save_pretrained(tokenizer)
+
+    def generate(*extra):
+        return subprocess.run([sys.executable, "-m", "radixserve.cli", "generate", "--model", str(renamed), "--tokenizer",
+                               str(tokenizer), "--no-chat", "--max-tokens", "3", "The capital of France is", *extra],
+                              capture_output=True, text=True, timeout=300)
+
+    named = generate("model.load_format=gguf", "runtime.num_threads=1")
+    assert named.returncode == 0 and named.stdout.strip(), named.stderr[-3000:]
+    unknown = generate("model.load_format=npzw")
+    assert unknown.returncode == 2 and unknown.stderr.strip().splitlines() == [
+        "radixserve: error: model.load_format='npzw': not auto, safetensors, dummy or an installed weight source "
+        "(installed weight sources: gguf)"], unknown.stderr[-3000:]
+    by_suffix = generate()  # auto: the suffix decides, and no source declared it
+    assert by_suffix.returncode == 2 and "no installed weight source reads this file type" in by_suffix.stderr

@@ -33,7 +33,9 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     path: str | None = None  # HF directory, .gguf file; None: the embedded default (SmolLM2) if installed
     tokenizer: str | None = None  # default: from the model
-    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    # auto | safetensors | dummy | an installed weight source's name ("gguf", a plugin's): checked against the
+    # registry by resolve_stack (a third-party source could not be named while this was a fixed list)
+    load_format: str = "auto"
     context_length: int | None = Field(default=None, gt=0)  # default: the model's max_position_embeddings
     served_model_name: str | None = None
     # which implementation runs the architecture: auto (its native plugin, else the transformers

@@ -41,7 +41,8 @@ PEER_OPTIONS: dict[str, str] = {
     "tool_call_parser": "--tool-call-parser NAME",
     "enable_auto_tool_choice": "not needed: tools are on when the request has them (--tool-call-parser NAME)",
     "tp": "--tp N (runtime.tp_size)",
-    "load_format": "model.load_format=auto|safetensors|gguf|dummy (auto: a file's weight source by its suffix)",
+    "load_format": "model.load_format=auto|safetensors|dummy|NAME (NAME: an installed weight source, e.g. gguf; auto: a "
+                   "file's weight source by its suffix)",
     "revision": "--model ORG/NAME@REVISION",
     "download_dir": "the HF_HUB_CACHE environment variable",
     "enable_chunked_prefill": "not needed: prefill is chunked by default (scheduler.chunked_prefill_size=N)",

@@ -29,13 +29,23 @@ logger = logging.getLogger(__name__)
 FORMATS = ("safetensors", "dummy")  # plus the name of any installed weight source (e.g. "gguf")
 
 
+BUILTIN_LOAD_FORMATS = ("auto", *FORMATS)
+
+
 def detect_format(path: str, load_format: str = "auto", registry: Registry | None = None) -> str:
-    """'safetensors' | 'dummy' | the name of the weight source that reads the file (e.g. 'gguf',
-    found by suffix through `registry`); errors name what was found instead."""
+    """'safetensors' | 'dummy' | the name of the weight source that reads the file (e.g. 'gguf': the
+    one `load_format` names, whatever the file's suffix, else found by suffix through `registry`);
+    errors name what was found instead."""
     if load_format == "dummy":
         return "dummy"
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path {path!r} does not exist")
+    named = None
+    if load_format not in BUILTIN_LOAD_FORMATS and registry is not None:
+        named = registry.weight_source_named(load_format)
+        if not os.path.isfile(path):
+            raise ValueError(f"load_format={load_format!r} is a weight source, which reads a file; {path!r} is a directory")
+        return named.name
     if os.path.isfile(path):
         spec = registry.weight_source_for(path) if registry is not None else None
         if spec is None:
@@ -224,13 +234,12 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def open_source(path: str, load_format: str, registry: Registry, options: dict | None = None) -> ModelSource:
-    """Detect the checkpoint format; a file gets the weight source that declared its suffix, built
-    with `options` (`model.weight_source_options`) as keyword arguments."""
+    """Detect the checkpoint format; a file gets the weight source `load_format` names, or else the one
+    that declared its suffix, built with `options` (`model.weight_source_options`) as keyword arguments."""
     fmt = detect_format(path, load_format, registry)
     source = None
     if os.path.isfile(path):
-        spec = registry.weight_source_for(path)
-        assert spec is not None  # detect_format raised otherwise
+        spec = registry.weight_source_named(fmt)  # detect_format named it (or raised)
         cls = registry.load("quantization", spec.name)
         _check_options(cls, spec.name, options or {})
         source = cls(**(options or {}))

@@ -414,6 +414,16 @@ class Registry:
         matches = [s for s in self.components("quantization") if s.reads_file(path)]
         return matches[0] if matches else None
 
+    def weight_source_named(self, name: str) -> ComponentSpec:
+        """The weight source (a quantization component declaring weight_file_suffixes) called `name`, for
+        model.load_format; a PluginError naming the installed ones otherwise."""
+        spec = self._components.get(("quantization", name))
+        if spec is None or not spec.is_weight_source:
+            sources = [s.name for s in self.components("quantization") if s.is_weight_source]
+            raise PluginError(f"model.load_format={name!r}: not auto, safetensors, dummy or an installed weight source "
+                              f"(installed weight sources: {', '.join(sources) or 'none'})")
+        return spec
+
     def weight_file_suffixes(self) -> list[str]:
         return sorted({x for s in self.components("quantization") for x in s.weight_file_suffixes})
 

@@ -77,6 +77,8 @@ def resolve_stack(config: Config, registry: Registry, device: str, model_path: s
     not abstract, an `__init__(runner_info)`, and with `head_dim` given, its `supports()` of the
     device, dtype and head size), so a broken class fails before any weights load."""
     stack = config.stack
+    if config.model.load_format not in ("auto", "safetensors", "dummy"):
+        _on_device(registry.weight_source_named(config.model.load_format), device)
     drafter = None
     drafter_options: dict[str, Any] = {}
     if stack.speculative is not None:
