@@ -131,3 +131,30 @@ def test_a_weight_sources_failure_is_one_line_naming_the_source_and_file(checkpo
     with pytest.raises(Exception, match=words) as e:
         list(src.iter_weights(NpzSource().hf_config(path))) if source is BreaksMidway else src.hf_config()
     assert type(e.value).__name__ == error
+
+
+class TakesAScale(NpzSource):
+    def __init__(self, scale: float = 1.0) -> None:
+        super().__init__()
+        if not isinstance(scale, int | float):
+            raise TypeError(f"scale must be a number, not {type(scale).__name__}")
+        if scale <= 0:
+            raise ValueError(f"scale must be positive, got {scale}")
+        self.scale = scale
+
+
+@pytest.mark.parametrize("options, error, words", [
+    ({"bogus": 1}, "ValueError", r"^model\.weight_source_options: 'bogus' not accepted by the weight source "
+                                 r"'TakesAScale' \(valid: scale\)$"),
+    ({"scale": -1}, "ValueError", r"^model\.weight_source_options for the weight source 'TakesAScale': scale must be "
+                                  r"positive, got -1$"),
+    ({"scale": "big"}, "PluginCodeError", r"^weight source 'TakesAScale' failed to build from "
+                                          r"model\.weight_source_options \{'scale': 'big'\}: TypeError: scale must be"),
+])
+def test_the_kit_refuses_an_option_as_the_core_does(checkpoint, options, error, words):
+    """Weight-source audit 34: an option the source's __init__ refused was a bare TypeError traceback in the kit (the
+    core named an unknown one, but a value the constructor refused was a traceback there too)."""
+    path, ref = checkpoint
+    with pytest.raises(Exception, match=words) as e:
+        check_weight_source(TakesAScale, path, reference=ref, options=options)
+    assert type(e.value).__name__ == error

@@ -241,14 +241,27 @@ def open_source(path: str, load_format: str, registry: Registry, options: dict |
     if os.path.isfile(path):
         spec = registry.weight_source_named(fmt)  # detect_format named it (or raised)
         cls = registry.load("quantization", spec.name)
-        _check_options(cls, spec.name, options or {})
-        source = cls(**(options or {}))
         label = f"weight source {spec.name!r} ({spec.distribution} {spec.version})".replace(" )", ")")
+        source = build_weight_source(cls, spec.name, options or {}, label)
         return ModelSource(path=path, format=fmt, weight_source=source, source_label=label)
     elif options:
         raise ValueError(f"model.weight_source_options {options!r} apply to checkpoint files read by a weight source "
                          f"(e.g. .gguf); {path!r} is a {fmt} checkpoint")
     return ModelSource(path=path, format=fmt, weight_source=source)
+
+
+def build_weight_source(cls, name: str, options: dict, label: str = "") -> WeightSource:
+    """`cls(**options)`, as the core builds a weight source from model.weight_source_options: an option its
+    `__init__` does not take, or a ValueError it raises for a value, is one ValueError naming the source; any
+    other exception from it a PluginCodeError (it was a TypeError traceback from inside the loader)."""
+    _check_options(cls, name, options)
+    try:
+        return cls(**options)
+    except ValueError as e:
+        raise ValueError(f"model.weight_source_options for the weight source {name!r}: {e}") from e
+    except Exception as e:
+        raise PluginCodeError(f"{label or f'weight source {name!r}'} failed to build from model.weight_source_options "
+                              f"{options!r}: {type(e).__name__}: {e}") from e
 
 
 def _check_options(cls, name: str, options: dict) -> None:

@@ -41,7 +41,12 @@ def check_weight_source(
 
     Added in plugin API 1.12.
     """
-    ws = source(**(options or {})) if isinstance(source, type) else source()
+    if isinstance(source, type):  # built as the core builds it, with the core's errors for a refused option
+        from radixserve.model_loader.sources import build_weight_source
+
+        ws = build_weight_source(source, source.__name__, dict(options or {}))
+    else:
+        ws = source()
     name = type(ws).__name__
     assert isinstance(ws, WeightSource) and isinstance(ws, QuantMethod), (
         f"{name} must subclass both radixserve.interfaces.quantization.WeightSource and QuantMethod (the file's "
