@@ -1,21 +1,28 @@
-// bf16 column panels and their AVX-512 BF16 microkernel, shared by the GEMM (gemm.cpp, for
+// bf16 column panels and their AVX-512 microkernels, shared by the GEMM (gemm.cpp, for
 // runtime.cpu_matmul_precision=medium) and the greedy head's screen (greedy_head.cpp).
 //
 // Layout: a [N, K] weight becomes panels [ceil(N / 48), ceil(K / 2), 48, 2] of bf16 bits (int16
-// tensors): element (p, k2, j, e) = bf16(w[48 p + j, 2 k2 + e]), zero past the ends. An x row is
-// its bf16 values in order, zero-padded to an even length, read as 32-bit pairs: one vdpbf16ps
-// multiplies a pair of x by the same pair of 16 columns and adds both products to an fp32 sum
-// (twice the fp32 FMA rate on the same port, half the weight bytes).
-// Only compiled where the CPU has AVX-512 BF16 (RS_HAVE_BF16_PANELS); the includer adds no other
-// definitions of these names.
+// tensors): element (p, k2, j, e) = bf16(w[48 p + j, 2 k2 + e]), zero past the ends. Two products:
+// `micro` reads an x row as its bf16 values in order, zero-padded to an even length, as 32-bit
+// pairs: one vdpbf16ps multiplies a pair of x by the same pair of 16 columns and adds both products
+// to an fp32 sum (on Zen 4 twice the fp32 FMA rate on the same port; half the weight bytes);
+// `micro_widen` keeps x fp32 and widens the weights (where vdpbf16ps is the slower instruction).
+// The panels are only compiled where the CPU has AVX-512 BF16 (RS_HAVE_BF16_PANELS), the fp32 tile
+// helpers wherever it has AVX-512 (RS_HAVE_AVX512_TILES); the includer adds no other definitions of
+// these names.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && !defined(RS_NO_AVX512)
+#if defined(__AVX512F__) && !defined(RS_NO_AVX512)
 #include <immintrin.h>
+#define RS_HAVE_AVX512_TILES 1  // tile_start / tile_store below
+#else
+#define RS_HAVE_AVX512_TILES 0
+#endif
+#if RS_HAVE_AVX512_TILES && defined(__AVX512BF16__)
 #define RS_HAVE_BF16_PANELS 1
 #else
 #define RS_HAVE_BF16_PANELS 0
@@ -38,6 +45,38 @@ inline uint16_t to_bf16(float f) {
 // Where weight element (row 48 p + j, column k) sits in the panels of a K-column weight (K2 = ceil(K / 2)).
 inline int64_t panel_offset(int64_t p, int64_t K2, int64_t j, int64_t k) { return ((p * K2 + k / 2) * NR + j) * 2 + k % 2; }
 
+#if RS_HAVE_AVX512_TILES
+// A microkernel's [ROWS x 48] fp32 tile of c in 3 vectors a row (the AVX-512 kernels here and gemm.cpp's fp32
+// one): `tile_start` loads it to accumulate into (a later K block of a full panel) or zeroes it; `tile_store`
+// writes it back, `cols` < 48 being the last, partial panel (added to c where `accumulate`).
+template <int ROWS>
+__attribute__((always_inline)) inline void tile_start(__m512 (&acc)[ROWS][3], const float* c, int64_t ldc, bool load) {
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 3
+    for (int j = 0; j < 3; ++j) acc[r][j] = load ? _mm512_loadu_ps(c + r * ldc + 16 * j) : _mm512_setzero_ps();
+}
+
+template <int ROWS>
+__attribute__((always_inline)) inline void tile_store(const __m512 (&acc)[ROWS][3], float* c, int64_t ldc, int64_t cols,
+                                                      bool accumulate) {
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) {
+    if (cols == 48) {
+      _mm512_storeu_ps(c + r * ldc, acc[r][0]);
+      _mm512_storeu_ps(c + r * ldc + 16, acc[r][1]);
+      _mm512_storeu_ps(c + r * ldc + 32, acc[r][2]);
+    } else {
+      alignas(64) float tmp[48];
+      _mm512_store_ps(tmp, acc[r][0]);
+      _mm512_store_ps(tmp + 16, acc[r][1]);
+      _mm512_store_ps(tmp + 32, acc[r][2]);
+      for (int64_t j = 0; j < cols; ++j) c[r * ldc + j] = accumulate ? c[r * ldc + j] + tmp[j] : tmp[j];
+    }
+  }
+}
+#endif
+
 #if RS_HAVE_BF16_PANELS
 // x row [K] fp32 -> out [K2] bf16 pairs (K2 = ceil(K / 2)), round to nearest even.
 inline void row_to_pairs(const float* x, int64_t K, uint32_t* out) {
@@ -58,12 +97,8 @@ template <int ROWS>
 __attribute__((always_inline)) inline void micro(const uint32_t* a, int64_t lda, const uint16_t* panel, int64_t K2,
                                                  float* c, int64_t ldc, int64_t cols, const uint16_t* next,
                                                  bool accumulate, int64_t pf_first = 0, int64_t pf_step = 1) {
-  const bool load = accumulate && cols == NR;
   __m512 acc[ROWS][3];
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 3
-    for (int j = 0; j < 3; ++j) acc[r][j] = load ? _mm512_loadu_ps(c + r * ldc + 16 * j) : _mm512_setzero_ps();
+  tile_start<ROWS>(acc, c, ldc, accumulate && cols == NR);
   for (int64_t k = 0; k < K2; ++k) {
     const uint16_t* p = panel + k * NR * 2;
     if (next != nullptr && k % pf_step == pf_first) {  // a k row is 192 bytes: three lines
@@ -82,20 +117,7 @@ __attribute__((always_inline)) inline void micro(const uint32_t* a, int64_t lda,
       acc[r][2] = _mm512_dpbf16_ps(acc[r][2], av, b2);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r) {
-    if (cols == NR) {
-      _mm512_storeu_ps(c + r * ldc, acc[r][0]);
-      _mm512_storeu_ps(c + r * ldc + 16, acc[r][1]);
-      _mm512_storeu_ps(c + r * ldc + 32, acc[r][2]);
-    } else {
-      alignas(64) float tmp[NR];
-      _mm512_store_ps(tmp, acc[r][0]);
-      _mm512_store_ps(tmp + 16, acc[r][1]);
-      _mm512_store_ps(tmp + 32, acc[r][2]);
-      for (int64_t j = 0; j < cols; ++j) c[r * ldc + j] = accumulate ? c[r * ldc + j] + tmp[j] : tmp[j];
-    }
-  }
+  tile_store<ROWS>(acc, c, ldc, cols, accumulate);
 }
 
 // The same product with fp32 x rows (a[r * lda + k], K values; no rounding of x) and the panel's bf16
@@ -108,14 +130,10 @@ template <int ROWS>
 __attribute__((always_inline)) inline void micro_widen(const float* a, int64_t lda, const uint16_t* panel, int64_t K,
                                                        float* c, int64_t ldc, int64_t cols, const uint16_t* next,
                                                        bool accumulate, int64_t pf_first = 0, int64_t pf_step = 1) {
-  const bool load = accumulate && cols == NR;
   const int64_t K2 = (K + 1) / 2;
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   __m512 acc[ROWS][3];
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 3
-    for (int j = 0; j < 3; ++j) acc[r][j] = load ? _mm512_loadu_ps(c + r * ldc + 16 * j) : _mm512_setzero_ps();
+  tile_start<ROWS>(acc, c, ldc, accumulate && cols == NR);
   for (int64_t k2 = 0; k2 < K2; ++k2) {
     const uint16_t* p = panel + k2 * NR * 2;
     if (next != nullptr && k2 % pf_step == pf_first) {
@@ -151,20 +169,7 @@ __attribute__((always_inline)) inline void micro_widen(const float* a, int64_t l
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r) {
-    if (cols == NR) {
-      _mm512_storeu_ps(c + r * ldc, acc[r][0]);
-      _mm512_storeu_ps(c + r * ldc + 16, acc[r][1]);
-      _mm512_storeu_ps(c + r * ldc + 32, acc[r][2]);
-    } else {
-      alignas(64) float tmp[NR];
-      _mm512_store_ps(tmp, acc[r][0]);
-      _mm512_store_ps(tmp + 16, acc[r][1]);
-      _mm512_store_ps(tmp + 32, acc[r][2]);
-      for (int64_t j = 0; j < cols; ++j) c[r * ldc + j] = accumulate ? c[r * ldc + j] + tmp[j] : tmp[j];
-    }
-  }
+  tile_store<ROWS>(acc, c, ldc, cols, accumulate);
 }
 
 // c[rows x cols] = a[rows x K2 pairs] @ one panel [K2 x 48 x 2], K block by K block (each slice stays

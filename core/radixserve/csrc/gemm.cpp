@@ -65,12 +65,8 @@ constexpr int64_t KC = 192;  // K block: a 192 x 24 panel slice (18 KB) stays in
 template <int ROWS>
 __attribute__((always_inline)) inline void micro(const float* a, int64_t lda, const float* panel, int64_t K, float* c,
                                                  int64_t ldc, int64_t cols, const float* next, bool accumulate) {
-  const bool load = accumulate && cols == NR;
   __m512 acc[ROWS][3];
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 3
-    for (int j = 0; j < 3; ++j) acc[r][j] = load ? _mm512_loadu_ps(c + r * ldc + 16 * j) : _mm512_setzero_ps();
+  rs_bf16::tile_start<ROWS>(acc, c, ldc, accumulate && cols == NR);
   for (int64_t k = 0; k < K; ++k) {
     const float* p = panel + k * NR;
     if (next != nullptr) {  // a k row is 192 bytes: three lines
@@ -87,20 +83,7 @@ __attribute__((always_inline)) inline void micro(const float* a, int64_t lda, co
       acc[r][2] = _mm512_fmadd_ps(av, b2, acc[r][2]);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r) {
-    if (cols == NR) {
-      _mm512_storeu_ps(c + r * ldc, acc[r][0]);
-      _mm512_storeu_ps(c + r * ldc + 16, acc[r][1]);
-      _mm512_storeu_ps(c + r * ldc + 32, acc[r][2]);
-    } else {  // the last, partial panel
-      alignas(64) float tmp[NR];
-      _mm512_store_ps(tmp, acc[r][0]);
-      _mm512_store_ps(tmp + 16, acc[r][1]);
-      _mm512_store_ps(tmp + 32, acc[r][2]);
-      for (int64_t j = 0; j < cols; ++j) c[r * ldc + j] = accumulate ? c[r * ldc + j] + tmp[j] : tmp[j];
-    }
-  }
+  rs_bf16::tile_store<ROWS>(acc, c, ldc, cols, accumulate);
 }
 #elif RS_HAVE_AVX2
 // c[rows x 24] (+)= a[rows x K] @ panel[K x 24]; rows <= 4. `next` is prefetched (the following
