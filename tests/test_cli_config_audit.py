@@ -261,3 +261,14 @@ def test_load_format_names_any_installed_weight_source(tmp_path, smollm2_gguf_pa
         "(installed weight sources: gguf)"], unknown.stderr[-3000:]
     by_suffix = generate()  # auto: the suffix decides, and no source declared it
     assert by_suffix.returncode == 2 and "no installed weight source reads this file type" in by_suffix.stderr
+    # CPU-deployer audit 35: the quantization check and `config show` went by the suffix, not by load_format
+    def config_show(*extra):
+        return subprocess.run([sys.executable, "-m", "radixserve.cli", "config", "show", "--model", str(renamed),
+                               "model.load_format=gguf", *extra], capture_output=True, text=True, timeout=120)
+
+    shown = config_show()
+    assert shown.returncode == 0 and "  quantization: gguf  # the weight source model.load_format names" in shown.stdout
+    for run in (config_show("stack.quantization=fp8"), generate("model.load_format=gguf", "stack.quantization=fp8")):
+        assert run.returncode == 2 and run.stderr.strip().splitlines()[-1].startswith(
+            f"radixserve: error: stack.quantization='fp8' cannot apply to '{renamed}': that file is read by the weight "
+            "source 'gguf'"), run.stderr[-2000:]

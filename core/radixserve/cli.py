@@ -230,10 +230,11 @@ def _checkpoint_quantization(checkpoint: Any, resolved: Any, reg: Registry) -> t
     plugin provides it, as at start-up), or the default."""
     from radixserve.model_loader.quant_select import chosen_quant_method
 
-    if os.path.isfile(checkpoint.path):
-        reader = reg.weight_source_for(checkpoint.path)
-        if reader is not None:
-            return reader, "the weight source of this file type"
+    if checkpoint.source.weight_source is not None:  # the file type's source, or the one model.load_format names
+        reader = reg.weight_source_named(checkpoint.source.format)
+        by_suffix = reg.weight_source_for(checkpoint.path)
+        return reader, ("the weight source of this file type" if by_suffix is not None and by_suffix.name == reader.name
+                        else "the weight source model.load_format names")
     choice = chosen_quant_method(reg, resolved, checkpoint.hf_config)
     return choice.spec, choice.source
 

@@ -171,9 +171,9 @@ class ModelRunner:
 
         self._quant_built_by = None
         if source.weight_source is not None:  # the file's reader is also its layers' QuantMethod
-            spec = self.registry.weight_source_for(source.path)
-            self.quant_label = quant_label(spec) if spec is not None else None
-            self._quant_origin = ("weight source", spec.name if spec is not None else type(source.weight_source).__name__)
+            spec = self.registry.weight_source_named(source.format)  # open_source named it so
+            self.quant_label = quant_label(spec)
+            self._quant_origin = ("weight source", spec.name)
             return source.weight_source
         choice = chosen_quant_method(self.registry, self.stack, self.hf_config)
         method = build_quant_method(self.registry, choice, self.device, self.dtype)

@@ -126,7 +126,7 @@ def resolve_stack(config: Config, registry: Registry, device: str, model_path: s
         grammar=resolve_grammar(config, registry, device),
     )
     if model_path is not None and os.path.exists(model_path):
-        check_quantization_fits(resolved, model_path, registry)
+        check_quantization_fits(resolved, model_path, registry, config.model.load_format)
     if config.runtime.tp_size > 1:
         for spec in resolved.by_kind().values():
             if spec is not None:
@@ -313,15 +313,17 @@ def check_drafter_options(registry: Registry, name: str, options: dict[str, Any]
     return options
 
 
-def check_quantization_fits(stack: ResolvedStack, model_path: str, registry: Registry) -> None:
+def check_quantization_fits(stack: ResolvedStack, model_path: str, registry: Registry, load_format: str = "auto") -> None:
     """A quantization method selected for a checkpoint it cannot apply to is an error naming both:
-    a file belongs to the weight source that declared its suffix; an HF directory cannot use a
-    weight source, nor a method other than the one its quantization_config declares."""
+    a file belongs to the weight source `load_format` names, else to the one that declared its
+    suffix; an HF directory cannot use a weight source, nor a method other than the one its
+    quantization_config declares."""
     quant = stack.quantization
     if quant is None:
         return
     if os.path.isfile(model_path):
-        reader = registry.weight_source_for(model_path)
+        named = load_format not in ("auto", "safetensors", "dummy")
+        reader = registry.weight_source_named(load_format) if named else registry.weight_source_for(model_path)
         if reader is not None and reader.name != quant.name:
             raise PluginError(
                 f"stack.quantization={quant.name!r} cannot apply to {model_path!r}: that file is read by the weight "

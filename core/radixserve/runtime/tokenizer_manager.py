@@ -208,7 +208,7 @@ class TokenizerManager:
         check_model_files(self.model_path)  # one line naming a broken file, before any tokenizer or process
         if config.model.load_format != "dummy":  # a file no weight source reads (a YAML as --model): named now
             check_weight_file(self.model_path, self.registry, config.model.load_format)
-        check_quantization_fits(self.stack, self.model_path, self.registry)
+        check_quantization_fits(self.stack, self.model_path, self.registry, config.model.load_format)
         architecture = declared_architecture(self.model_path)
         if architecture is not None:  # model.impl against the installed plugins, before any process starts
             plan_model(self.registry, architecture, config.model.impl)
