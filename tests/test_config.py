@@ -161,3 +161,15 @@ def test_config_show_lists_the_plugins_it_skipped_and_why():
     assert r.returncode == 0, r.stderr
     skipped = yaml.safe_load(r.stdout)["skipped_plugins"]
     assert skipped == {"llguidance": "RADIXSERVE_DISABLE_PLUGINS", "ngram": "plugins.disable"}, r.stdout
+
+
+def test_config_show_output_reads_back_as_a_stack_file(tmp_path):
+    """CPU-deployer audit 35: `config show` printed `api_key: null`, which the file check refuses, so its output (the
+    sections above `# resolved for device`, as docs/configuration.md says to reuse it) did not read back."""
+    first = run_cli(["config", "show", "--config", str(REPO / "stacks" / "cpu-bf16.yaml"), "stack.policy=lpm"])
+    assert first.returncode == 0, first.stderr
+    stack = tmp_path / "roundtrip.yaml"
+    stack.write_text(first.stdout.split("# resolved", 1)[0])
+    again = run_cli(["config", "show", "--config", str(stack)])
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == first.stdout

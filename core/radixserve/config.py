@@ -354,7 +354,12 @@ class Config(_Section):
         return Config.build(deep_merge(self.model_dump(), overrides))
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(), sort_keys=False)
+        """The config as a stack file that reads back as the same config. An unset `server.api_key` is left out:
+        a file's `api_key: null` is refused (`_check_file_api_key`: it reads as a key given with no value)."""
+        data = self.model_dump()
+        if data["server"].get("api_key") is None:
+            data["server"].pop("api_key", None)
+        return yaml.safe_dump(data, sort_keys=False)
 
 
 class _DuplicateKey(Exception):
