@@ -143,3 +143,20 @@ def test_medium_without_bf16_hardware_warns_and_stays_fp32(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="radixserve.layers.cpu_gemm"):
         assert cpu_gemm.lower_precision(model) == 0
     assert "no AVX-512 BF16" in caplog.text and "stay fp32" in caplog.text
+
+
+def test_the_product_is_logged_only_where_bf16_gemms_run(gemm, tiny_llama_dir, caplog):
+    """CPU-deployer audit 35: an fp32 (`highest`) server logged "bf16 panels: vdpbf16ps does 0.49x ..." (its greedy
+    screen's choice), which read as bf16 GEMMs in use; under `medium` the line said "run their CPU GEMMs in bf16"
+    where the products were fp32 on widened weights."""
+    path = tiny_llama_dir("llama", head_dim=64, num_attention_heads=4, num_key_value_heads=2, hidden_size=128)
+    with caplog.at_level(logging.INFO):
+        _runner(path, "highest")
+    assert "vdpbf16ps" not in caplog.text and "bf16" not in caplog.text, caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        _runner(path, "medium")
+    line = next(r.getMessage() for r in caplog.records if "cpu_matmul_precision=medium" in r.getMessage())
+    widened = cpu_gemm.bf16_products_widened()
+    assert "kept in bf16 for their CPU GEMMs" in line and "FMA's FLOPs a second on this CPU" in line, line
+    assert ("widen the weights to fp32" in line) == widened and ("round the inputs to bf16" in line) != widened, line

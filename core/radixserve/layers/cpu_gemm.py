@@ -125,11 +125,23 @@ def bf16_products_widened() -> bool:
     module = _native_gemm()
     if module is None:  # no native GEMM here: nothing runs bf16 panels but the greedy screen, as it was built
         return False
-    rate = module.dot_to_fma_rate()
-    widened = rate < 1.0
-    logger.info("bf16 panels: vdpbf16ps does %.2fx the fp32 FMA's FLOPs a second on this CPU; products %s", rate,
-                "widen the weights to fp32 (x stays fp32)" if widened else "use vdpbf16ps (x rounded to bf16)")
-    return widened
+    return _dot_to_fma_rate() < 1.0
+
+
+@cache
+def _dot_to_fma_rate() -> float:
+    return _native_gemm().dot_to_fma_rate()
+
+
+def bf16_product_description() -> str:
+    """How bf16 panels are multiplied here and why, for the start-up log of runtime.cpu_matmul_precision=medium
+    (the greedy screen's choice under `highest` is not worth a line: its answers are the fp32 argmax either way)."""
+    if _native_gemm() is None:
+        return "no native GEMM here"
+    widened = bf16_products_widened()
+    return (f"vdpbf16ps does {_dot_to_fma_rate():.2f}x the fp32 FMA's FLOPs a second on this CPU, so the products "
+            + ("widen the weights to fp32 and keep the inputs fp32 (fp32 FMAs)" if widened
+               else "round the inputs to bf16 for vdpbf16ps (fp32 sums)"))
 
 
 def to_bf16(packed: PackedWeight, widen: bool | None = None) -> PackedWeight:

@@ -177,7 +177,8 @@ def load_model(
     if device.type == "cpu" and cpu_matmul_precision == "medium":
         converted = cpu_gemm.lower_precision(model)
         if converted:
-            logger.info("runtime.cpu_matmul_precision=medium: %d weight(s) run their CPU GEMMs in bf16", converted)
+            logger.info("runtime.cpu_matmul_precision=medium: %d weight(s) kept in bf16 for their CPU GEMMs; %s", converted,
+                        cpu_gemm.bf16_product_description())
         elif cpu_gemm.bf16_available():  # (without AVX-512 BF16 lower_precision has warned)
             logger.info("runtime.cpu_matmul_precision=medium: the model has no packed fp32 GEMM weights (quantized "
                         "or not fp32): nothing changed")
