@@ -173,3 +173,14 @@ def test_config_show_output_reads_back_as_a_stack_file(tmp_path):
     again = run_cli(["config", "show", "--config", str(stack)])
     assert again.returncode == 0, again.stderr
     assert again.stdout == first.stdout
+
+
+def test_config_show_takes_a_tokenizer_and_hints_at_overrides_for_serve_flags():
+    """CPU-deployer audit 35: `config show --tokenizer DIR` was refused with a hint naming --tokenizer itself, and
+    `--port` got no hint at all."""
+    missing = run_cli(["config", "show", "--tokenizer", "/no/such/tokenizer"])
+    assert missing.returncode == 2 and "tokenizer path '/no/such/tokenizer' (model.tokenizer, --tokenizer)" in missing.stderr
+    shown = run_cli(["config", "show", "--tokenizer", str(REPO / "docs")])
+    assert shown.returncode == 0 and f"  tokenizer: {REPO / 'docs'}" in shown.stdout, shown.stderr
+    port = run_cli(["config", "show", "--port", "8000"])
+    assert port.returncode == 2 and "(--port is server.port=8000)" in port.stderr, port.stderr

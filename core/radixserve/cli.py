@@ -144,7 +144,8 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     from radixserve.plugins.attention_class import check_attention_class, head_dim_before_loading
 
     # the key `serve` would take ($RADIXSERVE_API_KEY under the YAML and the command line)
-    config = with_env_api_key(load_config_from_args(args, {"model": {"path": args.model}} if args.model else None))
+    flags = {key: value for key, value in (("path", args.model), ("tokenizer", args.tokenizer)) if value}
+    config = with_env_api_key(load_config_from_args(args, {"model": flags} if flags else None))
     reg = Registry.from_config(config)
     device = config.runtime.resolved_device()
     _warn_device_unusable(config)
@@ -303,6 +304,8 @@ def make_parser() -> argparse.ArgumentParser:
     show = csub.add_parser("show", help="print the fully resolved configuration and component stack")
     common(show)
     show.add_argument("--model", help="also say which model implementation runs this checkpoint (model.path)")
+    show.add_argument("--tokenizer", metavar="DIR", help="the tokenizer directory (model.tokenizer), as serve and "
+                      "generate take it")
     show.add_argument("overrides", nargs="*", default=[], metavar="section.key=value", help="overrides (beat the YAML)")
     show.set_defaults(func=cmd_config_show)
 
@@ -352,6 +355,9 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) 
             # the subcommand's usage, not the top level's; a vLLM/SGLang flag gets its spelling here
             command = getattr(parser, "subcommands", {}).get(getattr(args, "command", None), parser)
             hints = [h for h in (hint_for(a) for a in strays if a.startswith("-")) if h]
+            if getattr(args, "command", None) == "config" and any(a.startswith("-") for a in strays) and not hints:
+                hints.append("config show takes serve's settings as section.key=value overrides (--port is "
+                             "server.port=8000); docs/configuration.md lists the keys")
             command.error(f"unrecognized arguments: {' '.join(extra)}" + "".join(f"\n  {h}" for h in hints))
         args.overrides = [*(args.overrides or []), *extra]
     return args
