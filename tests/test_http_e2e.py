@@ -244,7 +244,7 @@ def test_client_disconnect_aborts(server):
     assert httpx.post(f"{server.url}/flush_cache", headers=server.headers, timeout=T).status_code == 200
 
 
-def test_bench_serve_against_the_server(server):
+def test_bench_serve_against_the_server(server, capsys):
     """`radixserve bench serve` (the load generator) measures a real server end to end."""
     import argparse
 
@@ -263,6 +263,13 @@ def test_bench_serve_against_the_server(server):
     # inter-token latency is per token, also when one event carries several (usage on every chunk)
     assert summary["itl_samples"] == 6 * (3 - 1)
     assert summary["spec_accept_length"] is None and summary["spec_verifies"] is None  # this server does not speculate
+    assert summary["prompt_tokens_from_cache"] < 0.5, summary
+    # the same run again: its prompts come from the prefix cache, and the summary says so (audit 35: a second run
+    # doubled its throughput without a word)
+    capsys.readouterr()
+    again = asyncio.run(bench.run_benchmark(args))
+    assert again["prompt_tokens_from_cache"] >= 0.5, again
+    assert "of the prompt tokens came from the server's prefix cache" in capsys.readouterr().err
     # wrong key: every request fails and is reported, none raises
     bad = parser.parse_args(["--base-url", server.url, "--api-key", "wrong", "--num-prompts", "2", "--model", server.model])
     summary = asyncio.run(bench.run_benchmark(bad))

@@ -144,6 +144,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         model = await _probe_model(client, args)
         work = _payloads(args, model)
         before = await _spec_counters(client)
+        cache_before = await _cache_counters(client)
         recs = [RequestRecord() for _ in work]
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         rng = random.Random(args.seed + 1)
@@ -171,7 +172,13 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
         after = await _spec_counters(client)
+        cache_after = await _cache_counters(client)
     summary = summarize(recs, duration, args)
+    summary["prompt_tokens_from_cache"] = _cache_share(cache_before, cache_after)
+    if (summary["prompt_tokens_from_cache"] or 0) >= 0.5:
+        print(f"radixserve bench serve: note: {summary['prompt_tokens_from_cache']:.0%} of the prompt tokens came from the "
+              "server's prefix cache (a run with the same --seed before this one?): for cold prompts pass another "
+              "--seed, or POST /flush_cache first", file=sys.stderr)
     summary["spec_verifies"] = None if before is None or after is None else after["spec_verifies"] - before["spec_verifies"]
     summary["spec_accept_length"] = _accept_length(before, after)
     return summary
@@ -216,6 +223,25 @@ async def _spec_counters(client) -> dict | None:
         return {k: stats[k] for k in ("spec_verifies", "spec_accepted_tokens")}
     except Exception:
         return None
+
+
+async def _cache_counters(client) -> dict | None:
+    """The server's prompt-token counters (RadixServe's /server_info stats: computed, and served from its prefix
+    cache); None where it does not report them."""
+    try:
+        stats = (await client.get("/server_info")).json().get("stats", {})
+        return {k: int(stats[k]) for k in ("prefill_tokens_cached", "prefill_tokens_computed")}
+    except Exception:
+        return None
+
+
+def _cache_share(before: dict | None, after: dict | None) -> float | None:
+    """The share of the run's prompt tokens the server took from its prefix cache (None: not reported)."""
+    if before is None or after is None:
+        return None
+    cached = after["prefill_tokens_cached"] - before["prefill_tokens_cached"]
+    total = cached + after["prefill_tokens_computed"] - before["prefill_tokens_computed"]
+    return round(cached / total, 3) if total > 0 else 0.0
 
 
 def _accept_length(before: dict | None, after: dict | None) -> float | None:
