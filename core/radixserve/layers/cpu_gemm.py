@@ -122,10 +122,9 @@ def bf16_products_widened() -> bool:
     """Whether bf16 panels are multiplied by widening the weights to fp32 here (fp32 FMAs on fp32 x)
     rather than by vdpbf16ps on x rounded to bf16: measured once per process on this core
     (gemm.cpp's dot_to_fma_rate); vdpbf16ps where it does more FLOPs a second than the FMA."""
-    module = _native_gemm()
-    if module is None:  # no native GEMM here: nothing runs bf16 panels but the greedy screen, as it was built
+    if _native_gemm() is None:  # no native GEMM here: nothing runs bf16 panels but the greedy screen, as built
         return False
-    return _dot_to_fma_rate() < 1.0
+    return 0.0 < _dot_to_fma_rate() < 1.0  # 0: a build without AVX-512 BF16 (no bf16 panels at all)
 
 
 @cache
