@@ -191,9 +191,7 @@ def check_weight_file(path: str, registry: Registry, load_format: str = "auto") 
     """A ValueError where `path` is a file that no installed weight source reads (by its suffix, unless
     `load_format` names the source): named before any tokenizer or process is started (a YAML file given
     as --model failed first on its tokenizer)."""
-    if load_format not in ("auto", "safetensors", "dummy"):
-        return  # resolve_stack checked that it names an installed weight source; it reads the file
-    if os.path.isfile(path) and registry.weight_source_for(path) is None:
+    if os.path.isfile(path) and registry.weight_source_reading(path, load_format) is None:
         raise ValueError(no_weight_source_message(path, registry))
 
 

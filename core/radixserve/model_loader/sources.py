@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.model_loader.model_files import no_weight_source_message
-from radixserve.plugins.registry import PluginCodeError, PluginError
+from radixserve.plugins.registry import BUILTIN_LOAD_FORMATS, PluginCodeError, PluginError
 
 if TYPE_CHECKING:
     from radixserve.config import Config
@@ -25,11 +25,6 @@ if TYPE_CHECKING:
     from radixserve.plugins.registry import Registry
 
 logger = logging.getLogger(__name__)
-
-FORMATS = ("safetensors", "dummy")  # plus the name of any installed weight source (e.g. "gguf")
-
-
-BUILTIN_LOAD_FORMATS = ("auto", *FORMATS)
 
 
 def detect_format(path: str, load_format: str = "auto", registry: Registry | None = None) -> str:
@@ -40,17 +35,13 @@ def detect_format(path: str, load_format: str = "auto", registry: Registry | Non
         return "dummy"
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path {path!r} does not exist")
-    named = None
-    if load_format not in BUILTIN_LOAD_FORMATS and registry is not None:
-        named = registry.weight_source_named(load_format)
-        if not os.path.isfile(path):
-            raise ValueError(f"load_format={load_format!r} is a weight source, which reads a file; {path!r} is a directory")
-        return named.name
     if os.path.isfile(path):
-        spec = registry.weight_source_for(path) if registry is not None else None
+        spec = registry.weight_source_reading(path, load_format) if registry is not None else None
         if spec is None:
             raise ValueError(no_weight_source_message(path, registry))
         found = spec.name
+    elif load_format not in BUILTIN_LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} is a weight source, which reads a file; {path!r} is a directory")
     else:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"model directory {path!r} has no config.json")

@@ -29,6 +29,10 @@ DENY_ENV = "RADIXSERVE_DISABLE_PLUGINS"  # comma-separated plugin names never to
 logger = logging.getLogger(__name__)
 
 
+# model.load_format values that name no weight source (any other value is a weight source's name)
+BUILTIN_LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
 class PluginError(RuntimeError):
     """A plugin or component problem the user must fix (bad name, conflict, version mismatch)."""
 
@@ -413,6 +417,14 @@ class Registry:
         """The quantization component that declared it reads files like `path` (by suffix)."""
         matches = [s for s in self.components("quantization") if s.reads_file(path)]
         return matches[0] if matches else None
+
+    def weight_source_reading(self, path: str, load_format: str = "auto") -> ComponentSpec | None:
+        """The weight source that reads file `path`: the one `load_format` (model.load_format) names, whatever the
+        file's suffix (a PluginError if no installed source has that name), else the one that declared the suffix;
+        None where none did."""
+        if load_format in BUILTIN_LOAD_FORMATS:
+            return self.weight_source_for(path)
+        return self.weight_source_named(load_format)
 
     def weight_source_named(self, name: str) -> ComponentSpec:
         """The weight source (a quantization component declaring weight_file_suffixes) called `name`, for

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from radixserve.plugins.registry import ComponentSpec, PluginError
+from radixserve.plugins.registry import BUILTIN_LOAD_FORMATS, ComponentSpec, PluginError
 
 if TYPE_CHECKING:
     from radixserve.config import Config
@@ -77,7 +77,7 @@ def resolve_stack(config: Config, registry: Registry, device: str, model_path: s
     not abstract, an `__init__(runner_info)`, and with `head_dim` given, its `supports()` of the
     device, dtype and head size), so a broken class fails before any weights load."""
     stack = config.stack
-    if config.model.load_format not in ("auto", "safetensors", "dummy"):
+    if config.model.load_format not in BUILTIN_LOAD_FORMATS:  # a weight source's name: installed, on this device
         _on_device(registry.weight_source_named(config.model.load_format), device)
     drafter = None
     drafter_options: dict[str, Any] = {}
@@ -322,8 +322,7 @@ def check_quantization_fits(stack: ResolvedStack, model_path: str, registry: Reg
     if quant is None:
         return
     if os.path.isfile(model_path):
-        named = load_format not in ("auto", "safetensors", "dummy")
-        reader = registry.weight_source_named(load_format) if named else registry.weight_source_for(model_path)
+        reader = registry.weight_source_reading(model_path, load_format)
         if reader is not None and reader.name != quant.name:
             raise PluginError(
                 f"stack.quantization={quant.name!r} cannot apply to {model_path!r}: that file is read by the weight "
