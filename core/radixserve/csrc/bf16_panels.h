@@ -62,12 +62,12 @@ __attribute__((always_inline)) inline void tile_store(const __m512 (&acc)[ROWS][
                                                       bool accumulate) {
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
-    if (cols == 48) {
+    if (cols == NR) {
       _mm512_storeu_ps(c + r * ldc, acc[r][0]);
       _mm512_storeu_ps(c + r * ldc + 16, acc[r][1]);
       _mm512_storeu_ps(c + r * ldc + 32, acc[r][2]);
     } else {
-      alignas(64) float tmp[48];
+      alignas(64) float tmp[NR];
       _mm512_store_ps(tmp, acc[r][0]);
       _mm512_store_ps(tmp + 16, acc[r][1]);
       _mm512_store_ps(tmp + 32, acc[r][2]);
@@ -78,6 +78,14 @@ __attribute__((always_inline)) inline void tile_store(const __m512 (&acc)[ROWS][
 #endif
 
 #if RS_HAVE_BF16_PANELS
+// One k pair of a panel (48 columns x 2 bf16: 192 bytes, three lines) into L2, ahead of its use.
+__attribute__((always_inline)) inline void prefetch_pair_row(const uint16_t* row) {
+  const char* q = reinterpret_cast<const char*>(row);
+  _mm_prefetch(q, _MM_HINT_T1);
+  _mm_prefetch(q + 64, _MM_HINT_T1);
+  _mm_prefetch(q + 128, _MM_HINT_T1);
+}
+
 // x row [K] fp32 -> out [K2] bf16 pairs (K2 = ceil(K / 2)), round to nearest even.
 inline void row_to_pairs(const float* x, int64_t K, uint32_t* out) {
   auto* o = reinterpret_cast<uint16_t*>(out);
@@ -101,12 +109,7 @@ __attribute__((always_inline)) inline void micro(const uint32_t* a, int64_t lda,
   tile_start<ROWS>(acc, c, ldc, accumulate && cols == NR);
   for (int64_t k = 0; k < K2; ++k) {
     const uint16_t* p = panel + k * NR * 2;
-    if (next != nullptr && k % pf_step == pf_first) {  // a k row is 192 bytes: three lines
-      const char* q = reinterpret_cast<const char*>(next + k * NR * 2);
-      _mm_prefetch(q, _MM_HINT_T1);
-      _mm_prefetch(q + 64, _MM_HINT_T1);
-      _mm_prefetch(q + 128, _MM_HINT_T1);
-    }
+    if (next != nullptr && k % pf_step == pf_first) prefetch_pair_row(next + k * NR * 2);
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(p), b1 = (__m512bh)_mm512_loadu_si512(p + 32),
                    b2 = (__m512bh)_mm512_loadu_si512(p + 64);
 #pragma GCC unroll 8
@@ -136,12 +139,7 @@ __attribute__((always_inline)) inline void micro_widen(const float* a, int64_t l
   tile_start<ROWS>(acc, c, ldc, accumulate && cols == NR);
   for (int64_t k2 = 0; k2 < K2; ++k2) {
     const uint16_t* p = panel + k2 * NR * 2;
-    if (next != nullptr && k2 % pf_step == pf_first) {
-      const char* q = reinterpret_cast<const char*>(next + k2 * NR * 2);
-      _mm_prefetch(q, _MM_HINT_T1);
-      _mm_prefetch(q + 64, _MM_HINT_T1);
-      _mm_prefetch(q + 128, _MM_HINT_T1);
-    }
+    if (next != nullptr && k2 % pf_step == pf_first) prefetch_pair_row(next + k2 * NR * 2);
     const __m512i v0 = _mm512_loadu_si512(p), v1 = _mm512_loadu_si512(p + 32), v2 = _mm512_loadu_si512(p + 64);
     const int64_t k = 2 * k2;
     {  // even k: the low halves, shifted up
@@ -172,9 +170,6 @@ __attribute__((always_inline)) inline void micro_widen(const float* a, int64_t l
   tile_store<ROWS>(acc, c, ldc, cols, accumulate);
 }
 
-// c[rows x cols] = a[rows x K2 pairs] @ one panel [K2 x 48 x 2], K block by K block (each slice stays
-// in L2 while every row group uses it); the first rows' pass prefetches the slice after it, or
-// `next_panel`.
 // x operands of the two products: bf16 pairs (vdpbf16ps) or fp32 rows (widened weights)
 struct PairRows {
   const uint32_t* a;
