@@ -127,7 +127,10 @@ def test_bench_serve_acceptance_length_from_server_counters():
 
 
 def test_bench_serve_reads_the_counters_only_from_a_speculating_server():
-    from radixserve.bench.serve import _spec_counters
+    from radixserve.bench.serve import _server_stats, _spec_counters
+
+    def read(client):  # one /server_info read, then its speculative counters
+        return _spec_counters(asyncio.run(_server_stats(client)))
 
     class Client:
         def __init__(self, stats):
@@ -138,6 +141,6 @@ def test_bench_serve_reads_the_counters_only_from_a_speculating_server():
             return types.SimpleNamespace(json=lambda: {"stats": self.stats})
 
     counters = {"spec_verifies": 3, "spec_accepted_tokens": 4}
-    assert asyncio.run(_spec_counters(Client({"speculative": True, **counters}))) == counters
-    assert asyncio.run(_spec_counters(Client({"speculative": False, **counters}))) is None
-    assert asyncio.run(_spec_counters(Client({}))) is None  # no counters: another server
+    assert read(Client({"speculative": True, **counters})) == counters
+    assert read(Client({"speculative": False, **counters})) is None
+    assert read(Client({})) is None  # no counters: another server

@@ -143,8 +143,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.timeout, limits=limits) as client:
         model = await _probe_model(client, args)
         work = _payloads(args, model)
-        before = await _spec_counters(client)
-        cache_before = await _cache_counters(client)
+        stats_before = await _server_stats(client)
         recs = [RequestRecord() for _ in work]
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         rng = random.Random(args.seed + 1)
@@ -171,10 +170,10 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
-        after = await _spec_counters(client)
-        cache_after = await _cache_counters(client)
+        stats_after = await _server_stats(client)
+    before, after = _spec_counters(stats_before), _spec_counters(stats_after)
     summary = summarize(recs, duration, args)
-    summary["prompt_tokens_from_cache"] = _cache_share(cache_before, cache_after)
+    summary["prompt_tokens_from_cache"] = _cache_share(_cache_counters(stats_before), _cache_counters(stats_after))
     if (summary["prompt_tokens_from_cache"] or 0) >= 0.5:
         print(f"radixserve bench serve: note: {summary['prompt_tokens_from_cache']:.0%} of the prompt tokens came from the "
               "server's prefix cache (a run with the same --seed before this one?): for cold prompts pass another "
@@ -213,25 +212,31 @@ def _error_message(resp) -> str:
         return resp.text[:200].strip() or resp.reason_phrase
 
 
-async def _spec_counters(client) -> dict | None:
-    """The server's speculative counters (RadixServe's /server_info stats); None elsewhere, and
-    when the server does not speculate."""
+async def _server_stats(client) -> dict | None:
+    """RadixServe's /server_info stats (the scheduler's counters), read once at each end of a run; None where the
+    server has no such route or answer (not RadixServe)."""
     try:
-        stats = (await client.get("/server_info")).json().get("stats", {})
-        if not stats.get("speculative", True):
-            return None
-        return {k: stats[k] for k in ("spec_verifies", "spec_accepted_tokens")}
+        stats = (await client.get("/server_info")).json().get("stats")
     except Exception:
+        return None
+    return stats if isinstance(stats, dict) else None
+
+
+def _spec_counters(stats: dict | None) -> dict | None:
+    """The speculative counters of `stats`; None when the server does not speculate or does not report them."""
+    if stats is None or not stats.get("speculative", True):
+        return None
+    try:
+        return {k: stats[k] for k in ("spec_verifies", "spec_accepted_tokens")}
+    except KeyError:
         return None
 
 
-async def _cache_counters(client) -> dict | None:
-    """The server's prompt-token counters (RadixServe's /server_info stats: computed, and served from its prefix
-    cache); None where it does not report them."""
+def _cache_counters(stats: dict | None) -> dict | None:
+    """The prompt-token counters of `stats` (computed, and served from the prefix cache); None where not reported."""
     try:
-        stats = (await client.get("/server_info")).json().get("stats", {})
         return {k: int(stats[k]) for k in ("prefill_tokens_cached", "prefill_tokens_computed")}
-    except Exception:
+    except (TypeError, KeyError, ValueError):
         return None
 
 
