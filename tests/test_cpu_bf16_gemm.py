@@ -1,11 +1,12 @@
-"""runtime.cpu_matmul_precision=medium: the native GEMM over bf16 panels (AVX-512 BF16 CPUs).
+"""runtime.cpu_matmul_precision=medium: the native GEMM over bf16 panels (AVX-512 CPUs).
 
 What a user relies on: the products are those of the bf16-rounded inputs summed in fp32 (so the
 results match torch on bf16-rounded operands, and really differ from the fp32 GEMM), or, where
-vdpbf16ps is the slower instruction (`widen`), of fp32 x and the bf16-rounded weights; NaN stays in
+vdpbf16ps is the slower instruction or missing (`widen`), of fp32 x and the bf16-rounded weights; NaN stays in
 its row; a model loaded with the option runs its linears on bf16 panels, keeps each request's
 tokens independent of its batch, and stays close to the fp32 model. The kernels are tested where
-the CPU has AVX-512 BF16 (skipped, and said so, elsewhere); the fallback warning everywhere."""
+the CPU has AVX-512, the vdpbf16ps product where it has AVX-512 BF16 too (skipped, and said so,
+elsewhere); the fallback warning everywhere."""
 
 from __future__ import annotations
 
@@ -21,8 +22,14 @@ from radixserve.layers.activation import SiluAndMul
 @pytest.fixture(scope="module")
 def gemm():
     if not cpu_gemm.bf16_available():
-        pytest.skip("this CPU has no AVX-512 BF16: runtime.cpu_matmul_precision=medium stays fp32 here")
+        pytest.skip("this CPU has no AVX-512: runtime.cpu_matmul_precision=medium stays fp32 here")
     return cpu_gemm._native_gemm()
+
+
+def _needs_product(gemm, widen: bool) -> None:
+    """The vdpbf16ps product (widen=False) exists only where the CPU has AVX-512 BF16."""
+    if not widen and not gemm.bf16_dot_available():
+        pytest.skip("this CPU has no AVX-512 BF16: its bf16 panels are only ever widened")
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
@@ -42,6 +49,7 @@ def test_bf16_panels_compute_the_bf16_rounded_product(gemm, rows, out_features, 
     """Partial panels, odd K (a zero-padded last pair; widened, x has no value there to read), every
     row remainder of the 8-row kernel, row chunks (300 rows) and K blocks (2500 features: 1250 pairs,
     past the 1024-pair block)."""
+    _needs_product(gemm, widen)
     gen = torch.Generator().manual_seed(rows * out_features + in_features)
     weight, x = torch.randn(out_features, in_features, generator=gen), torch.randn(rows, in_features, generator=gen)
     panels = gemm.to_bf16_panels(gemm.pack(weight))
@@ -58,6 +66,7 @@ def test_bf16_panels_compute_the_bf16_rounded_product(gemm, rows, out_features, 
 @pytest.mark.parametrize(("rows", "inter", "in_features"), [(1, 50, 40), (9, 100, 40), (64, 1536, 40), (300, 100, 1536)])
 def test_bf16_silu_gated_panels(gemm, rows, inter, in_features, widen):
     """The last case spans several row chunks (300 rows of 1536 bf16 features)."""
+    _needs_product(gemm, widen)
     gen = torch.Generator().manual_seed(rows + inter)
     weight = torch.randn(2 * inter, in_features, generator=gen) / in_features**0.5  # unit-scale pre-activations
     x = torch.randn(rows, in_features, generator=gen)
@@ -68,6 +77,7 @@ def test_bf16_silu_gated_panels(gemm, rows, inter, in_features, widen):
 
 @pytest.mark.parametrize("widen", [False, True])
 def test_a_nan_stays_in_its_row(gemm, widen):
+    _needs_product(gemm, widen)
     weight, x = torch.randn(100, 64), torch.randn(3, 64)
     x[1, 5] = float("nan")
     got = gemm.linear(x, gemm.to_bf16_panels(gemm.pack(weight)), 100, widen)
@@ -76,9 +86,13 @@ def test_a_nan_stays_in_its_row(gemm, widen):
 
 def test_the_product_kind_follows_the_measured_instruction_rates(gemm):
     """vdpbf16ps where it does more FLOPs a second than the fp32 FMA (Zen 4: ~2x), widened weights
-    where fewer (Sapphire / Emerald Rapids: ~0.5x); every bf16 packing takes this process's choice."""
+    where fewer (Sapphire / Emerald Rapids: ~0.5x) or where there is none (Ice Lake: rate 0); every
+    bf16 packing takes this process's choice."""
     rate = gemm.dot_to_fma_rate()
-    assert 0.1 < rate < 8, rate  # a measurement, not a constant: some real ratio of two rates
+    if gemm.bf16_dot_available():
+        assert 0.1 < rate < 8, rate  # a measurement, not a constant: some real ratio of two rates
+    else:
+        assert rate == 0.0 and cpu_gemm.bf16_products_widened()
     assert cpu_gemm.bf16_products_widened() == (rate < 1.0) or abs(rate - 1.0) < 0.2  # measured twice: noise at 1
     packed = cpu_gemm.to_bf16(cpu_gemm.pack(torch.randn(48, 64)))
     assert packed.widen == cpu_gemm.bf16_products_widened()
@@ -88,7 +102,17 @@ def test_the_product_kind_follows_the_measured_instruction_rates(gemm):
 def test_mismatched_bf16_panels_are_refused(gemm):
     panels = gemm.to_bf16_panels(gemm.pack(torch.randn(48, 64)))
     with pytest.raises(RuntimeError, match="bf16 panels do not match x"):
-        gemm.linear(torch.randn(2, 66), panels, 48)
+        gemm.linear(torch.randn(2, 66), panels, 48, True)
+
+
+def test_the_vdpbf16ps_product_is_refused_where_the_build_has_none(gemm):
+    """AVX-512 without BF16 (Ice Lake): the panels run widened, and asking for vdpbf16ps is an error,
+    not the widened product under the other name."""
+    if gemm.bf16_dot_available():
+        pytest.skip("this CPU has AVX-512 BF16: both products run here")
+    panels = gemm.to_bf16_panels(gemm.pack(torch.randn(48, 64)))
+    with pytest.raises(RuntimeError, match="vdpbf16ps products need a build with AVX-512 BF16"):
+        gemm.linear(torch.randn(2, 64), panels, 48, False)
 
 
 def test_packed_weight_converts_once_and_keeps_its_kind(gemm):
@@ -142,7 +166,7 @@ def test_medium_without_bf16_hardware_warns_and_stays_fp32(monkeypatch, caplog):
     monkeypatch.setattr(cpu_gemm, "bf16_available", lambda: False)
     with caplog.at_level(logging.WARNING, logger="radixserve.layers.cpu_gemm"):
         assert cpu_gemm.lower_precision(model) == 0
-    assert "no AVX-512 BF16" in caplog.text and "stay fp32" in caplog.text
+    assert "no AVX-512" in caplog.text and "stay fp32" in caplog.text
 
 
 def test_the_product_is_logged_only_where_bf16_gemms_run(gemm, tiny_llama_dir, caplog):
@@ -158,5 +182,6 @@ def test_the_product_is_logged_only_where_bf16_gemms_run(gemm, tiny_llama_dir, c
         _runner(path, "medium")
     line = next(r.getMessage() for r in caplog.records if "cpu_matmul_precision=medium" in r.getMessage())
     widened = cpu_gemm.bf16_products_widened()
-    assert "kept in bf16 for their CPU GEMMs" in line and "FMA's FLOPs a second on this CPU" in line, line
+    why = "FMA's FLOPs a second on this CPU" if gemm.bf16_dot_available() else "AVX-512 but no AVX-512 BF16"
+    assert "kept in bf16 for their CPU GEMMs" in line and why in line, line
     assert ("widen the weights to fp32" in line) == widened and ("round the inputs to bf16" in line) != widened, line

@@ -14,32 +14,41 @@ from radixserve.state import ForwardMode, Req, SamplingParams
 from runner_driver import _batch
 
 
-def _cpu_has_bf16() -> bool:
+def _cpu_flags() -> set[str]:
     with open("/proc/cpuinfo") as f:
-        return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
 
 
-HAS_BF16 = _cpu_has_bf16()
+HAS_AVX512 = "avx512f" in _cpu_flags()
+HAS_BF16 = HAS_AVX512 and "avx512_bf16" in _cpu_flags()
 
 
-def test_screen_is_built_exactly_where_the_cpu_has_avx512_bf16():
+def test_screen_is_built_exactly_where_the_cpu_has_avx512():
     head = cpu_greedy_head.pack(torch.randn(50, 8))
-    assert (head is not None) == HAS_BF16, "AVX-512 BF16 CPU: the kernel must build (see the log)"
+    assert (head is not None) == HAS_AVX512, "AVX-512 CPU: the kernel must build (see the log)"
+    if head is not None and not HAS_BF16:  # no vdpbf16ps here: the screen widens the weights
+        assert head.widen
     assert cpu_greedy_head.pack(torch.randn(50, 8, dtype=torch.bfloat16)) is None
     bad = torch.randn(50, 8)
     bad[3, 1] = float("inf")
     assert cpu_greedy_head.pack(bad) is None  # the bound needs finite weights
 
 
-needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU has no AVX-512 BF16: the screen is off here")
+needs_avx512 = pytest.mark.skipif(not HAS_AVX512, reason="this CPU has no AVX-512: the screen is off here")
 
 
-@needs_bf16
+def _needs_product(widen: bool) -> None:
+    if not widen and not HAS_BF16:
+        pytest.skip("this CPU has no AVX-512 BF16: the screen only ever widens the weights here")
+
+
+@needs_avx512
 @pytest.mark.parametrize("widen", [False, True])
 @pytest.mark.parametrize(("vocab", "hidden", "rows"), [(50, 7, 3), (1000, 33, 9), (97, 576, 1), (4801, 576, 64)])
 def test_screened_argmax_is_the_fp32_argmax(vocab, hidden, rows, widen):
     """Partial 48-row panels, odd hidden sizes (a half bf16 pair), every row remainder of the
     8-row microkernel; the screen by vdpbf16ps and by widened weights (cpu_gemm.bf16_products_widened)."""
+    _needs_product(widen)
     gen = torch.Generator().manual_seed(vocab)
     w, x = torch.randn(vocab, hidden, generator=gen), torch.randn(rows, hidden, generator=gen)
     head = cpu_greedy_head.pack(w, widen=widen)
@@ -47,9 +56,10 @@ def test_screened_argmax_is_the_fp32_argmax(vocab, hidden, rows, widen):
     assert torch.equal(cpu_greedy_head.argmax(x, w, head), F.linear(x, w).argmax(-1))
 
 
-@needs_bf16
+@needs_avx512
 @pytest.mark.parametrize("widen", [False, True])
 def test_near_ties_exact_ties_and_non_finite_rows(widen):
+    _needs_product(widen)
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(300, 64, generator=gen)
     w[200] = w[17]  # an exact tie: the first index wins
@@ -72,7 +82,7 @@ def test_runner_takes_greedy_ids_only_when_nothing_else_reads_the_logits(tiny_ll
     cfg = Config.build({"model": {"path": path}, "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
                         "scheduler": {"max_total_tokens": 512, "max_running_requests": 4}})
     runner = ModelRunner(cfg, show_progress=False)
-    assert (runner.model.lm_head.greedy_head is not None) == HAS_BF16
+    assert (runner.model.lm_head.greedy_head is not None) == HAS_AVX512
     calls = []
     original = runner.model.greedy_token_ids
     runner.model.greedy_token_ids = lambda hidden, vocab: calls.append(hidden.shape[0]) or original(hidden, vocab)

@@ -6,10 +6,11 @@
 // `micro` reads an x row as its bf16 values in order, zero-padded to an even length, as 32-bit
 // pairs: one vdpbf16ps multiplies a pair of x by the same pair of 16 columns and adds both products
 // to an fp32 sum (on Zen 4 twice the fp32 FMA rate on the same port; half the weight bytes);
-// `micro_widen` keeps x fp32 and widens the weights (where vdpbf16ps is the slower instruction).
-// The panels are only compiled where the CPU has AVX-512 BF16 (RS_HAVE_BF16_PANELS), the fp32 tile
-// helpers wherever it has AVX-512 (RS_HAVE_AVX512_TILES); the includer adds no other definitions of
-// these names.
+// `micro_widen` keeps x fp32 and widens the weights (where vdpbf16ps is the slower instruction, or
+// missing). The panels and `micro_widen` need AVX-512F only (RS_HAVE_BF16_PANELS, with the fp32 tile
+// helpers: RS_HAVE_AVX512_TILES); `micro` and the bf16 x pairs it reads need AVX-512 BF16 too
+// (RS_HAVE_BF16_DOT: Zen 4, Sapphire Rapids and later; an Ice Lake has the panels, not the dot).
+// The includer adds no other definitions of these names.
 #pragma once
 
 #include <algorithm>
@@ -22,10 +23,11 @@
 #else
 #define RS_HAVE_AVX512_TILES 0
 #endif
-#if RS_HAVE_AVX512_TILES && defined(__AVX512BF16__)
-#define RS_HAVE_BF16_PANELS 1
+#define RS_HAVE_BF16_PANELS RS_HAVE_AVX512_TILES
+#if RS_HAVE_BF16_PANELS && defined(__AVX512BF16__)
+#define RS_HAVE_BF16_DOT 1  // vdpbf16ps: `micro`, `row_to_pairs`, `PairRows`
 #else
-#define RS_HAVE_BF16_PANELS 0
+#define RS_HAVE_BF16_DOT 0
 #endif
 
 namespace rs_bf16 {
@@ -86,6 +88,7 @@ __attribute__((always_inline)) inline void prefetch_pair_row(const uint16_t* row
   _mm_prefetch(q + 128, _MM_HINT_T1);
 }
 
+#if RS_HAVE_BF16_DOT
 // x row [K] fp32 -> out [K2] bf16 pairs (K2 = ceil(K / 2)), round to nearest even.
 inline void row_to_pairs(const float* x, int64_t K, uint32_t* out) {
   auto* o = reinterpret_cast<uint16_t*>(out);
@@ -122,6 +125,7 @@ __attribute__((always_inline)) inline void micro(const uint32_t* a, int64_t lda,
   }
   tile_store<ROWS>(acc, c, ldc, cols, accumulate);
 }
+#endif  // RS_HAVE_BF16_DOT
 
 // The same product with fp32 x rows (a[r * lda + k], K values; no rounding of x) and the panel's bf16
 // values widened to fp32 (exact: a bf16 is the high half of an fp32), summed with fp32 FMAs. Why: on
@@ -171,6 +175,7 @@ __attribute__((always_inline)) inline void micro_widen(const float* a, int64_t l
 }
 
 // x operands of the two products: bf16 pairs (vdpbf16ps) or fp32 rows (widened weights)
+#if RS_HAVE_BF16_DOT
 struct PairRows {
   const uint32_t* a;
   int64_t lda;  // in pairs
@@ -180,6 +185,7 @@ struct PairRows {
     rs_bf16::micro<ROWS>(a + m * lda + k0, lda, slice, kc, c, ldc, cols, next, acc, pf_first, pf_step);
   }
 };
+#endif
 struct FloatRows {
   const float* a;
   int64_t lda;  // in floats

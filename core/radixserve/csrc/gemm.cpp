@@ -6,9 +6,9 @@
 // FMA units keep fed. Microkernel: 8 rows x 48 columns (24 AVX-512 accumulators) where the CPU has
 // AVX-512, else 4 rows x 24 columns (12 AVX2 accumulators); the panel width follows, so packed
 // weights belong to the build that packed them. RS_NO_AVX512 forces the AVX2 kernel (tests).
-// Where the CPU has AVX-512 BF16, panels converted to bf16 (`to_bf16_panels`, for
-// runtime.cpu_matmul_precision=medium) take the same paths: x rounded to bf16 once per call,
-// products summed in fp32 (bf16_panels.h).
+// Where the CPU has AVX-512, panels converted to bf16 (`to_bf16_panels`, for
+// runtime.cpu_matmul_precision=medium) take the same paths, products summed in fp32: x rounded to
+// bf16 once per call for vdpbf16ps (AVX-512 BF16), or x fp32 and the weights widened (bf16_panels.h).
 // Only the headers these kernels use: torch/extension.h (the whole C++ frontend) takes ~4x the
 // CPU time to parse, and a first start compiles every kernel (docs/architecture.md, start-up).
 #include <ATen/core/Tensor.h>
@@ -207,13 +207,14 @@ int64_t rows_per_chunk(int64_t K, int64_t bytes) { return std::max<int64_t>(MR, 
 bool is_bf16(const at::Tensor& panels) { return panels.scalar_type() == at::kShort; }
 
 // x fp32 [M, K] with contiguous rows, and `num_panels` packed panels for it: fp32 [K, NR] each, or
-// (AVX-512 BF16 builds) bf16 [ceil(K / 2), NR, 2] each.
-void check_operands(const at::Tensor& x, const at::Tensor& panels, int64_t num_panels) {
+// (AVX-512 builds) bf16 [ceil(K / 2), NR, 2] each; vdpbf16ps (not `widen`) only where the build has it.
+void check_operands(const at::Tensor& x, const at::Tensor& panels, int64_t num_panels, bool widen) {
   TORCH_CHECK(RS_HAVE_AVX2, "gemm: built without AVX2/FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "gemm: x fp32 [M, K]");
   TORCH_CHECK(panels.is_contiguous() && panels.size(0) == num_panels, "gemm: panels do not match the output width");
   if (is_bf16(panels)) {
-    TORCH_CHECK(RS_HAVE_BF16_PANELS, "gemm: bf16 panels need a build with AVX-512 BF16");
+    TORCH_CHECK(RS_HAVE_BF16_PANELS, "gemm: bf16 panels need a build with AVX-512");
+    TORCH_CHECK(widen || RS_HAVE_BF16_DOT, "gemm: vdpbf16ps products need a build with AVX-512 BF16 (widen them)");
     TORCH_CHECK(panels.dim() == 4 && panels.size(1) == (x.size(1) + 1) / 2 && panels.size(2) == NR &&
                     panels.size(3) == 2, "gemm: bf16 panels do not match x");
   } else {
@@ -241,6 +242,8 @@ struct Fp32Operands {
 
 #if RS_HAVE_BF16_PANELS
 static_assert(NR == rs_bf16::NR && MR == rs_bf16::MR, "bf16 panels share the fp32 panel width");
+#endif
+#if RS_HAVE_BF16_DOT
 struct Bf16Operands {
   static constexpr int64_t kBytes = 2;  // an x value as the product reads it
   at::Tensor pairs;  // x as bf16 pairs [M, K2], made once per call
@@ -264,7 +267,9 @@ struct Bf16Operands {
                            c, ldc, cols);
   }
 };
+#endif
 
+#if RS_HAVE_BF16_PANELS
 // bf16 panels with x as it is (fp32): the weights widened to fp32 in the product (rs_bf16::micro_widen)
 struct Bf16WidenOperands {
   static constexpr int64_t kBytes = 4;
@@ -286,8 +291,11 @@ struct Bf16WidenOperands {
 // over vdpbf16ps); nothing without AVX2 (check_operands refused).
 template <class Body>
 void with_operands(const at::Tensor& x, const at::Tensor& panels, bool widen, const Body& body) {
+#if RS_HAVE_BF16_DOT
+  if (is_bf16(panels) && !widen) return body(Bf16Operands(x, panels));
+#endif
 #if RS_HAVE_BF16_PANELS
-  if (is_bf16(panels)) return widen ? body(Bf16WidenOperands(x, panels)) : body(Bf16Operands(x, panels));
+  if (is_bf16(panels)) return body(Bf16WidenOperands(x, panels));
 #endif
 #if RS_HAVE_AVX2
   body(Fp32Operands(x, panels));
@@ -347,9 +355,9 @@ void silu_mul_into(const Operands& ops, int64_t M, int64_t K, int64_t i, int64_t
 // vdpbf16ps's FLOP rate over the fp32 FMA's on this core, measured: 24 independent chains of each
 // instruction kind (no memory), best of five alternating rounds of ~0.1 ms. Zen 4: ~2 (vdpbf16ps
 // issues as fast as an FMA and does twice the work); Sapphire / Emerald Rapids: ~0.5. 0 where the
-// build has no AVX-512 BF16.
+// build has no AVX-512 BF16 (bf16 panels, if any, are widened).
 double dot_to_fma_rate() {
-#if RS_HAVE_BF16_PANELS
+#if RS_HAVE_BF16_DOT
   auto time_ns = [](auto step) {
     const auto t0 = std::chrono::steady_clock::now();
     step();
@@ -391,6 +399,7 @@ double dot_to_fma_rate() {
 
 bool available() { return RS_HAVE_AVX2; }
 bool bf16_available() { return RS_HAVE_BF16_PANELS; }
+bool bf16_dot_available() { return RS_HAVE_BF16_DOT; }
 
 // w [N, K] -> panels [ceil(N / NR), K, NR] (zero-padded columns).
 at::Tensor pack(at::Tensor w) {
@@ -411,7 +420,7 @@ at::Tensor pack(at::Tensor w) {
 // fp32 panels [P, K, NR] (from `pack` or `pack_gated`) -> bf16 panels [P, ceil(K / 2), NR, 2] as int16
 // (bf16_panels.h), rounded to nearest even; same panel order, so a gated packing stays gated.
 at::Tensor to_bf16_panels(at::Tensor panels) {
-  TORCH_CHECK(RS_HAVE_BF16_PANELS, "to_bf16_panels: needs a build with AVX-512 BF16");
+  TORCH_CHECK(RS_HAVE_BF16_PANELS, "to_bf16_panels: needs a build with AVX-512");
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.size(2) == NR && panels.is_contiguous(),
               "to_bf16_panels: fp32 panels [P, K, NR]");
   const int64_t P = panels.size(0), K = panels.size(1), K2 = (K + 1) / 2;
@@ -431,7 +440,7 @@ at::Tensor to_bf16_panels(at::Tensor panels) {
 // widen: bf16 panels multiply fp32 x with widened weights instead of vdpbf16ps. Returns [M, n] fp32.
 at::Tensor linear(at::Tensor x, at::Tensor panels, int64_t n, bool widen) {
   const int64_t np = (n + NR - 1) / NR;
-  check_operands(x, panels, np);
+  check_operands(x, panels, np, widen);
   const int64_t M = x.size(0), K = x.size(1);
   auto y = at::empty({M, n}, x.options());
   with_operands(x, panels, widen, [&](const auto& ops) { linear_into(ops, M, K, n, np, y.data_ptr<float>()); });
@@ -451,7 +460,7 @@ at::Tensor pack_gated(at::Tensor w) {
 // unpadded I; widen as in `linear`. Returns [M, i] fp32.
 at::Tensor linear_silu_mul(at::Tensor x, at::Tensor panels, int64_t i, bool widen) {
   const int64_t pairs = (i + NR - 1) / NR;
-  check_operands(x, panels, 2 * pairs);
+  check_operands(x, panels, 2 * pairs, widen);
   const int64_t M = x.size(0), K = x.size(1);
   auto y = at::empty({M, i}, x.options());
   with_operands(x, panels, widen, [&](const auto& ops) { silu_mul_into(ops, M, K, i, pairs, y.data_ptr<float>()); });
@@ -461,7 +470,8 @@ at::Tensor linear_silu_mul(at::Tensor x, at::Tensor panels, int64_t i, bool wide
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "built with AVX2 + FMA");
   m.def("panel_width", [] { return NR; }, "columns per packed panel (48 with AVX-512, else 24)");
-  m.def("bf16_available", &bf16_available, "built with AVX-512 BF16: bf16 panels can be used");
+  m.def("bf16_available", &bf16_available, "built with AVX-512: bf16 panels can be used (widened at least)");
+  m.def("bf16_dot_available", &bf16_dot_available, "built with AVX-512 BF16: bf16 panels can also run on vdpbf16ps");
   m.def("pack", &pack, "pack a [N, K] weight into NR-column panels");
   m.def("to_bf16_panels", &to_bf16_panels, "fp32 panels -> bf16 panels (runtime.cpu_matmul_precision=medium)");
   m.def("linear", &linear, "x @ w^T from packed panels", py::arg("x"), py::arg("panels"), py::arg("n"),

@@ -1,7 +1,8 @@
-// Exact greedy decoding through an output projection, screened in bf16 (CPU, AVX-512 BF16).
+// Exact greedy decoding through an output projection, screened in bf16 (CPU, AVX-512).
 //
 // Why: for greedy rows only argmax_v(x . w_v) is needed, not the logits. A bf16 pass over the
-// weight (vdpbf16ps: twice the fp32 FMA rate, half the bytes) gives every logit to within a
+// weight (half the bytes; vdpbf16ps where the CPU has AVX-512 BF16, else the weights widened to
+// fp32 for fp32 FMAs) gives every logit to within a
 // proven bound; only the few vocabulary rows whose interval can still hold the maximum are then
 // computed in fp32. The answer is the fp32 argmax (first index of the largest fp32 logit), the
 // same token the fp32 logits give up to their own rounding; no logit is approximated in it.
@@ -85,6 +86,7 @@ int64_t exact_argmax(const float* x, const float* w, int64_t n, int64_t K) {
 }  // namespace
 
 bool available() { return RS_HAVE_BF16_SCREEN; }
+bool dot_available() { return RS_HAVE_BF16_DOT; }
 
 // w [N, K] fp32 -> (panels [ceil(N / 48), ceil(K / 2), 48, 2] bf16 as int16, norms [N] fp32):
 // panel element (p, k2, j, e) = bf16(w[48 p + j, 2 k2 + e]), zero past the ends; norms rounded up.
@@ -115,7 +117,8 @@ std::tuple<at::Tensor, at::Tensor> pack(at::Tensor w) {
 // the faster screen where vdpbf16ps is slow, gemm.cpp's dot_to_fma_rate) instead of bf16 x by
 // vdpbf16ps; the bound above holds for both (x unrounded only removes a term). Returns int64 [M].
 at::Tensor argmax(at::Tensor x, at::Tensor panels, at::Tensor norms, at::Tensor w, bool widen) {
-  TORCH_CHECK(RS_HAVE_BF16_SCREEN, "greedy_head: built without AVX-512 BF16");
+  TORCH_CHECK(RS_HAVE_BF16_SCREEN, "greedy_head: built without AVX-512");
+  TORCH_CHECK(widen || RS_HAVE_BF16_DOT, "greedy_head: a vdpbf16ps screen needs a build with AVX-512 BF16 (widen)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "greedy_head: x fp32 [M, K]");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == x.size(1),
               "greedy_head: w fp32 [n, K], contiguous");
@@ -143,7 +146,9 @@ at::Tensor argmax(at::Tensor x, at::Tensor panels, at::Tensor norms, at::Tensor 
     for (int64_t k = 0; k < K; ++k) ok = ok && finite_bits(r[k]);
     finite[m] = ok;
     xn[m] = ok ? norm_up(r, K) : 0.f;
+#if RS_HAVE_BF16_DOT
     if (ok && !widen) rs_bf16::row_to_pairs(r, K, xb.data() + m * K2);
+#endif
   }
   // approximate logits, panel by panel (each thread streams a contiguous run of panels)
   auto approx_t = at::empty({M, n}, x.options());
@@ -152,11 +157,14 @@ at::Tensor argmax(at::Tensor x, at::Tensor panels, at::Tensor norms, at::Tensor 
     for (int64_t p = b; p < e; ++p) {
       const uint16_t* panel = pp + p * K2 * NR * 2;
       const uint16_t* next = p + 1 < e ? panel + K2 * NR * 2 : nullptr;
-      if (widen)
-        rs_bf16::panel_product(rs_bf16::FloatRows{xp, lda}, M, panel, next, K, approx + p * NR, n, std::min(NR, n - p * NR));
-      else
+#if RS_HAVE_BF16_DOT
+      if (!widen) {
         rs_bf16::panel_product(rs_bf16::PairRows{xb.data(), K2}, M, panel, next, K, approx + p * NR, n,
                                std::min(NR, n - p * NR));
+        continue;
+      }
+#endif
+      rs_bf16::panel_product(rs_bf16::FloatRows{xp, lda}, M, panel, next, K, approx + p * NR, n, std::min(NR, n - p * NR));
     }
   });
   const float rel = static_cast<float>(relative_bound(K));
@@ -208,7 +216,8 @@ at::Tensor argmax(at::Tensor x, at::Tensor panels, at::Tensor norms, at::Tensor 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available, "built with AVX-512 BF16");
+  m.def("available", &available, "built with AVX-512 (the screen widens bf16 weights at least)");
+  m.def("dot_available", &dot_available, "built with AVX-512 BF16: the screen can also run on vdpbf16ps");
   m.def("pack", &pack, "bf16 panels and row norms of an fp32 [N, K] output projection");
   m.def("argmax", &argmax, "exact fp32 argmax of x @ w^T per row, screened by a bf16 pass", py::arg("x"),
         py::arg("panels"), py::arg("norms"), py::arg("w"), py::arg("widen") = false);

@@ -1,9 +1,9 @@
 """Greedy next tokens from an fp32 output projection without the full fp32 logits (CPU).
 
 Why: in batched CPU decode the LM head is the largest GEMM (a fifth of a SmolLM2 step), and a
-greedy row only needs argmax(x @ W^T). Where the CPU has AVX-512 BF16, csrc/greedy_head.cpp runs
+greedy row only needs argmax(x @ W^T). Where the CPU has AVX-512, csrc/greedy_head.cpp runs
 the head over bf16 weights (half the bytes; products as cpu_gemm's bf16 panels: vdpbf16ps or the
-weights widened to fp32, whichever is faster here), proves which vocabulary rows can still be
+weights widened to fp32, whichever is faster here; widened without AVX-512 BF16), proves which vocabulary rows can still be
 the maximum (an error bound per row, see the C++ file), and computes only those in fp32: the token
 is the fp32 argmax, first index on ties, as torch.argmax of fp32 logits (which differ from these
 only by fp32 rounding order, like any two fp32 GEMMs). Elsewhere `pack` returns None and callers
@@ -40,7 +40,7 @@ def _module():
 def pack(weight: torch.Tensor, widen: bool | None = None) -> GreedyHead | None:
     """The screening copy of a [vocab, hidden] fp32 CPU weight with finite values, screened the way
     `widen` says (None: cpu_gemm.bf16_products_widened()); None where the kernel cannot run here
-    (no AVX-512 BF16, no compiler, another dtype or device)."""
+    (no AVX-512, no compiler, another dtype or device)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
         return None
     if not bool(torch.isfinite(weight).all()):
