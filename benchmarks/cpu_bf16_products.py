@@ -4,7 +4,11 @@ fp32 panels (`highest`), bf16 panels by vdpbf16ps (x rounded to bf16) and bf16 p
 fp32 in the kernel (x kept fp32), at SmolLM2-135M's MLP shapes and the row counts a served run
 makes (16: a decode step of concurrency 16; 64; 400: a prefill batch of two 200-token prompts).
 
-    python benchmarks/cpu_bf16_products.py [--threads 2] [--rounds 3]
+    python benchmarks/cpu_bf16_products.py [--threads 2] [--rounds 3] [--build default|avx2]
+
+--build avx2 times the AVX2 kernel (built with RS_NO_AVX512, as AVX2-only CPUs run it: bf16 panels
+widened a K block at a time into L1) on an AVX-512 machine; vdpbf16ps is left out where the build has
+none (AVX2, or AVX-512 without BF16).
 
 Each shape runs twice: with one weight (it stays in L2/L3 between calls: the kernel's compute rate)
 and with 60 distinct weights in turn (~200-400 MB, past this CPU's caches: the weights stream from
@@ -28,16 +32,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--build", choices=("default", "avx2"), default="default")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    gemm = cpu_gemm._native_gemm()
+    if args.build == "avx2":
+        from radixserve import native
+
+        gemm = native.load_extension("radixserve_cpu_gemm_avx2", cpu_gemm._SOURCE, defines=("RS_NO_AVX512",))
+    else:
+        gemm = cpu_gemm._native_gemm()
     if gemm is None or not gemm.bf16_available():
-        raise SystemExit("this CPU (or its native build) has no AVX-512 BF16: only the fp32 product runs here")
+        raise SystemExit("no native GEMM here (AVX2 and a C++ compiler): only torch's fp32 product runs")
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rate = gemm.dot_to_fma_rate()
-    print(json.dumps({"cpu": cpu, "cores": os.cpu_count(), "threads": args.threads, "commit": commit,
-                      "dot_to_fma_rate": round(rate, 3), "medium_product": "widen" if rate < 1.0 else "vdpbf16ps"}))
+    print(json.dumps({"cpu": cpu, "cores": os.cpu_count(), "threads": args.threads, "commit": commit, "build": args.build,
+                      "panel_width": gemm.panel_width(), "dot_to_fma_rate": round(rate, 3),
+                      "medium_product": "widen" if rate < 1.0 else "vdpbf16ps"}))
     gen = torch.Generator().manual_seed(0)
     for copies in (1, 60):
         for rows in (16, 64, 400):
@@ -48,6 +59,8 @@ def main() -> None:
                 del weights
                 x = torch.randn(rows, k, generator=gen)
                 kinds = {"fp32": (fp32, False), "vdpbf16ps": (bf16, False), "widen": (bf16, True)}
+                if not gemm.bf16_dot_available():
+                    del kinds["vdpbf16ps"]
                 best = dict.fromkeys(kinds, float("inf"))
                 reps = max(2, 40 // copies) * copies
                 for _ in range(args.rounds):

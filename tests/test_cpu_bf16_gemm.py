@@ -1,11 +1,12 @@
-"""runtime.cpu_matmul_precision=medium: the native GEMM over bf16 panels (AVX-512 CPUs).
+"""runtime.cpu_matmul_precision=medium: the native GEMM over bf16 panels (this CPU's build; the AVX2
+build's widened panels are in test_native_cpu_kernels.py).
 
 What a user relies on: the products are those of the bf16-rounded inputs summed in fp32 (so the
 results match torch on bf16-rounded operands, and really differ from the fp32 GEMM), or, where
 vdpbf16ps is the slower instruction or missing (`widen`), of fp32 x and the bf16-rounded weights; NaN stays in
 its row; a model loaded with the option runs its linears on bf16 panels, keeps each request's
 tokens independent of its batch, and stays close to the fp32 model. The kernels are tested where
-the CPU has AVX-512, the vdpbf16ps product where it has AVX-512 BF16 too (skipped, and said so,
+the native GEMM runs, the vdpbf16ps product where the CPU has AVX-512 BF16 too (skipped, and said so,
 elsewhere); the fallback warning everywhere."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from radixserve.layers.activation import SiluAndMul
 @pytest.fixture(scope="module")
 def gemm():
     if not cpu_gemm.bf16_available():
-        pytest.skip("this CPU has no AVX-512: runtime.cpu_matmul_precision=medium stays fp32 here")
+        pytest.skip("no native GEMM here (AVX2 and a compiler): runtime.cpu_matmul_precision=medium stays fp32")
     return cpu_gemm._native_gemm()
 
 
@@ -53,7 +54,8 @@ def test_bf16_panels_compute_the_bf16_rounded_product(gemm, rows, out_features, 
     gen = torch.Generator().manual_seed(rows * out_features + in_features)
     weight, x = torch.randn(out_features, in_features, generator=gen), torch.randn(rows, in_features, generator=gen)
     panels = gemm.to_bf16_panels(gemm.pack(weight))
-    assert panels.dtype == torch.int16 and panels.shape == (-(-out_features // 48), (in_features + 1) // 2, 48, 2)
+    width = gemm.panel_width()  # 48 (AVX-512) or 24 (AVX2)
+    assert panels.dtype == torch.int16 and panels.shape == (-(-out_features // width), (in_features + 1) // 2, width, 2)
     got = gemm.linear(x, panels, out_features, widen)
     torch.testing.assert_close(got, F.linear(x if widen else _bf16(x), _bf16(weight)), **_tolerance(in_features))
     if in_features > 16:  # really rounded: the fp32 product is measurably elsewhere
@@ -147,10 +149,13 @@ def test_a_model_with_medium_precision_runs_bf16_panels(gemm, tiny_llama_dir):
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj))
     head = medium.model.lm_head
     assert head.packed_weight.bf16
-    # the greedy screen's bf16 copy serves the logits too: one copy, the bits to_bf16_panels would give
-    assert head.greedy_head is not None and head.packed_weight.panels is head.greedy_head.panels
+    # the greedy screen's bf16 copy (AVX-512) serves the logits too: one copy, the bits to_bf16_panels would give
+    assert (head.greedy_head is not None) == (gemm.panel_width() == 48)
+    if head.greedy_head is not None:
+        assert head.packed_weight.panels is head.greedy_head.panels
+        assert head.greedy_head.widen == cpu_gemm.bf16_products_widened()
     assert torch.equal(head.packed_weight.panels, gemm.to_bf16_panels(gemm.pack(head.weight.detach())))
-    assert head.packed_weight.widen == head.greedy_head.widen == cpu_gemm.bf16_products_widened()
+    assert head.packed_weight.widen == cpu_gemm.bf16_products_widened()
     assert not fp32.model.model.layers[0].mlp.gate_up_proj.packed_weight.bf16
     prompts = [[5, 9, 2, 7, 11], [3] * 30, [8, 1]]
     batched = greedy_generate(medium, prompts, 12, keep_logits=True)
@@ -166,7 +171,7 @@ def test_medium_without_bf16_hardware_warns_and_stays_fp32(monkeypatch, caplog):
     monkeypatch.setattr(cpu_gemm, "bf16_available", lambda: False)
     with caplog.at_level(logging.WARNING, logger="radixserve.layers.cpu_gemm"):
         assert cpu_gemm.lower_precision(model) == 0
-    assert "no AVX-512" in caplog.text and "stay fp32" in caplog.text
+    assert "native CPU GEMM does not run here" in caplog.text and "stay fp32" in caplog.text
 
 
 def test_the_product_is_logged_only_where_bf16_gemms_run(gemm, tiny_llama_dir, caplog):
@@ -182,6 +187,6 @@ def test_the_product_is_logged_only_where_bf16_gemms_run(gemm, tiny_llama_dir, c
         _runner(path, "medium")
     line = next(r.getMessage() for r in caplog.records if "cpu_matmul_precision=medium" in r.getMessage())
     widened = cpu_gemm.bf16_products_widened()
-    why = "FMA's FLOPs a second on this CPU" if gemm.bf16_dot_available() else "AVX-512 but no AVX-512 BF16"
+    why = "FMA's FLOPs a second on this CPU" if gemm.bf16_dot_available() else "no AVX-512 BF16 (no vdpbf16ps)"
     assert "kept in bf16 for their CPU GEMMs" in line and why in line, line
     assert ("widen the weights to fp32" in line) == widened and ("round the inputs to bf16" in line) != widened, line

@@ -100,6 +100,38 @@ def test_silu_gated_gemm_matches_torch(build, rows, inter, in_features):
     torch.testing.assert_close(gemm.linear_silu_mul(x, gemm.pack_gated(weight), inter), want, rtol=1e-5, atol=1e-5)
 
 
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.bfloat16().float()
+
+
+@pytest.mark.parametrize("build", GEMM_BUILDS)
+@pytest.mark.parametrize(("rows", "out_features", "in_features"),
+                         [(1, 50, 7), (3, 960, 576), (5, 100, 385), (13, 24, 1536), (64, 50, 400)])
+def test_widened_bf16_panels_give_the_bf16_weights_product(build, rows, out_features, in_features):
+    """runtime.cpu_matmul_precision=medium on every build, AVX2-only machines included: bf16 panels
+    multiplied with widened weights give x @ bf16(w)^T in fp32 (the AVX2 kernel widens a K block at
+    a time: 1536 features span eight 192-value blocks; odd K, partial panels, row remainders)."""
+    gemm = _gemm_module(build)
+    assert gemm.bf16_available()
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    weight, x = torch.randn(out_features, in_features, generator=gen), torch.randn(rows, in_features, generator=gen)
+    width = gemm.panel_width()
+    panels = gemm.to_bf16_panels(gemm.pack(weight))
+    assert panels.dtype == torch.int16 and panels.shape == (-(-out_features // width), (in_features + 1) // 2, width, 2)
+    tol = {"rtol": 1e-5, "atol": 1e-4 * max(1.0, in_features / 1000)}
+    got = gemm.linear(x, panels, out_features, True)
+    torch.testing.assert_close(got, F.linear(x, _bf16(weight)), **tol)
+    if in_features > 16:  # really the bf16 weights: the fp32 product is measurably elsewhere
+        assert (got - F.linear(x, weight)).abs().max() > 1e-3
+    gated = (torch.randn(2 * out_features, in_features, generator=gen) / in_features**0.5)
+    want = SiluAndMul()(F.linear(x, _bf16(gated)))
+    torch.testing.assert_close(gemm.linear_silu_mul(x, gemm.to_bf16_panels(gemm.pack_gated(gated)), out_features, True),
+                               want, rtol=1e-5, atol=1e-5)
+    if not gemm.bf16_dot_available():  # no vdpbf16ps in this build: asking for it is an error, not the other product
+        with pytest.raises(RuntimeError, match="vdpbf16ps products need a build with AVX-512 BF16"):
+            gemm.linear(x, panels, out_features, False)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_rmsnorm_matches_torch(rows):
     gen = torch.Generator().manual_seed(rows)

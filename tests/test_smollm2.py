@@ -126,7 +126,7 @@ def test_bf16_matmuls_keep_the_top5_rule(smollm2_gguf_path, prompts, hf_referenc
     from radixserve.layers import cpu_gemm
 
     if not cpu_gemm.bf16_available():
-        pytest.skip("this CPU has no AVX-512: medium precision stays fp32 here")
+        pytest.skip("no native GEMM here: medium precision stays fp32")
     cfg = Config.build({
         "model": {"path": smollm2_gguf_path, "weight_source_options": {"dequantize": True}},
         "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1, "cpu_matmul_precision": "medium",
@@ -156,7 +156,7 @@ def test_long_prompt_with_bf16_attention_keeps_the_top5_rule(smollm2_gguf_path, 
     from radixserve.layers import cpu_gemm
 
     if not cpu_gemm.bf16_available():
-        pytest.skip("this CPU has no AVX-512: medium precision stays fp32 here")
+        pytest.skip("no native GEMM here: medium precision stays fp32")
     reference = BackgroundReference(smollm2_gguf_path, [LONG_QUESTION], 16, tmp_path)
     try:
         cfg = Config.build({

@@ -6,9 +6,10 @@
 // FMA units keep fed. Microkernel: 8 rows x 48 columns (24 AVX-512 accumulators) where the CPU has
 // AVX-512, else 4 rows x 24 columns (12 AVX2 accumulators); the panel width follows, so packed
 // weights belong to the build that packed them. RS_NO_AVX512 forces the AVX2 kernel (tests).
-// Where the CPU has AVX-512, panels converted to bf16 (`to_bf16_panels`, for
-// runtime.cpu_matmul_precision=medium) take the same paths, products summed in fp32: x rounded to
-// bf16 once per call for vdpbf16ps (AVX-512 BF16), or x fp32 and the weights widened (bf16_panels.h).
+// Panels converted to bf16 (`to_bf16_panels`, for runtime.cpu_matmul_precision=medium) take the same
+// paths, products summed in fp32: x rounded to bf16 once per call for vdpbf16ps (AVX-512 BF16), or
+// x fp32 and the weights widened to fp32 (in the AVX-512 microkernel, bf16_panels.h; AVX2: a K block
+// at a time into L1, for the fp32 microkernel).
 // Only the headers these kernels use: torch/extension.h (the whole C++ frontend) takes ~4x the
 // CPU time to parse, and a first start compiles every kernel (docs/architecture.md, start-up).
 #include <ATen/core/Tensor.h>
@@ -38,6 +39,9 @@
 #else
 #define RS_HAVE_AVX512 0
 #endif
+// bf16 panels in this build: AVX-512 multiplies them in its microkernels (bf16_panels.h); the AVX2
+// kernel widens each K block of a panel to fp32 once, into L1, and runs its fp32 microkernel there
+#define RS_GEMM_BF16 (RS_HAVE_BF16_PANELS || RS_HAVE_AVX2)
 
 namespace {
 
@@ -207,13 +211,13 @@ int64_t rows_per_chunk(int64_t K, int64_t bytes) { return std::max<int64_t>(MR, 
 bool is_bf16(const at::Tensor& panels) { return panels.scalar_type() == at::kShort; }
 
 // x fp32 [M, K] with contiguous rows, and `num_panels` packed panels for it: fp32 [K, NR] each, or
-// (AVX-512 builds) bf16 [ceil(K / 2), NR, 2] each; vdpbf16ps (not `widen`) only where the build has it.
+// bf16 [ceil(K / 2), NR, 2] each; vdpbf16ps (not `widen`) only where the build has it.
 void check_operands(const at::Tensor& x, const at::Tensor& panels, int64_t num_panels, bool widen) {
   TORCH_CHECK(RS_HAVE_AVX2, "gemm: built without AVX2/FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "gemm: x fp32 [M, K]");
   TORCH_CHECK(panels.is_contiguous() && panels.size(0) == num_panels, "gemm: panels do not match the output width");
   if (is_bf16(panels)) {
-    TORCH_CHECK(RS_HAVE_BF16_PANELS, "gemm: bf16 panels need a build with AVX-512");
+    TORCH_CHECK(RS_GEMM_BF16, "gemm: bf16 panels need a build with AVX2");
     TORCH_CHECK(widen || RS_HAVE_BF16_DOT, "gemm: vdpbf16ps products need a build with AVX-512 BF16 (widen them)");
     TORCH_CHECK(panels.dim() == 4 && panels.size(1) == (x.size(1) + 1) / 2 && panels.size(2) == NR &&
                     panels.size(3) == 2, "gemm: bf16 panels do not match x");
@@ -287,6 +291,65 @@ struct Bf16WidenOperands {
 };
 #endif
 
+#if RS_HAVE_AVX2 && !RS_HAVE_AVX512
+// AVX2 builds: bf16 panels [K2, NR, 2] widened a K block (KC values: 18 KB of fp32) at a time into a
+// per-thread scratch that stays in L1, which the fp32 microkernel then reads for every row group of
+// the call; the K block's widening prefetches the next block's (or panel's) bf16 lines into L2.
+struct Bf16ScratchOperands {
+  static constexpr int64_t kBytes = 4;
+  static_assert(KC % 2 == 0, "a K block holds whole bf16 pairs");
+  const float* x;
+  int64_t lda, K, K2;
+  const uint16_t* panels;
+  Bf16ScratchOperands(const at::Tensor& xt, const at::Tensor& pt)
+      : x(xt.data_ptr<float>()), lda(xt.stride(0)), K(xt.size(1)), K2((xt.size(1) + 1) / 2),
+        panels(reinterpret_cast<const uint16_t*>(pt.data_ptr<int16_t>())) {}
+
+  // rows [2 k2, 2 k2 + 1] of `pairs` pair rows (48 bf16 each) as fp32 rows of NR (even k: the low
+  // halves shifted up; odd k: the high halves masked); `next`'s lines prefetched along
+  static void widen(const uint16_t* pairs, int64_t n_pairs, const uint16_t* next, float* out) {
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    for (int64_t i = 0; i < n_pairs; ++i) {
+      const uint16_t* q = pairs + i * NR * 2;
+      if (next != nullptr) {  // a pair row is 96 bytes: two prefetches 64 bytes apart cover it
+        _mm_prefetch(reinterpret_cast<const char*>(next + i * NR * 2), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(next + i * NR * 2) + 64, _MM_HINT_T1);
+      }
+      float* even = out + 2 * i * NR;
+      for (int64_t j = 0; j < NR; j += 8) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 2 * j));
+        _mm256_storeu_ps(even + j, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+        _mm256_storeu_ps(even + NR + j, _mm256_castsi256_ps(_mm256_and_si256(v, high)));
+      }
+    }
+  }
+
+  void product(int64_t m, int64_t rows, int64_t p, bool next, float* c, int64_t ldc, int64_t cols) const {
+    thread_local std::vector<float> scratch;  // one K block of the panel in fp32 [KC, NR]
+    scratch.resize(static_cast<size_t>(KC * NR));
+    const uint16_t* panel = panels + p * K2 * NR * 2;
+    const float* xm = x + m * lda;
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+      const int64_t kc = std::min(KC, K - k0), pairs = (kc + 1) / 2;
+      const uint16_t* slice = panel + (k0 / 2) * NR * 2;
+      const uint16_t* following = k0 + KC < K ? slice + pairs * NR * 2 : (next ? panel + K2 * NR * 2 : nullptr);
+      widen(slice, pairs, following, scratch.data());  // an odd K's last (zero) row is never read: kc rows
+      const bool acc = k0 > 0;
+      int64_t r = 0;
+      for (; r + MR <= rows; r += MR) micro<MR>(xm + r * lda + k0, lda, scratch.data(), kc, c + r * ldc, ldc, cols, nullptr, acc);
+      float* cr = c + r * ldc;
+      const float* xr = xm + r * lda + k0;
+      switch (rows - r) {  // the remainder rows, fewer than MR (4)
+        case 3: micro<3>(xr, lda, scratch.data(), kc, cr, ldc, cols, nullptr, acc); break;
+        case 2: micro<2>(xr, lda, scratch.data(), kc, cr, ldc, cols, nullptr, acc); break;
+        case 1: micro<1>(xr, lda, scratch.data(), kc, cr, ldc, cols, nullptr, acc); break;
+        default: break;
+      }
+    }
+  }
+};
+#endif
+
 // body(operands of x and panels in the panels' precision; bf16 panels: `widen` picks widened weights
 // over vdpbf16ps); nothing without AVX2 (check_operands refused).
 template <class Body>
@@ -296,6 +359,8 @@ void with_operands(const at::Tensor& x, const at::Tensor& panels, bool widen, co
 #endif
 #if RS_HAVE_BF16_PANELS
   if (is_bf16(panels)) return body(Bf16WidenOperands(x, panels));
+#elif RS_HAVE_AVX2
+  if (is_bf16(panels)) return body(Bf16ScratchOperands(x, panels));
 #endif
 #if RS_HAVE_AVX2
   body(Fp32Operands(x, panels));
@@ -398,7 +463,7 @@ double dot_to_fma_rate() {
 }
 
 bool available() { return RS_HAVE_AVX2; }
-bool bf16_available() { return RS_HAVE_BF16_PANELS; }
+bool bf16_available() { return RS_GEMM_BF16; }
 bool bf16_dot_available() { return RS_HAVE_BF16_DOT; }
 
 // w [N, K] -> panels [ceil(N / NR), K, NR] (zero-padded columns).
@@ -420,7 +485,7 @@ at::Tensor pack(at::Tensor w) {
 // fp32 panels [P, K, NR] (from `pack` or `pack_gated`) -> bf16 panels [P, ceil(K / 2), NR, 2] as int16
 // (bf16_panels.h), rounded to nearest even; same panel order, so a gated packing stays gated.
 at::Tensor to_bf16_panels(at::Tensor panels) {
-  TORCH_CHECK(RS_HAVE_BF16_PANELS, "to_bf16_panels: needs a build with AVX-512");
+  TORCH_CHECK(RS_GEMM_BF16, "to_bf16_panels: needs a build with AVX2");
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.size(2) == NR && panels.is_contiguous(),
               "to_bf16_panels: fp32 panels [P, K, NR]");
   const int64_t P = panels.size(0), K = panels.size(1), K2 = (K + 1) / 2;
@@ -431,7 +496,7 @@ at::Tensor to_bf16_panels(at::Tensor panels) {
     for (int64_t p = b; p < e; ++p)
       for (int64_t k = 0; k < K; ++k)
         for (int64_t j = 0; j < NR; ++j)
-          dst[rs_bf16::panel_offset(p, K2, j, k)] = rs_bf16::to_bf16(src[(p * K + k) * NR + j]);
+          dst[((p * K2 + k / 2) * NR + j) * 2 + k % 2] = rs_bf16::to_bf16(src[(p * K + k) * NR + j]);
   });
   return out;
 }
@@ -470,7 +535,7 @@ at::Tensor linear_silu_mul(at::Tensor x, at::Tensor panels, int64_t i, bool wide
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "built with AVX2 + FMA");
   m.def("panel_width", [] { return NR; }, "columns per packed panel (48 with AVX-512, else 24)");
-  m.def("bf16_available", &bf16_available, "built with AVX-512: bf16 panels can be used (widened at least)");
+  m.def("bf16_available", &bf16_available, "built with AVX2: bf16 panels can be used (widened at least)");
   m.def("bf16_dot_available", &bf16_dot_available, "built with AVX-512 BF16: bf16 panels can also run on vdpbf16ps");
   m.def("pack", &pack, "pack a [N, K] weight into NR-column panels");
   m.def("to_bf16_panels", &to_bf16_panels, "fp32 panels -> bf16 panels (runtime.cpu_matmul_precision=medium)");

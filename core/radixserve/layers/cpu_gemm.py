@@ -8,13 +8,13 @@ the default MKL path (~12% on the decoder linears, ~35% on the 49k-row LM head),
 slower for one row. Without the native kernel (no compiler or no AVX2) oneDNN's packed copy
 serves 16+ rows and MKL the rest. Either way a second copy of each weight is kept (the price).
 
-runtime.cpu_matmul_precision=medium (`lower_precision`): on CPUs with AVX-512 the panels are
-converted to bf16 once at load (half the weight bytes). Where vdpbf16ps is the faster product (Zen 4:
+runtime.cpu_matmul_precision=medium (`lower_precision`): wherever the native kernel runs (AVX2 and
+up) the panels are converted to bf16 once at load (half the weight bytes). Where vdpbf16ps is the faster product (Zen 4:
 twice the fp32 FMA's FLOP rate) each call rounds x to bf16 and sums the bf16 products in fp32, as
 torch's "medium" float32 matmul precision allows; where it is the slower one (Intel Sapphire and
-Emerald Rapids: half the FMA's rate) or missing (AVX-512 without BF16: Ice Lake, Skylake-SP),
-x stays fp32 and the weights are widened to fp32 in the kernel (`bf16_products_widened`, measured
-once per process). The LM head's logits come from the
+Emerald Rapids: half the FMA's rate) or missing (no AVX-512 BF16: Ice Lake, Skylake-SP, AVX2-only
+CPUs), x stays fp32 and the weights are widened to fp32 in the kernel (`bf16_products_widened`,
+measured once per process; the AVX2 kernel widens a K block at a time into L1). The LM head's logits come from the
 same products (fp32 results); norms, attention, the KV cache, sampling and the greedy head's exact
 argmax stay fp32."""
 
@@ -113,7 +113,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, b
 
 
 def bf16_available() -> bool:
-    """Whether the native kernel here can run bf16 panels (built for a CPU with AVX-512; without
+    """Whether the native kernel here can run bf16 panels (it runs here: AVX2 and a compiler; without
     AVX-512 BF16 they are always widened)."""
     gemm = _native_gemm_for_packing()
     return gemm is not None and gemm.bf16_available()
@@ -124,8 +124,8 @@ def bf16_products_widened() -> bool:
     """Whether bf16 panels are multiplied by widening the weights to fp32 here (fp32 FMAs on fp32 x)
     rather than by vdpbf16ps on x rounded to bf16: measured once per process on this core
     (gemm.cpp's dot_to_fma_rate); vdpbf16ps where it does more FLOPs a second than the FMA, widened
-    where it does fewer or the build has none (rate 0: AVX-512 without BF16)."""
-    if not bf16_available():  # no bf16 panels here (no AVX-512, or no native GEMM): nothing to choose
+    where it does fewer or the build has none (rate 0: no AVX-512 BF16)."""
+    if not bf16_available():  # no native GEMM here: no bf16 panels, nothing to choose
         return False
     return _dot_to_fma_rate() < 1.0
 
@@ -139,11 +139,11 @@ def bf16_product_description() -> str:
     """How bf16 panels are multiplied here and why, for the start-up log of runtime.cpu_matmul_precision=medium
     (the greedy screen's choice under `highest` is not worth a line: its answers are the fp32 argmax either way)."""
     if not bf16_available():
-        return "no bf16 panels here (no native GEMM, or no AVX-512)"
+        return "no bf16 panels here (no native GEMM)"
     widened = bf16_products_widened()
     rate = _dot_to_fma_rate()
     why = (f"vdpbf16ps does {rate:.2f}x the fp32 FMA's FLOPs a second on this CPU" if rate > 0
-           else "this CPU has AVX-512 but no AVX-512 BF16 (no vdpbf16ps)")
+           else "this CPU has no AVX-512 BF16 (no vdpbf16ps)")
     return why + ", so the products " + ("widen the weights to fp32 and keep the inputs fp32 (fp32 FMAs)" if widened
                                           else "round the inputs to bf16 for vdpbf16ps (fp32 sums)")
 
@@ -172,10 +172,10 @@ def _screen_panels(module: torch.nn.Module, packed: PackedWeight) -> PackedWeigh
 def lower_precision(model: torch.nn.Module) -> int:
     """runtime.cpu_matmul_precision=medium for a loaded CPU model: every native fp32 packing held by
     its modules (`packed_weight`, and the routed experts' `packed_experts`) becomes bf16. Returns how
-    many weights were converted; 0, with a warning, where the CPU or the build has no AVX-512."""
+    many weights were converted; 0, with a warning, where the native GEMM does not run here."""
     if not bf16_available():
-        logger.warning("runtime.cpu_matmul_precision=medium: this CPU (or its native build) has no AVX-512 "
-                       "(bf16 panels need it); the GEMMs stay fp32")
+        logger.warning("runtime.cpu_matmul_precision=medium: the native CPU GEMM does not run here (it needs AVX2 "
+                       "and a C++ compiler; bf16 panels are its own), so the GEMMs stay fp32")
         return 0
     converted = 0
     for module in model.modules():

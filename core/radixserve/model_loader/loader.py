@@ -179,7 +179,7 @@ def load_model(
         if converted:
             logger.info("runtime.cpu_matmul_precision=medium: %d weight(s) kept in bf16 for their CPU GEMMs; %s", converted,
                         cpu_gemm.bf16_product_description())
-        elif cpu_gemm.bf16_available():  # (without AVX-512 lower_precision has warned)
+        elif cpu_gemm.bf16_available():  # (without the native GEMM lower_precision has warned)
             logger.info("runtime.cpu_matmul_precision=medium: the model has no packed fp32 GEMM weights (quantized "
                         "or not fp32): nothing changed")
     if device.type == "cpu":  # plain Llama layers over packed fp32 weights: one flat function each (issue 12)
