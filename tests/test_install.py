@@ -49,6 +49,15 @@ def test_make_test_adds_the_test_tools_then_lints_and_tests(tmp_path):
     assert "pytest" in _requirement_names(ROOT / "requirements-test.txt")
 
 
+def test_make_test_runs_the_suite_in_two_workers_a_file_at_a_time(tmp_path):
+    """Issue 12's budget (`make test` within 15 minutes on 2 cores): the suite runs in two pytest-xdist
+    workers, each taking whole files, so a module's fixtures (one server for its tests) and the order of its
+    tests (a module's last test stops that server) stay in one process."""
+    pytest_line = next(s for s in _make_dry_run("test", tmp_path).splitlines() if "-m pytest" in s)
+    assert "-n 2" in pytest_line and "--dist loadfile" in pytest_line, pytest_line
+    assert "pytest-xdist" in _requirement_names(ROOT / "requirements-test.txt")
+
+
 def test_ci_runs_make_test():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 
