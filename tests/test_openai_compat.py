@@ -486,7 +486,6 @@ def test_completion_top_logprobs_hold_the_chosen_token_as_openai_and_vllm(client
     ("guided_regex", "sampling_params.regex"),
     ("regex", "sampling_params.regex"),
     ("request_id", "/generate's rid"),
-    ("include_stop_str_in_output", "has no equivalent here"),
     ("spaces_between_special_tokens", "has no equivalent here"),
     ("allowed_token_ids", "has no equivalent here"),
 ])
@@ -495,6 +494,16 @@ def test_a_vllm_or_sglang_field_is_refused_with_its_spelling_here(client, tm, fi
     assert err["message"].startswith(f"{field}: Extra inputs are not permitted (vLLM's / SGLang's {field} "), err
     assert words in err["message"]
     assert tm.inputs == []
+
+
+@pytest.mark.parametrize("route,body", [("/v1/completions", completion()), ("/v1/chat/completions", chat())])
+def test_include_stop_str_in_output_is_sglangs_no_stop_trim(client, tm, route, body):
+    """vLLM's field (refused until session 36) reaches the scheduler as SamplingParams.no_stop_trim."""
+    assert post(client, route, {**body, "stop": ["x"]}).status_code == 200
+    assert _params(tm).no_stop_trim is False
+    r = post(client, route, {**body, "stop": ["x"], "include_stop_str_in_output": True})
+    assert r.status_code == 200, r.text
+    assert _params(tm).no_stop_trim is True and _params(tm).stop == ["x"]
 
 
 @pytest.mark.parametrize("body,param", [({"text": ["a", "b"]}, "text"), ({"input_ids": [[5, 6], [7]]}, "input_ids")])

@@ -124,6 +124,22 @@ def test_a_stop_string_ends_the_request_in_the_scheduler(tok, scripted, stop, st
     assert sched.flush_cache() and sched.allocator.available_size() == sched.allocator.size
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("stop", list(STOPS.values()), ids=list(STOPS))
+def test_no_stop_trim_keeps_the_stop_string_and_its_tokens(tok, scripted, stop, stream):
+    """SGLang's no_stop_trim (vLLM's include_stop_str_in_output): the text ends with the matched stop string
+    (what its last token holds past the string is still cut), the ids and logprobs include the tokens that made
+    it, and the request ends on the same step as without the option."""
+    sched, detok = make(tok, stream_interval=1), DetokenizerManager(tok)
+    _, text_outs = run(sched, detok, [stop, "never appears"], stream=stream, no_stop_trim=True)
+    assert text_outs[-1].finished_reason == {"type": "stop", "matched": stop}
+    assert "".join(o.text_delta for o in text_outs) == TEXT[: TEXT.index(stop) + len(stop)]
+    ids = [t for o in text_outs for t in o.new_ids]
+    assert ids == scripted[: completing_token(tok, scripted, stop)]
+    assert len([lp for o in text_outs for lp in o.token_logprobs or []]) == len(ids)
+    assert sched.stats()["generated_tokens"] == completing_token(tok, scripted, stop)
+
+
 def test_a_streamed_stop_prefix_is_never_sent_before_it_is_decided(tok, scripted):
     """Streaming one token at a time: nothing of the stop string reaches the client, ids included."""
     stop = "\n\nNext"

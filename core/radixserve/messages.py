@@ -47,7 +47,9 @@ class ReqTokenOut(msgspec.Struct, kw_only=True):
     detokenizer decodes new tokens in the context of their predecessors (leading spaces).
     A request that ended on a stop string (finished_reason {"type": "stop", "matched": <str>}) sends
     the tokens that made the stop string as the last `num_stop_tokens` of `new_ids`: decoded, so the
-    text can be cut where the stop string starts, but not returned; the logprobs leave them out."""
+    text can be cut where the stop string starts, but not returned; the logprobs leave them out.
+    `no_stop_trim` (the request's): the text is cut where the stop string ends instead (and
+    `num_stop_tokens` is 0: its tokens are returned)."""
 
     rid: str
     new_ids: list[int]
@@ -57,6 +59,7 @@ class ReqTokenOut(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
     skip_special_tokens: bool = True
     stop: list[str] = []
+    no_stop_trim: bool = False
     stream: bool = False
     prompt_tail: list[int] | None = None
     token_logprobs: list[float] | None = None

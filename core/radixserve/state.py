@@ -40,6 +40,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # SGLang's name (vLLM's include_stop_str_in_output on the OpenAI routes): a matched stop string stays at the
+    # end of the text, its tokens in the output ids and logprobs; text after it in the same token is still cut.
+    # A stop token id's text stays out either way
+    no_stop_trim: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # number of top alternatives returned per token
     # logprobs of the prompt's tokens (vLLM's name): None = not computed; k >= 0 = each prompt token's

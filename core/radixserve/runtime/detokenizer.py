@@ -22,13 +22,14 @@ class IncrementalDetokenizer:
 
     Contract: `push(ids)` returns the text that may be shown now. Concatenating every return value
     (the last push with final=True) gives the final text, which never contains a broken character that a later
-    token completes, never contains a stop string or anything after it, and never shows a prefix
-    of a stop string that later turns out to be one (held back until it is decided)."""
+    token completes, never contains a stop string (with `keep_stop`: ends with the first one it matched) or
+    anything after it, and never shows a prefix of a stop string before it is decided (held back)."""
 
     tokenizer: Any
     context_ids: list[int] = field(default_factory=list)  # prompt tail: decode context, never emitted
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
+    keep_stop: bool = False  # SamplingParams.no_stop_trim: cut after the matched stop string, not before it
     text: str = field(init=False, default="")  # decoded text, cut at a matched stop string
     sent: int = field(init=False, default=0)  # chars of `text` already returned
     matched_stop: str | None = field(init=False, default=None)
@@ -47,7 +48,7 @@ class IncrementalDetokenizer:
             longest = max(len(s) for s in self.stop)
             hit = find_stop(self.text, self.stop, max(0, before - longest + 1))
             if hit is not None:
-                self.text = self.text[: hit[0]]
+                self.text = self.text[: hit[0] + (len(hit[1]) if self.keep_stop else 0)]
                 self.matched_stop = hit[1]
         done = final or self.matched_stop is not None
         end = len(self.text) if done else len(self.text) - stop_prefix_len(self.text, self.stop)
@@ -103,7 +104,8 @@ class DetokenizerManager:
         if st is None:
             st = _ReqState(
                 detok=IncrementalDetokenizer(
-                    self.tokenizer, list(item.prompt_tail or []), list(item.stop), item.skip_special_tokens
+                    self.tokenizer, list(item.prompt_tail or []), list(item.stop), item.skip_special_tokens,
+                    keep_stop=item.no_stop_trim,
                 ),
                 stream=item.stream,
             )

@@ -273,7 +273,8 @@ class Scheduler:
     - `abort(rid)` ends a waiting or running request (finish_reason {"type": "abort"}).
     - A stop string ends its request on the step its text appears (finish_reason {"type": "stop",
       "matched": <string>}, counted as finished, KV released at once); the tokens that make up the
-      stop string are sent last as `num_stop_tokens` (for the text cut) with no logprobs. While a
+      stop string are sent last as `num_stop_tokens` (for the text cut) with no logprobs (with
+      `no_stop_trim` they are returned with their logprobs, and the text keeps the string). While a
       streamed request's text ends in a possible stop-string prefix, those tokens are held back.
     - `flush_cache()` empties the prefix cache when no request is resident (returns False otherwise);
       afterwards `allocator.available_size() == allocator.size`. `flush_refusal()` does the same and
@@ -1570,7 +1571,7 @@ class Scheduler:
             if meta.first_sent and pending < self.stream_interval:
                 return
         returned = end  # the tokens of a matched stop string are decoded (for the text cut), not returned
-        if matcher is not None and matcher.matched is not None:
+        if matcher is not None and matcher.matched is not None and not req.sampling_params.no_stop_trim:
             returned = max(matcher.keep, meta.sent)
         out = ReqTokenOut(
             rid=req.rid,
@@ -1581,6 +1582,7 @@ class Scheduler:
             cached_tokens=req.cached_tokens,
             skip_special_tokens=req.sampling_params.skip_special_tokens,
             stop=meta.stop,
+            no_stop_trim=req.sampling_params.no_stop_trim,
             stream=meta.stream,
             prompt_tail=None if meta.first_sent else req.origin_input_ids[-PROMPT_TAIL:],
             spec_verify_ct=meta.spec_verify_ct,

@@ -107,7 +107,6 @@ _PEER_FIELDS: dict[str, str | None] = {
     "structured_outputs": 'response_format {"type": "json_schema", ...} (or /generate\'s sampling_params.regex / '
                           "ebnf / json_schema)",
     "request_id": "/generate's rid (the OpenAI routes make their own ids)",
-    "include_stop_str_in_output": None,  # the stop string is always left out of the text
     "add_special_tokens": "a prompt of token ids on /v1/completions (/tokenize takes add_special_tokens)",
     "use_beam_search": None,
     "continue_final_message": None,

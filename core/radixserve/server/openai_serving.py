@@ -223,6 +223,7 @@ class Serving:
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos,
             skip_special_tokens=req.skip_special_tokens,
+            no_stop_trim=req.include_stop_str_in_output,
             logprobs=logprobs,
             top_logprobs=top,
             json_schema=req.response_format.schema_text() if req.response_format is not None else None,

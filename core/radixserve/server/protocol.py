@@ -163,6 +163,7 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM's: a matched stop string stays in the text (SGLang's no_stop_trim)
     rid: str | None = Field(default=None, max_length=200)  # caller-chosen request id (for /abort_request)
     priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)  # higher first under the `priority` policy
     response_format: ResponseFormat | None = None  # structured output (docs/structured-output.md)
