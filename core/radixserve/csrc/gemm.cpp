@@ -332,11 +332,12 @@ struct Bf16ScratchOperands {
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
       const int64_t kc = std::min(KC, K - k0), pairs = (kc + 1) / 2;
       const uint16_t* slice = panel + (k0 / 2) * NR * 2;
-      const uint16_t* following = k0 + KC < K ? slice + pairs * NR * 2 : (next ? panel + K2 * NR * 2 : nullptr);
-      widen(slice, pairs, following, scratch.data());  // an odd K's last (zero) row is never read: kc rows
+      const uint16_t* following = k0 + KC < K ? slice + pairs * NR * 2 : next ? panel + K2 * NR * 2 : nullptr;
+      widen(slice, pairs, following, scratch.data());  // an odd K's last row (zeros) is written, never read
       const bool acc = k0 > 0;
       int64_t r = 0;
-      for (; r + MR <= rows; r += MR) micro<MR>(xm + r * lda + k0, lda, scratch.data(), kc, c + r * ldc, ldc, cols, nullptr, acc);
+      for (; r + MR <= rows; r += MR)
+        micro<MR>(xm + r * lda + k0, lda, scratch.data(), kc, c + r * ldc, ldc, cols, nullptr, acc);
       float* cr = c + r * ldc;
       const float* xr = xm + r * lda + k0;
       switch (rows - r) {  // the remainder rows, fewer than MR (4)
