@@ -76,6 +76,22 @@ def test_near_ties_exact_ties_and_non_finite_rows(widen):
     assert got[0] == 17 and got[4] == 0
 
 
+@needs_avx512
+def test_a_build_without_vdpbf16ps_screens_widened_whatever_the_gemm_chose(monkeypatch):
+    """The screen's own build decides where it has no vdpbf16ps: a process whose native GEMM did not build
+    (bf16_products_widened() False) must not ask it for the product it lacks (a RuntimeError at every greedy step)."""
+    if HAS_BF16:
+        pytest.skip("this CPU has AVX-512 BF16: both screens run here")
+    from radixserve.layers import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "bf16_products_widened", lambda: False)
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(500, 64, generator=gen), torch.randn(5, 64, generator=gen)
+    head = cpu_greedy_head.pack(w)
+    assert head.widen
+    assert torch.equal(cpu_greedy_head.argmax(x, w, head), F.linear(x, w).argmax(-1))
+
+
 @pytest.mark.parametrize("want_logprobs", [False, True])
 def test_runner_takes_greedy_ids_only_when_nothing_else_reads_the_logits(tiny_llama_dir, want_logprobs):
     path = tiny_llama_dir("llama", vocab_size=1000)

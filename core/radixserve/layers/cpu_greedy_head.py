@@ -49,7 +49,9 @@ def pack(weight: torch.Tensor, widen: bool | None = None) -> GreedyHead | None:
     if module is None:
         return None
     panels, norms = module.pack(weight.detach())
-    return GreedyHead(panels, norms, cpu_gemm.bf16_products_widened() if widen is None else widen)
+    if widen is None:  # this process's choice; a build without vdpbf16ps can only widen (even if the GEMM did not build)
+        widen = cpu_gemm.bf16_products_widened() or not module.dot_available()
+    return GreedyHead(panels, norms, widen)
 
 
 def argmax(x: torch.Tensor, weight: torch.Tensor, head: GreedyHead) -> torch.Tensor | None:
