@@ -46,8 +46,8 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rate = gemm.dot_to_fma_rate()
-    print(json.dumps({"cpu": cpu, "cores": os.cpu_count(), "threads": args.threads, "commit": commit, "build": args.build,
-                      "panel_width": gemm.panel_width(), "dot_to_fma_rate": round(rate, 3),
+    print(json.dumps({"cpu": cpu, "cores": os.cpu_count(), "threads": args.threads, "commit": commit,
+                      "build": args.build, "panel_width": gemm.panel_width(), "dot_to_fma_rate": round(rate, 3),
                       "medium_product": "widen" if rate < 1.0 else "vdpbf16ps"}))
     gen = torch.Generator().manual_seed(0)
     for copies in (1, 60):

@@ -180,10 +180,10 @@ class RuntimeSection(_Section):
     # (layers/lowbit_gemv.py); auto: on for CUDA models, on: an error elsewhere
     lowbit_gemv: Literal["auto", "on", "off"] = "auto"
     # CPU GEMMs of fp32 models (the native kernel's packed weights, layers/cpu_gemm.py): highest keeps
-    # them fp32; medium, wherever the native GEMM runs (AVX2 and up), rounds the weights to bf16 (half the weight bytes) and
-    # sums the products in fp32 (torch's "medium" float32 matmul precision), inputs rounded to bf16
-    # where vdpbf16ps is the faster product (Zen 4: 1.6-1.8x the GEMM rate), else kept fp32 (the
-    # weights widened); elsewhere a warning and fp32
+    # them fp32; medium, wherever the native GEMM runs (AVX2 and up), rounds the weights to bf16
+    # (half the weight bytes) and sums the products in fp32 (torch's "medium" float32 matmul
+    # precision), inputs rounded to bf16 where vdpbf16ps is the faster product (Zen 4: 1.6-1.8x the
+    # GEMM rate), else kept fp32 (the weights widened); elsewhere a warning and fp32
     cpu_matmul_precision: Literal["highest", "medium"] = "highest"
     seed: int = 0
     num_threads: int | None = Field(default=None, ge=1)  # CPU torch threads; None: all cores

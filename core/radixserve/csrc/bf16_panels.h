@@ -44,8 +44,11 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// Where weight element (row 48 p + j, column k) sits in the panels of a K-column weight (K2 = ceil(K / 2)).
-inline int64_t panel_offset(int64_t p, int64_t K2, int64_t j, int64_t k) { return ((p * K2 + k / 2) * NR + j) * 2 + k % 2; }
+// Where weight element (row nr p + j, column k) sits in the panels of a K-column weight (K2 = ceil(K / 2)),
+// panels nr columns wide (48 here; gemm.cpp's AVX2 build packs 24-column bf16 panels the same way).
+inline int64_t panel_offset(int64_t p, int64_t K2, int64_t j, int64_t k, int64_t nr = NR) {
+  return ((p * K2 + k / 2) * nr + j) * 2 + k % 2;
+}
 
 #if RS_HAVE_AVX512_TILES
 // A microkernel's [ROWS x 48] fp32 tile of c in 3 vectors a row (the AVX-512 kernels here and gemm.cpp's fp32

@@ -39,9 +39,10 @@
 #else
 #define RS_HAVE_AVX512 0
 #endif
-// bf16 panels in this build: AVX-512 multiplies them in its microkernels (bf16_panels.h); the AVX2
-// kernel widens each K block of a panel to fp32 once, into L1, and runs its fp32 microkernel there
-#define RS_GEMM_BF16 (RS_HAVE_BF16_PANELS || RS_HAVE_AVX2)
+// bf16 panels in this build: every build with a kernel has them. AVX-512 multiplies them in its
+// microkernels (bf16_panels.h); the AVX2 kernel widens each K block of a panel to fp32 once, into
+// L1, and runs its fp32 microkernel there
+#define RS_GEMM_BF16 RS_HAVE_AVX2
 
 namespace {
 
@@ -497,7 +498,7 @@ at::Tensor to_bf16_panels(at::Tensor panels) {
     for (int64_t p = b; p < e; ++p)
       for (int64_t k = 0; k < K; ++k)
         for (int64_t j = 0; j < NR; ++j)
-          dst[((p * K2 + k / 2) * NR + j) * 2 + k % 2] = rs_bf16::to_bf16(src[(p * K + k) * NR + j]);
+          dst[rs_bf16::panel_offset(p, K2, j, k, NR)] = rs_bf16::to_bf16(src[(p * K + k) * NR + j]);
   });
   return out;
 }

@@ -9,13 +9,13 @@ slower for one row. Without the native kernel (no compiler or no AVX2) oneDNN's 
 serves 16+ rows and MKL the rest. Either way a second copy of each weight is kept (the price).
 
 runtime.cpu_matmul_precision=medium (`lower_precision`): wherever the native kernel runs (AVX2 and
-up) the panels are converted to bf16 once at load (half the weight bytes). Where vdpbf16ps is the faster product (Zen 4:
-twice the fp32 FMA's FLOP rate) each call rounds x to bf16 and sums the bf16 products in fp32, as
-torch's "medium" float32 matmul precision allows; where it is the slower one (Intel Sapphire and
-Emerald Rapids: half the FMA's rate) or missing (no AVX-512 BF16: Ice Lake, Skylake-SP, AVX2-only
-CPUs), x stays fp32 and the weights are widened to fp32 in the kernel (`bf16_products_widened`,
-measured once per process; the AVX2 kernel widens a K block at a time into L1). The LM head's logits come from the
-same products (fp32 results); norms, attention, the KV cache, sampling and the greedy head's exact
+up) the panels are converted to bf16 once at load (half the weight bytes). Where vdpbf16ps is the
+faster product (Zen 4: twice the fp32 FMA's FLOP rate) each call rounds x to bf16 and sums the bf16
+products in fp32, as torch's "medium" float32 matmul precision allows; where it is the slower one
+(Intel Sapphire and Emerald Rapids: half the FMA's rate) or missing (no AVX-512 BF16: Ice Lake,
+Skylake-SP, AVX2-only CPUs), x stays fp32 and the weights are widened to fp32 in the kernel
+(`bf16_products_widened`, measured once per process; the AVX2 kernel widens a K block at a time
+into L1). The LM head's logits come from the same products (fp32 results); norms, attention, the KV cache, sampling and the greedy head's exact
 argmax stay fp32."""
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Why: in batched CPU decode the LM head is the largest GEMM (a fifth of a SmolLM2 step), and a
 greedy row only needs argmax(x @ W^T). Where the CPU has AVX-512, csrc/greedy_head.cpp runs
 the head over bf16 weights (half the bytes; products as cpu_gemm's bf16 panels: vdpbf16ps or the
-weights widened to fp32, whichever is faster here; widened without AVX-512 BF16), proves which vocabulary rows can still be
-the maximum (an error bound per row, see the C++ file), and computes only those in fp32: the token
+weights widened to fp32, whichever is faster here; widened without AVX-512 BF16), proves which
+vocabulary rows can still be the maximum (an error bound per row, see the C++ file), and computes only those in fp32: the token
 is the fp32 argmax, first index on ties, as torch.argmax of fp32 logits (which differ from these
 only by fp32 rounding order, like any two fp32 GEMMs). Elsewhere `pack` returns None and callers
 compute logits as before. Costs a bf16 copy of the weight (half its fp32 size)."""
@@ -49,7 +49,7 @@ def pack(weight: torch.Tensor, widen: bool | None = None) -> GreedyHead | None:
     if module is None:
         return None
     panels, norms = module.pack(weight.detach())
-    if widen is None:  # this process's choice; a build without vdpbf16ps can only widen (even if the GEMM did not build)
+    if widen is None:  # this process's choice; a build without vdpbf16ps can only widen (even with no native GEMM)
         widen = cpu_gemm.bf16_products_widened() or not module.dot_available()
     return GreedyHead(panels, norms, widen)
 
