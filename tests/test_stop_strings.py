@@ -140,6 +140,61 @@ def test_no_stop_trim_keeps_the_stop_string_and_its_tokens(tok, scripted, stop, 
     assert sched.stats()["generated_tokens"] == completing_token(tok, scripted, stop)
 
 
+def completing_token_at(tok, script, end):
+    """1-based index of the token whose text reaches character `end` of TEXT."""
+    for n in range(1, len(script) + 1):
+        if len(tok.decode(script[:n]).rstrip("\ufffd")) >= end:
+            return n
+    raise AssertionError(end)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_min_tokens_holds_back_a_stop_string_until_then(tok, scripted, stream, overlap):
+    """As vLLM and SGLang (and as EOS): a stop string that ends within the first min_tokens tokens does
+    not end the request; the next occurrence, completed by a later token, does."""
+    first, second = TEXT.index(" is"), TEXT.index(" is", TEXT.index(" is") + 1)
+    held = completing_token_at(tok, scripted, first + 3)
+    sched, detok = make(tok, overlap=overlap, stream_interval=1), DetokenizerManager(tok)
+    _, text_outs = run(sched, detok, [" is"], stream=stream, min_new_tokens=held)
+
+    assert text_outs[-1].finished_reason == {"type": "stop", "matched": " is"}
+    assert "".join(o.text_delta for o in text_outs) == TEXT[:second]
+    ids = [t for o in text_outs for t in o.new_ids]
+    assert ids == scripted[: tokens_before(tok, scripted, second)]
+    assert len([lp for o in text_outs for lp in o.token_logprobs or []]) == len(ids)
+    assert sched.stats()["generated_tokens"] == completing_token_at(tok, scripted, second + 3)
+    assert sched.stats()["finished_requests"] == 1
+    assert sched.flush_cache() and sched.allocator.available_size() == sched.allocator.size
+
+    # one token fewer: the first occurrence now ends past the hold, and ends the request
+    sched, detok = make(tok, overlap=overlap, stream_interval=1), DetokenizerManager(tok)
+    _, text_outs = run(sched, detok, [" is"], stream=stream, min_new_tokens=held - 1)
+    assert "".join(o.text_delta for o in text_outs) == TEXT[:first]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_stop_string_may_start_inside_the_min_tokens_hold(tok, scripted, stream):
+    """Only where a stop string ends counts: one that starts in the held text and ends after it matches."""
+    stop = "\n\nNext"
+    held = completing_token_at(tok, scripted, TEXT.index(stop) + 2)  # the text up to and with "\n\n"
+    assert held < completing_token(tok, scripted, stop)
+    sched, detok = make(tok, stream_interval=1), DetokenizerManager(tok)
+    _, text_outs = run(sched, detok, [stop], stream=stream, min_new_tokens=held)
+    assert text_outs[-1].finished_reason == {"type": "stop", "matched": stop}
+    assert "".join(o.text_delta for o in text_outs) == TEXT[: TEXT.index(stop)]
+    assert sched.stats()["generated_tokens"] == completing_token(tok, scripted, stop)
+
+
+def test_stop_matcher_holds_only_leading_tokens(tok):
+    ids = tok.encode("stop here, stop there", add_special_tokens=False)
+    m = StopStringMatcher(tok, ["stop"])
+    assert m.push(ids[0], search=False) is None and m.held == 1  # "stop" itself, held
+    with pytest.raises(ValueError, match="leading tokens"):
+        m.push(ids[1]) or m.push(ids[2], search=False)
+    assert m.matched is None
+
+
 def test_a_streamed_stop_prefix_is_never_sent_before_it_is_decided(tok, scripted):
     """Streaming one token at a time: nothing of the stop string reaches the client, ids included."""
     stop = "\n\nNext"

@@ -60,6 +60,8 @@ class ReqTokenOut(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     stop: list[str] = []
     no_stop_trim: bool = False
+    # leading output tokens a stop string may not end in (the request's min_new_tokens; grows, then stays)
+    stop_hold: int = 0
     stream: bool = False
     prompt_tail: list[int] | None = None
     token_logprobs: list[float] | None = None

@@ -33,20 +33,26 @@ class IncrementalDetokenizer:
     text: str = field(init=False, default="")  # decoded text, cut at a matched stop string
     sent: int = field(init=False, default=0)  # chars of `text` already returned
     matched_stop: str | None = field(init=False, default=None)
+    pushed: int = field(init=False, default=0)  # ids pushed so far
 
     def __post_init__(self) -> None:
         self.stop = [s for s in self.stop if s]
         self._decoder = IncrementalDecoder(self.tokenizer, self.context_ids, self.skip_special_tokens)
 
-    def push(self, new_ids: list[int], final: bool = False) -> str:
-        """Add ids; return the newly showable text. `final`: no more ids will come."""
+    def push(self, new_ids: list[int], final: bool = False, stop_hold: int = 0) -> str:
+        """Add ids; return the newly showable text. `final`: no more ids will come. `stop_hold`: how many
+        leading ids of the whole output a stop string may not end in (ReqTokenOut.stop_hold: the
+        scheduler's min_new_tokens hold; its StopStringMatcher makes the same cut)."""
         if self.matched_stop is not None:
             return ""
+        held = min(max(stop_hold - self.pushed, 0), len(new_ids))
+        self.pushed += len(new_ids)
+        if held:
+            self.text += self._decoder.push(new_ids[:held]) or ""
         before = len(self.text)
-        self.text += self._decoder.push(new_ids, final) or ""
+        self.text += self._decoder.push(new_ids[held:], final) or ""
         if self.stop:
-            longest = max(len(s) for s in self.stop)
-            hit = find_stop(self.text, self.stop, max(0, before - longest + 1))
+            hit = find_stop(self.text, self.stop, before)
             if hit is not None:
                 self.text = self.text[: hit[0] + (len(hit[1]) if self.keep_stop else 0)]
                 self.matched_stop = hit[1]
@@ -114,7 +120,7 @@ class DetokenizerManager:
         ids_for_text = item.new_ids
         if fin is not None and fin.get("type") == "stop" and isinstance(fin.get("matched"), int) and ids_for_text:
             ids_for_text = ids_for_text[:-1]  # a matched stop token is not part of the text
-        delta = st.detok.push(ids_for_text, final=fin is not None)
+        delta = st.detok.push(ids_for_text, final=fin is not None, stop_hold=item.stop_hold)
         returned = item.new_ids[: len(item.new_ids) - item.num_stop_tokens]
         st.pending_ids.extend(returned)
         st.pending_text.append(delta)

@@ -1522,14 +1522,16 @@ class Scheduler:
                 req.grammar_start = None
         elif req.grammar is not None and not self._grammar_accepts(req, token, accepted):
             return
+        sp = req.sampling_params
+        n = len(req.output_ids)
         meta = self.meta.get(req.rid)
         if meta is not None and meta.stop_matcher is not None:
-            matched = meta.stop_matcher.push(token)
+            # like EOS, a stop string cannot end the first min_new_tokens (unless a grammar decides the end)
+            hold = n <= sp.min_new_tokens and req.grammar is None
+            matched = meta.stop_matcher.push(token, search=not hold)
             if matched is not None:
                 req.finished_reason = {"type": "stop", "matched": matched}
                 return
-        sp = req.sampling_params
-        n = len(req.output_ids)
         if n >= sp.min_new_tokens and (token in req.eos_token_ids or token in sp.stop_token_ids):
             req.finished_reason = {"type": "stop", "matched": token}
         elif n >= sp.max_new_tokens or len(req.origin_input_ids) + n >= self.context_len:
@@ -1583,6 +1585,7 @@ class Scheduler:
             skip_special_tokens=req.sampling_params.skip_special_tokens,
             stop=meta.stop,
             no_stop_trim=req.sampling_params.no_stop_trim,
+            stop_hold=0 if matcher is None else matcher.held,
             stream=meta.stream,
             prompt_tail=None if meta.first_sent else req.origin_input_ids[-PROMPT_TAIL:],
             spec_verify_ct=meta.spec_verify_ct,

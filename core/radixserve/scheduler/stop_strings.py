@@ -52,11 +52,15 @@ class IncrementalDecoder:
         return new_text[len(prefix_text) :]
 
 
-def find_stop(text: str, stop: list[str], start: int) -> tuple[int, str] | None:
-    """(position, string) of the earliest stop string in `text[start:]`, or None."""
+def find_stop(text: str, stop: list[str], after: int) -> tuple[int, str] | None:
+    """(position, string) of the earliest stop string in `text` that ends past `text[:after]`, or None.
+
+    Callers pass the text length before the newest piece: a stop string wholly inside older text was
+    either found when that text arrived or was not searched for then (`min_new_tokens` held it), and
+    must not end the request now."""
     best: tuple[int, str] | None = None
     for s in stop:
-        i = text.find(s, start)
+        i = text.find(s, max(0, after - len(s) + 1))
         if i >= 0 and (best is None or i < best[0]):
             best = (i, s)
     return best
@@ -77,8 +81,12 @@ def stop_prefix_len(text: str, stop: Sequence[str]) -> int:
 class StopStringMatcher:
     """Finds the first stop string in one request's output as its tokens arrive (scheduler side).
 
-    After each `push(token)`:
-    - `matched`: the stop string, once the output text contains one (push returns it then);
+    After each `push(token, search)`:
+    - `matched`: the stop string, once the output text contains one that ends in text a token pushed
+      with `search` completed (push returns it then); text completed by tokens pushed without it (the
+      request's first `min_new_tokens`, as vLLM and SGLang hold stop strings back) is never matched,
+      though a stop string may start there and end later;
+    - `held`: how many leading tokens were pushed without `search` (the detokenizer makes the same cut);
       `keep` is then the number of output tokens that lie wholly before it: the request returns
       only those (their ids and logprobs), and the text is cut where the stop string starts.
     - `safe`: how many leading output tokens no later match can take back (none of their text is
@@ -91,26 +99,31 @@ class StopStringMatcher:
         self.stop = [s for s in stop if s]
         if not self.stop:
             raise ValueError("StopStringMatcher needs at least one non-empty stop string")
-        self._longest = max(len(s) for s in self.stop)
         self._decoder = IncrementalDecoder(tokenizer, context_ids, skip_special_tokens)
         self._text = ""
         self._ends: list[int] = []  # per decoded output token: text length once it was decoded
         self._pushed = 0
+        self.held = 0
         self.matched: str | None = None
         self.keep = 0
         self.safe = 0
 
-    def push(self, token: int) -> str | None:
+    def push(self, token: int, search: bool = True) -> str | None:
+        """Add one output token; the matched stop string, or None. `search=False` (only for a prefix of
+        the output: once True, always True) adds its text without looking for stop strings in it."""
         if self.matched is not None:
             return self.matched
+        if not search and self.held < self._pushed:
+            raise ValueError("stop strings can be held back only for leading tokens")
         self._pushed += 1
+        self.held += not search
         piece = self._decoder.push([token])
         if piece is None:
             return None  # the token ends mid-character: decided with the next one
         before = len(self._text)
         self._text += piece
         self._ends.extend([len(self._text)] * (self._pushed - len(self._ends)))
-        hit = find_stop(self._text, self.stop, max(0, before - self._longest + 1))
+        hit = find_stop(self._text, self.stop, before) if search else None
         if hit is not None:
             start, self.matched = hit
             self.keep = bisect_right(self._ends, start)
