@@ -5,10 +5,12 @@ The end-to-end tests on the real runtime are in test_http_e2e.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -528,9 +530,9 @@ def test_plugin_routes_hook(tm):
 # ---- client disconnect aborts (a real uvicorn server: TestClient cannot disconnect) ----------
 
 
-@pytest.fixture
-def live_server():
-    tm = FakeTM(context_len=100000, delay=0.01)
+@contextlib.contextmanager
+def running(tm: FakeTM) -> Iterator[str]:
+    """The app on `tm`, served by uvicorn on a free local port: yields its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -540,9 +542,18 @@ def live_server():
     deadline = time.time() + 10
     while not server.started and time.time() < deadline:
         time.sleep(0.02)
-    yield tm, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture
+def live_server():
+    tm = FakeTM(context_len=100000, delay=0.01)
+    with running(tm) as url:
+        yield tm, url
 
 
 def _wait_for(cond, timeout=5.0) -> bool:

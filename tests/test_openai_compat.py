@@ -299,7 +299,7 @@ def test_min_tokens_beyond_the_context_is_refused_not_cut(client, tm):
 @pytest.mark.parametrize(
     "body,param,words",
     [
-        ({"sampling_params": {"n": 2}}, "sampling_params.n", "/v1/completions or /v1/chat/completions"),
+        ({"sampling_params": {"n": 129}}, "sampling_params.n", "must be an integer in [1, 128], got 129"),
         ({"sampling_params": {"top_logprobs": 3}}, "sampling_params.top_logprobs", "requires sampling_params.logprobs"),
         ({"top_logprobs_num": 3}, "top_logprobs_num", "requires return_logprob=true"),
     ],
@@ -506,11 +506,14 @@ def test_include_stop_str_in_output_is_sglangs_no_stop_trim(client, tm, route, b
     assert _params(tm).no_stop_trim is True and _params(tm).stop == ["x"]
 
 
-@pytest.mark.parametrize("body,param", [({"text": ["a", "b"]}, "text"), ({"input_ids": [[5, 6], [7]]}, "input_ids")])
-def test_generate_says_a_batch_of_prompts_is_not_taken(client, tm, body, param):
-    """Audit 34: SGLang's batch form got pydantic's "Input should be a valid string"."""
+@pytest.mark.parametrize("body,param", [({"text": ["a", "b"], "rid": ["x"]}, "rid"),
+                                        ({"input_ids": [[5, 6], [7]], "sampling_params": [{}]}, "sampling_params")])
+def test_generate_says_a_per_prompt_list_of_another_length_is_refused(client, tm, body, param):
+    """Audit 34: SGLang's batch form got pydantic's "Input should be a valid string"; it is taken now, and a
+    per-prompt list that does not match it is a 400 saying so."""
     err = assert_400(post(client, "/generate", body), param)
-    assert "takes one prompt per request here (SGLang's batch form is not supported)" in err["message"], err
+    assert err["message"] == f"{param}: a list of 1 for 2 prompts: give one for all prompts" + (
+        " (an object)" if param == "sampling_params" else "") + ", or a list of one per prompt", err
     assert tm.inputs == []
 
 
@@ -525,11 +528,10 @@ def test_one_request_holds_at_most_1024_completions(client, tm):
 
 def test_openai_apis_this_server_lacks_say_so_and_version_is_vllms_route(client):
     """Migration audit 31: through the SDKs a bare "Not Found" read like a wrong model name."""
-    for route in ("/v1/embeddings", "/v1/responses"):
-        r = post(client, route, {"model": MODEL, "input": "hello"})
-        err = r.json()["error"]
-        assert r.status_code == 404 and err["type"] == "not_found_error", r.text
-        assert "this server has no" in err["message"] and "/v1/chat/completions" in err["message"]
+    r = post(client, "/v1/embeddings", {"model": MODEL, "input": "hello"})
+    err = r.json()["error"]
+    assert r.status_code == 404 and err["type"] == "not_found_error", r.text
+    assert "this server has no" in err["message"] and "/v1/chat/completions" in err["message"]
     from radixserve.version import __version__
 
     assert client.get("/version").json() == {"version": __version__}

@@ -25,6 +25,8 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit-bias value
 MAX_STOP_STRINGS = 16
 # a request's `priority`: a signed 32-bit int (SGLang's range), on the HTTP routes and the Engine alike
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+# samples per prompt (`n`) of one HTTP request: the OpenAI routes' field and /generate's sampling_params.n
+MAX_N = 128
 
 
 class InvalidRequest(RequestError, ValueError):
@@ -230,21 +232,24 @@ def sampling_params_from(d: Any, limits: ModelLimits, names: FieldNames = NATIVE
     return sp
 
 
-def sampling_from_dict(d: Any, limits: ModelLimits, names: FieldNames = NATIVE) -> SamplingParams:
-    """A client's sampling dict (SGLang names) -> checked SamplingParams; unknown keys are an error."""
-    return check_one_choice(sampling_params_from(d, limits, names), names)
+def sampling_from_dict(d: Any, limits: ModelLimits, names: FieldNames = NATIVE, max_n: int = 1) -> SamplingParams:
+    """A client's sampling dict (SGLang names) -> checked SamplingParams; unknown keys are an error.
+    `max_n`: the most samples per prompt (`n`) the caller runs (see check_one_choice)."""
+    return check_one_choice(sampling_params_from(d, limits, names), names, max_n)
 
 
-def check_one_choice(sp: SamplingParams, names: FieldNames = NATIVE) -> SamplingParams:
-    """Refuse the fields SamplingParams has but a one-choice route (/generate, the Engine) would
-    silently ignore; returns `sp`."""
-    if sp.n != 1:
+def check_one_choice(sp: SamplingParams, names: FieldNames = NATIVE, max_n: int = 1) -> SamplingParams:
+    """Refuse the fields SamplingParams has but the caller would silently ignore; returns `sp`.
+    A generation makes one choice: `n` is only taken where the caller runs n generations of the
+    prompt, up to `max_n` (/generate: MAX_N); the Engine (`max_n` 1) refuses n > 1."""
+    if sp.n != 1 and max_n == 1:
         raise InvalidRequest(
-            f"{names.of('n')}: one completion per request here; for n > 1 use /v1/completions or "
-            "/v1/chat/completions with `n` (with the Engine: list the prompt n times, with seed + i for copy i "
-            "as the HTTP `n` does; one seed for all gives n equal samples)",
+            f"{names.of('n')}: one completion per request here; list the prompt n times instead, with seed + i for "
+            "copy i as the HTTP routes' `n` does (one seed for all gives n equal samples)",
             names.of("n"),
         )
+    if not 1 <= sp.n <= max_n:
+        raise InvalidRequest(f"{names.of('n')} must be an integer in [1, {max_n}], got {_shown(sp.n)}", names.of("n"))
     if sp.top_logprobs and not sp.logprobs:
         raise InvalidRequest(
             f"{names.of('top_logprobs')} requires {names.of('logprobs')}=true (or use return_logprob with "

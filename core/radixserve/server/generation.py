@@ -1,9 +1,9 @@
 """Running the generations of one HTTP request on the TokenizerManager.
 
-`Fanout` runs one `tm.generate` per choice (n > 1, several prompts) in its own task and merges
-their outputs in arrival order; closing it aborts every generation still running, which is how a
-client disconnect frees the scheduler's KV. `until_disconnect` races an awaitable against the
-client going away."""
+`Fanout` runs one `tm.generate` per choice (n > 1, several prompts, a /generate batch) in its own
+task and merges their outputs in arrival order; closing it aborts every generation still running,
+which is how a client disconnect frees the scheduler's KV. `until_disconnect` races an awaitable
+against the client going away."""
 
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ class Job:
     index: int
     rid: str
     input: Any  # GenerateInput
+    # a caller's rid naming this generation and its siblings (a /generate batch's per-prompt rid with n > 1):
+    # listed in `groups` like the request's own rid, so that aborting it reaches each of them
+    group: str | None = None
 
 
 _DONE = object()
@@ -43,15 +46,20 @@ class Fanout:
     def __init__(self, tm: Any, jobs: list[Job], groups: dict[str, tuple[str, ...]] | None = None,
                  request_rid: str | None = None) -> None:
         """`groups`: where a request of several generations (`n` > 1, several prompts) is listed under
-        its own rid, `request_rid`, while it runs, so that aborting that rid reaches every generation."""
+        its own rid, `request_rid`, while it runs, so that aborting that rid reaches every generation
+        (and under each `Job.group`, its generations)."""
         self.tm = tm
         self.jobs = jobs
-        self._group = None
+        self._group: tuple[dict[str, tuple[str, ...]], list[str]] | None = None
         if groups is not None and len(jobs) > 1:
             if request_rid is None:
                 raise ValueError("a Fanout of several generations listed in `groups` needs the request's rid")
-            groups[request_rid] = tuple(job.rid for job in jobs)
-            self._group = (groups, request_rid)
+            listed = {request_rid: tuple(job.rid for job in jobs)}
+            for job in jobs:
+                if job.group is not None and job.group != request_rid:
+                    listed[job.group] = (*listed.get(job.group, ()), job.rid)
+            groups.update(listed)
+            self._group = (groups, list(listed))
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pending = {job.index for job in jobs}
         self._tasks = [asyncio.create_task(self._pump(job)) for job in jobs]
@@ -93,8 +101,9 @@ class Fanout:
             return
         self._closed = True
         if self._group is not None:
-            groups, base = self._group
-            groups.pop(base, None)
+            groups, names = self._group
+            for name in names:
+                groups.pop(name, None)
         for job, task in zip(self.jobs, self._tasks, strict=True):
             if not task.done():
                 task.cancel()

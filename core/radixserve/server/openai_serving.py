@@ -35,6 +35,7 @@ from radixserve.server.runtime_api import GenerateInput, RequestError
 from radixserve.serving_tokenizer import off_the_loop
 from radixserve.state import SamplingParams
 from radixserve.validation import (
+    MAX_N,
     NATIVE,
     FieldNames,
     InvalidRequest,
@@ -56,6 +57,23 @@ _LOGPROB_FLOOR = -9999.0  # JSON has no -inf; impossible tokens are reported at 
 
 def sse(data: str) -> str:
     return f"data: {data}\n\n"
+
+
+def copy_seed(seed: int | None, copy: int) -> int | None:
+    """The seed of copy `copy` of a prompt sampled n times (the OpenAI routes' `n`, /generate's
+    sampling_params.n): seed + copy, so that copies differ under a fixed seed, yet stay reproducible."""
+    return None if seed is None else seed + copy
+
+
+def choice_rid(base: str, total: int, index: int) -> str:
+    """The rid of generation `index` of `total` run under the rid `base`: `base` itself when alone."""
+    return base if total == 1 else f"{base}-{index}"
+
+
+def _native_names(k: int | None) -> FieldNames:
+    """/generate's field names for sampling_params entry `k` of a per-prompt list (None: one object for all)."""
+    where = "sampling_params" if k is None else f"sampling_params[{k}]"
+    return dataclasses.replace(NATIVE, max_new_tokens=f"{where}.max_new_tokens", sampling=f"{where}.")
 
 
 def _most(*counts: int | None) -> int | None:
@@ -361,36 +379,75 @@ class Serving:
     # ---- native /generate -------------------------------------------------------------------
 
     async def generate(self, req: p.GenerateRequest, raw: Request) -> Response:
+        """SGLang's /generate: each prompt sampled `n` times; output `k * n + i` is sample i of prompt k (SGLang's
+        order). One prompt with n == 1 answers its output object (streamed: its events); a batch or n > 1 answers
+        the list of outputs (streamed: each event is one output's, with its `index` in that list)."""
         started = time.perf_counter()
         self.check_ready(None)
-        try:
-            params = sampling_from_dict(req.sampling_params, self.tm.limits, NATIVE)
-            if req.return_logprob:
-                params.logprobs, params.top_logprobs = True, req.top_logprobs_num
+        prompts = req.prompts()
+        per_prompt = isinstance(req.sampling_params, list)
+        params: list[SamplingParams] = []
+        try:  # every prompt is checked before any generation starts: one bad prompt refuses the whole request
+            for k, d in enumerate(req.sampling_params if per_prompt else [req.sampling_params]):
+                sp = sampling_from_dict(d, self.tm.limits, _native_names(k if per_prompt else None), MAX_N)
+                if req.return_logprob:
+                    sp.logprobs, sp.top_logprobs = True, req.top_logprobs_num
+                if params and sp.n != params[0].n:  # SGLang's rule too: the outputs are n per prompt
+                    raise InvalidRequest(f"sampling_params[{k}].n ({sp.n}) differs from sampling_params[0].n "
+                                         f"({params[0].n}): every prompt of a batch is sampled as many times",
+                                         f"sampling_params[{k}].n")
+                params.append(sp)
+            n = params[0].n
+            too_many = p.too_many_completions(len(prompts), n)
+            if too_many:
+                raise InvalidRequest(too_many, "text" if req.text is not None else "input_ids")
         except InvalidRequest as e:
             raise refused(e) from None
-        if req.input_ids is not None:
-            self.budget(req.input_ids, params.max_new_tokens, NATIVE)
-        rid = req.rid or uuid.uuid4().hex
-        gen = GenerateInput(
-            text=req.text,
-            input_ids=req.input_ids,
-            sampling_params=params,
-            rid=rid,
-            stream=req.stream,
-            return_logprob=req.return_logprob,
-            top_logprobs_num=req.top_logprobs_num,
-            logprob_start_len=req.logprob_start_len,
-            priority=req.priority,
-        )
-        jobs = [Job(0, rid, gen)]
+        rids = req.rid if isinstance(req.rid, list) else None  # one per prompt
+        base = req.rid if isinstance(req.rid, str) else uuid.uuid4().hex  # the request's own (/abort_request, logs)
+        jobs: list[Job] = []
+        prompt_of: dict[int, int] = {}
+        for k, prompt in enumerate(prompts):
+            sp = params[k if per_prompt else 0]
+            names = dataclasses.replace(_native_names(k if per_prompt else None), prompt=req.prompt_field(k))
+            # text is tokenized here, so that every prompt's budget is checked before any generation starts
+            ids = list(prompt) if isinstance(prompt, list) else list(
+                await off_the_loop(len(prompt), self.tm.tokenizer.encode, prompt))
+            self.budget(ids, sp.max_new_tokens, names)
+            for i in range(n):
+                index = k * n + i
+                prompt_of[index] = k
+                # each generation makes one sample; copy i's seed is the OpenAI routes' choice i's
+                copy = dataclasses.replace(sp, n=1, seed=copy_seed(sp.seed, i))
+                if i:  # seed + i may be past 64 bits: a 400 now, not the runtime's once the others run
+                    try:
+                        check_sampling(copy, self.tm.limits, names)
+                    except InvalidRequest as e:
+                        raise refused(e) from None
+                rid = choice_rid(base, len(prompts) * n, index) if rids is None else choice_rid(rids[k], n, i)
+                gen = GenerateInput(
+                    input_ids=ids,
+                    ids_field=names.prompt,  # the runtime's errors name the prompt as the client sent it
+                    sampling_params=copy,
+                    rid=rid,
+                    stream=req.stream,
+                    return_logprob=req.return_logprob,
+                    top_logprobs_num=req.top_logprobs_num,
+                    logprob_start_len=req.logprob_start_len,
+                    priority=req.priority,
+                )
+                jobs.append(Job(index, rid, gen, group=rids[k] if rids is not None and n > 1 else None))
+        single = not req.is_batch() and n == 1  # today's (and SGLang's) answer of one object
         if req.stream:
-            return await self._stream(jobs, raw, _NativeFormat(), "generate", started, lambda index: 0, rid)
-        last = await self._collect(jobs, raw, "generate", rid)
+            fmt = _NativeFormat(indexed=not single)
+            return await self._stream(jobs, raw, fmt, "generate", started, prompt_of.__getitem__, base)
+        last = await self._collect(jobs, raw, "generate", base)
         tally = _Tally()
-        tally.add(0, last[0]["meta_info"])
-        self._done(rid, "generate", 200, tally.usage(), started, None)
-        return Response(_native_json(last[0]), media_type="application/json")
+        for job in jobs:
+            tally.add(prompt_of[job.index], last[job.index]["meta_info"])
+        self._done(base if len(jobs) > 1 else jobs[0].rid, "generate", 200, tally.usage(), started, None)
+        outs = [last[job.index] for job in jobs]
+        return Response(_native_json(outs[0] if single else outs), media_type="application/json")
 
     # ---- plumbing ---------------------------------------------------------------------------
 
@@ -408,10 +465,8 @@ class Serving:
         plan: ChatPlan | None = None,
         prompt_logprobs: int | None = None,
     ) -> Job:
-        rid = base if total == 1 else f"{base}-{index}"
-        offset = index if seed_offset is None else seed_offset
-        # choices of one prompt must differ under a fixed seed, yet stay reproducible
-        seed = None if req.seed is None else req.seed + offset
+        rid = choice_rid(base, total, index)
+        seed = copy_seed(req.seed, index if seed_offset is None else seed_offset)
         params = self.sampling(req, max_new, seed, logprobs, top, plan)
         params.prompt_logprobs = prompt_logprobs
         gen = GenerateInput(
@@ -520,7 +575,7 @@ class Serving:
             )
 
 
-def _native_json(out: dict) -> bytes:
+def _native_json(out: dict | list[dict]) -> bytes:
     return (
         json.dumps(out, default=_json_default, allow_nan=False).encode()
         if _all_finite(out)
@@ -859,7 +914,12 @@ class _CompletionFormat(_Format):
 
 
 class _NativeFormat(_Format):
-    """SGLang's native stream: every event carries the full text so far and the meta_info."""
+    """SGLang's native stream: every event carries the full text so far and the meta_info. `indexed` (a
+    batch, or n > 1): each event is one output's, with its `index` in the non-streamed answer's list, as
+    SGLang adds it."""
+
+    def __init__(self, indexed: bool) -> None:
+        self.indexed = indexed
 
     def chunk(self, index: int, out: dict, st: ChoiceState) -> list[str]:
-        return [sse(_native_json(out).decode())]
+        return [sse(_native_json({**out, "index": index} if self.indexed else out).decode())]

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from radixserve.server.protocol_tools import ChatToolFields, DeltaToolCall, ToolCall, ToolChoice, ToolDefinition
 from radixserve.validation import (
+    MAX_N,
     MAX_STOP_STRINGS,
     PRIORITY_MAX,
     PRIORITY_MIN,
@@ -141,7 +142,7 @@ class _SamplingFields(_Body):
     """OpenAI sampling fields shared by chat and text completions, plus SGLang/vLLM extensions."""
 
     model: str | None = None  # left out: the served model (as vLLM and SGLang; OpenAI requires it)
-    n: int = Field(default=1, ge=1, le=128)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
@@ -312,8 +313,19 @@ class ChatCompletionRequest(_SamplingFields, ChatToolFields):
         return "max_tokens", self.max_tokens
 
 
-# prompts x n of one /v1/completions request: more, in one small body, would queue ahead of everyone else's
+# prompts x n of one /v1/completions or /generate request: more, in one small body, would queue ahead of
+# everyone else's
 MAX_COMPLETIONS_PER_REQUEST = 1024
+
+
+def too_many_completions(prompts: int, n: int) -> str | None:
+    """Why `prompts` prompts sampled `n` times each are refused in one request (None: they are not).
+    Fuzz audit 31: 10,000 prompts in a 60 KB body held the scheduler for a minute, ahead of every
+    request that came after it."""
+    if prompts * n <= MAX_COMPLETIONS_PER_REQUEST:
+        return None
+    return (f"at most {MAX_COMPLETIONS_PER_REQUEST} completions in one request (prompts times n; got {prompts} x "
+            f"{n}): send the rest in other requests")
 
 
 class CompletionRequest(_SamplingFields):
@@ -338,11 +350,9 @@ class CompletionRequest(_SamplingFields):
             raise refuse("best_of", "best_of other than n is not supported")
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
             raise refuse("prompt", "must not be empty")
-        if not self._single_prompt() and len(self.prompt) * self.n > MAX_COMPLETIONS_PER_REQUEST:
-            # fuzz audit 31: 10,000 prompts in a 60 KB body held the scheduler for a minute, ahead of every
-            # request that came after it
-            raise refuse("prompt", f"at most {MAX_COMPLETIONS_PER_REQUEST} completions in one request (prompts "
-                                   f"times n; got {len(self.prompt)} x {self.n}): send the rest in other requests")
+        too_many = None if self._single_prompt() else too_many_completions(len(self.prompt), self.n)
+        if too_many:
+            raise refuse("prompt", too_many)
         for i, p in enumerate(self.prompt if isinstance(self.prompt, list) else []):
             if isinstance(p, list) and not p:
                 raise refuse(f"prompt[{i}]", "a token list must not be empty")
@@ -366,46 +376,76 @@ class CompletionRequest(_SamplingFields):
         return isinstance(self.prompt, str) or all(isinstance(x, int) for x in self.prompt)
 
 
-class GenerateRequest(_Body):
-    """Native /generate: one prompt (text or input_ids), SGLang sampling parameter names."""
+Rid = Annotated[str, Field(max_length=200)]
+# /generate fields that SGLang also takes as one value per prompt; here one value applies to every prompt
+_ONE_FOR_ALL = ("return_logprob", "top_logprobs_num", "logprob_start_len", "priority")
 
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+
+class GenerateRequest(_Body):
+    """Native /generate (SGLang's shape): one prompt (`text` a string, `input_ids` a list of ids) or a batch
+    (a list of texts, a list of id lists), each sampled `sampling_params.n` times; SGLang's sampling
+    parameter names. `sampling_params` and `rid` are one for all or a list of one per prompt."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] = Field(default_factory=dict)
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
     # SGLang's: with return_logprob, >= 0 also returns the prompt's logprobs from this position on
     # (meta_info input_token_logprobs / input_top_logprobs); -1: none
     logprob_start_len: int = Field(default=-1, ge=-1)
-    rid: str | None = Field(default=None, max_length=200)
+    rid: Rid | list[Rid] | None = None
     priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)  # higher first under the `priority` policy
 
     @model_validator(mode="before")
     @classmethod
-    def _not_a_batch(cls, data: Any) -> Any:
-        """SGLang's /generate takes a batch (a list of texts, a list of id lists); here it is one prompt, and
-        pydantic's "Input should be a valid string" did not say so (audit 34)."""
-        if isinstance(data, dict):
-            ids = data.get("input_ids")
-            for field, batched in (("text", isinstance(data.get("text"), list)),
-                                   ("input_ids", isinstance(ids, list) and any(isinstance(x, list) for x in ids))):
-                if batched:
-                    raise refuse(field, "takes one prompt per request here (SGLang's batch form is not supported): "
-                                 "send one request per prompt, or use /v1/completions with a list of prompts")
+    def _one_value_for_all(cls, data: Any) -> Any:
+        # SGLang's per-prompt list of these: one sentence saying so, not pydantic's "valid boolean"
+        for name in _ONE_FOR_ALL if isinstance(data, dict) else ():
+            if isinstance(data.get(name), list):
+                raise refuse(name, "takes one value for every prompt of the request here (SGLang's list of one "
+                                   "per prompt is not supported): send prompts that differ in it as separate requests")
         return data
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> GenerateRequest:
+    def _check_prompts(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise refuse("text", "give exactly one of text or input_ids")
-        if self.input_ids is not None and not self.input_ids:
-            raise refuse("input_ids", "must not be empty")
+        if self.text == [] or self.input_ids == []:  # (an empty text is one empty prompt: refused as such later)
+            raise refuse("text" if self.text is not None else "input_ids", "must not be empty")
+        if self.is_batch() and self.input_ids is not None:
+            for k, ids in enumerate(self.input_ids):
+                if not ids:
+                    raise refuse(f"input_ids[{k}]", "a token list must not be empty")
+        count = len(self.prompts())
+        for name, value in (("sampling_params", self.sampling_params), ("rid", self.rid)):
+            if isinstance(value, list) and len(value) != count:
+                raise refuse(name, f"a list of {len(value)} for {count} prompt{'s' if count > 1 else ''}: give one "
+                                   f"for all prompts{' (an object)' if name == 'sampling_params' else ''}, or a list of "
+                                   "one per prompt")
+        if isinstance(self.rid, list) and len(set(self.rid)) != count:
+            raise refuse("rid", "the rids of one batch must be distinct")
         if self.top_logprobs_num and not self.return_logprob:  # as OpenAI's top_logprobs: never ignored
             raise refuse("top_logprobs_num", "requires return_logprob=true")
         if self.logprob_start_len >= 0 and not self.return_logprob:
             raise refuse("logprob_start_len", "requires return_logprob=true")
         return self
+
+    def is_batch(self) -> bool:
+        """SGLang's batch form (a list of texts or of id lists): its answer is a list, even of one."""
+        return isinstance(self.text, list) or (bool(self.input_ids) and isinstance(self.input_ids[0], list))
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: a string or a list of token ids."""
+        given = self.text if self.text is not None else self.input_ids
+        return list(given) if self.is_batch() else [given]  # type: ignore[arg-type, list-item]
+
+    def prompt_field(self, k: int) -> str:
+        """The field path of prompt k in errors: `text` / `input_ids` for one prompt, `text[k]` /
+        `input_ids[k]` for an entry of a batch."""
+        name = "text" if self.text is not None else "input_ids"
+        return f"{name}[{k}]" if self.is_batch() else name
 
 
 class TokenizeRequest(_Body):
