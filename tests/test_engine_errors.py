@@ -67,20 +67,40 @@ def test_a_rid_that_is_not_a_string_is_refused_not_lost(engine, rid):
     assert engine.get_stats()["in_flight_requests"] == 0
 
 
-def test_n_and_top_logprobs_that_would_be_ignored_are_refused_as_on_generate(engine):
-    """The Engine took `n` and dropped it (one result came back); /generate refused it."""
+def test_generate_samples_each_prompt_n_times_with_seed_plus_i(engine):
+    """SGLang's Engine takes sampling_params.n (a list back, each prompt's samples together); it was refused here.
+    Sample i runs with seed + i, as the HTTP routes' choice i: it equals the one-sample call with that seed."""
+    sp = {"max_new_tokens": 6, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    out = engine.generate(["Hi", "Once upon"], {**sp, "n": 3})
+    assert isinstance(out, list) and len(out) == 6
+    for k, prompt in enumerate(["Hi", "Once upon"]):
+        for i in range(3):
+            alone = engine.generate(prompt, {**sp, "seed": 11 + i})
+            assert out[k * 3 + i]["output_ids"] == alone["output_ids"], (k, i)
+    assert len({tuple(o["output_ids"]) for o in out[:3]}) > 1  # the copies differ
+    one = engine.generate("Hi", {**sp, "n": 2}, rid="mine")
+    assert [o["meta_info"]["id"] for o in one] == ["mine-0", "mine-1"]
+
+
+def test_n_and_top_logprobs_that_would_be_ignored_are_refused(engine):
+    """async_generate runs one sample: `n` there would be dropped; top_logprobs without logprobs is refused as on
+    /generate; n beyond 128 and a seed whose last copy passes 64 bits are refused before anything runs."""
     with pytest.raises(ValueError, match="sampling_params.n: one completion per request"):
-        engine.generate("Hi", {"max_new_tokens": 2, "n": 2})
+        asyncio.run(asyncio.wait_for(engine.async_generate("Hi", {"max_new_tokens": 2, "n": 2}), 60))
+    with pytest.raises(ValueError, match=re.escape("sampling_params.n must be an integer in [1, 128], got 129")):
+        engine.generate("Hi", {"max_new_tokens": 2, "n": 129})
+    with pytest.raises(ValueError, match="sampling_params.seed must be a 64-bit integer"):
+        engine.generate("Hi", {"max_new_tokens": 2, "n": 2, "seed": 2**63 - 1})
     with pytest.raises(ValueError, match="top_logprobs requires"):
         engine.generate("Hi", {"max_new_tokens": 2, "top_logprobs": 3})
+    assert engine.get_stats()["in_flight_requests"] == 0
 
 
-def test_a_sampling_params_object_gets_the_refusals_a_dict_gets(engine):
+def test_a_sampling_params_object_gets_what_a_dict_gets(engine):
     """engine.md names radixserve.state.SamplingParams; an object with n=2 returned one completion (audit, session 27)."""
     from radixserve.state import SamplingParams
 
-    with pytest.raises(ValueError, match="n: one completion per request"):
-        engine.generate("Hi", SamplingParams(max_new_tokens=2, n=2))
+    assert len(engine.generate("Hi", SamplingParams(max_new_tokens=2, n=2))) == 2
     assert engine.generate("Hi", SamplingParams(max_new_tokens=2))["meta_info"]["completion_tokens"] == 2
 
 

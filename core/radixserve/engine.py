@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import os
 import threading
 from collections.abc import AsyncIterator, Mapping
@@ -29,8 +30,9 @@ from radixserve.runtime.tokenizer_manager import (
     PreparedRequest,
     TokenizerManager,
 )
-from radixserve.state import SamplingParams
+from radixserve.state import SamplingParams, copy_seed
 from radixserve.validation import (
+    MAX_N,
     NATIVE,
     PRIORITY_MAX,
     PRIORITY_MIN,
@@ -38,6 +40,7 @@ from radixserve.validation import (
     InvalidRequest,
     ModelLimits,
     check_one_choice,
+    check_sampling,
     sampling_from_dict,
 )
 
@@ -46,18 +49,39 @@ from radixserve.validation import (
 SETTLE_TIMEOUT_S = 2 * CHILD_EXIT_TIMEOUT_S + 5
 
 
-def _sampling_params(sp: Any, index: int | None = None) -> SamplingParams:
+def _sampling_params(sp: Any, index: int | None = None, max_n: int = 1) -> SamplingParams:
     """One prompt's sampling params, checked here so a bad value is a ValueError naming the field
     (the same conversion as /generate: a json_schema dict is accepted and dumped to text); `index`: its
-    place in a per-prompt list, which the field's name then carries (`sampling_params[1].temperature`)."""
+    place in a per-prompt list, which the field's name then carries (`sampling_params[1].temperature`);
+    `max_n`: the most samples of the prompt the caller runs (`generate`: MAX_N; one request: 1)."""
     where = "sampling_params" if index is None else f"sampling_params[{index}]"
     names = NATIVE if index is None else FieldNames(prompt="input_ids", max_new_tokens=f"{where}.max_new_tokens",
                                                     sampling=f"{where}.")
     if isinstance(sp, SamplingParams):
-        return check_one_choice(sp, names)  # the refusals a dict gets (n > 1 would be ignored)
-    if sp is not None and not isinstance(sp, Mapping):
+        sp = check_one_choice(sp, names, max_n)  # the refusals a dict gets (n > 1 would be ignored)
+    elif sp is not None and not isinstance(sp, Mapping):
         raise ValueError(f"{where} must be a dict (or a list of dicts, one per prompt), got {sp!r}")
-    return sampling_from_dict(sp, ModelLimits(), names)  # as /generate's; vocabulary and context are checked at submit
+    else:  # as /generate's; vocabulary and context are checked at submit
+        sp = sampling_from_dict(sp, ModelLimits(), names, max_n)
+    if sp.seed is not None and sp.n > 1:  # copy i runs with seed + i: each must be a valid seed
+        check_sampling(dataclasses.replace(sp, seed=copy_seed(sp.seed, sp.n - 1)), ModelLimits(), names)
+    return sp
+
+
+def _one_per_sample(inputs: list[GenerateInput]) -> list[GenerateInput]:
+    """Each prompt's `sampling_params.n` samples as generations of one sample each, the prompt's samples
+    together in prompt order (SGLang's order): sample i runs with seed + i (as the HTTP routes' `n`) and,
+    when the prompt has a rid, as `<rid>-<i>`."""
+    out: list[GenerateInput] = []
+    for inp in inputs:
+        sp = inp.sampling_params
+        if sp.n == 1:
+            out.append(inp)
+            continue
+        out.extend(dataclasses.replace(inp, sampling_params=dataclasses.replace(sp, n=1, seed=copy_seed(sp.seed, i)),
+                                       rid=None if inp.rid is None else f"{inp.rid}-{i}")
+                   for i in range(sp.n))
+    return out
 
 
 def engine_config(model: str | Path | Mapping[str, Any] | None, config: str | Path | Config | Mapping[str, Any] | None,
@@ -235,6 +259,7 @@ class Engine:
         top_logprobs_num: int,
         priority: int | list[int] = 0,
         logprob_start_len: int = -1,
+        max_n: int = 1,
     ) -> tuple[list[GenerateInput], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
@@ -277,7 +302,7 @@ class Engine:
         return [
             GenerateInput(
                 **item,
-                sampling_params=_sampling_params(sp, i if isinstance(sampling_params, list) else None),
+                sampling_params=_sampling_params(sp, i if isinstance(sampling_params, list) else None, max_n),
                 rid=r,
                 stream=stream,
                 return_logprob=return_logprob,
@@ -307,10 +332,15 @@ class Engine:
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Run one prompt (a str, or `input_ids` a list of ids) -> its result dict, or a batch (a list of either)
         -> a list of result dicts in prompt order; blocks until all are done. Each dict has "text", "output_ids"
-        and "meta_info" (docs/engine.md, "Results"). Ctrl-C while waiting aborts the call's requests."""
+        and "meta_info" (docs/engine.md, "Results"). `sampling_params.n` > 1 samples a prompt n times (sample i
+        with seed + i): the result is then a list, each prompt's samples together in prompt order (SGLang's).
+        Ctrl-C while waiting aborts the call's requests."""
         inputs, single = self._inputs(
-            prompt, input_ids, sampling_params, rid, False, return_logprob, top_logprobs_num, priority, logprob_start_len
+            prompt, input_ids, sampling_params, rid, False, return_logprob, top_logprobs_num, priority,
+            logprob_start_len, max_n=MAX_N,
         )
+        if any(inp.sampling_params.n > 1 for inp in inputs):
+            inputs, single = _one_per_sample(inputs), False
 
         async def run_all() -> list[dict[str, Any]]:
             # every prompt checked before any is sent: one bad prompt refuses the batch and nothing runs

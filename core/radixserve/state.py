@@ -124,6 +124,12 @@ class SamplingParams:
         return p
 
 
+def copy_seed(seed: int | None, copy: int) -> int | None:
+    """The seed of copy `copy` of a prompt sampled n times (the OpenAI routes' `n`, /generate's and the
+    Engine's sampling_params.n): seed + copy, so that copies differ under a fixed seed, yet stay reproducible."""
+    return None if seed is None else seed + copy
+
+
 def _check_json_schema_text(text: str) -> None:
     """The cheap part of a schema's check (the grammar backend checks the rest when it compiles)."""
     import json

@@ -241,11 +241,11 @@ def sampling_from_dict(d: Any, limits: ModelLimits, names: FieldNames = NATIVE, 
 def check_one_choice(sp: SamplingParams, names: FieldNames = NATIVE, max_n: int = 1) -> SamplingParams:
     """Refuse the fields SamplingParams has but the caller would silently ignore; returns `sp`.
     A generation makes one choice: `n` is only taken where the caller runs n generations of the
-    prompt, up to `max_n` (/generate: MAX_N); the Engine (`max_n` 1) refuses n > 1."""
+    prompt, up to `max_n` (/generate and Engine.generate: MAX_N); async_generate (`max_n` 1) refuses n > 1."""
     if sp.n != 1 and max_n == 1:
         raise InvalidRequest(
-            f"{names.of('n')}: one completion per request here; list the prompt n times instead, with seed + i for "
-            "copy i as the HTTP routes' `n` does (one seed for all gives n equal samples)",
+            f"{names.of('n')}: one completion per request here (Engine.generate and /generate take n); or send n "
+            "requests, with seed + i for copy i as `n` does (one seed for all gives n equal samples)",
             names.of("n"),
         )
     if not 1 <= sp.n <= max_n:

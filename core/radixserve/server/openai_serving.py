@@ -33,7 +33,7 @@ from radixserve.server.metrics import ServerMetrics
 from radixserve.server.parser_selection import OutputParsers
 from radixserve.server.runtime_api import GenerateInput, RequestError
 from radixserve.serving_tokenizer import off_the_loop
-from radixserve.state import SamplingParams
+from radixserve.state import SamplingParams, copy_seed
 from radixserve.validation import (
     MAX_N,
     NATIVE,
@@ -57,12 +57,6 @@ _LOGPROB_FLOOR = -9999.0  # JSON has no -inf; impossible tokens are reported at 
 
 def sse(data: str) -> str:
     return f"data: {data}\n\n"
-
-
-def copy_seed(seed: int | None, copy: int) -> int | None:
-    """The seed of copy `copy` of a prompt sampled n times (the OpenAI routes' `n`, /generate's
-    sampling_params.n): seed + copy, so that copies differ under a fixed seed, yet stay reproducible."""
-    return None if seed is None else seed + copy
 
 
 def choice_rid(base: str, total: int, index: int) -> str:
