@@ -47,6 +47,8 @@ RUNNABLE = {
     "model_info": ("docs/http-api.md", "curl -s $BASE/get_model_info"),
     "tokenizer_info": ("docs/http-api.md", "curl -s $BASE/tokenizer_info"),
     "prompt_logprobs": ("docs/http-api.md", "curl -s $BASE/v1/completions -H 'Content-Type: application/json' -d '{\"prompt_logprobs\""),
+    "responses": ("docs/http-api.md", "curl -s $BASE/v1/responses -H 'Content-Type: application/json' -d '{"),
+    "responses_openai": ("docs/http-api.md", "from openai import OpenAI\n"),
     "structured_openai": ("docs/structured-output.md", "from openai import OpenAI"),
     "structured_chat": ("docs/structured-output.md", "curl -s http://127.0.0.1:30000/v1/chat/completions -H 'Content-Type: application/json' -d '{"),
     "structured_generate": ("docs/structured-output.md", "# a JSON schema, as a JSON object or as a string holding one"),
@@ -205,7 +207,7 @@ def run_bash_block(server, name: str) -> str:
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, f"{name} exited {r.returncode}: {r.stderr}\n{server.logs()}"
     assert r.stdout.strip(), name
-    assert '"error"' not in r.stdout, f"{name}: {r.stdout[:2000]}"
+    assert not re.search(r'"error":\s*\{', r.stdout), f"{name}: {r.stdout[:2000]}"  # a response's "error": null is none
     return r.stdout
 
 
@@ -230,6 +232,14 @@ def test_http_api_curl_blocks(server, name):
         prompt, chat, text = (json.loads(part) for part in re.split(r"(?<=\})(?=\{)", out.strip()))
         assert prompt["count"] == len(prompt["tokens"]) == len(prompt["token_strs"]) and chat["count"] > 0
         assert text == {"prompt": "Hello world"}, "the example's ids are 'Hello world' in the embedded model"
+
+
+def test_responses_blocks(server, tmp_path):
+    answer = json.loads(run_bash_block(server, "responses"))
+    assert answer["object"] == "response" and answer["output"][0]["type"] == "message", answer
+    assert answer["output"][0]["content"][0]["text"] and answer["instructions"] == "Answer in one sentence."
+    printed = run_python_block(_at(server, block("responses_openai").text), tmp_path, "responses")
+    assert printed.strip(), printed
 
 
 def test_structured_output_blocks(server, tmp_path):

@@ -22,6 +22,7 @@ from radixserve.server.generation import ClientGone
 from radixserve.server.metrics import CONTENT_TYPE, FailedRequestMiddleware, ServerMetrics
 from radixserve.server.openai_serving import Serving
 from radixserve.server.parser_selection import select_output_parsers
+from radixserve.server.responses import add_responses_routes
 from radixserve.server.runtime_api import GenerateInput, RequestError
 from radixserve.state import SamplingParams
 from radixserve.version import __version__
@@ -82,14 +83,14 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
             raise model_not_found(f"the model {model!r} does not exist; this server serves {tm.model_name!r}")
         return JSONResponse(_card().model_dump())
 
+    app.state.responses = add_responses_routes(app, serving)  # /v1/responses, on the chat route's serving
+
     @app.api_route("/v1/embeddings", methods=["GET", "POST"])
-    @app.api_route("/v1/responses", methods=["GET", "POST"])
     async def not_served(request: Request) -> Response:
         """OpenAI routes this server does not have: a 404 that says so, where a bare "Not Found" read like a
         wrong model name through the SDKs (migration audit 31)."""
-        api = "embeddings" if request.url.path.endswith("embeddings") else "Responses"
-        raise APIError(f"this server has no {api} API ({request.url.path}): it serves /v1/chat/completions and "
-                       "/v1/completions", 404)
+        raise APIError(f"this server has no embeddings API ({request.url.path}): it serves /v1/chat/completions, "
+                       "/v1/completions and /v1/responses", 404)
 
     @app.get("/version")
     async def version() -> JSONResponse:

@@ -20,8 +20,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-# route label of each generation path (the label the handlers use)
-GENERATION_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/generate": "generate"}
+# route label of each generation path (the label the handlers use; /v1/responses runs on the chat route's handler)
+GENERATION_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/generate": "generate",
+                     "/v1/responses": "chat"}
 
 logger = logging.getLogger("radixserve.server.openai_serving")  # beside the handlers' request lines
 
