@@ -272,3 +272,22 @@ def test_load_format_names_any_installed_weight_source(tmp_path, smollm2_gguf_pa
     assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
         f"radixserve: error: stack.quantization='fp8' cannot apply to '{renamed}': that file is read by the weight "
         "source 'gguf'"), refused.stderr[-2000:]
+
+
+def test_generate_prints_the_speculative_summary_on_its_own_line(tiny_llama_dir):
+    """Plugin audit 37: `generate --speculative ...` glued "[speculative: N verify steps, ...]" to the text on a
+    terminal when the output ended at --max-tokens (the summary came from the generator's clean-up, before the
+    text's newline). One pipe for both streams, as a terminal shows them."""
+    import subprocess
+    import sys
+
+    from server_process import with_tiny_tokenizer
+
+    model = with_tiny_tokenizer(tiny_llama_dir("llama"))
+    r = subprocess.run([sys.executable, "-m", "radixserve.cli", "generate", "--model", model, "--no-chat",
+                        "--max-tokens", "12", "--temperature", "0", "--speculative", "ngram", "a b a b a b a b",
+                        "runtime.num_threads=1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:]
+    summary = [line for line in r.stdout.splitlines() if "[speculative:" in line]
+    assert len(summary) == 1 and summary[0].startswith("[speculative:"), r.stdout[-3000:]

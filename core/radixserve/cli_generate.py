@@ -55,8 +55,10 @@ def generate_ids(runner, prompt_ids: list[int], params: SamplingParams) -> Itera
         steps.close()  # gives the KV back at once when the caller stops early
 
 
-def generate_ids_speculative(runner, config, registry, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
-    """Like `generate_ids`, through the in-process Scheduler (speculative verify steps need it)."""
+def generate_ids_speculative(runner, config, registry, prompt_ids: list[int], params: SamplingParams,
+                             summary: list[str]) -> Iterator[int]:
+    """Like `generate_ids`, through the in-process Scheduler (speculative verify steps need it). Once done,
+    appends its verify statistics to `summary` (the caller prints them after the text's last line)."""
     from radixserve.runtime.messages import GenerateRequest
     from radixserve.scheduler import Scheduler
 
@@ -74,8 +76,8 @@ def generate_ids_speculative(runner, config, registry, prompt_ids: list[int], pa
             sched.step()
         sched.flush_cache()
         if sched.drafter is not None and sched.metrics.spec_verifies:
-            print(f"[speculative: {sched.metrics.spec_verifies} verify steps, "
-                  f"{sched.metrics.spec_accept_length():.2f} tokens per step]", file=sys.stderr)
+            summary.append(f"[speculative: {sched.metrics.spec_verifies} verify steps, "
+                           f"{sched.metrics.spec_accept_length():.2f} tokens per step]")
 
 
 def split_prompt(first: str, rest: list[str]) -> tuple[str, list[str]]:
@@ -153,8 +155,9 @@ def run_generate(args: argparse.Namespace) -> int:
     out: list[int] = []
     printed = ""
     t0 = time.perf_counter()
+    summary: list[str] = []  # printed once the text has ended its line (it was glued to the text)
     if config.stack.speculative is not None:
-        ids = generate_ids_speculative(runner, config, registry, prompt_ids, params)
+        ids = generate_ids_speculative(runner, config, registry, prompt_ids, params, summary)
     else:
         ids = generate_ids(runner, prompt_ids, params)
     try:
@@ -172,7 +175,13 @@ def run_generate(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C: what was generated stays printed, no traceback; 130 as shells report it
         sys.stdout.write("\n")
         return 130
+    finally:
+        if hasattr(ids, "close"):
+            ids.close()  # the scheduler's clean-up (and its summary) now, not when the generator is collected
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    for line in summary:
+        print(line, file=sys.stderr)
     if args.stats:
         dt = time.perf_counter() - t0
         print(f"[load {loaded:.1f}s, {len(out)} tokens in {dt:.2f}s, {len(out) / max(dt, 1e-9):.1f} tok/s]",
