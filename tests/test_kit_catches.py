@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from radixserve.interfaces import SchedulePolicy
 from radixserve.interfaces.drafter import Drafter, DraftProposal
 from radixserve.testing import ReferenceAttentionBackend, check_attention_backend, check_drafter, check_prefix_cache
 from radixserve_cache_radix.radix_cache import RadixCache
@@ -526,3 +527,146 @@ def test_the_attention_kit_runs_decode_rows_sharing_requests_when_the_backend_sa
     check_attention_backend(_ReadsBeforeStoring, **SMALL, decode_row_steps=0)  # plain decode batches: right
     with pytest.raises(AssertionError, match=r"DECODE step"):
         check_attention_backend(_ReadsBeforeStoring, **SMALL)
+
+
+# ---- audit 37: the kits apply the core's class checks and say every failure as an AssertionError ----
+class _NotSubclassPolicy:
+    def order(self, waiting, cache):
+        return waiting
+
+
+class _NoInfoDrafter(Drafter):
+    def __init__(self, k=2):  # forgot the info: the core would pass it as k
+        self.k = k
+
+    def propose(self, reqs, num_draft_tokens):
+        return DraftProposal([[] for _ in reqs])
+
+
+def test_the_policy_kit_refuses_what_the_core_refuses():
+    """Audit 37 (D6, D10): a class not subclassing SchedulePolicy passed the kit (the core refuses it); an abstract
+    one and a constructor bug came out as TypeError / KeyError instead of an AssertionError."""
+    from radixserve.testing import check_schedule_policy
+
+    with pytest.raises(AssertionError, match=r"_NotSubclassPolicy is not a subclass of "
+                                             r"radixserve.interfaces.policy.SchedulePolicy"):
+        check_schedule_policy(_NotSubclassPolicy, seeds=(0,), end_to_end=False)
+    with pytest.raises(AssertionError, match=r"built _NotSubclassPolicy, not a radixserve.interfaces.SchedulePolicy"):
+        check_schedule_policy(lambda: _NotSubclassPolicy(), seeds=(0,), end_to_end=False)
+
+    class Abstract(SchedulePolicy):
+        def ordr(self, waiting, cache):
+            return waiting
+
+    with pytest.raises(AssertionError, match=r"Abstract does not implement order\(\)"):
+        check_schedule_policy(Abstract, seeds=(0,), end_to_end=False)
+
+    class KeyErrorInInit(SchedulePolicy):
+        def __init__(self):
+            super().__init__()
+            self.v = {}["missing"]
+
+        def order(self, waiting, cache):
+            return waiting
+
+    with pytest.raises(AssertionError, match=r"building the policy \(.*KeyErrorInInit\(\)\) raised KeyError: "
+                                             r"'missing'") as e:
+        check_schedule_policy(KeyErrorInInit, seeds=(0,), end_to_end=False)
+    assert isinstance(e.value.__cause__, KeyError)
+
+
+def test_the_drafter_kits_refuse_what_the_core_refuses():
+    """Audit 37 (D6, D10): `__init__(self, k=2)` passed check_drafter (the info landed in k); an abstract drafter and a
+    constructor bug came out as TypeError / KeyError."""
+    from radixserve.testing import check_drafter_on_model
+
+    with pytest.raises(AssertionError, match=r"_NoInfoDrafter does not take the DrafterInfo first: .*the info would "
+                                             r"land in 'k'"):
+        check_drafter(_NoInfoDrafter, topk=(1,), seeds=(0,))
+    with pytest.raises(AssertionError, match=r"_NoInfoDrafter does not take the DrafterInfo first"):
+        check_drafter_on_model(_NoInfoDrafter, "/nonexistent-checkpoint")  # refused before the model loads
+    with pytest.raises(AssertionError, match=r"drafter '_StrictDrafter' has no option 'nope'; valid options: window"):
+        check_drafter(_StrictDrafter, options={"nope": 1}, topk=(1,), seeds=(0,))
+
+    class Abstract(Drafter):
+        def propse(self, reqs, num_draft_tokens):
+            return DraftProposal([[] for _ in reqs])
+
+    with pytest.raises(AssertionError, match=r"Abstract does not implement propose\(\)"):
+        check_drafter(Abstract, topk=(1,), seeds=(0,))
+
+    class KeyErrorInInit(CopyDrafter):
+        def __init__(self, info, *, table="x"):
+            super().__init__(info)
+            self.v = {}[table]
+
+    with pytest.raises(AssertionError, match=r"topk 1: building the drafter \(.*KeyErrorInInit\(info\)\) raised "
+                                             r"KeyError: 'x'") as e:
+        check_drafter(KeyErrorInInit, topk=(1,), seeds=(0,))
+    assert isinstance(e.value.__cause__, KeyError)
+
+    class DropsInfo(CopyDrafter):
+        def __init__(self, info, **options):
+            pass  # neither super().__init__(info) nor self.info
+
+    with pytest.raises(AssertionError, match=r"does not keep the info it was given .*super\(\).__init__\(info\)"):
+        check_drafter(DropsInfo, topk=(1,), seeds=(0,))
+
+
+class _StrictDrafter(CopyDrafter):
+    def __init__(self, info, *, window=2):  # one option, checked by name as the core checks speculative.options
+        super().__init__(info)
+
+
+def test_the_prefix_cache_kit_refuses_a_class_the_core_refuses():
+    class NotACache:
+        def __init__(self, req_to_token_pool, allocator):
+            pass
+
+    with pytest.raises(AssertionError, match=r"NotACache is not a subclass of "
+                                             r"radixserve.interfaces.prefix_cache.PrefixCache"):
+        check_prefix_cache(NotACache, seeds=(0,), end_to_end=False)
+
+
+class _AgeProbe(SchedulePolicy):
+    """Records the age (`clock() - arrival_time`) of every request it orders; the old ones first, then by rid."""
+
+    def __init__(self, clock, seen: list, max_wait_s: float = 2.5) -> None:
+        super().__init__()
+        self.clock, self.seen, self.max_wait_s = clock, seen, max_wait_s
+
+    def order(self, waiting, cache):
+        now = self.clock()
+        self.seen.extend(now - r.arrival_time for r in waiting)
+        return sorted(waiting, key=lambda r: (now - r.arrival_time < self.max_wait_s, r.rid))
+
+
+def test_the_policy_kit_gives_recent_monotonic_arrival_times():
+    """Audit 37 (D3): arrival_time was 4.0, 29.0, ... (a pre-1.15 counter), so against time.monotonic() every kit
+    request had waited hours and an aging rule was only ever tested as FIFO."""
+    import time
+
+    from radixserve.testing import check_schedule_policy
+
+    seen: list[float] = []
+    check_schedule_policy(lambda: _AgeProbe(time.monotonic, seen), seeds=(0, 1), end_to_end=False)
+    assert seen and all(-0.01 <= age <= 5.5 for age in seen), (min(seen), max(seen))  # default waits=(0, 5)
+    assert len({round(a, 3) for a in seen}) > 5  # spread over seconds, not one value
+    assert min(seen) < 2.5 < max(seen)  # both sides of an aging threshold
+
+
+def test_the_policy_kit_takes_a_clock_and_a_range_of_waits():
+    """Audit 37 (G2): a documented way to test a clock-based policy deterministically (plugin API 1.19)."""
+    from radixserve.testing import check_schedule_policy
+
+    def frozen():
+        return 1000.0
+
+    seen: list[float] = []
+    check_schedule_policy(lambda: _AgeProbe(frozen, seen, max_wait_s=10), clock=frozen, waits=(8, 12), seeds=(0, 1, 2),
+                          end_to_end=False)
+    assert seen and all(8 <= age <= 12.001 for age in seen)
+    assert min(seen) < 10 < max(seen)
+    for bad in ((-1, 5), (5, 1)):
+        with pytest.raises(ValueError, match="waits="):
+            check_schedule_policy(lambda: _AgeProbe(frozen, []), waits=bad, end_to_end=False)

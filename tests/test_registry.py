@@ -403,3 +403,95 @@ def test_the_plugins_listing_says_which_reader_takes_a_suffix_two_claim(tmp_path
     assert any("high_reader" in line and "(reads these files)" in line for line in lines), lines
     assert any("low_reader" in line and "(not used: 'high_reader' comes first; -p no:<plugin> to switch)" in line
                for line in lines), lines
+
+
+# ---- audit 37: a raising register hook, devices=, undecorated hooks -----------------------------
+def _raising_register(registry):
+    registry.register("policy", "half-done", "radixserve_policies.fcfs:FCFSPolicy")
+    raise RuntimeError("register blew up")
+
+
+def test_a_raising_register_hook_is_a_plugin_error_naming_the_plugin():
+    """Audit 37 (D1): the hook's exception escaped bare, so every command died with a traceback, exit 1."""
+    reg = Registry()
+    with pytest.raises(PluginError) as e:
+        reg.add_plugin_module(_module("broken", ">=1,<2", _raising_register), name="broken",
+                              distribution="radixserve-broken", version="0.1.0")
+    msg = str(e.value)
+    assert msg.startswith("plugin 'broken' from radixserve-broken 0.1.0 failed in radixserve_register: "
+                          "RuntimeError: register blew up; "), msg
+    assert "-p no:broken" in msg and "RADIXSERVE_DISABLE_PLUGINS=broken" in msg and "\n" not in msg
+    assert isinstance(e.value.__cause__, RuntimeError)  # the traceback, for RADIXSERVE_DEBUG=1
+
+
+def test_the_registrars_own_refusal_is_not_wrapped_again():
+    reg = Registry()
+    with pytest.raises(PluginError, match=r"^plugin 'bad' \(bad-dist\) registers unknown kind 'sampler'"):
+        reg.add_plugin_module(_module("bad", ">=1,<2", lambda registry: registry.register("sampler", "x", "m:C")),
+                              name="bad", distribution="bad-dist")
+
+
+def test_every_command_stops_on_a_raising_register_hook_with_one_line(tmp_path):
+    """Audit 37 (D1): `config show` (and serve) printed a bare traceback and exited 1, naming no distribution."""
+    make_fake_distribution(tmp_path, "radixserve-broken", "broken", "rs_broken", HALF_REGISTERED_PLUGIN)
+    r = run_cli(["config", "show"], site=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert ("radixserve: error: plugin 'broken' from radixserve-broken 1.0 failed in radixserve_register: "
+            "RuntimeError: my register hook has a bug; fix or uninstall it, or disable it: -p no:broken") in r.stderr
+    assert run_cli(["config", "show", "-p", "no:broken"], site=tmp_path).returncode == 0  # the way out it names
+
+
+def test_an_import_failure_names_the_way_to_disable_the_plugin():
+    from radixserve.plugins.registry import _disable_hint
+
+    assert _disable_hint("x") == ("fix or uninstall it, or disable it: -p no:x, plugins.disable: [x] in the stack, "
+                                  "or RADIXSERVE_DISABLE_PLUGINS=x")
+
+
+@pytest.mark.parametrize("devices, message", [
+    ("cpu", r"devices must be a tuple or list of device types.*valid device types: cpu, cuda"),
+    (("CPU",), r"'CPU' is not a device type; valid device types \(lowercase, without an index\): cpu, cuda"),
+    (["cuda:0"], r"'cuda:0' is not a device type"),
+    ((), r"name at least one device type"),
+])
+def test_register_refuses_devices_the_core_cannot_match(devices, message):
+    """Audit 37 (D8): a bare "cpu" was listed as devices c,p,u; ("CPU",) was accepted, then refused every stack."""
+    reg = Registry()
+    hook = lambda registry: registry.register("policy", "p", "m:C", devices=devices)  # noqa: E731
+    with pytest.raises(PluginError, match=r"^plugin 'pl' \(pl-dist\) registers policy 'p' with devices=.*?" + message):
+        reg.add_plugin_module(_module("pl", ">=1,<2", hook), name="pl", distribution="pl-dist")
+
+
+def test_register_takes_device_lists_and_the_device_types_are_runtime_devices():
+    import typing
+
+    from radixserve.config import Config
+    from radixserve.plugins.registry import DEVICE_TYPES
+
+    reg = Registry()
+    reg.add_plugin_module(_module("pl", ">=1,<2", lambda registry: registry.register("policy", "p", "m:C", devices=["cuda"])),
+                          name="pl", distribution="pl-dist")
+    assert reg.get("policy", "p").devices == ("cuda",)
+    assert set(DEVICE_TYPES) == set(typing.get_args(type(Config().runtime).model_fields["device"].annotation)) - {"auto"}
+
+
+def test_an_undecorated_pluggy_hook_is_named_and_register_runs_without_the_decorator(caplog):
+    """Audit 37 (G6): @hookimpl is optional on radixserve_register (called by name) but pluggy never calls an
+    undecorated radixserve_stats / radixserve_add_routes: that was silent."""
+    from radixserve.plugins import hookimpl
+
+    calls = []
+    mod = _module("nodeco", ">=1,<2", lambda registry: calls.append("register"))
+    mod.radixserve_stats = lambda stats: calls.append("stats")
+    reg = Registry()
+    with caplog.at_level("WARNING", logger="radixserve.plugins.registry"):
+        reg.add_plugin_module(mod, name="nodeco", distribution="nodeco-dist")
+    reg.hook.radixserve_stats(stats={})
+    assert calls == ["register"]
+    assert "plugin 'nodeco' (nodeco-dist) defines radixserve_stats without @hookimpl, so it is never called" in caplog.text
+    caplog.clear()
+    decorated = _module("deco", ">=1,<2")
+    decorated.radixserve_stats = hookimpl(lambda stats: calls.append("stats"))
+    with caplog.at_level("WARNING", logger="radixserve.plugins.registry"):
+        Registry().add_plugin_module(decorated, name="deco", distribution="deco-dist")
+    assert "without @hookimpl" not in caplog.text

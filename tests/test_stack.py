@@ -10,6 +10,7 @@ import time
 import pytest
 from plugin_fixtures import make_fake_distribution, run_cli
 from radixserve.config import Config
+from radixserve.interfaces import Drafter, DraftProposal, SchedulePolicy
 from radixserve.plugins.registry import PluginError, Registry
 from radixserve.plugins.stack import check_quantization_fits, resolve_stack
 
@@ -250,3 +251,174 @@ def test_serve_on_a_busy_port_fails_before_loading(dp):
     assert r.returncode == 2, r.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "--port" in r.stderr, r.stderr
     assert "does not exist" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# ---- audit 37: a component's class and constructor, checked and reported one way ----------------
+class _AbstractPolicy(SchedulePolicy):
+    def ordr(self, waiting, cache):  # `order` misspelled
+        return waiting
+
+
+class _InitTypeErrorPolicy(SchedulePolicy):
+    def __init__(self, *, max_wait_s=1.0):
+        super().__init__()
+        self.max_wait_s = float(max_wait_s) + "x"  # a bug, not a refused option
+
+    def order(self, waiting, cache):
+        return waiting
+
+
+class _InitKeyErrorPolicy(SchedulePolicy):
+    def __init__(self):
+        super().__init__()
+        self.v = {}["missing"]
+
+    def order(self, waiting, cache):
+        return waiting
+
+
+class _RefusingPolicy(SchedulePolicy):
+    def __init__(self, *, bucket=1):
+        super().__init__()
+        if bucket < 1:
+            raise ValueError(f"stack.policy_options.bucket must be >= 1, got {bucket}")
+
+    def order(self, waiting, cache):
+        return waiting
+
+
+class _AbstractDrafter(Drafter):
+    def propse(self, reqs, num_draft_tokens):  # `propose` misspelled
+        return DraftProposal([[] for _ in reqs])
+
+
+class _NoInfoDrafter(Drafter):
+    def __init__(self, k=2):  # forgot the info
+        self.k = k
+
+    def propose(self, reqs, num_draft_tokens):
+        return DraftProposal([[] for _ in reqs])
+
+
+class _InitKeyErrorDrafter(Drafter):
+    def __init__(self, info, *, table="x"):
+        super().__init__(info)
+        self.v = {}[table]
+
+    def propose(self, reqs, num_draft_tokens):
+        return DraftProposal([[] for _ in reqs])
+
+
+_BUGGY = {"policy": ["_AbstractPolicy", "_InitTypeErrorPolicy", "_InitKeyErrorPolicy", "_RefusingPolicy"],
+          "drafter": ["_AbstractDrafter", "_NoInfoDrafter", "_InitKeyErrorDrafter"]}
+
+
+@pytest.fixture(scope="module")
+def buggy_registry() -> Registry:
+    """The installed components plus this module's broken ones, registered by 'radixserve-buggy 0.1.0'."""
+    import types
+
+    def register(registry):
+        for kind, classes in _BUGGY.items():
+            for cls in classes:
+                registry.register(kind, cls.strip("_"), f"{__name__}:{cls}")
+
+    mod = types.ModuleType("buggy")
+    mod.PLUGIN_API, mod.radixserve_register = ">=1,<2", register
+    reg = Registry.discover()
+    reg.add_plugin_module(mod, name="buggy", distribution="radixserve-buggy", version="0.1.0")
+    return reg
+
+
+def _resolve(reg, **stack):
+    return resolve_stack(Config.build({"stack": stack}), reg, "cpu")
+
+
+def test_an_abstract_policy_or_drafter_is_refused_at_resolution_naming_the_method(buggy_registry):
+    """Audit 37 (D4, D9): the policy's was reported as a policy_options problem; the drafter's passed `config show`
+    and failed only after the model loaded and warmed up, as "the drafter refused its configuration"."""
+    with pytest.raises(PluginError, match=r"^policy 'AbstractPolicy' \(radixserve-buggy 0.1.0\) does not implement "
+                                          r"order\(\) \(test_stack._AbstractPolicy leaves it abstract"):
+        _resolve(buggy_registry, policy="AbstractPolicy")
+    with pytest.raises(PluginError, match=r"^drafter 'AbstractDrafter' \(radixserve-buggy 0.1.0\) does not implement "
+                                          r"propose\(\)"):
+        _resolve(buggy_registry, speculative="AbstractDrafter")
+
+
+def test_a_drafter_without_the_info_parameter_is_refused_at_resolution(buggy_registry):
+    """Audit 37 (D6): `__init__(self, k=2)` served, the info landing in k; `speculative.options.k` was then said to be
+    an option it does not have."""
+    with pytest.raises(PluginError, match=r"^drafter 'NoInfoDrafter' \(radixserve-buggy 0.1.0\) does not take the "
+                                          r"DrafterInfo first: .*__init__\(self, k=2\) takes no `info` \(the info would "
+                                          r"land in 'k'\)"):
+        _resolve(buggy_registry, speculative="NoInfoDrafter")
+
+
+@pytest.mark.parametrize("name, options, error", [
+    ("InitTypeErrorPolicy", {}, "TypeError: unsupported operand type(s) for +: 'float' and 'str'"),
+    ("InitKeyErrorPolicy", {}, "KeyError: 'missing'"),
+])
+def test_a_policy_constructor_bug_is_one_error_naming_the_policy_and_keeping_the_traceback(buggy_registry, name,
+                                                                                            options, error):
+    """Audit 37 (D4): a TypeError was blamed on stack.policy_options (none were set) without its traceback; a KeyError
+    escaped bare (a traceback from the CLI, a bare KeyError from the Engine)."""
+    from radixserve.plugins.registry import PluginCodeError
+
+    with pytest.raises(PluginCodeError) as e:
+        _resolve(buggy_registry, policy=name, policy_options=options)
+    assert str(e.value) == f"policy {name!r} (radixserve-buggy 0.1.0) failed to build: {error}"
+    assert "policy_options" not in str(e.value) and e.value.__cause__ is not None
+
+
+def test_a_policy_refusing_a_value_is_still_an_options_error(buggy_registry):
+    from radixserve.plugins.registry import PluginCodeError
+
+    with pytest.raises(PluginError, match=r"^stack.policy_options for policy 'RefusingPolicy': "
+                                          r"stack.policy_options.bucket must be >= 1, got 0$") as e:
+        _resolve(buggy_registry, policy="RefusingPolicy", policy_options={"bucket": 0})
+    assert not isinstance(e.value, PluginCodeError) and e.value.__cause__ is None
+    assert _resolve(buggy_registry, policy="RefusingPolicy", policy_options={"bucket": 2}).policy.name == "RefusingPolicy"
+    # a TypeError with options given may be the constructor refusing a value's type (the in-tree policies do, and the
+    # Drafter contract asks it of an unknown option): said as the options' refusal, its traceback kept as the cause
+    with pytest.raises(PluginError, match=r"^stack.policy_options for policy 'InitTypeErrorPolicy': unsupported "
+                                          r"operand") as e:
+        _resolve(buggy_registry, policy="InitTypeErrorPolicy", policy_options={"max_wait_s": 3})
+    assert not isinstance(e.value, PluginCodeError) and isinstance(e.value.__cause__, TypeError)
+
+
+def test_build_component_says_a_drafter_constructor_bug_as_one_line(buggy_registry):
+    """The helper for every component constructor (the scheduler process builds the drafter: audit 37 saw
+    "the scheduler process failed: KeyError('x')" after the model loaded)."""
+    from radixserve.plugins.registry import PluginCodeError, build_component
+    from radixserve.testing import drafter_info
+
+    spec = buggy_registry.get("drafter", "InitKeyErrorDrafter")
+    cls = buggy_registry.load("drafter", "InitKeyErrorDrafter")
+    refused = "stack.speculative='InitKeyErrorDrafter': the drafter refused its configuration"
+    with pytest.raises(PluginCodeError, match=r"^drafter 'InitKeyErrorDrafter' \(radixserve-buggy 0.1.0\) failed to "
+                                              r"build: KeyError: 'x'$"):
+        build_component(spec, cls, drafter_info(), refused=refused)
+    with pytest.raises(PluginError, match=r"refused its configuration: .*unexpected keyword argument 'nope'"):
+        build_component(spec, cls, drafter_info(), refused=refused, nope=1)  # an option it does not take
+
+
+def test_config_show_refuses_an_abstract_drafter_before_any_model_loads(tmp_path):
+    """Audit 37 (D9), through a real entry point: exit 2, one line, no traceback."""
+    body = '''
+from radixserve.plugins import hookimpl
+PLUGIN_API = ">=1.1,<2"
+
+@hookimpl
+def radixserve_register(registry):
+    registry.register("drafter", "d-abstract", "rs_buggy_comps:AbstractDrafter")
+'''
+    (tmp_path / "rs_buggy_comps.py").write_text(
+        "from radixserve.interfaces import Drafter, DraftProposal\n\n"
+        "class AbstractDrafter(Drafter):\n"
+        "    def propse(self, reqs, num_draft_tokens):\n"
+        "        return DraftProposal([[] for _ in reqs])\n")
+    make_fake_distribution(tmp_path, "radixserve-buggy", "buggy", "rs_buggy", body, version="0.1.0")
+    r = run_cli(["config", "show", "stack.speculative=d-abstract"], site=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert ("radixserve: error: drafter 'd-abstract' (radixserve-buggy 0.1.0) does not implement propose() "
+            "(rs_buggy_comps.AbstractDrafter leaves it abstract; Drafter requires it)") in r.stderr

@@ -72,4 +72,10 @@ __version__ = "0.1.0"
 # 1.17: radixserve.interfaces.grammar.resolve_json_pointer (a schema's local `$ref` followed, one walk for the
 #      core's checks and the backends' rewrites; LookupError when it is not local or names nothing)
 # 1.18: WeightSource.file_tensor_name (load errors name a tensor as the file does too: GGUF's blk.1.ffn_down.weight)
-PLUGIN_API_VERSION = "1.18"
+# 1.19: check_schedule_policy(waits=, clock=): its requests' arrival_time are recent time.monotonic() seconds (they
+#      were small counters, hours old against the clock); the kits check a class as the stack resolution does
+#      (plugins.registry.class_problem: subclass, not abstract, a drafter's __init__ taking the info) and say a
+#      failure to build as an AssertionError; a policy's or drafter's abstract class is refused at stack resolution,
+#      and a constructor's exception other than ValueError is a PluginCodeError naming the component
+#      (plugins.registry.build_component); register(devices=) takes only a tuple/list of "cpu" / "cuda"
+PLUGIN_API_VERSION = "1.19"

@@ -3,6 +3,10 @@
 A plugin distribution exposes one module through the entry-point group `radixserve.plugins`.
 That module declares `PLUGIN_API = ">=1,<2"` (the core plugin-API versions it was built for) and
 implements any of the hooks below, decorated with `radixserve.plugins.hookimpl`.
+
+The decorator is optional on `radixserve_register` (discovery calls the module's function by name)
+and required on the others, which pluggy calls: an undecorated `radixserve_add_routes` or
+`radixserve_stats` is never called (discovery logs a warning naming it).
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ def radixserve_register(registry: ComponentRegistrar) -> None:
     :return: nothing; the return value is ignored.
     Restrictions: must not import heavy modules or touch devices; must not register the same
     (kind, name) twice. Called once per process (every process discovers plugins itself).
+    An exception it raises is a PluginError naming the plugin, its distribution and the exception,
+    and stops every command (as a plugin that fails to import does) until the plugin is fixed,
+    uninstalled or disabled (`-p no:NAME`, `plugins.disable`, RADIXSERVE_DISABLE_PLUGINS).
+    `devices` is a tuple or list of device types among "cpu" and "cuda" (anything else is refused).
     Added in plugin API 1.0.
     """
 

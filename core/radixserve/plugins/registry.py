@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import inspect
 import logging
 import os
 from dataclasses import dataclass
@@ -31,6 +32,14 @@ logger = logging.getLogger(__name__)
 
 # model.load_format values that name no weight source (any other value is a weight source's name)
 BUILTIN_LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+# the device types a component may declare with `register(devices=...)`: runtime.device's values
+# other than "auto" (a test keeps the two equal)
+DEVICE_TYPES = ("cpu", "cuda")
+
+# the hooks pluggy calls (registry.hook.<name>): only functions decorated with @hookimpl are seen
+# by it, unlike radixserve_register, which discovery calls directly
+_PLUGGY_HOOKS = ("radixserve_add_routes", "radixserve_stats")
 
 
 class PluginError(RuntimeError):
@@ -124,6 +133,7 @@ class ComponentRegistrar:
                               "(weight_file_suffixes)")
         if any(not x.startswith(".") for x in suffixes):
             raise PluginError(f"component {kind}/{name}: weight_file_suffixes must look like '.gguf', got {suffixes}")
+        self._check_devices(kind, name, devices)
         spec = ComponentSpec(
             kind=kind,
             name=name,
@@ -139,6 +149,140 @@ class ComponentRegistrar:
             weight_file_suffixes=suffixes,
         )
         self._registry._add(spec)
+
+    def _check_devices(self, kind: str, name: str, devices: Any) -> None:
+        """`devices=` must be a tuple or list of device types the core runs on (audit 37: a bare string
+        `"cpu"` was listed as the devices c, p, u; `("CPU",)` was accepted, then refused the stack)."""
+        where = (f"plugin {self._plugin.name!r} ({self._plugin.distribution}) registers {kind} {name!r} with "
+                 f"devices={devices!r}")
+        valid = ", ".join(DEVICE_TYPES)
+        if not isinstance(devices, (tuple, list)):
+            raise PluginError(f"{where}: devices must be a tuple or list of device types, e.g. ('cpu',) or "
+                              f"('cpu', 'cuda') (valid device types: {valid})")
+        if not devices:
+            raise PluginError(f"{where}: name at least one device type the component runs on ({valid})")
+        unknown = [d for d in devices if d not in DEVICE_TYPES]
+        if unknown:
+            raise PluginError(f"{where}: {', '.join(map(repr, unknown))} is not a device type; valid device types "
+                              f"(lowercase, without an index): {valid}")
+
+
+def component_label(spec: ComponentSpec) -> str:
+    """How errors name a registered component: "policy 'lpm' (radixserve-policies 0.1.0)"."""
+    return f"{spec.kind} {spec.name!r} ({f'{spec.distribution} {spec.version}'.strip()})"
+
+
+def _class_name(cls: object) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else repr(cls)
+
+
+def subclass_problem(kind: str, cls: object) -> str | None:
+    """"is not a subclass of <the kind's base class>" when `cls` is not one (None when it is): the
+    check `Registry.load` applies to every component."""
+    from radixserve.interfaces import base_class_of_kind
+
+    base = base_class_of_kind(kind)
+    if isinstance(cls, type) and issubclass(cls, base):
+        return None
+    return f"is not a subclass of {base.__module__}.{base.__name__}"
+
+
+def class_problem(kind: str, cls: object) -> str | None:
+    """Why the core could not build `cls` as a component of `kind`, said after the component's name
+    (None when it can): not a subclass of the kind's base class; an abstract class ("does not
+    implement order()"); a drafter whose `__init__` does not take the `DrafterInfo` first. The stack
+    resolution applies it to the selected policy and drafter before any model loads, and the
+    conformance kits to the class they are given, so a kit passes only what the core accepts."""
+    problem = subclass_problem(kind, cls)
+    if problem is not None:
+        return problem
+    assert isinstance(cls, type)
+    if inspect.isabstract(cls):
+        from radixserve.interfaces import base_class_of_kind
+
+        missing = sorted(cls.__abstractmethods__)
+        return (f"does not implement {', '.join(f'{m}()' for m in missing)} ({_class_name(cls)} leaves "
+                f"{'it' if len(missing) == 1 else 'them'} abstract; {base_class_of_kind(kind).__name__} requires "
+                f"{'it' if len(missing) == 1 else 'them'})")
+    if kind == "drafter":
+        return _drafter_init_problem(cls)
+    return None
+
+
+def _drafter_init_problem(cls: type) -> str | None:
+    """A drafter is built as `Drafter(info, **speculative.options)`: its `__init__` must take the
+    `DrafterInfo` as its first positional parameter (named `info`, or without a default). Audit 37:
+    `__init__(self, k=2)` passed the kit and served, the info landing in `k`."""
+    try:
+        params = list(inspect.signature(cls).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a C type): building it will tell
+        return None
+    positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                  inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                  inspect.Parameter.VAR_POSITIONAL)]
+    first = positional[0] if positional else None
+    if first is not None and (first.kind is inspect.Parameter.VAR_POSITIONAL or first.name == "info"
+                              or first.default is inspect.Parameter.empty):
+        return None
+    where = f"{_class_name(cls)}.__init__{_signature_with_self(cls)}"
+    lands = f"the info would land in {first.name!r}" if first is not None else "it has no parameter for it"
+    return (f"does not take the DrafterInfo first: the core builds a drafter as Drafter(info, "
+            f"**speculative.options), and {where} takes no `info` ({lands}); declare __init__(self, info, ...) "
+            "and call super().__init__(info)")
+
+
+def _signature_with_self(cls: type) -> str:
+    try:
+        return str(inspect.signature(cls.__init__))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def _exception_line(e: BaseException) -> str:
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def build_component(spec: ComponentSpec, cls: type, *args: Any, refused: str, **kwargs: Any) -> Any:
+    """`cls(*args, **kwargs)`, as the core builds a registered component (`spec`; `kwargs` are the
+    user's options), with its errors said one way for every kind:
+
+    - a ValueError (the interfaces' way to refuse an option or a configuration) is a PluginError
+      `f"{refused}: {e}"`, the user's to fix, without a traceback; so is a TypeError when options
+      were given (a value of the wrong type, or an option a `**options` constructor refuses, as the
+      Drafter contract asks) or the arguments do not fit the constructor's signature (its cause is
+      kept: RADIXSERVE_DEBUG=1 shows where it came from);
+    - any other exception (the component's own bug, a TypeError with no options to blame, a KeyError
+      from inside its `__init__`) is a PluginCodeError naming the component, its distribution and
+      the exception, e.g. "policy 'x' (radixserve-foo 0.1.0) failed to build: KeyError: 'missing'",
+      with the exception as `__cause__` (its traceback: RADIXSERVE_DEBUG=1, or the scheduler's log).
+      Audit 37: a TypeError was blamed on `stack.policy_options` when none were set, a KeyError came
+      out bare."""
+    try:
+        return cls(*args, **kwargs)
+    except ValueError as e:
+        raise PluginError(f"{refused}: {e}") from None
+    except Exception as e:
+        if isinstance(e, TypeError) and (kwargs or not _binds(cls, args, kwargs)):
+            raise PluginError(f"{refused}: {e}") from e
+        raise PluginCodeError(f"{component_label(spec)} failed to build: {_exception_line(e)}") from e
+
+
+def _binds(cls: type, args: tuple, kwargs: dict) -> bool:
+    """Whether `args` and `kwargs` fit the signature of `cls(...)` (True when it cannot be read)."""
+    try:
+        inspect.signature(cls).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a C type)
+        return True
+    return True
+
+
+def _disable_hint(plugin: str) -> str:
+    """How to get past a plugin that cannot load (every command stops on it until then)."""
+    return (f"fix or uninstall it, or disable it: -p no:{plugin}, plugins.disable: [{plugin}] in the stack, or "
+            f"{DENY_ENV}={plugin}")
 
 
 def _check_api(plugin: PluginInfo) -> None:
@@ -183,6 +327,16 @@ def _admits_newer_api(spec: SpecifierSet) -> bool:
         r = v.release + (0, 0)
         later += [str(v), f"{r[0]}.{r[1]}.{r[2] + 1}", f"{r[0]}.{r[1] + 1}", f"{r[0] + 1}.0"]
     return any(Version(v) > core and Version(v) in spec for v in later)
+
+
+def _warn_undecorated_hooks(module: ModuleType, plugin: PluginInfo) -> None:
+    """pluggy calls only functions marked with @hookimpl: an undecorated radixserve_stats or
+    radixserve_add_routes would never run, without a word (radixserve_register runs either way)."""
+    for name in _PLUGGY_HOOKS:
+        fn = getattr(module, name, None)
+        if callable(fn) and getattr(fn, f"{hookspec.PROJECT}_impl", None) is None:
+            logger.warning("plugin %r (%s) defines %s without @hookimpl, so it is never called; decorate it with "
+                           "@radixserve.plugins.hookimpl", plugin.name, plugin.distribution, name)
 
 
 def _warn_unknown_names(listed: dict[str, str], entry_points: list, effect: str = "nothing is disabled by it") -> None:
@@ -267,7 +421,8 @@ class Registry:
                 try:
                     module = ep.load()
                 except Exception as e:  # a broken plugin must name itself, not crash with a bare trace
-                    raise PluginError(f"plugin {ep.name!r} from {dist} failed to import ({ep.value}): {e!r}") from e
+                    raise PluginError(f"plugin {ep.name!r} from {dist} failed to import ({ep.value}): {e!r}; "
+                                      f"{_disable_hint(ep.name)}") from e
                 reg.add_plugin_module(module, name=ep.name, distribution=dist, version=version)
             except Exception as e:
                 if not keep_going:
@@ -294,9 +449,19 @@ class Registry:
         _check_api(info)
         self.plugins[name] = info
         self.pm.register(module, name=name)
+        _warn_undecorated_hooks(module, info)
         impl = getattr(module, "radixserve_register", None)
-        if impl is not None:
+        if impl is None:
+            return
+        try:
             impl(registry=ComponentRegistrar(self, info))
+        except PluginError:
+            raise  # the registrar's own refusal (unknown kind, bad devices, ...): it names the plugin
+        except Exception as e:  # audit 37: a raising hook was a bare traceback (exit 1) from every command
+            raise PluginError(
+                f"plugin {name!r} from {distribution}{f' {version}' if version else ''} failed in radixserve_register: "
+                f"{_exception_line(e)}" + ("" if name == "core" else f"; {_disable_hint(name)}")
+            ) from e
 
     def _forget(self, plugin: str) -> None:
         """Drop what a plugin that failed midway had registered (keep_going)."""
@@ -394,17 +559,15 @@ class Registry:
 
     def load(self, kind: str, name: str) -> Any:
         """Import and return the component class (checked against its kind's base class)."""
-        from radixserve.interfaces import base_class_of_kind
-
         spec = self.get(kind, name)
         module_name, _, attr = spec.ref.partition(":")
         try:
             obj = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as e:
             raise PluginError(f"{kind} {name!r} from {spec.distribution}: cannot import {spec.ref}: {e}") from e
-        base = base_class_of_kind(kind)
-        if not (isinstance(obj, type) and issubclass(obj, base)):
-            raise PluginError(f"{kind} {name!r} ({spec.ref}) is not a subclass of {base.__module__}.{base.__name__}")
+        problem = subclass_problem(kind, obj)
+        if problem is not None:
+            raise PluginError(f"{kind} {name!r} ({spec.ref}) {problem}")
         if spec.is_weight_source:
             from radixserve.interfaces.quantization import WeightSource
 

@@ -16,7 +16,14 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from radixserve.plugins.registry import BUILTIN_LOAD_FORMATS, ComponentSpec, PluginError
+from radixserve.plugins.registry import (
+    BUILTIN_LOAD_FORMATS,
+    ComponentSpec,
+    PluginError,
+    build_component,
+    class_problem,
+    component_label,
+)
 
 if TYPE_CHECKING:
     from radixserve.config import Config
@@ -281,35 +288,58 @@ def policy_option_names(policy_cls: type) -> list[str] | None:
     return [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
 
 
+def check_component_class(registry: Registry, kind: str, name: str) -> type:
+    """Load the class of component `name` and refuse, naming it, one the core could not build
+    (`registry.class_problem`: not a subclass of its kind's base class, abstract, a drafter's
+    `__init__` without the info): at stack resolution, before any model loads (`config show` too)."""
+    cls = registry.load(kind, name)
+    problem = class_problem(kind, cls)
+    if problem is not None:
+        raise PluginError(f"{component_label(registry.get(kind, name))} {problem}")
+    return cls
+
+
 def check_policy_options(registry: Registry, name: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Check `stack.policy_options` against the policy's constructor, then build one instance to
-    check the values too (policy constructors are cheap by contract)."""
-    cls = registry.load("policy", name)
+    """Check the policy's class (`check_component_class`) and `stack.policy_options` against its
+    constructor, then build one instance to check the values too (policy constructors are cheap by
+    contract): a ValueError is the policy refusing its options, any other exception from its
+    constructor a PluginCodeError naming the policy (`build_component`)."""
+    cls = check_component_class(registry, "policy", name)
     valid = policy_option_names(cls)
     if valid is not None:
         unknown = sorted(set(options) - set(valid))
         if unknown:
             takes = f"valid options: {', '.join(valid)}" if valid else "it takes no options"
             raise PluginError(f"stack.policy_options: policy {name!r} has no option {', '.join(map(repr, unknown))}; {takes}")
-    try:
-        cls(**options)
-    except (TypeError, ValueError) as e:
-        raise PluginError(f"stack.policy_options for policy {name!r}: {e}") from None
+    build_component(registry.get("policy", name), cls, refused=f"stack.policy_options for policy {name!r}", **options)
     return options
 
 
-def check_drafter_options(registry: Registry, name: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Check `speculative.options` against the drafter's constructor `Drafter(info, **options)`
-    (names only: building a drafter may load a draft model, so that waits for the scheduler)."""
-    cls = registry.load("drafter", name)
+def drafter_option_problem(cls: type, name: str, options: dict[str, Any]) -> str | None:
+    """Why `speculative.options` cannot be passed to the drafter class `cls` (built as
+    `cls(info, **options)`): an option its constructor does not take. None when they fit (or it
+    takes `**options`). Shared by the stack resolution and `check_drafter`."""
     params = list(inspect.signature(cls).parameters.values())[1:]  # the first one takes DrafterInfo
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return options
+        return None
     valid = [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
     unknown = sorted(set(options) - set(valid))
-    if unknown:
-        takes = f"valid options: {', '.join(valid)}" if valid else "it takes no options"
-        raise PluginError(f"speculative.options: drafter {name!r} has no option {', '.join(map(repr, unknown))}; {takes}")
+    if not unknown:
+        return None
+    takes = (f"valid options: {', '.join(valid)}" if valid
+             else "it takes no options (the first parameter of its __init__ takes the DrafterInfo)")
+    return f"drafter {name!r} has no option {', '.join(map(repr, unknown))}; {takes}"
+
+
+def check_drafter_options(registry: Registry, name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Check the drafter's class (`check_component_class`: abstract, or an `__init__` that does not
+    take the info first, is refused here, before the model loads) and `speculative.options` against
+    its constructor `Drafter(info, **options)` (names only: building a drafter may load a draft
+    model, so that waits for the scheduler)."""
+    cls = check_component_class(registry, "drafter", name)
+    problem = drafter_option_problem(cls, name, options)
+    if problem is not None:
+        raise PluginError(f"speculative.options: {problem}")
     return options
 
 

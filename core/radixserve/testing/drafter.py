@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from radixserve.interfaces.drafter import Drafter, DrafterInfo, DraftProposal
+from radixserve.plugins.registry import class_problem
 from radixserve.state import Req, SamplingParams
 from radixserve.testing._hooks import call_hook
 
@@ -228,6 +229,20 @@ def _find_rid(root: Any, rids: set[str], limit: int = 200_000) -> str | None:
     return None
 
 
+def assert_drafter_class(cls: type, options: dict[str, Any] | None = None) -> None:
+    """AssertionError when the core would refuse `cls` as the drafter a stack selects, with these
+    `speculative.options` (the checks of the stack resolution, shared: not a Drafter subclass,
+    abstract, an `__init__` not taking the info first, an option its constructor does not take)."""
+    from radixserve.plugins.stack import drafter_option_problem
+
+    label = f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else repr(cls)
+    problem = class_problem("drafter", cls)
+    if problem is None and options:
+        problem = drafter_option_problem(cls, cls.__qualname__, options)
+    if problem is not None:
+        raise AssertionError(f"{label} {problem} (the core refuses it when a stack selects it)")
+
+
 def check_drafter(
     drafter: Callable[..., Drafter],
     *,
@@ -256,8 +271,15 @@ def check_drafter(
         in every run (the toy outputs copy their prompts, so a lookup drafter should score well above 0).
     :return: the mean accepted drafts per request step over the runs of every topk and seed (the
         toy outputs copy their prompts): track a drafter's quality without bisecting min_acceptance.
+
+    A class is first checked as the core checks the drafter a stack selects (a `Drafter` subclass
+    implementing `propose`, an `__init__` taking the info first, `options` its constructor takes);
+    once built it must keep the info it was given (`self.info`, set by `super().__init__(info)`).
+    An exception from building it is an AssertionError naming the case, like one from its hooks.
     """
     opts = dict(options or {})
+    if isinstance(drafter, type):
+        assert_drafter_class(drafter, opts)
     accepted = steps = 0
     for k in topk:
         # trees as the kit's info allows them, then (topk > 1) a backend without tree masks
@@ -265,7 +287,15 @@ def check_drafter(
             info = drafter_info(vocab_size=vocab_size, num_draft_tokens=num_draft_tokens, topk=k, supports_tree=trees)
 
             def factory(info=info) -> Drafter:
-                return drafter(info, **opts)
+                built = call_hook(lambda: drafter(info, **opts), where=(
+                    f"topk {info.topk}: building the drafter ({getattr(drafter, '__qualname__', 'drafter')}(info"
+                    f"{', **' + repr(opts) if opts else ''}))"))
+                if isinstance(drafter, type) and isinstance(built, Drafter):
+                    assert getattr(built, "info", None) is info, (
+                        f"{drafter.__qualname__}(info{', **options' if opts else ''}) does not keep the info it "
+                        f"was given (self.info is {getattr(built, 'info', None)!r}): call super().__init__(info) "
+                        "in its __init__, or set self.info = info")
+                return built
 
             extra = k > 1 and not trees  # only the chain rule is new there: one seed, no determinism rerun
             for seed in seeds[:1] if extra else seeds:

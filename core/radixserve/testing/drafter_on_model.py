@@ -43,6 +43,8 @@ def check_drafter_on_model(
     :param min_accept_length: if given, the mean accepted length must reach it (set it where the
         drafter is known to guess right, so the accepted-path bookkeeping is exercised).
     """
+    from radixserve.testing._hooks import call_hook
+    from radixserve.testing.drafter import assert_drafter_class
     from radixserve.testing.end_to_end import run_to_completion
     from radixserve.testing.speculative import (
         greedy_request,
@@ -51,6 +53,8 @@ def check_drafter_on_model(
         target_runner,
     )
 
+    if isinstance(drafter, type):  # what the core refuses at stack resolution fails here first, as an AssertionError
+        assert_drafter_class(drafter, options)
     runner = target_runner(checkpoint)
     prompts = shared_prefix_prompts(num_prompts, int(runner.vocab_size), seed)
 
@@ -68,7 +72,8 @@ def check_drafter_on_model(
     built: list[Any] = []
 
     def make(info, _config):
-        d = drafter(info, **(options or {})) if isinstance(drafter, type) else drafter(info)
+        d = call_hook(lambda: drafter(info, **(options or {})) if isinstance(drafter, type) else drafter(info),
+                      where="building the drafter")
         built.append(d)
         return d
 

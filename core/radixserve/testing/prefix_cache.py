@@ -25,6 +25,7 @@ import torch
 
 from radixserve.interfaces.prefix_cache import PrefixCache
 from radixserve.memory import ReqToTokenPool, TokenAllocator
+from radixserve.plugins.registry import class_problem
 from radixserve.state import Req, SamplingParams
 from radixserve.testing._threads import single_threaded
 
@@ -369,6 +370,10 @@ def check_prefix_cache(
     :param end_to_end: also run the scheduler with the toy model over this cache (a small pool,
         so it evicts and retracts) and compare every output with the reference.
     """
+    if isinstance(cache, type):  # as the core checks the class a stack selects (plugins.registry.class_problem)
+        problem = class_problem("prefix_cache", cache)
+        if problem is not None:
+            raise AssertionError(f"{cache.__module__}.{cache.__qualname__} {problem}")
     for seed in seeds:
         _api_level(cache, seed, api_steps, pool=40)
         _api_level(cache, seed, api_steps, pool=240, max_len=40)  # several 16-token blocks a key
