@@ -730,3 +730,14 @@ def test_sglang_info_routes(tm, client):
     info = client.get("/get_model_info").json()
     assert info["is_generation"] is True and info["served_model_name"] == MODEL and info["max_model_len"] == 64
     assert client.get("/get_server_info").json()["model_name"] == MODEL
+
+
+def test_server_info_shows_the_resolved_stack_the_scheduler_reported(tm):
+    """Plugin-author audit 37, G1: /server_info had only the configuration as given; the scheduler's start-up
+    report of the components it runs (names, distributions, options) is shown as `resolved_stack`."""
+    stack = {"policy": {"name": "lpm", "distribution": "radixserve-policies", "version": "0.1.0",
+                        "options": {"fcfs_threshold": 5}}, "drafter": None}
+    tm.server_info = {"context_len": tm.context_len, "resolved_stack": stack}
+    assert make_client(tm).get("/server_info").json()["resolved_stack"] == stack
+    del tm.server_info  # a front end that heard nothing (yet) says null
+    assert make_client(tm).get("/server_info").json()["resolved_stack"] is None

@@ -127,3 +127,58 @@ def test_the_built_scheduler_names_its_policy_by_stack_name_and_distribution():
     config = Config.build({"stack": {"policy": "priority"}})
     sched = Scheduler.from_config(config, ToyRunner(vocab_size=VOCAB), Registry.discover())
     assert sched.policy_label == "policy 'priority' (radixserve-policies)"
+
+
+class ReturnsNone(SchedulePolicy):
+    def order(self, waiting, cache):
+        waiting.sort(key=lambda r: r.arrival_time)  # sorts in place and forgets to return the list
+
+
+class ReturnsRids(SchedulePolicy):
+    def order(self, waiting, cache):
+        return [r.rid for r in waiting]
+
+
+class ReturnsTuple(SchedulePolicy):
+    def order(self, waiting, cache):
+        return tuple(reversed(waiting))
+
+
+def test_a_wrong_return_type_is_named_in_the_kits_words(caplog):
+    """Plugin-author audit 37, D5: the log said `TypeError: 'NoneType' object is not iterable` where the
+    conformance kit says `returned NoneType, not a list`."""
+    for policy, words in ((ReturnsNone(), "order() returned NoneType, not a list (contract section 4)"),
+                          (ReturnsRids(), "order() returned a list of str, not the waiting requests themselves")):
+        caplog.clear()
+        sched = make(policy, max_running=1)
+        with caplog.at_level(logging.ERROR, logger=LOGGER):
+            assert run(sched, REQS) == expected()  # served as before, in arrival order
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith(LOGGER)]
+        assert len(errors) == 1 and words in str(errors[0].exc_info[1]), caplog.text
+        assert "policy 'buggy' (test-dist): order() failed" in errors[0].getMessage()
+        assert sched.stats()["plugin_failures"] >= 1
+    sched = make(ReturnsTuple(), max_running=1)  # a sequence of the requests themselves is still taken
+    assert run(sched, REQS) == expected() and sched.stats()["plugin_failures"] == 0
+
+
+class Counts(SchedulePolicy):
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def order(self, waiting, cache):
+        self.calls.append(len(waiting))
+        return list(waiting)
+
+
+def test_order_is_not_called_while_no_waiting_request_can_be_admitted():
+    """Plugin-author audit 37, D7: with the batch full (max_running_requests) order() ran on every decode
+    step while requests waited, so a slow policy slowed every step; it runs only when a request can be
+    admitted."""
+    policy = Counts()
+    sched = make(policy, max_running=1)
+    assert run(sched, REQS) == expected()
+    assert policy.calls == [3, 2, 1], policy.calls  # once per admission, not once per step (15 decode steps)
+    policy = Counts()
+    sched = make(policy, max_running=8)  # room for all: one call admits them
+    assert run(sched, REQS) == expected()
+    assert policy.calls == [3], policy.calls

@@ -94,6 +94,23 @@ def test_checked_draft_cuts_to_the_contract():
     assert d.tokens == [1, 3] and d.is_chain
 
 
+def test_checked_draft_counts_what_the_drafter_got_wrong():
+    """Plugin-author audit 37, G3: the tokens dropped for breaking the contract are counted (the scheduler's
+    spec_invalid_draft_tokens); a dropped node's children and tokens past the limit are not the drafter's fault."""
+    assert checked_draft([1, 2, 3, 4], None, 3, 100, True).invalid == 0
+    d = checked_draft([1, 200, 3], None, 5, 100, True)
+    assert d.invalid == 1 and d.invalid_why == "draft token 200 outside the vocabulary [0, 100)"
+    d = checked_draft([1, 200, 3, 4], [-1, -1, 1, 0], 8, 100, True)
+    assert d.invalid == 1 and d.tokens == [1, 4]
+    d = checked_draft([1, 2], [1, -1], 8, 100, True)
+    assert d.invalid == 1 and d.invalid_why.startswith("parents[0] = 1; a parent is -1")
+    assert checked_draft([1, 2, 3, 4], [-1, -1, 0, 0], 8, 100, False).invalid == 0
+    with pytest.raises(TypeError, match=r"draft token '1' is str, not int"):
+        checked_draft(["1"], None, 5, 100, True)
+    with pytest.raises(TypeError, match=r"parent 'x' is str, not int"):
+        checked_draft([1], ["x"], 5, 100, True)
+
+
 def test_accepted_path_follows_matching_children():
     tree = Draft([5, 6, 7, 8], [-1, 0, 0, 2, 2])  # root -> 5, 6; 6 -> 7, 8
     assert accepted_path(tree, [6, 0, 8, 0, 9]) == [0, 2, 4]

@@ -424,3 +424,65 @@ def test_speculative_settings_without_a_drafter_are_said_to_do_nothing(caplog):
         assert build_drafter(Config.build({}), None, None) is None
         assert build_drafter(every_key, None, None) is None
     assert not caplog.text
+
+
+@pytest.mark.parametrize("propose, words", [
+    (lambda reqs, k: [[1] for _ in reqs], "propose returned list, not DraftProposal"),
+    (lambda reqs, k: DraftProposal([["a"] for _ in reqs]), "request 0 (a): draft token 'a' is str, not int"),
+    (lambda reqs, k: DraftProposal([None for _ in reqs]), "request 0 (a): draft is NoneType, not a list"),
+    (lambda reqs, k: DraftProposal([[1.0] for _ in reqs]), "draft token 1.0 is float, not int"),
+    (lambda reqs, k: DraftProposal([]), "propose returned 0 token lists for 1 requests (one entry per request"),
+    (lambda reqs, k: DraftProposal(None), "propose returned NoneType None, not token lists for 1 requests"),
+], ids=["list", "str", "none-draft", "float", "count", "none-tokens"])
+def test_a_drafters_wrong_return_types_are_named_in_the_kits_words(propose, words, caplog):
+    """Plugin-author audit 37, D5: the log said `'list' object has no attribute 'tokens'` or `invalid literal for
+    int()` where the conformance kit names the violation; serving goes on without drafts, as before."""
+    sched, drafter = make({"mode": "right"})
+    drafter.propose = propose
+    p = prompts(1, seed=16)[0]
+    sched.add_request(req("a", p, 10))
+    with caplog.at_level("WARNING", logger="radixserve.scheduler.scheduler"):
+        assert run(sched)["a"]["ids"] == reference(p, 10)
+    assert_clean(sched)
+    errors = [r for r in caplog.records if r.exc_info]
+    assert len(errors) == 1 and words in str(errors[0].exc_info[1]), caplog.text
+    assert f"drafter {type(drafter).__name__}: propose failed" in errors[0].getMessage()
+    assert sched.stats()["plugin_failures"] >= 5
+
+
+def test_integers_of_other_types_are_still_taken_as_draft_tokens():
+    import numpy as np
+    import torch
+
+    sched, drafter = make({"mode": "right"})
+    right = drafter.propose
+    drafter.propose = lambda reqs, k: DraftProposal([[np.int64(t) for t in d[:1]] + [torch.tensor(t) for t in d[1:]]
+                                                     for d in right(reqs, k).tokens])
+    p = prompts(1, seed=16)[0]
+    sched.add_request(req("a", p, 10))
+    assert run(sched)["a"]["ids"] == reference(p, 10)
+    st = sched.stats()
+    assert st["plugin_failures"] == 0 and st["spec_accepted_tokens"] > 0
+
+
+def test_out_of_vocabulary_drafts_are_counted_and_logged_once(caplog):
+    """Plugin-author audit 37, G3: a drafter proposing ids outside the vocabulary saw zero acceptance and nothing
+    else (no log line, plugin_failures 0). The core still drops them and verifies the rest; now it counts them
+    and says so once, naming the drafter."""
+    sched, drafter = make({"mode": "right"})
+    right = drafter.propose
+    drafter.propose = lambda reqs, k: DraftProposal([d[:1] + [VOCAB + 5] + d[2:] for d in right(reqs, k).tokens])
+    outs = {}
+    for i, p in enumerate(prompts(2, seed=3)):
+        sched.add_request(req(f"r{i}", p, 12))
+        outs[f"r{i}"] = reference(p, 12)
+    with caplog.at_level("WARNING", logger="radixserve.scheduler.scheduler"):
+        assert {rid: r["ids"] for rid, r in run(sched).items()} == outs
+    assert_clean(sched)
+    st = sched.stats()
+    assert st["spec_invalid_draft_tokens"] >= 4 and st["plugin_failures"] == 0
+    assert st["spec_accepted_tokens"] > 0  # the draft's first token, before the bad one, is still verified
+    lines = [r.getMessage() for r in caplog.records if "outside the vocabulary" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+    assert lines[0].startswith(f"drafter {type(drafter).__name__}: draft token {VOCAB + 5} outside the vocabulary "
+                               f"[0, {VOCAB})") and "spec_invalid_draft_tokens" in lines[0], lines[0]

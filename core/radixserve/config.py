@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import importlib.util
+import logging
 import os
 import re
 import sys
@@ -20,6 +21,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+logger = logging.getLogger(__name__)
+
 
 class ConfigError(ValueError):
     """A configuration problem the user must fix; the message names the bad key or value."""
@@ -28,6 +31,12 @@ class ConfigError(ValueError):
 class _Section(BaseModel):
     # coerce_numbers_to_str: an override's value is read as YAML, so `server.api_key=123` arrives as 123
     model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+
+
+def _none_is_no_options(v: Any) -> Any:
+    """A component's options given as null (`policy_options:` with no value, `stack.policy_options=null`) are no
+    options, as `{}` is (merge_layers: either replaces an earlier layer's options)."""
+    return {} if v is None else v
 
 
 class ModelSection(_Section):
@@ -44,6 +53,11 @@ class ModelSection(_Section):
     # keyword arguments of the weight source that reads a checkpoint file (e.g. {dequantize: true}
     # for GGUF), checked against its constructor at start-up (unknown option -> error listing the valid ones)
     weight_source_options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("weight_source_options", mode="before")
+    @classmethod
+    def _null_is_no_options(cls, v: Any) -> Any:
+        return _none_is_no_options(v)
 
     @field_validator("served_model_name")
     @classmethod
@@ -75,6 +89,11 @@ class StackSection(_Section):
     # is refused: a slow or adversarial constraint must not hold its client, or those behind it, forever
     grammar_compile_timeout_s: float = Field(default=60.0, gt=0)
 
+    @field_validator("policy_options", mode="before")
+    @classmethod
+    def _null_is_no_options(cls, v: Any) -> Any:
+        return _none_is_no_options(v)
+
 
 class SpeculativeSection(_Section):
     """Speculative decoding, used when `stack.speculative` names a drafter (docs/speculative.md)."""
@@ -89,6 +108,11 @@ class SpeculativeSection(_Section):
     # follow the measured acceptance, and speculation pauses while it is below min_accepted_drafts
     adaptive_batch_size: int = Field(default=8, ge=0)
     min_accepted_drafts: float = Field(default=0.5, ge=0)  # mean accepted drafts per verify
+
+    @field_validator("options", mode="before")
+    @classmethod
+    def _null_is_no_options(cls, v: Any) -> Any:
+        return _none_is_no_options(v)
 
 
 CPU_CHUNKED_PREFILL_SIZE = 512  # scheduler.chunked_prefill_size's default on the CPU
@@ -331,12 +355,13 @@ class Config(_Section):
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
-        """YAML file (optional) merged under `overrides` (nested dict, e.g. {"scheduler": {...}})."""
+        """YAML file (optional) merged under `overrides` (nested dict, e.g. {"scheduler": {...}}) by
+        `merge_layers`."""
         data: dict[str, Any] = {}
         if path is not None:
             data = read_yaml(path)
             _check_file_api_key(data, path)
-        return cls.build(deep_merge(data, overrides or {}))
+        return cls.build(merge_layers(data, overrides or {}))
 
     def check_speculative_settings_used(self) -> None:
         """Raise ConfigError when the `speculative` section differs from its defaults while `stack.speculative`
@@ -352,7 +377,10 @@ class Config(_Section):
                               "lists the installed drafters)")
 
     def with_overrides(self, overrides: dict[str, Any]) -> Config:
-        return Config.build(deep_merge(self.model_dump(), overrides))
+        """This config under `overrides`, a later layer (`merge_layers`). Only the keys some layer set are
+        carried (the rest are defaults either way), so a later layer still sees which component an earlier
+        one named and which one it left to the default."""
+        return Config.build(merge_layers(self.model_dump(exclude_unset=True), overrides))
 
     def to_yaml(self) -> str:
         """The config as a stack file that reads back as the same config. An unset `server.api_key` is left out:
@@ -408,6 +436,56 @@ def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
             out[k] = deep_merge(out[k], v)
         else:
             out[k] = v
+    return out
+
+
+# (section, key) naming a component -> (section, key) of the keyword arguments it is built with. Their options
+# belong to the component an earlier layer named: merge_layers drops them when a later layer names another one
+COMPONENT_OPTIONS: tuple[tuple[tuple[str, str], tuple[str, str]], ...] = (
+    (("stack", "policy"), ("stack", "policy_options")),
+    (("stack", "speculative"), ("speculative", "options")),
+    (("model", "load_format"), ("model", "weight_source_options")),
+)
+_UNSET = object()
+
+
+def _get(data: dict[str, Any], section: str, key: str) -> Any:
+    part = data.get(section)
+    return part.get(key, _UNSET) if isinstance(part, dict) else _UNSET
+
+
+def _same_component(key: str, old: Any, new: Any) -> bool:
+    if key == "load_format" and "auto" in (old, new):
+        # auto: the weight source that declares the file's suffix, unknown here; its options are checked
+        # against whichever it is at start-up
+        return True
+    return old == new
+
+
+def merge_layers(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` (a later layer: command-line overrides over the YAML file, flags over those, Engine keywords over
+    `config=`) merged over `base`, key by key as `deep_merge` does, except for components' options
+    (`COMPONENT_OPTIONS`: `stack.policy_options`, `speculative.options`, `model.weight_source_options`):
+    - an explicit `{}` or null replaces the earlier options instead of adding nothing to them;
+    - where `top` names another component than `base` named (`stack.policy=lpm` over a file's `spf-aging`),
+      `base`'s options are dropped (logged): they are the old component's; `top`'s own options, if any, are
+      the new one's. Options whose component `base` left to the default are kept (a file may hold the options
+      of a drafter the command line names)."""
+    out = deep_merge(base, top)
+    for (section, key), (opt_section, opt_key) in COMPONENT_OPTIONS:
+        given = _get(top, opt_section, opt_key)
+        if given is not _UNSET and (given is None or given == {}):
+            out[opt_section] = {**out[opt_section], opt_key: {}}
+            continue
+        old, new, earlier = _get(base, section, key), _get(top, section, key), _get(base, opt_section, opt_key)
+        # an earlier null (no drafter) or unset key named no component: its options wait for a later one's
+        if (old is _UNSET or old is None or new is _UNSET or _same_component(key, old, new)
+                or not isinstance(earlier, dict) or not earlier or not isinstance(out.get(opt_section), dict)):
+            continue
+        out[opt_section] = {**out[opt_section], opt_key: dict(given) if isinstance(given, dict) else {}}
+        logger.warning("%s.%s is now %r (was %r): the options given for %r (%s.%s %s) are dropped%s", section, key,
+                       new, old, old, opt_section, opt_key, earlier,
+                       f"; %r gets {given}" % (new,) if isinstance(given, dict) else "")
     return out
 
 

@@ -183,15 +183,45 @@ class ModelRunner:
         return method
 
     def _stack_summary(self) -> str:
-        """The start-up log's `stack:` list: each selected component, and the quantization wherever its
-        name came from (stack.quantization; else "(checkpoint)" or "(weight source)")."""
+        """The start-up log's `stack:` list: each selected component with the options it was built with, and the
+        quantization wherever its name came from (stack.quantization; else "(checkpoint)" or "(weight source)")."""
         parts = []
-        for kind, spec in self.stack.by_kind().items():
-            if spec is not None:
-                parts.append(f"{kind} {spec.name}")
-            elif kind == "quantization" and self._quant_origin[0] in ("checkpoint", "weight source"):
-                parts.append(f"quantization {self._quant_origin[1]} ({self._quant_origin[0]})")
+        for kind, entry in self.resolved_stack_info().items():
+            if entry is None or (kind == "quantization" and entry["origin"] == "default"):
+                continue
+            origin = f" ({entry['origin']})" if kind == "quantization" and entry["origin"] != "stack" else ""
+            options = f" {entry['options']}" if entry.get("options") else ""
+            parts.append(f"{kind} {entry['name']}{origin}{options}")
         return ", ".join(parts)
+
+    def resolved_stack_info(self) -> dict[str, dict[str, Any] | None]:
+        """The components this runtime runs, by kind (as `config show`'s resolved_stack, and /server_info's):
+        name, distribution, version and, for the policy, the drafter and a weight source, the options they are
+        built with; the quantization's `origin` says where its name came from ("stack" for stack.quantization,
+        "checkpoint", "weight source" or "default"). None: no component of that kind (no drafter, no grammar)."""
+        options = {"policy": self.stack.policy_options, "drafter": self.stack.drafter_options}
+        out: dict[str, dict[str, Any] | None] = {}
+        for kind, spec in self.stack.by_kind().items():
+            if kind == "quantization":
+                origin, name = getattr(self, "_quant_origin", ("stack", spec.name if spec else None))
+                spec = spec if spec is not None and spec.name == name else self._spec_or_none("quantization", name)
+                if spec is None:
+                    out[kind] = None
+                    continue
+                out[kind] = {**_spec_info(spec), "origin": origin}
+                if origin == "weight source":
+                    out[kind]["options"] = dict(self.config.model.weight_source_options)
+                continue
+            out[kind] = None if spec is None else _spec_info(spec)
+            if spec is not None and kind in options:
+                out[kind]["options"] = dict(options[kind])
+        return out
+
+    def _spec_or_none(self, kind: str, name: str | None) -> Any:
+        try:
+            return self.registry.get(kind, name) if name else None
+        except Exception:
+            return None
 
     def quant_hooks_named(self, when: str = ""):
         """A context in which an exception out of the layers' QuantMethod hooks becomes one line naming
@@ -823,6 +853,10 @@ class ModelRunner:
         ready = torch.cuda.Event()
         ready.record()
         return copies, ready
+
+
+def _spec_info(spec: Any) -> dict[str, Any]:
+    return {"name": spec.name, "distribution": spec.distribution, "version": spec.version}
 
 
 def _with_prompt_scores(result: BatchResult, scores_host: list, ready) -> BatchResult:

@@ -77,5 +77,8 @@ __version__ = "0.1.0"
 #      (plugins.registry.class_problem: subclass, not abstract, a drafter's __init__ taking the info) and say a
 #      failure to build as an AssertionError; a policy's or drafter's abstract class is refused at stack resolution,
 #      and a constructor's exception other than ValueError is a PluginCodeError naming the component
-#      (plugins.registry.build_component); register(devices=) takes only a tuple/list of "cpu" / "cuda"
+#      (plugins.registry.build_component); register(devices=) takes only a tuple/list of "cpu" / "cuda";
+#      a policy's order() / drafter's propose() of the wrong type is named in the kit's words (floats and strings
+#      as draft tokens are refused), out-of-vocabulary drafts are counted (spec_invalid_draft_tokens), order() is
+#      not called while no waiting request can be admitted; /server_info's resolved_stack
 PLUGIN_API_VERSION = "1.19"

@@ -265,6 +265,7 @@ def run_scheduler_process(config_dict: dict, ports: PortArgs, parent_pid: int, d
         "vocab_size": int(getattr(runner, "vocab_size", 0) or 0),
         "eos_token_ids": sorted(int(t) for t in scheduler.eos_token_ids),
         "max_running_requests": scheduler.max_running,
+        "resolved_stack": runner.resolved_stack_info(),  # /server_info's: the components and their options
     }
     server.to_manager.send(server.enc.encode(ReadyMessage(process="scheduler", info=info)))
     logger.info("ready in %.1f s since the process started", time.monotonic() - _process_start_s())

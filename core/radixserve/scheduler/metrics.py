@@ -29,6 +29,7 @@ class SchedulerMetrics:
     spec_verifies: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_invalid_draft_tokens: int = 0  # draft tokens dropped for breaking the contract (out of the vocabulary, ...)
     # where a busy scheduler's time goes: whole steps, and the part of them spent waiting on forwards
     # (launch to result; the non-overlapped path only: an overlapped step's forward runs under host work)
     steps: int = 0

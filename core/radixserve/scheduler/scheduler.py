@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -41,7 +41,7 @@ from radixserve.scheduler.grammar import (
 from radixserve.scheduler.metrics import SchedulerMetrics, StepTrace
 from radixserve.scheduler.slot_audit import SlotAudit
 from radixserve.scheduler.speculative.adaptive import DraftLengthControl
-from radixserve.scheduler.speculative.drafts import Draft, accepted_path, checked_draft
+from radixserve.scheduler.speculative.drafts import Draft, accepted_path, check_proposal, checked_draft
 from radixserve.scheduler.stop_strings import StopStringMatcher
 from radixserve.state import (
     BatchResult,
@@ -390,6 +390,7 @@ class Scheduler:
                                "verify them (supports_tree_mask is False): each tree is cut to the chain of each node's "
                                "first child", spec.topk, backend)
         self._step_acceptance: list[int] = []  # per verify step: accepted drafts of each drafting request
+        self._invalid_drafts_logged = False  # the first draft token dropped for breaking the contract is logged
         if drafter is not None and self.overlap:
             logger.info("speculative decoding is on: overlap scheduling is switched off (verify steps run one at a time)")
             self.overlap = False
@@ -920,12 +921,18 @@ class Scheduler:
             if len(req.fill_ids) != len(req.origin_input_ids) + len(req.output_ids):
                 req.fill_ids = req.all_ids()
             req.prefix_indices, req.last_node = None, None
+        resident = len(self.running) + len(items)
+        if resident >= self.max_running or self.req_to_token_pool.available_size() == 0:
+            # no request can be admitted this step (the loop below would stop before the first): the policy's
+            # order is not needed, and a slow order() must not slow every decode step of a full batch
+            if whole_only:
+                self._share_refused_at = self._arrivals
+            return items
         ordered = self._policy_order(candidates)
         if whole_only:  # only prompts that fit the share whole (cache hits aside): no prefix match for the rest
             ordered = [r for r in ordered if len(r.fill_ids) <= chunk_budget]
         self._evicted = False
         admitted: list[Req] = []
-        resident = len(self.running) + len(items)
         for req in ordered:
             if resident + len(admitted) >= self.max_running or self.req_to_token_pool.available_size() == 0:
                 break
@@ -1023,7 +1030,15 @@ class Scheduler:
         themselves, each once, this step admits in arrival order instead (logged, naming the policy):
         a policy's bug must not end the runtime or lose a request."""
         try:
-            ordered = list(self.policy.order(candidates, self.cache))
+            out = self.policy.order(candidates, self.cache)
+            if type(out) is not list:  # the conformance kit's words (check_schedule_policy); a tuple is taken
+                if isinstance(out, str | bytes | dict) or not isinstance(out, Iterable):
+                    raise TypeError(f"order() returned {type(out).__name__}, not a list (contract section 4)")
+                out = list(out)
+            ordered = out
+            if ordered and not isinstance(ordered[0], Req):  # a sample: the permutation check below sees the rest
+                raise TypeError(f"order() returned a list of {type(ordered[0]).__name__}, not the waiting requests "
+                                "themselves (contract section 4)")
             if len(ordered) == len(candidates) and {id(r) for r in ordered} == {id(r) for r in candidates}:
                 return ordered
             raise ValueError(f"order() returned {len(ordered)} requests for {len(candidates)} waiting, not a "
@@ -1097,14 +1112,17 @@ class Scheduler:
             return None
         try:
             proposal = self.drafter.propose([reqs[i] for i in asking], max(limits[i] for i in asking))
-            if len(proposal.tokens) != len(asking) or (
-                proposal.parents is not None and len(proposal.parents) != len(asking)
-            ):
-                raise ValueError(f"the drafter returned {len(proposal.tokens)} drafts for {len(asking)} requests")
+            check_proposal(proposal, len(asking))
             drafts = [Draft([], [-1]) for _ in reqs]
             for j, i in enumerate(asking):
                 parents = proposal.parents[j] if proposal.parents is not None else None
-                drafts[i] = checked_draft(proposal.tokens[j], parents, limits[i], self.limits.vocab_size, self.trees_ok)
+                try:
+                    drafts[i] = d = checked_draft(proposal.tokens[j], parents, limits[i], self.limits.vocab_size,
+                                                  self.trees_ok)
+                except TypeError as e:  # the kit's words, with the request they are about
+                    raise TypeError(f"request {j} ({reqs[i].rid}): {e}") from None
+                if d.invalid:
+                    self._count_invalid_drafts(d, reqs[i])
         except Exception:
             self._failures.exception(f"{self.drafter_label}: propose failed; steps decode without drafts")
             return None
@@ -1124,6 +1142,18 @@ class Scheduler:
         ]
         self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - self.ratio_decay)
         return items
+
+    def _count_invalid_drafts(self, draft: Draft, req: Req) -> None:
+        """Draft tokens the core dropped for breaking the drafter contract (out of the vocabulary, a tree parent
+        that is not an earlier draft): counted in stats `spec_invalid_draft_tokens`, the first logged once, so an
+        author sees why such drafts are never accepted (they cost no failure: the rest of the draft is verified)."""
+        self.metrics.spec_invalid_draft_tokens += draft.invalid
+        if not self._invalid_drafts_logged:
+            self._invalid_drafts_logged = True
+            logger.warning("%s: %s in the draft for request %s: the core drops it (with the rest of its chain, or its "
+                           "subtree) and verifies the rest (docs/contracts.md section 6a); every such draft token is "
+                           "counted in /server_info spec_invalid_draft_tokens, and only this first one is logged",
+                           self.drafter_label, draft.invalid_why, req.rid)
 
     def _draft_limit(self, req: Req, k: int) -> int:
         """Drafts worth verifying: a step yields at most drafts + 1 tokens, so never more than
@@ -1659,6 +1689,7 @@ class Scheduler:
             "spec_verifies": m.spec_verifies,
             "spec_draft_tokens": m.spec_draft_tokens,
             "spec_accepted_tokens": m.spec_accepted_tokens,
+            "spec_invalid_draft_tokens": m.spec_invalid_draft_tokens,
             "spec_accept_length": m.spec_accept_length(),
             "spec_mean_accepted_drafts": self.draft_control.mean_accepted if self.drafter is not None else 0.0,
             "plugin_failures": self._failures.total,

@@ -189,6 +189,8 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
                 "context_len": int(tm.context_len),
                 "healthy": bool(tm.is_healthy()),
                 "config": cfg,
+                # the components running, with their distributions and options (the scheduler's, at start-up)
+                "resolved_stack": (getattr(tm, "server_info", None) or {}).get("resolved_stack"),
                 "stats": stats,
             }
         )

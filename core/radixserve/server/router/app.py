@@ -158,6 +158,7 @@ def create_router_app(router: Router, config: Config, metrics: RouterMetrics) ->
                 "dp_size": len(router.replicas),
                 "router": {"policy": router.policy.name},
                 "config": cfg,
+                "resolved_stack": first.get("resolved_stack"),  # every replica runs the same config
                 "stats": aggregate_stats(stats),
                 "replicas": replicas,
             }
