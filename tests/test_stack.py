@@ -402,6 +402,23 @@ def test_build_component_says_a_drafter_constructor_bug_as_one_line(buggy_regist
         build_component(spec, cls, drafter_info(), refused=refused, nope=1)  # an option it does not take
 
 
+def test_the_scheduler_builds_its_drafter_through_build_component(buggy_registry):
+    """The scheduler process's build_drafter: a drafter constructor's own bug names the drafter and its distribution
+    (it was "the scheduler process failed: KeyError('x')" after the model loaded), an option it refuses stays the
+    user's PluginError."""
+    from types import SimpleNamespace
+
+    from radixserve.config import Config
+    from radixserve.plugins.registry import PluginCodeError
+    from radixserve.scheduler.speculative.setup import build_drafter
+
+    runner = SimpleNamespace(device="cpu", vocab_size=64)
+    config = Config.build({"stack": {"speculative": "InitKeyErrorDrafter"}})
+    with pytest.raises(PluginCodeError, match=r"^drafter 'InitKeyErrorDrafter' \(radixserve-buggy 0.1.0\) failed to "
+                                              r"build: KeyError: 'x'$"):
+        build_drafter(config, runner, buggy_registry)
+
+
 def test_config_show_refuses_an_abstract_drafter_before_any_model_loads(tmp_path):
     """Audit 37 (D9), through a real entry point: exit 2, one line, no traceback."""
     body = '''

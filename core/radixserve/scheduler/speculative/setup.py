@@ -9,7 +9,7 @@ import torch
 
 from radixserve.config import Config
 from radixserve.interfaces.drafter import Drafter, DrafterInfo
-from radixserve.plugins.registry import PluginError
+from radixserve.plugins.registry import build_component
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,8 @@ def drafter_info(config: Config, runner: Any) -> DrafterInfo:
 
 def build_drafter(config: Config, runner: Any, registry: Any) -> Drafter | None:
     """The configured drafter, or None when `stack.speculative` is not set. A constructor that
-    refuses its options or its info (TypeError / ValueError) becomes a PluginError naming it."""
+    refuses its options or its info (ValueError, a TypeError over the options) becomes a PluginError naming it;
+    any other exception a PluginCodeError naming the drafter and its distribution (registry.build_component)."""
     name = config.stack.speculative
     if name is None:
         default = type(config.speculative)()  # what the section is when nobody set it (serve passes its defaults)
@@ -47,7 +48,9 @@ def build_drafter(config: Config, runner: Any, registry: Any) -> Drafter | None:
                            ", ".join(f"speculative.{key}" for key in given))
         return None
     cls = registry.load("drafter", name)
-    try:
-        return cls(drafter_info(config, runner), **config.speculative.options)
-    except (TypeError, ValueError) as e:
-        raise PluginError(f"stack.speculative={name!r}: the drafter refused its configuration: {e}") from None
+    # a refusal (ValueError, a TypeError over the options) stays the user's PluginError; its own bug (a KeyError
+    # in __init__) is a PluginCodeError naming the drafter and its distribution (audit 37: it was "the scheduler
+    # process failed: KeyError('x')")
+    return build_component(registry.get("drafter", name), cls, drafter_info(config, runner),
+                           refused=f"stack.speculative={name!r}: the drafter refused its configuration",
+                           **config.speculative.options)
