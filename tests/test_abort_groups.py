@@ -44,3 +44,15 @@ def test_aborting_the_requests_rid_reaches_each_of_its_generations():
         assert tm.aborted[-1] == "solo"
 
     asyncio.run(run())
+
+
+def test_abort_all_asks_the_scheduler_to_stop_every_request_in_flight():
+    """SGLang's /abort_request {"abort_all": true} (audit 37b): every unfinished request, each by its rid."""
+    from types import SimpleNamespace
+
+    from radixserve.runtime.tokenizer_manager import TokenizerManager
+
+    asked: list[str] = []
+    states = {rid: SimpleNamespace(rid=rid, finished=rid == "done") for rid in ("a", "done", "b")}
+    tm = SimpleNamespace(_rid_to_state=states, abort=asked.append)
+    assert TokenizerManager.abort_all(tm) == 2 and asked == ["a", "b"]

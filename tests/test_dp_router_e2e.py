@@ -157,6 +157,24 @@ def test_a_client_that_disconnects_aborts_its_request_in_the_replica(server):
     raise AssertionError(f"the replica did not abort the abandoned request: {info['stats']}")
 
 
+def test_abort_all_through_the_router_stops_the_requests_of_every_replica(server):
+    """SGLang's {"abort_all": true} (audit 37b): the router asks each replica and adds up what they stopped."""
+    body = {"model": server.model, "prompt": "Count to a million:", "max_tokens": 3000, "ignore_eos": True}
+    answers: list = []
+    waiting = [threading.Thread(target=lambda: answers.append(httpx.post(f"{server.url}/v1/completions", json=body,
+                                                                          timeout=120))) for _ in range(2)]
+    for t in waiting:
+        t.start()
+    deadline = time.monotonic() + 30
+    while sum(r["in_flight"] for r in server.info()["replicas"]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    r = httpx.post(f"{server.url}/abort_request", json={"abort_all": True}, timeout=30)
+    assert r.status_code == 200 and r.json() == {"status": "ok", "aborted": 2}, r.text
+    for t in waiting:
+        t.join(60)
+    assert [a.json()["choices"][0]["finish_reason"] for a in answers] == ["abort", "abort"], [a.text for a in answers]
+
+
 class _Stream(threading.Thread):
     def __init__(self, url: str, body: dict) -> None:
         super().__init__(daemon=True)

@@ -96,6 +96,21 @@ def test_n_and_top_logprobs_that_would_be_ignored_are_refused(engine):
     assert engine.get_stats()["in_flight_requests"] == 0
 
 
+def test_n_in_a_batch_follows_generates_rules(engine):
+    """Audit 37b: the Engine took per-prompt n values that differ (k * n + i then pointed at the wrong results) and
+    any number of results (/generate caps a request at 1,024); a per-prompt list of the wrong length was a bare
+    ValueError without .param."""
+    with pytest.raises(ValueError, match=re.escape("sampling_params[1].n (1) differs from sampling_params[0].n (2)")) as e:
+        engine.generate(["a", "b"], [{"max_new_tokens": 1, "n": 2}, {"max_new_tokens": 1}])
+    assert e.value.param == "sampling_params[1].n"
+    with pytest.raises(ValueError, match=r"at most 1024 completions in one request \(prompts times n; got 9 x 128\)"):
+        engine.generate(["a"] * 9, {"max_new_tokens": 1, "n": 128})
+    with pytest.raises(ValueError, match=r"^sampling_params: a list of 1 for 2 prompts") as e:
+        engine.generate(["a", "b"], [{"max_new_tokens": 1}])
+    assert e.value.param == "sampling_params"
+    assert engine.get_stats()["in_flight_requests"] == 0
+
+
 def test_a_sampling_params_object_gets_what_a_dict_gets(engine):
     """engine.md names radixserve.state.SamplingParams; an object with n=2 returned one completion (audit, session 27)."""
     from radixserve.state import SamplingParams

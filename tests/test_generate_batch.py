@@ -195,3 +195,28 @@ def test_a_disconnect_aborts_every_generation_of_a_batch(live_server):
             if line.startswith("data: "):
                 break  # one event received; leaving the block closes the connection
     assert _wait_for(lambda: sorted(tm.aborted) == ["d-0", "d-1", "d-2", "d-3"]), tm.aborted
+
+
+class RefusingRegexTM(FakeTM):
+    """FakeTM whose runtime refuses a regex as the scheduler does a constraint that does not compile."""
+
+    async def generate(self, inp):
+        if inp.sampling_params.regex == "((zz":
+            from radixserve.validation import InvalidRequest
+
+            raise InvalidRequest("sampling_params.regex: invalid regex: missing )", "sampling_params.regex")
+        async for out in super().generate(inp):
+            yield out
+
+
+def test_a_runtime_refusal_names_its_entry_of_a_per_prompt_list():
+    """Audit 37b: a regex the runtime refused in sampling_params[1] was named `sampling_params.regex` (one object's
+    name), so a client could not tell which prompt to fix."""
+    client = make_client(RefusingRegexTM())
+    body = {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 2, "regex": "((zz"}]}
+    r = client.post("/generate", json=body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "sampling_params[1].regex", r.text
+    assert err["message"] == "sampling_params[1].regex: invalid regex: missing )"
+    one = client.post("/generate", json={"text": ["a", "b"], "sampling_params": {"max_new_tokens": 2, "regex": "((zz"}})
+    assert one.json()["error"]["param"] == "sampling_params.regex"  # one object for all: its own name

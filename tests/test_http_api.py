@@ -113,6 +113,10 @@ class FakeTM:
     def abort(self, rid: str) -> None:
         self.aborted.append(rid)
 
+    def abort_all(self) -> int:
+        self.aborted.append("<all>")
+        return 3
+
     async def flush_cache(self):
         from radixserve.messages import ControlReply
 
@@ -397,6 +401,12 @@ def test_health_metrics_flush_abort_info(tm):
     assert client.post("/flush_cache", headers=auth).status_code == 200 and tm.flushed == 1
     assert client.post("/abort_request", json={"rid": "r1"}, headers=auth).json()["status"] == "ok"
     assert tm.aborted == ["r1"]
+    # SGLang's abort_all (audit 37b: a 400 "rid: Field required", so an SGLang client's cancel-all left them running)
+    assert client.post("/abort_request", json={"abort_all": True}, headers=auth).json() == {"status": "ok", "aborted": 3}
+    assert tm.aborted == ["r1", "<all>"]
+    for body, param in (({}, "rid"), ({"rid": "r1", "abort_all": True}, "abort_all")):
+        r = client.post("/abort_request", json=body, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     info = client.get("/server_info", headers=auth).json()
     assert info["model_name"] == MODEL and info["config"]["server"]["api_key"] == "***"
 

@@ -369,6 +369,13 @@ def test_get_returns_a_stored_response_and_delete_forgets_it():
         oai.responses.retrieve(r.id)
     err = post(http, {"model": MODEL, "input": "more", "previous_response_id": r.id})
     assert err.status_code == 404 and err.json()["error"]["param"] == "previous_response_id"
+    # audit 37b: the SDK's retrieve(stream=True) got plain JSON and yielded nothing
+    kept = oai.responses.create(model=MODEL, input="Keep this too")
+    for query in ("stream=true", "starting_after=3", "include[]=message.output_text.logprobs"):
+        refused = http.get(f"/v1/responses/{kept.id}?{query}")
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == query.split("=")[0], refused.text
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        list(oai.responses.retrieve(kept.id, stream=True))
 
 
 def test_store_false_keeps_nothing():
@@ -454,6 +461,11 @@ HI = {"model": MODEL, "input": "hi"}
     ({**HI, "temperature": 3}, "temperature", "less than or equal to 2"),
     ({**HI, "max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
     ({**HI, "text": {"format": {"type": "json_schema", "name": "a b", "schema": {}}}}, "text.format.name", "pattern"),
+    # audit 37b: the API's limits, the schema it requires, an empty id
+    ({**HI, "text": {"format": {"type": "json_schema", "name": "a"}}}, "text.format.schema", "Field required"),
+    ({**HI, "metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16 items"),
+    ({**HI, "metadata": {"k": "v" * 513}}, "metadata.k", "at most 512 characters"),
+    ({**HI, "previous_response_id": ""}, "previous_response_id", "at least 1 character"),
 ])
 def test_what_is_not_served_is_a_400_naming_the_field(body, param, words):
     tm = CannedTM("never")

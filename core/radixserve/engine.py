@@ -39,9 +39,11 @@ from radixserve.validation import (
     FieldNames,
     InvalidRequest,
     ModelLimits,
+    at_prompt,
     check_one_choice,
     check_sampling,
     sampling_from_dict,
+    too_many_completions,
 )
 
 # how long an interrupted call may take to clean up, e.g. a start stopping the children it began (each is
@@ -66,6 +68,20 @@ def _sampling_params(sp: Any, index: int | None = None, max_n: int = 1) -> Sampl
     if sp.seed is not None and sp.n > 1:  # copy i runs with seed + i: each must be a valid seed
         check_sampling(dataclasses.replace(sp, seed=copy_seed(sp.seed, sp.n - 1)), ModelLimits(), names)
     return sp
+
+
+def _check_samples(inputs: list[GenerateInput], per_prompt: bool) -> None:
+    """/generate's rules for `n` (audit 37b): every prompt sampled as many times (result k * n + i is sample i of
+    prompt k), and at most MAX_COMPLETIONS_PER_REQUEST results in one call."""
+    n = inputs[0].sampling_params.n
+    for k, inp in enumerate(inputs):
+        if inp.sampling_params.n != n:
+            field = f"sampling_params[{k}].n" if per_prompt else "sampling_params.n"
+            raise InvalidRequest(f"{field} ({inp.sampling_params.n}) differs from sampling_params[0].n ({n}): every "
+                                 "prompt of a batch is sampled as many times", param=field)
+    too_many = too_many_completions(len(inputs), n)
+    if too_many is not None:
+        raise InvalidRequest(too_many, param="sampling_params.n")
 
 
 def _one_per_sample(inputs: list[GenerateInput]) -> list[GenerateInput]:
@@ -284,8 +300,10 @@ class Engine:
         sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         rids = rid if isinstance(rid, list) else [rid] * n
         prios = priority if isinstance(priority, list) else [priority] * n
-        if len(sps) != n or len(rids) != n or len(prios) != n:
-            raise ValueError(f"{n} prompts but {len(sps)} sampling_params, {len(rids)} rids and {len(prios)} priorities")
+        for field, given in (("sampling_params", sps), ("rid", rids), ("priority", prios)):
+            if len(given) != n:  # a RequestError naming the field, as engine.md promises for a request's fields
+                raise InvalidRequest(f"{field}: a list of {len(given)} for {n} prompts: give one for all prompts, "
+                                     "or a list of one per prompt", param=field)
         if any(isinstance(p, bool) or not isinstance(p, int) for p in prios):
             raise InvalidRequest(f"priority must be an int (or one int per prompt), got {priority!r}", param="priority")
         if any(not PRIORITY_MIN <= p <= PRIORITY_MAX for p in prios):
@@ -340,6 +358,7 @@ class Engine:
             logprob_start_len, max_n=MAX_N,
         )
         if any(inp.sampling_params.n > 1 for inp in inputs):
+            _check_samples(inputs, isinstance(sampling_params, list))
             inputs, single = _one_per_sample(inputs), False
 
         async def run_all() -> list[dict[str, Any]]:
@@ -364,13 +383,9 @@ class Engine:
         try:
             return await self._collect(inp, prepared)
         except InvalidRequest as e:
-            where = "sampling_params."
-            if single or not (e.param or "").startswith(where):
+            if single:
                 raise
-            field = f"sampling_params[{index}].{e.param[len(where):]}"
-            text = str(e)
-            raise InvalidRequest(field + text[len(e.param):] if text.startswith(e.param) else f"{field}: {text}",
-                                 field, e.code) from None
+            raise at_prompt(e, f"sampling_params[{index}]") from None
 
     async def async_generate(
         self,

@@ -27,6 +27,19 @@ MAX_STOP_STRINGS = 16
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 # samples per prompt (`n`) of one HTTP request: the OpenAI routes' field and /generate's sampling_params.n
 MAX_N = 128
+# prompts x n of one /v1/completions, /generate or Engine.generate request: more, in one small body, would queue
+# ahead of everyone else's
+MAX_COMPLETIONS_PER_REQUEST = 1024
+
+
+def too_many_completions(prompts: int, n: int) -> str | None:
+    """Why `prompts` prompts sampled `n` times each are refused in one request (None: they are not).
+    Fuzz audit 31: 10,000 prompts in a 60 KB body held the scheduler for a minute, ahead of every
+    request that came after it."""
+    if prompts * n <= MAX_COMPLETIONS_PER_REQUEST:
+        return None
+    return (f"at most {MAX_COMPLETIONS_PER_REQUEST} completions in one request (prompts times n; got {prompts} x "
+            f"{n}): send the rest in other requests")
 
 
 class InvalidRequest(RequestError, ValueError):
@@ -38,6 +51,17 @@ class InvalidRequest(RequestError, ValueError):
         super().__init__(message, status=400)
         self.param = param
         self.code = code  # OpenAI's error `code` where it has a name for it (None: the status)
+
+
+def at_prompt(e: InvalidRequest, where: str) -> InvalidRequest:
+    """`e`, a refusal naming `sampling_params.<field>`, as one naming `<where>.<field>` (`sampling_params[1]`: the
+    entry of a per-prompt list the runtime refused, e.g. its regex that does not compile); else `e` itself."""
+    prefix = "sampling_params."
+    if not (e.param or "").startswith(prefix):
+        return e
+    field = f"{where}.{e.param[len(prefix):]}"
+    text = str(e)
+    return InvalidRequest(field + text[len(e.param):] if text.startswith(e.param) else f"{field}: {text}", field, e.code)
 
 
 @dataclass(frozen=True)

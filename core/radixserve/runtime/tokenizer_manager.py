@@ -361,6 +361,14 @@ class TokenizerManager:
         """Requests admitted and not yet finished."""
         return sum(1 for st in self._rid_to_state.values() if not st.finished)
 
+    def abort_all(self) -> int:
+        """Abort every request in flight (SGLang's /abort_request `abort_all`): each ends with finish reason
+        `abort`, as one aborted by its rid. Returns how many were asked to stop."""
+        running = [st.rid for st in self._rid_to_state.values() if not st.finished]
+        for rid in running:
+            self.abort(rid)
+        return len(running)
+
     def end_in_flight(self, reason: str) -> None:
         """End every in-flight request now with RequestError 503 `reason` (their callers see the
         error; a streaming client gets it as its final event)."""

@@ -169,6 +169,8 @@ def create_app(tm: Any, config: Config, registry: Any = None) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(body: p.AbortRequest) -> JSONResponse:
+        if body.abort_all:
+            return JSONResponse({"status": "ok", "aborted": tm.abort_all()})
         serving.abort(body.rid)
         return JSONResponse({"status": "ok", "rid": body.rid})
 

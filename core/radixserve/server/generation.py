@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from radixserve.validation import InvalidRequest, at_prompt
+
 T = TypeVar("T")
 
 
@@ -32,6 +34,9 @@ class Job:
     # a caller's rid naming this generation and its siblings (a /generate batch's per-prompt rid with n > 1):
     # listed in `groups` like the request's own rid, so that aborting it reaches each of them
     group: str | None = None
+    # where its sampling params came from when not `sampling_params` itself (`sampling_params[1]`, a per-prompt
+    # list's entry): a refusal from the runtime (a regex that does not compile) names it there (audit 37b)
+    sampling_field: str | None = None
 
 
 _DONE = object()
@@ -73,6 +78,8 @@ class Fanout:
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # handed to the consumer, which re-raises it
+            if job.sampling_field is not None and isinstance(e, InvalidRequest):
+                e = at_prompt(e, job.sampling_field)
             self._queue.put_nowait((job.index, e))
 
     def __aiter__(self) -> AsyncIterator[tuple[int, dict]]:

@@ -430,7 +430,8 @@ class Serving:
                     logprob_start_len=req.logprob_start_len,
                     priority=req.priority,
                 )
-                jobs.append(Job(index, rid, gen, group=rids[k] if rids is not None and n > 1 else None))
+                jobs.append(Job(index, rid, gen, group=rids[k] if rids is not None and n > 1 else None,
+                                sampling_field=f"sampling_params[{k}]" if per_prompt else None))
         single = not req.is_batch() and n == 1  # today's (and SGLang's) answer of one object
         if req.stream:
             fmt = _NativeFormat(indexed=not single)

@@ -29,6 +29,7 @@ from radixserve.validation import (
     InvalidRequest,
     check_min_tokens,
     is_text,
+    too_many_completions,
 )
 
 
@@ -313,19 +314,6 @@ class ChatCompletionRequest(_SamplingFields, ChatToolFields):
         return "max_tokens", self.max_tokens
 
 
-# prompts x n of one /v1/completions or /generate request: more, in one small body, would queue ahead of
-# everyone else's
-MAX_COMPLETIONS_PER_REQUEST = 1024
-
-
-def too_many_completions(prompts: int, n: int) -> str | None:
-    """Why `prompts` prompts sampled `n` times each are refused in one request (None: they are not).
-    Fuzz audit 31: 10,000 prompts in a 60 KB body held the scheduler for a minute, ahead of every
-    request that came after it."""
-    if prompts * n <= MAX_COMPLETIONS_PER_REQUEST:
-        return None
-    return (f"at most {MAX_COMPLETIONS_PER_REQUEST} completions in one request (prompts times n; got {prompts} x "
-            f"{n}): send the rest in other requests")
 
 
 class CompletionRequest(_SamplingFields):
@@ -481,7 +469,18 @@ class DetokenizeRequest(_Body):
 
 
 class AbortRequest(_Body):
-    rid: str
+    """/abort_request: one request by `rid`, or (SGLang's `abort_all: true`) every request in flight."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+    @model_validator(mode="after")
+    def _one_target(self) -> AbortRequest:
+        if not self.rid and not self.abort_all:
+            raise refuse("rid", "give the rid of the request to abort, or abort_all: true")
+        if self.rid and self.abort_all:
+            raise refuse("abort_all", "give either a rid or abort_all: true, not both")
+        return self
 
 
 # ---- responses ----------------------------------------------------------------------------------

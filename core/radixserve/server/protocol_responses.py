@@ -196,9 +196,11 @@ class TextFormatJsonObject(_Request):
 
 
 class TextFormatJsonSchema(JsonSchemaFormat):
-    """`text.format` of type json_schema: chat's `response_format.json_schema` fields, flat."""
+    """`text.format` of type json_schema: chat's `response_format.json_schema` fields, flat. Here `schema` is
+    required, as in the API (chat's optional schema means any JSON object: audit 37b)."""
 
     type: Literal["json_schema"]
+    schema_: dict[str, Any] | bool = Field(alias="schema")
 
 
 TextFormat = Annotated[TextFormatText | TextFormatJsonObject | TextFormatJsonSchema, Field(discriminator="type")]
@@ -235,10 +237,13 @@ class ResponsesRequest(_Body):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    metadata: dict[str, str] | None = None
+    # the API's limits: 16 pairs, keys of at most 64 characters, values of at most 512 (it is stored with the
+    # response: unbounded, one client could fill the store and evict everyone's responses; audit 37b)
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        default=None, max_length=16)
     user: str | None = None
     store: bool = True  # the API's default: kept for GET and previous_response_id
-    previous_response_id: str | None = None
+    previous_response_id: str | None = Field(default=None, min_length=1)
     # the API's fields this server has only in their default form (anything else is a 400 saying so)
     background: bool | None = None
     include: list[str] | None = None

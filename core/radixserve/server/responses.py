@@ -76,9 +76,9 @@ class ResponseStore:
 
 
 def _not_found(response_id: str, param: str | None = None) -> APIError:
-    return APIError(f"no response with id {response_id!r} is stored on this server (stored responses are kept "
-                    f"in memory, up to {MAX_STORED_RESPONSES}, and lost on restart)", 404, param,
-                    type="invalid_request_error")
+    return APIError(f"no response with id {response_id!r} is stored on this server (a response is stored once it "
+                    f"has finished, unless it was sent with store false; stored responses are kept in memory, up to "
+                    f"{MAX_STORED_RESPONSES}, and lost on restart)", 404, param, type="invalid_request_error")
 
 
 def add_responses_routes(app: FastAPI, serving: Any, store: ResponseStore | None = None) -> ResponseStore:
@@ -119,7 +119,10 @@ def add_responses_routes(app: FastAPI, serving: Any, store: ResponseStore | None
         return JSONResponse(response)
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> JSONResponse:
+    async def get_response(response_id: str, request: Request) -> JSONResponse:
+        for name in request.query_params:  # the SDK's retrieve(stream=True) got JSON and yielded nothing (audit 37b)
+            raise APIError(f"{name}: retrieving a stored response takes no parameters here (no stream replay, no "
+                           "include); GET the response as it was stored", 400, name)
         stored = store.get(response_id)
         if stored is None:
             raise _not_found(response_id)

@@ -7,6 +7,7 @@ Generation routes are routed by the policy and relayed (proxy.py); /health, /hea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from typing import Any
@@ -118,10 +119,16 @@ def create_router_app(router: Router, config: Config, metrics: RouterMetrics) ->
         body = await request.body()
         answers = await _ask_all(router, "POST", "/abort_request", content=body,
                                  headers={"content-type": "application/json"})  # fmt: skip
+        aborted = 0
         for _, a in answers:
             if isinstance(a, httpx.Response) and a.status_code != 200:
                 return Response(a.content, status_code=a.status_code, media_type=a.headers.get("content-type"))
-        return JSONResponse({"status": "ok", **({"rid": _rid(body)} if _rid(body) else {})})
+            if isinstance(a, httpx.Response):  # abort_all: each replica says how many it stopped
+                with contextlib.suppress(ValueError, AttributeError):
+                    aborted += int(a.json().get("aborted", 0))
+        if _rid(body):
+            return JSONResponse({"status": "ok", "rid": _rid(body)})
+        return JSONResponse({"status": "ok", "aborted": aborted})
 
     @app.get("/server_info")
     @app.get("/get_server_info")  # SGLang's name, as on a single server
