@@ -670,3 +670,55 @@ def test_the_policy_kit_takes_a_clock_and_a_range_of_waits():
     for bad in ((-1, 5), (5, 1)):
         with pytest.raises(ValueError, match="waits="):
             check_schedule_policy(lambda: _AgeProbe(frozen, []), waits=bad, end_to_end=False)
+
+
+class _MatchReturnsTuple(RadixCache):
+    def match_prefix(self, key):
+        m = super().match_prefix(key)
+        return m.kv_indices, m.last_node
+
+
+class _InsertRaises(RadixCache):
+    def insert(self, key, kv_indices):
+        if len(key) > 3:
+            raise RuntimeError("simulated bug in insert")
+        return super().insert(key, kv_indices)
+
+
+class _MatchRaises(RadixCache):
+    def match_prefix(self, key):
+        if len(key) > 3:
+            raise RuntimeError("simulated bug in match_prefix")
+        return super().match_prefix(key)
+
+
+class _ShortMatch(RadixCache):
+    """Never returns a match (the cache holds the prefix): the message labels tokens and slots."""
+
+    def match_prefix(self, key):
+        m = super().match_prefix(key)
+        return type(m)(m.kv_indices[:0], m.last_node)
+
+
+@pytest.mark.parametrize("cls, message, cause", [
+    (_MatchReturnsTuple, r"_MatchReturnsTuple \(seed 0, step \d+, \w+\): match_prefix returned tuple, expected "
+                         r"MatchResult \(contract section 2\)", None),
+    (_InsertRaises, r"_InsertRaises \(seed 0, step \d+, insert\): insert\(key tokens \[.*\], slots \[.*\]\) raised "
+                    r"RuntimeError: simulated bug in insert", RuntimeError),
+    (_MatchRaises, r"_MatchRaises \(seed 0, step \d+, \w+\): match_prefix\(key tokens \[.*\]\) raised RuntimeError: "
+                   r"simulated bug in match_prefix", RuntimeError),
+])
+def test_the_prefix_cache_kit_names_a_wrong_type_or_an_exception(cls, message, cause):
+    """Cache audit 37c, D5: a tuple from match_prefix crashed the kit with an AttributeError, and a
+    cache's exception came through bare (no seed, step or method)."""
+    with pytest.raises(AssertionError, match=message) as e:
+        check_prefix_cache(cls, seeds=(0,), end_to_end=False)
+    assert cause is None or isinstance(e.value.__cause__, cause)
+
+
+def test_the_prefix_cache_kit_labels_tokens_and_slots():
+    """Cache audit 37c, D4: "match_prefix([0, 0]) = [], but the cached prefix is [1, 2]" (tokens, then slots)."""
+    with pytest.raises(AssertionError, match=r"match_prefix\(key tokens \[[\d, ]+\]\) returned slots \[\], but the cache "
+                                             r"holds slots \[[\d, ]+\] for tokens \[[\d, ]+\] \(contract: return the "
+                                             r"longest cached prefix\)"):
+        check_prefix_cache(_ShortMatch, seeds=(0,), end_to_end=False)

@@ -27,6 +27,26 @@ class MatchResult:
         return int(self.kv_indices.numel())
 
 
+def match_result_problem(m: Any, key_len: int) -> str | None:
+    """What is wrong with `m` as `match_prefix`'s answer for a key of `key_len` tokens (None: nothing).
+    The words the conformance kit and the scheduler both use (docs/contracts.md section 2)."""
+    import torch
+
+    if not isinstance(m, MatchResult):
+        return f"match_prefix returned {type(m).__name__}, expected MatchResult (contract section 2)"
+    kv = m.kv_indices
+    if not isinstance(kv, torch.Tensor):
+        return (f"match_prefix returned a MatchResult whose kv_indices is {type(kv).__name__}, expected an int64 "
+                "CPU tensor (contract section 2)")
+    if kv.dtype != torch.int64 or kv.device.type != "cpu" or kv.dim() != 1:
+        return (f"match_prefix: kv_indices must be a 1-D int64 CPU tensor, got {kv.dtype} of shape "
+                f"{tuple(kv.shape)} on {kv.device} (contract section 2)")
+    if kv.numel() > key_len:
+        return (f"match_prefix returned {kv.numel()} slots for a key of {key_len} tokens: at most one slot per "
+                "key token (contract section 2)")
+    return None
+
+
 class PrefixCache(abc.ABC):
     """Maps token prefixes to the KV slots that hold their keys and values.
 

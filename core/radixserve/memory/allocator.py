@@ -68,6 +68,12 @@ class TokenAllocator:
         if self._num_free > self.size:
             raise RuntimeError(f"TokenAllocator over-freed: {self._num_free} free of {self.size}")
 
+    def is_free(self, slots: torch.Tensor) -> torch.Tensor:
+        """A bool mask: which of `slots` are free now. O(pool size): for recovery paths, not every step."""
+        slots = slots.detach().to("cpu", torch.int64).flatten()
+        self._merge()
+        return torch.isin(slots, self._free)
+
     def _check_free(self, slots: torch.Tensor) -> None:
         if int(slots.min()) < 1 or int(slots.max()) > self.size:
             raise ValueError(f"free: slot out of range [1, {self.size}]")

@@ -27,6 +27,7 @@ import torch
 
 from radixserve.config import Config
 from radixserve.interfaces import Drafter, PrefixCache, SchedulePolicy
+from radixserve.interfaces.prefix_cache import match_result_problem
 from radixserve.messages import GenerateRequest, ReqTokenOut
 from radixserve.sampling.batch import sampling_reads_history
 from radixserve.scheduler.failure_log import RepeatedFailureLog
@@ -751,13 +752,25 @@ class Scheduler:
         self._drafter_forget(req)
         self._outbox.append(ReqTokenOut(rid=req.rid, new_ids=[], error=error, error_status=500))
 
-    def _cache_failed(self, call: str, req: Req) -> None:
-        """A request-level cache call raised (e.g. the allocator's double-free check under
-        scheduler.debug_kv_checks): the request's row and decode slots are freed without the cache,
-        whose state for it is unknown (its slots stay with the cache: at worst they leak, which the
-        slot audit then reports); the caller ends the request with a 500."""
+    def _own_from(self, req: Req) -> int | None:
+        """The first row position of the request's own slots before a request-level cache call: past
+        its cached prefix (`prefix_indices`, the cache's), or 0 for a cache that never shares (it owns
+        nothing; the prefix of its next chunk is the request's). None when that cannot be told."""
+        if not getattr(self.cache, "shares_prefixes", True):
+            return 0
+        try:
+            return 0 if req.prefix_indices is None else int(req.prefix_indices.numel())
+        except Exception:
+            return None
+
+    def _cache_failed(self, call: str, req: Req, own_from: int | None = None) -> None:
+        """A request-level cache call raised (e.g. its insert, or the allocator's double-free check under
+        scheduler.debug_kv_checks): the scheduler returns the request's own slots itself
+        (`_reclaim_own_slots`), unlocks `req.last_node` and frees its decode slots and row; the caller
+        ends the request with a 500. `own_from`: `_own_from(req)` taken before the call."""
         self._failures.exception(f"{self.cache_label}: {call} raised; the request ends with an internal error (500)")
         logger.error("%s: %s failed for request %s", self.cache_label, call, req.rid)
+        self._reclaim_own_slots(call, req, own_from)
         try:  # the helpers free before they move the lock (contracts.md section 2): most likely still this one
             self.cache.dec_lock_ref(req.last_node)
         except Exception:
@@ -766,6 +779,35 @@ class Scheduler:
         if req.req_pool_idx is not None:
             self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.last_node = None, None
+
+    def _reclaim_own_slots(self, call: str, req: Req, own_from: int | None) -> None:
+        """After `call` raised for `req`: free the slots at row positions `[own_from, kv_len)` (the
+        request's own before the call) that the cache did not take or free. The cache's share is what
+        `match_prefix` of the request's tokens reports (an insert before the failure took those); a slot
+        the allocator already counts free (the cache freed a duplicate) is not freed again. When
+        ownership cannot be told (match_prefix fails too, an allocator without `is_free`), nothing is
+        freed: a leak, which the slot audit names, rather than a slot handed out twice."""
+        if req.req_pool_idx is None or own_from is None or req.kv_len <= own_from:
+            return
+        key = req.all_ids()[: req.kv_len]
+        try:
+            own = self.req_to_token_pool.read(req.req_pool_idx, req.kv_len, own_from)
+            m = self.cache.match_prefix(key)
+            problem = match_result_problem(m, len(key))
+            if problem is not None:
+                raise TypeError(problem)
+            own = own[(own >= 1) & (own <= self.allocator.size)].unique()
+            keep = torch.isin(own, m.kv_indices) | self.allocator.is_free(own)
+            back = own[~keep]
+            self.allocator.free(back)
+        except Exception as e:
+            logger.error("%s: after %s raised, the KV slots of request %s could not be told apart from the cache's "
+                         "(%r): up to %d slots stay allocated (leaked)", self.cache_label, call, req.rid, e,
+                         req.kv_len - own_from)
+            return
+        logger.debug("%s: after %s raised, %d of request %s's %d own KV slots went back to the pool (the rest are "
+                     "the cache's or it freed them)", self.cache_label, call, int(back.numel()), req.rid,
+                     req.kv_len - own_from)
 
     def _finish_in_flight(self) -> None:
         if self._in_flight is not None:
@@ -938,7 +980,10 @@ class Scheduler:
                 break
             # a policy's match is stale once admission evicted (its nodes were unlocked): match again
             if req.prefix_indices is None or self._evicted:
-                m = self.cache.match_prefix(req.fill_ids[:-1])
+                m = self._match_for_admission(req)
+                if m is None:  # the cache failed on this request: a 500 for it, admission goes on
+                    self._fail_admission(req)
+                    continue
                 req.prefix_indices, req.last_node = m.kv_indices, m.last_node
             if req.prefix_indices.numel() >= len(req.fill_ids):  # keep one token to compute logits from
                 req.prefix_indices = req.prefix_indices[: len(req.fill_ids) - 1]
@@ -952,10 +997,14 @@ class Scheduler:
                 continue  # stays waiting: next step the cache holds the shared part
             if extend > token_budget and (items or admitted) and self.chunk_size is None:
                 break
-            self.cache.inc_lock_ref(req.last_node)
+            if not self._admission_lock_call("inc_lock_ref", req):
+                self._fail_admission(req)
+                continue
             rem = self.allocator.available_size() + self.cache.evictable_size() - reserved
             if extend + self._future_tokens(req) > rem and (items or admitted or self.running):
-                self.cache.dec_lock_ref(req.last_node)
+                if not self._admission_lock_call("dec_lock_ref", req):
+                    self._fail_admission(req)
+                    break
                 self._admission_block = _AdmissionBlock(req, extend, self._arrivals, self.metrics.retractions,
                                                         len(self._grammar_pending))
                 break
@@ -966,7 +1015,9 @@ class Scheduler:
             if row is None:
                 if slots is not None:
                     self.allocator.free(slots)
-                self.cache.dec_lock_ref(req.last_node)
+                if not self._admission_lock_call("dec_lock_ref", req):
+                    self._fail_admission(req)
+                    break
                 if slots is None and self._evict_failed:  # the cache cannot make its room: a 500, not a wait forever
                     self.waiting.remove(req)
                     self._end_failed(req, CACHE_FAILED)
@@ -1016,6 +1067,41 @@ class Scheduler:
             len(other.fill_ids) > end and other.fill_ids[cached:end] == window and other.fill_ids[:cached] == req.fill_ids[:cached]
             for other in admitted
         )
+
+    def _match_for_admission(self, req: Req) -> Any:
+        """`cache.match_prefix(req.fill_ids[:-1])`, checked as the conformance kit checks it; None when it
+        raised or returned anything but a MatchResult of at most one int64 CPU slot per key token
+        (counted in plugin_failures, logged once naming the cache: the caller fails the request)."""
+        key = req.fill_ids[:-1]
+        try:
+            m = self.cache.match_prefix(key)
+            problem = match_result_problem(m, len(key))
+            if problem is not None:
+                raise TypeError(problem)
+            return m
+        except Exception:
+            self._failures.exception(f"{self.cache_label}: match_prefix failed; the request being admitted ends "
+                                     "with an internal error (500)")
+            logger.debug("%s: match_prefix failed for request %s", self.cache_label, req.rid)
+            return None
+
+    def _admission_lock_call(self, call: str, req: Req) -> bool:
+        """`cache.inc_lock_ref` / `dec_lock_ref(req.last_node)` at admission (no row or slot taken yet);
+        False when it raised (counted, logged once naming the cache: the caller fails the request)."""
+        try:
+            getattr(self.cache, call)(req.last_node)
+            return True
+        except Exception:
+            self._failures.exception(f"{self.cache_label}: {call} failed at admission; the request ends with an "
+                                     "internal error (500)")
+            logger.debug("%s: %s failed for request %s", self.cache_label, call, req.rid)
+            return False
+
+    def _fail_admission(self, req: Req) -> None:
+        """End a waiting request that holds no row or KV slot because a cache call for it failed."""
+        self.waiting.remove(req)
+        req.prefix_indices, req.last_node = None, None
+        self._end_failed(req, CACHE_FAILED)
 
     def _alloc_slots(self, n: int) -> torch.Tensor | None:
         """n free KV slots, evicting from the prefix cache when needed; None if they do not exist."""
@@ -1282,10 +1368,11 @@ class Scheduler:
         self._free_decode_reserve(req)
         if req.req_pool_idx is None:
             return True
+        own_from = self._own_from(req)
         try:
             self.cache.cache_finished_req(req)
         except Exception:
-            self._cache_failed("cache_finished_req", req)
+            self._cache_failed("cache_finished_req", req, own_from)
             return False
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
@@ -1500,10 +1587,11 @@ class Scheduler:
             if not it.decode:
                 req.fill_ids = req.all_ids()[: req.kv_len]
                 # share the prompt with later requests now, not only when this one finishes
+                own_from = self._own_from(req)
                 try:
                     self.cache.cache_unfinished_req(req)
                 except Exception:
-                    self._cache_failed("cache_unfinished_req", req)
+                    self._cache_failed("cache_unfinished_req", req, own_from)
                     if req is self.chunked_req:
                         self.chunked_req = None
                     self._end_failed(req, CACHE_FAILED)

@@ -23,13 +23,32 @@ from collections.abc import Callable
 
 import torch
 
-from radixserve.interfaces.prefix_cache import PrefixCache
+from radixserve.interfaces.prefix_cache import PrefixCache, match_result_problem
 from radixserve.memory import ReqToTokenPool, TokenAllocator
 from radixserve.plugins.registry import class_problem
 from radixserve.state import Req, SamplingParams
 from radixserve.testing._threads import single_threaded
 
 CacheFactory = Callable[[ReqToTokenPool, TokenAllocator], PrefixCache]
+
+
+def _call(where: str, method: str, fn: Callable, *args):
+    """`fn(*args)`, a call into the cache: an exception from it becomes an AssertionError naming the
+    kit's case, seed and step (`where`) and the method (the kit's own AssertionErrors pass as they are)."""
+    try:
+        return fn(*args)
+    except AssertionError:
+        raise
+    except Exception as e:
+        raise AssertionError(f"{where}: {method} raised {type(e).__name__}: {e}") from e
+
+
+def _match(cache: PrefixCache, key: list[int], where: str):
+    """`cache.match_prefix(key)`, checked to be a MatchResult (the scheduler's words for a wrong type)."""
+    m = _call(where, f"match_prefix(key tokens {key})", cache.match_prefix, key)
+    problem = match_result_problem(m, len(key))
+    assert problem is None, f"{where}: {problem}"
+    return m
 
 
 class RecordingAllocator(TokenAllocator):
@@ -95,30 +114,31 @@ class _Model:
 
     def check_match(self, key: list[int], where: str) -> list[int]:
         self.alloc.take_freed()
-        m = self.cache.match_prefix(key)
+        m = _match(self.cache, key, where)
         assert not self.alloc.take_freed(), f"{where}: match_prefix freed slots"
         got = m.kv_indices.tolist()
-        assert m.kv_indices.dtype == torch.int64 and m.kv_indices.device.type == "cpu", (
-            f"{self.name}.match_prefix: kv_indices must be an int64 CPU tensor, got {m.kv_indices.dtype} on "
-            f"{m.kv_indices.device}")
         assert m.length == len(got)
         for i, slot in enumerate(got):
             assert self.content.get(slot) == tuple(key[: i + 1]), (
-                f"{where}: match_prefix({key}) returned slot {slot} at position {i}, which holds "
-                f"{self.content.get(slot)} instead of {tuple(key[: i + 1])}")
+                f"{where}: match_prefix(key tokens {key}) returned slot {slot} at position {i}, which holds the KV "
+                f"of tokens {list(self.content.get(slot) or ())} instead of tokens {key[: i + 1]}")
         want = self.expected(key)
         if self.cache.shares_prefixes:
-            assert got == want, f"{where}: match_prefix({key}) = {got}, but the cached prefix is {want}"
+            assert got == want, (
+                f"{where}: match_prefix(key tokens {key}) returned slots {got}, but the cache holds slots {want} for "
+                f"tokens {key[: len(want)]} (contract: return the longest cached prefix)")
         else:
-            assert got == want[: len(got)], f"{where}: match_prefix({key}) = {got} is not a cached prefix"
+            assert got == want[: len(got)], (
+                f"{where}: match_prefix(key tokens {key}) returned slots {got}, not slots of a cached prefix "
+                f"(the cache holds slots {want} for tokens {key[: len(want)]})")
         return got
 
     def evict(self, n: int) -> int:
         self.alloc.take_freed()
         evictable = self.cache.evictable_size()
-        freed = self.cache.evict(n)
+        freed = _call(self.alloc.where or self.name, f"evict({n})", self.cache.evict, n)
         slots = self.alloc.take_freed()
-        where = f"{self.name}.evict({n})"
+        where = f"{self.alloc.where or self.name}: {self.name}.evict({n})"
         assert freed == len(slots), f"{where} returned {freed} but freed {len(slots)} slots"
         assert freed >= min(n, evictable), f"{where} freed {freed} of {evictable} evictable slots"
         self.drop(slots, where)
@@ -131,21 +151,24 @@ class _Model:
         for s in slots:
             prefix = by_slot.get(s)
             assert prefix is not None, f"{where}: freed slot {s}, which the cache did not own"
-            assert prefix not in locked, f"{where}: freed slot {s} of the locked prefix {prefix}"
+            assert prefix not in locked, f"{where}: freed slot {s} of the locked prefix (tokens {list(prefix)})"
             del self.owned[prefix]
         for prefix in self.owned:
             assert prefix[:-1] == () or prefix[:-1] in self.owned, (
-                f"{where}: kept {prefix} but freed its parent prefix {prefix[:-1]} (a cached prefix lost a token)")
+                f"{where}: kept tokens {list(prefix)} but freed the slot of their parent prefix, tokens "
+                f"{list(prefix[:-1])} (a cached prefix lost a token)")
 
     def locked_prefixes(self) -> set[tuple[int, ...]]:
         return {p[:i] for _, p in self.locks for i in range(1, len(p) + 1)}
 
     def insert(self, key: list[int], slots: torch.Tensor, where: str) -> int:
         self.alloc.take_freed()
-        n = self.cache.insert(key, slots)
-        assert isinstance(n, int) and 0 <= n <= len(key), f"{where}: insert returned {n!r} for {len(key)} tokens"
+        n = _call(where, f"insert(key tokens {key}, slots {slots.tolist()})", self.cache.insert, key, slots)
+        assert isinstance(n, int) and 0 <= n <= len(key), (
+            f"{where}: insert returned {n!r} ({type(n).__name__}) for {len(key)} tokens: expected an int in "
+            f"[0, {len(key)}], the already-cached length (contract section 2)")
         assert n == len(self.expected(key)) or not self.cache.shares_prefixes, (
-            f"{where}: insert({key}) returned {n}, but {len(self.expected(key))} tokens were cached")
+            f"{where}: insert(key tokens {key}) returned {n}, but {len(self.expected(key))} tokens were cached")
         for i in range(n, len(key)):
             self.owned[tuple(key[: i + 1])] = int(slots[i])
         self.drop(self.alloc.take_freed(), f"{where} (insert)")
@@ -166,10 +189,10 @@ class _Model:
 
     def release_all_and_reset(self, where: str) -> None:
         for node, _ in self.locks:
-            self.cache.dec_lock_ref(node)
+            _call(where, "dec_lock_ref", self.cache.dec_lock_ref, node)
         self.locks = []
         self.alloc.take_freed()
-        self.cache.reset()
+        _call(where, "reset()", self.cache.reset)
         self.drop(self.alloc.take_freed(), f"{where} (reset)")
         assert not self.owned, f"{where}: reset() kept {len(self.owned)} slots"
         assert self.alloc.available_size() == self.alloc.size, (
@@ -210,12 +233,12 @@ def _api_level(factory: CacheFactory, seed: int, steps: int, pool: int, max_len:
         elif op == "lock":
             key = rand_key()
             got = m.check_match(key, where)
-            node = cache.match_prefix(key).last_node
-            cache.inc_lock_ref(node)
+            node = _match(cache, key, where).last_node
+            _call(where, "inc_lock_ref", cache.inc_lock_ref, node)
             m.locks.append((node, tuple(key[: len(got)])))
         elif op == "unlock" and m.locks:
             node, _ = m.locks.pop(rng.randrange(len(m.locks)))
-            cache.dec_lock_ref(node)
+            _call(where, "dec_lock_ref", cache.dec_lock_ref, node)
         elif op == "evict":
             m.evict(rng.randint(0, pool // 2))
         elif op == "reset" and not m.locks:
@@ -252,7 +275,7 @@ class _RequestDriver:
             self.alloc.take_freed()
             evictable = self.cache.evictable_size()
             self._at(f"evict({short})", req)
-            freed = self.cache.evict(short)
+            freed = _call(self.alloc.where, f"evict({short})", self.cache.evict, short)
             slots = self.alloc.take_freed()
             assert freed == len(slots) and freed >= min(short, evictable), (
                 f"{self.where}: evict({short}) returned {freed}, freed {len(slots)} of {evictable} evictable slots")
@@ -283,12 +306,15 @@ class _RequestDriver:
         req = Req(rid=f"r{len(self.running)}-{prompt[:3]}", origin_input_ids=list(prompt),
                   sampling_params=SamplingParams(max_new_tokens=max_new))
         req.fill_ids = req.all_ids()
-        m = self.cache.match_prefix(req.fill_ids[:-1])  # one token is always computed
+        self._at("match_prefix", req)
+        m = _match(self.cache, req.fill_ids[:-1], self.alloc.where)  # one token is always computed
         for i, slot in enumerate(m.kv_indices.tolist()):
             assert self.m.content.get(slot) == tuple(prompt[: i + 1]), (
-                f"{self.where}: match_prefix returned slot {slot} at position {i}, holding another prefix")
+                f"{self.alloc.where}: match_prefix(key tokens {req.fill_ids[:-1]}) returned slot {slot} at position "
+                f"{i}, which holds the KV of other tokens")
         req.prefix_indices, req.last_node = m.kv_indices, m.last_node
-        self.cache.inc_lock_ref(req.last_node)
+        self._at("inc_lock_ref", req)
+        _call(self.alloc.where, "inc_lock_ref", self.cache.inc_lock_ref, req.last_node)
         req.req_pool_idx = self.table.alloc()
         assert req.req_pool_idx is not None
         self.table.write(req.req_pool_idx, 0, req.prefix_indices)
@@ -304,7 +330,7 @@ class _RequestDriver:
             req.fill_ids = req.all_ids()[: req.kv_len]
             self.alloc.take_freed()
             self._at("cache_unfinished_req", req)
-            self.cache.cache_unfinished_req(req)
+            _call(self.alloc.where, "cache_unfinished_req", self.cache.cache_unfinished_req, req)
             self._assert_not_in_use(self.alloc.take_freed(), "cache_unfinished_req")
             self._assert_row(req, "cache_unfinished_req")
             if req.kv_len < prompt_len:
@@ -321,7 +347,7 @@ class _RequestDriver:
         self.running.remove(req)
         self.alloc.take_freed()
         self._at("cache_finished_req", req)
-        self.cache.cache_finished_req(req)
+        _call(self.alloc.where, "cache_finished_req", self.cache.cache_finished_req, req)
         self._assert_not_in_use(self.alloc.take_freed(), "cache_finished_req")
         self.table.free(req.req_pool_idx)  # raises if the cache freed the row itself
         req.req_pool_idx = None
@@ -346,7 +372,7 @@ class _RequestDriver:
             f"(cache_finished_req must release the request's lock)")
         self.alloc.take_freed()
         self._at("reset")
-        self.cache.reset()
+        _call(self.alloc.where, "reset()", self.cache.reset)
         assert self.alloc.available_size() == self.alloc.size, (
             f"{self.where}: after every request finished and reset(), {self.alloc.available_size()} of "
             f"{self.alloc.size} slots are free (slots leaked)")
