@@ -118,6 +118,13 @@ class ComponentRegistrar:
         description: str = "",
         weight_file_suffixes: tuple[str, ...] | list[str] = (),
     ) -> None:
+        """Declare one component (docs/plugin-authoring.md section 3): `kind` (one of plugins.kinds.KINDS:
+        "attention", "model", "quantization", "policy", "prefix_cache", "drafter", ...), the `name` stacks
+        select it by, and `ref` "module:Class", imported only when the component is used. `devices`: the
+        device types it runs on ("cpu", "cuda"); `dtypes`: the model dtypes it takes (empty: any); `priority`:
+        which of several claimants a device default picks (higher first); `capabilities`: the kind's flags
+        (contracts.md); `description`: shown by `radixserve plugins`; `weight_file_suffixes`: for a weight
+        source, the file types it reads. A bad value is a PluginError naming this plugin."""
         from radixserve.plugins.kinds import KINDS
 
         if kind not in KINDS:
