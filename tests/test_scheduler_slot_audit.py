@@ -142,6 +142,21 @@ def test_locks_held_with_nothing_running_are_named_once(caplog):
                                       "running, so it cannot be flushed: a lock was never released"), refusal
 
 
+def test_a_request_that_can_never_fit_past_locked_slots_ends_instead_of_waiting_forever():
+    """Audit 37c (D6): with a cache that never unlocks, the locked slots are never evicted; a request needing more
+    than the rest waited forever, nothing running, while /health said 200. It now ends with a 500 saying why, and the
+    server goes on serving what fits."""
+    sched = make(NoUnlock, debug=False, max_total_tokens=40)
+    run(sched, [("a", list(range(1, 21)), 2)])  # its 20 prompt slots stay locked
+    res = run(sched, [("b", list(range(100, 130)), 2)])  # 30 slots: never, with 20 locked of 40
+    out = res["b"]["out"]
+    assert out.error_status == 500 and out.error.startswith("the KV pool can never make room for this request: 30 "
+                                                           "slots needed"), out.error
+    assert "prefix cache 'NoUnlock' (test) holds 20 locked slots" in out.error, out.error
+    small = run(sched, [("c", [7, 8, 9], 2)])  # what fits is still served
+    assert small["c"]["ids"] == toy_reference([7, 8, 9], 2, VOCAB)
+
+
 def test_a_reset_that_raises_is_the_flush_refusal_a_500_naming_the_cache():
     class ResetFails(RadixCache):
         def reset(self):

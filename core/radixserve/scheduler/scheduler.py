@@ -1021,6 +1021,14 @@ class Scheduler:
                 if slots is None and self._evict_failed:  # the cache cannot make its room: a 500, not a wait forever
                     self.waiting.remove(req)
                     self._end_failed(req, CACHE_FAILED)
+                elif slots is None and not (items or admitted or self.running or self.chunked_req is not None
+                                            or self._in_flight is not None):
+                    # nothing runs, the cache evicted what it could, and the room is still short: the rest is
+                    # locked or leaked by the cache and nothing will ever free it (audit 37c: such requests waited
+                    # forever while /health said 200)
+                    self.waiting.remove(req)
+                    req.prefix_indices, req.last_node = None, None
+                    self._end_failed(req, self._no_room_message(take))
                 break
             req.req_pool_idx = row
             if prefix_len:
@@ -1067,6 +1075,15 @@ class Scheduler:
             len(other.fill_ids) > end and other.fill_ids[cached:end] == window and other.fill_ids[:cached] == req.fill_ids[:cached]
             for other in admitted
         )
+
+    def _no_room_message(self, need: int) -> str:
+        """Why a request that needs `need` KV slots can never be admitted with nothing running."""
+        size, free = self.allocator.size, self.allocator.available_size()
+        evictable, protected = self.cache.evictable_size(), self.cache.protected_size()
+        leaked = max(size - free - evictable - protected, 0)
+        return (f"the KV pool can never make room for this request: {need} slots needed, {free} free of {size} with "
+                f"no request running; {self.cache_label} holds {protected} locked slots and {leaked} are owned by "
+                "nobody (see the log's slot audit): restart the server to recover them")
 
     def _match_for_admission(self, req: Req) -> Any:
         """`cache.match_prefix(req.fill_ids[:-1])`, checked as the conformance kit checks it; None when it
