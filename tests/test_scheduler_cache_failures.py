@@ -18,11 +18,10 @@ import torch
 from radixserve.config import Config
 from radixserve.interfaces import MatchResult
 from radixserve.plugins.registry import Registry
-from radixserve.runtime.messages import GenerateRequest
 from radixserve.scheduler import Scheduler
-from radixserve.state import SamplingParams
 from radixserve.testing import ToyRunner, toy_reference
 from radixserve_cache_radix.radix_cache import RadixCache
+from test_scheduler_slot_audit import run
 
 VOCAB = 1000
 LOGGER = "radixserve.scheduler"
@@ -77,21 +76,6 @@ def make(cache_cls, max_total_tokens: int = 4096, debug: bool = False, **schedul
     cache = cache_cls(runner.req_to_token_pool, runner.token_allocator)
     return Scheduler(config, runner, cache, Registry.discover().load("policy", "fcfs")(),
                      cache_label=f"prefix cache {cache_cls.__name__!r} (test-dist)")
-
-
-def run(sched: Scheduler, reqs, max_steps: int = 3000) -> dict:
-    for rid, prompt, n in reqs:
-        sched.add_request(GenerateRequest(rid=rid, input_ids=prompt,
-                                          sampling_params=SamplingParams(max_new_tokens=n, temperature=0)))
-    res: dict[str, dict] = {}
-    for _ in range(max_steps):
-        for out in sched.step():
-            r = res.setdefault(out.rid, {"ids": [], "out": None})
-            r["ids"] += out.new_ids
-            r["out"] = out
-        if not sched.has_work():
-            return res
-    raise AssertionError("did not finish (a request hangs)")
 
 
 def accounted(sched: Scheduler) -> int:
