@@ -30,7 +30,7 @@ from radixserve.runtime.tokenizer_manager import (
     PreparedRequest,
     TokenizerManager,
 )
-from radixserve.state import SamplingParams, copy_seed
+from radixserve.state import SamplingParams, sample_copy
 from radixserve.validation import (
     MAX_N,
     NATIVE,
@@ -40,8 +40,9 @@ from radixserve.validation import (
     InvalidRequest,
     ModelLimits,
     at_prompt,
+    check_copy_seeds,
     check_one_choice,
-    check_sampling,
+    check_same_n,
     sampling_from_dict,
     too_many_completions,
 )
@@ -65,21 +66,17 @@ def _sampling_params(sp: Any, index: int | None = None, max_n: int = 1) -> Sampl
         raise ValueError(f"{where} must be a dict (or a list of dicts, one per prompt), got {sp!r}")
     else:  # as /generate's; vocabulary and context are checked at submit
         sp = sampling_from_dict(sp, ModelLimits(), names, max_n)
-    if sp.seed is not None and sp.n > 1:  # copy i runs with seed + i: each must be a valid seed
-        check_sampling(dataclasses.replace(sp, seed=copy_seed(sp.seed, sp.n - 1)), ModelLimits(), names)
+    check_copy_seeds(sp, ModelLimits(), names)
     return sp
 
 
 def _check_samples(inputs: list[GenerateInput], per_prompt: bool) -> None:
     """/generate's rules for `n` (audit 37b): every prompt sampled as many times (result k * n + i is sample i of
     prompt k), and at most MAX_COMPLETIONS_PER_REQUEST results in one call."""
-    n = inputs[0].sampling_params.n
-    for k, inp in enumerate(inputs):
-        if inp.sampling_params.n != n:
-            field = f"sampling_params[{k}].n" if per_prompt else "sampling_params.n"
-            raise InvalidRequest(f"{field} ({inp.sampling_params.n}) differs from sampling_params[0].n ({n}): every "
-                                 "prompt of a batch is sampled as many times", param=field)
-    too_many = too_many_completions(len(inputs), n)
+    if per_prompt:  # (one sampling_params for all samples every prompt as many times)
+        for k, inp in enumerate(inputs):
+            check_same_n(inp.sampling_params, k, inputs[0].sampling_params)
+    too_many = too_many_completions(len(inputs), inputs[0].sampling_params.n)
     if too_many is not None:
         raise InvalidRequest(too_many, param="sampling_params.n")
 
@@ -94,7 +91,7 @@ def _one_per_sample(inputs: list[GenerateInput]) -> list[GenerateInput]:
         if sp.n == 1:
             out.append(inp)
             continue
-        out.extend(dataclasses.replace(inp, sampling_params=dataclasses.replace(sp, n=1, seed=copy_seed(sp.seed, i)),
+        out.extend(dataclasses.replace(inp, sampling_params=sample_copy(sp, i),
                                        rid=None if inp.rid is None else f"{inp.rid}-{i}")
                    for i in range(sp.n))
     return out

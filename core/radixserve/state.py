@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -128,6 +128,11 @@ def copy_seed(seed: int | None, copy: int) -> int | None:
     """The seed of copy `copy` of a prompt sampled n times (the OpenAI routes' `n`, /generate's and the
     Engine's sampling_params.n): seed + copy, so that copies differ under a fixed seed, yet stay reproducible."""
     return None if seed is None else seed + copy
+
+
+def sample_copy(sp: SamplingParams, copy: int) -> SamplingParams:
+    """Copy `copy` of a prompt sampled `sp.n` times, as one generation of one sample: n 1, seed + copy."""
+    return replace(sp, n=1, seed=copy_seed(sp.seed, copy))
 
 
 def _check_json_schema_text(text: str) -> None:

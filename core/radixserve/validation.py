@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.errors import RequestError
-from radixserve.state import SamplingParams
+from radixserve.state import SamplingParams, sample_copy
 
 INT64_MAX = (1 << 63) - 1
 # OpenAI's `code` of a request too long for the model: client frameworks test for this string
@@ -51,6 +51,21 @@ class InvalidRequest(RequestError, ValueError):
         super().__init__(message, status=400)
         self.param = param
         self.code = code  # OpenAI's error `code` where it has a name for it (None: the status)
+
+
+def check_same_n(sp: SamplingParams, k: int, first: SamplingParams) -> None:
+    """Entry `k` of a per-prompt sampling_params list samples its prompt as many times as entry 0 (/generate and
+    Engine.generate: result k * n + i is sample i of prompt k; SGLang's rule too)."""
+    if sp.n != first.n:
+        raise InvalidRequest(f"sampling_params[{k}].n ({sp.n}) differs from sampling_params[0].n ({first.n}): every "
+                             "prompt of a batch is sampled as many times", f"sampling_params[{k}].n")
+
+
+def check_copy_seeds(sp: SamplingParams, limits: ModelLimits, names: FieldNames) -> None:
+    """Copy i of a prompt sampled `sp.n` times runs with seed + i (state.sample_copy): the last copy's seed must be a
+    valid seed too, refused now rather than by the runtime once the other copies run."""
+    if sp.seed is not None and sp.n > 1:
+        check_sampling(sample_copy(sp, sp.n - 1), limits, names)
 
 
 def at_prompt(e: InvalidRequest, where: str) -> InvalidRequest:

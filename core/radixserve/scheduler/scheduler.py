@@ -792,10 +792,7 @@ class Scheduler:
         key = req.all_ids()[: req.kv_len]
         try:
             own = self.req_to_token_pool.read(req.req_pool_idx, req.kv_len, own_from)
-            m = self.cache.match_prefix(key)
-            problem = match_result_problem(m, len(key))
-            if problem is not None:
-                raise TypeError(problem)
+            m = self._checked_match(key)
             own = own[(own >= 1) & (own <= self.allocator.size)].unique()
             keep = torch.isin(own, m.kv_indices) | self.allocator.is_free(own)
             back = own[~keep]
@@ -1085,17 +1082,21 @@ class Scheduler:
                 f"no request running; {self.cache_label} holds {protected} locked slots and {leaked} are owned by "
                 "nobody (see the log's slot audit): restart the server to recover them")
 
+    def _checked_match(self, key: list[int]) -> Any:
+        """`cache.match_prefix(key)`, a TypeError in the conformance kit's words when it is not a MatchResult of at
+        most one int64 CPU slot per key token (a plugin's wrong answer must not reach the row writes)."""
+        m = self.cache.match_prefix(key)
+        problem = match_result_problem(m, len(key))
+        if problem is not None:
+            raise TypeError(problem)
+        return m
+
     def _match_for_admission(self, req: Req) -> Any:
         """`cache.match_prefix(req.fill_ids[:-1])`, checked as the conformance kit checks it; None when it
         raised or returned anything but a MatchResult of at most one int64 CPU slot per key token
         (counted in plugin_failures, logged once naming the cache: the caller fails the request)."""
-        key = req.fill_ids[:-1]
         try:
-            m = self.cache.match_prefix(key)
-            problem = match_result_problem(m, len(key))
-            if problem is not None:
-                raise TypeError(problem)
-            return m
+            return self._checked_match(req.fill_ids[:-1])
         except Exception:
             self._failures.exception(f"{self.cache_label}: match_prefix failed; the request being admitted ends "
                                      "with an internal error (500)")

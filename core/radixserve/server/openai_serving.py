@@ -33,12 +33,14 @@ from radixserve.server.metrics import ServerMetrics
 from radixserve.server.parser_selection import OutputParsers
 from radixserve.server.runtime_api import GenerateInput, RequestError
 from radixserve.serving_tokenizer import off_the_loop
-from radixserve.state import SamplingParams, copy_seed
+from radixserve.state import SamplingParams, copy_seed, sample_copy
 from radixserve.validation import (
     MAX_N,
     NATIVE,
     FieldNames,
     InvalidRequest,
+    check_copy_seeds,
+    check_same_n,
     check_sampling,
     check_token_ids,
     max_new_tokens_for,
@@ -386,10 +388,8 @@ class Serving:
                 sp = sampling_from_dict(d, self.tm.limits, _native_names(k if per_prompt else None), MAX_N)
                 if req.return_logprob:
                     sp.logprobs, sp.top_logprobs = True, req.top_logprobs_num
-                if params and sp.n != params[0].n:  # SGLang's rule too: the outputs are n per prompt
-                    raise InvalidRequest(f"sampling_params[{k}].n ({sp.n}) differs from sampling_params[0].n "
-                                         f"({params[0].n}): every prompt of a batch is sampled as many times",
-                                         f"sampling_params[{k}].n")
+                if params:
+                    check_same_n(sp, k, params[0])
                 params.append(sp)
             n = params[0].n
             too_many = p.too_many_completions(len(prompts), n)
@@ -408,16 +408,14 @@ class Serving:
             ids = list(prompt) if isinstance(prompt, list) else list(
                 await off_the_loop(len(prompt), self.tm.tokenizer.encode, prompt))
             self.budget(ids, sp.max_new_tokens, names)
+            try:  # seed + i may be past 64 bits: a 400 now, not the runtime's once the others run
+                check_copy_seeds(sp, self.tm.limits, names)
+            except InvalidRequest as e:
+                raise refused(e) from None
             for i in range(n):
                 index = k * n + i
                 prompt_of[index] = k
-                # each generation makes one sample; copy i's seed is the OpenAI routes' choice i's
-                copy = dataclasses.replace(sp, n=1, seed=copy_seed(sp.seed, i))
-                if i:  # seed + i may be past 64 bits: a 400 now, not the runtime's once the others run
-                    try:
-                        check_sampling(copy, self.tm.limits, names)
-                    except InvalidRequest as e:
-                        raise refused(e) from None
+                copy = sample_copy(sp, i)  # each generation makes one sample; copy i's seed is the OpenAI choice i's
                 rid = choice_rid(base, len(prompts) * n, index) if rids is None else choice_rid(rids[k], n, i)
                 gen = GenerateInput(
                     input_ids=ids,
