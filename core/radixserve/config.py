@@ -16,10 +16,10 @@ import sys
 import tempfile
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,10 @@ def _none_is_no_options(v: Any) -> Any:
     return {} if v is None else v
 
 
+# the keyword arguments a component is built with (COMPONENT_OPTIONS); null is none
+ComponentOptions = Annotated[dict[str, Any], BeforeValidator(_none_is_no_options)]
+
+
 class ModelSection(_Section):
     path: str | None = None  # HF directory, .gguf file; None: the embedded default (SmolLM2) if installed
     tokenizer: str | None = None  # default: from the model
@@ -52,12 +56,7 @@ class ModelSection(_Section):
     impl: Literal["auto", "native", "transformers"] = "auto"
     # keyword arguments of the weight source that reads a checkpoint file (e.g. {dequantize: true}
     # for GGUF), checked against its constructor at start-up (unknown option -> error listing the valid ones)
-    weight_source_options: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("weight_source_options", mode="before")
-    @classmethod
-    def _null_is_no_options(cls, v: Any) -> Any:
-        return _none_is_no_options(v)
+    weight_source_options: ComponentOptions = Field(default_factory=dict)
 
     @field_validator("served_model_name")
     @classmethod
@@ -74,7 +73,7 @@ class StackSection(_Section):
     policy: str = "fcfs"
     # keyword arguments of the policy's constructor, e.g. {fcfs_threshold: 64} for lpm; checked
     # against the constructor at start-up (unknown option -> error listing the valid ones)
-    policy_options: dict[str, Any] = Field(default_factory=dict)
+    policy_options: ComponentOptions = Field(default_factory=dict)
     quantization: str | None = None  # None: from the checkpoint (quantization_config / file format)
     # selects a component of kind "drafter" (None: no speculative decoding); the `speculative`
     # section sets its limits and options
@@ -89,11 +88,6 @@ class StackSection(_Section):
     # is refused: a slow or adversarial constraint must not hold its client, or those behind it, forever
     grammar_compile_timeout_s: float = Field(default=60.0, gt=0)
 
-    @field_validator("policy_options", mode="before")
-    @classmethod
-    def _null_is_no_options(cls, v: Any) -> Any:
-        return _none_is_no_options(v)
-
 
 class SpeculativeSection(_Section):
     """Speculative decoding, used when `stack.speculative` names a drafter (docs/speculative.md)."""
@@ -103,16 +97,11 @@ class SpeculativeSection(_Section):
     num_steps: int | None = Field(default=None, ge=1)  # draft depth of model drafters; None: num_draft_tokens
     draft_model_path: str | None = None  # a draft model's checkpoint, for drafters that need one
     # keyword arguments of the drafter's constructor, checked against it at start-up
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: ComponentOptions = Field(default_factory=dict)
     # low-acceptance safeguard: at decode batches of at least this many requests (0: never) drafts
     # follow the measured acceptance, and speculation pauses while it is below min_accepted_drafts
     adaptive_batch_size: int = Field(default=8, ge=0)
     min_accepted_drafts: float = Field(default=0.5, ge=0)  # mean accepted drafts per verify
-
-    @field_validator("options", mode="before")
-    @classmethod
-    def _null_is_no_options(cls, v: Any) -> Any:
-        return _none_is_no_options(v)
 
 
 CPU_CHUNKED_PREFILL_SIZE = 512  # scheduler.chunked_prefill_size's default on the CPU
@@ -485,7 +474,7 @@ def merge_layers(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
         out[opt_section] = {**out[opt_section], opt_key: dict(given) if isinstance(given, dict) else {}}
         logger.warning("%s.%s is now %r (was %r): the options given for %r (%s.%s %s) are dropped%s", section, key,
                        new, old, old, opt_section, opt_key, earlier,
-                       f"; %r gets {given}" % (new,) if isinstance(given, dict) else "")
+                       f"; {new!r} gets {given}" if isinstance(given, dict) else "")
     return out
 
 
