@@ -570,7 +570,8 @@ class Scheduler:
         return self.flush_refusal() is None
 
     def flush_refusal(self) -> FlushRefusal | None:
-        """Empty the prefix cache; None when done, else why not (nothing was changed)."""
+        """Empty the prefix cache; None when done, else why not: nothing was changed, or (a 500 naming the
+        leak) the cache was emptied but KV slots it leaked are still not free."""
         self._finish_in_flight()
         if self.waiting or self.running or self.chunked_req is not None:
             # a prompt being prefilled in chunks counts as running (long-context audit 34: "0 running, 0 waiting")
@@ -589,7 +590,12 @@ class Scheduler:
             logger.exception("%s: reset() failed; the cache was not flushed", self.cache_label)
             return FlushRefusal(f"{self.cache_label} failed to reset: {type(e).__name__}: {e}; the cache was not "
                                 "flushed (a plugin error, logged)", 500)
-        self._slot_audit.after_reset()
+        stuck = self._slot_audit.after_reset()
+        if stuck:  # the cache is empty, yet slots stay taken: "ok" would tell the operator the memory is back
+            return FlushRefusal(
+                f"{self.cache_label} was emptied, but {stuck} of {self.allocator.size} KV slots are still not free: "
+                "the cache leaked them (it must free every slot it does not keep: docs/contracts.md section 1); "
+                "restart the server to recover the slots", 500)
         return None
 
     def has_work(self) -> bool:

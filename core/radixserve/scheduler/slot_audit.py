@@ -50,8 +50,8 @@ class SlotAudit:
                        "cache_unfinished_req / cache_finished_req (%s sections 1-2)",
                        self.label, free, cached, free + cached, size, size - free - cached, CONTRACT)
 
-    def after_reset(self) -> None:
-        """After `cache.reset()` with no request resident every slot is free."""
+    def after_reset(self) -> int:
+        """After `cache.reset()` with no request resident every slot is free; the number that is not."""
         size, free = self.allocator.size, self.allocator.available_size()
         if free != size:
             cached = self.cache.evictable_size() + self.cache.protected_size()
@@ -59,3 +59,4 @@ class SlotAudit:
                        "%s: after reset() with no request running, %d of %d KV slots are free (%d still counted as "
                        "cached): reset() must free every slot the cache owns, and the cache every slot it does not "
                        "keep (%s section 1)", self.label, free, size, cached, CONTRACT)
+        return size - free
