@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 
 import httpx
 import openai
@@ -336,6 +337,41 @@ def test_an_aborted_response_is_cancelled_streamed_or_not():
     assert last["response"]["output"][0]["content"][0]["text"] == "Lon"  # as far as it went
 
 
+def test_completed_at_is_set_when_the_response_completed_and_null_otherwise():
+    # openai's Response.completed_at: "Only present when the status is `completed`"
+    tm = CannedTM("Done.")
+    http, oai = clients(tm)
+    before = time.time()
+    r = oai.responses.create(model=MODEL, input="Hi")
+    assert r.status == "completed" and r.completed_at is not None
+    assert r.created_at <= r.completed_at <= time.time() and r.completed_at >= int(before)
+    assert http.get(f"/v1/responses/{r.id}").json()["completed_at"] == r.completed_at  # stored with it
+    got = events(post(http, {"model": MODEL, "input": "Hi", "stream": True}).text)
+    snapshots = [data["response"] for _, data in got if "response" in data]
+    assert [s["completed_at"] for s in snapshots[:-1]] == [None, None]  # response.created, response.in_progress
+    assert "completed_at" in got[0][1]["response"]  # on the wire, null while in progress
+    final = got[-1][1]["response"]
+    assert got[-1][0] == "response.completed" and final["created_at"] <= final["completed_at"] <= time.time()
+    with oai.responses.stream(model=MODEL, input="Hi") as stream:
+        list(stream)
+    assert stream.get_final_response().completed_at is not None
+    # incomplete (max_output_tokens), cancelled, failed: none completed
+    fake = FakeTM(context_len=512)
+    fhttp, foai = clients(fake)
+    cut = foai.responses.create(model=FAKE_MODEL, input="hello", max_output_tokens=2)
+    assert cut.status == "incomplete" and cut.completed_at is None
+    name, last = events(post(fhttp, {"model": FAKE_MODEL, "input": "hello", "max_output_tokens": 2,
+                                     "stream": True}).text)[-1]
+    assert name == "response.incomplete" and last["response"]["completed_at"] is None
+    ahttp, aoai = clients(AbortedTM("Cut short."))
+    assert aoai.responses.create(model=MODEL, input="Hi").completed_at is None
+    assert events(post(ahttp, {"model": MODEL, "input": "Hi", "stream": True}).text)[-1][1]["response"][
+        "completed_at"] is None
+    failing, _ = clients(FailingTM("The answer is long enough."))
+    name, last = events(post(failing, {"model": MODEL, "input": "Hi", "stream": True}).text)[-1]
+    assert name == "response.failed" and last["response"]["completed_at"] is None
+
+
 def test_a_client_that_disconnects_mid_stream_aborts_its_generation():
     tm = FakeTM(context_len=100000, delay=0.01)
     with running(tm) as url:
@@ -455,6 +491,8 @@ HI = {"model": MODEL, "input": "hi"}
     ({**HI, "input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]},
      "input.0.encrypted_content", "encrypted"),
     ({**HI, "input": []}, "input", "must not be empty"),
+    ({**HI, "input": ""}, "input", "must not be empty"),  # as chat's empty messages: no prompt at all
+    ({**HI, "instructions": "Be brief.", "input": ""}, "input", "must not be empty"),
     ({**HI, "service_tier": "flex"}, "service_tier", "Extra inputs are not permitted"),  # unknown: as on chat
     ({**HI, "text": {"verbosity": "low"}}, "text.verbosity", "Extra inputs are not permitted"),
     ({**HI, "input": "\ud800"}, "input", "lone UTF-16 surrogate"),
@@ -475,6 +513,21 @@ def test_what_is_not_served_is_a_400_naming_the_field(body, param, words):
     assert tm.inputs == []
 
 
+def test_an_empty_input_only_continues_a_stored_response():
+    # input "" or [] with no previous_response_id is no prompt at all (chat's empty messages: a 400, above);
+    # with one, [] continues the stored conversation and "" is an empty user message, as chat takes one
+    tm = CannedTM("ok")
+    http, _ = clients(tm)
+    first = post(http, {**HI, "input": "Hi"}).json()
+    again = post(http, {**HI, "input": [], "previous_response_id": first["id"]})
+    assert again.status_code == 200, again.text
+    assert [(m["role"], m["content"]) for m in tm.rendered[-1][0]] == [("user", "Hi"), ("assistant", "ok")]
+    empty = post(http, {**HI, "input": "", "previous_response_id": first["id"]})
+    assert empty.status_code == 200, empty.text
+    assert [(m["role"], m["content"]) for m in tm.rendered[-1][0]] == [("user", "Hi"), ("assistant", "ok"),
+                                                                       ("user", "")]
+
+
 def test_the_chat_routes_refusals_name_the_responses_fields():
     tm = FakeTM(context_len=64)
     http, _ = clients(tm)
@@ -489,13 +542,55 @@ def test_the_chat_routes_refusals_name_the_responses_fields():
     assert_400(post(http, {**hi, "input": [{"role": "user", "content": "q"}, call, answer]}), "input.1.arguments",
                "input.1.arguments is not valid JSON")
     assert_400(post(http, {**hi, "input": [{"role": "user", "content": "q"}, answer]}), "input.1.call_id",
-               "answers no function_call item")
+               "No tool call found for function call output with call_id 'c1'")
     assert_400(post(http, {**hi, "tool_choice": "required"}), "tool_choice", "needs `tools`")
     assert post(http, {**hi, "model": "other"}).json()["error"]["code"] == "model_not_found"
     tm.healthy = False  # shutting down, or a runtime process died: refused as on chat
     r = post(http, hi)
     assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable", r.text
     assert tm.inputs == []
+
+
+def test_a_function_call_output_must_answer_a_function_call_and_call_ids_are_unique():
+    # as OpenAI: "No tool call found for function call output with call_id ..."; a 400 naming the item's call_id
+    tm = CannedTM(HERMES_OUT)
+    http, oai = clients(tm, tool_call_parser="hermes")
+    ask = {"role": "user", "content": "Weather?"}
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    other = {**call, "call_id": "c2"}
+
+    def answer(call_id: str) -> dict:
+        return {"type": "function_call_output", "call_id": call_id, "output": "ok"}
+
+    for stream in (False, True):
+        body = {"model": MODEL, "tools": TOOLS, "stream": stream}
+        err = assert_400(post(http, {**body, "input": [ask, call, answer("c9")]}), "input.2.call_id",
+                         "No tool call found for function call output with call_id 'c9'")
+        assert "'c1'" in err["message"]  # what it could answer
+        assert_400(post(http, {**body, "input": [ask, answer("c1")]}), "input.1.call_id",
+                   "No tool call found for function call output with call_id 'c1'")
+        # two calls with one call_id: which would an output answer?
+        assert_400(post(http, {**body, "input": [ask, call, {**call, "arguments": '{"city": "x"}'}, answer("c1")]}),
+                   "input.2.call_id", "'c1' is the call_id of input.1 too")
+        assert_400(post(http, {**body, "input": [ask, call, answer("c1"), ask, call, answer("c1")]}),
+                   "input.4.call_id", "'c1' is the call_id of input.1 too")
+        # an earlier call answered out of place: chat's rule, its results right after the turn that made it
+        assert_400(post(http, {**body, "input": [ask, call, other, answer("c1"), answer("c2"), ask, answer("c1")]}),
+                   "input.6.call_id", "answers no function_call item right before it")
+    assert tm.inputs == []
+    # the previous_response_id chain counts as the conversation
+    first = oai.responses.create(model=MODEL, input="Weather and time in Paris?", tools=TOOLS)
+    ids = [item.call_id for item in first.output if item.type == "function_call"]
+    body = {"model": MODEL, "tools": TOOLS, "previous_response_id": first.id}
+    assert_400(post(http, {**body, "input": [answer(ids[0]), answer("call_unknown")]}), "input.1.call_id",
+               "No tool call found for function call output with call_id 'call_unknown'")
+    assert_400(post(http, {**body, "input": [{**call, "call_id": ids[1]}, answer(ids[1])]}), "input.0.call_id",
+               f"{ids[1]!r} is the call_id of a function_call of previous_response_id too")
+    assert len(tm.inputs) == 1
+    tm.reply = "Sunny."
+    done = oai.responses.create(model=MODEL, tools=TOOLS, previous_response_id=first.id,
+                                input=[answer(i) for i in ids])
+    assert done.output_text == "Sunny."
 
 
 # ---- the real model ----------------------------------------------------------------------------

@@ -303,8 +303,9 @@ class ResponsesRequest(_Body):
             raise refuse("prompt", "prompt templates are not supported: send input and instructions")
         if self.conversation is not None:
             raise refuse("conversation", "conversations are not supported: use previous_response_id")
-        if isinstance(self.input, list) and not self.input and self.previous_response_id is None:
-            raise refuse("input", "must not be empty")
+        if not self.input and self.previous_response_id is None:  # "" or []: no prompt at all, as chat's messages
+            raise refuse("input", "must not be empty: send the user's message, or previous_response_id to continue "
+                                  "a stored response")
         return self
 
     def items(self) -> list[Any]:

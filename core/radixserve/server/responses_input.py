@@ -110,6 +110,7 @@ def to_chat(req: ResponsesRequest, items: list[tuple[str, Any]], rid: str) -> Ch
         messages.append({"role": "system", "content": req.instructions})
         sources.append(Source("instructions"))
     turn: dict[str, Any] | None = None  # the assistant turn being assembled
+    calls: dict[str, str] = {}  # call_id -> the path of its function_call item
 
     def open_turn(path: str) -> dict[str, Any]:
         messages.append({"role": "assistant", "content": None})
@@ -134,6 +135,7 @@ def to_chat(req: ResponsesRequest, items: list[tuple[str, Any]], rid: str) -> Ch
                 turn = open_turn(path)
             turn["reasoning_content"] = item.text()
         elif isinstance(item, FunctionCallItem):
+            _check_call(calls, item, path)
             if turn is None:
                 turn = open_turn(path)
             turn.setdefault("tool_calls", []).append(
@@ -141,7 +143,7 @@ def to_chat(req: ResponsesRequest, items: list[tuple[str, Any]], rid: str) -> Ch
             sources[-1].calls.append(path)
         elif isinstance(item, FunctionCallOutputItem):
             turn = None
-            _check_answers(messages, item, path)
+            _check_answers(messages, calls, item, path)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
             sources.append(Source(path))
     for m in messages:  # a turn of reasoning alone (cut off by max_output_tokens) still has content
@@ -161,16 +163,47 @@ def _content(item: MessageItem) -> str | list[dict[str, str]]:
     return parts or ""
 
 
-def _check_answers(messages: list[dict[str, Any]], item: FunctionCallOutputItem, path: str) -> None:
-    """As chat checks its tool messages, in the Responses API's terms."""
+def _param(path: str) -> str:
+    """The field of an item's call_id: the item's, or previous_response_id for a stored one."""
+    return PREVIOUS if path == PREVIOUS else f"{path}.call_id"
+
+
+def _made_by(path: str) -> str:
+    return "a function_call of previous_response_id" if path == PREVIOUS else path
+
+
+def _check_call(calls: dict[str, str], item: FunctionCallItem, path: str) -> None:
+    """A call_id names one call of the conversation (its input and the previous_response_id chain), as
+    OpenAI's: with two, an output would answer either."""
+    first = calls.get(item.call_id)
+    calls[item.call_id] = path
+    if first is not None:
+        param = _param(path)
+        raise APIError(f"{param}: {item.call_id!r} is the call_id of {_made_by(first)} too: each function_call "
+                       "has its own call_id (send a call once, or its earlier response's id as previous_response_id "
+                       "without the call itself)", 400, param)
+
+
+def _check_answers(messages: list[dict[str, Any]], calls: dict[str, str], item: FunctionCallOutputItem,
+                   path: str) -> None:
+    """An output answers a call of the conversation (OpenAI's 400 "No tool call found for function call
+    output"), and, as chat checks its tool messages, one of the turn right before it."""
     before = next((m for m in reversed(messages) if m["role"] != "tool"), None)
     ids = [c["id"] for c in (before or {}).get("tool_calls") or []]
-    if item.call_id not in ids:
-        raise APIError(
-            f"{path}.call_id: {item.call_id!r} answers no function_call item right before it ("
-            + (f"those answer {', '.join(map(repr, ids))}" if ids else "there is none") + "): send the "
-            "function_call items, then their outputs, or continue the response that made them with previous_response_id",
-            400, f"{path}.call_id")
+    if item.call_id in ids:
+        return
+    param = _param(path)
+    right_before = (f"the calls right before it are {', '.join(map(repr, ids))}" if ids else
+                    "no function_call item is right before it")
+    if item.call_id not in calls:
+        message = (f"{param}: No tool call found for function call output with call_id {item.call_id!r} (no "
+                   f"function_call item of the conversation has it; {right_before}): send the function_call items, "
+                   "then their outputs, or continue the response that made them with previous_response_id")
+    else:
+        message = (f"{param}: {item.call_id!r} answers no function_call item right before it (its call is "
+                   f"{_made_by(calls[item.call_id])}; {right_before}): a call's output follows the function_call "
+                   "items of its turn, before the next message")
+    raise APIError(message, 400, param)
 
 
 def _settings(req: ResponsesRequest, messages: list[dict[str, Any]], rid: str) -> dict[str, Any]:

@@ -69,6 +69,8 @@ class ResponseBase:
         choice = req.tool_choice
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            # the API's: when it completed, only for status completed (null in progress, incomplete, failed)
+            "completed_at": int(time.time()) if status == "completed" else None,
             "error": error, "incomplete_details": incomplete, "model": self.model, "output": output,
             "usage": usage, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": 1.0 if req.temperature is None else req.temperature,  # chat's defaults
