@@ -75,7 +75,7 @@ class ResponseStore:
         return len(self._entries)
 
 
-def _not_found(response_id: str, param: str | None = None) -> APIError:
+def response_not_found(response_id: str, param: str | None = None) -> APIError:
     return APIError(f"no response with id {response_id!r} is stored on this server (a response is stored once it "
                     f"has finished, unless it was sent with store false; stored responses are kept in memory, up to "
                     f"{MAX_STORED_RESPONSES}, and lost on restart)", 404, param, type="invalid_request_error")
@@ -92,7 +92,7 @@ def add_responses_routes(app: FastAPI, serving: Any, store: ResponseStore | None
         if body.previous_response_id is not None:
             stored = store.get(body.previous_response_id)
             if stored is None:
-                raise _not_found(body.previous_response_id, PREVIOUS)
+                raise response_not_found(body.previous_response_id, PREVIOUS)
             conversation = [(PREVIOUS, item) for item in
                             _ITEMS.validate_python(stored.conversation + stored.response["output"])]
         text = isinstance(body.input, str)
@@ -125,13 +125,13 @@ def add_responses_routes(app: FastAPI, serving: Any, store: ResponseStore | None
                            "include); GET the response as it was stored", 400, name)
         stored = store.get(response_id)
         if stored is None:
-            raise _not_found(response_id)
+            raise response_not_found(response_id)
         return JSONResponse(stored.response)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> JSONResponse:
         if not store.delete(response_id):
-            raise _not_found(response_id)
+            raise response_not_found(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     return store

@@ -2,7 +2,9 @@
 
 Generation routes are routed by the policy and relayed (proxy.py); /health, /health_generate,
 /metrics, /server_info, /flush_cache and /abort_request ask every live replica; any other route
-(model list, plugin routes) is answered by the first live replica."""
+(model list, plugin routes) is answered by the first live replica. /v1/responses is routed by the
+policy too, except that a request continuing a stored response (`previous_response_id`), and GET and
+DELETE of one, go to the replica that stored it (response_affinity.py)."""
 
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ from radixserve.server.errors import APIError, error_response, install_error_han
 from radixserve.server.metrics import CONTENT_TYPE, ErrorStatusMiddleware, client_of
 from radixserve.server.router.core import Router
 from radixserve.server.router.metrics import RouterMetrics, aggregate_replica_metrics, aggregate_stats
-from radixserve.server.router.proxy import FORWARDED, forward, forward_to_one
+from radixserve.server.router.proxy import FORWARDED, forward, forward_to, forward_to_one
 from radixserve.server.router.replicas import Replica
+from radixserve.server.router.response_affinity import ResponseAffinity, unknown_response
 from radixserve.version import __version__
 
 FAN_OUT_TIMEOUT_S = 10.0
@@ -60,6 +63,31 @@ def create_router_app(router: Router, config: Config, metrics: RouterMetrics) ->
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         return await forward(router, request)
+
+    affinity = ResponseAffinity()
+    app.state.response_affinity = affinity
+    router.on_replica_died.append(affinity.forget_replica)
+
+    def owner_of(response_id: Any) -> Replica | None:
+        index = affinity.owner(response_id) if isinstance(response_id, str) else None
+        return None if index is None else router.replicas[index]
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        data = _json(await request.body())
+        previous = data.get("previous_response_id") if isinstance(data, dict) else None
+        # an unknown previous response: the policy's replica answers the 404 (or the body's 400)
+        return await forward(router, request, owner=owner_of(previous), observer=affinity)
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(response_id: str, request: Request) -> Response:
+        owner = owner_of(response_id)
+        if owner is None or not owner.alive:
+            raise unknown_response(response_id)
+        answer = await forward_to(owner, request)
+        if request.method == "DELETE" and answer.status_code == 200:
+            affinity.forget(response_id)
+        return answer
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' checks
     async def health() -> Response:
@@ -200,11 +228,15 @@ class RouterRefusalMiddleware(ErrorStatusMiddleware):
                         latency_s, client_of(scope), reason or "(no error message)")
 
 
-def _rid(body: bytes) -> Any:
+def _json(body: bytes) -> Any:
     try:
-        data = json.loads(body)
+        return json.loads(body)
     except ValueError:
         return None
+
+
+def _rid(body: bytes) -> Any:
+    data = _json(body)
     return data.get("rid") if isinstance(data, dict) else None
 
 

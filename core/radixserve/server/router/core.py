@@ -67,6 +67,7 @@ class Router:
         self.metrics = metrics
         self.refusing: str | None = None  # set by stop_admitting
         self.on_all_dead: list[Callable[[str], None]] = []
+        self.on_replica_died: list[Callable[[int], None]] = []  # called with the index of a replica leaving rotation
 
     # ---- rotation ----------------------------------------------------------------------------
 
@@ -86,6 +87,15 @@ class Router:
             self.metrics.routed(replica.index, decision.reason)
         return replica, decision
 
+    def pin(self, replica: Replica, reason: str) -> Replica:
+        """`replica` for a request that must go to it (it holds the request's state), counted as `pick`
+        counts (APIError 503 while shutting down)."""
+        if self.refusing is not None:
+            raise APIError(self.refusing, 503)
+        if self.metrics is not None:
+            self.metrics.routed(replica.index, reason)
+        return replica
+
     def open_flight(self, replica: Replica) -> Flight:
         flight = Flight(replica)
         replica.flights.add(flight)
@@ -104,6 +114,8 @@ class Router:
         for flight in list(replica.flights):
             flight.end(f"replica {replica.index} failed while serving the request: {reason}", 502)
         self.policy.forget(replica.index)
+        for callback in list(self.on_replica_died):
+            callback(replica.index)
         if not self.alive():
             for callback in list(self.on_all_dead):
                 callback(f"every replica died (the last: {reason})")

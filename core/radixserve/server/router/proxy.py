@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from fastapi import Request
@@ -24,6 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from radixserve.server.errors import error_body, error_response
 from radixserve.server.router.core import Flight, FlightEnded, Router
+from radixserve.server.router.replicas import Replica
 from radixserve.server.router.routing_text import routing_text
 
 logger = logging.getLogger("radixserve.router")
@@ -54,8 +55,21 @@ async def _end_on_disconnect(request: Request, flight: Flight) -> None:
             return
 
 
-async def forward(router: Router, request: Request) -> Response:
-    """Route `request` to a replica chosen by the router's policy and relay the answer."""
+class AnswerObserver(Protocol):
+    """Shown what a replica answered a forwarded request (response_affinity.ResponseAffinity)."""
+
+    def seen_body(self, replica: int, status: int, content: bytes) -> None:
+        """A whole non-streamed answer."""
+
+    def seen_event(self, replica: int, event: bytes) -> bool:
+        """One whole SSE event of a streamed answer, in order; True: no more events are needed."""
+
+
+async def forward(
+    router: Router, request: Request, owner: Replica | None = None, observer: AnswerObserver | None = None
+) -> Response:
+    """Route `request` to a replica chosen by the router's policy, or to `owner` (one that holds state the
+    request needs) while it is in rotation and can be connected to, and relay the answer, shown to `observer`."""
     setattr(request.state, FORWARDED, True)  # a replica answers (and counts) it: app.RouterRefusalMiddleware
     body = await request.body()
     try:
@@ -67,7 +81,10 @@ async def forward(router: Router, request: Request) -> Response:
     headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
     tried: set[int] = set()
     while True:
-        replica, _ = router.pick(text, exclude=tried)
+        if owner is not None and owner.alive and owner.index not in tried:
+            replica = router.pin(owner, "owner")
+        else:
+            replica, _ = router.pick(text, exclude=tried)
         flight = router.open_flight(replica)
         watcher = asyncio.ensure_future(_end_on_disconnect(request, flight))
         upstream = replica.client.build_request(
@@ -97,7 +114,7 @@ async def forward(router: Router, request: Request) -> Response:
     if "text/event-stream" in resp.headers.get("content-type", ""):
         watcher.cancel()  # from here Starlette watches the client itself (and cancels the relay)
         return StreamingResponse(
-            _relay_events(router, flight, resp), status_code=resp.status_code, media_type="text/event-stream",
+            _relay_events(router, flight, resp, observer), status_code=resp.status_code, media_type="text/event-stream",
             headers=_SSE_HEADERS,
         )  # fmt: skip
     try:
@@ -111,11 +128,16 @@ async def forward(router: Router, request: Request) -> Response:
         with contextlib.suppress(Exception):
             await resp.aclose()
         router.close_flight(flight)
+    if observer is not None:
+        observer.seen_body(replica.index, resp.status_code, content)
     return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
 
 
-async def _relay_events(router: Router, flight: Flight, resp: httpx.Response) -> AsyncIterator[bytes]:
-    """Whole SSE events from the replica, then its end; an error event if it fails midway."""
+async def _relay_events(
+    router: Router, flight: Flight, resp: httpx.Response, observer: AnswerObserver | None = None
+) -> AsyncIterator[bytes]:
+    """Whole SSE events from the replica, then its end; an error event if it fails midway. Each event is
+    shown to `observer` (before the client gets it) until it needs no more."""
     pending = b""
     chunks = resp.aiter_raw()
     try:
@@ -126,6 +148,8 @@ async def _relay_events(router: Router, flight: Flight, resp: httpx.Response) ->
             pending += chunk
             *events, pending = pending.split(b"\n\n")
             for event in events:
+                if observer is not None and observer.seen_event(flight.replica.index, event):
+                    observer = None
                 yield event + b"\n\n"
         if pending.strip():
             yield pending
@@ -144,7 +168,11 @@ async def forward_to_one(router: Router, request: Request) -> Response:
     alive = router.alive()
     if not alive:
         return error_response("no replica is available", 503)
-    replica = alive[0]
+    return await forward_to(alive[0], request)
+
+
+async def forward_to(replica: Replica, request: Request) -> Response:
+    """A short request (no generation: read whole, no flight) to `replica`, and its answer."""
     try:
         r = await replica.client.request(
             request.method, request.url.path, content=await request.body(), params=request.query_params,

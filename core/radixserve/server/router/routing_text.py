@@ -3,8 +3,11 @@
 It only has to preserve prefix sharing: two requests whose prompts share a prefix once the replica
 renders and tokenizes them should share a prefix here. Chat messages are joined in order with
 their roles (the chat template renders them in that order; tools come first, as templates put
-them in the system prompt); a completion's prompt is its text (or its token ids written out); a
-batch of prompts is routed by its first. A body of an unknown shape routes by the empty text."""
+them in the system prompt); a Responses API request is the chat request it becomes: its tools, its
+`instructions` as the system message, then its `input` (a string is one user message; message items
+by role and content, other items as their JSON); a completion's prompt is its text (or its token ids
+written out); a batch of prompts is routed by its first. A body of an unknown shape routes by the
+empty text."""
 
 from __future__ import annotations
 
@@ -50,6 +53,8 @@ def routing_text(path: str, body: Any) -> str:
             if isinstance(m, dict):
                 out.append(f"<|{m.get('role', '')}|>{_content_text(m.get('content'))}")
         return "".join(out)
+    if path.endswith("/responses"):
+        return _responses_text(body)
     if path.endswith("/completions"):
         return _prompt_text(body.get("prompt"))
     if path.endswith("/generate"):
@@ -57,3 +62,18 @@ def routing_text(path: str, body: Any) -> str:
             return _prompt_text(body["text"])
         return _prompt_text(body.get("input_ids"))
     return ""
+
+
+def _responses_text(body: dict) -> str:
+    out = [json.dumps(body["tools"], sort_keys=True)] if body.get("tools") else []
+    if isinstance(body.get("instructions"), str):
+        out.append(f"<|system|>{body['instructions']}")
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    for item in items if isinstance(items, list) else []:
+        if isinstance(item, dict) and "role" in item:
+            out.append(f"<|{item['role']}|>{_content_text(item.get('content'))}")
+        else:  # a function call, its output, reasoning
+            out.append(json.dumps(item, sort_keys=True))
+    return "".join(out)
