@@ -26,7 +26,7 @@ def test_the_stack_line_and_the_resolved_stack_carry_the_options(tiny_llama_dir,
     assert info["policy"] == {"name": "lpm", "distribution": "radixserve-policies",
                               "version": info["policy"]["version"], "options": {"fcfs_threshold": 5}}
     assert info["drafter"]["name"] == "oracle" and info["drafter"]["options"] == {"accept_len": 2}
-    assert info["prefix_cache"]["name"] == "radix" and "options" not in info["prefix_cache"]
+    assert info["prefix_cache"]["name"] == "radix" and info["prefix_cache"]["options"] == {}  # stack.prefix_cache_options
     assert info["attention"]["name"] and info["attention"]["distribution"]
     assert info["quantization"] is None or info["quantization"]["origin"] in ("stack", "checkpoint", "default")
 

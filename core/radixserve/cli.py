@@ -182,6 +182,8 @@ def cmd_config_show(args: argparse.Namespace) -> int:
             print(f"  {kind}: null  # {key}")
             continue
         print(f"  {kind}: {spec.name}  # {key}; {spec.distribution} {spec.version}")
+        if kind == "prefix_cache" and resolved.prefix_cache_options:
+            print(f"  prefix_cache_options: {resolved.prefix_cache_options}")
         if kind == "policy" and resolved.policy_options:
             print(f"  policy_options: {resolved.policy_options}")
         if kind == "drafter" and resolved.drafter_options:

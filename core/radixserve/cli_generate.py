@@ -103,7 +103,7 @@ def scheduler_only_keys(config: Config) -> list[str]:
     """The stack keys set away from their defaults that only the scheduler reads: `generate` checks them
     like every other key but has no scheduler to use them, so it says so rather than ignore them."""
     defaults = type(config.stack)()
-    return [f"stack.{k}" for k in ("prefix_cache", "policy", "policy_options")
+    return [f"stack.{k}" for k in ("prefix_cache", "prefix_cache_options", "policy", "policy_options")
             if getattr(config.stack, k) != getattr(defaults, k)]
 
 

@@ -70,6 +70,10 @@ class ModelSection(_Section):
 class StackSection(_Section):
     attention: str | None = None  # None: the best installed backend for the device
     prefix_cache: str = "radix"
+    # keyword arguments of the prefix cache's constructor, after the ReqToTokenPool and TokenAllocator it is
+    # built with (e.g. {capacity: 4096} for a plugin's cache); checked against the constructor at start-up
+    # (unknown option -> error listing the valid ones)
+    prefix_cache_options: ComponentOptions = Field(default_factory=dict)
     policy: str = "fcfs"
     # keyword arguments of the policy's constructor, e.g. {fcfs_threshold: 64} for lpm; checked
     # against the constructor at start-up (unknown option -> error listing the valid ones)
@@ -431,6 +435,7 @@ def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 # (section, key) naming a component -> (section, key) of the keyword arguments it is built with. Their options
 # belong to the component an earlier layer named: merge_layers drops them when a later layer names another one
 COMPONENT_OPTIONS: tuple[tuple[tuple[str, str], tuple[str, str]], ...] = (
+    (("stack", "prefix_cache"), ("stack", "prefix_cache_options")),
     (("stack", "policy"), ("stack", "policy_options")),
     (("stack", "speculative"), ("speculative", "options")),
     (("model", "load_format"), ("model", "weight_source_options")),
@@ -454,7 +459,8 @@ def _same_component(key: str, old: Any, new: Any) -> bool:
 def merge_layers(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     """`top` (a later layer: command-line overrides over the YAML file, flags over those, Engine keywords over
     `config=`) merged over `base`, key by key as `deep_merge` does, except for components' options
-    (`COMPONENT_OPTIONS`: `stack.policy_options`, `speculative.options`, `model.weight_source_options`):
+    (`COMPONENT_OPTIONS`: `stack.prefix_cache_options`, `stack.policy_options`, `speculative.options`,
+    `model.weight_source_options`):
     - an explicit `{}` or null replaces the earlier options instead of adding nothing to them;
     - where `top` names another component than `base` named (`stack.policy=lpm` over a file's `spf-aging`),
       `base`'s options are dropped (logged): they are the old component's; `top`'s own options, if any, are

@@ -196,10 +196,11 @@ class ModelRunner:
 
     def resolved_stack_info(self) -> dict[str, dict[str, Any] | None]:
         """The components this runtime runs, by kind (as `config show`'s resolved_stack, and /server_info's):
-        name, distribution, version and, for the policy, the drafter and a weight source, the options they are
+        name, distribution, version and, for the prefix cache, the policy, the drafter and a weight source, the options they are
         built with; the quantization's `origin` says where its name came from ("stack" for stack.quantization,
         "checkpoint", "weight source" or "default"). None: no component of that kind (no drafter, no grammar)."""
-        options = {"policy": self.stack.policy_options, "drafter": self.stack.drafter_options}
+        options = {"policy": self.stack.policy_options, "drafter": self.stack.drafter_options,
+                   "prefix_cache": self.stack.prefix_cache_options}
         out: dict[str, dict[str, Any] | None] = {}
         for kind, spec in self.stack.by_kind().items():
             if kind == "quantization":

@@ -81,4 +81,7 @@ __version__ = "0.1.0"
 #      a policy's order() / drafter's propose() of the wrong type is named in the kit's words (floats and strings
 #      as draft tokens are refused), out-of-vocabulary drafts are counted (spec_invalid_draft_tokens), order() is
 #      not called while no waiting request can be admitted; /server_info's resolved_stack
-PLUGIN_API_VERSION = "1.19"
+# 1.20: stack.prefix_cache_options: a prefix cache is built as Cache(req_to_token_pool, allocator, **options), its
+#      option names checked at stack resolution (plugins.stack.check_prefix_cache_options) and a refusal named
+#      (build_prefix_cache); /flush_cache is a 500 when the emptied cache leaves leaked KV slots taken
+PLUGIN_API_VERSION = "1.20"

@@ -96,6 +96,9 @@ class PrefixCache(abc.ABC):
     shares_prefixes: bool = True
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenAllocator) -> None:
+        """The scheduler builds a cache as `Cache(req_to_token_pool, allocator, **options)`, the options
+        from `stack.prefix_cache_options` (plugin API 1.20): a subclass adds keyword parameters for them
+        (an unknown name is refused at start-up; a ValueError here is the refusal of a value)."""
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
 

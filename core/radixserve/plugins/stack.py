@@ -4,8 +4,8 @@ Every entry point (`serve`, `generate`, `bench`, `Engine`, the scheduler process
 runner) calls `resolve_stack` first, so a bad stack fails in seconds with a message naming the
 bad value, never after the weights are read.
 
-Kinds and their config keys: attention <- stack.attention, prefix_cache <- stack.prefix_cache,
-policy <- stack.policy (+ stack.policy_options), quantization <- stack.quantization,
+Kinds and their config keys: attention <- stack.attention, prefix_cache <- stack.prefix_cache
+(+ stack.prefix_cache_options), policy <- stack.policy (+ stack.policy_options), quantization <- stack.quantization,
 drafter <- stack.speculative, grammar <- stack.grammar."""
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class ResolvedStack:
     prefix_cache: ComponentSpec
     policy: ComponentSpec
     policy_options: dict[str, Any] = field(default_factory=dict)
+    prefix_cache_options: dict[str, Any] = field(default_factory=dict)
     quantization: ComponentSpec | None = None  # None: from the checkpoint
     drafter: ComponentSpec | None = None  # None: no speculative decoding
     drafter_options: dict[str, Any] = field(default_factory=dict)
@@ -72,7 +73,7 @@ def resolve_stack(config: Config, registry: Registry, device: str, model_path: s
                   head_dim: int | None = None) -> ResolvedStack:
     """Resolve `config.stack` for `device`. Raises PluginError for an unknown component (listing the
     installed ones and the package that provides a known one), a component that does not support
-    the device, a policy or drafter option the component does not take and, when `model_path`
+    the device, a prefix cache, policy or drafter option the component does not take and, when `model_path`
     exists, a quantization method that cannot apply to it.
 
     `attention_type`: the model's `Model.attention_type` ("standard" or "latent") once its class is
@@ -92,6 +93,7 @@ def resolve_stack(config: Config, registry: Registry, device: str, model_path: s
         drafter = _on_device(registry.get("drafter", stack.speculative), device)
         drafter_options = check_drafter_options(registry, drafter.name, dict(config.speculative.options))
     prefix_cache = _on_device(registry.get("prefix_cache", stack.prefix_cache), device)
+    cache_options = check_prefix_cache_options(registry, prefix_cache.name, dict(stack.prefix_cache_options))
     policy = _on_device(registry.get("policy", stack.policy), device)
     options = check_policy_options(registry, policy.name, dict(stack.policy_options))
     quant = None
@@ -129,7 +131,7 @@ def resolve_stack(config: Config, registry: Registry, device: str, model_path: s
                               config.runtime.resolved_dtype(device), head_dim)
     resolved = ResolvedStack(
         device=device, attention=attention, prefix_cache=prefix_cache, policy=policy,
-        policy_options=options, quantization=quant, drafter=drafter, drafter_options=drafter_options,
+        policy_options=options, prefix_cache_options=cache_options, quantization=quant, drafter=drafter, drafter_options=drafter_options,
         grammar=resolve_grammar(config, registry, device),
     )
     if model_path is not None and os.path.exists(model_path):
@@ -313,6 +315,58 @@ def check_policy_options(registry: Registry, name: str, options: dict[str, Any])
             raise PluginError(f"stack.policy_options: policy {name!r} has no option {', '.join(map(repr, unknown))}; {takes}")
     build_component(registry.get("policy", name), cls, refused=f"stack.policy_options for policy {name!r}", **options)
     return options
+
+
+def prefix_cache_option_problem(cls: type, name: str, options: dict[str, Any]) -> str | None:
+    """Why `stack.prefix_cache_options` cannot be passed to the prefix cache class `cls` (built as
+    `cls(req_to_token_pool, allocator, **options)`): an option its constructor does not take. None when
+    they fit (or it takes `**options`, or its signature cannot be read)."""
+    try:
+        params = list(inspect.signature(cls).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a C type): building it will tell
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    for _ in range(2):  # the ReqToTokenPool and the TokenAllocator, passed by position
+        if params and params[0].kind in positional:
+            params = params[1:]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    valid = [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    unknown = sorted(set(options) - set(valid))
+    if not unknown:
+        return None
+    takes = (f"valid options: {', '.join(valid)}" if valid
+             else "it takes no options (the first two parameters of its __init__ take the ReqToTokenPool and "
+                  "the TokenAllocator)")
+    return f"prefix cache {name!r} has no option {', '.join(map(repr, unknown))}; {takes}"
+
+
+def check_prefix_cache_options(registry: Registry, name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Check `stack.prefix_cache_options` against the prefix cache's constructor
+    `Cache(req_to_token_pool, allocator, **options)`, and its class (`check_component_class`), when options
+    are given (names only: a cache needs the KV memory to be built, so its values are checked when the
+    scheduler builds it, `build_prefix_cache`). Without options the class is not loaded here (a cache
+    imports torch, which the HTTP front end does not)."""
+    if not options:
+        return options
+    cls = check_component_class(registry, "prefix_cache", name)
+    problem = prefix_cache_option_problem(cls, name, options)
+    if problem is not None:
+        raise PluginError(f"stack.prefix_cache_options: {problem}")
+    return options
+
+
+def build_prefix_cache(config: Config, registry: Registry, cls: type, req_to_token_pool: Any, allocator: Any) -> Any:
+    """The prefix cache `config.stack.prefix_cache` names (its class `cls`), built as
+    `cls(req_to_token_pool, allocator, **config.stack.prefix_cache_options)`: a `ValueError` (or a
+    `TypeError` when options were set) is a PluginError, the cache refusing its options; any other
+    exception a PluginCodeError naming the cache and its distribution (`build_component`)."""
+    name = config.stack.prefix_cache
+    options = dict(config.stack.prefix_cache_options)
+    refused = (f"stack.prefix_cache_options for prefix cache {name!r}" if options
+               else f"stack.prefix_cache={name!r}: the prefix cache refused its configuration")
+    return build_component(registry.get("prefix_cache", name), cls, req_to_token_pool, allocator, refused=refused,
+                           **options)
 
 
 def drafter_option_problem(cls: type, name: str, options: dict[str, Any]) -> str | None:

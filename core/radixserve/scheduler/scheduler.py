@@ -416,13 +416,15 @@ class Scheduler:
 
     @classmethod
     def from_config(cls, config: Config, runner: Any, registry: Any, tokenizer: Any = None) -> Scheduler:
-        """Build with the prefix cache and policy (with `stack.policy_options`) named in
+        """Build with the prefix cache (with `stack.prefix_cache_options`) and policy (with `stack.policy_options`) named in
         `config.stack`, loaded from `registry` (the process's, see Registry.from_config).
         `tokenizer`: for stop strings (None: the runner's)."""
         name = config.stack.prefix_cache
         cache_cls = registry.load("prefix_cache", name)
         policy_cls = registry.load("policy", config.stack.policy)
-        cache = cache_cls(runner.req_to_token_pool, runner.token_allocator)
+        from radixserve.plugins.stack import build_prefix_cache
+
+        cache = build_prefix_cache(config, registry, cache_cls, runner.req_to_token_pool, runner.token_allocator)
         label = f"prefix cache {name!r} ({registry.get('prefix_cache', name).distribution})"
         policy_label = f"policy {config.stack.policy!r} ({registry.get('policy', config.stack.policy).distribution})"
         from radixserve.scheduler.speculative.setup import build_drafter
