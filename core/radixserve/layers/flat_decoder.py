@@ -62,9 +62,11 @@ def fp32_linear(linear: nn.Module, silu_gated: bool) -> LinearCall | None:
     `cpu_gemm.silu_gated_linear`) runs for an fp32 CPU matrix with the linear's packed panels.
     None where the module would take another path (no panels: oneDNN or MKL, a GEMV tile)."""
     packed = getattr(linear, "packed_weight", None)
-    if (packed is None or packed.panels is None or packed.silu_gated != silu_gated
+    if (packed is None or (packed.panels is None and packed.amx is None) or packed.silu_gated != silu_gated
             or getattr(linear, "gemv_config", None) is not None):
         return None
+    if packed.amx is not None:  # AMX tiles (medium precision on a CPU with AMX): what cpu_gemm calls
+        return cpu_gemm._amx_gemm().linear, (packed.amx, packed.out_features, silu_gated)
     gemm = cpu_gemm._native_gemm()
     return (gemm.linear_silu_mul if silu_gated else gemm.linear), (packed.panels, packed.out_features, packed.widen)
 

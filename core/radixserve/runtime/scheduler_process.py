@@ -170,7 +170,7 @@ def _build_cpu_kernels_in_background() -> None:
     probe = torch.zeros(1, 1)
     native.build_in_background(
         [lambda: cpu_ops.available(probe), lambda: cpu_gemm.pack(probe), lambda: cpu_greedy_head.pack(probe),
-         lambda: cpu_draw.available(probe)]
+         lambda: cpu_draw.available(probe), cpu_gemm.amx_available]  # (AMX: built only on a CPU that has it)
     )
 
 
