@@ -200,7 +200,8 @@ class RuntimeSection(_Section):
     # them fp32; medium, wherever the native GEMM runs (AVX2 and up), rounds the weights to bf16
     # (half the weight bytes) and sums the products in fp32 (torch's "medium" float32 matmul
     # precision), inputs rounded to bf16 where vdpbf16ps is the faster product (Zen 4: 1.6-1.8x the
-    # GEMM rate), else kept fp32 (the weights widened); elsewhere a warning and fp32
+    # GEMM rate), else kept fp32 (the weights widened); on AMX CPUs the decoder's linears run on AMX
+    # tiles (inputs rounded to bf16); elsewhere a warning and fp32
     cpu_matmul_precision: Literal["highest", "medium"] = "highest"
     seed: int = 0
     num_threads: int | None = Field(default=None, ge=1)  # CPU torch threads; None: all cores
