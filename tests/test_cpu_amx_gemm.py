@@ -55,9 +55,9 @@ def test_shapes_the_kernel_cannot_take_keep_their_panels(rows, cols, gated):
         assert cpu_gemm.to_amx(packed, w) is None
 
 
-def test_lower_precision_puts_the_decoder_linears_on_tiles_and_keeps_the_head_on_panels(tiny_llama_dir):
-    """Which weights take tiles, on any CPU (the kernel is not called): every linear of the decoder, not
-    the LM head (its panels serve the greedy screen too)."""
+def test_lower_precision_puts_the_linears_and_the_head_on_tiles(tiny_llama_dir):
+    """Which weights take tiles, on any CPU (the kernel is not called): every linear of the decoder and
+    the LM head, whose greedy screen keeps bf16 panels of its own."""
     if not cpu_gemm.bf16_available():
         pytest.skip("no native GEMM here: nothing is packed, so nothing is lowered")
     from radixserve.config import Config
@@ -75,8 +75,11 @@ def test_lower_precision_puts_the_decoder_linears_on_tiles_and_keeps_the_head_on
         packed = lin.packed_weight
         assert packed.bf16 and packed.amx is not None and packed.panels is None, lin
         assert torch.equal(packed.amx, cpu_gemm.amx_tiles(lin.weight, packed.silu_gated))
-    head = model.lm_head.packed_weight
-    assert head.amx is None and head.panels is not None and head.bf16
+    head = model.lm_head
+    assert head.packed_weight.amx is not None and head.packed_weight.panels is None
+    assert torch.equal(head.packed_weight.amx, cpu_gemm.amx_tiles(head.weight))
+    if head.greedy_head is not None:  # (AVX-512 builds)
+        assert head.greedy_head.panels.dtype == torch.int16
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (576, 1536), (48, 64), (16, 32)])

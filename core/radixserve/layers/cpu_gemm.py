@@ -22,7 +22,7 @@ On a CPU with AMX (bf16 tiles: Sapphire Rapids and later Xeons) the decoder's li
 tiles instead (csrc/amx_gemm.cpp, `PackedWeight.amx`): x rounded to bf16 as vdpbf16ps takes it, products summed
 in fp32, fp32 results, each row in the same order whatever the batch (oneDNN's bf16 GEMM, 3.5x the panels at 512
 rows here, picks its blocking by the row count, so a request's tokens would depend on its batch). The LM head
-stays on the panels (shared with the greedy screen)."""
+takes tiles too (its logits the same fp32 sums; the greedy screen then keeps panels of its own)."""
 
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ def bf16_product_description() -> str:
     products = why + ", so the products " + ("widen the weights to fp32 and keep the inputs fp32 (fp32 FMAs)" if widened
                                               else "round the inputs to bf16 for vdpbf16ps (fp32 sums)")
     if amx_available():
-        products += "; the decoder's linears run on this CPU's AMX tiles (bf16 inputs, fp32 sums)"
+        products += "; the linears and the LM head run on this CPU's AMX tiles (bf16 inputs, fp32 sums)"
     return products
 
 
@@ -235,7 +235,7 @@ def _screen_panels(module: torch.nn.Module, packed: PackedWeight) -> PackedWeigh
 def lower_precision(model: torch.nn.Module, amx: bool | None = None) -> int:
     """runtime.cpu_matmul_precision=medium for a loaded CPU model: every native fp32 packing held by
     its modules (`packed_weight`, and the routed experts' `packed_experts`) becomes bf16: a linear's
-    (not the LM head's) AMX tiles where `amx` (None: `amx_available()`) and its shape allows, else bf16
+    or LM head's AMX tiles where `amx` (None: `amx_available()`) and its shape allows, else bf16
     panels. Returns how many weights were converted; 0, with a warning, where the native GEMM does
     not run here."""
     if not bf16_available():
@@ -258,9 +258,7 @@ def lower_precision(model: torch.nn.Module, amx: bool | None = None) -> int:
 
 
 def _takes_amx(module: torch.nn.Module, packed: PackedWeight) -> bool:
-    """A linear whose plain weight is the packing's matrix; not an LM head (its panels are shared with the greedy screen)."""
-    if hasattr(module, "greedy_head") or hasattr(module, "compute_logits"):
-        return False
+    """A linear (or LM head) whose plain weight is the packing's matrix."""
     weight = getattr(module, "weight", None)
     rows = packed.out_features * (2 if packed.silu_gated else 1)
     return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype == torch.float32
