@@ -329,16 +329,22 @@ def prefix_cache_option_problem(cls: type, name: str, options: dict[str, Any]) -
     for _ in range(2):  # the ReqToTokenPool and the TokenAllocator, passed by position
         if params and params[0].kind in positional:
             params = params[1:]
+    return _unknown_options(f"prefix cache {name!r}", params, options, "the first two parameters of its __init__ take "
+                                                                       "the ReqToTokenPool and the TokenAllocator")
+
+
+def _unknown_options(component: str, params: list[inspect.Parameter], options: dict[str, Any],
+                     fixed: str) -> str | None:
+    """The options that none of the keyword `params` of `component`'s constructor takes (None: all are
+    taken, or it takes `**options`), and the valid ones; `fixed` says which parameters the core fills."""
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
     valid = [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
     unknown = sorted(set(options) - set(valid))
     if not unknown:
         return None
-    takes = (f"valid options: {', '.join(valid)}" if valid
-             else "it takes no options (the first two parameters of its __init__ take the ReqToTokenPool and "
-                  "the TokenAllocator)")
-    return f"prefix cache {name!r} has no option {', '.join(map(repr, unknown))}; {takes}"
+    takes = f"valid options: {', '.join(valid)}" if valid else f"it takes no options ({fixed})"
+    return f"{component} has no option {', '.join(map(repr, unknown))}; {takes}"
 
 
 def check_prefix_cache_options(registry: Registry, name: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -374,15 +380,8 @@ def drafter_option_problem(cls: type, name: str, options: dict[str, Any]) -> str
     `cls(info, **options)`): an option its constructor does not take. None when they fit (or it
     takes `**options`). Shared by the stack resolution and `check_drafter`."""
     params = list(inspect.signature(cls).parameters.values())[1:]  # the first one takes DrafterInfo
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    valid = [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
-    unknown = sorted(set(options) - set(valid))
-    if not unknown:
-        return None
-    takes = (f"valid options: {', '.join(valid)}" if valid
-             else "it takes no options (the first parameter of its __init__ takes the DrafterInfo)")
-    return f"drafter {name!r} has no option {', '.join(map(repr, unknown))}; {takes}"
+    return _unknown_options(f"drafter {name!r}", params, options, "the first parameter of its __init__ takes the "
+                                                                  "DrafterInfo")
 
 
 def check_drafter_options(registry: Registry, name: str, options: dict[str, Any]) -> dict[str, Any]:
