@@ -63,12 +63,12 @@ def main() -> None:
         xs = {k: torch.randn(rows, k, generator=gen) for k in (HIDDEN, INTERMEDIATE)}
         flops = sum(2 * rows * w.shape[0] * w.shape[1] for w, _ in ws)
 
-        def run(kind: str) -> None:
+        def run(kind: str, xs: dict[int, torch.Tensor] = xs) -> None:
             for (w, gated), p in zip(ws, kinds[kind], strict=True):
                 x = xs[w.shape[1]]
                 cpu_gemm.silu_gated_linear(x, p) if gated else cpu_gemm.linear(x, w, p)
 
-        def run_onednn() -> None:
+        def run_onednn(xs: dict[int, torch.Tensor] = xs) -> None:
             for (w, _), p in zip(ws, onednn, strict=True):
                 torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]].to(torch.bfloat16), p, None, "none", [], "").float()
 
