@@ -66,7 +66,7 @@ def test_generate_says_the_scheduler_keys_it_cannot_use():
     r = run_cli(["generate", "--max-tokens", "1", "--no-chat", "Hi", "stack.policy=lpm",
                  "stack.policy_options={fcfs_threshold: 8}"])
     assert r.returncode == 0, r.stderr
-    assert "note: stack.policy, stack.policy_options checked but not used" in r.stderr, r.stderr
+    assert "note: stack.policy, stack.policy_options not used: generate runs one request" in r.stderr, r.stderr
     assert "radixserve serve" in r.stderr
     quiet = run_cli(["generate", "--max-tokens", "1", "--no-chat", "Hi"])
     assert quiet.returncode == 0 and "note:" not in quiet.stderr, quiet.stderr

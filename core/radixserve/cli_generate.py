@@ -140,7 +140,7 @@ def run_generate(args: argparse.Namespace) -> int:
     runner = ModelRunner(config, registry)  # checks the whole stack before loading the model
     unused = scheduler_only_keys(config)
     if unused:  # checked with the rest of the stack, but this one request never meets a scheduler
-        print(f"radixserve generate: note: {', '.join(unused)} checked but not used: generate runs one request "
+        print(f"radixserve generate: note: {', '.join(unused)} not used: generate runs one request "
               "without the scheduler (no policy, no prefix cache); `radixserve serve` and `Engine` use them",
               file=sys.stderr)
     tok = runner.tokenizer
