@@ -317,6 +317,12 @@ def test_bad_tool_choice_and_history_are_400s():
     body = _error(oai, messages=called + [{"role": "tool", "tool_call_id": "call_zzz", "content": "15:00"}], tools=TOOLS)
     assert body["param"] == "messages.2.tool_call_id" and "'call_zzz' is not the id of a call" in body["message"]
     assert "'call_1'" in body["message"]
+    # session 38: two calls of one message with one id (a tool result could answer either) were a 200
+    twice = ASK + [{"role": "assistant", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]}]
+    body = _error(oai, messages=twice + [{"role": "tool", "tool_call_id": "call_1", "content": "15:00"}], tools=TOOLS)
+    assert body["param"] == "messages.1.tool_calls.1.id" and "'call_1' is the id of tool_calls.0 too" in body["message"]
     assert _error(oai, tools=TOOLS, extra_body={"chat_template_kwargs": {"tools": []}})["param"] == "chat_template_kwargs"
     # no parser configured and none detected
     body = _error(openai_client(CannedTM("x")), tools=TOOLS)

@@ -289,6 +289,13 @@ class ChatCompletionRequest(_SamplingFields, ChatToolFields):
         # as OpenAI: a tool message answers a call of the assistant message before it (or of the
         # assistant message before a run of tool messages)
         for i, m in enumerate(self.messages):
+            if m.role == "assistant" and m.tool_calls:
+                first: dict[str, int] = {}
+                for j, call in enumerate(m.tool_calls):  # a tool message names the call it answers by its id
+                    k = first.setdefault(call.id, j)
+                    if k != j:
+                        raise refuse(f"messages.{i}.tool_calls.{j}.id", f"{call.id!r} is the id of tool_calls.{k} "
+                                                                         "too: each call of a message has its own id")
             if m.role != "tool":
                 continue
             before = next((b for b in reversed(self.messages[:i]) if b.role != "tool"), None)
