@@ -129,3 +129,25 @@ def test_a_model_on_tiles_keeps_each_requests_tokens_independent_of_its_batch(am
         alone = greedy_generate(medium, [prompts[i]], 12, keep_logits=True)[0]
         assert alone.tokens == batched[i].tokens
         assert all(torch.equal(a, b) for a, b in zip(alone.logits, batched[i].logits, strict=True))
+
+
+def test_lower_precision_puts_routed_experts_on_tiles(tmp_path):
+    """Each expert's [gate; up] and down weights take tiles too, on any CPU (the kernel is not called)."""
+    if not cpu_gemm.bf16_available():
+        pytest.skip("no native GEMM here: nothing is packed, so nothing is lowered")
+    from family_cases import MOE_CASES
+    from radixserve.config import Config
+    from radixserve.model_runner import ModelRunner
+    from radixserve.testing import tiny_checkpoint
+
+    model_type, overrides = MOE_CASES["Qwen2MoeForCausalLM"]
+    path = tiny_checkpoint(model_type, str(tmp_path), **overrides)
+    cfg = Config.build({"model": {"path": path}, "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
+                        "scheduler": {"max_total_tokens": 1024}})
+    model = ModelRunner(cfg, show_progress=False).model
+    cpu_gemm.lower_precision(model, amx=True)
+    moe = next(m for m in model.modules() if getattr(m, "packed_experts", None))
+    gate_up, down = moe.packed_experts
+    for e, (p13, p2) in enumerate(zip(gate_up, down, strict=True)):
+        assert p13.silu_gated and torch.equal(p13.amx, cpu_gemm.amx_tiles(moe.w13_weight[e], silu_gated=True))
+        assert torch.equal(p2.amx, cpu_gemm.amx_tiles(moe.w2_weight[e]))

@@ -73,9 +73,11 @@ def test_plugins_are_discovered_with_their_distributions(registry):
     assert table[("model", "Qwen3MoeForCausalLM")] == "radixserve-models-qwen_moe"
 
 
-def test_moe_batch_and_chunking_invariance(tmp_path):
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_moe_batch_and_chunking_invariance(tmp_path, precision):
     """A request's greedy output is the same alone, in a mixed batch, and with chunked prefill
-    (the CPU expert path groups different tokens per expert in each case)."""
+    (the CPU expert path groups different tokens per expert in each case); under `medium` too, the
+    experts on bf16 panels or, on an AMX CPU, tiles."""
     from radixserve.config import Config
     from radixserve.model_runner import ModelRunner
     from runner_driver import greedy_generate
@@ -84,9 +86,14 @@ def test_moe_batch_and_chunking_invariance(tmp_path):
     path = tiny_checkpoint(model_type, str(tmp_path), **overrides)
     runner = ModelRunner(Config.build({
         "model": {"path": path},
-        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1},
+        "runtime": {"device": "cpu", "dtype": "float32", "num_threads": 1, "cpu_matmul_precision": precision},
         "scheduler": {"max_total_tokens": 1024, "max_running_requests": 4},
     }), show_progress=False)
+    from radixserve.layers import cpu_gemm
+
+    experts = next(m.packed_experts for m in runner.model.modules() if getattr(m, "packed_experts", None))
+    on_tiles = precision == "medium" and cpu_gemm.amx_available()
+    assert all((p.amx is not None) == on_tiles for group in experts for p in group)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 13, 2)]
     batched = [g.tokens for g in greedy_generate(runner, prompts, 10)]

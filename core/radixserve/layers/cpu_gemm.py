@@ -234,8 +234,8 @@ def _screen_panels(module: torch.nn.Module, packed: PackedWeight) -> PackedWeigh
 
 def lower_precision(model: torch.nn.Module, amx: bool | None = None) -> int:
     """runtime.cpu_matmul_precision=medium for a loaded CPU model: every native fp32 packing held by
-    its modules (`packed_weight`, and the routed experts' `packed_experts`) becomes bf16: a linear's
-    or LM head's AMX tiles where `amx` (None: `amx_available()`) and its shape allows, else bf16
+    its modules (`packed_weight`, and the routed experts' `packed_experts`) becomes bf16: a linear's,
+    LM head's or expert's AMX tiles where `amx` (None: `amx_available()`) and its shape allows, else bf16
     panels. Returns how many weights were converted; 0, with a warning, where the native GEMM does
     not run here."""
     if not bf16_available():
@@ -252,7 +252,9 @@ def lower_precision(model: torch.nn.Module, amx: bool | None = None) -> int:
             converted += 1
         experts = getattr(module, "packed_experts", None)
         if experts is not None:  # (gate_up packings, down packings), one per expert
-            module.packed_experts = tuple([to_bf16(p) for p in group] for group in experts)
+            plain = (getattr(module, "w13_weight", None), getattr(module, "w2_weight", None)) if amx else (None, None)
+            module.packed_experts = tuple([(w is not None and to_amx(p, w[e])) or to_bf16(p) for e, p in enumerate(group)]
+                                          for group, w in zip(experts, plain, strict=True))
             converted += sum(len(group) for group in experts)
     return converted
 
