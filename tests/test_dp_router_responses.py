@@ -115,6 +115,10 @@ def test_get_and_delete_go_to_the_owner_and_an_unknown_id_is_the_replicas_404(dp
             assert r.status_code == single.status_code == 404 and r.json() == single.json(), r.text
             assert r.json()["error"]["type"] == "invalid_request_error"
     assert dp.client.get(f"/v1/responses/{a['id']}").status_code == 200
+    # an unknown id with a query the API does not serve: the single server's 400 (the router said 404)
+    single = TestClient(create_app(FakeTM(), Config())).get("/v1/responses/resp_nope?stream=true")
+    r = dp.client.get("/v1/responses/resp_nope?stream=true")
+    assert r.status_code == single.status_code == 400 and r.json() == single.json(), r.text
 
 
 def test_a_streamed_post_records_the_id_of_its_response_created_event(dp):

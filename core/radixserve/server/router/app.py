@@ -26,7 +26,7 @@ from radixserve.server.router.core import Router
 from radixserve.server.router.metrics import RouterMetrics, aggregate_replica_metrics, aggregate_stats
 from radixserve.server.router.proxy import FORWARDED, forward, forward_to, forward_to_one
 from radixserve.server.router.replicas import Replica
-from radixserve.server.router.response_affinity import ResponseAffinity, unknown_response
+from radixserve.server.router.response_affinity import ResponseAffinity
 from radixserve.version import __version__
 
 FAN_OUT_TIMEOUT_S = 10.0
@@ -82,8 +82,8 @@ def create_router_app(router: Router, config: Config, metrics: RouterMetrics) ->
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored_response(response_id: str, request: Request) -> Response:
         owner = owner_of(response_id)
-        if owner is None or not owner.alive:
-            raise unknown_response(response_id)
+        if owner is None or not owner.alive:  # no replica holds it: one answers (its 404, or 400 for a bad query)
+            return await forward_to_one(router, request)
         answer = await forward_to(owner, request)
         if request.method == "DELETE" and answer.status_code == 200:
             affinity.forget(response_id)

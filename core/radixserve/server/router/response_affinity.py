@@ -10,7 +10,8 @@ the app forgets an id after the owner's successful `DELETE`.
 Bounded as the replicas' stores are: per replica at most `MAX_STORED_RESPONSES` ids, least recently used
 (recorded or looked up) evicted first. A replica also evicts by bytes, and stores a response only once it
 has ended (a stream's id is known from its start): an id known here may be unknown to its owner, which
-then answers its own 404."""
+then answers its own 404; an id unknown here goes to any live replica, which answers it (404, or 400 for
+a bad query) as a single server would."""
 
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ import json
 from collections import OrderedDict
 from typing import Any
 
-from radixserve.server.errors import APIError
-from radixserve.server.responses import MAX_STORED_RESPONSES, response_not_found
+from radixserve.server.responses import MAX_STORED_RESPONSES
 
 
 class ResponseAffinity:
@@ -78,8 +78,3 @@ class ResponseAffinity:
         if isinstance(response.get("id"), str) and response.get("store") is not False:  # store false: never kept
             self.record(response["id"], replica)
 
-
-def unknown_response(response_id: str) -> APIError:
-    """The 404 a replica gives for an id it does not hold (responses.py), given by the router for an id
-    that no replica holds."""
-    return response_not_found(response_id)
