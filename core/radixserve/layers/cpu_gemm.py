@@ -22,7 +22,8 @@ On a CPU with AMX (bf16 tiles: Sapphire Rapids and later Xeons) the decoder's li
 tiles instead (csrc/amx_gemm.cpp, `PackedWeight.amx`): x rounded to bf16 as vdpbf16ps takes it, products summed
 in fp32, fp32 results, each row in the same order whatever the batch (oneDNN's bf16 GEMM, 3.5x the panels at 512
 rows here, picks its blocking by the row count, so a request's tokens would depend on its batch). The LM head
-takes tiles too (its logits the same fp32 sums; the greedy screen then keeps panels of its own)."""
+and the routed experts take tiles too (the logits the same fp32 sums; the greedy screen then keeps panels of its
+own)."""
 
 from __future__ import annotations
 
