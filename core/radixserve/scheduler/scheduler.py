@@ -1002,12 +1002,12 @@ class Scheduler:
                 continue  # stays waiting: next step the cache holds the shared part
             if extend > token_budget and (items or admitted) and self.chunk_size is None:
                 break
-            if not self._admission_lock_call("inc_lock_ref", req):
+            if not self._admission_lock_call(True, req):
                 self._fail_admission(req)
                 continue
             rem = self.allocator.available_size() + self.cache.evictable_size() - reserved
             if extend + self._future_tokens(req) > rem and (items or admitted or self.running):
-                if not self._admission_lock_call("dec_lock_ref", req):
+                if not self._admission_lock_call(False, req):
                     self._fail_admission(req)
                     break
                 self._admission_block = _AdmissionBlock(req, extend, self._arrivals, self.metrics.retractions,
@@ -1020,7 +1020,7 @@ class Scheduler:
             if row is None:
                 if slots is not None:
                     self.allocator.free(slots)
-                if not self._admission_lock_call("dec_lock_ref", req):
+                if not self._admission_lock_call(False, req):
                     self._fail_admission(req)
                     break
                 if slots is None and self._evict_failed:  # the cache cannot make its room: a 500, not a wait forever
@@ -1111,11 +1111,15 @@ class Scheduler:
             logger.debug("%s: match_prefix failed for request %s", self.cache_label, req.rid)
             return None
 
-    def _admission_lock_call(self, call: str, req: Req) -> bool:
-        """`cache.inc_lock_ref` / `dec_lock_ref(req.last_node)` at admission (no row or slot taken yet);
-        False when it raised (counted, logged once naming the cache: the caller fails the request)."""
+    def _admission_lock_call(self, lock: bool, req: Req) -> bool:
+        """`cache.inc_lock_ref(req.last_node)` (`lock`) or `dec_lock_ref` at admission (no row or slot taken
+        yet); False when it raised (counted, logged once naming the cache: the caller fails the request)."""
+        call = "inc_lock_ref" if lock else "dec_lock_ref"
         try:
-            getattr(self.cache, call)(req.last_node)
+            if lock:
+                self.cache.inc_lock_ref(req.last_node)
+            else:
+                self.cache.dec_lock_ref(req.last_node)
             return True
         except Exception:
             self._failures.exception(f"{self.cache_label}: {call} failed at admission; the request ends with an "
