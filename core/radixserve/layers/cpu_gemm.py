@@ -118,13 +118,11 @@ def silu_gated_linear(x: torch.Tensor, packed: PackedWeight | None) -> torch.Ten
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None = None):
     """F.linear(x, weight, bias), through `packed` where it applies."""
-    if _applies(x, packed) and packed.amx is not None and not packed.silu_gated:
-        y = _amx_gemm().linear(x if x.stride(1) == 1 else x.contiguous(), packed.amx, packed.out_features, False)
-        return y if bias is None else y.add_(bias)
     if _applies(x, packed) and not packed.silu_gated:
-        if packed.panels is not None:
-            y = _native_gemm().linear(x if x.stride(1) == 1 else x.contiguous(), packed.panels, packed.out_features,
-                                      packed.widen)
+        if packed.amx is not None or packed.panels is not None:
+            x = x if x.stride(1) == 1 else x.contiguous()
+            y = (_amx_gemm().linear(x, packed.amx, packed.out_features, False) if packed.amx is not None
+                 else _native_gemm().linear(x, packed.panels, packed.out_features, packed.widen))
             return y if bias is None else y.add_(bias)
         if packed.onednn is not None and x.shape[0] >= MIN_ONEDNN_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
